@@ -1,0 +1,64 @@
+"""Run-time configuration, passed down explicitly (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import LogprobeError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise LogprobeError("device", f"{device!r} is not a device", "use cpu, cuda, cuda:N or auto") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LogprobeError("device", "CUDA was asked for but torch sees no GPU", "use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise LogprobeError("dtype", f"{dtype} is not supported", "use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise LogprobeError("dtype", f"{dtype!r} is not a dtype", "use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine batches and scores.
+
+    max_batch_tokens: token budget of one packed forward pass (a longer single request runs alone).
+    head_token_chunk / head_vocab_chunk: tile of the log-prob head; peak extra memory of the head is
+        about 4 * head_token_chunk * head_vocab_chunk * 4 bytes, whatever T and V are.
+    progress: None = a progress bar on long jobs when stderr is a terminal; True/False force it.
+    """
+
+    max_batch_tokens: int = 8192
+    head_token_chunk: int = 512
+    head_vocab_chunk: int = 8192
+    progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LogprobeError(name, f"must be a positive integer, got {value!r}")

@@ -1,0 +1,43 @@
+"""Causal attention over a packed batch: block-diagonal by ``cu_seqlens``, no padding.
+
+Sequence ``i`` occupies rows ``cu_seqlens[i]:cu_seqlens[i+1]`` and attends to itself only.
+This portable version runs PyTorch SDPA once per sequence (exact and memory-light on CPU);
+faster GPU paths implement the same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; Hq must be a multiple of Hkv (GQA)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1)  # [Hq, L, D]
+        ks = k[start:end].transpose(0, 1)  # [Hkv, L, D]
+        vs = v[start:end].transpose(0, 1)
+        if group > 1:
+            ks = ks.repeat_interleave(group, dim=0)  # [Hq, L, D]
+            vs = vs.repeat_interleave(group, dim=0)
+        length = end - start
+        if sliding_window is not None and length > sliding_window:
+            i = torch.arange(length, device=q.device)
+            # token i sees j with i - window < j <= i (the transformers convention)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)  # [L, Hq, D]
+    return out

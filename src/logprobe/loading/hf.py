@@ -1,0 +1,131 @@
+"""Hugging Face directories (config.json + safetensors): native Llama family or transformers backend."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import LogprobeError
+from ..models.llama import LlamaConfig
+
+NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def read_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise LogprobeError("model", f"{path} has no config.json",
+                            "give a Hugging Face model directory, a .gguf file or a known model name")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise LogprobeError("model", f"{cfg_path} is not valid JSON ({e})") from e
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    params = cfg.get("rope_parameters")  # transformers >= 5
+    if isinstance(params, dict) and "rope_theta" in params:
+        kind = params.get("rope_type", "default")
+        return float(params["rope_theta"]), (None if kind == "default" else dict(params))
+    return float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
+
+
+def native_config(cfg: dict) -> tuple[LlamaConfig | None, str]:
+    """LlamaConfig when the native model covers this config, else None and the reason."""
+    mtype = cfg.get("model_type")
+    if mtype not in NATIVE_TYPES:
+        return None, f"model_type {mtype!r} is not in the native Llama family"
+    if cfg.get("mlp_bias"):
+        return None, "mlp_bias is not in the native model"
+    theta, scaling = _rope(cfg)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ("default", "linear", "llama3", None):
+        return None, f"rope type {kind!r} is not in the native model"
+    sliding = None
+    if mtype == "mistral":
+        sliding = cfg.get("sliding_window")
+    elif cfg.get("use_sliding_window"):
+        return None, "per-layer sliding windows are not in the native model"
+    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
+        return None, "mixed attention layer types are not in the native model"
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    attention_bias = bool(cfg.get("attention_bias", False)) or mtype == "qwen2"
+    lc = LlamaConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=attention_bias,
+        qk_norm=mtype == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        sliding_window=int(sliding) if sliding else None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+    )
+    return lc, ""
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).exists()]
+        if missing:
+            raise LogprobeError("model", f"{path} is missing weight shards: {', '.join(missing)}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LogprobeError("model", f"{path} has no *.safetensors weights",
+                            "save the model with safe_serialization=True")
+    return files
+
+
+def hf_tensors(path: Path, cfg: LlamaConfig):
+    """Yield (module parameter name, tensor) from the safetensors files of a native model."""
+    from safetensors import safe_open
+
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                if key == "lm_head.weight":
+                    if cfg.tie_word_embeddings:
+                        continue
+                    yield "lm_head.weight", st.get_tensor(key)
+                elif key.startswith("model."):
+                    yield key[len("model."):], st.get_tensor(key)
+                else:
+                    raise LogprobeError("model", f"unexpected tensor {key!r} in {f.name}")
+
+
+def hf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    from ..tokenizer import Tokenizer
+
+    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise LogprobeError("model", f"{path} has no tokenizer (tokenizer.json)",
+                            "save the tokenizer into the model directory")
+    hf = AutoTokenizer.from_pretrained(str(path))
+    probe = "a"
+    with_special = hf(probe, add_special_tokens=True)["input_ids"]
+    add_bos = hf.bos_token_id is not None and len(with_special) > 0 and with_special[0] == hf.bos_token_id
+    return Tokenizer(hf, add_bos=add_bos)
+
+
+def load_transformers_model(path: Path, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    except (ValueError, KeyError, OSError) as e:
+        raise LogprobeError("model", f"transformers cannot load {path} as a causal LM ({e})") from e

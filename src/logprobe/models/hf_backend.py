@@ -1,0 +1,62 @@
+"""The transformers backend: any causal LM transformers can load, scored by logprobe's own head.
+
+The packed batch is unpacked into a right-padded batch (real tokens first, so causal attention
+never reaches a pad and default positions 0..L-1 are right), the model's base forward gives
+the final hidden states, and they are packed back into [T, H]. Slower than the native path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import LogprobeError
+from ..scoring.head import HeadParams
+
+
+class TransformersModel(nn.Module):
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.base = getattr(hf_model, hf_model.base_model_prefix)
+        out = hf_model.get_output_embeddings()
+        if out is None:
+            raise LogprobeError("model", f"{type(hf_model).__name__} has no output embeddings (LM head)")
+        cfg = hf_model.config
+        scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+        if getattr(cfg, "logits_scaling", None):  # Granite divides logits
+            scale = scale / float(cfg.logits_scaling)
+        self.head = HeadParams(weight=out.weight, bias=getattr(out, "bias", None), scale=scale,
+                               softcap=getattr(cfg, "final_logit_softcapping", None))
+        self.vocab_size = out.weight.shape[0]
+
+    def head_params(self) -> HeadParams:
+        return self.head
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        lengths = [e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        B, L = len(lengths), max(lengths)
+        pad = torch.zeros(B, L, dtype=input_ids.dtype, device=input_ids.device)  # [B, L]
+        mask = torch.zeros(B, L, dtype=torch.long, device=input_ids.device)  # [B, L]
+        for i, (s, n) in enumerate(zip(cu_seqlens[:-1], lengths)):
+            pad[i, :n] = input_ids[s:s + n]
+            mask[i, :n] = 1
+        hidden = self.base(input_ids=pad, attention_mask=mask, use_cache=False).last_hidden_state  # [B, L, H]
+        return torch.cat([hidden[i, :n] for i, n in enumerate(lengths)])  # [T, H]
+
+    def check_head(self) -> None:
+        """Refuse a model whose logits are not ``head(last_hidden_state)`` (an unknown transform)."""
+        ids = torch.arange(1, 9, device=self.head.weight.device)[None] % self.vocab_size  # [1, 8]
+        ref = self.hf(input_ids=ids, use_cache=False).logits[0].float()  # [8, V]
+        h = self.base(input_ids=ids, use_cache=False).last_hidden_state[0].float()  # [8, H]
+        z = h @ self.head.weight.float().T
+        if self.head.bias is not None:
+            z = z + self.head.bias.float()
+        z = z * self.head.scale
+        if self.head.softcap is not None:
+            z = torch.tanh(z / self.head.softcap) * self.head.softcap
+        tol = 1e-3 if self.head.weight.dtype == torch.float32 else 5e-2
+        if not torch.allclose(z, ref, atol=tol * max(1.0, float(ref.abs().max())), rtol=0):
+            raise LogprobeError("model", f"{type(self.hf).__name__} transforms its logits in a way logprobe "
+                                "does not know, so its scores would be wrong", "please report this model")

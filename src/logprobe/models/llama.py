@@ -1,0 +1,134 @@
+"""The Llama family, natively: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM.
+
+A packed batch is all sequences concatenated ([T] token ids) with their positions and
+``cu_seqlens``; attention is causal inside each sequence and never crosses sequences.
+
+    h_0     = embed(ids)
+    h'_l    = h_l + Attn_l(RMSNorm(h_l))           # resid_mid
+    h_{l+1} = h'_l + MLP_l(RMSNorm(h'_l))          # resid_post
+    out     = RMSNorm(h_L)                          # final hidden states, fed to the log-prob head
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LogprobeError
+from ..layers.attention import packed_causal_attention
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from ..scoring.head import HeadParams
+
+
+@dataclass(slots=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False  # Qwen2: bias on q, k, v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # Mistral v0.1
+    max_position_embeddings: int = 4096
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LogprobeError(f"config.{name}", f"must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise LogprobeError("config.num_key_value_heads",
+                                f"{self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
+        if self.head_dim % 2:
+            raise LogprobeError("config.head_dim", f"must be even for RoPE, got {self.head_dim}")
+        rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = packed_causal_attention(q, k, v, cu_seqlens, self.scale, self.sliding_window)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cu_seqlens)  # resid_mid
+        h = h + self.mlp(self.post_attention_layernorm(h))  # resid_post
+        return h
+
+
+class LlamaModel(nn.Module):
+    """Final hidden states for a packed batch; ``head_params()`` feeds the log-prob head."""
+
+    def __init__(self, cfg: LlamaConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def head_params(self) -> HeadParams:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return HeadParams(weight=weight)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        h = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rotary(positions, h.dtype)  # [T, D]
+        for layer in self.layers:
+            h = layer(h, cos, sin, cu_seqlens)
+        return self.norm(h)

@@ -1,0 +1,1 @@
+"""Scoring: the chunked log-prob head, the prompt/continuation contract, perplexity windows."""
