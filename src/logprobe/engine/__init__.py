@@ -1,0 +1,1 @@
+"""The engine: requests -> schedule -> pack -> forward -> score -> collect."""

@@ -1,0 +1,312 @@
+"""The public API: ``Scorer`` scores continuations, sequences of token ids and perplexity.
+
+Every method states which rows predict which tokens; see ``scoring.contract`` for the full
+contract and ``scoring.windows`` for how perplexity windows overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .config import EngineConfig
+from .engine.request import RequestResult, ScoreRequest
+from .engine.runner import Engine
+from .errors import LogprobeError
+from .loading import LoadedModel, load_model
+from .scoring.contract import split_continuation
+from .scoring.stats import count_words, mean_and_stderr
+from .scoring.windows import make_windows
+
+
+@dataclass(slots=True)
+class ContinuationScore:
+    continuation: str  # the continuation as scored (boundary whitespace moved onto it)
+    log_prob: float  # sum of the token log-probs, natural log
+    prob: float  # exp(log_prob)
+    perplexity: float  # exp(-log_prob / num_tokens)
+    num_tokens: int
+    is_greedy: bool  # every token was the argmax of its position
+    tokens: list[str]
+    token_ids: list[int]
+    token_logprobs: list[float]
+    entropy: list[float] | None = None
+    top_k: list[list[tuple[int, str, float]]] | None = None  # per token: (id, text, log-prob)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class SequenceLogprobs:
+    """One log-prob per completion token (RL): ``logprobs[j]`` is log p(completion[j] | prompt, completion[:j])."""
+
+    logprobs: torch.Tensor  # [n] float32
+    ranks: torch.Tensor  # [n] int64, 0 = the token was the argmax
+    entropy: torch.Tensor | None = None  # [n]
+    topk_ids: torch.Tensor | None = None  # [n, k]
+    topk_logprobs: torch.Tensor | None = None  # [n, k]
+
+    @property
+    def sum_logprob(self) -> float:
+        return float(self.logprobs.double().sum())
+
+    def to_dict(self) -> dict:
+        d = {"logprobs": self.logprobs.tolist(), "sum_logprob": self.sum_logprob,
+             "is_greedy": (self.ranks == 0).tolist()}
+        if self.entropy is not None:
+            d["entropy"] = self.entropy.tolist()
+        if self.topk_ids is not None:
+            d["top_k_ids"] = self.topk_ids.tolist()
+            d["top_k_logprobs"] = self.topk_logprobs.tolist()
+        return d
+
+
+@dataclass(slots=True)
+class PerplexityResult:
+    perplexity: float  # exp(mean token NLL)
+    perplexity_stderr: float  # delta method: perplexity * nll_stderr
+    nll_mean: float
+    nll_stderr: float
+    num_tokens: int  # scored tokens
+    num_windows: int
+    policy: str
+    context_length: int
+    stride: int | None
+    word_perplexity: float | None = None  # exp(total NLL / words), texts only
+    byte_perplexity: float | None = None  # exp(total NLL / UTF-8 bytes), texts only
+    bits_per_byte: float | None = None  # total NLL / bytes / ln 2
+    num_words: int | None = None
+    num_bytes: int | None = None
+    token_nlls: list[list[float]] | None = field(default=None, repr=False)  # per text, in token order
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Scorer:
+    """Exact log-probabilities of given text.
+
+    >>> s = Scorer()                       # SmolLM2-135M-Instruct Q4_1, CPU float32
+    >>> [r.continuation for r in s.score("The capital of France is", [" Paris", " London"])]
+    [' Paris', ' London']
+    """
+
+    def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
+                 dtype: str | None = "auto", max_batch_tokens: int = 8192, progress: bool | None = None,
+                 config: EngineConfig | None = None) -> None:
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+        self.config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress)
+        self.tokenizer = self.loaded.tokenizer
+        self.info = self.loaded.info
+        self.device = next(self.loaded.model.parameters()).device
+        self.engine = Engine(self.loaded.model, self.config, self.device)
+
+    # -- continuations -------------------------------------------------------------------------
+
+    def score(self, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
+              top_k: int = 0, entropy: bool = False) -> list[ContinuationScore]:
+        """Score each continuation after ``prompt``.
+
+        Prompt and continuation are encoded jointly and split (trailing prompt whitespace moves
+        to the continuation); the last prompt token's row predicts the first continuation token:
+
+            tokens : [The] [capital] [of] [France] [is] | [ĠParis]
+            rows   :   0       1      2      3      4
+            row 4 -> log p(ĠParis | The capital of France is)
+
+        An empty prompt is replaced by the prefix token (BOS, else EOS).
+        """
+        if isinstance(continuations, str):
+            continuations = [continuations]
+        if not isinstance(prompt, str):
+            raise LogprobeError("prompt", f"must be a string, got {type(prompt).__name__}")
+        if not continuations:
+            raise LogprobeError("continuations", "is empty", "give at least one continuation")
+        temperature, top_k = self._options(temperature, top_k)
+        requests, texts = [], []
+        n_spaces = len(prompt) - len(prompt.rstrip())
+        for c in continuations:
+            if not isinstance(c, str):
+                raise LogprobeError("continuations", f"must be strings, got {type(c).__name__}")
+            ctx, cont = self._split(prompt, c)
+            self._check_length(len(ctx) + len(cont), "prompt + continuation")
+            requests.append(ScoreRequest(ctx + cont, len(ctx), temperature, top_k, entropy))
+            texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)
+        results = self.engine.run(requests)
+        return [self._continuation_score(t, r, res) for t, r, res in zip(texts, requests, results)]
+
+    def loglikelihood(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """``(log p(continuation | context), is_greedy)`` per pair, as lm-eval's ``loglikelihood``."""
+        requests = []
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise LogprobeError(f"pairs[{i}]", "must be a (context, continuation) pair of strings")
+            ctx, cont = self._split(pair[0], pair[1])
+            self._check_length(len(ctx) + len(cont), f"pairs[{i}]")
+            requests.append(ScoreRequest(ctx + cont, len(ctx)))
+        results = self.engine.run(requests)
+        return [(float(r.logprobs.double().sum()), bool((r.ranks == 0).all())) for r in results]
+
+    # -- token ids (reinforcement learning) ----------------------------------------------------
+
+    def logprobs(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
+                 entropy: bool = False) -> list[SequenceLogprobs]:
+        """Per-token log-probs of completions, for PPO/GRPO ratios and KL terms.
+
+        Each sequence is ``{"prompt_token_ids": [...], "completion_token_ids": [...]}``. Scores are
+        ``log_softmax(logits / temperature)`` at the rows that predict completion tokens:
+
+            ids  : p0 p1 p2 | c0 c1 c2
+            row  :  0  1  2    3  4
+            row 2 -> c0, row 3 -> c1, row 4 -> c2       (3 log-probs for 3 completion tokens)
+        """
+        temperature, top_k = self._options(temperature, top_k)
+        requests = [self.sequence_request(seq, i, temperature, top_k, entropy) for i, seq in enumerate(sequences)]
+        return [SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids, r.topk_logprobs)
+                for r in self.engine.run(requests)]
+
+    def sequence_request(self, seq: dict, i: int, temperature: float, top_k: int, entropy: bool) -> ScoreRequest:
+        """Validate one RL sequence and turn it into a request (used by the CLI's streaming mode)."""
+        if not isinstance(seq, dict):
+            raise LogprobeError(f"sequences[{i}]", "must be an object with prompt_token_ids and completion_token_ids")
+        prompt = self._ids(seq.get("prompt_token_ids"), f"sequences[{i}].prompt_token_ids")
+        completion = self._ids(seq.get("completion_token_ids"), f"sequences[{i}].completion_token_ids")
+        if not prompt:
+            raise LogprobeError(f"sequences[{i}].prompt_token_ids", "is empty: the first completion token needs "
+                                "a context", "prepend the BOS (or EOS) token id")
+        if not completion:
+            raise LogprobeError(f"sequences[{i}].completion_token_ids", "is empty", "give at least one token")
+        self._check_length(len(prompt) + len(completion), f"sequences[{i}]")
+        return ScoreRequest(prompt + completion, len(prompt), temperature, top_k, entropy)
+
+    # -- perplexity ----------------------------------------------------------------------------
+
+    def perplexity(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+                   context_length: int | None = None, stride: int | None = None, policy: str = "sliding",
+                   prefix: bool | None = None, max_tokens: int | None = None,
+                   return_token_nlls: bool = False) -> PerplexityResult:
+        """Token perplexity with a standard error, and word/byte perplexity and bits per byte.
+
+        Each text is one token stream, cut into windows by ``scoring.windows`` (``policy``
+        "sliding": every token scored once with up to ``context_length - stride`` tokens of extra
+        context; "llama.cpp": non-overlapping chunks, second half scored). ``prefix`` (default:
+        on for "sliding", off for "llama.cpp") puts the prefix token (BOS, else EOS) before each
+        text so its first token is scored too, as lm-eval's rolling log-likelihood does:
+
+            stream : [BOS] t0 t1 t2 ...       row of BOS -> t0, row of t0 -> t1, ...
+
+        ``max_tokens`` keeps the first N tokens of each text. Default context: min(2048, model's);
+        default stride: context_length // 4.
+        """
+        streams, raw_texts = self._perplexity_streams(texts, max_tokens)
+        if context_length is None:
+            context_length = min(2048, self.info.max_length)
+        self._check_length(context_length, "context_length")
+        if stride is None and policy == "sliding":
+            stride = max(1, context_length // 4)
+        use_prefix = (policy == "sliding") if prefix is None else bool(prefix)
+        requests, owners = [], []
+        for t, ids in enumerate(streams):
+            if use_prefix:
+                ids = [self.tokenizer.prefix_id] + ids
+            elif self.tokenizer.add_bos:
+                ids = [self.tokenizer.bos_id] + ids
+            for w in make_windows(policy, len(ids), context_length, stride):
+                toks = ids[w.begin:w.end]
+                if policy == "llama.cpp" and self.tokenizer.add_bos:
+                    toks = [self.tokenizer.bos_id] + toks[1:]  # llama-perplexity puts BOS first in every chunk
+                requests.append(ScoreRequest(toks, w.score_begin - w.begin))
+                owners.append(t)
+        results = self.engine.run(requests)
+        per_text: list[list[float]] = [[] for _ in streams]
+        for t, r in zip(owners, results):
+            per_text[t].extend((-r.logprobs.double()).tolist())
+        nlls = [x for text_nlls in per_text for x in text_nlls]
+        mean, se = mean_and_stderr(nlls)
+        total = math.fsum(nlls)
+        out = PerplexityResult(
+            perplexity=math.exp(mean), perplexity_stderr=math.exp(mean) * se, nll_mean=mean, nll_stderr=se,
+            num_tokens=len(nlls), num_windows=len(requests), policy=policy, context_length=context_length,
+            stride=stride if policy == "sliding" else None,
+            token_nlls=per_text if return_token_nlls else None)
+        if raw_texts is not None and max_tokens is None:
+            out.num_words = sum(count_words(t) for t in raw_texts)
+            out.num_bytes = sum(len(t.encode("utf-8")) for t in raw_texts)
+            out.word_perplexity = math.exp(total / out.num_words)
+            out.byte_perplexity = math.exp(total / out.num_bytes)
+            out.bits_per_byte = total / out.num_bytes / math.log(2)
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _perplexity_streams(self, texts, max_tokens):
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, Sequence) or isinstance(texts, bytes) or len(texts) == 0:
+            raise LogprobeError("texts", "must be a non-empty text, list of texts, or token ids")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
+            raise LogprobeError("max_tokens", f"must be an integer >= 2, got {max_tokens!r}")
+        if all(isinstance(t, str) for t in texts):
+            for i, t in enumerate(texts):
+                if not t.strip():
+                    raise LogprobeError(f"texts[{i}]", "is empty", "give some text to score")
+            streams = self.tokenizer.encode_batch(list(texts))
+            raw = list(texts)
+        elif all(isinstance(t, int) for t in texts):
+            streams, raw = [self._ids(texts, "texts")], None
+        else:
+            streams = [self._ids(t, f"texts[{i}]") for i, t in enumerate(texts)]
+            raw = None
+        if max_tokens is not None:
+            streams = [s[:max_tokens] for s in streams]
+        return streams, raw
+
+    def _split(self, prompt: str, continuation: str) -> tuple[list[int], list[int]]:
+        tok = self.tokenizer
+        return split_continuation(prompt, continuation, tok.encode, tok.prefix_id, tok.add_bos, tok.bos_id)
+
+    def _ids(self, ids, name: str) -> list[int]:
+        if not isinstance(ids, (list, tuple)) and not (isinstance(ids, torch.Tensor) and ids.ndim == 1):
+            raise LogprobeError(name, "must be a list of token ids")
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        vocab = self.info.vocab_size
+        for j, x in enumerate(ids):
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise LogprobeError(f"{name}[{j}]", f"must be an integer token id, got {x!r}")
+            if not 0 <= x < vocab:
+                raise LogprobeError(f"{name}[{j}]", f"token id {x} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_length(self, n: int, name: str) -> None:
+        if n > self.info.max_length:
+            raise LogprobeError(name, f"{n} tokens exceed the model's context of {self.info.max_length}",
+                                "shorten the input")
+
+    @staticmethod
+    def _options(temperature: float, top_k: int) -> tuple[float, int]:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not math.isfinite(temperature) or temperature <= 0:
+            raise LogprobeError("temperature", f"must be a finite number > 0, got {temperature!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise LogprobeError("top_k", f"must be an integer >= 0, got {top_k!r}")
+        return float(temperature), top_k
+
+    def _continuation_score(self, text: str, req: ScoreRequest, res: RequestResult) -> ContinuationScore:
+        ids = req.tokens[req.score_begin:]
+        lps = res.logprobs.tolist()
+        total = float(res.logprobs.double().sum())
+        top = None
+        if res.topk_ids is not None:
+            texts = self.tokenizer.token_texts(res.topk_ids.flatten().tolist())
+            k = res.topk_ids.shape[1]
+            top = [[(int(i), texts[r * k + c], float(lp)) for c, (i, lp) in enumerate(zip(ids_row, lp_row))]
+                   for r, (ids_row, lp_row) in enumerate(zip(res.topk_ids.tolist(), res.topk_logprobs.tolist()))]
+        return ContinuationScore(
+            continuation=text, log_prob=total, prob=math.exp(total), perplexity=math.exp(-total / len(ids)),
+            num_tokens=len(ids), is_greedy=bool((res.ranks == 0).all()), tokens=self.tokenizer.token_texts(ids),
+            token_ids=ids, token_logprobs=lps, entropy=res.entropy.tolist() if res.entropy is not None else None,
+            top_k=top)
