@@ -21,23 +21,21 @@ def packed_causal_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; Hq must be a multiple of Hkv (GQA)."""
     out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]
+    gqa = q.shape[1] != k.shape[1]
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         if end == start:
             continue
-        qs = q[start:end].transpose(0, 1)  # [Hq, L, D]
-        ks = k[start:end].transpose(0, 1)  # [Hkv, L, D]
-        vs = v[start:end].transpose(0, 1)
-        if group > 1:
-            ks = ks.repeat_interleave(group, dim=0)  # [Hq, L, D]
-            vs = vs.repeat_interleave(group, dim=0)
+        # 4-D inputs let SDPA pick its fused (flash) CPU kernel instead of the math path
+        qs = q[start:end].transpose(0, 1)[None]  # [1, Hq, L, D]
+        ks = k[start:end].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        vs = v[start:end].transpose(0, 1)[None]
         length = end - start
         if sliding_window is not None and length > sliding_window:
             i = torch.arange(length, device=q.device)
             # token i sees j with i - window < j <= i (the transformers convention)
             mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        out[start:end] = o.transpose(0, 1)  # [L, Hq, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[start:end] = o[0].transpose(0, 1)  # [L, Hq, D]
     return out

@@ -17,7 +17,7 @@ from ..scoring.head import HeadParams
 class TransformersModel(nn.Module):
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
-        self.hf = hf_model
+        self.hf = hf_model.requires_grad_(False)
         self.base = getattr(hf_model, hf_model.base_model_prefix)
         out = hf_model.get_output_embeddings()
         if out is None:
@@ -45,6 +45,7 @@ class TransformersModel(nn.Module):
         hidden = self.base(input_ids=pad, attention_mask=mask, use_cache=False).last_hidden_state  # [B, L, H]
         return torch.cat([hidden[i, :n] for i, n in enumerate(lengths)])  # [T, H]
 
+    @torch.no_grad()
     def check_head(self) -> None:
         """Refuse a model whose logits are not ``head(last_hidden_state)`` (an unknown transform)."""
         ids = torch.arange(1, 9, device=self.head.weight.device)[None] % self.vocab_size  # [1, 8]

@@ -52,14 +52,9 @@ def split_continuation(
     else:
         whole = encode(prompt + continuation)
         ctx = encode(prompt)
+        # exactly lm-eval's split: if the joint encoding merged a token across the boundary,
+        # that token counts as context and the continuation keeps what follows it
         cont = whole[len(ctx):]
-        if whole[: len(ctx)] != ctx:
-            # the joint encoding merged across the boundary: take the continuation tokens that
-            # follow the longest shared prefix, so no token is counted on both sides
-            k = 0
-            while k < min(len(ctx), len(whole)) and ctx[k] == whole[k]:
-                k += 1
-            ctx, cont = whole[:k], whole[k:]
         if add_bos and bos_id is not None:
             ctx = [bos_id] + ctx
     if not cont:

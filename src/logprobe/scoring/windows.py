@@ -13,6 +13,15 @@ every token after the first is scored exactly once, with up to C - S tokens of e
     w2              [4 5 6 7]    scores 6..7
     w3                  [6 7 8 9] scores 8..9   -> stop: the window reached the end
 
+A scored token always needs the token before it in its window. With S = C the guide's windows
+would start exactly at their first scored token and silently skip it; here such a window starts
+one token earlier instead (C + 1 tokens, of which C are fed: the last is only a target):
+
+    tokens  0 1 2 3 4 5 6 7 8 9            C = 4, S = 4
+    w0      [0 1 2 3]            scores 1..3
+    w1            [3 4 5 6 7]    scores 4..7
+    w2                    [7 8 9] scores 8..9
+
 Policy "llama.cpp" (llama-perplexity): non-overlapping chunks of C tokens; a trailing partial
 chunk is dropped; each chunk scores its second half, targets at offsets C//2 + 1 .. C-1 (the
 row at offset C//2 is the first to predict), so each chunk scores C - C//2 - 1 tokens.
@@ -45,7 +54,8 @@ def sliding_windows(n_tokens: int, context_length: int, stride: int) -> list[Win
     windows, prev_end, begin = [], 0, 0
     while True:
         end = min(begin + context_length, n_tokens)
-        windows.append(Window(begin, end, max(prev_end, begin + 1)))
+        first = max(prev_end, 1)  # first token this window scores
+        windows.append(Window(min(begin, first - 1), end, first))
         if end == n_tokens:
             return windows
         prev_end, begin = end, begin + stride

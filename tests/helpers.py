@@ -1,0 +1,151 @@
+"""Test fixtures that make real files: a byte-level tokenizer, tiny random HF models, tiny GGUFs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB = 300  # model vocabulary; the byte tokenizer uses the first 258 ids
+SPECIALS = ["<|endoftext|>", "<s>"]
+
+
+def byte_tokenizer():
+    """A real byte-level BPE tokenizer with no merges: one token per UTF-8 byte, ids 2..257."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>"), vocab
+
+
+def tiny_config(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=0)
+    if kind == "llama":
+        return tf.LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "llama3":  # Llama-3 rope scaling, untied
+        return tf.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if kind == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "qwen3":  # head_dim 32 != hidden / heads
+        return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    if kind == "mistral":  # a sliding window shorter than the test sequences
+        return tf.MistralConfig(**common, sliding_window=16, tie_word_embeddings=False)
+    if kind == "gpt2":
+        return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                             initializer_range=0.1, bos_token_id=1, eos_token_id=0)
+    raise ValueError(kind)
+
+
+def make_hf_dir(path: Path, kind: str, seed: int = 0):
+    """Save a tiny random model + byte tokenizer; return the float64 transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation="eager").float().eval()
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+    return model.double()
+
+
+def ref_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """Independent reference: full float64 logits -> log_softmax. Row i predicts ids[i + 1]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0].double()  # [L, V]
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+# -- GGUF -----------------------------------------------------------------------------------------
+
+def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert permute of q/k rows (rotate-half -> interleaved RoPE layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, hf_model, qtype_name: str, tie: bool = False) -> dict[str, np.ndarray]:
+    """Write the weights of a tiny Llama HF model to GGUF with matrices in ``qtype_name``.
+
+    Returns the dequantized weights (HF names, HF layout), decoded by gguf-py's own dequantizer,
+    which is independent of logprobe's.
+    """
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    cfg = hf_model.config
+    qtype = Q[qtype_name]
+    _, vocab = byte_tokenizer()
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    # one merge (transformers' GGUF tokenizer reader wants at least one), then unused ids
+    tokens = sorted(vocab, key=vocab.get) + ["Ġt"] + [f"<unused{i}>" for i in range(VOCAB - len(vocab) - 1)]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+
+    sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+                 "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+                 "self_attn.o_proj.weight": "attn_output.weight",
+                 "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(cfg.num_hidden_layers):
+        for k, v in per_layer.items():
+            names[f"model.layers.{i}.{k}"] = f"blk.{i}.{v}"
+    decoded = {}
+    for hf_name, arr in sd.items():
+        if hf_name == "lm_head.weight" and tie:
+            continue
+        name = names[hf_name]
+        if name.endswith("attn_q.weight"):
+            arr = permute_for_gguf(arr, cfg.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            arr = permute_for_gguf(arr, cfg.num_key_value_heads)
+        if arr.ndim == 1:  # norms stay F32, as llama.cpp writes them
+            w.add_tensor(name, arr.astype(np.float32))
+            decoded[hf_name] = sd[hf_name]
+            continue
+        data = quants.quantize(arr, qtype) if qtype != Q.F32 else arr.astype(np.float32)
+        w.add_tensor(name, data, raw_dtype=qtype)
+        deq = quants.dequantize(data, qtype).reshape(arr.shape) if qtype != Q.F32 else arr
+        # undo the permute on the decoded copy with an inverse written independently of the loader
+        if name.endswith("attn_q.weight") or name.endswith("attn_k.weight"):
+            n = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
+            inv = np.argsort(permute_for_gguf(np.arange(arr.shape[0]), n))
+            deq = deq[inv]
+        decoded[hf_name] = deq
+    if tie:
+        decoded["lm_head.weight"] = decoded["model.embed_tokens.weight"]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return decoded
