@@ -10,7 +10,8 @@ tokenizer, keeps the first ``--tokens`` ids and scores them twice with the "slid
   (batch 4), ``model(input_ids).logits`` -> float32 ``log_softmax`` -> gather. The faster batch
   size is the baseline.
 
-Each engine gets one untimed warm-up forward first. Run from the repository root:
+Each engine gets one untimed warm-up forward first. The timings are wall-clock; the log also prints
+process CPU time and the load average, so a run that shared the cores with something else shows. Run from the repository root:
 
     .venv/bin/python bench/cpu_perplexity.py                 # full run: 32768 tokens
     .venv/bin/python bench/cpu_perplexity.py --tokens 4096   # smoke run
@@ -75,11 +76,11 @@ def git_rev() -> str:
         return "unknown"
 
 
-def run_logprobe(scorer: Scorer, ids: list[int]) -> tuple[float, int, float]:
+def run_logprobe(scorer: Scorer, ids: list[int]) -> tuple[float, int, float, float]:
     scorer.perplexity(ids[:min(len(ids), 256)], context_length=CONTEXT, stride=STRIDE, prefix=False)  # warm-up
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     res = scorer.perplexity(ids, context_length=CONTEXT, stride=STRIDE, prefix=False)
-    return res.perplexity, res.num_tokens, time.perf_counter() - t0
+    return res.perplexity, res.num_tokens, time.perf_counter() - t0, time.process_time() - c0
 
 
 def load_hf(gguf_path: str):
@@ -101,11 +102,11 @@ def batches(windows: list[Window], batch_size: int) -> list[list[Window]]:
     return out
 
 
-def run_transformers(model, ids: list[int], windows: list[Window], batch_size: int) -> tuple[float, int, float]:
+def run_transformers(model, ids: list[int], windows: list[Window], batch_size: int) -> tuple[float, int, float, float]:
     ids_t = torch.tensor(ids, dtype=torch.long)
     with torch.inference_mode():
         _ = model(ids_t[:256].unsqueeze(0)).logits  # warm-up
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         nll, n = 0.0, 0
         for group in batches(windows, batch_size):
             input_ids = torch.stack([ids_t[w.begin:w.end] for w in group])
@@ -117,8 +118,8 @@ def run_transformers(model, ids: list[int], windows: list[Window], batch_size: i
                 s = tok_lp[b, w.score_begin - w.begin - 1:]
                 nll -= float(s.double().sum())
                 n += s.numel()
-        seconds = time.perf_counter() - t0
-    return math.exp(nll / n), n, seconds
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return math.exp(nll / n), n, seconds, cpu
 
 
 def main() -> None:
@@ -149,9 +150,11 @@ def main() -> None:
     print(f"windows: {len(windows)} (context {CONTEXT}, stride {STRIDE}), {fwd_tokens} forward tokens\n")
 
     rows = []
-    ppl, n, sec = run_logprobe(scorer, ids)
+    load = os.getloadavg()[0]
+    ppl, n, sec, cpu = run_logprobe(scorer, ids)
     rows.append(("logprobe", ppl, n, sec))
-    print(f"logprobe done: ppl {ppl:.4f} in {sec:.1f} s", flush=True)
+    print(f"logprobe done: ppl {ppl:.4f} in {sec:.1f} s (process CPU {cpu:.1f} s = {cpu / sec:.2f} cores busy; "
+          f"1-min load average before {load:.2f})", flush=True)
     gguf_path = scorer.info.path
     del scorer
 
@@ -160,9 +163,11 @@ def main() -> None:
     print(f"transformers load: {time.perf_counter() - t0:.1f} s "
           f"(attn_implementation={model.config._attn_implementation})", flush=True)
     for bs in [int(x) for x in args.batch_sizes.split(",")]:
-        ppl, n, sec = run_transformers(model, ids, windows, bs)
+        load = os.getloadavg()[0]
+        ppl, n, sec, cpu = run_transformers(model, ids, windows, bs)
         rows.append((f"transformers bs{bs}", ppl, n, sec))
-        print(f"transformers bs{bs} done: ppl {ppl:.4f} in {sec:.1f} s", flush=True)
+        print(f"transformers bs{bs} done: ppl {ppl:.4f} in {sec:.1f} s (process CPU {cpu:.1f} s = "
+              f"{cpu / sec:.2f} cores busy; 1-min load average before {load:.2f})", flush=True)
 
     lp = rows[0]
     base = min(rows[1:], key=lambda r: r[3])

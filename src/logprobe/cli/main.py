@@ -171,13 +171,13 @@ def cmd_score(args: argparse.Namespace) -> int:
              f"{r.perplexity:.4g}", "yes" if r.is_greedy else "no"] for r in ranked]
     if args.entropy:
         header.append("entropy")
-        rows = [row + [f"{math.fsum(r.entropy) / len(r.entropy):.4f}"] for row, r in zip(rows, ranked)]
+        rows = [row + [f"{math.fsum(r.entropy) / len(r.entropy):.4f}"] for row, r in zip(rows, ranked, strict=True)]
     print(_table(header, rows, left={0}))
     if args.top_k:
         print()
         for r in ranked:
             print(f"{_short(repr(r.continuation))} top-{args.top_k} per token:")
-            for tok, lp, alts in zip(r.tokens, r.token_logprobs, r.top_k):
+            for tok, lp, alts in zip(r.tokens, r.token_logprobs, r.top_k, strict=True):
                 choices = ", ".join(f"{t!r} {a:.3f}" for _, t, a in alts)
                 print(f"  {tok!r} {lp:.3f}  <-  {choices}")
     return 0
@@ -188,10 +188,10 @@ def _short(s: str, width: int = 40) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]], left: set[int]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
     lines = []
     for row in [header, *rows]:
-        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
@@ -300,8 +300,8 @@ def _line_request(scorer: Scorer, text: str, index: int, args: argparse.Namespac
     """(request, id) for one input line; LogprobeError names the problem within the line."""
     try:
         seq = json.loads(text)
-    except ValueError as e:
-        raise LogprobeError("json", f"invalid JSON ({e})") from e
+    except json.JSONDecodeError as e:
+        raise LogprobeError("JSON", f"invalid: {e.msg} at column {e.colno}", "fix or remove the line") from e
     if not isinstance(seq, dict):
         raise LogprobeError("line", f"must be a JSON object, got {type(seq).__name__}",
                             'give {"prompt_token_ids": [...], "completion_token_ids": [...]}')
