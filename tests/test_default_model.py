@@ -115,3 +115,28 @@ def test_wikitext_perplexity_first_2k_tokens(default_scorer):
     assert pr.num_tokens == 2047
     assert abs(pr.perplexity - GOLD_WIKI_2K) < 1e-3 * GOLD_WIKI_2K
 
+
+
+def random_sequences(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = torch.randint(0, 49152, (int(torch.randint(2, 150, (1,), generator=g)),), generator=g).tolist()
+        c = torch.randint(0, 49152, (int(torch.randint(1, 150, (1,), generator=g)),), generator=g).tolist()
+        out.append({"prompt_token_ids": p, "completion_token_ids": c})
+    return out
+
+
+def test_packing_on_the_real_model(default_scorer):
+    """Alone vs packed: within float32 rounding by default, bitwise with batch_invariant=True."""
+    from logprobe import Scorer
+
+    seqs = random_sequences(6, seed=1)
+    alone = [default_scorer.logprobs([s])[0].logprobs for s in seqs]
+    packed = default_scorer.logprobs(seqs)
+    assert max(float((a - b.logprobs).abs().max()) for a, b in zip(alone, packed)) < 5e-5
+    inv = Scorer(default_scorer.loaded, batch_invariant=True, progress=False)  # shares the weights
+    alone = [inv.logprobs([s])[0] for s in seqs]
+    packed = inv.logprobs(seqs[::-1], top_k=2, entropy=True)[::-1]  # shuffled order, more options
+    for a, b in zip(alone, packed):
+        assert torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))  # raw bits

@@ -50,15 +50,20 @@ class EngineConfig:
     head_token_chunk / head_vocab_chunk: tile of the log-prob head; peak extra memory of the head is
         about 4 * head_token_chunk * head_vocab_chunk * 4 bytes, whatever T and V are.
     progress: None = a progress bar on long jobs when stderr is a terminal; True/False force it.
+    batch_invariant: every matrix product runs in fixed tiles of ``invariant_tile`` rows, so a
+        request's numbers are bitwise the same whatever else is in its batch (about +20% time
+        on CPU at 2k-token batches, more on tiny ones). Off: equal within float32 rounding.
     """
 
     max_batch_tokens: int = 8192
     head_token_chunk: int = 512
     head_vocab_chunk: int = 8192
     progress: bool | None = None
+    batch_invariant: bool = False
+    invariant_tile: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk"):
+        for name in ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LogprobeError(name, f"must be a positive integer, got {value!r}")

@@ -97,9 +97,12 @@ class Scorer:
 
     def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
                  dtype: str | None = "auto", max_batch_tokens: int = 8192, progress: bool | None = None,
-                 config: EngineConfig | None = None) -> None:
+                 batch_invariant: bool = False, config: EngineConfig | None = None) -> None:
+        """``batch_invariant=True``: bitwise-identical numbers whatever else shares the batch
+        (native models; fixed-shape matrix tiles, see EngineConfig)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
-        self.config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress)
+        self.config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress,
+                                             batch_invariant=batch_invariant)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         self.device = next(self.loaded.model.parameters()).device

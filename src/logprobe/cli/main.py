@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     head = argparse.ArgumentParser(add_help=False)
     h = head.add_argument_group("scoring options")
-    h.add_argument("--temperature", type=float, default=1.0,
+    h.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="score log_softmax(logits / T) (default: %(default)s)")
     h.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="also report the K most likely tokens at each scored position (default: 0)")
@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Joining: unless PROMPT ends with whitespace or a continuation starts with whitespace, "
                "--join is put between them, so `score \"The capital of France is\" Paris` scores \" Paris\" "
                "(the token a model actually sees after a word). Use --join '' to score the text as given.")
-    p.add_argument("prompt", metavar="PROMPT")
-    p.add_argument("continuations", metavar="CONT", nargs="+")
+    p.add_argument("prompt", metavar="PROMPT", help="the context (may be empty)")
+    p.add_argument("continuations", metavar="CONT", nargs="+",
+                   help="continuations to score (--json lists them in this order, the table most likely first)")
     p.add_argument("--join", default=" ", metavar="STR",
                    help="put between PROMPT and each CONT unless either side already has whitespace there "
                         "(default: a space, so Paris is scored as ' Paris')")
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "logprobs", parents=[common, head], help="per-token log-probs of RL sequences, JSONL in -> JSONL out",
         description="Stream per-token log-probs of completions. Each input line is "
-                    '{"prompt_token_ids": [...], "completion_token_ids": [...]} with optional "id" (echoed), '
+                    '{"prompt_token_ids": [...], "completion_token_ids": [...]} with optional "id" (echoed; null when absent), '
                     '"temperature", "top_k" and "entropy" (override the options). Each output line is '
                     '{"index": <0-based input line>, "id": ..., "logprobs": [...], "sum_logprob": ..., '
                     '"is_greedy": [...]} (+ "entropy", "top_k_ids", "top_k_logprobs" when asked), written as '
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except LogprobeError as e:
         return _fail(str(e))
+    except OSError as e:  # a file we were given could not be read or written
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"{where}{e.strerror or e}")
     except torch.OutOfMemoryError:
         return _fail("out of memory; lower --max-batch-tokens (or use a smaller --dtype / another --device)")
     except KeyboardInterrupt:

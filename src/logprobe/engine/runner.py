@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import EngineConfig
+from ..layers.linear import Linear
 from ..scoring.head import logprob_head
 from .request import RequestResult, ScoreRequest
 from .scheduler import plan_batches
@@ -58,6 +59,7 @@ class Engine:
         self.model = model
         self.config = config
         self.device = device
+        self._linears = [m for m in model.modules() if isinstance(m, Linear)]
 
     @torch.no_grad()
     def run(
@@ -74,6 +76,7 @@ class Engine:
         for batch_ids in batches:
             batch = [requests[i] for i in batch_ids]
             packed = pack(batch, self.device)
+            self._set_tiling()
             hidden = self.model(packed.input_ids, packed.positions, packed.cu_seqlens)  # [T, H]
             for i, result in zip(batch_ids, self.score(batch, packed, hidden)):
                 results[i] = result
@@ -90,7 +93,9 @@ class Engine:
         entropy = any(r.entropy for r in batch)
         out = logprob_head(hidden[packed.score_rows], self.model.head_params(), packed.targets,
                            packed.temperature, top_k=top_k, entropy=entropy,
-                           token_chunk=self.config.head_token_chunk, vocab_chunk=self.config.head_vocab_chunk)
+                           token_chunk=self.config.invariant_tile if self.config.batch_invariant
+                           else self.config.head_token_chunk,
+                           vocab_chunk=self.config.head_vocab_chunk, pad_chunks=self.config.batch_invariant)
         results = []
         offset = 0
         for r in batch:
@@ -104,6 +109,12 @@ class Engine:
                 topk_logprobs=out.topk_logprobs[sl, : r.top_k].cpu() if r.top_k else None,
             ))
         return results
+
+    def _set_tiling(self) -> None:
+        # set before every forward: engines with different configs may share one model
+        tile = self.config.invariant_tile if self.config.batch_invariant else None
+        for m in self._linears:
+            m.row_tile = tile
 
     def _progress_bar(self, total: int, progress: bool | None):
         show = self.config.progress if progress is None else progress

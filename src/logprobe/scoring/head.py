@@ -67,8 +67,12 @@ def logprob_head(
     entropy: bool = False,
     token_chunk: int = 512,
     vocab_chunk: int = 8192,
+    pad_chunks: bool = False,
 ) -> HeadOutput:
-    """hidden [N, H], targets [N] -> HeadOutput. ``temperature`` is a float or a [N] tensor."""
+    """hidden [N, H], targets [N] -> HeadOutput. ``temperature`` is a float or a [N] tensor.
+
+    ``pad_chunks``: zero-pad the last token chunk to ``token_chunk`` rows so every row goes
+    through identically shaped products (bitwise batch invariance)."""
     N, H = hidden.shape
     V = params.vocab_size
     if params.weight.shape[1] != H:
@@ -95,11 +99,13 @@ def logprob_head(
     for r0 in range(0, N, token_chunk):
         r1 = min(r0 + token_chunk, N)
         h = hidden[r0:r1].float()  # [t, H]
+        if pad_chunks and r1 - r0 < token_chunk:
+            h = torch.cat([h, h.new_zeros(token_chunk - (r1 - r0), H)])  # [token_chunk, H]
         y = targets[r0:r1]  # [t]
         inv_t = 1.0 / temp[r0:r1, None]  # [t, 1]
         # Target logit from its own row of W, so the vocabulary walk needs a single pass.
         wy = params.weight[y].float()  # [t, H]
-        zy = (h * wy).sum(-1, keepdim=True)  # [t, 1]
+        zy = (h[: r1 - r0] * wy).sum(-1, keepdim=True)  # [t, 1]
         zy = _transform(zy, bias[y, None] if bias is not None else None, params) * inv_t
         m = torch.full((r1 - r0, 1), -torch.inf, device=device)  # running max
         s = torch.zeros(r1 - r0, 1, device=device)  # running sum of exp(z - m)
@@ -109,7 +115,7 @@ def logprob_head(
         for v0 in range(0, V, vocab_chunk):
             v1 = min(v0 + vocab_chunk, V)
             w = params.weight[v0:v1].float()  # [v, H]
-            z = _transform(h @ w.T, bias[v0:v1] if bias is not None else None, params) * inv_t  # [t, v]
+            z = _transform((h @ w.T)[: r1 - r0], bias[v0:v1] if bias is not None else None, params) * inv_t  # [t, v]
             m_new = torch.maximum(m, z.max(dim=1, keepdim=True).values)
             alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
             e = torch.exp(z - m_new)  # [t, v]

@@ -1,0 +1,32 @@
+"""The same library on a GPU: float32 matches float64 tightly, bf16 loosely. Skips without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_hf_dir, ref_logprobs
+from test_models import random_sequences
+
+from logprobe import Scorer
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 0.25)])
+def test_cuda_matches_reference(kind, dtype, tol, tmp_path):
+    ref = make_hf_dir(tmp_path, kind, seed=5)
+    scorer = Scorer(str(tmp_path), device="cuda", dtype=dtype, progress=False)
+    assert scorer.info.device.startswith("cuda") and scorer.info.dtype == dtype
+    seqs = random_sequences(4, seed=9)
+    out = scorer.logprobs(seqs, temperature=0.9, top_k=3, entropy=True)
+    worst = 0.0
+    for s, r in zip(seqs, out):
+        ids = s["prompt_token_ids"] + s["completion_token_ids"]
+        rows = ref_logprobs(ref, ids, 0.9)[len(s["prompt_token_ids"]) - 1:-1]
+        tgt = rows.gather(1, torch.tensor(s["completion_token_ids"])[:, None])[:, 0]
+        worst = max(worst, float((r.logprobs.double() - tgt).abs().max()))
+        assert r.logprobs.device.type == "cpu" and r.entropy is not None
+    print(f"{kind} {dtype}: max |Δ logprob| = {worst:.2e}")
+    assert worst < tol
