@@ -68,6 +68,18 @@ def ref_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tenso
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
+def random_sequences(n: int = 5, seed: int = 0, vocab: int = VOCAB, max_prompt: int = 30,
+                     max_completion: int = 40) -> list[dict]:
+    """Random RL sequences: prompt ids (>= 1 token) and completion ids (>= 1 token) in [2, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(n):
+        p = torch.randint(2, vocab, (int(torch.randint(1, max_prompt, (1,), generator=g)),), generator=g).tolist()
+        c = torch.randint(2, vocab, (int(torch.randint(1, max_completion, (1,), generator=g)),), generator=g).tolist()
+        seqs.append({"prompt_token_ids": p, "completion_token_ids": c})
+    return seqs
+
+
 # -- GGUF -----------------------------------------------------------------------------------------
 
 def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:

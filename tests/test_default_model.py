@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import WIKITEXT
-from helpers import ref_logprobs
+from helpers import random_sequences, ref_logprobs
 
 from logprobe.scoring.windows import llamacpp_windows, sliding_windows
 
@@ -117,21 +117,11 @@ def test_wikitext_perplexity_first_2k_tokens(default_scorer):
 
 
 
-def random_sequences(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        p = torch.randint(0, 49152, (int(torch.randint(2, 150, (1,), generator=g)),), generator=g).tolist()
-        c = torch.randint(0, 49152, (int(torch.randint(1, 150, (1,), generator=g)),), generator=g).tolist()
-        out.append({"prompt_token_ids": p, "completion_token_ids": c})
-    return out
-
-
 def test_packing_on_the_real_model(default_scorer):
     """Alone vs packed: within float32 rounding by default, bitwise with batch_invariant=True."""
     from logprobe import Scorer
 
-    seqs = random_sequences(6, seed=1)
+    seqs = random_sequences(6, seed=1, vocab=49152, max_prompt=150, max_completion=150)
     alone = [default_scorer.logprobs([s])[0].logprobs for s in seqs]
     packed = default_scorer.logprobs(seqs)
     assert max(float((a - b.logprobs).abs().max()) for a, b in zip(alone, packed)) < 5e-5

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_hf_dir, ref_logprobs
-from test_models import random_sequences
+from helpers import make_hf_dir, random_sequences, ref_logprobs
 
 from logprobe import Scorer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ref_logprobs
+from helpers import random_sequences, ref_logprobs
 
 from logprobe import Scorer
 from logprobe.engine.request import ScoreRequest
@@ -16,16 +16,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def scorers(tiny_dirs):
     return {k: Scorer(str(d), device="cpu", dtype="float32", progress=False) for k, (d, _) in tiny_dirs.items()}
-
-
-def random_sequences(n=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for _ in range(n):
-        p = torch.randint(2, 300, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-        c = torch.randint(2, 300, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-        seqs.append({"prompt_token_ids": p, "completion_token_ids": c})
-    return seqs
 
 
 def test_backends(scorers):
