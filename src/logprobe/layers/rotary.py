@@ -44,15 +44,26 @@ class RotaryEmbedding(nn.Module):
             inv = inv / freq_factors.double()
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, head_dim] for integer positions [T]."""
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """Unit complex rotations exp(i * pos * freq) [T, D/2] (complex64) for positions [T]."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return torch.polar(torch.ones_like(freqs), freqs)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] in the *interleaved* layout (dims 2j, 2j+1 form pair j) rotated by cis [T, D/2].
+
+    One complex multiply instead of the rotate-half gather; the model stores q/k weights with
+    their rows permuted to this layout (see ``to_interleaved``), which leaves q.k unchanged.
+    """
+    T, H, D = x.shape
+    xc = torch.view_as_complex(x.float().reshape(T, H, D // 2, 2))  # [T, H, D/2]
+    return torch.view_as_real(xc * cis[:, None, :]).reshape(T, H, D).to(x.dtype)
+
+
+def to_interleaved(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a q/k projection (or bias, or per-head norm weight) from the rotate-half layout
+    (dim j pairs with j + D/2) to the interleaved one (dim 2j pairs with 2j + 1), per head."""
+    rows = w.shape[0]
+    # [n_head, 2, D/2, ...] -> [n_head, D/2, 2, ...]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

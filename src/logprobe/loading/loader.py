@@ -82,7 +82,7 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
         want = model.get_parameter(name).shape
         if tuple(w.shape) != tuple(want):
             raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict(LlamaModel.interleave_rope_weights(cfg, state), assign=True)
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
     return model.eval()

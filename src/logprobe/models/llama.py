@@ -21,7 +21,7 @@ from ..errors import LogprobeError
 from ..layers.attention import packed_causal_attention
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..scoring.head import HeadParams
 
 
@@ -71,14 +71,14 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cis), apply_rotary(k, cis)
         o = packed_causal_attention(q, k, v, cu_seqlens, self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
@@ -102,8 +102,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cu_seqlens)  # resid_mid
+    def forward(self, h: torch.Tensor, cis: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cis, cu_seqlens)  # resid_mid
         h = h + self.mlp(self.post_attention_layernorm(h))  # resid_post
         return h
 
@@ -121,6 +121,19 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
+    @staticmethod
+    def interleave_rope_weights(cfg: LlamaConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint (rotate-half) q/k rows -> the interleaved layout ``apply_rotary`` expects."""
+        out = dict(state)
+        for name, w in state.items():
+            if ".self_attn.q_proj." in name:
+                out[name] = to_interleaved(w, cfg.num_heads)
+            elif ".self_attn.k_proj." in name:
+                out[name] = to_interleaved(w, cfg.num_kv_heads)
+            elif ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:
+                out[name] = to_interleaved(w, 1)
+        return out
+
     def head_params(self) -> HeadParams:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return HeadParams(weight=weight)
@@ -128,7 +141,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H]."""
         h = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.rotary(positions, h.dtype)  # [T, D]
+        cis = self.rotary(positions)  # [T, D/2] complex
         for layer in self.layers:
-            h = layer(h, cos, sin, cu_seqlens)
+            h = layer(h, cis, cu_seqlens)
         return self.norm(h)
