@@ -181,6 +181,7 @@ def main() -> None:
         mark = " (baseline)" if name == base[0] else ""
         print(f"| {name}{mark} | {ppl:.4f} | {n} | {fwd_tokens} | {sec:.1f} | {n / sec:.0f} | "
               f"{fwd_tokens / sec:.0f} | {speed} | {dppl} |")
+    print(f"logprobe git at the end: {git_rev()}")
     print(f"\nspeed ratio logprobe/transformers (baseline {base[0]}): {base[3] / lp[3]:.2f}×, "
           f"|Δ perplexity| {abs(base[1] - lp[1]):.2e}")
 
