@@ -7,8 +7,6 @@ import os
 import re
 from pathlib import Path
 
-import torch
-
 from ..errors import LogprobeError
 from ..models.llama import LlamaConfig
 from .gguf_quants import GGML_TYPES, dequantize
@@ -84,15 +82,16 @@ def gguf_config(reader, path: Path) -> tuple[str, LlamaConfig]:
     return arch, cfg
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's conversion permute of q/k rows (interleaved RoPE -> rotate-half layout)."""
-    rows = w.shape[0]
-    # [n_head, rows/n_head/2, 2, ...] -> [n_head, 2, rows/n_head/2, ...]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def rope_interleaved(arch: str) -> bool:
+    """Whether this architecture's q/k rows are stored interleaved (llama.cpp's conversion permute)."""
+    return arch == "llama"
 
 
 def gguf_tensors(reader, arch: str, cfg: LlamaConfig):
-    """Yield (module parameter name, float32 tensor); 'rope_freqs' is yielded as is."""
+    """Yield (module parameter name, float32 tensor); 'rope_freqs' is yielded as is.
+
+    q/k rows stay as stored: llama.cpp writes `llama` files already in the interleaved RoPE
+    layout the native model uses (see ``rope_interleaved``), qwen2/qwen3 in the checkpoint one."""
     for t in reader.tensors:
         type_id = int(t.tensor_type)
         if type_id not in GGML_TYPES:
@@ -109,12 +108,7 @@ def gguf_tensors(reader, arch: str, cfg: LlamaConfig):
         else:
             raise LogprobeError("model", f"unexpected tensor {t.name!r} in a {arch} GGUF file",
                                 "this file is not a plain Llama-family model")
-        w = dequantize(t.data, type_id, shape)
-        if arch == "llama" and m and m.group(2) == "attn_q.weight":
-            w = _unpermute(w, cfg.num_heads)
-        elif arch == "llama" and m and m.group(2) == "attn_k.weight":
-            w = _unpermute(w, cfg.num_kv_heads)
-        yield name, w
+        yield name, dequantize(t.data, type_id, shape)
 
 
 def gguf_tokenizer(path: Path, reader):

@@ -63,7 +63,9 @@ def resolve_spec(spec: str | None) -> Path:
     return path
 
 
-def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype,
+                  rope_interleaved: bool = False) -> LlamaModel:
+    """rope_interleaved: q/k rows already arrive in the layout the model uses (llama GGUF)."""
     freq_factors = None
     state: dict[str, torch.Tensor] = {}
     for name, w in tensors:
@@ -82,7 +84,9 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
         want = model.get_parameter(name).shape
         if tuple(w.shape) != tuple(want):
             raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
-    model.load_state_dict(LlamaModel.interleave_rope_weights(cfg, state), assign=True)
+    if not rope_interleaved:
+        state = LlamaModel.interleave_rope_weights(cfg, state)
+    model.load_state_dict(state, assign=True)
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
     return model.eval()
@@ -102,12 +106,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
     if path.is_file():
-        from .gguf import _reader, gguf_config, gguf_tensors, gguf_tokenizer
+        from .gguf import _reader, gguf_config, gguf_tensors, gguf_tokenizer, rope_interleaved
 
         reader = _reader(path)
         arch, cfg = gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
-        model = _build_native(cfg, gguf_tensors(reader, arch, cfg), dev, dt)
+        model = _build_native(cfg, gguf_tensors(reader, arch, cfg), dev, dt, rope_interleaved(arch))
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
