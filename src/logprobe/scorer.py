@@ -7,8 +7,9 @@ contract and ``scoring.windows`` for how perplexity windows overlap.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -87,6 +88,22 @@ class PerplexityResult:
         return asdict(self)
 
 
+@dataclass(slots=True)
+class Job:
+    """Engine requests and how to turn their results into the method's answer.
+
+    ``Scorer.score(...)`` is ``job = Scorer.score_job(...)`` then ``job.finish(engine.run(job.requests))``;
+    the server runs the requests of many jobs in shared batches and finishes each job on its own.
+    """
+
+    requests: list[ScoreRequest]
+    finish: Callable[[list[RequestResult]], Any]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_inputs for r in self.requests)
+
+
 class Scorer:
     """Exact log-probabilities of given text.
 
@@ -112,6 +129,15 @@ class Scorer:
 
     def score(self, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
               top_k: int = 0, entropy: bool = False) -> list[ContinuationScore]:
+        return self.run(self.score_job(prompt, continuations, temperature=temperature, top_k=top_k,
+                                       entropy=entropy))
+
+    def run(self, job: Job) -> Any:
+        """Run a job's requests on this scorer's engine and finish it."""
+        return job.finish(self.engine.run(job.requests))
+
+    def score_job(self, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
+                  top_k: int = 0, entropy: bool = False) -> Job:
         """Score each continuation after ``prompt``.
 
         Prompt and continuation are encoded jointly and split (trailing prompt whitespace moves
@@ -139,11 +165,14 @@ class Scorer:
             self._check_length(len(ctx) + len(cont), "prompt + continuation")
             requests.append(ScoreRequest(ctx + cont, len(ctx), temperature, top_k, entropy))
             texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)
-        results = self.engine.run(requests)
-        return [self._continuation_score(t, r, res) for t, r, res in zip(texts, requests, results)]
+        return Job(requests, lambda results: [self._continuation_score(t, r, res)
+                                              for t, r, res in zip(texts, requests, results)])
 
     def loglikelihood(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), is_greedy)`` per pair, as lm-eval's ``loglikelihood``."""
+        return self.run(self.loglikelihood_job(pairs))
+
+    def loglikelihood_job(self, pairs: Sequence[tuple[str, str]]) -> Job:
         requests = []
         for i, pair in enumerate(pairs):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
@@ -151,8 +180,8 @@ class Scorer:
             ctx, cont = self._split(pair[0], pair[1])
             self._check_length(len(ctx) + len(cont), f"pairs[{i}]")
             requests.append(ScoreRequest(ctx + cont, len(ctx)))
-        results = self.engine.run(requests)
-        return [(float(r.logprobs.double().sum()), bool((r.ranks == 0).all())) for r in results]
+        return Job(requests, lambda results: [(float(r.logprobs.double().sum()), bool((r.ranks == 0).all()))
+                                              for r in results])
 
     # -- token ids (reinforcement learning) ----------------------------------------------------
 
@@ -167,17 +196,24 @@ class Scorer:
             row  :  0  1  2    3  4
             row 2 -> c0, row 3 -> c1, row 4 -> c2       (3 log-probs for 3 completion tokens)
         """
+        return self.run(self.logprobs_job(sequences, temperature, top_k, entropy))
+
+    def logprobs_job(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
+                     entropy: bool = False) -> Job:
         temperature, top_k = self._options(temperature, top_k)
+        if isinstance(sequences, (str, bytes, dict)) or not isinstance(sequences, Sequence) or not sequences:
+            raise LogprobeError("sequences", "must be a non-empty list of objects with prompt_token_ids and "
+                                "completion_token_ids")
         requests = [self.sequence_request(seq, i, temperature, top_k, entropy) for i, seq in enumerate(sequences)]
-        return [SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids, r.topk_logprobs)
-                for r in self.engine.run(requests)]
+        return Job(requests, lambda results: [SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids,
+                                                               r.topk_logprobs) for r in results])
 
     def sequence_request(self, seq: dict, i: int, temperature: float, top_k: int, entropy: bool) -> ScoreRequest:
         """Validate one RL sequence and turn it into a request (used by the CLI's streaming mode)."""
         if not isinstance(seq, dict):
             raise LogprobeError(f"sequences[{i}]", "must be an object with prompt_token_ids and completion_token_ids")
-        prompt = self._ids(seq.get("prompt_token_ids"), f"sequences[{i}].prompt_token_ids")
-        completion = self._ids(seq.get("completion_token_ids"), f"sequences[{i}].completion_token_ids")
+        prompt = self.check_ids(seq.get("prompt_token_ids"), f"sequences[{i}].prompt_token_ids")
+        completion = self.check_ids(seq.get("completion_token_ids"), f"sequences[{i}].completion_token_ids")
         if not prompt:
             raise LogprobeError(f"sequences[{i}].prompt_token_ids", "is empty: the first completion token needs "
                                 "a context", "prepend the BOS (or EOS) token id")
@@ -205,6 +241,14 @@ class Scorer:
         ``max_tokens`` keeps the first N tokens of each text. Default context: min(2048, model's);
         default stride: context_length // 4.
         """
+        return self.run(self.perplexity_job(texts, context_length=context_length, stride=stride, policy=policy,
+                                            prefix=prefix, max_tokens=max_tokens,
+                                            return_token_nlls=return_token_nlls))
+
+    def perplexity_job(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+                       context_length: int | None = None, stride: int | None = None, policy: str = "sliding",
+                       prefix: bool | None = None, max_tokens: int | None = None,
+                       return_token_nlls: bool = False) -> Job:
         streams, raw_texts = self._perplexity_streams(texts, max_tokens)
         if context_length is None:
             context_length = min(2048, self.info.max_length)
@@ -224,8 +268,14 @@ class Scorer:
                     toks = [self.tokenizer.bos_id] + toks[1:]  # llama-perplexity puts BOS first in every chunk
                 requests.append(ScoreRequest(toks, w.score_begin - w.begin))
                 owners.append(t)
-        results = self.engine.run(requests)
-        per_text: list[list[float]] = [[] for _ in streams]
+        finish = lambda results: self._perplexity_result(  # noqa: E731
+            results, owners, len(streams), raw_texts, policy, context_length, stride, max_tokens, return_token_nlls)
+        return Job(requests, finish)
+
+    @staticmethod
+    def _perplexity_result(results, owners, n_streams, raw_texts, policy, context_length, stride, max_tokens,
+                           return_token_nlls) -> PerplexityResult:
+        per_text: list[list[float]] = [[] for _ in range(n_streams)]
         for t, r in zip(owners, results):
             per_text[t].extend((-r.logprobs.double()).tolist())
         nlls = [x for text_nlls in per_text for x in text_nlls]
@@ -233,7 +283,7 @@ class Scorer:
         total = math.fsum(nlls)
         out = PerplexityResult(
             perplexity=math.exp(mean), perplexity_stderr=math.exp(mean) * se, nll_mean=mean, nll_stderr=se,
-            num_tokens=len(nlls), num_windows=len(requests), policy=policy, context_length=context_length,
+            num_tokens=len(nlls), num_windows=len(results), policy=policy, context_length=context_length,
             stride=stride if policy == "sliding" else None,
             token_nlls=per_text if return_token_nlls else None)
         if raw_texts is not None and max_tokens is None:
@@ -260,9 +310,9 @@ class Scorer:
             streams = self.tokenizer.encode_batch(list(texts))
             raw = list(texts)
         elif all(isinstance(t, int) for t in texts):
-            streams, raw = [self._ids(texts, "texts")], None
+            streams, raw = [self.check_ids(texts, "texts")], None
         else:
-            streams = [self._ids(t, f"texts[{i}]") for i, t in enumerate(texts)]
+            streams = [self.check_ids(t, f"texts[{i}]") for i, t in enumerate(texts)]
             raw = None
         if max_tokens is not None:
             streams = [s[:max_tokens] for s in streams]
@@ -272,7 +322,7 @@ class Scorer:
         tok = self.tokenizer
         return split_continuation(prompt, continuation, tok.encode, tok.prefix_id, tok.add_bos, tok.bos_id)
 
-    def _ids(self, ids, name: str) -> list[int]:
+    def check_ids(self, ids, name: str) -> list[int]:
         if not isinstance(ids, (list, tuple)) and not (isinstance(ids, torch.Tensor) and ids.ndim == 1):
             raise LogprobeError(name, "must be a list of token ids")
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)

@@ -3,6 +3,7 @@
     logprobe score "The capital of France is" Paris London Berlin
     logprobe perplexity --text-file wiki.txt --context-length 1024
     logprobe logprobs --input rollouts.jsonl --output logprobs.jsonl
+    logprobe serve --port 8000
 
 Exit codes: 0 ok; 1 some ``logprobs`` input lines failed (each reported as ``line N: ...``);
 2 bad usage, bad input or unusable model (one line ``logprobe: error: ...``); 130 interrupted.
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, metavar="FILE", help="JSONL input; - reads stdin")
     p.add_argument("--output", required=True, metavar="FILE", help="JSONL output (appended to / resumed)")
     p.set_defaults(func=cmd_logprobs)
+
+    from .serve import add_serve_parser  # the server's options live with the server command
+
+    add_serve_parser(sub, common)
     return parser
 
 

@@ -1,0 +1,71 @@
+"""``logprobe serve``: the HTTP scoring server on uvicorn (a thin shell over ``server.create_app``)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+
+def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "serve", parents=[common], help="HTTP scoring server (OpenAI /v1/completions, tokenizer and native endpoints)",
+        description="Serve the model over HTTP. Concurrent requests are scored in shared batches. Endpoints: "
+                    "POST /v1/completions (echo + logprobs, max_tokens 0 or 1), GET /v1/models, GET /tokenizer_info, "
+                    "POST /tokenize, POST /detokenize, POST /v1/score, POST /v1/logprobs, POST /v1/perplexity, "
+                    "GET /health, GET /metrics, GET /docs (OpenAPI).",
+        epilog="The key can also come from the LOGPROBE_API_KEY environment variable (keeps it out of `ps`).")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models lists (default: the --model value)")
+    s.add_argument("--max-queue-requests", type=int, default=256, metavar="N",
+                   help="HTTP requests queued for the engine before 429 (default: %(default)s)")
+    s.add_argument("--max-queue-tokens", type=int, default=1 << 21, metavar="N",
+                   help="input tokens queued before 429 (default: %(default)s)")
+    s.add_argument("--max-request-tokens", type=int, default=1 << 20, metavar="N",
+                   help="input tokens one request may bring, else 413 (default: %(default)s)")
+    s.add_argument("--max-request-items", type=int, default=4096, metavar="N",
+                   help="prompts/continuations/sequences/texts per request, else 413 (default: %(default)s)")
+    s.add_argument("--max-top-logprobs", type=int, default=100, metavar="K",
+                   help="cap on /v1/completions 'logprobs' (default: %(default)s)")
+    s.add_argument("--no-batching", action="store_true",
+                   help="score one HTTP request at a time (for comparison; slower under concurrency)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..server import ServerConfig, create_app
+    from .main import _scorer
+
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOGPROBE_API_KEY") or None,
+        served_model_name=args.served_model_name or args.model, max_queue_requests=args.max_queue_requests,
+        max_queue_tokens=args.max_queue_tokens, max_request_tokens=args.max_request_tokens,
+        max_request_items=args.max_request_items, max_top_logprobs=args.max_top_logprobs,
+        batching=not args.no_batching)
+    if not _loopback(config.host) and config.api_key is None:
+        print(f"logprobe: warning: serving on {config.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    scorer = _scorer(args)
+    app = create_app(scorer, config)
+    import uvicorn
+
+    print(f"logprobe: serving {scorer.info.name} ({scorer.info.device}, {scorer.info.dtype}) on "
+          f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

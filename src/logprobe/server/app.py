@@ -1,0 +1,328 @@
+"""The ASGI app (FastAPI on uvicorn): thin handlers over ``Scorer`` jobs and the shared ``Batcher``.
+
+Every error is JSON ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape) with a
+4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..errors import LogprobeError
+from ..scorer import Job, Scorer
+from .batcher import Batcher, QueueFull, ServerClosed
+from .config import ServerConfig
+from .metrics import Metrics
+from .openai_compat import completion_job
+from .schemas import (
+    CompletionRequest,
+    DetokenizeRequest,
+    LogprobsBody,
+    PerplexityBody,
+    ScoreBody,
+    TokenizeRequest,
+)
+
+log = logging.getLogger("logprobe.server")
+
+OPEN_PATHS = {"/health"}
+BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody}  # reachable without the API key (load balancers, probes)
+
+
+class ModelNotFound(LogprobeError):
+    pass
+
+
+class RequestTooLarge(Exception):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def _loc(loc: tuple) -> str:
+    """('body', 'prompt', 0, 3) -> 'prompt[0][3]'."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def validation_message(errors: list[dict], model: type | None = None) -> tuple[str, str]:
+    """The first problem, stated as ``field: problem; fix`` (plus a count of any others)."""
+    # a misspelt field shows up as "unknown" and "missing": the unknown one explains both
+    errors = sorted(errors, key=lambda x: x.get("type") != "extra_forbidden")
+    e = errors[0]
+    field = _loc(tuple(e.get("loc", ())))
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        field, msg = "body", f"is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))}); send a JSON object"
+    elif kind == "extra_forbidden":
+        known = ", ".join(model.model_fields) if model is not None else ""
+        msg = f"is not a known field; accepted fields: {known}" if known else "is not a known field"
+    elif kind == "missing":
+        msg = "is required"
+    elif kind == "model_attributes_type":
+        field, msg = "body", "must be a JSON object"
+    else:
+        msg = e.get("msg", "is invalid").removeprefix("Value error, ")
+        msg = msg[0].lower() + msg[1:] if msg else msg
+    more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
+    return field, f"{field}: {msg}{more}"
+
+
+class Gate:
+    """Pure ASGI middleware: API key, body-size limit, request metrics."""
+
+    def __init__(self, app, config: ServerConfig, metrics: Metrics, routes: set[str]) -> None:
+        self.app = app
+        self.config = config
+        self.metrics = metrics
+        self.routes = routes
+        self.key = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in self.routes else "other"
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            headers = dict(scope.get("headers") or [])
+            if self.key is not None and path not in OPEN_PATHS:
+                given = headers.get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.key):
+                    problem = "is missing" if not given else "is wrong"
+                    resp = error_response(401, f"Authorization: the bearer key {problem}; send the header "
+                                          "'Authorization: Bearer <key>' with the key the server was started "
+                                          "with", "Authorization", "invalid_api_key",
+                                          {"WWW-Authenticate": "Bearer"})
+                    return await resp(scope, receive, send_wrapped)
+            limit = self.config.max_body_bytes
+            length = headers.get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                resp = error_response(413, f"body: {int(length)} bytes exceed the limit of {limit}; send less "
+                                      "per request", "body", "body_too_large")
+                return await resp(scope, receive, send_wrapped)
+            received = 0
+
+            async def receive_limited():
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > limit:
+                        raise RequestTooLarge("body", f"body: more than {limit} bytes; send less per request")
+                return message
+
+            await self.app(scope, receive_limited, send_wrapped)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: str | None = None) -> FastAPI:
+    """The app serving ``scorer``; its engine thread starts and stops with the app (lifespan)."""
+    config = config or ServerConfig()
+    name = config.served_model_name or model_name or scorer.info.name
+    names = {name, scorer.info.name, scorer.info.path}
+    metrics = Metrics()
+    batcher = Batcher(scorer.engine.run, scorer.config.max_batch_tokens, config.max_queue_requests,
+                      config.max_queue_tokens, config.batching, metrics.observe_step)
+    tok = scorer.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        yield
+        batcher.close()
+
+    app = FastAPI(title="logprobe", version=__version__, lifespan=lifespan,
+                  description="Exact log-probabilities of given text: OpenAI-compatible scoring, tokenizer "
+                              "endpoints and native scoring endpoints.")
+    app.state.scorer, app.state.batcher, app.state.config, app.state.metrics = scorer, batcher, config, metrics
+
+    # -- errors ----------------------------------------------------------------------------------
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        field, message = validation_message(list(exc.errors()), BODIES.get(request.url.path))
+        ctype = request.headers.get("content-type", "")
+        if field == "body" and "json" not in ctype:
+            message += f" (the request was sent as {ctype or 'no content type'}: send Content-Type: application/json)"
+        return error_response(400, message, field, "invalid_value")
+
+    @app.exception_handler(LogprobeError)
+    async def _logprobe_error(request: Request, exc: LogprobeError):
+        if isinstance(exc, ModelNotFound):
+            return error_response(404, str(exc), exc.field, "model_not_found")
+        return error_response(400, str(exc), exc.field, "invalid_value")
+
+    @app.exception_handler(RequestTooLarge)
+    async def _too_large(request: Request, exc: RequestTooLarge):
+        return error_response(413, str(exc), exc.field, "request_too_large")
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, exc: QueueFull):
+        return error_response(429, f"server busy: {exc.reason}; retry after {exc.retry_after} s", None,
+                              "queue_full", {"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(ServerClosed)
+    async def _closed(request: Request, exc: ServerClosed):
+        return error_response(503, f"{exc}; retry later", None, "shutting_down", {"Retry-After": "5"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = {404: f"{request.url.path}: no such endpoint; see /docs for the list",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return error_response(503, "out of memory on the server; send fewer tokens per request or retry",
+                                  None, "out_of_memory", {"Retry-After": "5"})
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in names:
+            raise ModelNotFound("model", f"{model!r} is not served here", f"use {name!r} (see GET /v1/models)")
+
+    def check_items(n: int, field: str) -> None:
+        if n > config.max_request_items:
+            raise RequestTooLarge(field, f"{field}: {n} items exceed this server's limit of "
+                                  f"{config.max_request_items} per request; split the request")
+
+    async def run(job: Job):
+        if job.num_tokens > config.max_request_tokens:
+            raise RequestTooLarge("body", f"body: {job.num_tokens} input tokens exceed this server's limit of "
+                                  f"{config.max_request_tokens} per request; split the request")
+        results = await batcher.submit(job.requests)
+        return await run_in_threadpool(job.finish, results)
+
+    api = APIRouter()
+
+    # -- OpenAI-compatible -----------------------------------------------------------------------
+
+    @api.post("/v1/completions", summary="Prompt log-probs (echo) and at most one greedy token")
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+            check_items(len(body.prompt), "prompt")
+        job = await run_in_threadpool(completion_job, body, scorer, name, config.max_top_logprobs)
+        return await run(job)
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "logprobe",
+                                            "root": scorer.info.path, "max_model_len": scorer.info.max_length}]}
+
+    # -- tokenizer (the vLLM endpoints lm-evaluation-harness looks for) ---------------------------
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info():
+        hf = tok.hf
+        return {"tokenizer_class": type(hf).__name__, "bos_token": hf.bos_token, "eos_token": hf.eos_token,
+                "pad_token": hf.pad_token, "unk_token": hf.unk_token, "add_bos_token": tok.add_bos,
+                "model_max_length": scorer.info.max_length, "vocab_size": scorer.info.vocab_size,
+                "chat_template": getattr(hf, "chat_template", None)}
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        ids = await run_in_threadpool(tok.encode, body.prompt)
+        if body.add_special_tokens and tok.add_bos:
+            ids = [tok.bos_id] + ids
+        out = {"count": len(ids), "max_model_len": scorer.info.max_length, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tok.token_texts(ids)
+        return out
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        ids = scorer.check_ids(body.tokens, "tokens")
+        return {"prompt": await run_in_threadpool(tok.decode, ids)}
+
+    # -- native ----------------------------------------------------------------------------------
+
+    @api.post("/v1/score", summary="log p(continuation | prompt) for each continuation")
+    async def score(body: ScoreBody):
+        check_model(body.model)
+        check_items(len(body.continuations), "continuations")
+        job = await run_in_threadpool(lambda: scorer.score_job(body.prompt, body.continuations,
+                                                               temperature=body.temperature, top_k=body.top_k,
+                                                               entropy=body.entropy))
+        results = await run(job)
+        return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results]}
+
+    @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature")
+    async def logprobs(body: LogprobsBody):
+        check_model(body.model)
+        check_items(len(body.sequences), "sequences")
+        seqs = [s.model_dump() for s in body.sequences]
+        job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy))
+        results = await run(job)
+        return {"object": "logprobs", "model": name, "temperature": body.temperature,
+                "results": [r.to_dict() for r in results]}
+
+    @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows")
+    async def perplexity(body: PerplexityBody):
+        check_model(body.model)
+        if isinstance(body.texts, list) and body.texts and not isinstance(body.texts[0], int):
+            check_items(len(body.texts), "texts")
+        job = await run_in_threadpool(lambda: scorer.perplexity_job(
+            body.texts, context_length=body.context_length, stride=body.stride, policy=body.policy,
+            prefix=body.prefix, max_tokens=body.max_tokens, return_token_nlls=body.return_token_nlls))
+        result = await run(job)
+        return {"object": "perplexity", "model": name, **result.to_dict()}
+
+    # -- operations ------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        jobs, tokens = batcher.queue_depth
+        return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens}
+
+    @api.get("/metrics")
+    async def prometheus():
+        jobs, tokens = batcher.queue_depth
+        metrics.queue_jobs.set(jobs)
+        metrics.queue_tokens.set(tokens)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(api)
+    routes = {getattr(r, "path", "") for r in [*app.routes, *api.routes]} - {""}
+    app.add_middleware(Gate, config=config, metrics=metrics, routes=routes)
+    return app

@@ -1,0 +1,222 @@
+"""Continuous batching across HTTP requests: one engine thread, shared packed batches.
+
+Every HTTP request becomes a list of ``ScoreRequest``s (a job). The engine thread repeatedly
+takes requests from the queued jobs, round-robin so a long perplexity job cannot starve a short
+multiple-choice request, up to one batch's token budget, runs them in **one** engine call and
+hands each result back to the job it came from. A job's future resolves when its last request
+is scored. The queue is bounded in jobs and in tokens; beyond either ``submit`` raises
+``QueueFull`` (the server answers 429 with ``Retry-After``).
+
+    queue:  job A [a0 a1 a2 a3]   job B [b0]   job C [c0 c1]
+    step 1: a0 b0 c0 a1 (budget full)   -> B resolves
+    step 2: c1 a2 a3                    -> A, C resolve
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..engine.request import RequestResult, ScoreRequest
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int, reason: str) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+        self.reason = reason
+
+
+class ServerClosed(Exception):
+    pass
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    requests: list[ScoreRequest]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    tokens: int
+    results: list[RequestResult | None] = field(default_factory=list)
+    next: int = 0  # first request not yet handed to the engine
+    done: int = 0  # requests scored
+
+
+@dataclass(slots=True)
+class StepStats:
+    requests: int  # ScoreRequests in the engine call
+    jobs: int  # HTTP requests they came from
+    tokens: int  # input tokens
+    scored: int  # token log-probs computed
+    seconds: float
+
+
+class Batcher:
+    """``await batcher.submit(requests)`` -> results in order, scored in batches shared with other callers.
+
+    ``run_batch(requests) -> results`` is the engine call (``Engine.run``); ``on_step`` sees each step's
+    size and time (metrics).
+    """
+
+    def __init__(self, run_batch: Callable[[list[ScoreRequest]], list[RequestResult]], max_batch_tokens: int,
+                 max_queue_requests: int, max_queue_tokens: int, batching: bool = True,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.run_batch = run_batch
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue_requests = max_queue_requests
+        self.max_queue_tokens = max_queue_tokens
+        self.batching = batching
+        self.on_step = on_step
+        self._jobs: list[_Job] = []  # arrival order
+        self._turn = 0  # round-robin position in _jobs
+        self._queued_tokens = 0  # input tokens of requests not yet scored
+        self._cond = threading.Condition()
+        self._closed = False
+        self._rate = 0.0  # tokens/s, moving average over engine steps (for Retry-After)
+        self._thread = threading.Thread(target=self._loop, name="logprobe-engine", daemon=True)
+
+    # -- event-loop side -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the engine thread; queued jobs fail with ServerClosed."""
+        with self._cond:
+            self._closed = True
+            jobs, self._jobs = self._jobs, []
+            self._cond.notify_all()
+        for job in jobs:
+            job.loop.call_soon_threadsafe(_fail, job.future, ServerClosed("the server is shutting down"))
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    @property
+    def queue_depth(self) -> tuple[int, int]:
+        """(jobs, input tokens) waiting or running."""
+        with self._cond:
+            return len(self._jobs), self._queued_tokens
+
+    async def submit(self, requests: list[ScoreRequest]) -> list[RequestResult]:
+        if not requests:
+            return []
+        loop = asyncio.get_running_loop()
+        tokens = sum(r.num_inputs for r in requests)
+        job = _Job(requests, loop.create_future(), loop, tokens, [None] * len(requests))
+        with self._cond:
+            if self._closed:
+                raise ServerClosed("the server is shutting down")
+            if self._jobs:  # an empty queue takes any job, however large
+                if len(self._jobs) >= self.max_queue_requests:
+                    raise QueueFull(self._retry_after(), f"{len(self._jobs)} requests are queued "
+                                    f"(limit {self.max_queue_requests})")
+                if self._queued_tokens + tokens > self.max_queue_tokens:
+                    raise QueueFull(self._retry_after(), f"{self._queued_tokens} tokens are queued; "
+                                    f"{tokens} more would pass the limit of {self.max_queue_tokens}")
+            self._jobs.append(job)
+            self._queued_tokens += tokens
+            self._cond.notify()
+        return await job.future
+
+    def _retry_after(self) -> int:
+        if self._rate <= 0:
+            return 1
+        return max(1, min(60, math.ceil(self._queued_tokens / self._rate)))
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._jobs:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                step = self._take()
+            if not step:
+                continue
+            requests = [job.requests[i] for job, i in step]
+            tokens = sum(r.num_inputs for r in requests)
+            t0 = time.perf_counter()
+            try:
+                results = self.run_batch(requests)
+            except Exception as e:  # noqa: BLE001 - fail the jobs in this step, keep serving the others
+                self._fail_jobs({job for job, _ in step}, e)
+                continue
+            seconds = time.perf_counter() - t0
+            self._deliver(step, results, tokens)
+            self._rate = tokens / seconds if self._rate == 0 else 0.8 * self._rate + 0.2 * tokens / seconds
+            if self.on_step is not None:
+                self.on_step(StepStats(len(requests), len({id(j) for j, _ in step}), tokens,
+                                       sum(r.num_scored for r in requests), seconds))
+
+    def _take(self) -> list[tuple[_Job, int]]:
+        """The next engine step: requests taken round-robin over jobs up to the token budget (lock held)."""
+        for job in [j for j in self._jobs if j.future.cancelled()]:  # the client went away
+            self._jobs.remove(job)
+            self._queued_tokens -= sum(r.num_inputs for r in job.requests[job.done:])
+        pending = [j for j in self._jobs if j.next < len(j.requests)]
+        if not pending:
+            return []
+        if not self.batching:
+            pending = pending[:1]
+        step: list[tuple[_Job, int]] = []
+        budget = self.max_batch_tokens
+        start = self._turn % len(pending)
+        order = pending[start:] + pending[:start]
+        progress = True
+        while progress:
+            progress = False
+            for job in order:
+                if job.next >= len(job.requests):
+                    continue
+                n = job.requests[job.next].num_inputs
+                if step and n > budget:
+                    continue
+                step.append((job, job.next))
+                job.next += 1
+                budget -= n
+                progress = True
+                if budget <= 0:
+                    break
+            if budget <= 0:
+                break
+        self._turn += 1
+        return step
+
+    def _deliver(self, step: list[tuple[_Job, int]], results: list[RequestResult], tokens: int) -> None:
+        finished = []
+        with self._cond:
+            for (job, i), res in zip(step, results):
+                job.results[i] = res
+                job.done += 1
+                if job.done == len(job.requests):
+                    finished.append(job)
+            self._queued_tokens -= tokens
+            for job in finished:
+                self._jobs.remove(job)
+        for job in finished:
+            job.loop.call_soon_threadsafe(_succeed, job.future, job.results)
+
+    def _fail_jobs(self, jobs: set[_Job], error: Exception) -> None:
+        with self._cond:
+            for job in jobs:
+                if job in self._jobs:
+                    self._jobs.remove(job)
+                    self._queued_tokens -= sum(r.num_inputs for r in job.requests[job.done:])
+        for job in jobs:
+            job.loop.call_soon_threadsafe(_fail, job.future, error)
+
+
+def _succeed(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)

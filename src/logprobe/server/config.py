@@ -1,0 +1,48 @@
+"""Server limits and options, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LogprobeError
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """How the server listens and what it accepts.
+
+    host: loopback by default; binding elsewhere is an explicit choice (``--host 0.0.0.0``).
+    api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer <key>``.
+    served_model_name: the ``model`` name clients send (``/v1/models`` lists it); None = the model spec.
+    max_queue_requests / max_queue_tokens: the engine queue; beyond either a request gets 429
+        with ``Retry-After`` (the server is busy, not broken).
+    max_request_tokens: input tokens one HTTP request may bring (after windowing), else 413.
+    max_request_items: prompts / continuations / sequences / texts per request, else 413.
+    max_top_logprobs: cap on ``logprobs`` (top-k alternatives per position) over HTTP, else 400;
+        the scored token is always returned whatever the cap.
+    max_body_bytes: request bodies beyond this get 413 before they are parsed.
+    batching: False runs one HTTP request's work per engine step (for comparison; slower).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queue_requests: int = 256
+    max_queue_tokens: int = 1 << 21
+    max_request_tokens: int = 1 << 20
+    max_request_items: int = 4096
+    max_top_logprobs: int = 100
+    max_body_bytes: int = 64 << 20
+    batching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_requests", "max_queue_tokens", "max_request_tokens", "max_request_items",
+                     "max_top_logprobs", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LogprobeError(name, f"must be a positive integer, got {value!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise LogprobeError("port", f"must be an integer in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise LogprobeError("api_key", "is empty", "give a non-empty key or leave it unset")

@@ -1,0 +1,47 @@
+"""Prometheus metrics, one registry per app (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .batcher import StepStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("logprobe_http_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("logprobe_http_request_seconds", "HTTP request latency", ["endpoint"],
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens_scored = Counter("logprobe_tokens_scored", "Token log-probs returned by the engine",
+                                     registry=r)
+        self.tokens_input = Counter("logprobe_tokens_input", "Tokens fed through the model", registry=r)
+        self.queue_jobs = Gauge("logprobe_queue_requests", "HTTP requests waiting or running in the engine",
+                                registry=r)
+        self.queue_tokens = Gauge("logprobe_queue_tokens", "Input tokens waiting or running in the engine",
+                                  registry=r)
+        self.batch_requests = Histogram("logprobe_batch_requests", "Scoring requests per engine step",
+                                        buckets=_SIZE_BUCKETS, registry=r)
+        self.batch_jobs = Histogram("logprobe_batch_http_requests", "HTTP requests sharing one engine step",
+                                    buckets=_SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("logprobe_batch_tokens", "Input tokens per engine step",
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.step_seconds = Histogram("logprobe_engine_step_seconds", "Time of one engine step",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_step(self, s: StepStats) -> None:
+        self.batch_requests.observe(s.requests)
+        self.batch_jobs.observe(s.jobs)
+        self.batch_tokens.observe(s.tokens)
+        self.step_seconds.observe(s.seconds)
+        self.tokens_input.inc(s.tokens)
+        self.tokens_scored.inc(s.scored)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""Request bodies, validated by pydantic (strict JSON types: ``"1"`` is not a number, ``1`` is not
+``true``). Unknown fields are refused: a misspelt option must not silently fall back to a default."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+def _check_prompt(value: Any) -> Any:
+    """One clear message instead of four union branches."""
+    shape = "a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"must be {shape}, got {type(value).__name__}")
+    if not value:
+        raise ValueError("is an empty list; give at least one prompt")
+    if all(isinstance(x, str) for x in value):
+        return value
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return value
+    if all(isinstance(x, list) for x in value):
+        for i, ids in enumerate(value):
+            for j, x in enumerate(ids):
+                if not isinstance(x, int) or isinstance(x, bool):
+                    raise ValueError(f"[{i}][{j}] must be an integer token id, got {x!r}")
+        return value
+    raise ValueError(f"must be {shape} (not a mixture)")
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI ``/v1/completions``, for scoring: ``max_tokens`` 0 (prompt log-probs only) or 1 (one greedy token)."""
+
+    model_config = _STRICT
+
+    prompt: PromptType = Field(description="text, texts, token ids, or lists of token ids")
+    model: str | None = None
+    max_tokens: int = Field(16, description="0 or 1; OpenAI's default of 16 is refused: this server only scores")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, description="top alternatives per position (server cap applies)")
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False,
+                               description="accepted for compatibility; the generated token is always greedy and "
+                                           "log-probs are the model's own (temperature 1); use /v1/logprobs for "
+                                           "temperature-scaled log-probs")
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    n: int = 1
+    best_of: int | None = None
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        return _check_prompt(v)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    tokens: list[int]
+    model: str | None = None
+
+
+class ScoreBody(BaseModel):
+    """``POST /v1/score``: log p(continuation | prompt) for each continuation (``Scorer.score``)."""
+
+    model_config = _STRICT
+    prompt: str
+    continuations: list[str] = Field(min_length=1)
+    model: str | None = None
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)
+    entropy: bool = False
+
+
+class Sequence(BaseModel):
+    model_config = _STRICT
+    prompt_token_ids: list[int] = Field(min_length=1)
+    completion_token_ids: list[int] = Field(min_length=1)
+
+
+class LogprobsBody(BaseModel):
+    """``POST /v1/logprobs``: per-token log-probs of completions (``Scorer.logprobs``, RL)."""
+
+    model_config = _STRICT
+    sequences: list[Sequence] = Field(min_length=1)
+    model: str | None = None
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)
+    entropy: bool = False
+
+
+class PerplexityBody(BaseModel):
+    """``POST /v1/perplexity`` (``Scorer.perplexity``)."""
+
+    model_config = _STRICT
+    texts: PromptType = Field(description="a text, texts, token ids, or lists of token ids")
+    model: str | None = None
+    context_length: int | None = Field(None, ge=2)
+    stride: int | None = Field(None, ge=1)
+    policy: Literal["sliding", "llama.cpp"] = "sliding"
+    prefix: bool | None = None
+    max_tokens: int | None = Field(None, ge=2)
+    return_token_nlls: bool = False
+
+    @field_validator("texts", mode="plain")
+    @classmethod
+    def _texts(cls, v: Any) -> Any:
+        return _check_prompt(v)

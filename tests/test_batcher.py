@@ -1,0 +1,144 @@
+"""The server's continuous batcher, on a fake engine: shared steps, round-robin order, bounded queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from logprobe.engine.request import RequestResult, ScoreRequest
+from logprobe.server.batcher import Batcher, QueueFull, ServerClosed
+
+
+def req(n_inputs: int, tag: int) -> ScoreRequest:
+    # tokens carry a tag so the fake engine's calls can be read back
+    return ScoreRequest([tag] * (n_inputs + 1), 1)
+
+
+class FakeEngine:
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.calls: list[list[int]] = []
+        self.gate = gate
+
+    def __call__(self, requests: list[ScoreRequest]) -> list[RequestResult]:
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.calls.append([r.tokens[0] for r in requests])
+        import torch
+
+        return [RequestResult(torch.full((r.num_scored,), float(r.tokens[0])), torch.zeros(r.num_scored,
+                              dtype=torch.long)) for r in requests]
+
+
+def run_jobs(batcher: Batcher, jobs: list[list[ScoreRequest]]):
+    async def main():
+        batcher.start()
+        try:
+            return await asyncio.gather(*[batcher.submit(j) for j in jobs])
+        finally:
+            batcher.close()
+    return asyncio.run(main())
+
+
+def test_round_robin_gold():
+    """Jobs queued together share steps, one request from each job in turn, up to the budget:
+    A = a0..a3 (10 tokens each), B = b0, C = c0 c1; budget 40."""
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    b = Batcher(engine, max_batch_tokens=40, max_queue_requests=10, max_queue_tokens=10_000)
+    A = [req(10, 10 + i) for i in range(4)]
+    B = [req(10, 20)]
+    C = [req(10, 30 + i) for i in range(2)]
+
+    async def main():
+        b.start()
+        tasks = [asyncio.ensure_future(b.submit(j)) for j in (A, B, C)]
+        await asyncio.sleep(0.05)  # all three queued before the engine may run
+        gate.set()
+        out = await asyncio.gather(*tasks)
+        b.close()
+        return out
+
+    out = asyncio.run(main())
+    assert engine.calls == [[10, 20, 30, 11], [31, 12, 13]]
+    # each job gets its own results back, in its own order
+    assert [r.logprobs[0].item() for r in out[0]] == [10, 11, 12, 13]
+    assert [r.logprobs[0].item() for r in out[2]] == [30, 31]
+
+
+def test_without_batching_one_job_per_step():
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    b = Batcher(engine, max_batch_tokens=40, max_queue_requests=10, max_queue_tokens=10_000, batching=False)
+
+    async def main():
+        b.start()
+        tasks = [asyncio.ensure_future(b.submit([req(5, t)])) for t in (1, 2, 3)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(*tasks)
+        b.close()
+
+    asyncio.run(main())
+    assert engine.calls == [[1], [2], [3]]
+
+
+def test_long_request_runs_alone_and_budget_respected():
+    engine = FakeEngine()
+    b = Batcher(engine, max_batch_tokens=16, max_queue_requests=10, max_queue_tokens=10_000)
+    run_jobs(b, [[req(100, 1), req(8, 2), req(8, 3), req(9, 4)]])
+    assert engine.calls == [[1], [2, 3], [4]]
+
+
+def test_queue_full_and_closed():
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    b = Batcher(engine, max_batch_tokens=8, max_queue_requests=2, max_queue_tokens=50)
+
+    async def main():
+        b.start()
+        first = asyncio.ensure_future(b.submit([req(40, 1)]))  # an empty queue takes any job
+        second = asyncio.ensure_future(b.submit([req(5, 2)]))
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull):  # 2 jobs queued
+            await b.submit([req(1, 3)])
+        gate.set()
+        await asyncio.gather(first, second)
+        gate.clear()
+        blocked = asyncio.ensure_future(b.submit([req(45, 4)]))
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull) as e:  # 45 + 10 tokens > 50
+            await b.submit([req(10, 5)])
+        assert e.value.retry_after >= 1
+        gate.set()
+        await blocked
+        b.close()
+        with pytest.raises(ServerClosed):
+            await b.submit([req(1, 6)])
+
+    asyncio.run(main())
+
+
+def test_engine_error_fails_only_its_step():
+    calls = []
+
+    def engine(requests):
+        calls.append(len(requests))
+        if requests[0].tokens[0] == 1:
+            raise RuntimeError("boom")
+        return FakeEngine()(requests)
+
+    b = Batcher(engine, max_batch_tokens=8, max_queue_requests=10, max_queue_tokens=1000)
+
+    async def main():
+        b.start()
+        with pytest.raises(RuntimeError, match="boom"):
+            await b.submit([req(8, 1)])
+        out = await b.submit([req(3, 2)])  # still serving
+        b.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out[0].logprobs[0].item() == 2
+    assert b.queue_depth == (0, 0)
