@@ -65,3 +65,28 @@ def test_window_errors():
         llamacpp_windows(3, 4)
     with pytest.raises(LogprobeError, match="policy"):
         make_windows("nope", 10, 4, 2)
+
+
+@pytest.mark.parametrize("n,ctx,gold", [
+    (10, 4, [Window(0, 4, 1), Window(3, 7, 4), Window(6, 10, 7)]),
+    (11, 4, [Window(0, 4, 1), Window(3, 7, 4), Window(6, 10, 7), Window(7, 11, 10)]),
+    (5, 4, [Window(0, 4, 1), Window(1, 5, 4)]),
+    (3, 4, [Window(0, 3, 1)]),
+    (2, 2, [Window(0, 2, 1)]),
+    (4, 2, [Window(0, 2, 1), Window(1, 3, 2), Window(2, 4, 3)]),
+])
+def test_rolling_gold(n, ctx, gold):
+    assert make_windows("rolling", n, ctx) == gold
+
+
+@pytest.mark.parametrize("n,ctx", [(10, 4), (11, 4), (100, 7), (2, 2), (33, 33), (34, 33), (500, 64)])
+def test_rolling_equals_lm_eval(n, ctx):
+    """Same (fed tokens, scored tokens) as lm-eval's get_rolling_token_windows + make_disjoint_window
+    with max_seq_len = ctx - 1 over the stream [prefix] + tokens."""
+    utils = pytest.importorskip("lm_eval.utils")
+    stream = list(range(n))  # stream[0] is the prefix token
+    theirs = [utils.make_disjoint_window(w) for w in
+              utils.get_rolling_token_windows(stream[1:], stream[0], max_seq_len=ctx - 1, context_len=1)]
+    ours = [(stream[w.begin:w.end - 1], stream[w.score_begin:w.end]) for w in make_windows("rolling", n, ctx)]
+    # lm-eval feeds context + continuation[:-1]; ours feeds tokens[begin:end-1] and scores [score_begin:end]
+    assert [(ctx_ + cont[:-1], cont) for ctx_, cont in theirs] == ours

@@ -232,8 +232,9 @@ class Scorer:
 
         Each text is one token stream, cut into windows by ``scoring.windows`` (``policy``
         "sliding": every token scored once with up to ``context_length - stride`` tokens of extra
-        context; "llama.cpp": non-overlapping chunks, second half scored). ``prefix`` (default:
-        on for "sliding", off for "llama.cpp") puts the prefix token (BOS, else EOS) before each
+        context; "rolling": lm-eval's loglikelihood_rolling, disjoint scored spans each with a full
+        window of context; "llama.cpp": non-overlapping chunks, second half scored). ``prefix``
+        (default: on for "sliding" and "rolling", off for "llama.cpp") puts the prefix token (BOS, else EOS) before each
         text so its first token is scored too, as lm-eval's rolling log-likelihood does:
 
             stream : [BOS] t0 t1 t2 ...       row of BOS -> t0, row of t0 -> t1, ...
@@ -255,7 +256,7 @@ class Scorer:
         self._check_length(context_length, "context_length")
         if stride is None and policy == "sliding":
             stride = max(1, context_length // 4)
-        use_prefix = (policy == "sliding") if prefix is None else bool(prefix)
+        use_prefix = (policy != "llama.cpp") if prefix is None else bool(prefix)
         requests, owners = [], []
         for t, ids in enumerate(streams):
             if use_prefix:

@@ -95,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         "perplexity", parents=[common], help="perplexity of a text file",
         description="Token perplexity (± standard error), word and byte perplexity and bits per byte of a text.",
         epilog="Policies: 'sliding' scores every token once with up to CONTEXT - STRIDE tokens of extra context "
-               "(Hugging Face guide / lm-eval rolling); 'llama.cpp' scores the second half of non-overlapping "
+               "(Hugging Face guide); 'rolling' is lm-eval's loglikelihood_rolling (disjoint windows, each with a "
+               "full context; lm-eval's max_length L = --context-length L-1); 'llama.cpp' scores the second half of non-overlapping "
                "chunks, like llama-perplexity.")
     p.add_argument("--text-file", required=True, metavar="FILE", help="UTF-8 text file; - reads stdin")
     p.add_argument("--context-length", type=int, default=None, metavar="N",
                    help="tokens per window (default: min(2048, the model's context))")
     p.add_argument("--stride", type=int, default=None, metavar="N",
                    help="sliding policy: tokens between window starts (default: context length / 4)")
-    p.add_argument("--policy", choices=["sliding", "llama.cpp"], default="sliding",
+    p.add_argument("--policy", choices=["sliding", "llama.cpp", "rolling"], default="sliding",
                    help="window policy (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="score only the first N tokens (word/byte perplexity are then not reported)")

@@ -29,6 +29,16 @@ row at offset C//2 is the first to predict), so each chunk scores C - C//2 - 1 t
     tokens  0 1 2 3 4 5 6 7 8 9            C = 4, n = 10
     w0      [0 1 2 3]        scores 3
     w1              [4 5 6 7]    scores 7      (8, 9 dropped: not a whole chunk)
+
+Policy "rolling" (lm-evaluation-harness's ``loglikelihood_rolling``): windows of C tokens
+(C - 1 fed) whose scored tokens never overlap; every window but the first scores up to C - 1
+new tokens and reaches back for a full window of context, the last one too:
+
+    tokens  0 1 2 3 4 5 6 7 8 9            C = 4, n = 10
+    w0      [0 1 2 3]            scores 1..3
+    w1            [3 4 5 6]      scores 4..6
+    w2                  [6 7 8 9] scores 7..9
+    (lm-eval with max_length L uses C = L - 1: L - 2 fed tokens plus its one generated token)
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from typing import NamedTuple
 
 from ..errors import LogprobeError
 
-POLICIES = ("sliding", "llama.cpp")
+POLICIES = ("sliding", "llama.cpp", "rolling")
 
 
 class Window(NamedTuple):
@@ -73,11 +83,24 @@ def llamacpp_windows(n_tokens: int, context_length: int) -> list[Window]:
             for b in range(0, n_tokens - context_length + 1, context_length)]
 
 
+def rolling_windows(n_tokens: int, context_length: int) -> list[Window]:
+    _check(n_tokens, context_length, context_length)
+    end = min(context_length, n_tokens)
+    windows = [Window(0, end, 1)]
+    while end < n_tokens:
+        new_end = min(end + context_length - 1, n_tokens)
+        windows.append(Window(max(0, new_end - context_length), new_end, end))
+        end = new_end
+    return windows
+
+
 def make_windows(policy: str, n_tokens: int, context_length: int, stride: int | None = None) -> list[Window]:
     if policy == "sliding":
         return sliding_windows(n_tokens, context_length, context_length if stride is None else stride)
     if policy == "llama.cpp":
         return llamacpp_windows(n_tokens, context_length)
+    if policy == "rolling":
+        return rolling_windows(n_tokens, context_length)
     raise LogprobeError("policy", f"unknown window policy {policy!r}", f"use one of {', '.join(POLICIES)}")
 
 

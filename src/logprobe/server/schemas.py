@@ -117,7 +117,7 @@ class PerplexityBody(BaseModel):
     model: str | None = None
     context_length: int | None = Field(None, ge=2)
     stride: int | None = Field(None, ge=1)
-    policy: Literal["sliding", "llama.cpp"] = "sliding"
+    policy: Literal["sliding", "llama.cpp", "rolling"] = "sliding"
     prefix: bool | None = None
     max_tokens: int | None = Field(None, ge=2)
     return_token_nlls: bool = False
