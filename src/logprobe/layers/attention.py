@@ -167,11 +167,13 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     """The deterministic kernel for one segment: q [n, Hq, D], k/v [c + n, Hkv, D] -> [n, Hq, D].
 
     Query rows sit in tiles of ``block`` rows at their key index (tile t holds key indices
-    t*B .. t*B + B - 1, zero rows elsewhere); keys in blocks of B from index 0. For each key block,
-    in order, every query tile that reaches it does fixed-shape [B, D] x [D, B] and [B, B] x [B, D]
-    products and an online-softmax update. A key block that is fully masked for a row leaves that
-    row's state bitwise unchanged (alpha = 1, zero weights), so which tiles share a product call,
-    and how many, never changes a row's numbers.
+    t*B .. t*B + B - 1, zero rows elsewhere); keys in blocks of B from index 0 (sequence starts
+    aligned to the block). For each key block, in order, every query tile that reaches it does
+    fixed-shape [B, D] x [D, B] and [B, B] x [B, D] products (batched over tiles and heads, never
+    split along D or the keys) and an online-softmax update. So a row meets the same blocks, in
+    the same order, through the same shapes, whatever else is in the call. (With a sliding
+    window a block fully masked for a row leaves its state bitwise unchanged: alpha = 1, zero
+    weights.)
     """
     n, Hq, D = q.shape
     total, Hkv = k.shape[0], k.shape[1]
@@ -191,18 +193,49 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     # [blocks, Hq, B, D]: each query head next to its kv head (GQA), as SDPA's enable_gqa
     kb = kbuf.view(n_blocks, B, Hkv, D).transpose(1, 2).repeat_interleave(g, dim=1).contiguous()
     vb = vbuf.view(n_blocks, B, Hkv, D).transpose(1, 2).repeat_interleave(g, dim=1).contiguous()
-    qi = (first * B + torch.arange(n_tiles * B, device=q.device)).view(n_tiles, 1, B, 1)  # key index of a query
     m = q.new_full((n_tiles, Hq, B, 1), -torch.inf, dtype=torch.float32)
     s = q.new_zeros((n_tiles, Hq, B, 1), dtype=torch.float32)
     acc = q.new_zeros((n_tiles, Hq, B, D), dtype=torch.float32)
-    for b in range(n_blocks):
+    if window is None:
+        _causal_blocks(qt, kb, vb, m, s, acc, first, scale)
+    else:
+        _window_blocks(qt, kb, vb, m, s, acc, first, scale, window, total)
+    o = (acc / s).to(q.dtype)  # [tiles, Hq, B, D]
+    return o.transpose(1, 2).reshape(n_tiles * B, Hq, D)[off:off + n]
+
+
+def _causal_blocks(qt, kb, vb, m, s, acc, first: int, scale: float) -> None:
+    """Online softmax over key blocks 0, 1, ... (no window). Tile t (absolute index first + t)
+    meets blocks 0 .. first + t, and only the last of them (its diagonal) needs a mask; every
+    row sees key 0 in block 0, so the running max is finite from the first block on."""
+    B = qt.shape[2]
+    diag = torch.ones(B, B, dtype=torch.bool, device=qt.device).tril().logical_not()  # [B, B] future keys
+    qt = qt * scale
+    for b in range(kb.shape[0]):
         lo = max(0, b - first)  # tiles before block b's diagonal never see it
-        hi = n_tiles
-        if window is not None:  # tiles whose every query is past the window of this block
-            hi = min(n_tiles, (b * B + B - 1 + window - 1) // B - first + 1)
+        z = torch.matmul(qt[lo:], kb[b].transpose(-1, -2)).float()  # [t, Hq, B, B]
+        if b >= first:
+            z[0].masked_fill_(diag, -torch.inf)  # tile lo is on the diagonal
+        m_new = torch.maximum(m[lo:], z.amax(-1, keepdim=True))
+        alpha = torch.exp(m[lo:] - m_new)
+        p = torch.exp(z - m_new)  # [t, Hq, B, B]
+        s[lo:].mul_(alpha).add_(p.sum(-1, keepdim=True))
+        acc[lo:].mul_(alpha).add_(torch.matmul(p.to(vb.dtype), vb[b]).float())
+        m[lo:] = m_new
+
+
+def _window_blocks(qt, kb, vb, m, s, acc, first: int, scale: float, window: int, total: int) -> None:
+    """The same with a sliding window: a row may see nothing in a block, or nothing yet (its
+    running max still -inf), which the update handles as an exact no-op."""
+    n_tiles, _, B, _ = qt.shape
+    qi = (first * B + torch.arange(n_tiles * B, device=qt.device)).view(n_tiles, 1, B, 1)  # key index of a query
+    for b in range(kb.shape[0]):
+        lo = max(0, b - first)
+        # tiles whose every query is past the window of this block
+        hi = min(n_tiles, (b * B + B - 1 + window - 1) // B - first + 1)
         if lo >= hi:
             continue
-        kj = (b * B + torch.arange(B, device=q.device)).view(1, 1, 1, B)
+        kj = (b * B + torch.arange(B, device=qt.device)).view(1, 1, 1, B)
         mask = _visible(qi[lo:hi], kj, window) & (kj < total)  # [t, 1, B, B]
         z = torch.matmul(qt[lo:hi], kb[b].transpose(-1, -2)).float() * scale  # [t, Hq, B, B]
         z = z.masked_fill(~mask, -torch.inf)
@@ -214,5 +247,3 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
         s[lo:hi] = s[lo:hi] * alpha + p.sum(-1, keepdim=True)
         acc[lo:hi] = acc[lo:hi] * alpha + torch.matmul(p.to(vb.dtype), vb[b]).float()
         m[lo:hi] = m_new
-    o = (acc / s).to(q.dtype)  # [tiles, Hq, B, D]
-    return o.transpose(1, 2).reshape(n_tiles * B, Hq, D)[off:off + n]
