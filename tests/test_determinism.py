@@ -133,3 +133,26 @@ def test_default_model_mix_bitwise(default_scorer):
         .engine.run([reqs[i] for i in order])
     for i, res in zip(order, out):
         same(alone[i], res, exact=True)
+
+
+def test_cli_deterministic_flag(tmp_path):
+    """``--deterministic`` (and its old name) through the streaming CLI: shared prompts, a tiny
+    budget that chunks, and the same bits as a plain run."""
+    import json
+
+    from logprobe.cli.main import build_parser, main
+
+    assert build_parser().parse_args(["score", "a", "b", "--deterministic"]).deterministic
+    assert build_parser().parse_args(["score", "a", "b", "--batch-invariant"]).deterministic
+    prompt = list(range(100, 140))
+    rows = [{"prompt_token_ids": prompt, "completion_token_ids": [5 + i, 6, 7 + i]} for i in range(3)]
+    rows.append({"prompt_token_ids": list(range(200, 260)), "completion_token_ids": [1, 2]})
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outs = []
+    for budget in ("8192", "16"):
+        dst = tmp_path / f"out{budget}.jsonl"
+        assert main(["logprobs", "--input", str(src), "--output", str(dst), "--deterministic",
+                     "--max-batch-tokens", budget, "--device", "cpu", "--dtype", "float32"]) == 0
+        outs.append({r["index"]: r["logprobs"] for r in map(json.loads, dst.read_text().splitlines())})
+    assert outs[0] == outs[1] and sorted(outs[0]) == [0, 1, 2, 3]
