@@ -190,9 +190,10 @@ def test_logprobs_options_and_per_line_overrides(scorer, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     rows = [dict(SEQS[0]), dict(SEQS[1], temperature=0.5, top_k=1, entropy=False)]
     _write_jsonl(inp, rows)
-    # --max-batch-tokens 1: every sequence runs alone, so values are comparable bit for bit
+    # --max-batch-tokens 6: every sequence (at most 6 inputs) runs alone and whole (not chunked),
+    # as in the API calls below, so values are comparable bit for bit
     assert main(["logprobs", "--input", str(inp), "--output", str(out), "--temperature", "2", "--top-k", "3",
-                 "--entropy", "--max-batch-tokens", "1", "--json"]) == 0
+                 "--entropy", "--max-batch-tokens", "6", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["written"] == 2 and summary["failed"] == 0
     got = _read_out(out)
@@ -208,7 +209,7 @@ def test_logprobs_resume_after_interrupt(scorer, tmp_path, capsys):
     _write_jsonl(inp, SEQS)
     clean, resumed = tmp_path / "clean.jsonl", tmp_path / "resumed.jsonl"
     # one sequence per forward pass in both runs, so resumed values equal the clean run bit for bit
-    opts = ["--max-batch-tokens", "1"]
+    opts = ["--max-batch-tokens", "6"]  # each of SEQS (at most 6 inputs) alone and whole
     assert main(["logprobs", "--input", str(inp), "--output", str(clean), *opts]) == 0
     clean_lines = clean.read_text(encoding="utf-8").splitlines(keepends=True)
     k = 2

@@ -46,24 +46,40 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 class EngineConfig:
     """How the engine batches and scores.
 
-    max_batch_tokens: token budget of one packed forward pass (a longer single request runs alone).
+    max_batch_tokens: token budget (rows) of one packed forward pass. A request whose inputs
+        exceed it is split into chunks of that many rows that see the earlier chunks through a
+        KV cache (native models; others run such a request whole, alone).
     head_token_chunk / head_vocab_chunk: tile of the log-prob head; peak extra memory of the head is
         about 4 * head_token_chunk * head_vocab_chunk * 4 bytes, whatever T and V are.
     progress: None = a progress bar on long jobs when stderr is a terminal; True/False force it.
-    batch_invariant: every matrix product runs in fixed tiles of ``invariant_tile`` rows, so a
-        request's numbers are bitwise the same whatever else is in its batch (about +20% time
-        on CPU at 2k-token batches, more on tiny ones). Off: equal within float32 rounding.
+    share_prefixes / min_shared_prefix: requests whose inputs share at least that many leading
+        token ids run the prefix once, as a tree (native models). 16 keeps the saving above the
+        per-segment overhead; shared or not, results agree (bitwise in deterministic mode).
+    deterministic: every per-token number is bitwise the same whatever else is in the batch, the
+        order of requests, the budget, chunking and prefix sharing: matrix products in fixed
+        tiles of ``invariant_tile`` rows, attention in ``attention_block`` tiles with a fixed
+        KV split, the head in padded token chunks (native models; see docs/perf.md for the cost).
+        Off: equal within float32 rounding.
     """
 
     max_batch_tokens: int = 8192
     head_token_chunk: int = 512
     head_vocab_chunk: int = 8192
     progress: bool | None = None
-    batch_invariant: bool = False
+    deterministic: bool = False
     invariant_tile: int = 128
+    attention_block: int = 64
+    share_prefixes: bool = True
+    min_shared_prefix: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile"):
+        for name in ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile",
+                     "attention_block", "min_shared_prefix"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LogprobeError(name, f"must be a positive integer, got {value!r}")
+
+    @property
+    def batch_invariant(self) -> bool:
+        """The old name of ``deterministic``."""
+        return self.deterministic

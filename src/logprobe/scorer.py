@@ -114,12 +114,14 @@ class Scorer:
 
     def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
                  dtype: str | None = "auto", max_batch_tokens: int = 8192, progress: bool | None = None,
-                 batch_invariant: bool = False, config: EngineConfig | None = None) -> None:
-        """``batch_invariant=True``: bitwise-identical numbers whatever else shares the batch
-        (native models; fixed-shape matrix tiles, see EngineConfig)."""
+                 deterministic: bool = False, config: EngineConfig | None = None,
+                 batch_invariant: bool = False) -> None:
+        """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
+        order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
+        tiles everywhere, see EngineConfig). ``batch_invariant`` is its old name."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
         self.config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress,
-                                             batch_invariant=batch_invariant)
+                                             deterministic=deterministic or batch_invariant)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         self.device = next(self.loaded.model.parameters()).device

@@ -36,10 +36,10 @@ _MODELS: dict[tuple[str | None, str, str], LoadedModel] = {}
 
 
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
-               max_batch_tokens: int = 8192, batch_invariant: bool = False) -> Scorer:
+               max_batch_tokens: int = 8192, deterministic: bool = False) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process."""
     # validates before the slow load
-    config = EngineConfig(max_batch_tokens=max_batch_tokens, batch_invariant=batch_invariant)
+    config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic)
     key = (model, device, dtype)
     if key not in _MODELS:
         _MODELS[key] = load_model(model, device, dtype)
@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
     g.add_argument("--max-batch-tokens", type=int, default=8192, metavar="N",
                    help="token budget of one forward pass (default: %(default)s); lower it if memory runs out")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="bitwise-identical numbers whatever shares a batch (native models; ~20%% slower on CPU)")
+    g.add_argument("--deterministic", "--batch-invariant", dest="deterministic", action="store_true",
+                   help="bitwise-identical numbers whatever shares a batch, its order, budget, chunking or "
+                        "prefix sharing (native models; slower, see docs/perf.md)")
     g.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table/report")
 
     head = argparse.ArgumentParser(add_help=False)
@@ -156,7 +157,7 @@ def _fail(message: str) -> int:
 
 
 def _scorer(args: argparse.Namespace) -> Scorer:
-    return get_scorer(args.model, args.device, args.dtype, args.max_batch_tokens, args.batch_invariant)
+    return get_scorer(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic)
 
 
 # -- score -----------------------------------------------------------------------------------------

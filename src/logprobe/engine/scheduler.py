@@ -1,6 +1,10 @@
-"""Packing requests into batches under a token budget. Pure functions."""
+"""Planning batches: requests under a token budget, shared-prefix trees, chunks of long requests.
+
+Pure functions of the token ids and the budget (pinned by gold tables in the tests)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def plan_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
@@ -25,4 +29,119 @@ def plan_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
         used += lengths[i]
     if current:
         batches.append(current)
+    return batches
+
+
+# -- shared prefixes and chunks ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """Requests ``members`` (indices, ascending) whose first ``shared`` input tokens are equal.
+
+    Those ``shared`` rows run once (the prefix segment); each member's remaining inputs form its
+    branch, which sees the prefix in full and itself causally, at positions continuing from it.
+    ``shared == 0``: no prefix segment (a lone request, or requests packed side by side).
+    """
+
+    members: tuple[int, ...]
+    shared: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Input rows ``begin:end`` of request ``request``, whose inputs exceed the batch budget.
+
+    Chunks of a request run in order, each alone in its batch; rows before ``begin`` are seen
+    through the KV cache that the earlier chunks filled.
+    """
+
+    request: int
+    begin: int
+    end: int
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def share_prefixes(inputs: list[list[int]], min_shared: int) -> list[Tree]:
+    """Group requests (their input token ids) into one-level prefix trees, in first-member order.
+
+    Requests are sorted by their ids, so those with long common prefixes are neighbours; walking
+    that order, a request joins the current group when the group keeps at least ``min_shared``
+    common tokens and the tokens saved do not drop (``n * new >= (n - 1) * old`` for a group of
+    ``n``), otherwise it starts a new group. Deterministic in the ids (ties keep input order).
+
+    >>> share_prefixes([[1, 2, 3, 4], [9, 9], [1, 2, 3, 5, 6]], 2)
+    [Tree(members=(0, 2), shared=3), Tree(members=(1,), shared=0)]
+    """
+    order = sorted(range(len(inputs)), key=lambda i: (inputs[i], i))
+    groups: list[tuple[list[int], int]] = []
+    current: list[int] = []
+    shared = 0
+    for i in order:
+        if current:
+            new = min(common_prefix(inputs[current[-1]], inputs[i]), shared if len(current) > 1 else len(inputs[i]))
+            if new >= min_shared and len(current) * new >= (len(current) - 1) * shared:
+                current.append(i)
+                shared = new
+                continue
+            groups.append((current, shared))
+        current, shared = [i], 0
+    if current:
+        groups.append((current, shared))
+    trees = [Tree(tuple(sorted(m)), s if len(m) > 1 else 0) for m, s in groups]
+    return sorted(trees, key=lambda t: t.members[0])
+
+
+def tree_cost(tree: Tree, lengths: list[int]) -> int:
+    """Rows the tree feeds: the prefix once, then each member's own inputs."""
+    return tree.shared + sum(lengths[m] - tree.shared for m in tree.members)
+
+
+def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True, min_shared: int = 16,
+              chunk: bool = True) -> list[list[Tree | Chunk]]:
+    """The engine's plan: batches of prefix trees (each under ``max_batch_tokens`` rows), then the
+    chunks of requests whose inputs exceed it, one chunk per batch.
+
+    A tree over the budget is split into sub-trees that fit (members in order, each repeating
+    the prefix); a member that does not fit even with the prefix alone runs unshared. With
+    ``chunk=False`` (models without KV-cache support) a long request runs whole, alone.
+
+    >>> plan_work([[1, 2, 3], [1, 2, 4], [5] * 7], 6, min_shared=2)
+    [[Tree(members=(0, 1), shared=2)], [Chunk(request=2, begin=0, end=6)], [Chunk(request=2, begin=6, end=7)]]
+    """
+    lengths = [len(x) for x in inputs]
+    trees = share_prefixes(inputs, min_shared) if share else [Tree((i,)) for i in range(len(inputs))]
+    units: list[Tree] = []
+    long: list[int] = []
+    for t in trees:
+        if tree_cost(t, lengths) <= max_batch_tokens:
+            units.append(t)
+            continue
+        group: list[int] = []
+        for m in t.members:
+            if t.shared == 0 or lengths[m] > max_batch_tokens:  # does not fit even with the prefix alone
+                if lengths[m] > max_batch_tokens and chunk:
+                    long.append(m)
+                else:
+                    units.append(Tree((m,)))
+                continue
+            if group and tree_cost(Tree(tuple(group + [m]), t.shared), lengths) > max_batch_tokens:
+                units.append(Tree(tuple(group), t.shared) if len(group) > 1 else Tree((group[0],)))
+                group = []
+            group.append(m)
+        if group:
+            units.append(Tree(tuple(group), t.shared) if len(group) > 1 else Tree((group[0],)))
+    batches: list[list[Tree | Chunk]] = [
+        [units[i] for i in b] for b in plan_batches([tree_cost(u, lengths) for u in units], max_batch_tokens)]
+    for m in sorted(long):
+        batches.extend([Chunk(m, b, min(b + max_batch_tokens, lengths[m]))]
+                       for b in range(0, lengths[m], max_batch_tokens))
     return batches

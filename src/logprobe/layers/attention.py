@@ -1,41 +1,249 @@
-"""Causal attention over a packed batch: block-diagonal by ``cu_seqlens``, no padding.
+"""Causal attention over a packed batch described by an explicit ``AttentionMeta``.
 
-Sequence ``i`` occupies rows ``cu_seqlens[i]:cu_seqlens[i+1]`` and attends to itself only.
-This portable version runs PyTorch SDPA once per sequence (exact and memory-light on CPU);
-faster GPU paths implement the same signature.
+A packed batch is a list of *segments*: contiguous query rows of one sequence. A segment's keys
+are, in position order, its *context* (fully visible: a shared prefix's rows, or earlier chunks'
+cached keys) followed by its own rows, seen causally. So the keys of a segment with ``c`` context
+keys and ``n`` own rows are positions ``0 .. c + n - 1`` of its sequence and own row ``i`` sees
+keys ``0 .. c + i`` (causal aligned bottom-right, as varlen flash attention does when
+``seqlen_k > seqlen_q``). Attention never crosses segments otherwise.
+
+Keys are indexed in one *key source*: the cached keys of earlier chunks (``cache``, rows
+``0 .. past - 1``) followed by this batch's keys (rows ``past .. past + T - 1``). Context spans are
+rows of the key source, so one kind of span serves both a shared prefix and a chunk cache.
+
+Two kernels compute the same function:
+* ``kv_block=None``: PyTorch SDPA per segment (its fused CPU kernel; the fastest here).
+* ``kv_block=B`` (deterministic mode): queries in tiles of B rows and keys in blocks of B,
+  both aligned to key index 0 of the sequence, an online softmax over the blocks in a fixed
+  order, fixed-shape products. A query's result then depends only on its own query vector and
+  keys, never on how many other rows, segments or context spans the call holds, nor on where
+  its keys came from (prefix rows, cache, or its own rows): bitwise.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 
-def packed_causal_attention(
+@dataclass(slots=True)
+class KVCache:
+    """Keys/values of the rows already run for one chunked sequence, per layer ([past, Hkv, D])."""
+
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+
+    @classmethod
+    def empty(cls, num_layers: int) -> KVCache:
+        return cls([None] * num_layers, [None] * num_layers)
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this batch's k/v [T, Hkv, D]; return the key source [past + T, Hkv, D] of the layer."""
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k])
+            v = torch.cat([self.values[layer], v])
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Query rows ``start:end`` of the batch; ``context``: key-source row spans seen in full, in
+    position order, before the segment's own rows (which are key-source rows past+start:past+end)."""
+
+    start: int
+    end: int
+    context: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_context(self) -> int:
+        return sum(b - a for a, b in self.context)
+
+
+@dataclass(slots=True)
+class AttentionMeta:
+    """Who attends to what in one forward pass (see the module docstring).
+
+    segments: tile the batch rows in order. cache: earlier chunks' keys/values, which precede this
+    batch's in the key source; this batch's keys/values are appended to it (so a batch with a
+    cache holds one chunked sequence). kv_block: None = fastest kernel; an int = the
+    deterministic tiled kernel with that query tile / KV split size.
+    """
+
+    segments: list[Segment]
+    cache: KVCache | None = None
+    kv_block: int | None = None
+    past: int = field(default=0)  # rows in the cache before this batch (for the key-source index)
+
+    @classmethod
+    def packed(cls, lengths: list[int], kv_block: int | None = None) -> AttentionMeta:
+        """Independent causal sequences of these lengths, concatenated (the cu_seqlens layout)."""
+        segs, start = [], 0
+        for n in lengths:
+            segs.append(Segment(start, start + n))
+            start += n
+        return cls(segs, kv_block=kv_block)
+
+    @property
+    def num_rows(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    def varlen(self) -> tuple[list[int], list[int], list[int]]:
+        """The same mask for a varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` and the key-source
+        rows to gather (``key_index``) so segment s's keys are ``key_index[cu_k[s]:cu_k[s+1]]``;
+        causal bottom-right within each segment. (A FlexAttention block mask can be built from it.)"""
+        cu_q, cu_k, index = [0], [0], []
+        for s in self.segments:
+            for a, b in s.context:
+                index.extend(range(a, b))
+            index.extend(range(self.past + s.start, self.past + s.end))
+            cu_q.append(cu_q[-1] + s.end - s.start)
+            cu_k.append(len(index))
+        return cu_q, cu_k, index
+
+
+def packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: list[int],
+    meta: AttentionMeta,
+    layer: int,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; Hq must be a multiple of Hkv (GQA)."""
+    """q [T, Hq, D], k/v [T, Hkv, D] of this batch -> [T, Hq, D]; Hq a multiple of Hkv (GQA)."""
+    if meta.cache is not None:
+        k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
+    past = k.shape[0] - q.shape[0]
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        if end == start:
+    for seg in meta.segments:
+        if seg.end == seg.start:
             continue
-        # 4-D inputs let SDPA pick its fused (flash) CPU kernel instead of the math path
-        qs = q[start:end].transpose(0, 1)[None]  # [1, Hq, L, D]
-        ks = k[start:end].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        vs = v[start:end].transpose(0, 1)[None]
-        length = end - start
-        if sliding_window is not None and length > sliding_window:
-            i = torch.arange(length, device=q.device)
-            # token i sees j with i - window < j <= i (the transformers convention)
-            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        own = slice(past + seg.start, past + seg.end)
+        if seg.context:
+            ks = torch.cat([k[a:b] for a, b in seg.context] + [k[own]])  # [c + n, Hkv, D]
+            vs = torch.cat([v[a:b] for a, b in seg.context] + [v[own]])
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        out[start:end] = o[0].transpose(0, 1)  # [L, Hq, D]
+            ks, vs = k[own], v[own]
+        qs = q[seg.start:seg.end]
+        if meta.kv_block is None:
+            out[seg.start:seg.end] = _sdpa(qs, ks, vs, scale, sliding_window)
+        else:
+            out[seg.start:seg.end] = _tiled(qs, ks, vs, scale, sliding_window, meta.kv_block)
     return out
+
+
+def _visible(qi: torch.Tensor, kj: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Key index kj is visible from the query at key index qi (the transformers convention for
+    sliding windows: qi - window < kj <= qi)."""
+    mask = kj <= qi
+    if window is not None:
+        mask = mask & (qi - kj < window)
+    return mask
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """One segment: q [n, Hq, D], k/v [c + n, Hkv, D] -> [n, Hq, D] with PyTorch SDPA."""
+    n, c = q.shape[0], k.shape[0] - q.shape[0]
+    gqa = q.shape[1] != k.shape[1]
+    # 4-D inputs let SDPA pick its fused (flash) CPU kernel instead of the math path
+    qs = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    ks = k.transpose(0, 1)[None]  # [1, Hkv, c + n, D]
+    vs = v.transpose(0, 1)[None]
+    if c == 0 and (window is None or n <= window):
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:  # is_causal aligns top-left; with context the diagonal is shifted by c
+        qi = torch.arange(c, c + n, device=q.device)[:, None]
+        kj = torch.arange(c + n, device=q.device)[None, :]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_visible(qi, kj, window), scale=scale,
+                                           enable_gqa=gqa)
+    return o[0].transpose(0, 1)  # [n, Hq, D]
+
+
+def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+           block: int) -> torch.Tensor:
+    """The deterministic kernel for one segment: q [n, Hq, D], k/v [c + n, Hkv, D] -> [n, Hq, D].
+
+    Query rows sit in tiles of ``block`` rows at their key index (tile t holds key indices
+    t*B .. t*B + B - 1, zero rows elsewhere); keys in blocks of B from index 0 (sequence starts
+    aligned to the block). For each key block, in order, every query tile that reaches it does
+    fixed-shape [B, D] x [D, B] and [B, B] x [B, D] products (batched over tiles and heads, never
+    split along D or the keys) and an online-softmax update. So a row meets the same blocks, in
+    the same order, through the same shapes, whatever else is in the call. (With a sliding
+    window a block fully masked for a row leaves its state bitwise unchanged: alpha = 1, zero
+    weights.)
+    """
+    n, Hq, D = q.shape
+    total, Hkv = k.shape[0], k.shape[1]
+    B = block
+    first = (total - n) // B  # tile of the first query row
+    n_tiles = -(-total // B) - first
+    n_blocks = -(-total // B)
+    qbuf = q.new_zeros(n_tiles * B, Hq, D)
+    off = total - n - first * B
+    qbuf[off:off + n] = q
+    qt = qbuf.view(n_tiles, B, Hq, D).transpose(1, 2).contiguous()  # [tiles, Hq, B, D]
+    kbuf = k.new_zeros(n_blocks * B, Hkv, D)
+    kbuf[:total] = k
+    vbuf = v.new_zeros(n_blocks * B, Hkv, D)
+    vbuf[:total] = v
+    g = Hq // Hkv
+    # [blocks, Hq, B, D]: each query head next to its kv head (GQA), as SDPA's enable_gqa
+    kb = kbuf.view(n_blocks, B, Hkv, D).transpose(1, 2).repeat_interleave(g, dim=1).contiguous()
+    vb = vbuf.view(n_blocks, B, Hkv, D).transpose(1, 2).repeat_interleave(g, dim=1).contiguous()
+    m = q.new_full((n_tiles, Hq, B, 1), -torch.inf, dtype=torch.float32)
+    s = q.new_zeros((n_tiles, Hq, B, 1), dtype=torch.float32)
+    acc = q.new_zeros((n_tiles, Hq, B, D), dtype=torch.float32)
+    if window is None:
+        _causal_blocks(qt, kb, vb, m, s, acc, first, scale)
+    else:
+        _window_blocks(qt, kb, vb, m, s, acc, first, scale, window, total)
+    o = (acc / s).to(q.dtype)  # [tiles, Hq, B, D]
+    return o.transpose(1, 2).reshape(n_tiles * B, Hq, D)[off:off + n]
+
+
+def _causal_blocks(qt, kb, vb, m, s, acc, first: int, scale: float) -> None:
+    """Online softmax over key blocks 0, 1, ... (no window). Tile t (absolute index first + t)
+    meets blocks 0 .. first + t, and only the last of them (its diagonal) needs a mask; every
+    row sees key 0 in block 0, so the running max is finite from the first block on."""
+    B = qt.shape[2]
+    diag = torch.ones(B, B, dtype=torch.bool, device=qt.device).tril().logical_not()  # [B, B] future keys
+    qt = qt * scale
+    for b in range(kb.shape[0]):
+        lo = max(0, b - first)  # tiles before block b's diagonal never see it
+        z = torch.matmul(qt[lo:], kb[b].transpose(-1, -2)).float()  # [t, Hq, B, B]
+        if b >= first:
+            z[0].masked_fill_(diag, -torch.inf)  # tile lo is on the diagonal
+        m_new = torch.maximum(m[lo:], z.amax(-1, keepdim=True))
+        alpha = torch.exp(m[lo:] - m_new)
+        p = torch.exp(z - m_new)  # [t, Hq, B, B]
+        s[lo:].mul_(alpha).add_(p.sum(-1, keepdim=True))
+        acc[lo:].mul_(alpha).add_(torch.matmul(p.to(vb.dtype), vb[b]).float())
+        m[lo:] = m_new
+
+
+def _window_blocks(qt, kb, vb, m, s, acc, first: int, scale: float, window: int, total: int) -> None:
+    """The same with a sliding window: a row may see nothing in a block, or nothing yet (its
+    running max still -inf), which the update handles as an exact no-op."""
+    n_tiles, _, B, _ = qt.shape
+    qi = (first * B + torch.arange(n_tiles * B, device=qt.device)).view(n_tiles, 1, B, 1)  # key index of a query
+    for b in range(kb.shape[0]):
+        lo = max(0, b - first)
+        # tiles whose every query is past the window of this block
+        hi = min(n_tiles, (b * B + B - 1 + window - 1) // B - first + 1)
+        if lo >= hi:
+            continue
+        kj = (b * B + torch.arange(B, device=qt.device)).view(1, 1, 1, B)
+        mask = _visible(qi[lo:hi], kj, window) & (kj < total)  # [t, 1, B, B]
+        z = torch.matmul(qt[lo:hi], kb[b].transpose(-1, -2)).float() * scale  # [t, Hq, B, B]
+        z = z.masked_fill(~mask, -torch.inf)
+        m_old = m[lo:hi]
+        m_new = torch.maximum(m_old, z.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows that saw nothing yet
+        alpha = torch.exp(m_old - m_safe)
+        p = torch.exp(z - m_safe)  # [t, Hq, B, B]
+        s[lo:hi] = s[lo:hi] * alpha + p.sum(-1, keepdim=True)
+        acc[lo:hi] = acc[lo:hi] * alpha + torch.matmul(p.to(vb.dtype), vb[b]).float()
+        m[lo:hi] = m_new

@@ -32,7 +32,7 @@ class ModelInfo:
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: nn.Module  # forward(input_ids [T], positions [T], cu_seqlens) -> hidden [T, H]; head_params()
+    model: nn.Module  # forward(input_ids [T], positions [T], AttentionMeta) -> hidden [T, H]; head_params()
     tokenizer: Tokenizer
     info: ModelInfo
 

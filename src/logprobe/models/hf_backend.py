@@ -3,6 +3,8 @@
 The packed batch is unpacked into a right-padded batch (real tokens first, so causal attention
 never reaches a pad and default positions 0..L-1 are right), the model's base forward gives
 the final hidden states, and they are packed back into [T, H]. Slower than the native path.
+It takes only independent sequences: no shared-prefix context and no chunk KV cache
+(``supports_context = False``, so the engine neither shares prefixes nor chunks for it).
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import torch
 from torch import nn
 
 from ..errors import LogprobeError
+from ..layers.attention import AttentionMeta
 from ..scoring.head import HeadParams
 
 
 class TransformersModel(nn.Module):
+    supports_context = False
+
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model.requires_grad_(False)
@@ -34,8 +39,12 @@ class TransformersModel(nn.Module):
         return self.head
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        lengths = [e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        if meta.cache is not None or any(s.context for s in meta.segments):
+            raise LogprobeError("model", "the transformers backend cannot run shared-prefix or chunked batches",
+                                "score with a native model, or let the engine plan the batch")
+        cu_seqlens = [0] + [s.end for s in meta.segments]
+        lengths = [s.end - s.start for s in meta.segments]
         B, L = len(lengths), max(lengths)
         pad = torch.zeros(B, L, dtype=input_ids.dtype, device=input_ids.device)  # [B, L]
         mask = torch.zeros(B, L, dtype=torch.long, device=input_ids.device)  # [B, L]

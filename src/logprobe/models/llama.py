@@ -1,7 +1,9 @@
 """The Llama family, natively: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM.
 
-A packed batch is all sequences concatenated ([T] token ids) with their positions and
-``cu_seqlens``; attention is causal inside each sequence and never crosses sequences.
+A packed batch is rows of token ids ([T]) with their positions and an ``AttentionMeta`` that
+says which keys each row sees (its own sequence causally, plus a shared prefix or earlier chunks'
+cached keys; see ``layers.attention``). The model has no batch mode of its own: everything about
+the batch's layout comes in that explicit argument.
 
     h_0     = embed(ids)
     h'_l    = h_l + Attn_l(RMSNorm(h_l))           # resid_mid
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..layers.attention import packed_causal_attention
+from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
@@ -59,8 +61,9 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which layer of a chunk's KV cache is ours
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
@@ -71,7 +74,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cis: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -79,7 +82,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cis), apply_rotary(k, cis)
-        o = packed_causal_attention(q, k, v, cu_seqlens, self.scale, self.sliding_window)  # [T, Hq, D]
+        o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 
@@ -95,15 +98,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h: torch.Tensor, cis: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cis, cu_seqlens)  # resid_mid
+    def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
         h = h + self.mlp(self.post_attention_layernorm(h))  # resid_post
         return h
 
@@ -111,12 +114,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Final hidden states for a packed batch; ``head_params()`` feeds the log-prob head."""
 
+    supports_context = True  # shared-prefix segments and chunk KV caches (see AttentionMeta)
+
     def __init__(self, cfg: LlamaConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
@@ -138,10 +143,10 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return HeadParams(weight=weight)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H]."""
         h = self.embed_tokens(input_ids)  # [T, H]
         cis = self.rotary(positions)  # [T, D/2] complex
         for layer in self.layers:
-            h = layer(h, cis, cu_seqlens)
+            h = layer(h, cis, meta)
         return self.norm(h)
