@@ -315,3 +315,27 @@ def test_openai_client(server, default_scorer):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=5)
     assert "max_tokens" in str(e.value)
+
+
+def test_deterministic_server_ignores_concurrent_traffic(default_scorer):
+    """With --deterministic, a request's numbers are bitwise the same alone and amid other requests."""
+    from logprobe import EngineConfig, Scorer
+
+    scorer = Scorer(default_scorer.loaded, config=EngineConfig(deterministic=True))
+    app = create_app(scorer, ServerConfig())
+    body = {"prompt": "Question: Which planet is closest to the Sun?\nAnswer:", "continuations": [" Mercury", " Venus"]}
+    with serve(app) as url:
+        alone = post(url, "/v1/score", body).json()["results"]
+        start = threading.Barrier(9)
+
+        def call(i):
+            start.wait()
+            if i == 0:
+                return post(url, "/v1/score", body)
+            return post(url, "/v1/completions", {"prompt": f"Some other text number {i} " * (i + 1), "echo": True,
+                                                 "max_tokens": 1, "logprobs": 2})
+
+        with ThreadPoolExecutor(9) as ex:
+            replies = list(ex.map(call, range(9)))
+    assert all(r.status_code == 200 for r in replies)
+    assert replies[0].json()["results"] == alone  # JSON floats: equal bits
