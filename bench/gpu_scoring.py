@@ -162,6 +162,10 @@ def head_section(args, tflops: float) -> None:
         del out
 
     add("LM-head matmul alone (bf16 out, floor)", lambda: h @ w.T)
+    if args.triton_matmul:
+        out = torch.empty(M, V, device="cuda", dtype=torch.bfloat16)
+        add("Triton plain matmul, same tiles as the kernel (bf16 out)", lambda: triton_matmul(h, w, out, cfg))
+        del out
     add("plain float32 head: (h@W.T).float().log_softmax().gather",
         lambda: (h @ w.T).float().log_softmax(-1).gather(1, y[:, None])[:, 0], lambda o: o)
     fk = dict(config=cfg)
@@ -194,7 +198,8 @@ def head_section(args, tflops: float) -> None:
     log(f"kernel vs float32 head: |Δ lse| max {float((lse - ref.logsumexp).abs().max()):.2e}, "
         f"|Δ entropy| max {float((ent - ref.entropy).abs().max()):.2e}, "
         f"|Δ top-20 logprob| max {float((tlp - ref.topk_logprobs).abs().max()):.2e}, "
-        f"rank mismatches {int((rank != ref.ranks).sum())}/{M}, top-20 id mismatches "
+        f"rank mismatches {int((rank != ref.ranks).sum())}/{M} (max |Δ rank| "
+        f"{int((rank - ref.ranks).abs().max())}), top-20 id mismatches "
         f"{int((tid != ref.topk_ids).sum())}/{M * 20}")
 
     mm = rows[0][1]
@@ -206,6 +211,42 @@ def head_section(args, tflops: float) -> None:
             continue
         ds = f"{d:.2e}" if d is not None else "—"
         log(f"| {name} | {ms:.2f} | {ms / mm:.3f} | {matmul_flops / ms / 1e9:.0f} | {mem / GiB:.2f} | {ds} |")
+
+
+def triton_matmul(a, b, out, cfg):
+    """out = a @ b.T with the fused kernel's tiles and loops: separates its main loop from its epilogue."""
+    M, K = a.shape
+    N = b.shape[0]
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    _mm[grid](a, b, out, M, N, K, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, G=cfg.group_m,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+if torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mm(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            G: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        group = pid // (G * num_n)
+        first = group * G
+        gs = tl.minimum(num_m - first, G)
+        pm = first + (pid % (G * num_n)) % gs
+        pn = (pid % (G * num_n)) // gs
+        rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+        rn = (pn * BN + tl.arange(0, BN)).to(tl.int64)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            x = tl.load(a_ptr + rm[:, None] * K + ks[None, :], mask=(rm < M)[:, None], other=0.0)
+            y = tl.load(b_ptr + rn[:, None] * K + ks[None, :], mask=(rn < N)[:, None], other=0.0)
+            acc = tl.dot(x, tl.trans(y), acc)
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16),
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 # ------------------------------------------------------------------------------------- models
@@ -448,6 +489,7 @@ def main() -> None:
     ap.add_argument("--head-tokens", type=int, default=16384)
     ap.add_argument("--rep", type=int, default=300, help="do_bench milliseconds per head row")
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
+    ap.add_argument("--triton-matmul", action="store_true", help="also time a plain Triton matmul")
     ap.add_argument("--w4-all", action="store_true", help="W4 on every model, not only llama-8b")
     args = ap.parse_args()
     args.budgets = [int(b) for b in args.budgets.split(",")]

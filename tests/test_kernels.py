@@ -61,7 +61,16 @@ def make_case(N, H, V, dtype, variant, device, seed=0):
     return h, p, y, temp
 
 
+def _triton_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(x) for x in version("triton").split(".")[:2])
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
+@pytest.mark.skipif(HAS_TRITON and _triton_version() < (3, 9),
+                    reason="Triton < 3.9's interpreter fails on this kernel ('only 0-dimensional arrays can be "
+                           "converted to Python scalars', seen with 3.6); 3.9 passes")
 def test_interpreter_matches_torch_head():
     code = textwrap.dedent("""
         import json

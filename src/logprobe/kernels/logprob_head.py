@@ -19,6 +19,8 @@ Layout of the work:
     Splitting the vocabulary gives enough programs to fill the GPU when N is small; programs are
     ordered split-fastest within groups of GROUP_M row tiles so the ones running together share
     their hidden rows and weight tiles in L2.
+  * The online statistics run in base 2 (t = z log2(e) / T, exp2), saving a multiply per logit;
+    the partials are converted back to natural-log units before they are written.
   * The combine over S splits is a few [S, N] tensor ops in PyTorch (tiny next to the matmul).
 
 Extra memory: O(S * N) floats (+ S * N * KPAD for top-k), never O(N * V).
@@ -104,6 +106,9 @@ if triton_available():
         y = tl.load(y_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
         zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
         inv_t = tl.load(inv_t_ptr + rows, mask=row_ok, other=1.0)
+        LOG2E: tl.constexpr = 1.4426950408889634
+        c2 = inv_t * LOG2E  # z -> t = z log2(e) / T
+        ty = zy * LOG2E  # zy already carries 1 / T
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_M], tl.float32)
@@ -139,23 +144,24 @@ if triton_available():
             if HAS_BIAS:
                 bv = tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
             z = _transform(acc, bv, scale, softcap, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP)
-            z = z * inv_t[:, None]
-            z = tl.where(col_ok[None, :], z, float("-inf"))  # [BM, BN]
-            m_new = tl.maximum(m, tl.max(z, axis=1))  # finite: every tile has >= 1 real column
-            alpha = tl.exp(m - m_new)  # rescales what was summed under the old max
-            e = tl.exp(z - m_new[:, None])  # 0 on padding columns
+            # base-2 domain: t = z * log2(e) / T in one multiply, then exp2 (what tl.exp does anyway)
+            t = z * c2[:, None]
+            t = tl.where(col_ok[None, :], t, float("-inf"))  # [BM, BN]
+            m_new = tl.maximum(m, tl.max(t, axis=1))  # finite: every tile has >= 1 real column
+            alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
+            e = tl.exp2(t - m_new[:, None])  # 0 on padding columns
             s = s * alpha + tl.sum(e, axis=1)
             if ENTROPY:
-                a = a * alpha + tl.sum(tl.where(col_ok[None, :], e * z, 0.0), axis=1)
+                a = a * alpha + tl.sum(tl.where(col_ok[None, :], e * t, 0.0), axis=1)
             m = m_new
             # the target never outranks itself (its tile value may round above zy)
-            above = (z > zy[:, None]) & (cols64[None, :] != y[:, None])
+            above = (t > ty[:, None]) & (cols64[None, :] != y[:, None])
             cnt += tl.sum(above.to(tl.int32), axis=1)
             if KPAD > 0:
                 # insert, one column per row per step, every value above the row's current k-th
                 # best; after the first tiles this is rarely more than a step or two
                 thr = tl.min(tv, axis=1)
-                cand = tl.where(z > thr[:, None], z, float("-inf"))
+                cand = tl.where(t > thr[:, None], t, float("-inf"))
                 todo = tl.max(tl.max(cand, axis=1), axis=0) > float("-inf")
                 while todo:
                     best = tl.max(cand, axis=1)  # [BM]
@@ -170,6 +176,12 @@ if triton_available():
                                     float("-inf"), cand)
                     todo = tl.max(tl.max(cand, axis=1), axis=0) > float("-inf")
 
+        # back to natural-log units: m, a, top-k values times ln 2 (s is a plain sum)
+        LN2: tl.constexpr = 0.6931471805599453
+        m = m * LN2
+        a = a * LN2
+        if KPAD > 0:
+            tv = tv * LN2
         out = pid_s.to(tl.int64) * N + rows64
         tl.store(m_ptr + out, m, mask=row_ok)
         tl.store(s_ptr + out, s, mask=row_ok)
@@ -187,7 +199,7 @@ class KernelConfig:
     """Tile shape and launch settings of ``_head_partials`` (tuned on an H100, see docs/perf.md)."""
 
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
     group_m: int = 8
     num_warps: int = 8
