@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention_gpu import flash_varlen_attention
+
 
 def packed_causal_attention(
     q: torch.Tensor,
@@ -20,6 +22,8 @@ def packed_causal_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; Hq must be a multiple of Hkv (GQA)."""
+    if q.is_cuda and (o := flash_varlen_attention(q, k, v, cu_seqlens, scale, sliding_window)) is not None:
+        return o  # one varlen FlashAttention call for the batch (layers/attention_gpu.py)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
