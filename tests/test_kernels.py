@@ -131,8 +131,12 @@ def test_cuda_matches_torch_head(dtype, tol, variant, shape):
     case = make_case(*shape, getattr(torch, dtype), variant, "cuda", seed=sum(shape))
     d = compare(*case, top_k=20, entropy=True)
     print(dtype, variant, shape, d)
-    for key in ("logprobs", "logsumexp", "entropy", "topk_logprobs", "topk_id_mismatch_gap"):
+    for key in ("logprobs", "topk_logprobs", "topk_id_mismatch_gap"):
         assert d[key] < tol, (key, d)
+    # entropy and log-sum-exp are a few nats in size: float32 rounding of the sum alone is ~1e-5
+    # (seen: 1.05e-5 for entropy on an H100), so they get twice the log-prob tolerance
+    for key in ("logsumexp", "entropy"):
+        assert d[key] < 2 * tol, (key, d)
     # a rank can differ only where another logit ties the target's within rounding (the products
     # are summed in another order); test_cuda_rank_exact checks the definition on exact logits
     assert d["rank_mismatch"] <= max(2, shape[0] // 20), d
