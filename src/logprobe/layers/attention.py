@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .attention_gpu import flash_varlen_attention
+
 
 @dataclass(slots=True)
 class KVCache:
@@ -76,6 +78,7 @@ class AttentionMeta:
     cache: KVCache | None = None
     kv_block: int | None = None
     past: int = field(default=0)  # rows in the cache before this batch (for the key-source index)
+    varlen_cache: tuple | None = field(default=None, repr=False)  # varlen() for the GPU path, built once
 
     @classmethod
     def packed(cls, lengths: list[int], kv_block: int | None = None) -> AttentionMeta:
@@ -117,6 +120,10 @@ def packed_attention(
     if meta.cache is not None:
         k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
     past = k.shape[0] - q.shape[0]
+    if q.is_cuda and meta.kv_block is None:
+        o = _flash(q, k, v, meta, scale, sliding_window)
+        if o is not None:
+            return o  # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py)
     out = torch.empty_like(q)
     for seg in meta.segments:
         if seg.end == seg.start:
@@ -133,6 +140,21 @@ def packed_attention(
         else:
             out[seg.start:seg.end] = _tiled(qs, ks, vs, scale, sliding_window, meta.kv_block)
     return out
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
+           window: int | None) -> torch.Tensor | None:
+    """The varlen form of ``meta``: each segment's keys (context spans + own rows) gathered into
+    one packed key tensor; FlashAttention aligns the causal diagonal bottom-right, as segments do."""
+    if meta.varlen_cache is None:
+        cu_q, cu_k, index = meta.varlen()
+        identity = cu_q == cu_k and len(index) == k.shape[0] and index == list(range(len(index)))
+        gather = None if identity else torch.tensor(index, dtype=torch.long, device=q.device)
+        meta.varlen_cache = (cu_q, cu_k, gather)
+    cu_q, cu_k, gather = meta.varlen_cache
+    if gather is not None:
+        k, v = k[gather], v[gather]  # [total keys, Hkv, D]
+    return flash_varlen_attention(q, k, v, cu_q, cu_k, scale, window)
 
 
 def _visible(qi: torch.Tensor, kj: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -57,6 +57,18 @@ def _transform(z: torch.Tensor, b: torch.Tensor | None, p: HeadParams) -> torch.
     return z
 
 
+def _kernel_applies(hidden: torch.Tensor, p: HeadParams, top_k: int, pad_chunks: bool) -> bool:
+    from ..kernels import triton_available
+    from ..kernels.logprob_head import MAX_TOP_K
+
+    if not hidden.is_cuda or pad_chunks or top_k > MAX_TOP_K:
+        return False
+
+    w = p.weight
+    return (triton_available() and w.device == hidden.device and w.dtype == hidden.dtype
+            and hidden.stride(-1) == 1 and w.stride(-1) == 1)
+
+
 def logprob_head(
     hidden: torch.Tensor,
     params: HeadParams,
@@ -68,11 +80,16 @@ def logprob_head(
     token_chunk: int = 512,
     vocab_chunk: int = 8192,
     pad_chunks: bool = False,
+    backend: str = "auto",
 ) -> HeadOutput:
     """hidden [N, H], targets [N] -> HeadOutput. ``temperature`` is a float or a [N] tensor.
 
     ``pad_chunks``: zero-pad the last token chunk to ``token_chunk`` rows so every row goes
-    through identically shaped products (bitwise batch invariance)."""
+    through identically shaped products (bitwise batch invariance).
+    ``backend``: "auto" runs the fused Triton kernel (``logprobe.kernels.logprob_head``) on CUDA
+    when it applies (Triton present, top_k <= 20, hidden and weight of one dtype with contiguous
+    rows, no ``pad_chunks``: the kernel's vocabulary split depends on N) and this chunked
+    PyTorch loop otherwise; "torch" always runs this loop; "triton" requires the kernel."""
     N, H = hidden.shape
     V = params.vocab_size
     if params.weight.shape[1] != H:
@@ -87,6 +104,15 @@ def logprob_head(
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(N).contiguous()
     if N and not bool(torch.isfinite(temp).all() and (temp > 0).all()):
         raise LogprobeError("temperature", "must be finite and > 0")
+
+    if backend not in ("auto", "torch", "triton"):
+        raise LogprobeError("backend", f"must be auto, torch or triton, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and _kernel_applies(hidden, params, top_k, pad_chunks)):
+        from ..kernels.logprob_head import fused_logprob_head
+
+        return HeadOutput(*fused_logprob_head(
+            hidden, params.weight, targets, 1.0 / temp, bias=params.bias, scale=params.scale,
+            softcap=params.softcap, top_k=top_k, entropy=entropy))
 
     out_lp = torch.empty(N, dtype=torch.float32, device=device)
     out_lse = torch.empty(N, dtype=torch.float32, device=device)

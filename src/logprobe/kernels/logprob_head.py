@@ -1,0 +1,320 @@
+"""Fused LM head + log-prob statistics in Triton: one pass over the vocabulary, no logits in memory.
+
+Same function as ``logprobe.scoring.head.logprob_head`` (the pure-PyTorch reference), for rows
+``i`` with hidden ``h_i`` [H] and target ``y_i``:
+
+    z_iv   = softcap(scale * (h_i . W_v + b_v)) / T_i          # float32, one [BLOCK_M, BLOCK_N] tile at a time
+    lse_i  = log sum_v exp(z_iv)                                # online max / sum-exp
+    ent_i  = lse_i - sum_v softmax(z_i)_v z_iv                  # online sum of exp(z - m) * z
+    rank_i = #{v != y_i : z_iv > z_{i,y_i}}                     # z_{i,y_i} from its own dot product, as the reference
+    top-k  = the k largest z_iv (k <= 20), kept per row in registers
+
+Layout of the work:
+  * ``_target_logit`` computes z_{i,y_i} (one program per row: h_i . W_{y_i}, float32), first,
+    because the rank needs it while the vocabulary streams by.
+  * ``_head_partials``: program (m, s) takes BLOCK_M rows and the s-th contiguous slice of the
+    vocabulary; for each BLOCK_N columns it runs a K loop of ``tl.dot`` (float32 accumulator),
+    transforms the tile and folds it into per-row running (max, sum-exp, sum-exp*z, count above
+    target, top-k). It writes those few numbers per (split, row): [S, N] (+ [S, N, KPAD]).
+    Splitting the vocabulary gives enough programs to fill the GPU when N is small; programs are
+    ordered split-fastest within groups of GROUP_M row tiles so the ones running together share
+    their hidden rows and weight tiles in L2.
+  * The online statistics run in base 2 (t = z log2(e) / T, exp2), saving a multiply per logit;
+    the partials are converted back to natural-log units before they are written.
+  * The combine over S splits is a few [S, N] tensor ops in PyTorch (tiny next to the matmul).
+
+Extra memory: O(S * N) floats (+ S * N * KPAD for top-k), never O(N * V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LogprobeError
+from . import interpreting, triton_available
+
+MAX_TOP_K = 20  # the kernel keeps top-k in registers; larger k goes to the PyTorch head
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _transform(z, bv, scale, softcap,
+                   HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        """Raw dot products -> logits, exactly the reference's order: (+b) * scale, softcap."""
+        if HAS_BIAS:
+            z = z + bv
+        if HAS_SCALE:
+            z = z * scale
+        if HAS_SOFTCAP:
+            # tanh from exp(-2|x|): no cancellation for large |x|, portable to the interpreter
+            x = z / softcap
+            t = tl.exp(-2.0 * tl.abs(x))
+            th = (1.0 - t) / (1.0 + t)
+            z = tl.where(x < 0, -th, th) * softcap
+        return z
+
+    @triton.jit
+    def _target_logit(h_ptr, w_ptr, b_ptr, y_ptr, inv_t_ptr, out_ptr, H, stride_hn, stride_wv,
+                      scale, softcap,
+                      HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+        # one program per row: z_y = transform(h . W[y]) / T, float32 sum of products
+        row = tl.program_id(0).to(tl.int64)
+        y = tl.load(y_ptr + row).to(tl.int64)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            hv = tl.load(h_ptr + row * stride_hn + ks, mask=ks < H, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + y * stride_wv + ks, mask=ks < H, other=0.0).to(tl.float32)
+            acc += hv * wv
+        z = tl.sum(acc, axis=0)
+        bv = 0.0
+        if HAS_BIAS:
+            bv = tl.load(b_ptr + y)
+        z = _transform(z, bv, scale, softcap, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP)
+        tl.store(out_ptr + row, z * tl.load(inv_t_ptr + row))
+
+    @triton.jit
+    def _head_partials(
+        h_ptr, w_ptr, b_ptr, y_ptr, zy_ptr, inv_t_ptr,  # [N, H], [V, H], [V], [N], [N], [N]
+        m_ptr, s_ptr, a_ptr, c_ptr,  # [S, N] each: running max, sum exp(z - m), sum exp(z - m) z, count above
+        tv_ptr, ti_ptr,  # [S, N, KPAD] top-k values / ids (only when KPAD > 0)
+        N, V, H, cols_per_split, num_splits,
+        stride_hn, stride_wv,
+        scale, softcap,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        ENTROPY: tl.constexpr, KPAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        # grouped ordering: within a group of GROUP_M row tiles, the split index varies fastest
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(N, BLOCK_M)
+        per_group = GROUP_M * num_splits
+        group = pid // per_group
+        first_m = group * GROUP_M
+        group_size = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_size
+        pid_s = (pid % per_group) // group_size
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        y = tl.load(y_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        zy = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
+        inv_t = tl.load(inv_t_ptr + rows, mask=row_ok, other=1.0)
+        LOG2E: tl.constexpr = 1.4426950408889634
+        c2 = inv_t * LOG2E  # z -> t = z log2(e) / T
+        ty = zy * LOG2E  # zy already carries 1 / T
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_M], tl.float32)
+        a = tl.zeros([BLOCK_M], tl.float32)
+        cnt = tl.zeros([BLOCK_M], tl.int32)
+        if KPAD > 0:
+            kcols = tl.arange(0, KPAD)
+            tv = tl.full([BLOCK_M, KPAD], float("-inf"), tl.float32)
+            ti = tl.zeros([BLOCK_M, KPAD], tl.int64)
+
+        v_begin = pid_s * cols_per_split
+        v_end = tl.minimum(v_begin + cols_per_split, V)
+        for v0 in range(v_begin, v_end, BLOCK_N):
+            cols = v0 + tl.arange(0, BLOCK_N)  # [BN]
+            col_ok = cols < v_end
+            cols64 = cols.to(tl.int64)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                h_ptrs = h_ptr + rows64[:, None] * stride_hn + ks[None, :]
+                w_ptrs = w_ptr + cols64[:, None] * stride_wv + ks[None, :]
+                if EVEN_K:
+                    hb = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)  # [BM, BK]
+                    wb = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)  # [BN, BK]
+                else:
+                    hb = tl.load(h_ptrs, mask=row_ok[:, None] & (ks < H)[None, :], other=0.0)
+                    wb = tl.load(w_ptrs, mask=col_ok[:, None] & (ks < H)[None, :], other=0.0)
+                if IEEE:  # float32 inputs: true float32 products, not tf32
+                    acc = tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(hb, tl.trans(wb), acc)
+            bv = 0.0
+            if HAS_BIAS:
+                bv = tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+            z = _transform(acc, bv, scale, softcap, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP)
+            # base-2 domain: t = z * log2(e) / T in one multiply, then exp2 (what tl.exp does anyway)
+            t = z * c2[:, None]
+            t = tl.where(col_ok[None, :], t, float("-inf"))  # [BM, BN]
+            m_new = tl.maximum(m, tl.max(t, axis=1))  # finite: every tile has >= 1 real column
+            alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
+            e = tl.exp2(t - m_new[:, None])  # 0 on padding columns
+            s = s * alpha + tl.sum(e, axis=1)
+            if ENTROPY:
+                a = a * alpha + tl.sum(tl.where(col_ok[None, :], e * t, 0.0), axis=1)
+            m = m_new
+            # the target never outranks itself (its tile value may round above zy)
+            above = (t > ty[:, None]) & (cols64[None, :] != y[:, None])
+            cnt += tl.sum(above.to(tl.int32), axis=1)
+            if KPAD > 0:
+                # insert, one column per row per step, every value above the row's current k-th
+                # best; after the first tiles this is rarely more than a step or two
+                thr = tl.min(tv, axis=1)
+                cand = tl.where(t > thr[:, None], t, float("-inf"))
+                todo = tl.max(tl.max(cand, axis=1), axis=0) > float("-inf")
+                while todo:
+                    best = tl.max(cand, axis=1)  # [BM]
+                    bcol = tl.argmax(cand, axis=1)  # [BM] column in the tile
+                    slot = tl.argmin(tv, axis=1)  # [BM] the slot holding the current minimum
+                    put = (kcols[None, :] == slot[:, None]) & (best > thr)[:, None]
+                    tv = tl.where(put, best[:, None], tv)
+                    ti = tl.where(put, (v0 + bcol).to(tl.int64)[:, None], ti)
+                    thr = tl.min(tv, axis=1)
+                    lcols = tl.arange(0, BLOCK_N)
+                    cand = tl.where((lcols[None, :] == bcol[:, None]) | (cand <= thr[:, None]),
+                                    float("-inf"), cand)
+                    todo = tl.max(tl.max(cand, axis=1), axis=0) > float("-inf")
+
+        # back to natural-log units: m, a, top-k values times ln 2 (s is a plain sum)
+        LN2: tl.constexpr = 0.6931471805599453
+        m = m * LN2
+        a = a * LN2
+        if KPAD > 0:
+            tv = tv * LN2
+        out = pid_s.to(tl.int64) * N + rows64
+        tl.store(m_ptr + out, m, mask=row_ok)
+        tl.store(s_ptr + out, s, mask=row_ok)
+        if ENTROPY:
+            tl.store(a_ptr + out, a, mask=row_ok)
+        tl.store(c_ptr + out, cnt, mask=row_ok)
+        if KPAD > 0:
+            kout = out[:, None] * KPAD + kcols[None, :]
+            tl.store(tv_ptr + kout, tv, mask=row_ok[:, None])
+            tl.store(ti_ptr + kout, ti, mask=row_ok[:, None])
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Tile shape and launch settings of ``_head_partials`` (tuned on an H100, see docs/perf.md)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    waves: int = 8  # aim for about this many programs per multiprocessor (vocabulary splits)
+    max_rows: int = 65536  # rows per launch: bounds the [S, N(, KPAD)] partials
+
+
+DEFAULT_CONFIG = KernelConfig()
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(hidden, weight, bias, targets, inv_t, top_k) -> None:
+    if hidden.dim() != 2:
+        raise LogprobeError("hidden", f"must be 2-D [N, H], got shape {tuple(hidden.shape)}")
+    N, H = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise LogprobeError("weight", f"shape {tuple(weight.shape)} does not match hidden width {H}")
+    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
+        raise LogprobeError("hidden", f"dtypes {hidden.dtype} (hidden) and {weight.dtype} (weight) must match "
+                            "and be bfloat16, float16 or float32", "cast one to the other's dtype")
+    if hidden.stride(1) != 1 or weight.stride(1) != 1:
+        raise LogprobeError("hidden", "hidden and weight rows must be contiguous (unit last stride)",
+                            "pass .contiguous() tensors")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        raise LogprobeError("bias", f"must be a contiguous [{weight.shape[0]}] tensor, got {tuple(bias.shape)}")
+    if targets.shape != (N,) or targets.dtype not in (torch.int64, torch.int32):
+        raise LogprobeError("targets", f"must be an integer [{N}] tensor, got {targets.dtype} {tuple(targets.shape)}")
+    if inv_t.shape != (N,) or inv_t.dtype != torch.float32:
+        raise LogprobeError("temperature", f"must be a float32 [{N}] tensor here")
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise LogprobeError("top_k", f"the fused kernel keeps at most {MAX_TOP_K}, got {top_k}",
+                            "use the PyTorch head (logprob_head dispatches there by itself)")
+    devs = {t.device for t in (hidden, weight, targets, inv_t) + ((bias,) if bias is not None else ())}
+    if len(devs) != 1:
+        raise LogprobeError("hidden", f"all tensors must be on one device, got {sorted(map(str, devs))}")
+    dev = hidden.device
+    if not triton_available():
+        raise LogprobeError("device", "the fused head needs Triton", "install triton or use the PyTorch head")
+    if dev.type != "cuda" and not (interpreting() and dev.type == "cpu"):
+        raise LogprobeError("device", f"the fused head runs on CUDA (or CPU under TRITON_INTERPRET=1), got {dev}")
+
+
+def fused_logprob_head(
+    hidden: torch.Tensor,  # [N, H] bf16 / fp16 / fp32
+    weight: torch.Tensor,  # [V, H], same dtype
+    targets: torch.Tensor,  # [N] int
+    inv_temperature: torch.Tensor,  # [N] float32, 1 / T per row
+    *,
+    bias: torch.Tensor | None = None,  # [V]
+    scale: float = 1.0,
+    softcap: float | None = None,
+    top_k: int = 0,
+    entropy: bool = False,
+    config: KernelConfig = DEFAULT_CONFIG,
+):
+    """-> (logprobs [N] f32, logsumexp [N] f32, ranks [N] i64, entropy [N] f32 | None,
+    topk_ids [N, k] i64 | None, topk_logprobs [N, k] f32 | None). Targets are not range-checked
+    here (the caller does it once)."""
+    _check(hidden, weight, bias, targets, inv_temperature, top_k)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    out_lp = torch.empty(N, dtype=torch.float32, device=dev)
+    out_lse = torch.empty(N, dtype=torch.float32, device=dev)
+    out_rank = torch.empty(N, dtype=torch.int64, device=dev)
+    out_ent = torch.empty(N, dtype=torch.float32, device=dev) if entropy else None
+    out_tid = torch.empty(N, top_k, dtype=torch.int64, device=dev) if top_k else None
+    out_tlp = torch.empty(N, top_k, dtype=torch.float32, device=dev) if top_k else None
+    if N == 0:
+        return out_lp, out_lse, out_rank, out_ent, out_tid, out_tlp
+    # bias in float32 once (V floats), so the kernel adds it exactly as the reference does
+    b = bias.float().contiguous() if bias is not None else None
+    flags = dict(HAS_BIAS=b is not None, HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None)
+    args_t = (float(scale), float(softcap or 1.0))
+    kpad = 0 if top_k == 0 else max(2, triton.next_power_of_2(top_k))
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    for r0 in range(0, N, config.max_rows):
+        r1 = min(r0 + config.max_rows, N)
+        n = r1 - r0
+        h, y, it = hidden[r0:r1], targets[r0:r1].contiguous(), inv_temperature[r0:r1].contiguous()
+        zy = torch.empty(n, dtype=torch.float32, device=dev)
+        _target_logit[(n,)](h, weight, b, y, it, zy, H, h.stride(0), weight.stride(0), *args_t, **flags,
+                            BLOCK_H=min(1024, triton.next_power_of_2(H)))
+        num_m = triton.cdiv(n, bm)
+        want = max(1, triton.cdiv(config.waves * sms, num_m))  # splits to fill the GPU
+        tiles = triton.cdiv(V, bn)
+        cols_per_split = triton.cdiv(tiles, min(want, tiles)) * bn
+        S = triton.cdiv(V, cols_per_split)  # every split non-empty
+        m = torch.empty(S, n, dtype=torch.float32, device=dev)
+        s = torch.empty_like(m)
+        a = torch.empty_like(m) if entropy else m  # unused pointer when not ENTROPY
+        c = torch.empty(S, n, dtype=torch.int32, device=dev)
+        tv = torch.empty(S, n, kpad, dtype=torch.float32, device=dev) if kpad else m
+        ti = torch.empty(S, n, kpad, dtype=torch.int64, device=dev) if kpad else c
+        _head_partials[(num_m * S,)](
+            h, weight, b, y, zy, it, m, s, a, c, tv, ti,
+            n, V, H, cols_per_split, S, h.stride(0), weight.stride(0), *args_t, **flags,
+            ENTROPY=entropy, KPAD=kpad, EVEN_K=H % bk == 0, IEEE=hidden.dtype == torch.float32,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        # combine the S splits: [S, n] -> [n]
+        mx = m.max(dim=0).values
+        w = torch.exp(m - mx)  # [S, n]
+        tot = (s * w).sum(0)
+        lse = mx + torch.log(tot)
+        out_lse[r0:r1] = lse
+        out_lp[r0:r1] = zy - lse
+        out_rank[r0:r1] = c.sum(0)
+        if entropy:
+            out_ent[r0:r1] = lse - (a * w).sum(0) / tot
+        if top_k:
+            vals = tv.permute(1, 0, 2).reshape(n, S * kpad)  # [n, S * KPAD]
+            best, sel = vals.topk(top_k, dim=1)
+            out_tid[r0:r1] = ti.permute(1, 0, 2).reshape(n, S * kpad).gather(1, sel)
+            out_tlp[r0:r1] = best - lse[:, None]
+    return out_lp, out_lse, out_rank, out_ent, out_tid, out_tlp
