@@ -316,9 +316,40 @@ def workload(name: str, vocab: int) -> list[ScoreRequest]:
     return reqs
 
 
-def run_logprobe(model, reqs, batch_tokens):
-    engine = Engine(model, EngineConfig(max_batch_tokens=batch_tokens, progress=False), torch.device("cuda"))
+def run_logprobe(model, reqs, batch_tokens, **options):
+    """``options``: EngineConfig fields (``share_prefixes``, ``deterministic``)."""
+    engine = Engine(model, EngineConfig(max_batch_tokens=batch_tokens, progress=False, **options),
+                    torch.device("cuda"))
     return engine.run(reqs)
+
+
+def engine_modes_section(args) -> None:
+    """Issue 4 on the GPU: W2 and W1 with and without shared-prefix packing, and the cost of
+    deterministic mode on a W3 slice (the first ``--det-windows`` windows) and a W1 slice."""
+    table = []
+    for mname in args.models.split(","):
+        _, ours, lc = build_models(mname, False)
+        run_logprobe(ours, workload("W2", lc.vocab_size)[:64], args.batch_tokens)  # warm-up
+        cases = [(w, workload(w, lc.vocab_size), "share_prefixes") for w in ("W2", "W1")]
+        cases += [("W3 slice", workload("W3", lc.vocab_size)[:args.det_windows], "deterministic"),
+                  ("W1 slice", workload("W1", lc.vocab_size)[:args.det_windows], "deterministic")]
+        for wname, reqs, option in cases:
+            base_opt = {"share_prefixes": False} if option == "share_prefixes" else {}
+            on_opt = {} if option == "share_prefixes" else {"deterministic": True}
+            with torch.inference_mode():
+                run_logprobe(ours, reqs[:8], args.batch_tokens, **on_opt)  # warm-up of this mode
+                base, t_base = sync_time(lambda r=reqs, o=base_opt, m=ours: run_logprobe(m, r, args.batch_tokens, **o))
+                on, t_on = sync_time(lambda r=reqs, o=on_opt, m=ours: run_logprobe(m, r, args.batch_tokens, **o))
+            d = max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(base, on))
+            table.append((mname, wname, option, sum(r.num_inputs for r in reqs), t_base, t_on, d))
+            log(f"{mname} {wname} {option}: off {t_base:.2f} s, on {t_on:.2f} s, max |Δ| {d:.2e}")
+        ours = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    log("\n| model | workload | option | input tokens | off s | on s | on / off | max abs Δ |")
+    log("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for m, w, o, n, a, b, d in table:
+        log(f"| {m} | {w} | {o} | {n:,} | {a:.2f} | {b:.2f} | {b / a:.2f} | {d:.2e} |")
 
 
 def run_transformers(hf, reqs, budget):
@@ -549,6 +580,7 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=300, help="do_bench milliseconds per head row")
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
     ap.add_argument("--triton-matmul", action="store_true", help="also time a plain Triton matmul")
+    ap.add_argument("--det-windows", type=int, default=32, help="engine section: requests in the slices")
     ap.add_argument("--w4-all", action="store_true", help="W4 on every model, not only llama-8b")
     args = ap.parse_args()
     args.budgets = [int(b) for b in args.budgets.split(",")]
@@ -571,6 +603,8 @@ def main() -> None:
         exact_section(args)
     if "workloads" in sections:
         workloads_section(args, tflops)
+    if "engine" in sections:
+        engine_modes_section(args)
 
 
 if __name__ == "__main__":
