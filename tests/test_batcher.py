@@ -142,3 +142,18 @@ def test_engine_error_fails_only_its_step():
     out = asyncio.run(main())
     assert out[0].logprobs[0].item() == 2
     assert b.queue_depth == (0, 0)
+
+
+def test_server_config_and_cli_errors(capsys):
+    from logprobe.cli.main import main
+    from logprobe.errors import LogprobeError
+    from logprobe.server import ServerConfig
+
+    with pytest.raises(LogprobeError, match="max_queue_requests: must be a positive integer"):
+        ServerConfig(max_queue_requests=0)
+    with pytest.raises(LogprobeError, match="api_key: is empty"):
+        ServerConfig(api_key="  ")
+    # refused before any model is loaded: one line, exit code 2
+    assert main(["serve", "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["logprobe: error: port: must be an integer in [0, 65535], got 70000"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import LogprobeError
+from .errors import LogprobeError, check_positive_ints
 
 _DTYPES = {
     "float32": torch.float32,
@@ -73,11 +73,8 @@ class EngineConfig:
     min_shared_prefix: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile",
-                     "attention_block", "min_shared_prefix"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LogprobeError(name, f"must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile",
+                                   "attention_block", "min_shared_prefix"))
 
     @property
     def batch_invariant(self) -> bool:

@@ -17,3 +17,11 @@ class LogprobeError(ValueError):
         if fix:
             msg += f"; {fix}"
         super().__init__(msg)
+
+
+def check_positive_ints(obj: object, names: tuple[str, ...]) -> None:
+    """Config validation: each named attribute must be an int >= 1 (a bool is not an int here)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LogprobeError(name, f"must be a positive integer, got {value!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import LogprobeError
+from ..errors import LogprobeError, check_positive_ints
 
 
 @dataclass(slots=True)
@@ -37,11 +37,8 @@ class ServerConfig:
     batching: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_queue_requests", "max_queue_tokens", "max_request_tokens", "max_request_items",
-                     "max_top_logprobs", "max_body_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LogprobeError(name, f"must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",
+                                   "max_request_items", "max_top_logprobs", "max_body_bytes"))
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise LogprobeError("port", f"must be an integer in [0, 65535], got {self.port!r}")
         if self.api_key is not None and not self.api_key.strip():

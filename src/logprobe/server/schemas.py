@@ -80,16 +80,21 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
 
 
-class ScoreBody(BaseModel):
-    """``POST /v1/score``: log p(continuation | prompt) for each continuation (``Scorer.score``)."""
+class _HeadOptions(BaseModel):
+    """What the log-prob head computes, per request (the library's ``temperature``/``top_k``/``entropy``)."""
 
     model_config = _STRICT
+    model: str | None = None
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="log_softmax(logits / temperature)")
+    top_k: int = Field(0, ge=0, description="also return the k most likely tokens per position (no cap)")
+    entropy: bool = False
+
+
+class ScoreBody(_HeadOptions):
+    """``POST /v1/score``: log p(continuation | prompt) for each continuation (``Scorer.score``)."""
+
     prompt: str
     continuations: list[str] = Field(min_length=1)
-    model: str | None = None
-    temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)
-    entropy: bool = False
 
 
 class Sequence(BaseModel):
@@ -98,15 +103,10 @@ class Sequence(BaseModel):
     completion_token_ids: list[int] = Field(min_length=1)
 
 
-class LogprobsBody(BaseModel):
+class LogprobsBody(_HeadOptions):
     """``POST /v1/logprobs``: per-token log-probs of completions (``Scorer.logprobs``, RL)."""
 
-    model_config = _STRICT
     sequences: list[Sequence] = Field(min_length=1)
-    model: str | None = None
-    temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)
-    entropy: bool = False
 
 
 class PerplexityBody(BaseModel):
