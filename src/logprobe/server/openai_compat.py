@@ -134,10 +134,11 @@ def _logprobs(c: _Choice, res: RequestResult | None, gen_id: int | None, echo: b
     lps: list[float | None] = []
     rows: list[int | None] = []  # result row of each returned token (None: the unscored first token)
     if echo:
+        scored = res.logprobs.tolist() if res is not None else []
         ids, lps, rows = [c.ids[0]], [None], [None]
         for j in range(1, len(c.ids)):  # token j is scored by result row j - score_begin
             ids.append(c.ids[j])
-            lps.append(float(res.logprobs[j - c.score_begin]))
+            lps.append(scored[j - c.score_begin])
             rows.append(j - c.score_begin)
     if gen_id is not None:
         r = len(c.ids) - c.score_begin  # the last prompt row predicts the generated token
