@@ -14,9 +14,20 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .engine.request import RequestResult, ScoreRequest
+from .engine.request import CaptureAt, RequestResult, ScoreRequest, SteerAt
 from .engine.runner import Engine
 from .errors import LogprobeError
+from .interp.points import point_layer, resolve_points
+from .interp.specs import (
+    Capture,
+    CaptureSpec,
+    SteerSpec,
+    capture_results,
+    parse_capture,
+    parse_steer,
+    request_hooks,
+)
+from .interp.vectors import SteeringVector, check_method, direction_from_states
 from .loading import LoadedModel, load_model
 from .scoring.contract import split_continuation
 from .scoring.stats import count_words, mean_and_stderr
@@ -36,9 +47,12 @@ class ContinuationScore:
     token_logprobs: list[float]
     entropy: list[float] | None = None
     top_k: list[list[tuple[int, str, float]]] | None = None  # per token: (id, text, log-prob)
+    captures: list[Capture] | None = None  # per capture entry and point, positions as in interp.specs
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["captures"] = None if self.captures is None else [c.to_dict() for c in self.captures]
+        return d
 
 
 @dataclass(slots=True)
@@ -50,6 +64,7 @@ class SequenceLogprobs:
     entropy: torch.Tensor | None = None  # [n]
     topk_ids: torch.Tensor | None = None  # [n, k]
     topk_logprobs: torch.Tensor | None = None  # [n, k]
+    captures: list[Capture] | None = None
 
     @property
     def sum_logprob(self) -> float:
@@ -63,6 +78,8 @@ class SequenceLogprobs:
         if self.topk_ids is not None:
             d["top_k_ids"] = self.topk_ids.tolist()
             d["top_k_logprobs"] = self.topk_logprobs.tolist()
+        if self.captures is not None:
+            d["captures"] = [c.to_dict() for c in self.captures]
         return d
 
 
@@ -83,9 +100,12 @@ class PerplexityResult:
     num_words: int | None = None
     num_bytes: int | None = None
     token_nlls: list[list[float]] | None = field(default=None, repr=False)  # per text, in token order
+    captures: list[list[Capture]] | None = field(default=None, repr=False)  # per text; positions = text tokens
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["captures"] = None if self.captures is None else [[c.to_dict() for c in cs] for cs in self.captures]
+        return d
 
 
 @dataclass(slots=True)
@@ -130,16 +150,21 @@ class Scorer:
     # -- continuations -------------------------------------------------------------------------
 
     def score(self, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
-              top_k: int = 0, entropy: bool = False) -> list[ContinuationScore]:
+              top_k: int = 0, entropy: bool = False, capture: Sequence[dict] | None = None,
+              steer: Sequence[dict] | None = None) -> list[ContinuationScore]:
+        """``capture`` / ``steer``: hidden-state reads and interventions of this call (see
+        ``interp.specs`` for positions, ``layers.hooks`` for the ops); with neither, the forward is
+        the plain one."""
         return self.run(self.score_job(prompt, continuations, temperature=temperature, top_k=top_k,
-                                       entropy=entropy))
+                                       entropy=entropy, capture=capture, steer=steer))
 
     def run(self, job: Job) -> Any:
         """Run a job's requests on this scorer's engine and finish it."""
         return job.finish(self.engine.run(job.requests))
 
     def score_job(self, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
-                  top_k: int = 0, entropy: bool = False) -> Job:
+                  top_k: int = 0, entropy: bool = False, capture: Sequence[dict] | None = None,
+                  steer: Sequence[dict] | None = None) -> Job:
         """Score each continuation after ``prompt``.
 
         Prompt and continuation are encoded jointly and split (trailing prompt whitespace moves
@@ -158,16 +183,19 @@ class Scorer:
         if not continuations:
             raise LogprobeError("continuations", "is empty", "give at least one continuation")
         temperature, top_k = self._options(temperature, top_k)
+        caps, steers = self.hook_specs(capture, steer)
         requests, texts = [], []
         n_spaces = len(prompt) - len(prompt.rstrip())
-        for c in continuations:
+        for i, c in enumerate(continuations):
             if not isinstance(c, str):
                 raise LogprobeError("continuations", f"must be strings, got {type(c).__name__}")
             ctx, cont = self._split(prompt, c)
             self._check_length(len(ctx) + len(cont), "prompt + continuation")
-            requests.append(ScoreRequest(ctx + cont, len(ctx), temperature, top_k, entropy))
+            st, ca = request_hooks(caps, steers, len(ctx) + len(cont), len(ctx),
+                                   f"continuations[{i}]: " if len(continuations) > 1 else "")
+            requests.append(ScoreRequest(ctx + cont, len(ctx), temperature, top_k, entropy, st, ca))
             texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)
-        return Job(requests, lambda results: [self._continuation_score(t, r, res)
+        return Job(requests, lambda results: [self._continuation_score(t, r, res, caps)
                                               for t, r, res in zip(texts, requests, results)])
 
     def loglikelihood(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
@@ -188,7 +216,8 @@ class Scorer:
     # -- token ids (reinforcement learning) ----------------------------------------------------
 
     def logprobs(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
-                 entropy: bool = False) -> list[SequenceLogprobs]:
+                 entropy: bool = False, capture: Sequence[dict] | None = None,
+                 steer: Sequence[dict] | None = None) -> list[SequenceLogprobs]:
         """Per-token log-probs of completions, for PPO/GRPO ratios and KL terms.
 
         Each sequence is ``{"prompt_token_ids": [...], "completion_token_ids": [...]}``. Scores are
@@ -198,19 +227,38 @@ class Scorer:
             row  :  0  1  2    3  4
             row 2 -> c0, row 3 -> c1, row 4 -> c2       (3 log-probs for 3 completion tokens)
         """
-        return self.run(self.logprobs_job(sequences, temperature, top_k, entropy))
+        return self.run(self.logprobs_job(sequences, temperature, top_k, entropy, capture, steer))
 
     def logprobs_job(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
-                     entropy: bool = False) -> Job:
+                     entropy: bool = False, capture: Sequence[dict] | None = None,
+                     steer: Sequence[dict] | None = None) -> Job:
         temperature, top_k = self._options(temperature, top_k)
         if isinstance(sequences, (str, bytes, dict)) or not isinstance(sequences, Sequence) or not sequences:
             raise LogprobeError("sequences", "must be a non-empty list of objects with prompt_token_ids and "
                                 "completion_token_ids")
-        requests = [self.sequence_request(seq, i, temperature, top_k, entropy) for i, seq in enumerate(sequences)]
-        return Job(requests, lambda results: [SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids,
-                                                               r.topk_logprobs) for r in results])
+        caps, steers = self.hook_specs(capture, steer)
+        requests = [self.sequence_request(seq, i, temperature, top_k, entropy, caps, steers)
+                    for i, seq in enumerate(sequences)]
+        return Job(requests, lambda results: [self.sequence_result(r, res, caps) for r, res in zip(requests, results)])
 
-    def sequence_request(self, seq: dict, i: int, temperature: float, top_k: int, entropy: bool) -> ScoreRequest:
+    @staticmethod
+    def sequence_result(req: ScoreRequest, r: RequestResult, caps: list[CaptureSpec]) -> SequenceLogprobs:
+        return SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids, r.topk_logprobs,
+                                capture_results(caps, req.capture, r.captures) if caps else None)
+
+    def hook_specs(self, capture, steer) -> tuple[list[CaptureSpec], list[SteerSpec]]:
+        """Validated ``capture`` / ``steer`` lists against this model's depth and width."""
+        if not capture and not steer:
+            return [], []
+        model = self.loaded.model
+        if not getattr(model, "supports_hooks", False):
+            raise LogprobeError("steer" if steer else "capture", f"the {self.info.backend} backend has no hook points",
+                                "use a native model (GGUF or a Llama-family directory)")
+        L, H = model.config.num_layers, model.config.hidden_size
+        return parse_capture(capture, L, H), parse_steer(steer, L, H)
+
+    def sequence_request(self, seq: dict, i: int, temperature: float, top_k: int, entropy: bool,
+                         caps: list[CaptureSpec] = (), steers: list[SteerSpec] = ()) -> ScoreRequest:
         """Validate one RL sequence and turn it into a request (used by the CLI's streaming mode)."""
         if not isinstance(seq, dict):
             raise LogprobeError(f"sequences[{i}]", "must be an object with prompt_token_ids and completion_token_ids")
@@ -222,14 +270,58 @@ class Scorer:
         if not completion:
             raise LogprobeError(f"sequences[{i}].completion_token_ids", "is empty", "give at least one token")
         self._check_length(len(prompt) + len(completion), f"sequences[{i}]")
-        return ScoreRequest(prompt + completion, len(prompt), temperature, top_k, entropy)
+        st, ca = request_hooks(list(caps), list(steers), len(prompt) + len(completion), len(prompt), f"sequences[{i}]: ")
+        return ScoreRequest(prompt + completion, len(prompt), temperature, top_k, entropy, st, ca)
+
+    # -- hidden states and steering vectors ----------------------------------------------------
+
+    def last_token_states(self, texts: Sequence[str], layers: Sequence[int], field: str = "texts") -> torch.Tensor:
+        """``blocks.{l}.resid_post`` at each text's last token -> float32 [len(texts), len(layers), H]."""
+        if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+            raise LogprobeError(field, "must be a non-empty list of texts")
+        at = [f"blocks.{layer}.resid_post" for layer in layers]
+        caps, _ = self.hook_specs([{"at": at, "positions": "last", "reduce": "last"}], None)
+        requests = []
+        for i, t in enumerate(texts):
+            if not isinstance(t, str) or not t:
+                raise LogprobeError(f"{field}[{i}]", "must be a non-empty string")
+            ids = self.tokenizer.encode(t)
+            if self.tokenizer.add_bos:
+                ids = [self.tokenizer.bos_id] + ids
+            if len(ids) < 2:
+                ids = [self.tokenizer.prefix_id] + ids
+            self._check_length(len(ids), f"{field}[{i}]")
+            _, ca = request_hooks(caps, [], len(ids), len(ids) - 1)
+            requests.append(ScoreRequest(ids, len(ids) - 1, capture=ca))
+        results = self.engine.run(requests)
+        return torch.stack([torch.stack([v[0] for v in r.captures]) for r in results])
+
+    def train_vector(self, positive: Sequence[str], negative: Sequence[str], layers: Sequence[int] | None = None,
+                     method: str = "pca_diff") -> SteeringVector:
+        """A reading/steering vector per layer from contrasting prompts (``interp.vectors``):
+        captured last-token ``resid_post`` states of ``positive[i]`` vs ``negative[i]``. Layers
+        default to 1..L-1 (llama.cpp cannot steer block 0). Save it with ``.save_gguf(path)``."""
+        check_method(method)
+        L = self.loaded.model.config.num_layers if getattr(self.loaded.model, "supports_hooks", False) else 0
+        layers = list(range(1, L)) if layers is None else [int(x) for x in layers]
+        if not layers:
+            raise LogprobeError("layers", "is empty", "name at least one layer")
+        if method == "pca_diff" and len(positive) != len(negative):
+            raise LogprobeError("negative", f"has {len(negative)} prompts, positive has {len(positive)}",
+                                "pca_diff pairs positive[i] with negative[i]: give equally many")
+        names = [resolve_points(f"blocks.{x}.resid_post", L)[0] if L else "" for x in layers]
+        pos = self.last_token_states(positive, layers, "positive")  # [n, layers, H]
+        neg = self.last_token_states(negative, layers, "negative")
+        dirs = {point_layer(n): direction_from_states(pos[:, j], neg[:, j], method) for j, n in enumerate(names)}
+        return SteeringVector(dirs, method)
 
     # -- perplexity ----------------------------------------------------------------------------
 
     def perplexity(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
                    context_length: int | None = None, stride: int | None = None, policy: str = "sliding",
                    prefix: bool | None = None, max_tokens: int | None = None,
-                   return_token_nlls: bool = False) -> PerplexityResult:
+                   return_token_nlls: bool = False, capture: Sequence[dict] | None = None,
+                   steer: Sequence[dict] | None = None) -> PerplexityResult:
         """Token perplexity with a standard error, and word/byte perplexity and bits per byte.
 
         Each text is one token stream, cut into windows by ``scoring.windows`` (``policy``
@@ -243,15 +335,22 @@ class Scorer:
 
         ``max_tokens`` keeps the first N tokens of each text. Default context: min(2048, model's);
         default stride: context_length // 4.
+
+        ``steer`` / ``capture`` positions count each text's own tokens (not the prefix token):
+        ``all``, ``last``, an index or ``[start, end]``. A steered token is steered in every window
+        that feeds it; a captured token is read in the window that scores it (the first window
+        for tokens no window scores), so its state has that window's context.
         """
         return self.run(self.perplexity_job(texts, context_length=context_length, stride=stride, policy=policy,
                                             prefix=prefix, max_tokens=max_tokens,
-                                            return_token_nlls=return_token_nlls))
+                                            return_token_nlls=return_token_nlls, capture=capture, steer=steer))
 
     def perplexity_job(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
                        context_length: int | None = None, stride: int | None = None, policy: str = "sliding",
                        prefix: bool | None = None, max_tokens: int | None = None,
-                       return_token_nlls: bool = False) -> Job:
+                       return_token_nlls: bool = False, capture: Sequence[dict] | None = None,
+                       steer: Sequence[dict] | None = None) -> Job:
+        caps, steers = self.hook_specs(capture, steer)
         streams, raw_texts = self._perplexity_streams(texts, max_tokens)
         if context_length is None:
             context_length = min(2048, self.info.max_length)
@@ -260,27 +359,53 @@ class Scorer:
             stride = max(1, context_length // 4)
         use_prefix = (policy != "llama.cpp") if prefix is None else bool(prefix)
         requests, owners = [], []
+        text_hooks = []  # per text: its whole-stream SteerAt / CaptureAt, before windowing
         for t, ids in enumerate(streams):
+            n_text = len(ids)
             if use_prefix:
                 ids = [self.tokenizer.prefix_id] + ids
             elif self.tokenizer.add_bos:
                 ids = [self.tokenizer.bos_id] + ids
-            for w in make_windows(policy, len(ids), context_length, stride):
+            off = len(ids) - n_text
+            st, ca = request_hooks(caps, steers, n_text, 0, f"texts[{t}]: " if len(streams) > 1 else "",
+                                   need_prompt=False, offset=off)
+            text_hooks.append((ca, off))
+            windows = make_windows(policy, len(ids), context_length, stride)
+            for wi, w in enumerate(windows):
                 toks = ids[w.begin:w.end]
                 if policy == "llama.cpp" and self.tokenizer.add_bos:
                     toks = [self.tokenizer.bos_id] + toks[1:]  # llama-perplexity puts BOS first in every chunk
-                requests.append(ScoreRequest(toks, w.score_begin - w.begin))
-                owners.append(t)
+                w_steer = tuple(SteerAt(s.point, local, s.op, s.vector, s.coeff) for s in st
+                                if (local := tuple(k - w.begin for k in s.positions if w.begin <= k < w.end)))
+                lo = 0 if wi == 0 else w.score_begin  # tokens no window scores are read in the first
+                w_capture = tuple(CaptureAt(c.point, tuple(k - w.begin for k in c.positions if lo <= k < w.end),
+                                            c.kind, c.vector) for c in ca)
+                requests.append(ScoreRequest(toks, w.score_begin - w.begin, steer=w_steer,
+                                             capture=tuple(c for c in w_capture if c.positions)))
+                owners.append((t, w_capture))
         finish = lambda results: self._perplexity_result(  # noqa: E731
-            results, owners, len(streams), raw_texts, policy, context_length, stride, max_tokens, return_token_nlls)
+            results, owners, len(streams), raw_texts, policy, context_length, stride, max_tokens, return_token_nlls,
+            caps, text_hooks)
         return Job(requests, finish)
 
     @staticmethod
     def _perplexity_result(results, owners, n_streams, raw_texts, policy, context_length, stride, max_tokens,
-                           return_token_nlls) -> PerplexityResult:
+                           return_token_nlls, caps=(), text_hooks=()) -> PerplexityResult:
         per_text: list[list[float]] = [[] for _ in range(n_streams)]
-        for t, r in zip(owners, results):
+        pieces = [[[] for _ in text_hooks[t][0]] for t in range(n_streams)] if caps else None
+        for (t, w_capture), r in zip(owners, results):
             per_text[t].extend((-r.logprobs.double()).tolist())
+            if pieces is not None:
+                got = iter(r.captures or ())
+                for k, c in enumerate(w_capture):
+                    if c.positions:
+                        pieces[t][k].append(next(got))
+        captures = None
+        if pieces is not None:
+            from .engine.runner import _join
+
+            captures = [capture_results(list(caps), ca, [_join(ps, c.kind) for ps, c in zip(pieces[t], ca)], off)
+                        for t, (ca, off) in enumerate(text_hooks)]
         nlls = [x for text_nlls in per_text for x in text_nlls]
         mean, se = mean_and_stderr(nlls)
         total = math.fsum(nlls)
@@ -288,7 +413,7 @@ class Scorer:
             perplexity=math.exp(mean), perplexity_stderr=math.exp(mean) * se, nll_mean=mean, nll_stderr=se,
             num_tokens=len(nlls), num_windows=len(results), policy=policy, context_length=context_length,
             stride=stride if policy == "sliding" else None,
-            token_nlls=per_text if return_token_nlls else None)
+            token_nlls=per_text if return_token_nlls else None, captures=captures)
         if raw_texts is not None and max_tokens is None:
             out.num_words = sum(count_words(t) for t in raw_texts)
             out.num_bytes = sum(len(t.encode("utf-8")) for t in raw_texts)
@@ -351,7 +476,8 @@ class Scorer:
             raise LogprobeError("top_k", f"must be an integer >= 0, got {top_k!r}")
         return float(temperature), top_k
 
-    def _continuation_score(self, text: str, req: ScoreRequest, res: RequestResult) -> ContinuationScore:
+    def _continuation_score(self, text: str, req: ScoreRequest, res: RequestResult,
+                            caps: list[CaptureSpec] = ()) -> ContinuationScore:
         ids = req.tokens[req.score_begin:]
         lps = res.logprobs.tolist()
         total = float(res.logprobs.double().sum())
@@ -365,4 +491,4 @@ class Scorer:
             continuation=text, log_prob=total, prob=math.exp(total), perplexity=math.exp(-total / len(ids)),
             num_tokens=len(ids), is_greedy=bool((res.ranks == 0).all()), tokens=self.tokenizer.token_texts(ids),
             token_ids=ids, token_logprobs=lps, entropy=res.entropy.tolist() if res.entropy is not None else None,
-            top_k=top)
+            top_k=top, captures=capture_results(list(caps), req.capture, res.captures) if caps else None)

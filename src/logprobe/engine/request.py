@@ -7,12 +7,36 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class SteerAt:
+    """Steer the rows of token indices ``positions`` at one hook point (see ``layers.hooks``)."""
+
+    point: str
+    positions: tuple[int, ...]
+    op: str  # add | add_signed | project_out
+    vector: torch.Tensor  # [H] float32
+    coeff: float
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureAt:
+    """Read the rows of token indices ``positions`` at one hook point.
+
+    kind "rows" -> [n, H]; "sum" -> [H]; "project" -> [n] (onto ``vector``)."""
+
+    point: str
+    positions: tuple[int, ...]
+    kind: str
+    vector: torch.Tensor | None = None
+
+
 @dataclass(slots=True)
 class ScoreRequest:
     """Score ``tokens[score_begin:]``; token j is predicted by the row of token j - 1.
 
-    Only ``tokens[:-1]`` is fed to the model (the last token is a target, never an input).
-    Options are per request, so requests with different temperatures share a batch.
+    Only ``tokens[:-1]`` is fed to the model (the last token is a target, never an input), unless a
+    capture reads the last token's row: then every token is fed and the last row scores nothing.
+    Options are per request, so requests with different temperatures or steering share a batch.
     """
 
     tokens: list[int]
@@ -20,14 +44,25 @@ class ScoreRequest:
     temperature: float = 1.0
     top_k: int = 0
     entropy: bool = False
+    steer: tuple[SteerAt, ...] = ()
+    capture: tuple[CaptureAt, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.score_begin < len(self.tokens):
             raise ValueError(f"score_begin {self.score_begin} outside [1, {len(self.tokens)})")
 
     @property
+    def feeds_last(self) -> bool:
+        last = len(self.tokens) - 1
+        return any(c.positions and c.positions[-1] == last for c in self.capture)
+
+    @property
     def num_inputs(self) -> int:
-        return len(self.tokens) - 1
+        return len(self.tokens) - (0 if self.feeds_last else 1)
+
+    @property
+    def inputs(self) -> list[int]:
+        return self.tokens[:self.num_inputs]
 
     @property
     def num_scored(self) -> int:
@@ -41,3 +76,4 @@ class RequestResult:
     entropy: torch.Tensor | None = None  # [n]
     topk_ids: torch.Tensor | None = None  # [n, k]
     topk_logprobs: torch.Tensor | None = None  # [n, k]
+    captures: list[torch.Tensor] | None = None  # one per ScoreRequest.capture, float32

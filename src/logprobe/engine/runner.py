@@ -12,6 +12,7 @@ from torch import nn
 from ..config import EngineConfig
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, KVCache, Segment
+from ..layers.hooks import CaptureTable, Hooks, SteerTable
 from ..layers.linear import Linear
 from ..scoring.head import HeadOutput, logprob_head
 from .request import RequestResult, ScoreRequest
@@ -36,6 +37,78 @@ class PackedBatch:
     targets: torch.Tensor  # [N] the token each of those rows predicts
     temperature: torch.Tensor  # [N] per scored row (from its request)
     owners: list[tuple[int, int]]  # (request index, scored rows) in score_rows order
+    hooks: Hooks | None = None  # steering and capture tables, None when no request asks
+    captures: list[CaptureSlot] | None = None  # where each request's captures land in ``hooks``
+
+
+@dataclass(slots=True)
+class CaptureSlot:
+    """Capture ``capture`` of request ``request`` is ``table.out[start:end]`` (rows, project) or
+    ``table.out[start]`` (sum) for this batch's part of the request."""
+
+    request: int
+    capture: int
+    table: CaptureTable
+    start: int
+    end: int
+
+
+class _HookBuilder:
+    """Collects per-request steer/capture entries as rows of the packed batch, then tensors."""
+
+    def __init__(self) -> None:
+        self.steer: dict[tuple[str, str], tuple[list[int], list[torch.Tensor], list[int], list[float]]] = {}
+        self.capture: dict[tuple[str, str], dict] = {}
+        self.slots: list[tuple[int, int, tuple[str, str], int, int]] = []
+
+    def add(self, i: int, r: ScoreRequest, input_rows: list[int]) -> None:
+        """input_rows[k]: batch row of the request's token k, or -1 when not in this batch."""
+        n = len(input_rows)
+        for s in r.steer:
+            rows = [input_rows[k] for k in s.positions if k < n and input_rows[k] >= 0]
+            if rows:
+                rs, vs, idx, cs = self.steer.setdefault((s.point, s.op), ([], [], [], []))
+                rs.extend(rows)
+                idx.extend([len(vs)] * len(rows))
+                cs.extend([s.coeff] * len(rows))
+                vs.append(s.vector)
+        for c_i, c in enumerate(r.capture):
+            rows = [input_rows[k] for k in c.positions if k < n and input_rows[k] >= 0]
+            if not rows:
+                continue
+            t = self.capture.setdefault((c.point, c.kind), {"rows": [], "groups": [], "vectors": [], "index": []})
+            if c.kind == "sum":
+                g = len(t["vectors"])
+                t["vectors"].append(None)  # one group per (request, capture)
+                t["groups"].extend([g] * len(rows))
+                self.slots.append((i, c_i, (c.point, c.kind), g, g + 1))
+            else:
+                start = len(t["rows"])
+                self.slots.append((i, c_i, (c.point, c.kind), start, start + len(rows)))
+                if c.kind == "project":
+                    t["index"].extend([len(t["vectors"])] * len(rows))
+                    t["vectors"].append(c.vector)
+            t["rows"].extend(rows)
+
+    def build(self, device: torch.device) -> tuple[Hooks | None, list[CaptureSlot] | None]:
+        if not self.steer and not self.capture:
+            return None, None
+        long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        hooks = Hooks()
+        for (point, op), (rows, vectors, index, coeffs) in self.steer.items():
+            hooks.steer.setdefault(point, []).append(SteerTable(
+                op, long(rows), torch.stack(vectors).to(device), long(index),
+                torch.tensor(coeffs, dtype=torch.float32, device=device)))
+        tables: dict[tuple[str, str], CaptureTable] = {}
+        for (point, kind), t in self.capture.items():
+            table = CaptureTable(kind, long(t["rows"]))
+            if kind == "sum":
+                table.groups, table.num_groups = long(t["groups"]), len(t["vectors"])
+            elif kind == "project":
+                table.table, table.index = torch.stack(t["vectors"]).to(device), long(t["index"])
+            hooks.capture.setdefault(point, []).append(table)
+            tables[(point, kind)] = table
+        return hooks, [CaptureSlot(i, c, tables[key], a, b) for i, c, key, a, b in self.slots]
 
 
 def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.device,
@@ -50,6 +123,7 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
     targets: list[int] = []
     temps: list[float] = []
     owners: list[tuple[int, int]] = []
+    hooks = _HookBuilder()
     past = 0
 
     def add_rows(tokens: list[int], first_pos: int, context: tuple[tuple[int, int], ...]) -> int:
@@ -67,26 +141,28 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
         targets.extend(r.tokens[j] for j in js)
         temps.extend([r.temperature] * len(js))
         owners.append((i, len(js)))
+        if r.steer or r.capture:
+            hooks.add(i, r, input_rows)
 
     for item in batch:
         if isinstance(item, Chunk):
             r = requests[item.request]
             past = item.begin  # rows 0..begin-1 are in the cache, before ours in the key source
             start = add_rows(r.tokens[item.begin:item.end], item.begin, ((0, item.begin),) if item.begin else ())
-            js = range(max(r.score_begin, item.begin + 1), item.end + 1)
+            js = range(max(r.score_begin, item.begin + 1), min(item.end + 1, len(r.tokens)))
             add_scores(item.request, js, [-1] * item.begin + list(range(start, start + item.end - item.begin)))
             continue
         P = item.shared
         prefix = add_rows(requests[item.members[0]].tokens[:P], 0, ())
         for i in item.members:
             r = requests[i]
-            branch = add_rows(r.tokens[P:-1], P, ((prefix, prefix + P),) if P else ())
+            branch = add_rows(r.inputs[P:], P, ((prefix, prefix + P),) if P else ())
             own = list(range(branch, branch + r.num_inputs - P))
             add_scores(i, range(r.score_begin, len(r.tokens)), list(range(prefix, prefix + P)) + own)
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     meta = AttentionMeta(segments, kv_block=kv_block, past=past)
     return PackedBatch(as_long(ids), as_long(positions), meta, as_long(rows), as_long(targets),
-                       torch.tensor(temps, dtype=torch.float32, device=device), owners)
+                       torch.tensor(temps, dtype=torch.float32, device=device), owners, *hooks.build(device))
 
 
 class Engine:
@@ -114,9 +190,14 @@ class Engine:
         if cfg.deterministic and not self._context:
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
                                 "use a native model (GGUF or a Llama-family directory), or turn it off")
-        plan = plan_work([r.tokens[:-1] for r in requests], cfg.max_batch_tokens,
+        if not getattr(self.model, "supports_hooks", False) and any(r.steer or r.capture for r in requests):
+            raise LogprobeError("steer" if any(r.steer for r in requests) else "capture",
+                                f"{type(self.model).__name__} has no hook points",
+                                "use a native model (GGUF or a Llama-family directory)")
+        # a steered request's rows differ from an unsteered one's: it shares no prefix
+        plan = plan_work([r.inputs for r in requests], cfg.max_batch_tokens,
                          share=cfg.share_prefixes and self._context, min_shared=cfg.min_shared_prefix,
-                         chunk=self._context)
+                         chunk=self._context, unshared={i for i, r in enumerate(requests) if r.steer})
         results: list[RequestResult | None] = [None] * len(requests)
         parts: dict[int, list[RequestResult]] = {}
         bar = self._progress_bar(sum(r.num_inputs for r in requests), progress)
@@ -130,11 +211,17 @@ class Engine:
                     cache = KVCache.empty(len(self.model.layers))
                 packed.meta.cache = cache
             self._set_tiling()
-            hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
-            for i, part in self.score(requests, packed, hidden):
+            if packed.hooks is None:
+                hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
+            else:
+                hidden = self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
+            scored = self.score(requests, packed, hidden)
+            _attach_captures(scored, packed.captures or [])
+            for i, part in scored:
                 parts.setdefault(i, []).append(part)
-                if sum(len(p.logprobs) for p in parts[i]) == requests[i].num_scored:
-                    results[i] = _concat(parts.pop(i))
+                # a tree holds whole requests; a chunked request is whole after its last chunk
+                if not isinstance(item, Chunk) or item.end == requests[i].num_inputs:
+                    results[i] = _concat(parts.pop(i), requests[i])
                     if on_result is not None:
                         on_result(i, results[i])
             if isinstance(item, Chunk) and item.end == requests[item.request].num_inputs:
@@ -150,6 +237,12 @@ class Engine:
         """Head options are per request: the head computes the largest top-k and entropy asked
         for in the batch (neither changes any other number of a row), each request gets its own."""
         batch = [requests[i] for i, _ in packed.owners]
+        if len(packed.score_rows) == 0:  # only a chunk holding a capture's extra last row
+            empty = torch.empty(0)
+            return [(i, RequestResult(empty, empty.long(), empty if r.entropy else None,
+                                      empty.long().view(0, r.top_k) if r.top_k else None,
+                                      empty.view(0, r.top_k) if r.top_k else None))
+                    for (i, _), r in zip(packed.owners, batch)]
         top_k = max(r.top_k for r in batch)
         entropy = any(r.entropy for r in batch)
         det = self.config.deterministic
@@ -191,9 +284,38 @@ def _slice(out: HeadOutput, sl: slice, r: ScoreRequest) -> RequestResult:
     )
 
 
-def _concat(parts: list[RequestResult]) -> RequestResult:
-    """One request's results from its chunks, in order."""
-    if len(parts) == 1:
-        return parts[0]
+def _attach_captures(scored: list[tuple[int, RequestResult]], slots: list[CaptureSlot]) -> None:
+    """Give each request's part its capture pieces (None where this batch holds none of a capture)."""
+    by_request = {i: res for i, res in scored}
+    for slot in slots:
+        res = by_request[slot.request]
+        if res.captures is None:
+            res.captures = []  # (capture index, piece) until _concat orders them
+        out = slot.table.out
+        piece = out[slot.start] if slot.table.kind == "sum" else out[slot.start:slot.end]
+        res.captures.append((slot.capture, piece.cpu()))
+
+
+def _concat(parts: list[RequestResult], r: ScoreRequest) -> RequestResult:
+    """One request's results from its chunks, in order; capture pieces joined (rows) or added (sum)."""
     cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
-    return RequestResult(cat("logprobs"), cat("ranks"), cat("entropy"), cat("topk_ids"), cat("topk_logprobs"))
+    out = parts[0] if len(parts) == 1 else RequestResult(cat("logprobs"), cat("ranks"), cat("entropy"),
+                                                         cat("topk_ids"), cat("topk_logprobs"))
+    if r.capture:
+        pieces: list[list[torch.Tensor]] = [[] for _ in r.capture]
+        for p in parts:
+            for c, piece in p.captures or ():
+                pieces[c].append(piece)
+        out.captures = [_join(ps, c.kind) for ps, c in zip(pieces, r.capture)]
+    return out
+
+
+def _join(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
+    if len(pieces) == 1:
+        return pieces[0]
+    if kind == "sum":
+        total = pieces[0].clone()
+        for p in pieces[1:]:
+            total += p
+        return total
+    return torch.cat(pieces)

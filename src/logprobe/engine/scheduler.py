@@ -106,9 +106,10 @@ def tree_cost(tree: Tree, lengths: list[int]) -> int:
 
 
 def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True, min_shared: int = 16,
-              chunk: bool = True) -> list[list[Tree | Chunk]]:
+              chunk: bool = True, unshared: set[int] | frozenset[int] = frozenset()) -> list[list[Tree | Chunk]]:
     """The engine's plan: batches of prefix trees (each under ``max_batch_tokens`` rows), then the
-    chunks of requests whose inputs exceed it, one chunk per batch.
+    chunks of requests whose inputs exceed it, one chunk per batch. Requests in ``unshared``
+    (steered ones) join no tree.
 
     A tree over the budget is split into sub-trees that fit (members in order, each repeating
     the prefix); a member that does not fit even with the prefix alone runs unshared. With
@@ -118,7 +119,13 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
     [[Tree(members=(0, 1), shared=2)], [Chunk(request=2, begin=0, end=6)], [Chunk(request=2, begin=6, end=7)]]
     """
     lengths = [len(x) for x in inputs]
-    trees = share_prefixes(inputs, min_shared) if share else [Tree((i,)) for i in range(len(inputs))]
+    if share:
+        sharable = [i for i in range(len(inputs)) if i not in unshared]
+        trees = [Tree(tuple(sharable[m] for m in t.members), t.shared)
+                 for t in share_prefixes([inputs[i] for i in sharable], min_shared)]
+        trees = sorted(trees + [Tree((i,)) for i in sorted(unshared)], key=lambda t: t.members[0])
+    else:
+        trees = [Tree((i,)) for i in range(len(inputs))]
     units: list[Tree] = []
     long: list[int] = []
     for t in trees:

@@ -5,10 +5,13 @@ says which keys each row sees (its own sequence causally, plus a shared prefix o
 cached keys; see ``layers.attention``). The model has no batch mode of its own: everything about
 the batch's layout comes in that explicit argument.
 
-    h_0     = embed(ids)
-    h'_l    = h_l + Attn_l(RMSNorm(h_l))           # resid_mid
-    h_{l+1} = h'_l + MLP_l(RMSNorm(h'_l))          # resid_post
-    out     = RMSNorm(h_L)                          # final hidden states, fed to the log-prob head
+    h_0     = embed(ids)                            # embed
+    h'_l    = h_l + Attn_l(RMSNorm(h_l))           # resid_pre l, attn_out l, resid_mid l
+    h_{l+1} = h'_l + MLP_l(RMSNorm(h'_l))          # mlp_out l, resid_post l
+    out     = RMSNorm(h_L)                          # final_norm: fed to the log-prob head
+
+The names on the right are hook points (``interp.points``): an optional ``Hooks`` argument steers
+and captures there, per packed row (``layers.hooks``); without it the forward is unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.hooks import Hooks
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
@@ -100,21 +104,29 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
+        self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
+                                                                 "resid_post"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
-        h = h + self.mlp(self.post_attention_layernorm(h))  # resid_post
-        return h
+    def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
+                ) -> torch.Tensor:
+        if hooks is None:
+            h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
+            return h + self.mlp(self.post_attention_layernorm(h))  # resid_post
+        resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
+        h = hooks(resid_pre, h)
+        h = hooks(resid_mid, h + hooks(attn_out, self.self_attn(self.input_layernorm(h), cis, meta)))
+        return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h))))
 
 
 class LlamaModel(nn.Module):
     """Final hidden states for a packed batch; ``head_params()`` feeds the log-prob head."""
 
     supports_context = True  # shared-prefix segments and chunk KV caches (see AttentionMeta)
+    supports_hooks = True  # steering and capture at the points of interp.points
 
     def __init__(self, cfg: LlamaConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -143,10 +155,15 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return HeadParams(weight=weight)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                hooks: Hooks | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H]."""
+        hooks = hooks or None  # an empty Hooks costs nothing either
         h = self.embed_tokens(input_ids)  # [T, H]
+        if hooks is not None:
+            h = hooks("embed", h)
         cis = self.rotary(positions)  # [T, D/2] complex
         for layer in self.layers:
-            h = layer(h, cis, meta)
-        return self.norm(h)
+            h = layer(h, cis, meta, hooks)
+        h = self.norm(h)
+        return h if hooks is None else hooks("final_norm", h)

@@ -1,0 +1,105 @@
+"""Steering and capture for one packed batch, as tensors the model applies at named points.
+
+Nothing here is a Python callback: the engine resolves every request's ``steer`` and ``capture``
+against the packed rows (see ``engine.runner.pack``) into tables, and each model calls
+``hooks(point, h)`` at its hook points (names in ``interp.points``). With ``hooks=None`` the
+model runs exactly as without this module.
+
+Steering at a point, for rows ``r`` with vector ``v = table[index]`` and coefficient ``c``
+(computed in float32, added in the stream's dtype):
+
+    add          h[r] += c * v
+    add_signed   h[r] += c * sign(<h[r], v>) * v          (pushes a row further to its own side)
+    project_out  h[r] -= c * <h[r], v^> v^                 (v^ = v / |v|; c = 1 removes the direction)
+
+Ops at one point run in that table order: all ``project_out`` tables first, then ``add_signed``,
+then ``add``; rows of one table read the same ``h``. Captures read ``h`` after the steering at
+the same point.
+
+Capture kinds (outputs float32, no padding: only the listed rows are touched):
+
+    rows     h[r]                               -> [N, H]
+    sum      index_add over segment ids g[r]    -> [G, H]   (mean = sum / count, done by the caller)
+    project  <h[r], table[index]>                -> [N]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+STEER_OPS = ("project_out", "add_signed", "add")  # application order at one point
+CAPTURE_KINDS = ("rows", "sum", "project")
+
+
+@dataclass(slots=True)
+class SteerTable:
+    op: str
+    rows: torch.Tensor  # [N] packed rows
+    table: torch.Tensor  # [K, H] float32 vectors
+    index: torch.Tensor  # [N] which vector each row gets
+    coeff: torch.Tensor  # [N] float32
+
+
+@dataclass(slots=True)
+class CaptureTable:
+    kind: str
+    rows: torch.Tensor  # [N]
+    groups: torch.Tensor | None = None  # [N] segment id of each row (sum)
+    num_groups: int = 0
+    table: torch.Tensor | None = None  # [K, H] (project)
+    index: torch.Tensor | None = None  # [N] (project)
+    out: torch.Tensor | None = None  # filled by the forward pass
+
+
+@dataclass(slots=True)
+class Hooks:
+    """Per-point steering and capture tables of one forward pass."""
+
+    steer: dict[str, list[SteerTable]] = field(default_factory=dict)
+    capture: dict[str, list[CaptureTable]] = field(default_factory=dict)
+
+    def __call__(self, point: str, h: torch.Tensor) -> torch.Tensor:
+        tables = self.steer.get(point)
+        if tables:
+            h = _steer(h, tables)
+        for c in self.capture.get(point, ()):
+            c.out = _capture(h, c)
+        return h
+
+    def __bool__(self) -> bool:
+        return bool(self.steer or self.capture)
+
+
+def _steer(h: torch.Tensor, tables: list[SteerTable]) -> torch.Tensor:
+    for op in STEER_OPS:
+        group = [t for t in tables if t.op == op]
+        if not group:
+            continue
+        delta_rows, deltas = [], []
+        for t in group:
+            v = t.table[t.index]  # [N, H] float32
+            if op == "add":
+                d = t.coeff[:, None] * v
+            else:
+                x = h[t.rows].float()  # [N, H]
+                if op == "add_signed":
+                    d = (t.coeff * torch.sign((x * v).sum(-1)))[:, None] * v
+                else:
+                    u = v / v.norm(dim=-1, keepdim=True)
+                    d = -(t.coeff * (x * u).sum(-1))[:, None] * u
+            delta_rows.append(t.rows)
+            deltas.append(d)
+        # index_add runs rows in order on CPU, so a row's sum does not depend on other rows
+        h = h.index_add(0, torch.cat(delta_rows), torch.cat(deltas).to(h.dtype))
+    return h
+
+
+def _capture(h: torch.Tensor, c: CaptureTable) -> torch.Tensor:
+    x = h[c.rows].float()  # [N, H]
+    if c.kind == "rows":
+        return x
+    if c.kind == "sum":
+        return x.new_zeros(c.num_groups, x.shape[1]).index_add_(0, c.groups, x)  # [G, H]
+    return (x * c.table[c.index]).sum(-1)  # [N]
