@@ -192,7 +192,8 @@ class Scorer:
             ctx, cont = self._split(prompt, c)
             self._check_length(len(ctx) + len(cont), "prompt + continuation")
             st, ca = request_hooks(caps, steers, len(ctx) + len(cont), len(ctx),
-                                   f"continuations[{i}]: " if len(continuations) > 1 else "")
+                                   f"continuations[{i}]: " if len(continuations) > 1 else "",
+                                   exact_sums=self.config.deterministic)
             requests.append(ScoreRequest(ctx + cont, len(ctx), temperature, top_k, entropy, st, ca))
             texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)
         return Job(requests, lambda results: [self._continuation_score(t, r, res, caps)
@@ -270,7 +271,8 @@ class Scorer:
         if not completion:
             raise LogprobeError(f"sequences[{i}].completion_token_ids", "is empty", "give at least one token")
         self._check_length(len(prompt) + len(completion), f"sequences[{i}]")
-        st, ca = request_hooks(list(caps), list(steers), len(prompt) + len(completion), len(prompt), f"sequences[{i}]: ")
+        st, ca = request_hooks(list(caps), list(steers), len(prompt) + len(completion), len(prompt),
+                               f"sequences[{i}]: ", exact_sums=self.config.deterministic)
         return ScoreRequest(prompt + completion, len(prompt), temperature, top_k, entropy, st, ca)
 
     # -- hidden states and steering vectors ----------------------------------------------------
@@ -368,7 +370,7 @@ class Scorer:
                 ids = [self.tokenizer.bos_id] + ids
             off = len(ids) - n_text
             st, ca = request_hooks(caps, steers, n_text, 0, f"texts[{t}]: " if len(streams) > 1 else "",
-                                   need_prompt=False, offset=off)
+                                   need_prompt=False, offset=off, exact_sums=self.config.deterministic)
             text_hooks.append((ca, off))
             windows = make_windows(policy, len(ids), context_length, stride)
             for wi, w in enumerate(windows):

@@ -7,8 +7,9 @@ Per decoder block ``l`` (0-based) of an ``L``-block model the residual stream re
     blocks.{l}.attn_out     = Attn_l(RMSNorm(resid_pre)), before it is added
     blocks.{l}.resid_mid    = resid_pre + attn_out
     blocks.{l}.mlp_out      = MLP_l(RMSNorm(resid_mid)), before it is added
-    blocks.{l}.resid_post   = resid_mid + mlp_out                    (= transformers hidden_states[l+1])
+    blocks.{l}.resid_post   = resid_mid + mlp_out                    (= transformers hidden_states[l+1], l < L-1)
     final_norm              = RMSNorm(blocks.{L-1}.resid_post), what the log-prob head reads
+                                                                     (= transformers hidden_states[L])
 
 Equal values keep distinct names: steering ``blocks.3.resid_post`` and ``blocks.4.resid_pre``
 acts on the same tensor twice (in that order). Selectors expand to several canonical names:
@@ -17,7 +18,7 @@ acts on the same tensor twice (in that order). Selectors expand to several canon
     blocks.*.mlp_out         -> every block's mlp_out
     blocks.-1.resid_post     -> blocks.{L-1}.resid_post
     blocks.3.hook_resid_post -> blocks.3.resid_post     (TransformerLens)
-    hidden_states.4          -> blocks.3.resid_post     (transformers; hidden_states.0 -> embed)
+    hidden_states.4          -> blocks.3.resid_post     (transformers; .0 -> embed, .L -> final_norm)
     l_out-3                  -> blocks.3.resid_post     (llama.cpp's tensor name)
 """
 
@@ -46,11 +47,10 @@ def _layer(text: str, num_layers: int, name: str) -> int:
     try:
         layer = int(text)
     except ValueError:
-        raise LogprobeError("at", f"{name!r}: layer {text!r} is not an integer",
-                            "write blocks.N.point, blocks.A:B.point or blocks.*.point") from None
+        raise LogprobeError("at", f"{name!r}: layer {text!r} is not an integer", _valid(num_layers)) from None
     if not -num_layers <= layer < num_layers:
         raise LogprobeError("at", f"{name!r}: layer {layer} is out of range for a model of {num_layers} blocks",
-                            f"use 0..{num_layers - 1} (or -{num_layers}..-1 from the end)")
+                            f"use 0..{num_layers - 1} (or -{num_layers}..-1 from the end); {_valid(num_layers)}")
     return layer % num_layers
 
 
@@ -62,7 +62,8 @@ def _layers(sel: str, num_layers: int, name: str) -> list[int]:
         start = 0 if a == "" else _layer(a, num_layers, name)
         stop = num_layers if b == "" else (num_layers if b.strip() == str(num_layers) else _layer(b, num_layers, name))
         if start >= stop:
-            raise LogprobeError("at", f"{name!r} selects no layer", f"use start < stop within 0..{num_layers}")
+            raise LogprobeError("at", f"{name!r} selects no layer",
+                                f"use start < stop within 0..{num_layers}; {_valid(num_layers)}")
         return list(range(start, stop))
     return [_layer(sel, num_layers, name)]
 
@@ -81,6 +82,8 @@ def resolve_points(name: str, num_layers: int) -> list[str]:
         if not -(num_layers + 1) <= i <= num_layers:
             raise LogprobeError("at", f"{name!r}: hidden_states has indices 0..{num_layers}", _valid(num_layers))
         i %= num_layers + 1
+        if i == num_layers:  # transformers applies the final norm to its last hidden state
+            return ["final_norm"]
         return ["embed"] if i == 0 else [f"blocks.{i - 1}.resid_post"]
     if m := _LOUT.fullmatch(name):
         return [f"blocks.{_layer(m.group(1), num_layers, name)}.resid_post"]

@@ -222,9 +222,12 @@ def _number(c, field: str) -> float:
 
 
 def request_hooks(captures: list[CaptureSpec], steers: list[SteerSpec], n: int, p: int, field: str = "",
-                  need_prompt: bool = True, offset: int = 0) -> tuple[tuple[SteerAt, ...], tuple[CaptureAt, ...]]:
+                  need_prompt: bool = True, offset: int = 0, exact_sums: bool = False
+                  ) -> tuple[tuple[SteerAt, ...], tuple[CaptureAt, ...]]:
     """Engine-level entries for one request of ``n`` tokens, ``p`` of prompt. ``offset`` shifts
-    the resolved indices (a prefix token the user's positions do not count)."""
+    the resolved indices (a prefix token the user's positions do not count). ``exact_sums``
+    (deterministic mode): mean/sum read the rows and add them once at the end, in token order,
+    so chunking cannot change the order of the additions."""
     steer: list[SteerAt] = []
     for i, s in enumerate(steers):
         pos = resolve_positions(s.positions, n, p, f"{field}steer[{i}].positions", need_prompt)
@@ -241,6 +244,8 @@ def request_hooks(captures: list[CaptureSpec], steers: list[SteerSpec], n: int, 
             pos = pos[-1:]
         pos = tuple(k + offset for k in pos)
         kind = {"none": "rows", "last": "rows", "mean": "sum", "sum": "sum", "project": "project"}[c.reduce]
+        if exact_sums and kind == "sum":
+            kind = "rows"
         for pt in c.points:
             vec = None if c.vectors is None else c.vectors.get(pt, c.vectors.get(ANY))
             capture.append(CaptureAt(pt, pos, kind, vec))
@@ -256,6 +261,8 @@ def capture_results(specs: list[CaptureSpec], resolved: tuple[CaptureAt, ...], v
         for pt in spec.points:
             c, v = resolved[k], values[k]
             n = len(c.positions)
+            if spec.reduce in ("mean", "sum") and c.kind == "rows":
+                v = v.sum(0)
             if spec.reduce == "mean":
                 v = v / n
             elif spec.reduce == "last":

@@ -39,6 +39,15 @@ def as_vector(value, hidden: int, field: str) -> torch.Tensor:
 
 def _key(key, num_layers: int, field: str) -> str:
     """A layer number (int or digits) or a hook-point name -> a canonical point name."""
+    try:
+        return _key_point(key, num_layers, field)
+    except LogprobeError as e:
+        if e.field == field:
+            raise
+        raise LogprobeError(field, e.problem, e.fix) from None
+
+
+def _key_point(key, num_layers: int, field: str) -> str:
     if isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and re.fullmatch(r"-?\d+", key):
         return resolve_points(f"blocks.{int(key)}.resid_post", num_layers)[0]
     if isinstance(key, str):
@@ -156,18 +165,15 @@ def direction_from_states(pos: torch.Tensor, neg: torch.Tensor, method: str) -> 
     """pos, neg [n, H] float (row i of each is a contrasting pair) -> a direction [H] float32.
 
     mean_diff: mean(pos) - mean(neg).
-    pca_diff:  first principal component of the centred pair differences pos_i - neg_i (unit
-               length), signed so that positives project above negatives on average.
+    pca_diff:  first principal direction of the pair differences pos_i - neg_i, uncentred (the
+               unit direction with the largest mean squared projection of the differences: centring
+               would remove the shift they share), signed so positives project above negatives.
     """
     pos, neg = pos.double(), neg.double()
     if method == "mean_diff":
         return (pos.mean(0) - neg.mean(0)).float()
     diffs = pos - neg  # [n, H]
-    centred = diffs - diffs.mean(0)
-    if len(diffs) < 2 or float(centred.norm()) == 0.0:
-        d = diffs.mean(0)  # one pair (or identical differences): its own direction
-    else:
-        d = torch.linalg.svd(centred, full_matrices=False).Vh[0]  # [H]
+    d = torch.linalg.svd(diffs, full_matrices=False).Vh[0]  # [H]
     d = d / d.norm().clamp_min(1e-30)
     if float(((pos - neg) @ d).mean()) < 0:
         d = -d
