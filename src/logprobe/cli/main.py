@@ -26,7 +26,7 @@ from .. import __version__
 from ..config import EngineConfig
 from ..errors import LogprobeError
 from ..loading import LoadedModel, load_model
-from ..scorer import Scorer, SequenceLogprobs
+from ..scorer import Scorer
 
 PROG = "logprobe"
 BLOCK_LINES = 64  # logprobs: input lines scored per engine run, so results reach the file incrementally
@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="also report the K most likely tokens at each scored position (default: 0)")
     h.add_argument("--entropy", action="store_true", help="also report the entropy of each position's distribution")
+    hk = argparse.ArgumentParser(add_help=False)
+    k = hk.add_argument_group("hidden states (native models)")
+    k.add_argument("--steer", default=None, metavar="JSON",
+                   help='steering entries, a JSON list or @FILE: [{"at": "blocks.10.resid_post", "vector": '
+                        '"v.gguf" | [..] | {layer: [..]}, "coeff": 4, "positions": "all", "op": "add"}]')
+    k.add_argument("--capture", default=None, metavar="JSON",
+                   help='capture entries, a JSON list or @FILE: [{"at": "blocks.*.resid_post", "positions": '
+                        '"last", "reduce": "none"}] (results in --json output)')
 
     parser = argparse.ArgumentParser(
         prog=PROG, description="Exact log-probabilities of given text under a language model.",
@@ -79,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
-        "score", parents=[common, head], help="log-probability of each continuation after a prompt",
+        "score", parents=[common, head, hk], help="log-probability of each continuation after a prompt",
         description="Score each continuation after PROMPT and print them most likely first.",
         epilog="Joining: unless PROMPT ends with whitespace or a continuation starts with whitespace, "
                "--join is put between them, so `score \"The capital of France is\" Paris` scores \" Paris\" "
@@ -93,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser(
-        "perplexity", parents=[common], help="perplexity of a text file",
+        "perplexity", parents=[common, hk], help="perplexity of a text file",
         description="Token perplexity (± standard error), word and byte perplexity and bits per byte of a text.",
         epilog="Policies: 'sliding' scores every token once with up to CONTEXT - STRIDE tokens of extra context "
                "(Hugging Face guide); 'rolling' is lm-eval's loglikelihood_rolling (disjoint windows, each with a "
@@ -114,19 +122,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser(
-        "logprobs", parents=[common, head], help="per-token log-probs of RL sequences, JSONL in -> JSONL out",
+        "logprobs", parents=[common, head, hk], help="per-token log-probs of RL sequences, JSONL in -> JSONL out",
         description="Stream per-token log-probs of completions. Each input line is "
                     '{"prompt_token_ids": [...], "completion_token_ids": [...]} with optional "id" (echoed; null when absent), '
-                    '"temperature", "top_k" and "entropy" (override the options). Each output line is '
+                    '"temperature", "top_k", "entropy", "steer" and "capture" (override the options). Each output line is '
                     '{"index": <0-based input line>, "id": ..., "logprobs": [...], "sum_logprob": ..., '
-                    '"is_greedy": [...]} (+ "entropy", "top_k_ids", "top_k_logprobs" when asked), written as '
-                    "each batch completes, not in input order.",
+                    '"is_greedy": [...]} (+ "entropy", "top_k_ids", "top_k_logprobs", "captures" when asked), '
+                    "written as each batch completes, not in input order. Captures with reduce 'none' go to "
+                    "safetensors side files in --capture-dir, referenced from the line by file and key.",
         epilog="Resume: if --output exists, lines already there are skipped and the rest appended (a truncated "
                "last line is removed first), so rerunning an interrupted command finishes it. Bad lines are "
                "reported as 'line N: ...' on stderr, not written, and make the exit code 1; fix them and rerun.")
     p.add_argument("--input", required=True, metavar="FILE", help="JSONL input; - reads stdin")
     p.add_argument("--output", required=True, metavar="FILE", help="JSONL output (appended to / resumed)")
+    p.add_argument("--capture-dir", default=None, metavar="DIR",
+                   help="where reduce 'none' captures are written, one INDEX.safetensors per line "
+                        "(default: OUTPUT.captures/)")
     p.set_defaults(func=cmd_logprobs)
+
+    p = sub.add_parser(
+        "train-vector", parents=[common], help="a steering/reading vector from contrasting prompts",
+        description="Capture the last-token residual stream (blocks.L.resid_post) of each positive and negative "
+                    "prompt and write one direction per layer as a control-vector GGUF (llama.cpp --control-vector, "
+                    "repeng) or safetensors.")
+    p.add_argument("--positive", required=True, metavar="FILE", help="one prompt per line")
+    p.add_argument("--negative", required=True, metavar="FILE", help="one prompt per line (paired with --positive)")
+    p.add_argument("--layers", default=None, metavar="A:B",
+                   help="layers, as a hook selector's layer part (e.g. 8:20, *, 12); default 1..L-1")
+    p.add_argument("--method", choices=["pca_diff", "mean_diff"], default="pca_diff")
+    p.add_argument("--output", required=True, metavar="FILE", help="a .gguf or .safetensors file")
+    p.set_defaults(func=cmd_train_vector)
 
     from .serve import add_serve_parser  # the server's options live with the server command
 
@@ -175,7 +200,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     scorer = _scorer(args)
     conts = [join_continuation(args.prompt, c, args.join) for c in args.continuations]
     results = scorer.score(args.prompt, conts, temperature=args.temperature, top_k=args.top_k,
-                           entropy=args.entropy)
+                           entropy=args.entropy, steer=_json_option(args.steer, "--steer"),
+                           capture=_json_option(args.capture, "--capture"))
     if args.json:
         print(json.dumps([r.to_dict() for r in results], ensure_ascii=False))
         return 0
@@ -238,12 +264,15 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     scorer = _scorer(args)
     start = time.perf_counter()
     res = scorer.perplexity(text, context_length=args.context_length, stride=args.stride, policy=args.policy,
-                            prefix=False if args.no_prefix else None, max_tokens=args.max_tokens)
+                            prefix=False if args.no_prefix else None, max_tokens=args.max_tokens,
+                            steer=_json_option(args.steer, "--steer"), capture=_json_option(args.capture, "--capture"))
     elapsed = time.perf_counter() - start
     speed = res.num_tokens / elapsed if elapsed > 0 else math.inf
     if args.json:
         d = res.to_dict()
         d.pop("token_nlls", None)
+        if d.get("captures") is None:
+            d.pop("captures", None)
         d.update(tokens_per_s=speed, elapsed_s=elapsed, model=scorer.info.name)
         print(json.dumps(d))
         return 0
@@ -326,11 +355,83 @@ def _line_request(scorer: Scorer, text: str, index: int, args: argparse.Namespac
         raise LogprobeError("entropy", f"must be true or false, got {entropy!r}")
     temperature, top_k = Scorer._options(temperature, top_k)
     try:
-        req = scorer.sequence_request(seq, index, temperature, top_k, entropy)
+        caps, steers = scorer.hook_specs(seq.get("capture", args.capture_list), seq.get("steer", args.steer_list))
+        req = scorer.sequence_request(seq, index, temperature, top_k, entropy, caps, steers)
     except LogprobeError as e:  # "sequences[i].completion_token_ids[3]" -> "completion_token_ids[3]"
-        field = e.field.removeprefix(f"sequences[{index}]").lstrip(".") or "line"
+        field = e.field.removeprefix(f"sequences[{index}]").lstrip(".").lstrip(": ") or "line"
         raise LogprobeError(field, e.problem, e.fix) from e
-    return req, seq.get("id")
+    return req, seq.get("id"), caps
+
+
+def capture_records(captures, capture_dir: str, index: int) -> list[dict]:
+    """Small captures inline; ``reduce: none`` ones ([n, H]) in ``capture_dir/INDEX.safetensors``,
+    referenced by file and key (written before the JSONL line, so a line never points to nothing)."""
+    from safetensors.torch import save_file
+
+    recs, side = [], {}
+    for k, c in enumerate(captures):
+        if c.reduce == "none":
+            key = f"{k}:{c.at}"
+            side[key] = c.value.contiguous()
+            recs.append({"at": c.at, "positions": c.positions, "reduce": c.reduce,
+                         "file": os.path.join(capture_dir, f"{index}.safetensors"), "key": key,
+                         "shape": list(c.value.shape)})
+        else:
+            recs.append(c.to_dict())
+    if side:
+        try:
+            os.makedirs(capture_dir, exist_ok=True)
+            save_file(side, os.path.join(capture_dir, f"{index}.safetensors"))
+        except OSError as e:
+            raise LogprobeError("--capture-dir", f"cannot write {capture_dir!r}: {e.strerror or e}") from e
+    return recs
+
+
+def _json_option(value: str | None, option: str):
+    """A JSON value given inline or as @FILE."""
+    if value is None:
+        return None
+    text = value
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise LogprobeError(option, f"cannot read {value[1:]!r}: {e.strerror or e}", "check the path") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LogprobeError(option, f"is not valid JSON ({e.msg} at column {e.colno})",
+                            "give a JSON list, or @FILE holding one") from e
+
+
+def cmd_train_vector(args: argparse.Namespace) -> int:
+    def lines(path: str, option: str) -> list[str]:
+        out = [x for x in _read_text(path, option).splitlines() if x.strip()]
+        if not out:
+            raise LogprobeError(option, f"{path!r} holds no prompts", "give one prompt per line")
+        return out
+
+    pos, neg = lines(args.positive, "--positive"), lines(args.negative, "--negative")
+    if not args.output.endswith((".gguf", ".safetensors")):
+        raise LogprobeError("--output", f"{args.output!r} is neither .gguf nor .safetensors", "name the file *.gguf")
+    scorer = _scorer(args)
+    layers = None
+    if args.layers is not None:
+        from ..interp.points import point_layer, resolve_points
+
+        L = scorer.loaded.model.config.num_layers if getattr(scorer.loaded.model, "supports_hooks", False) else 0
+        try:
+            layers = [point_layer(p) for p in resolve_points(f"blocks.{args.layers}.resid_post", L)]
+        except LogprobeError as e:
+            raise LogprobeError("--layers", e.problem, e.fix) from None
+    vec = scorer.train_vector(pos, neg, layers, args.method)
+    path = vec.save_gguf(args.output) if args.output.endswith(".gguf") else vec.save_safetensors(args.output)
+    summary = {"output": str(path), "layers": vec.layers, "method": args.method, "positive": len(pos),
+               "negative": len(neg)}
+    print(json.dumps(summary) if args.json else
+          f"{len(vec.layers)} layer{'s' * (len(vec.layers) != 1)} ({args.method}) -> {path}")
+    return 0
 
 
 def _blocks(f: TextIO, size: int) -> Iterator[list[tuple[int, str]]]:
@@ -351,6 +452,9 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
         raise LogprobeError("--input", f"{args.input!r} is not a readable file", "check the path")
     if os.path.isdir(args.output):
         raise LogprobeError("--output", f"{args.output!r} is a directory", "give a file path")
+    args.steer_list = _json_option(args.steer, "--steer")
+    args.capture_list = _json_option(args.capture, "--capture")
+    capture_dir = args.capture_dir or args.output + ".captures"
     scorer = _scorer(args)
     done = resume_state(args.output)
     written = skipped = failed = 0
@@ -375,19 +479,20 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
                             skipped += 1
                             continue
                         try:
-                            req, seq_id = _line_request(scorer, text, index, args)
+                            req, seq_id, caps = _line_request(scorer, text, index, args)
                         except LogprobeError as e:
                             print(f"line {index + 1}: {' '.join(str(e).split())}", file=sys.stderr)
                             failed += 1
                             continue
                         requests.append(req)
-                        meta.append((index, seq_id))
+                        meta.append((index, seq_id, caps))
 
-                    def write(i: int, r, meta=meta) -> None:
-                        index, seq_id = meta[i]
-                        rec = {"index": index, "id": seq_id,
-                               **SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids,
-                                                  r.topk_logprobs).to_dict()}
+                    def write(i: int, r, meta=meta, requests=requests) -> None:
+                        index, seq_id, caps = meta[i]
+                        res = scorer.sequence_result(requests[i], r, caps)
+                        rec = {"index": index, "id": seq_id, **res.to_dict()}
+                        if res.captures is not None:
+                            rec["captures"] = capture_records(res.captures, capture_dir, index)
                         out.write(json.dumps(rec, separators=(",", ":")) + "\n")
                         out.flush()
 

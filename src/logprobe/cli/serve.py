@@ -33,6 +33,8 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
                    help="prompts/continuations/sequences/texts per request, else 413 (default: %(default)s)")
     s.add_argument("--max-top-logprobs", type=int, default=100, metavar="K",
                    help="cap on /v1/completions 'logprobs' (default: %(default)s)")
+    s.add_argument("--max-capture-floats", type=int, default=1 << 22, metavar="N",
+                   help="numbers the 'capture' entries of one request may return, else 413 (default: %(default)s)")
     s.add_argument("--no-batching", action="store_true",
                    help="score one HTTP request at a time (for comparison; slower under concurrency)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -48,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model, max_queue_requests=args.max_queue_requests,
         max_queue_tokens=args.max_queue_tokens, max_request_tokens=args.max_request_tokens,
         max_request_items=args.max_request_items, max_top_logprobs=args.max_top_logprobs,
-        batching=not args.no_batching)
+        max_capture_floats=args.max_capture_floats, batching=not args.no_batching)
     if not _loopback(config.host) and config.api_key is None:
         print(f"logprobe: warning: serving on {config.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

@@ -147,6 +147,12 @@ class Gate:
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
 
+def capture_floats(requests, hidden: int) -> int:
+    """How many numbers the captures of these requests return (rows: n*H, sum: H, project: n)."""
+    return sum(len(c.positions) * hidden if c.kind == "rows" else hidden if c.kind == "sum" else len(c.positions)
+               for r in requests for c in r.capture)
+
+
 def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: str | None = None) -> FastAPI:
     """The app serving ``scorer``; its engine thread starts and stops with the app (lifespan)."""
     config = config or ServerConfig()
@@ -156,6 +162,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     batcher = Batcher(scorer.engine.run, scorer.config.max_batch_tokens, config.max_queue_requests,
                       config.max_queue_tokens, config.batching, metrics.observe_step)
     tok = scorer.tokenizer
+    hidden = scorer.loaded.model.config.hidden_size if getattr(scorer.loaded.model, "supports_hooks", False) else 0
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -228,6 +235,11 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         if job.num_tokens > config.max_request_tokens:
             raise RequestTooLarge("body", f"body: {job.num_tokens} input tokens exceed this server's limit of "
                                   f"{config.max_request_tokens} per request; split the request")
+        floats = capture_floats(job.requests, hidden)
+        if floats > config.max_capture_floats:
+            raise RequestTooLarge("capture", f"capture: {floats} captured numbers exceed this server's limit of "
+                                  f"{config.max_capture_floats} per request; capture fewer points or positions, "
+                                  "or reduce them (mean, sum, last, project)")
         results = await batcher.submit(job.requests)
         return await run_in_threadpool(job.finish, results)
 
@@ -283,7 +295,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         check_items(len(body.continuations), "continuations")
         job = await run_in_threadpool(lambda: scorer.score_job(body.prompt, body.continuations,
                                                                temperature=body.temperature, top_k=body.top_k,
-                                                               entropy=body.entropy))
+                                                               entropy=body.entropy, **body.hook_args()))
         results = await run(job)
         return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results]}
 
@@ -292,7 +304,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         check_model(body.model)
         check_items(len(body.sequences), "sequences")
         seqs = [s.model_dump() for s in body.sequences]
-        job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy))
+        job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy,
+                                                                  **body.hook_args()))
         results = await run(job)
         return {"object": "logprobs", "model": name, "temperature": body.temperature,
                 "results": [r.to_dict() for r in results]}
@@ -304,7 +317,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             check_items(len(body.texts), "texts")
         job = await run_in_threadpool(lambda: scorer.perplexity_job(
             body.texts, context_length=body.context_length, stride=body.stride, policy=body.policy,
-            prefix=body.prefix, max_tokens=body.max_tokens, return_token_nlls=body.return_token_nlls))
+            prefix=body.prefix, max_tokens=body.max_tokens, return_token_nlls=body.return_token_nlls,
+            **body.hook_args()))
         result = await run(job)
         return {"object": "perplexity", "model": name, **result.to_dict()}
 

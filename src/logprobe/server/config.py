@@ -21,6 +21,7 @@ class ServerConfig:
     max_top_logprobs: cap on ``logprobs`` (top-k alternatives per position) over HTTP, else 400;
         the scored token is always returned whatever the cap.
     max_body_bytes: request bodies beyond this get 413 before they are parsed.
+    max_capture_floats: numbers the ``capture`` entries of one request may return, else 413.
     batching: False runs one HTTP request's work per engine step (for comparison; slower).
     """
 
@@ -34,11 +35,13 @@ class ServerConfig:
     max_request_items: int = 4096
     max_top_logprobs: int = 100
     max_body_bytes: int = 64 << 20
+    max_capture_floats: int = 1 << 22
     batching: bool = True
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",
-                                   "max_request_items", "max_top_logprobs", "max_body_bytes"))
+                                   "max_request_items", "max_top_logprobs", "max_body_bytes",
+                                   "max_capture_floats"))
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise LogprobeError("port", f"must be an integer in [0, 65535], got {self.port!r}")
         if self.api_key is not None and not self.api_key.strip():

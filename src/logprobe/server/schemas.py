@@ -80,6 +80,68 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
 
 
+Positions = str | int | list[int | None]  # all | prompt | continuation | last | last_prompt | k | [start, end]
+VectorType = list[float] | dict[str, list[float]]
+
+
+def _check_vector(value: Any) -> Any:
+    def numbers(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+    if value is None or numbers(value):
+        return value
+    if isinstance(value, dict) and value and all(isinstance(k, str) and numbers(v) for k, v in value.items()):
+        return value
+    raise ValueError("must be a list of numbers or a {layer: [numbers]} object; the server reads no vector files, "
+                     "send the numbers inline")
+
+
+def _check_positions(value: Any) -> Any:
+    if isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and not isinstance(value[0], bool) \
+            and (value[1] is None or isinstance(value[1], int) and not isinstance(value[1], bool)):
+        return value
+    raise ValueError("must be all, prompt, continuation, last, last_prompt, a token index or [start, end]")
+
+
+class CaptureEntry(BaseModel):
+    """Read hidden states at hook points (see the README's hook-point table)."""
+
+    model_config = _STRICT
+    at: str | list[str] = Field(description="hook point(s): blocks.10.resid_post, blocks.*.mlp_out, hidden_states.4, ...")
+    positions: Positions = "all"
+    reduce: Literal["none", "mean", "sum", "last", "project"] = "none"
+    vector: VectorType | None = Field(None, description="reduce 'project': the vector (or {layer: vector})")
+
+    _v = field_validator("vector", mode="plain")(classmethod(lambda cls, v: _check_vector(v)))
+    _p = field_validator("positions", mode="plain")(classmethod(lambda cls, v: _check_positions(v)))
+
+
+class SteerEntry(BaseModel):
+    """Steer hidden states at hook points; vectors inline (the server reads no files)."""
+
+    model_config = _STRICT
+    at: str | list[str] | None = Field(None, description="hook point(s); default for {layer: vector}: each layer's "
+                                                         "resid_post")
+    vector: VectorType
+    coeff: float | dict[str, float] = 1.0
+    positions: Positions = "all"
+    op: Literal["add", "add_signed", "project_out"] = "add"
+
+    _v = field_validator("vector", mode="plain")(classmethod(lambda cls, v: _check_vector(v)))
+    _p = field_validator("positions", mode="plain")(classmethod(lambda cls, v: _check_positions(v)))
+
+
+class _Hooks(BaseModel):
+    capture: list[CaptureEntry] | None = None
+    steer: list[SteerEntry] | None = None
+
+    def hook_args(self) -> dict:
+        dump = lambda xs: None if xs is None else [x.model_dump(exclude_none=True) for x in xs]  # noqa: E731
+        return {"capture": dump(self.capture), "steer": dump(self.steer)}
+
+
 class _HeadOptions(BaseModel):
     """What the log-prob head computes, per request (the library's ``temperature``/``top_k``/``entropy``)."""
 
@@ -90,7 +152,7 @@ class _HeadOptions(BaseModel):
     entropy: bool = False
 
 
-class ScoreBody(_HeadOptions):
+class ScoreBody(_HeadOptions, _Hooks):
     """``POST /v1/score``: log p(continuation | prompt) for each continuation (``Scorer.score``)."""
 
     prompt: str
@@ -103,13 +165,13 @@ class Sequence(BaseModel):
     completion_token_ids: list[int] = Field(min_length=1)
 
 
-class LogprobsBody(_HeadOptions):
+class LogprobsBody(_HeadOptions, _Hooks):
     """``POST /v1/logprobs``: per-token log-probs of completions (``Scorer.logprobs``, RL)."""
 
     sequences: list[Sequence] = Field(min_length=1)
 
 
-class PerplexityBody(BaseModel):
+class PerplexityBody(_Hooks):
     """``POST /v1/perplexity`` (``Scorer.perplexity``)."""
 
     model_config = _STRICT
