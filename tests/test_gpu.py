@@ -29,3 +29,21 @@ def test_cuda_matches_reference(kind, dtype, tol, tmp_path):
         assert r.logprobs.device.type == "cpu" and r.entropy is not None
     print(f"{kind} {dtype}: max |Δ logprob| = {worst:.2e}")
     assert worst < tol
+
+
+def test_cuda_capture_and_steering_match_cpu(tmp_path):
+    """Hooks on the GPU (flash attention path, float32) agree with the CPU run of the same weights."""
+    make_hf_dir(tmp_path, "llama", seed=6)
+    cpu = Scorer(str(tmp_path), device="cpu", dtype="float32", progress=False)
+    gpu = Scorer(str(tmp_path), device="cuda", dtype="float32", progress=False)
+    seqs = random_sequences(4, seed=3)
+    v = torch.randn(64)
+    kw = dict(capture=[{"at": "blocks.*.resid_post", "positions": "all", "reduce": "mean"},
+                       {"at": "final_norm", "positions": "last"}],
+              steer=[{"at": "blocks.0.mlp_out", "vector": v, "coeff": 2.0, "op": "add"},
+                     {"at": "blocks.1.resid_pre", "vector": v, "coeff": 0.5, "op": "project_out"}])
+    for a, b in zip(cpu.logprobs(seqs, **kw), gpu.logprobs(seqs, **kw)):
+        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-4, rtol=0)
+        for x, y in zip(a.captures, b.captures):
+            assert x.positions == y.positions and y.value.device.type == "cpu"
+            torch.testing.assert_close(y.value, x.value, atol=1e-4, rtol=1e-4)
