@@ -14,6 +14,7 @@ from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, KVCache, Segment
 from ..layers.hooks import CaptureTable, Hooks, SteerTable
 from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
 from ..scoring.head import HeadOutput, logprob_head
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, plan_work
@@ -176,6 +177,7 @@ class Engine:
         self.config = config
         self.device = device
         self._linears = [m for m in model.modules() if isinstance(m, Linear)]
+        self._norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
         self._context = bool(getattr(model, "supports_context", False))
 
     @torch.no_grad()
@@ -262,6 +264,8 @@ class Engine:
         tile = self.config.invariant_tile if self.config.deterministic else None
         for m in self._linears:
             m.row_tile = tile
+        for m in self._norms:
+            m.invariant = self.config.deterministic
 
     def _progress_bar(self, total: int, progress: bool | None):
         show = self.config.progress if progress is None else progress

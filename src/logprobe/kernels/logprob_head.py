@@ -206,6 +206,7 @@ class KernelConfig:
     num_stages: int = 3
     waves: int = 8  # aim for about this many programs per multiprocessor (vocabulary splits)
     max_rows: int = 65536  # rows per launch: bounds the [S, N(, KPAD)] partials
+    fixed_split: int = 8192  # deterministic: vocabulary columns per split, whatever N is
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -255,10 +256,16 @@ def fused_logprob_head(
     top_k: int = 0,
     entropy: bool = False,
     config: KernelConfig = DEFAULT_CONFIG,
+    deterministic: bool = False,
 ):
     """-> (logprobs [N] f32, logsumexp [N] f32, ranks [N] i64, entropy [N] f32 | None,
     topk_ids [N, k] i64 | None, topk_logprobs [N, k] f32 | None). Targets are not range-checked
-    here (the caller does it once)."""
+    here (the caller does it once).
+
+    ``deterministic``: a row's numbers do not depend on N (batch invariance): the vocabulary is
+    split every ``config.fixed_split`` columns (not by how many programs fill the GPU) and the
+    splits are combined one after another in split order (not by a reduction kernel whose
+    layout depends on the shape). Each row's dot products never depended on other rows."""
     _check(hidden, weight, bias, targets, inv_temperature, top_k)
     N, H = hidden.shape
     V = weight.shape[0]
@@ -289,6 +296,8 @@ def fused_logprob_head(
         want = max(1, triton.cdiv(config.waves * sms, num_m))  # splits to fill the GPU
         tiles = triton.cdiv(V, bn)
         cols_per_split = triton.cdiv(tiles, min(want, tiles)) * bn
+        if deterministic:
+            cols_per_split = triton.cdiv(config.fixed_split, bn) * bn
         S = triton.cdiv(V, cols_per_split)  # every split non-empty
         m = torch.empty(S, n, dtype=torch.float32, device=dev)
         s = torch.empty_like(m)
@@ -303,15 +312,23 @@ def fused_logprob_head(
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
             num_warps=config.num_warps, num_stages=config.num_stages)
         # combine the S splits: [S, n] -> [n]
-        mx = m.max(dim=0).values
+        mx = m.max(dim=0).values  # a max is exact in any order
         w = torch.exp(m - mx)  # [S, n]
-        tot = (s * w).sum(0)
+        if deterministic:  # split after split: elementwise ops only, no shape-dependent reduction
+            tot, ent_num = s[0] * w[0], (a[0] * w[0] if entropy else None)
+            for j in range(1, S):
+                tot = tot + s[j] * w[j]
+                if entropy:
+                    ent_num = ent_num + a[j] * w[j]
+        else:
+            tot = (s * w).sum(0)
+            ent_num = (a * w).sum(0) if entropy else None
         lse = mx + torch.log(tot)
         out_lse[r0:r1] = lse
         out_lp[r0:r1] = zy - lse
         out_rank[r0:r1] = c.sum(0)
         if entropy:
-            out_ent[r0:r1] = lse - (a * w).sum(0) / tot
+            out_ent[r0:r1] = lse - ent_num / tot
         if top_k:
             vals = tv.permute(1, 0, 2).reshape(n, S * kpad)  # [n, S * KPAD]
             best, sel = vals.topk(top_k, dim=1)

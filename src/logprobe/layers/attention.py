@@ -120,10 +120,13 @@ def packed_attention(
     if meta.cache is not None:
         k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
     past = k.shape[0] - q.shape[0]
-    if q.is_cuda and meta.kv_block is None:
+    if q.is_cuda:
+        # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py); also in
+        # deterministic mode: a row's key blocks start at its sequence's first key and run in a
+        # fixed order, whatever else is packed (tests/test_gpu.py checks bitwise invariance)
         o = _flash(q, k, v, meta, scale, sliding_window)
         if o is not None:
-            return o  # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py)
+            return o
     out = torch.empty_like(q)
     for seg in meta.segments:
         if seg.end == seg.start:

@@ -12,9 +12,10 @@ from torch import nn
 
 
 class Linear(nn.Module):
-    """``row_tile``: when set, rows are multiplied in fixed tiles of that many rows (the last
-    one zero-padded), so each row's result is bitwise independent of how many rows came with it:
-    BLAS picks its blocking from the matrix shape, and a fixed shape pins it (batch invariance)."""
+    """``row_tile``: when set, each row's result is bitwise independent of how many rows came
+    with it (batch invariance): on CPU rows are multiplied in fixed tiles of that many rows (the
+    last one zero-padded), since BLAS picks its blocking from the matrix shape and a fixed shape
+    pins it; on CUDA the Triton matmul of ``kernels.matmul`` (one fixed tile shape, no split-K)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, row_tile: int | None = None) -> None:
         super().__init__()
@@ -27,7 +28,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile is None:
             return F.linear(x, self.weight, self.bias)
+        if x.is_cuda and x.dim() == 2 and _triton():
+            from ..kernels.matmul import invariant_linear
+
+            return invariant_linear(x, self.weight, self.bias)
         return tiled_rows(lambda t: F.linear(t, self.weight, self.bias), x, self.row_tile)
+
+
+def _triton() -> bool:
+    from ..kernels import triton_available
+
+    return triton_available()
 
 
 def tiled_rows(fn, x: torch.Tensor, tile: int) -> torch.Tensor:

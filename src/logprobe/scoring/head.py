@@ -61,7 +61,7 @@ def _kernel_applies(hidden: torch.Tensor, p: HeadParams, top_k: int, pad_chunks:
     from ..kernels import triton_available
     from ..kernels.logprob_head import MAX_TOP_K
 
-    if not hidden.is_cuda or pad_chunks or top_k > MAX_TOP_K:
+    if not hidden.is_cuda or top_k > MAX_TOP_K:
         return False
 
     w = p.weight
@@ -84,12 +84,14 @@ def logprob_head(
 ) -> HeadOutput:
     """hidden [N, H], targets [N] -> HeadOutput. ``temperature`` is a float or a [N] tensor.
 
-    ``pad_chunks``: zero-pad the last token chunk to ``token_chunk`` rows so every row goes
-    through identically shaped products (bitwise batch invariance).
+    ``pad_chunks`` (deterministic mode): every row's numbers independent of the other rows,
+    bitwise: this loop zero-pads the last token chunk to ``token_chunk`` rows so every row goes
+    through identically shaped products; the kernel splits the vocabulary at fixed columns and
+    combines the splits in a fixed order.
     ``backend``: "auto" runs the fused Triton kernel (``logprobe.kernels.logprob_head``) on CUDA
     when it applies (Triton present, top_k <= 20, hidden and weight of one dtype with contiguous
-    rows, no ``pad_chunks``: the kernel's vocabulary split depends on N) and this chunked
-    PyTorch loop otherwise; "torch" always runs this loop; "triton" requires the kernel."""
+    rows) and this chunked PyTorch loop otherwise; "torch" always runs this loop; "triton"
+    requires the kernel."""
     N, H = hidden.shape
     V = params.vocab_size
     if params.weight.shape[1] != H:
@@ -112,7 +114,7 @@ def logprob_head(
 
         return HeadOutput(*fused_logprob_head(
             hidden, params.weight, targets, 1.0 / temp, bias=params.bias, scale=params.scale,
-            softcap=params.softcap, top_k=top_k, entropy=entropy))
+            softcap=params.softcap, top_k=top_k, entropy=entropy, deterministic=pad_chunks))
 
     out_lp = torch.empty(N, dtype=torch.float32, device=device)
     out_lse = torch.empty(N, dtype=torch.float32, device=device)
