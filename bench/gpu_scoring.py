@@ -352,6 +352,47 @@ def engine_modes_section(args) -> None:
         log(f"| {m} | {w} | {o} | {n:,} | {a:.2f} | {b:.2f} | {b / a:.2f} | {d:.2e} |")
 
 
+def matmul_section(args) -> None:
+    """Deterministic mode's fixed-tile Triton matmul (kernels/matmul.py) against cuBLAS
+    (``F.linear``) on llama-8b's projection shapes at M = 32,768 rows, for a few tile configs;
+    then M = 100 + the same rows in a larger batch, to show the rows' bits do not move."""
+    import torch.nn.functional as F
+
+    from logprobe.kernels.matmul import DEFAULT_CONFIG as MM_DEFAULT
+    from logprobe.kernels.matmul import MatmulConfig, invariant_linear
+
+    M = 32768
+    shapes = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate+up", 4096, 28672), ("down", 14336, 4096)]
+    configs = [MM_DEFAULT, MatmulConfig(128, 256, 64, 8, 8, 3), MatmulConfig(128, 256, 64, 8, 8, 4),
+               MatmulConfig(256, 128, 64, 8, 8, 3), MatmulConfig(128, 128, 128, 8, 8, 3),
+               MatmulConfig(64, 256, 64, 8, 4, 4)]
+    rows = []
+    for name, K, N in shapes:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        flop = 2 * M * N * K
+        t_ref = bench_ms(lambda x=x, w=w: F.linear(x, w), args.rep)
+        cells = []
+        for c in configs:
+            try:
+                t = bench_ms(lambda x=x, w=w, c=c: invariant_linear(x, w, config=c), args.rep)
+                cells.append(f"{flop / t / 1e9:.0f} ({t_ref / t:.2f})")
+            except Exception as e:  # a config the compiler or shared memory refuses
+                cells.append(f"fail: {type(e).__name__}")
+        small = invariant_linear(x[:100].clone(), w)
+        same = bool(torch.equal(small, invariant_linear(x, w)[:100]))
+        rows.append((name, K, N, flop / t_ref / 1e9, cells, same))
+        del x, w
+        torch.cuda.empty_cache()
+    names = ["x".join(str(v) for v in (c.block_m, c.block_n, c.block_k)) + f"/w{c.num_warps}s{c.num_stages}"
+             for c in configs]
+    log("\n| shape | K | N | cuBLAS TFLOP/s | " + " | ".join(names) + " | rows bitwise |")
+    log("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |")
+    for name, K, N, ref, cells, same in rows:
+        log(f"| {name} | {K} | {N} | {ref:.0f} | " + " | ".join(cells) + f" | {same} |")
+    log("(Triton cells: TFLOP/s (speed relative to cuBLAS))")
+
+
 def run_transformers(hf, reqs, budget):
     """Right-padded batches (sorted by length) of at most ``budget`` padded tokens; logits ->
     float32 log_softmax -> gather. Returns per-request logprobs."""
@@ -605,6 +646,8 @@ def main() -> None:
         workloads_section(args, tflops)
     if "engine" in sections:
         engine_modes_section(args)
+    if "matmul" in sections:
+        matmul_section(args)
 
 
 if __name__ == "__main__":

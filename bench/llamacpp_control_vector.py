@@ -43,7 +43,7 @@ def llama_cpp_logprobs(model_path: str, ids: list[int], cvec: np.ndarray | None,
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=512, logits_all=True, verbose=False, n_threads=2,
                           **({"use_extra_bufts": False} if "use_extra_bufts" in llama_cpp.Llama.__init__.__code__.co_varnames else {}))
     ctx = llm.ctx
-    apply = getattr(llama_cpp, "llama_apply_adapter_cvec", None) or getattr(llama_cpp, "llama_control_vector_apply")
+    apply = getattr(llama_cpp, "llama_apply_adapter_cvec", None) or llama_cpp.llama_control_vector_apply
     if cvec is not None:
         buf = np.ascontiguousarray(cvec, dtype=np.float32)
         rc = apply(ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), buf.size, n_embd, 1, n_layer)
