@@ -2,6 +2,10 @@
 
     python bench/llamacpp_control_vector.py [--coeffs 0,2,4] [--layers 8:24]
 
+(with llama-cpp-python installed elsewhere: ``python -c "import sys, runpy;
+sys.path.append('/path/to/site-packages'); runpy.run_path('bench/llamacpp_control_vector.py',
+run_name='__main__')"``)
+
 Needs ``llama-cpp-python`` (not a logprobe dependency; it builds from source in minutes). The
 vector is trained with ``Scorer.train_vector`` (Italy vs France prompts, as examples/steer_paris.py),
 written as a control-vector GGUF, then applied by logprobe (``steer=[{"vector": path, "coeff": c}]``)
@@ -43,7 +47,8 @@ def llama_cpp_logprobs(model_path: str, ids: list[int], cvec: np.ndarray | None,
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=512, logits_all=True, verbose=False, n_threads=2,
                           **({"use_extra_bufts": False} if "use_extra_bufts" in llama_cpp.Llama.__init__.__code__.co_varnames else {}))
     ctx = llm.ctx
-    apply = getattr(llama_cpp, "llama_apply_adapter_cvec", None) or llama_cpp.llama_control_vector_apply
+    apply = (getattr(llama_cpp, "llama_set_adapter_cvec", None) or getattr(llama_cpp, "llama_apply_adapter_cvec", None)
+             or llama_cpp.llama_control_vector_apply)
     if cvec is not None:
         buf = np.ascontiguousarray(cvec, dtype=np.float32)
         rc = apply(ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), buf.size, n_embd, 1, n_layer)

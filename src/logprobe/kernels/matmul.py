@@ -60,12 +60,15 @@ if triton_available():
 
 @dataclass(frozen=True, slots=True)
 class MatmulConfig:
-    block_m: int = 128
+    """Tile shape; the default was the fastest of six on llama-8b's shapes on an H100 (0.72-0.77
+    of cuBLAS, docs/perf.md)."""
+
+    block_m: int = 256
     block_n: int = 128
     block_k: int = 64
     group_m: int = 8
     num_warps: int = 8
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 DEFAULT_CONFIG = MatmulConfig()
