@@ -381,11 +381,19 @@ def matmul_section(args) -> None:
                 cells.append(f"fail: {type(e).__name__}")
         small = invariant_linear(x[:100].clone(), w)
         same = bool(torch.equal(small, invariant_linear(x, w)[:100]))
+        # the alternative: cuBLAS on fixed-shape row tiles (same shape -> same kernel); is a row's
+        # result independent of its position in the tile and of the other rows?
+        for tile in (2048, 4096):
+            t = bench_ms(lambda x=x, w=w, tile=tile: [F.linear(x[i:i + tile], w) for i in range(0, M, tile)], args.rep)
+            a = F.linear(x[:tile], w)[:100]
+            shifted = torch.cat([x[tile:tile + 37], x[:100], x[2 * tile:3 * tile - 137]])  # [tile, K]
+            b = F.linear(shifted, w)[37:137]
+            cells.append(f"{flop / t / 1e9:.0f} ({t_ref / t:.2f}) {'bitwise' if torch.equal(a, b) else 'DIFFERS'}")
         rows.append((name, K, N, flop / t_ref / 1e9, cells, same))
         del x, w
         torch.cuda.empty_cache()
     names = ["x".join(str(v) for v in (c.block_m, c.block_n, c.block_k)) + f"/w{c.num_warps}s{c.num_stages}"
-             for c in configs]
+             for c in configs] + ["cuBLAS 2048-row tiles", "cuBLAS 4096-row tiles"]
     log("\n| shape | K | N | cuBLAS TFLOP/s | " + " | ".join(names) + " | rows bitwise |")
     log("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |")
     for name, K, N, ref, cells, same in rows:

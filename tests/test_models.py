@@ -104,3 +104,24 @@ def test_suffix_does_not_change_prefix_scores(scorers):
     short = scorer.logprobs([{"prompt_token_ids": p, "completion_token_ids": [9, 10, 11]}])[0]
     long = scorer.logprobs([{"prompt_token_ids": p, "completion_token_ids": [9, 10, 11, 12, 13]}])[0]
     assert (short.logprobs - long.logprobs[:3]).abs().max() < 1e-5
+
+
+def test_fused_projections_equal_separate(tiny_dirs):
+    """q/k/v and gate/up fused at load: same numbers as the separate layers, no extra weight memory,
+    the old parameter names still there (views into the fused weights)."""
+    from logprobe.loading import load_model
+
+    d, _ = tiny_dirs["qwen2"]  # q/k/v biases too
+    loaded = load_model(str(d), "cpu", "float32")
+    attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+    assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
+    assert attn.k_proj.weight.data_ptr() == attn.qkv_proj.weight.data_ptr() + attn.q_proj.weight.numel() * 4
+    assert attn.v_proj.bias.data_ptr() > attn.qkv_proj.bias.data_ptr()
+    assert "layers.0.self_attn.q_proj.weight" in loaded.model.state_dict()
+    seqs = [{"prompt_token_ids": [5, 6, 7], "completion_token_ids": [8, 9, 10, 11]}]
+    fused = Scorer(loaded, progress=False).logprobs(seqs)[0].logprobs
+    for layer in loaded.model.layers:
+        layer.self_attn.qkv_proj = None
+        layer.mlp.gate_up_proj = None
+    separate = Scorer(loaded, progress=False).logprobs(seqs)[0].logprobs
+    torch.testing.assert_close(fused, separate, atol=1e-6, rtol=0)

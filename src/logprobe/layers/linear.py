@@ -48,3 +48,30 @@ def tiled_rows(fn, x: torch.Tensor, tile: int) -> torch.Tensor:
     if pad:
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])  # [T + pad, ...]
     return torch.cat([fn(x[i:i + tile]) for i in range(0, T + pad, tile)])[:T]
+
+
+def fuse_linears(parts: list[Linear]) -> Linear | None:
+    """One Linear computing ``parts`` side by side (their outputs concatenated), or None when they
+    cannot be fused (not all plain dense layers of one input width, dtype and device). The parts'
+    weights become views into the fused weight, so no memory is duplicated and their parameter
+    names still load and save."""
+    if not parts or any(type(p) is not Linear for p in parts):
+        return None
+    first = parts[0]
+    if any(p.in_features != first.in_features or p.weight.dtype != first.weight.dtype
+           or p.weight.device != first.weight.device or (p.bias is None) != (first.bias is None) for p in parts):
+        return None
+    with torch.device("meta"):
+        fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
+    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)  # [sum out, in]
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    offset = 0
+    for p in parts:
+        rows = slice(offset, offset + p.out_features)
+        p.weight = nn.Parameter(fused.weight[rows], requires_grad=False)
+        if p.bias is not None:
+            p.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+        offset += p.out_features
+    return fused
+

@@ -89,6 +89,7 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
     model.load_state_dict(state, assign=True)
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
+    model.fuse_projections()
     return model.eval()
 
 

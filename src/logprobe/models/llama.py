@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.hooks import Hooks
-from ..layers.linear import Linear
+from ..layers.linear import Linear, fuse_linears
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..scoring.head import HeadParams
@@ -77,12 +77,21 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qkv_proj is not None:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)  # [T, Nq], [T, Nkv], [T, Nkv]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cis), apply_rotary(k, cis)
@@ -96,9 +105,17 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj: Linear | None = None  # set by fuse(): gate and up in one matmul
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -150,6 +167,13 @@ class LlamaModel(nn.Module):
             elif ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:
                 out[name] = to_interleaved(w, 1)
         return out
+
+    def fuse_projections(self) -> None:
+        """At load: q/k/v and gate/up as single matmuls where their weights allow (plain dense
+        layers; packed quantized ones stay apart). The old parameter names remain as views."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def head_params(self) -> HeadParams:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
