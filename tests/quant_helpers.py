@@ -52,8 +52,12 @@ def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=Non
     """Quantize ``model`` (a transformers causal LM, modified in place) and save it compressed.
     ``group_size`` overrides the preset's (128) for grouped schemes."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus,
-                                                 apply_quantization_config, preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
 
     qscheme = preset_name_to_scheme(scheme, ["Linear"])
     if group_size is not None and qscheme.weights.strategy == "group":
