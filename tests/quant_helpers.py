@@ -90,3 +90,37 @@ def decompressed_state(out_dir: Path) -> dict[str, torch.Tensor]:
         str(out_dir), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False))
     del ModelCompressor
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def requantize_gguf(src: Path, dst: Path, matrix_type: str, embedding_type: str | None = None) -> Path:
+    """Copy a GGUF file (metadata and all) with every 2-D tensor re-encoded by gguf-py: matrices as
+    ``matrix_type``, token_embd as ``embedding_type`` (default: the same). 1-D tensors stay F32.
+    E.g. the default Q4_1 model -> an F16 "reference" and a Q4_0 re-quantization of that reference."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        w = quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if w.ndim == 1:
+            writer.add_tensor(t.name, w)
+            continue
+        qt = Q[(embedding_type or matrix_type) if t.name == "token_embd.weight" else matrix_type]
+        data = quants.quantize(w, qt) if qt != Q.F32 else w
+        writer.add_tensor(t.name, data, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
