@@ -59,7 +59,10 @@ def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=Non
         preset_name_to_scheme,
     )
 
-    qscheme = preset_name_to_scheme(scheme, ["Linear"])
+    channel = scheme.endswith("_CHANNEL")  # e.g. W8A16_CHANNEL: the preset with per-channel scales
+    qscheme = preset_name_to_scheme(scheme.removesuffix("_CHANNEL"), ["Linear"])
+    if channel:
+        qscheme.weights.strategy, qscheme.weights.group_size = "channel", None
     if group_size is not None and qscheme.weights.strategy == "group":
         qscheme.weights.group_size = group_size
     config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=["lm_head"],

@@ -25,7 +25,7 @@ from logprobe.config import EngineConfig
 from logprobe.layers.quant_linear import CTLinear, GGUFLinear, PackedEmbedding, PackedWeight, weight_bytes
 from logprobe.loading import load_model
 
-SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16"]
+SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A16_CHANNEL"]
 
 
 def _seq(vocab: int, n: int = 40, seed: int = 0) -> dict:
@@ -88,6 +88,7 @@ def test_compressed_tensors_layers_expand_like_the_package(scheme, ct_dirs):
     w = qcfg["config_groups"]["group_0"]["weights"]
     for name, m in layers.items():
         assert m.num_bits == w["num_bits"] and (m.zero_point is None) == w["symmetric"]
+        assert m.group_size == (m.in_features if w["strategy"] == "channel" else w["group_size"])
         want = ref[f"model.{name}.weight"]
         if ".q_proj" in name or ".k_proj" in name:  # the native model keeps q/k rows interleaved
             from logprobe.layers.rotary import to_interleaved
