@@ -608,8 +608,10 @@ def quant_section(args, tflops: float) -> None:
     log("| M | N | K | bf16 F.linear ms | W4A16 ms | config | max rel Δ vs reference |")
     log("| ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     g = torch.Generator(device="cuda").manual_seed(0)
-    configs = [W4A16Config(), W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-               W4A16Config(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)]
+    configs = [W4A16Config(), W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2),
+               W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=2),
+               W4A16Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3),
+               W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2)]
     for M, N, K in [(8192, 14336, 4096), (8192, 4096, 14336), (8192, 6144, 4096), (512, 14336, 4096)]:
         x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
         qw = torch.randint(-2**31, 2**31 - 1, (N, K // 8), device="cuda", generator=g, dtype=torch.int32)

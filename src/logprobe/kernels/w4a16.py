@@ -70,9 +70,13 @@ if triton_available():
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
 
+_STAGES: dict[tuple[int, int, int], int] = {}  # tile -> pipeline stages that fit this GPU's shared memory
+
+
 @dataclass(slots=True, frozen=True)
 class W4A16Config:
-    """Tile sizes (powers of two, >= 16 for tl.dot). ``None`` block_m picks by M."""
+    """Tile sizes (powers of two, >= 16 for tl.dot). ``None`` block_m picks by M. A tile that needs
+    more shared memory than the GPU has runs with fewer stages (then fewer rows) instead."""
 
     block_m: int | None = None
     block_n: int = 128
@@ -118,11 +122,25 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     qweight, scale = qweight.contiguous(), scale.contiguous()
     zero = zero.contiguous() if zero is not None else None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, cfg.block_n))
-    _w4a16_kernel[grid](
-        x, qweight, scale, zero if zero is not None else scale, y, M, N, K, group_size,
-        x.stride(0), qweight.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, y.stride(0),
-        HAS_ZERO=zero is not None, GROUP_ALIGNED=group_size % cfg.block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    stages = _STAGES.get((block_m, cfg.block_n, cfg.block_k), cfg.num_stages)
+    while True:
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, cfg.block_n))
+        try:
+            _w4a16_kernel[grid](
+                x, qweight, scale, zero if zero is not None else scale, y, M, N, K, group_size,
+                x.stride(0), qweight.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0,
+                y.stride(0), HAS_ZERO=zero is not None, GROUP_ALIGNED=group_size % cfg.block_k == 0,
+                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                num_stages=stages)
+            break
+        except triton.runtime.errors.OutOfResources:
+            # too much shared memory for this GPU: fewer pipeline stages, then shorter row tiles
+            if stages > 1:
+                stages -= 1
+            elif block_m > 16:
+                block_m //= 2
+                stages = cfg.num_stages
+            else:
+                raise
+    _STAGES[(block_m, cfg.block_n, cfg.block_k)] = stages
     return y
