@@ -494,3 +494,37 @@ class Scorer:
             num_tokens=len(ids), is_greedy=bool((res.ranks == 0).all()), tokens=self.tokenizer.token_texts(ids),
             token_ids=ids, token_logprobs=lps, entropy=res.entropy.tolist() if res.entropy is not None else None,
             top_k=top, captures=capture_results(list(caps), req.capture, res.captures) if caps else None)
+
+    # -- quantization quality ------------------------------------------------------------------
+
+    def compare(self, reference: Scorer | LoadedModel | str | None,
+                texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+                context_length: int | None = None, stride: int | None = None, policy: str = "sliding",
+                prefix: bool | None = None, max_tokens: int | None = None, return_token_stats: bool = False):
+        """This scorer's model (Q, e.g. quantized) against ``reference`` (R) on the same windows.
+
+        Texts are tokenized once, by this scorer's tokenizer, and cut into windows as ``perplexity``
+        does; both models score the same token ids, so they must share a tokenizer and vocabulary.
+        Returns ``scoring.compare.CompareResult``: PPL(Q), PPL(R), their ratio, KL(R || Q) over the
+        full vocabulary (mean ± stderr, max, percentiles), same-top-token rate and Δp statistics,
+        as llama.cpp's ``--kl-divergence``. ``reference`` may be a Scorer, a LoadedModel or a model
+        spec (loaded on this scorer's device)."""
+        from .scoring.compare import compare_requests, compare_stats
+
+        if not isinstance(reference, Scorer):
+            reference = Scorer(reference, device=str(self.device), config=self.config)
+        a, b = self.tokenizer.hf, reference.tokenizer.hf
+        if self.info.vocab_size != reference.info.vocab_size or len(a) != len(b) or a.get_vocab() != b.get_vocab():
+            raise LogprobeError("reference", f"{reference.info.name} does not share the vocabulary of {self.info.name} "
+                                f"({reference.info.vocab_size} vs {self.info.vocab_size} logits, {len(b)} vs {len(a)} "
+                                "tokens)", "compare models with the same tokenizer (e.g. two quantizations of one model)")
+        job = self.perplexity_job(texts, context_length=context_length, stride=stride, policy=policy, prefix=prefix,
+                                  max_tokens=max_tokens)
+        rows = compare_requests(self.engine, reference.engine, job.requests, token_budget=self.config.max_batch_tokens,
+                                token_chunk=self.config.head_token_chunk, vocab_chunk=self.config.head_vocab_chunk)
+        ctx = context_length if context_length is not None else min(2048, self.info.max_length)
+        if stride is None and policy == "sliding":
+            stride = max(1, ctx // 4)
+        return compare_stats(rows, len(job.requests), policy, ctx, stride if policy == "sliding" else None,
+                             return_token_stats)
+

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import add_serve_parser  # the server's options live with the server command
 
     add_serve_parser(sub, common)
+    from .compare import add_compare_parser
+
+    add_compare_parser(sub, common)
     return parser
 
 

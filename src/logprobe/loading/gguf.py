@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import LogprobeError
 from ..models.llama import LlamaConfig
-from .gguf_quants import GGML_TYPES, dequantize
+from .gguf_quants import GGML_TYPES, QUANT_NAMES, dequantize, split_blocks
 
 ARCHES = ("llama", "qwen2", "qwen3")
 
@@ -87,8 +87,11 @@ def rope_interleaved(arch: str) -> bool:
     return arch == "llama"
 
 
-def gguf_tensors(reader, arch: str, cfg: LlamaConfig):
+def gguf_tensors(reader, arch: str, cfg: LlamaConfig, packed: bool = False):
     """Yield (module parameter name, float32 tensor); 'rope_freqs' is yielded as is.
+
+    ``packed``: quantized matrices (Q8_0/Q4_0/Q4_1) come as ``GGUFLinear`` modules holding the
+    blocks instead of float32 tensors (see ``layers.quant_linear``).
 
     q/k rows stay as stored: llama.cpp writes `llama` files already in the interleaved RoPE
     layout the native model uses (see ``rope_interleaved``), qwen2/qwen3 in the checkpoint one."""
@@ -108,7 +111,12 @@ def gguf_tensors(reader, arch: str, cfg: LlamaConfig):
         else:
             raise LogprobeError("model", f"unexpected tensor {t.name!r} in a {arch} GGUF file",
                                 "this file is not a plain Llama-family model")
-        yield name, dequantize(t.data, type_id, shape)
+        if packed and GGML_TYPES[type_id][0] in QUANT_NAMES and len(shape) == 2:
+            from ..layers.quant_linear import GGUFLinear
+
+            yield name, GGUFLinear(GGML_TYPES[type_id][0], **split_blocks(t.data, type_id, shape))
+        else:
+            yield name, dequantize(t.data, type_id, shape)
 
 
 def gguf_tokenizer(path: Path, reader):

@@ -88,23 +88,36 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def hf_tensors(path: Path, cfg: LlamaConfig):
-    """Yield (module parameter name, tensor) from the safetensors files of a native model."""
+def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bool = False):
+    """Yield (module parameter name, tensor) from the safetensors files of a native model.
+
+    A compressed-tensors checkpoint (``quantization_config.quant_method == "compressed-tensors"``)
+    yields its quantized Linear weights as ``CTLinear`` layers (``packed``) or dequantized."""
     from safetensors import safe_open
 
+    qcfg = (raw or {}).get("quantization_config")
+    if qcfg is not None:
+        from .compressed import ct_tensors
+
+        yield from ct_tensors(path, cfg, qcfg, packed)
+        return
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                if key.endswith("rotary_emb.inv_freq"):
-                    continue
-                if key == "lm_head.weight":
-                    if cfg.tie_word_embeddings:
-                        continue
-                    yield "lm_head.weight", st.get_tensor(key)
-                elif key.startswith("model."):
-                    yield key[len("model."):], st.get_tensor(key)
-                else:
-                    raise LogprobeError("model", f"unexpected tensor {key!r} in {f.name}")
+                name = hf_param_name(key, cfg, f.name)
+                if name is not None:
+                    yield name, st.get_tensor(key)
+
+
+def hf_param_name(key: str, cfg: LlamaConfig, where: str) -> str | None:
+    """A checkpoint key -> the native model's parameter name (None: not a weight we load)."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    if key == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else "lm_head.weight"
+    if key.startswith("model."):
+        return key[len("model."):]
+    raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
 
 
 def hf_tokenizer(path: Path):

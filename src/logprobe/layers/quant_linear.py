@@ -1,0 +1,237 @@
+"""Quantized linear layers kept packed in memory, dequantized inside the matmul.
+
+Same interface as ``layers.linear.Linear`` (``forward(x [T, in]) -> [T, out]``, ``row_tile``), so
+the model never knows the weight format. Formats:
+
+* ``GGUFLinear``: GGUF Q8_0 / Q4_0 / Q4_1 blocks of 32 (``loading.gguf_quants``).
+* ``CTLinear``: compressed-tensors integer weights (llm-compressor's checkpoints): ``pack-quantized``
+  int4 or int8 codes in int32 words (W4A16, W8A16) and ``naive-quantized`` int8, with per-group
+  (e.g. 128) or per-channel scales, symmetric or with a zero point:  w = (q - zp) * scale.
+
+On CPU a layer expands its weight to float32 for the one product and drops it, so the
+full-precision model never exists: peak weight memory is the packed model plus one layer. The
+expanded weight is bitwise the one the dense loader builds (same function), so packed and dense
+results are identical. On CUDA, int4 layers run the Triton dequant-GEMM (``kernels.w4a16``).
+
+``PackedEmbedding`` keeps a (possibly tied) token embedding packed; its ``weight`` is a
+``PackedRows`` view that the log-prob head slices chunk by chunk, so the head dequantizes one
+vocabulary chunk at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LogprobeError
+from ..loading.gguf_quants import dequantize_blocks
+from .linear import Linear, tiled_rows
+
+
+class PackedRows:
+    """A read-only, tensor-like view of a packed ``[out, in]`` weight: ``rows[idx]`` dequantizes
+    just those rows (an index tensor or a slice) to ``dtype``. Enough for the chunked head."""
+
+    def __init__(self, owner: PackedWeight, dtype: torch.dtype) -> None:
+        self.owner = owner
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.owner.out_features, self.owner.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.owner.device
+
+    def stride(self, dim: int = -1) -> int:
+        return 0  # not a strided tensor: keeps the fused Triton head (which needs one) off
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self.owner.rows(idx).to(self.dtype)
+
+
+class PackedWeight(nn.Module):
+    """What every packed format provides: ``rows(idx) -> float32 [n, in]`` and its byte count."""
+
+    out_features: int
+    in_features: int
+    compute_dtype: torch.dtype = torch.float32
+
+    def rows(self, idx=slice(None)) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole weight, dequantized: float32 [out, in] (then cast to dtype)."""
+        w = self.rows(slice(None))
+        return w if dtype is None else w.to(dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    def packed_bytes(self) -> int:
+        """Bytes of this layer's weight storage (codes, scales, zero points; not the bias)."""
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
+
+
+class _PackedLinearMixin(PackedWeight):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.row_tile is None:
+            y = self._cuda_forward(x)
+            if y is not None:
+                return y
+        # float32 expansion as the dense loader does, then the dense model's dtype
+        w = self.rows(slice(None)).to(x.dtype)  # [out, in]
+        if self.row_tile is None:
+            return F.linear(x, w, self.bias)
+        return tiled_rows(lambda t: F.linear(t, w, self.bias), x, self.row_tile)
+
+    def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    @property
+    def weight(self) -> PackedRows:
+        return PackedRows(self, self.compute_dtype)
+
+
+class GGUFLinear(_PackedLinearMixin, Linear):
+    """A GGUF Q8_0 / Q4_0 / Q4_1 matrix: buffers ``d`` [out, nb] f16, ``m`` (Q4_1), ``qs`` codes."""
+
+    def __init__(self, qtype: str, d: torch.Tensor, qs: torch.Tensor, m: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
+        nn.Module.__init__(self)
+        self.qtype = qtype
+        self.out_features, nb = d.shape
+        self.in_features = nb * 32
+        self.row_tile = row_tile
+        self.register_buffer("d", d)
+        self.register_buffer("qs", qs)
+        self.register_buffer("m", m)
+        self.register_buffer("bias", bias)
+
+    def rows(self, idx=slice(None)) -> torch.Tensor:
+        return dequantize_blocks(self.qtype, self.d[idx], self.qs[idx], None if self.m is None else self.m[idx])
+
+    def permute_rows(self, perm: torch.Tensor) -> None:
+        for name in ("d", "qs", "m", "bias"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[perm].contiguous())
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype}, in={self.in_features}, out={self.out_features}"
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
+    """compressed-tensors ``pack-quantized`` words [r, w] int32 -> signed codes [r, cols] int16.
+
+    Element i of a row sits in word i // (32 / bits) at bit (i % (32 / bits)) * bits, stored
+    with an offset of 2^(bits-1) so it is unsigned."""
+    per_word = 32 // num_bits
+    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)  # [per_word]
+    u = (packed[..., None] >> shifts) & ((1 << num_bits) - 1)  # [r, w, per_word]
+    u = u.reshape(packed.shape[0], packed.shape[1] * per_word)[:, :cols]  # [r, cols]
+    return u.to(torch.int16) - (1 << (num_bits - 1))
+
+
+class CTLinear(_PackedLinearMixin, Linear):
+    """A compressed-tensors integer weight: w[o, k] = (q[o, k] - zp[o, g]) * scale[o, g], g = k // group.
+
+    Buffers: ``qweight`` ([out, in * bits / 32] int32 words, or [out, in] int8 for naive int8),
+    ``scale`` [out, G] (checkpoint dtype), ``zero_point`` [out, G] int8 or None (symmetric).
+    ``group_size`` = in for per-channel scales (G = 1)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                 num_bits: int, group_size: int, in_features: int, bias: torch.Tensor | None = None,
+                 row_tile: int | None = None) -> None:
+        nn.Module.__init__(self)
+        if num_bits not in (4, 8):
+            raise LogprobeError("quantization_config", f"{num_bits}-bit integer weights are not supported",
+                                "logprobe reads 4- and 8-bit compressed-tensors weights")
+        self.num_bits, self.group_size = num_bits, group_size
+        self.out_features, self.in_features = int(qweight.shape[0]), int(in_features)
+        self.row_tile = row_tile
+        groups = -(-self.in_features // group_size)
+        if tuple(scale.shape) != (self.out_features, groups):
+            raise LogprobeError("weight_scale", f"shape {tuple(scale.shape)} does not match "
+                                f"[{self.out_features}, {groups}] (in {self.in_features}, group {group_size})")
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero_point", zero_point)
+        self.register_buffer("bias", bias)
+
+    def codes(self, idx=slice(None)) -> torch.Tensor:
+        """Signed integer codes [n, in]."""
+        q = self.qweight[idx]
+        if q.dtype == torch.int32:
+            return unpack_int32(q, self.num_bits, self.in_features)
+        return q.to(torch.int16)
+
+    def rows(self, idx=slice(None)) -> torch.Tensor:
+        q = self.codes(idx)  # [n, in]
+        n, k = q.shape
+        scale = self.scale[idx].float()  # [n, G]
+        G, g = scale.shape[1], self.group_size
+        pad = G * g - k  # a last partial group (e.g. 576 columns in groups of 128)
+        qf = F.pad(q, (0, pad)).float().view(n, G, g)  # [n, G, g]
+        if self.zero_point is not None:
+            qf = qf - self.zero_point[idx].float()[..., None]
+        # codes and zero points are small integers, so the float32 product is exact
+        return (qf * scale[..., None]).view(n, G * g)[:, :k]  # [n, in]
+
+    def permute_rows(self, perm: torch.Tensor) -> None:
+        for name in ("qweight", "scale", "zero_point", "bias"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[perm].contiguous())
+
+    def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        from ..kernels import triton_available
+
+        if self.num_bits != 4 or self.qweight.dtype != torch.int32 or x.dtype not in (torch.float16, torch.bfloat16) \
+                or not triton_available():
+            return None
+        from ..kernels.w4a16 import w4a16_matmul
+
+        y = w4a16_matmul(x, self.qweight, self.scale, self.zero_point, self.group_size)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        zp = "asym" if self.zero_point is not None else "sym"
+        return f"int{self.num_bits} {zp} group {self.group_size}, in={self.in_features}, out={self.out_features}"
+
+
+class PackedEmbedding(nn.Module):
+    """Token embedding over a packed ``[V, H]`` weight: looks up by dequantizing only the rows asked for."""
+
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.packed = packed
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.packed.rows(ids).to(self.dtype)  # [T, H]
+
+    @property
+    def weight(self) -> PackedRows:
+        return PackedRows(self.packed, self.dtype)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of weight storage by kind: "packed" (PackedWeight layers) and "dense" (every other
+    parameter and buffer, norms included). A tied embedding is counted once."""
+    packed = dense = 0
+    seen: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, PackedWeight):
+            if id(m) not in seen:
+                seen.add(id(m))
+                packed += m.packed_bytes()
+            continue
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            if t is not None and id(t) not in seen and t.device.type != "meta":
+                seen.add(id(t))
+                dense += t.numel() * t.element_size()
+    return {"packed": packed, "dense": dense, "total": packed + dense}
