@@ -156,3 +156,14 @@ def test_cli_deterministic_flag(tmp_path):
                      "--max-batch-tokens", budget, "--device", "cpu", "--dtype", "float32"]) == 0
         outs.append({r["index"]: r["logprobs"] for r in map(json.loads, dst.read_text().splitlines())})
     assert outs[0] == outs[1] and sorted(outs[0]) == [0, 1, 2, 3]
+
+
+def test_deterministic_config_is_validated():
+    from logprobe.config import EngineConfig
+    from logprobe.errors import LogprobeError
+
+    with pytest.raises(LogprobeError, match="invariant_matmul"):
+        EngineConfig(invariant_matmul="cutlass")
+    with pytest.raises(LogprobeError, match="cuda_invariant_tile"):
+        EngineConfig(cuda_invariant_tile=0)
+    assert EngineConfig().invariant_matmul == "cublas" and EngineConfig().cuda_invariant_tile == 2048

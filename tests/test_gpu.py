@@ -49,11 +49,13 @@ def test_cuda_capture_and_steering_match_cpu(tmp_path):
             torch.testing.assert_close(y.value, x.value, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("matmul", ["cublas", "triton"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cuda_deterministic_is_bitwise_batch_invariant(dtype, tmp_path):
-    """Deterministic mode on CUDA (Triton matmul and RMSNorm, varlen FlashAttention in bf16, the
-    fused head with fixed vocabulary splits): each request's numbers are bitwise the same alone,
-    among others in any order, chunked under small budgets, prefix-shared or not."""
+def test_cuda_deterministic_is_bitwise_batch_invariant(dtype, matmul, tmp_path):
+    """Deterministic mode on CUDA (fixed-shape cuBLAS row tiles or the Triton matmul, Triton
+    RMSNorm, varlen FlashAttention in bf16, the fused head with fixed vocabulary splits): each
+    request's numbers are bitwise the same alone, among others in any order, chunked under small
+    budgets, prefix-shared or not."""
     import random
 
     import transformers as tf
@@ -72,15 +74,17 @@ def test_cuda_deterministic_is_bitwise_batch_invariant(dtype, tmp_path):
     byte_tokenizer()[0].save_pretrained(str(tmp_path))
     loaded = load_model(str(tmp_path), "cuda", dtype)
     reqs = random_mix(seed=3, vocab=20000)
-    alone_engine = Scorer(loaded, config=EngineConfig(deterministic=True, share_prefixes=False))
+    # a small CUDA row tile, so that the requests span several tiles and padded tails
+    det = dict(deterministic=True, invariant_matmul=matmul, cuda_invariant_tile=64)
+    alone_engine = Scorer(loaded, config=EngineConfig(share_prefixes=False, **det))
     alone = [alone_engine.engine.run([r])[0] for r in reqs]
     rng = random.Random(2)
     for budget in (64, 100, 257, 1 << 20):
         for share in (True, False):
             order = list(range(len(reqs)))
             rng.shuffle(order)
-            engine = Scorer(loaded, config=EngineConfig(max_batch_tokens=budget, deterministic=True,
-                                                        share_prefixes=share)).engine
+            engine = Scorer(loaded, config=EngineConfig(max_batch_tokens=budget, share_prefixes=share,
+                                                        **det)).engine
             for i, res in zip(order, engine.run([reqs[i] for i in order])):
                 same(alone[i], res, True)
     plain = Scorer(loaded, config=EngineConfig(share_prefixes=False)).engine.run(reqs)

@@ -56,8 +56,14 @@ def test_interpreter_matches_reference():
     code = textwrap.dedent("""
         import json, torch
         from test_w4a16 import make_w4
-        from logprobe.kernels.w4a16 import W4A16Config, w4a16_matmul, w4a16_reference
+        from logprobe.kernels.w4a16 import W4A16Config, dequantize_w4, w4_expand, w4a16_matmul, w4a16_reference
         res = {}
+        expand = {}
+        for N, K, group, asym in [(40, 200, 64, False), (33, 160, 32, True), (17, 96, 96, True)]:
+            qw, s, z, _ = make_w4(N, K, group, asym, seed=N)
+            for dtype in (torch.float32, torch.float16):
+                expand[f"{N}-{dtype}"] = torch.equal(w4_expand(qw, s, z, group, K, dtype),
+                                                     dequantize_w4(qw, s, z, group, K).to(dtype))
         cfg = W4A16Config(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1)
         for dtype in ("float32", "float16"):
             for M, N, K, group, asym in [(5, 40, 200, 64, False), (19, 48, 160, 32, True), (3, 17, 96, 96, True)]:
@@ -66,14 +72,16 @@ def test_interpreter_matches_reference():
                 y = w4a16_matmul(x, qw, s, z, group, cfg)
                 ref = w4a16_reference(x.float(), qw, s, z, group)
                 res[f"{dtype}-{M}-{group}-{asym}"] = [float((y.float() - ref).abs().max()), float(ref.abs().max())]
-        print(json.dumps(res))
+        print(json.dumps({"matmul": res, "expand": expand}))
     """)
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
     r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["expand"] == {k: True for k in out["expand"]} and len(out["expand"]) == 6, out["expand"]
+    res = out["matmul"]
     assert len(res) == 6
     for name, (err, scale) in res.items():
         tol = 1e-5 if name.startswith("float32") else 2e-3  # float16: x and w rounded to 11 bits
@@ -96,6 +104,20 @@ def test_cuda_matches_reference(dtype, M, N, K, group, asym):
     ref = w4a16_reference(x, qw, s, z, group)  # the same rounded weights, cuBLAS products
     err = (y.float() - ref.float()).abs().max().item()
     assert err <= 2e-2 * ref.float().abs().max().item(), err
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 255, 256, 3000])
+def test_cuda_linear_dispatch_and_expand(M):
+    from logprobe.kernels.w4a16 import dequantize_w4, w4_expand, w4a16_linear, w4a16_reference
+
+    qw, s, z, _ = make_w4(1024, 2048, 128, True, seed=M, device="cuda")
+    assert torch.equal(w4_expand(qw, s, z, 128, 2048, torch.bfloat16),
+                       dequantize_w4(qw, s, z, 128, 2048).to(torch.bfloat16))
+    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_linear(x, qw, s, z, 128)
+    ref = w4a16_reference(x, qw, s, z, 128)
+    assert (y.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()
 
 
 @gpu

@@ -57,9 +57,14 @@ class EngineConfig:
         per-segment overhead; shared or not, results agree (bitwise in deterministic mode).
     deterministic: every per-token number is bitwise the same whatever else is in the batch, the
         order of requests, the budget, chunking and prefix sharing: matrix products in fixed
-        tiles of ``invariant_tile`` rows, attention in ``attention_block`` tiles with a fixed
-        KV split, the head in padded token chunks (native models; see docs/perf.md for the cost).
-        Off: equal within float32 rounding.
+        tiles of ``invariant_tile`` rows (``cuda_invariant_tile`` on CUDA), attention in
+        ``attention_block`` tiles with a fixed KV split, the head in padded token chunks (native
+        models; see docs/perf.md for the cost). Off: equal within float32 rounding.
+    invariant_matmul: how a deterministic matrix product runs on CUDA. "cublas" (default): cuBLAS
+        on row tiles of one fixed shape; a fixed shape pins cuBLAS's kernel and a GEMM never
+        reduces across rows, so a row's bits do not depend on its companions (1.01x the default
+        mode's time on llama-8b, docs/perf.md). "triton": logprobe's fixed-tile Triton matmul
+        (``kernels.matmul``), invariant by construction, independent of cuBLAS's heuristics, slower.
     """
 
     max_batch_tokens: int = 8192
@@ -68,13 +73,18 @@ class EngineConfig:
     progress: bool | None = None
     deterministic: bool = False
     invariant_tile: int = 128
+    cuda_invariant_tile: int = 2048
+    invariant_matmul: str = "cublas"
     attention_block: int = 64
     share_prefixes: bool = True
     min_shared_prefix: int = 16
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile",
-                                   "attention_block", "min_shared_prefix"))
+                                   "cuda_invariant_tile", "attention_block", "min_shared_prefix"))
+        if self.invariant_matmul not in ("cublas", "triton"):
+            raise LogprobeError("invariant_matmul", f"must be cublas or triton, got {self.invariant_matmul!r}",
+                                "cublas: fixed-shape cuBLAS row tiles (fast); triton: logprobe's fixed-tile kernel")
 
     @property
     def batch_invariant(self) -> bool:

@@ -261,9 +261,12 @@ class Engine:
 
     def _set_tiling(self) -> None:
         # set before every forward: engines with different configs may share one model
-        tile = self.config.invariant_tile if self.config.deterministic else None
+        cfg = self.config
+        tile = (cfg.cuda_invariant_tile if self.device.type == "cuda" else cfg.invariant_tile) if cfg.deterministic \
+            else None
         for m in self._linears:
             m.row_tile = tile
+            m.invariant_kernel = cfg.invariant_matmul
         for m in self._norms:
             m.invariant = self.config.deterministic
 

@@ -8,11 +8,17 @@ Layout (compressed-tensors ``pack-quantized``, see ``layers.quant_linear.CTLinea
     W[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group]
 
 Program (m, n) owns a [BLOCK_M, BLOCK_N] tile of y. Its K loop loads a [BLOCK_M, BLOCK_K] tile
-of x and the [BLOCK_K, BLOCK_N] tile of packed words (each word read once per 8 k's from L1/L2),
-expands the nibbles, applies the group's scale (and zero point) in float32, rounds the weight to
-x's dtype exactly as the reference does (``F.linear(x, W.to(x.dtype))``) and accumulates
-``tl.dot`` in float32. When ``group_size`` is a multiple of BLOCK_K, a K tile lies inside one group
-and its scales are one row of BLOCK_N values instead of a [BLOCK_K, BLOCK_N] gather.
+of x and the [BLOCK_N, BLOCK_K / 8] tile of packed words (each word once, along its row),
+expands the nibbles in registers, applies the group's scale (and zero point) in float32, rounds
+the weight to x's dtype exactly as the reference does (``F.linear(x, W.to(x.dtype))``) and
+accumulates ``tl.dot`` in float32. When ``group_size`` is a multiple of BLOCK_K, a K tile lies
+inside one group and its scales are one column of BLOCK_N values instead of a gather.
+
+Two ways to use it, chosen by rows (``w4a16_linear``): few rows (decode-like, memory-bound) run
+the dequant-GEMM, which reads 4-bit weights instead of 16-bit ones; many rows (prefill, scoring:
+compute-bound) expand the layer once into a transient 16-bit matrix with ``w4_expand`` (one read
+of the packed words, one write) and hand it to cuBLAS, whose tensor-core GEMM no Triton kernel
+here beats. Only one layer is ever expanded at a time, so weight memory stays packed.
 
 ``w4a16_reference`` is the pure-PyTorch definition the kernel is tested against.
 """
@@ -41,6 +47,9 @@ if triton_available():
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, BLOCK_K // 8)  # words of one K tile
+        shifts = tl.arange(0, 8) * 4  # nibble i of a word holds column 8 * word + i
+        words_per_row = (K + 7) // 8
         m_ok = rm < M
         n_ok = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -48,26 +57,47 @@ if triton_available():
             k = k0 + rk
             k_ok = k < K
             x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            kn_ok = k_ok[:, None] & n_ok[None, :]
-            words = tl.load(q_ptr + rn[None, :] * stride_qn + (k // 8)[:, None], mask=kn_ok, other=0)  # [BK, BN]
-            q = ((words >> ((k % 8) * 4)[:, None]) & 0xF) - 8
-            w = q.to(tl.float32)
+            # each packed word is loaded once, along the row it is contiguous in (coalesced)
+            w_idx = k0 // 8 + rw
+            words = tl.load(q_ptr + rn[:, None] * stride_qn + w_idx[None, :],
+                            mask=n_ok[:, None] & (w_idx < words_per_row)[None, :], other=0)  # [BN, BK/8]
+            q = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
+            w = (tl.reshape(q, (BLOCK_N, BLOCK_K)) - 8).to(tl.float32)  # [BN, BK] signed codes
             if GROUP_ALIGNED:
                 g = k0 // group_size
-                s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]  # [1, BN]
+                s = tl.load(s_ptr + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
                 if HAS_ZERO:
-                    z = tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[None, :]
-                    w = w - z
+                    w = w - tl.load(z_ptr + rn * stride_zn + g, mask=n_ok, other=0).to(tl.float32)[:, None]
             else:
-                g = (k // group_size)[:, None]
-                s = tl.load(s_ptr + rn[None, :] * stride_sn + g, mask=kn_ok, other=0.0).to(tl.float32)  # [BK, BN]
+                g = (k // group_size)[None, :]
+                nk_ok = n_ok[:, None] & k_ok[None, :]
+                s = tl.load(s_ptr + rn[:, None] * stride_sn + g, mask=nk_ok, other=0.0).to(tl.float32)  # [BN, BK]
                 if HAS_ZERO:
-                    z = tl.load(z_ptr + rn[None, :] * stride_zn + g, mask=kn_ok, other=0).to(tl.float32)
-                    w = w - z
+                    w = w - tl.load(z_ptr + rn[:, None] * stride_zn + g, mask=nk_ok, other=0).to(tl.float32)
+            # the weight rounded to x's dtype exactly as the reference rounds it
             w = (w * s).to(x.dtype)
-            acc += tl.dot(x, w)
+            acc += tl.dot(x, tl.trans(w))
         y = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _w4_expand_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size, stride_qn, stride_sn, stride_zn, stride_wn,
+                          HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        k = k0 + tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        words = tl.load(q_ptr + rn[:, None] * stride_qn + rw[None, :],
+                        mask=n_ok[:, None] & (rw < (K + 7) // 8)[None, :], other=0)  # [BN, BK/8]
+        q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, BK/8, 8]
+        w = (tl.reshape(q, (BLOCK_N, BLOCK_K)) - 8).to(tl.float32)  # [BN, BK]
+        nk_ok = n_ok[:, None] & (k < K)[None, :]
+        g = (k // group_size)[None, :]
+        if HAS_ZERO:
+            w = w - tl.load(z_ptr + rn[:, None] * stride_zn + g, mask=nk_ok, other=0).to(tl.float32)
+        w = w * tl.load(s_ptr + rn[:, None] * stride_sn + g, mask=nk_ok, other=0.0).to(tl.float32)
+        tl.store(w_ptr + rn[:, None] * stride_wn + k[None, :], w.to(w_ptr.dtype.element_ty), mask=nk_ok)
 
 
 _STAGES: dict[tuple[int, int, int], int] = {}  # tile -> pipeline stages that fit this GPU's shared memory
@@ -144,3 +174,33 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
                 raise
     _STAGES[(block_m, cfg.block_n, cfg.block_k)] = stages
     return y
+
+
+def w4_expand(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int, K: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The layer's weight [N, K] in ``dtype``, expanded in one pass (Triton): bitwise
+    ``dequantize_w4(...).to(dtype)``."""
+    if not triton_available():
+        raise LogprobeError("backend", "the W4A16 kernel needs Triton", "pip install triton, or run on CPU")
+    N = qweight.shape[0]
+    qweight, scale = qweight.contiguous(), scale.contiguous()
+    zero = zero.contiguous() if zero is not None else None
+    w = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    BN, BK = 32, 128
+    _w4_expand_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+        qweight, scale, zero if zero is not None else scale, w, N, K, group_size, qweight.stride(0), scale.stride(0),
+        zero.stride(0) if zero is not None else 0, w.stride(0), HAS_ZERO=zero is not None, BLOCK_N=BN, BLOCK_K=BK,
+        num_warps=4)
+    return w
+
+
+EXPAND_MIN_ROWS = 256  # from bench/gpu_scoring.py --sections quant on an H100 (docs/perf.md)
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 group_size: int, expand_min_rows: int = EXPAND_MIN_ROWS) -> torch.Tensor:
+    """x [M, K] -> [M, N]: the dequant-GEMM for fewer than ``expand_min_rows`` rows, else one
+    transient expanded layer and cuBLAS. Both use the reference's rounded weights."""
+    if x.shape[0] < expand_min_rows:
+        return w4a16_matmul(x, qweight, scale, zero, group_size)
+    return F.linear(x, w4_expand(qweight, scale, zero, group_size, x.shape[1], x.dtype))

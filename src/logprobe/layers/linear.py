@@ -13,22 +13,24 @@ from torch import nn
 
 class Linear(nn.Module):
     """``row_tile``: when set, each row's result is bitwise independent of how many rows came
-    with it (batch invariance): on CPU rows are multiplied in fixed tiles of that many rows (the
-    last one zero-padded), since BLAS picks its blocking from the matrix shape and a fixed shape
-    pins it; on CUDA the Triton matmul of ``kernels.matmul`` (one fixed tile shape, no split-K)."""
+    with it (batch invariance): rows are multiplied in fixed tiles of that many rows (the last
+    one zero-padded), since BLAS and cuBLAS pick their kernel from the matrix shape and a fixed
+    shape pins it. ``invariant_kernel = "triton"`` uses the Triton matmul of ``kernels.matmul``
+    on CUDA instead (one fixed tile shape, no split-K: invariant by construction)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, row_tile: int | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.row_tile = row_tile
+        self.invariant_kernel = "cublas"
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile is None:
             return F.linear(x, self.weight, self.bias)
-        if x.is_cuda and x.dim() == 2 and _triton():
+        if self.invariant_kernel == "triton" and x.is_cuda and x.dim() == 2 and _triton():
             from ..kernels.matmul import invariant_linear
 
             return invariant_linear(x, self.weight, self.bias)

@@ -11,7 +11,8 @@ the model never knows the weight format. Formats:
 On CPU a layer expands its weight to float32 for the one product and drops it, so the
 full-precision model never exists: peak weight memory is the packed model plus one layer. The
 expanded weight is bitwise the one the dense loader builds (same function), so packed and dense
-results are identical. On CUDA, int4 layers run the Triton dequant-GEMM (``kernels.w4a16``).
+results are identical. On CUDA, int4 layers run ``kernels.w4a16``: the Triton dequant-GEMM for few
+rows, a one-pass Triton expansion of the one layer + cuBLAS for many.
 
 ``PackedEmbedding`` keeps a (possibly tied) token embedding packed; its ``weight`` is a
 ``PackedRows`` view that the log-prob head slices chunk by chunk, so the head dequantizes one
@@ -193,9 +194,9 @@ class CTLinear(_PackedLinearMixin, Linear):
         if self.num_bits != 4 or self.qweight.dtype != torch.int32 or x.dtype not in (torch.float16, torch.bfloat16) \
                 or not triton_available():
             return None
-        from ..kernels.w4a16 import w4a16_matmul
+        from ..kernels.w4a16 import w4a16_linear
 
-        y = w4a16_matmul(x, self.qweight, self.scale, self.zero_point, self.group_size)
+        y = w4a16_linear(x, self.qweight, self.scale, self.zero_point, self.group_size)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
