@@ -153,6 +153,29 @@ def test_cli_compare(tiny_pair, tmp_path, capsys):
     assert "Mean    KLD:" in out and "Same top p:" in out and "Mean PPL(Q)/PPL(R)" in out
     assert main(args[:1] + ["--model", str(tiny_pair["Q4_0"][0]), "--reference", str(tmp_path / "nope"),
                             "--text-file", str(f), "--device", "cpu"]) == 2
+    # --plot: an HTML page with one point per scored token, the report below it
+    page = tmp_path / "kl.html"
+    assert main(args + ["--json", "--plot", str(page)]) == 0
+    n = json.loads(capsys.readouterr().out)["num_tokens"]
+    text = page.read_text()
+    raw = text.split('<polyline points="')[1].split('"')[0].split()
+    assert len(raw) == n and "Mean    KLD:" in text and text.startswith("<!doctype html>")
+    assert main(args + ["--plot", str(tmp_path / "no" / "dir" / "kl.html")]) == 2
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_kl_plot_html_points():
+    from logprobe.scoring.compare import kl_plot_html
+
+    page = kl_plot_html([0.0, 2.0, 1.0], "t <q>", "sum & more", smooth=2)
+    raw = [tuple(map(float, p.split(","))) for p in page.split('<polyline points="')[1].split('"')[0].split()]
+    assert [p[0] for p in raw] == [40.0, 500.0, 960.0]  # first and last token at the plot edges
+    assert raw[1][1] == 40.0 and raw[0][1] == 280.0  # max at the top, 0 at the bottom
+    smooth = [tuple(map(float, p.split(","))) for p in page.split('<polyline points="')[2].split('"')[0].split()]
+    assert [p[1] for p in smooth] == [280.0, 160.0, 100.0]  # moving averages 0, 1, 1.5 of 2-token windows
+    assert "t &lt;q&gt;" in page and "sum &amp; more" in page
+    with pytest.raises(LogprobeError, match="token_kl"):
+        kl_plot_html([], "t", "s")
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@ def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["packed", "dense"], default="packed",
                    help="quantized weights of both models: packed in memory, expanded per layer inside the "
                         "matmul (default), or expanded once at load (faster, 4-8x the memory)")
+    p.add_argument("--plot", default=None, metavar="FILE.html",
+                   help="also write a self-contained HTML page plotting per-token KL along the text")
     p.set_defaults(func=cmd_compare)
 
 
@@ -47,8 +49,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     r = Scorer(load_model(args.reference, args.device, args.dtype, weights=args.weights), config=config)
     start = time.perf_counter()
     res = q.compare(r, text, context_length=args.context_length, stride=args.stride, policy=args.policy,
-                    prefix=False if args.no_prefix else None, max_tokens=args.max_tokens)
+                    prefix=False if args.no_prefix else None, max_tokens=args.max_tokens,
+                    return_token_stats=args.plot is not None)
     elapsed = time.perf_counter() - start
+    if args.plot is not None:
+        from ..scoring.compare import kl_plot_html
+
+        page = kl_plot_html(res.token_kl, f"KL(R || Q): Q = {q.info.name}, R = {r.info.name}", res.report())
+        try:
+            with open(args.plot, "w", encoding="utf-8") as f:
+                f.write(page)
+        except OSError as e:
+            raise LogprobeError("--plot", f"cannot write {args.plot}: {e.strerror}", "give a writable path") from e
     if args.json:
         d = res.to_dict()
         d.pop("token_kl", None)

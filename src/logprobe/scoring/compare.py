@@ -21,6 +21,7 @@ m_Q = m_R and S_Q = S_R bitwise, so KL = 0 exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -281,3 +282,43 @@ def compare_requests(engine_q, engine_r, requests, *, token_budget: int, token_c
         if group:
             flush()
     return KLRows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprobs_q", "logprobs_r", "kl", "same_top")))
+
+
+def kl_plot_html(token_kl: Sequence[float], title: str, summary: str, smooth: int = 64) -> str:
+    """A self-contained HTML page (inline SVG, no scripts or downloads) plotting per-token KL(R || Q)
+    along the text: each token as a thin grey line, a ``smooth``-token moving average in blue,
+    the mean as a dashed line; ``summary`` (e.g. ``CompareResult.report()``) printed below."""
+    import html
+
+    n = len(token_kl)
+    if n == 0:
+        raise LogprobeError("token_kl", "is empty (no scored tokens to plot)", "compare a longer text")
+    W, Hh, pad = 1000, 320, 40  # SVG user units: plot area [pad, W - pad] x [pad, Hh - pad]
+    top = max(max(token_kl), 1e-12)
+    x = lambda i: pad + (W - 2 * pad) * (i / max(1, n - 1))  # noqa: E731
+    y = lambda v: Hh - pad - (Hh - 2 * pad) * (v / top)  # noqa: E731
+    raw = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(token_kl))
+    k = max(1, min(smooth, n))
+    csum = [0.0]
+    for v in token_kl:
+        csum.append(csum[-1] + v)
+    avg = [(csum[i + 1] - csum[max(0, i + 1 - k)]) / (i + 1 - max(0, i + 1 - k)) for i in range(n)]
+    sm = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(avg))
+    mean = csum[-1] / n
+    worst = max(range(n), key=token_kl.__getitem__)
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {Hh}" width="100%">'
+           f'<rect x="{pad}" y="{pad}" width="{W - 2 * pad}" height="{Hh - 2 * pad}" fill="none" stroke="#888"/>'
+           f'<polyline points="{raw}" fill="none" stroke="#bbb" stroke-width="0.6"/>'
+           f'<polyline points="{sm}" fill="none" stroke="#1f5fbf" stroke-width="1.6"/>'
+           f'<line x1="{pad}" x2="{W - pad}" y1="{y(mean):.1f}" y2="{y(mean):.1f}" stroke="#c33" '
+           f'stroke-dasharray="6 4"/>'
+           f'<circle cx="{x(worst):.1f}" cy="{y(token_kl[worst]):.1f}" r="3" fill="#c33"/>'
+           f'<text x="{pad}" y="{pad - 8}" font-size="12">KL(R || Q) per token (max {top:.4g} at token '
+           f'{worst}; mean {mean:.4g} dashed; {k}-token moving average in blue)</text>'
+           f'<text x="{pad}" y="{Hh - 12}" font-size="12">token 0</text>'
+           f'<text x="{W - pad}" y="{Hh - 12}" font-size="12" text-anchor="end">token {n - 1}</text>'
+           f'<text x="{pad - 4}" y="{pad + 4}" font-size="11" text-anchor="end">{top:.3g}</text>'
+           f'<text x="{pad - 4}" y="{Hh - pad}" font-size="11" text-anchor="end">0</text></svg>')
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title></head>"
+            f"<body style=\"font-family:sans-serif;max-width:1100px;margin:2em auto\"><h2>{html.escape(title)}</h2>"
+            f"{svg}<pre>{html.escape(summary)}</pre></body></html>\n")
