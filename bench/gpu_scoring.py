@@ -125,23 +125,25 @@ def head_section(args, tflops: float) -> None:
 
     if args.tune:
         log("\nkernel configs (plain, no entropy/top-k):")
-        log("| BM | BN | BK | warps | stages | group | waves | ms | ratio to matmul |")
-        log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        log("| BM | BN | BK | warps | stages | group | waves | TMA | flatten | ms | ratio to matmul |")
+        log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |")
         mm = bench_ms(lambda: h @ w.T, rep=100)
         best = (float("inf"), DEFAULT_CONFIG)
-        for c in [KernelConfig(), KernelConfig(block_n=256), KernelConfig(num_stages=4),
-                  KernelConfig(block_n=256, num_stages=4), KernelConfig(num_warps=4, num_stages=4),
-                  KernelConfig(block_m=64, block_n=256, num_warps=4, num_stages=4),
-                  KernelConfig(block_k=128, num_stages=3), KernelConfig(group_m=16, waves=16),
-                  KernelConfig(waves=2)]:
+        for c in [KernelConfig(), KernelConfig(num_stages=4), KernelConfig(block_n=128, num_stages=4),
+                  KernelConfig(tma=True), KernelConfig(flatten=True), KernelConfig(tma=True, flatten=True),
+                  KernelConfig(tma=True, flatten=True, num_stages=4), KernelConfig(tma=True, num_stages=4),
+                  KernelConfig(tma=True, flatten=True, block_n=128, num_stages=4),
+                  KernelConfig(tma=True, flatten=True, block_k=128, num_stages=2),
+                  KernelConfig(tma=True, flatten=True, waves=2), KernelConfig(tma=True, flatten=True, waves=16)]:
             try:
                 ms = bench_ms(lambda c=c: fused_logprob_head(h, w, y, inv_t, config=c), rep=100)
             except Exception as e:  # e.g. out of shared memory for a tile shape
                 log(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | "
-                    f"{c.group_m} | {c.waves} | failed: {type(e).__name__} | |")
+                    f"{c.group_m} | {c.waves} | {c.tma} | {c.flatten} | failed: {type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:160]} | |")
                 continue
             log(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {c.group_m} | "
-                f"{c.waves} | {ms:.2f} | {ms / mm:.3f} |")
+                f"{c.waves} | {c.tma} | {c.flatten} | {ms:.2f} | {ms / mm:.3f} |")
             best = min(best, (ms, c), key=lambda x: x[0])
         cfg = best[1]
         log(f"best: {cfg}")

@@ -83,12 +83,14 @@ if triton_available():
         h_ptr, w_ptr, b_ptr, y_ptr, zy_ptr, inv_t_ptr,  # [N, H], [V, H], [V], [N], [N], [N]
         m_ptr, s_ptr, a_ptr, c_ptr,  # [S, N] each: running max, sum exp(z - m), sum exp(z - m) z, count above
         tv_ptr, ti_ptr,  # [S, N, KPAD] top-k values / ids (only when KPAD > 0)
+        h_desc, w_desc,  # TMA descriptors of h ([BM, BK] blocks) and w ([BN, BK] blocks), when TMA
         N, V, H, cols_per_split, num_splits,
         stride_hn, stride_wv,
         scale, softcap,
         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         ENTROPY: tl.constexpr, KPAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        TMA: tl.constexpr, FLATTEN: tl.constexpr,
     ):
         # grouped ordering: within a group of GROUP_M row tiles, the split index varies fastest
         pid = tl.program_id(0)
@@ -121,21 +123,27 @@ if triton_available():
 
         v_begin = pid_s * cols_per_split
         v_end = tl.minimum(v_begin + cols_per_split, V)
-        for v0 in range(v_begin, v_end, BLOCK_N):
+        # FLATTEN: one software-pipelined loop over (vocabulary tile, k) pairs, so the next tile's
+        # loads overlap this tile's epilogue instead of draining the pipeline every BLOCK_N columns
+        for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
             cols = v0 + tl.arange(0, BLOCK_N)  # [BN]
             col_ok = cols < v_end
             cols64 = cols.to(tl.int64)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, H, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                h_ptrs = h_ptr + rows64[:, None] * stride_hn + ks[None, :]
-                w_ptrs = w_ptr + cols64[:, None] * stride_wv + ks[None, :]
-                if EVEN_K:
-                    hb = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)  # [BM, BK]
-                    wb = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)  # [BN, BK]
+                if TMA:  # Hopper's tensor memory accelerator; out-of-range rows/columns read as 0
+                    hb = h_desc.load([pid_m * BLOCK_M, k0])  # [BM, BK]
+                    wb = w_desc.load([v0, k0])  # [BN, BK]; columns past v_end are masked below
                 else:
-                    hb = tl.load(h_ptrs, mask=row_ok[:, None] & (ks < H)[None, :], other=0.0)
-                    wb = tl.load(w_ptrs, mask=col_ok[:, None] & (ks < H)[None, :], other=0.0)
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    h_ptrs = h_ptr + rows64[:, None] * stride_hn + ks[None, :]
+                    w_ptrs = w_ptr + cols64[:, None] * stride_wv + ks[None, :]
+                    if EVEN_K:
+                        hb = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)  # [BM, BK]
+                        wb = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)  # [BN, BK]
+                    else:
+                        hb = tl.load(h_ptrs, mask=row_ok[:, None] & (ks < H)[None, :], other=0.0)
+                        wb = tl.load(w_ptrs, mask=col_ok[:, None] & (ks < H)[None, :], other=0.0)
                 if IEEE:  # float32 inputs: true float32 products, not tf32
                     acc = tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
                 else:
@@ -207,6 +215,8 @@ class KernelConfig:
     waves: int = 8  # aim for about this many programs per multiprocessor (vocabulary splits)
     max_rows: int = 65536  # rows per launch: bounds the [S, N(, KPAD)] partials
     fixed_split: int = 8192  # deterministic: vocabulary columns per split, whatever N is
+    tma: bool = False  # load tiles with TMA descriptors (CUDA capability >= 9, 16-bit inputs)
+    flatten: bool = False  # pipeline across vocabulary tiles (plain and entropy; not with top-k)
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -285,6 +295,13 @@ def fused_logprob_head(
     kpad = 0 if top_k == 0 else max(2, triton.next_power_of_2(top_k))
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    # TMA needs Hopper or newer, 16-byte aligned rows and a contiguous last dimension
+    use_tma = (config.tma and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+               and hidden.dtype != torch.float32 and (H * hidden.element_size()) % 16 == 0
+               and hidden.stride(1) == 1 and weight.stride(1) == 1 and hidden.stride(0) == H
+               and weight.stride(0) == H and weight.data_ptr() % 16 == 0)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
     for r0 in range(0, N, config.max_rows):
         r1 = min(r0 + config.max_rows, N)
         n = r1 - r0
@@ -305,11 +322,15 @@ def fused_logprob_head(
         c = torch.empty(S, n, dtype=torch.int32, device=dev)
         tv = torch.empty(S, n, kpad, dtype=torch.float32, device=dev) if kpad else m
         ti = torch.empty(S, n, kpad, dtype=torch.int64, device=dev) if kpad else c
+        tma = use_tma and h.data_ptr() % 16 == 0
+        h_desc, w_desc = (TensorDescriptor.from_tensor(h, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk])) \
+            if tma else (h, weight)
         _head_partials[(num_m * S,)](
-            h, weight, b, y, zy, it, m, s, a, c, tv, ti,
+            h, weight, b, y, zy, it, m, s, a, c, tv, ti, h_desc, w_desc,
             n, V, H, cols_per_split, S, h.stride(0), weight.stride(0), *args_t, **flags,
             ENTROPY=entropy, KPAD=kpad, EVEN_K=H % bk == 0, IEEE=hidden.dtype == torch.float32,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, TMA=tma,
+            FLATTEN=config.flatten and kpad == 0,
             num_warps=config.num_warps, num_stages=config.num_stages)
         # combine the S splits: [S, n] -> [n]
         mx = m.max(dim=0).values  # a max is exact in any order
