@@ -129,12 +129,12 @@ def head_section(args, tflops: float) -> None:
         log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |")
         mm = bench_ms(lambda: h @ w.T, rep=100)
         best = (float("inf"), DEFAULT_CONFIG)
-        for c in [KernelConfig(), KernelConfig(num_stages=4), KernelConfig(block_n=128, num_stages=4),
-                  KernelConfig(tma=True), KernelConfig(flatten=True), KernelConfig(tma=True, flatten=True),
-                  KernelConfig(tma=True, flatten=True, num_stages=4), KernelConfig(tma=True, num_stages=4),
-                  KernelConfig(tma=True, flatten=True, block_n=128, num_stages=4),
-                  KernelConfig(tma=True, flatten=True, block_k=128, num_stages=2),
-                  KernelConfig(tma=True, flatten=True, waves=2), KernelConfig(tma=True, flatten=True, waves=16)]:
+        old = dict(tma=False, flatten=False)  # pointer loads, nested loops (the first version)
+        for c in [KernelConfig(**old), KernelConfig(**old, num_stages=4), KernelConfig(**old, block_n=128, num_stages=4),
+                  KernelConfig(flatten=False), KernelConfig(tma=False), KernelConfig(),
+                  KernelConfig(num_stages=4), KernelConfig(flatten=False, num_stages=4),
+                  KernelConfig(block_n=128, num_stages=4), KernelConfig(block_k=128, num_stages=2),
+                  KernelConfig(waves=2), KernelConfig(waves=16)]:
             try:
                 ms = bench_ms(lambda c=c: fused_logprob_head(h, w, y, inv_t, config=c), rep=100)
             except Exception as e:  # e.g. out of shared memory for a tile shape
