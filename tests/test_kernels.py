@@ -189,5 +189,11 @@ def test_logprob_head_dispatches_to_kernel(monkeypatch):
     logprob_head(h, p, y, temp, top_k=3)
     assert calls == [1]
     logprob_head(h, p, y, temp, top_k=MAX_TOP_K + 1)  # too many for the kernel: PyTorch head
-    logprob_head(h, p, y, temp, pad_chunks=True)  # batch invariance: PyTorch head
     assert calls == [1]
+    # deterministic mode runs the kernel too, with fixed vocabulary splits, and its rows do not
+    # depend on the other rows: the first 10 rows alone equal them among 64
+    seen = []
+    monkeypatch.setattr(k, "fused_logprob_head", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    full = logprob_head(h, p, y, temp, pad_chunks=True)
+    part = logprob_head(h[:10], p, y[:10], temp[:10], pad_chunks=True)
+    assert seen == [True, True] and torch.equal(full.logprobs[:10], part.logprobs)

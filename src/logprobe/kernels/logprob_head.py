@@ -154,13 +154,15 @@ if triton_available():
             z = _transform(acc, bv, scale, softcap, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP)
             # base-2 domain: t = z * log2(e) / T in one multiply, then exp2 (what tl.exp does anyway)
             t = z * c2[:, None]
-            t = tl.where(col_ok[None, :], t, float("-inf"))  # [BM, BN]
+            # padding columns get a huge finite negative, not -inf: exp2 still gives exactly 0 there,
+            # and e * t is then 0 (not 0 * -inf = nan), so entropy needs no second mask
+            t = tl.where(col_ok[None, :], t, -3.0e38)  # [BM, BN]
             m_new = tl.maximum(m, tl.max(t, axis=1))  # finite: every tile has >= 1 real column
             alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
             e = tl.exp2(t - m_new[:, None])  # 0 on padding columns
             s = s * alpha + tl.sum(e, axis=1)
             if ENTROPY:
-                a = a * alpha + tl.sum(tl.where(col_ok[None, :], e * t, 0.0), axis=1)
+                a = a * alpha + tl.sum(e * t, axis=1)
             m = m_new
             # the target never outranks itself (its tile value may round above zy)
             above = (t > ty[:, None]) & (cols64[None, :] != y[:, None])
@@ -169,7 +171,7 @@ if triton_available():
                 # insert, one column per row per step, every value above the row's current k-th
                 # best; after the first tiles this is rarely more than a step or two
                 thr = tl.min(tv, axis=1)
-                cand = tl.where(t > thr[:, None], t, float("-inf"))
+                cand = tl.where((t > thr[:, None]) & col_ok[None, :], t, float("-inf"))
                 todo = tl.max(tl.max(cand, axis=1), axis=0) > float("-inf")
                 while todo:
                     best = tl.max(cand, axis=1)  # [BM]
