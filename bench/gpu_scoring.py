@@ -149,6 +149,21 @@ def head_section(args, tflops: float) -> None:
         log(f"best: {cfg}")
     else:
         cfg = DEFAULT_CONFIG
+    if args.tune_topk:
+        log("\nkernel configs with top-20 (entropy off):")
+        log("| top-k waves | top-k flatten | stages | ms | ratio to matmul |")
+        log("| ---: | --- | ---: | ---: | ---: |")
+        mm = bench_ms(lambda: h @ w.T, rep=100)
+        for c in [KernelConfig(topk_waves=8), KernelConfig(topk_waves=4), KernelConfig(topk_waves=2),
+                  KernelConfig(topk_waves=1), KernelConfig(topk_waves=1, num_stages=4),
+                  KernelConfig(topk_waves=1, topk_flatten=True), KernelConfig(topk_waves=2, topk_flatten=True)]:
+            try:
+                ms = bench_ms(lambda c=c: fused_logprob_head(h, w, y, inv_t, top_k=20, config=c), rep=args.rep)
+            except Exception as e:
+                log(f"| {c.topk_waves} | {c.topk_flatten} | {c.num_stages} | failed: {type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:160]} | |")
+                continue
+            log(f"| {c.topk_waves} | {c.topk_flatten} | {c.num_stages} | {ms:.2f} | {ms / mm:.3f} |")
 
     rows = []
 
@@ -498,6 +513,17 @@ def workloads_section(args, tflops: float) -> None:
             if wname == "W4":
                 row["head_extra"] = w4_head_memory(ours, reqs[-1])
             del res
+            if args.elementwise_ab:  # the same run with RMSNorm / rotary / SiLU-multiply as PyTorch ops
+                ours.use_triton_elementwise(False)
+                with torch.inference_mode():
+                    res, sec_t = sync_time(lambda reqs=reqs, m=ours: run_logprobe(m, reqs, args.batch_tokens))
+                ours.use_triton_elementwise(True)
+                d = float((torch.cat([r.logprobs for r in res]) - ours_lp).abs().max())
+                row["torch_elementwise"] = sec_t
+                log(f"  logprobe {mname} {wname} with PyTorch elementwise ops: {sec_t:.2f} s, MFU (unique) "
+                    f"{fl_unique / sec_t / (tflops * 1e12):.3f}; Triton ones {sec:.2f} s ({sec_t / sec:.3f}x faster), "
+                    f"max |Δ| between them {d:.3f}")
+                del res
             if hf is not None:
                 best = None
                 for budget in args.budgets:
@@ -787,6 +813,9 @@ def main() -> None:
     ap.add_argument("--head-tokens", type=int, default=16384)
     ap.add_argument("--rep", type=int, default=300, help="do_bench milliseconds per head row")
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
+    ap.add_argument("--elementwise-ab", action="store_true",
+                    help="workloads: also time logprobe with RMSNorm/rotary/SiLU-multiply as PyTorch ops")
+    ap.add_argument("--tune-topk", action="store_true", help="sweep the top-k settings (splits, flattening)")
     ap.add_argument("--triton-matmul", action="store_true", help="also time a plain Triton matmul")
     ap.add_argument("--det-only", action="store_true", help="engine section: only the deterministic-mode rows")
     ap.add_argument("--det-triton", action="store_true", help="engine section: also deterministic mode with "

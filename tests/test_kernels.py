@@ -165,7 +165,8 @@ def test_cuda_rank_exact(dtype):
 @gpu
 @pytest.mark.parametrize("config", [KernelConfig(), KernelConfig(tma=False, flatten=False),
                                     KernelConfig(block_m=64, block_n=256, num_warps=8), KernelConfig(max_rows=100),
-                                    KernelConfig(tma=False), KernelConfig(flatten=False)])
+                                    KernelConfig(tma=False), KernelConfig(flatten=False), KernelConfig(topk_waves=8),
+                                    KernelConfig(topk_flatten=True)])
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_cuda_configs(config, top_k):
     case = make_case(777, 256, 32000, torch.bfloat16, "plain", "cuda", seed=1)

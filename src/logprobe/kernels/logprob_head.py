@@ -169,13 +169,13 @@ if triton_available():
             cnt += tl.sum(above.to(tl.int32), axis=1)
             if KPAD > 0:
                 # insert, one column per row per step, every value above the row's current k-th
-                # best; after the first tiles this is rarely more than a step or two
+                # best; after the first tiles this is rarely more than a step or two. One
+                # max-with-index pass and one pruning pass per step
                 thr = tl.min(tv, axis=1)
                 cand = tl.where((t > thr[:, None]) & col_ok[None, :], t, float("-inf"))
-                todo = tl.max(tl.max(cand, axis=1), axis=0) > float("-inf")
+                best, bcol = tl.max(cand, axis=1, return_indices=True)  # [BM], [BM] column in the tile
+                todo = tl.max(best, axis=0) > float("-inf")
                 while todo:
-                    best = tl.max(cand, axis=1)  # [BM]
-                    bcol = tl.argmax(cand, axis=1)  # [BM] column in the tile
                     slot = tl.argmin(tv, axis=1)  # [BM] the slot holding the current minimum
                     put = (kcols[None, :] == slot[:, None]) & (best > thr)[:, None]
                     tv = tl.where(put, best[:, None], tv)
@@ -184,7 +184,8 @@ if triton_available():
                     lcols = tl.arange(0, BLOCK_N)
                     cand = tl.where((lcols[None, :] == bcol[:, None]) | (cand <= thr[:, None]),
                                     float("-inf"), cand)
-                    todo = tl.max(tl.max(cand, axis=1), axis=0) > float("-inf")
+                    best, bcol = tl.max(cand, axis=1, return_indices=True)
+                    todo = tl.max(best, axis=0) > float("-inf")
 
         # back to natural-log units: m, a, top-k values times ln 2 (s is a plain sum)
         LN2: tl.constexpr = 0.6931471805599453
@@ -223,6 +224,10 @@ class KernelConfig:
     # without TMA was slower (35.6 ms), so it only applies with TMA (docs/perf.md)
     tma: bool = True
     flatten: bool = True
+    # top-k: every split keeps its own k best, and a row's insertions grow with the number of
+    # splits (about k ln(cols / k) each), so top-k runs with fewer, longer splits
+    topk_waves: int = 1
+    topk_flatten: bool = False  # the flattened loop around top-k's data-dependent insertion loop
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -316,7 +321,8 @@ def fused_logprob_head(
         _target_logit[(n,)](h, weight, b, y, it, zy, H, h.stride(0), weight.stride(0), *args_t, **flags,
                             BLOCK_H=min(1024, triton.next_power_of_2(H)))
         num_m = triton.cdiv(n, bm)
-        want = max(1, triton.cdiv(config.waves * sms, num_m))  # splits to fill the GPU
+        waves = config.topk_waves if kpad else config.waves
+        want = max(1, triton.cdiv(waves * sms, num_m))  # splits to fill the GPU
         tiles = triton.cdiv(V, bn)
         cols_per_split = triton.cdiv(tiles, min(want, tiles)) * bn
         if deterministic:
@@ -336,7 +342,7 @@ def fused_logprob_head(
             n, V, H, cols_per_split, S, h.stride(0), weight.stride(0), *args_t, **flags,
             ENTROPY=entropy, KPAD=kpad, EVEN_K=H % bk == 0, IEEE=hidden.dtype == torch.float32,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, TMA=tma,
-            FLATTEN=config.flatten and kpad == 0 and (tma or dev.type != "cuda"),
+            FLATTEN=config.flatten and (kpad == 0 or config.topk_flatten) and (tma or dev.type != "cuda"),
             num_warps=config.num_warps, num_stages=config.num_stages)
         # combine the S splits: [S, n] -> [n]
         mx = m.max(dim=0).values  # a max is exact in any order

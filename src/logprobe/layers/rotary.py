@@ -50,12 +50,20 @@ class RotaryEmbedding(nn.Module):
         return torch.polar(torch.ones_like(freqs), freqs)
 
 
-def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cis: torch.Tensor, triton: bool = False) -> torch.Tensor:
     """x [T, H, D] in the *interleaved* layout (dims 2j, 2j+1 form pair j) rotated by cis [T, D/2].
 
     One complex multiply instead of the rotate-half gather; the model stores q/k weights with
     their rows permuted to this layout (see ``to_interleaved``), which leaves q.k unchanged.
+    ``triton``: on CUDA, one Triton pass (``kernels.elementwise.rotary``, same arithmetic).
     """
+    if triton and x.is_cuda and x.stride(2) == 1:
+        from ..kernels import triton_available
+
+        if triton_available():
+            from ..kernels.elementwise import rotary
+
+            return rotary(x, cis)
     T, H, D = x.shape
     xc = torch.view_as_complex(x.float().reshape(T, H, D // 2, 2))  # [T, H, D/2]
     return torch.view_as_real(xc * cis[:, None, :]).reshape(T, H, D).to(x.dtype)

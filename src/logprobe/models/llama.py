@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..layers.activation import silu_mul
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
@@ -78,6 +78,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
+        self.triton = True  # rotary as one Triton pass on CUDA (see LlamaModel.use_triton_elementwise)
 
     def fuse(self) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -94,7 +95,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cis), apply_rotary(k, cis)
+        q, k = apply_rotary(q, cis, self.triton), apply_rotary(k, cis, self.triton)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
@@ -106,6 +107,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.gate_up_proj: Linear | None = None  # set by fuse(): gate and up in one matmul
+        self.triton = True  # SiLU(gate) * up as one Triton pass on CUDA
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
@@ -115,7 +117,7 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up, self.triton))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -174,6 +176,13 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def use_triton_elementwise(self, on: bool) -> None:
+        """RMSNorm, rotary and SiLU(gate) * up as single Triton passes on CUDA (the default), or
+        as PyTorch ops (``False``: the benchmark's before/after). No effect on CPU."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP)):
+                m.triton = on
 
     def head_params(self) -> HeadParams:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
