@@ -34,7 +34,7 @@ class Linear(nn.Module):
             from ..kernels.matmul import invariant_linear
 
             return invariant_linear(x, self.weight, self.bias)
-        return tiled_rows(lambda t: F.linear(t, self.weight, self.bias), x, self.row_tile)
+        return tiled_linear(x, self.weight, self.bias, self.row_tile)
 
 
 def _triton() -> bool:
@@ -43,13 +43,32 @@ def _triton() -> bool:
     return triton_available()
 
 
-def tiled_rows(fn, x: torch.Tensor, tile: int) -> torch.Tensor:
-    """fn applied to x [T, ...] in tiles of exactly ``tile`` rows; the result has T rows."""
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` [T, out] computed as products of exactly ``tile`` rows, each
+    written straight into its rows of the output (no concatenation: copying every layer's output
+    once more cost ~9% of a deterministic 8B forward on an H100); only a partial last tile goes
+    through a zero-padded buffer. Every product has one shape, hence one BLAS kernel."""
+    x = x.contiguous()
     T = x.shape[0]
-    pad = (-T) % tile
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])  # [T + pad, ...]
-    return torch.cat([fn(x[i:i + tile]) for i in range(0, T + pad, tile)])[:T]
+    out = x.new_empty(T, weight.shape[0])  # [T, out]
+    wt = weight.t()  # [in, out], the layout F.linear hands to BLAS
+
+    def mm(a: torch.Tensor, o: torch.Tensor) -> None:
+        if bias is None:
+            torch.mm(a, wt, out=o)
+        else:
+            torch.addmm(bias, a, wt, out=o)
+
+    full = T - T % tile
+    for i in range(0, full, tile):
+        mm(x[i:i + tile], out[i:i + tile])
+    if full < T:
+        xp = x.new_zeros(tile, x.shape[1])  # [tile, in]
+        xp[: T - full] = x[full:]
+        op = x.new_empty(tile, weight.shape[0])  # [tile, out]
+        mm(xp, op)
+        out[full:] = op[: T - full]
+    return out
 
 
 def fuse_linears(parts: list[Linear]) -> Linear | None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from ..loading.gguf_quants import dequantize_blocks
-from .linear import Linear, tiled_rows
+from .linear import Linear, tiled_linear
 
 
 class PackedRows:
@@ -87,7 +87,7 @@ class _PackedLinearMixin(PackedWeight):
         w = self.rows(slice(None)).to(x.dtype)  # [out, in]
         if self.row_tile is None:
             return F.linear(x, w, self.bias)
-        return tiled_rows(lambda t: F.linear(t, w, self.bias), x, self.row_tile)
+        return tiled_linear(x, w, self.bias, self.row_tile)
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return None
