@@ -34,6 +34,8 @@ def tiny_config(kind: str):
                   initializer_range=0.1, bos_token_id=1, eos_token_id=0)
     if kind == "llama":
         return tf.LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "llama256":  # rows of 256 and 512: whole k-quant super-blocks
+        return tf.LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=False)
     if kind == "llama3":  # Llama-3 rope scaling, untied
         return tf.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -88,6 +90,22 @@ def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def random_kquant_blocks(shape: tuple[int, int], name: str, rng) -> np.ndarray:
+    """Random bytes laid out as Q4_K / Q6_K super-blocks of a [rows, cols] matrix, with f16 scales
+    chosen so weights average about 0.05 (the codes and sub-block scales are arbitrary bytes)."""
+    rows, cols = shape
+    nb, size = cols // 256, (144 if name == "Q4_K" else 210)
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    lo, hi = (1e-4, 4e-4) if name == "Q4_K" else (2e-5, 1e-4)
+    d = rng.uniform(lo, hi, (rows, nb)).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    if name == "Q4_K":
+        blocks[..., 0:2] = d  # d
+        blocks[..., 2:4] = d[:, ::-1]  # dmin
+    else:
+        blocks[..., 208:210] = d
+    return blocks.reshape(rows, nb * size)
+
+
 def write_tiny_gguf(path: Path, hf_model, qtype_name: str, tie: bool = False) -> dict[str, np.ndarray]:
     """Write the weights of a tiny Llama HF model to GGUF with matrices in ``qtype_name``.
 
@@ -133,6 +151,7 @@ def write_tiny_gguf(path: Path, hf_model, qtype_name: str, tie: bool = False) ->
         for k, v in per_layer.items():
             names[f"model.layers.{i}.{k}"] = f"blk.{i}.{v}"
     decoded = {}
+    rng = np.random.default_rng(0)
     for hf_name, arr in sd.items():
         if hf_name == "lm_head.weight" and tie:
             continue
@@ -145,7 +164,10 @@ def write_tiny_gguf(path: Path, hf_model, qtype_name: str, tie: bool = False) ->
             w.add_tensor(name, arr.astype(np.float32))
             decoded[hf_name] = sd[hf_name]
             continue
-        data = quants.quantize(arr, qtype) if qtype != Q.F32 else arr.astype(np.float32)
+        if qtype_name in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize these: random valid blocks
+            data = random_kquant_blocks(arr.shape, qtype_name, rng)
+        else:
+            data = quants.quantize(arr, qtype) if qtype != Q.F32 else arr.astype(np.float32)
         w.add_tensor(name, data, raw_dtype=qtype)
         deq = quants.dequantize(data, qtype).reshape(arr.shape) if qtype != Q.F32 else arr
         # undo the permute on the decoded copy with an inverse written independently of the loader

@@ -24,6 +24,48 @@ def test_dequantize_matches_gguf_py(name):
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(ref)).float())
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_kquant_dequantize_matches_gguf_py(name):
+    """gguf-py cannot write k-quants, but it decodes them: random valid super-blocks, bitwise."""
+    from helpers import random_kquant_blocks
+
+    qt = gguf.GGMLQuantizationType[name]
+    raw = random_kquant_blocks((6, 512), name, np.random.default_rng(1))
+    ref = gguf.quants.dequantize(raw, qt).reshape(6, 512)
+    got = dequantize(raw, int(qt), (6, 512))
+    assert got.abs().max() > 0 and torch.equal(got, torch.from_numpy(np.ascontiguousarray(ref)).float())
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_kquant_model_matches_reference_packed_and_dense(name, tmp_path):
+    """A tiny Llama (width 256) whose matrices are k-quant super-blocks: logprobe, packed or
+    dense, against the same architecture holding gguf-py's decoded weights in float64."""
+    from helpers import make_hf_dir
+
+    from logprobe.layers.quant_linear import GGUFLinear
+    from logprobe.loading.loader import load_model
+
+    (tmp_path / "src").mkdir()
+    src = make_hf_dir(tmp_path / "src", "llama256", seed=5)
+    path = tmp_path / f"tiny-{name}.gguf"
+    decoded = write_tiny_gguf(path, src, name)
+    ref = type(src)(src.config).double().eval()
+    ref.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)).double() for k, v in decoded.items()})
+    ids = list(range(2, 120, 3))
+    lp = ref_logprobs(ref, ids)
+    tgt = lp[3:-1].gather(1, torch.tensor(ids[4:])[:, None])[:, 0]
+    outs = []
+    for weights in ("packed", "dense"):
+        loaded = load_model(str(path), "cpu", "float32", weights=weights)
+        if weights == "packed":
+            assert isinstance(loaded.model.layers[0].mlp.down_proj, GGUFLinear)
+            assert loaded.model.layers[0].mlp.down_proj.in_features == 512
+        s = Scorer(loaded, progress=False)
+        outs.append(s.logprobs([{"prompt_token_ids": ids[:4], "completion_token_ids": ids[4:]}])[0].logprobs)
+    assert (outs[0].double() - tgt).abs().max() < 1e-4
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf-src")

@@ -3,7 +3,8 @@
 Same interface as ``layers.linear.Linear`` (``forward(x [T, in]) -> [T, out]``, ``row_tile``), so
 the model never knows the weight format. Formats:
 
-* ``GGUFLinear``: GGUF Q8_0 / Q4_0 / Q4_1 blocks of 32 (``loading.gguf_quants``).
+* ``GGUFLinear``: GGUF Q8_0 / Q4_0 / Q4_1 blocks of 32 and Q4_K / Q6_K super-blocks of 256
+  (``loading.gguf_quants``).
 * ``CTLinear``: compressed-tensors integer weights (llm-compressor's checkpoints): ``pack-quantized``
   int4 or int8 codes in int32 words (W4A16, W8A16) and ``naive-quantized`` int8, with per-group
   (e.g. 128) or per-channel scales, symmetric or with a zero point:  w = (q - zp) * scale.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..loading.gguf_quants import dequantize_blocks
+from ..loading.gguf_quants import block_values, dequantize_blocks
 from .linear import Linear, tiled_linear
 
 
@@ -98,14 +99,15 @@ class _PackedLinearMixin(PackedWeight):
 
 
 class GGUFLinear(_PackedLinearMixin, Linear):
-    """A GGUF Q8_0 / Q4_0 / Q4_1 matrix: buffers ``d`` [out, nb] f16, ``m`` (Q4_1), ``qs`` codes."""
+    """A GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix: buffers ``d`` [out, nb] f16, ``m`` (Q4_1's
+    minimum, Q4_K's dmin), ``qs`` codes (the rest of each k-quant super-block)."""
 
     def __init__(self, qtype: str, d: torch.Tensor, qs: torch.Tensor, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
         nn.Module.__init__(self)
         self.qtype = qtype
         self.out_features, nb = d.shape
-        self.in_features = nb * 32
+        self.in_features = nb * block_values(qtype)
         self.row_tile = row_tile
         self.register_buffer("d", d)
         self.register_buffer("qs", qs)

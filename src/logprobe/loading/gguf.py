@@ -90,7 +90,7 @@ def rope_interleaved(arch: str) -> bool:
 def gguf_tensors(reader, arch: str, cfg: LlamaConfig, packed: bool = False):
     """Yield (module parameter name, float32 tensor); 'rope_freqs' is yielded as is.
 
-    ``packed``: quantized matrices (Q8_0/Q4_0/Q4_1) come as ``GGUFLinear`` modules holding the
+    ``packed``: quantized matrices (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K) come as ``GGUFLinear`` modules holding the
     blocks instead of float32 tensors (see ``layers.quant_linear``).
 
     q/k rows stay as stored: llama.cpp writes `llama` files already in the interleaved RoPE
@@ -99,7 +99,7 @@ def gguf_tensors(reader, arch: str, cfg: LlamaConfig, packed: bool = False):
         type_id = int(t.tensor_type)
         if type_id not in GGML_TYPES:
             raise LogprobeError("model", f"tensor {t.name} has GGUF type {t.tensor_type.name}, which logprobe "
-                                "does not read", "use a file with F32, F16, BF16, Q8_0, Q4_0 or Q4_1 tensors")
+                                "does not read", "use a file with F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K tensors")
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists the innermost dim first
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         if t.name == "rope_freqs.weight":
