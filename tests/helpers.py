@@ -183,3 +183,17 @@ def write_tiny_gguf(path: Path, hf_model, qtype_name: str, tie: bool = False) ->
     w.write_tensors_to_file()
     w.close()
     return decoded
+
+
+def run_interpreted(code: str):
+    """Run ``code`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` is read
+    when kernels are defined, so it cannot be switched on in this process), with tests/ importable.
+    Returns the ``subprocess.CompletedProcess`` (stdout/stderr as text)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + sys.path))
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                          env=env, timeout=600)

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from helpers import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -61,10 +59,7 @@ def test_interpreter_elementwise_kernels():
         from test_elementwise_kernels import check_all
         print(json.dumps(check_all("cpu", ["float32", "float16"], 9, 40, 3, 12)))
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = run_interpreted(code)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     # float32: the reference to a few ulps; float16: one rounding of the output (2^-11 relative)

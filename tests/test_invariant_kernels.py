@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from helpers import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -64,10 +62,7 @@ def test_interpreter_invariant_kernels():
         cfg = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
         print(json.dumps(check_all("cpu", ["float32", "float16"], 13, 45, 40, 37, 48, cfg)))
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = run_interpreted(code)
     if r.returncode != 0 and "only 0-dimensional arrays" in r.stderr:
         pytest.skip("this Triton's interpreter cannot run the kernel (seen with 3.6)")
     assert r.returncode == 0, r.stderr[-3000:]

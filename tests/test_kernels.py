@@ -11,13 +11,11 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from helpers import run_interpreted
 
 from logprobe.errors import LogprobeError
 from logprobe.kernels.logprob_head import MAX_TOP_K, KernelConfig, fused_logprob_head
@@ -90,10 +88,7 @@ def test_interpreter_matches_torch_head():
         res["float32-flatten"] = compare(*case, top_k=0, entropy=True, config=flat)
         print(json.dumps(res))
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = run_interpreted(code)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from helpers import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -74,10 +72,7 @@ def test_interpreter_matches_reference():
                 res[f"{dtype}-{M}-{group}-{asym}"] = [float((y.float() - ref).abs().max()), float(ref.abs().max())]
         print(json.dumps({"matmul": res, "expand": expand}))
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = run_interpreted(code)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["expand"] == {k: True for k in out["expand"]} and len(out["expand"]) == 6, out["expand"]

@@ -8,6 +8,17 @@ import json
 import time
 
 
+def add_window_args(p: argparse.ArgumentParser, policy_help: str, max_tokens_help: str) -> None:
+    """The text and window options shared by ``perplexity`` and ``compare``."""
+    p.add_argument("--text-file", required=True, metavar="FILE", help="UTF-8 text file; - reads stdin")
+    p.add_argument("--context-length", type=int, default=None, metavar="N",
+                   help="tokens per window (default: min(2048, the model's context))")
+    p.add_argument("--stride", type=int, default=None, metavar="N",
+                   help="sliding policy: tokens between window starts (default: context length / 4)")
+    p.add_argument("--policy", choices=["sliding", "llama.cpp", "rolling"], default="sliding", help=policy_help)
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help=max_tokens_help)
+
+
 def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "compare", parents=[common], help="quantization quality: --model (Q) against --reference (R) on one text",
@@ -17,14 +28,7 @@ def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
         epilog="Both models must share a tokenizer and vocabulary (e.g. two quantizations of one model).")
     p.add_argument("--reference", required=True, metavar="R",
                    help="the reference model: a known name, a .gguf file or a Hugging Face directory")
-    p.add_argument("--text-file", required=True, metavar="FILE", help="UTF-8 text file; - reads stdin")
-    p.add_argument("--context-length", type=int, default=None, metavar="N",
-                   help="tokens per window (default: min(2048, the model's context))")
-    p.add_argument("--stride", type=int, default=None, metavar="N",
-                   help="sliding policy: tokens between window starts (default: context length / 4)")
-    p.add_argument("--policy", choices=["sliding", "llama.cpp", "rolling"], default="sliding",
-                   help="window policy, as for `perplexity` (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="compare only the first N tokens")
+    add_window_args(p, "window policy, as for `perplexity` (default: %(default)s)", "compare only the first N tokens")
     p.add_argument("--no-prefix", action="store_true", help="do not put BOS before the text")
     p.add_argument("--weights", choices=["packed", "dense"], default="packed",
                    help="quantized weights of both models: packed in memory, expanded per layer inside the "

@@ -27,6 +27,7 @@ from ..config import EngineConfig
 from ..errors import LogprobeError
 from ..loading import LoadedModel, load_model
 from ..scorer import Scorer
+from .compare import add_window_args
 
 PROG = "logprobe"
 BLOCK_LINES = 64  # logprobs: input lines scored per engine run, so results reach the file incrementally
@@ -107,15 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                "(Hugging Face guide); 'rolling' is lm-eval's loglikelihood_rolling (disjoint windows, each with a "
                "full context; lm-eval's max_length L = --context-length L-1); 'llama.cpp' scores the second half of non-overlapping "
                "chunks, like llama-perplexity.")
-    p.add_argument("--text-file", required=True, metavar="FILE", help="UTF-8 text file; - reads stdin")
-    p.add_argument("--context-length", type=int, default=None, metavar="N",
-                   help="tokens per window (default: min(2048, the model's context))")
-    p.add_argument("--stride", type=int, default=None, metavar="N",
-                   help="sliding policy: tokens between window starts (default: context length / 4)")
-    p.add_argument("--policy", choices=["sliding", "llama.cpp", "rolling"], default="sliding",
-                   help="window policy (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="score only the first N tokens (word/byte perplexity are then not reported)")
+    add_window_args(p, "window policy (default: %(default)s)",
+                    "score only the first N tokens (word/byte perplexity are then not reported)")
     p.add_argument("--no-prefix", action="store_true",
                    help="do not put BOS before the text (by default the sliding policy does, so the first "
                         "token is scored too)")
