@@ -36,6 +36,11 @@ def test_kquant_dequantize_matches_gguf_py(name):
     assert got.abs().max() > 0 and torch.equal(got, torch.from_numpy(np.ascontiguousarray(ref)).float())
 
 
+def test_kquant_rows_must_hold_whole_super_blocks():
+    with pytest.raises(LogprobeError, match="multiple of its block of 256"):
+        dequantize(np.zeros((2, 144), np.uint8), int(gguf.GGMLQuantizationType.Q4_K), (1, 288))
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_kquant_model_matches_reference_packed_and_dense(name, tmp_path):
     """A tiny Llama (width 256) whose matrices are k-quant super-blocks: logprobe, packed or

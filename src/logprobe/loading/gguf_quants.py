@@ -49,6 +49,11 @@ def split_blocks(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> dict[
     name, block_bytes = GGML_TYPES[type_id]
     rows, cols = (int(np.prod(shape[:-1])), int(shape[-1]))
     data = torch.from_numpy(np.array(raw, copy=True)).view(torch.uint8)
+    if cols % block_values(name):
+        from ..errors import LogprobeError
+
+        raise LogprobeError("model", f"a {name} tensor of shape {tuple(shape)} has rows of {cols} weights, not a "
+                            f"multiple of its block of {block_values(name)}: the file is damaged")
     blocks = data.reshape(rows, cols // block_values(name), block_bytes)  # [rows, nb, bytes]
     if name == "Q6_K":  # d comes last in this block
         return {"d": blocks[..., 208:210].contiguous().view(torch.float16)[..., 0],
