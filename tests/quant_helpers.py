@@ -127,3 +127,40 @@ def requantize_gguf(src: Path, dst: Path, matrix_type: str, embedding_type: str 
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def copy_gguf(src: Path, dst: Path, set_kv: dict | None = None, add_tensors: dict | None = None) -> Path:
+    """Copy a GGUF file with metadata keys added or replaced (``{"llama.expert_count": 8}``: the value
+    type follows the Python type: str, bool, int -> uint32, float -> float32) and extra float32 tensors
+    (``{"blk.0.ffn_gate_inp.weight": array}``). Tensors are copied as stored (same type, same bytes)."""
+    import gguf
+    import numpy as np
+
+    set_kv = dict(set_kv or {})
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in set_kv:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    V = gguf.GGUFValueType
+    for key, value in set_kv.items():
+        vtype = V.STRING if isinstance(value, str) else V.BOOL if isinstance(value, bool) else \
+            V.UINT32 if isinstance(value, int) else V.FLOAT32
+        writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(shape))
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, arr in (add_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(arr, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -8,8 +8,16 @@ config.json carries ``quantization_config`` with ``quant_method: compressed-tens
     naive-quantized: <m>.weight int8 [out, in], <m>.weight_scale [out, G] (+ weight_zero_point)
 
 with G = ceil(in / group_size) for the "group" strategy and 1 for "channel". Supported: int4/int8
-weights with float activations (W4A16, W4A16_ASYM, W8A16); activation quantization (W8A8,
-FP8, NVFP4) is refused with a clear error.
+weights with float activations (W4A16, W4A16_ASYM, W8A16), stored compressed
+(``quantization_status: compressed``), or already dequantized (``decompressed``: float weights,
+which compressed-tensors itself then uses as they are).
+
+Everything else is refused with an error naming the module, the scheme and what logprobe reads:
+activation quantization (W8A8, FP8, NVFP4), float weights, unknown formats, strategies, tensor
+suffixes and dtypes, KV-cache / attention quantization, transforms, sparsity, and float weights
+whose status says they are not yet quantized. A scheme logprobe does not run is never loaded
+"plainly": that computes a different function with no error (an FP8 weight read without its
+scale is off by about a nat per token).
 """
 
 from __future__ import annotations
@@ -22,62 +30,286 @@ import torch
 from ..errors import LogprobeError
 from ..models.llama import LlamaConfig
 
-_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
-_AUX = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # the layouts logprobe reads
+# every compressed-tensors CompressionFormat (0.20): a value outside this list is unknown
+_KNOWN_FORMATS = ("dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized",
+                  "naive-quantized", "pack-quantized", "marlin-24", "mixed-precision", "nvfp4-pack-quantized",
+                  "mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized")
+_TOP_KEYS = {"config_groups", "quant_method", "kv_cache_scheme", "format", "quantization_status",
+             "global_compression_ratio", "ignore", "moe_sparsity_config", "sparsity_config", "transform_config",
+             "version"}
+_SCHEME_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
+_ARGS_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
+              "scale_dtype", "zp_dtype", "observer", "observer_kwargs"}
+_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LINEAR_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+_PLAIN_LEAVES = {"weight", "bias", "inv_freq"}
+
+SUPPORTED = ("logprobe runs compressed-tensors int4/int8 weight-only schemes (W4A16, W4A16_ASYM, W8A16: "
+             "int weights with group or channel scales, stored pack-quantized or naive-quantized, activations "
+             "in float); for anything else score the unquantized model")
 
 
-def _scheme_for(module: str, groups: dict) -> dict:
-    """The config group whose targets match a module name ("Linear", "re:<regex>" or a name)."""
-    for g in groups.values():
-        for t in g.get("targets") or []:
-            if t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)) or module.endswith(t):
-                return g
-    raise LogprobeError("quantization_config", f"no config group targets the quantized module {module!r}")
+def _refuse(problem: str, fix: str = SUPPORTED):
+    raise LogprobeError("quantization_config", problem, fix)
 
 
-def _check_scheme(scheme: dict, fmt: str, module: str) -> dict:
-    w = scheme.get("weights") or {}
+# -- the config -----------------------------------------------------------------------------------------
+
+
+def _args_text(a: dict) -> str:
+    """QuantizationArgs in words: 'float8 dynamic per-token', 'int4 per-group 128'."""
+    kind = f"{a.get('type', 'int')}{a.get('num_bits', 8)}"
+    if a.get("dynamic"):
+        kind += f" dynamic{'' if a['dynamic'] is True else ' ' + str(a['dynamic'])}"
+    strategy = a.get("strategy")
+    if strategy:
+        kind += f" per-{strategy}"
+    if a.get("group_size"):
+        kind += f" {a['group_size']}"
+    if a.get("block_structure"):
+        kind += f" blocks {a['block_structure']}"
+    return kind
+
+
+def describe(scheme: dict, fmt: str | None) -> str:
+    """A scheme in words, e.g. "format 'float-quantized', weights float8 per-channel, input activations
+    float8 dynamic per-token"."""
+    parts = [f"format {fmt!r}"]
+    for key, label in (("weights", "weights"), ("input_activations", "input activations"),
+                       ("output_activations", "output activations")):
+        if isinstance(scheme.get(key), dict):
+            parts.append(f"{label} {_args_text(scheme[key])}")
+    return ", ".join(parts)
+
+
+def check_config(qcfg: dict) -> None:
+    """Refuse a quantization_config whose top level asks for something logprobe does not run."""
+    if not isinstance(qcfg, dict):
+        _refuse(f"must be a JSON object, got {type(qcfg).__name__}")
+    method = qcfg.get("quant_method")
+    if method != "compressed-tensors":
+        _refuse(f"quant_method {method!r} is not supported",
+                "logprobe reads compressed-tensors checkpoints (llm-compressor), GGUF files, or unquantized "
+                "safetensors; dequantize the model or score the unquantized original")
+    unknown = sorted(set(qcfg) - _TOP_KEYS)
+    if unknown:
+        _refuse(f"compressed-tensors keys {unknown} are not known to logprobe, which cannot tell whether they "
+                "change the model's function")
+    status = qcfg.get("quantization_status")
+    if status not in ("compressed", "decompressed"):
+        _refuse(f"quantization_status {status!r}: the stored weights are not compressed (nor stated to be "
+                "already dequantized), so compressed-tensors would still quantize them in every forward pass; "
+                "loading them as they are would score a different model",
+                "save the model compressed (llm-compressor save_compressed=True, quantization_status "
+                "'compressed')")
+    top = qcfg.get("format")
+    if top is not None and top not in _KNOWN_FORMATS:
+        _refuse(f"format {top!r} is not a compressed-tensors format logprobe knows")
+    if qcfg.get("kv_cache_scheme") is not None:
+        _refuse(f"kv_cache_scheme {qcfg['kv_cache_scheme']!r} quantizes the KV cache, which logprobe does not run")
+    if qcfg.get("transform_config"):
+        _refuse("transform_config applies online transforms (rotations) that logprobe does not run")
+    sparsity = qcfg.get("sparsity_config")
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        fmt = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
+        _refuse(f"sparsity_config with format {fmt!r} stores weights in a sparse layout logprobe does not read")
+    if qcfg.get("moe_sparsity_config"):
+        _refuse("moe_sparsity_config is not run by logprobe")
+    groups = qcfg.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        _refuse("config_groups is empty or missing: no scheme says how the weights are stored")
+    for name, g in groups.items():
+        if not isinstance(g, dict) or not isinstance(g.get("targets"), list):
+            _refuse(f"config group {name!r} is not a scheme with a list of targets")
+        unknown = sorted(set(g) - _SCHEME_KEYS)
+        if unknown:
+            _refuse(f"config group {name!r} has keys {unknown} that logprobe does not know")
+        fmt = g.get("format")
+        if fmt is not None and fmt not in _KNOWN_FORMATS:
+            _refuse(f"config group {name!r} has format {fmt!r}, which is not a compressed-tensors format "
+                    "logprobe knows")
+        for t in g["targets"]:
+            if not isinstance(t, str):
+                _refuse(f"config group {name!r} has a target {t!r} that is not a string")
+            if _targets_attention(t):
+                _refuse(f"config group {name!r} targets attention modules ({t!r}): attention / KV-cache "
+                        f"quantization ({describe(g, fmt or top)}) is not run by logprobe")
+    if not isinstance(qcfg.get("ignore") or [], list):
+        _refuse(f"ignore must be a list of module names or patterns, got {qcfg['ignore']!r}")
+
+
+def _match_name(name: str, target: str) -> bool:
+    """compressed-tensors' ``match_name``: "re:<regex>" (re.match) or the exact module name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def _classes(module: str) -> tuple[str, ...]:
+    """The torch classes (MRO names that matter) of a module of the native Llama family."""
+    leaf = module.rpartition(".")[2]
+    if leaf in _LINEAR_LEAVES or module == "lm_head":
+        return ("Linear", "Module")
+    if leaf == "embed_tokens":
+        return ("Embedding", "Module")
+    return ("Module",)
+
+
+def _targets_attention(target: str) -> bool:
+    """Whether a target selects attention modules themselves (compressed-tensors then quantizes the
+    attention / KV cache): a class name like LlamaAttention, or a name that matches ``self_attn``
+    but not its projections."""
+    if not target.startswith("re:") and "." not in target and target.endswith("Attention"):
+        return True
+    attn = "model.layers.0.self_attn"
+    return _match_name(attn, target) and not _match_name("model.layers.0", target) \
+        and not any(_match_name(f"{attn}.{p}", target) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def _ignored(module: str, ignore: list[str]) -> bool:
+    return any(_match_name(module, t) or t in _classes(module) for t in ignore)
+
+
+def scheme_for(module: str, groups: dict, ignore: list[str]) -> tuple[str, dict] | None:
+    """(group name, scheme) that compressed-tensors applies to a module, or None (not quantized).
+
+    As ``apply_quantization_config`` decides: only Linear and Embedding modules are quantized; a
+    module is skipped if an ``ignore`` entry matches its name or class; of the targets matching it,
+    exact names come first, then regexes, then class names (each alphabetical); a target named by
+    several groups belongs to the last of them."""
+    classes = _classes(module)
+    if "Linear" not in classes and "Embedding" not in classes:
+        return None
+    owner: dict[str, tuple[str, dict]] = {}
+    for gname, g in groups.items():
+        for t in g["targets"]:
+            owner[t] = (gname, g)
+    if _ignored(module, ignore):
+        return None
+    targets = sorted(owner, key=lambda x: ("re:" in x, x))
+    matched = [t for t in targets if _match_name(module, t)] + [t for t in targets if t in classes]
+    return owner[matched[0]] if matched else None
+
+
+def _check_scheme(module: str, gname: str, scheme: dict, fmt: str | None) -> dict | None:
+    """The weights' QuantizationArgs, if logprobe runs this scheme exactly; else a LogprobeError."""
+    where = f"{module} (config group {gname!r}: {describe(scheme, fmt)})"
     if scheme.get("input_activations") is not None:
-        raise LogprobeError("quantization_config", f"{module} quantizes activations too (e.g. W8A8/FP8), "
-                            "which logprobe does not run", "use a weight-only scheme: W4A16, W4A16_ASYM or W8A16")
-    if fmt not in _FORMATS or w.get("type", "int") != "int" or int(w.get("num_bits", 0)) not in (4, 8):
-        raise LogprobeError("quantization_config", f"{module}: format {fmt!r} with {w.get('num_bits')}-bit "
-                            f"{w.get('type')} weights is not supported",
-                            "logprobe reads int4/int8 pack-quantized or int8 naive-quantized weights")
+        _refuse(f"{where} quantizes its input activations (W8A8/FP8/NVFP4-style), which logprobe does not "
+                "run: its weights alone compute a different function")
+    if scheme.get("output_activations") is not None:
+        _refuse(f"{where} quantizes its output activations, which logprobe does not run")
+    w = scheme.get("weights")
+    if w is None:
+        return None
+    if not isinstance(w, dict):
+        _refuse(f"{where}: weights must be an object, got {w!r}")
+    unknown = sorted(set(w) - _ARGS_KEYS)
+    if unknown:
+        _refuse(f"{where}: weight options {unknown} are not known to logprobe")
+    if w.get("type", "int") != "int":
+        _refuse(f"{where}: {w.get('type')} weights are not supported (only integer codes times a float scale)")
+    if w.get("num_bits", 8) not in (4, 8):
+        _refuse(f"{where}: {w.get('num_bits')}-bit weights are not supported")
+    if fmt is None:
+        _refuse(f"{where}: neither the group nor the config names a format, so the stored layout is unknown")
+    if fmt not in _FORMATS:
+        _refuse(f"{where}: format {fmt!r} is not a layout logprobe reads")
     if w.get("strategy") not in ("group", "channel"):
-        raise LogprobeError("quantization_config", f"{module}: strategy {w.get('strategy')!r} is not supported",
-                            "use group or channel scales")
-    if w.get("actorder") not in (None, "weight", "static"):  # "group" order needs g_idx
-        raise LogprobeError("quantization_config", f"{module}: actorder {w.get('actorder')!r} is not supported")
+        _refuse(f"{where}: weight strategy {w.get('strategy')!r} is not supported", "use group or channel scales")
+    if w.get("strategy") == "group" and (not isinstance(w.get("group_size"), int) or w["group_size"] < 1):
+        _refuse(f"{where}: group strategy with group_size {w.get('group_size')!r}")
+    if w.get("dynamic", False) is not False:
+        _refuse(f"{where}: dynamic weight scales ({w.get('dynamic')!r}) are not supported")
+    if w.get("block_structure") is not None:
+        _refuse(f"{where}: block_structure {w['block_structure']!r} is not supported")
+    if w.get("actorder") not in (None, "weight", "static"):  # "group"/"dynamic" reorder groups: g_idx
+        _refuse(f"{where}: actorder {w.get('actorder')!r} is not supported",
+                "use actorder 'weight' (or none), which keeps groups contiguous")
+    if not isinstance(w.get("symmetric", True), bool):
+        _refuse(f"{where}: symmetric must be true or false, got {w.get('symmetric')!r}")
     return w
 
 
-def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str):
-    """One module's stored tensors -> a ``CTLinear``."""
+# -- the tensors ------------------------------------------------------------------------------------------
+
+
+def _check_dtype(module: str, leaf: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        _refuse(f"{module}.{leaf} is {str(t.dtype).removeprefix('torch.')}, but the {what} logprobe reads "
+                f"holds {names}")
+
+
+def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str, gname: str = "?"):
+    """One module's stored tensors (leaf -> tensor, bias excluded) -> a ``CTLinear``; anything in them
+    that the scheme's layout does not define, or defines differently, is refused."""
     from ..layers.quant_linear import CTLinear, unpack_int32
 
-    w = _check_scheme(scheme, fmt, module)
-    bits = int(w["num_bits"])
+    w = _check_scheme(module, gname, scheme, fmt)
+    if w is None:
+        _refuse(f"{module} holds quantized tensors but config group {gname!r} has no weight scheme")
+    where = f"{module} ({describe(scheme, fmt)})"
+    bits = int(w.get("num_bits", 8))
+    codes = "weight_packed" if fmt == "pack-quantized" else "weight"
+    layout = {codes, "weight_scale"} | ({"weight_shape"} if fmt == "pack-quantized" else set())
+    optional = {"weight_zero_point", "weight_g_idx"}
+    extra = sorted(set(t) - layout - optional)
+    if extra:
+        _refuse(f"{where} stores {', '.join(module + '.' + x for x in extra)}, which the {fmt} layout logprobe "
+                f"reads ({', '.join(sorted(layout | optional))}) does not have: it would be ignored, and the "
+                "model would compute something else")
+    missing = sorted(layout - set(t))
+    if missing:
+        _refuse(f"{where} lacks {', '.join(module + '.' + x for x in missing)}")
     scale = t["weight_scale"]
+    _check_dtype(module, "weight_scale", scale, _SCALE_DTYPES, f"{fmt} scale")
     if fmt == "pack-quantized":
         qweight = t["weight_packed"]
-        out, cols = (int(x) for x in t["weight_shape"].tolist())
+        _check_dtype(module, "weight_packed", qweight, (torch.int32,), f"{fmt} weight")
+        shape = t["weight_shape"]
+        if shape.is_floating_point() or shape.numel() != 2 or qweight.ndim != 2:
+            _refuse(f"{where}: weight_shape {shape.tolist()} / weight_packed {tuple(qweight.shape)} is not a "
+                    "2-D weight")
+        out, cols = (int(x) for x in shape.tolist())
+        if out != qweight.shape[0] or qweight.shape[1] != -(-cols * bits // 32):
+            _refuse(f"{where}: weight_packed {tuple(qweight.shape)} does not hold a [{out}, {cols}] {bits}-bit "
+                    "weight")
     else:
-        qweight = t["weight"].to(torch.int8)
+        qweight = t["weight"]
+        _check_dtype(module, "weight", qweight, (torch.int8,), f"{fmt} {bits}-bit weight")
+        if qweight.ndim != 2:
+            _refuse(f"{where}: weight of shape {tuple(qweight.shape)} is not 2-D")
         out, cols = qweight.shape
     if scale.ndim == 1:
         scale = scale[:, None]  # [out] -> [out, 1]
     group = int(w["group_size"]) if w["strategy"] == "group" else cols
-    zp = None
-    if not w.get("symmetric", True):
-        zp = t.get("weight_zero_point")
-        if zp is None:
-            raise LogprobeError("model", f"{module} is asymmetric but has no weight_zero_point")
+    if "weight_g_idx" in t:  # only the trivial order (group k // group_size) is what CTLinear computes
+        g_idx = t["weight_g_idx"]
+        if g_idx.is_floating_point() or not torch.equal(g_idx.long().flatten(), torch.arange(cols) // group):
+            _refuse(f"{where}: {module}.weight_g_idx reorders columns into groups (activation ordering), which "
+                    "logprobe does not run", "quantize with actorder 'weight' or none")
+    zp = t.get("weight_zero_point")
+    if zp is not None:
+        if zp.is_floating_point():
+            if not torch.equal(zp, zp.round()):
+                _refuse(f"{where}: {module}.weight_zero_point holds non-integer values")
+            zp = zp.to(torch.int16)  # unpacked codes (never the packed int32 layout)
         if zp.ndim == 1:
             zp = zp[:, None]
         if fmt == "pack-quantized" and zp.dtype == torch.int32:
             zp = unpack_int32(zp.T.contiguous(), bits, out).T  # packed along the output dim
+        if zp.is_floating_point() or zp.dtype == torch.bool or tuple(zp.shape) != tuple(scale.shape):
+            _refuse(f"{where}: {module}.weight_zero_point ({str(zp.dtype).removeprefix('torch.')}, "
+                    f"{tuple(zp.shape)}) does not match its scales {tuple(scale.shape)}")
         zp = zp.to(torch.int8).contiguous()  # [out, G]
+    if w.get("symmetric", True):
+        if zp is not None and bool(zp.any()):
+            _refuse(f"{where} is symmetric but stores a non-zero {module}.weight_zero_point")
+        zp = None
+    elif zp is None:
+        _refuse(f"{where} is asymmetric but has no {module}.weight_zero_point")
     return CTLinear(qweight.contiguous(), scale.contiguous(), zp, bits, group, cols)
 
 
@@ -85,36 +317,64 @@ def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
     """Yield (parameter name, tensor or CTLinear) for a compressed-tensors checkpoint."""
     from safetensors import safe_open
 
-    from .hf import hf_param_name, safetensors_files
+    from .hf import check_plain_dtype, hf_param_name, safetensors_files
 
-    method = qcfg.get("quant_method")
-    if method != "compressed-tensors":
-        raise LogprobeError("quantization_config", f"quant_method {method!r} is not supported",
-                            "logprobe reads compressed-tensors checkpoints (llm-compressor), GGUF files, "
-                            "or unquantized safetensors")
-    groups = qcfg.get("config_groups") or {}
-    top_format = qcfg.get("format")
-    tensors: dict[str, torch.Tensor] = {}
+    check_config(qcfg)
+    groups, ignore = qcfg["config_groups"], qcfg.get("ignore") or []
+    top_format, status = qcfg.get("format"), qcfg["quantization_status"]
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    files: dict[str, str] = {}
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                tensors[key] = st.get_tensor(key)
-    quantized = {k.rpartition(".")[0] for k in tensors if k.endswith(".weight_scale")}
-    for key, value in tensors.items():
-        module, _, leaf = key.rpartition(".")
-        if module in quantized:
-            if leaf in _AUX or leaf.startswith("input_") or leaf.startswith("output_"):
-                continue
-            if leaf in ("weight_packed", "weight") and (leaf == "weight_packed" or not value.is_floating_point()):
-                scheme = _scheme_for(module, groups)
-                layer = ct_layer(module, {k.rpartition(".")[2]: v for k, v in tensors.items()
-                                          if k.rpartition(".")[0] == module}, scheme,
-                                 scheme.get("format") or top_format)
-                name = hf_param_name(module + ".weight", cfg, path.name)
+                module, _, leaf = key.rpartition(".")
+                modules.setdefault(module, {})[leaf] = st.get_tensor(key)
+                files[key] = f.name
+    for module, t in modules.items():
+        found = scheme_for(module, groups, ignore)
+        w = None
+        if found is not None:
+            gname, scheme = found
+            fmt = scheme.get("format") or top_format
+            w = _check_scheme(module, gname, scheme, fmt)
+        if w is None:  # not quantized: plain float tensors only
+            odd = sorted(set(t) - _PLAIN_LEAVES)
+            if odd:
+                if found is not None:
+                    why = f"config group {found[0]!r} has no weight scheme"
+                elif "Linear" not in _classes(module) and "Embedding" not in _classes(module):
+                    why = "it is not a Linear or Embedding module"
+                elif _ignored(module, ignore):
+                    why = "it is in the ignore list"
+                else:
+                    why = "no config group targets it"
+                _refuse(f"{module} stores {', '.join(module + '.' + x for x in odd)}, but the quantization config "
+                        f"does not quantize {module} ({why}): logprobe will not guess what these tensors do")
+            for leaf, value in t.items():
+                key = f"{module}.{leaf}" if module else leaf
+                name = hf_param_name(key, cfg, files[key])
                 if name is not None:
-                    yield name, (layer if packed else layer.dense())
-                continue
-            # a float weight beside its scales: already dequantized ("frozen"), load it as it is
-        name = hf_param_name(key, cfg, path.name)
+                    check_plain_dtype(key, value, files[key])
+                    yield name, value
+            continue
+        bias = t.get("bias")
+        if bias is not None:
+            check_plain_dtype(f"{module}.bias", bias, files[f"{module}.bias"])
+        if status == "decompressed":  # float weights already dequantized: compressed-tensors uses them as they are
+            odd = sorted(set(t) - {"weight", "bias", "weight_scale", "weight_zero_point", "weight_g_idx"})
+            if odd or "weight" not in t:
+                _refuse(f"{module} ({describe(scheme, fmt)}) is 'decompressed' but stores "
+                        f"{sorted(t)}, not a float weight beside its quantization parameters")
+            check_plain_dtype(f"{module}.weight", t["weight"], files[f"{module}.weight"])
+            layer = t["weight"]
+        else:
+            layer = ct_layer(module, {k: v for k, v in t.items() if k != "bias"}, scheme, fmt, gname)
+            if not packed:
+                layer = layer.dense()
+        name = hf_param_name(module + ".weight", cfg, files.get(module + ".weight", path.name))
         if name is not None:
-            yield name, value
+            yield name, layer
+        if bias is not None:
+            bname = hf_param_name(module + ".bias", cfg, files[f"{module}.bias"])
+            if bname is not None:
+                yield bname, bias

@@ -50,6 +50,87 @@ def _field(reader, key: str, default=None):
     return value
 
 
+def _int_field(reader, key: str, path: Path, default=None) -> int | None:
+    """An integer hyperparameter; a per-layer array is accepted only when all its entries are equal."""
+    value = _field(reader, key, default)
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise LogprobeError("model", f"{path.name}: {key} differs per layer ({value[:8]}...), which the native "
+                                "model does not have", "this file is not a plain Llama-family model")
+        value = value[0]
+    return None if value is None else int(value)
+
+
+# metadata the native model has no place for: (key under the arch, value that means "not used", what it is).
+# llama.cpp reads these for some architectures; a file that sets them is not the plain model logprobe runs.
+_UNSUPPORTED_KEYS = (
+    ("expert_count", 0, "a mixture of experts"),
+    ("expert_used_count", 0, "a mixture of experts"),
+    ("expert_shared_count", 0, "shared experts"),
+    ("attn_logit_softcapping", 0, "attention logit soft-capping"),
+    ("final_logit_softcapping", 0, "final logit soft-capping"),
+    ("router_logit_softcapping", 0, "router logit soft-capping"),
+    ("logit_scale", 1, "a logit scale"),
+    ("embedding_scale", 1, "an embedding scale"),
+    ("residual_scale", 1, "a residual scale"),
+    ("use_parallel_residual", False, "parallel residual blocks"),
+    ("swin_norm", False, "Swin-style norms"),
+    ("nextn_predict_layers", 0, "multi-token prediction layers"),
+    ("attention.sliding_window", 0, "sliding-window attention"),
+    ("attention.sliding_window_pattern", None, "sliding-window attention"),
+    ("attention.max_alibi_bias", 0, "ALiBi position biases"),
+    ("attention.clamp_kqv", 0, "clamped q/k/v activations"),
+    ("attention.causal", True, "non-causal attention"),
+    ("attention.scale", 0, "a custom attention scale"),
+    ("attention.output_scale", None, "an attention output scale"),
+    ("attention.temperature_scale", None, "attention temperature scaling"),
+    ("attention.q_lora_rank", 0, "low-rank (MLA) attention"),
+    ("attention.kv_lora_rank", 0, "low-rank (MLA) attention"),
+    ("attention.key_length_mla", None, "low-rank (MLA) attention"),
+    ("rope.dimension_sections", None, "multimodal (sectioned) RoPE"),
+    ("rope.freq_base_swa", None, "a second RoPE base for sliding-window layers"),
+    ("rope.scaling.attn_factor", 1, "a RoPE attention factor"),
+    ("rope.scaling.alpha", 0, "NTK-alpha RoPE scaling"),
+)
+
+
+def _check_metadata(reader, arch: str, path: Path, head_dim: int) -> None:
+    """Refuse metadata that changes the model's function but has no place in the native model."""
+    for suffix, unused, what in _UNSUPPORTED_KEYS:
+        key = f"{arch}.{suffix}"
+        value = _field(reader, key)
+        if value is None or value == unused or (isinstance(value, list) and all(v == unused for v in value)):
+            continue
+        raise LogprobeError("model", f"{path.name} sets {key} = {value!r} ({what}), which the native model does not "
+                            "run: ignoring it would give a silently wrong model",
+                            f"logprobe reads plain {', '.join(ARCHES)} GGUF files")
+    for suffix in ("rope.dimension_count", "attention.value_length"):
+        value = _int_field(reader, f"{arch}.{suffix}", path)
+        if value is not None and value != head_dim:
+            raise LogprobeError("model", f"{path.name} sets {arch}.{suffix} = {value}, but the heads are {head_dim} "
+                                "wide: the native model rotates and attends over whole heads",
+                                f"logprobe reads plain {', '.join(ARCHES)} GGUF files")
+
+
+def _rope_scaling(reader, arch: str, path: Path) -> dict | None:
+    """RoPE scaling as llama.cpp reads it: type "none" scales nothing; "linear" (also the default when
+    the type is absent) divides positions by ``rope.scaling.factor`` (or the old ``rope.scale_linear``);
+    any other type (yarn, longrope) is refused."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise LogprobeError("model", f"{path.name} sets {arch}.rope.scaling.type = {kind!r}, which the native model "
+                            "does not run: ignoring it would give a silently wrong model",
+                            "logprobe runs GGUF RoPE scaling types none and linear (and llama3 rope_freqs)")
+    if kind == "none":
+        return None
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+    if factor is None or float(factor) in (0.0, 1.0):  # llama.cpp: 0 means unset
+        return None
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
 def gguf_config(reader, path: Path) -> tuple[str, LlamaConfig]:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHES:
@@ -57,23 +138,29 @@ def gguf_config(reader, path: Path) -> tuple[str, LlamaConfig]:
                             f"logprobe reads GGUF files of {', '.join(ARCHES)}; for other models "
                             "give a Hugging Face directory (transformers backend)")
     names = {t.name for t in reader.tensors}
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    for key in ("embedding_length", "attention.head_count", "feed_forward_length", "block_count",
+                "attention.layer_norm_rms_epsilon"):
+        if _field(reader, f"{arch}.{key}") is None:
+            raise LogprobeError("model", f"{path.name} has no {arch}.{key}", "the file is not a complete "
+                                f"{arch} model")
+    if "token_embd.weight" not in names:
+        raise LogprobeError("model", f"{path.name} has no token_embd.weight tensor")
+    hidden = _int_field(reader, f"{arch}.embedding_length", path)
+    heads = _int_field(reader, f"{arch}.attention.head_count", path)
+    head_dim = _int_field(reader, f"{arch}.attention.key_length", path, hidden // heads)
+    _check_metadata(reader, arch, path, head_dim)
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    rope_scaling = None
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     cfg = LlamaConfig(
         vocab_size=int(embd.shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", path),
+        num_layers=_int_field(reader, f"{arch}.block_count", path),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        num_kv_heads=_int_field(reader, f"{arch}.attention.head_count_kv", path, heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
+        rope_scaling=_rope_scaling(reader, arch, path),
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,

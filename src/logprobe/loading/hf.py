@@ -88,13 +88,63 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+# dtypes a float model holds exactly; anything else (float8, int, bool) is a quantized or foreign tensor
+_EXACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# safetensors dtype codes the transformers backend would cast to float with no scale
+_PACKED_CODES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4")
+
+
+def check_plain_dtype(key: str, value: torch.Tensor, where: str) -> None:
+    """A tensor loaded as a plain float parameter must be a float the model holds exactly: casting
+    float8 codes or integers to the model dtype drops the scale or packing they need."""
+    if value.dtype not in _EXACT_DTYPES:
+        raise LogprobeError("model", f"tensor {key!r} in {where} is {str(value.dtype).removeprefix('torch.')}, "
+                            "and no quantization scheme logprobe reads says how to expand it: casting it to the "
+                            "model dtype would give a silently wrong model",
+                            "give float32/float16/bfloat16 weights, or a checkpoint format logprobe reads "
+                            "(compressed-tensors W4A16/W8A16, GGUF)")
+
+
+def check_quantization(raw: dict, path: Path, native: bool) -> None:
+    """Refuse quantization metadata that the chosen backend would not run exactly.
+
+    Native: only compressed-tensors (checked in detail by ``compressed.ct_tensors``). The
+    transformers backend: none at all, since transformers would dequantize it or run it with its own
+    kernels (GPTQ, AWQ, bitsandbytes, FP8, ...), which is not the checkpoint's exact function."""
+    configs = {"quantization_config": raw.get("quantization_config")}
+    for sub in ("text_config", "llm_config", "language_config"):
+        if isinstance(raw.get(sub), dict) and raw[sub].get("quantization_config") is not None:
+            configs[f"{sub}.quantization_config"] = raw[sub]["quantization_config"]
+    supported = ("logprobe runs compressed-tensors int4/int8 weight-only checkpoints (W4A16, W8A16) of the "
+                 "native Llama family (llama, mistral, qwen2, qwen3) and GGUF files; score the unquantized model "
+                 "otherwise")
+    for field, q in configs.items():
+        if q is None:
+            continue
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        if not native:
+            raise LogprobeError(field, f"{path.name}: quant_method {method!r} on model_type "
+                                f"{raw.get('model_type')!r}, which runs on the transformers backend: transformers "
+                                "would dequantize it or run it with its own kernels, not the checkpoint's exact "
+                                "function", supported)
+        if method != "compressed-tensors":
+            raise LogprobeError(field, f"{path.name}: quant_method {method!r} is not supported", supported)
+    if configs["quantization_config"] is None:
+        for name in ("quantize_config.json", "quant_config.json", "quantization_config.json"):
+            if (path / name).exists():
+                raise LogprobeError("model", f"{path} has {name} (GPTQ/AWQ-style quantization metadata) but no "
+                                    "quantization_config in config.json: its tensors would be misread", supported)
+
+
 def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bool = False):
     """Yield (module parameter name, tensor) from the safetensors files of a native model.
 
     A compressed-tensors checkpoint (``quantization_config.quant_method == "compressed-tensors"``)
-    yields its quantized Linear weights as ``CTLinear`` layers (``packed``) or dequantized."""
+    yields its quantized Linear weights as ``CTLinear`` layers (``packed``) or dequantized. Any other
+    quantization metadata, and any tensor that is not a plain float, is refused."""
     from safetensors import safe_open
 
+    check_quantization(raw or {}, path, native=True)
     qcfg = (raw or {}).get("quantization_config")
     if qcfg is not None:
         from .compressed import ct_tensors
@@ -106,7 +156,9 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
             for key in st.keys():
                 name = hf_param_name(key, cfg, f.name)
                 if name is not None:
-                    yield name, st.get_tensor(key)
+                    value = st.get_tensor(key)
+                    check_plain_dtype(key, value, f.name)
+                    yield name, value
 
 
 def hf_param_name(key: str, cfg: LlamaConfig, where: str) -> str | None:
@@ -138,7 +190,25 @@ def hf_tokenizer(path: Path):
 def load_transformers_model(path: Path, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    check_quantization(read_config(path), path, native=False)
+    _check_transformers_dtypes(path)
     try:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     except (ValueError, KeyError, OSError) as e:
         raise LogprobeError("model", f"transformers cannot load {path} as a causal LM ({e})") from e
+
+
+def _check_transformers_dtypes(path: Path) -> None:
+    """transformers casts float8/fp6/fp4 tensors of an unquantized checkpoint to ``dtype`` with no
+    scale: refuse them (integer buffers such as GPT-2's attention masks are left to transformers)."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                code = st.get_slice(key).get_dtype()
+                if code in _PACKED_CODES:
+                    raise LogprobeError("model", f"tensor {key!r} in {f.name} is {code}, and no quantization "
+                                        "scheme logprobe reads says how to expand it: transformers would cast it "
+                                        "to the model dtype without its scale",
+                                        "give float32/float16/bfloat16 weights")
