@@ -28,10 +28,21 @@ from .interp.specs import (
     request_hooks,
 )
 from .interp.vectors import SteeringVector, check_method, direction_from_states
+from .io.text import check_text
 from .loading import LoadedModel, load_model
 from .scoring.contract import split_continuation
 from .scoring.stats import count_words, mean_and_stderr
 from .scoring.windows import make_windows
+
+MIN_TEMPERATURE = 1e-30  # below it, logits / temperature can overflow float32 (NaN log-probs)
+
+
+def _exp(x: float) -> float:
+    """``math.exp``, but inf (then ``null`` in JSON) where the result exceeds float64, not OverflowError."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(slots=True)
@@ -180,6 +191,7 @@ class Scorer:
             continuations = [continuations]
         if not isinstance(prompt, str):
             raise LogprobeError("prompt", f"must be a string, got {type(prompt).__name__}")
+        check_text(prompt, "prompt")
         if not continuations:
             raise LogprobeError("continuations", "is empty", "give at least one continuation")
         temperature, top_k = self._options(temperature, top_k)
@@ -189,6 +201,7 @@ class Scorer:
         for i, c in enumerate(continuations):
             if not isinstance(c, str):
                 raise LogprobeError("continuations", f"must be strings, got {type(c).__name__}")
+            check_text(c, f"continuations[{i}]")
             ctx, cont = self._split(prompt, c)
             self._check_length(len(ctx) + len(cont), "prompt + continuation")
             st, ca = request_hooks(caps, steers, len(ctx) + len(cont), len(ctx),
@@ -208,6 +221,7 @@ class Scorer:
         for i, pair in enumerate(pairs):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
                 raise LogprobeError(f"pairs[{i}]", "must be a (context, continuation) pair of strings")
+            check_text(pair[0], f"pairs[{i}][0]"), check_text(pair[1], f"pairs[{i}][1]")
             ctx, cont = self._split(pair[0], pair[1])
             self._check_length(len(ctx) + len(cont), f"pairs[{i}]")
             requests.append(ScoreRequest(ctx + cont, len(ctx)))
@@ -287,6 +301,7 @@ class Scorer:
         for i, t in enumerate(texts):
             if not isinstance(t, str) or not t:
                 raise LogprobeError(f"{field}[{i}]", "must be a non-empty string")
+            check_text(t, f"{field}[{i}]")
             ids = self.tokenizer.encode(t)
             if self.tokenizer.add_bos:
                 ids = [self.tokenizer.bos_id] + ids
@@ -369,10 +384,18 @@ class Scorer:
             elif self.tokenizer.add_bos:
                 ids = [self.tokenizer.bos_id] + ids
             off = len(ids) - n_text
+            name = "texts" if len(streams) == 1 and texts and isinstance(texts[0], int) else f"texts[{t}]"
+            if len(ids) < 2:  # a one-token stream predicts nothing
+                raise LogprobeError(name, f"has {n_text} token{'s' * (n_text != 1)}: perplexity needs at least one "
+                                    "scored token (the first token has no context)",
+                                    "give a longer text" + ("" if use_prefix else " or set prefix true"))
             st, ca = request_hooks(caps, steers, n_text, 0, f"texts[{t}]: " if len(streams) > 1 else "",
                                    need_prompt=False, offset=off, exact_sums=self.config.deterministic)
             text_hooks.append((ca, off))
-            windows = make_windows(policy, len(ids), context_length, stride)
+            try:
+                windows = make_windows(policy, len(ids), context_length, stride)
+            except LogprobeError as e:
+                raise (LogprobeError(name, e.problem, e.fix) if e.field == "text" else e) from None
             for wi, w in enumerate(windows):
                 toks = ids[w.begin:w.end]
                 if policy == "llama.cpp" and self.tokenizer.add_bos:
@@ -385,6 +408,9 @@ class Scorer:
                 requests.append(ScoreRequest(toks, w.score_begin - w.begin, steer=w_steer,
                                              capture=tuple(c for c in w_capture if c.positions)))
                 owners.append((t, w_capture))
+        if (scored := sum(r.num_scored for r in requests)) < 2:  # one NLL has no standard error (nan)
+            raise LogprobeError(name if len(streams) == 1 else "texts", f"gives only {scored} scored token: a "
+                                "perplexity and its standard error need at least 2", "give a longer text (or more texts)")
         finish = lambda results: self._perplexity_result(  # noqa: E731
             results, owners, len(streams), raw_texts, policy, context_length, stride, max_tokens, return_token_nlls,
             caps, text_hooks)
@@ -412,15 +438,15 @@ class Scorer:
         mean, se = mean_and_stderr(nlls)
         total = math.fsum(nlls)
         out = PerplexityResult(
-            perplexity=math.exp(mean), perplexity_stderr=math.exp(mean) * se, nll_mean=mean, nll_stderr=se,
+            perplexity=_exp(mean), perplexity_stderr=_exp(mean) * se, nll_mean=mean, nll_stderr=se,
             num_tokens=len(nlls), num_windows=len(results), policy=policy, context_length=context_length,
             stride=stride if policy == "sliding" else None,
             token_nlls=per_text if return_token_nlls else None, captures=captures)
         if raw_texts is not None and max_tokens is None:
             out.num_words = sum(count_words(t) for t in raw_texts)
             out.num_bytes = sum(len(t.encode("utf-8")) for t in raw_texts)
-            out.word_perplexity = math.exp(total / out.num_words)
-            out.byte_perplexity = math.exp(total / out.num_bytes)
+            out.word_perplexity = _exp(total / out.num_words)
+            out.byte_perplexity = _exp(total / out.num_bytes)
             out.bits_per_byte = total / out.num_bytes / math.log(2)
         return out
 
@@ -437,6 +463,7 @@ class Scorer:
             for i, t in enumerate(texts):
                 if not t.strip():
                     raise LogprobeError(f"texts[{i}]", "is empty", "give some text to score")
+                check_text(t, f"texts[{i}]")
             streams = self.tokenizer.encode_batch(list(texts))
             raw = list(texts)
         elif all(isinstance(t, int) for t in texts):
@@ -474,6 +501,9 @@ class Scorer:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not math.isfinite(temperature) or temperature <= 0:
             raise LogprobeError("temperature", f"must be a finite number > 0, got {temperature!r}")
+        if temperature < MIN_TEMPERATURE:  # refused here, before a batch: the head would fail every request in it
+            raise LogprobeError("temperature", f"{temperature!r} is below {MIN_TEMPERATURE:g}: logits / temperature "
+                                "would overflow float32", f"use a temperature >= {MIN_TEMPERATURE:g}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise LogprobeError("top_k", f"must be an integer >= 0, got {top_k!r}")
         return float(temperature), top_k
@@ -490,7 +520,7 @@ class Scorer:
             top = [[(int(i), texts[r * k + c], float(lp)) for c, (i, lp) in enumerate(zip(ids_row, lp_row))]
                    for r, (ids_row, lp_row) in enumerate(zip(res.topk_ids.tolist(), res.topk_logprobs.tolist()))]
         return ContinuationScore(
-            continuation=text, log_prob=total, prob=math.exp(total), perplexity=math.exp(-total / len(ids)),
+            continuation=text, log_prob=total, prob=_exp(total), perplexity=_exp(-total / len(ids)),
             num_tokens=len(ids), is_greedy=bool((res.ranks == 0).all()), tokens=self.tokenizer.token_texts(ids),
             token_ids=ids, token_logprobs=lps, entropy=res.entropy.tolist() if res.entropy is not None else None,
             top_k=top, captures=capture_results(list(caps), req.capture, res.captures) if caps else None)

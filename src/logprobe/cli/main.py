@@ -25,6 +25,7 @@ import torch
 from .. import __version__
 from ..config import EngineConfig
 from ..errors import LogprobeError
+from ..io.jsonsafe import dumps
 from ..loading import LoadedModel, load_model
 from ..scorer import Scorer
 from .compare import add_window_args
@@ -200,7 +201,7 @@ def cmd_score(args: argparse.Namespace) -> int:
                            entropy=args.entropy, steer=_json_option(args.steer, "--steer"),
                            capture=_json_option(args.capture, "--capture"))
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], ensure_ascii=False))
+        print(dumps([r.to_dict() for r in results], compact=False))
         return 0
     ranked = sorted(results, key=lambda r: -r.log_prob)
     header = ["continuation", "tokens", "log_prob", "prob", "ppl", "greedy"]
@@ -271,7 +272,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         if d.get("captures") is None:
             d.pop("captures", None)
         d.update(tokens_per_s=speed, elapsed_s=elapsed, model=scorer.info.name)
-        print(json.dumps(d))
+        print(dumps(d, compact=False))
         return 0
     info = scorer.info
     stride = f", stride {res.stride}" if res.stride is not None else ""
@@ -426,7 +427,7 @@ def cmd_train_vector(args: argparse.Namespace) -> int:
     path = vec.save_gguf(args.output) if args.output.endswith(".gguf") else vec.save_safetensors(args.output)
     summary = {"output": str(path), "layers": vec.layers, "method": args.method, "positive": len(pos),
                "negative": len(neg)}
-    print(json.dumps(summary) if args.json else
+    print(dumps(summary, compact=False) if args.json else
           f"{len(vec.layers)} layer{'s' * (len(vec.layers) != 1)} ({args.method}) -> {path}")
     return 0
 
@@ -490,7 +491,7 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
                         rec = {"index": index, "id": seq_id, **res.to_dict()}
                         if res.captures is not None:
                             rec["captures"] = capture_records(res.captures, capture_dir, index)
-                        out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                        out.write(dumps(rec) + "\n")
                         out.flush()
 
                     if requests:
@@ -505,7 +506,7 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     summary = {"output": args.output, "written": written, "already_done": skipped, "failed": failed,
                "elapsed_s": round(elapsed, 3)}
     if args.json:
-        print(json.dumps(summary))
+        print(dumps(summary, compact=False))
     else:
         print(f"{written} written, {skipped} already done, {failed} failed -> {args.output} ({elapsed:.2f} s)")
     return 1 if failed else 0

@@ -1,36 +1,52 @@
 """The ASGI app (FastAPI on uvicorn): thin handlers over ``Scorer`` jobs and the shared ``Batcher``.
 
 Every error is JSON ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape) with a
-4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``.
+4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``. Every JSON reply goes
+through ``io.jsonsafe`` (``SafeJSONResponse``): no NaN or Infinity, always valid UTF-8. The OpenAPI
+document (``/openapi.json``) states each reply's shape, errors included; ``tests/test_server_fuzz.py``
+fuzzes the app from it.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import LogprobeError
+from ..io.jsonsafe import encode
+from ..io.text import text_problem
 from ..scorer import Job, Scorer
 from .batcher import Batcher, QueueFull, ServerClosed
 from .config import ServerConfig
 from .metrics import Metrics
 from .openai_compat import completion_job
 from .schemas import (
+    CompletionReply,
     CompletionRequest,
+    DetokenizeReply,
     DetokenizeRequest,
+    ErrorReply,
+    HealthReply,
     LogprobsBody,
+    LogprobsReply,
+    ModelsReply,
     PerplexityBody,
+    PerplexityReply,
     ScoreBody,
+    ScoreReply,
+    TokenizeReply,
     TokenizeRequest,
+    TokenizerInfoReply,
 )
 
 log = logging.getLogger("logprobe.server")
@@ -38,6 +54,31 @@ log = logging.getLogger("logprobe.server")
 OPEN_PATHS = {"/health"}
 BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody}  # reachable without the API key (load balancers, probes)
+
+
+class SafeJSONResponse(JSONResponse):
+    """Every JSON reply: non-finite numbers become null (with a ``<key>_reason``), never NaN/Infinity."""
+
+    def render(self, content) -> bytes:
+        return encode(content)
+
+
+ERRORS = {
+    400: "a field is invalid: the message names it and the fix",
+    401: "the bearer key is missing or wrong",
+    404: "the model is not served here",
+    413: "the body, the input tokens, the items or the captured numbers of one request exceed a limit",
+    429: "the queue is full; retry after Retry-After seconds",
+    503: "out of memory, or shutting down; retry after Retry-After seconds",
+}
+
+
+def replies(model: type | None = None, codes=tuple(ERRORS)) -> dict:
+    """OpenAPI ``responses`` of a route: its 200 body and the error bodies it may answer."""
+    out = {code: {"model": ErrorReply, "description": ERRORS[code]} for code in codes}
+    if model is not None:
+        out[200] = {"model": model, "description": "the result"}
+    return out
 
 
 class ModelNotFound(LogprobeError):
@@ -55,24 +96,58 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable"}.get(
         status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    return SafeJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                            status_code=status, headers=headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-plain", "function-after"}
+
+
+def _branch(part) -> bool:
+    """A union-branch tag pydantic puts in ``loc`` ('function-after[...]', 'list[...]', 'float'), not a field."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or bool(re.fullmatch(r"[a-z-]+\[.*\]", part, re.S)))
+
+
+def _name(part: str) -> str:
+    """A field name as text that is safe to echo (a lone surrogate is written as ``\\ud800``)."""
+    return part if text_problem(part) is None else part.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _loc(loc: tuple) -> str:
-    """('body', 'prompt', 0, 3) -> 'prompt[0][3]'."""
+    """('body', 'prompt', 0, 3) -> 'prompt[0][3]'; union-branch tags are dropped."""
     out = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if _branch(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{_name(str(part))}" if out else _name(str(part)))
     return out or "body"
+
+
+def _pick(errors: list[dict]) -> tuple[dict, list[dict]]:
+    """The error to report and the others. Among the failed branches of one union field, the
+    explicit ``value_error`` (e.g. a lone surrogate in the string branch) says the most."""
+    e = errors[0]
+    loc = tuple(e.get("loc", ()))
+    cut = next((i for i, p in enumerate(loc) if _branch(p)), None)
+    if cut is None:
+        return e, errors[1:]
+    field = loc[:cut]
+    same = [x for x in errors if tuple(x.get("loc", ()))[:cut] == field and len(x.get("loc", ())) > cut
+            and _branch(x["loc"][cut])]
+    best = next((x for x in same if x.get("type") == "value_error"), e)
+    return best, [x for x in errors if x not in same]
 
 
 def validation_message(errors: list[dict], model: type | None = None) -> tuple[str, str]:
     """The first problem, stated as ``field: problem; fix`` (plus a count of any others)."""
     # a misspelt field shows up as "unknown" and "missing": the unknown one explains both
     errors = sorted(errors, key=lambda x: x.get("type") != "extra_forbidden")
-    e = errors[0]
-    field = _loc(tuple(e.get("loc", ())))
+    e, others = _pick(errors)
+    loc = tuple(e.get("loc", ()))
+    key = "[key]" in loc  # a dict key is wrong: name the dict
+    if key:
+        loc = loc[:loc.index("[key]") - 1]
+    field = _loc(loc)
     kind = e.get("type", "")
     if kind == "json_invalid":
         field, msg = "body", f"is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))}); send a JSON object"
@@ -83,10 +158,18 @@ def validation_message(errors: list[dict], model: type | None = None) -> tuple[s
         msg = "is required"
     elif kind == "model_attributes_type":
         field, msg = "body", "must be a JSON object"
+    elif kind == "string_unicode":  # a string pydantic cannot read (e.g. a field name with a lone surrogate)
+        value = e.get("input")
+        problem = (text_problem(value) if isinstance(value, str) else None) or "is not valid Unicode"
+        msg = f"{'a field name ' if field == 'body' else ''}{problem}; send UTF-8 text"
     else:
         msg = e.get("msg", "is invalid").removeprefix("Value error, ")
         msg = msg[0].lower() + msg[1:] if msg else msg
-    more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
+        if (m := re.match(r"((?:\[\d+\])+) (.*)", msg, re.S)):  # "[1][2] must be ..." from a list validator
+            field, msg = field + m.group(1), m.group(2)
+        if key:
+            msg = "a key " + msg
+    more = f" (and {len(others)} more problem{'s' * (len(others) > 1)})" if others else ""
     return field, f"{field}: {msg}{more}"
 
 
@@ -170,9 +253,22 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         yield
         batcher.close()
 
-    app = FastAPI(title="logprobe", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="logprobe", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
                   description="Exact log-probabilities of given text: OpenAI-compatible scoring, tokenizer "
                               "endpoints and native scoring endpoints.")
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's document, less the 422 it adds to every body route: bad bodies answer 400."""
+        doc = fastapi_openapi()
+        for ops in doc.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(unused, None)
+        return doc
+
+    app.openapi = openapi
     app.state.scorer, app.state.batcher, app.state.config, app.state.metrics = scorer, batcher, config, metrics
 
     # -- errors ----------------------------------------------------------------------------------
@@ -226,6 +322,12 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         if model is not None and model not in names:
             raise ModelNotFound("model", f"{model!r} is not served here", f"use {name!r} (see GET /v1/models)")
 
+    def check_top_k(k: int, field: str = "top_k") -> None:  # /v1/completions: completion_job checks logprobs
+        """Before the job is queued: the head checks it too, but there it would fail the whole batch."""
+        vocab = scorer.info.vocab_size
+        if k > vocab:
+            raise LogprobeError(field, f"{k} is more than the model's {vocab} tokens", f"ask for at most {vocab}")
+
     def check_items(n: int, field: str) -> None:
         if n > config.max_request_items:
             raise RequestTooLarge(field, f"{field}: {n} items exceed this server's limit of "
@@ -247,7 +349,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     # -- OpenAI-compatible -----------------------------------------------------------------------
 
-    @api.post("/v1/completions", summary="Prompt log-probs (echo) and at most one greedy token")
+    @api.post("/v1/completions", summary="Prompt log-probs (echo) and at most one greedy token",
+              responses=replies(CompletionReply))
     async def completions(body: CompletionRequest):
         check_model(body.model)
         if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
@@ -255,14 +358,14 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         job = await run_in_threadpool(completion_job, body, scorer, name, config.max_top_logprobs)
         return await run(job)
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=replies(ModelsReply, (401,)))
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "logprobe",
                                             "root": scorer.info.path, "max_model_len": scorer.info.max_length}]}
 
     # -- tokenizer (the vLLM endpoints lm-evaluation-harness looks for) ---------------------------
 
-    @api.get("/tokenizer_info")
+    @api.get("/tokenizer_info", responses=replies(TokenizerInfoReply, (401,)))
     async def tokenizer_info():
         hf = tok.hf
         return {"tokenizer_class": type(hf).__name__, "bos_token": hf.bos_token, "eos_token": hf.eos_token,
@@ -270,7 +373,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
                 "model_max_length": scorer.info.max_length, "vocab_size": scorer.info.vocab_size,
                 "chat_template": getattr(hf, "chat_template", None)}
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", responses=replies(TokenizeReply, (400, 401, 404, 413)))
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         ids = await run_in_threadpool(tok.encode, body.prompt)
@@ -278,10 +381,10 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             ids = [tok.bos_id] + ids
         out = {"count": len(ids), "max_model_len": scorer.info.max_length, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = tok.token_texts(ids)
+            out["token_strs"] = tok.token_texts(ids) if ids else []
         return out
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", responses=replies(DetokenizeReply, (400, 401, 404, 413)))
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         ids = scorer.check_ids(body.tokens, "tokens")
@@ -289,20 +392,24 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     # -- native ----------------------------------------------------------------------------------
 
-    @api.post("/v1/score", summary="log p(continuation | prompt) for each continuation")
+    @api.post("/v1/score", summary="log p(continuation | prompt) for each continuation",
+              responses=replies(ScoreReply))
     async def score(body: ScoreBody):
         check_model(body.model)
         check_items(len(body.continuations), "continuations")
+        check_top_k(body.top_k)
         job = await run_in_threadpool(lambda: scorer.score_job(body.prompt, body.continuations,
                                                                temperature=body.temperature, top_k=body.top_k,
                                                                entropy=body.entropy, **body.hook_args()))
         results = await run(job)
         return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results]}
 
-    @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature")
+    @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature",
+              responses=replies(LogprobsReply))
     async def logprobs(body: LogprobsBody):
         check_model(body.model)
         check_items(len(body.sequences), "sequences")
+        check_top_k(body.top_k)
         seqs = [s.model_dump() for s in body.sequences]
         job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy,
                                                                   **body.hook_args()))
@@ -310,7 +417,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         return {"object": "logprobs", "model": name, "temperature": body.temperature,
                 "results": [r.to_dict() for r in results]}
 
-    @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows")
+    @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows",
+              responses=replies(PerplexityReply))
     async def perplexity(body: PerplexityBody):
         check_model(body.model)
         if isinstance(body.texts, list) and body.texts and not isinstance(body.texts[0], int):
@@ -324,12 +432,12 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     # -- operations ------------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", responses=replies(HealthReply, ()))
     async def health():
         jobs, tokens = batcher.queue_depth
         return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens}
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_class=PlainTextResponse, responses=replies(None, (401,)))
     async def prometheus():
         jobs, tokens = batcher.queue_depth
         metrics.queue_jobs.set(jobs)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
+from ..io.text import check_text
 from ..scorer import Job, Scorer
 from .schemas import CompletionRequest
 
@@ -73,6 +74,7 @@ def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt") -> tuple[lis
         if isinstance(p, str):
             if not p:
                 raise LogprobeError(name, "is empty", "give some text")
+            check_text(p, name)
             ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(p)
             texts.append(p)
         else:
@@ -86,6 +88,9 @@ def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt") -> tuple[lis
 
 def completion_job(body: CompletionRequest, scorer: Scorer, model_name: str, max_top_logprobs: int) -> Job:
     check_completion_options(body, max_top_logprobs)
+    if body.logprobs is not None and body.logprobs > scorer.info.vocab_size:  # before the batch, not in the head
+        raise LogprobeError("logprobs", f"{body.logprobs} is more than the model's {scorer.info.vocab_size} tokens",
+                            f"ask for at most {scorer.info.vocab_size}")
     ids_list, texts = prompt_token_ids(body.prompt, scorer)
     gen = body.max_tokens == 1
     want_lp = body.logprobs is not None

@@ -1,27 +1,52 @@
 """Request bodies, validated by pydantic (strict JSON types: ``"1"`` is not a number, ``1`` is not
-``true``). Unknown fields are refused: a misspelt option must not silently fall back to a default."""
+``true``). Unknown fields are refused: a misspelt option must not silently fall back to a default.
+Every string (dict keys included) is ``Text``: a lone surrogate, valid in JSON (``"\\ud800"``) but
+not in Unicode, is a 400 naming the field before any tokenizer sees it.
+
+The ``*Reply`` models document the successful answers in the OpenAPI schema (the handlers build
+plain dicts); ``ErrorReply`` is every 4xx/5xx body."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from ..io.text import text_problem
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
-PromptType = str | list[str] | list[int] | list[list[int]]
+
+def _valid_text(value: str) -> str:
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(f"{problem}; send UTF-8 text")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+"""A string that is valid Unicode (no lone surrogates): every string field of every body is one."""
+
+PromptType = Text | list[Text] | list[int] | list[list[int]]
+_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+PromptSchema = (Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
+                Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)])
+"""What the OpenAPI document says a prompt is (``_check_prompt`` gives the clear messages)."""
 
 
 def _check_prompt(value: Any) -> Any:
     """One clear message instead of four union branches."""
     shape = "a string, a list of strings, a list of token ids or a list of token-id lists"
     if isinstance(value, str):
-        return value
+        return _valid_text(value)
     if not isinstance(value, list):
         raise ValueError(f"must be {shape}, got {type(value).__name__}")
     if not value:
         raise ValueError("is an empty list; give at least one prompt")
     if all(isinstance(x, str) for x in value):
+        for i, x in enumerate(value):
+            if (problem := text_problem(x)) is not None:
+                raise ValueError(f"[{i}] {problem}; send UTF-8 text")
         return value
     if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         return value
@@ -40,7 +65,7 @@ class CompletionRequest(BaseModel):
     model_config = _STRICT
 
     prompt: PromptType = Field(description="text, texts, token ids, or lists of token ids")
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int = Field(16, description="0 or 1; OpenAI's default of 16 is refused: this server only scores")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, description="top alternatives per position (server cap applies)")
@@ -52,15 +77,15 @@ class CompletionRequest(BaseModel):
     n: int = 1
     best_of: int | None = None
     stream: bool = False
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    suffix: str | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    suffix: Text | None = None
+    user: Text | None = None
 
-    @field_validator("prompt", mode="plain")
+    @field_validator("prompt", mode="plain", json_schema_input_type=PromptSchema)
     @classmethod
     def _prompt(cls, v: Any) -> Any:
         return _check_prompt(v)
@@ -68,8 +93,8 @@ class CompletionRequest(BaseModel):
 
 class TokenizeRequest(BaseModel):
     model_config = _STRICT
-    prompt: str
-    model: str | None = None
+    prompt: Text
+    model: Text | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -77,11 +102,12 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _STRICT
     tokens: list[int]
-    model: str | None = None
+    model: Text | None = None
 
 
 Positions = str | int | list[int | None]  # all | prompt | continuation | last | last_prompt | k | [start, end]
-VectorType = list[float] | dict[str, list[float]]
+PositionsSchema = Text | int | tuple[int, int | None]  # what the OpenAPI document says Positions is
+VectorType = list[float] | dict[Text, list[float]]
 
 
 def _check_vector(value: Any) -> Any:
@@ -91,13 +117,18 @@ def _check_vector(value: Any) -> Any:
     if value is None or numbers(value):
         return value
     if isinstance(value, dict) and value and all(isinstance(k, str) and numbers(v) for k, v in value.items()):
+        for k in value:
+            if (problem := text_problem(k)) is not None:
+                raise ValueError(f"key {k!r} {problem}; send UTF-8 text")
         return value
     raise ValueError("must be a list of numbers or a {layer: [numbers]} object; the server reads no vector files, "
                      "send the numbers inline")
 
 
 def _check_positions(value: Any) -> Any:
-    if isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, str):
+        return _valid_text(value)
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and not isinstance(value[0], bool) \
             and (value[1] is None or isinstance(value[1], int) and not isinstance(value[1], bool)):
@@ -109,28 +140,32 @@ class CaptureEntry(BaseModel):
     """Read hidden states at hook points (see the README's hook-point table)."""
 
     model_config = _STRICT
-    at: str | list[str] = Field(description="hook point(s): blocks.10.resid_post, blocks.*.mlp_out, hidden_states.4, ...")
+    at: Text | list[Text] = Field(description="hook point(s): blocks.10.resid_post, blocks.*.mlp_out, hidden_states.4, ...")
     positions: Positions = "all"
     reduce: Literal["none", "mean", "sum", "last", "project"] = "none"
     vector: VectorType | None = Field(None, description="reduce 'project': the vector (or {layer: vector})")
 
-    _v = field_validator("vector", mode="plain")(classmethod(lambda cls, v: _check_vector(v)))
-    _p = field_validator("positions", mode="plain")(classmethod(lambda cls, v: _check_positions(v)))
+    _v = field_validator("vector", mode="plain", json_schema_input_type=VectorType | None)(
+        classmethod(lambda cls, v: _check_vector(v)))
+    _p = field_validator("positions", mode="plain", json_schema_input_type=PositionsSchema)(
+        classmethod(lambda cls, v: _check_positions(v)))
 
 
 class SteerEntry(BaseModel):
     """Steer hidden states at hook points; vectors inline (the server reads no files)."""
 
     model_config = _STRICT
-    at: str | list[str] | None = Field(None, description="hook point(s); default for {layer: vector}: each layer's "
+    at: Text | list[Text] | None = Field(None, description="hook point(s); default for {layer: vector}: each layer's "
                                                          "resid_post")
     vector: VectorType
-    coeff: float | dict[str, float] = 1.0
+    coeff: float | dict[Text, float] = 1.0
     positions: Positions = "all"
     op: Literal["add", "add_signed", "project_out"] = "add"
 
-    _v = field_validator("vector", mode="plain")(classmethod(lambda cls, v: _check_vector(v)))
-    _p = field_validator("positions", mode="plain")(classmethod(lambda cls, v: _check_positions(v)))
+    _v = field_validator("vector", mode="plain", json_schema_input_type=VectorType)(
+        classmethod(lambda cls, v: _check_vector(v)))
+    _p = field_validator("positions", mode="plain", json_schema_input_type=PositionsSchema)(
+        classmethod(lambda cls, v: _check_positions(v)))
 
 
 class _Hooks(BaseModel):
@@ -146,7 +181,7 @@ class _HeadOptions(BaseModel):
     """What the log-prob head computes, per request (the library's ``temperature``/``top_k``/``entropy``)."""
 
     model_config = _STRICT
-    model: str | None = None
+    model: Text | None = None
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="log_softmax(logits / temperature)")
     top_k: int = Field(0, ge=0, description="also return the k most likely tokens per position (no cap)")
     entropy: bool = False
@@ -155,8 +190,8 @@ class _HeadOptions(BaseModel):
 class ScoreBody(_HeadOptions, _Hooks):
     """``POST /v1/score``: log p(continuation | prompt) for each continuation (``Scorer.score``)."""
 
-    prompt: str
-    continuations: list[str] = Field(min_length=1)
+    prompt: Text
+    continuations: list[Annotated[Text, Field(min_length=1)]] = Field(min_length=1)
 
 
 class Sequence(BaseModel):
@@ -176,7 +211,7 @@ class PerplexityBody(_Hooks):
 
     model_config = _STRICT
     texts: PromptType = Field(description="a text, texts, token ids, or lists of token ids")
-    model: str | None = None
+    model: Text | None = None
     context_length: int | None = Field(None, ge=2)
     stride: int | None = Field(None, ge=1)
     policy: Literal["sliding", "llama.cpp", "rolling"] = "sliding"
@@ -184,7 +219,162 @@ class PerplexityBody(_Hooks):
     max_tokens: int | None = Field(None, ge=2)
     return_token_nlls: bool = False
 
-    @field_validator("texts", mode="plain")
+    @field_validator("texts", mode="plain", json_schema_input_type=PromptSchema)
     @classmethod
     def _texts(cls, v: Any) -> Any:
         return _check_prompt(v)
+
+
+# -- replies (documentation of the OpenAPI schema; a number that is not finite is null) -----------
+
+_OPEN = ConfigDict(extra="allow")
+Num = float | None  # a float, or null where the value is not finite (see io.jsonsafe: "<key>_reason")
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="'<field>: <problem>; <fix>'")
+    type: str
+    param: str | None = Field(description="the field at fault, when there is one")
+    code: str | None
+
+
+class ErrorReply(BaseModel):
+    """Every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+class CompletionLogprobs(BaseModel):
+    model_config = _OPEN
+    tokens: list[str]
+    token_logprobs: list[Num]
+    top_logprobs: list[dict[str, Num] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    model_config = _OPEN
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionReply(BaseModel):
+    model_config = _OPEN
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    model_config = _OPEN
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    max_model_len: int
+
+
+class ModelsReply(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeReply(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeReply(BaseModel):
+    prompt: str
+
+
+class TokenizerInfoReply(BaseModel):
+    model_config = _OPEN
+    tokenizer_class: str
+    add_bos_token: bool
+    model_max_length: int
+    vocab_size: int
+
+
+class ContinuationReply(BaseModel):
+    model_config = _OPEN
+    continuation: str
+    log_prob: Num
+    prob: Num
+    perplexity: Num
+    num_tokens: int
+    is_greedy: bool
+    tokens: list[str]
+    token_ids: list[int]
+    token_logprobs: list[Num]
+    entropy: list[Num] | None
+    top_k: list[list[tuple[int, str, Num]]] | None
+    captures: list[dict[str, Any]] | None
+
+
+class ScoreReply(BaseModel):
+    model_config = _OPEN
+    object: Literal["score"]
+    model: str
+    prompt: str
+    results: list[ContinuationReply]
+
+
+class SequenceReply(BaseModel):
+    model_config = _OPEN
+    logprobs: list[Num]
+    sum_logprob: Num
+    is_greedy: list[bool]
+    entropy: list[Num] | None = None
+    top_k_ids: list[list[int]] | None = None
+    top_k_logprobs: list[list[Num]] | None = None
+    captures: list[dict[str, Any]] | None = None
+
+
+class LogprobsReply(BaseModel):
+    model_config = _OPEN
+    object: Literal["logprobs"]
+    model: str
+    temperature: float
+    results: list[SequenceReply]
+
+
+class PerplexityReply(BaseModel):
+    model_config = _OPEN
+    object: Literal["perplexity"]
+    model: str
+    perplexity: Num
+    perplexity_stderr: Num
+    nll_mean: Num
+    nll_stderr: Num
+    num_tokens: int
+    num_windows: int
+    policy: str
+    context_length: int
+    stride: int | None
+    word_perplexity: Num
+    byte_perplexity: Num
+    bits_per_byte: Num
+    num_words: int | None
+    num_bytes: int | None
+    token_nlls: list[list[Num]] | None
+    captures: list[list[dict[str, Any]]] | None
+
+
+class HealthReply(BaseModel):
+    status: str
+    model: str
+    queue_requests: int
+    queue_tokens: int
