@@ -267,6 +267,141 @@ def _check(hidden, weight, bias, targets, inv_t, top_k) -> None:
         raise LogprobeError("device", f"the fused head runs on CUDA (or CPU under TRITON_INTERPRET=1), got {dev}")
 
 
+def combine_head_partials(zy, m, s, a, c, tv, ti, top_k: int, ordered: bool):
+    """The PyTorch half of the head, shared by the fused kernel and the chunked reference: fold P
+    partials (one per vocabulary split, chunk or rank shard) into per-row results.
+
+    zy [N] target logits; m, s, a [P, N] (max, sum exp(z - m), sum exp(z - m) z over the split);
+    c [P, N] counts above the target; tv, ti [P, N, K] each split's best logits and global ids.
+    The global max is exact in any order; ``ordered`` (deterministic mode) adds the rescaled sums
+    split after split in P order (elementwise ops only, no shape-dependent reduction), so a row's
+    bits depend only on its partials:
+
+        lse = max_p m_p + log(sum_p s_p exp(m_p - max))      entropy = lse - sum_p a_p exp(...) / sum_p s_p exp(...)
+
+    -> (logprobs, logsumexp, ranks, entropy | None, topk_ids | None, topk_logprobs | None)."""
+    mx = m.max(dim=0).values  # [N]
+    w = torch.exp(m - mx)  # [P, N]
+    entropy = a is not None
+    if ordered:
+        tot, ent_num = s[0] * w[0], (a[0] * w[0] if entropy else None)
+        for j in range(1, m.shape[0]):
+            tot = tot + s[j] * w[j]
+            if entropy:
+                ent_num = ent_num + a[j] * w[j]
+    else:
+        tot = (s * w).sum(0)
+        ent_num = (a * w).sum(0) if entropy else None
+    lse = mx + torch.log(tot)
+    ent = lse - ent_num / tot if entropy else None
+    tid = tlp = None
+    if top_k:
+        P, N, K = tv.shape
+        vals = tv.permute(1, 0, 2).reshape(N, P * K)  # [N, P * K]
+        best, sel = vals.topk(top_k, dim=1)
+        tid = ti.permute(1, 0, 2).reshape(N, P * K).gather(1, sel)
+        tlp = best - lse[:, None]
+    return zy - lse, lse, c.sum(0).to(torch.int64), ent, tid, tlp
+
+
+def fused_target_logits(hidden, weight, targets, inv_temperature, *, bias=None, scale: float = 1.0,
+                        softcap: float | None = None):
+    """z_{i,y_i} [N] float32 (one program per row, float32 sum of products). ``targets`` must be
+    valid rows of ``weight`` (a vocabulary shard's caller clamps and masks)."""
+    N, H = hidden.shape
+    zy = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    if N == 0:
+        return zy
+    b = bias.float().contiguous() if bias is not None else None
+    flags = dict(HAS_BIAS=b is not None, HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None)
+    _target_logit[(N,)](hidden, weight, b, targets.contiguous(), inv_temperature.contiguous(), zy, H,
+                        hidden.stride(0), weight.stride(0), float(scale), float(softcap or 1.0), **flags,
+                        BLOCK_H=min(1024, triton.next_power_of_2(H)))
+    return zy
+
+
+def fused_head_partials(
+    hidden: torch.Tensor,  # [N, H] bf16 / fp16 / fp32
+    weight: torch.Tensor,  # [V, H], same dtype (a vocabulary shard: ids vocab_start + row)
+    targets: torch.Tensor,  # [N] int, in this weight's row numbering (may fall outside it)
+    zy: torch.Tensor,  # [N] float32 target logits (already / T)
+    inv_temperature: torch.Tensor,  # [N] float32
+    *,
+    bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    top_k: int = 0,
+    entropy: bool = False,
+    config: KernelConfig = DEFAULT_CONFIG,
+    split: int | None = None,
+    vocab_start: int = 0,
+):
+    """Per-split partials of ``combine_head_partials`` over this weight's rows: (m, s, a | None,
+    c, tv | None, ti | None), [S, N] (+ KPAD). ``split``: vocabulary columns per split (fixed:
+    deterministic mode; must be a multiple of the tile width); None picks enough splits to fill
+    the GPU. Top-k ids come out global (``+ vocab_start``)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    b = bias.float().contiguous() if bias is not None else None
+    flags = dict(HAS_BIAS=b is not None, HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None)
+    args_t = (float(scale), float(softcap or 1.0))
+    kpad = 0 if top_k == 0 else max(2, triton.next_power_of_2(top_k))
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    num_m = triton.cdiv(min(max(N, 1), config.max_rows), bm)
+    waves = config.topk_waves if kpad else config.waves
+    want = max(1, triton.cdiv(waves * sms, num_m))  # splits to fill the GPU
+    tiles = triton.cdiv(V, bn)
+    cols_per_split = triton.cdiv(tiles, min(want, tiles)) * bn if split is None else triton.cdiv(split, bn) * bn
+    S = triton.cdiv(V, cols_per_split)  # every split non-empty
+    m = torch.empty(S, N, dtype=torch.float32, device=dev)
+    s = torch.empty_like(m)
+    a = torch.empty_like(m) if entropy else None
+    c = torch.empty(S, N, dtype=torch.int32, device=dev)
+    tv = torch.empty(S, N, kpad, dtype=torch.float32, device=dev) if kpad else None
+    ti = torch.empty(S, N, kpad, dtype=torch.int64, device=dev) if kpad else None
+    # TMA needs Hopper or newer, 16-byte aligned rows and a contiguous last dimension
+    use_tma = (config.tma and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+               and hidden.dtype != torch.float32 and (H * hidden.element_size()) % 16 == 0
+               and hidden.stride(1) == 1 and weight.stride(1) == 1 and hidden.stride(0) == H
+               and weight.stride(0) == H and weight.data_ptr() % 16 == 0)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    for r0 in range(0, N, config.max_rows):
+        r1 = min(r0 + config.max_rows, N)
+        n = r1 - r0
+        h, y, it = hidden[r0:r1], targets[r0:r1].contiguous(), inv_temperature[r0:r1].contiguous()
+        # [S, n] views of the [S, N] outputs: row stride N, so the kernel gets slices it can index
+        mo, so, co = m[:, r0:r1].contiguous(), s[:, r0:r1].contiguous(), c[:, r0:r1].contiguous()
+        ao = a[:, r0:r1].contiguous() if entropy else mo
+        tvo = tv[:, r0:r1].contiguous() if kpad else mo
+        tio = ti[:, r0:r1].contiguous() if kpad else co
+        tma = use_tma and h.data_ptr() % 16 == 0
+        h_desc, w_desc = (TensorDescriptor.from_tensor(h, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk])) \
+            if tma else (h, weight)
+        _head_partials[(triton.cdiv(n, bm) * S,)](
+            h, weight, b, y, zy[r0:r1].contiguous(), it, mo, so, ao, co, tvo, tio, h_desc, w_desc,
+            n, V, H, cols_per_split, S, top_k, h.stride(0), weight.stride(0), *args_t, **flags,
+            ENTROPY=entropy, KPAD=kpad, EVEN_K=H % bk == 0, IEEE=hidden.dtype == torch.float32,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, TMA=tma,
+            FLATTEN=config.flatten and (kpad == 0 or config.topk_flatten) and (tma or dev.type != "cuda"),
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        if N > n:  # several launches: copy each launch's block back into the [S, N] outputs
+            m[:, r0:r1], s[:, r0:r1], c[:, r0:r1] = mo, so, co
+            if entropy:
+                a[:, r0:r1] = ao
+            if kpad:
+                tv[:, r0:r1], ti[:, r0:r1] = tvo, tio
+        else:
+            m, s, c = mo, so, co
+            a = ao if entropy else None
+            tv, ti = (tvo, tio) if kpad else (None, None)
+    if ti is not None and vocab_start:
+        ti += vocab_start
+    return m, s, a, c, tv, ti
+
+
 def fused_logprob_head(
     hidden: torch.Tensor,  # [N, H] bf16 / fp16 / fp32
     weight: torch.Tensor,  # [V, H], same dtype
@@ -290,83 +425,14 @@ def fused_logprob_head(
     splits are combined one after another in split order (not by a reduction kernel whose
     layout depends on the shape). Each row's dot products never depended on other rows."""
     _check(hidden, weight, bias, targets, inv_temperature, top_k)
-    N, H = hidden.shape
-    V = weight.shape[0]
+    N = hidden.shape[0]
     dev = hidden.device
-    out_lp = torch.empty(N, dtype=torch.float32, device=dev)
-    out_lse = torch.empty(N, dtype=torch.float32, device=dev)
-    out_rank = torch.empty(N, dtype=torch.int64, device=dev)
-    out_ent = torch.empty(N, dtype=torch.float32, device=dev) if entropy else None
-    out_tid = torch.empty(N, top_k, dtype=torch.int64, device=dev) if top_k else None
-    out_tlp = torch.empty(N, top_k, dtype=torch.float32, device=dev) if top_k else None
     if N == 0:
-        return out_lp, out_lse, out_rank, out_ent, out_tid, out_tlp
-    # bias in float32 once (V floats), so the kernel adds it exactly as the reference does
-    b = bias.float().contiguous() if bias is not None else None
-    flags = dict(HAS_BIAS=b is not None, HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None)
-    args_t = (float(scale), float(softcap or 1.0))
-    kpad = 0 if top_k == 0 else max(2, triton.next_power_of_2(top_k))
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    # TMA needs Hopper or newer, 16-byte aligned rows and a contiguous last dimension
-    use_tma = (config.tma and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
-               and hidden.dtype != torch.float32 and (H * hidden.element_size()) % 16 == 0
-               and hidden.stride(1) == 1 and weight.stride(1) == 1 and hidden.stride(0) == H
-               and weight.stride(0) == H and weight.data_ptr() % 16 == 0)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    for r0 in range(0, N, config.max_rows):
-        r1 = min(r0 + config.max_rows, N)
-        n = r1 - r0
-        h, y, it = hidden[r0:r1], targets[r0:r1].contiguous(), inv_temperature[r0:r1].contiguous()
-        zy = torch.empty(n, dtype=torch.float32, device=dev)
-        _target_logit[(n,)](h, weight, b, y, it, zy, H, h.stride(0), weight.stride(0), *args_t, **flags,
-                            BLOCK_H=min(1024, triton.next_power_of_2(H)))
-        num_m = triton.cdiv(n, bm)
-        waves = config.topk_waves if kpad else config.waves
-        want = max(1, triton.cdiv(waves * sms, num_m))  # splits to fill the GPU
-        tiles = triton.cdiv(V, bn)
-        cols_per_split = triton.cdiv(tiles, min(want, tiles)) * bn
-        if deterministic:
-            cols_per_split = triton.cdiv(config.fixed_split, bn) * bn
-        S = triton.cdiv(V, cols_per_split)  # every split non-empty
-        m = torch.empty(S, n, dtype=torch.float32, device=dev)
-        s = torch.empty_like(m)
-        a = torch.empty_like(m) if entropy else m  # unused pointer when not ENTROPY
-        c = torch.empty(S, n, dtype=torch.int32, device=dev)
-        tv = torch.empty(S, n, kpad, dtype=torch.float32, device=dev) if kpad else m
-        ti = torch.empty(S, n, kpad, dtype=torch.int64, device=dev) if kpad else c
-        tma = use_tma and h.data_ptr() % 16 == 0
-        h_desc, w_desc = (TensorDescriptor.from_tensor(h, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk])) \
-            if tma else (h, weight)
-        _head_partials[(num_m * S,)](
-            h, weight, b, y, zy, it, m, s, a, c, tv, ti, h_desc, w_desc,
-            n, V, H, cols_per_split, S, top_k, h.stride(0), weight.stride(0), *args_t, **flags,
-            ENTROPY=entropy, KPAD=kpad, EVEN_K=H % bk == 0, IEEE=hidden.dtype == torch.float32,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, TMA=tma,
-            FLATTEN=config.flatten and (kpad == 0 or config.topk_flatten) and (tma or dev.type != "cuda"),
-            num_warps=config.num_warps, num_stages=config.num_stages)
-        # combine the S splits: [S, n] -> [n]
-        mx = m.max(dim=0).values  # a max is exact in any order
-        w = torch.exp(m - mx)  # [S, n]
-        if deterministic:  # split after split: elementwise ops only, no shape-dependent reduction
-            tot, ent_num = s[0] * w[0], (a[0] * w[0] if entropy else None)
-            for j in range(1, S):
-                tot = tot + s[j] * w[j]
-                if entropy:
-                    ent_num = ent_num + a[j] * w[j]
-        else:
-            tot = (s * w).sum(0)
-            ent_num = (a * w).sum(0) if entropy else None
-        lse = mx + torch.log(tot)
-        out_lse[r0:r1] = lse
-        out_lp[r0:r1] = zy - lse
-        out_rank[r0:r1] = c.sum(0)
-        if entropy:
-            out_ent[r0:r1] = lse - ent_num / tot
-        if top_k:
-            vals = tv.permute(1, 0, 2).reshape(n, S * kpad)  # [n, S * KPAD]
-            best, sel = vals.topk(top_k, dim=1)
-            out_tid[r0:r1] = ti.permute(1, 0, 2).reshape(n, S * kpad).gather(1, sel)
-            out_tlp[r0:r1] = best - lse[:, None]
-    return out_lp, out_lse, out_rank, out_ent, out_tid, out_tlp
+        e = torch.empty(0, dtype=torch.float32, device=dev)
+        return (e, e, e.long(), e if entropy else None, e.long().view(0, top_k) if top_k else None,
+                e.view(0, top_k) if top_k else None)
+    opts = dict(bias=bias, scale=scale, softcap=softcap)
+    zy = fused_target_logits(hidden, weight, targets, inv_temperature, **opts)
+    parts = fused_head_partials(hidden, weight, targets, zy, inv_temperature, **opts, top_k=top_k, entropy=entropy,
+                                config=config, split=config.fixed_split if deterministic else None)
+    return combine_head_partials(zy, *parts, top_k=top_k, ordered=deterministic)

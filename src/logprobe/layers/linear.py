@@ -1,7 +1,8 @@
 """Linear layers behind one interface: ``forward(x [T, in]) -> [T, out]``.
 
-Today only the dense layer exists; quantized (packed) and tensor-parallel layers implement the
-same forward so model files never change when the weight format does.
+The dense layer lives here; quantized (packed, ``quant_linear``) and tensor-parallel
+(``parallel_linear``) layers implement the same forward so model files never change when the
+weight format or the GPU count does.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from torch import nn
 
 
 class Linear(nn.Module):
+    fusable = True  # a plain dense product (packed and row-parallel layers say False)
+    col_blocks: list[int] | None = None
+
     """``row_tile``: when set, each row's result is bitwise independent of how many rows came
     with it (batch invariance): rows are multiplied in fixed tiles of that many rows (the last
     one zero-padded), since BLAS and cuBLAS pick their kernel from the matrix shape and a fixed
@@ -24,6 +28,10 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.row_tile = row_tile
         self.invariant_kernel = "cublas"
+        # deterministic mode: output columns computed in blocks of these widths, each its own
+        # fixed-shape product (set by column-parallel layers, so a column's bits do not depend on
+        # how many other columns its rank holds)
+        self.col_blocks: list[int] | None = None
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
@@ -33,8 +41,8 @@ class Linear(nn.Module):
         if self.invariant_kernel == "triton" and x.is_cuda and x.dim() == 2 and _triton():
             from ..kernels.matmul import invariant_linear
 
-            return invariant_linear(x, self.weight, self.bias)
-        return tiled_linear(x, self.weight, self.bias, self.row_tile)
+            return invariant_linear(x, self.weight, self.bias)  # fixed tiles: invariant in rows and columns
+        return tiled_linear(x, self.weight, self.bias, self.row_tile, self.col_blocks)
 
 
 def _triton() -> bool:
@@ -43,21 +51,38 @@ def _triton() -> bool:
     return triton_available()
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` [T, out] computed as products of exactly ``tile`` rows, each
-    written straight into its rows of the output (no concatenation: copying every layer's output
-    once more cost ~9% of a deterministic 8B forward on an H100); only a partial last tile goes
-    through a zero-padded buffer. Every product has one shape, hence one BLAS kernel."""
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int,
+                 col_blocks: list[int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` [T, out] computed as products of exactly ``tile`` rows (and,
+    with ``col_blocks``, of those output-column widths), each written straight into its part of
+    the output (no concatenation: copying every layer's output once more cost ~9% of a
+    deterministic 8B forward on an H100); only a partial last row tile goes through a zero-padded
+    buffer. Every product has one shape, hence one BLAS kernel. ``out_dtype`` (float32 for 16-bit
+    inputs): the products' own accumulation precision, kept instead of rounded to ``x.dtype``."""
     x = x.contiguous()
     T = x.shape[0]
-    out = x.new_empty(T, weight.shape[0])  # [T, out]
+    dtype = out_dtype or x.dtype
+    out = x.new_empty(T, weight.shape[0], dtype=dtype)  # [T, out]
     wt = weight.t()  # [in, out], the layout F.linear hands to BLAS
+    blocks, c0 = [], 0
+    for width in col_blocks or [weight.shape[0]]:
+        blocks.append((c0, c0 + width))
+        c0 += width
 
     def mm(a: torch.Tensor, o: torch.Tensor) -> None:
-        if bias is None:
-            torch.mm(a, wt, out=o)
-        else:
-            torch.addmm(bias, a, wt, out=o)
+        for b0, b1 in blocks:
+            w = wt[:, b0:b1] if len(blocks) > 1 else wt
+            ob = o[:, b0:b1] if len(blocks) > 1 else o
+            if dtype != a.dtype:
+                ob.copy_(_mm_wide(a, w, dtype))
+            elif bias is None and ob.is_contiguous():
+                torch.mm(a, w, out=ob)
+            elif ob.is_contiguous():
+                torch.addmm(bias[b0:b1], a, w, out=ob)
+            else:
+                ob.copy_(torch.mm(a, w) if bias is None else torch.addmm(bias[b0:b1], a, w))
+        if dtype != a.dtype and bias is not None:
+            o += bias.to(dtype)
 
     full = T - T % tile
     for i in range(0, full, tile):
@@ -65,10 +90,21 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if full < T:
         xp = x.new_zeros(tile, x.shape[1])  # [tile, in]
         xp[: T - full] = x[full:]
-        op = x.new_empty(tile, weight.shape[0])  # [tile, out]
+        op = x.new_empty(tile, weight.shape[0], dtype=dtype)  # [tile, out]
         mm(xp, op)
         out[full:] = op[: T - full]
     return out
+
+
+def _mm_wide(a: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ w with ``dtype`` (float32) output: cuBLAS's float32 accumulator kept where torch offers
+    it for 16-bit inputs, else the product of float32 copies (CPU: exact float32 products)."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, w, out_dtype=dtype)
+        except (TypeError, RuntimeError):
+            pass
+    return torch.mm(a.to(dtype), w.to(dtype))
 
 
 def fuse_linears(parts: list[Linear]) -> Linear | None:
@@ -76,7 +112,7 @@ def fuse_linears(parts: list[Linear]) -> Linear | None:
     cannot be fused (not all plain dense layers of one input width, dtype and device). The parts'
     weights become views into the fused weight, so no memory is duplicated and their parameter
     names still load and save."""
-    if not parts or any(type(p) is not Linear for p in parts):
+    if not parts or any(not isinstance(p, Linear) or not p.fusable for p in parts):
         return None
     first = parts[0]
     if any(p.in_features != first.in_features or p.weight.dtype != first.weight.dtype
@@ -84,6 +120,8 @@ def fuse_linears(parts: list[Linear]) -> Linear | None:
         return None
     with torch.device("meta"):
         fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
+    if all(p.col_blocks for p in parts):
+        fused.col_blocks = [w for p in parts for w in p.col_blocks]
     fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)  # [sum out, in]
     if first.bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)

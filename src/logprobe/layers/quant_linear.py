@@ -79,6 +79,10 @@ class PackedWeight(nn.Module):
 
 
 class _PackedLinearMixin(PackedWeight):
+    fusable = False  # packed blocks are expanded inside forward: never concatenated
+    # set when the layer replaces a row-parallel one (``adopt``): its product is then that layer's
+    reduce_ctx = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.row_tile is None:
             y = self._cuda_forward(x)
@@ -86,9 +90,20 @@ class _PackedLinearMixin(PackedWeight):
                 return y
         # float32 expansion as the dense loader does, then the dense model's dtype
         w = self.rows(slice(None)).to(x.dtype)  # [out, in]
+        if self.reduce_ctx is not None:
+            from .parallel_linear import row_parallel_product
+
+            return row_parallel_product(x, w, self.bias, self.row_tile, self.reduce_ctx)
         if self.row_tile is None:
             return F.linear(x, w, self.bias)
-        return tiled_linear(x, w, self.bias, self.row_tile)
+        return tiled_linear(x, w, self.bias, self.row_tile, self.col_blocks)
+
+    def adopt(self, layer) -> None:
+        """Take over the deterministic layout of the dense layer this one replaces (column blocks,
+        or a row-parallel layer's fixed slices), so packed and dense weights give the same bits."""
+        self.col_blocks = getattr(layer, "col_blocks", None)
+        if not getattr(layer, "fusable", True):
+            self.reduce_ctx = layer.ctx
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return None

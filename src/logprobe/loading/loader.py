@@ -11,7 +11,8 @@ from torch import nn
 
 from ..config import resolve_device, resolve_dtype
 from ..errors import LogprobeError
-from ..models.llama import LlamaConfig, LlamaModel
+from ..models.llama import LlamaConfig, LlamaModel, slice_count
+from ..parallel.context import ParallelContext
 from ..tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -74,8 +75,9 @@ def _check_weights(weights: str) -> str:
 
 
 def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype,
-                  rope_interleaved: bool = False) -> LlamaModel:
+                  rope_interleaved: bool = False, ctx: ParallelContext | None = None) -> LlamaModel:
     """rope_interleaved: q/k rows already arrive in the layout the model uses (llama GGUF).
+    ``ctx``: this rank's tensor-parallel group; ``tensors`` then yields this rank's slices.
 
     ``tensors`` yields (parameter name, tensor) or (parameter name, packed layer): a packed
     ``*.weight`` replaces the whole Linear (or the embedding) it belongs to."""
@@ -93,7 +95,7 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
         else:
             state[name] = w.to(device=device, dtype=dtype)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = LlamaModel(cfg, ctx=ctx)
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - state.keys() - packed.keys(), (state.keys() | packed.keys()) - expected
     if missing or unexpected:
@@ -119,11 +121,84 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
     for name, w in packed.items():
         parent, _, child = name.removesuffix(".weight").rpartition(".")
         owner = model.get_submodule(parent) if parent else model
+        if child != "embed_tokens":
+            w.adopt(getattr(owner, child))
         setattr(owner, child, PackedEmbedding(w, dtype) if child == "embed_tokens" else w)
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
     model.fuse_projections()
     return model.eval()
+
+
+def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+    """A rank's context for this model, after checking the model can be split ``size`` ways."""
+    from ..parallel.shard import check_tp, vocab_chunk_width
+
+    grid = vocab_chunk_width(cfg.vocab_size)
+    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // grid), size)
+    if cfg.intermediate_size % size:
+        raise LogprobeError("tensor_parallel_size", f"{size} does not divide the intermediate size "
+                            f"{cfg.intermediate_size}", "use a size that divides it")
+    return ParallelContext(rank, size, group, slice_count(cfg))
+
+
+def describe_model(spec: str | None = None, device: str | torch.device | None = "auto",
+                   dtype: str | torch.dtype | None = "auto") -> LoadedModel:
+    """Tokenizer, info and config of a native model with no weights (a meta-device model): what
+    the process that drives tensor-parallel workers needs, without holding the model."""
+    dev, dt = resolve_device(device), None
+    dt = resolve_dtype(dtype, dev)
+    path = resolve_spec(spec)
+    name = spec or DEFAULT_MODEL
+    if path.is_file():
+        from .gguf import _reader, gguf_config, gguf_tokenizer
+
+        reader = _reader(path)
+        arch, cfg = gguf_config(reader, path)
+        tokenizer = gguf_tokenizer(path, reader)
+    else:
+        from .hf import hf_tokenizer, native_config, read_config
+
+        raw = read_config(path)
+        cfg, why = native_config(raw)
+        if cfg is None:
+            raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
+                                "which has no tensor parallelism", "use a Llama-family model, or one GPU")
+        arch, tokenizer = str(raw.get("model_type")), hf_tokenizer(path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                     cfg.vocab_size, cfg.max_position_embeddings)
+    return LoadedModel(model, tokenizer, info)
+
+
+def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.device | None = "auto",
+               dtype: str | torch.dtype | None = "auto") -> LoadedModel:
+    """This rank's slices of a native model (``loading.sharding``): GGUF blocks and safetensors
+    slices are read for this rank only; quantized GGUF weights are expanded per rank (dense)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = resolve_spec(spec)
+    loaded = describe_model(spec, device, dtype)
+    cfg = loaded.model.config
+    ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
+    if path.is_file():
+        from .gguf import _reader, gguf_tensors, rope_interleaved
+        from .sharding import ShardedGGUF
+
+        reader = _reader(path)
+        arch = loaded.info.architecture
+        tensors = gguf_tensors(ShardedGGUF(reader, cfg, ctx), arch, cfg, packed=False)
+        model = _build_native(cfg, tensors, dev, dt, rope_interleaved(arch), ctx=ctx)
+    else:
+        from .hf import read_config
+        from .sharding import hf_shard_tensors
+
+        if read_config(path).get("quantization_config") is not None:
+            raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor "
+                                "parallelism reads float safetensors and GGUF files", "use one GPU for it")
+        model = _build_native(cfg, hf_shard_tensors(path, cfg, ctx), dev, dt, ctx=ctx)
+    return LoadedModel(model, loaded.tokenizer, loaded.info)
 
 
 def load_model(spec: str | None = None, device: str | torch.device | None = "auto",

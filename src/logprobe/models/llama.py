@@ -12,6 +12,10 @@ the batch's layout comes in that explicit argument.
 
 The names on the right are hook points (``interp.points``): an optional ``Hooks`` argument steers
 and captures there, per packed row (``layers.hooks``); without it the forward is unchanged.
+
+Tensor parallelism lives in the layers (``layers.parallel_linear``, ``layers.embedding``, the
+vocabulary-sharded head): a rank holds its heads and its share of the MLP, and the residual
+stream h is whole on every rank, so hooks see the full width whatever the TP size.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.activation import silu_mul
 from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.norm import RMSNorm
+from ..layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
+from ..parallel.context import ParallelContext
+from ..parallel.shard import kv_heads, num_slices, q_heads, vocab_chunk_width, vocab_shard
 from ..scoring.head import HeadParams
 
 
@@ -64,17 +72,28 @@ class LlamaConfig:
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
 
 
+def slice_count(cfg: LlamaConfig) -> int:
+    """Deterministic mode's inner-dimension slices (``parallel.shard.num_slices``) of this model."""
+    return num_slices(cfg.num_heads, cfg.intermediate_size)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+    """This rank's query heads and the kv heads they read (all of them with one rank)."""
+
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer of a chunk's KV cache is ours
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)
+        k0, k1 = kv_heads(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        D, S, H = cfg.head_dim, ctx.slices, cfg.hidden_size
+        kv_block = D * (cfg.num_kv_heads // S if cfg.num_kv_heads % S == 0 else 1)
+        self.q_proj = ColumnParallelLinear(H, self.num_heads * D, cfg.attention_bias, ctx, cfg.num_heads // S * D)
+        self.k_proj = ColumnParallelLinear(H, self.num_kv_heads * D, cfg.attention_bias, ctx, kv_block)
+        self.v_proj = ColumnParallelLinear(H, self.num_kv_heads * D, cfg.attention_bias, ctx, kv_block)
+        self.o_proj = RowParallelLinear(self.num_heads * D, H, False, ctx)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
@@ -101,11 +120,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        inter, block = cfg.intermediate_size // ctx.size, cfg.intermediate_size // ctx.slices
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, inter, False, ctx, block)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, inter, False, ctx, block)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx)
         self.gate_up_proj: Linear | None = None  # set by fuse(): gate and up in one matmul
         self.triton = True  # SiLU(gate) * up as one Triton pass on CUDA
 
@@ -121,14 +141,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
                                                                  "resid_post"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, ctx)
 
     def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
                 ) -> torch.Tensor:
@@ -147,25 +167,33 @@ class LlamaModel(nn.Module):
     supports_context = True  # shared-prefix segments and chunk KV caches (see AttentionMeta)
     supports_hooks = True  # steering and capture at the points of interp.points
 
-    def __init__(self, cfg: LlamaConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, rope_freq_factors: torch.Tensor | None = None,
+                 ctx: ParallelContext | None = None) -> None:
+        """``ctx``: this rank's tensor-parallel group (None: one rank, the whole model)."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.ctx = ctx = ctx or ParallelContext(slices=slice_count(cfg))
+        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
+        self.vocab_range = self.vocab_range_of(cfg, ctx)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        rows = self.vocab_range[1] - self.vocab_range[0]
+        self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, rows, False, ctx)
+
+    @staticmethod
+    def vocab_range_of(cfg: LlamaConfig, ctx: ParallelContext) -> tuple[int, int]:
+        """The vocabulary ids [start, end) of this rank's embedding and LM head rows."""
+        return vocab_shard(cfg.vocab_size, vocab_chunk_width(cfg.vocab_size), ctx.rank, ctx.size)
 
     @staticmethod
     def interleave_rope_weights(cfg: LlamaConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint (rotate-half) q/k rows -> the interleaved layout ``apply_rotary`` expects."""
         out = dict(state)
-        for name, w in state.items():
-            if ".self_attn.q_proj." in name:
-                out[name] = to_interleaved(w, cfg.num_heads)
-            elif ".self_attn.k_proj." in name:
-                out[name] = to_interleaved(w, cfg.num_kv_heads)
+        for name, w in state.items():  # per head, so a rank's shard of heads permutes the same way
+            if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+                out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim)
             elif ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:
                 out[name] = to_interleaved(w, 1)
         return out
@@ -186,7 +214,8 @@ class LlamaModel(nn.Module):
 
     def head_params(self) -> HeadParams:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return HeadParams(weight=weight)
+        return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
+                          comm=self.ctx if self.ctx.parallel else None, grid=self.vocab_grid)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                 hooks: Hooks | None = None) -> torch.Tensor:

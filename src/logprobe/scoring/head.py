@@ -11,6 +11,18 @@ For each scored row ``i`` with hidden state ``h_i`` and target ``y_i``:
 
 Rows are processed ``token_chunk`` at a time and the vocabulary ``vocab_chunk`` columns at a
 time, all in float32, so the extra memory is O(token_chunk * vocab_chunk) whatever T and V are.
+
+The vocabulary is folded into *partials* (max, sum-exp, sum-exp*z, count above the target, top-k)
+that ``kernels.logprob_head.combine_head_partials`` folds into the results. Under tensor
+parallelism each rank holds a vocabulary shard (``HeadParams.vocab_start``): the target logit
+comes from the rank that owns the target row (an exact all-reduce max of one float per row), each
+rank folds its shard, and only the partials cross ranks (an all-gather of a few floats per row),
+never logits. Deterministic mode folds one partial per chunk of a fixed vocabulary grid
+(``HeadParams.grid``, a function of the model only) and combines them in grid order, so a row's
+bits are the same whatever the batch and whatever the TP size:
+
+    V = 300, grid 48, TP = 2:  rank 0 chunks 0-3 (ids 0:192), rank 1 chunks 4-6 (ids 192:300)
+    partials gathered in rank order = chunks 0..6 in order = what TP = 1 computes
 """
 
 from __future__ import annotations
@@ -24,16 +36,29 @@ from ..errors import LogprobeError
 
 @dataclass(slots=True)
 class HeadParams:
-    """What maps final hidden states to logits: ``softcap(scale * (h @ weight.T + bias))``."""
+    """What maps final hidden states to logits: ``softcap(scale * (h @ weight.T + bias))``.
 
-    weight: torch.Tensor  # [V, H]
-    bias: torch.Tensor | None = None  # [V]
+    Under tensor parallelism ``weight`` holds vocabulary ids ``vocab_start .. vocab_start + rows``
+    of ``vocab_total``, and ``comm`` is the rank's ``parallel.ParallelContext``."""
+
+    weight: torch.Tensor  # [V_local, H]
+    bias: torch.Tensor | None = None  # [V_local]
     scale: float = 1.0
     softcap: float | None = None
+    vocab_start: int = 0
+    vocab_total: int | None = None  # None: the weight holds the whole vocabulary
+    comm: object | None = None  # ParallelContext, None = one rank
+    grid: int | None = None  # deterministic vocabulary chunk width; None = vocab_chunk_width(V)
 
     @property
     def vocab_size(self) -> int:
-        return self.weight.shape[0]
+        return self.vocab_total if self.vocab_total is not None else self.weight.shape[0]
+
+    @property
+    def grid_width(self) -> int:
+        from ..parallel.shard import vocab_chunk_width
+
+        return self.grid if self.grid is not None else vocab_chunk_width(self.vocab_size)
 
 
 @dataclass(slots=True)
@@ -59,11 +84,12 @@ def _transform(z: torch.Tensor, b: torch.Tensor | None, p: HeadParams) -> torch.
 
 def _kernel_applies(hidden: torch.Tensor, p: HeadParams, top_k: int, pad_chunks: bool) -> bool:
     from ..kernels import triton_available
-    from ..kernels.logprob_head import MAX_TOP_K
+    from ..kernels.logprob_head import DEFAULT_CONFIG, MAX_TOP_K
 
     if not hidden.is_cuda or top_k > MAX_TOP_K:
         return False
-
+    if pad_chunks and p.grid_width % DEFAULT_CONFIG.block_n:
+        return False  # the kernel's fixed splits are whole tiles: a grid that is not stays on this path
     w = p.weight
     return (triton_available() and w.device == hidden.device and w.dtype == hidden.dtype
             and hidden.stride(-1) == 1 and w.stride(-1) == 1)
@@ -84,10 +110,10 @@ def logprob_head(
 ) -> HeadOutput:
     """hidden [N, H], targets [N] -> HeadOutput. ``temperature`` is a float or a [N] tensor.
 
-    ``pad_chunks`` (deterministic mode): every row's numbers independent of the other rows,
-    bitwise: this loop zero-pads the last token chunk to ``token_chunk`` rows so every row goes
-    through identically shaped products; the kernel splits the vocabulary at fixed columns and
-    combines the splits in a fixed order.
+    ``pad_chunks`` (deterministic mode): every row's numbers independent of the other rows and of
+    the TP size, bitwise: this loop zero-pads the last token chunk to ``token_chunk`` rows so every
+    row goes through identically shaped products, and the vocabulary is folded per chunk of the
+    fixed grid, combined in grid order (the kernel splits at the same grid).
     ``backend``: "auto" runs the fused Triton kernel (``logprobe.kernels.logprob_head``) on CUDA
     when it applies (Triton present, top_k <= 20, hidden and weight of one dtype with contiguous
     rows) and this chunked PyTorch loop otherwise; "torch" always runs this loop; "triton"
@@ -102,77 +128,164 @@ def logprob_head(
         raise LogprobeError("targets", f"ids must be in [0, {V})")
     if top_k < 0 or top_k > V:
         raise LogprobeError("top_k", f"must be in [0, {V}], got {top_k}")
-    device = hidden.device
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(N).contiguous()
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device).expand(N).contiguous()
     if N and not bool(torch.isfinite(temp).all() and (temp > 0).all()):
         raise LogprobeError("temperature", "must be finite and > 0")
-
     if backend not in ("auto", "torch", "triton"):
         raise LogprobeError("backend", f"must be auto, torch or triton, got {backend!r}")
-    if backend == "triton" or (backend == "auto" and _kernel_applies(hidden, params, top_k, pad_chunks)):
-        from ..kernels.logprob_head import fused_logprob_head
+    inv_t = 1.0 / temp
+    kernel = backend == "triton" or (backend == "auto" and _kernel_applies(hidden, params, top_k, pad_chunks))
+    if kernel:
+        from ..kernels.logprob_head import _check
 
-        return HeadOutput(*fused_logprob_head(
-            hidden, params.weight, targets, 1.0 / temp, bias=params.bias, scale=params.scale,
-            softcap=params.softcap, top_k=top_k, entropy=entropy, deterministic=pad_chunks))
+        _check(hidden, params.weight, params.bias, targets, inv_t, top_k)
+    zy = _target_logits(hidden, params, targets, inv_t, token_chunk, kernel)
+    if params.comm is not None:
+        params.comm.all_reduce_max(zy)  # one rank owns each target: a max of one finite value and -inf
+    if kernel:
+        parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, pad_chunks)
+    else:
+        parts = _torch_partials(hidden, params, targets, zy, inv_t, top_k, entropy, token_chunk, vocab_chunk,
+                                pad_chunks)
+    parts = _gather_partials(parts, params, pad_chunks)
+    from ..kernels.logprob_head import combine_head_partials
 
-    out_lp = torch.empty(N, dtype=torch.float32, device=device)
-    out_lse = torch.empty(N, dtype=torch.float32, device=device)
-    out_rank = torch.empty(N, dtype=torch.int64, device=device)
-    out_ent = torch.empty(N, dtype=torch.float32, device=device) if entropy else None
-    out_tid = torch.empty(N, top_k, dtype=torch.int64, device=device) if top_k else None
-    out_tlp = torch.empty(N, top_k, dtype=torch.float32, device=device) if top_k else None
+    return HeadOutput(*combine_head_partials(zy, *parts, top_k=top_k, ordered=pad_chunks))
+
+
+def _local_targets(params: HeadParams, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets in the shard's row numbering, clamped to a valid row, and whether the shard owns them."""
+    local = targets - params.vocab_start
+    owned = (local >= 0) & (local < params.weight.shape[0])
+    return local.clamp(0, params.weight.shape[0] - 1), owned
+
+
+def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int, kernel: bool) -> torch.Tensor:
+    """z_{i,y_i} / T_i [N] float32 from the target's own row of W; -inf where another rank owns it."""
+    rows, owned = _local_targets(params, targets)
+    if kernel:
+        from ..kernels.logprob_head import fused_target_logits
+
+        zy = fused_target_logits(hidden, params.weight, rows, inv_t, bias=params.bias, scale=params.scale,
+                                 softcap=params.softcap)
+    else:
+        zy = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        bias = params.bias.float() if params.bias is not None else None
+        for r0 in range(0, hidden.shape[0], token_chunk):
+            r1 = min(r0 + token_chunk, hidden.shape[0])
+            y = rows[r0:r1]
+            z = (hidden[r0:r1].float() * params.weight[y].float()).sum(-1)  # [t]
+            zy[r0:r1] = _transform(z, bias[y] if bias is not None else None, params) * inv_t[r0:r1]
+    return zy.masked_fill_(~owned, float("-inf"))
+
+
+def _kernel_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, fixed: bool):
+    from ..kernels.logprob_head import fused_head_partials
+
+    local = targets - params.vocab_start  # may fall outside the shard: only compared with columns
+    return fused_head_partials(hidden, params.weight, local, zy, inv_t, bias=params.bias, scale=params.scale,
+                               softcap=params.softcap, top_k=top_k, entropy=entropy,
+                               split=params.grid_width if fixed else None, vocab_start=params.vocab_start)
+
+
+def _gather_partials(parts, params: HeadParams, fixed: bool):
+    """Every rank's partials, in rank order (= vocabulary order), on every rank: [P_total, N(, K)].
+    Ranks may hold different numbers of grid chunks: each pads to the most, and the padding
+    partials are dropped after the gather."""
+    comm = params.comm
+    if comm is None or comm.size == 1:
+        return parts
+    from ..parallel.shard import vocab_shard
+
+    counts = [len(range(*vocab_shard(params.vocab_size, params.grid_width, r, comm.size))[::params.grid_width])
+              for r in range(comm.size)] if fixed else [1] * comm.size
+    most = max(counts)
+    out = []
+    for t in parts:
+        if t is None:
+            out.append(None)
+            continue
+        if t.shape[0] < most:
+            t = torch.cat([t, t.new_zeros((most - t.shape[0], *t.shape[1:]))])
+        g = comm.all_gather(t)  # [size, most, N(, K)]
+        out.append(torch.cat([g[r, :counts[r]] for r in range(comm.size)]))
+    return tuple(out)
+
+
+def _torch_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, token_chunk, vocab_chunk,
+                    fixed: bool):
+    """The chunked PyTorch fold of this rank's vocabulary rows: one partial per grid chunk
+    (``fixed``) or one for the whole shard (online max / sum-exp over ``vocab_chunk`` columns)."""
+    N, H = hidden.shape
+    Vl = params.weight.shape[0]
+    step = params.grid_width if fixed else vocab_chunk
+    spans = [(v0, min(v0 + step, Vl)) for v0 in range(0, Vl, step)]
+    P = len(spans) if fixed else 1
+    dev = hidden.device
+    m = torch.empty(P, N, dtype=torch.float32, device=dev)
+    s, a = torch.empty_like(m), (torch.empty_like(m) if entropy else None)
+    c = torch.empty(P, N, dtype=torch.int64, device=dev)
+    tv = torch.empty(P, N, top_k, dtype=torch.float32, device=dev) if top_k else None
+    ti = torch.empty(P, N, top_k, dtype=torch.int64, device=dev) if top_k else None
     bias = params.bias.float() if params.bias is not None else None
-
     for r0 in range(0, N, token_chunk):
         r1 = min(r0 + token_chunk, N)
         h = hidden[r0:r1].float()  # [t, H]
-        if pad_chunks and r1 - r0 < token_chunk:
+        if fixed and r1 - r0 < token_chunk:
             h = torch.cat([h, h.new_zeros(token_chunk - (r1 - r0), H)])  # [token_chunk, H]
-        y = targets[r0:r1]  # [t]
-        inv_t = 1.0 / temp[r0:r1, None]  # [t, 1]
-        # Target logit from its own row of W, so the vocabulary walk needs a single pass.
-        wy = params.weight[y].float()  # [t, H]
-        zy = (h[: r1 - r0] * wy).sum(-1, keepdim=True)  # [t, 1]
-        zy = _transform(zy, bias[y, None] if bias is not None else None, params) * inv_t
-        m = torch.full((r1 - r0, 1), -torch.inf, device=device)  # running max
-        s = torch.zeros(r1 - r0, 1, device=device)  # running sum of exp(z - m)
-        a = torch.zeros(r1 - r0, 1, device=device) if entropy else None  # running sum of exp(z - m) * z
-        rank = torch.zeros(r1 - r0, dtype=torch.int64, device=device)
-        best_z = best_id = None
-        for v0 in range(0, V, vocab_chunk):
-            v1 = min(v0 + vocab_chunk, V)
+        fold = _Fold(r1 - r0, top_k, entropy, dev)
+        for p, (v0, v1) in enumerate(spans):
             w = params.weight[v0:v1].float()  # [v, H]
-            z = _transform((h @ w.T)[: r1 - r0], bias[v0:v1] if bias is not None else None, params) * inv_t  # [t, v]
-            m_new = torch.maximum(m, z.max(dim=1, keepdim=True).values)
-            alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
-            e = torch.exp(z - m_new)  # [t, v]
-            s = s * alpha + e.sum(dim=1, keepdim=True)
-            if a is not None:
-                a = a * alpha + (e * z).sum(dim=1, keepdim=True)
-            m = m_new
-            above = z > zy  # [t, v]
-            in_chunk = (y >= v0) & (y < v1)
-            if bool(in_chunk.any()):  # the target never outranks itself
-                rows = in_chunk.nonzero().squeeze(1)
-                above[rows, y[rows] - v0] = False
-            rank += above.sum(dim=1)
-            if top_k:
-                k = min(top_k, v1 - v0)
-                cz, ci = z.topk(k, dim=1)  # [t, k]
-                ci = ci + v0
-                if best_z is not None:
-                    cz, sel = torch.cat([best_z, cz], 1).topk(top_k, dim=1)
-                    ci = torch.cat([best_id, ci], 1).gather(1, sel)
-                best_z, best_id = cz, ci
-        lse = m + torch.log(s)  # [t, 1]
-        out_lse[r0:r1] = lse[:, 0]
-        out_lp[r0:r1] = (zy - lse)[:, 0]
-        out_rank[r0:r1] = rank
-        if out_ent is not None:
-            out_ent[r0:r1] = (lse - a / s)[:, 0]
-        if top_k:
-            out_tid[r0:r1] = best_id
-            out_tlp[r0:r1] = best_z - lse
-    return HeadOutput(out_lp, out_lse, out_rank, out_ent, out_tid, out_tlp)
+            z = _transform((h @ w.T)[: r1 - r0], bias[v0:v1] if bias is not None else None, params)
+            fold.add(z * inv_t[r0:r1, None], zy[r0:r1], targets[r0:r1] - params.vocab_start - v0,
+                     params.vocab_start + v0)
+            if fixed:
+                fold.write(p, r0, r1, m, s, a, c, tv, ti)
+                fold = _Fold(r1 - r0, top_k, entropy, dev)
+        if not fixed:
+            fold.write(0, r0, r1, m, s, a, c, tv, ti)
+    return m, s, a, c, tv, ti
 
+
+class _Fold:
+    """Running (max, sum-exp, sum-exp*z, count above target, top-k) of some rows over vocabulary chunks."""
+
+    def __init__(self, t: int, top_k: int, entropy: bool, dev) -> None:
+        self.m = torch.full((t,), -torch.inf, device=dev)
+        self.s = torch.zeros(t, device=dev)
+        self.a = torch.zeros(t, device=dev) if entropy else None
+        self.c = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.top_k = top_k
+        self.best_z = self.best_id = None
+
+    def add(self, z: torch.Tensor, zy: torch.Tensor, y_col: torch.Tensor, first_id: int) -> None:
+        """z [t, v] logits of vocabulary ids first_id.. ; y_col: each row's target column in z (any int)."""
+        m_new = torch.maximum(self.m, z.max(dim=1).values)
+        alpha = torch.exp(self.m - m_new)  # rescales what was summed under the old max
+        e = torch.exp(z - m_new[:, None])  # [t, v]
+        self.s = self.s * alpha + e.sum(dim=1)
+        if self.a is not None:
+            self.a = self.a * alpha + (e * z).sum(dim=1)
+        self.m = m_new
+        above = z > zy[:, None]  # [t, v]
+        rows = ((y_col >= 0) & (y_col < z.shape[1])).nonzero().squeeze(1)
+        if len(rows):  # the target never outranks itself
+            above[rows, y_col[rows]] = False
+        self.c += above.sum(dim=1)
+        if self.top_k:
+            k = min(self.top_k, z.shape[1])
+            cz, ci = z.topk(k, dim=1)  # [t, k]
+            ci = ci + first_id
+            if self.best_z is not None:
+                cz, sel = torch.cat([self.best_z, cz], 1).topk(min(self.top_k, self.best_z.shape[1] + k), dim=1)
+                ci = torch.cat([self.best_id, ci], 1).gather(1, sel)
+            self.best_z, self.best_id = cz, ci
+
+    def write(self, p: int, r0: int, r1: int, m, s, a, c, tv, ti) -> None:
+        m[p, r0:r1], s[p, r0:r1], c[p, r0:r1] = self.m, self.s, self.c
+        if a is not None:
+            a[p, r0:r1] = self.a
+        if tv is not None:
+            k = self.best_z.shape[1]
+            tv[p, r0:r1, :k], ti[p, r0:r1, :k] = self.best_z, self.best_id
+            tv[p, r0:r1, k:], ti[p, r0:r1, k:] = -torch.inf, 0  # a chunk narrower than k

@@ -1,0 +1,138 @@
+"""The engine of a parallel Scorer: replicas of tensor-parallel worker groups behind the
+``Engine.run`` interface (requests in, results in input order, ``on_result`` as they complete).
+
+Data parallelism spreads requests over the replicas by ``assign_replicas`` (pure; requests with
+a common leading run of ids stay together so their prefix is still shared), runs the replicas
+at once and merges the results. In deterministic mode a request's numbers do not depend on its
+companions, so they are bitwise the same whichever replica ran it and whatever the TP size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from multiprocessing import connection
+
+from ..config import EngineConfig
+from ..engine.request import RequestResult, ScoreRequest
+from ..errors import LogprobeError
+from .workers import LaunchSpec, WorkerGroup, default_threads, recv
+
+
+def assign_replicas(inputs: list[list[int]], replicas: int, key_len: int = 16) -> list[list[int]]:
+    """Request indices per replica. Requests whose first ``key_len`` ids agree form one group;
+    groups go, largest (tokens) first, to the replica with the fewest tokens so far (ties: the
+    lower replica). Each replica's list is in input order.
+
+        inputs tokens 10, 10, 30, 5 with keys A, A, B, C; 2 replicas:
+        groups B (30) -> r0, A (20) -> r1, C (5) -> r1      =>  [[2], [0, 1, 3]]
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(inputs):
+        groups.setdefault(tuple(ids[:key_len]) if len(ids) >= key_len else ("solo", i), []).append(i)
+    order = sorted(groups.values(), key=lambda g: (-sum(len(inputs[i]) for i in g), g[0]))
+    load = [0] * replicas
+    out: list[list[int]] = [[] for _ in range(replicas)]
+    for g in order:
+        r = min(range(replicas), key=lambda j: (load[j], j))
+        out[r].extend(g)
+        load[r] += sum(len(inputs[i]) for i in g)
+    return [sorted(x) for x in out]
+
+
+class ParallelEngine:
+    """``dp`` replicas of ``tp`` worker processes each (GPUs ``replica * tp .. + tp - 1``)."""
+
+    def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int) -> None:
+        self.config = config
+        self.tp, self.dp = tp, dp
+        self.groups: list[WorkerGroup] = []
+        threads = default_threads(tp * dp) if device == "cpu" else 1
+        try:
+            for r in range(dp):
+                self.groups.append(WorkerGroup(LaunchSpec(model, device, dtype, config, tp, r, r * tp,
+                                                          threads=threads)))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None = None,
+            progress: bool | None = None) -> list[RequestResult]:
+        if not all(g.alive for g in self.groups):
+            raise LogprobeError("tensor_parallel_size", "a worker of this scorer has died", "create a new Scorer")
+        results: list[RequestResult | None] = [None] * len(requests)
+        parts = assign_replicas([r.inputs for r in requests], self.dp, self.config.min_shared_prefix) \
+            if self.dp > 1 else [list(range(len(requests)))]
+        live = {}
+        for g, idx in zip(self.groups, parts):
+            if idx:
+                g.submit([requests[i] for i in idx])
+                live[g] = (idx, g.messages())
+        error = None
+        while live:
+            ready = connection.wait([c for g in live for c in g.conns] + [p.sentinel for g in live for p in g.procs])
+            for g in [g for g in list(live) if any(c in ready for c in g.conns + [p.sentinel for p in g.procs])]:
+                idx, it = live[g]
+                try:
+                    msg = next(it)
+                except StopIteration:
+                    del live[g]
+                    continue
+                except LogprobeError as e:  # this replica is done (or dead); let the others finish
+                    error = error or e
+                    del live[g]
+                    continue
+                i = idx[msg[1]]
+                results[i] = msg[2]
+                if on_result is not None:
+                    on_result(i, msg[2])
+        if error is not None:
+            raise error
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.close()
+        self.groups = []
+
+    @property
+    def param_bytes(self) -> list[list[int]]:
+        """Bytes of parameters held by each rank of each replica."""
+        return [g.param_bytes for g in self.groups]
+
+
+__all__ = ["ParallelEngine", "assign_replicas", "recv"]
+
+
+def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int):
+    """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks."""
+    import torch
+
+    from ..config import resolve_device
+    from ..engine.runner import Engine
+    from ..loading.loader import LoadedModel, describe_model, load_shard, parallel_context
+    from .context import ParallelContext
+
+    for name, n in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise LogprobeError(name, f"must be a positive integer, got {n!r}")
+    if isinstance(model, LoadedModel):
+        raise LogprobeError("model", "a loaded model cannot be split across processes",
+                            "pass the model's name or path with tensor_parallel_size / data_parallel_size")
+    dev = resolve_device(device)
+    if dev.type == "cuda" and tp * dp > torch.cuda.device_count():
+        raise LogprobeError("tensor_parallel_size", f"{tp} x {dp} ranks need {tp * dp} GPUs, this machine has "
+                            f"{torch.cuda.device_count()}", "use fewer ranks")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dp == 1:  # torchrun: this process is one rank
+        if dist.get_world_size() != tp:
+            raise LogprobeError("tensor_parallel_size", f"{tp} does not match the initialised process group's "
+                                f"{dist.get_world_size()} ranks", "pass the world size")
+        rank = dist.get_rank()
+        local = torch.device(f"cuda:{torch.cuda.current_device()}") if dev.type == "cuda" else dev
+        loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD), local, dtype)
+        return loaded, Engine(loaded.model, config, local), local
+    loaded = describe_model(model, device, dtype)
+    parallel_context(loaded.model.config, 0, tp)  # a size that cannot split the model fails here, before any process
+    engine = ParallelEngine(model, dev.type, str(dtype or "auto"), config, tp, dp)
+    return loaded, engine, dev

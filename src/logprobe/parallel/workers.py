@@ -1,0 +1,306 @@
+"""Worker processes owned by the library: one replica = ``tp`` processes, one per rank.
+
+The process that makes a ``Scorer(tensor_parallel_size=N)`` drives; it never holds weights. Each
+worker joins its replica's process group (NCCL on GPUs, gloo on CPU), reads only its shard of the
+weights (``loading.load_shard``) and then serves one message kind: *run these requests*. Every
+rank of a replica runs the same engine loop on the same requests (planning is a pure function of
+them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
+each request's result back as it completes, every rank sends ``done`` at the end.
+
+Workers are fresh interpreters (``python -m logprobe.parallel.workers``), not forks or
+multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
+needs no ``if __name__ == "__main__"`` guard. They connect back over a local authenticated
+socket. Messages are pickled with the plain pickler (tensors inline: no shared-memory handles to
+leak). A worker that dies is seen through its pidfd: the driver stops the rest of its replica and
+raises an error naming the rank; nothing waits forever, and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing import connection
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import LogprobeError
+
+READY_TIMEOUT_S = 600.0  # loading a large model's shard can take minutes
+
+
+class WorkerDied(LogprobeError):
+    pass
+
+
+@dataclass(slots=True)
+class LaunchSpec:
+    """What every worker of one replica needs (picklable)."""
+
+    model: str | None
+    device: str  # "cpu" or "cuda"
+    dtype: str
+    config: EngineConfig
+    tp: int
+    replica: int = 0
+    first_gpu: int = 0
+    port: int = 0
+    threads: int = 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def send(conn, msg) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
+    """Entry point of one rank (a spawned process)."""
+    import torch.distributed as dist
+
+    from ..engine.runner import Engine
+    from ..loading.loader import load_shard
+    from .context import ParallelContext
+
+    try:
+        torch.set_num_threads(spec.threads)
+        if spec.device == "cuda":
+            torch.cuda.set_device(spec.first_gpu + rank)
+            device, backend = f"cuda:{spec.first_gpu + rank}", "nccl"
+        else:
+            device, backend = "cpu", "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
+                                world_size=spec.tp)
+        loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD), device, spec.dtype)
+        engine = Engine(loaded.model, spec.config, torch.device(device))
+        send(conn, ("ready", _param_bytes(loaded.model)))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, then this process ends
+        send(conn, _error(e))
+        return
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):  # the driver is gone
+            break
+        if msg[0] == "close":
+            break
+        try:
+            on_result = (lambda i, r: send(conn, ("result", i, r))) if rank == 0 else None
+            engine.run(msg[1], on_result=on_result, progress=False)
+            send(conn, ("done",))
+        except BaseException as e:  # noqa: BLE001
+            send(conn, _error(e))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _error(e: BaseException):
+    if isinstance(e, LogprobeError):
+        return ("error", e.field, e.problem, e.fix)
+    return ("error", "worker", f"{type(e).__name__}: {e}", "")
+
+
+class _Proc:
+    """A worker process: its Popen, a pidfd that becomes readable when it exits, its connection."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.sentinel = os.pidfd_open(popen.pid)
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
+class WorkerGroup:
+    """The ``tp`` processes of one replica, started at construction and ready to run."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        spec.port = spec.port or free_port()
+        self.spec = spec
+        key = secrets.token_bytes(32)
+        listener = socket.create_server(("127.0.0.1", 0))
+        host, port = listener.getsockname()[:2]
+        self.procs: list[_Proc] = []
+        self.conns: list = [None] * spec.tp
+        try:
+            for rank in range(spec.tp):
+                cmd = [sys.executable, "-m", "logprobe.parallel.workers", host, str(port), key.hex(), str(rank)]
+                self.procs.append(_Proc(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=_worker_env())))
+            for _ in range(spec.tp):
+                self._accept(listener, key)
+            for conn in self.conns:
+                send(conn, spec)
+            self.param_bytes = []
+            for rank in range(spec.tp):
+                msg = self._recv(rank, READY_TIMEOUT_S)
+                if msg[0] == "error":
+                    raise LogprobeError(*msg[1:])
+                self.param_bytes.append(msg[1])
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def _accept(self, listener, key: bytes) -> None:
+        """The next worker to connect proves it holds ``key`` and says its rank (raw bytes: nothing
+        is unpickled from a peer before that); a worker that dies first is an error."""
+        import hmac
+        import select
+
+        end = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < end:
+            ready, _, _ = select.select([listener, *[p.sentinel for p in self.procs]], [], [], 1.0)
+            for r, p in enumerate(self.procs):
+                if p.sentinel in ready:
+                    self._died(r)
+            if listener in ready:
+                sock, _ = listener.accept()
+                conn = connection.Connection(sock.detach())
+                hello = conn.recv_bytes(64)
+                rank = int.from_bytes(hello[len(key):], "little")
+                if not hmac.compare_digest(hello[:len(key)], key) or not 0 <= rank < len(self.conns):
+                    conn.close()
+                    continue
+                self.conns[rank] = conn
+                return
+        raise WorkerDied("tensor_parallel_size", f"workers did not connect within {READY_TIMEOUT_S:.0f} s")
+
+    def submit(self, requests) -> None:
+        for conn in self.conns:
+            send(conn, ("run", requests))
+
+    def messages(self):
+        """Yield ("result", i, result) from rank 0 until every rank is done; raise a rank's error."""
+        done, error = set(), None
+        while len(done) < len(self.conns):
+            for rank in self._ready(sorted(set(range(len(self.conns))) - done)):
+                msg = recv(self.conns[rank])
+                if msg[0] == "result":
+                    yield msg
+                else:
+                    done.add(rank)
+                    if msg[0] == "error" and error is None:
+                        error = msg
+        if error is not None:
+            raise LogprobeError(*error[1:])
+
+    def _ready(self, ranks: list[int]) -> list[int]:
+        """Ranks with a message; a dead worker is an error naming it (and ends the replica)."""
+        conns = {self.conns[r]: r for r in ranks}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while True:
+            ready = connection.wait([*conns, *sentinels], timeout=5.0)
+            got = [conns[c] for c in ready if c in conns]
+            if got:
+                return got
+            for s in ready:
+                if s in sentinels:
+                    self._died(sentinels[s])
+
+    def _recv(self, rank: int, timeout: float):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.conns[rank].poll(1.0):
+                return recv(self.conns[rank])
+            if not self.procs[rank].is_alive():
+                self._died(rank)
+        raise WorkerDied("tensor_parallel_size", f"worker rank {rank} did not start within {timeout:.0f} s")
+
+    def _died(self, rank: int) -> None:
+        code = self.procs[rank].exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        self.close()
+        raise WorkerDied("tensor_parallel_size", f"worker rank {rank} of replica {self.spec.replica} died "
+                         f"({how}, pid {self.procs[rank].pid})",
+                         "its replica was stopped; create a new Scorer (out of memory? fewer tokens per batch)")
+
+    def close(self, timeout: float = 10.0) -> None:
+        for conn, p in zip(self.conns, self.procs):
+            if conn is not None and p.is_alive():
+                try:
+                    send(conn, ("close",))
+                except (OSError, BrokenPipeError):
+                    pass
+        end = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in self.procs:  # blocked in a collective with a dead peer: stop it
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        for p in self.procs:
+            if p.sentinel is not None:
+                os.close(p.sentinel)
+                p.sentinel = None
+        self.conns = []
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.conns) and all(p.is_alive() for p in self.procs)
+
+
+def _worker_env() -> dict[str, str]:
+    """The caller's environment, with this package importable in the worker."""
+    import logprobe
+
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.abspath(logprobe.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _main(argv: list[str]) -> None:
+    host, port, key, rank = argv
+    conn = connection.Connection(socket.create_connection((host, int(port))).detach())
+    conn.send_bytes(bytes.fromhex(key) + int(rank).to_bytes(4, "little"))
+    worker_main(recv(conn), int(rank), conn)
+
+
+def default_threads(processes: int) -> int:
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
