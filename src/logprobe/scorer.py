@@ -146,17 +146,44 @@ class Scorer:
     def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
                  dtype: str | None = "auto", max_batch_tokens: int = 8192, progress: bool | None = None,
                  deterministic: bool = False, config: EngineConfig | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
-        tiles everywhere, see EngineConfig). ``batch_invariant`` is its old name."""
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+        tiles everywhere, see EngineConfig), and whatever the TP size. ``batch_invariant`` is its
+        old name.
+
+        ``tensor_parallel_size`` / ``data_parallel_size``: the model split over N ranks, and M such
+        replicas; the library starts and owns the N * M worker processes (``parallel.workers``;
+        GPUs 0 .. N*M - 1 on CUDA, gloo processes on CPU) and this process holds no weights. Under
+        ``torchrun`` (a process group already initialised with N ranks) every rank makes its
+        Scorer with the same arguments and calls it with the same inputs. ``close()`` stops the
+        workers."""
         self.config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress,
                                              deterministic=deterministic or batch_invariant)
+        if tensor_parallel_size != 1 or data_parallel_size != 1:
+            from .parallel.engine import parallel_parts
+
+            self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, self.config,
+                                                                   tensor_parallel_size, data_parallel_size)
+        else:
+            self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+            self.device = next(self.loaded.model.parameters()).device
+            self.engine = Engine(self.loaded.model, self.config, self.device)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
-        self.device = next(self.loaded.model.parameters()).device
-        self.engine = Engine(self.loaded.model, self.config, self.device)
+
+    def close(self) -> None:
+        """Stop worker processes (parallel scorers); a no-op otherwise."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- continuations -------------------------------------------------------------------------
 
@@ -540,6 +567,10 @@ class Scorer:
         as llama.cpp's ``--kl-divergence``. ``reference`` may be a Scorer, a LoadedModel or a model
         spec (loaded on this scorer's device)."""
         from .scoring.compare import compare_requests, compare_stats
+
+        if not isinstance(self.engine, Engine):
+            raise LogprobeError("tensor_parallel_size", "compare runs both models in this process",
+                                "compare with scorers made without tensor_parallel_size / data_parallel_size")
 
         if not isinstance(reference, Scorer):
             reference = Scorer(reference, device=str(self.device), config=self.config)

@@ -48,6 +48,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     text = _read_text(args.text_file, "--text-file")
     if not text.strip():
         raise LogprobeError("--text-file", "is empty (no text to score)", "give a file with some text")
+    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
+        raise LogprobeError("--tensor-parallel-size", "compare runs both models in this process",
+                            "drop --tensor-parallel-size / --data-parallel-size")
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, deterministic=args.deterministic)
     q = Scorer(load_model(args.model, args.device, args.dtype, weights=args.weights), config=config)
     r = Scorer(load_model(args.reference, args.device, args.dtype, weights=args.weights), config=config)

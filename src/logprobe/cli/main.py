@@ -38,10 +38,15 @@ _MODELS: dict[tuple[str | None, str, str], LoadedModel] = {}
 
 
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
-               max_batch_tokens: int = 8192, deterministic: bool = False) -> Scorer:
-    """A Scorer on a cached loaded model: the same weights the CLI uses within this process."""
+               max_batch_tokens: int = 8192, deterministic: bool = False, tensor_parallel_size: int = 1,
+               data_parallel_size: int = 1) -> Scorer:
+    """A Scorer on a cached loaded model: the same weights the CLI uses within this process
+    (parallel scorers own worker processes and are not cached)."""
     # validates before the slow load
     config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic)
+    if tensor_parallel_size != 1 or data_parallel_size != 1:
+        return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
+                      data_parallel_size=data_parallel_size)
     key = (model, device, dtype)
     if key not in _MODELS:
         _MODELS[key] = load_model(model, device, dtype)
@@ -64,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic", "--batch-invariant", dest="deterministic", action="store_true",
                    help="bitwise-identical numbers whatever shares a batch, its order, budget, chunking or "
                         "prefix sharing (native models; slower, see docs/perf.md)")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (GPUs, or gloo processes on CPU); worker processes are "
+                        "started and owned by logprobe (default: %(default)s)")
+    g.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="M",
+                   help="M replicas (each of --tensor-parallel-size ranks) sharing the requests (default: %(default)s)")
     g.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table/report")
 
     head = argparse.ArgumentParser(add_help=False)
@@ -180,7 +190,8 @@ def _fail(message: str) -> int:
 
 
 def _scorer(args: argparse.Namespace) -> Scorer:
-    return get_scorer(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic)
+    return get_scorer(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
+                      args.tensor_parallel_size, args.data_parallel_size)
 
 
 # -- score -----------------------------------------------------------------------------------------

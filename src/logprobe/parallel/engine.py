@@ -65,7 +65,7 @@ class ParallelEngine:
         live = {}
         for g, idx in zip(self.groups, parts):
             if idx:
-                g.submit([requests[i] for i in idx])
+                g.submit([requests[i] for i in idx], self.config)
                 live[g] = (idx, g.messages())
         error = None
         while live:
@@ -134,5 +134,6 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int)
         return loaded, Engine(loaded.model, config, local), local
     loaded = describe_model(model, device, dtype)
     parallel_context(loaded.model.config, 0, tp)  # a size that cannot split the model fails here, before any process
-    engine = ParallelEngine(model, dev.type, str(dtype or "auto"), config, tp, dp)
+    dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
+    engine = ParallelEngine(model, dev.type, dt, config, tp, dp)
     return loaded, engine, dev

@@ -100,6 +100,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             break
         try:
             on_result = (lambda i, r: send(conn, ("result", i, r))) if rank == 0 else None
+            engine.config = msg[2]  # the driver's config of this run (e.g. deterministic on or off)
             engine.run(msg[1], on_result=on_result, progress=False)
             send(conn, ("done",))
         except BaseException as e:  # noqa: BLE001
@@ -201,16 +202,19 @@ class WorkerGroup:
                 return
         raise WorkerDied("tensor_parallel_size", f"workers did not connect within {READY_TIMEOUT_S:.0f} s")
 
-    def submit(self, requests) -> None:
+    def submit(self, requests, config: EngineConfig) -> None:
         for conn in self.conns:
-            send(conn, ("run", requests))
+            send(conn, ("run", requests, config))
 
     def messages(self):
         """Yield ("result", i, result) from rank 0 until every rank is done; raise a rank's error."""
         done, error = set(), None
         while len(done) < len(self.conns):
             for rank in self._ready(sorted(set(range(len(self.conns))) - done)):
-                msg = recv(self.conns[rank])
+                try:
+                    msg = recv(self.conns[rank])
+                except (EOFError, OSError):  # its end of the socket closed: the process is going
+                    self._died(rank)
                 if msg[0] == "result":
                     yield msg
                 else:
@@ -243,6 +247,7 @@ class WorkerGroup:
         raise WorkerDied("tensor_parallel_size", f"worker rank {rank} did not start within {timeout:.0f} s")
 
     def _died(self, rank: int) -> None:
+        self.procs[rank].join(5.0)
         code = self.procs[rank].exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         self.close()

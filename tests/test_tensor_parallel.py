@@ -1,0 +1,199 @@
+"""Tensor and data parallelism on CPU: worker processes over gloo, owned by the library.
+
+TP = 2 and 4 against TP = 1 on tiny Llama (GQA: 2 kv heads, replicated at TP = 4), Qwen2 (qkv bias,
+tied embeddings), Qwen3 (q/k norm, head_dim 32 != hidden / heads) and Mistral (sliding window):
+<= 1e-5 in default mode, raw bits equal in deterministic mode (log-probs, entropy, ranks, top-k),
+<= 1e-4 against float64 transformers. Then shard-by-shard loading, prefix sharing / chunking /
+hooks under TP, data-parallel replicas, and the errors (sizes that do not split the model, a
+GGUF block cut, a worker killed mid-run).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import make_hf_dir, random_sequences, ref_logprobs, write_tiny_gguf
+from logprobe import Scorer
+from logprobe.config import EngineConfig
+from logprobe.errors import LogprobeError
+
+OPTS = dict(temperature=0.7, top_k=5, entropy=True)
+FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
+
+
+def _set_mode(scorer: Scorer, deterministic: bool) -> None:
+    scorer.config = EngineConfig(deterministic=deterministic, max_batch_tokens=scorer.config.max_batch_tokens)
+    scorer.engine.config = scorer.config
+
+
+def _sequences():
+    seqs = random_sequences(6, seed=3)
+    shared = [7] * 20  # two completions of one prompt: a shared prefix tree under TP too
+    seqs += [{"prompt_token_ids": shared, "completion_token_ids": [9, 10, 11]},
+             {"prompt_token_ids": shared, "completion_token_ids": [12, 13]}]
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {k: (root / k, make_hf_dir(root / k, k)) for k in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+def _bits_equal(a, b) -> bool:
+    def eq(u, v):
+        return (u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
+
+    return len(a) == len(b) and all(eq(getattr(x, f), getattr(y, f)) for x, y in zip(a, b) for f in FIELDS)
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x.logprobs - y.logprobs).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind, sizes", [("llama", (2, 4)), ("qwen2", (2, 4)), ("qwen3", (2, 4)), ("mistral", (2,))])
+def test_tp_equals_tp1(kind, sizes, hf_models):
+    path, ref_model = hf_models[kind]
+    seqs = _sequences()
+    one = Scorer(str(path), device="cpu")
+    want = {}
+    for det in (False, True):
+        _set_mode(one, det)
+        want[det] = one.logprobs(seqs, **OPTS)
+    for seq, got in zip(seqs, want[False]):  # TP = 1 itself against float64
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        ref = ref_logprobs(ref_model, ids, OPTS["temperature"])
+        n = len(seq["prompt_token_ids"])
+        exact = ref[torch.arange(n - 1, len(ids) - 1), torch.tensor(ids[n:])]
+        assert (got.logprobs.double() - exact).abs().max() < 1e-4
+    for tp in sizes:
+        with Scorer(str(path), device="cpu", tensor_parallel_size=tp) as s:
+            for det in (False, True):
+                _set_mode(s, det)
+                got = s.logprobs(seqs, **OPTS)
+                if det:
+                    assert _bits_equal(got, want[det]), (kind, tp)
+                else:
+                    assert _max_diff(got, want[det]) <= 1e-5, (kind, tp)
+                    for x, y in zip(got, want[det]):
+                        assert (x.entropy - y.entropy).abs().max() <= 1e-5
+                        assert torch.equal(x.topk_ids, y.topk_ids)
+
+
+def test_tp_engine_features_and_data_parallel(hf_models):
+    """Chunked long sequences, prefix sharing, capture and steering under TP = 2 (deterministic:
+    bitwise equal to TP = 1), and 2 data-parallel replicas of TP = 2 equal to one scorer."""
+    path, _ = hf_models["llama"]
+    long = {"prompt_token_ids": list(range(2, 250)), "completion_token_ids": list(range(40, 140))}
+    seqs = _sequences() + [long]
+    hooks = dict(capture=[{"at": "blocks.1.resid_post", "positions": "last"}],
+                 steer=[{"at": "blocks.0.resid_post", "vector": [0.5] * 64, "coeff": 2.0}])
+    one = Scorer(str(path), device="cpu", deterministic=True, max_batch_tokens=96)
+    want = one.logprobs(seqs, **OPTS)
+    want_hooks = one.logprobs(seqs[:3], **hooks)
+    with Scorer(str(path), device="cpu", deterministic=True, max_batch_tokens=96, tensor_parallel_size=2,
+                data_parallel_size=2) as s:
+        assert s.engine.dp == 2 and len(s.engine.groups) == 2
+        got = s.logprobs(seqs, **OPTS)
+        assert _bits_equal(got, want)
+        got_hooks = s.logprobs(seqs[:3], **hooks)
+        assert _bits_equal(got_hooks, want_hooks)
+        for x, y in zip(got_hooks, want_hooks):
+            assert x.captures[0].value.shape[-1] == 64 and torch.equal(x.captures[0].value, y.captures[0].value)
+        ppl = s.perplexity("The quick brown fox jumps over the lazy dog. " * 8, context_length=64, stride=16)
+        assert ppl.perplexity == one.perplexity("The quick brown fox jumps over the lazy dog. " * 8,
+                                                context_length=64, stride=16).perplexity
+
+
+def test_shard_loading_holds_only_the_rank_share(hf_models):
+    path, _ = hf_models["qwen2"]
+    full = sum(p.numel() * p.element_size() for p in Scorer(str(path), device="cpu").loaded.model.parameters())
+    with Scorer(str(path), device="cpu", tensor_parallel_size=2) as s:
+        per_rank = s.engine.param_bytes[0]
+    # norms are replicated (a few KiB); everything else is split in two
+    assert all(b < 0.55 * full for b in per_rank), (per_rank, full)
+    assert sum(per_rank) < 1.05 * full
+
+
+def test_gguf_tp_reads_blocks_and_refuses_a_cut(tmp_path, hf_models):
+    _, ref_model = hf_models["llama"]
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, ref_model.float(), "Q8_0")
+    seqs = _sequences()[:4]
+    want = Scorer(str(gguf), device="cpu", deterministic=True).logprobs(seqs)
+    with Scorer(str(gguf), device="cpu", deterministic=True, tensor_parallel_size=2) as s:
+        assert _bits_equal(s.logprobs(seqs), want)
+    # TP = 4 would cut o_proj's 64 inputs into 16-wide pieces of 32-weight Q8_0 blocks
+    with pytest.raises(LogprobeError, match="cut inside its blocks of 32"):
+        Scorer(str(gguf), device="cpu", tensor_parallel_size=4)
+
+
+def test_tp_size_errors(hf_models):
+    path, _ = hf_models["llama"]
+    with pytest.raises(LogprobeError, match="does not divide the 4 attention heads"):
+        Scorer(str(path), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(LogprobeError, match="positive integer"):
+        Scorer(str(path), device="cpu", tensor_parallel_size=0)
+    with pytest.raises(LogprobeError, match="default model|heads"):
+        Scorer(None, device="cpu", tensor_parallel_size=2)  # SmolLM2: 9 heads
+
+
+def _children() -> set[int]:
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            return {int(x) for x in f.read().split()}
+    except OSError:
+        return set()
+
+
+def test_worker_killed_mid_run_is_an_error_naming_the_rank(hf_models):
+    path, _ = hf_models["llama"]
+    before = _children()
+    s = Scorer(str(path), device="cpu", tensor_parallel_size=2, max_batch_tokens=16)
+    victim = s.engine.groups[0].procs[1]
+    seqs = [{"prompt_token_ids": list(range(2, 200)), "completion_token_ids": list(range(2, 200))}] * 30
+    threading.Timer(1.5, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(LogprobeError, match=r"worker rank 1 of replica 0 died \(signal 9"):
+        s.logprobs(seqs)
+    assert time.monotonic() - t0 < 60  # no hang
+    with pytest.raises(LogprobeError, match="has died"):
+        s.logprobs(seqs[:1])
+    s.close()
+    assert _children() <= before  # no process left behind (reaped: no zombies)
+
+
+def test_serve_with_tensor_parallelism_matches_the_library(hf_models):
+    """``logprobe serve --tensor-parallel-size 2 --deterministic`` (a real process, real HTTP):
+    /v1/logprobs equals the library at TP = 1, bitwise (JSON floats round-trip float32 exactly)."""
+    import subprocess
+    import sys
+
+    import requests
+
+    from server_util import free_port, wait_http
+
+    path, _ = hf_models["llama"]
+    seqs = _sequences()[:4]
+    want = Scorer(str(path), device="cpu", deterministic=True).logprobs(seqs, temperature=0.7)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "logprobe.cli.main", "serve", "--model", str(path), "--device",
+                             "cpu", "--port", str(port), "--deterministic", "--tensor-parallel-size", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_http(f"http://127.0.0.1:{port}", timeout=180)
+        r = requests.post(f"http://127.0.0.1:{port}/v1/logprobs", json={"sequences": seqs, "temperature": 0.7},
+                          timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()["results"]
+        for g, w in zip(got, want):
+            assert torch.equal(torch.tensor(g["logprobs"], dtype=torch.float32), w.logprobs)
+    finally:
+        proc.terminate()
+        proc.wait(60)
