@@ -179,17 +179,18 @@ def test_logprob_head_dispatches_to_kernel(monkeypatch):
     import logprobe.kernels.logprob_head as k
 
     calls = []
-    real = k.fused_logprob_head
-    monkeypatch.setattr(k, "fused_logprob_head", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = k.fused_head_partials
+    monkeypatch.setattr(k, "fused_head_partials", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     h, p, y, temp = make_case(64, 128, 1000, torch.bfloat16, "plain", "cuda")
     logprob_head(h, p, y, temp, top_k=3)
     assert calls == [1]
     logprob_head(h, p, y, temp, top_k=MAX_TOP_K + 1)  # too many for the kernel: PyTorch head
     assert calls == [1]
-    # deterministic mode runs the kernel too, with fixed vocabulary splits, and its rows do not
-    # depend on the other rows: the first 10 rows alone equal them among 64
+    # deterministic mode runs the kernel too, with fixed vocabulary splits (the head's grid), and
+    # its rows do not depend on the other rows: the first 10 rows alone equal them among 64
     seen = []
-    monkeypatch.setattr(k, "fused_logprob_head", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    monkeypatch.setattr(k, "fused_head_partials", lambda *a, **kw: seen.append(kw["split"]) or real(*a, **kw))
+    p.grid = 256
     full = logprob_head(h, p, y, temp, pad_chunks=True)
     part = logprob_head(h[:10], p, y[:10], temp[:10], pad_chunks=True)
-    assert seen == [True, True] and torch.equal(full.logprobs[:10], part.logprobs)
+    assert seen == [256, 256] and torch.equal(full.logprobs[:10], part.logprobs)

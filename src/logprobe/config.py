@@ -65,6 +65,12 @@ class EngineConfig:
         reduces across rows, so a row's bits do not depend on its companions (1.01x the default
         mode's time on llama-8b, docs/perf.md). "triton": logprobe's fixed-tile Triton matmul
         (``kernels.matmul``), invariant by construction, independent of cuBLAS's heuristics, slower.
+    tp_invariant: deterministic mode's numbers are also the same bits for every tensor-parallel
+        size dividing the model's slice count (``parallel.shard.num_slices``; 8 for Llama-3-8B):
+        row-parallel products as fixed inner slices summed by one pairwise tree, column-parallel
+        ones in fixed column blocks (Triton fixed tiles on CUDA). Costs extra products at every TP
+        size, TP = 1 included (docs/perf.md); False keeps deterministic mode batch-invariant at
+        the TP size in use only, at the cost it had before tensor parallelism.
     """
 
     max_batch_tokens: int = 8192
@@ -78,6 +84,7 @@ class EngineConfig:
     attention_block: int = 64
     share_prefixes: bool = True
     min_shared_prefix: int = 16
+    tp_invariant: bool = True
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile",

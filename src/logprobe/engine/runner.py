@@ -267,6 +267,7 @@ class Engine:
         for m in self._linears:
             m.row_tile = tile
             m.invariant_kernel = cfg.invariant_matmul
+            m.tp_invariant = cfg.tp_invariant
         for m in self._norms:
             m.invariant = self.config.deterministic
 

@@ -15,6 +15,7 @@ from torch import nn
 class Linear(nn.Module):
     fusable = True  # a plain dense product (packed and row-parallel layers say False)
     col_blocks: list[int] | None = None
+    tp_invariant = True  # deterministic mode honours col_blocks (set per run by the engine)
 
     """``row_tile``: when set, each row's result is bitwise independent of how many rows came
     with it (batch invariance): rows are multiplied in fixed tiles of that many rows (the last
@@ -38,11 +39,21 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile is None:
             return F.linear(x, self.weight, self.bias)
-        if self.invariant_kernel == "triton" and x.is_cuda and x.dim() == 2 and _triton():
-            from ..kernels.matmul import invariant_linear
+        return invariant_product(x, self.weight, self.bias, self.row_tile,
+                                 self.col_blocks if self.tp_invariant else None, self.invariant_kernel)
 
-            return invariant_linear(x, self.weight, self.bias)  # fixed tiles: invariant in rows and columns
-        return tiled_linear(x, self.weight, self.bias, self.row_tile, self.col_blocks)
+
+def invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,
+                      col_blocks: list[int] | None, kernel: str = "cublas") -> torch.Tensor:
+    """Deterministic mode's ``F.linear``: a row's bits independent of the other rows, and (with
+    ``col_blocks``) a column's bits independent of the other columns. On CUDA the Triton
+    fixed-tile matmul gives both by construction (every output tile is one program with the same
+    K loop), so many narrow column blocks run there instead of as narrow cuBLAS products."""
+    if x.is_cuda and x.dim() == 2 and (kernel == "triton" or col_blocks) and _triton():
+        from ..kernels.matmul import invariant_linear
+
+        return invariant_linear(x, weight, bias)
+    return tiled_linear(x, weight, bias, row_tile, col_blocks)
 
 
 def _triton() -> bool:

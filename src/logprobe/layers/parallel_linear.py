@@ -55,17 +55,24 @@ class RowParallelLinear(Linear):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel_product(x, self.weight, self.bias, self.row_tile, self.ctx)
+        return row_parallel_product(x, self.weight, self.bias, self.row_tile, self.ctx, self.tp_invariant)
 
 
 def row_parallel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int | None,
-                         ctx: ParallelContext) -> torch.Tensor:
+                         ctx: ParallelContext, tp_invariant: bool = True) -> torch.Tensor:
     """``sum over ranks of x_r W_r^T (+ bias)`` as ``RowParallelLinear`` defines it (packed layers
-    that replace a row-parallel one call this with their expanded weight)."""
+    that replace a row-parallel one call this with their expanded weight). Deterministic mode
+    without ``tp_invariant``: one product per rank, the rank totals still gathered and summed in
+    a fixed order (an all-reduce's order depends on where a row sits in the buffer)."""
     if row_tile is None:
         if not ctx.parallel:
             return F.linear(x, weight, bias)
         y = ctx.all_reduce_sum(F.linear(x, weight))  # [T, out]
+        return y if bias is None else y + bias
+    if not tp_invariant:
+        if not ctx.parallel:
+            return tiled_linear(x, weight, bias, row_tile)
+        y = ctx.tree_sum([tiled_linear(x, weight, None, row_tile, out_dtype=torch.float32)]).to(x.dtype)
         return y if bias is None else y + bias
     n = max(1, ctx.slices // ctx.size)  # this rank's slices
     width = weight.shape[1] // n

@@ -1,0 +1,270 @@
+"""Tensor and data parallelism on GPUs: TP = 1 vs TP = 2 vs 2 data-parallel replicas (issue 16),
+and the TP = 1 path through the new parallel layers against an older checkout (issue 15).
+
+A random-init bf16 Llama (default llama-8b) is written once as a Hugging Face directory (the
+workers read their shards from it, as users' models are read), then scored through the public
+API (``Scorer``, default ``max_batch_tokens``) on the workloads of bench/gpu_scoring.py:
+W1 RL groups (32 prompts x 8 completions) and W3 perplexity windows (256k tokens, 2048 / 512).
+Printed per configuration and mode (default, deterministic): seconds, input tokens/s, MFU on the
+unique-token FLOPs against the summed matmul ceiling of the GPUs used, per-token max / mean
+|Δ log-prob| against TP = 1 of the same mode, and a bitwise flag.
+
+    python bench/gpu_tp.py --workloads W1,W3                    # needs 2 GPUs for TP / DP rows
+    python bench/gpu_tp.py --old-src old_src --skip-parallel    # TP = 1 today vs an older src/ tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_scoring import MODELS, matmul_ceiling, unique_flops, workload  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def write_checkpoint(name: str, path: Path) -> None:
+    """Random bf16 weights (seeded per tensor), config.json and a byte-level tokenizer."""
+    import transformers as tf
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from logprobe.loading.hf import native_config
+    from logprobe.models.llama import LlamaModel
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tf.LlamaConfig(**MODELS[name], bos_token_id=1, eos_token_id=2, initializer_range=0.02)
+    lc, _ = native_config(cfg.to_dict())
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaModel(lc).state_dict().items()}
+    files, part, size = [], {}, 0
+    for i, (k, shape) in enumerate(sorted(shapes.items())):
+        g = torch.Generator("cuda").manual_seed(i)
+        t = torch.ones(shape, device="cuda") if len(shape) == 1 else torch.randn(shape, generator=g, device="cuda") * 0.02
+        key = "lm_head.weight" if k == "lm_head.weight" else "model." + k
+        part[key] = t.to(torch.bfloat16).cpu()
+        size += part[key].numel() * 2
+        if size > 4 << 30:
+            files.append(part)
+            part, size = {}, 0
+    files.append(part)
+    index = {}
+    for j, p in enumerate(files):
+        fname = f"model-{j:05d}.safetensors"
+        save_file(p, str(path / fname))
+        index.update({k: fname for k in p})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg.save_pretrained(str(path))
+    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(str(path))
+
+
+def timed(engine, reqs):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = engine.run(reqs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, torch.cat([r.logprobs for r in out])
+
+
+def set_mode(scorer, det: bool) -> None:
+    from logprobe.config import EngineConfig
+
+    scorer.config = EngineConfig(deterministic=det, progress=False)
+    scorer.engine.config = scorer.config
+
+
+def run_config(label, scorer, loads, reqs_by_w, det_modes, ref, rows, gpus, ceiling, lc):
+    for det in det_modes:
+        set_mode(scorer, det)
+        for w, reqs in reqs_by_w.items():
+            scorer.engine.run(reqs if w == "W1" else reqs[:16])  # warm-up: every kernel specialisation compiled
+            secs, lp = timed(scorer.engine, reqs)
+            toks = sum(r.num_inputs for r in reqs)
+            mfu = unique_flops(lc, reqs) / secs / (ceiling * 1e12 * gpus)
+            key = (w, det)
+            row = dict(config=label, workload=w, mode="det" if det else "default", s=round(secs, 3),
+                       tok_s=round(toks / secs), mfu=round(mfu, 3), load_s=round(loads, 1))
+            if key in ref:
+                d = (lp - ref[key]).abs()
+                row.update(max_d=float(d.max()), mean_d=float(d.mean()), bitwise=bool(torch.equal(lp, ref[key])))
+            else:
+                ref[key] = lp
+            rows.append(row)
+            log(json.dumps(row))
+
+
+def old_vs_new(args, path: Path) -> None:
+    """TP = 1 in a fresh process per source tree: today's src/ and ``--old-src``."""
+    for src in ("src", args.old_src):
+        cmd = [sys.executable, __file__, "--time-only", "--model-dir", str(path), "--workloads", args.workloads,
+               *(["--profile"] if args.profile else [])]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(Path(__file__).parent)]))
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        log(f"[{src}] " + (out.stdout.strip().splitlines() or ["(no output)"])[-1])
+        if out.returncode:
+            log(out.stderr[-3000:])
+
+
+def time_only(args) -> None:
+    from logprobe import Scorer
+    from logprobe.config import EngineConfig
+
+    s = Scorer(args.model_dir, device="cuda", config=EngineConfig(progress=False))
+    res = {}
+    if args.profile:  # where W1's time goes: forward vs head (synchronised), by monkeypatching
+        from logprobe.engine.runner import Engine
+
+        spent = {"forward": 0.0, "score": 0.0}
+        model, real_fwd, real_score = s.engine.model, s.engine.model.forward, Engine.score
+
+        def clock(key, fn):
+            def wrapped(*a, **kw):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = fn(*a, **kw)
+                torch.cuda.synchronize()
+                spent[key] += time.perf_counter() - t0
+                return out
+            return wrapped
+
+        model.forward = clock("forward", real_fwd)
+        Engine.score = clock("score", real_score)
+        import logprobe.kernels.logprob_head as kh
+        import logprobe.scoring.head as hd
+
+        for mod, name in ((hd, "_target_logits"), (hd, "_kernel_partials"), (hd, "_torch_partials"),
+                          (kh, "combine_head_partials"), (kh, "fused_target_logits"), (kh, "fused_head_partials")):
+            if hasattr(mod, name):
+                spent[name] = 0.0
+                setattr(mod, name, clock(name, getattr(mod, name)))
+        reqs = workload("W1", s.info.vocab_size)
+        s.engine.run(reqs[:8])
+        spent.update({k: 0.0 for k in spent})
+        total = timed(s.engine, reqs)[0]
+        print(json.dumps({"W1 total": round(total, 3), **{k: round(v, 3) for k, v in spent.items()}}))
+        return
+    modes = {"default": {}, "det": dict(deterministic=True)}
+    if "tp_invariant" in EngineConfig.__slots__:  # this tree has tensor parallelism
+        modes["det, tp_invariant=False"] = dict(deterministic=True, tp_invariant=False)
+    for mode, kw in modes.items():
+        s.config = EngineConfig(progress=False, **kw)
+        s.engine.config = s.config
+        for w in args.workloads.split(","):
+            reqs = workload(w, s.info.vocab_size)
+            # warm-up: W1's batches take many shapes (each a kernel specialisation to compile
+            # once); W3's windows are all alike
+            s.engine.run(reqs if w == "W1" else reqs[:16])
+            res[f"{w} {mode}"] = round(timed(s.engine, reqs)[0], 3)
+    print(json.dumps(res))
+
+
+def layers_section(T: int = 8192) -> None:
+    """Deterministic products at llama-8b shapes (T rows): the old fixed-row-tile product, with
+    fixed column blocks (column-parallel), and as S fixed inner slices + tree (row-parallel)."""
+    from gpu_scoring import bench_ms
+
+    from logprobe.layers.linear import tiled_linear
+    from logprobe.layers.parallel_linear import row_parallel_product
+    from logprobe.parallel.context import ParallelContext
+
+    x8 = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
+    for name, (n_out, k_in, blocks) in {"qkv": (6144, 4096, [512] * 8 + [128] * 16), "gate_up": (28672, 4096, [1792] * 16),
+                                       "o": (4096, 4096, None), "down": (4096, 14336, None)}.items():
+        w = torch.randn(n_out, k_in, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = x8 if k_in == 4096 else torch.randn(T, k_in, device="cuda", dtype=torch.bfloat16)
+        plain = bench_ms(lambda: torch.nn.functional.linear(x, w), 20)  # noqa: B023
+        tiled = bench_ms(lambda: tiled_linear(x, w, None, 2048), 20)  # noqa: B023
+        if blocks:
+            from logprobe.kernels.matmul import invariant_linear
+
+            det = bench_ms(lambda: tiled_linear(x, w, None, 2048, blocks), 20)  # noqa: B023
+            tri = bench_ms(lambda: invariant_linear(x, w), 20)  # noqa: B023
+            half = n_out // 2
+            cols_tri = torch.equal(invariant_linear(x, w)[:, half:], invariant_linear(x, w[half:].contiguous()))
+            cols_cub = torch.equal(tiled_linear(x, w, None, 2048)[:, half:],
+                                   tiled_linear(x, w[half:].contiguous(), None, 2048))
+            how = (f"Triton fixed tiles {tri:.2f} ms (columns invariant: {cols_tri}; cuBLAS tiles: {cols_cub}), "
+                   f"column blocks {len(blocks)}")
+        else:
+            ctx = ParallelContext(slices=8)
+            det = bench_ms(lambda: row_parallel_product(x, w, None, 2048, ctx), 20)  # noqa: B023
+            how = "8 slices + tree"
+        log(f"{name:8s} [{T}x{k_in}]x[{k_in}x{n_out}]: F.linear {plain:.2f} ms, fixed row tiles {tiled:.2f} ms, "
+            f"{how} {det:.2f} ms ({det / tiled:.2f}x the row tiles)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--workloads", default="W1,W3")
+    ap.add_argument("--old-src", default=None, help="an older src/ tree: TP = 1 timed there and here")
+    ap.add_argument("--skip-parallel", action="store_true")
+    ap.add_argument("--layers", action="store_true", help="the deterministic products alone at llama-8b shapes")
+    ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="with --old-src: W1's forward vs head time per tree")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.time_only:
+        return time_only(args)
+    from logprobe import Scorer
+    from logprobe.config import EngineConfig
+
+    path = Path(args.model_dir or f"/tmp/logprobe-bench/{args.model}")
+    t = time.perf_counter()
+    write_checkpoint(args.model, path)
+    log(f"checkpoint {path}: {time.perf_counter() - t:.1f} s; GPUs: {torch.cuda.device_count()} x "
+        f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    ceiling = matmul_ceiling()
+    log(f"bf16 8192^3 matmul ceiling: {ceiling:.0f} TFLOP/s per GPU")
+    if args.layers:
+        layers_section()
+    if args.old_src:
+        old_vs_new(args, path)
+    if args.skip_parallel:
+        return
+    rows, ref = [], {}
+    t = time.perf_counter()
+    one = Scorer(str(path), device="cuda", config=EngineConfig(progress=False))
+    lc = one.loaded.model.config
+    reqs = {w: workload(w, lc.vocab_size) for w in args.workloads.split(",")}
+    run_config("TP=1", one, time.perf_counter() - t, reqs, (False, True), ref, rows, 1, ceiling, lc)
+    for label, kw, gpus in (("TP=2", dict(tensor_parallel_size=2), 2), ("DP=2", dict(data_parallel_size=2), 2)):
+        if torch.cuda.device_count() < 2:
+            log(f"{label}: skipped, one GPU")
+            continue
+        t = time.perf_counter()
+        with Scorer(str(path), device="cuda", config=EngineConfig(progress=False), **kw) as s:
+            run_config(label, s, time.perf_counter() - t, reqs, (False, True), ref, rows, gpus, ceiling, lc)
+    log("\n| config | workload | mode | s | tok/s | MFU | max |Δ| vs TP=1 | mean |Δ| | bitwise |")
+    log("|---|---|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        log(f"| {r['config']} | {r['workload']} | {r['mode']} | {r['s']} | {r['tok_s']:,} | {r['mfu']} | "
+            f"{r.get('max_d', '-')} | {r.get('mean_d', '-')} | {r.get('bitwise', '-')} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
