@@ -39,11 +39,11 @@ _MODELS: dict[tuple[str | None, str, str], LoadedModel] = {}
 
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
                max_batch_tokens: int = 8192, deterministic: bool = False, tensor_parallel_size: int = 1,
-               data_parallel_size: int = 1) -> Scorer:
+               data_parallel_size: int = 1, tp_invariant: bool = True) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
     # validates before the slow load
-    config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic)
+    config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic, tp_invariant=tp_invariant)
     if tensor_parallel_size != 1 or data_parallel_size != 1:
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size)
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "started and owned by logprobe (default: %(default)s)")
     g.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="M",
                    help="M replicas (each of --tensor-parallel-size ranks) sharing the requests (default: %(default)s)")
+    g.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
+                   help="with --deterministic: bitwise repeatable at this tensor-parallel size only, not the same bits "
+                        "at every size (cheaper; see docs/perf.md)")
     g.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table/report")
 
     head = argparse.ArgumentParser(add_help=False)
@@ -191,7 +194,7 @@ def _fail(message: str) -> int:
 
 def _scorer(args: argparse.Namespace) -> Scorer:
     return get_scorer(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
-                      args.tensor_parallel_size, args.data_parallel_size)
+                      args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant)
 
 
 # -- score -----------------------------------------------------------------------------------------

@@ -85,9 +85,10 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             device, backend = "cpu", "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                                 world_size=spec.tp)
-        loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD), device, spec.dtype)
+        with _AnonPeak() as peak:
+            loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD), device, spec.dtype)
         engine = Engine(loaded.model, spec.config, torch.device(device))
-        send(conn, ("ready", _param_bytes(loaded.model)))
+        send(conn, ("ready", _param_bytes(loaded.model), peak.growth))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then this process ends
         send(conn, _error(e))
         return
@@ -107,6 +108,46 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             send(conn, _error(e))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _rss_anon() -> int:
+    """Resident anonymous memory of this process, bytes (Linux ``RssAnon``; file pages that a
+    memory-mapped checkpoint brings in are not counted: they are the page cache's)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _AnonPeak:
+    """Peak growth of ``RssAnon`` over a block, sampled every 2 ms by a thread (what loading a
+    shard costs the process at its worst, reported to the driver)."""
+
+    def __enter__(self):
+        import threading
+
+        self.base = self.top = _rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.top = max(self.top, _rss_anon())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.top = max(self.top, _rss_anon())
+
+    @property
+    def growth(self) -> int:
+        return self.top - self.base
 
 
 def _param_bytes(model) -> int:
@@ -166,12 +207,13 @@ class WorkerGroup:
                 self._accept(listener, key)
             for conn in self.conns:
                 send(conn, spec)
-            self.param_bytes = []
+            self.param_bytes, self.load_peak_bytes = [], []
             for rank in range(spec.tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg[0] == "error":
                     raise LogprobeError(*msg[1:])
                 self.param_bytes.append(msg[1])
+                self.load_peak_bytes.append(msg[2])  # growth of the peak RSS while loading the shard
         except BaseException:
             self.close()
             raise
