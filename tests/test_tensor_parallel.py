@@ -259,3 +259,14 @@ def test_under_torchrun_every_rank_is_one_shard(hf_models, tmp_path):
         [{"prompt_token_ids": [5, 6, 7, 8], "completion_token_ids": [9, 10, 11]}])[0].logprobs
     for rank in (0, 1):
         assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), want)
+
+
+def test_more_ranks_than_gpus_is_an_error(hf_models, monkeypatch):
+    """Checked before any process starts (CUDA is faked: the check reads only the device count)."""
+    path, _ = hf_models["llama"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(LogprobeError, match=r"2 x 1 ranks need 2 GPUs, this machine has 1"):
+        Scorer(str(path), device="cuda", tensor_parallel_size=2)
+    with pytest.raises(LogprobeError, match=r"2 x 2 ranks need 4 GPUs"):
+        Scorer(str(path), device="cuda", tensor_parallel_size=2, data_parallel_size=2)
