@@ -17,8 +17,9 @@
       TP = 2      : rank 0: a = p0 + p1; rank 1: b = p2 + p3; all-gather; a + b
       TP = 4      : rank r: p_r; all-gather; (p0 + p1) + (p2 + p3)
 
-  Cost: S products instead of one, and a float32 all-gather of [TP, T, H] instead of an
-  all-reduce (docs/perf.md).
+  On CUDA one Triton kernel (``kernels.sliced_matmul``) runs the S slices' K loops and adds them
+  in the tree order in registers; elsewhere S products and the tree in PyTorch. Across ranks: a
+  float32 all-gather of [TP, T, H] instead of an all-reduce (docs/perf.md).
 
 With one rank both are plain ``Linear`` layers in default mode.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import triton_available
 from ..parallel.context import ParallelContext
 from .linear import Linear, tiled_linear
 
@@ -75,6 +77,11 @@ def row_parallel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         y = ctx.tree_sum([tiled_linear(x, weight, None, row_tile, out_dtype=torch.float32)]).to(x.dtype)
         return y if bias is None else y + bias
     n = max(1, ctx.slices // ctx.size)  # this rank's slices
+    if x.is_cuda and x.dim() == 2 and triton_available():  # the slices' products and tree in one kernel
+        from ..kernels.sliced_matmul import sliced_linear
+
+        y = ctx.tree_sum([sliced_linear(x, weight, n)]).to(x.dtype)
+        return y if bias is None else y + bias
     width = weight.shape[1] // n
     wide = torch.float32 if x.dtype != torch.float32 else None
     partials = [tiled_linear(x[:, i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], None,
