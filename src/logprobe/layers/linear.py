@@ -16,6 +16,7 @@ class Linear(nn.Module):
     fusable = True  # a plain dense product (packed and row-parallel layers say False)
     col_blocks: list[int] | None = None
     tp_invariant = True  # deterministic mode honours col_blocks (set per run by the engine)
+    invariant_kernel = "cublas"  # or "triton" (EngineConfig.invariant_matmul, set per run by the engine)
 
     """``row_tile``: when set, each row's result is bitwise independent of how many rows came
     with it (batch invariance): rows are multiplied in fixed tiles of that many rows (the last

@@ -17,8 +17,10 @@
       TP = 2      : rank 0: a = p0 + p1; rank 1: b = p2 + p3; all-gather; a + b
       TP = 4      : rank r: p_r; all-gather; (p0 + p1) + (p2 + p3)
 
-  On CUDA one Triton kernel (``kernels.sliced_matmul``) runs the S slices' K loops and adds them
-  in the tree order in registers; elsewhere S products and the tree in PyTorch. Across ranks: a
+  With ``EngineConfig(invariant_matmul="triton")`` on CUDA one Triton kernel
+  (``kernels.sliced_matmul``) runs the S slices' K loops and adds them in the tree order in
+  registers (tested under Triton's interpreter; not yet measured on a GPU); otherwise S
+  fixed-shape products and the tree in PyTorch. Across ranks: a
   float32 all-gather of [TP, T, H] instead of an all-reduce (docs/perf.md).
 
 With one rank both are plain ``Linear`` layers in default mode.
@@ -57,11 +59,12 @@ class RowParallelLinear(Linear):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel_product(x, self.weight, self.bias, self.row_tile, self.ctx, self.tp_invariant)
+        return row_parallel_product(x, self.weight, self.bias, self.row_tile, self.ctx, self.tp_invariant,
+                                    self.invariant_kernel)
 
 
 def row_parallel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int | None,
-                         ctx: ParallelContext, tp_invariant: bool = True) -> torch.Tensor:
+                         ctx: ParallelContext, tp_invariant: bool = True, kernel: str = "cublas") -> torch.Tensor:
     """``sum over ranks of x_r W_r^T (+ bias)`` as ``RowParallelLinear`` defines it (packed layers
     that replace a row-parallel one call this with their expanded weight). Deterministic mode
     without ``tp_invariant``: one product per rank, the rank totals still gathered and summed in
@@ -77,7 +80,7 @@ def row_parallel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         y = ctx.tree_sum([tiled_linear(x, weight, None, row_tile, out_dtype=torch.float32)]).to(x.dtype)
         return y if bias is None else y + bias
     n = max(1, ctx.slices // ctx.size)  # this rank's slices
-    if x.is_cuda and x.dim() == 2 and triton_available():  # the slices' products and tree in one kernel
+    if kernel == "triton" and x.is_cuda and x.dim() == 2 and triton_available():  # slices and tree in one kernel
         from ..kernels.sliced_matmul import sliced_linear
 
         y = ctx.tree_sum([sliced_linear(x, weight, n)]).to(x.dtype)

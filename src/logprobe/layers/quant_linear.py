@@ -93,7 +93,8 @@ class _PackedLinearMixin(PackedWeight):
         if self.reduce_ctx is not None:
             from .parallel_linear import row_parallel_product
 
-            return row_parallel_product(x, w, self.bias, self.row_tile, self.reduce_ctx, self.tp_invariant)
+            return row_parallel_product(x, w, self.bias, self.row_tile, self.reduce_ctx, self.tp_invariant,
+                                        self.invariant_kernel)
         if self.row_tile is None:
             return F.linear(x, w, self.bias)
         return tiled_linear(x, w, self.bias, self.row_tile, self.col_blocks if self.tp_invariant else None)

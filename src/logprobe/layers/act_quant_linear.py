@@ -1,0 +1,154 @@
+"""Linear layers whose input activations are quantized: FP8 (e4m3) and INT8 W8A8 checkpoints.
+
+A checkpoint that quantizes activations (compressed-tensors ``float-quantized`` FP8_DYNAMIC / FP8 /
+FP8_BLOCK, ``int-quantized`` W8A8) defines its model as: quantize each Linear's input, then
+multiply it with the quantized weight. The activation rounding is part of the function, so
+``ActQuantLinear`` runs it, by the format's own rules (those of compressed-tensors'
+``forward_quantize`` / ``fake_quantize``, which llm-compressor calibrates with):
+
+* scale: static (the stored ``input_scale``, one per tensor) or dynamic, per token or per token
+  and group of ``group`` columns: ``absmax / (range / 2)`` with ``absmax = max(|min(x, 0)|,
+  max(x, 0))`` and range = qmax - qmin, i.e. 448 for float8 e4m3 and 127.5 for int8 (the int8 code
+  -128 is reachable, +128 is not); a zero scale becomes the float32 epsilon. (vLLM's int8 kernels
+  divide by 127 instead: its W8A8 numbers differ from the format's by that rounding.)
+* codes: ``clamp(x / scale, qmin, qmax)`` then round half to even (int8) or a cast to float8 e4m3
+  (round to nearest even); the value used is ``code * scale``.
+* weight: ``code * scale`` with per-tensor, per-channel or 128x128 block scales.
+
+Everything is computed in float32 (an input in another dtype is widened first, the result is
+cast back): the dequantized activation times the dequantized weight, one float32 product. That
+is the exact reference path, on CPU and, for now, on CUDA too (no FP8 tensor-core GEMM yet).
+Quantization is row-wise (per token), so deterministic mode's batch invariance holds: a row's
+codes and scale depend on that row only, and the product is the row-tiled one of ``linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LogprobeError
+from .linear import Linear, tiled_linear
+from .quant_linear import _PackedLinearMixin
+
+FP8 = torch.float8_e4m3fn
+_RANGES = {"float": (-448.0, 448.0), "int": (-128.0, 127.0)}  # (qmin, qmax) of 8-bit codes
+_EPS = torch.finfo(torch.float32).eps  # what a zero dynamic scale becomes
+
+
+def quantize_rows(x: torch.Tensor, kind: str, scale: torch.Tensor | None = None, group: int | None = None,
+                  ) -> torch.Tensor:
+    """Fake-quantize float32 activations [T, in] to 8-bit ``kind`` ("float": e4m3, "int": int8)
+    codes times their scale, returned as float32 [T, in].
+
+    ``scale`` given: static (a one-element tensor). Else dynamic: one scale per row, or per row and
+    group of ``group`` consecutive columns."""
+    qmin, qmax = _RANGES[kind]
+    T, k = x.shape
+    if scale is None:
+        g = group or k
+        xv = x.view(T, k // g, g)  # [T, G, g]
+        lo = torch.clamp(xv.amin(-1, keepdim=True), max=0.0)
+        hi = torch.clamp(xv.amax(-1, keepdim=True), min=0.0)
+        half_range = torch.tensor((qmax - qmin) / 2, dtype=x.dtype)  # 448 or 127.5, exact
+        s = torch.maximum(lo.abs(), hi) / half_range  # [T, G, 1]
+        s = torch.where(s == 0, torch.tensor(_EPS, dtype=s.dtype), s)
+        return _qdq(xv, s, kind, qmin, qmax).view(T, k)
+    return _qdq(x, scale.float(), kind, qmin, qmax)
+
+
+def _qdq(x: torch.Tensor, s: torch.Tensor, kind: str, qmin: float, qmax: float) -> torch.Tensor:
+    q = torch.clamp(x / s, qmin, qmax)
+    q = q.to(FP8).float() if kind == "float" else torch.round(q)  # torch.round: half to even
+    return q * s
+
+
+class ActQuantLinear(_PackedLinearMixin, Linear):
+    """``y = Q(x) @ W^T (+ bias)`` with ``Q`` the activation quantization above and ``W`` the
+    dequantized 8-bit weight, all in float32.
+
+    Buffers: ``qweight`` [out, in] (float8_e4m3fn or int8 codes), ``scale`` [out, G] (the weight
+    scale of each row and column block of ``block_cols`` columns; per-tensor and per-channel scales
+    are G = 1, 128x128 blocks are expanded to one row of scales per weight row, so rows can be
+    permuted), ``input_scale`` (static activations: one element) or None.
+    ``act_kind``: "float" (e4m3) or "int" (int8); ``act_group``: columns per dynamic scale (None:
+    one per token)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block_cols: int, act_kind: str,
+                 input_scale: torch.Tensor | None = None, act_group: int | None = None,
+                 bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
+        nn.Module.__init__(self)
+        if act_kind not in _RANGES:
+            raise LogprobeError("quantization_config", f"activation type {act_kind!r} is not run",
+                                "logprobe runs float8 (e4m3) and int8 activations")
+        if qweight.dtype not in (FP8, torch.int8) or qweight.ndim != 2:
+            raise LogprobeError("weight", f"{qweight.dtype} {tuple(qweight.shape)} is not a 2-D float8_e4m3fn or "
+                                "int8 weight")
+        self.out_features, self.in_features = (int(n) for n in qweight.shape)
+        self.block_cols, self.act_kind, self.act_group = int(block_cols), act_kind, act_group
+        self.row_tile = row_tile
+        groups = -(-self.in_features // self.block_cols)
+        if tuple(scale.shape) != (self.out_features, groups):
+            raise LogprobeError("weight_scale", f"shape {tuple(scale.shape)} does not match "
+                                f"[{self.out_features}, {groups}] (in {self.in_features}, blocks of {block_cols})")
+        if act_group is not None and (act_group < 1 or self.in_features % act_group):
+            raise LogprobeError("input_activations", f"group_size {act_group} does not divide the input width "
+                                f"{self.in_features}")
+        if input_scale is not None and (input_scale.numel() != 1 or not input_scale.is_floating_point()):
+            raise LogprobeError("input_scale", f"{tuple(input_scale.shape)} {input_scale.dtype}: a static "
+                                "per-tensor scale is one float")
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1))
+        self.register_buffer("bias", bias)
+        self.register_buffer("expanded", None)  # weights="dense": the float32 weight, made once
+
+    def rows(self, idx=slice(None)) -> torch.Tensor:
+        """Dequantized weight rows, float32 [n, in]: code * scale (an exact float32 product)."""
+        if self.expanded is not None:
+            return self.expanded[idx]
+        q = self.qweight[idx].float()  # [n, in]; e4m3 and int8 values are exact in float32
+        n, k = q.shape
+        scale = self.scale[idx].float()  # [n, G]
+        G, b = scale.shape[1], self.block_cols
+        q = F.pad(q, (0, G * b - k)).view(n, G, b)  # a last partial block
+        return (q * scale[..., None]).view(n, G * b)[:, :k]
+
+    def expand(self) -> ActQuantLinear:
+        """Keep the dequantized float32 weight (``weights="dense"``): faster, 4x the memory of the
+        8-bit codes, the same numbers. The activations are still quantized: that is the model."""
+        self.expanded = self.rows()
+        return self
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> the dequantized quantized activation, float32 [T, in]."""
+        return quantize_rows(x.float().contiguous(), self.act_kind, self.input_scale, self.act_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = self.quantize_input(x)  # [T, in] float32
+        w = self.rows()  # [out, in] float32
+        bias = None if self.bias is None else self.bias.float()
+        if self.reduce_ctx is not None:
+            from .parallel_linear import row_parallel_product
+
+            y = row_parallel_product(xq, w, bias, self.row_tile, self.reduce_ctx, self.tp_invariant)
+        elif self.row_tile is None:
+            y = F.linear(xq, w, bias)
+        else:
+            y = tiled_linear(xq, w, bias, self.row_tile, self.col_blocks if self.tp_invariant else None)
+        return y.to(x.dtype)
+
+    def permute_rows(self, perm: torch.Tensor) -> None:
+        for name in ("qweight", "scale", "bias", "expanded"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[perm].contiguous())
+
+    def extra_repr(self) -> str:
+        w = "float8_e4m3" if self.qweight.dtype == FP8 else "int8"
+        a = "e4m3" if self.act_kind == "float" else "int8"
+        act = "static per-tensor" if self.input_scale is not None else \
+            f"dynamic per-token group {self.act_group}" if self.act_group else "dynamic per-token"
+        return (f"weights {w} (column blocks of {self.block_cols}), activations {a} {act}, "
+                f"in={self.in_features}, out={self.out_features}")
