@@ -24,18 +24,23 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["M"])  # M changes every batch: one compiled kernel for all
-    def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    @triton.jit
+    def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """This program's (row tile, column tile): groups of GROUP_M row tiles, column tiles
+        varying fastest within a group, so programs running together share weight tiles in L2."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * num_n
         first_m = (pid // per_group) * GROUP_M
         size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
+        return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+    @triton.jit(do_not_specialize=["M"])  # M changes every batch: one compiled kernel for all
+    def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         rk = tl.arange(0, BLOCK_K)  # [BK]
@@ -74,17 +79,22 @@ class MatmulConfig:
 DEFAULT_CONFIG = MatmulConfig()
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     config: MatmulConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, row-wise batch invariant."""
+def check_operands(x: torch.Tensor, weight: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K], weight [N, K] of one 16/32-bit float dtype on a device a Triton kernel can run
+    on; both returned with unit stride in K."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise LogprobeError("x", f"shapes {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise LogprobeError("x", f"dtypes {x.dtype} and {weight.dtype} must match (bf16, fp16 or fp32)")
     if not triton_available() or not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
-        raise LogprobeError("device", "the invariant matmul runs on CUDA (or CPU under TRITON_INTERPRET=1)")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+        raise LogprobeError("device", f"{what} runs on CUDA (or CPU under TRITON_INTERPRET=1)")
+    return (x if x.stride(1) == 1 else x.contiguous()), (weight if weight.stride(1) == 1 else weight.contiguous())
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: MatmulConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, row-wise batch invariant."""
+    x, weight = check_operands(x, weight, "the invariant matmul")
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LogprobeError
-from . import interpreting, triton_available
+from . import triton_available
 
 MAX_SLICES = 8
 
@@ -30,18 +30,13 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .matmul import grouped_tile
+
     @triton.jit(do_not_specialize=["M"])
     def _sliced_matmul(x_ptr, w_ptr, y_ptr, M, N, K, KS, stride_xm, stride_wn, stride_ym,
                        SLICES: tl.constexpr, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
+        pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         rk = tl.arange(0, BLOCK_K)  # [BK]
@@ -119,17 +114,12 @@ def sliced_linear_reference(x: torch.Tensor, weight: torch.Tensor, slices: int) 
 def sliced_linear(x: torch.Tensor, weight: torch.Tensor, slices: int,
                   config: SlicedConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> float32 [M, N], ``slices`` fixed inner slices in tree order."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise LogprobeError("x", f"shapes {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise LogprobeError("x", f"dtypes {x.dtype} and {weight.dtype} must match (bf16, fp16 or fp32)")
-    if not triton_available() or not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
-        raise LogprobeError("device", "the sliced matmul runs on CUDA (or CPU under TRITON_INTERPRET=1)")
+    from .matmul import check_operands
+
+    x, weight = check_operands(x, weight, "the sliced matmul")
     M, K = x.shape
     N = weight.shape[0]
     _check_slices(K, slices)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if M == 0:
         return y
