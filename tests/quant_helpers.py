@@ -20,6 +20,11 @@ def _minmax_qparams(module, args):
 
     w = module.weight.detach()
     out, cols = w.shape
+    if args.strategy in ("tensor", "block"):  # one scale per tensor / per block (minmax over it)
+        bh, bw = args.block_structure if args.strategy == "block" else (out, cols)
+        R, C = -(-out // bh), -(-cols // bw)
+        blocks = torch.nn.functional.pad(w, (0, C * bw - cols, 0, R * bh - out)).view(R, bh, C, bw)
+        return calculate_qparams(blocks.amin((1, 3)), blocks.amax((1, 3)), args)  # [R, C]
     g = args.group_size if args.strategy == "group" else cols
     G = -(-cols // g)
     padded = torch.nn.functional.pad(w, (0, G * g - cols))  # [out, G*g]
@@ -47,10 +52,44 @@ def tiny_wide_llama(path: Path, seed: int = 0):
     return path
 
 
+def _calibrate_inputs(model, calibration: list[list[int]]) -> None:
+    """Static input scales (the FP8 preset's ``static_minmax`` observer): min/max of each quantized
+    Linear's input over the calibration sequences, run with quantization off, then ``calculate_qparams``."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    stats, hooks = {}, []
+
+    def observe(name):
+        def hook(module, args):
+            x = args[0].detach()
+            lo, hi = stats.get(name, (x.amin(), x.amax()))
+            stats[name] = (torch.minimum(lo, x.amin()), torch.maximum(hi, x.amax()))
+        return hook
+
+    mods = {n: m for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None
+            and m.quantization_scheme.input_activations is not None
+            and not m.quantization_scheme.input_activations.dynamic}
+    for name, m in mods.items():
+        m.quantization_enabled = False
+        hooks.append(m.register_forward_pre_hook(observe(name)))
+    with torch.no_grad():
+        for ids in calibration:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    for name, m in mods.items():
+        m.quantization_enabled = True
+        scale, _ = calculate_qparams(stats[name][0].reshape(1), stats[name][1].reshape(1),
+                                     m.quantization_scheme.input_activations)
+        m.input_scale.data = scale.to(m.input_scale.dtype).reshape(m.input_scale.shape)
+
+
 def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=None,
-                      group_size: int | None = None) -> Path:
+                      group_size: int | None = None, calibration: list[list[int]] | None = None) -> Path:
     """Quantize ``model`` (a transformers causal LM, modified in place) and save it compressed.
-    ``group_size`` overrides the preset's (128) for grouped schemes."""
+    ``group_size`` overrides the preset's (128) for grouped schemes. Activation-quantized presets
+    (FP8_DYNAMIC, W8A8, FP8_BLOCK) need nothing more; static ones (FP8) get their ``input_scale``
+    from running ``calibration`` (lists of token ids)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -74,6 +113,8 @@ def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=Non
             m.weight_scale.data = scale.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
             if hasattr(m, "weight_zero_point"):
                 m.weight_zero_point.data = zp.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+    if calibration is not None:
+        _calibrate_inputs(model, calibration)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(str(out_dir))
@@ -93,6 +134,104 @@ def decompressed_state(out_dir: Path) -> dict[str, torch.Tensor]:
         str(out_dir), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False))
     del ModelCompressor
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def act_quant_reference(out_dir: Path, dtype: torch.dtype = torch.float64, quantize_dtype: torch.dtype | None = None):
+    """The float64 reference of an activation-quantized compressed-tensors checkpoint, built from the
+    package's own functions: weights dequantized by ``dequantize``, and every quantized Linear's
+    input fake-quantized by ``forward_quantize`` (dynamic scales from ``compute_dynamic_scales_and_zp``,
+    static ones from the stored ``input_scale``) in a forward pre-hook; then the transformers model in
+    ``dtype`` (float64). ``quantize_dtype``: the dtype the activations are quantized in (default
+    ``dtype``). Returns the model (hooks attached).
+
+    Pinning (``model.act_pins``: HF module name -> the float32 quantized input [T, in] that the model
+    under test used for the first T tokens): quantization is discontinuous, so where the exact value
+    x / scale lies within float32 noise of a rounding boundary, a float64 and a float32 evaluation
+    round it to adjacent codes (and the difference then spreads to later layers). Where the pinned
+    value is another code than the package's float64 one, the hook checks that the two codes are
+    adjacent and records how far x / scale lies from the boundary between them (``model.act_flips``:
+    (module, token, column, distance relative to the row's largest |x / scale|)), then uses the pinned code times the float64 scale.
+    Everywhere else the package's own float64 result is used."""
+    import json
+    from types import SimpleNamespace
+
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, forward_quantize
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    qcfg = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    (group,) = qcfg["config_groups"].values()
+    wargs, aargs = QuantizationArgs(**group["weights"]), QuantizationArgs(**group["input_activations"])
+    stored = load_file(str(out_dir / "model.safetensors"))
+    state, inputs = {}, {}
+    for key, t in stored.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and f"{module}.weight_scale" in stored:
+            scale = stored[f"{module}.weight_scale"].double()
+            state[key] = dequantize(t, scale, None, wargs, dtype=torch.float64).to(dtype)
+            inputs[module] = SimpleNamespace(quantization_status=QuantizationStatus.COMPRESSED,
+                                             input_scale=stored.get(f"{module}.input_scale"), input_zero_point=None)
+            if inputs[module].input_scale is not None:
+                inputs[module].input_scale = inputs[module].input_scale.to(quantize_dtype or dtype)
+        elif leaf not in ("weight_scale", "input_scale", "weight_zero_point", "input_zero_point"):
+            state[key] = t.to(dtype)
+    cfg = AutoConfig.from_pretrained(str(out_dir))
+    cfg.quantization_config = None
+    del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(dtype).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    model.act_pins, model.act_flips = {}, []
+    for name, holder in inputs.items():
+        def hook(module, args, holder=holder, name=name):
+            x = args[0]
+            xq = forward_quantize(holder, x.to(quantize_dtype or x.dtype), "input", aargs).to(x.dtype)
+            if name in model.act_pins:
+                xq = _pin(model, name, holder, x, xq, aargs)
+            return (xq,)
+        model.get_submodule(name).register_forward_pre_hook(hook)
+    return model
+
+
+def _pin(model, name, holder, x, xq, aargs):
+    """See ``act_quant_reference``: x, xq [1, L, in] float64; the pins cover the first T tokens."""
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    pinned = model.act_pins[name].double()  # [T, in]
+    T, k = pinned.shape
+    x0, q0 = x[0, :T], xq[0, :T]
+    if aargs.dynamic:  # the package's float64 scales, broadcast to [T, in]
+        scale, _ = compute_dynamic_scales_and_zp(value=x[:, :T], args=aargs, module=holder)  # [1, T, 1 or G]
+        scale = scale[0].expand(T, k) if aargs.strategy == "token" else scale[0].repeat_interleave(aargs.group_size, -1)
+    else:
+        scale = holder.input_scale.expand(T, k)
+    flip = (pinned - q0).abs() > 1e-3 * torch.maximum(pinned.abs(), q0.abs())
+    if not bool(flip.any()):
+        return xq
+    c_ref, c_pin = (q0 / scale)[flip], (pinned / scale)[flip]
+    def code(c):  # c = code * (1 +- a few ulps): the code itself
+        return c.round() if aargs.type == "int" else c.to(torch.float8_e4m3fn).double()
+
+    c_ref, c_pin = code(c_ref), code(c_pin)
+    exact_all = x0 / scale  # [T, in], in code units
+    exact = exact_all[flip]
+    mid = (c_ref + c_pin) / 2
+    # adjacent codes: nothing representable lies strictly between them
+    if aargs.type == "int":
+        assert bool(((c_ref - c_pin).abs() == 1).all()), (name, c_ref, c_pin)
+    else:
+        assert bool((mid.to(torch.float8_e4m3fn).double() != mid).all()), (name, c_ref, c_pin)
+    lo, hi = (-128.0, 127.0) if aargs.type == "int" else (-448.0, 448.0)
+    # float32 noise in x is relative to the row's magnitude (a dot product's rounding error), so the
+    # distance to the boundary is measured against the row's largest |x / scale|
+    row_max = exact_all.abs().amax(-1, keepdim=True).expand(T, k)[flip]
+    dist = (exact.clamp(lo, hi) - mid).abs() / row_max
+    for (t, c), d in zip(flip.nonzero().tolist(), dist.tolist()):
+        model.act_flips.append((name, t, c, d))
+    out = xq.clone()
+    out[0, :T][flip] = c_pin * scale[flip]
+    return out
 
 
 def requantize_gguf(src: Path, dst: Path, matrix_type: str, embedding_type: str | None = None) -> Path:

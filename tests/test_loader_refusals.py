@@ -2,7 +2,8 @@
 
 Checkpoints are built here, on CPU, from tiny random models: a real FP8_DYNAMIC compressed-tensors
 checkpoint (float-quantized: e4m3 weights with per-channel scales, dynamic per-token FP8 input
-activations) written by the compressed-tensors package, and W4A16 checkpoints edited into schemes,
+activations) written by the compressed-tensors package (it now loads: tests/test_act_quant.py has the
+activation-quantized schemes and their refusals), and W4A16 checkpoints edited into schemes,
 formats, statuses and tensors logprobe does not run; Hugging Face directories with GPTQ/AWQ configs
 or float8/int tensors; GGUF files with YaRN RoPE, experts, sliding windows or extra tensors. Each
 test asserts that the error names the module/tensor/key and the scheme, so it fails if the loader
@@ -80,9 +81,13 @@ def _refused(path, *needles: str) -> str:
 # -- compressed-tensors ---------------------------------------------------------------------------------
 
 
-def test_fp8_dynamic_checkpoint_is_refused(fp8_dir):
-    """The issue's silent failure: e4m3 weights are floating point and used to load without their scale."""
+def test_fp8_dynamic_checkpoint_loads_with_its_activation_quantization(fp8_dir):
+    """The issue's silent failure: e4m3 weights are floating point and used to load without their
+    scale. They now load as layers that apply the scale and quantize the activations (both weight modes);
+    tests/test_act_quant.py checks the numbers."""
     from safetensors import safe_open
+
+    from logprobe.layers.act_quant_linear import ActQuantLinear
 
     qcfg = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
     group = qcfg["config_groups"]["group_0"]
@@ -90,14 +95,10 @@ def test_fp8_dynamic_checkpoint_is_refused(fp8_dir):
     assert group["weights"]["strategy"] == "channel" and group["input_activations"]["strategy"] == "token"
     with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as st:
         assert st.get_tensor(f"{MOD}.weight").dtype == torch.float8_e4m3fn  # really an FP8 checkpoint
-    msg = _refused(fp8_dir, "model.layers.", "'float-quantized'", "weights float8 per-channel",
-                   "input activations float8 dynamic per-token", "W4A16")
-    assert msg.startswith("quantization_config:")
-    with pytest.raises(LogprobeError, match=r"model\.layers\.\d+\..*float-quantized.*float8"):
-        Scorer(str(fp8_dir), device="cpu", dtype="float32", progress=False)
-    for weights in ("dense",):  # the dense path (expand at load) must refuse too
-        with pytest.raises(LogprobeError, match="float-quantized"):
-            load_model(str(fp8_dir), "cpu", "float32", weights=weights)
+    for weights in ("packed", "dense"):
+        model = load_model(str(fp8_dir), "cpu", "float32", weights=weights).model
+        layer = model.get_submodule(MOD.removeprefix("model."))
+        assert isinstance(layer, ActQuantLinear) and layer.act_kind == "float" and layer.act_group is None
 
 
 def test_fp8_weights_without_activation_quantization_are_refused(fp8_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""compressed-tensors checkpoints (what llm-compressor saves): integer weight-only schemes.
+"""compressed-tensors checkpoints (what llm-compressor saves): integer weight-only schemes, and
+FP8 / INT8 schemes that quantize activations.
 
 config.json carries ``quantization_config`` with ``quant_method: compressed-tensors``, a
 ``format`` and ``config_groups`` of schemes; each quantized Linear ``<m>`` stores
@@ -12,8 +13,22 @@ weights with float activations (W4A16, W4A16_ASYM, W8A16), stored compressed
 (``quantization_status: compressed``), or already dequantized (``decompressed``: float weights,
 which compressed-tensors itself then uses as they are).
 
+Activation-quantized schemes (``layers.act_quant_linear.ActQuantLinear``, which runs the
+activation rounding as the format defines it):
+
+    float-quantized: <m>.weight float8_e4m3fn [out, in], <m>.weight_scale per tensor [1], per
+                     channel [out, 1] or per 128x128 block [ceil(out/128), ceil(in/128)], with
+                     float8 activations dynamic per token (FP8_DYNAMIC), dynamic per token and
+                     group of 128 (FP8_BLOCK) or static per tensor (FP8: <m>.input_scale [1])
+    int-quantized:   <m>.weight int8 [out, in], <m>.weight_scale [out, 1], with int8 activations
+                     dynamic per token (W8A8)
+
+all symmetric. ``weights="dense"`` builds the same layers with the weight expanded once: the
+activation quantization is part of the model's function, so no load drops it.
+
 Everything else is refused with an error naming the module, the scheme and what logprobe reads:
-activation quantization (W8A8, FP8, NVFP4), float weights, unknown formats, strategies, tensor
+other activation schemes (NVFP4, W4A8, asymmetric or dynamic per-tensor activations, quantized
+activations of lm_head), float weights without activation quantization, unknown formats, strategies, tensor
 suffixes and dtypes, KV-cache / attention quantization, transforms, sparsity, and float weights
 whose status says they are not yet quantized. A scheme logprobe does not run is never loaded
 "plainly": that computes a different function with no error (an FP8 weight read without its
@@ -47,7 +62,8 @@ _PLAIN_LEAVES = {"weight", "bias", "inv_freq"}
 
 SUPPORTED = ("logprobe runs compressed-tensors int4/int8 weight-only schemes (W4A16, W4A16_ASYM, W8A16: "
              "int weights with group or channel scales, stored pack-quantized or naive-quantized, activations "
-             "in float); for anything else score the unquantized model")
+             "in float) and FP8 (FP8, FP8_DYNAMIC, FP8_BLOCK) and INT8 W8A8 schemes; for anything else score "
+             "the unquantized model")
 
 
 def _refuse(problem: str, fix: str = SUPPORTED):
@@ -195,11 +211,10 @@ def scheme_for(module: str, groups: dict, ignore: list[str]) -> tuple[str, dict]
 def _check_scheme(module: str, gname: str, scheme: dict, fmt: str | None) -> dict | None:
     """The weights' QuantizationArgs, if logprobe runs this scheme exactly; else a LogprobeError."""
     where = f"{module} (config group {gname!r}: {describe(scheme, fmt)})"
-    if scheme.get("input_activations") is not None:
-        _refuse(f"{where} quantizes its input activations (W8A8/FP8/NVFP4-style), which logprobe does not "
-                "run: its weights alone compute a different function")
     if scheme.get("output_activations") is not None:
         _refuse(f"{where} quantizes its output activations, which logprobe does not run")
+    if scheme.get("input_activations") is not None:
+        return _check_act_scheme(module, where, scheme, fmt)
     w = scheme.get("weights")
     if w is None:
         return None
@@ -209,7 +224,8 @@ def _check_scheme(module: str, gname: str, scheme: dict, fmt: str | None) -> dic
     if unknown:
         _refuse(f"{where}: weight options {unknown} are not known to logprobe")
     if w.get("type", "int") != "int":
-        _refuse(f"{where}: {w.get('type')} weights are not supported (only integer codes times a float scale)")
+        _refuse(f"{where}: {w.get('type')} weights are not supported without activation quantization "
+                "(weight-only schemes: integer codes times a float scale)")
     if w.get("num_bits", 8) not in (4, 8):
         _refuse(f"{where}: {w.get('num_bits')}-bit weights are not supported")
     if fmt is None:
@@ -232,6 +248,68 @@ def _check_scheme(module: str, gname: str, scheme: dict, fmt: str | None) -> dic
     return w
 
 
+def _check_act_scheme(module: str, where: str, scheme: dict, fmt: str | None) -> dict:
+    """The weights' QuantizationArgs of a scheme that quantizes input activations, if it is one that
+    ``ActQuantLinear`` runs exactly (FP8 / FP8_DYNAMIC / FP8_BLOCK, W8A8 int8); else a LogprobeError."""
+    a, w = scheme["input_activations"], scheme.get("weights")
+    runs = ("logprobe runs activation quantization for float8 e4m3 weights (per-tensor, per-channel or "
+            "128x128 block scales, format 'float-quantized') with float8 activations (static per-tensor, dynamic "
+            "per-token or per-token groups), and int8 per-channel weights (format 'int-quantized') with int8 "
+            "dynamic per-token activations, all symmetric; for anything else score the unquantized model")
+    if not isinstance(a, dict) or not isinstance(w, dict):
+        _refuse(f"{where} quantizes its input activations but its weights / input_activations are not both "
+                "objects", runs)
+    for label, args in (("weight", w), ("input activation", a)):
+        unknown = sorted(set(args) - _ARGS_KEYS)
+        if unknown:
+            _refuse(f"{where}: {label} options {unknown} are not known to logprobe", runs)
+    if module == "lm_head" or "Linear" not in _classes(module):
+        _refuse(f"{where} quantizes the input activations of {module}, which logprobe does not run there (the "
+                "log-prob head and the embedding read their weights directly)", "leave lm_head unquantized "
+                "(ignore: ['lm_head'], as llm-compressor does)")
+    kind = w.get("type", "int")
+    if kind not in ("float", "int") or w.get("num_bits", 8) != 8 or a.get("type", "int") != kind \
+            or a.get("num_bits", 8) != 8:
+        _refuse(f"{where} quantizes its input activations with {_args_text(w)} weights and {_args_text(a)} "
+                "activations, a combination logprobe does not run", runs)
+    want = "float-quantized" if kind == "float" else "int-quantized"
+    if fmt != want:
+        _refuse(f"{where}: {kind}8 weights with quantized activations are read from format {want!r}, not {fmt!r}",
+                runs)
+    for label, args in (("weights", w), ("input activations", a)):
+        if args.get("symmetric", True) is not True:
+            _refuse(f"{where}: asymmetric {label} (a zero point) are not run with activation quantization", runs)
+        if args.get("actorder") is not None:
+            _refuse(f"{where}: {label} actorder {args['actorder']!r} is not supported", runs)
+    strategy = w.get("strategy")
+    if strategy not in ("tensor", "channel", "block") or w.get("dynamic", False) is not False:
+        _refuse(f"{where}: weight strategy {strategy!r} (dynamic {w.get('dynamic', False)!r}) is not run with "
+                "activation quantization", runs)
+    block = w.get("block_structure")
+    if strategy == "block" and (not isinstance(block, list) or len(block) != 2
+                                or not all(isinstance(b, int) and b > 0 for b in block)):
+        _refuse(f"{where}: block strategy with block_structure {block!r}", runs)
+    if strategy != "block" and block is not None:
+        _refuse(f"{where}: block_structure {block!r} with weight strategy {strategy!r}", runs)
+    dynamic, astrategy = a.get("dynamic", False), a.get("strategy")
+    if a.get("scale_dtype") is not None:
+        _refuse(f"{where}: input activation scales rounded to {a['scale_dtype']!r} are not run", runs)
+    if dynamic is True and astrategy == "token":
+        pass
+    elif dynamic is True and astrategy == "group" and kind == "float":
+        if not isinstance(a.get("group_size"), int) or a["group_size"] < 1:
+            _refuse(f"{where}: input activation group strategy with group_size {a.get('group_size')!r}", runs)
+    elif dynamic is False and astrategy == "tensor" and kind == "float":
+        pass
+    elif dynamic is True and astrategy == "tensor":
+        _refuse(f"{where}: dynamic per-tensor input activations (one scale from every token of the batch) are "
+                "not run: a token's log-prob would depend on the other tokens scored with it", runs)
+    else:
+        _refuse(f"{where}: {'dynamic ' + repr(dynamic) if dynamic else 'static'} input activations with "
+                f"strategy {astrategy!r} are not run", runs)
+    return w
+
+
 # -- the tensors ------------------------------------------------------------------------------------------
 
 
@@ -250,6 +328,8 @@ def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str, gn
     w = _check_scheme(module, gname, scheme, fmt)
     if w is None:
         _refuse(f"{module} holds quantized tensors but config group {gname!r} has no weight scheme")
+    if scheme.get("input_activations") is not None:
+        return act_quant_layer(module, t, scheme, fmt)
     where = f"{module} ({describe(scheme, fmt)})"
     bits = int(w.get("num_bits", 8))
     codes = "weight_packed" if fmt == "pack-quantized" else "weight"
@@ -313,6 +393,74 @@ def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str, gn
     return CTLinear(qweight.contiguous(), scale.contiguous(), zp, bits, group, cols)
 
 
+def _zero(module: str, where: str, t: dict[str, torch.Tensor], leaf: str) -> None:
+    zp = t.get(leaf)
+    if zp is not None and bool((zp.float() != 0).any()):
+        _refuse(f"{where} is symmetric but stores a non-zero {module}.{leaf}")
+
+
+def act_quant_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str):
+    """One module's stored tensors (bias excluded) of a scheme ``_check_act_scheme`` accepted -> an
+    ``ActQuantLinear``; tensors the layout does not define, or defines differently, are refused.
+
+    float-quantized / int-quantized: <m>.weight float8_e4m3fn / int8 [out, in], <m>.weight_scale
+    ([1] per tensor, [out, 1] per channel, [ceil(out/bh), ceil(in/bw)] per block), <m>.input_scale [1]
+    for static activations; zero points, if stored, must be zero (symmetric)."""
+    from ..layers.act_quant_linear import FP8, ActQuantLinear
+
+    w, a = scheme["weights"], scheme["input_activations"]
+    where = f"{module} ({describe(scheme, fmt)})"
+    static = a.get("dynamic") is False
+    layout = {"weight", "weight_scale"} | ({"input_scale"} if static else set())
+    optional = {"weight_zero_point", "input_zero_point"}
+    extra = sorted(set(t) - layout - optional)
+    if extra:
+        _refuse(f"{where} stores {', '.join(module + '.' + x for x in extra)}, which the {fmt} layout logprobe "
+                f"reads ({', '.join(sorted(layout | optional))}) does not have: it would be ignored, and the "
+                "model would compute something else")
+    missing = sorted(layout - set(t))
+    if missing:
+        _refuse(f"{where} lacks {', '.join(module + '.' + x for x in missing)}")
+    kind = w.get("type", "int")
+    qweight, scale = t["weight"], t["weight_scale"]
+    _check_dtype(module, "weight", qweight, (FP8,) if kind == "float" else (torch.int8,), f"{fmt} weight")
+    _check_dtype(module, "weight_scale", scale, _SCALE_DTYPES, f"{fmt} scale")
+    if qweight.ndim != 2:
+        _refuse(f"{where}: weight of shape {tuple(qweight.shape)} is not 2-D")
+    out, cols = qweight.shape
+    for leaf in optional:
+        _zero(module, where, t, leaf)
+    strategy = w["strategy"]
+    if strategy == "block":
+        bh, bw = w["block_structure"]
+        want = (-(-out // bh), -(-cols // bw))
+        if tuple(scale.shape) != want:
+            _refuse(f"{where}: {module}.weight_scale {tuple(scale.shape)} is not one scale per {bh}x{bw} block "
+                    f"of a [{out}, {cols}] weight {want}")
+        scale, block_cols = scale.repeat_interleave(bh, dim=0)[:out], bw  # [out, ceil(in/bw)]
+    elif strategy == "channel":
+        if scale.numel() != out or scale.ndim not in (1, 2) or scale.shape[0] != out:
+            _refuse(f"{where}: {module}.weight_scale {tuple(scale.shape)} is not one scale per output channel "
+                    f"({out})")
+        scale, block_cols = scale.reshape(out, 1), cols
+    else:  # tensor
+        if scale.numel() != 1:
+            _refuse(f"{where}: {module}.weight_scale {tuple(scale.shape)} is not one per-tensor scale")
+        scale, block_cols = scale.reshape(1, 1).expand(out, 1), cols
+    input_scale = None
+    if static:
+        input_scale = t["input_scale"]
+        _check_dtype(module, "input_scale", input_scale, _SCALE_DTYPES, f"{fmt} input scale")
+        if input_scale.numel() != 1:
+            _refuse(f"{where}: {module}.input_scale {tuple(input_scale.shape)} is not one per-tensor scale")
+        if not bool(input_scale.float() > 0) or not bool(torch.isfinite(input_scale.float())):
+            _refuse(f"{where}: {module}.input_scale is {input_scale.item()!r}, not a positive finite scale")
+    group = a.get("group_size") if a.get("strategy") == "group" else None
+    if group is not None and cols % group:
+        _refuse(f"{where}: input activation groups of {group} do not divide the input width {cols}")
+    return ActQuantLinear(qweight.contiguous(), scale.contiguous(), block_cols, kind, input_scale, group)
+
+
 def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
     """Yield (parameter name, tensor or CTLinear) for a compressed-tensors checkpoint."""
     from safetensors import safe_open
@@ -360,6 +508,10 @@ def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
         bias = t.get("bias")
         if bias is not None:
             check_plain_dtype(f"{module}.bias", bias, files[f"{module}.bias"])
+        if status == "decompressed" and scheme.get("input_activations") is not None:
+            _refuse(f"{module} ({describe(scheme, fmt)}) is 'decompressed': its float weights would still need "
+                    "their activation quantization, which logprobe runs only from the compressed layout",
+                    "save the model compressed (llm-compressor save_compressed=True)")
         if status == "decompressed":  # float weights already dequantized: compressed-tensors uses them as they are
             odd = sorted(set(t) - {"weight", "bias", "weight_scale", "weight_zero_point", "weight_g_idx"})
             if odd or "weight" not in t:
@@ -369,8 +521,8 @@ def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
             layer = t["weight"]
         else:
             layer = ct_layer(module, {k: v for k, v in t.items() if k != "bias"}, scheme, fmt, gname)
-            if not packed:
-                layer = layer.dense()
+            if not packed:  # an activation-quantized layer stays one: its rounding is part of the model
+                layer = layer.expand() if scheme.get("input_activations") is not None else layer.dense()
         name = hf_param_name(module + ".weight", cfg, files.get(module + ".weight", path.name))
         if name is not None:
             yield name, layer
