@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,10 +18,26 @@ from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..scoring.head import HeadOutput, logprob_head
 from .request import RequestResult, ScoreRequest
-from .scheduler import Chunk, Tree, plan_work
+from .scheduler import Chunk, Tree, plan_work, tree_cost
 
 # Jobs with at least this many input tokens show a progress bar (when stderr is a terminal).
 PROGRESS_MIN_TOKENS = 32768
+# Out of memory: a chunk of at most this many rows that still runs out fails its request.
+MIN_OOM_CHUNK = 16
+# Out of memory: the lowered working budget doubles back after this many good batches in a row.
+OOM_RESTORE_AFTER = 8
+
+
+class RequestOutOfMemory(LogprobeError):
+    """Request ``index`` (``tokens`` inputs) ran out of memory even alone, in a pass of ``rows``
+    rows seeing ``context`` tokens; ``fits``: the most tokens one pass has held on this engine."""
+
+    def __init__(self, index: int, tokens: int, rows: int, context: int, fits: int, cause: str = "") -> None:
+        self.index, self.tokens, self.rows, self.context, self.fits = index, tokens, rows, context, fits
+        have = f"at most about {fits} tokens have fit in one pass" if fits else "no pass has fit yet"
+        super().__init__(f"requests[{index}]", f"{tokens} input tokens do not fit in memory even alone "
+                         f"(out of memory at {context} tokens; {have}){'; ' + cause if cause else ''}",
+                         "send fewer tokens per request, or use a smaller --dtype, a smaller model or more memory")
 
 
 @dataclass(slots=True)
@@ -179,6 +196,15 @@ class Engine:
         self._linears = [m for m in model.modules() if isinstance(m, Linear)]
         self._norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
         self._context = bool(getattr(model, "supports_context", False))
+        # out of memory: the working budget (<= config.max_batch_tokens), see ``run``
+        self.budget = config.max_batch_tokens
+        self.restore_after = OOM_RESTORE_AFTER
+        self.oom_count = 0  # out-of-memory errors met (and recovered from, or failed a request)
+        self.max_ok_tokens = 0  # the most tokens (rows + cached keys) one good pass has held
+        self._good = 0
+        # called as fault_hook(rows, tokens) before each forward pass (tokens: rows + cached keys);
+        # tests raise torch.OutOfMemoryError from it, or count passes
+        self.fault_hook: Callable[[int, int], None] | None = None
 
     @torch.no_grad()
     def run(
@@ -186,8 +212,20 @@ class Engine:
         requests: list[ScoreRequest],
         on_result: Callable[[int, RequestResult], None] | None = None,
         progress: bool | None = None,
+        *,
+        on_error: Callable[[int, Exception], None] | None = None,
     ) -> list[RequestResult]:
-        """Results in input order; ``on_result(i, result)`` is called as each request completes."""
+        """Results in input order; ``on_result(i, result)`` is called as each request completes.
+
+        Out of memory (``torch.OutOfMemoryError`` in a forward pass or the head) is not fatal: the
+        batch's requests are planned again under half its rows (down to one request, then chunks
+        of it down to ``MIN_OOM_CHUNK`` rows) and the working budget ``self.budget`` is lowered for
+        the batches that follow, doubling back after ``self.restore_after`` good batches in a row
+        (never above ``config.max_batch_tokens``). No number changes (bitwise in deterministic
+        mode: chunking and the budget never change bits). Only a request that does not fit even
+        alone fails, and alone: with ``on_error`` its slot in the returned list is None and
+        ``on_error(i, RequestOutOfMemory)`` is called; without it every other request still runs
+        (and reaches ``on_result``), then the first such error is raised."""
         cfg = self.config
         if cfg.deterministic and not self._context:
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
@@ -196,43 +234,142 @@ class Engine:
             raise LogprobeError("steer" if any(r.steer for r in requests) else "capture",
                                 f"{type(self.model).__name__} has no hook points",
                                 "use a native model (GGUF or a Llama-family directory)")
-        # a steered request's rows differ from an unsteered one's: it shares no prefix
-        plan = plan_work([r.inputs for r in requests], cfg.max_batch_tokens,
-                         share=cfg.share_prefixes and self._context, min_shared=cfg.min_shared_prefix,
-                         chunk=self._context, unshared={i for i, r in enumerate(requests) if r.steer})
         results: list[RequestResult | None] = [None] * len(requests)
-        parts: dict[int, list[RequestResult]] = {}
+        errors: list[RequestOutOfMemory] = []
         bar = self._progress_bar(sum(r.num_inputs for r in requests), progress)
-        cache: KVCache | None = None
-        kv_block = cfg.attention_block if cfg.deterministic else None
+        lengths = [r.num_inputs for r in requests]
+
+        def finish(i: int, res: RequestResult) -> None:
+            results[i] = res
+            if on_result is not None:
+                on_result(i, res)
+
+        def fail(i: int, rows: int, context: int, cause: str) -> None:
+            # the error keeps no traceback: its frames would hold the failed batch's tensors
+            err = RequestOutOfMemory(i, lengths[i], rows, context, self.max_ok_tokens, cause)
+            errors.append(err)
+            if on_error is not None:
+                on_error(i, err)
+
+        queue = self._plan(requests, range(len(requests)))
+        planned_at = self.budget
+        while queue:
+            unit = queue.popleft()
+            if isinstance(unit, int):  # a request over the budget: its chunks, one per batch, in order
+                self._run_chunks(requests, unit, finish, fail, bar)
+            else:
+                rows = sum(tree_cost(t, lengths) for t in unit)
+                oom = None
+                try:
+                    packed, scored = self._run_batch(requests, unit)
+                except torch.OutOfMemoryError as e:
+                    oom = _first_line(e)
+                if oom is None:
+                    self._succeeded(packed.meta.num_rows)
+                    for i, part in scored:
+                        finish(i, part)
+                    if bar is not None:
+                        bar.update(packed.meta.num_rows)
+                else:
+                    self._out_of_memory(rows)
+                    members = [m for t in unit for m in t.members]
+                    if len(members) == 1 and not (self._context and rows > MIN_OOM_CHUNK):
+                        fail(members[0], rows, rows, oom)  # alone and not to be cut
+                    else:  # under the lowered budget (at most half its rows) with everything not yet run
+                        queue = self._plan(requests, members + _pending(queue))
+                        planned_at = self.budget
+                        continue
+            if self.budget != planned_at:  # lowered (or raised back): plan what is left again
+                queue = self._plan(requests, _pending(queue))
+                planned_at = self.budget
+        if bar is not None:
+            bar.close()
+        if errors and on_error is None:
+            raise errors[0]
+        return results  # type: ignore[return-value]
+
+    def _plan(self, requests: list[ScoreRequest], indices) -> deque[list[Tree] | int]:
+        """Units of work for ``indices`` under the working budget: batches of trees (request indices
+        of ``requests``), or a request index whose chunks run one per batch."""
+        idx = sorted(indices)
+        sub = [requests[i] for i in idx]
+        cfg = self.config
+        plan = plan_work([r.inputs for r in sub], self.budget, share=cfg.share_prefixes and self._context,
+                         min_shared=cfg.min_shared_prefix, chunk=self._context,
+                         unshared={k for k, r in enumerate(sub) if r.steer})  # steered rows differ: no sharing
+        units: deque[list[Tree] | int] = deque()
         for batch in plan:
-            packed = pack(batch, requests, self.device, kv_block)
             item = batch[0]
             if isinstance(item, Chunk):
                 if item.begin == 0:
-                    cache = KVCache.empty(len(self.model.layers))
-                packed.meta.cache = cache
-            self._set_tiling()
-            if packed.hooks is None:
-                hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
+                    units.append(idx[item.request])
             else:
-                hidden = self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
-            scored = self.score(requests, packed, hidden)
-            _attach_captures(scored, packed.captures or [])
-            for i, part in scored:
-                parts.setdefault(i, []).append(part)
-                # a tree holds whole requests; a chunked request is whole after its last chunk
-                if not isinstance(item, Chunk) or item.end == requests[i].num_inputs:
-                    results[i] = _concat(parts.pop(i), requests[i])
-                    if on_result is not None:
-                        on_result(i, results[i])
-            if isinstance(item, Chunk) and item.end == requests[item.request].num_inputs:
-                cache = None
+                units.append([Tree(tuple(idx[m] for m in t.members), t.shared) for t in batch])  # type: ignore[union-attr]
+        return units
+
+    def _run_batch(self, requests: list[ScoreRequest], batch: list, cache: KVCache | None = None):
+        """One forward pass and its head: (packed batch, [(request, result part)])."""
+        packed = pack(batch, requests, self.device, self.config.attention_block if self.config.deterministic else None)
+        packed.meta.cache = cache
+        if self.fault_hook is not None:
+            self.fault_hook(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
+        self._set_tiling()
+        if packed.hooks is None:
+            hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
+        else:
+            hidden = self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
+        scored = self.score(requests, packed, hidden)
+        _attach_captures(scored, packed.captures or [])
+        return packed, scored
+
+    def _run_chunks(self, requests: list[ScoreRequest], m: int, finish: Callable, fail: Callable, bar) -> None:
+        """Request ``m``'s chunks in order through one KV cache. Out of memory: the cache is cut
+        back to the chunk's start and the chunk halved (down to ``MIN_OOM_CHUNK`` rows, then the
+        request fails)."""
+        r = requests[m]
+        n = r.num_inputs
+        cache = KVCache.empty(len(self.model.layers))
+        parts: list[RequestResult] = []
+        size = self.budget  # this request's chunk size: only ever halved
+        b = 0
+        while b < n:
+            e = min(b + max(1, min(size, self.budget)), n)
+            oom = None
+            try:
+                packed, scored = self._run_batch(requests, [Chunk(m, b, e)], cache)
+            except torch.OutOfMemoryError as exc:
+                oom = _first_line(exc)
+            if oom is not None:
+                _truncate(cache, b)
+                self._out_of_memory(e - b)
+                if e - b <= MIN_OOM_CHUNK:
+                    fail(m, e - b, e, oom)
+                    return
+                size = max(MIN_OOM_CHUNK, (e - b) // 2)
+                continue
+            self._succeeded(e)
+            parts.extend(part for _, part in scored)
             if bar is not None:
-                bar.update(packed.meta.num_rows)
-        if bar is not None:
-            bar.close()
-        return results  # type: ignore[return-value]
+                bar.update(e - b)
+            b = e
+        finish(m, _concat(parts, r))
+
+    def _out_of_memory(self, rows: int) -> None:
+        """A batch of ``rows`` rows ran out of memory: free the allocator's cache, lower the budget."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.oom_count += 1
+        self.budget = max(1, min(self.budget, rows // 2))
+        self._good = 0
+
+    def _succeeded(self, tokens: int) -> None:
+        """A forward pass that held ``tokens`` (rows and cached keys) ran: raise the budget back
+        gradually (doubled after ``restore_after`` good batches in a row)."""
+        self.max_ok_tokens = max(self.max_ok_tokens, tokens)
+        self._good += 1
+        if self.budget < self.config.max_batch_tokens and self._good >= self.restore_after:
+            self.budget = min(self.config.max_batch_tokens, self.budget * 2)
+            self._good = 0
 
     def score(self, requests: list[ScoreRequest], packed: PackedBatch,
               hidden: torch.Tensor) -> list[tuple[int, RequestResult]]:
@@ -327,3 +464,21 @@ def _join(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
             total += p
         return total
     return torch.cat(pieces)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().split("\n")[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _pending(queue) -> list[int]:
+    """The request indices in units of work not yet run."""
+    return sorted(m for u in queue for m in ((u,) if isinstance(u, int) else (m for t in u for m in t.members)))
+
+
+def _truncate(cache: KVCache, n: int) -> None:
+    """Cut a KV cache back to its first ``n`` rows (a pass that failed part-way may have appended)."""
+    for layer, k in enumerate(cache.keys):
+        if k is not None and k.shape[0] > n:
+            cache.keys[layer] = k[:n] if n else None
+            cache.values[layer] = cache.values[layer][:n] if n else None

@@ -1,0 +1,163 @@
+"""Out of memory in the engine (issue 23): a batch that runs out is split and retried, the
+working budget is lowered then raised back, and only a request that does not fit even alone
+fails, alone. The test hook ``Engine.fault_hook(rows, tokens)`` raises ``torch.OutOfMemoryError``
+(constructible on CPU) the way CUDA would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logprobe.config import EngineConfig
+from logprobe.engine.request import ScoreRequest
+from logprobe.engine.runner import MIN_OOM_CHUNK, Engine, RequestOutOfMemory
+from logprobe.errors import LogprobeError
+from logprobe.loading import load_model
+
+FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    return load_model(str(tiny_dirs["llama"][0]), "cpu", "float32").model
+
+
+def mixed_requests() -> list[ScoreRequest]:
+    """RL sequences sharing a 48-token prompt, short unrelated ones, a long one (chunked at budget 256)."""
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(2, 300, (n,), generator=g).tolist()  # noqa: E731
+    prompt = ids(48)
+    reqs = [ScoreRequest(prompt + ids(10 + 7 * k), 48, top_k=2 if k % 2 else 0, entropy=k == 3) for k in range(6)]
+    reqs += [ScoreRequest(ids(5 + 9 * k), 1, temperature=0.7 if k == 1 else 1.0) for k in range(4)]
+    reqs.insert(4, ScoreRequest(ids(700), 100, entropy=True))
+    return reqs
+
+
+class OOMAbove:
+    """fault_hook: out of memory on passes of more than ``rows`` rows (or ``tokens`` rows + cached keys)."""
+
+    def __init__(self, rows: int = 10**9, tokens: int = 10**9, times: int = 10**9) -> None:
+        self.rows, self.tokens, self.times = rows, tokens, times
+        self.raised = 0
+        self.passes: list[tuple[int, int]] = []
+
+    def __call__(self, rows: int, tokens: int) -> None:
+        if (rows > self.rows or tokens > self.tokens) and self.raised < self.times:
+            self.raised += 1
+            raise torch.OutOfMemoryError(f"injected: {rows} rows, {tokens} tokens")
+        self.passes.append((rows, tokens))
+
+
+def run(model, deterministic: bool, hook=None, budget: int = 256, **kw):
+    engine = Engine(model, EngineConfig(max_batch_tokens=budget, deterministic=deterministic), torch.device("cpu"))
+    engine.fault_hook = hook
+    return engine, engine.run(mixed_requests(), **kw)
+
+
+def same(a, b, bitwise: bool) -> None:
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is None:
+            continue
+        assert x.shape == y.shape, name
+        if bitwise or x.dtype == torch.long:
+            assert torch.equal(x, y), name
+        else:
+            torch.testing.assert_close(x, y, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("limit", [dict(rows=100), dict(rows=20), dict(rows=150, tokens=700)])
+def test_same_answers_with_injected_oom(model, deterministic, limit):
+    """Every request of a mixed batch gets the same numbers with and without out-of-memory errors
+    (bitwise in deterministic mode), after the engine split batches, cut chunks and lowered its budget."""
+    _, ref = run(model, deterministic)
+    hook = OOMAbove(**limit)
+    engine, out = run(model, deterministic, hook)
+    assert hook.raised > 0 and engine.oom_count == hook.raised  # the fault happened, and was survived
+    assert all(rows <= limit["rows"] and tokens <= limit.get("tokens", 10**9) for rows, tokens in hook.passes)
+    assert len(out) == len(ref) and all(r is not None for r in out)
+    for a, b in zip(out, ref):
+        same(a, b, bitwise=deterministic)
+
+
+def test_a_request_too_big_alone_fails_alone(model):
+    """With at most 300 tokens per pass (cached keys included) the 700-token request cannot run
+    even in the smallest chunks: it alone fails, naming its size; every other request is answered,
+    the same bits as without the fault."""
+    _, ref = run(model, True)
+    errors = {}
+    engine, out = run(model, True, OOMAbove(tokens=300), on_error=lambda i, e: errors.__setitem__(i, e))
+    assert list(errors) == [4]
+    e = errors[4]
+    assert isinstance(e, RequestOutOfMemory) and isinstance(e, LogprobeError)
+    assert (e.index, e.tokens) == (4, 699) and 256 <= e.fits <= 300 and e.rows <= MIN_OOM_CHUNK and e.context > 300
+    assert "requests[4]: 699 input tokens do not fit in memory even alone" in str(e) and f"{e.fits} tokens" in str(e)
+    assert out[4] is None
+    for i, (a, b) in enumerate(zip(out, ref)):
+        if i != 4:
+            same(a, b, bitwise=True)
+    # the library without on_error: every other request still reaches on_result, then the error is raised
+    got = {}
+    with pytest.raises(RequestOutOfMemory, match=r"requests\[4\]: 699 input tokens"):
+        run(model, True, OOMAbove(tokens=300), on_result=lambda i, r: got.__setitem__(i, r))
+    assert sorted(got) == [i for i in range(len(ref)) if i != 4]
+
+
+def test_budget_lowered_then_raised_back(model):
+    """One out-of-memory error halves the working budget (below the failed batch's rows); good
+    batches double it back to the configured budget, never above."""
+    budgets = []
+    hook = OOMAbove(rows=100, times=1)  # a transient shortage: only the first big pass fails
+
+    def watch(rows, tokens):
+        hook(rows, tokens)
+        budgets.append(engine.budget)
+
+    engine = Engine(model, EngineConfig(max_batch_tokens=256), torch.device("cpu"))
+    engine.restore_after = 2
+    engine.fault_hook = watch
+    reqs = mixed_requests()
+    out = engine.run(reqs + reqs + reqs)
+    assert hook.raised == 1 and all(r is not None for r in out)
+    assert min(budgets) <= 128 and budgets[-1] == 256 and max(budgets) == 256
+    low = budgets.index(min(budgets))
+    assert budgets[low:] == sorted(budgets[low:])  # raised gradually, never lowered again
+    assert engine.budget == 256
+
+
+def test_a_whole_batch_out_of_memory_every_time_fails_each_request_alone(model):
+    """Nothing fits (every pass runs out): each request fails on its own, none is lost or doubled."""
+    errors = {}
+    engine, out = run(model, False, OOMAbove(rows=0), on_error=lambda i, e: errors.__setitem__(i, e))
+    assert sorted(errors) == list(range(len(out))) and all(r is None for r in out)
+    assert all(e.fits == 0 and "no pass has fit yet" in str(e) for e in errors.values())
+
+
+@pytest.mark.parametrize("where", ["layer", "head"])
+def test_out_of_memory_part_way_through_a_pass(model, where):
+    """Out of memory inside the model (after layer 0 appended a chunk's keys to the KV cache) or in
+    the head: the cache is cut back and the retried numbers are the same bits."""
+    _, ref = run(model, True)
+    engine = Engine(model, EngineConfig(max_batch_tokens=256, deterministic=True), torch.device("cpu"))
+    raised = []
+
+    def boom(rows: int) -> None:
+        if rows > 100:
+            raised.append(rows)
+            raise torch.OutOfMemoryError("injected")
+
+    if where == "layer":
+        handle = model.layers[1].register_forward_pre_hook(lambda mod, args: boom(args[0].shape[0]))
+    else:
+        score = engine.score
+        engine.score = lambda reqs, packed, hidden: (boom(hidden.shape[0]), score(reqs, packed, hidden))[1]
+    try:
+        out = engine.run(mixed_requests())
+    finally:
+        if where == "layer":
+            handle.remove()
+    assert raised and engine.oom_count == len(raised)
+    for a, b in zip(out, ref):
+        same(a, b, bitwise=True)
