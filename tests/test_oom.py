@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logprobe.config import EngineConfig
-from logprobe.engine.request import ScoreRequest
+from logprobe.engine.request import CaptureAt, ScoreRequest, SteerAt
 from logprobe.engine.runner import MIN_OOM_CHUNK, Engine, RequestOutOfMemory
 from logprobe.errors import LogprobeError
 from logprobe.loading import load_model
@@ -30,6 +30,13 @@ def mixed_requests() -> list[ScoreRequest]:
     reqs = [ScoreRequest(prompt + ids(10 + 7 * k), 48, top_k=2 if k % 2 else 0, entropy=k == 3) for k in range(6)]
     reqs += [ScoreRequest(ids(5 + 9 * k), 1, temperature=0.7 if k == 1 else 1.0) for k in range(4)]
     reqs.insert(4, ScoreRequest(ids(700), 100, entropy=True))
+    # hooks: a capture of rows and a sum (also across the chunks of a long one), a steered sequence
+    v = torch.randn(64, generator=g)
+    reqs.append(ScoreRequest(prompt + ids(20), 48, capture=(CaptureAt("blocks.1.resid_post", (3, 50, 67), "rows"),
+                                                            CaptureAt("blocks.0.resid_mid", tuple(range(60)), "sum"))))
+    reqs.append(ScoreRequest(ids(300), 1, capture=(CaptureAt("blocks.1.resid_post", (0, 150, 299), "rows"),)))
+    reqs.append(ScoreRequest(prompt + ids(30), 48, steer=(SteerAt("blocks.0.resid_post", tuple(range(40, 70)),
+                                                                  "add", v, 2.0),)))
     return reqs
 
 
@@ -54,7 +61,7 @@ def run(model, deterministic: bool, hook=None, budget: int = 256, **kw):
     return engine, engine.run(mixed_requests(), **kw)
 
 
-def same(a, b, bitwise: bool) -> None:
+def same(a, b, bitwise: bool, request: ScoreRequest | None = None) -> None:
     for name in FIELDS:
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
@@ -65,6 +72,12 @@ def same(a, b, bitwise: bool) -> None:
             assert torch.equal(x, y), name
         else:
             torch.testing.assert_close(x, y, rtol=0, atol=2e-5)
+    assert (a.captures is None) == (b.captures is None)
+    kinds = [c.kind for c in request.capture] if request is not None else [None] * len(a.captures or ())
+    for x, y, kind in zip(a.captures or (), b.captures or (), kinds):
+        # a "sum" over positions split between chunks adds partial sums: equal within rounding only
+        exact = bitwise and kind != "sum"
+        assert x.shape == y.shape and (torch.equal(x, y) if exact else torch.allclose(x, y, rtol=0, atol=1e-5))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -78,8 +91,8 @@ def test_same_answers_with_injected_oom(model, deterministic, limit):
     assert hook.raised > 0 and engine.oom_count == hook.raised  # the fault happened, and was survived
     assert all(rows <= limit["rows"] and tokens <= limit.get("tokens", 10**9) for rows, tokens in hook.passes)
     assert len(out) == len(ref) and all(r is not None for r in out)
-    for a, b in zip(out, ref):
-        same(a, b, bitwise=deterministic)
+    for a, b, r in zip(out, ref, mixed_requests()):
+        same(a, b, deterministic, r)
 
 
 def test_a_request_too_big_alone_fails_alone(model):
@@ -95,9 +108,9 @@ def test_a_request_too_big_alone_fails_alone(model):
     assert (e.index, e.tokens) == (4, 699) and 256 <= e.fits <= 300 and e.rows <= MIN_OOM_CHUNK and e.context > 300
     assert "requests[4]: 699 input tokens do not fit in memory even alone" in str(e) and f"{e.fits} tokens" in str(e)
     assert out[4] is None
-    for i, (a, b) in enumerate(zip(out, ref)):
+    for i, (a, b, r) in enumerate(zip(out, ref, mixed_requests())):
         if i != 4:
-            same(a, b, bitwise=True)
+            same(a, b, True, r)
     # the library without on_error: every other request still reaches on_result, then the error is raised
     got = {}
     with pytest.raises(RequestOutOfMemory, match=r"requests\[4\]: 699 input tokens"):
@@ -159,5 +172,5 @@ def test_out_of_memory_part_way_through_a_pass(model, where):
         if where == "layer":
             handle.remove()
     assert raised and engine.oom_count == len(raised)
-    for a, b in zip(out, ref):
-        same(a, b, bitwise=True)
+    for a, b, r in zip(out, ref, mixed_requests()):
+        same(a, b, True, r)

@@ -15,7 +15,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import TextIO
@@ -24,6 +26,7 @@ import torch
 
 from .. import __version__
 from ..config import EngineConfig
+from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
 from ..io.jsonsafe import dumps
 from ..loading import LoadedModel, load_model
@@ -470,6 +473,12 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     scorer = _scorer(args)
     done = resume_state(args.output)
     written = skipped = failed = 0
+    # SIGTERM/SIGINT: stop before the next forward pass; every line completed is written and flushed
+    stopping: list[int] = []
+    stop = lambda: bool(stopping)  # noqa: E731
+    previous = {sig: signal.signal(sig, lambda signum, frame: stopping.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)} \
+        if threading.current_thread() is threading.main_thread() else {}
     start = time.perf_counter()
     try:
         src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
@@ -485,6 +494,8 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
             try:
                 blocks = _blocks(src, BLOCK_LINES)
                 for block in blocks:
+                    if stopping:
+                        break
                     requests, meta = [], []
                     for index, text in block:
                         if index in done:
@@ -507,22 +518,37 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
                             rec["captures"] = capture_records(res.captures, capture_dir, index)
                         out.write(dumps(rec) + "\n")
                         out.flush()
+                        nonlocal written
+                        written += 1
 
                     if requests:
-                        scorer.engine.run(requests, on_result=write)
-                        written += len(requests)
+                        try:
+                            if isinstance(scorer.engine, Engine):
+                                scorer.engine.run(requests, on_result=write, stop=stop)
+                            else:  # ParallelEngine: stops between blocks
+                                scorer.engine.run(requests, on_result=write)
+                        except RunStopped:
+                            break
             except UnicodeDecodeError as e:
                 raise LogprobeError("--input", f"is not UTF-8 text ({e.reason})", "convert it to UTF-8") from e
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if src is not sys.stdin:
             src.close()
     elapsed = time.perf_counter() - start
     summary = {"output": args.output, "written": written, "already_done": skipped, "failed": failed,
                "elapsed_s": round(elapsed, 3)}
+    if stopping:
+        summary["interrupted"] = signal.Signals(stopping[0]).name
     if args.json:
         print(dumps(summary, compact=False))
     else:
         print(f"{written} written, {skipped} already done, {failed} failed -> {args.output} ({elapsed:.2f} s)")
+    if stopping:
+        print(f"{PROG}: stopped by {signal.Signals(stopping[0]).name}: {written} lines written and flushed; "
+              "run the same command again to resume", file=sys.stderr)
+        return 130
     return 1 if failed else 0
 
 

@@ -35,6 +35,9 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
                    help="cap on /v1/completions 'logprobs' (default: %(default)s)")
     s.add_argument("--max-capture-floats", type=int, default=1 << 22, metavar="N",
                    help="numbers the 'capture' entries of one request may return, else 413 (default: %(default)s)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT: answer new requests 503, finish queued ones within S seconds, fail "
+                        "the rest with 503, exit 0; a second signal exits at once (default: %(default)s)")
     s.add_argument("--no-batching", action="store_true",
                    help="score one HTTP request at a time (for comparison; slower under concurrency)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -50,7 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model, max_queue_requests=args.max_queue_requests,
         max_queue_tokens=args.max_queue_tokens, max_request_tokens=args.max_request_tokens,
         max_request_items=args.max_request_items, max_top_logprobs=args.max_top_logprobs,
-        max_capture_floats=args.max_capture_floats, batching=not args.no_batching)
+        max_capture_floats=args.max_capture_floats, batching=not args.no_batching,
+        shutdown_timeout=args.shutdown_timeout)
     if not _loopback(config.host) and config.api_key is None:
         print(f"logprobe: warning: serving on {config.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -58,10 +62,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(scorer, config)
     import uvicorn
 
+    DrainingServer = _server_class()
     print(f"logprobe: serving {scorer.info.name} ({scorer.info.device}, {scorer.info.dtype}) on "
           f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=10))
+    server.run()
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, with a graceful stop: the first SIGTERM/SIGINT drains the app (new requests 503,
+        queued ones finished within --shutdown-timeout, the rest 503) while the port stays open,
+        then uvicorn shuts down as usual (exit 0). A second signal: uvicorn's own immediate exit."""
+
+        _draining = False
+        _loop = None
+
+        def handle_exit(self, sig, frame) -> None:
+            lifecycle = getattr(getattr(self.config.app, "state", None), "lifecycle", None)
+            if self._draining:  # a second signal: stop now
+                self.should_exit = self.force_exit = True
+                return
+            if lifecycle is None or self._loop is None:
+                self.should_exit = True
+                return
+            self._draining = True
+            timeout = self.config.app.state.config.shutdown_timeout
+            print(f"logprobe: shutting down: finishing queued requests (up to {timeout:g} s)", file=sys.stderr,
+                  flush=True)
+
+            async def drain() -> None:
+                try:
+                    failed = await lifecycle.drain(timeout)
+                    if failed:
+                        print(f"logprobe: {failed} requests not reached in {timeout:g} s answered 503",
+                              file=sys.stderr, flush=True)
+                finally:
+                    self.should_exit = True
+
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(drain()))
+
+        async def serve(self, sockets=None) -> None:
+            import asyncio
+
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    return DrainingServer
 
 
 def _loopback(host: str) -> bool:

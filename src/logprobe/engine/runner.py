@@ -28,6 +28,10 @@ MIN_OOM_CHUNK = 16
 OOM_RESTORE_AFTER = 8
 
 
+class RunStopped(Exception):
+    """``Engine.run(stop=...)`` was told to stop; the requests completed before it were delivered."""
+
+
 class RequestOutOfMemory(LogprobeError):
     """Request ``index`` (``tokens`` inputs) ran out of memory even alone, in a pass of ``rows``
     rows seeing ``context`` tokens; ``fits``: the most tokens one pass has held on this engine."""
@@ -214,6 +218,7 @@ class Engine:
         progress: bool | None = None,
         *,
         on_error: Callable[[int, Exception], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> list[RequestResult]:
         """Results in input order; ``on_result(i, result)`` is called as each request completes.
 
@@ -225,7 +230,10 @@ class Engine:
         mode: chunking and the budget never change bits). Only a request that does not fit even
         alone fails, and alone: with ``on_error`` its slot in the returned list is None and
         ``on_error(i, RequestOutOfMemory)`` is called; without it every other request still runs
-        (and reaches ``on_result``), then the first such error is raised."""
+        (and reaches ``on_result``), then the first such error is raised.
+
+        ``stop()`` is asked before each forward pass; True raises ``RunStopped`` there: every
+        request completed so far has reached ``on_result`` (a job interrupted by a signal)."""
         cfg = self.config
         if cfg.deterministic and not self._context:
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
@@ -254,9 +262,11 @@ class Engine:
         queue = self._plan(requests, range(len(requests)))
         planned_at = self.budget
         while queue:
+            if stop is not None and stop():
+                raise RunStopped()
             unit = queue.popleft()
             if isinstance(unit, int):  # a request over the budget: its chunks, one per batch, in order
-                self._run_chunks(requests, unit, finish, fail, bar)
+                self._run_chunks(requests, unit, finish, fail, bar, stop)
             else:
                 rows = sum(tree_cost(t, lengths) for t in unit)
                 oom = None
@@ -267,7 +277,7 @@ class Engine:
                 if oom is None:
                     self._succeeded(packed.meta.num_rows)
                     for i, part in scored:
-                        finish(i, part)
+                        finish(i, _concat([part], requests[i]))
                     if bar is not None:
                         bar.update(packed.meta.num_rows)
                 else:
@@ -322,7 +332,8 @@ class Engine:
         _attach_captures(scored, packed.captures or [])
         return packed, scored
 
-    def _run_chunks(self, requests: list[ScoreRequest], m: int, finish: Callable, fail: Callable, bar) -> None:
+    def _run_chunks(self, requests: list[ScoreRequest], m: int, finish: Callable, fail: Callable, bar,
+                    stop: Callable[[], bool] | None = None) -> None:
         """Request ``m``'s chunks in order through one KV cache. Out of memory: the cache is cut
         back to the chunk's start and the chunk halved (down to ``MIN_OOM_CHUNK`` rows, then the
         request fails)."""
@@ -333,6 +344,8 @@ class Engine:
         size = self.budget  # this request's chunk size: only ever halved
         b = 0
         while b < n:
+            if stop is not None and stop():
+                raise RunStopped()
             e = min(b + max(1, min(size, self.budget)), n)
             oom = None
             try:

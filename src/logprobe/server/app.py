@@ -1,7 +1,12 @@
 """The ASGI app (FastAPI on uvicorn): thin handlers over ``Scorer`` jobs and the shared ``Batcher``.
 
 Every error is JSON ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape) with a
-4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``. Every JSON reply goes
+4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``. Faults (issue 23): a
+request that does not fit in memory even alone answers 413 (its neighbours in the batch are
+answered as usual); a client that disconnects before its work starts costs no forward pass
+(``logprobe_requests_dropped_total{reason="disconnected"}``); the native endpoints take an optional
+``timeout`` (408 when not started by then); ``drain`` (SIGTERM via ``logprobe serve``, or the
+lifespan's end) answers new requests 503 and finishes queued ones within ``shutdown_timeout``. Every JSON reply goes
 through ``io.jsonsafe`` (``SafeJSONResponse``): no NaN or Infinity, always valid UTF-8. The OpenAPI
 document (``/openapi.json``) states each reply's shape, errors included; ``tests/test_server_fuzz.py``
 fuzzes the app from it.
@@ -9,6 +14,7 @@ fuzzes the app from it.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -22,11 +28,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..engine.runner import Engine, RequestOutOfMemory
 from ..errors import LogprobeError
 from ..io.jsonsafe import encode
 from ..io.text import text_problem
 from ..scorer import Job, Scorer
-from .batcher import Batcher, QueueFull, ServerClosed
+from .batcher import Batcher, JobFailed, JobTimeout, QueueFull, ServerClosed
 from .config import ServerConfig
 from .metrics import Metrics
 from .openai_compat import completion_job
@@ -67,13 +74,17 @@ ERRORS = {
     400: "a field is invalid: the message names it and the fix",
     401: "the bearer key is missing or wrong",
     404: "the model is not served here",
-    413: "the body, the input tokens, the items or the captured numbers of one request exceed a limit",
+    408: "the request's 'timeout' passed before it was started; nothing was computed",
+    413: "the body, the input tokens, the items or the captured numbers of one request exceed a limit, "
+         "or one of its sequences does not fit in the server's memory even alone",
     429: "the queue is full; retry after Retry-After seconds",
     503: "out of memory, or shutting down; retry after Retry-After seconds",
 }
+DEFAULT_CODES = (400, 401, 404, 413, 429, 503)
+NATIVE_CODES = (400, 401, 404, 408, 413, 429, 503)  # the endpoints with a 'timeout'
 
 
-def replies(model: type | None = None, codes=tuple(ERRORS)) -> dict:
+def replies(model: type | None = None, codes=DEFAULT_CODES) -> dict:
     """OpenAPI ``responses`` of a route: its 200 body and the error bodies it may answer."""
     out = {code: {"model": ErrorReply, "description": ERRORS[code]} for code in codes}
     if model is not None:
@@ -94,7 +105,7 @@ class RequestTooLarge(Exception):
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+            408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable"}.get(
         status, "invalid_request_error" if status < 500 else "server_error")
     return SafeJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                             status_code=status, headers=headers)
@@ -176,8 +187,9 @@ def validation_message(errors: list[dict], model: type | None = None) -> tuple[s
 class Gate:
     """Pure ASGI middleware: API key, body-size limit, request metrics."""
 
-    def __init__(self, app, config: ServerConfig, metrics: Metrics, routes: set[str]) -> None:
+    def __init__(self, app, config: ServerConfig, metrics: Metrics, routes: set[str], lifecycle: Lifecycle) -> None:
         self.app = app
+        self.lifecycle = lifecycle
         self.config = config
         self.metrics = metrics
         self.routes = routes
@@ -197,6 +209,11 @@ class Gate:
             await send(message)
 
         try:
+            if self.lifecycle.draining and path != "/metrics":  # stop accepting: new requests 503
+                resp = error_response(503, "the server is shutting down and takes no new requests; retry on "
+                                      "another replica or after Retry-After seconds", None, "shutting_down",
+                                      {"Retry-After": "5", "Connection": "close"})
+                return await resp(scope, receive, send_wrapped)
             headers = dict(scope.get("headers") or [])
             if self.key is not None and path not in OPEN_PATHS:
                 given = headers.get(b"authorization", b"")
@@ -230,6 +247,31 @@ class Gate:
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
 
+class Lifecycle:
+    """Shutdown state: ``drain(timeout)`` once; the Gate answers 503 while draining."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher = batcher
+        self.draining = False
+        self._drained: asyncio.Task | None = None
+
+    async def drain(self, timeout: float) -> int:
+        """Take no new requests; finish the queued ones within ``timeout`` s, fail the rest (503).
+        Returns how many were failed; a second call waits for the first."""
+        self.draining = True
+        if self._drained is None:
+            self._drained = asyncio.ensure_future(asyncio.to_thread(self.batcher.drain, timeout))
+        return await asyncio.shield(self._drained)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read by then: receive() waits for disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 def capture_floats(requests, hidden: int) -> int:
     """How many numbers the captures of these requests return (rows: n*H, sum: H, project: n)."""
     return sum(len(c.positions) * hidden if c.kind == "rows" else hidden if c.kind == "sum" else len(c.positions)
@@ -242,8 +284,24 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     name = config.served_model_name or model_name or scorer.info.name
     names = {name, scorer.info.name, scorer.info.path}
     metrics = Metrics()
-    batcher = Batcher(scorer.engine.run, scorer.config.max_batch_tokens, config.max_queue_requests,
-                      config.max_queue_tokens, config.batching, metrics.observe_step)
+    engine = scorer.engine
+
+    def run_batch(requests):
+        """The engine call; a request that does not fit in memory even alone is an exception in
+        its slot (its job alone fails, 413)."""
+        if not isinstance(engine, Engine):  # ParallelEngine: no per-request errors
+            return engine.run(requests)
+        results: list = engine.run(requests, on_error=lambda i, e: errors.append((i, e)))
+        for i, e in errors:
+            results[i] = e
+        errors.clear()
+        return results
+
+    errors: list = []
+    batcher = Batcher(run_batch, scorer.config.max_batch_tokens, config.max_queue_requests,
+                      config.max_queue_tokens, config.batching, metrics.observe_step,
+                      lambda reason: metrics.dropped.labels(reason).inc())
+    lifecycle = Lifecycle(batcher)
     tok = scorer.tokenizer
     hidden = scorer.loaded.model.config.hidden_size if getattr(scorer.loaded.model, "supports_hooks", False) else 0
 
@@ -251,6 +309,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     async def lifespan(app: FastAPI):
         batcher.start()
         yield
+        await lifecycle.drain(config.shutdown_timeout)  # a no-op when `logprobe serve` drained on SIGTERM
         batcher.close()
 
     app = FastAPI(title="logprobe", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
@@ -270,6 +329,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     app.openapi = openapi
     app.state.scorer, app.state.batcher, app.state.config, app.state.metrics = scorer, batcher, config, metrics
+    app.state.lifecycle = lifecycle
 
     # -- errors ----------------------------------------------------------------------------------
 
@@ -295,6 +355,23 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     async def _queue_full(request: Request, exc: QueueFull):
         return error_response(429, f"server busy: {exc.reason}; retry after {exc.retry_after} s", None,
                               "queue_full", {"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(JobTimeout)
+    async def _timeout(request: Request, exc: JobTimeout):
+        return error_response(408, str(exc), "timeout", "timeout")
+
+    @app.exception_handler(JobFailed)
+    async def _job_failed(request: Request, exc: JobFailed):
+        e = exc.error
+        if isinstance(e, RequestOutOfMemory):
+            have = f"at most about {e.fits} tokens have fit in one pass" if e.fits else "no pass has fit yet"
+            return error_response(413, f"input: sequence {exc.index} of this request has {e.tokens} input tokens, "
+                                  f"which do not fit in the server's memory even alone (out of memory at "
+                                  f"{e.context} tokens; {have}); send shorter inputs", "input", "out_of_memory")
+        if isinstance(e, LogprobeError):
+            return error_response(400, str(e), e.field, "invalid_value")
+        log.error("request failed in the engine: %r", e)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
 
     @app.exception_handler(ServerClosed)
     async def _closed(request: Request, exc: ServerClosed):
@@ -333,7 +410,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             raise RequestTooLarge(field, f"{field}: {n} items exceed this server's limit of "
                                   f"{config.max_request_items} per request; split the request")
 
-    async def run(job: Job):
+    async def run(job: Job, request: Request | None = None, timeout: float | None = None):
         if job.num_tokens > config.max_request_tokens:
             raise RequestTooLarge("body", f"body: {job.num_tokens} input tokens exceed this server's limit of "
                                   f"{config.max_request_tokens} per request; split the request")
@@ -342,7 +419,18 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             raise RequestTooLarge("capture", f"capture: {floats} captured numbers exceed this server's limit of "
                                   f"{config.max_capture_floats} per request; capture fewer points or positions, "
                                   "or reduce them (mean, sum, last, project)")
-        results = await batcher.submit(job.requests)
+        task = asyncio.ensure_future(batcher.submit(job.requests, timeout))
+        if request is not None:  # a client that goes away takes its queued work with it
+            gone = asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not task.done():
+                    task.cancel()
+            if task.cancelled():
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        results = await task
         return await run_in_threadpool(job.finish, results)
 
     api = APIRouter()
@@ -351,12 +439,12 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     @api.post("/v1/completions", summary="Prompt log-probs (echo) and at most one greedy token",
               responses=replies(CompletionReply))
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
             check_items(len(body.prompt), "prompt")
         job = await run_in_threadpool(completion_job, body, scorer, name, config.max_top_logprobs)
-        return await run(job)
+        return await run(job, request)
 
     @api.get("/v1/models", responses=replies(ModelsReply, (401,)))
     async def models():
@@ -393,33 +481,37 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     # -- native ----------------------------------------------------------------------------------
 
     @api.post("/v1/score", summary="log p(continuation | prompt) for each continuation",
-              responses=replies(ScoreReply))
-    async def score(body: ScoreBody):
+              responses=replies(ScoreReply, NATIVE_CODES))
+    async def score(body: ScoreBody, request: Request):
         check_model(body.model)
         check_items(len(body.continuations), "continuations")
         check_top_k(body.top_k)
         job = await run_in_threadpool(lambda: scorer.score_job(body.prompt, body.continuations,
                                                                temperature=body.temperature, top_k=body.top_k,
                                                                entropy=body.entropy, **body.hook_args()))
-        results = await run(job)
+        results = await run(job, request, body.timeout)
+        if isinstance(results, Response):
+            return results
         return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results]}
 
     @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature",
-              responses=replies(LogprobsReply))
-    async def logprobs(body: LogprobsBody):
+              responses=replies(LogprobsReply, NATIVE_CODES))
+    async def logprobs(body: LogprobsBody, request: Request):
         check_model(body.model)
         check_items(len(body.sequences), "sequences")
         check_top_k(body.top_k)
         seqs = [s.model_dump() for s in body.sequences]
         job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy,
                                                                   **body.hook_args()))
-        results = await run(job)
+        results = await run(job, request, body.timeout)
+        if isinstance(results, Response):
+            return results
         return {"object": "logprobs", "model": name, "temperature": body.temperature,
                 "results": [r.to_dict() for r in results]}
 
     @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows",
-              responses=replies(PerplexityReply))
-    async def perplexity(body: PerplexityBody):
+              responses=replies(PerplexityReply, NATIVE_CODES))
+    async def perplexity(body: PerplexityBody, request: Request):
         check_model(body.model)
         if isinstance(body.texts, list) and body.texts and not isinstance(body.texts[0], int):
             check_items(len(body.texts), "texts")
@@ -427,7 +519,9 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             body.texts, context_length=body.context_length, stride=body.stride, policy=body.policy,
             prefix=body.prefix, max_tokens=body.max_tokens, return_token_nlls=body.return_token_nlls,
             **body.hook_args()))
-        result = await run(job)
+        result = await run(job, request, body.timeout)
+        if isinstance(result, Response):
+            return result
         return {"object": "perplexity", "model": name, **result.to_dict()}
 
     # -- operations ------------------------------------------------------------------------------
@@ -446,5 +540,5 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     app.include_router(api)
     routes = {getattr(r, "path", "") for r in [*app.routes, *api.routes]} - {""}
-    app.add_middleware(Gate, config=config, metrics=metrics, routes=routes)
+    app.add_middleware(Gate, config=config, metrics=metrics, routes=routes, lifecycle=lifecycle)
     return app

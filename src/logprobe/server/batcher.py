@@ -7,6 +7,13 @@ hands each result back to the job it came from. A job's future resolves when its
 is scored. The queue is bounded in jobs and in tokens; beyond either ``submit`` raises
 ``QueueFull`` (the server answers 429 with ``Retry-After``).
 
+Nothing is computed for nobody: a job whose caller has gone (its ``submit`` cancelled: the HTTP
+client disconnected) or whose ``timeout`` passed before its first request reached the engine
+(``JobTimeout``) leaves the queue unscored, counted by ``on_drop(reason)``. A job already started
+is finished. A result that is an exception (``Engine.run``'s per-request failures: a request that
+does not fit in memory even alone) fails its own job only. ``drain(timeout)`` stops taking jobs,
+lets the queue run empty within ``timeout`` seconds and fails what is left (``ServerClosed``).
+
     queue:  job A [a0 a1 a2 a3]   job B [b0]   job C [c0 c1]
     step 1: a0 b0 c0 a1 (budget full)   -> B resolves
     step 2: c1 a2 a3                    -> A, C resolve
@@ -35,6 +42,22 @@ class ServerClosed(Exception):
     pass
 
 
+class JobFailed(Exception):
+    """Request ``index`` of a job failed alone in the engine (``error``, e.g. RequestOutOfMemory)."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(str(error))
+        self.index = index
+        self.error = error
+
+
+class JobTimeout(Exception):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"timeout: the request was not started within {timeout:g} s; nothing was computed; "
+                         "retry later or with a longer timeout")
+        self.timeout = timeout
+
+
 @dataclass(slots=True, eq=False)
 class _Job:
     requests: list[ScoreRequest]
@@ -44,6 +67,9 @@ class _Job:
     results: list[RequestResult | None] = field(default_factory=list)
     next: int = 0  # first request not yet handed to the engine
     done: int = 0  # requests scored
+    deadline: float | None = None  # time.monotonic() by which its first request must reach the engine
+    timeout: float | None = None
+    removed: bool = False  # out of the queue (finished, failed, dropped)
 
 
 @dataclass(slots=True)
@@ -58,19 +84,23 @@ class StepStats:
 class Batcher:
     """``await batcher.submit(requests)`` -> results in order, scored in batches shared with other callers.
 
-    ``run_batch(requests) -> results`` is the engine call (``Engine.run``); ``on_step`` sees each step's
-    size and time (metrics).
+    ``run_batch(requests) -> results`` is the engine call (``Engine.run``; a result may be an
+    exception: that request's job fails with it); ``on_step`` sees each step's size and time, and
+    ``on_drop(reason)`` each job dropped unscored ("disconnected", "timeout", "shutdown") (metrics).
     """
 
-    def __init__(self, run_batch: Callable[[list[ScoreRequest]], list[RequestResult]], max_batch_tokens: int,
-                 max_queue_requests: int, max_queue_tokens: int, batching: bool = True,
-                 on_step: Callable[[StepStats], None] | None = None) -> None:
+    def __init__(self, run_batch: Callable[[list[ScoreRequest]], list[RequestResult | Exception]],
+                 max_batch_tokens: int, max_queue_requests: int, max_queue_tokens: int, batching: bool = True,
+                 on_step: Callable[[StepStats], None] | None = None,
+                 on_drop: Callable[[str], None] | None = None) -> None:
         self.run_batch = run_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_requests = max_queue_requests
         self.max_queue_tokens = max_queue_tokens
         self.batching = batching
         self.on_step = on_step
+        self.on_drop = on_drop
+        self._accepting = True
         self._jobs: list[_Job] = []  # arrival order
         self._turn = 0  # round-robin position in _jobs
         self._queued_tokens = 0  # input tokens of requests not yet scored
@@ -88,12 +118,40 @@ class Batcher:
         """Stop the engine thread; queued jobs fail with ServerClosed."""
         with self._cond:
             self._closed = True
-            jobs, self._jobs = self._jobs, []
+            self._accepting = False
+            jobs = list(self._jobs)
+            for job in jobs:
+                self._remove(job, "shutdown")
             self._cond.notify_all()
         for job in jobs:
             job.loop.call_soon_threadsafe(_fail, job.future, ServerClosed("the server is shutting down"))
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+
+    def drain(self, timeout: float) -> int:
+        """Take no new jobs; wait up to ``timeout`` seconds for the queued and running ones to
+        finish, then fail the rest with ServerClosed. Returns how many were failed. Blocking
+        (call it from a worker thread)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._accepting = False
+            while self._jobs and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            jobs = list(self._jobs)
+            for job in jobs:
+                self._remove(job, "shutdown")
+            self._cond.notify_all()
+        for job in jobs:
+            job.loop.call_soon_threadsafe(_fail, job.future, ServerClosed(
+                f"the server is shutting down and did not reach this request within {timeout:g} s"))
+        return len(jobs)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
 
     @property
     def queue_depth(self) -> tuple[int, int]:
@@ -101,14 +159,18 @@ class Batcher:
         with self._cond:
             return len(self._jobs), self._queued_tokens
 
-    async def submit(self, requests: list[ScoreRequest]) -> list[RequestResult]:
+    async def submit(self, requests: list[ScoreRequest], timeout: float | None = None) -> list[RequestResult]:
+        """Results in order. ``timeout``: seconds until the job must have started, else JobTimeout
+        (nothing computed). Cancelling the call (the client went away) drops the job unscored
+        (what is not yet running)."""
         if not requests:
             return []
         loop = asyncio.get_running_loop()
         tokens = sum(r.num_inputs for r in requests)
-        job = _Job(requests, loop.create_future(), loop, tokens, [None] * len(requests))
+        job = _Job(requests, loop.create_future(), loop, tokens, [None] * len(requests),
+                   deadline=None if timeout is None else time.monotonic() + timeout, timeout=timeout)
         with self._cond:
-            if self._closed:
+            if not self._accepting:
                 raise ServerClosed("the server is shutting down")
             if self._jobs:  # an empty queue takes any job, however large
                 if len(self._jobs) >= self.max_queue_requests:
@@ -120,7 +182,25 @@ class Batcher:
             self._jobs.append(job)
             self._queued_tokens += tokens
             self._cond.notify()
-        return await job.future
+        try:
+            if timeout is None:
+                return await asyncio.shield(job.future)
+            try:
+                return await asyncio.wait_for(asyncio.shield(job.future), timeout)
+            except asyncio.TimeoutError:
+                with self._cond:
+                    if job.next == 0 and not job.removed:  # not started: drop it
+                        self._remove(job, "timeout")
+                        self._cond.notify_all()
+                        raise JobTimeout(timeout) from None
+                return await asyncio.shield(job.future)  # started (or just failed): its answer
+        except asyncio.CancelledError:
+            with self._cond:
+                if not job.removed:  # what has not reached the engine is not computed
+                    self._remove(job, "disconnected")
+                    self._cond.notify_all()
+            job.future.cancel()
+            raise
 
     def _retry_after(self) -> int:
         if self._rate <= 0:
@@ -156,9 +236,13 @@ class Batcher:
 
     def _take(self) -> list[tuple[_Job, int]]:
         """The next engine step: requests taken round-robin over jobs up to the token budget (lock held)."""
-        for job in [j for j in self._jobs if j.future.cancelled()]:  # the client went away
-            self._jobs.remove(job)
-            self._queued_tokens -= sum(r.num_inputs for r in job.requests[job.done:])
+        now = time.monotonic()
+        for job in list(self._jobs):
+            if job.future.cancelled():  # the client went away
+                self._remove(job, "disconnected")
+            elif job.next == 0 and job.deadline is not None and now > job.deadline:
+                self._remove(job, "timeout")
+                job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0))
         pending = [j for j in self._jobs if j.next < len(j.requests)]
         if not pending:
             return []
@@ -188,28 +272,48 @@ class Batcher:
         self._turn += 1
         return step
 
-    def _deliver(self, step: list[tuple[_Job, int]], results: list[RequestResult], tokens: int) -> None:
-        finished = []
+    def _deliver(self, step: list[tuple[_Job, int]], results: list[RequestResult | Exception], tokens: int) -> None:
+        finished: list[_Job] = []
+        failed: list[tuple[_Job, Exception]] = []
         with self._cond:
             for (job, i), res in zip(step, results):
+                if job.removed:  # dropped or failed meanwhile (its tokens left the count then)
+                    continue
+                if isinstance(res, Exception):
+                    self._remove(job)
+                    failed.append((job, JobFailed(i, res)))
+                    continue
                 job.results[i] = res
                 job.done += 1
+                self._queued_tokens -= job.requests[i].num_inputs
                 if job.done == len(job.requests):
+                    self._remove(job)
                     finished.append(job)
-            self._queued_tokens -= tokens
-            for job in finished:
-                self._jobs.remove(job)
+            self._cond.notify_all()
         for job in finished:
             job.loop.call_soon_threadsafe(_succeed, job.future, job.results)
+        for job, error in failed:
+            job.loop.call_soon_threadsafe(_fail, job.future, error)
 
     def _fail_jobs(self, jobs: set[_Job], error: Exception) -> None:
         with self._cond:
+            jobs = {job for job in jobs if not job.removed}
             for job in jobs:
-                if job in self._jobs:
-                    self._jobs.remove(job)
-                    self._queued_tokens -= sum(r.num_inputs for r in job.requests[job.done:])
+                self._remove(job)
+            self._cond.notify_all()
         for job in jobs:
             job.loop.call_soon_threadsafe(_fail, job.future, error)
+
+    def _remove(self, job: _Job, dropped: str | None = None) -> None:
+        """Take a job out of the queue with its unscored tokens (lock held); ``dropped``: the
+        reason it leaves unfinished, counted by ``on_drop``."""
+        if job.removed:
+            return
+        job.removed = True
+        self._jobs.remove(job)
+        self._queued_tokens -= sum(r.num_inputs for r in job.requests[job.done:])
+        if dropped is not None and self.on_drop is not None:
+            self.on_drop(dropped)
 
 
 def _succeed(future: asyncio.Future, value) -> None:

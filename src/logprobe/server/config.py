@@ -23,6 +23,8 @@ class ServerConfig:
     max_body_bytes: request bodies beyond this get 413 before they are parsed.
     max_capture_floats: numbers the ``capture`` entries of one request may return, else 413.
     batching: False runs one HTTP request's work per engine step (for comparison; slower).
+    shutdown_timeout: seconds a shutdown (SIGTERM/SIGINT, the app's lifespan end) waits for queued
+        and running requests before failing the rest with 503; new requests get 503 meanwhile.
     """
 
     host: str = "127.0.0.1"
@@ -37,6 +39,7 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20
     max_capture_floats: int = 1 << 22
     batching: bool = True
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",
@@ -44,5 +47,8 @@ class ServerConfig:
                                    "max_capture_floats"))
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise LogprobeError("port", f"must be an integer in [0, 65535], got {self.port!r}")
+        t = self.shutdown_timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < float("inf"):
+            raise LogprobeError("shutdown_timeout", f"must be a number of seconds >= 0, got {t!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise LogprobeError("api_key", "is empty", "give a non-empty key or leave it unset")

@@ -187,7 +187,13 @@ class _HeadOptions(BaseModel):
     entropy: bool = False
 
 
-class ScoreBody(_HeadOptions, _Hooks):
+class _Deadline(BaseModel):
+    timeout: float | None = Field(None, gt=0, le=86400, allow_inf_nan=False,
+                                  description="seconds: a request not started by then answers 408 (code 'timeout') "
+                                              "and is not computed; once started it is finished")
+
+
+class ScoreBody(_HeadOptions, _Hooks, _Deadline):
     """``POST /v1/score``: log p(continuation | prompt) for each continuation (``Scorer.score``)."""
 
     prompt: Text
@@ -200,13 +206,13 @@ class Sequence(BaseModel):
     completion_token_ids: list[int] = Field(min_length=1)
 
 
-class LogprobsBody(_HeadOptions, _Hooks):
+class LogprobsBody(_HeadOptions, _Hooks, _Deadline):
     """``POST /v1/logprobs``: per-token log-probs of completions (``Scorer.logprobs``, RL)."""
 
     sequences: list[Sequence] = Field(min_length=1)
 
 
-class PerplexityBody(_Hooks):
+class PerplexityBody(_Hooks, _Deadline):
     """``POST /v1/perplexity`` (``Scorer.perplexity``)."""
 
     model_config = _STRICT
