@@ -157,3 +157,122 @@ def test_server_config_and_cli_errors(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["logprobe: error: port: must be an integer in [0, 65535], got 70000"]
+    for bad in (-1, float("inf"), float("nan"), "30", True):
+        with pytest.raises(LogprobeError, match="shutdown_timeout: must be a number of seconds >= 0"):
+            ServerConfig(shutdown_timeout=bad)
+    assert main(["serve", "--shutdown-timeout", "-1"]) == 2
+    assert "shutdown_timeout: must be a number of seconds >= 0, got -1.0" in capsys.readouterr().err
+
+
+# -- issue 23: per-request failures, disconnects, timeouts, drain -----------------------------------
+
+
+def test_a_failed_request_fails_its_own_job_only():
+    """The engine reports a request as an exception: job B (which owns it) fails with
+    JobFailed naming its index in B; jobs A and C (queued with it) get their results; B's other
+    queued request is never computed; the token count returns to 0."""
+    from logprobe.server.batcher import JobFailed
+
+    seen = []
+    gate = threading.Event()
+
+    def engine(requests):
+        gate.wait(10)
+        seen.append([r.tokens[0] for r in requests])
+        out = FakeEngine()(requests)
+        return [ValueError("too big") if r.tokens[0] == 21 else x for r, x in zip(requests, out)]
+
+    b = Batcher(engine, max_batch_tokens=10, max_queue_requests=10, max_queue_tokens=1000, batching=True)
+
+    async def main():
+        b.start()
+        tasks = [asyncio.ensure_future(b.submit(j)) for j in ([req(10, 10)], [req(10, 20), req(10, 21), req(10, 22)],
+                                                             [req(10, 30)])]
+        await asyncio.sleep(0.05)
+        gate.set()
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        depth = b.queue_depth
+        b.close()
+        return out, depth
+
+    out, depth = asyncio.run(main())
+    assert isinstance(out[1], JobFailed) and out[1].index == 1 and str(out[1]) == "too big"
+    assert [r.logprobs[0].item() for r in out[0]] == [10] and [r.logprobs[0].item() for r in out[2]] == [30]
+    ran = [t for step in seen for t in step]
+    assert sorted(ran) == [10, 20, 21, 30]  # 22, queued behind the failure, was never computed
+    assert depth == (0, 0)
+
+
+def test_cancelled_and_timed_out_jobs_are_never_computed():
+    from logprobe.server.batcher import JobTimeout
+
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    drops = []
+    b = Batcher(engine, max_batch_tokens=8, max_queue_requests=10, max_queue_tokens=1000, on_drop=drops.append)
+
+    async def main():
+        b.start()
+        first = asyncio.ensure_future(b.submit([req(8, 1)]))  # holds the engine
+        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(b.submit([req(5, 2), req(5, 3)]))
+        late = asyncio.ensure_future(b.submit([req(5, 4)], timeout=0.1))
+        patient = asyncio.ensure_future(b.submit([req(5, 5)], timeout=30))
+        await asyncio.sleep(0.02)
+        assert b.queue_depth == (4, 8 + 10 + 5 + 5)
+        gone.cancel()  # the client disconnected
+        with pytest.raises(JobTimeout, match="not started within 0.1 s"):
+            await late
+        assert b.queue_depth == (2, 8 + 5)
+        gate.set()
+        await asyncio.gather(first, patient)
+        depth = b.queue_depth
+        b.close()
+        return depth
+
+    assert asyncio.run(main()) == (0, 0)
+    assert engine.calls == [[1], [5]]
+    assert sorted(drops) == ["disconnected", "timeout"]
+
+
+def test_drain_finishes_the_queue_or_fails_the_rest():
+    """drain(t): no new jobs; queued ones finish when the engine can within t; past t the rest fail
+    with ServerClosed (counted as 'shutdown')."""
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    drops = []
+    b = Batcher(engine, max_batch_tokens=8, max_queue_requests=10, max_queue_tokens=1000, on_drop=drops.append)
+
+    async def main():
+        b.start()
+        jobs = [asyncio.ensure_future(b.submit([req(8, t)])) for t in (1, 2, 3)]
+        await asyncio.sleep(0.05)
+        drained = asyncio.ensure_future(asyncio.to_thread(b.drain, 0.3))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ServerClosed):  # no new jobs while draining
+            await b.submit([req(1, 9)])
+        gate.set()  # the engine runs: all three finish within the grace period
+        assert await drained == 0
+        out = await asyncio.gather(*jobs)
+        b.close()
+        return out
+
+    assert [r[0].logprobs[0].item() for r in asyncio.run(main())] == [1, 2, 3]
+
+    gate2 = threading.Event()
+    b2 = Batcher(FakeEngine(gate2), max_batch_tokens=8, max_queue_requests=10, max_queue_tokens=1000,
+                 on_drop=drops.append)
+
+    async def stuck():
+        b2.start()
+        jobs = [asyncio.ensure_future(b2.submit([req(8, t)])) for t in (1, 2)]
+        await asyncio.sleep(0.05)
+        failed = await asyncio.to_thread(b2.drain, 0.2)  # the engine never moves: both fail
+        out = await asyncio.gather(*jobs, return_exceptions=True)
+        gate2.set()
+        b2.close()
+        return failed, out
+
+    drops.clear()
+    failed, out = asyncio.run(stuck())
+    assert failed == 2 and all(isinstance(x, ServerClosed) for x in out) and drops == ["shutdown", "shutdown"]
