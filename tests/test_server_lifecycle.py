@@ -306,3 +306,27 @@ def test_logprobs_job_stops_cleanly_on_a_signal_and_resumes(tiny_dir, tmp_path, 
     assert resumed.wait(300) == 0 and reference.wait(300) == 0
     assert f"{len(first)} already done" in resumed.communicate()[0]
     assert read_jsonl(out) == read_jsonl(clean) and len(read_jsonl(out)) == len(lines)
+
+
+def test_logprobs_job_line_too_big_for_memory_fails_alone(tiny, tmp_path, monkeypatch, capsys):
+    """A line that does not fit in memory even alone is reported as a failed line (exit 1); the
+    other lines are written, equal to a run without the fault."""
+    from logprobe.cli import main as cli
+
+    lines = [json.dumps({"prompt_token_ids": [3] * 20, "completion_token_ids": [5 + k % 250 for k in range(n)]})
+             for n in (10, 400, 30)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    monkeypatch.setattr(cli, "_scorer", lambda args: tiny)
+    tiny.engine.budget = tiny.config.max_batch_tokens
+    argv = ["logprobs", "--input", str(inp), "--output"]
+    assert cli.main([*argv, str(tmp_path / "clean.jsonl")]) == 0
+    tiny.engine.fault_hook = EngineGate(block=False, oom_tokens=200)
+    try:
+        assert cli.main([*argv, str(tmp_path / "out.jsonl")]) == 1
+    finally:
+        tiny.engine.fault_hook = None
+    err = capsys.readouterr().err
+    assert "line 2: 419 input tokens do not fit in memory even alone" in err
+    clean = read_jsonl(tmp_path / "clean.jsonl")
+    assert read_jsonl(tmp_path / "out.jsonl") == {0: clean[0], 2: clean[2]}

@@ -521,10 +521,16 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
                         nonlocal written
                         written += 1
 
+                    def too_big(i: int, e: Exception, meta=meta) -> None:  # out of memory even alone
+                        nonlocal failed
+                        text = f"{e.problem}; {e.fix}" if isinstance(e, LogprobeError) else str(e)
+                        print(f"line {meta[i][0] + 1}: {' '.join(text.split())}", file=sys.stderr)
+                        failed += 1
+
                     if requests:
                         try:
                             if isinstance(scorer.engine, Engine):
-                                scorer.engine.run(requests, on_result=write, stop=stop)
+                                scorer.engine.run(requests, on_result=write, stop=stop, on_error=too_big)
                             else:  # ParallelEngine: stops between blocks
                                 scorer.engine.run(requests, on_result=write)
                         except RunStopped:
