@@ -239,7 +239,9 @@ def test_sigterm_drains_and_exits_0(tiny_dir, grace):
                 assert time.time() < deadline
                 time.sleep(0.02)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
+            while requests.get(url + "/health", timeout=10).status_code != 503:  # draining: /health says so
+                assert time.time() < deadline
+                time.sleep(0.01)
             late = post_safely(url, {"sequences": [seq(3, 3, 5)]})
             answers = [f.result() for f in futures]
         out, _ = proc.communicate(timeout=120)

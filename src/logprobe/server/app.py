@@ -526,7 +526,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     # -- operations ------------------------------------------------------------------------------
 
-    @app.get("/health", responses=replies(HealthReply, ()))
+    @app.get("/health", responses=replies(HealthReply, (503,)))  # 503: shutting down
     async def health():
         jobs, tokens = batcher.queue_depth
         return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens}
