@@ -174,3 +174,20 @@ def test_out_of_memory_part_way_through_a_pass(model, where):
     assert raised and engine.oom_count == len(raised)
     for a, b, r in zip(out, ref, mixed_requests()):
         same(a, b, True, r)
+
+
+def test_transformers_backend_cannot_chunk_so_a_long_request_fails_alone(tiny_dirs):
+    """A model on the transformers backend runs each request whole: out of memory splits batches
+    down to one request; one that does not fit whole fails, the others are answered."""
+    loaded = load_model(str(tiny_dirs["gpt2"][0]), "cpu", "float32")
+    assert not getattr(loaded.model, "supports_context", False)
+    g = torch.Generator().manual_seed(5)
+    reqs = [ScoreRequest(torch.randint(2, 300, (n,), generator=g).tolist(), 1) for n in (20, 31, 61, 12)]
+    engine = Engine(loaded.model, EngineConfig(max_batch_tokens=256), torch.device("cpu"))
+    ref = engine.run(reqs)
+    engine.fault_hook = OOMAbove(rows=40)
+    errors = {}
+    out = engine.run(reqs, on_error=lambda i, e: errors.__setitem__(i, e))
+    assert list(errors) == [2] and errors[2].tokens == 60 and out[2] is None
+    for i in (0, 1, 3):
+        same(out[i], ref[i], bitwise=False)

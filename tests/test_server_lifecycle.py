@@ -184,8 +184,8 @@ def test_out_of_memory_413_for_the_request_that_cannot_fit_alone(app_with_gate, 
         r = big.result()
         assert r.status_code == 413, r.text
         err = r.json()["error"]
-        assert (err["param"], err["code"]) == ("input", "out_of_memory")
-        assert "sequence 0 of this request has 300 input tokens" in err["message"]
+        assert (err["param"], err["code"]) == ("sequences[0]", "out_of_memory")
+        assert err["message"].startswith("sequences[0]: 300 input tokens do not fit in the server's memory even alone")
         assert "out of memory at" in err["message"] and "tokens have fit" in err["message"]
         for f, want in zip(rest, ref):
             got = f.result()

@@ -365,9 +365,13 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         e = exc.error
         if isinstance(e, RequestOutOfMemory):
             have = f"at most about {e.fits} tokens have fit in one pass" if e.fits else "no pass has fit yet"
-            return error_response(413, f"input: sequence {exc.index} of this request has {e.tokens} input tokens, "
-                                  f"which do not fit in the server's memory even alone (out of memory at "
-                                  f"{e.context} tokens; {have}); send shorter inputs", "input", "out_of_memory")
+            # the job's requests are the body's items, in order (perplexity: its windows)
+            items = {"/v1/score": "continuations", "/v1/logprobs": "sequences"}.get(request.url.path)
+            field = f"{items}[{exc.index}]" if items else "texts" if request.url.path == "/v1/perplexity" else "prompt"
+            what = f"window {exc.index} of this request has " if field == "texts" else ""
+            return error_response(413, f"{field}: {what}{e.tokens} input tokens do not fit in the server's memory "
+                                  f"even alone (out of memory at {e.context} tokens; {have}); send shorter inputs",
+                                  field, "out_of_memory")
         if isinstance(e, LogprobeError):
             return error_response(400, str(e), e.field, "invalid_value")
         log.error("request failed in the engine: %r", e)
