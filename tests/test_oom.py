@@ -5,6 +5,8 @@ fails, alone. The test hook ``Engine.fault_hook(rows, tokens)`` raises ``torch.O
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -108,6 +110,7 @@ def test_a_request_too_big_alone_fails_alone(model):
     assert (e.index, e.tokens) == (4, 699) and 256 <= e.fits <= 300 and e.rows <= MIN_OOM_CHUNK and e.context > 300
     assert "requests[4]: 699 input tokens do not fit in memory even alone" in str(e) and f"{e.fits} tokens" in str(e)
     assert out[4] is None
+    assert str(pickle.loads(pickle.dumps(e))) == str(e)  # it can cross a process boundary
     for i, (a, b, r) in enumerate(zip(out, ref, mixed_requests())):
         if i != 4:
             same(a, b, True, r)

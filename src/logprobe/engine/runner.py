@@ -38,10 +38,14 @@ class RequestOutOfMemory(LogprobeError):
 
     def __init__(self, index: int, tokens: int, rows: int, context: int, fits: int, cause: str = "") -> None:
         self.index, self.tokens, self.rows, self.context, self.fits = index, tokens, rows, context, fits
+        self.cause = cause
         have = f"at most about {fits} tokens have fit in one pass" if fits else "no pass has fit yet"
         super().__init__(f"requests[{index}]", f"{tokens} input tokens do not fit in memory even alone "
                          f"(out of memory at {context} tokens; {have}){'; ' + cause if cause else ''}",
                          "send fewer tokens per request, or use a smaller --dtype, a smaller model or more memory")
+
+    def __reduce__(self):  # picklable (its arguments are not its message)
+        return type(self), (self.index, self.tokens, self.rows, self.context, self.fits, self.cause)
 
 
 @dataclass(slots=True)
