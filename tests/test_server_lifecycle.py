@@ -297,7 +297,7 @@ def test_logprobs_job_stops_cleanly_on_a_signal_and_resumes(tiny_dir, tmp_path, 
         assert time.time() < deadline
         time.sleep(0.01)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 130, (stdout, stderr)
     assert f"stopped by {sig.name}" in stderr and "Traceback" not in stderr
     first = read_jsonl(out)
@@ -305,7 +305,7 @@ def test_logprobs_job_stops_cleanly_on_a_signal_and_resumes(tiny_dir, tmp_path, 
     assert f"{len(first)} written" in stdout
     resumed = logprobs_job(tiny_dir, inp, out)
     reference = logprobs_job(tiny_dir, inp, clean)
-    assert resumed.wait(300) == 0 and reference.wait(300) == 0
+    assert resumed.wait(900) == 0 and reference.wait(900) == 0
     assert f"{len(first)} already done" in resumed.communicate()[0]
     assert read_jsonl(out) == read_jsonl(clean) and len(read_jsonl(out)) == len(lines)
 
