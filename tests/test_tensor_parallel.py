@@ -270,3 +270,26 @@ def test_more_ranks_than_gpus_is_an_error(hf_models, monkeypatch):
         Scorer(str(path), device="cuda", tensor_parallel_size=2)
     with pytest.raises(LogprobeError, match=r"2 x 2 ranks need 4 GPUs"):
         Scorer(str(path), device="cuda", tensor_parallel_size=2, data_parallel_size=2)
+
+
+def test_cli_logprobs_with_tensor_parallelism(hf_models, tmp_path):
+    """``logprobe logprobs --tensor-parallel-size 2 --deterministic`` (a real process): the JSONL lines
+    equal the library at TP = 1, bitwise."""
+    import json
+    import subprocess
+    import sys
+
+    path, _ = hf_models["llama"]
+    seqs = _sequences()[:4]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(s) + "\n" for s in seqs))
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, "-m", "logprobe.cli.main", "logprobs", "--model", str(path), "--device", "cpu",
+                        "--deterministic", "--tensor-parallel-size", "2", "--input", str(src), "--output", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = Scorer(str(path), device="cpu", deterministic=True).logprobs(seqs)
+    lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda d: d["index"])
+    assert len(lines) == len(seqs)
+    for line, w in zip(lines, want):
+        assert torch.equal(torch.tensor(line["logprobs"], dtype=torch.float32), w.logprobs)

@@ -15,7 +15,7 @@ from multiprocessing import connection
 from ..config import EngineConfig
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
-from .workers import LaunchSpec, WorkerGroup, default_threads, recv
+from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
 
 
 def assign_replicas(inputs: list[list[int]], replicas: int, key_len: int = 16) -> list[list[int]]:
@@ -56,9 +56,17 @@ class ParallelEngine:
             raise
 
     def run(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None = None,
-            progress: bool | None = None) -> list[RequestResult]:
+            progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,
+            stop: Callable[[], bool] | None = None) -> list[RequestResult]:
+        """As ``Engine.run``. ``stop`` is asked once, before the requests go to the workers (a run
+        already handed out finishes). ``on_error``: a replica's error is reported for each of its
+        requests that got no result (their slots stay None) instead of being raised."""
+        from ..engine.runner import RunStopped
+
         if not all(g.alive for g in self.groups):
             raise LogprobeError("tensor_parallel_size", "a worker of this scorer has died", "create a new Scorer")
+        if stop is not None and stop():
+            raise RunStopped()
         results: list[RequestResult | None] = [None] * len(requests)
         parts = assign_replicas([r.inputs for r in requests], self.dp, self.config.min_shared_prefix) \
             if self.dp > 1 else [list(range(len(requests)))]
@@ -86,7 +94,11 @@ class ParallelEngine:
                 if on_result is not None:
                     on_result(i, msg[2])
         if error is not None:
-            raise error
+            if on_error is None or isinstance(error, WorkerDied):
+                raise error
+            for i, r in enumerate(results):
+                if r is None:
+                    on_error(i, error)
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
