@@ -146,7 +146,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
                    dtype: str | torch.dtype | None = "auto") -> LoadedModel:
     """Tokenizer, info and config of a native model with no weights (a meta-device model): what
     the process that drives tensor-parallel workers needs, without holding the model."""
-    dev, dt = resolve_device(device), None
+    dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
