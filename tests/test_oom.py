@@ -194,3 +194,17 @@ def test_transformers_backend_cannot_chunk_so_a_long_request_fails_alone(tiny_di
     assert list(errors) == [2] and errors[2].tokens == 60 and out[2] is None
     for i in (0, 1, 3):
         same(out[i], ref[i], bitwise=False)
+
+
+def test_metrics_report_out_of_memory_recoveries(model):
+    """/metrics reads the engine's out-of-memory count when scraped (the GPU soak bench reads it)."""
+    from logprobe.server.metrics import Metrics
+
+    engine = Engine(model, EngineConfig(max_batch_tokens=256), torch.device("cpu"))
+    metrics = Metrics(engine)
+    assert b"logprobe_engine_out_of_memory 0.0" in metrics.render()
+    engine.fault_hook = OOMAbove(rows=40)
+    engine.run(mixed_requests())
+    assert engine.oom_count > 0
+    assert f"logprobe_engine_out_of_memory {float(engine.oom_count)}".encode() in metrics.render()
+    assert b"logprobe_cuda_memory_allocated_bytes 0.0" in metrics.render()  # CPU: CUDA never started

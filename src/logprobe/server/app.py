@@ -283,8 +283,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     config = config or ServerConfig()
     name = config.served_model_name or model_name or scorer.info.name
     names = {name, scorer.info.name, scorer.info.path}
-    metrics = Metrics()
     engine = scorer.engine
+    metrics = Metrics(engine)
 
     def run_batch(requests):
         """The engine call; a request that does not fit in memory even alone is an exception in

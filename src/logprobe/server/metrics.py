@@ -11,8 +11,17 @@ _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
+def _cuda_bytes(kind: str) -> float:
+    """Bytes the CUDA caching allocator holds (``kind``: allocated or reserved); 0 before CUDA starts."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0.0
+    return float(torch.cuda.memory_allocated() if kind == "allocated" else torch.cuda.memory_reserved())
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, engine=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("logprobe_http_requests", "HTTP requests by endpoint and status code",
@@ -38,6 +47,14 @@ class Metrics:
             self.dropped.labels(reason)
         self.step_seconds = Histogram("logprobe_engine_step_seconds", "Time of one engine step",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        # memory and out-of-memory recoveries, read when scraped (the soak benchmark checks that
+        # memory returns to its starting level and counts the splits it caused)
+        for kind in ("allocated", "reserved"):
+            Gauge(f"logprobe_cuda_memory_{kind}_bytes", f"CUDA memory {kind} by this process's caching allocator",
+                  registry=r).set_function(lambda kind=kind: _cuda_bytes(kind))
+        if engine is not None and hasattr(engine, "oom_count"):  # Engine (not ParallelEngine)
+            Gauge("logprobe_engine_out_of_memory", "Out-of-memory errors the engine met and split around",
+                  registry=r).set_function(lambda: float(engine.oom_count))
 
     def observe_step(self, s: StepStats) -> None:
         self.batch_requests.observe(s.requests)
