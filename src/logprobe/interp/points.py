@@ -11,6 +11,10 @@ Per decoder block ``l`` (0-based) of an ``L``-block model the residual stream re
     final_norm              = RMSNorm(blocks.{L-1}.resid_post), what the log-prob head reads
                                                                      (= transformers hidden_states[L])
 
+Mixture-of-experts blocks also have (capture only, not a residual-stream state):
+
+    blocks.{l}.router       = softmax(float32(router logits)) [E], before top-k (layers.moe)
+
 Equal values keep distinct names: steering ``blocks.3.resid_post`` and ``blocks.4.resid_pre``
 acts on the same tensor twice (in that order). Selectors expand to several canonical names:
 
@@ -29,6 +33,7 @@ import re
 from ..errors import LogprobeError
 
 BLOCK_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+MOE_POINTS = ("router",)  # mixture-of-experts blocks only; the model refuses them elsewhere
 TOP_POINTS = ("embed", "final_norm")
 _TL_ALIASES = {f"hook_{p}": p for p in BLOCK_POINTS} | {"hook_attn_out": "attn_out", "hook_mlp_out": "mlp_out"}
 _TOP_ALIASES = {"hook_embed": "embed", "ln_final": "final_norm", "ln_final.hook_normalized": "final_norm",
@@ -89,7 +94,7 @@ def resolve_points(name: str, num_layers: int) -> list[str]:
         return [f"blocks.{_layer(m.group(1), num_layers, name)}.resid_post"]
     if m := _BLOCK.fullmatch(name):
         point = _TL_ALIASES.get(m.group(2), m.group(2))
-        if point not in BLOCK_POINTS:
+        if point not in BLOCK_POINTS and point not in MOE_POINTS:
             raise LogprobeError("at", f"{name!r}: unknown point {m.group(2)!r} of a block", _valid(num_layers))
         return [f"blocks.{i}.{point}" for i in _layers(m.group(1), num_layers, name)]
     raise LogprobeError("at", f"unknown hook point {name!r}", _valid(num_layers))
@@ -103,5 +108,5 @@ def point_layer(point: str) -> int | None:
 
 def _valid(num_layers: int) -> str:
     return (f"valid points: embed, blocks.{{0..{num_layers - 1}}}.{{{', '.join(BLOCK_POINTS)}}}, final_norm; "
-            "selectors blocks.A:B.point, blocks.*.point, negative layers; aliases blocks.N.hook_resid_post, "
-            "hidden_states.N, l_out-N")
+            "blocks.{l}.router on mixture-of-experts models; selectors blocks.A:B.point, blocks.*.point, "
+            "negative layers; aliases blocks.N.hook_resid_post, hidden_states.N, l_out-N")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -11,6 +12,11 @@ from ..errors import LogprobeError
 from ..models.llama import LlamaConfig
 
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")  # models.moe
+# config fields of other routers (DeepSeek-style grouped routing, score functions, scaling): a
+# config of one of MOE_TYPES that sets them is not the model transformers' class runs
+_FOREIGN_MOE_KEYS = ("n_group", "topk_group", "topk_method", "scoring_func", "routed_scaling_factor",
+                     "first_k_dense_replace", "n_shared_experts", "moe_layer_freq", "num_shared_experts")
 
 
 def read_config(path: Path) -> dict:
@@ -35,8 +41,11 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
 def native_config(cfg: dict) -> tuple[LlamaConfig | None, str]:
     """LlamaConfig when the native model covers this config, else None and the reason."""
     mtype = cfg.get("model_type")
-    if mtype not in NATIVE_TYPES:
+    if mtype not in NATIVE_TYPES + MOE_TYPES:
         return None, f"model_type {mtype!r} is not in the native Llama family"
+    moe, why = _moe_spec(cfg, mtype) if mtype in MOE_TYPES else (None, "")
+    if why:
+        return None, why
     if cfg.get("mlp_bias"):
         return None, "mlp_bias is not in the native model"
     theta, scaling = _rope(cfg)
@@ -44,7 +53,7 @@ def native_config(cfg: dict) -> tuple[LlamaConfig | None, str]:
     if kind not in ("default", "linear", "llama3", None):
         return None, f"rope type {kind!r} is not in the native model"
     sliding = None
-    if mtype == "mistral":
+    if mtype in ("mistral", "mixtral"):
         sliding = cfg.get("sliding_window")
     elif cfg.get("use_sliding_window"):
         return None, "per-layer sliding windows are not in the native model"
@@ -52,7 +61,8 @@ def native_config(cfg: dict) -> tuple[LlamaConfig | None, str]:
         return None, "mixed attention layer types are not in the native model"
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    attention_bias = bool(cfg.get("attention_bias", False)) or mtype == "qwen2"
+    attention_bias = bool(cfg.get("attention_bias", False)) or mtype == "qwen2" \
+        or (mtype == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
     lc = LlamaConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -65,12 +75,45 @@ def native_config(cfg: dict) -> tuple[LlamaConfig | None, str]:
         rope_theta=theta,
         rope_scaling=scaling,
         attention_bias=attention_bias,
-        qk_norm=mtype == "qwen3",
+        qk_norm=mtype in ("qwen3", "qwen3_moe"),
+        qk_norm_full=mtype == "olmoe",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         sliding_window=int(sliding) if sliding else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        moe=moe,
     )
     return lc, ""
+
+
+def _moe_spec(cfg: dict, mtype: str):
+    """(MoeSpec, "") for a mixture-of-experts config the native model runs exactly, else (None, why)."""
+    from ..layers.moe import MoeSpec
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        return None, f"hidden_act {cfg.get('hidden_act')!r} is not in the native MoE model"
+    foreign = [k for k in _FOREIGN_MOE_KEYS if cfg.get(k) not in (None, 0, 1.0, [])]
+    if foreign:
+        return None, f"{foreign[0]} = {cfg[foreign[0]]!r} (another routing scheme) is not in the native MoE model"
+    if mtype == "olmoe" and cfg.get("clip_qkv") is not None:
+        return None, "clip_qkv is not in the native OLMoE model"
+    if mtype == "olmoe" and cfg.get("attention_bias"):
+        return None, "attention_bias on OLMoE (a bias on o_proj too) is not in the native model"
+    if mtype == "olmoe" and int(cfg.get("head_dim") or 0) not in (0, int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])):
+        return None, "head_dim != hidden_size / heads on OLMoE (its k_norm width assumes it) is not in the native model"
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts < 1:
+        return None, "num_experts = 0: no expert layers"
+    layers = int(cfg["num_hidden_layers"])
+    dense: tuple[int, ...] = ()
+    if mtype in ("qwen2_moe", "qwen3_moe"):  # transformers' Qwen*MoeDecoderLayer: which blocks are sparse
+        step, only = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if mtype == "qwen2_moe" else 0
+    inter = cfg.get("moe_intermediate_size") if mtype in ("qwen2_moe", "qwen3_moe") else cfg.get("intermediate_size")
+    spec = MoeSpec(num_experts=experts, top_k=int(cfg.get("num_experts_per_tok", 2)), intermediate_size=int(inter),
+                   norm_topk_prob=True if mtype == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+                   shared_intermediate_size=shared, dense_layers=dense)
+    return spec, ""
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -142,15 +185,23 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
     A compressed-tensors checkpoint (``quantization_config.quant_method == "compressed-tensors"``)
     yields its quantized Linear weights as ``CTLinear`` layers (``packed``) or dequantized. Any other
     quantization metadata, and any tensor that is not a plain float, is refused."""
-    from safetensors import safe_open
-
     check_quantization(raw or {}, path, native=True)
     qcfg = (raw or {}).get("quantization_config")
+    if qcfg is not None and cfg.moe is not None:
+        raise LogprobeError("quantization_config", f"{path.name}: a quantized mixture-of-experts checkpoint "
+                            f"(quant_method {qcfg.get('quant_method')!r}) is not read natively yet",
+                            "score the unquantized model, or a GGUF file of it")
     if qcfg is not None:
         from .compressed import ct_tensors
 
         yield from ct_tensors(path, cfg, qcfg, packed)
         return
+    yield from stack_experts(_plain_tensors(path, cfg), cfg)
+
+
+def _plain_tensors(path: Path, cfg: LlamaConfig):
+    from safetensors import safe_open
+
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
@@ -161,6 +212,41 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
                     yield name, value
 
 
+_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def stack_experts(tensors, cfg: LlamaConfig):
+    """Per-expert matrices ``layers.N.mlp.experts.{e}.{gate,up,down}_proj.weight`` [out, in] (what
+    ``save_pretrained`` writes) -> ``layers.N.mlp.experts.{gate,up,down}_proj`` [E, out, in], yielded
+    once all E are read; transformers' in-memory ``experts.gate_up_proj`` [E, 2I, H] is split into
+    gate (first I rows) and up. Other tensors pass through."""
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, value in tensors:
+        m = _EXPERT.fullmatch(name)
+        if cfg.moe is None or (m is None and not name.endswith(".experts.gate_up_proj")):
+            yield name, value
+            continue
+        if m is None:  # fused gate_up [E, 2I, H]
+            gate, up = value.chunk(2, dim=1)  # [E, I, H] each
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+            continue
+        stacked = f"{m.group(1)}.{m.group(3)}"
+        got = pending.setdefault(stacked, {})
+        got[int(m.group(2))] = value
+        if len(got) == cfg.moe.num_experts:
+            if sorted(got) != list(range(cfg.moe.num_experts)):
+                raise LogprobeError("model", f"{stacked}: expert ids {sorted(got)[:8]}... do not match "
+                                    f"num_experts {cfg.moe.num_experts}")
+            yield stacked, torch.stack([got[e] for e in range(cfg.moe.num_experts)])  # [E, out, in]
+            del pending[stacked]
+    for stacked, got in pending.items():
+        missing = sorted(set(range(cfg.moe.num_experts)) - set(got))
+        raise LogprobeError("model", f"{stacked}: experts {missing[:8]} are missing from the checkpoint "
+                            f"(num_experts {cfg.moe.num_experts})")
+
+
 def hf_param_name(key: str, cfg: LlamaConfig, where: str) -> str | None:
     """A checkpoint key -> the native model's parameter name (None: not a weight we load)."""
     if key.endswith("rotary_emb.inv_freq"):
@@ -168,7 +254,14 @@ def hf_param_name(key: str, cfg: LlamaConfig, where: str) -> str | None:
     if key == "lm_head.weight":
         return None if cfg.tie_word_embeddings else "lm_head.weight"
     if key.startswith("model."):
-        return key[len("model."):]
+        name = key[len("model."):]
+        if ".block_sparse_moe." in name:  # Mixtral: gate = router, experts.{e}.w1/w3/w2 = gate/up/down
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            parts = name.split(".")
+            if len(parts) == 7 and parts[5] in _MIXTRAL:  # layers.N.mlp.experts.E.w1.weight
+                parts[5] = _MIXTRAL[parts[5]]
+            name = ".".join(parts)
+        return name
     raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
 
 

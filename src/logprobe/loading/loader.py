@@ -80,24 +80,32 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
     ``ctx``: this rank's tensor-parallel group; ``tensors`` then yields this rank's slices.
 
     ``tensors`` yields (parameter name, tensor) or (parameter name, packed layer): a packed
-    ``*.weight`` replaces the whole Linear (or the embedding) it belongs to."""
+    ``*.weight`` replaces the whole Linear (or the embedding) it belongs to; packed experts
+    (``layers.moe.PackedExperts``) replace one of an MoE block's expert tensors."""
+    from ..layers.moe import PackedExperts
     from ..layers.quant_linear import PackedEmbedding, PackedWeight
+    from ..models.moe import native_model_class
 
     freq_factors = None
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
+    experts: dict[str, PackedExperts] = {}
     for name, w in tensors:
         if name == "rope_freqs":
             freq_factors = w.float()
+        elif isinstance(w, PackedExperts):
+            w.compute_dtype = dtype
+            experts[name] = w.to(device)
         elif isinstance(w, PackedWeight):
             w.compute_dtype = dtype
             packed[name] = w.to(device)
         else:
             state[name] = w.to(device=device, dtype=dtype)
     with torch.device("meta"):
-        model = LlamaModel(cfg, ctx=ctx)
+        model = native_model_class(cfg)(cfg, ctx=ctx)
     expected = set(model.state_dict().keys())
-    missing, unexpected = expected - state.keys() - packed.keys(), (state.keys() | packed.keys()) - expected
+    missing = expected - state.keys() - packed.keys() - experts.keys()
+    unexpected = (state.keys() | packed.keys() | experts.keys()) - expected
     if missing or unexpected:
         raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
                             f"unexpected {sorted(unexpected)[:5]}")
@@ -124,6 +132,9 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
         if child != "embed_tokens":
             w.adopt(getattr(owner, child))
         setattr(owner, child, PackedEmbedding(w, dtype) if child == "embed_tokens" else w)
+    for name, w in experts.items():  # layers.N.mlp.experts.gate_proj -> Experts.gate_proj
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).set_packed(child, w)
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
     model.fuse_projections()
@@ -135,6 +146,10 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
     from ..parallel.shard import check_tp, vocab_chunk_width
 
     grid = vocab_chunk_width(cfg.vocab_size)
+    if cfg.moe is not None and size > 1:
+        raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models run on one device per "
+                            "replica (tensor parallelism for experts is not there yet)",
+                            "use tensor_parallel_size 1 (data parallelism works)")
     check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // grid), size)
     if cfg.intermediate_size % size:
         raise LogprobeError("tensor_parallel_size", f"{size} does not divide the intermediate size "
@@ -165,8 +180,10 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a Llama-family model, or one GPU")
         arch, tokenizer = str(raw.get("model_type")), hf_tokenizer(path)
+    from ..models.moe import native_model_class
+
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = native_model_class(cfg)(cfg)
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
     return LoadedModel(model, tokenizer, info)
@@ -182,6 +199,8 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
     ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
+    if cfg.moe is not None:  # one rank (parallel_context refused a split): the whole model
+        return load_model(spec, device, dtype)
     if path.is_file():
         from .gguf import _reader, gguf_tensors, rope_interleaved
         from .sharding import ShardedGGUF

@@ -21,6 +21,7 @@ stream h is whole on every rank, so hooks see the full width whatever the TP siz
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_slices, q_heads, vocab_chunk_width, vocab_shard
 from ..scoring.head import HeadParams
 
+if TYPE_CHECKING:
+    from ..layers.moe import MoeSpec
+
 
 @dataclass(slots=True)
 class LlamaConfig:
@@ -53,9 +57,11 @@ class LlamaConfig:
     rope_scaling: dict | None = None
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
+    qk_norm_full: bool = False  # OLMoE: RMSNorm over the whole q (and k) projection before RoPE
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # Mistral v0.1
     max_position_embeddings: int = 4096
+    moe: MoeSpec | None = None  # a mixture of experts in place of the dense MLP (models.moe)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,7 +80,8 @@ class LlamaConfig:
 
 def slice_count(cfg: LlamaConfig) -> int:
     """Deterministic mode's inner-dimension slices (``parallel.shard.num_slices``) of this model."""
-    return num_slices(cfg.num_heads, cfg.intermediate_size)
+    shared = cfg.moe.shared_intermediate_size if cfg.moe is not None else 0
+    return num_slices(cfg.num_heads, cfg.intermediate_size, *([shared] if shared else []))
 
 
 class LlamaAttention(nn.Module):
@@ -96,6 +103,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.num_heads * D, H, False, ctx)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        if cfg.qk_norm_full:  # over all heads at once (one rank: MoE models are not split)
+            self.q_norm = RMSNorm(self.num_heads * D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * D, cfg.rms_norm_eps)
+        self.qk_norm_full = cfg.qk_norm_full
         self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
         self.triton = True  # rotary as one Triton pass on CUDA (see LlamaModel.use_triton_elementwise)
 
@@ -109,10 +120,12 @@ class LlamaAttention(nn.Module):
             q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)  # [T, Nq], [T, Nkv], [T, Nkv]
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)  # [T, Nq], [T, Nkv]
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cis, self.triton), apply_rotary(k, cis, self.triton)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
@@ -132,7 +145,7 @@ class LlamaMLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         else:
@@ -141,14 +154,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> None:
+    """``mlp``: what replaces the dense MLP (a ``layers.moe.MoeBlock``); it is called as ``mlp(x, hooks)``."""
+
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
                                                                  "resid_post"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_idx, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, ctx)
+        self.mlp = LlamaMLP(cfg, ctx) if mlp is None else mlp
 
     def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
                 ) -> torch.Tensor:
@@ -158,7 +173,7 @@ class LlamaDecoderLayer(nn.Module):
         resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
         h = hooks(resid_pre, h)
         h = hooks(resid_mid, h + hooks(attn_out, self.self_attn(self.input_layernorm(h), cis, meta)))
-        return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h))))
+        return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h), hooks)))
 
 
 class LlamaModel(nn.Module):
@@ -176,11 +191,32 @@ class LlamaModel(nn.Module):
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
         self.vocab_range = self.vocab_range_of(cfg, ctx)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
         rows = self.vocab_range[1] - self.vocab_range[0]
         self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, rows, False, ctx)
+
+    def make_layer(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> nn.Module:
+        """Block ``layer_idx`` (a family with another MLP overrides this: ``models.moe``)."""
+        return LlamaDecoderLayer(cfg, layer_idx, ctx)
+
+    router_points: frozenset[str] = frozenset()  # capture-only points (MoE: blocks.l.router)
+
+    def check_hooks(self, hooks: Hooks) -> None:
+        """Refuse hooks at points this model does not have: a router point of a dense block (it
+        would capture nothing), steering router probabilities, or projecting them onto a vector."""
+        for point in hooks.steer:
+            if point.endswith(".router"):
+                raise LogprobeError("steer", f"{point}: router probabilities are capture-only",
+                                    "steer a residual-stream point (e.g. blocks.N.mlp_out)")
+        for point, tables in hooks.capture.items():
+            if point.endswith(".router") and point not in self.router_points:
+                raise LogprobeError("capture", f"{point}: this block has no router (not a mixture-of-experts MLP)",
+                                    "capture router probabilities of a mixture-of-experts block")
+            if point.endswith(".router") and any(t.kind == "project" for t in tables):
+                raise LogprobeError("capture", f"{point}: router probabilities cannot be projected onto a "
+                                    "hidden-size vector", "use reduce none, last, mean or sum")
 
     @staticmethod
     def vocab_range_of(cfg: LlamaConfig, ctx: ParallelContext) -> tuple[int, int]:
@@ -195,7 +231,7 @@ class LlamaModel(nn.Module):
             if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
                 out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim)
             elif ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:
-                out[name] = to_interleaved(w, 1)
+                out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim)  # one head, or all (OLMoE)
         return out
 
     def fuse_projections(self) -> None:
@@ -209,7 +245,7 @@ class LlamaModel(nn.Module):
         """RMSNorm, rotary and SiLU(gate) * up as single Triton passes on CUDA (the default), or
         as PyTorch ops (``False``: the benchmark's before/after). No effect on CPU."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, LlamaAttention, LlamaMLP)):
+            if hasattr(m, "triton"):  # RMSNorm, attention, MLPs (dense and MoE)
                 m.triton = on
 
     def head_params(self) -> HeadParams:
@@ -221,6 +257,8 @@ class LlamaModel(nn.Module):
                 hooks: Hooks | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H]."""
         hooks = hooks or None  # an empty Hooks costs nothing either
+        if hooks is not None:
+            self.check_hooks(hooks)
         h = self.embed_tokens(input_ids)  # [T, H]
         if hooks is not None:
             h = hooks("embed", h)

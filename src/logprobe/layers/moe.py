@@ -1,0 +1,233 @@
+"""Mixture-of-experts MLP: a router picks ``k`` of ``E`` SiLU-gated expert MLPs per token and
+adds their outputs, weighted by the router's probabilities.
+
+For a token x [H] (router weight G [E, H]; expert e has gate_e, up_e [I, H] and down_e [H, I]):
+
+    p    = softmax(float32(G x))                 [E]  the router probabilities (hook point blocks.l.router)
+    ids  = top-k of p (torch.topk order: largest first)   [k]
+    w    = p[ids], divided by sum(p[ids]) when norm_topk_prob   [k] float32
+    y_j  = down_e(SiLU(gate_e x) * up_e x),  e = ids[j]
+    out  = w_0 y_0 + w_1 y_1 + ... + w_{k-1} y_{k-1}   (float32, in slot order j, then x's dtype)
+         + sigmoid(g . x) * shared(x)                  (Qwen2-MoE's shared expert, when present)
+
+This is the routing of transformers' Qwen2-MoE / Qwen3-MoE / OLMoE routers (softmax in float32,
+top-k, optional renormalisation) and of Mixtral's (always renormalised: softmax over all experts,
+top-k, divide by their sum, which equals a softmax over the k selected logits).
+
+Worked example, T = 3 tokens, E = 4 experts, k = 2, ids = [[2, 0], [0, 3], [2, 1]]:
+
+    slots (t, j) -> flat index t*k + j:   0:(0,e2) 1:(0,e0) 2:(1,e0) 3:(1,e3) 4:(2,e2) 5:(2,e1)
+    sorted by expert (stable):            e0: slots 1, 2 | e1: slot 5 | e2: slots 0, 4 | e3: slot 3
+    each expert multiplies its contiguous segment of rows; results go back to their slots
+    out[0] = w[0,0] * y[slot 0] + w[0,1] * y[slot 1]     (the order of j, never the order of experts)
+
+A token's numbers therefore never depend on which other tokens share its experts: each row of a
+segment is its own product (in deterministic mode every segment runs in fixed row tiles, as the
+dense layers do; the Triton kernel ``kernels.moe`` has fixed tiles by construction) and the
+weighted sum runs in slot order. Expert weights are 3-D ``[E, out, in]`` tensors, or
+``PackedExperts`` (GGUF blocks, expanded one expert at a time inside the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LogprobeError
+from .linear import Linear, tiled_linear
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """The MoE part of a model's config.
+
+    ``dense_layers``: blocks that keep a dense MLP of ``intermediate_size`` (Qwen-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step``). ``shared_intermediate_size`` > 0: a shared
+    expert of that width with a sigmoid gate (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise LogprobeError("config.num_experts_per_tok", f"{self.top_k} experts per token out of "
+                                f"{self.num_experts}", "use 1 <= num_experts_per_tok <= num_experts")
+        if self.intermediate_size < 1:
+            raise LogprobeError("config.moe_intermediate_size", f"must be positive, got {self.intermediate_size}")
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> probabilities [T, E] float32, weights [T, k] float32, expert ids [T, k].
+
+    >>> p, w, ids = route(torch.tensor([[0.0, 2.0, 1.0]]), 2, True)
+    >>> ids.tolist(), [round(v, 4) for v in w[0].tolist()]
+    ([[1, 2]], [0.7311, 0.2689])
+    """
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each, largest first
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, ids
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Expert ids [T, k] -> ``order`` [T*k] (the flat slots t*k + j grouped by expert, stable) and
+    each expert's segment length (``counts[e]`` rows, segments in expert order).
+
+    >>> order, counts = sort_by_expert(torch.tensor([[2, 0], [0, 3], [2, 1]]), 4)
+    >>> order.tolist(), counts
+    ([1, 2, 5, 0, 4, 3], [2, 1, 2, 1])
+    """
+    flat = ids.reshape(-1)  # [T*k]
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs y [T, k, H] and weights [T, k] -> float32 [T, H], added in slot order."""
+    out = y[:, 0].float() * weights[:, :1]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j].float() * weights[:, j:j + 1]
+    return out
+
+
+class PackedExperts(nn.Module):
+    """GGUF-quantized expert matrices ``[E, out, in]`` kept as blocks: buffers ``d`` [E, out, nb],
+    ``qs`` [E, out, nb, bytes], ``m`` (Q4_1's minimum, Q4_K's dmin) or None. ``expert(e)`` expands
+    one expert with the function the dense loader uses (``loading.gguf_quants``), so packed and
+    dense experts give the same bits."""
+
+    def __init__(self, qtype: str, d: torch.Tensor, qs: torch.Tensor, m: torch.Tensor | None = None) -> None:
+        from ..loading.gguf_quants import block_values
+
+        super().__init__()
+        self.qtype = qtype
+        self.num_experts, self.out_features, nb = d.shape
+        self.in_features = nb * block_values(qtype)
+        self.compute_dtype = torch.float32
+        self.register_buffer("d", d)
+        self.register_buffer("qs", qs)
+        self.register_buffer("m", m)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_experts, self.out_features, self.in_features))
+
+    def expert(self, e: int) -> torch.Tensor:
+        """Expert e's weight, float32 [out, in] expanded, then the model dtype."""
+        from ..loading.gguf_quants import dequantize_blocks
+
+        w = dequantize_blocks(self.qtype, self.d[e], self.qs[e], None if self.m is None else self.m[e])
+        return w.to(self.compute_dtype)
+
+    def packed_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype}, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
+
+
+class Experts(nn.Module):
+    """E expert MLPs: ``gate_proj``, ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I], each a
+    parameter or a ``PackedExperts``. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        for name, shape in zip(EXPERT_PROJS, [(intermediate, hidden)] * 2 + [(hidden, intermediate)]):
+            setattr(self, name, nn.Parameter(torch.empty(num_experts, *shape), requires_grad=False))
+
+    def set_packed(self, name: str, packed: PackedExperts) -> None:
+        """Replace one of the three parameters by packed blocks (at load)."""
+        want = getattr(self, name).shape
+        if tuple(packed.shape) != tuple(want):
+            raise LogprobeError("model", f"expert tensor {name} has shape {tuple(packed.shape)}, the config "
+                                f"implies {tuple(want)}")
+        del self._parameters[name]
+        setattr(self, name, packed)
+
+    def weight(self, name: str, e: int) -> torch.Tensor:
+        w = getattr(self, name)
+        return w.expert(e) if isinstance(w, PackedExperts) else w[e]
+
+    @property
+    def packed(self) -> bool:
+        return any(isinstance(getattr(self, n), PackedExperts) for n in EXPERT_PROJS)
+
+    def expert_mlp(self, e: int, x: torch.Tensor, row_tile: int | None) -> torch.Tensor:
+        """Expert e on rows x [n, H] -> [n, H]; ``row_tile``: fixed row tiles (deterministic mode)."""
+        def lin(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return F.linear(a, w) if row_tile is None else tiled_linear(a, w, None, row_tile)
+
+        gate, up = lin(x, self.weight("gate_proj", e)), lin(x, self.weight("up_proj", e))  # [n, I] each
+        return lin(F.silu(gate) * up, self.weight("down_proj", e))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
+                triton: bool = True) -> torch.Tensor:
+        T, k = ids.shape
+        if triton and x.is_cuda and not self.packed and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            from ..kernels import triton_available
+
+            if triton_available():
+                from ..kernels.moe import fused_moe
+
+                y = fused_moe(x, ids, self.gate_proj, self.up_proj, self.down_proj)  # [T*k, H]
+                return y.view(T, k, self.hidden)
+        return self.reference(x, ids, row_tile)
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None) -> torch.Tensor:
+        """The PyTorch path: rows sorted by expert, one product per expert segment -> [T, k, H]."""
+        T, k = ids.shape
+        order, counts = sort_by_expert(ids, self.num_experts)
+        xs = x[order // k]  # [T*k, H]: slot s reads token s // k
+        ys = x.new_empty(T * k, self.hidden)  # [T*k, H] in expert order
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = self.expert_mlp(e, xs[start:start + n], row_tile)
+            start += n
+        y = torch.empty_like(ys)
+        y[order] = ys  # back to slot order
+        return y.view(T, k, self.hidden)  # [T, k, H]
+
+
+class MoeBlock(nn.Module):
+    """Router + experts (+ an optional gated shared expert), in place of a dense MLP.
+
+    ``forward(x [T, H], hooks)`` -> [T, H] (the block's ``mlp_out``); the router probabilities
+    [T, E] are offered to ``hooks`` at ``router_point`` (capture only). Deterministic mode is the
+    router's: the engine sets ``row_tile`` on every ``Linear``, the router included."""
+
+    def __init__(self, spec: MoeSpec, hidden: int, router_point: str, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = spec.top_k, spec.norm_topk_prob
+        self.router_point = router_point
+        self.gate = Linear(hidden, spec.num_experts)  # the router, [E, H]
+        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size)
+        self.shared_expert = shared
+        self.shared_expert_gate = Linear(hidden, 1) if shared is not None else None
+        self.triton = True  # the fused Triton kernel on CUDA (kernels.moe)
+
+    def fuse(self) -> None:
+        if self.shared_expert is not None:
+            self.shared_expert.fuse()
+
+    def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
+        probs, weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, E], [T, k], [T, k]
+        if hooks is not None:
+            hooks(self.router_point, probs)
+        y = self.experts(x, ids, self.gate.row_tile, self.triton)  # [T, k, H]
+        out = combine(y, weights).to(x.dtype)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

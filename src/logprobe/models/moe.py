@@ -1,0 +1,53 @@
+"""Mixture-of-experts Llama-family models: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE.
+
+The same blocks as ``models.llama`` (attention, norms, hook points), with the dense MLP swapped
+for a routed one (``layers.moe.MoeBlock``):
+
+    h'_l    = h_l + Attn_l(RMSNorm(h_l))
+    p_l     = softmax(float32(G_l x)),  x = RMSNorm(h'_l)              # router (blocks.l.router)
+    h_{l+1} = h'_l + sum_{j < k} w_j Expert_{ids_j}(x)                  # mlp_out l
+                   [+ sigmoid(g_l . x) * Shared_l(x)]                   # Qwen2-MoE
+
+Family differences, all read from the config:
+    Qwen2-MoE : qkv bias, shared expert with a sigmoid gate, norm_topk_prob (false by default)
+    Qwen3-MoE : q/k RMSNorm per head, norm_topk_prob (true in the released models)
+    Mixtral   : weights always renormalised over the top k, Mistral's sliding window
+    OLMoE     : q/k RMSNorm over the whole projection (``qk_norm_full``), norm_topk_prob false
+    Qwen-MoE ``mlp_only_layers`` / ``decoder_sparse_step``: those blocks keep a dense MLP.
+
+Tensor parallelism is not there for MoE models yet: ``loading.loader.parallel_context`` refuses a
+split, so every layer here is whole on one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from ..layers.moe import MoeBlock
+from ..parallel.context import ParallelContext
+from .llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+
+class MoeModel(LlamaModel):
+    """``LlamaModel`` whose blocks (all but ``cfg.moe.dense_layers``) route each token to experts."""
+
+    def __init__(self, cfg: LlamaConfig, rope_freq_factors=None, ctx: ParallelContext | None = None) -> None:
+        super().__init__(cfg, rope_freq_factors, ctx)
+        self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
+
+    def make_layer(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> nn.Module:
+        spec = cfg.moe
+        if layer_idx in spec.dense_layers:
+            return LlamaDecoderLayer(cfg, layer_idx, ctx)
+        shared = None
+        if spec.shared_intermediate_size:
+            shared = LlamaMLP(dataclasses.replace(cfg, intermediate_size=spec.shared_intermediate_size), ctx)
+        mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared)
+        return LlamaDecoderLayer(cfg, layer_idx, ctx, mlp=mlp)
+
+
+def native_model_class(cfg: LlamaConfig) -> type[LlamaModel]:
+    """The model family of a native config: dense Llama or mixture of experts."""
+    return LlamaModel if cfg.moe is None else MoeModel
