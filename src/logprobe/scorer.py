@@ -31,6 +31,7 @@ from .interp.vectors import SteeringVector, check_method, direction_from_states
 from .io.text import check_text
 from .loading import LoadedModel, load_model
 from .scoring.contract import split_continuation
+from .scoring.padded import AlignedLogprobs, Plan, gather_results, plan_packed, plan_padded, plan_requests
 from .scoring.stats import count_words, mean_and_stderr
 from .scoring.windows import make_windows
 
@@ -315,6 +316,57 @@ class Scorer:
         st, ca = request_hooks(list(caps), list(steers), len(prompt) + len(completion), len(prompt),
                                f"sequences[{i}]: ", exact_sums=self.config.deterministic)
         return ScoreRequest(prompt + completion, len(prompt), temperature, top_k, entropy, st, ca)
+
+    def logprobs_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        response_mask: torch.Tensor | None = None, *, num_response_tokens: int | None = None,
+                        temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> AlignedLogprobs:
+        """Log-probs of the response tokens of a padded RL batch, as tensors in the trainer's layout.
+
+        ``input_ids`` / ``attention_mask`` [bs, L] (left, right or both padded), ``response_mask``
+        [bs, R] over the last R columns (verl's ``response_mask``, OpenRLHF's ``action_mask``), or
+        ``num_response_tokens`` R (TRL's ``logits_to_keep``; the mask is then
+        ``attention_mask[:, -R:]``). Returns ``scoring.padded.AlignedLogprobs`` of [bs, R] float32
+        tensors on ``input_ids``' device, 0 where masked; column j is log p(input_ids[:, L-R+j] |
+        the real tokens before it), of ``log_softmax(logits / temperature)``:
+
+            ids  : .  p0 p1 | r0 r1 .          (. = padding)
+            out  :          [lp(r0|p0 p1), lp(r1|p0 p1 r0), 0]
+
+        Packed internally (padding is never computed): the same requests, hence the same numbers,
+        as ``logprobs`` on the rows' real tokens. ``scoring.padded`` draws the layout in full."""
+        return self.run(self.logprobs_padded_job(input_ids, attention_mask, response_mask,
+                                                 num_response_tokens=num_response_tokens, temperature=temperature,
+                                                 entropy=entropy, top_k=top_k))
+
+    def logprobs_padded_job(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            response_mask: torch.Tensor | None = None, *, num_response_tokens: int | None = None,
+                            temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> Job:
+        plan = plan_padded(attention_mask, response_mask, num_response_tokens)
+        return self._aligned_job(plan, input_ids, temperature, entropy, top_k)
+
+    def logprobs_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, score_start: torch.Tensor, *,
+                        temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> AlignedLogprobs:
+        """Log-probs of a packed (THD) batch: ``input_ids`` [T] holds the sequences back to back
+        (sequence i = ``input_ids[cu_seqlens[i]:cu_seqlens[i+1]]``), each scored from its own index
+        ``score_start[i]`` (>= 1) on. Returns [T] float32 tensors aligned with ``input_ids``, 0 where
+        not scored: ``out[cu_seqlens[i] + t]`` = log p(token t of sequence i | its tokens < t)."""
+        return self.run(self.logprobs_packed_job(input_ids, cu_seqlens, score_start, temperature=temperature,
+                                                 entropy=entropy, top_k=top_k))
+
+    def logprobs_packed_job(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, score_start: torch.Tensor, *,
+                            temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> Job:
+        return self._aligned_job(plan_packed(input_ids, cu_seqlens, score_start), input_ids, temperature,
+                                 entropy, top_k)
+
+    def _aligned_job(self, plan: Plan, input_ids: torch.Tensor, temperature: float, entropy: bool,
+                     top_k: int) -> Job:
+        temperature, top_k = self._options(temperature, top_k)
+        if not isinstance(entropy, bool):
+            raise LogprobeError("entropy", f"must be true or false, got {entropy!r}")
+        requests = plan_requests(plan, input_ids, self.info.vocab_size, self.info.max_length, temperature, top_k,
+                                 entropy)
+        device = input_ids.device
+        return Job(requests, lambda results: gather_results(results, plan, device, entropy, top_k))
 
     # -- hidden states and steering vectors ----------------------------------------------------
 
