@@ -229,5 +229,13 @@ class MoeBlock(nn.Module):
         y = self.experts(x, ids, self.gate.row_tile, self.triton)  # [T, k, H]
         out = combine(y, weights).to(x.dtype)  # [T, H]
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def row_sigmoid(g: torch.Tensor) -> torch.Tensor:
+    """sigmoid of a column g [T, 1], each row's bits independent of T. PyTorch's CPU elementwise
+    loops run SIMD chunks and a scalar tail, which round transcendental functions differently, so
+    in a [T, 1] column whether a row lands in the tail depends on T; widened to 64 equal lanes
+    per row, every row is computed in SIMD chunks."""
+    return torch.sigmoid(g.expand(-1, 64).contiguous())[:, :1]  # [T, 64] -> [T, 1]

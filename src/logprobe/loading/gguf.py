@@ -1,4 +1,5 @@
-"""Llama-family GGUF files (llama, qwen2, qwen3 architectures): config, weights, tokenizer."""
+"""Llama-family GGUF files (llama, qwen2, qwen3 architectures; mixture-of-experts qwen2moe, qwen3moe and
+llama-architecture Mixtral): config, weights, tokenizer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from ..errors import LogprobeError
 from ..models.llama import LlamaConfig
 from .gguf_quants import GGML_TYPES, QUANT_NAMES, dequantize, split_blocks
 
-ARCHES = ("llama", "qwen2", "qwen3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+# llama.cpp's build_moe_ffn(norm_w) per architecture: whether the top-k weights are renormalised
+_MOE_NORM_W = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 
 _LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -28,6 +31,15 @@ _LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts (models.moe): router, experts [E, out, in], Qwen2-MoE's shared expert
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 _TOP_MAP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
             "output.weight": "lm_head.weight"}
@@ -94,9 +106,24 @@ _UNSUPPORTED_KEYS = (
 )
 
 
-def _check_metadata(reader, arch: str, path: Path, head_dim: int) -> None:
+# MoE metadata whose only value the native MoE model runs is the "unused" one (llama.cpp defaults)
+_UNSUPPORTED_MOE_KEYS = (
+    ("expert_group_count", 0, "grouped expert routing"),
+    ("expert_group_used_count", 0, "grouped expert routing"),
+    ("expert_weights_scale", 0, "scaled expert weights"),
+    ("leading_dense_block_count", 0, "leading dense blocks"),
+    ("moe_every_n_layers", 0, "interleaved dense and MoE blocks"),
+    ("expert_chunk_feed_forward_length", 0, "chunked experts"),
+)
+
+
+def _check_metadata(reader, arch: str, path: Path, head_dim: int, moe: bool = False) -> None:
     """Refuse metadata that changes the model's function but has no place in the native model."""
-    for suffix, unused, what in _UNSUPPORTED_KEYS:
+    for suffix, unused, what in _UNSUPPORTED_KEYS + (_UNSUPPORTED_MOE_KEYS if moe else ()):
+        if moe and suffix in ("expert_count", "expert_used_count", "expert_shared_count"):
+            continue  # read by _moe_spec
+        if suffix == "expert_weights_scale" and _field(reader, f"{arch}.{suffix}") == 1:
+            continue
         key = f"{arch}.{suffix}"
         value = _field(reader, key)
         if value is None or value == unused or (isinstance(value, list) and all(v == unused for v in value)):
@@ -148,7 +175,9 @@ def gguf_config(reader, path: Path) -> tuple[str, LlamaConfig]:
     hidden = _int_field(reader, f"{arch}.embedding_length", path)
     heads = _int_field(reader, f"{arch}.attention.head_count", path)
     head_dim = _int_field(reader, f"{arch}.attention.key_length", path, hidden // heads)
-    _check_metadata(reader, arch, path, head_dim)
+    moe = arch in ("qwen2moe", "qwen3moe") or (arch == "llama" and (_int_field(reader, "llama.expert_count", path)
+                                                                     or 0) > 0)
+    _check_metadata(reader, arch, path, head_dim, moe)
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     cfg = LlamaConfig(
         vocab_size=int(embd.shape[1]),
@@ -165,8 +194,47 @@ def gguf_config(reader, path: Path) -> tuple[str, LlamaConfig]:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        moe=_moe_spec(reader, arch, path) if moe else None,
     )
     return arch, cfg
+
+
+def _moe_spec(reader, arch: str, path: Path):
+    """The MoE part of a GGUF's config, as llama.cpp runs these architectures: softmax routing,
+    top-k renormalised for qwen3moe and llama (Mixtral), not for qwen2moe; Qwen2-MoE's shared expert
+    gated by a sigmoid. Expert widths come from the tensors themselves."""
+    from ..layers.moe import MoeSpec
+
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}  # outermost first
+    experts = _int_field(reader, f"{arch}.expert_count", path) or 0
+    used = _int_field(reader, f"{arch}.expert_used_count", path) or 0
+    if experts < 1 or used < 1:
+        raise LogprobeError("model", f"{path.name}: a {arch} file needs {arch}.expert_count and "
+                            f"{arch}.expert_used_count (got {experts}, {used})")
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    if norm is not None and bool(norm) != _MOE_NORM_W[arch]:
+        raise LogprobeError("model", f"{path.name} sets {arch}.expert_weights_norm = {norm!r}, but llama.cpp runs "
+                            f"{arch} with it {_MOE_NORM_W[arch]}: the file is ambiguous")
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):
+        raise LogprobeError("model", f"{path.name} sets {arch}.expert_gating_func = {gating!r} (not softmax), "
+                            "which the native MoE model does not run")
+    shared = _field(reader, f"{arch}.expert_shared_count")
+    if shared not in (None, 0, 1) or (shared == 1 and arch != "qwen2moe"):
+        raise LogprobeError("model", f"{path.name} sets {arch}.expert_shared_count = {shared!r}, which the native "
+                            f"{arch} model does not run")
+    layers = _int_field(reader, f"{arch}.block_count", path)
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes)
+    first = next((i for i in range(layers) if i not in dense), None)
+    if first is None:
+        raise LogprobeError("model", f"{path.name}: {arch}.expert_count is set but no block has ffn_gate_inp")
+    gate_exps = shapes.get(f"blk.{first}.ffn_gate_exps.weight")
+    if gate_exps is None or len(gate_exps) != 3:
+        raise LogprobeError("model", f"{path.name}: blk.{first}.ffn_gate_exps.weight (a 3-D [experts, ff, embd] "
+                            "tensor) is missing; older per-expert tensors (ffn_gate.E) are not read")
+    shexp = shapes.get(f"blk.{first}.ffn_gate_shexp.weight")
+    return MoeSpec(num_experts=experts, top_k=used, intermediate_size=gate_exps[1], norm_topk_prob=_MOE_NORM_W[arch],
+                   shared_intermediate_size=shexp[0] if shexp else 0, dense_layers=dense)
 
 
 def rope_interleaved(arch: str) -> bool:
@@ -202,6 +270,15 @@ def gguf_tensors(reader, arch: str, cfg: LlamaConfig, packed: bool = False):
             from ..layers.quant_linear import GGUFLinear
 
             yield name, GGUFLinear(GGML_TYPES[type_id][0], **split_blocks(t.data, type_id, shape))
+        elif packed and GGML_TYPES[type_id][0] in QUANT_NAMES and len(shape) == 3:  # experts [E, out, in]
+            from ..layers.moe import PackedExperts
+
+            blocks = split_blocks(t.data, type_id, shape)  # rows = E * out
+            E, out = shape[0], shape[1]
+            yield name, PackedExperts(GGML_TYPES[type_id][0], **{k: v.reshape(E, out, *v.shape[1:])
+                                                                 for k, v in blocks.items()})
+        elif name.endswith("shared_expert_gate.weight"):  # llama.cpp stores it as a vector [H]
+            yield name, dequantize(t.data, type_id, shape).reshape(1, -1)  # [1, H]
         else:
             yield name, dequantize(t.data, type_id, shape)
 

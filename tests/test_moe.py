@@ -1,0 +1,451 @@
+"""Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) against float64 transformers.
+
+Near-ties in the router. Top-k selection is discontinuous: where the k-th and (k+1)-th router
+probabilities of a token are closer than the float32 forward's error, float32 and float64 may pick
+different experts and the log-probs differ by far more than 1e-4, with neither being wrong. So
+the tests do not rely on luck: ``router_margins`` runs the float64 reference over exactly the
+tokens each test scores, takes per token and MoE block the gap p_(k) - p_(k+1) between the k-th
+and (k+1)-th largest probability, and the tests assert that the smallest gap exceeds
+``MARGIN_FACTOR`` times the largest float32-vs-float64 difference of any router probability
+(measured through the ``blocks.l.router`` capture) and ``MIN_MARGIN``. The seeds were chosen so
+that this holds (smallest gaps are printed in the assertion messages); then the same experts are
+selected in both (asserted too) and the comparison at 1e-4 is exact, not lucky.
+"""
+
+from __future__ import annotations
+
+import random
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from helpers import VOCAB, byte_tokenizer, permute_for_gguf, random_sequences, ref_logprobs
+
+from logprobe import LogprobeError, Scorer
+from logprobe.config import EngineConfig
+from logprobe.engine.request import ScoreRequest
+from logprobe.layers.moe import MoeBlock, combine, route, sort_by_expert
+from logprobe.loading import load_model
+
+TOL = 1e-4
+MIN_MARGIN = 1e-5
+MARGIN_FACTOR = 10.0
+KINDS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+
+
+def moe_config(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, bos_token_id=1,
+                  eos_token_id=0)
+    if kind == "qwen3_moe":  # head_dim 32 != 64 / 4, renormalised top-k
+        return tf.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                 num_experts_per_tok=2, norm_topk_prob=True, head_dim=32)
+    if kind == "qwen2_moe":  # shared expert, qkv bias, a dense block (mlp_only_layers), weights not renormalised
+        return tf.Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                 mlp_only_layers=[1])
+    if kind == "mixtral":  # sliding window shorter than the test sequences
+        return tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                sliding_window=16)
+    if kind == "olmoe":  # q/k norm over the whole projection, top-3 of 8 not renormalised
+        return tf.OlmoeConfig(**common, intermediate_size=32, num_experts=8, num_experts_per_tok=3)
+    raise ValueError(kind)
+
+
+SEEDS = {"qwen3_moe": 0, "qwen2_moe": 0, "mixtral": 0, "olmoe": 0}
+
+
+def make_moe_dir(path, kind: str):
+    """Save a tiny random MoE model + byte tokenizer; return the float64 transformers model (eager
+    experts: transformers' grouped_mm path has no float64)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEEDS[kind])
+    model = AutoModelForCausalLM.from_config(moe_config(kind), attn_implementation="eager",
+                                             experts_implementation="eager").float().eval()
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+    return model.double()
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    out = {}
+    for kind in KINDS:
+        d = tmp_path_factory.mktemp(f"moe-{kind}")
+        out[kind] = (d, make_moe_dir(d, kind))
+    return out
+
+
+@pytest.fixture(scope="module")
+def scorers(moe_dirs):
+    return {k: Scorer(str(d), device="cpu", dtype="float32", progress=False) for k, (d, _) in moe_dirs.items()}
+
+
+def _blocks(ref):
+    return [(i, layer.mlp) for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "gate")
+            and not hasattr(layer.mlp, "gate_proj")]
+
+
+def reference_router(ref, ids: list[int]) -> dict[int, torch.Tensor]:
+    """float64 router probabilities [L, E] of each MoE block of the reference, for one sequence."""
+    out, handles = {}, []
+    for i, mlp in _blocks(ref):
+        handles.append(mlp.gate.register_forward_hook(
+            lambda m, a, o, i=i: out.__setitem__(i, torch.softmax(o[0].double(), -1))))
+    with torch.no_grad():
+        ref(torch.tensor([ids]), use_cache=False)
+    for h in handles:
+        h.remove()
+    return out
+
+
+def router_margins(ref, seqs: list[list[int]], top_k: int) -> float:
+    """The smallest gap p_(k) - p_(k+1) over every token of ``seqs`` and every MoE block (float64)."""
+    gaps = []
+    for ids in seqs:
+        for p in reference_router(ref, ids).values():
+            top = p.topk(top_k + 1, dim=-1).values  # [L, k+1]
+            gaps.append((top[:, top_k - 1] - top[:, top_k]).min())
+    return float(torch.stack(gaps).min())
+
+
+def check_routing_is_decided(scorer, ref, seqs: list[list[int]] | list[dict], steer=None) -> float:
+    """Assert the float32 model selects the float64 model's experts with a margin (module docstring);
+    return the largest router-probability difference. ``seqs``: token lists or RL sequences (with
+    ``steer``, the same steering as a hook on ``ref`` applies)."""
+    top_k = scorer.loaded.model.config.moe.top_k
+    blocks = sorted(scorer.loaded.model.router_points)
+    caps = [{"at": blocks, "positions": "all"}]
+    seqs = [s if isinstance(s, dict) else {"prompt_token_ids": s[:1], "completion_token_ids": s[1:]} for s in seqs]
+    got = scorer.logprobs(seqs, capture=caps, steer=steer)
+    seqs = [s["prompt_token_ids"] + s["completion_token_ids"] for s in seqs]
+    err = 0.0
+    for ids, res in zip(seqs, got):
+        want = reference_router(ref, ids)
+        for c in res.captures:
+            layer = int(c.at.split(".")[1])
+            p64, p32 = want[layer], c.value.double()  # [L, E]
+            err = max(err, float((p32 - p64).abs().max()))
+            assert torch.equal(p32.topk(top_k, -1).indices.sort(-1).values, p64.topk(top_k, -1).indices.sort(-1).values)
+    margin = router_margins(ref, seqs, top_k)
+    assert margin > max(MIN_MARGIN, MARGIN_FACTOR * err), f"router near-tie: margin {margin:.3g}, error {err:.3g}"
+    return err
+
+
+# -- pure pieces ---------------------------------------------------------------------------------
+
+def test_route_sort_combine_gold():
+    """The worked example of layers.moe: which expert gets which token, and the order of the sum."""
+    probs, w, ids = route(torch.tensor([[0.0, 2.0, 1.0]]), 2, True)
+    assert ids.tolist() == [[1, 2]] and torch.allclose(w, torch.tensor([[0.7310586, 0.2689414]]))
+    assert torch.allclose(probs.sum(-1), torch.ones(1))
+    _, w_raw, _ = route(torch.tensor([[0.0, 2.0, 1.0]]), 2, False)
+    assert torch.allclose(w_raw, probs.topk(2).values)  # not renormalised: the softmax values themselves
+    order, counts = sort_by_expert(torch.tensor([[2, 0], [0, 3], [2, 1]]), 4)
+    assert order.tolist() == [1, 2, 5, 0, 4, 3] and counts == [2, 1, 2, 1]
+    y = torch.arange(12.0).view(3, 2, 2)  # [T, k, H]
+    wt = torch.tensor([[0.5, 0.25], [1.0, 0.0], [0.0, 2.0]])
+    assert combine(y, wt).tolist() == [[0.5, 1.25], [4.0, 5.0], [20.0, 22.0]]
+
+
+# -- against float64 transformers ----------------------------------------------------------------
+
+def test_backend_is_native(scorers):
+    assert {k: type(s.loaded.model).__name__ for k, s in scorers.items()} == {k: "MoeModel" for k in KINDS}
+    assert sum(isinstance(m, MoeBlock) for m in scorers["qwen2_moe"].loaded.model.modules()) == 2  # block 1 dense
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprobs_match_reference(kind, scorers, moe_dirs):
+    scorer, ref = scorers[kind], moe_dirs[kind][1]
+    seqs = random_sequences(5, seed=7)
+    check_routing_is_decided(scorer, ref, [s["prompt_token_ids"] + s["completion_token_ids"] for s in seqs])
+    out = scorer.logprobs(seqs, temperature=0.8, top_k=3, entropy=True)
+    for seq, res in zip(seqs, out):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        rows = ref_logprobs(ref, ids, 0.8)[len(seq["prompt_token_ids"]) - 1: len(ids) - 1]
+        tgt = rows.gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+        assert (res.logprobs.double() - tgt).abs().max() < TOL
+        assert (res.entropy.double() + (rows.exp() * rows).sum(-1)).abs().max() < TOL
+        assert (res.topk_logprobs.double() - rows.topk(3, -1).values).abs().max() < TOL
+
+
+def test_capture_router_and_mlp_out(scorers, moe_dirs):
+    """blocks.l.router = the reference router's float64 softmax; blocks.l.mlp_out = its MoE output
+    (shared expert included)."""
+    scorer, ref = scorers["qwen2_moe"], moe_dirs["qwen2_moe"][1]
+    ids = random_sequences(1, seed=11)[0]
+    seq = {"prompt_token_ids": ids["prompt_token_ids"], "completion_token_ids": ids["completion_token_ids"]}
+    tokens = seq["prompt_token_ids"] + seq["completion_token_ids"]
+    res = scorer.logprobs([seq], capture=[{"at": ["blocks.0.router", "blocks.*.mlp_out"], "positions": "all"}])[0]
+    mlp_out = {}
+    hs = [layer.mlp.register_forward_hook(lambda m, a, o, i=i: mlp_out.__setitem__(i, o[0]))
+          for i, layer in enumerate(ref.model.layers)]
+    router = reference_router(ref, tokens)
+    for h in hs:
+        h.remove()
+    got = {c.at: c.value for c in res.captures}
+    assert got["blocks.0.router"].shape == (len(tokens), 8)
+    assert (got["blocks.0.router"].double() - router[0]).abs().max() < 1e-5
+    for i in range(3):
+        assert (got[f"blocks.{i}.mlp_out"].double() - mlp_out[i]).abs().max() < 1e-5
+    with pytest.raises(LogprobeError, match="no router"):  # block 1 keeps a dense MLP
+        scorer.logprobs([seq], capture=[{"at": "blocks.1.router"}])
+    with pytest.raises(LogprobeError, match="capture-only"):
+        scorer.logprobs([seq], steer=[{"at": "blocks.0.router", "vector": [1.0] * 64}])
+
+
+def test_router_point_refused_on_dense_model(tiny_dirs):
+    s = Scorer(str(tiny_dirs["llama"][0]), device="cpu", dtype="float32", progress=False)
+    with pytest.raises(LogprobeError, match="no router"):
+        s.logprobs([{"prompt_token_ids": [5, 6], "completion_token_ids": [7]}], capture=[{"at": "blocks.0.router"}])
+
+
+def test_steering_matches_reference(scorers, moe_dirs):
+    """Adding c * v to blocks.0.mlp_out (continuation rows) = a forward hook doing it in transformers."""
+    scorer, ref = scorers["mixtral"], moe_dirs["mixtral"][1]
+    v = torch.randn(64, generator=torch.Generator().manual_seed(3)).tolist()
+    seq = {"prompt_token_ids": list(range(40, 60)), "completion_token_ids": list(range(90, 110))}
+    tokens, p = seq["prompt_token_ids"] + seq["completion_token_ids"], 20
+    steer = [{"at": "blocks.0.mlp_out", "vector": v, "coeff": 0.5, "positions": "continuation"}]
+    got = scorer.logprobs([seq], steer=steer)[0].logprobs
+
+    def hook(m, a, o):
+        o = o.clone()
+        o[0, p:] += 0.5 * torch.tensor(v, dtype=o.dtype)
+        return o
+    h = ref.model.layers[0].mlp.register_forward_hook(hook)
+    check_routing_is_decided(scorer, ref, [seq], steer)
+    try:
+        lp = ref_logprobs(ref, tokens)
+    finally:
+        h.remove()
+    want = lp[p - 1:-1].gather(1, torch.tensor(tokens[p:])[:, None])[:, 0]
+    assert (got.double() - want).abs().max() < TOL
+    plain = scorer.logprobs([seq])[0].logprobs
+    assert torch.equal(got[:1], plain[:1]) and (got - plain).abs().max() > 1e-3  # steering acted after p only
+
+
+# -- packing, prefixes, chunks, deterministic mode -----------------------------------------------
+
+def _mix(seed: int) -> list[ScoreRequest]:
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+    reqs = []
+    for _ in range(2):  # shared contexts (prefix trees)
+        ctx = tok(rng.randint(16, 50))
+        for _ in range(3):
+            reqs.append(ScoreRequest(ctx + tok(rng.randint(1, 30)), len(ctx), top_k=rng.choice([0, 3])))
+    for _ in range(3):
+        t = tok(rng.randint(2, 90))
+        reqs.append(ScoreRequest(t, rng.randint(1, len(t) - 1)))
+    return reqs
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_prefix_sharing_and_chunking(kind, deterministic, moe_dirs):
+    """Each request alone is right (float64 reference); in shuffled mixes with prefix trees and
+    chunked long requests (budgets 48, 100, all) its numbers are the same: bitwise in
+    deterministic mode, within 1e-5 otherwise."""
+    loaded = load_model(str(moe_dirs[kind][0]), "cpu", "float32")
+    reqs = _mix(seed=len(kind))
+    ref = moe_dirs[kind][1]
+    check_routing_is_decided(Scorer(loaded, progress=False), ref, [r.tokens for r in reqs])
+    alone_engine = Scorer(loaded, config=EngineConfig(deterministic=deterministic, share_prefixes=False)).engine
+    alone = [alone_engine.run([r])[0] for r in reqs]
+    for r, a in zip(reqs, alone):
+        lp = ref_logprobs(ref, r.tokens)[r.score_begin - 1:-1]
+        want = lp.gather(1, torch.tensor(r.tokens[r.score_begin:])[:, None])[:, 0]
+        assert (a.logprobs.double() - want).abs().max() < TOL
+    rng = random.Random(2)
+    for budget in (48, 100, 1 << 20):
+        order = list(range(len(reqs)))
+        rng.shuffle(order)
+        cfg = EngineConfig(max_batch_tokens=budget, deterministic=deterministic, share_prefixes=True)
+        out = Scorer(loaded, config=cfg).engine.run([reqs[i] for i in order])
+        for i, res in zip(order, out):
+            if deterministic:
+                assert torch.equal(_bits(res.logprobs), _bits(alone[i].logprobs))
+            else:
+                assert (res.logprobs - alone[i].logprobs).abs().max() < 1e-5
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+def test_unsupported_fields_are_not_run_natively():
+    from logprobe.loading.hf import native_config
+
+    base = moe_config("olmoe").to_dict()
+    assert native_config(base)[0].moe.top_k == 3
+    cfg, why = native_config({**base, "clip_qkv": 8.0})
+    assert cfg is None and "clip_qkv" in why  # falls back to the transformers backend, which runs it
+    cfg, why = native_config({**moe_config("qwen3_moe").to_dict(), "use_sliding_window": True})
+    assert cfg is None and "sliding" in why
+    cfg, why = native_config({**moe_config("mixtral").to_dict(), "scoring_func": "sigmoid"})
+    assert cfg is None and "scoring_func" in why
+    spec = native_config({**moe_config("qwen2_moe").to_dict(), "decoder_sparse_step": 2, "mlp_only_layers": []})[0].moe
+    assert spec.dense_layers == (0, 2)  # transformers: block i is sparse iff (i + 1) % step == 0
+
+
+def test_tensor_parallel_refused(moe_dirs):
+    from logprobe.loading.loader import describe_model, parallel_context
+
+    cfg = describe_model(str(moe_dirs["qwen3_moe"][0]), "cpu").model.config
+    with pytest.raises(LogprobeError, match="mixture-of-experts"):
+        parallel_context(cfg, 0, 2)
+
+
+# -- GGUF ----------------------------------------------------------------------------------------
+
+def _gguf_header(w, cfg, head_dim: int) -> None:
+    _, vocab = byte_tokenizer()
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_expert_count(cfg.num_experts if hasattr(cfg, "num_experts") else cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    tokens = sorted(vocab, key=vocab.get) + ["Ġt"] + [f"<unused{i}>" for i in range(VOCAB - len(vocab) - 1)]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+
+
+_GGUF_NAMES = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
+               "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
+               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.weight": "attn_output",
+               "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+               "post_attention_layernorm.weight": "ffn_norm", "mlp.gate.weight": "ffn_gate_inp",
+               "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+               "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
+               "mlp.shared_expert.up_proj.weight": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj.weight": "ffn_down_shexp",
+               "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp"}
+
+
+def write_moe_gguf(path, hf_model, arch: str, qtype: str, expert_qtype: str) -> dict[str, np.ndarray]:
+    """Write a tiny HF MoE model as a GGUF of ``arch`` (llama = Mixtral: q/k rows permuted as
+    llama.cpp's converter does); matrices in ``qtype``, experts [E, out, in] in ``expert_qtype``.
+    Returns the weights as gguf-py decodes them, under the HF model's own parameter names."""
+    Q = gguf.GGMLQuantizationType
+    cfg = hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    _gguf_header(w, cfg, head_dim)
+    sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    decoded = {}
+
+    def put(gname: str, arr: np.ndarray, q: str, hf_name: str) -> np.ndarray:
+        if arr.ndim == 1 or q == "F32":
+            w.add_tensor(gname, arr.astype(np.float32))
+            return arr
+        data = gguf.quants.quantize(arr, Q[q])
+        w.add_tensor(gname, data, raw_dtype=Q[q])
+        return gguf.quants.dequantize(data, Q[q]).reshape(arr.shape)
+
+    for hf_name, arr in sd.items():
+        if not hf_name.startswith("model.layers."):
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[hf_name]
+            decoded[hf_name] = put(gname, arr, qtype if arr.ndim == 2 else "F32", hf_name)
+            continue
+        layer, rest = hf_name.split(".")[2], ".".join(hf_name.split(".")[3:])
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate, up
+            gate, up = np.split(arr, 2, axis=1)
+            dg = put(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate), expert_qtype, hf_name)
+            du = put(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up), expert_qtype, hf_name)
+            decoded[hf_name] = np.concatenate([dg, du], axis=1)
+            continue
+        if rest == "mlp.experts.down_proj":
+            decoded[hf_name] = put(f"blk.{layer}.ffn_down_exps.weight", arr, expert_qtype, hf_name)
+            continue
+        gname = _GGUF_NAMES[rest]
+        gname = f"blk.{layer}.{gname}" + ("" if gname.endswith(".bias") else ".weight")
+        perm = None
+        if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            n = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
+            perm = np.argsort(permute_for_gguf(np.arange(arr.shape[0]), n))
+            arr = permute_for_gguf(arr, n)
+        if rest == "mlp.shared_expert_gate.weight":
+            arr = arr.reshape(-1)  # llama.cpp: a vector [H]
+        q = qtype if arr.ndim == 2 and rest not in ("mlp.gate.weight",) else "F32"
+        dec = put(gname, arr, q, hf_name)
+        decoded[hf_name] = (dec[perm] if perm is not None else dec).reshape(sd[hf_name].shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return decoded
+
+
+@pytest.mark.parametrize("kind, arch, qtype, expert_qtype", [
+    ("qwen3_moe", "qwen3moe", "Q8_0", "Q8_0"),
+    ("qwen2_moe", "qwen2moe", "Q8_0", "Q4_0"),
+    ("mixtral", "llama", "F16", "Q4_1"),
+])
+def test_gguf_moe_matches_reference(kind, arch, qtype, expert_qtype, tmp_path):
+    """Experts stay packed (PackedExperts); packed and dense loads give the same bits; both match
+    the same architecture holding gguf-py's decoded weights in float64."""
+    from transformers import AutoModelForCausalLM
+
+    from logprobe.layers.moe import PackedExperts
+
+    cfg = moe_config(kind)
+    if kind == "qwen2_moe":
+        cfg.mlp_only_layers = []  # llama.cpp's qwen2moe has experts in every block
+    if kind == "mixtral":
+        cfg.sliding_window = None  # llama-architecture GGUFs have no sliding window
+    torch.manual_seed(5)
+    src = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager").eval()
+    path = tmp_path / f"{kind}.gguf"
+    decoded = write_moe_gguf(path, src, arch, qtype, expert_qtype)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    ref.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in decoded.items()})
+    ref = ref.double().eval()
+    seqs = random_sequences(3, seed=9)
+    outs = []
+    for weights in ("packed", "dense"):
+        loaded = load_model(str(path), "cpu", "float32", weights=weights)
+        experts = loaded.model.layers[0].mlp.experts
+        assert isinstance(experts.down_proj, PackedExperts) == (weights == "packed")
+        s = Scorer(loaded, progress=False)
+        if weights == "packed":
+            check_routing_is_decided(s, ref, [q["prompt_token_ids"] + q["completion_token_ids"] for q in seqs])
+        outs.append([r.logprobs for r in s.logprobs(seqs)])
+    for seq, a, b in zip(seqs, *outs):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        rows = ref_logprobs(ref, ids)[len(seq["prompt_token_ids"]) - 1: len(ids) - 1]
+        tgt = rows.gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+        assert (a.double() - tgt).abs().max() < TOL
+        assert torch.equal(a, b)
+
+
+def test_gguf_unsupported_expert_type_is_named(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_config(moe_config("qwen3_moe"), experts_implementation="eager").eval()
+    path = tmp_path / "q5.gguf"
+    write_moe_gguf(path, src, "qwen3moe", "Q8_0", "Q5_0")
+    with pytest.raises(LogprobeError, match="Q5_0"):
+        load_model(str(path), "cpu", "float32")
