@@ -1,0 +1,116 @@
+"""``--html FILE`` for ``score``, ``perplexity`` and ``compare``: run the scorer's jobs with per-token
+ranks and top-k alternatives, turn the results into ``report`` segments, write the page.
+
+The page's numbers are the scorer's: the same jobs (``Scorer.score_job`` / ``perplexity_job``)
+on the same engine, with ``top_k`` and ``entropy`` switched on (per-request options, which never
+change a log-prob).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..errors import LogprobeError
+from ..report import Segment, kl_page, locate_targets, surprisal_page
+from ..report.tokens import Token, result_tokens, stream_tokens
+
+DEFAULT_TOP_K = 5
+
+
+def add_html_option(p: argparse.ArgumentParser) -> None:
+    """``--html FILE`` and ``--html-top-k K`` on a subcommand."""
+    p.add_argument("--html", default=None, metavar="FILE.html",
+                   help="also write a self-contained page: the text coloured per token, hover for numbers")
+    p.add_argument("--html-top-k", type=int, default=DEFAULT_TOP_K, metavar="K",
+                   help="alternatives shown per token on the --html page (default: %(default)s)")
+
+
+def write_page(path: str, page: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as e:
+        raise LogprobeError("--html", f"cannot write {path!r}: {e.strerror or e}", "give a writable path") from e
+
+
+def _top_k(args: argparse.Namespace) -> int:
+    k = args.html_top_k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise LogprobeError("--html-top-k", f"must be an integer >= 0, got {k!r}")
+    return k
+
+
+def _model_rows(scorer) -> list[tuple[str, str]]:
+    i = scorer.info
+    return [("model", f"{i.name} ({i.backend}, {i.device}, {i.dtype})")]
+
+
+def _window_tokens(scorer, req, res) -> list[Token]:
+    """A request's scored tokens with their log-prob, rank, entropy and top alternatives."""
+    tok = scorer.tokenizer
+    ids = req.tokens[req.score_begin:]
+    top = None
+    if res.topk_ids is not None:
+        k = res.topk_ids.shape[1]
+        texts = tok.token_texts(res.topk_ids.flatten().tolist())
+        top = [list(zip(texts[r * k:(r + 1) * k], row)) for r, row in enumerate(res.topk_logprobs.tolist())]
+    return result_tokens(tok.token_texts(ids), res.logprobs.tolist(), res.ranks.tolist(), top,
+                         None if res.entropy is None else res.entropy.tolist())
+
+
+def score_page(scorer, prompt: str, continuations: list[str], args: argparse.Namespace, **options) -> str:
+    """One segment per continuation: its prompt tokens (grey) then its scored tokens."""
+    k = _top_k(args)
+    job = scorer.score_job(prompt, continuations, top_k=k, entropy=True, **options)
+    results = scorer.engine.run(job.requests)
+    scores = job.finish(results)
+    segments = []
+    for req, res, sc in zip(job.requests, results, scores, strict=True):
+        ctx = [Token(t) for t in scorer.tokenizer.token_texts(req.tokens[:req.score_begin])]
+        segments.append(Segment(f"{sc.continuation!r}: log-prob {sc.log_prob:.4f}, {sc.num_tokens} tokens, "
+                                f"{'greedy' if sc.is_greedy else 'not greedy'}", ctx + _window_tokens(scorer, req, res)))
+    rows = _model_rows(scorer) + [("prompt", repr(prompt)), ("continuations", str(len(continuations)))]
+    return surprisal_page(segments, "logprobe score", rows)
+
+
+def perplexity_page(scorer, text: str, args: argparse.Namespace, **options) -> str:
+    """The text's tokens, each scored one coloured, as ``Scorer.perplexity`` windows score them."""
+    k = _top_k(args)
+    job = scorer.perplexity_job(text, **options)
+    requests = [dataclasses.replace(r, top_k=k, entropy=True) for r in job.requests]
+    results = scorer.engine.run(requests)
+    res = job.finish(results)
+    stream = scorer.tokenizer.encode(text)
+    if options.get("max_tokens") is not None:
+        stream = stream[:options["max_tokens"]]
+    starts = locate_targets(stream, [(r.tokens, r.tokens[r.score_begin:]) for r in requests])
+    tokens = stream_tokens(scorer.tokenizer.token_texts(stream), starts,
+                           [_window_tokens(scorer, q, r) for q, r in zip(requests, results, strict=True)])
+    segment = Segment(f"{res.num_tokens} tokens scored in {res.num_windows} windows (policy {res.policy}, "
+                      f"context {res.context_length}" + (f", stride {res.stride})" if res.stride else ")"), tokens)
+    if segment.num_scored != res.num_tokens:
+        raise LogprobeError("--html", f"page shows {segment.num_scored} scored tokens, perplexity scored "
+                            f"{res.num_tokens}", "this is a bug: report it with the command line")
+    rows = _model_rows(scorer) + [("perplexity", f"{res.perplexity:.4f} ± {res.perplexity_stderr:.4f}"),
+                                  ("mean NLL", f"{res.nll_mean:.4f} nats")]
+    return surprisal_page([segment], "logprobe perplexity", rows)
+
+
+def compare_page(q, r, text: str, res, **options) -> str:
+    """Tokens coloured by KL(R || Q) (``res.token_kl``, the compare result's own numbers), with the
+    KL histogram and the text report. ``options`` are the window options ``compare`` was given."""
+    if res.token_kl is None:
+        raise LogprobeError("--html", "the compare result has no per-token KL", "compare with return_token_stats")
+    job = q.perplexity_job(text, **options)  # the windows compare ran: tokenizing only
+    stream = q.tokenizer.encode(text)
+    if options.get("max_tokens") is not None:
+        stream = stream[:options["max_tokens"]]
+    starts = locate_targets(stream, [(w.tokens, w.tokens[w.score_begin:]) for w in job.requests])
+    kl = iter(res.token_kl)
+    scored = [[Token(t, kl=next(kl)) for t in q.tokenizer.token_texts(w.tokens[w.score_begin:])] for w in job.requests]
+    tokens = stream_tokens(q.tokenizer.token_texts(stream), starts, scored)
+    rows = [("Q", q.info.name), ("R", r.info.name), ("mean KL", f"{res.kl_mean:.6f} ± {res.kl_stderr:.6f}"),
+            ("PPL(Q)/PPL(R)", f"{res.ppl_ratio:.6f} ± {res.ppl_ratio_stderr:.6f}")]
+    return kl_page([Segment(f"{res.num_tokens} tokens, coloured by KL(R || Q)", tokens)],
+                   "logprobe compare", rows, res.report())
