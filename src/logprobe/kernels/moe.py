@@ -1,0 +1,188 @@
+"""Fused mixture-of-experts MLP in Triton: two grouped GEMMs over all experts, SiLU fused.
+
+Rows are token slots ``s = t * k + j`` (token t's j-th selected expert). ``align_by_expert``
+sorts the slots by expert and pads each expert's segment to a multiple of BLOCK_M with a
+sentinel (``T * k``), so every row tile belongs to exactly one expert. Example, E = 4, k = 2,
+BLOCK_M = 2, ids = [[2, 0], [0, 3], [2, 1]]:
+
+    slots by expert (stable):  e0: 1, 2 | e1: 5 | e2: 0, 4 | e3: 3
+    sorted_slots (padded):     [1, 2 | 5, P | 0, 4 | 3, P]      P = 6, a row that is masked off
+    tile_expert:               [0,     1,     2,     3]
+
+* ``_gate_up_kernel``: program (tile, n) loads the tile's x rows (token ``s // k``), runs one K
+  loop with two float32 accumulators against expert e's gate and up columns n, and stores
+  ``SiLU(gate) * up`` (computed in float32, rounded once) to ``act[s]`` [T*k, I].
+* ``_down_kernel``: program (tile, n) multiplies the tile's act rows by expert e's down columns
+  n and stores ``y[s]`` [T*k, H].
+
+Fixed tiles per expert, each K loop in order, no split-K: a row's numbers depend only on its own
+row and its expert's weights, never on how many rows share the expert, so the kernel is
+batch-invariant by construction (deterministic mode uses it as is). The weighted sum over the k
+slots of a token stays outside, in slot order (``layers.moe.combine``). ``moe_reference`` is the
+PyTorch definition it is tested against (``tests/test_moe.py``, under ``TRITON_INTERPRET=1`` on
+CPU); the PyTorch path rounds gate and up to the activation dtype before SiLU as transformers
+does, the kernel does not (equal in float32 up to accumulation order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import LogprobeError
+from . import interpreting, triton_available
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, act_ptr, sorted_ptr, tile_expert_ptr, num_slots, top_k, N, K,
+                        stride_xm, stride_we, stride_wn, stride_am, IEEE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+        valid = slots < num_slots
+        tokens = (slots // top_k).to(tl.int64)
+        e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        rk = tl.arange(0, BLOCK_K)  # [BK]
+        xp = x_ptr + tokens[:, None] * stride_xm + rk[None, :]  # [BM, BK]
+        w_off = e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BK, BN]: W_e^T tile
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(xp, mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+            w_mask = (rn[None, :] < N) & (kk[:, None] < K)
+            g = tl.load(wg_ptr + w_off, mask=w_mask, other=0.0)
+            u = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(x, g, acc_g, input_precision="ieee")
+                acc_u = tl.dot(x, u, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(x, g, acc_g)
+                acc_u = tl.dot(x, u, acc_u)
+            xp += BLOCK_K
+            w_off += BLOCK_K
+        act = acc_g * tl.sigmoid(acc_g) * acc_u  # SiLU(gate) * up in float32
+        ap = act_ptr + slots[:, None].to(tl.int64) * stride_am + rn[None, :]
+        tl.store(ap, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+
+    @triton.jit
+    def _down_kernel(a_ptr, wd_ptr, y_ptr, sorted_ptr, tile_expert_ptr, num_slots, N, K,
+                     stride_am, stride_we, stride_wn, stride_ym, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+        valid = slots < num_slots
+        e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        ap = a_ptr + slots[:, None].to(tl.int64) * stride_am + rk[None, :]  # [BM, BK]
+        w_off = e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BK, BN]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(ap, mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+            w = tl.load(wd_ptr + w_off, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            ap += BLOCK_K
+            w_off += BLOCK_K
+        yp = y_ptr + slots[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+
+
+@dataclass(frozen=True, slots=True)
+class MoeKernelConfig:
+    """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch. Not yet
+    tuned on a GPU."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_CONFIG = MoeKernelConfig()
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids [T, k] -> ``sorted_slots`` [P] (slots grouped by expert, each group padded to a
+    multiple of ``block_m`` with ``T * k``) and ``tile_expert`` [P / block_m] (see the module
+    docstring's example)."""
+    flat = ids.reshape(-1)  # [n], n = T * k
+    n = flat.numel()
+    order = torch.sort(flat, stable=True).indices  # slots by expert
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    start = torch.cumsum(counts, 0) - counts  # first sorted index of each expert
+    pstart = torch.cumsum(padded, 0) - padded  # its first padded position
+    expert_of = flat[order]  # [n]
+    dest = pstart[expert_of] + torch.arange(n, device=flat.device) - start[expert_of]  # [n]
+    sorted_slots = torch.full((int(padded.sum()),), n, dtype=torch.int32, device=flat.device)  # [P]
+    sorted_slots[dest] = order.to(torch.int32)
+    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
+                                          padded // block_m)  # [P / block_m]
+    return sorted_slots, tile_expert
+
+
+def _check(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    E, I, H = gate.shape
+    if x.dim() != 2 or x.shape[1] != H or tuple(up.shape) != (E, I, H) or tuple(down.shape) != (E, H, I):
+        raise LogprobeError("x", f"shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, up {tuple(up.shape)}, "
+                            f"down {tuple(down.shape)} do not fit [T, H], [E, I, H], [E, I, H], [E, H, I]")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise LogprobeError("ids", f"must be [T, k] with T = {x.shape[0]}, got {tuple(ids.shape)}")
+    if any(w.dtype != x.dtype for w in (gate, up, down)) or x.dtype not in (torch.bfloat16, torch.float16,
+                                                                                torch.float32):
+        raise LogprobeError("x", "x and the expert weights must share one dtype (bf16, fp16 or fp32)")
+    if not triton_available() or not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
+        raise LogprobeError("device", "the fused MoE kernel runs on CUDA (or CPU under TRITON_INTERPRET=1)")
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+              config: MoeKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [T, H], ids [T, k], gate/up [E, I, H], down [E, H, I] -> y [T*k, H] in x's dtype: row
+    ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted)."""
+    _check(x, ids, gate, up, down)
+    E, I, H = gate.shape
+    T, k = ids.shape
+    x, gate, up, down = (t.contiguous() for t in (x, gate, up, down))
+    c = config
+    sorted_slots, tile_expert = align_by_expert(ids, E, c.block_m)
+    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [T*k, I]
+    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [T*k, H]
+    tiles = tile_expert.numel()
+    if tiles == 0:
+        return y
+    ieee = x.dtype == torch.float32
+    _gate_up_kernel[(tiles, triton.cdiv(I, c.block_n))](
+        x, gate, up, act, sorted_slots, tile_expert, T * k, k, I, H, x.stride(0), gate.stride(0), gate.stride(1),
+        act.stride(0), IEEE=ieee, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    _down_kernel[(tiles, triton.cdiv(H, c.block_n))](
+        act, down, y, sorted_slots, tile_expert, T * k, H, I, act.stride(0), down.stride(0), down.stride(1),
+        y.stride(0), IEEE=ieee, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return y
+
+
+def moe_reference(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """What ``fused_moe`` computes, in PyTorch: y [T*k, H], row t*k + j = expert ids[t, j] on x[t]."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)  # [T*k]
+    xs = x.repeat_interleave(k, dim=0)  # [T*k, H]: slot s reads token s // k
+    y = xs.new_zeros(T * k, down.shape[1])
+    for e in flat.unique().tolist():
+        rows = (flat == e).nonzero()[:, 0]
+        h = F.silu(F.linear(xs[rows], gate[e])) * F.linear(xs[rows], up[e])  # [n, I]
+        y[rows] = F.linear(h, down[e])
+    return y
