@@ -12,6 +12,7 @@ from ..errors import LogprobeError
 from ..models.llama import LlamaConfig
 
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+NATIVE_QUANT_METHODS = ("compressed-tensors", "gptq", "awq")  # loading.compressed, loading.gptq, loading.awq
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")  # models.moe
 # config fields of other routers (DeepSeek-style grouped routing, score functions, scaling): a
 # config of one of MOE_TYPES that sets them is not the model transformers' class runs
@@ -151,16 +152,17 @@ def check_plain_dtype(key: str, value: torch.Tensor, where: str) -> None:
 def check_quantization(raw: dict, path: Path, native: bool) -> None:
     """Refuse quantization metadata that the chosen backend would not run exactly.
 
-    Native: only compressed-tensors (checked in detail by ``compressed.ct_tensors``). The
+    Native: compressed-tensors, GPTQ and AWQ (checked in detail by ``compressed.ct_tensors``,
+    ``gptq.gptq_tensors``, ``awq.awq_tensors``). The
     transformers backend: none at all, since transformers would dequantize it or run it with its own
     kernels (GPTQ, AWQ, bitsandbytes, FP8, ...), which is not the checkpoint's exact function."""
     configs = {"quantization_config": raw.get("quantization_config")}
     for sub in ("text_config", "llm_config", "language_config"):
         if isinstance(raw.get(sub), dict) and raw[sub].get("quantization_config") is not None:
             configs[f"{sub}.quantization_config"] = raw[sub]["quantization_config"]
-    supported = ("logprobe runs compressed-tensors int4/int8 weight-only checkpoints (W4A16, W8A16) of the "
-                 "native Llama family (llama, mistral, qwen2, qwen3) and GGUF files; score the unquantized model "
-                 "otherwise")
+    supported = ("logprobe runs compressed-tensors checkpoints (W4A16, W8A16, FP8, W8A8, NVFP4), GPTQ (4/8-bit) "
+                 "and AWQ (GEMM) checkpoints of the native Llama family (llama, mistral, qwen2, qwen3) and GGUF "
+                 "files; score the unquantized model otherwise")
     for field, q in configs.items():
         if q is None:
             continue
@@ -170,7 +172,7 @@ def check_quantization(raw: dict, path: Path, native: bool) -> None:
                                 f"{raw.get('model_type')!r}, which runs on the transformers backend: transformers "
                                 "would dequantize it or run it with its own kernels, not the checkpoint's exact "
                                 "function", supported)
-        if method != "compressed-tensors":
+        if method not in NATIVE_QUANT_METHODS or (method != "compressed-tensors" and field != "quantization_config"):
             raise LogprobeError(field, f"{path.name}: quant_method {method!r} is not supported", supported)
     if configs["quantization_config"] is None:
         for name in ("quantize_config.json", "quant_config.json", "quantization_config.json"):
@@ -191,6 +193,16 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
         raise LogprobeError("quantization_config", f"{path.name}: a quantized mixture-of-experts checkpoint "
                             f"(quant_method {qcfg.get('quant_method')!r}) is not read natively yet",
                             "score the unquantized model, or a GGUF file of it")
+    if qcfg is not None and qcfg.get("quant_method") == "gptq":
+        from .gptq import gptq_tensors
+
+        yield from gptq_tensors(path, cfg, qcfg, packed)
+        return
+    if qcfg is not None and qcfg.get("quant_method") == "awq":
+        from .awq import awq_tensors
+
+        yield from awq_tensors(path, cfg, qcfg, packed)
+        return
     if qcfg is not None:
         from .compressed import ct_tensors
 
