@@ -15,8 +15,10 @@ a byte-level tokenizer, bench/gpu_tp.py's ``write_checkpoint``) served on loopba
 
 Each client picks bodies from the pool at random until D seconds are up. Meanwhile the "squeezer"
 (a second process on the same GPU) repeatedly allocates all but ``--leave-gib`` GiB of the free
-memory for ``--squeeze-on`` seconds, then frees it for ``--squeeze-off`` seconds, so batches run
-out of memory and the engine splits and retries them. After the load: the squeezer stops, the
+memory for ``--squeeze-on`` seconds, then frees it for ``--squeeze-off`` seconds, starting before
+the first request (so the server's caching allocator cannot reserve its working set in advance),
+so batches run out of memory and the engine splits and retries them (its out-of-memory path
+empties the allocator's cache, which the next squeeze takes). After the load: the squeezer stops, the
 server's allocator counters are read (``/metrics``), and every distinct body is sent again alone,
 one at a time; each answer under load must be byte-identical (after dropping ``id`` and ``created``)
 to that body's lone answer.
@@ -24,7 +26,7 @@ to that body's lone answer.
 Printed: requests, statuses (5xx must be 0), lost (sent, never answered), mismatches against the
 lone answers, out-of-memory recoveries the engine made, p50/p99 latency overall and per endpoint,
 input tokens/s over the load, and CUDA memory allocated/reserved by the server at start (after
-warm-up) and at the end.
+the first request) and at the end.
 
     python bench/gpu_soak.py                                 # 64 clients x 300 s, llama-1b
     python bench/gpu_soak.py --clients 8 --duration 20 --pool 40   # a quick check
@@ -54,7 +56,6 @@ import sys, time, torch
 leave, on, off = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 torch.cuda.init()
 while True:
-    time.sleep(off)
     free, _ = torch.cuda.mem_get_info()
     n = int(free - leave * (1 << 30))
     x = torch.empty(max(n, 0), dtype=torch.uint8, device="cuda") if n > 0 else None
@@ -62,6 +63,7 @@ while True:
     time.sleep(on)
     del x
     torch.cuda.empty_cache()
+    time.sleep(off)
 """
 
 
@@ -242,14 +244,12 @@ async def soak(args, model_dir: Path) -> dict:
     try:
         await wait_up(url, server, args.server_log)
         pool = make_pool(args.pool, args.seed, args.vocab, args.size_scale)
-        async with aiohttp.ClientSession() as s:  # warm-up: one body per endpoint (kernels compiled)
-            for ep in sorted({p[0] for p in pool}):
-                await post(s, url, ep, next(b for e, b, _ in pool if e == ep))
         m0 = await metrics(url)
         log(f"pool of {len(pool)} bodies; server up; allocated {m0.get('logprobe_cuda_memory_allocated_bytes', 0) / GiB:.2f} GiB")
-        if args.device == "cuda":
+        if args.device == "cuda":  # squeezing from the start: the server's allocator never holds enough in reserve
             squeezer = subprocess.Popen([sys.executable, "-c", SQUEEZER, str(args.leave_gib), str(args.squeeze_on),
                                          str(args.squeeze_off)], stdout=sys.stdout, stderr=sys.stderr)
+            await asyncio.sleep(5)
         res = await load(url, pool, args.clients, args.duration, args.seed)
         if squeezer is not None:
             squeezer.terminate()
@@ -281,7 +281,7 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=240, help="distinct request bodies (default: %(default)s)")
     ap.add_argument("--model", default="llama-1b", help="random-init shape from bench/gpu_scoring.py's MODELS")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/logprobe-soak-model"))
-    ap.add_argument("--leave-gib", type=float, default=2.0, help="GiB the squeezer leaves free")
+    ap.add_argument("--leave-gib", type=float, default=0.5, help="GiB the squeezer leaves free")
     ap.add_argument("--squeeze-on", type=float, default=20.0)
     ap.add_argument("--squeeze-off", type=float, default=20.0)
     ap.add_argument("--vocab", type=int, default=259, help="token ids drawn below this (the byte tokenizer's size)")
