@@ -46,6 +46,7 @@ DEBUG = os.environ.get("LOGPROBE_FUZZ_DEBUG") == "1"  # print each 400's body an
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 SEEN: dict[str, Counter] = {}
+CHECKPOINT: list[str] = []  # the served model's directory
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def api(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("fuzz-llama")
     make_hf_dir(d, "llama", seed=3)
+    CHECKPOINT.append(str(d))  # nudge() reloads it through /update_weights_from_disk
     scorer = Scorer(str(d), device="cpu", dtype="float32", progress=False)
     app = create_app(scorer, ServerConfig(api_key=KEY, max_request_tokens=4096, max_request_items=32,
                                           max_body_bytes=1 << 20, max_top_logprobs=20,
@@ -71,7 +73,7 @@ def operations() -> list[tuple[str, str]]:
     """Every operation of the document (listed here: parametrizing needs them before the app exists;
     ``test_document_lists_every_operation`` keeps the list equal to the document)."""
     return [("POST", p) for p in ("/v1/completions", "/tokenize", "/detokenize", "/v1/score", "/v1/logprobs",
-                                  "/v1/perplexity")] + \
+                                  "/v1/perplexity", "/generate", "/update_weights_from_disk")] + \
         [("GET", p) for p in ("/v1/models", "/tokenizer_info", "/health", "/metrics")]
 
 
@@ -110,7 +112,7 @@ def test_fuzz(api, method, path, mode):
         response = case.call(base_url=url, headers=AUTH, timeout=60)
         seen[response.status_code] += 1
         if DEBUG and response.status_code == 400:
-            print(path, mode, json.dumps(case.body)[:150], "->", response.json()["error"]["message"][:150])
+            print(path, mode, json.dumps(case.body, default=str)[:150], "->", response.json()["error"]["message"][:150])
         case.validate_response(response, checks=checks, headers=AUTH)
         if response.headers.get("content-type", [""])[0].startswith("application/json"):
             json.loads(response.text, parse_constant=_refuse)  # NaN / Infinity are not JSON
@@ -121,7 +123,7 @@ def test_fuzz(api, method, path, mode):
 
 
 POINTS = ["blocks.0.resid_post", "blocks.*.mlp_out", "embed", "final_norm", "blocks.1.attn_out"]
-IDS = {"prompt", "texts", "tokens", "prompt_token_ids", "completion_token_ids"}
+IDS = {"prompt", "texts", "tokens", "prompt_token_ids", "completion_token_ids", "input_ids"}
 
 
 def nudge(case, path: str):
@@ -147,6 +149,24 @@ def nudge(case, path: str):
         b["continuations"] = [c or "x" for c in b["continuations"]]
     if isinstance(b.get("top_k"), int):
         b["top_k"] %= 301
+    if path == "/generate":  # one input, scoring only, positions inside it, alternatives under the cap
+        if (b.get("input_ids") is None) == (b.get("text") is None):
+            b.pop("text", None)
+            b["input_ids"] = [(seed * (j + 7)) % 300 for j in range(1 + seed % 40)]
+        sp = b.get("sampling_params")
+        t = sp.get("temperature") if isinstance(sp, dict) else None
+        b["sampling_params"] = {"max_new_tokens": 0, **({"temperature": abs(t) % 3} if isinstance(t, float) else {})}
+        b.pop("stream", None)
+        for k in ("return_logprob", "logprob_start_len", "top_logprobs_num", "rid"):
+            if isinstance(b.get(k), list):
+                b.pop(k)
+        b["return_logprob"] = True
+        if isinstance(b.get("logprob_start_len"), int):
+            b["logprob_start_len"] = -1 if b["logprob_start_len"] < 0 else b["logprob_start_len"] % 2
+        if isinstance(b.get("top_logprobs_num"), int):
+            b["top_logprobs_num"] %= 21
+    if path == "/update_weights_from_disk" and CHECKPOINT and seed % 4 == 0:
+        b = {"model_path": CHECKPOINT[0]}
     for k in ("context_length", "max_tokens", "stride"):
         if path == "/v1/perplexity" and isinstance(b.get(k), int):
             b[k] = 2 + b[k] % 300
@@ -167,8 +187,8 @@ def _ids_in_vocab(obj, key: str | None = None):
         return {k: _ids_in_vocab(v, k) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_ids_in_vocab(v, key) for v in obj]
-    if isinstance(obj, int) and not isinstance(obj, bool) and key in IDS:
-        return abs(obj) % 300
+    if isinstance(obj, (int, float)) and not isinstance(obj, bool) and key in IDS and obj == obj // 1:
+        return int(abs(obj) % 300)  # 22049.0 is an integer to JSON Schema: an id in the vocabulary
     return obj
 
 

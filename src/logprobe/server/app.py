@@ -17,32 +17,30 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.runner import Engine, RequestOutOfMemory
 from ..errors import LogprobeError
-from ..io.jsonsafe import encode
-from ..io.text import text_problem
 from ..scorer import Job, Scorer
 from .batcher import Batcher, JobFailed, JobTimeout, QueueFull, ServerClosed
 from .config import ServerConfig
 from .metrics import Metrics
 from .openai_compat import completion_job
+from .responses import NATIVE_CODES, SafeJSONResponse, error_response, replies
+from .routes_rl import rl_router
 from .schemas import (
     CompletionReply,
     CompletionRequest,
     DetokenizeReply,
     DetokenizeRequest,
-    ErrorReply,
     HealthReply,
     LogprobsBody,
     LogprobsReply,
@@ -55,41 +53,16 @@ from .schemas import (
     TokenizeRequest,
     TokenizerInfoReply,
 )
+from .schemas_rl import GenerateRequest, UpdateWeightsRequest
+from .validation import validation_message
+from .weights import ServedWeights
 
 log = logging.getLogger("logprobe.server")
 
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers, probes)
 BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-          "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody}  # reachable without the API key (load balancers, probes)
-
-
-class SafeJSONResponse(JSONResponse):
-    """Every JSON reply: non-finite numbers become null (with a ``<key>_reason``), never NaN/Infinity."""
-
-    def render(self, content) -> bytes:
-        return encode(content)
-
-
-ERRORS = {
-    400: "a field is invalid: the message names it and the fix",
-    401: "the bearer key is missing or wrong",
-    404: "the model is not served here",
-    408: "the request's 'timeout' passed before it was started; nothing was computed",
-    413: "the body, the input tokens, the items or the captured numbers of one request exceed a limit, "
-         "or one of its sequences does not fit in the server's memory even alone",
-    429: "the queue is full; retry after Retry-After seconds",
-    503: "out of memory, or shutting down; retry after Retry-After seconds",
-}
-DEFAULT_CODES = (400, 401, 404, 413, 429, 503)
-NATIVE_CODES = (400, 401, 404, 408, 413, 429, 503)  # the endpoints with a 'timeout'
-
-
-def replies(model: type | None = None, codes=DEFAULT_CODES) -> dict:
-    """OpenAPI ``responses`` of a route: its 200 body and the error bodies it may answer."""
-    out = {code: {"model": ErrorReply, "description": ERRORS[code]} for code in codes}
-    if model is not None:
-        out[200] = {"model": model, "description": "the result"}
-    return out
+          "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody,
+          "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest}  # reachable without the API key (load balancers, probes)
 
 
 class ModelNotFound(LogprobeError):
@@ -100,88 +73,6 @@ class RequestTooLarge(Exception):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    return SafeJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                            status_code=status, headers=headers)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-plain", "function-after"}
-
-
-def _branch(part) -> bool:
-    """A union-branch tag pydantic puts in ``loc`` ('function-after[...]', 'list[...]', 'float'), not a field."""
-    return isinstance(part, str) and (part in _TYPE_TAGS or bool(re.fullmatch(r"[a-z-]+\[.*\]", part, re.S)))
-
-
-def _name(part: str) -> str:
-    """A field name as text that is safe to echo (a lone surrogate is written as ``\\ud800``)."""
-    return part if text_problem(part) is None else part.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _loc(loc: tuple) -> str:
-    """('body', 'prompt', 0, 3) -> 'prompt[0][3]'; union-branch tags are dropped."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if _branch(part):
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{_name(str(part))}" if out else _name(str(part)))
-    return out or "body"
-
-
-def _pick(errors: list[dict]) -> tuple[dict, list[dict]]:
-    """The error to report and the others. Among the failed branches of one union field, the
-    explicit ``value_error`` (e.g. a lone surrogate in the string branch) says the most."""
-    e = errors[0]
-    loc = tuple(e.get("loc", ()))
-    cut = next((i for i, p in enumerate(loc) if _branch(p)), None)
-    if cut is None:
-        return e, errors[1:]
-    field = loc[:cut]
-    same = [x for x in errors if tuple(x.get("loc", ()))[:cut] == field and len(x.get("loc", ())) > cut
-            and _branch(x["loc"][cut])]
-    best = next((x for x in same if x.get("type") == "value_error"), e)
-    return best, [x for x in errors if x not in same]
-
-
-def validation_message(errors: list[dict], model: type | None = None) -> tuple[str, str]:
-    """The first problem, stated as ``field: problem; fix`` (plus a count of any others)."""
-    # a misspelt field shows up as "unknown" and "missing": the unknown one explains both
-    errors = sorted(errors, key=lambda x: x.get("type") != "extra_forbidden")
-    e, others = _pick(errors)
-    loc = tuple(e.get("loc", ()))
-    key = "[key]" in loc  # a dict key is wrong: name the dict
-    if key:
-        loc = loc[:loc.index("[key]") - 1]
-    field = _loc(loc)
-    kind = e.get("type", "")
-    if kind == "json_invalid":
-        field, msg = "body", f"is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))}); send a JSON object"
-    elif kind == "extra_forbidden":
-        known = ", ".join(model.model_fields) if model is not None else ""
-        msg = f"is not a known field; accepted fields: {known}" if known else "is not a known field"
-    elif kind == "missing":
-        msg = "is required"
-    elif kind == "model_attributes_type":
-        field, msg = "body", "must be a JSON object"
-    elif kind == "string_unicode":  # a string pydantic cannot read (e.g. a field name with a lone surrogate)
-        value = e.get("input")
-        problem = (text_problem(value) if isinstance(value, str) else None) or "is not valid Unicode"
-        msg = f"{'a field name ' if field == 'body' else ''}{problem}; send UTF-8 text"
-    else:
-        msg = e.get("msg", "is invalid").removeprefix("Value error, ")
-        msg = msg[0].lower() + msg[1:] if msg else msg
-        if (m := re.match(r"((?:\[\d+\])+) (.*)", msg, re.S)):  # "[1][2] must be ..." from a list validator
-            field, msg = field + m.group(1), m.group(2)
-        if key:
-            msg = "a key " + msg
-    more = f" (and {len(others)} more problem{'s' * (len(others) > 1)})" if others else ""
-    return field, f"{field}: {msg}{more}"
 
 
 class Gate:
@@ -302,6 +193,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
                       config.max_queue_tokens, config.batching, metrics.observe_step,
                       lambda reason: metrics.dropped.labels(reason).inc())
     lifecycle = Lifecycle(batcher)
+    weights = ServedWeights(scorer, batcher)
     tok = scorer.tokenizer
     hidden = scorer.loaded.model.config.hidden_size if getattr(scorer.loaded.model, "supports_hooks", False) else 0
 
@@ -415,6 +307,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
                                   f"{config.max_request_items} per request; split the request")
 
     async def run(job: Job, request: Request | None = None, timeout: float | None = None):
+        """(the job's answer, the weights_version it was computed under), or a 499 Response when
+        the client went away."""
         if job.num_tokens > config.max_request_tokens:
             raise RequestTooLarge("body", f"body: {job.num_tokens} input tokens exceed this server's limit of "
                                   f"{config.max_request_tokens} per request; split the request")
@@ -423,7 +317,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             raise RequestTooLarge("capture", f"capture: {floats} captured numbers exceed this server's limit of "
                                   f"{config.max_capture_floats} per request; capture fewer points or positions, "
                                   "or reduce them (mean, sum, last, project)")
-        task = asyncio.ensure_future(batcher.submit(job.requests, timeout))
+        task = asyncio.ensure_future(batcher.submit_tagged(job.requests, timeout))
         if request is not None:  # a client that goes away takes its queued work with it
             gone = asyncio.ensure_future(_disconnected(request))
             try:
@@ -434,8 +328,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
                     task.cancel()
             if task.cancelled():
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        results = await task
-        return await run_in_threadpool(job.finish, results)
+        results, version = await task
+        return await run_in_threadpool(job.finish, results), version
 
     api = APIRouter()
 
@@ -448,7 +342,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
             check_items(len(body.prompt), "prompt")
         job = await run_in_threadpool(completion_job, body, scorer, name, config.max_top_logprobs)
-        return await run(job, request)
+        out = await run(job, request)
+        return out if isinstance(out, Response) else {**out[0], "weights_version": out[1]}
 
     @api.get("/v1/models", responses=replies(ModelsReply, (401,)))
     async def models():
@@ -493,10 +388,12 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         job = await run_in_threadpool(lambda: scorer.score_job(body.prompt, body.continuations,
                                                                temperature=body.temperature, top_k=body.top_k,
                                                                entropy=body.entropy, **body.hook_args()))
-        results = await run(job, request, body.timeout)
-        if isinstance(results, Response):
-            return results
-        return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results]}
+        out = await run(job, request, body.timeout)
+        if isinstance(out, Response):
+            return out
+        results, version = out
+        return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results],
+                "weights_version": version}
 
     @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature",
               responses=replies(LogprobsReply, NATIVE_CODES))
@@ -507,11 +404,12 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         seqs = [s.model_dump() for s in body.sequences]
         job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy,
                                                                   **body.hook_args()))
-        results = await run(job, request, body.timeout)
-        if isinstance(results, Response):
-            return results
+        out = await run(job, request, body.timeout)
+        if isinstance(out, Response):
+            return out
+        results, version = out
         return {"object": "logprobs", "model": name, "temperature": body.temperature,
-                "results": [r.to_dict() for r in results]}
+                "results": [r.to_dict() for r in results], "weights_version": version}
 
     @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows",
               responses=replies(PerplexityReply, NATIVE_CODES))
@@ -523,17 +421,18 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             body.texts, context_length=body.context_length, stride=body.stride, policy=body.policy,
             prefix=body.prefix, max_tokens=body.max_tokens, return_token_nlls=body.return_token_nlls,
             **body.hook_args()))
-        result = await run(job, request, body.timeout)
-        if isinstance(result, Response):
-            return result
-        return {"object": "perplexity", "model": name, **result.to_dict()}
+        out = await run(job, request, body.timeout)
+        if isinstance(out, Response):
+            return out
+        return {"object": "perplexity", "model": name, **out[0].to_dict(), "weights_version": out[1]}
 
     # -- operations ------------------------------------------------------------------------------
 
     @app.get("/health", responses=replies(HealthReply, (503,)))  # 503: shutting down
     async def health():
         jobs, tokens = batcher.queue_depth
-        return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens}
+        return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens,
+                "weights_version": weights.version}
 
     @api.get("/metrics", response_class=PlainTextResponse, responses=replies(None, (401,)))
     async def prometheus():
@@ -542,7 +441,9 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         metrics.queue_tokens.set(tokens)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    rl = rl_router(scorer, config, run, check_items, weights)
     app.include_router(api)
-    routes = {getattr(r, "path", "") for r in [*app.routes, *api.routes]} - {""}
+    app.include_router(rl)
+    routes = {getattr(r, "path", "") for r in [*app.routes, *api.routes, *rl.routes]} - {""}
     app.add_middleware(Gate, config=config, metrics=metrics, routes=routes, lifecycle=lifecycle)
     return app

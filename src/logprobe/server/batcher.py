@@ -14,6 +14,16 @@ is finished. A result that is an exception (``Engine.run``'s per-request failure
 does not fit in memory even alone) fails its own job only. ``drain(timeout)`` stops taking jobs,
 lets the queue run empty within ``timeout`` seconds and fails what is left (``ServerClosed``).
 
+``exclusive(fn)`` runs ``fn`` (a weight swap) between engine steps with no job half-done: it
+stops starting jobs, lets the started ones finish (their later requests still run), waits for the
+engine step under way, calls ``fn`` and resumes; so one job never sees two sets of weights.
+Each job carries the batcher's ``tag`` of the moment it started (``submit_tagged``): ``fn``'s
+return value, when not None, becomes the new tag (the weights' version).
+
+    queue: A [a0 a1] started, B [b0] not     exclusive(swap) called
+    step : a1 (B waits)  -> A resolves (tag 1)
+    swap : fn() -> 2     -> B starts, resolves (tag 2)
+
     queue:  job A [a0 a1 a2 a3]   job B [b0]   job C [c0 c1]
     step 1: a0 b0 c0 a1 (budget full)   -> B resolves
     step 2: c1 a2 a3                    -> A, C resolve
@@ -70,6 +80,7 @@ class _Job:
     deadline: float | None = None  # time.monotonic() by which its first request must reach the engine
     timeout: float | None = None
     removed: bool = False  # out of the queue (finished, failed, dropped)
+    tag: object = None  # the batcher's tag when its first request was taken
 
 
 @dataclass(slots=True)
@@ -107,6 +118,10 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self._rate = 0.0  # tokens/s, moving average over engine steps (for Retry-After)
+        self.tag: object = None  # stamped on each job as it starts (the weights' version)
+        self._paused = False  # exclusive(): start no new job
+        self._busy = False  # an engine step is running
+        self._exclusive = threading.Lock()  # one exclusive section at a time
         self._thread = threading.Thread(target=self._loop, name="logprobe-engine", daemon=True)
 
     # -- event-loop side -------------------------------------------------------------------------
@@ -159,12 +174,48 @@ class Batcher:
         with self._cond:
             return len(self._jobs), self._queued_tokens
 
+    def exclusive(self, fn: Callable[[], object], timeout: float | None = None) -> object:
+        """Run ``fn()`` with no engine step running and no job half-done; returns its value, which
+        (when not None) becomes ``tag``. Jobs queued meanwhile wait and then run as usual.
+        Blocking (call it from a worker thread); ``ServerClosed`` if the batcher closes first,
+        ``TimeoutError`` (nothing done) when the started jobs take more than ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._exclusive:
+            with self._cond:
+                self._paused = True
+                try:
+                    while not self._closed and (self._busy or any(j.next > 0 for j in self._jobs)):
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise TimeoutError(f"the requests under way did not finish within {timeout:g} s")
+                        self._cond.wait(left)
+                    if self._closed:
+                        raise ServerClosed("the server is shutting down")
+                except BaseException:
+                    self._paused = False
+                    self._cond.notify_all()
+                    raise
+            try:
+                value = fn()
+                if value is not None:
+                    self.tag = value
+                return value
+            finally:
+                with self._cond:
+                    self._paused = False
+                    self._cond.notify_all()
+
     async def submit(self, requests: list[ScoreRequest], timeout: float | None = None) -> list[RequestResult]:
         """Results in order. ``timeout``: seconds until the job must have started, else JobTimeout
         (nothing computed). Cancelling the call (the client went away) drops the job unscored
         (what is not yet running)."""
+        return (await self.submit_tagged(requests, timeout))[0]
+
+    async def submit_tagged(self, requests: list[ScoreRequest],
+                            timeout: float | None = None) -> tuple[list[RequestResult], object]:
+        """``submit``, and the ``tag`` the job ran under (every request of it under the same one)."""
         if not requests:
-            return []
+            return [], self.tag
         loop = asyncio.get_running_loop()
         tokens = sum(r.num_inputs for r in requests)
         job = _Job(requests, loop.create_future(), loop, tokens, [None] * len(requests),
@@ -184,16 +235,16 @@ class Batcher:
             self._cond.notify()
         try:
             if timeout is None:
-                return await asyncio.shield(job.future)
+                return await asyncio.shield(job.future), job.tag
             try:
-                return await asyncio.wait_for(asyncio.shield(job.future), timeout)
+                return await asyncio.wait_for(asyncio.shield(job.future), timeout), job.tag
             except asyncio.TimeoutError:
                 with self._cond:
                     if job.next == 0 and not job.removed:  # not started: drop it
                         self._remove(job, "timeout")
                         self._cond.notify_all()
                         raise JobTimeout(timeout) from None
-                return await asyncio.shield(job.future)  # started (or just failed): its answer
+                return await asyncio.shield(job.future), job.tag  # started (or just failed): its answer
         except asyncio.CancelledError:
             with self._cond:
                 if not job.removed:  # what has not reached the engine is not computed
@@ -212,11 +263,12 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._jobs:
+                while not self._closed and not self._ready():
                     self._cond.wait()
                 if self._closed:
                     return
                 step = self._take()
+                self._busy = bool(step)
             if not step:
                 continue
             requests = [job.requests[i] for job, i in step]
@@ -225,8 +277,10 @@ class Batcher:
             try:
                 results = self.run_batch(requests)
             except Exception as e:  # noqa: BLE001 - fail the jobs in this step, keep serving the others
+                self._idle()
                 self._fail_jobs({job for job, _ in step}, e)
                 continue
+            self._idle()
             seconds = time.perf_counter() - t0
             self._deliver(step, results, tokens)
             self._rate = tokens / seconds if self._rate == 0 else 0.8 * self._rate + 0.2 * tokens / seconds
@@ -234,8 +288,18 @@ class Batcher:
                 self.on_step(StepStats(len(requests), len({id(j) for j, _ in step}), tokens,
                                        sum(r.num_scored for r in requests), seconds))
 
+    def _ready(self) -> bool:
+        """Something to take (lock held): a job, and while paused a started job with requests left."""
+        return bool(self._jobs) and (not self._paused or any(0 < j.next < len(j.requests) for j in self._jobs))
+
+    def _idle(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
     def _take(self) -> list[tuple[_Job, int]]:
-        """The next engine step: requests taken round-robin over jobs up to the token budget (lock held)."""
+        """The next engine step: requests taken round-robin over jobs up to the token budget (lock
+        held); while paused, only from jobs already started."""
         now = time.monotonic()
         for job in list(self._jobs):
             if job.future.cancelled():  # the client went away
@@ -243,7 +307,7 @@ class Batcher:
             elif job.next == 0 and job.deadline is not None and now > job.deadline:
                 self._remove(job, "timeout")
                 job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0))
-        pending = [j for j in self._jobs if j.next < len(j.requests)]
+        pending = [j for j in self._jobs if j.next < len(j.requests) and (j.next > 0 or not self._paused)]
         if not pending:
             return []
         if not self.batching:
@@ -261,6 +325,8 @@ class Batcher:
                 n = job.requests[job.next].num_inputs
                 if step and n > budget:
                     continue
+                if job.next == 0:
+                    job.tag = self.tag
                 step.append((job, job.next))
                 job.next += 1
                 budget -= n

@@ -16,6 +16,14 @@ drops it and sums ``token_logprobs[ctxlen:-1]``. ``top_logprobs[i]`` holds the `
 likely tokens of position i **and** the scored token, with the scored token's own value, so
 "scored == max(top)" holds exactly when the scored token is the argmax.
 ``text_offset[i]`` is the character offset of ``tokens[i]`` in the concatenation of ``tokens``.
+
+vLLM's ``prompt_logprobs: k`` (with or without ``echo``) adds ``choices[i].prompt_logprobs``, one
+entry per prompt token: ``null`` for the first, then ``{"<token id>": {"logprob", "rank",
+"decoded_token"}}`` holding the prompt token itself first (its rank: 1 + how many tokens score
+strictly higher, vLLM's rank when there are no ties) and the k most likely tokens (ranks 1..k);
+k or k + 1 keys. For the prompt above, ``prompt_logprobs: 1``, entry 1 (row 0 scores " capital"):
+``{"3575": {"logprob": -11.539, "rank": 2923, "decoded_token": " capital"}, "29": {"logprob": -0.866,
+"rank": 1, "decoded_token": "-"}}``.
 """
 
 from __future__ import annotations
@@ -44,9 +52,9 @@ def check_completion_options(body: CompletionRequest, max_top_logprobs: int) -> 
     if body.max_tokens not in (0, 1):
         raise LogprobeError("max_tokens", f"is {body.max_tokens}; this server scores text and generates at most "
                             "one token", "use max_tokens 0 (prompt log-probs only) or 1 (plus one greedy token)")
-    if not body.echo and body.max_tokens == 0:
+    if not body.echo and body.max_tokens == 0 and body.prompt_logprobs is None:
         raise LogprobeError("echo", "is false with max_tokens 0: there would be nothing to return",
-                            "set echo true for the prompt's log-probs")
+                            "set echo true (or prompt_logprobs) for the prompt's log-probs")
     if body.n != 1 or body.best_of not in (None, 1):
         raise LogprobeError("n" if body.n != 1 else "best_of", "must be 1 (one greedy token at most)")
     if body.stream:
@@ -62,6 +70,10 @@ def check_completion_options(body: CompletionRequest, max_top_logprobs: int) -> 
         raise LogprobeError("logprobs", f"{body.logprobs} is above this server's cap of {max_top_logprobs}",
                             f"ask for at most {max_top_logprobs} alternatives (the scored token is always "
                             "included), or use /v1/score or /v1/logprobs with top_k")
+    if body.prompt_logprobs is not None and body.prompt_logprobs > max_top_logprobs:
+        raise LogprobeError("prompt_logprobs", f"{body.prompt_logprobs} is above this server's cap of "
+                            f"{max_top_logprobs}", f"ask for at most {max_top_logprobs} (the prompt token is "
+                            "always included)")
 
 
 def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt") -> tuple[list[list[int]], list[str]]:
@@ -88,13 +100,15 @@ def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt") -> tuple[lis
 
 def completion_job(body: CompletionRequest, scorer: Scorer, model_name: str, max_top_logprobs: int) -> Job:
     check_completion_options(body, max_top_logprobs)
-    if body.logprobs is not None and body.logprobs > scorer.info.vocab_size:  # before the batch, not in the head
-        raise LogprobeError("logprobs", f"{body.logprobs} is more than the model's {scorer.info.vocab_size} tokens",
-                            f"ask for at most {scorer.info.vocab_size}")
+    for field in ("logprobs", "prompt_logprobs"):  # before the batch, not in the head
+        if (getattr(body, field) or 0) > scorer.info.vocab_size:
+            raise LogprobeError(field, f"{getattr(body, field)} is more than the model's {scorer.info.vocab_size} "
+                                "tokens", f"ask for at most {scorer.info.vocab_size}")
     ids_list, texts = prompt_token_ids(body.prompt, scorer)
     gen = body.max_tokens == 1
     want_lp = body.logprobs is not None
     k = body.logprobs or 0
+    pk = body.prompt_logprobs
     requests: list[ScoreRequest] = []
     choices: list[_Choice] = []
     many = len(ids_list) > 1
@@ -103,7 +117,7 @@ def completion_job(body: CompletionRequest, scorer: Scorer, model_name: str, max
         if n + gen > scorer.info.max_length:
             raise LogprobeError(f"prompt[{i}]" if many else "prompt", f"{n} tokens (+{int(gen)} generated) exceed "
                                 f"the model's context of {scorer.info.max_length}", "shorten the prompt")
-        echo_rows = body.echo and want_lp and n >= 2
+        echo_rows = (body.echo and want_lp or pk is not None) and n >= 2
         if not gen and not echo_rows:
             choices.append(_Choice(ids, text, None, n))
             continue
@@ -111,7 +125,7 @@ def completion_job(body: CompletionRequest, scorer: Scorer, model_name: str, max
         # (token 0) whose log-prob is discarded; the greedy token is that row's top-1
         tokens = ids + [0] if gen else ids
         score_begin = 1 if echo_rows else n
-        top_k = max(k if want_lp else 0, 1 if gen else 0)
+        top_k = max(k if want_lp else 0, pk or 0, 1 if gen else 0)
         choices.append(_Choice(ids, text, len(requests), score_begin))
         requests.append(ScoreRequest(tokens, score_begin, 1.0, top_k))
 
@@ -124,6 +138,8 @@ def completion_job(body: CompletionRequest, scorer: Scorer, model_name: str, max
             text = (c.text if body.echo else "") + (scorer.tokenizer.decode([gen_id]) if gen else "")
             logprobs = _logprobs(c, res, gen_id, body.echo, k, scorer) if want_lp else None
             out.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": "length"})
+            if pk is not None:
+                out[-1]["prompt_logprobs"] = prompt_logprobs(c, res, pk, scorer)
         prompt_tokens = sum(len(c.ids) for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": out,
@@ -169,3 +185,24 @@ def _logprobs(c: _Choice, res: RequestResult | None, gen_id: int | None, echo: b
         offsets.append(pos)
         pos += len(t)
     return {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(c: _Choice, res: RequestResult | None, k: int, scorer: Scorer) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: entry j (token ``ids[j]``, scored by result row j - 1) maps
+    ``str(id)`` to ``{"logprob", "rank", "decoded_token"}`` for the prompt token (first) and the k
+    most likely; the first entry is ``None``."""
+    if res is None:  # a one-token prompt: nothing scores it
+        return [None]
+    lps, ranks = res.logprobs.tolist(), res.ranks.tolist()
+    top_ids = res.topk_ids[:, :k].tolist() if k else [[] for _ in lps]
+    top_lps = res.topk_logprobs[:, :k].tolist() if k else [[] for _ in lps]
+    vocab = sorted(set(c.ids) | {i for row in top_ids for i in row})
+    name = dict(zip(vocab, scorer.tokenizer.token_texts(vocab)))
+    out: list[dict | None] = [None]
+    for j in range(1, len(c.ids)):
+        r, t = j - c.score_begin, c.ids[j]
+        entry = {str(t): {"logprob": lps[r], "rank": ranks[r] + 1, "decoded_token": name[t]}}
+        for rank, (i, v) in enumerate(zip(top_ids[r], top_lps[r]), 1):
+            entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": name[i]})
+        out.append(entry)
+    return out

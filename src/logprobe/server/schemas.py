@@ -69,6 +69,8 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(16, description="0 or 1; OpenAI's default of 16 is refused: this server only scores")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, description="top alternatives per position (server cap applies)")
+    prompt_logprobs: int | None = Field(None, ge=0, description="vLLM's: choices[i].prompt_logprobs with the prompt "
+                                                               "token and this many alternatives per position")
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False,
                                description="accepted for compatibility; the generated token is always greedy and "
                                            "log-probs are the model's own (temperature 1); use /v1/logprobs for "
@@ -258,12 +260,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: Num
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     model_config = _OPEN
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM's, when asked for: null, then {token id: {logprob, rank, decoded_token}} per token")
 
 
 class Usage(BaseModel):
@@ -280,6 +290,8 @@ class CompletionReply(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
+                                                 "increments it)")
 
 
 class ModelCard(BaseModel):
@@ -336,6 +348,8 @@ class ScoreReply(BaseModel):
     model: str
     prompt: str
     results: list[ContinuationReply]
+    weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
+                                                 "increments it)")
 
 
 class SequenceReply(BaseModel):
@@ -355,6 +369,8 @@ class LogprobsReply(BaseModel):
     model: str
     temperature: float
     results: list[SequenceReply]
+    weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
+                                                 "increments it)")
 
 
 class PerplexityReply(BaseModel):
@@ -377,6 +393,8 @@ class PerplexityReply(BaseModel):
     num_bytes: int | None
     token_nlls: list[list[Num]] | None
     captures: list[list[dict[str, Any]]] | None
+    weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
+                                                 "increments it)")
 
 
 class HealthReply(BaseModel):
@@ -384,3 +402,4 @@ class HealthReply(BaseModel):
     model: str
     queue_requests: int
     queue_tokens: int
+    weights_version: int = Field(description="the weights new requests are computed under")

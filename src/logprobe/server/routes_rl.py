@@ -1,0 +1,64 @@
+"""Routes for RL frameworks: SGLang's ``POST /generate`` (scoring: ``max_new_tokens`` 0) and
+``POST /update_weights_from_disk``. ``create_app`` wires them; the jobs live in ``sglang_compat``
+(``/generate``) and ``weights`` (the swap), the bodies in ``schemas_rl``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from ..errors import LogprobeError
+from ..scorer import Job, Scorer
+from .config import ServerConfig
+from .responses import SafeJSONResponse, error_body, replies
+from .schemas_rl import GenerateReply, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
+from .sglang_compat import batched, generate_job
+from .weights import ServedWeights
+
+Run = Callable[..., Awaitable]  # app's run(job, request) -> (value, weights_version) | Response
+
+
+def stamp(reply: dict, version: int) -> dict:
+    """``weights_version`` (logprobe's) and ``meta_info.weight_version`` (SGLang's name, a string)."""
+    reply["weights_version"] = version
+    reply["meta_info"]["weight_version"] = str(version)
+    return reply
+
+
+def rl_router(scorer: Scorer, config: ServerConfig, run: Run, check_items: Callable[[int, str], None],
+              weights: ServedWeights) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate", summary="SGLang /generate for scoring: input_token_logprobs (max_new_tokens 0)",
+                 responses=replies(GenerateReply | list[GenerateReply]))
+    async def generate(body: GenerateRequest, request: Request):
+        if body.input_ids is not None and batched(body):
+            check_items(len(body.input_ids), "input_ids")
+        elif isinstance(body.text, list):
+            check_items(len(body.text), "text")
+        job: Job = await run_in_threadpool(generate_job, body, scorer, config.max_top_logprobs)
+        out = await run(job, request)
+        if isinstance(out, Response):
+            return out
+        value, version = out
+        return [stamp(r, version) for r in value] if isinstance(value, list) else stamp(value, version)
+
+    @router.post("/update_weights_from_disk", summary="Load new weights (same architecture) between batches",
+                 responses=replies(UpdateWeightsReply, (400, 401, 503)))
+    async def update_weights_from_disk(body: UpdateWeightsRequest):
+        """400 (with SGLang's ``success: false`` and ``message`` beside the error) when the path or
+        the checkpoint is bad: the old weights stay in force."""
+        before = weights.version
+        try:
+            version = await asyncio.to_thread(weights.load, body.model_path)
+        except LogprobeError as e:
+            return SafeJSONResponse({**error_body(400, str(e), e.field, "invalid_value"), "success": False,
+                                     "message": str(e), "num_paused_requests": 0}, status_code=400)
+        return {"success": True, "message": f"loaded {body.model_path}: weights_version {before} -> {version}",
+                "num_paused_requests": 0, "weights_version": version}
+
+    return router

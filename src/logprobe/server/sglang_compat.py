@@ -1,0 +1,160 @@
+"""SGLang's ``POST /generate``, for scoring (``max_new_tokens`` 0): the input's log-probs.
+
+What this relies on (SGLang's HTTP API as its RL clients use it; no SGLang code is imported):
+slime's on-policy distillation POSTs ``{"input_ids": tokens, "sampling_params": {"temperature": 0,
+"max_new_tokens": 0, "skip_special_tokens": false}, "return_logprob": true, "logprob_start_len": 0}``
+and reads ``[e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]`` (the first entry is
+``None``). SGLang's scheduler builds that list as ``[None] + logprobs[:-1]`` over the input from
+``logprob_start_len`` on (its comment: "Always pad the first one with None"), with the token ids
+``input_ids[logprob_start_len:]``; ``logprob_start_len`` -1 (the default) means the last input
+token only; ``logprob_start_len >= len(input_ids)`` is an error. Each entry is ``[logprob,
+token_id, text]``, text ``None`` unless ``return_text_in_logprobs``. With ``top_logprobs_num`` n >
+0, ``input_top_logprobs`` holds, per entry, ``None`` for the first and the n most likely
+``[logprob, token_id, text]`` of the row that scores it. A temperature below 1e-6 is greedy in
+SGLang's ``SamplingParams`` (temperature set to 1); otherwise the log-probs are
+``log_softmax(logits / temperature)``. A list of inputs (batch) is answered by a list of replies.
+``meta_info.weight_version`` is SGLang's (a string); ``weights_version`` (an int) is logprobe's.
+
+Worked example, ``input_ids = [a, b, c, d]``, ``logprob_start_len = 1``:
+
+    entry            0               1                  2
+    token            b               c                  d
+    logprob          null            log p(c | a b)     log p(d | a b c)
+    scored by row    -               1 (has read a b)   2
+    engine request   ScoreRequest([a, b, c, d], score_begin=2): result row j scores entry j + 1
+
+so ``input_token_logprobs == [[None, b, None], [lp_c, c, None], [lp_d, d, None]]``; with
+``logprob_start_len = 0`` it would start with ``[None, a, None]`` and score b, c and d.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from ..engine.request import RequestResult, ScoreRequest
+from ..errors import LogprobeError
+from ..scorer import Job, Scorer
+from .openai_compat import prompt_token_ids
+from .schemas_rl import GenerateRequest
+
+SAMPLING_EPS = 1e-6  # SGLang: a temperature below it is greedy, with temperature 1
+
+
+@dataclass(slots=True)
+class _Item:
+    ids: list[int]  # the input's tokens
+    start: int  # first returned position (logprob_start_len resolved)
+    logprob: bool  # return_logprob
+    top: int  # top_logprobs_num
+    request: int | None  # index of its ScoreRequest; None when nothing needs the model
+    rid: str
+
+
+def batched(body: GenerateRequest) -> bool:
+    """A list of texts or of token-id lists is a batch (a list of replies)."""
+    return isinstance(body.text, list) or isinstance(body.input_ids[0] if body.input_ids else None, list)
+
+
+def per_item(value, n: int, field: str, many: bool) -> list:
+    """One value for every item, or a list of ``n`` (only for a batch)."""
+    if not isinstance(value, list):
+        return [value] * n
+    if not many or len(value) != n:
+        inputs = f"{n} inputs" if many and n > 1 else "a single input"
+        raise LogprobeError(field, f"is a list of {len(value)} for {inputs}", "give one value, or one per input of a batch")
+    return value
+
+
+def temperature(body: GenerateRequest) -> float:
+    t = body.sampling_params.temperature if body.sampling_params is not None else 1.0
+    return 1.0 if t < SAMPLING_EPS else t
+
+
+def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -> Job:
+    """The engine requests of a ``/generate`` body and how to answer it (one dict, or a list)."""
+    if (body.input_ids is None) == (body.text is None):
+        raise LogprobeError("input_ids", "give exactly one of input_ids and text")
+    many = batched(body)
+    field = "text" if body.text is not None else "input_ids"
+    ids_list, _ = prompt_token_ids(body.text if body.text is not None else body.input_ids, scorer, field)
+    n = len(ids_list)
+    logprob = per_item(body.return_logprob, n, "return_logprob", many)
+    starts = per_item(body.logprob_start_len, n, "logprob_start_len", many)
+    tops = per_item(body.top_logprobs_num, n, "top_logprobs_num", many)
+    rids = per_item(body.rid, n, "rid", many)
+    temp = temperature(body)
+    items: list[_Item] = []
+    requests: list[ScoreRequest] = []
+    for i, ids in enumerate(ids_list):
+        at = f"[{i}]" if many else ""
+        start = _start(starts[i], len(ids), _name(body, "logprob_start_len", at))
+        top = _top(tops[i], scorer, max_top_logprobs, _name(body, "top_logprobs_num", at))
+        if len(ids) > scorer.info.max_length:
+            raise LogprobeError(f"{field}{at}", f"{len(ids)} tokens exceed the model's context of "
+                                f"{scorer.info.max_length}", "shorten the input")
+        need = logprob[i] and start + 1 < len(ids)  # at least one scored entry after the first (null) one
+        items.append(_Item(ids, start, logprob[i], top, len(requests) if need else None,
+                           rids[i] if rids[i] is not None else uuid.uuid4().hex))
+        if need:
+            requests.append(ScoreRequest(ids, start + 1, temp, top))
+
+    def finish(results: list[RequestResult]) -> dict | list[dict]:
+        texts = _token_texts(items, results, scorer) if body.return_text_in_logprobs else None
+        out = [_reply(it, results[it.request] if it.request is not None else None, texts) for it in items]
+        return out if many else out[0]
+
+    return Job(requests, finish)
+
+
+def _name(body: GenerateRequest, field: str, at: str) -> str:
+    """``field[i]`` when the body gave one value per item, else ``field``."""
+    return field + (at if isinstance(getattr(body, field), list) else "")
+
+
+def _start(k: int, n: int, field: str) -> int:
+    """``logprob_start_len`` as a position: -1 is the last input token (SGLang's default)."""
+    if k == -1:
+        return n - 1
+    if not 0 <= k < n:
+        raise LogprobeError(field, f"is {k}, outside [0, {n}) for an input of {n} tokens (or -1: the last token)",
+                            "use a position of the input")
+    return k
+
+
+def _top(k: int, scorer: Scorer, cap: int, field: str) -> int:
+    if k < 0:
+        raise LogprobeError(field, f"is {k}", "use 0 (none) or more")
+    if k > min(cap, scorer.info.vocab_size):
+        raise LogprobeError(field, f"{k} is above this server's cap of {min(cap, scorer.info.vocab_size)}",
+                            f"ask for at most {min(cap, scorer.info.vocab_size)}")
+    return k
+
+
+def _token_texts(items: list[_Item], results: list[RequestResult], scorer: Scorer) -> dict[int, str]:
+    """id -> the token decoded alone, for every id a reply shows."""
+    vocab = {t for it in items for t in it.ids[it.start:]}
+    for r in results:
+        if r.topk_ids is not None:
+            vocab.update(r.topk_ids.flatten().tolist())
+    vocab = sorted(vocab)
+    return dict(zip(vocab, scorer.tokenizer.token_texts(vocab)))
+
+
+def _reply(it: _Item, res: RequestResult | None, texts: dict[int, str] | None) -> dict:
+    """One item's reply; entry j is token ``ids[start + j]``, scored by result row j - 1."""
+    meta = {"id": it.rid, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(it.ids),
+            "completion_tokens": 0, "cached_tokens": 0}
+    if it.logprob:
+        name = (lambda t: texts[t]) if texts is not None else (lambda t: None)  # noqa: E731
+        scored = res.logprobs.tolist() if res is not None else []
+        tokens = it.ids[it.start:]
+        meta["input_token_logprobs"] = [[None if j == 0 else scored[j - 1], t, name(t)] for j, t in enumerate(tokens)]
+        meta["output_token_logprobs"] = []
+        if it.top > 0:
+            ids = res.topk_ids[:, :it.top].tolist() if res is not None else []
+            lps = res.topk_logprobs[:, :it.top].tolist() if res is not None else []
+            meta["input_top_logprobs"] = [None] + [[[v, t, name(t)] for v, t in zip(lps[r], ids[r])]
+                                                   for r in range(len(tokens) - 1)]
+            meta["output_top_logprobs"] = []
+    return {"text": "", "output_ids": [], "meta_info": meta}

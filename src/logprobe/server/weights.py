@@ -1,0 +1,63 @@
+"""The served weights: their version, and their replacement from disk between engine steps.
+
+``ServedWeights.load(path)`` runs ``Scorer.load_weights(path)`` inside ``Batcher.exclusive``: new
+requests wait in the queue, requests already started finish on the old weights, the engine step
+under way ends, the weights are swapped, and the queue resumes on the new ones. So every request
+is computed under one version, and its reply says which (``weights_version``, the batcher's tag
+of the moment it started):
+
+    t ->   [req A: old weights] [swap, version 1 -> 2] [req B: new weights]
+           B arrived during A: it waited, and answers weights_version 2
+
+A checkpoint that cannot be loaded changes nothing (``Scorer.load_weights`` keeps the old weights
+when it fails): the caller gets its message as a ``LogprobeError`` naming ``model_path``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..errors import LogprobeError
+from ..scorer import Scorer
+from .batcher import Batcher
+
+log = logging.getLogger("logprobe.server")
+
+
+class ServedWeights:
+    def __init__(self, scorer: Scorer, batcher: Batcher) -> None:
+        self.scorer = scorer
+        self.batcher = batcher
+        batcher.tag = self._scorer_version()
+
+    @property
+    def version(self) -> int:
+        """The version new requests will be computed under (the one of the last completed swap)."""
+        return self.batcher.tag
+
+    def _scorer_version(self) -> int:
+        return int(getattr(self.scorer, "weights_version", 0))
+
+    def load(self, path: str) -> int:
+        """Swap in the checkpoint at ``path`` between engine steps; returns the new version.
+        Blocking (call it from a worker thread)."""
+        if not os.path.exists(path):
+            raise LogprobeError("model_path", f"{path!r} does not exist on the server",
+                                "give a local checkpoint path the server can read")
+        if not hasattr(self.scorer, "load_weights"):
+            raise LogprobeError("model_path", "this logprobe cannot load weights into a running model",
+                                "update logprobe")
+        return self.batcher.exclusive(lambda: self._swap(path))
+
+    def _swap(self, path: str) -> int:
+        try:
+            self.scorer.load_weights(path)
+        except LogprobeError as e:
+            raise LogprobeError("model_path", f"{path!r} was not loaded: {e}",
+                                f"weights_version {self._scorer_version()} is still served") from e
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # a file the loaders could not read
+            log.warning("update_weights_from_disk %r failed: %r", path, e)
+            raise LogprobeError("model_path", f"{path!r} was not loaded: {type(e).__name__}: {e}",
+                                f"weights_version {self._scorer_version()} is still served") from e
+        return self._scorer_version()
