@@ -213,6 +213,8 @@ def _check_scheme(module: str, gname: str, scheme: dict, fmt: str | None) -> dic
     where = f"{module} (config group {gname!r}: {describe(scheme, fmt)})"
     if scheme.get("output_activations") is not None:
         _refuse(f"{where} quantizes its output activations, which logprobe does not run")
+    if _is_fp4(scheme):
+        return _check_fp4_scheme(module, where, scheme, fmt)
     if scheme.get("input_activations") is not None:
         return _check_act_scheme(module, where, scheme, fmt)
     w = scheme.get("weights")
@@ -310,6 +312,63 @@ def _check_act_scheme(module: str, where: str, scheme: dict, fmt: str | None) ->
     return w
 
 
+def _is_fp4(scheme: dict) -> bool:
+    """Whether a scheme's weights are 4-bit floats (NVFP4 / NVFP4A16, and MXFP4, which is refused)."""
+    w = scheme.get("weights")
+    return isinstance(w, dict) and w.get("type") == "float" and w.get("num_bits") == 4
+
+
+_FP4_SCALE_DTYPES = (None, "torch.float8_e4m3fn", "float8_e4m3fn")
+
+
+def _check_fp4_scheme(module: str, where: str, scheme: dict, fmt: str | None) -> dict:
+    """The weights' QuantizationArgs of an NVFP4 / NVFP4A16 scheme ``layers.fp4_linear.FP4Linear``
+    runs exactly; else a LogprobeError. An activation scale_dtype of None (checkpoints written before
+    compressed-tensors had the key) is read as float8 e4m3, the rounding those versions and vLLM apply."""
+    w, a = scheme["weights"], scheme.get("input_activations")
+    runs = ("logprobe runs NVFP4A16 (FP4 e2m1 weights in groups of 16 with float8 e4m3 scales and a float32 "
+            "global scale, format 'nvfp4-pack-quantized', symmetric) and NVFP4 (the same weights with FP4 "
+            "activations: dynamic 'local' per-token groups of 16 under a static global scale); for anything else "
+            "score the unquantized model")
+    for label, args in (("weight", w), ("input activation", a)):
+        if args is None:
+            continue
+        if not isinstance(args, dict):
+            _refuse(f"{where}: {label} arguments must be an object, got {args!r}", runs)
+        unknown = sorted(set(args) - _ARGS_KEYS)
+        if unknown:
+            _refuse(f"{where}: {label} options {unknown} are not known to logprobe", runs)
+    if a is not None and (module == "lm_head" or "Linear" not in _classes(module)):
+        _refuse(f"{where} quantizes the input activations of {module}, which logprobe does not run there (the "
+                "log-prob head and the embedding read their weights directly)", "leave lm_head unquantized "
+                "(ignore: ['lm_head'], as llm-compressor does)")
+    if fmt != "nvfp4-pack-quantized":
+        _refuse(f"{where}: float4 weights are read from format 'nvfp4-pack-quantized', not {fmt!r}", runs)
+    for label, args in (("weights", w), ("input activations", a)):
+        if args is None:
+            continue
+        if args.get("type") != "float" or args.get("num_bits") != 4:
+            _refuse(f"{where}: {label} {_args_text(args)} with float4 weights is a combination logprobe does not "
+                    "run", runs)
+        if args.get("strategy") != "tensor_group" or args.get("group_size") != 16:
+            _refuse(f"{where}: {label} strategy {args.get('strategy')!r} with group_size {args.get('group_size')!r} "
+                    "is not NVFP4's (tensor_group, 16; MXFP4's groups of 32 with power-of-two scales are not run)",
+                    runs)
+        if args.get("symmetric", True) is not True:
+            _refuse(f"{where}: asymmetric {label} are not run", runs)
+        if args.get("actorder") is not None or args.get("block_structure") is not None:
+            _refuse(f"{where}: {label} actorder / block_structure "
+                    f"{args.get('actorder') or args.get('block_structure')!r} are not run", runs)
+        if args.get("scale_dtype") not in _FP4_SCALE_DTYPES:
+            _refuse(f"{where}: {label} scale_dtype {args['scale_dtype']!r} is not NVFP4's float8_e4m3fn", runs)
+    if w.get("dynamic", False) is not False:
+        _refuse(f"{where}: dynamic weight scales ({w.get('dynamic')!r}) are not run", runs)
+    if a is not None and a.get("dynamic") != "local":
+        _refuse(f"{where}: input activations dynamic {a.get('dynamic')!r}: NVFP4 activations are run with dynamic "
+                "'local' scales (per token and group) under the stored input_global_scale", runs)
+    return w
+
+
 # -- the tensors ------------------------------------------------------------------------------------------
 
 
@@ -328,6 +387,8 @@ def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str, gn
     w = _check_scheme(module, gname, scheme, fmt)
     if w is None:
         _refuse(f"{module} holds quantized tensors but config group {gname!r} has no weight scheme")
+    if _is_fp4(scheme):
+        return fp4_layer(module, t, scheme, fmt)
     if scheme.get("input_activations") is not None:
         return act_quant_layer(module, t, scheme, fmt)
     where = f"{module} ({describe(scheme, fmt)})"
@@ -459,6 +520,49 @@ def act_quant_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: 
     if group is not None and cols % group:
         _refuse(f"{where}: input activation groups of {group} do not divide the input width {cols}")
     return ActQuantLinear(qweight.contiguous(), scale.contiguous(), block_cols, kind, input_scale, group)
+
+
+def _global_scale(module: str, where: str, t: dict[str, torch.Tensor], leaf: str) -> torch.Tensor:
+    g = t[leaf]
+    _check_dtype(module, leaf, g, _SCALE_DTYPES, "nvfp4-pack-quantized global scale")
+    if g.numel() != 1:
+        _refuse(f"{where}: {module}.{leaf} {tuple(g.shape)} is not one global scale")
+    if not bool(g.float() > 0) or not bool(torch.isfinite(g.float())):
+        _refuse(f"{where}: {module}.{leaf} is {g.item()!r}, not a positive finite scale")
+    return g.float().reshape(1)
+
+
+def fp4_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str):
+    """One NVFP4 / NVFP4A16 module's stored tensors (bias excluded) -> an ``FP4Linear``:
+    <m>.weight_packed uint8 [out, in/2], <m>.weight_scale float8_e4m3fn [out, in/16],
+    <m>.weight_global_scale [1], and for NVFP4 <m>.input_global_scale [1]; zero points, if stored,
+    must be zero (symmetric)."""
+    from ..layers.fp4_linear import FP8, GROUP, FP4Linear
+
+    where = f"{module} ({describe(scheme, fmt)})"
+    act = scheme.get("input_activations") is not None
+    layout = {"weight_packed", "weight_scale", "weight_global_scale"} | ({"input_global_scale"} if act else set())
+    optional = {"weight_zero_point"} | ({"input_zero_point"} if act else set())
+    extra = sorted(set(t) - layout - optional)
+    if extra:
+        _refuse(f"{where} stores {', '.join(module + '.' + x for x in extra)}, which the {fmt} layout logprobe "
+                f"reads ({', '.join(sorted(layout | optional))}) does not have: it would be ignored, and the "
+                "model would compute something else")
+    missing = sorted(layout - set(t))
+    if missing:
+        _refuse(f"{where} lacks {', '.join(module + '.' + x for x in missing)}")
+    packed, scale = t["weight_packed"], t["weight_scale"]
+    _check_dtype(module, "weight_packed", packed, (torch.uint8,), f"{fmt} weight")
+    _check_dtype(module, "weight_scale", scale, (FP8,), f"{fmt} group scale")
+    if packed.ndim != 2 or scale.ndim != 2 or (2 * packed.shape[1]) % GROUP \
+            or tuple(scale.shape) != (packed.shape[0], 2 * packed.shape[1] // GROUP):
+        _refuse(f"{where}: {module}.weight_packed {tuple(packed.shape)} and {module}.weight_scale "
+                f"{tuple(scale.shape)} are not a [out, in/2] weight with one scale per {GROUP} columns")
+    for leaf in optional:
+        _zero(module, where, t, leaf)
+    wgs = _global_scale(module, where, t, "weight_global_scale")
+    igs = _global_scale(module, where, t, "input_global_scale") if act else None
+    return FP4Linear(packed.contiguous(), scale.contiguous(), wgs, igs)
 
 
 def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
