@@ -173,6 +173,7 @@ class Scorer:
             self.engine = Engine(self.loaded.model, self.config, self.device)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
+        self.weights_version = 0  # +1 per successful update_weights / load_weights
 
     def close(self) -> None:
         """Stop worker processes (parallel scorers); a no-op otherwise."""
@@ -367,6 +368,38 @@ class Scorer:
                                  entropy)
         device = input_ids.device
         return Job(requests, lambda results: gather_results(results, plan, device, entropy, top_k))
+
+    # -- new weights (reinforcement learning) --------------------------------------------------
+
+    def update_weights(self, named_tensors) -> int:
+        """Replace every weight with ``(Hugging Face name, tensor)`` pairs (float32/bfloat16/float16;
+        a dict, a list, or an iterator that streams them), all or nothing: a missing, extra, repeated
+        or mis-shaped name raises naming it and the old weights stay in force. Scores afterwards equal
+        a fresh Scorer's on the new weights (bitwise in deterministic mode). A list or dict is
+        checked whole, then copied in place; an iterator is staged on the model's device (one more
+        copy of the weights at most). Returns the new ``weights_version``. Refused for
+        packed-quantized models (GGUF blocks, compressed-tensors), mixture-of-experts models, the
+        transformers backend and tensor-parallel scorers (``loading.update``)."""
+        from .loading.update import update_weights
+
+        update_weights(self._weights_model(), named_tensors)
+        self.weights_version += 1
+        return self.weights_version
+
+    def load_weights(self, path: str) -> int:
+        """``update_weights`` from a safetensors file or a Hugging Face checkpoint directory: every
+        header is checked before one tensor is read, then tensors are copied in one at a time."""
+        from .loading.update import load_weights
+
+        load_weights(self._weights_model(), path)
+        self.weights_version += 1
+        return self.weights_version
+
+    def _weights_model(self):
+        if not isinstance(self.engine, Engine):
+            raise LogprobeError("tensor_parallel_size", "weights of worker processes are not updated yet",
+                                "update a scorer made without tensor_parallel_size / data_parallel_size")
+        return self.loaded.model
 
     # -- hidden states and steering vectors ----------------------------------------------------
 

@@ -1,0 +1,218 @@
+"""New weights for a loaded native model, in place and all or nothing (RL: the trainer's policy).
+
+Names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), as
+``named_parameters()`` / ``state_dict()`` of the trainer's model or a safetensors checkpoint give
+them. Every tensor is checked (a known name, not seen before, a float dtype, the exact shape)
+before any weight changes, so a bad name or shape leaves the old weights in force:
+
+    named tensors --check each--> (native name, tensor) ... all present? --> copy into the model
+
+    a list / dict (every tensor already in memory): check all of them first, then copy each one
+        in place: no extra memory;
+    an iterator (a stream: tensors made one at a time): each is checked and converted to the
+        model's dtype and device as it comes (staged), the stream's own tensor is dropped, and
+        the staged ones are copied in once the stream ended complete: at most one more copy of
+        the weights, on the model's device, and never the stream collected twice;
+    a safetensors file or directory: names, dtypes and shapes come from the headers, so all are
+        checked before one tensor is read, then tensors are read and copied one at a time.
+
+Each tensor becomes what the loader makes of the same checkpoint tensor (``.to(dtype, device)``,
+q/k rows to the interleaved RoPE layout), so scores equal those of a fresh load of the new
+weights, bitwise. A tied model's ``lm_head.weight`` is its embedding: given, it is checked for
+shape and ignored (as the loader ignores it on disk).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import LogprobeError
+from ..models.llama import LlamaModel
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """One named tensor before its data is read: ``load()`` gives the tensor."""
+
+    name: str  # Hugging Face name
+    shape: tuple[int, ...]
+    dtype: torch.dtype | str  # a torch dtype, or a safetensors code the check refuses
+    load: Callable[[], torch.Tensor]
+
+
+def weight_slots(model) -> dict[str, torch.Tensor]:
+    """Native parameter name -> the live parameter it is copied into (q/k/v and gate/up are views
+    of their fused weight, so writing them writes the fused matmul too): exactly the names a
+    checkpoint of this model holds. Refuses models whose weights cannot take float tensors."""
+    from ..layers.moe import PackedExperts
+    from ..layers.quant_linear import PackedEmbedding, PackedWeight
+    from ..models.moe import native_model_class
+
+    if not isinstance(model, LlamaModel):
+        raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
+                            "use a native model (a Llama-family directory or GGUF file)")
+    if model.ctx.size > 1:
+        raise LogprobeError("tensor_parallel_size", f"this model is split over {model.ctx.size} ranks: weight "
+                            "updates are not shipped to tensor-parallel shards yet",
+                            "update a scorer made with tensor_parallel_size 1")
+    if model.config.moe is not None:
+        raise LogprobeError("model", "weight updates of mixture-of-experts models (stacked experts) are not "
+                            "there yet", "reload the scorer from the new checkpoint")
+    for name, m in model.named_modules():
+        if isinstance(m, (PackedWeight, PackedEmbedding, PackedExperts)):
+            raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
+                                "tensors cannot be written into quantized blocks exactly",
+                                "load the float checkpoint, or reload the scorer from the new quantized file")
+    with torch.device("meta"):
+        names = list(native_model_class(model.config)(model.config).state_dict())
+    return {n: model.get_parameter(n) for n in names}
+
+
+def native_name(hf_name: str, model: LlamaModel) -> str | None:
+    """A Hugging Face name -> the native parameter name; None: a tensor the model does not hold
+    (rotary ``inv_freq``, a tied model's ``lm_head.weight``). Unknown names come back unchanged
+    minus ``model.`` and fail the slot lookup."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    if hf_name == "lm_head.weight":
+        return None if model.config.tie_word_embeddings else "lm_head.weight"
+    return hf_name.removeprefix("model.")
+
+
+def check(item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor], seen: set[str], field: str) -> str | None:
+    """The slot name of a valid incoming tensor (None: ignored); raises naming it otherwise."""
+    name = native_name(item.name, model)
+    if name is None:
+        if item.name == "lm_head.weight" and item.shape != tuple(model.embed_tokens.weight.shape):
+            raise LogprobeError(field, f"lm_head.weight has shape {item.shape}, the model's (tied) embedding is "
+                                f"{tuple(model.embed_tokens.weight.shape)}")
+        return None
+    if name not in slots:
+        raise LogprobeError(field, f"{item.name!r} is not a weight of this model",
+                            "send the Hugging Face names of the same architecture (model.layers.N...)")
+    if name in seen:
+        raise LogprobeError(field, f"{item.name!r} is given twice")
+    if item.dtype not in _FLOATS:
+        raise LogprobeError(field, f"{item.name!r} is {str(item.dtype).removeprefix('torch.')}: weight updates "
+                            "take float tensors (float32, bfloat16, float16)",
+                            "quantized tensors cannot be written into this model exactly")
+    want = tuple(slots[name].shape)
+    if item.shape != want:
+        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is {want}")
+    seen.add(name)
+    return name
+
+
+def check_complete(slots: dict[str, torch.Tensor], seen: set[str], field: str) -> None:
+    missing = [n for n in slots if n not in seen]
+    if missing:
+        hf = ["lm_head.weight" if n == "lm_head.weight" else f"model.{n}" for n in missing]
+        raise LogprobeError(field, f"{len(missing)} weight{'s' * (len(missing) != 1)} missing: "
+                            f"{', '.join(hf[:5])}{' ...' if len(hf) > 5 else ''}",
+                            "send every weight of the model (a partial update would mix two policies)")
+
+
+def convert(name: str, value: torch.Tensor, slot: torch.Tensor, model: LlamaModel) -> torch.Tensor:
+    """What the loader makes of checkpoint tensor ``name``: the model's dtype and device, q/k rows
+    (and q/k norms) interleaved for RoPE."""
+    value = value.detach().to(device=slot.device, dtype=slot.dtype)
+    return LlamaModel.interleave_rope_weights(model.config, {name: value})[name]
+
+
+def incoming_tensors(named_tensors: Iterable, field: str):
+    """(name, tensor) pairs -> ``Incoming``, checking each pair's form as it comes."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    for i, pair in enumerate(items):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise LogprobeError(f"{field}[{i}]", "must be a (name, tensor) pair")
+        name, t = pair
+        if not isinstance(name, str):
+            raise LogprobeError(f"{field}[{i}]", f"name must be a string, got {type(name).__name__}")
+        if not isinstance(t, torch.Tensor):
+            raise LogprobeError(field, f"{name!r} must be a torch tensor, got {type(t).__name__}")
+        yield Incoming(name, tuple(t.shape), t.dtype, lambda t=t: t)
+
+
+@torch.no_grad()
+def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, staged: bool) -> int:
+    """Check every item, then copy all of them in (``staged``: convert each as it comes and copy
+    once the stream ends; else check all first and convert while copying). Returns how many."""
+    slots = weight_slots(model)
+    seen: set[str] = set()
+    if staged:
+        ready = {}
+        for item in items:
+            if (name := check(item, model, slots, seen, field)) is not None:
+                ready[name] = convert(name, item.load(), slots[name], model)
+        check_complete(slots, seen, field)
+        for name, value in ready.items():
+            slots[name].copy_(value)
+        return len(ready)
+    todo = [(name, item) for item in items if (name := check(item, model, slots, seen, field)) is not None]
+    check_complete(slots, seen, field)
+    for name, item in todo:
+        slots[name].copy_(convert(name, item.load(), slots[name], model))
+    return len(todo)
+
+
+def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors") -> int:
+    """(Hugging Face name, tensor) pairs -> the model's weights; see the module docstring."""
+    if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
+        raise LogprobeError(field, "must be (name, tensor) pairs: a dict, a list or an iterator")
+    in_memory = isinstance(named_tensors, (Mapping, list, tuple))
+    return update_in_place(model, incoming_tensors(named_tensors, field), field, staged=not in_memory)
+
+
+def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
+    """The tensors of a safetensors file, or of a directory of them (Hugging Face layout, sharded or
+    not), as ``Incoming`` read from the headers (data read by ``load()``). A directory whose
+    config.json declares a quantization is refused."""
+    from safetensors import safe_open
+
+    from .hf import safetensors_files
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        cfg = p / "config.json"
+        if cfg.exists():
+            q = json.loads(cfg.read_text()).get("quantization_config")
+            if q is not None:
+                raise LogprobeError(field, f"{p} is a quantized checkpoint (quant_method "
+                                    f"{q.get('quant_method') if isinstance(q, dict) else q!r}): its packed tensors "
+                                    "cannot be written into float weights exactly",
+                                    "load the new weights as float safetensors, or reload the scorer from it")
+        files = safetensors_files(p)
+    elif p.is_file() and p.suffix == ".safetensors":
+        files = [p]
+    else:
+        raise LogprobeError(field, f"{str(path)!r} is neither a .safetensors file nor a directory",
+                            "give a Hugging Face checkpoint directory or a .safetensors file")
+    items = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                sl = st.get_slice(key)
+                code = sl.get_dtype()
+                items.append(Incoming(key, tuple(sl.get_shape()), _SAFETENSORS_FLOATS.get(code, code),
+                                      lambda f=f, key=key: _read(f, key)))
+    return items
+
+
+def _read(f: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as st:
+        return st.get_tensor(key)
+
+
+def load_weights(model: LlamaModel, path: str | Path, field: str = "path") -> int:
+    """A safetensors checkpoint -> the model's weights, every header checked before one tensor is read."""
+    return update_in_place(model, safetensors_items(path, field), field, staged=False)

@@ -1,0 +1,165 @@
+"""Scorer.update_weights / load_weights (loading.update): new weights in place, all or nothing.
+
+The reference is a fresh Scorer loaded from a checkpoint of the new weights: after an update every
+number must equal it bitwise; after a refused update every number must equal the old ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import make_hf_dir, random_sequences, write_tiny_gguf
+from safetensors.torch import load_file, save_file
+
+from logprobe import Scorer
+from logprobe.errors import LogprobeError
+
+SEQS = random_sequences(3, seed=21, max_prompt=12, max_completion=12)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """kind -> (weights A dir, weights B dir): the same architecture, different random weights."""
+    out = {}
+    for kind in ("llama", "qwen3", "qwen2"):  # qwen3: q/k norms; qwen2: q/k/v bias, tied embeddings
+        a, b = tmp_path_factory.mktemp(f"{kind}-a"), tmp_path_factory.mktemp(f"{kind}-b")
+        make_hf_dir(a, kind, seed=1)
+        make_hf_dir(b, kind, seed=2)
+        out[kind] = (a, b)
+    return out
+
+
+def scorer(path, deterministic=False) -> Scorer:
+    return Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=deterministic)
+
+
+def scores(s: Scorer) -> list[torch.Tensor]:
+    out = s.logprobs(SEQS, entropy=True)
+    return [r.logprobs for r in out] + [r.entropy for r in out]
+
+
+def same(x: list[torch.Tensor], y: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
+
+
+def hf_weights(d) -> dict[str, torch.Tensor]:
+    return load_file(str(d / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind, deterministic", [("llama", True), ("qwen3", False), ("qwen2", True)])
+def test_update_equals_fresh_scorer(kind, deterministic, dirs):
+    a, b = dirs[kind]
+    s = scorer(a, deterministic)
+    old = scores(s)
+    fresh_b = scores(scorer(b, deterministic))
+    assert not same(old, fresh_b)
+    new = hf_weights(b)
+    if kind == "qwen2":  # tied: state_dict() lists lm_head.weight beside the embedding; it is ignored
+        new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    assert s.update_weights(iter(list(new.items()))) == 1  # a stream
+    assert same(scores(s), fresh_b) and s.weights_version == 1
+    assert s.update_weights(hf_weights(a)) == 2  # a dict: back to A, in place
+    assert same(scores(s), old)
+    assert s.load_weights(str(b)) == 3  # a checkpoint directory
+    assert same(scores(s), fresh_b)
+    assert s.load_weights(str(a / "model.safetensors")) == 4  # one file
+    assert same(scores(s), old)
+
+
+def test_bfloat16_update_equals_fresh_bfloat16_checkpoint(dirs, tmp_path):
+    a, b = dirs["llama"]
+    bf = {k: v.to(torch.bfloat16) for k, v in hf_weights(b).items()}
+    d = tmp_path / "b-bf16"
+    shutil.copytree(b, d)
+    save_file(bf, str(d / "model.safetensors"))
+    s = scorer(a, True)
+    s.update_weights(list(bf.items()))  # a list
+    assert same(scores(s), scores(scorer(d, True)))
+
+
+def _bad_updates(good: dict[str, torch.Tensor]):
+    name = "model.layers.1.mlp.down_proj.weight"
+    extra = dict(good) | {"model.layers.9.mlp.down_proj.weight": good[name]}
+    shape = dict(good) | {name: good[name][:, :-1]}
+    ints = dict(good) | {name: good[name].to(torch.int8)}
+    missing = {k: v for k, v in good.items() if k != name}
+    return [(extra, "model.layers.9.mlp.down_proj.weight"), (shape, "shape"), (ints, "int8"),
+            (missing, name), (list(good.items()) + [(name, good[name])], "twice")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_update_changes_nothing(stream, dirs):
+    a, b = dirs["qwen3"]
+    s = scorer(a)
+    old = scores(s)
+    for bad, words in _bad_updates(hf_weights(b)):
+        items = list(bad.items()) if isinstance(bad, dict) else bad
+        # the bad tensor last: every good one before it has been checked (and staged, for a stream)
+        items.sort(key=lambda kv: kv[0] == "model.layers.1.mlp.down_proj.weight" or kv[0].startswith("model.layers.9"))
+        with pytest.raises(LogprobeError) as e:
+            s.update_weights(iter(items) if stream else items)
+        assert e.value.field == "named_tensors" and words in str(e.value), str(e.value)
+        assert same(scores(s), old) and s.weights_version == 0
+
+
+def test_bad_checkpoint_changes_nothing(dirs, tmp_path):
+    a, b = dirs["llama"]
+    s = scorer(a)
+    old = scores(s)
+    w = hf_weights(b)
+    w["model.norm.weight"] = w["model.norm.weight"][:-1]
+    save_file(w, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(LogprobeError, match="model.norm.weight"):
+        s.load_weights(str(tmp_path / "bad.safetensors"))
+    for path in (tmp_path / "nothing-here", dirs["llama"][0] / "config.json"):
+        with pytest.raises(LogprobeError) as e:
+            s.load_weights(str(path))
+        assert e.value.field == "path"
+    assert same(scores(s), old) and s.weights_version == 0
+
+
+@pytest.mark.parametrize("bad, field", [
+    ("model.safetensors", "named_tensors"), (42, "named_tensors"), ([("x",)], "named_tensors[0]"),
+    ([(3, torch.zeros(1))], "named_tensors[0]"), ([("model.norm.weight", [1.0])], "named_tensors"),
+])
+def test_malformed_pairs(bad, field, dirs):
+    with pytest.raises(LogprobeError) as e:
+        scorer(dirs["llama"][0]).update_weights(bad)
+    assert e.value.field == field
+
+
+def test_refusals(dirs, tmp_path):
+    from logprobe.loading.update import weight_slots
+    from logprobe.models.llama import LlamaModel, slice_count
+    from logprobe.parallel.context import ParallelContext
+
+    # packed-quantized: a Q8_0 GGUF kept packed
+    src = make_hf_dir(tmp_path / "src", "llama", seed=4)
+    write_tiny_gguf(tmp_path / "m.gguf", src.float(), "Q8_0")
+    with pytest.raises(LogprobeError, match="packed-quantized"):
+        scorer(tmp_path / "m.gguf").update_weights(hf_weights(dirs["llama"][1]))
+    # the transformers backend
+    make_hf_dir(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(LogprobeError, match="transformers backend"):
+        scorer(tmp_path / "gpt2").load_weights(str(tmp_path / "gpt2"))
+    # a tensor-parallel shard (rank 0 of 2, on the meta device)
+    cfg = scorer(dirs["llama"][0]).loaded.model.config
+    with torch.device("meta"):
+        shard = LlamaModel(cfg, ctx=ParallelContext(0, 2, None, slice_count(cfg)))
+    with pytest.raises(LogprobeError) as e:
+        weight_slots(shard)
+    assert e.value.field == "tensor_parallel_size"
+
+
+def test_dense_gguf_takes_float_weights(dirs, tmp_path):
+    """A quantized GGUF expanded at load (weights="dense") is a float model: updated with B's
+    weights it scores as B does."""
+    from logprobe.loading import load_model
+
+    src = make_hf_dir(tmp_path / "src", "llama", seed=4)
+    write_tiny_gguf(tmp_path / "m.gguf", src.float(), "Q8_0")
+    s = Scorer(load_model(str(tmp_path / "m.gguf"), "cpu", "float32", weights="dense"), progress=False)
+    s.update_weights(hf_weights(dirs["llama"][1]))
+    assert same(scores(s), scores(scorer(dirs["llama"][1])))
