@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from ..errors import LogprobeError
 from ..scorer import Scorer
 from .batcher import Batcher
@@ -56,7 +58,9 @@ class ServedWeights:
         except LogprobeError as e:
             raise LogprobeError("model_path", f"{path!r} was not loaded: {e}",
                                 f"weights_version {self._scorer_version()} is still served") from e
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # a file the loaders could not read
+        except torch.OutOfMemoryError:
+            raise  # 503: the server, not the checkpoint
+        except Exception as e:  # noqa: BLE001 - a file the readers refused (e.g. SafetensorError: truncated)
             log.warning("update_weights_from_disk %r failed: %r", path, e)
             raise LogprobeError("model_path", f"{path!r} was not loaded: {type(e).__name__}: {e}",
                                 f"weights_version {self._scorer_version()} is still served") from e
