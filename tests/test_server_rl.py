@@ -7,7 +7,9 @@ deterministic)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -295,3 +297,100 @@ def test_exclusive_waits_for_started_jobs_and_holds_new_ones():
     assert log == [10, 11, 12, "swap", 20]
     assert (tag_a, version, tag_b) == (0, 1, 1)
 
+
+# -- /update_weights_from_disk -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def updatable(models):
+    """A server whose weights the tests replace; small engine steps, so that one request of many
+    sequences spans several of them."""
+    app = create_app(scorer(models["a"][0], max_batch_tokens=64), ServerConfig(max_request_items=64))
+    with serve(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def libraries(models):
+    return {name: scorer(models[name][0]) for name in ("a", "b")}
+
+
+def update(url, path) -> requests.Response:
+    return post(url, "/update_weights_from_disk", {"model_path": str(path)})
+
+
+def health_version(url) -> int:
+    return requests.get(url + "/health", timeout=30).json()["weights_version"]
+
+
+def test_update_weights_from_disk(updatable, models, libraries, tmp_path):
+    url = updatable
+    v0 = health_version(url)
+    before = generate(url, IDS, logprob_start_len=0)
+    assert before["weights_version"] == v0
+    assert [e[0] for e in before["meta_info"]["input_token_logprobs"][1:]] == library(libraries["a"], IDS, 0)
+
+    r = update(url, models["b"][0])
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] is True and r.json()["weights_version"] == v0 + 1 and health_version(url) == v0 + 1
+    after = generate(url, IDS, logprob_start_len=0)
+    got = [e[0] for e in after["meta_info"]["input_token_logprobs"][1:]]
+    assert after["weights_version"] == v0 + 1 and after["meta_info"]["weight_version"] == str(v0 + 1)
+    assert got == library(libraries["b"], IDS, 0)  # a fresh Scorer on the new weights, bitwise
+    ref = ref_logprobs(models["b"][1], IDS)
+    assert max(abs(g - ref[j, IDS[j + 1]].item()) for j, g in enumerate(got)) < TOL
+
+    # what cannot be loaded changes nothing: a missing path, another architecture's shapes, a broken file
+    broken = tmp_path / "broken"
+    shutil.copytree(models["b"][0], broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    for path in (tmp_path / "missing", models["wide"][0], broken):
+        r = update(url, path)
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body["error"]["param"] == "model_path" and body["error"]["message"].startswith("model_path")
+        assert body["success"] is False
+        assert health_version(url) == v0 + 1
+        again = generate(url, IDS, logprob_start_len=0)
+        assert [e[0] for e in again["meta_info"]["input_token_logprobs"][1:]] == got
+        assert again["weights_version"] == v0 + 1
+
+    r = update(url, models["a"][0])  # and back
+    assert r.status_code == 200 and r.json()["weights_version"] == v0 + 2
+    back = generate(url, IDS, logprob_start_len=0)
+    assert [e[0] for e in back["meta_info"]["input_token_logprobs"][1:]] == library(libraries["a"], IDS, 0)
+
+
+def test_update_never_mixes_weights_in_one_request(updatable, models, libraries):
+    """Clients keep sending 12-sequence requests (several engine steps each) while the weights
+    flip between a and b: every reply equals, bitwise, the library on the weights its
+    weights_version names, for all of its sequences."""
+    from helpers import random_sequences
+
+    url = updatable
+    seqs = random_sequences(12, seed=1, max_prompt=20, max_completion=30)
+    want = {name: [r.logprobs.tolist() for r in lib.logprobs(seqs)] for name, lib in libraries.items()}
+    r = update(url, models["a"][0])
+    assert r.status_code == 200
+    loaded = {r.json()["weights_version"]: "a"}  # version -> weights
+    stop = threading.Event()
+
+    def client() -> list[tuple[int, list]]:
+        out = []
+        while not stop.is_set() or not out:
+            reply = post(url, "/v1/logprobs", {"sequences": seqs}).json()
+            out.append((reply["weights_version"], [x["logprobs"] for x in reply["results"]]))
+        return out
+
+    with ThreadPoolExecutor(4) as ex:
+        futures = [ex.submit(client) for _ in range(4)]
+        for name in ("b", "a", "b", "a"):
+            r = update(url, models[name][0])
+            assert r.status_code == 200, r.text
+            loaded[r.json()["weights_version"]] = name
+        stop.set()
+        replies = [x for f in futures for x in f.result()]
+    versions = {v for v, _ in replies}
+    assert len(versions) >= 2, versions  # the swaps happened while clients were being answered
+    for version, lps in replies:
+        assert lps == want[loaded[version]], version
