@@ -414,6 +414,7 @@ def test_gguf_moe_matches_reference(kind, arch, qtype, expert_qtype, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from logprobe.layers.moe import PackedExperts
+    from logprobe.layers.quant_linear import weight_bytes
 
     cfg = moe_config(kind)
     if kind == "qwen2_moe":
@@ -428,11 +429,14 @@ def test_gguf_moe_matches_reference(kind, arch, qtype, expert_qtype, tmp_path):
     ref.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in decoded.items()})
     ref = ref.double().eval()
     seqs = random_sequences(3, seed=9)
-    outs = []
+    outs, sizes = [], []
     for weights in ("packed", "dense"):
         loaded = load_model(str(path), "cpu", "float32", weights=weights)
         experts = loaded.model.layers[0].mlp.experts
         assert isinstance(experts.down_proj, PackedExperts) == (weights == "packed")
+        sizes.append(weight_bytes(loaded.model)["total"])
+        if weights == "packed":  # flat rows [E*out, in] and one expert agree
+            assert torch.equal(experts.down_proj.rows(slice(64, 128)), experts.down_proj.expert(1))
         s = Scorer(loaded, progress=False)
         if weights == "packed":
             check_routing_is_decided(s, ref, [q["prompt_token_ids"] + q["completion_token_ids"] for q in seqs])
@@ -443,6 +447,7 @@ def test_gguf_moe_matches_reference(kind, arch, qtype, expert_qtype, tmp_path):
         tgt = rows.gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
         assert (a.double() - tgt).abs().max() < TOL
         assert torch.equal(a, b)
+    assert sizes[0] < 0.6 * sizes[1]  # quantized experts stayed packed
 
 
 def test_gguf_unsupported_expert_type_is_named(tmp_path):

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from .linear import Linear, tiled_linear
+from .quant_linear import PackedWeight
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -101,16 +102,16 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class PackedExperts(nn.Module):
+class PackedExperts(PackedWeight):
     """GGUF-quantized expert matrices ``[E, out, in]`` kept as blocks: buffers ``d`` [E, out, nb],
     ``qs`` [E, out, nb, bytes], ``m`` (Q4_1's minimum, Q4_K's dmin) or None. ``expert(e)`` expands
     one expert with the function the dense loader uses (``loading.gguf_quants``), so packed and
-    dense experts give the same bits."""
+    dense experts give the same bits. ``rows(idx)`` reads the experts' rows flattened [E*out, in]."""
 
     def __init__(self, qtype: str, d: torch.Tensor, qs: torch.Tensor, m: torch.Tensor | None = None) -> None:
         from ..loading.gguf_quants import block_values
 
-        super().__init__()
+        nn.Module.__init__(self)
         self.qtype = qtype
         self.num_experts, self.out_features, nb = d.shape
         self.in_features = nb * block_values(qtype)
@@ -130,8 +131,13 @@ class PackedExperts(nn.Module):
         w = dequantize_blocks(self.qtype, self.d[e], self.qs[e], None if self.m is None else self.m[e])
         return w.to(self.compute_dtype)
 
-    def packed_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+    def rows(self, idx=slice(None)) -> torch.Tensor:
+        from ..loading.gguf_quants import dequantize_blocks
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, *t.shape[2:])  # [E, out, ...] -> [E*out, ...]
+        return dequantize_blocks(self.qtype, flat(self.d)[idx], flat(self.qs)[idx],
+                                 None if self.m is None else flat(self.m)[idx])
 
     def extra_repr(self) -> str:
         return f"{self.qtype}, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
