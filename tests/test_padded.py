@@ -167,7 +167,6 @@ def test_verl_layout_matches_logprobs_and_float64(kind, models, scorers):
     out = scorer.logprobs_padded(ids, am, rm)
     assert out.logprobs.shape == rm.shape and out.entropy is None and out.topk_ids is None
     check_against_logprobs(scorer, ids, am, rm, out)
-    P = ids.shape[1] - rm.shape[1]
     for b, s in enumerate(seqs):  # independent reference: float64 transformers on the row's real tokens
         p, c = s["prompt_token_ids"], s["completion_token_ids"]
         lp = ref_logprobs(ref_model, p + c)  # [n, V]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +19,6 @@ from .engine.runner import Engine
 from .errors import LogprobeError
 from .interp.points import point_layer, resolve_points
 from .interp.specs import (
-    Capture,
     CaptureSpec,
     SteerSpec,
     capture_results,
@@ -32,6 +31,7 @@ from .io.text import check_text
 from .loading import LoadedModel, load_model
 from .scoring.contract import split_continuation
 from .scoring.padded import AlignedLogprobs, Plan, gather_results, plan_packed, plan_padded, plan_requests
+from .scoring.results import ContinuationScore, PerplexityResult, SequenceLogprobs
 from .scoring.stats import count_words, mean_and_stderr
 from .scoring.windows import make_windows
 
@@ -44,80 +44,6 @@ def _exp(x: float) -> float:
         return math.exp(x)
     except OverflowError:
         return math.inf
-
-
-@dataclass(slots=True)
-class ContinuationScore:
-    continuation: str  # the continuation as scored (boundary whitespace moved onto it)
-    log_prob: float  # sum of the token log-probs, natural log
-    prob: float  # exp(log_prob)
-    perplexity: float  # exp(-log_prob / num_tokens)
-    num_tokens: int
-    is_greedy: bool  # every token was the argmax of its position
-    tokens: list[str]
-    token_ids: list[int]
-    token_logprobs: list[float]
-    entropy: list[float] | None = None
-    top_k: list[list[tuple[int, str, float]]] | None = None  # per token: (id, text, log-prob)
-    captures: list[Capture] | None = None  # per capture entry and point, positions as in interp.specs
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["captures"] = None if self.captures is None else [c.to_dict() for c in self.captures]
-        return d
-
-
-@dataclass(slots=True)
-class SequenceLogprobs:
-    """One log-prob per completion token (RL): ``logprobs[j]`` is log p(completion[j] | prompt, completion[:j])."""
-
-    logprobs: torch.Tensor  # [n] float32
-    ranks: torch.Tensor  # [n] int64, 0 = the token was the argmax
-    entropy: torch.Tensor | None = None  # [n]
-    topk_ids: torch.Tensor | None = None  # [n, k]
-    topk_logprobs: torch.Tensor | None = None  # [n, k]
-    captures: list[Capture] | None = None
-
-    @property
-    def sum_logprob(self) -> float:
-        return float(self.logprobs.double().sum())
-
-    def to_dict(self) -> dict:
-        d = {"logprobs": self.logprobs.tolist(), "sum_logprob": self.sum_logprob,
-             "is_greedy": (self.ranks == 0).tolist()}
-        if self.entropy is not None:
-            d["entropy"] = self.entropy.tolist()
-        if self.topk_ids is not None:
-            d["top_k_ids"] = self.topk_ids.tolist()
-            d["top_k_logprobs"] = self.topk_logprobs.tolist()
-        if self.captures is not None:
-            d["captures"] = [c.to_dict() for c in self.captures]
-        return d
-
-
-@dataclass(slots=True)
-class PerplexityResult:
-    perplexity: float  # exp(mean token NLL)
-    perplexity_stderr: float  # delta method: perplexity * nll_stderr
-    nll_mean: float
-    nll_stderr: float
-    num_tokens: int  # scored tokens
-    num_windows: int
-    policy: str
-    context_length: int
-    stride: int | None
-    word_perplexity: float | None = None  # exp(total NLL / words), texts only
-    byte_perplexity: float | None = None  # exp(total NLL / UTF-8 bytes), texts only
-    bits_per_byte: float | None = None  # total NLL / bytes / ln 2
-    num_words: int | None = None
-    num_bytes: int | None = None
-    token_nlls: list[list[float]] | None = field(default=None, repr=False)  # per text, in token order
-    captures: list[list[Capture]] | None = field(default=None, repr=False)  # per text; positions = text tokens
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["captures"] = None if self.captures is None else [[c.to_dict() for c in cs] for cs in self.captures]
-        return d
 
 
 @dataclass(slots=True)
