@@ -134,8 +134,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 def _check(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-    E, I, H = gate.shape
-    if x.dim() != 2 or x.shape[1] != H or tuple(up.shape) != (E, I, H) or tuple(down.shape) != (E, H, I):
+    E, inter, H = gate.shape
+    if x.dim() != 2 or x.shape[1] != H or tuple(up.shape) != (E, inter, H) or tuple(down.shape) != (E, H, inter):
         raise LogprobeError("x", f"shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, up {tuple(up.shape)}, "
                             f"down {tuple(down.shape)} do not fit [T, H], [E, I, H], [E, I, H], [E, H, I]")
     if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
@@ -152,23 +152,23 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.
     """x [T, H], ids [T, k], gate/up [E, I, H], down [E, H, I] -> y [T*k, H] in x's dtype: row
     ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted)."""
     _check(x, ids, gate, up, down)
-    E, I, H = gate.shape
+    E, inter, H = gate.shape
     T, k = ids.shape
     x, gate, up, down = (t.contiguous() for t in (x, gate, up, down))
     c = config
     sorted_slots, tile_expert = align_by_expert(ids, E, c.block_m)
-    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [T*k, I]
+    act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [T*k, H]
     tiles = tile_expert.numel()
     if tiles == 0:
         return y
     ieee = x.dtype == torch.float32
-    _gate_up_kernel[(tiles, triton.cdiv(I, c.block_n))](
-        x, gate, up, act, sorted_slots, tile_expert, T * k, k, I, H, x.stride(0), gate.stride(0), gate.stride(1),
+    _gate_up_kernel[(tiles, triton.cdiv(inter, c.block_n))](
+        x, gate, up, act, sorted_slots, tile_expert, T * k, k, inter, H, x.stride(0), gate.stride(0), gate.stride(1),
         act.stride(0), IEEE=ieee, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages)
     _down_kernel[(tiles, triton.cdiv(H, c.block_n))](
-        act, down, y, sorted_slots, tile_expert, T * k, H, I, act.stride(0), down.stride(0), down.stride(1),
+        act, down, y, sorted_slots, tile_expert, T * k, H, inter, act.stride(0), down.stride(0), down.stride(1),
         y.stride(0), IEEE=ieee, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages)
     return y
