@@ -240,13 +240,17 @@ def test_logprobs_bad_lines_reported_and_skipped(scorer, tmp_path, capsys):
     assert err[1].startswith("line 4: completion_token_ids[1]") and "99999" in err[1] and "vocabulary" in err[1]
     assert err[2].startswith("line 6: ")
     assert err[3].startswith("line 7: completion_token_ids") and "empty" in err[3]
-    assert sorted(_read_out(out)) == [0, 4]  # bad and blank lines are not written
+    recs = _read_out(out)  # bad lines are written with their error; blank lines are not rows
+    assert sorted(recs) == [0, 1, 3, 4, 5, 6]
+    assert sorted(i for i, r in recs.items() if r.get("error")) == [1, 3, 5, 6]
+    assert recs[3]["error"].startswith("completion_token_ids[1]") and "logprobs" not in recs[3]
     # fix the bad lines and rerun: only they are computed and appended
     rows[1], rows[3], rows[5], rows[6] = SEQS[2], SEQS[3], SEQS[4], SEQS[0]
     _write_jsonl(inp, rows)
     assert main(["logprobs", "--input", str(inp), "--output", str(out)]) == 0
     assert "4 written, 2 already done, 0 failed" in capsys.readouterr().out
-    assert sorted(_read_out(out)) == [0, 1, 3, 4, 5, 6]
+    recs = _read_out(out)  # the error lines were replaced, not doubled
+    assert sorted(recs) == [0, 1, 3, 4, 5, 6] and not any("error" in r for r in recs.values())
 
 
 def test_logprobs_missing_input(tmp_path, capsys):

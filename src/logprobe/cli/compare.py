@@ -8,10 +8,12 @@ import json
 import time
 
 
-def add_window_args(p: argparse.ArgumentParser, policy_help: str, max_tokens_help: str) -> None:
-    """The text and window options shared by ``perplexity`` and ``compare``."""
-    p.add_argument("--text-file", required=True, metavar="FILE", help="UTF-8 text file; - reads stdin")
-    p.add_argument("--context-length", type=int, default=None, metavar="N",
+def add_window_args(p: argparse.ArgumentParser, policy_help: str, max_tokens_help: str,
+                    text_required: bool = True) -> None:
+    """The text and window options shared by ``perplexity`` and ``compare`` (llama.cpp's -f and
+    -c/--ctx-size are aliases)."""
+    p.add_argument("--text-file", "-f", required=text_required, metavar="FILE", help="UTF-8 text file; - reads stdin")
+    p.add_argument("--context-length", "--ctx-size", "-c", type=int, default=None, metavar="N",
                    help="tokens per window (default: min(2048, the model's context))")
     p.add_argument("--stride", type=int, default=None, metavar="N",
                    help="sliding policy: tokens between window starts (default: context length / 4)")
@@ -43,7 +45,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..errors import LogprobeError
     from ..loading import load_model
     from ..scorer import Scorer
-    from .main import _read_text
+    from .common import read_text as _read_text
 
     text = _read_text(args.text_file, "--text-file")
     if not text.strip():

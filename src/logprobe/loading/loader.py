@@ -39,7 +39,8 @@ class LoadedModel:
 
 
 def resolve_spec(spec: str | None) -> Path:
-    """A known name (the default when None), a .gguf file, or a Hugging Face directory -> a path."""
+    """A known name (the default when None), a .gguf file, a Hugging Face directory, or a hub id
+    ``ORG/NAME[@REVISION][:FILE.gguf]`` (``loading.hub``: the local cache first) -> a path."""
     spec = spec or DEFAULT_MODEL
     if spec in _NAMED:
         package, filename, install = _NAMED[spec]
@@ -50,10 +51,13 @@ def resolve_spec(spec: str | None) -> Path:
         if not path.exists():
             raise LogprobeError("model", f"{path} is missing from the package {package}", f"reinstall: {install}")
         return path
-    path = Path(spec).expanduser()
+    from .hub import hub_path
+
+    path = hub_path(spec) or Path(spec).expanduser()  # ORG/NAME[@REV][:FILE.gguf]: through the hub cache
     if not path.exists():
         raise LogprobeError("model", f"{spec!r} is neither a known model name nor an existing path",
-                            f"known names: {', '.join(_NAMED)}; or give a .gguf file or a Hugging Face directory")
+                            f"known names: {', '.join(_NAMED)}; or give a .gguf file, a Hugging Face directory "
+                            "or a hub id ORG/NAME")
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:

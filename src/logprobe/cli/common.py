@@ -1,0 +1,134 @@
+"""What every ``logprobe`` command shares: the model options, the cached model, one-line errors,
+reading text and JSON options.
+
+>>> p = argparse.ArgumentParser(parents=[model_parser()])
+>>> p.parse_args(["--model", "org/name@main", "--quiet"]).model
+'org/name@main'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import EngineConfig
+from ..errors import LogprobeError
+from ..loading import LoadedModel, load_model
+from ..scorer import Scorer
+
+PROG = "logprobe"
+
+# Loaded models, by (model, device, dtype): one process (a test session) loads each model once.
+_MODELS: dict[tuple[str | None, str, str], LoadedModel] = {}
+
+MODEL_HELP = ("a known name (default: smollm2-135m), a .gguf file, a Hugging Face model directory, or a hub id "
+              "ORG/NAME[@REVISION] (ORG/NAME:FILE.gguf for one GGUF file of a repo; the local cache first)")
+
+
+def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
+               max_batch_tokens: int = 8192, deterministic: bool = False, tensor_parallel_size: int = 1,
+               data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None) -> Scorer:
+    """A Scorer on a cached loaded model: the same weights the CLI uses within this process
+    (parallel scorers own worker processes and are not cached)."""
+    # validates before the slow load
+    config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic, tp_invariant=tp_invariant,
+                          progress=progress)
+    if tensor_parallel_size != 1 or data_parallel_size != 1:
+        return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
+                      data_parallel_size=data_parallel_size)
+    key = (model, device, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(model, device, dtype)
+    return Scorer(_MODELS[key], config=config)
+
+
+def model_parser() -> argparse.ArgumentParser:
+    """The options of every command that loads a model (a parent parser)."""
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("model and output")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
+    g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
+    g.add_argument("--max-batch-tokens", type=int, default=8192, metavar="N",
+                   help="token budget of one forward pass (default: %(default)s); lower it if memory runs out")
+    g.add_argument("--deterministic", "--batch-invariant", dest="deterministic", action="store_true",
+                   help="bitwise-identical numbers whatever shares a batch, its order, budget, chunking or "
+                        "prefix sharing (native models; slower, see docs/perf.md)")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (GPUs, or gloo processes on CPU); worker processes are "
+                        "started and owned by logprobe (default: %(default)s)")
+    g.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="M",
+                   help="M replicas (each of --tensor-parallel-size ranks) sharing the requests (default: %(default)s)")
+    g.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
+                   help="with --deterministic: bitwise repeatable at this tensor-parallel size only, not the same bits "
+                        "at every size (cheaper; see docs/perf.md)")
+    g.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table/report")
+    g.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar (it shows only when stderr is a terminal anyway)")
+    return common
+
+
+def head_parser() -> argparse.ArgumentParser:
+    head = argparse.ArgumentParser(add_help=False)
+    h = head.add_argument_group("scoring options")
+    h.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="score log_softmax(logits / T) (default: %(default)s)")
+    h.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="also report the K most likely tokens at each scored position (default: 0)")
+    h.add_argument("--entropy", action="store_true", help="also report the entropy of each position's distribution")
+    return head
+
+
+def hooks_parser() -> argparse.ArgumentParser:
+    hk = argparse.ArgumentParser(add_help=False)
+    k = hk.add_argument_group("hidden states (native models)")
+    k.add_argument("--steer", default=None, metavar="JSON",
+                   help='steering entries, a JSON list or @FILE: [{"at": "blocks.10.resid_post", "vector": '
+                        '"v.gguf" | [..] | {layer: [..]}, "coeff": 4, "positions": "all", "op": "add"}]')
+    k.add_argument("--capture", default=None, metavar="JSON",
+                   help='capture entries, a JSON list or @FILE: [{"at": "blocks.*.resid_post", "positions": '
+                        '"last", "reduce": "none"}] (results in --json output)')
+    return hk
+
+
+def fail(message: str) -> int:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)  # one line, always
+    return 2
+
+
+def read_text(path: str, option: str) -> str:
+    """A UTF-8 text file (``-``: stdin); LogprobeError naming ``option`` otherwise."""
+    try:
+        if path == "-":
+            raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+            name = "stdin"
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
+            name = repr(path)
+        return raw.decode("utf-8")
+    except OSError as e:
+        raise LogprobeError(option, f"cannot read {path!r}: {e.strerror or e}", "check the path") from e
+    except UnicodeDecodeError as e:
+        raise LogprobeError(option, f"{name} is not UTF-8 text ({e.reason} at byte {e.start})",
+                            "convert it to UTF-8") from e
+
+
+def json_option(value: str | None, option: str):
+    """A JSON value given inline or as @FILE."""
+    if value is None:
+        return None
+    text = value
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise LogprobeError(option, f"cannot read {value[1:]!r}: {e.strerror or e}", "check the path") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LogprobeError(option, f"is not valid JSON ({e.msg} at column {e.colno})",
+                            "give a JSON list, or @FILE holding one") from e

@@ -1,0 +1,129 @@
+"""Parquet output as a directory of part files, one per batch of rows (see ``io.tables``).
+
+Why part files: a part is written to ``.part-N.tmp`` and renamed into place only when whole, so
+a run killed at any instant leaves complete parts only; the rows they hold are done, every
+other row is computed again on the next run. Every part holds the ``index`` and ``error``
+columns; a part's schema is the union of the parts before it and its own rows (a column one
+batch lacks is null there), so a reader that takes the first part's schema sees every result
+column once a successful row has been written.
+
+>>> import pyarrow as pa
+>>> float32_type(pa.list_(pa.list_(pa.float64())))
+ListType(list<item: list<item: float>>)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import LogprobeError
+
+PART = re.compile(r"^part-(\d{5,})\.parquet$")
+
+
+def float32_type(t):
+    """``t`` with every float64 leaf made float32 (lists of lists keep their nesting)."""
+    import pyarrow as pa
+
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(float32_type(t.value_type))
+    return pa.float32() if pa.types.is_floating(t) else t
+
+
+def _parts(path: str) -> list[tuple[int, str]]:
+    found = [(int(m.group(1)), name) for name in os.listdir(path) if (m := PART.match(name))]
+    return [(n, os.path.join(path, name)) for n, name in sorted(found)]
+
+
+class ParquetSink:
+    """Collects rows and writes them as one part file per batch (``end_batch``)."""
+
+    def __init__(self, path: str, float32_columns: set[str] = frozenset()) -> None:
+        if os.path.isfile(path):
+            raise LogprobeError("--output", f"{path!r} is a file; Parquet output is a directory of part files",
+                                "give a new path (it becomes a directory) or an earlier run's directory")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise LogprobeError("--output", f"cannot create {path!r}: {e.strerror or e}", "check the path") from e
+        self.path = path
+        self.float32_columns = set(float32_columns)
+        self.schema = None
+        self._rows: list[dict] = []
+        self.done = self._resume()
+        parts = _parts(path)
+        self._next = parts[-1][0] + 1 if parts else 0
+
+    def _resume(self) -> set[int]:
+        """Indices in the whole parts; tmp files of a killed run removed, error rows dropped (rerun)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        for name in os.listdir(self.path):
+            if name.endswith(".tmp"):
+                os.remove(os.path.join(self.path, name))
+        done: set[int] = set()
+        for _, part in _parts(self.path):
+            table = pq.read_table(part)
+            failed = pc.invert(pc.is_null(table["error"]))
+            if pc.any(failed).as_py():
+                table = table.filter(pc.invert(failed))
+                self._write(table, part)
+            done.update(table["index"].to_pylist())
+            self.schema = table.schema if self.schema is None else pa.unify_schemas(
+                [self.schema, table.schema], promote_options="permissive")
+        return done
+
+    def add(self, row: dict) -> None:
+        self._rows.append(row)
+
+    def end_batch(self) -> None:
+        """Write the rows added since the last call as the next part file (nothing if none)."""
+        if not self._rows:
+            return
+        table = self._table(self._rows)
+        self._write(table, os.path.join(self.path, f"part-{self._next:05d}.parquet"))
+        self._next += 1
+        self._rows = []
+
+    def close(self) -> None:
+        self.end_batch()
+
+    def _table(self, rows: list[dict]):
+        import pyarrow as pa
+
+        names = list(dict.fromkeys(k for r in rows for k in r if k != "error")) + ["error"]
+        table = pa.Table.from_pydict({k: [r.get(k) for r in rows] for k in names})  # every row's keys
+        for name in self.float32_columns & set(table.column_names):
+            i = table.column_names.index(name)
+            table = table.set_column(i, name, table[name].cast(float32_type(table[name].type)))
+        self.schema = table.schema if self.schema is None else pa.unify_schemas(
+            [self.schema, table.schema], promote_options="permissive")
+        for field in self.schema:
+            if field.name not in table.column_names:
+                table = table.append_column(field.name, pa.nulls(len(table), field.type))
+        return table.select(self.schema.names).cast(self.schema)
+
+    @staticmethod
+    def _write(table, part: str) -> None:
+        import pyarrow.parquet as pq
+
+        tmp = os.path.join(os.path.dirname(part), "." + os.path.basename(part) + ".tmp")
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, part)
+        except OSError as e:
+            raise LogprobeError("--output", f"cannot write {part!r}: {e.strerror or e}", "check the path") from e
+
+
+def read_parts(path: str) -> list[dict]:
+    """Every row of a Parquet output directory, part by part (schemas unified)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = [pq.read_table(part) for _, part in _parts(path)]
+    if not tables:
+        return []
+    return pa.concat_tables(tables, promote_options="permissive").to_pylist()

@@ -1,0 +1,15 @@
+"""The three jobs as data: an input row -> engine requests -> an output row (``base.RowWork``).
+
+``ScoreRows`` (prompt + continuations), ``PerplexityRows`` (a text per row; ``aggregate`` pools
+them) and ``LogprobsRows`` (RL token ids) map rows; ``run_rows`` drives any of them over a row
+source into a sink (``io.tables``). The CLI uses them; the server, Ray and other table writers
+can reuse the same mapping.
+"""
+
+from .base import RowWork, RunCounts, run_rows
+from .logprobs import LogprobsRows
+from .perplexity import PerplexityRows, aggregate
+from .score import ScoreRows, join_continuation
+
+__all__ = ["LogprobsRows", "PerplexityRows", "RowWork", "RunCounts", "ScoreRows", "aggregate",
+           "join_continuation", "run_rows"]

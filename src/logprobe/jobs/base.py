@@ -1,0 +1,147 @@
+"""Rows in, rows out: the one loop that runs a row job (score, perplexity, logprobs) on a scorer.
+
+A job turns one input row into engine requests and, once they have all finished, into one
+output row (``RowWork``). ``run_rows`` reads rows in batches, runs each batch's requests in
+shared forward passes and hands every finished row to a sink (``io.tables``):
+
+    input row 7 --job.work--> requests r0, r1 (windows, continuations) --engine--> results
+                --work.finish--> {"index": 7, <kept columns>, <results>}  --> sink.add
+
+A row the job cannot read (missing field, bad ids, too long) or that does not fit in memory even
+alone becomes ``{"index": i, ..., "error": "<why>"}`` and a line ``"row 8: <why>"`` on stderr; the
+other rows go on. Rows in ``done`` are skipped (resume). ``stop()`` is asked before each forward
+pass: the rows finished so far are in the sink when it returns ``stopped``.
+
+>>> from logprobe import Scorer                                      # doctest: +SKIP
+>>> from logprobe.jobs import ScoreRows, run_rows
+>>> counts = run_rows(Scorer(), ScoreRows(), rows, sink)            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.request import RequestResult, ScoreRequest
+from ..errors import LogprobeError
+from ..io.tables import Row
+
+
+@dataclass(slots=True)
+class RowWork:
+    """One input row as engine requests; ``finish(results)`` gives its output columns."""
+
+    index: int
+    requests: list[ScoreRequest]
+    finish: Callable[[list[RequestResult]], dict]
+    head: dict = field(default_factory=dict)  # the output row's first columns (index, id, kept columns)
+
+
+@dataclass(slots=True)
+class RunCounts:
+    written: int = 0
+    already_done: int = 0
+    failed: int = 0
+    stopped: bool = False
+
+
+def row_head(row: Row, keep: tuple[str, ...], echo_id: bool = False) -> dict:
+    """``{"index": i}``, then ``id`` (when echoed) and the kept input columns (None where missing)."""
+    head: dict[str, Any] = {"index": row.index}
+    data = row.data or {}
+    if echo_id:
+        head["id"] = data.get("id")
+    head.update((k, data.get(k)) for k in keep)
+    return head
+
+
+def _batches(rows: Iterable[Row], size: int, done: set[int], counts: RunCounts) -> Iterator[list[Row]]:
+    batch: list[Row] = []
+    for row in rows:
+        if row.index in done:
+            counts.already_done += 1
+            continue
+        batch.append(row)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def run_rows(scorer, job, rows: Iterable[Row], sink, *, done: set[int] = frozenset(), batch_rows: int = 64,
+             stop: Callable[[], bool] | None = None, progress=None, report=None) -> RunCounts:
+    """Run ``job`` over ``rows`` into ``sink`` (see the module docstring). ``progress``: an object
+    with ``update(rows, tokens)`` (``cli.progress``), or None. ``report(line)``: stderr by default."""
+    report = report or (lambda line: print(line, file=sys.stderr))
+    counts = RunCounts()
+    for batch in _batches(rows, batch_rows, done, counts):
+        works = []
+        for row in batch:
+            try:
+                if row.problem is not None:  # unreadable (not JSON): reported as the reader words it
+                    _failed(sink, job.head(row), row.where, row.problem, counts, report)
+                else:
+                    works.append(job.work(row))
+            except LogprobeError as e:
+                _failed(sink, job.head(row), row.where, str(e), counts, report)
+        counts.stopped = _run_batch(scorer, works, batch, sink, counts, report, stop, progress)
+        sink.end_batch()
+        if counts.stopped:
+            break
+    return counts
+
+
+def _failed(sink, head: dict, where: str, message: str, counts: RunCounts, report) -> None:
+    message = " ".join(message.split())
+    report(f"{where}: {message}")
+    sink.add({**head, "error": message})
+    counts.failed += 1
+
+
+def _run_batch(scorer, works: list[RowWork], batch: list[Row], sink, counts: RunCounts, report, stop,
+               progress) -> bool:
+    """Run the requests of ``works`` together; True when ``stop`` ended it early."""
+    from ..engine.runner import Engine, RunStopped
+
+    requests, owner = [], []
+    for k, w in enumerate(works):
+        requests.extend(w.requests)
+        owner.extend((k, j) for j in range(len(w.requests)))
+    results: list[list] = [[None] * len(w.requests) for w in works]
+    left = [len(w.requests) for w in works]
+    where = {r.index: r.where for r in batch}
+
+    def on_result(i: int, res: RequestResult) -> None:
+        k, j = owner[i]
+        results[k][j] = res
+        left[k] -= 1
+        if left[k] == 0:
+            w = works[k]
+            try:
+                sink.add({**w.head, **w.finish(results[k])})
+                counts.written += 1
+            except LogprobeError as e:
+                _failed(sink, w.head, where[w.index], str(e), counts, report)
+            if progress is not None:
+                progress.update(1, sum(r.num_inputs for r in w.requests))
+
+    def on_error(i: int, e: Exception) -> None:  # out of memory even alone: the row fails, once
+        k, _ = owner[i]
+        if left[k] > 0:
+            left[k] = -1
+            text = f"{e.problem}; {e.fix}" if isinstance(e, LogprobeError) else str(e)
+            _failed(sink, works[k].head, where[works[k].index], text, counts, report)
+
+    if not requests:
+        return bool(stop and stop())
+    try:
+        if isinstance(scorer.engine, Engine):
+            scorer.engine.run(requests, on_result=on_result, progress=False, stop=stop, on_error=on_error)
+        else:  # ParallelEngine: stops between batches
+            scorer.engine.run(requests, on_result=on_result)
+    except RunStopped:
+        return True
+    return bool(stop and stop())

@@ -1,0 +1,89 @@
+"""Logprobs rows (RL): ``prompt_token_ids`` + ``completion_token_ids`` -> one log-prob per
+completion token.
+
+Optional per-row fields override the job's options: ``temperature``, ``top_k``, ``entropy``,
+``steer``, ``capture``; ``id`` is echoed (null when absent). Captures with ``reduce: none``
+(``[n, H]`` each) go to ``capture_dir/INDEX.safetensors`` side files, referenced from the row.
+
+    {"prompt_token_ids": [1, 504], "completion_token_ids": [3575, 282], "id": "a"}
+ -> {"index": 0, "id": "a", "logprobs": [-9.1, -0.7], "sum_logprob": -9.8, "is_greedy": [false, true]}
+
+>>> LogprobsRows().float32_columns >= {"logprobs", "entropy", "top_k_logprobs"}
+True
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import LogprobeError
+from ..io.tables import Row
+from . import fields
+from .base import RowWork, row_head
+
+
+@dataclass(slots=True)
+class LogprobsRows:
+    scorer: object = None
+    temperature: float = 1.0
+    top_k: int = 0
+    entropy: bool = False
+    steer: list | None = None
+    capture: list | None = None
+    capture_dir: str = "captures"
+    keep: tuple[str, ...] = ()
+    float32_columns = frozenset({"logprobs", "entropy", "top_k_logprobs"})
+
+    def head(self, row: Row) -> dict:
+        return row_head(row, self.keep, echo_id=True)
+
+    def work(self, row: Row) -> RowWork:
+        data, index, scorer = row.data, row.index, self.scorer
+        get = lambda k, default: default if fields.missing(data.get(k)) else data[k]  # noqa: E731
+        temperature = fields.number(get("temperature", self.temperature), "temperature", float)
+        top_k = fields.number(get("top_k", self.top_k), "top_k", int)
+        entropy = fields.flag(get("entropy", self.entropy), "entropy")
+        temperature, top_k = scorer._options(temperature, top_k)
+        seq = {k: fields.id_list(data.get(k), k) if not fields.missing(data.get(k)) else None
+               for k in ("prompt_token_ids", "completion_token_ids")}
+        try:
+            caps, steers = scorer.hook_specs(fields.json_value(get("capture", self.capture), "capture"),
+                                             fields.json_value(get("steer", self.steer), "steer"))
+            req = scorer.sequence_request(seq, index, temperature, top_k, entropy, caps, steers)
+        except LogprobeError as e:  # "sequences[i].completion_token_ids[3]" -> "completion_token_ids[3]"
+            field = e.field.removeprefix(f"sequences[{index}]").lstrip(".").lstrip(": ") or "line"
+            raise LogprobeError(field, e.problem, e.fix) from e
+
+        def finish(results) -> dict:
+            res = scorer.sequence_result(req, results[0], caps)
+            out = res.to_dict()
+            if res.captures is not None:
+                out["captures"] = capture_records(res.captures, self.capture_dir, index)
+            return out
+
+        return RowWork(index, [req], finish, self.head(row))
+
+
+def capture_records(captures, capture_dir: str, index: int) -> list[dict]:
+    """Small captures inline; ``reduce: none`` ones ([n, H]) in ``capture_dir/INDEX.safetensors``,
+    referenced by file and key (written before the row, so a row never points to nothing)."""
+    from safetensors.torch import save_file
+
+    recs, side = [], {}
+    for k, c in enumerate(captures):
+        if c.reduce == "none":
+            key = f"{k}:{c.at}"
+            side[key] = c.value.contiguous()
+            recs.append({"at": c.at, "positions": c.positions, "reduce": c.reduce,
+                         "file": os.path.join(capture_dir, f"{index}.safetensors"), "key": key,
+                         "shape": list(c.value.shape)})
+        else:
+            recs.append(c.to_dict())
+    if side:
+        try:
+            os.makedirs(capture_dir, exist_ok=True)
+            save_file(side, os.path.join(capture_dir, f"{index}.safetensors"))
+        except OSError as e:
+            raise LogprobeError("--capture-dir", f"cannot write {capture_dir!r}: {e.strerror or e}") from e
+    return recs

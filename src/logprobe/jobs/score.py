@@ -1,0 +1,84 @@
+"""Score rows: ``prompt`` + ``continuation`` (one) or ``continuations`` (a list) -> log-probs.
+
+The output columns follow the input: with ``continuation`` they are scalars per row, with
+``continuations`` lists (one entry per continuation, in the row's order). The CLI's join rule
+applies (``join`` between prompt and continuation unless either side has whitespace there).
+
+    {"prompt": "The capital of France is", "continuation": "Paris"}
+ -> {"index": 0, "continuation": " Paris", "log_prob": -0.2581, "num_tokens": 1, "is_greedy": true,
+     "token_logprobs": [-0.2581]}
+
+>>> ScoreRows().float32_columns >= {"token_logprobs", "entropy"}
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LogprobeError
+from ..io.tables import Row
+from . import fields
+from .base import RowWork, row_head
+
+SCORE_COLUMNS = ("continuation", "log_prob", "num_tokens", "is_greedy", "token_logprobs", "entropy", "top_k_ids",
+                 "top_k_logprobs")
+
+
+def join_continuation(prompt: str, continuation: str, join: str) -> str:
+    """``join + continuation`` unless the prompt ends or the continuation starts with whitespace.
+
+    >>> join_continuation("The capital of France is", "Paris", " "), join_continuation("a ", "b", " ")
+    (' Paris', 'b')
+    """
+    if not prompt or not continuation or prompt[-1].isspace() or continuation[0].isspace():
+        return continuation
+    return join + continuation
+
+
+@dataclass(slots=True)
+class ScoreRows:
+    """Options shared by every row: temperature, top-k and entropy, the join, kept columns."""
+
+    scorer: object = None
+    temperature: float = 1.0
+    top_k: int = 0
+    entropy: bool = False
+    join: str = " "
+    keep: tuple[str, ...] = ()
+    float32_columns = frozenset({"token_logprobs", "entropy", "top_k_logprobs"})
+
+    def head(self, row: Row) -> dict:
+        return row_head(row, self.keep)
+
+    def work(self, row: Row) -> RowWork:
+        data = row.data
+        prompt = fields.text(data.get("prompt"), "prompt")
+        many = not fields.missing(data.get("continuations"))
+        if many:
+            conts = fields.text_list(data["continuations"], "continuations")
+        elif "continuation" in data and data["continuation"] is not None:
+            conts = [fields.text(data["continuation"], "continuation")]
+        else:
+            raise LogprobeError("continuation", "is missing", "give a continuation or continuations column")
+        conts = [join_continuation(prompt, c, self.join) for c in conts]
+        job = self.scorer.score_job(prompt, conts, temperature=self.temperature, top_k=self.top_k,
+                                    entropy=self.entropy)
+
+        def finish(results) -> dict:
+            cols = [score_columns(s) for s in job.finish(results)]
+            return cols[0] if not many else {k: [c[k] for c in cols] for k in cols[0]}
+
+        return RowWork(row.index, job.requests, finish, self.head(row))
+
+
+def score_columns(s) -> dict:
+    """The table columns of one ``ContinuationScore``."""
+    out = {"continuation": s.continuation, "log_prob": s.log_prob, "num_tokens": s.num_tokens,
+           "is_greedy": s.is_greedy, "token_logprobs": s.token_logprobs}
+    if s.entropy is not None:
+        out["entropy"] = s.entropy
+    if s.top_k is not None:
+        out["top_k_ids"] = [[i for i, _, _ in alts] for alts in s.top_k]
+        out["top_k_logprobs"] = [[lp for _, _, lp in alts] for alts in s.top_k]
+    return out
