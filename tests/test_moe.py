@@ -346,7 +346,7 @@ _GGUF_NAMES = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight":
                "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp"}
 
 
-def write_moe_gguf(path, hf_model, arch: str, qtype: str, expert_qtype: str) -> dict[str, np.ndarray]:
+def write_moe_gguf(path, hf_model, arch: str, qtype: str, expert_qtype: str, extra=None) -> dict[str, np.ndarray]:
     """Write a tiny HF MoE model as a GGUF of ``arch`` (llama = Mixtral: q/k rows permuted as
     llama.cpp's converter does); matrices in ``qtype``, experts [E, out, in] in ``expert_qtype``.
     Returns the weights as gguf-py decodes them, under the HF model's own parameter names."""
@@ -357,6 +357,8 @@ def write_moe_gguf(path, hf_model, arch: str, qtype: str, expert_qtype: str) -> 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch=arch)
     _gguf_header(w, cfg, head_dim)
+    if extra is not None:
+        extra(w)  # more metadata
     sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
     decoded = {}
 
@@ -458,6 +460,29 @@ def test_gguf_unsupported_expert_type_is_named(tmp_path):
     write_moe_gguf(path, src, "qwen3moe", "Q8_0", "Q5_0")
     with pytest.raises(LogprobeError, match="Q5_0"):
         load_model(str(path), "cpu", "float32")
+
+
+@pytest.mark.parametrize("key, add", [
+    ("expert_gating_func", lambda w: w.add_expert_gating_func(gguf_enum("ExpertGatingFuncType").SIGMOID)),
+    ("expert_group_count", lambda w: w.add_expert_group_count(2)),
+    ("expert_weights_scale", lambda w: w.add_expert_weights_scale(2.5)),
+    ("expert_weights_norm", lambda w: w.add_expert_weights_norm(False)),
+])
+def test_gguf_moe_metadata_not_run_is_refused(key, add, tmp_path):
+    """Routing metadata the native model would ignore is an error naming the key."""
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_config(moe_config("qwen3_moe"), experts_implementation="eager").eval()
+    path = tmp_path / "meta.gguf"
+    write_moe_gguf(path, src, "qwen3moe", "F32", "F32", extra=add)
+    with pytest.raises(LogprobeError, match=key):
+        load_model(str(path), "cpu", "float32")
+
+
+def gguf_enum(name: str):
+    import gguf
+
+    return getattr(gguf, name)
 
 
 # -- the fused Triton kernel (kernels.moe) -------------------------------------------------------
