@@ -163,3 +163,48 @@ def test_dense_gguf_takes_float_weights(dirs, tmp_path):
     s = Scorer(load_model(str(tmp_path / "m.gguf"), "cpu", "float32", weights="dense"), progress=False)
     s.update_weights(hf_weights(dirs["llama"][1]))
     assert same(scores(s), scores(scorer(dirs["llama"][1])))
+
+
+# -- mixture of experts -------------------------------------------------------------------------------
+
+def make_moe(path, seed: int):
+    """A tiny Qwen2-MoE (shared expert, qkv bias, block 1 dense) saved per expert; returns the
+    float32 transformers model, whose parameters are stacked (experts.gate_up_proj [E, 2I, H])."""
+    import transformers as tf
+    from helpers import VOCAB, byte_tokenizer
+
+    cfg = tf.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                            bos_token_id=1, eos_token_id=0, intermediate_size=96, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                            mlp_only_layers=[1])
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                experts_implementation="eager").float().eval()
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+    return model
+
+
+def test_moe_update_stacked_and_per_expert(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_moe(a, 1)
+    model_b = make_moe(b, 2)
+    names = [n for n, _ in model_b.named_parameters()]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names  # stacked in memory, per expert on disk
+    s = scorer(a, True)
+    old, fresh_b = scores(s), scores(scorer(b, True))
+    assert not same(old, fresh_b)
+    s.update_weights(model_b.named_parameters())  # a stream of stacked tensors
+    assert same(scores(s), fresh_b)
+    s.load_weights(str(a))  # per-expert checkpoint names
+    assert same(scores(s), old)
+    per_expert = hf_weights(b)
+    del per_expert["model.layers.0.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(LogprobeError, match=r"model\.layers\.0\.mlp\.experts\.up_proj\.3"):
+        s.update_weights(per_expert)
+    stacked = dict(model_b.named_parameters())
+    stacked["model.layers.0.mlp.experts.down_proj"] = stacked["model.layers.0.mlp.experts.down_proj"][:3]
+    with pytest.raises(LogprobeError, match="3 experts, the model has 4"):
+        s.update_weights(iter(list(stacked.items())))
+    assert same(scores(s), old) and s.weights_version == 2

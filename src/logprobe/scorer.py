@@ -304,8 +304,9 @@ class Scorer:
         a fresh Scorer's on the new weights (bitwise in deterministic mode). A list or dict is
         checked whole, then copied in place; an iterator is staged on the model's device (one more
         copy of the weights at most). Returns the new ``weights_version``. Refused for
-        packed-quantized models (GGUF blocks, compressed-tensors), mixture-of-experts models, the
-        transformers backend and tensor-parallel scorers (``loading.update``)."""
+        packed-quantized models (GGUF blocks, compressed-tensors), the transformers backend and
+        tensor-parallel scorers (``loading.update``). Mixture-of-experts models take experts one by
+        one (checkpoint names) or stacked (transformers' in-memory ``experts.gate_up_proj``)."""
         from .loading.update import update_weights
 
         update_weights(self._weights_model(), named_tensors)

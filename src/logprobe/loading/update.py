@@ -16,6 +16,10 @@ before any weight changes, so a bad name or shape leaves the old weights in forc
     a safetensors file or directory: names, dtypes and shapes come from the headers, so all are
         checked before one tensor is read, then tensors are read and copied one at a time.
 
+Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.{e}.gate_proj.weight``,
+as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked, as transformers holds
+them in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); see ``units``.
+
 Each tensor becomes what the loader makes of the same checkpoint tensor (``.to(dtype, device)``,
 q/k rows to the interleaved RoPE layout), so scores equal those of a fresh load of the new
 weights, bitwise. A tied model's ``lm_head.weight`` is its embedding: given, it is checked for
@@ -25,6 +29,7 @@ shape and ignored (as the loader ignores it on disk).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +38,10 @@ import torch
 
 from ..errors import LogprobeError
 from ..models.llama import LlamaModel
+from .hf import _EXPERT, hf_param_name
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")  # [E, out, in] parameters
 _SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
@@ -51,7 +58,9 @@ class Incoming:
 def weight_slots(model) -> dict[str, torch.Tensor]:
     """Native parameter name -> the live parameter it is copied into (q/k/v and gate/up are views
     of their fused weight, so writing them writes the fused matmul too): exactly the names a
-    checkpoint of this model holds. Refuses models whose weights cannot take float tensors."""
+    checkpoint of this model holds. A mixture of experts' stacked ``layers.N.mlp.experts.gate_proj``
+    [E, out, in] is E units ``layers.N.mlp.experts.gate_proj.{e}`` (views [out, in]). Refuses models
+    whose weights cannot take float tensors."""
     from ..layers.moe import PackedExperts
     from ..layers.quant_linear import PackedEmbedding, PackedWeight
     from ..models.moe import native_model_class
@@ -63,9 +72,6 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
         raise LogprobeError("tensor_parallel_size", f"this model is split over {model.ctx.size} ranks: weight "
                             "updates are not shipped to tensor-parallel shards yet",
                             "update a scorer made with tensor_parallel_size 1")
-    if model.config.moe is not None:
-        raise LogprobeError("model", "weight updates of mixture-of-experts models (stacked experts) are not "
-                            "there yet", "reload the scorer from the new checkpoint")
     for name, m in model.named_modules():
         if isinstance(m, (PackedWeight, PackedEmbedding, PackedExperts)):
             raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
@@ -73,23 +79,63 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
                                 "load the float checkpoint, or reload the scorer from the new quantized file")
     with torch.device("meta"):
         names = list(native_model_class(model.config)(model.config).state_dict())
-    return {n: model.get_parameter(n) for n in names}
+    slots = {}
+    for n in names:
+        p = model.get_parameter(n)
+        if _STACKED.fullmatch(n):  # [E, out, in]: one unit per expert, as checkpoints store them
+            slots.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
+        else:
+            slots[n] = p
+    return slots
 
 
 def native_name(hf_name: str, model: LlamaModel) -> str | None:
-    """A Hugging Face name -> the native parameter name; None: a tensor the model does not hold
-    (rotary ``inv_freq``, a tied model's ``lm_head.weight``). Unknown names come back unchanged
-    minus ``model.`` and fail the slot lookup."""
-    if hf_name.endswith("rotary_emb.inv_freq"):
-        return None
-    if hf_name == "lm_head.weight":
-        return None if model.config.tie_word_embeddings else "lm_head.weight"
-    return hf_name.removeprefix("model.")
+    """A Hugging Face name -> the native parameter name, by the loader's own mapping
+    (``loading.hf.hf_param_name``: Mixtral's ``block_sparse_moe`` too); None: a tensor the model does
+    not hold (rotary ``inv_freq``, a tied model's ``lm_head.weight``). An unknown name comes back as
+    given and fails the slot lookup."""
+    try:
+        return hf_param_name(hf_name, model.config, "update")
+    except LogprobeError:
+        return hf_name
 
 
-def check(item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor], seen: set[str], field: str) -> str | None:
-    """The slot name of a valid incoming tensor (None: ignored); raises naming it otherwise."""
+def units(item: Incoming, model: LlamaModel, field: str) -> list[tuple[str | None, Incoming]]:
+    """An incoming tensor as (slot name, piece) pairs: one pair, except a mixture of experts' tensors,
+    which land one expert at a time:
+
+        layers.N.mlp.experts.{e}.gate_proj.weight [I, H]   -> unit layers.N.mlp.experts.gate_proj.{e}
+        layers.N.mlp.experts.gate_proj / up_proj / down_proj [E, out, in]  -> E units
+        layers.N.mlp.experts.gate_up_proj [E, 2I, H] (transformers' in-memory name)
+                                         -> gate_proj.{e} = [e, :I], up_proj.{e} = [e, I:]
+    """
     name = native_name(item.name, model)
+    if name is None or model.config.moe is None:
+        return [(name, item)]
+    if m := _EXPERT.fullmatch(name):
+        return [(f"{m.group(1)}.{m.group(3)}.{m.group(2)}", item)]
+    if len(item.shape) != 3:
+        return [(name, item)]
+    E, rows, cols = item.shape
+    stacked = name.endswith(".experts.gate_up_proj") or _STACKED.fullmatch(name)
+    if stacked and E != model.config.moe.num_experts:
+        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}: {E} experts, the model has "
+                            f"{model.config.moe.num_experts}")
+    if name.endswith(".experts.gate_up_proj") and rows % 2 == 0:
+        half, base = rows // 2, name.removesuffix("gate_up_proj")
+        return [(f"{base}{proj}.{e}", Incoming(item.name, (half, cols), item.dtype,
+                                               lambda e=e, k=k: item.load()[e, k * half:(k + 1) * half]))
+                for e in range(E) for k, proj in enumerate(("gate_proj", "up_proj"))]
+    if _STACKED.fullmatch(name):
+        return [(f"{name}.{e}", Incoming(item.name, (rows, cols), item.dtype, lambda e=e: item.load()[e]))
+                for e in range(E)]
+    return [(name, item)]
+
+
+def check(name: str | None, item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor], seen: set[str],
+          field: str) -> str | None:
+    """``name`` (the unit ``item`` goes to) if the item is valid, None if it is ignored; raises
+    naming it otherwise."""
     if name is None:
         if item.name == "lm_head.weight" and item.shape != tuple(model.embed_tokens.weight.shape):
             raise LogprobeError(field, f"lm_head.weight has shape {item.shape}, the model's (tied) embedding is "
@@ -99,14 +145,16 @@ def check(item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor], see
         raise LogprobeError(field, f"{item.name!r} is not a weight of this model",
                             "send the Hugging Face names of the same architecture (model.layers.N...)")
     if name in seen:
-        raise LogprobeError(field, f"{item.name!r} is given twice")
+        raise LogprobeError(field, f"{item.name!r} is given twice"
+                            + (f" ({name} again)" if not name.endswith(item.name.removeprefix("model.")) else ""))
     if item.dtype not in _FLOATS:
         raise LogprobeError(field, f"{item.name!r} is {str(item.dtype).removeprefix('torch.')}: weight updates "
                             "take float tensors (float32, bfloat16, float16)",
                             "quantized tensors cannot be written into this model exactly")
     want = tuple(slots[name].shape)
     if item.shape != want:
-        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is {want}")
+        part = "" if name.endswith(item.name.removeprefix("model.")) else f" for {name}"
+        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}{part}, the model's is {want}")
     seen.add(name)
     return name
 
@@ -114,7 +162,7 @@ def check(item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor], see
 def check_complete(slots: dict[str, torch.Tensor], seen: set[str], field: str) -> None:
     missing = [n for n in slots if n not in seen]
     if missing:
-        hf = ["lm_head.weight" if n == "lm_head.weight" else f"model.{n}" for n in missing]
+        hf = [n if n == "lm_head.weight" else f"model.{n}" for n in missing]
         raise LogprobeError(field, f"{len(missing)} weight{'s' * (len(missing) != 1)} missing: "
                             f"{', '.join(hf[:5])}{' ...' if len(hf) > 5 else ''}",
                             "send every weight of the model (a partial update would mix two policies)")
@@ -150,13 +198,15 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
     if staged:
         ready = {}
         for item in items:
-            if (name := check(item, model, slots, seen, field)) is not None:
-                ready[name] = convert(name, item.load(), slots[name], model)
+            for unit, piece in units(item, model, field):
+                if (name := check(unit, piece, model, slots, seen, field)) is not None:
+                    ready[name] = convert(name, piece.load(), slots[name], model)
         check_complete(slots, seen, field)
         for name, value in ready.items():
             slots[name].copy_(value)
         return len(ready)
-    todo = [(name, item) for item in items if (name := check(item, model, slots, seen, field)) is not None]
+    todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
+            if (name := check(unit, piece, model, slots, seen, field)) is not None]
     check_complete(slots, seen, field)
     for name, item in todo:
         slots[name].copy_(convert(name, item.load(), slots[name], model))
