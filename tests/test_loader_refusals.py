@@ -4,8 +4,9 @@ Checkpoints are built here, on CPU, from tiny random models: a real FP8_DYNAMIC 
 checkpoint (float-quantized: e4m3 weights with per-channel scales, dynamic per-token FP8 input
 activations) written by the compressed-tensors package (it now loads: tests/test_act_quant.py has the
 activation-quantized schemes and their refusals), and W4A16 checkpoints edited into schemes,
-formats, statuses and tensors logprobe does not run; Hugging Face directories with GPTQ/AWQ configs
-or float8/int tensors; GGUF files with YaRN RoPE, experts, sliding windows or extra tensors. Each
+formats, statuses and tensors logprobe does not run; hand-packed GPTQ / AWQ checkpoints
+(``gptq_helpers``) edited into variants logprobe does not run; Hugging Face directories with other
+quantization methods or float8/int tensors; GGUF files with YaRN RoPE, experts, sliding windows or extra tensors. Each
 test asserts that the error names the module/tensor/key and the scheme, so it fails if the loader
 refuses for another reason or not at all.
 """
@@ -124,7 +125,7 @@ CONFIG_EDITS = {
         lambda r: (r["quantization_config"].update(format="mixed-precision"), _group(r).update(format=None)),
         ["model.layers.", "'mixed-precision'"]),
     "float weight type": (lambda r: _group(r)["weights"].update(type="float"),
-                          ["model.layers.", "weights float4", "float weights are not supported"]),
+                          ["model.layers.", "weights float4", "'nvfp4-pack-quantized', not 'pack-quantized'"]),
     "unknown strategy": (lambda r: _group(r)["weights"].update(strategy="tensor_group"),
                          ["model.layers.", "strategy 'tensor_group'"]),
     "block strategy": (lambda r: _group(r)["weights"].update(strategy="block", block_structure=[128, 128]),
@@ -235,13 +236,89 @@ def llama_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "bitsandbytes", None])
+@pytest.mark.parametrize("method", ["fp8", "bitsandbytes", "marlin", "bitblas", "gptq", "awq", None])
 def test_other_quant_methods_are_refused(method, llama_dir, tmp_path):
+    """GPTQ / AWQ configs over plain float tensors are refused too: no module holds their layout."""
     q = {"quant_method": method, "bits": 4, "group_size": 128} if method else {"bits": 4}
     d = _copy(llama_dir, tmp_path / "q", lambda raw: raw.update(quantization_config=q))
-    _refused(d, "quantization_config", f"quant_method {method!r}", "compressed-tensors")
+    needle = "holds no <module>.qweight" if method in ("gptq", "awq") else "compressed-tensors"
+    _refused(d, "quantization_config", f"quant_method {method!r}", needle)
     with pytest.raises(LogprobeError, match=f"quant_method {method!r}"):
         Scorer(str(d), device="cpu", progress=False)
+
+
+# -- GPTQ and AWQ -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gptq_awq_dirs(ct_src, tmp_path_factory):
+    """A GPTQ v1 act-order 4-bit group-32 checkpoint and an AWQ GEMM group-64 one (``gptq_helpers``)."""
+    from gptq_helpers import awq_pack, gptq_pack, write_quantized
+
+    gptq = tmp_path_factory.mktemp("gptq")
+    write_quantized(ct_src, gptq, "gptq", dict(bits=4, group_size=32, sym=False, desc_act=True,
+                                               checkpoint_format="gptq"),
+                    lambda m, w: gptq_pack(w, 4, 32, False, True, True, seed=len(m)))
+    awq = tmp_path_factory.mktemp("awq")
+    write_quantized(ct_src, awq, "awq", dict(bits=4, group_size=64, zero_point=True, version="gemm"),
+                    lambda m, w: awq_pack(w, 64))
+    return {"gptq": gptq, "awq": awq}
+
+
+def _cfg(**kw):
+    return lambda raw: raw["quantization_config"].update(kw)
+
+
+def _v1_zero_of_zero(state):
+    """A v1 zero point 0 stored as -1: AutoGPTQ's packing leaves all-ones nibbles (0xF) in the word."""
+    z = state[f"{MOD}.qzeros"]
+    z[0, 0] = z[0, 0] | 0xF
+    state[f"{MOD}.qzeros"] = z
+
+
+GPTQ_AWQ_EDITS = {
+    # name: (checkpoint, config edit, tensor edit, substrings of the error)
+    "gptq 3 bits": ("gptq", _cfg(bits=3), None, ["GPTQ bits 3"]),
+    "gptq 2 bits": ("gptq", _cfg(bits=2), None, ["GPTQ bits 2"]),
+    "gptq marlin format": ("gptq", _cfg(checkpoint_format="marlin"), None, ["checkpoint_format 'marlin'"]),
+    "gptq bitblas format": ("gptq", lambda raw: (raw["quantization_config"].pop("checkpoint_format"),
+                                                 _cfg(format="bitblas")(raw)), None, ["checkpoint_format 'bitblas'"]),
+    "gptq unknown key": ("gptq", _cfg(rotation="hadamard"), None, ["'rotation'"]),
+    "gptq per-module overrides": ("gptq", _cfg(dynamic={"-:.*down_proj": {}}), None, ["GPTQ dynamic"]),
+    "gptq zero group size": ("gptq", _cfg(group_size=0), None, ["GPTQ group_size 0"]),
+    "gptq desc_act without g_idx": ("gptq", None, lambda s: s.pop(f"{MOD}.g_idx"), [f"{MOD}.g_idx", "desc_act"]),
+    "gptq extra tensor": ("gptq", None, lambda s: s.update({f"{MOD}.bias_scale": torch.ones(1)}),
+                          [f"{MOD}.bias_scale", "would be ignored"]),
+    "gptq missing scales": ("gptq", None, lambda s: s.pop(f"{MOD}.scales"), [f"{MOD}.scales", "lacks"]),
+    "gptq int64 qweight": ("gptq", None, lambda s: s.update({f"{MOD}.qweight": s[f"{MOD}.qweight"].long()}),
+                           [f"{MOD}.qweight", "int64"]),
+    "gptq uneven act-order groups": ("gptq", None, lambda s: s[f"{MOD}.g_idx"].__setitem__(0, 1 - int(s[f"{MOD}.g_idx"][0] > 0)),
+                                     [f"{MOD}.g_idx", "group_size 32"]),
+    "gptq v1 zero point of zero": ("gptq", None, _v1_zero_of_zero, [f"{MOD}.qzeros", "v1", "gptq_v2"]),
+    "gptq wrong scales shape": ("gptq", _cfg(group_size=64), None, [".scales", "[groups, out]"]),
+    "awq gemv": ("awq", _cfg(version="gemv"), None, ["AWQ version 'gemv'"]),
+    "awq gemv_fast format": ("awq", lambda raw: (raw["quantization_config"].pop("version"),
+                                                 _cfg(format="gemv_fast")(raw)), None, ["AWQ version 'gemv_fast'"]),
+    "awq exllama": ("awq", _cfg(version="exllama"), None, ["AWQ version 'exllama'"]),
+    "awq 8 bits": ("awq", _cfg(bits=8), None, ["AWQ bits 8"]),
+    "awq no zero point": ("awq", _cfg(zero_point=False), None, ["AWQ zero_point False"]),
+    "awq unknown key": ("awq", _cfg(rotation="hadamard"), None, ["'rotation'"]),
+    "awq extra g_idx": ("awq", None, lambda s: s.update({f"{MOD}.g_idx": torch.zeros(256, dtype=torch.int32)}),
+                        [f"{MOD}.g_idx", "would be ignored"]),
+}
+
+
+@pytest.mark.parametrize("case", list(GPTQ_AWQ_EDITS))
+def test_gptq_and_awq_variants_not_run_are_refused(case, gptq_awq_dirs, tmp_path):
+    which, edit_config, edit_tensors, needles = GPTQ_AWQ_EDITS[case]
+    d = _copy(gptq_awq_dirs[which], tmp_path / which, edit_config, edit_tensors)
+    msg = _refused(d, *needles)
+    assert msg.startswith("quantization_config:"), msg
+
+
+def test_gptq_and_awq_copies_without_edits_load(gptq_awq_dirs, tmp_path):
+    for which, d in gptq_awq_dirs.items():
+        assert load_model(str(_copy(d, tmp_path / which)), "cpu", "float32").info.backend == "native"
 
 
 def test_gptq_side_file_is_refused(llama_dir, tmp_path):

@@ -73,8 +73,9 @@ def _args(d):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_layers_expand_like_the_package(scheme, fp4_dirs):
-    from logprobe.layers.rotary import to_interleaved
     from safetensors.torch import load_file
+
+    from logprobe.layers.rotary import to_interleaved
 
     d = fp4_dirs[scheme]
     wargs, _ = _args(d)
@@ -177,3 +178,75 @@ def test_packed_equals_dense_and_deterministic_batch_invariance(scheme, fp4_dirs
             for i, seq in enumerate(seqs):
                 alone = Scorer(packed, config=cfg, progress=False).logprobs([seq])[0].logprobs
                 assert torch.equal(alone, a[i].logprobs), i
+
+
+# -- what stays refused ---------------------------------------------------------------------------------
+
+MOD = "model.layers.0.mlp.down_proj"
+
+
+def _edited(src, dst, edit_group=None, edit_tensors=None):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit_group is not None:
+        raw = json.loads((dst / "config.json").read_text())
+        edit_group(raw["quantization_config"]["config_groups"]["group_0"], raw["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(raw))
+    if edit_tensors is not None:
+        state = load_file(str(dst / "model.safetensors"))
+        edit_tensors(state)
+        save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _w(**kw):
+    return lambda g, q: g["weights"].update(kw)
+
+
+def _a(**kw):
+    return lambda g, q: g["input_activations"].update(kw)
+
+
+REFUSED = {
+    # name: (scheme, config edit, tensor edit, substrings of the error)
+    "mxfp4 groups of 32": ("NVFP4A16", _w(group_size=32), None, ["group_size 32", "MXFP4"]),
+    "per-group strategy": ("NVFP4A16", _w(strategy="group"), None, ["strategy 'group'", "tensor_group"]),
+    "weight scale dtype": ("NVFP4A16", _w(scale_dtype="torch.uint8"), None, ["scale_dtype 'torch.uint8'"]),
+    "asymmetric weights": ("NVFP4A16", _w(symmetric=False), None, ["asymmetric weights"]),
+    "other format": ("NVFP4A16", lambda g, q: (g.update(format="pack-quantized"), q.update(format="pack-quantized")),
+                     None, ["'nvfp4-pack-quantized', not 'pack-quantized'"]),
+    "fully dynamic activations": ("NVFP4", _a(dynamic=True), None, ["dynamic True", "'local'"]),
+    "int4 activations": ("NVFP4", _a(type="int"), None, ["input activations int4", "combination"]),
+    "unknown activation option": ("NVFP4", _a(rotation="hadamard"), None, ["'rotation'"]),
+    "lm_head activations": ("NVFP4", lambda g, q: q.update(ignore=[]), None, ["lm_head", "log-prob head"]),
+    "missing input_global_scale": ("NVFP4", None, lambda s: s.pop(f"{MOD}.input_global_scale"),
+                                   [f"{MOD}.input_global_scale", "lacks"]),
+    "input_global_scale on NVFP4A16": ("NVFP4A16", None, lambda s: s.update({f"{MOD}.input_global_scale":
+                                                                             torch.ones(1)}),
+                                       [f"{MOD}.input_global_scale", "does not have"]),
+    "float32 group scales": ("NVFP4A16", None, lambda s: s.update({f"{MOD}.weight_scale":
+                                                                   s[f"{MOD}.weight_scale"].float()}),
+                             [f"{MOD}.weight_scale", "float32", "float8_e4m3fn"]),
+    "zero global scale": ("NVFP4", None, lambda s: s.update({f"{MOD}.weight_global_scale": torch.zeros(1)}),
+                          [f"{MOD}.weight_global_scale", "positive"]),
+    "wrong scale shape": ("NVFP4A16", None, lambda s: s.update({f"{MOD}.weight_scale":
+                                                                s[f"{MOD}.weight_scale"][:, :8].contiguous()}),
+                          [f"{MOD}.weight_scale", "one scale per 16"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_fp4_variants_are_refused(case, fp4_dirs, tmp_path):
+    from logprobe import LogprobeError
+
+    scheme, edit_group, edit_tensors, needles = REFUSED[case]
+    d = _edited(fp4_dirs[scheme], tmp_path / "edited", edit_group, edit_tensors)
+    with pytest.raises(LogprobeError) as err:
+        load_model(str(d), "cpu", "float32")
+    msg = str(err.value)
+    assert msg.startswith("quantization_config:"), msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)

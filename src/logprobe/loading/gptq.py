@@ -83,7 +83,7 @@ def pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)  # the same 32 bits, as int32
 
 
-def group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+def group_order(g_idx: torch.Tensor, group_size: int, name: str = "g_idx") -> torch.Tensor | None:
     """Input channels sorted by group (a stable sort), or None when they already are (g_idx[k] =
     k // group_size). Refuses a g_idx whose sorted groups are not contiguous runs of ``group_size``
     (what GPTQ's act-order writes). Example: g_idx [1, 0, 1, 0], group 2 -> [1, 3, 0, 2]."""
@@ -95,7 +95,7 @@ def group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
     perm = torch.sort(g, stable=True).indices  # [in]
     if not torch.equal(g[perm], want):
         counts = torch.bincount(g.clamp(min=0)).tolist()
-        _refuse(f"g_idx assigns {counts[:6]}... channels to its groups, not groups of group_size {group_size}: "
+        _refuse(f"{name} assigns {counts[:6]}... channels to its groups, not groups of group_size {group_size}: "
                 "logprobe runs act-order g_idx whose groups hold group_size channels each")
     return perm
 
@@ -187,7 +187,7 @@ def gptq_layer(module: str, t: dict[str, torch.Tensor], bits: int, group_size: i
                     f"integer group per input channel ({cols})")
         if bool((g_idx < 0).any()) or bool((g_idx >= G).any()):
             _refuse(f"{module}.g_idx names groups outside 0..{G - 1}")
-        perm = group_order(g_idx, group)
+        perm = group_order(g_idx, group, f"{module}.g_idx")
     words = qweight.T.contiguous()  # [out, in / per]: CT's layout, the same bits
     if perm is None:
         return CTLinear(words, scale, zp, bits, group, cols)
