@@ -200,6 +200,28 @@ def test_generate_refusals(server, body, param):
         assert "accepted fields: max_new_tokens, temperature" in err["message"]
 
 
+
+def test_generate_out_of_memory_names_the_item(models):
+    """An input that does not fit in memory even alone is a 413 naming it (the body's item, though
+    item 0 needs no engine request); the engine's fault hook raises out of memory on passes over
+    200 tokens."""
+    served = scorer(models["a"][0], max_batch_tokens=512)
+
+    def hook(rows: int, tokens: int) -> None:
+        if tokens > 200:
+            raise torch.OutOfMemoryError("injected")
+
+    long = [5 + k % 250 for k in range(300)]
+    with serve(create_app(served)) as url:
+        served.engine.fault_hook = hook
+        r = post(url, "/generate", {"input_ids": [IDS, IDS2, long], "return_logprob": [False, True, True],
+                                    "logprob_start_len": 0})
+        served.engine.fault_hook = None
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input_ids[2]" and err["code"] == "out_of_memory"
+    assert err["message"].startswith("input_ids[2]: 299 input tokens do not fit"), err
+
 # -- prompt_logprobs (vLLM) ----------------------------------------------------------------------
 
 def ranks_between(row: torch.Tensor, value: float) -> range:

@@ -1,4 +1,7 @@
 """The ASGI app (FastAPI on uvicorn): thin handlers over ``Scorer`` jobs and the shared ``Batcher``.
+``create_app`` wires the OpenAI/vLLM and native routes defined here and the RL routes of
+``routes_rl`` (SGLang's ``/generate`` and ``/update_weights_from_disk``); every scoring reply says
+the ``weights_version`` that computed it.
 
 Every error is JSON ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape) with a
 4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``. Faults (issue 23): a
@@ -259,7 +262,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
             have = f"at most about {e.fits} tokens have fit in one pass" if e.fits else "no pass has fit yet"
             # the job's requests are the body's items, in order (perplexity: its windows)
             items = {"/v1/score": "continuations", "/v1/logprobs": "sequences"}.get(request.url.path)
-            field = f"{items}[{exc.index}]" if items else "texts" if request.url.path == "/v1/perplexity" else "prompt"
+            field = exc.field or (f"{items}[{exc.index}]" if items else "texts" if request.url.path == "/v1/perplexity"
+                                  else "prompt")
             what = f"window {exc.index} of this request has " if field == "texts" else ""
             return error_response(413, f"{field}: {what}{e.tokens} input tokens do not fit in the server's memory "
                                   f"even alone (out of memory at {e.context} tokens; {have}); send shorter inputs",

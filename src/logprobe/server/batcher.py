@@ -53,12 +53,14 @@ class ServerClosed(Exception):
 
 
 class JobFailed(Exception):
-    """Request ``index`` of a job failed alone in the engine (``error``, e.g. RequestOutOfMemory)."""
+    """Request ``index`` of a job failed alone in the engine (``error``, e.g. RequestOutOfMemory).
+    ``field``: the body's item it came from, when the route knows it better than the index."""
 
     def __init__(self, index: int, error: Exception) -> None:
         super().__init__(str(error))
         self.index = index
         self.error = error
+        self.field: str | None = None
 
 
 class JobTimeout(Exception):

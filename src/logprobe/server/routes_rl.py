@@ -12,7 +12,8 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import LogprobeError
-from ..scorer import Job, Scorer
+from ..scorer import Scorer
+from .batcher import JobFailed
 from .config import ServerConfig
 from .responses import SafeJSONResponse, error_body, replies
 from .schemas_rl import GenerateReply, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
@@ -40,8 +41,12 @@ def rl_router(scorer: Scorer, config: ServerConfig, run: Run, check_items: Calla
             check_items(len(body.input_ids), "input_ids")
         elif isinstance(body.text, list):
             check_items(len(body.text), "text")
-        job: Job = await run_in_threadpool(generate_job, body, scorer, config.max_top_logprobs)
-        out = await run(job, request)
+        job, owners = await run_in_threadpool(generate_job, body, scorer, config.max_top_logprobs)
+        try:
+            out = await run(job, request)
+        except JobFailed as e:  # name the body's item, not the engine request (items may need none)
+            e.field = owners[e.index]
+            raise
         if isinstance(out, Response):
             return out
         value, version = out

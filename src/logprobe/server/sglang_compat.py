@@ -71,8 +71,9 @@ def temperature(body: GenerateRequest) -> float:
     return 1.0 if t < SAMPLING_EPS else t
 
 
-def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -> Job:
-    """The engine requests of a ``/generate`` body and how to answer it (one dict, or a list)."""
+def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -> tuple[Job, list[str]]:
+    """The engine requests of a ``/generate`` body and how to answer it (one dict, or a list), and
+    for each request the body item it scores (``input_ids[2]``), for errors."""
     if (body.input_ids is None) == (body.text is None):
         raise LogprobeError("input_ids", "give exactly one of input_ids and text")
     many = batched(body)
@@ -104,7 +105,8 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -
         out = [_reply(it, results[it.request] if it.request is not None else None, texts) for it in items]
         return out if many else out[0]
 
-    return Job(requests, finish)
+    owners = [f"{field}[{i}]" if many else field for i, it in enumerate(items) if it.request is not None]
+    return Job(requests, finish), owners
 
 
 def _name(body: GenerateRequest, field: str, at: str) -> str:
