@@ -26,11 +26,18 @@ activation rounding as the format defines it):
 all symmetric. ``weights="dense"`` builds the same layers with the weight expanded once: the
 activation quantization is part of the model's function, so no load drops it.
 
+NVFP4 schemes (``layers.fp4_linear.FP4Linear``, a float32 emulation of the package's functions):
+
+    nvfp4-pack-quantized: <m>.weight_packed uint8 [out, in/2] (two FP4 e2m1 values per byte),
+                          <m>.weight_scale float8_e4m3fn [out, in/16], <m>.weight_global_scale [1];
+                          NVFP4A16: activations in float; NVFP4: FP4 activations, dynamic "local"
+                          scales per token and group of 16 under <m>.input_global_scale [1]
+
 Everything else is refused with an error naming the module, the scheme and what logprobe reads:
-other activation schemes (NVFP4, W4A8, asymmetric or dynamic per-tensor activations, quantized
-activations of lm_head), float weights without activation quantization, unknown formats, strategies, tensor
-suffixes and dtypes, KV-cache / attention quantization, transforms, sparsity, and float weights
-whose status says they are not yet quantized. A scheme logprobe does not run is never loaded
+other activation schemes (W4A8, MXFP4, asymmetric or dynamic per-tensor activations, quantized
+activations of lm_head), float weights without activation quantization (but NVFP4A16), unknown
+formats, strategies, tensor suffixes and dtypes, KV-cache / attention quantization, transforms,
+sparsity, and float weights whose status says they are not yet quantized. A scheme logprobe does not run is never loaded
 "plainly": that computes a different function with no error (an FP8 weight read without its
 scale is off by about a nat per token).
 """
@@ -62,8 +69,8 @@ _PLAIN_LEAVES = {"weight", "bias", "inv_freq"}
 
 SUPPORTED = ("logprobe runs compressed-tensors int4/int8 weight-only schemes (W4A16, W4A16_ASYM, W8A16: "
              "int weights with group or channel scales, stored pack-quantized or naive-quantized, activations "
-             "in float) and FP8 (FP8, FP8_DYNAMIC, FP8_BLOCK) and INT8 W8A8 schemes; for anything else score "
-             "the unquantized model")
+             "in float), FP8 (FP8, FP8_DYNAMIC, FP8_BLOCK), INT8 W8A8, NVFP4 and NVFP4A16 schemes; for anything "
+             "else score the unquantized model")
 
 
 def _refuse(problem: str, fix: str = SUPPORTED):
