@@ -243,7 +243,8 @@ class LlamaModel(nn.Module):
 
     def use_triton_elementwise(self, on: bool) -> None:
         """RMSNorm, rotary and SiLU(gate) * up as single Triton passes on CUDA (the default), or
-        as PyTorch ops (``False``: the benchmark's before/after). No effect on CPU."""
+        as PyTorch ops (``False``: the benchmark's before/after); MoE blocks switch between the
+        fused Triton kernel (``kernels.moe``) and their PyTorch path the same way. No effect on CPU."""
         for m in self.modules():
             if hasattr(m, "triton"):  # RMSNorm, attention, MLPs (dense and MoE)
                 m.triton = on
