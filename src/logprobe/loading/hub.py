@@ -60,7 +60,8 @@ def hub_path(spec: str) -> Path | None:
     except Exception as e:  # not cached (or partly): go online unless told not to
         if offline():
             raise LogprobeError("model", f"{spec!r} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE "
-                                "is set", f"run `hf download {repo}` while online, or unset HF_HUB_OFFLINE") from None
+                                "is set", f"run `hf download {repo}{' ' + gguf_file if gguf_file else ''}` while "
+                                "online, or unset HF_HUB_OFFLINE") from None
         first = e
     try:
         return Path(_fetch(repo, revision, gguf_file, cache, local_only=False))
