@@ -206,3 +206,21 @@ def test_input_errors_are_one_line(tiny_dir, tmp_path, capsys):
     src = write_table(tmp_path / "in.jsonl", SCORE_ROWS[:1])
     assert run(tiny_dir, "score", "a", "b", "--input", str(src), "--output", str(tmp_path / "o.jsonl")) == 2
     assert "drop PROMPT" in capsys.readouterr().err
+
+
+def test_progress_bar_and_version(capsys):
+    from logprobe.cli.main import version_text
+    from logprobe.cli.rows import Progress
+
+    bar = Progress(4, enabled=True)
+    bar.update(1, 300)
+    bar.update(1, 100)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "2/4" in err and "400 tok" in err and "tok/s" in err and "<" in err  # done/total, tokens, ETA
+    assert Progress(4, enabled=False).bar is None
+    text = version_text()
+    assert text.startswith("logprobe ") and "torch " in text and "device " in text and "triton" in text
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == text
