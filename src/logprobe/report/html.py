@@ -138,8 +138,9 @@ def kl_histogram_svg(kl: Sequence[float], bins: int = 24) -> str:
     lo, hi = -6.0, 1.0
     counts = [0] * bins
     for v in kl:
-        x = math.log10(v) if v > 0 else -math.inf
-        counts[min(bins - 1, max(0, int((x - lo) / (hi - lo) * bins)))] += 1
+        x = min(max(math.log10(v), lo), hi) if v > 0 else lo  # inf / nan land in the last bin
+        x = hi if x != x else x
+        counts[min(bins - 1, int((x - lo) / (hi - lo) * bins))] += 1
     W, H, pad = 760, 200, 36
     bw = (W - 2 * pad) / bins
     top = max(counts) or 1
