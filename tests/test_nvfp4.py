@@ -139,25 +139,30 @@ def _targets(model, seq: dict) -> torch.Tensor:
     return lp[n - 1:-1].gather(1, torch.tensor(ids[n:])[:, None])[:, 0]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_logprobs_match_float64_reference(scheme, fp4_dirs):
+def test_logprobs_match_float64_reference(scheme, device, fp4_dirs):
+    """On CPU, and on CUDA (the same float32 emulation), in float32."""
     d = fp4_dirs[scheme]
     ref = nvfp4_reference(d)
-    loaded = load_model(str(d), "cpu", "float32")
+    loaded = load_model(str(d), device, "float32")
     seen = _capture(loaded)
     scorer = Scorer(loaded, progress=False)
     ours, theirs, unpinned = [], [], 0.0
     for seq in _seqs():
         seen.clear()
-        lp = scorer.logprobs([seq])[0].logprobs.double()
+        lp = scorer.logprobs([seq])[0].logprobs.double().cpu()
         ref.act_pins = {}
         unpinned = max(unpinned, (lp - _targets(ref, seq)).abs().max().item())
-        ref.act_pins = {name: torch.cat([xq for _, xq in parts]) for name, parts in seen.items()}
+        ref.act_pins = {name: torch.cat([xq for _, xq in parts]).cpu() for name, parts in seen.items()}
         ours.append(lp)
         theirs.append(_targets(ref, seq))
     ours_t, theirs_t = torch.cat(ours), torch.cat(theirs)
     delta = (ours_t - theirs_t).abs().max().item()
-    print(f"{scheme}: max |delta| {delta:.2e} nat pinned ({len(ref.act_flips)} tied groups pinned), "
+    print(f"{scheme} {device}: max |delta| {delta:.2e} nat pinned ({len(ref.act_flips)} tied groups pinned), "
           f"{unpinned:.2e} unpinned, over {ours_t.numel()} tokens")
     assert delta <= 1e-4
     assert f"{math.exp(-ours_t.mean().item()):.4g}" == f"{math.exp(-theirs_t.mean().item()):.4g}"
