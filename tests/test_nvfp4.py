@@ -130,6 +130,20 @@ def test_activation_quantization_is_the_packages_bitwise(fp4_dirs):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
 
 
+def test_the_references_tie_detector(fp4_dirs):
+    """The pinning in ``nvfp4_reference`` only accepts groups on a rounding tie: an FP4 code tie
+    (x / s' = 0.75 between codes 0.5 and 1) and an FP8 scale tie (absmax / 6 = 1.0625, midway between
+    e4m3 1.0 and 1.125) are ties; a group away from every boundary is not."""
+    from nvfp4_helpers import _ties
+
+    _, aargs = _args(fp4_dirs["NVFP4"])
+    x = torch.zeros(1, 48, dtype=torch.float64)
+    x[0, 0], x[0, 1] = 6.0, 0.75  # scale exactly 1: code tie
+    x[0, 16], x[0, 17] = 6.0, 0.6  # no tie
+    x[0, 32], x[0, 33] = 6.375, 2.2  # scale tie
+    assert _ties(x, torch.ones(1, dtype=torch.float64), aargs).tolist() == [[True, False, True]]
+
+
 def _targets(model, seq: dict) -> torch.Tensor:
     ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
     with torch.no_grad():
