@@ -541,3 +541,24 @@ def test_moe_block_cuda_kernel_matches_reference_path(dtype, moe_dirs):
     plain = [r.logprobs for r in s.logprobs(seqs)]
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert max(float((a - b).abs().max()) for a, b in zip(fused, plain)) < tol
+
+
+def test_fused_expert_tensors_load_like_per_expert(moe_dirs, tmp_path):
+    """A checkpoint holding transformers' in-memory layout (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) loads to the same model as the per-expert tensors
+    ``save_pretrained`` writes: the same bits."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src, ref = moe_dirs["qwen3_moe"]
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    state = {k: v.float().contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    seqs = random_sequences(2, seed=4)
+    a = Scorer(str(src), device="cpu", dtype="float32", progress=False).logprobs(seqs)
+    b = Scorer(str(tmp_path), device="cpu", dtype="float32", progress=False).logprobs(seqs)
+    assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
