@@ -7,6 +7,8 @@ import argparse
 import json
 import time
 
+from .report import add_html_option, check_html, compare_html
+
 
 def add_window_args(p: argparse.ArgumentParser, policy_help: str, max_tokens_help: str,
                     text_required: bool = True) -> None:
@@ -37,6 +39,7 @@ def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
                         "matmul (default), or expanded once at load (faster, 4-8x the memory)")
     p.add_argument("--plot", default=None, metavar="FILE.html",
                    help="also write a self-contained HTML page plotting per-token KL along the text")
+    add_html_option(p)
     p.set_defaults(func=cmd_compare)
 
 
@@ -47,6 +50,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..scorer import Scorer
     from .common import read_text as _read_text
 
+    check_html(args)
     text = _read_text(args.text_file, "--text-file")
     if not text.strip():
         raise LogprobeError("--text-file", "is empty (no text to score)", "give a file with some text")
@@ -59,8 +63,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     res = q.compare(r, text, context_length=args.context_length, stride=args.stride, policy=args.policy,
                     prefix=False if args.no_prefix else None, max_tokens=args.max_tokens,
-                    return_token_stats=args.plot is not None)
+                    return_token_stats=args.plot is not None or args.html is not None)
     elapsed = time.perf_counter() - start
+    compare_html(args, q, r, text, res)
     if args.plot is not None:
         from ..scoring.compare import kl_plot_html
 

@@ -76,13 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     from .compare import add_compare_parser
 
     add_compare_parser(sub, common)
+    from .eval import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script passes it to sys.exit)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not hasattr(args, "passthrough"):  # only `eval` hands options on (to lm-eval)
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.passthrough = rest
     args.make_scorer = lambda a: _scorer(a)  # looked up when called (tests replace _scorer / get_scorer)
     try:
         return args.func(args)

@@ -20,6 +20,7 @@ from ..io.tables import read_output, read_rows, table_format
 from ..jobs import PerplexityRows, aggregate
 from .common import hooks_parser, json_option, read_text
 from .compare import add_window_args
+from .report import add_html_option, check_html, perplexity_html
 from .rows import INPUT_FORMATS, add_table_args, exit_code, run_table
 
 
@@ -50,6 +51,7 @@ def add_perplexity_parser(sub, common: argparse.ArgumentParser) -> None:
                    help="how rows become text: SEP between rows, one text (default for --dataset: '\\n\\n'); "
                         "none: each row its own text, one result per row (default for --input)")
     add_table_args(p, required=False)
+    add_html_option(p)
     p.set_defaults(func=cmd_perplexity)
 
 
@@ -73,6 +75,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     if len(sources) != 1:
         raise LogprobeError("perplexity", f"needs exactly one of --text-file, --dataset, --input (got "
                             f"{', '.join(sources) or 'none'})", "e.g. --text-file wiki.test.raw")
+    check_html(args)
     if args.num_samples is not None and args.num_samples < 1:
         raise LogprobeError("--num-samples", f"must be a positive integer, got {args.num_samples}")
     if args.text_file is not None:
@@ -98,6 +101,7 @@ def _one_text(args: argparse.Namespace, text: str, option: str, where: str) -> i
                             prefix=False if args.no_prefix else None, max_tokens=args.max_tokens,
                             steer=json_option(args.steer, "--steer"), capture=json_option(args.capture, "--capture"))
     elapsed = time.perf_counter() - start
+    perplexity_html(args, scorer, text, json_option(args.steer, "--steer"))
     d = res.to_dict()
     d.pop("token_nlls", None)
     if d.get("captures") is None:

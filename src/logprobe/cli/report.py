@@ -114,3 +114,41 @@ def compare_page(q, r, text: str, res, **options) -> str:
             ("PPL(Q)/PPL(R)", f"{res.ppl_ratio:.6f} ± {res.ppl_ratio_stderr:.6f}")]
     return kl_page([Segment(f"{res.num_tokens} tokens, coloured by KL(R || Q)", tokens)],
                    "logprobe compare", rows, res.report())
+
+
+# -- the hooks the commands call (one line each in cli/score.py, cli/perplexity.py, cli/compare.py) --
+
+
+def check_html(args: argparse.Namespace) -> None:
+    """Refuse what ``--html`` cannot show, before any model is loaded."""
+    if getattr(args, "html", None) is None:
+        return
+    _top_k(args)
+    if getattr(args, "input", None) is not None:
+        raise LogprobeError("--html", "shows one text (or one prompt's continuations), not the rows of --input",
+                            "drop --html, or give PROMPT CONT... / --text-file")
+
+
+def window_options(args: argparse.Namespace) -> dict:
+    """The window options of ``perplexity`` / ``compare`` as ``Scorer.perplexity_job`` keywords."""
+    return dict(context_length=args.context_length, stride=args.stride, policy=args.policy,
+                prefix=False if args.no_prefix else None, max_tokens=args.max_tokens)
+
+
+def score_html(args: argparse.Namespace, scorer, continuations: list[str], steer=None) -> None:
+    """``logprobe score ... --html FILE``: the page of the continuations just scored."""
+    if getattr(args, "html", None) is not None:
+        write_page(args.html, score_page(scorer, args.prompt, continuations, args, temperature=args.temperature,
+                                         steer=steer))
+
+
+def perplexity_html(args: argparse.Namespace, scorer, text: str, steer=None) -> None:
+    """``logprobe perplexity --text-file F --html FILE``: the page of the text just scored."""
+    if getattr(args, "html", None) is not None:
+        write_page(args.html, perplexity_page(scorer, text, args, steer=steer, **window_options(args)))
+
+
+def compare_html(args: argparse.Namespace, q, r, text: str, res) -> None:
+    """``logprobe compare ... --html FILE``: tokens coloured by KL, the KL histogram, the report."""
+    if getattr(args, "html", None) is not None:
+        write_page(args.html, compare_page(q, r, text, res, **window_options(args)))

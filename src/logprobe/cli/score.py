@@ -9,6 +9,7 @@ from ..errors import LogprobeError
 from ..io.jsonsafe import dumps
 from ..jobs import ScoreRows, join_continuation
 from .common import hooks_parser, json_option
+from .report import add_html_option, check_html, score_html
 from .rows import add_table_args, exit_code, run_table
 
 
@@ -28,6 +29,7 @@ def add_score_parser(sub, common: argparse.ArgumentParser, head: argparse.Argume
                    help="put between PROMPT and each CONT unless either side already has whitespace there "
                         "(default: a space, so Paris is scored as ' Paris')")
     add_table_args(p, required=False)
+    add_html_option(p)
     p.set_defaults(func=cmd_score)
 
 
@@ -35,6 +37,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from ..scorer import Scorer
 
     Scorer._options(args.temperature, args.top_k)  # fail before loading the model
+    check_html(args)
     if args.input is not None:
         return _score_table(args)
     if args.prompt is None or not args.continuations:
@@ -45,6 +48,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     results = scorer.score(args.prompt, conts, temperature=args.temperature, top_k=args.top_k,
                            entropy=args.entropy, steer=json_option(args.steer, "--steer"),
                            capture=json_option(args.capture, "--capture"))
+    score_html(args, scorer, conts, json_option(args.steer, "--steer"))
     if args.json:
         print(dumps([r.to_dict() for r in results], compact=False))
         return 0
