@@ -120,3 +120,74 @@ def test_tokenizer_was_remote(server_url):
 
 def test_data_is_local():
     assert Path(DATA / "mc.jsonl").exists() and Path(DATA / "rolling.jsonl").exists()
+
+
+# -- in process (--model logprobe, integrations/lm_eval.py) against the server path ---------------
+
+
+@pytest.fixture(scope="module")
+def in_process(evaluation, default_scorer, tmp_path_factory):
+    """The same tasks through ``LogprobeLM`` on the session's scorer, no server: lm-eval's
+    ``local-completions`` with max_length L rolls the windows the ``logprobe`` model draws with L - 2."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from logprobe.integrations.lm_eval import LogprobeLM
+
+    tasks = tmp_path_factory.mktemp("tasks_in_process")
+    for name in ("mc", "rolling"):
+        (tasks / f"{name}.yaml").write_text((DATA / f"{name}.yaml.in").read_text().replace("@DATA@", str(DATA)))
+    lm = LogprobeLM(scorer=default_scorer, max_length=MAX_LENGTH - 2)
+    return simple_evaluate(model=lm, tasks=["logprobe_mc", "logprobe_rolling"],
+                           task_manager=TaskManager(include_path=str(tasks)), batch_size=4, log_samples=True)
+
+
+def _resp(r) -> tuple[float, bool | None]:
+    return (float(r[0]), bool(r[1])) if isinstance(r, (list, tuple)) else (float(r), None)
+
+
+@pytest.mark.parametrize("task", ["logprobe_mc", "logprobe_rolling"])
+def test_in_process_equals_server(evaluation, in_process, task):
+    server = {s["doc_id"]: s for s in evaluation["samples"][task]}
+    ours = {s["doc_id"]: s for s in in_process["samples"][task]}
+    assert sorted(server) == sorted(ours) and len(ours) >= 3
+    for doc_id, s in ours.items():
+        assert _args(s) == _args(server[doc_id])
+        got = [_resp(r) for r in s["filtered_resps"]]
+        want = [_resp(r) for r in server[doc_id]["filtered_resps"]]
+        assert len(got) == len(want) > 0
+        for (a, ga), (b, gb) in zip(got, want):
+            assert abs(a - b) <= TOL, (doc_id, a, b)
+            assert ga == gb
+    for metric, value in evaluation["results"][task].items():
+        if isinstance(value, float) and not metric.endswith("_stderr,none"):
+            assert math.isclose(in_process["results"][task][metric], value, rel_tol=1e-5, abs_tol=1e-9), metric
+
+
+def test_truncated_and_empty_contexts_equal_server(server_url, default_scorer):
+    """``loglikelihood`` requests lm-eval truncates (context longer than max_length), an empty context
+    and a rolling document, sent straight to both LMs' request methods."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from logprobe.integrations.lm_eval import LogprobeLM
+
+    server = LocalCompletionsAPI(model="smollm2-135m", base_url=f"{server_url}/v1/completions",
+                                 max_length=MAX_LENGTH, num_concurrent=1, max_retries=3)
+    ours = LogprobeLM(scorer=default_scorer, max_length=MAX_LENGTH - 2)
+    long_ctx = " ".join(f"Sentence number {i} says something about the weather." for i in range(8))
+    assert len(default_scorer.tokenizer.encode(long_ctx)) > 2 * MAX_LENGTH
+    pairs = [(long_ctx, " The end."), ("", " Paris"), ("The capital of France is ", "Paris"),
+             (long_ctx, " and then it rained for " + "many, " * 6 + "many days.")]
+    reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    got, want = ours.loglikelihood(reqs), server.loglikelihood(reqs)
+    assert len(got) == len(want) == len(pairs)
+    for (a, ga), (b, gb) in zip(got, want):
+        assert abs(a - b) <= TOL and ga == gb
+    # truncation was real: the whole long context would give another number
+    full = default_scorer.loglikelihood([pairs[0]])[0][0]
+    assert abs(full - got[0][0]) > 1e-3
+    docs = [Instance("loglikelihood_rolling", {}, (long_ctx,), 0), Instance("loglikelihood_rolling", {}, ("Hi",), 1)]
+    got, want = ours.loglikelihood_rolling(docs), server.loglikelihood_rolling(docs)
+    for a, b in zip(got, want, strict=True):
+        assert abs(float(a) - float(b)) <= TOL
