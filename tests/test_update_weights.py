@@ -131,10 +131,6 @@ def test_malformed_pairs(bad, field, dirs):
 
 
 def test_refusals(dirs, tmp_path):
-    from logprobe.loading.update import weight_slots
-    from logprobe.models.llama import LlamaModel, slice_count
-    from logprobe.parallel.context import ParallelContext
-
     # packed-quantized: a Q8_0 GGUF kept packed
     src = make_hf_dir(tmp_path / "src", "llama", seed=4)
     write_tiny_gguf(tmp_path / "m.gguf", src.float(), "Q8_0")
@@ -144,13 +140,6 @@ def test_refusals(dirs, tmp_path):
     make_hf_dir(tmp_path / "gpt2", "gpt2")
     with pytest.raises(LogprobeError, match="transformers backend"):
         scorer(tmp_path / "gpt2").load_weights(str(tmp_path / "gpt2"))
-    # a tensor-parallel shard (rank 0 of 2, on the meta device)
-    cfg = scorer(dirs["llama"][0]).loaded.model.config
-    with torch.device("meta"):
-        shard = LlamaModel(cfg, ctx=ParallelContext(0, 2, None, slice_count(cfg)))
-    with pytest.raises(LogprobeError) as e:
-        weight_slots(shard)
-    assert e.value.field == "tensor_parallel_size"
 
 
 def test_dense_gguf_takes_float_weights(dirs, tmp_path):
@@ -208,3 +197,47 @@ def test_moe_update_stacked_and_per_expert(tmp_path):
     with pytest.raises(LogprobeError, match="3 experts, the model has 4"):
         s.update_weights(iter(list(stacked.items())))
     assert same(scores(s), old) and s.weights_version == 2
+
+
+# -- tensor parallelism -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_shard_takes_its_slices_as_loading_reads_them(kind, dirs):
+    """A rank's shard (as under torchrun) updated with whole tensors holds exactly the parameters
+    ``load_shard`` reads from the new checkpoint, bit for bit."""
+    from logprobe.loading.loader import load_shard
+    from logprobe.models.llama import slice_count
+    from logprobe.parallel.context import ParallelContext
+
+    a, b = dirs[kind]
+    for rank in (0, 1):
+        ctx = ParallelContext(rank, 2, None, slice_count(scorer(a).loaded.model.config))
+        shard = load_shard(str(a), ctx, "cpu", "float32").model
+        want = load_shard(str(b), ctx, "cpu", "float32").model.state_dict()
+        assert not torch.equal(shard.state_dict()["layers.0.self_attn.q_proj.weight"],
+                               want["layers.0.self_attn.q_proj.weight"])
+        from logprobe.loading.update import update_weights
+
+        update_weights(shard, iter(list(hf_weights(b).items())))
+        got = shard.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_tensor_parallel_scorer_update(dirs):
+    """TP = 2 worker processes: the driver cuts each tensor into the ranks' slices; the scores then
+    equal a fresh (TP = 1) scorer's on the new weights, bitwise (deterministic mode is TP-invariant);
+    a bad update changes nothing on any rank."""
+    a, b = dirs["llama"]
+    with Scorer(str(a), device="cpu", dtype="float32", progress=False, deterministic=True,
+                tensor_parallel_size=2) as s:
+        old = scores(s)
+        assert same(old, scores(scorer(a, True)))
+        bad = list(hf_weights(b).items())
+        bad[-1] = (bad[-1][0], bad[-1][1][:-1])
+        with pytest.raises(LogprobeError, match="shape"):
+            s.update_weights(iter(bad))
+        assert same(scores(s), old) and s.weights_version == 0
+        assert s.update_weights(iter(list(hf_weights(b).items()))) == 1
+        assert same(scores(s), scores(scorer(b, True)))
+        assert s.load_weights(str(a)) == 2
+        assert same(scores(s), old)

@@ -303,13 +303,15 @@ class Scorer:
         or mis-shaped name raises naming it and the old weights stay in force. Scores afterwards equal
         a fresh Scorer's on the new weights (bitwise in deterministic mode). A list or dict is
         checked whole, then copied in place; an iterator is staged on the model's device (one more
-        copy of the weights at most). Returns the new ``weights_version``. Refused for
-        packed-quantized models (GGUF blocks, compressed-tensors), the transformers backend and
-        tensor-parallel scorers (``loading.update``). Mixture-of-experts models take experts one by
-        one (checkpoint names) or stacked (transformers' in-memory ``experts.gate_up_proj``)."""
+        copy of the weights at most). Returns the new ``weights_version``. Tensor/data-parallel
+        scorers cut each tensor into its ranks' slices and send them to the workers, which stage them
+        and copy in once all confirm. Mixture-of-experts models take experts one by one (checkpoint
+        names) or stacked (transformers' in-memory ``experts.gate_up_proj``). Refused for
+        packed-quantized models (GGUF blocks, compressed-tensors) and the transformers backend
+        (``loading.update``)."""
         from .loading.update import update_weights
 
-        update_weights(self._weights_model(), named_tensors)
+        update_weights(self.loaded.model, named_tensors, engine=self._workers())
         self.weights_version += 1
         return self.weights_version
 
@@ -318,15 +320,13 @@ class Scorer:
         header is checked before one tensor is read, then tensors are copied in one at a time."""
         from .loading.update import load_weights
 
-        load_weights(self._weights_model(), path)
+        load_weights(self.loaded.model, path, engine=self._workers())
         self.weights_version += 1
         return self.weights_version
 
-    def _weights_model(self):
-        if not isinstance(self.engine, Engine):
-            raise LogprobeError("tensor_parallel_size", "weights of worker processes are not updated yet",
-                                "update a scorer made without tensor_parallel_size / data_parallel_size")
-        return self.loaded.model
+    def _workers(self):
+        """The engine of worker processes that hold the weights (tensor/data parallel), else None."""
+        return None if isinstance(self.engine, Engine) else self.engine
 
     # -- hidden states and steering vectors ----------------------------------------------------
 

@@ -59,34 +59,56 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     """Native parameter name -> the live parameter it is copied into (q/k/v and gate/up are views
     of their fused weight, so writing them writes the fused matmul too): exactly the names a
     checkpoint of this model holds. A mixture of experts' stacked ``layers.N.mlp.experts.gate_proj``
-    [E, out, in] is E units ``layers.N.mlp.experts.gate_proj.{e}`` (views [out, in]). Refuses models
-    whose weights cannot take float tensors."""
+    [E, out, in] is E units ``layers.N.mlp.experts.gate_proj.{e}`` (views [out, in]). A
+    tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
+    float tensors."""
     from ..layers.moe import PackedExperts
     from ..layers.quant_linear import PackedEmbedding, PackedWeight
-    from ..models.moe import native_model_class
 
     if not isinstance(model, LlamaModel):
         raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
                             "use a native model (a Llama-family directory or GGUF file)")
-    if model.ctx.size > 1:
-        raise LogprobeError("tensor_parallel_size", f"this model is split over {model.ctx.size} ranks: weight "
-                            "updates are not shipped to tensor-parallel shards yet",
-                            "update a scorer made with tensor_parallel_size 1")
     for name, m in model.named_modules():
         if isinstance(m, (PackedWeight, PackedEmbedding, PackedExperts)):
             raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
                                 "tensors cannot be written into quantized blocks exactly",
                                 "load the float checkpoint, or reload the scorer from the new quantized file")
+    return _slots(model, list(full_slots(model.config, names=True)))
+
+
+def full_slots(cfg, names: bool = False) -> dict[str, torch.Tensor]:
+    """The slots of the whole (unsplit) model of ``cfg``, on the meta device: the shapes a
+    checkpoint's tensors must have (``names``: its parameter names -> meta parameters instead)."""
+    from ..models.moe import native_model_class
+
     with torch.device("meta"):
-        names = list(native_model_class(model.config)(model.config).state_dict())
+        model = native_model_class(cfg)(cfg)
+    return dict(model.state_dict()) if names else _slots(model, list(model.state_dict()))
+
+
+def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
     slots = {}
     for n in names:
-        p = model.get_parameter(n)
         if _STACKED.fullmatch(n):  # [E, out, in]: one unit per expert, as checkpoints store them
+            p = model.get_parameter(n)
             slots.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
         else:
-            slots[n] = p
+            slots[n] = model.get_parameter(n)
     return slots
+
+
+def rank_slice(name: str, value: torch.Tensor, cfg, ctx) -> torch.Tensor:
+    """This rank's part of slot ``name``'s whole tensor (``loading.sharding.shard_slice``: the split
+    the loader reads), as its own contiguous storage; the tensor itself with one rank."""
+    from .sharding import shard_slice
+
+    if ctx.size == 1:
+        return value
+    cut = shard_slice(name, cfg, ctx, LlamaModel.vocab_range_of(cfg, ctx))
+    if cut is None:
+        return value
+    dim, a, b = cut
+    return value.narrow(dim, a, b - a).clone(memory_format=torch.contiguous_format)
 
 
 def native_name(hf_name: str, model: LlamaModel) -> str | None:
@@ -137,9 +159,10 @@ def check(name: str | None, item: Incoming, model: LlamaModel, slots: dict[str, 
     """``name`` (the unit ``item`` goes to) if the item is valid, None if it is ignored; raises
     naming it otherwise."""
     if name is None:
-        if item.name == "lm_head.weight" and item.shape != tuple(model.embed_tokens.weight.shape):
+        embed = tuple(slots["embed_tokens.weight"].shape)
+        if item.name == "lm_head.weight" and item.shape != embed:
             raise LogprobeError(field, f"lm_head.weight has shape {item.shape}, the model's (tied) embedding is "
-                                f"{tuple(model.embed_tokens.weight.shape)}")
+                                f"{embed}")
         return None
     if name not in slots:
         raise LogprobeError(field, f"{item.name!r} is not a weight of this model",
@@ -192,33 +215,103 @@ def incoming_tensors(named_tensors: Iterable, field: str):
 @torch.no_grad()
 def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, staged: bool) -> int:
     """Check every item, then copy all of them in (``staged``: convert each as it comes and copy
-    once the stream ends; else check all first and convert while copying). Returns how many."""
+    once the stream ends; else check all first and convert while copying). Returns how many.
+    Items are whole tensors; a tensor-parallel shard (under torchrun) takes its slice of each."""
     slots = weight_slots(model)
+    full = slots if model.ctx.size == 1 else full_slots(model.config)
     seen: set[str] = set()
+
+    def ready(name: str, piece: Incoming) -> torch.Tensor:
+        return convert(name, rank_slice(name, piece.load(), model.config, model.ctx), slots[name], model)
+
     if staged:
-        ready = {}
+        values = {}
         for item in items:
             for unit, piece in units(item, model, field):
-                if (name := check(unit, piece, model, slots, seen, field)) is not None:
-                    ready[name] = convert(name, piece.load(), slots[name], model)
-        check_complete(slots, seen, field)
-        for name, value in ready.items():
+                if (name := check(unit, piece, model, full, seen, field)) is not None:
+                    values[name] = ready(name, piece)
+        check_complete(full, seen, field)
+        for name, value in values.items():
             slots[name].copy_(value)
-        return len(ready)
+        return len(values)
     todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
-            if (name := check(unit, piece, model, slots, seen, field)) is not None]
-    check_complete(slots, seen, field)
-    for name, item in todo:
-        slots[name].copy_(convert(name, item.load(), slots[name], model))
+            if (name := check(unit, piece, model, full, seen, field)) is not None]
+    check_complete(full, seen, field)
+    for name, piece in todo:
+        slots[name].copy_(ready(name, piece))
     return len(todo)
 
 
-def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors") -> int:
-    """(Hugging Face name, tensor) pairs -> the model's weights; see the module docstring."""
+def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: str) -> int:
+    """A parallel scorer's update: ``model`` is the driver's weightless (meta) model; each checked
+    tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
+    (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
+    error before that drops every staged slice (all or nothing across ranks)."""
+    from ..models.llama import slice_count
+    from ..parallel.context import ParallelContext
+
+    full = weight_slots(model)
+    cfg, seen, n = model.config, set(), 0
+    ranks = [ParallelContext(r, engine.tp, None, slice_count(cfg)) for r in range(engine.tp)]
+    try:
+        for item in items:
+            for unit, piece in units(item, model, field):
+                if (name := check(unit, piece, model, full, seen, field)) is None:
+                    continue
+                value = piece.load().detach().cpu()
+                for ctx in ranks:
+                    engine.stage_weights(ctx.rank, [(name, rank_slice(name, value, cfg, ctx))])
+                n += 1
+        check_complete(full, seen, field)
+    except BaseException:
+        engine.end_weights(commit=False)
+        raise
+    engine.end_weights(commit=True)
+    return n
+
+
+class StagedWeights:
+    """A worker's side of ``update_workers``: slices converted and staged as they come (an error is
+    kept for ``prepare``), copied into the shard at ``commit``."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model, self.slots = model, weight_slots(model)
+        self.values: dict[str, torch.Tensor] = {}
+        self.error: BaseException | None = None
+
+    def add(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            for name, value in pairs:
+                slot = self.slots[name]
+                if tuple(value.shape) != tuple(slot.shape):
+                    raise LogprobeError("named_tensors", f"{name}: a slice of shape {tuple(value.shape)} reached "
+                                        f"rank {self.model.ctx.rank}, which holds {tuple(slot.shape)}")
+                self.values[name] = convert(name, value, slot, self.model)
+        except BaseException as e:  # noqa: BLE001 - reported at prepare
+            self.error = self.error or e
+
+    def prepare(self) -> None:
+        if self.error is not None:
+            raise self.error
+        check_complete(self.slots, set(self.values), "named_tensors")
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        for name, value in self.values.items():
+            self.slots[name].copy_(value)
+        self.values = {}
+
+
+def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors", engine=None) -> int:
+    """(Hugging Face name, tensor) pairs -> the model's weights; see the module docstring.
+    ``engine``: a parallel scorer's ``ParallelEngine`` (``model`` is then the driver's meta model)."""
     if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
         raise LogprobeError(field, "must be (name, tensor) pairs: a dict, a list or an iterator")
+    items = incoming_tensors(named_tensors, field)
+    if engine is not None:
+        return update_workers(model, items, engine, field)
     in_memory = isinstance(named_tensors, (Mapping, list, tuple))
-    return update_in_place(model, incoming_tensors(named_tensors, field), field, staged=not in_memory)
+    return update_in_place(model, items, field, staged=not in_memory)
 
 
 def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
@@ -263,6 +356,15 @@ def _read(f: Path, key: str) -> torch.Tensor:
         return st.get_tensor(key)
 
 
-def load_weights(model: LlamaModel, path: str | Path, field: str = "path") -> int:
-    """A safetensors checkpoint -> the model's weights, every header checked before one tensor is read."""
-    return update_in_place(model, safetensors_items(path, field), field, staged=False)
+def load_weights(model: LlamaModel, path: str | Path, field: str = "path", engine=None) -> int:
+    """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
+    read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
+    items = safetensors_items(path, field)
+    if engine is not None:
+        full, seen = weight_slots(model), set()
+        for item in items:  # headers first, as in place
+            for unit, piece in units(item, model, field):
+                check(unit, piece, model, full, seen, field)
+        check_complete(full, seen, field)
+        return update_workers(model, items, engine, field)
+    return update_in_place(model, items, field, staged=False)

@@ -101,6 +101,35 @@ class ParallelEngine:
                     on_error(i, error)
         return results  # type: ignore[return-value]
 
+    def stage_weights(self, rank: int, pairs: list) -> None:
+        """Hand rank ``rank`` of every replica its slices of new weights (``loading.update``)."""
+        for g in self.groups:
+            g.broadcast(("weights", pairs), rank)
+
+    def end_weights(self, commit: bool) -> None:
+        """Every worker confirms its staged weights, then all copy them in; or all drop them. A
+        worker's error drops them everywhere and is raised."""
+        if commit:
+            try:
+                self._everyone(("weights_prepare",))
+            except BaseException:
+                self._everyone(("weights_abort",))
+                raise
+        self._everyone(("weights_commit",) if commit else ("weights_abort",))
+
+    def _everyone(self, msg) -> None:
+        for g in self.groups:
+            g.broadcast(msg)
+        error = None
+        for g in self.groups:
+            try:
+                for _ in g.messages():
+                    pass
+            except LogprobeError as e:
+                error = error or e
+        if error is not None:
+            raise error
+
     def close(self) -> None:
         for g in self.groups:
             g.close()

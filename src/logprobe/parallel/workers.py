@@ -92,6 +92,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then this process ends
         send(conn, _error(e))
         return
+    stage = None  # a weight update in progress (loading.update.StagedWeights)
     while True:
         try:
             msg = recv(conn)
@@ -99,6 +100,9 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             break
         if msg[0] == "close":
             break
+        if msg[0].startswith("weights"):
+            stage = _weights_message(msg, loaded.model, stage, conn)
+            continue
         try:
             on_result = (lambda i, r: send(conn, ("result", i, r))) if rank == 0 else None
             engine.config = msg[2]  # the driver's config of this run (e.g. deterministic on or off)
@@ -108,6 +112,31 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             send(conn, _error(e))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _weights_message(msg, model, stage, conn):
+    """A weight update (``loading.update.update_workers``): "weights" stages slices (no answer),
+    "weights_prepare" answers whether every slice arrived and converted, "weights_commit" copies
+    them into the shard, "weights_abort" drops them; those three answer ("done",) or an error."""
+    from ..loading.update import StagedWeights
+
+    kind = msg[0]
+    try:
+        if kind == "weights":
+            stage = stage or StagedWeights(model)
+            stage.add(msg[1])
+            return stage
+        if kind == "weights_prepare":
+            (stage or StagedWeights(model)).prepare()
+        elif kind == "weights_commit":
+            stage.commit()
+            stage = None
+        else:
+            stage = None
+        send(conn, ("done",))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        send(conn, _error(e))
+    return stage
 
 
 def _rss_anon() -> int:
@@ -247,6 +276,12 @@ class WorkerGroup:
     def submit(self, requests, config: EngineConfig) -> None:
         for conn in self.conns:
             send(conn, ("run", requests, config))
+
+    def broadcast(self, msg, rank: int | None = None) -> None:
+        """Send ``msg`` to every rank (or to one)."""
+        for r, conn in enumerate(self.conns):
+            if rank is None or r == rank:
+                send(conn, msg)
 
     def messages(self):
         """Yield ("result", i, result) from rank 0 until every rank is done; raise a rank's error."""

@@ -1,0 +1,123 @@
+"""RL layouts and weight updates on a GPU: checks and timings (run by hand; issue 20).
+
+    PYTHONPATH=src:tests python bench/rl_padded.py [--rows 256]
+
+A random Llama (hidden 1024, 12 layers, vocab 32000, bf16) and a verl-style batch (prompts
+left-padded, responses right-padded, random response lengths). Checks, on CUDA input tensors:
+``logprobs_padded`` equals ``logprobs`` on the same sequences bitwise (deterministic mode), and
+after ``update_weights`` (a stream of the trainer model's bf16 parameters on the GPU) the scores
+equal a fresh Scorer's on the new checkpoint bitwise. Times: ``logprobs_padded`` vs transformers'
+padded forward + float32 log_softmax + gather (micro-batches of 16 rows), and ``update_weights``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_model(path: Path, seed: int):
+    import transformers as tf
+    from helpers import byte_tokenizer
+
+    cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+    return model
+
+
+def verl_batch(rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    P, R = 512, 1024
+    plen = torch.randint(64, P + 1, (rows,), generator=g)
+    rlen = torch.randint(32, R + 1, (rows,), generator=g)
+    col = torch.arange(P + R)
+    am = ((col >= P - plen[:, None]) & (col < P + rlen[:, None])).long()  # [rows, P + R]
+    ids = torch.randint(2, 32000, (rows, P + R), generator=g) * am
+    return ids.cuda(), am.cuda(), am[:, P:].cuda()
+
+
+def sequences(ids, am, R):
+    out = []
+    for b in range(ids.shape[0]):
+        real = ids[b][am[b].bool()].tolist()
+        n_resp = int(am[b, -R:].sum())
+        out.append({"prompt_token_ids": real[:-n_resp], "completion_token_ids": real[-n_resp:]})
+    return out
+
+
+@torch.no_grad()
+def hf_padded(model, ids, am, R, micro: int = 16):
+    """transformers' way: padded forward, float32 log_softmax over the vocabulary, gather."""
+    outs = []
+    for i in range(0, ids.shape[0], micro):
+        x, m = ids[i:i + micro], am[i:i + micro]
+        pos = (m.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=x, attention_mask=m, position_ids=pos, use_cache=False).logits[:, -R - 1:-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, x[:, -R:, None])[..., 0]  # [micro, R]
+        outs.append(lp * m[:, -R:])
+    return torch.cat(outs)
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def main() -> None:
+    from logprobe import Scorer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=256)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    model_a = make_model(tmp / "a", 1)
+    ids, am, rm = verl_batch(args.rows)
+    R = rm.shape[1]
+    print(f"{torch.cuda.get_device_name()}: {args.rows} rows, {int(am.sum())} real tokens, {int(rm.sum())} scored, "
+          f"padded {ids.numel()}")
+    s = Scorer(str(tmp / "a"), device="cuda", dtype="bfloat16", deterministic=True, progress=False)
+    s.logprobs_padded(ids[:4], am[:4], rm[:4])  # warm-up
+    out, t_pad = timed(lambda: s.logprobs_padded(ids, am, rm))
+    seqs = sequences(ids, am, R)
+    ref = s.logprobs(seqs)
+    same = all(torch.equal(out.logprobs[b, :len(r.logprobs)].cpu(), r.logprobs) for b, r in enumerate(ref))
+    print(f"logprobs_padded (deterministic): {t_pad:.2f} s, on {out.logprobs.device}; bitwise == logprobs: {same}")
+    fast = Scorer(str(tmp / "a"), device="cuda", dtype="bfloat16", progress=False)
+    fast.logprobs_padded(ids[:4], am[:4], rm[:4])
+    out_fast, t_fast = timed(lambda: fast.logprobs_padded(ids, am, rm))
+    print(f"logprobs_padded (default mode): {t_fast:.2f} s")
+    hf_padded(model_a, ids[:4], am[:4], R)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    hf, t_hf = timed(functools.partial(hf_padded, model_a, ids, am, R))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    diff = (hf - out_fast.logprobs).abs()
+    print(f"transformers padded, micro-batch 16: {t_hf:.2f} s, {peak:.1f} GiB extra; |logprobe - transformers| "
+          f"mean {float(diff.sum() / rm.sum()):.4f} max {float(diff.max()):.4f} (both bf16)")
+    del model_a
+    model_b = make_model(tmp / "b", 2)
+    version, t_upd = timed(lambda: s.update_weights(iter(list(model_b.named_parameters()))))
+    fresh = Scorer(str(tmp / "b"), device="cuda", dtype="bfloat16", deterministic=True, progress=False)
+    after = s.logprobs_padded(ids[:32], am[:32], rm[:32]).logprobs
+    want = fresh.logprobs_padded(ids[:32], am[:32], rm[:32]).logprobs
+    n = sum(p.numel() for p in model_b.parameters())
+    print(f"update_weights ({n / 1e6:.0f}M bf16 params, a stream on the GPU): {t_upd:.3f} s, version {version}; "
+          f"scores == fresh Scorer bitwise: {torch.equal(after, want)}")
+
+
+if __name__ == "__main__":
+    main()
