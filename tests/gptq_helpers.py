@@ -2,10 +2,10 @@
 
 Neither AutoGPTQ/GPTQModel nor AutoAWQ installs without GPU kernels, so the tests write the layouts
 themselves, from a tiny random Llama: each Linear but lm_head is quantized round-to-nearest in
-float64 (scales rounded to fp16 first, as the formats store them), packed bit by bit with Python
-integers (not with logprobe's packing), saved as safetensors with a config.json carrying the
-``quantization_config`` the real tools write. ``unpack_*`` read the words back the same way, and
-``dequantized`` gives the float64 weights the format defines (the reference model's weights).
+float64 (scales rounded to fp16 first, as the formats store them), packed with numpy (not with
+logprobe's packing), saved as safetensors with a config.json carrying the ``quantization_config``
+the real tools write. ``gptq_unpack`` / ``awq_unpack`` read the words back one Python integer at a
+time, straight from the spec, and give the float64 weights the format defines.
 
 GPTQ (AutoGPTQ ``QuantLinear.pack``): qweight [in/p, out], word r of column o = sum_i q[o, r*p+i] << b*i;
 qzeros [G, out/p], word c of group row g = sum_i zs[g, c*p+i] << b*i with zs = z - 1 (v1) or z (v2);
@@ -25,13 +25,16 @@ ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _word(values: list[int], bits: int) -> int:
-    """Values (low position first) -> one signed 32-bit word."""
-    w = 0
-    for i, v in enumerate(values):
-        assert 0 <= v < (1 << bits)
-        w |= v << (bits * i)
-    return w - (1 << 32) if w >= 1 << 31 else w
+def _words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[r, c] unsigned values -> int32 words [r, c * bits / 32]: value i of each run of 32/bits sits at
+    bits*i (numpy uint64 arithmetic)."""
+    import numpy as np
+
+    per = 32 // bits
+    v = values.numpy().astype(np.uint64).reshape(values.shape[0], -1, per)  # [r, w, per]
+    assert bool((v < (1 << bits)).all())
+    w = (v << (np.arange(per, dtype=np.uint64) * np.uint64(bits))).sum(-1)  # [r, w], < 2^32
+    return torch.from_numpy(w.astype(np.uint32).view(np.int32).copy())
 
 
 def _values(word: int, bits: int) -> list[int]:
@@ -56,7 +59,7 @@ def _rtn(w: torch.Tensor, maxq: int, sym: bool) -> tuple[torch.Tensor, torch.Ten
 def gptq_pack(w: torch.Tensor, bits: int, group: int, sym: bool, desc_act: bool, v1: bool, seed: int = 0):
     """A float64 weight [out, in] -> (GPTQ tensors, dequantized float64 weight [out, in])."""
     out, cols = w.shape
-    maxq, per = (1 << bits) - 1, 32 // bits
+    maxq = (1 << bits) - 1
     g = cols if group == -1 else group
     order = torch.randperm(cols, generator=torch.Generator().manual_seed(seed)) if desc_act else torch.arange(cols)
     g_idx = torch.empty(cols, dtype=torch.long)
@@ -70,13 +73,10 @@ def gptq_pack(w: torch.Tensor, bits: int, group: int, sym: bool, desc_act: bool,
         qj, zj, sj = _rtn(w[:, ch], maxq, sym)
         q[:, ch], zeros[j], scales[j] = qj, zj, sj
     deq = (q - zeros[g_idx].T).double() * scales[g_idx].T.double()  # [out, in]
-    qweight = [[_word([int(q[o, r * per + i]) for i in range(per)], bits) for o in range(out)]
-               for r in range(cols // per)]
     stored = zeros - 1 if v1 else zeros
     assert bool((stored >= 0).all())
-    qzeros = [[_word([int(stored[j, c * per + i]) for i in range(per)], bits) for c in range(out // per)]
-              for j in range(G)]
-    tensors = {"qweight": torch.tensor(qweight, dtype=torch.int32), "qzeros": torch.tensor(qzeros, dtype=torch.int32),
+    tensors = {"qweight": _words(q, bits).T.contiguous(),  # [in / per, out]: packed along the input dim
+               "qzeros": _words(stored, bits),  # [G, out / per]: along the output dim
                "scales": scales, "g_idx": g_idx.to(torch.int32)}
     return tensors, deq
 
@@ -100,9 +100,10 @@ def awq_pack(w: torch.Tensor, group: int):
     q = q.view(out, cols)
     deq = (q - z.repeat_interleave(group, 1)).double() * s.double().repeat_interleave(group, 1)
 
+    order = (torch.arange(out // 8)[:, None] * 8 + torch.tensor(ORDER)).reshape(out)  # word position -> output
+
     def pack(vals: torch.Tensor) -> torch.Tensor:  # [rows, out] -> [rows, out / 8]
-        return torch.tensor([[_word([int(vals[r, c * 8 + ORDER[i]]) for i in range(8)], 4) for c in range(out // 8)]
-                             for r in range(vals.shape[0])], dtype=torch.int32)
+        return _words(vals[:, order], 4)
 
     return {"qweight": pack(q.T), "qzeros": pack(z.T), "scales": s.T.contiguous()}, deq
 

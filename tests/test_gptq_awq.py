@@ -144,7 +144,6 @@ def test_logprobs_match_float64_reference(variant, quant_dirs):
     model = _reference(d, ref)
     seqs = _seqs()
     packed = load_model(str(d), "cpu", "float32")
-    dense = load_model(str(d), "cpu", "float32", weights="dense")
     ours = Scorer(packed, progress=False).logprobs(seqs)
     want = []
     for seq in seqs:
@@ -156,6 +155,16 @@ def test_logprobs_match_float64_reference(variant, quant_dirs):
     print(f"{variant}: max |delta| {delta:.2e} nat over {got_t.numel()} tokens")
     assert delta <= 1e-4
     assert f"{math.exp(-got_t.mean().item()):.4g}" == f"{math.exp(-want_t.mean().item()):.4g}"
+
+
+@pytest.mark.parametrize("variant", ["gptq-4bit-g32-asym-actorder-v1", "awq-gemm-g64"])
+def test_packed_equals_dense_and_deterministic_batch_invariance(variant, quant_dirs):
+    """ActOrderLinear (GPTQ act-order) and a repacked CTLinear (AWQ): one expansion function for packed
+    and dense, and deterministic mode's row tiles keep a request's bits independent of its batch."""
+    d, _ = quant_dirs[variant]
+    seqs = _seqs()
+    packed = load_model(str(d), "cpu", "float32")
+    dense = load_model(str(d), "cpu", "float32", weights="dense")
     for det in (False, True):
         cfg = EngineConfig(deterministic=det, invariant_tile=16)
         a = Scorer(packed, config=cfg, progress=False).logprobs(seqs)
