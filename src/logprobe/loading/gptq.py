@@ -27,7 +27,9 @@ value, packed along the input dim at the same bit positions): the CT words are `
 unchanged, zp = z - 2^(b-1) (int8), scale = scales.T. With ``desc_act`` (a ``g_idx`` that is not
 k // group_size) the input channels are sorted by group once (a stable sort), codes repacked in that
 order, and the layer is an ``ActOrderLinear`` that permutes the activation (CUDA) or un-permutes
-the weight (CPU): the function is unchanged, only the order of the dot product's terms. Anything
+the weight (CPU): the function is unchanged, only the order of the dot product's terms. A stored
+``g_idx`` is authoritative whatever ``desc_act`` says (GPTQModel's group-aware reordering writes a
+non-trivial one with desc_act false; its reference torch kernel reads scales[g_idx]). Anything
 else (2/3 bits, marlin/bitblas layouts, per-module overrides, unknown keys or tensors) is refused.
 """
 
