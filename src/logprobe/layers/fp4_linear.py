@@ -2,8 +2,9 @@
 with FP8 e4m3 group scales and one float32 global scale; NVFP4 also quantizes activations to FP4.
 
 This is the CPU reference (emulation) path: weights and activations are dequantized to float32 and
-multiplied in float32, computing the function compressed-tensors defines (``dequantize`` and
-``forward_quantize`` / ``fake_quantize`` for the ``tensor_group`` strategy), op for op:
+multiplied in float32 (an input in another dtype is widened first, the result cast back), computing
+the function compressed-tensors defines (``dequantize`` and ``forward_quantize`` / ``fake_quantize``
+for the ``tensor_group`` strategy), op for op:
 
 * weight: w[o, k] = fp4(code[o, k]) * (weight_scale[o, k // 16] / weight_global_scale), the FP8
   scale widened to float32 and divided by the global scale in float32 (``_dequantize``).
