@@ -87,7 +87,8 @@ def perplexity_page(scorer, text: str, args: argparse.Namespace, **options) -> s
     starts = locate_targets(stream, [(r.tokens, r.tokens[r.score_begin:]) for r in requests])
     tokens = stream_tokens(scorer.tokenizer.token_texts(stream), starts,
                            [_window_tokens(scorer, q, r) for q, r in zip(requests, results, strict=True)])
-    segment = Segment(f"{res.num_tokens} tokens scored in {res.num_windows} windows (policy {res.policy}, "
+    windows = f"{res.num_windows} window{'s' * (res.num_windows != 1)}"
+    segment = Segment(f"{res.num_tokens} tokens scored in {windows} (policy {res.policy}, "
                       f"context {res.context_length}" + (f", stride {res.stride})" if res.stride else ")"), tokens)
     if segment.num_scored != res.num_tokens:
         raise LogprobeError("--html", f"page shows {segment.num_scored} scored tokens, perplexity scored "
