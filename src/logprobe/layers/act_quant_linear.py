@@ -17,9 +17,13 @@ multiply it with the quantized weight. The activation rounding is part of the fu
 
 Everything is computed in float32 (an input in another dtype is widened first, the result is
 cast back): the dequantized activation times the dequantized weight, one float32 product. That
-is the exact reference path, on CPU and, for now, on CUDA too (no FP8 tensor-core GEMM yet).
-Quantization is row-wise (per token), so deterministic mode's batch invariance holds: a row's
-codes and scale depend on that row only, and the product is the row-tiled one of ``linear``.
+is the exact reference path, on CPU and by default on CUDA. ``ActQuantLinear.kernels = True`` (a
+class switch; off until measured on a GPU) runs CUDA inputs through ``kernels.act_quant``
+instead: a fused quantizer that gives the reference's codes bit for bit, and an 8-bit
+tensor-core GEMM (FP8 or INT8) with float32 accumulation and fixed tiles. Quantization is
+row-wise (per token), so deterministic mode's batch invariance holds on both paths: a row's codes
+and scale depend on that row only, and the product is the row-tiled one of ``linear`` or the
+kernel's fixed tiles.
 """
 
 from __future__ import annotations
@@ -29,12 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..kernels.act_quant import FP8, KINDS, quantize_rows_reference
 from .linear import Linear, tiled_linear
 from .quant_linear import _PackedLinearMixin
-
-FP8 = torch.float8_e4m3fn
-_RANGES = {"float": (-448.0, 448.0), "int": (-128.0, 127.0)}  # (qmin, qmax) of 8-bit codes
-_EPS = torch.finfo(torch.float32).eps  # what a zero dynamic scale becomes
 
 
 def quantize_rows(x: torch.Tensor, kind: str, scale: torch.Tensor | None = None, group: int | None = None,
@@ -43,25 +44,11 @@ def quantize_rows(x: torch.Tensor, kind: str, scale: torch.Tensor | None = None,
     codes times their scale, returned as float32 [T, in].
 
     ``scale`` given: static (a one-element tensor). Else dynamic: one scale per row, or per row and
-    group of ``group`` consecutive columns."""
-    qmin, qmax = _RANGES[kind]
-    T, k = x.shape
-    if scale is None:
-        g = group or k
-        xv = x.view(T, k // g, g)  # [T, G, g]
-        lo = torch.clamp(xv.amin(-1, keepdim=True), max=0.0)
-        hi = torch.clamp(xv.amax(-1, keepdim=True), min=0.0)
-        half_range = torch.tensor((qmax - qmin) / 2, dtype=x.dtype)  # 448 or 127.5, exact
-        s = torch.maximum(lo.abs(), hi) / half_range  # [T, G, 1]
-        s = torch.where(s == 0, torch.tensor(_EPS, dtype=s.dtype), s)
-        return _qdq(xv, s, kind, qmin, qmax).view(T, k)
-    return _qdq(x, scale.float(), kind, qmin, qmax)
-
-
-def _qdq(x: torch.Tensor, s: torch.Tensor, kind: str, qmin: float, qmax: float) -> torch.Tensor:
-    q = torch.clamp(x / s, qmin, qmax)
-    q = q.to(FP8).float() if kind == "float" else torch.round(q)  # torch.round: half to even
-    return q * s
+    group of ``group`` consecutive columns (``kernels.act_quant.quantize_rows_reference``)."""
+    codes, s = quantize_rows_reference(x, kind, group, scale)  # [T, K], [T, G]
+    T, K = x.shape
+    G = s.shape[1]
+    return (codes.float().view(T, G, K // G) * s.view(T, G, 1)).view(T, K)  # each code times its scale
 
 
 class ActQuantLinear(_PackedLinearMixin, Linear):
@@ -79,7 +66,7 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
                  input_scale: torch.Tensor | None = None, act_group: int | None = None,
                  bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
         nn.Module.__init__(self)
-        if act_kind not in _RANGES:
+        if act_kind not in KINDS:
             raise LogprobeError("quantization_config", f"activation type {act_kind!r} is not run",
                                 "logprobe runs float8 (e4m3) and int8 activations")
         if qweight.dtype not in (FP8, torch.int8) or qweight.ndim != 2:
@@ -125,7 +112,26 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         """x [T, in] -> the dequantized quantized activation, float32 [T, in]."""
         return quantize_rows(x.float().contiguous(), self.act_kind, self.input_scale, self.act_group)
 
+    kernels = False  # CUDA inputs through kernels.act_quant (see the module's docstring)
+
+    def use_kernels(self, x: torch.Tensor) -> bool:
+        """The kernels run a whole product on one device: not under tensor parallelism, not on the
+        dense expansion, and only with K tiles that fit the scale blocks."""
+        if not (self.kernels and x.is_cuda and self.reduce_ctx is None and self.expanded is None):
+            return False
+        from ..kernels import triton_available
+
+        k = self.in_features
+        return triton_available() and all(g >= k or g % 128 == 0 for g in (self.block_cols, self.act_group or k))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels(x):
+            from ..kernels.act_quant import act_quant_linear
+
+            shape = x.shape
+            y = act_quant_linear(x.reshape(-1, shape[-1]), self.act_kind, self.act_group, self.input_scale,
+                                 self.qweight, self.scale, self.block_cols, self.bias)
+            return y.view(*shape[:-1], self.out_features)
         xq = self.quantize_input(x)  # [T, in] float32
         w = self.rows()  # [out, in] float32
         bias = None if self.bias is None else self.bias.float()

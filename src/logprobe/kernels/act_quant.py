@@ -1,0 +1,237 @@
+"""8-bit activation-quantized GEMMs in Triton: FP8 (e4m3) and INT8 W8A8 (``layers.act_quant_linear``).
+
+Two kernels, each beside its PyTorch definition (``quantize_rows_reference``,
+``scaled_matmul_reference``):
+
+1. ``quantize_rows``: x [T, K] (any float dtype) -> codes [T, K] (float8_e4m3fn or int8) and scales
+   [T, G] float32, one program per (row, group of ``group`` columns), by the format's rule
+   (compressed-tensors ``forward_quantize``; ``layers.act_quant_linear`` states it):
+
+       s    = max(|min(x, 0)|, max(x, 0)) / half_range     (448 for e4m3, 127.5 for int8; 0 -> fp32 eps)
+       code = round(clamp(x / s, qmin, qmax))               (e4m3: nearest, ties to even; int8: half to even)
+
+   or, static, with a given one-element scale. Worked example (e4m3, one group): x = [2.0, -7.0, 5.25]
+   gives s = 7 / 448 = 1/64, x / s = [128, -448, 336] and codes [128, -448, 320]: 336 lies halfway
+   between 320 and 352, neighbours on the e4m3 grid (step 32 in [256, 512)), and goes to the even
+   mantissa, 320 = 256 * (1 + 2/8). The division is IEEE (``div_rn``), and the rounding to e4m3 is done in float32 arithmetic
+   (``_round_e4m3``: the grid step from the exponent bits, then round-to-nearest-even by the 1.5 *
+   2^23 trick), so the codes are the reference's bit for bit on CUDA and under the interpreter
+   (whose own float32 -> float8 cast mis-rounds a carry into the next binade: -125.5 became -64).
+
+2. ``scaled_matmul``: y [M, N] = sum over K tiles of (codes_a @ codes_b^T)_tile * s_a[m, tile] *
+   s_b[n, tile], accumulated in float32 (int32 inside an INT8 tile: exact), bias added, cast to the
+   output dtype. Scales are per row and per K block: ``group_a`` / ``group_b`` columns share one
+   (a per-token activation scale is group_a = K; a per-channel weight scale group_b = K; DeepSeek's
+   128x128 blocks give group_b = 128 with one row of scales per weight row, and 1x128 activation
+   groups group_a = 128). When both groups are K the scales multiply once at the end; otherwise once
+   per K tile (BLOCK_K divides both groups), which also keeps each FP8 tensor-core sum short (the
+   partial of one tile is promoted to the float32 accumulator, as DeepSeek-V3 does).
+
+Tiles are fixed (``ActQuantConfig``), never chosen by M, and the K loop is never split: a row's
+result depends on that row only, so deterministic mode's batch invariance holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LogprobeError
+from . import triton_available
+
+FP8 = torch.float8_e4m3fn
+KINDS = {"float": (FP8, -448.0, 448.0), "int": (torch.int8, -128.0, 127.0)}  # code dtype, qmin, qmax
+EPS = torch.finfo(torch.float32).eps
+
+
+@dataclass(frozen=True, slots=True)
+class ActQuantConfig:
+    """Tiles of ``scaled_matmul`` (fixed: never a function of M, for batch invariance)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# ------------------------------------------------------------------------------ PyTorch definitions
+
+def quantize_rows_reference(x: torch.Tensor, kind: str, group: int | None = None,
+                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (codes [T, K] in the kind's dtype, scales [T, G] float32); static ``scale``: [T, 1]
+    copies of it. The value each code stands for is ``code * scale``."""
+    dtype, qmin, qmax = KINDS[kind]
+    x = x.float()
+    T, K = x.shape
+    if scale is not None:
+        s = scale.float().reshape(1, 1).expand(T, 1)
+        q = torch.clamp(x / s, qmin, qmax)
+    else:
+        g = group or K
+        xv = x.view(T, K // g, g)  # [T, G, g]
+        lo = torch.clamp(xv.amin(-1, keepdim=True), max=0.0)
+        hi = torch.clamp(xv.amax(-1, keepdim=True), min=0.0)
+        s = torch.maximum(lo.abs(), hi) / torch.tensor((qmax - qmin) / 2)  # [T, G, 1]
+        s = torch.where(s == 0, torch.tensor(EPS), s)
+        q = torch.clamp(xv / s, qmin, qmax).view(T, K)
+        s = s.view(T, K // g)
+    codes = q.to(FP8) if kind == "float" else torch.round(q).to(torch.int8)  # both: nearest, ties to even
+    return codes, s.contiguous()
+
+
+def scaled_matmul_reference(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tensor, sb: torch.Tensor,
+                            group_b: int, bias: torch.Tensor | None = None,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(a * sa) @ (b * sb)^T in float64 (the scales expanded over their groups), + bias, cast."""
+    def expand(codes, s, g):
+        return codes.double() * s.double().repeat_interleave(g, dim=1)[:, :codes.shape[1]]
+
+    y = expand(a, sa, group_a) @ expand(b, sb, group_b).T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------- Triton kernels
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _round_e4m3(q):
+        """float32 q in [-448, 448] -> the nearest float8 e4m3 value (ties to even), as float32."""
+        bits = q.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # binade; below 2^-6 the subnormal step
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): 3 mantissa bits
+        inv = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)  # 1 / step, exact
+        t = tl.abs(q) * inv  # exact (a power of two)
+        r = ((t + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: round to an integer, ties to even
+        # the sign put back bitwise, so a tiny negative rounds to -0 like the reference's cast
+        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _round_half_even(q):
+        return (q + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, c_ptr, s_ptr, static_ptr, K, G, group, stride_x, stride_c,
+                         IS_FLOAT: tl.constexpr, STATIC: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                         HALF_RANGE: tl.constexpr, EPS_: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        g = tl.program_id(1)
+        cols = g * group + tl.arange(0, BLOCK)
+        ok = (tl.arange(0, BLOCK) < group) & (cols < K)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if STATIC:
+            s = tl.load(static_ptr).to(tl.float32)
+        else:
+            lo = tl.minimum(tl.min(x, 0), 0.0)
+            hi = tl.maximum(tl.max(x, 0), 0.0)
+            s = tl.math.div_rn(tl.maximum(-lo, hi), HALF_RANGE)
+            s = tl.where(s == 0.0, EPS_, s)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), QMIN), QMAX)
+        if IS_FLOAT:
+            code = _round_e4m3(q).to(c_ptr.dtype.element_ty)  # exact: q is on the grid already
+        else:
+            code = _round_half_even(q).to(tl.int8)
+        tl.store(c_ptr + row * stride_c + cols, code, mask=ok)
+        tl.store(s_ptr + row * G + g, s)
+
+    @triton.jit
+    def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, y_ptr, M, N, K,
+                          stride_a, stride_b, stride_sa, stride_sb, stride_y, group_a, group_b,
+                          PER_TILE: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            a = tl.load(a_ptr + rm[:, None] * stride_a + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + rn[None, :] * stride_b + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if IS_INT:
+                part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)  # exact integer sum of one tile
+            else:
+                part = tl.dot(a, b)  # float32
+            if PER_TILE:
+                sa = tl.load(sa_ptr + rm * stride_sa + k0 // group_a, mask=m_ok, other=0.0)
+                sb = tl.load(sb_ptr + rn * stride_sb + k0 // group_b, mask=n_ok, other=0.0)
+                acc += part * sa[:, None] * sb[None, :]
+            else:
+                acc += part
+        if not PER_TILE:
+            sa = tl.load(sa_ptr + rm * stride_sa, mask=m_ok, other=0.0)
+            sb = tl.load(sb_ptr + rn * stride_sb, mask=n_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------- wrappers
+
+def quantize_rows(x: torch.Tensor, kind: str, group: int | None = None,
+                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton form of ``quantize_rows_reference`` (same codes and scales, bit for bit)."""
+    dtype, qmin, qmax = KINDS[kind]
+    x = x.contiguous()
+    T, K = x.shape
+    g = K if scale is not None else (group or K)
+    if K % g:
+        raise LogprobeError("group", f"{g} does not divide the width {K}")
+    G = K // g
+    codes = torch.empty(T, K, dtype=dtype, device=x.device)
+    scales = torch.empty(T, G, dtype=torch.float32, device=x.device)
+    static = scale.float().reshape(1).contiguous() if scale is not None else scales
+    _quantize_kernel[(T, G)](x, codes, scales, static, K, G, g, x.stride(0), codes.stride(0),
+                             IS_FLOAT=kind == "float", STATIC=scale is not None, QMIN=qmin, QMAX=qmax,
+                             HALF_RANGE=(qmax - qmin) / 2, EPS_=EPS, BLOCK=triton.next_power_of_2(g))
+    return codes, scales
+
+
+def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tensor, sb: torch.Tensor, group_b: int,
+                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                  config: ActQuantConfig | None = None) -> torch.Tensor:
+    """a [M, K] codes with scales sa [M, ceil(K / group_a)], b [N, K] codes with sb [N, ceil(K /
+    group_b)] (float8_e4m3fn both, or int8 both) -> y [M, N] in ``out_dtype``."""
+    cfg = config or ActQuantConfig()
+    M, K = a.shape
+    N = b.shape[0]
+    if b.shape[1] != K or a.dtype != b.dtype or a.dtype not in (FP8, torch.int8):
+        raise LogprobeError("weight", f"codes {a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)} do not "
+                            "multiply (both float8_e4m3fn or both int8, same K)")
+    per_tile = not (group_a >= K and group_b >= K)
+    if per_tile and any(g < K and g % cfg.block_k for g in (group_a, group_b)):
+        raise LogprobeError("group", f"scale groups {group_a}/{group_b} are not multiples of the K tile "
+                            f"{cfg.block_k}", "use the PyTorch path (ActQuantLinear without kernels)")
+    ga, gb = (group_a if group_a < K else K + cfg.block_k), (group_b if group_b < K else K + cfg.block_k)
+    y = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    sa, sb = sa.float().contiguous(), sb.float().contiguous()
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    _scaled_mm_kernel[grid](a, b, sa, sb, bias if bias is not None else y, y, M, N, K,
+                            a.stride(0), b.stride(0), sa.stride(0), sb.stride(0), y.stride(0), ga, gb,
+                            PER_TILE=per_tile, IS_INT=a.dtype == torch.int8, HAS_BIAS=bias is not None,
+                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def act_quant_linear(x: torch.Tensor, kind: str, act_group: int | None, static_scale: torch.Tensor | None,
+                     qweight: torch.Tensor, w_scale: torch.Tensor, block_cols: int,
+                     bias: torch.Tensor | None = None, config: ActQuantConfig | None = None) -> torch.Tensor:
+    """``ActQuantLinear``'s product through the two kernels: x [T, K] -> y [T, N] in x's dtype."""
+    K = x.shape[1]
+    codes, sx = quantize_rows(x, kind, act_group, static_scale)
+    group_a = K if static_scale is not None else (act_group or K)
+    out = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    return scaled_matmul(codes, sx, group_a, qweight, w_scale, block_cols, bias, out, config)

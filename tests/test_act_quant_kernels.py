@@ -1,0 +1,140 @@
+"""The 8-bit activation-quantized kernels (``kernels/act_quant.py``) against their PyTorch definitions.
+
+* CPU, Triton's interpreter (a fresh process with ``TRITON_INTERPRET=1``): the quantizer's codes
+  and scales are the reference's bit for bit (a sweep over the whole e4m3 range, ties, -0,
+  subnormals; int8; per token, per group, static); the scaled GEMM is within 2e-7 (relative to
+  the largest output) of the float64 product of the same codes and scales, per-channel, per
+  block and with a K tail, FP8 and INT8; a row's result is the same bits in any batch.
+* CUDA (skipped without one): the same on the GPU at model shapes, and ``ActQuantLinear`` with
+  ``kernels = True`` against its float32 reference path, deterministic batch invariance included.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from helpers import run_interpreted
+
+from logprobe.kernels import triton_available
+from logprobe.kernels.act_quant import KINDS, quantize_rows_reference, scaled_matmul_reference
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_reference_worked_example():
+    """The docstring's example: s = 7/448 = 1/64; 336 is a tie between 320 and 352 and goes to 320."""
+    codes, s = quantize_rows_reference(torch.tensor([[2.0, -7.0, 5.25, 0.0]]), "float")
+    assert codes.float().tolist() == [[128.0, -448.0, 320.0, 0.0]] and s.tolist() == [[1 / 64]]
+    codes, s = quantize_rows_reference(torch.tensor([[2.0, -127.5, 0.5, 1.5]]), "int")
+    assert codes.tolist() == [[2, -128, 0, 2]] and s.tolist() == [[1.0]]  # half to even: 0.5 -> 0, 1.5 -> 2
+
+
+def test_matmul_reference_expands_scales_over_their_groups():
+    a = torch.tensor([[1, 2, 3, 4]], dtype=torch.int8)
+    b = torch.tensor([[1, 1, 1, 1], [0, 1, 0, 1]], dtype=torch.int8)
+    sa = torch.tensor([[0.5]])  # one scale for the row
+    sb = torch.tensor([[1.0, 10.0], [2.0, 3.0]])  # per row, per block of 2 columns
+    y = scaled_matmul_reference(a, sa, 4, b, sb, 2, torch.tensor([0.25, 0.0]), torch.float64)
+    # row 0 of b: 0.5 * (1*1 + 2*1) * 1 + 0.5 * (3 + 4) * 10 = 1.5 + 35; row 1: 0.5 * 2 * 2 + 0.5 * 4 * 3
+    assert y.tolist() == [[36.75, 8.0]]
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton (its interpreter)")
+def test_interpreter_matches_reference():
+    code = textwrap.dedent("""
+        import json, torch
+        from logprobe.kernels.act_quant import *
+        g = torch.Generator().manual_seed(0)
+        out = {"codes": {}, "mm": {}}
+        sweep = torch.cat([torch.linspace(-460, 460, 30001), torch.tensor([
+            2.0, -7.0, 5.25, 0.0, -0.0, -1e-9, 1e-9, 2**-10, 3 * 2**-10, -5 * 2**-10, 2**-6 * 1.0625, 464.0, -1e30])])
+        c, s = quantize_rows(sweep.view(1, -1), "float", None, torch.tensor([1.0]))
+        cr, sr = quantize_rows_reference(sweep.view(1, -1), "float", None, torch.tensor([1.0]))
+        out["codes"]["sweep"] = torch.equal(c.view(torch.uint8), cr.view(torch.uint8))
+        for kind in ("float", "int"):
+            for group in (None, 32):
+                x = torch.randn(7, 96, generator=g) * torch.logspace(-3, 2, 7).view(7, 1)
+                x[3] = 0
+                c, s = quantize_rows(x, kind, group)
+                cr, sr = quantize_rows_reference(x, kind, group)
+                out["codes"][f"{kind}-{group}"] = torch.equal(c.view(torch.uint8), cr.view(torch.uint8)) and \\
+                    torch.equal(s, sr)
+            c, s = quantize_rows(x, kind, None, torch.tensor([0.05]))
+            cr, sr = quantize_rows_reference(x, kind, None, torch.tensor([0.05]))
+            out["codes"][f"{kind}-static"] = torch.equal(c.view(torch.uint8), cr.view(torch.uint8)) and torch.equal(s, sr)
+        cfg = ActQuantConfig(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1)
+        for kind in ("float", "int"):
+            for M, N, K, ga, gb in [(5, 40, 100, None, 100), (19, 33, 128, 32, 32), (3, 17, 64, None, 32)]:
+                x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+                wc, ws = quantize_rows_reference(w, kind, gb)
+                xc, xs = quantize_rows(x, kind, ga)
+                bias = torch.randn(N, generator=g)
+                y = scaled_matmul(xc, xs, ga or K, wc, ws, gb, bias, torch.float32, cfg)
+                ref = scaled_matmul_reference(xc, xs, ga or K, wc, ws, gb, bias, torch.float64)
+                both = scaled_matmul(torch.cat([xc.flip(0), xc]), torch.cat([xs.flip(0), xs]), ga or K, wc, ws, gb,
+                                     bias, torch.float32, cfg)
+                out["mm"][f"{kind}-{M}-{K}-{ga}-{gb}"] = [float((y.double() - ref).abs().max() / ref.abs().max()),
+                                                         torch.equal(both[M:], y)]
+        print(json.dumps(out))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["codes"] == {k: True for k in out["codes"]} and len(out["codes"]) == 7, out["codes"]
+    assert len(out["mm"]) == 6
+    for name, (err, invariant) in out["mm"].items():
+        assert err <= 2e-7 and invariant, (name, err, invariant)
+
+
+gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available()), reason="needs a CUDA GPU and Triton")
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["float", "int"])
+@pytest.mark.parametrize("M, N, K, ga, gb", [(1, 4096, 4096, None, 4096), (300, 6144, 4096, None, 4096),
+                                             (2048, 4096, 14336, 128, 128), (77, 1024, 2048, None, 128)])
+def test_cuda_matches_reference(kind, M, N, K, ga, gb):
+    from logprobe.kernels.act_quant import quantize_rows, scaled_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    wc, ws = quantize_rows_reference(w, kind, gb)
+    xc, xs = quantize_rows(x, kind, ga)
+    xcr, xsr = quantize_rows_reference(x, kind, ga)
+    assert torch.equal(xc.view(torch.uint8), xcr.view(torch.uint8)) and torch.equal(xs, xsr)
+    y = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.float32)
+    ref = scaled_matmul_reference(xc, xs, ga or K, wc, ws, gb, None, torch.float64)
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) <= 1e-6
+    both = scaled_matmul(torch.cat([xc, xc]), torch.cat([xs, xs]), ga or K, wc, ws, gb, None, torch.float32)
+    assert torch.equal(both[M:], y) and torch.equal(both[:M], y)
+
+
+@gpu
+@pytest.mark.parametrize("kind, block_cols, act_group", [("float", 2048, None), ("float", 128, 128), ("int", 2048, None)])
+def test_cuda_layer_kernels_match_its_reference_path(kind, block_cols, act_group):
+    from logprobe.layers.act_quant_linear import ActQuantLinear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1536, 2048, device="cuda", generator=g) * 0.02
+    codes, scale = quantize_rows_reference(w, kind, block_cols)  # [N, K], [N, K / block_cols]
+    layer = ActQuantLinear(codes, scale, block_cols, kind, act_group=act_group,
+                           bias=torch.randn(1536, device="cuda", generator=g))
+    x = torch.randn(3, 100, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    ref = layer(x).float()  # float32 reference path (kernels off)
+    layer.kernels = True
+    assert layer.use_kernels(x)
+    y = layer(x).float()
+    assert y.shape == ref.shape
+    assert float((y - ref).abs().max() / ref.abs().max()) <= 1e-2  # both cast to bfloat16 at the end
+    alone = layer(x[1:2]).float()
+    assert torch.equal(alone, y[1:2])  # a row's bits do not depend on its batch
+
+
+def test_kernel_kinds_cover_the_layer_kinds():
+    from logprobe.layers.act_quant_linear import ActQuantLinear
+
+    assert set(KINDS) == {"float", "int"} and ActQuantLinear.kernels is False  # off until measured on a GPU
