@@ -1,6 +1,7 @@
 """RL layouts and weight updates on a GPU: checks and timings (run by hand; issue 20).
 
     PYTHONPATH=src:tests python bench/rl_padded.py [--rows 256]
+    PYTHONPATH=src:tests python bench/rl_padded.py --device cpu --rows 8 --hidden 64 --layers 2   # a smoke run
 
 A random Llama (hidden 1024, 12 layers, vocab 32000, bf16) and a verl-style batch (prompts
 left-padded, responses right-padded, random response lengths). Checks, on CUDA input tensors:
@@ -21,22 +22,25 @@ from pathlib import Path
 import torch
 
 
-def make_model(path: Path, seed: int):
+def make_model(path: Path, seed: int, device: str, hidden: int, layers: int):
+    """A random Llama in bf16 on CUDA (float32 elsewhere), saved with the byte tokenizer."""
     import transformers as tf
     from helpers import byte_tokenizer
 
-    cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+    cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+                         max_position_embeddings=4096,
                          bos_token_id=1, eos_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    with torch.device(device):
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
     model.save_pretrained(str(path))
     byte_tokenizer()[0].save_pretrained(str(path))
     return model
 
 
-def verl_batch(rows: int, seed: int = 0):
+def verl_batch(rows: int, device: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     P, R = 512, 1024
     plen = torch.randint(64, P + 1, (rows,), generator=g)
@@ -44,7 +48,7 @@ def verl_batch(rows: int, seed: int = 0):
     col = torch.arange(P + R)
     am = ((col >= P - plen[:, None]) & (col < P + rlen[:, None])).long()  # [rows, P + R]
     ids = torch.randint(2, 32000, (rows, P + R), generator=g) * am
-    return ids.cuda(), am.cuda(), am[:, P:].cuda()
+    return ids.to(device), am.to(device), am[:, P:].to(device)
 
 
 def sequences(ids, am, R):
@@ -70,10 +74,11 @@ def hf_padded(model, ids, am, R, micro: int = 16):
 
 
 def timed(fn):
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     t = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - t
 
 
@@ -82,40 +87,46 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=12)
     args = ap.parse_args()
+    dev, dt = args.device, "bfloat16" if args.device == "cuda" else "float32"
     tmp = Path(tempfile.mkdtemp())
-    model_a = make_model(tmp / "a", 1)
-    ids, am, rm = verl_batch(args.rows)
+    model_a = make_model(tmp / "a", 1, dev, args.hidden, args.layers)
+    ids, am, rm = verl_batch(args.rows, dev)
     R = rm.shape[1]
-    print(f"{torch.cuda.get_device_name()}: {args.rows} rows, {int(am.sum())} real tokens, {int(rm.sum())} scored, "
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"{name}: {args.rows} rows, {int(am.sum())} real tokens, {int(rm.sum())} scored, "
           f"padded {ids.numel()}")
-    s = Scorer(str(tmp / "a"), device="cuda", dtype="bfloat16", deterministic=True, progress=False)
+    s = Scorer(str(tmp / "a"), device=dev, dtype=dt, deterministic=True, progress=False)
     s.logprobs_padded(ids[:4], am[:4], rm[:4])  # warm-up
     out, t_pad = timed(lambda: s.logprobs_padded(ids, am, rm))
     seqs = sequences(ids, am, R)
     ref = s.logprobs(seqs)
     same = all(torch.equal(out.logprobs[b, :len(r.logprobs)].cpu(), r.logprobs) for b, r in enumerate(ref))
     print(f"logprobs_padded (deterministic): {t_pad:.2f} s, on {out.logprobs.device}; bitwise == logprobs: {same}")
-    fast = Scorer(str(tmp / "a"), device="cuda", dtype="bfloat16", progress=False)
+    fast = Scorer(str(tmp / "a"), device=dev, dtype=dt, progress=False)
     fast.logprobs_padded(ids[:4], am[:4], rm[:4])
     out_fast, t_fast = timed(lambda: fast.logprobs_padded(ids, am, rm))
     print(f"logprobs_padded (default mode): {t_fast:.2f} s")
     hf_padded(model_a, ids[:4], am[:4], R)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if dev == "cuda" else 0
     hf, t_hf = timed(functools.partial(hf_padded, model_a, ids, am, R))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else float("nan")
     diff = (hf - out_fast.logprobs).abs()
     print(f"transformers padded, micro-batch 16: {t_hf:.2f} s, {peak:.1f} GiB extra; |logprobe - transformers| "
-          f"mean {float(diff.sum() / rm.sum()):.4f} max {float(diff.max()):.4f} (both bf16)")
+          f"mean {float(diff.sum() / rm.sum()):.2e} max {float(diff.max()):.2e} ({dt} both)")
     del model_a
-    model_b = make_model(tmp / "b", 2)
+    model_b = make_model(tmp / "b", 2, dev, args.hidden, args.layers)
     version, t_upd = timed(lambda: s.update_weights(iter(list(model_b.named_parameters()))))
-    fresh = Scorer(str(tmp / "b"), device="cuda", dtype="bfloat16", deterministic=True, progress=False)
+    fresh = Scorer(str(tmp / "b"), device=dev, dtype=dt, deterministic=True, progress=False)
     after = s.logprobs_padded(ids[:32], am[:32], rm[:32]).logprobs
     want = fresh.logprobs_padded(ids[:32], am[:32], rm[:32]).logprobs
     n = sum(p.numel() for p in model_b.parameters())
-    print(f"update_weights ({n / 1e6:.0f}M bf16 params, a stream on the GPU): {t_upd:.3f} s, version {version}; "
+    print(f"update_weights ({n / 1e6:.0f}M {dt} params, a stream on {dev}): {t_upd:.3f} s, version {version}; "
           f"scores == fresh Scorer bitwise: {torch.equal(after, want)}")
 
 
