@@ -20,6 +20,11 @@ Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.
 as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked, as transformers holds
 them in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); see ``units``.
 
+Tensor/data-parallel scorers: the driver checks each tensor against its weightless (meta) model,
+cuts the ranks' slices (``loading.sharding.shard_slice``, the loader's split) and sends them to the
+workers, which stage them (``StagedWeights``), all confirm, then all copy in (``update_workers``).
+Under torchrun a rank's shard takes its own slice of each whole tensor (``rank_slice``).
+
 Each tensor becomes what the loader makes of the same checkpoint tensor (``.to(dtype, device)``,
 q/k rows to the interleaved RoPE layout), so scores equal those of a fresh load of the new
 weights, bitwise. A tied model's ``lm_head.weight`` is its embedding: given, it is checked for
