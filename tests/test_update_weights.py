@@ -6,6 +6,7 @@ number must equal it bitwise; after a refused update every number must equal the
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -113,6 +114,12 @@ def test_bad_checkpoint_changes_nothing(dirs, tmp_path):
     save_file(w, str(tmp_path / "bad.safetensors"))
     with pytest.raises(LogprobeError, match="model.norm.weight"):
         s.load_weights(str(tmp_path / "bad.safetensors"))
+    quant = tmp_path / "quantized"  # a compressed-tensors checkpoint: packed int4 blocks, not floats
+    shutil.copytree(b, quant)
+    cfg = json.loads((quant / "config.json").read_text())
+    (quant / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "compressed-tensors"}}))
+    with pytest.raises(LogprobeError, match="quantized checkpoint"):
+        s.load_weights(str(quant))
     for path in (tmp_path / "nothing-here", dirs["llama"][0] / "config.json"):
         with pytest.raises(LogprobeError) as e:
             s.load_weights(str(path))
