@@ -93,6 +93,22 @@ def test_spec_unpackers_read_the_packing_back():
     assert (deq - w).abs().max() < 0.6 * t["scales"].double().max()
 
 
+def test_gptq_layer_follows_g_idx_whatever_desc_act():
+    """A stored g_idx decides the groups (GPTQModel's group-aware reordering writes one with desc_act
+    false): the layer is act-order and expands to the weight the spec defines, in float32 exactly."""
+    from logprobe.loading.gptq import gptq_layer
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for bits, v1 in ((4, True), (8, False)):
+        t, deq = gptq_pack(w, bits, 16, False, True, v1, seed=2)
+        for desc_act in (True, False):
+            layer = gptq_layer("m", t, bits, 16, desc_act, v1)
+            assert isinstance(layer, ActOrderLinear)
+            assert torch.equal(layer.dense().double(), deq)
+            x = torch.randn(3, 64)
+            assert torch.allclose(layer(x).double(), x.double() @ deq.T, rtol=1e-5, atol=1e-5)
+
+
 # -- loading and exactness --------------------------------------------------------------------------------
 
 
