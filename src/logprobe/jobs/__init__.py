@@ -6,10 +6,10 @@ source into a sink (``io.tables``). The CLI uses them; the server, Ray and other
 can reuse the same mapping.
 """
 
-from .base import RowWork, RunCounts, run_rows
+from .base import ListSink, RowWork, RunCounts, map_rows, run_rows
 from .logprobs import LogprobsRows
 from .perplexity import PerplexityRows, aggregate
 from .score import ScoreRows, join_continuation
 
-__all__ = ["LogprobsRows", "PerplexityRows", "RowWork", "RunCounts", "ScoreRows", "aggregate",
-           "join_continuation", "run_rows"]
+__all__ = ["ListSink", "LogprobsRows", "PerplexityRows", "RowWork", "RunCounts", "ScoreRows", "aggregate",
+           "join_continuation", "map_rows", "run_rows"]

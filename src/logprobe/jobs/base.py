@@ -94,6 +94,38 @@ def run_rows(scorer, job, rows: Iterable[Row], sink, *, done: set[int] = frozens
     return counts
 
 
+class ListSink:
+    """Rows kept in memory, in the order they finished (a sink for ``run_rows`` without a file)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.done: set[int] = set()
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def end_batch(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def map_rows(scorer, job, rows: list[Row], report=None) -> list[dict]:
+    """``run_rows`` over ``rows`` in memory: one output dict per input row, in the input's order
+    (``Row.index`` must be unique). Used where rows arrive in batches from elsewhere (Ray Data).
+
+    >>> map_rows(None, None, [])
+    []
+    """
+    if not rows:
+        return []
+    sink = ListSink()
+    run_rows(scorer, job, rows, sink, batch_rows=len(rows), report=report or (lambda line: None))
+    order = {r.index: k for k, r in enumerate(rows)}
+    return sorted(sink.rows, key=lambda out: order[out["index"]])
+
+
 def _failed(sink, head: dict, where: str, message: str, counts: RunCounts, report) -> None:
     message = " ".join(message.split())
     report(f"{where}: {message}")
