@@ -94,3 +94,12 @@ def test_flags_as_other_tools_spell_them():
         assert (b.context_length, b.stride, b.num_samples) == (a.context_length, a.stride, a.num_samples) == (512, 256, 10)
     assert parse(["perplexity", "-f", "wiki.test.raw"]).text_file == "wiki.test.raw"
     assert parse(["perplexity", "--dataset-path", "x", "--dataset-name", "y"]).dataset_config == "y"
+
+
+def test_missing_input_fails_before_loading(tmp_path, capsys, monkeypatch):
+    from logprobe.cli import main as cli
+
+    monkeypatch.setattr(cli, "get_scorer", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(["perplexity", "--input", str(tmp_path / "nope.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("logprobe: error: --input") and "nope.jsonl" in err and err.count("\n") == 1

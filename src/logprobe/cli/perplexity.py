@@ -11,6 +11,7 @@ Face perplexity guide joins wikitext) makes one text of them, scored like ``--te
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -76,6 +77,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise LogprobeError("perplexity", f"needs exactly one of --text-file, --dataset, --input (got "
                             f"{', '.join(sources) or 'none'})", "e.g. --text-file wiki.test.raw")
     check_html(args)
+    if args.input not in (None, "-") and not os.path.isfile(args.input):  # before the model loads
+        raise LogprobeError("--input", f"{args.input!r} is not a readable file", "check the path")
     if args.num_samples is not None and args.num_samples < 1:
         raise LogprobeError("--num-samples", f"must be a positive integer, got {args.num_samples}")
     if args.text_file is not None:
