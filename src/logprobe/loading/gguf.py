@@ -41,6 +41,8 @@ _LAYER_MAP = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+_MOE_PREFIXES = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
+                  "ffn_down_shexp")  # tensors of a mixture-of-experts file only: in a dense one, unexpected
 _TOP_MAP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
             "output.weight": "lm_head.weight"}
 
@@ -227,7 +229,8 @@ def _moe_spec(reader, arch: str, path: Path):
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes)
     first = next((i for i in range(layers) if i not in dense), None)
     if first is None:
-        raise LogprobeError("model", f"{path.name}: {arch}.expert_count is set but no block has ffn_gate_inp")
+        raise LogprobeError("model", f"{path.name}: {arch}.expert_count = {experts} experts, but no block has the "
+                            "router tensor ffn_gate_inp: a mixture-of-experts file needs blk.N.ffn_gate_inp.weight")
     gate_exps = shapes.get(f"blk.{first}.ffn_gate_exps.weight")
     if gate_exps is None or len(gate_exps) != 3:
         raise LogprobeError("model", f"{path.name}: blk.{first}.ffn_gate_exps.weight (a 3-D [experts, ff, embd] "
@@ -259,7 +262,7 @@ def gguf_tensors(reader, arch: str, cfg: LlamaConfig, packed: bool = False):
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         if t.name == "rope_freqs.weight":
             name = "rope_freqs"
-        elif m and m.group(2) in _LAYER_MAP:
+        elif m and m.group(2) in _LAYER_MAP and (cfg.moe is not None or not m.group(2).startswith(_MOE_PREFIXES)):
             name = f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
         elif t.name in _TOP_MAP:
             name = _TOP_MAP[t.name]
