@@ -26,37 +26,30 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.runner import Engine, RequestOutOfMemory
 from ..errors import LogprobeError
-from ..scorer import Job, Scorer
+from ..scorer import Scorer
 from .batcher import Batcher, JobFailed, JobTimeout, QueueFull, ServerClosed
 from .config import ServerConfig
 from .metrics import Metrics
-from .openai_compat import completion_job
-from .responses import NATIVE_CODES, SafeJSONResponse, error_response, replies
+from .responses import SafeJSONResponse, error_response, replies
+from .routes_native import native_router
+from .routes_openai import openai_router
 from .routes_rl import rl_router
 from .schemas import (
-    CompletionReply,
     CompletionRequest,
-    DetokenizeReply,
     DetokenizeRequest,
     HealthReply,
     LogprobsBody,
-    LogprobsReply,
-    ModelsReply,
     PerplexityBody,
-    PerplexityReply,
     ScoreBody,
-    ScoreReply,
-    TokenizeReply,
     TokenizeRequest,
-    TokenizerInfoReply,
 )
 from .schemas_rl import GenerateRequest, UpdateWeightsRequest
+from .served import ModelNotFound, RequestTooLarge, Served
 from .validation import validation_message
 from .weights import ServedWeights
 
@@ -65,17 +58,7 @@ log = logging.getLogger("logprobe.server")
 OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers, probes)
 BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody,
-          "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest}  # reachable without the API key (load balancers, probes)
-
-
-class ModelNotFound(LogprobeError):
-    pass
-
-
-class RequestTooLarge(Exception):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+          "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest}
 
 
 class Gate:
@@ -158,25 +141,10 @@ class Lifecycle:
         return await asyncio.shield(self._drained)
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body is read by then: receive() waits for disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def capture_floats(requests, hidden: int) -> int:
-    """How many numbers the captures of these requests return (rows: n*H, sum: H, project: n)."""
-    return sum(len(c.positions) * hidden if c.kind == "rows" else hidden if c.kind == "sum" else len(c.positions)
-               for r in requests for c in r.capture)
-
-
 def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: str | None = None) -> FastAPI:
     """The app serving ``scorer``; its engine thread starts and stops with the app (lifespan)."""
     config = config or ServerConfig()
     name = config.served_model_name or model_name or scorer.info.name
-    names = {name, scorer.info.name, scorer.info.path}
     engine = scorer.engine
     metrics = Metrics(engine)
 
@@ -197,8 +165,6 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
                       lambda reason: metrics.dropped.labels(reason).inc())
     lifecycle = Lifecycle(batcher)
     weights = ServedWeights(scorer, batcher)
-    tok = scorer.tokenizer
-    hidden = scorer.loaded.model.config.hidden_size if getattr(scorer.loaded.model, "supports_hooks", False) else 0
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -293,142 +259,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         log.exception("unexpected error on %s", request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
 
-    # -- helpers ---------------------------------------------------------------------------------
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in names:
-            raise ModelNotFound("model", f"{model!r} is not served here", f"use {name!r} (see GET /v1/models)")
-
-    def check_top_k(k: int, field: str = "top_k") -> None:  # /v1/completions: completion_job checks logprobs
-        """Before the job is queued: the head checks it too, but there it would fail the whole batch."""
-        vocab = scorer.info.vocab_size
-        if k > vocab:
-            raise LogprobeError(field, f"{k} is more than the model's {vocab} tokens", f"ask for at most {vocab}")
-
-    def check_items(n: int, field: str) -> None:
-        if n > config.max_request_items:
-            raise RequestTooLarge(field, f"{field}: {n} items exceed this server's limit of "
-                                  f"{config.max_request_items} per request; split the request")
-
-    async def run(job: Job, request: Request | None = None, timeout: float | None = None):
-        """(the job's answer, the weights_version it was computed under), or a 499 Response when
-        the client went away."""
-        if job.num_tokens > config.max_request_tokens:
-            raise RequestTooLarge("body", f"body: {job.num_tokens} input tokens exceed this server's limit of "
-                                  f"{config.max_request_tokens} per request; split the request")
-        floats = capture_floats(job.requests, hidden)
-        if floats > config.max_capture_floats:
-            raise RequestTooLarge("capture", f"capture: {floats} captured numbers exceed this server's limit of "
-                                  f"{config.max_capture_floats} per request; capture fewer points or positions, "
-                                  "or reduce them (mean, sum, last, project)")
-        task = asyncio.ensure_future(batcher.submit_tagged(job.requests, timeout))
-        if request is not None:  # a client that goes away takes its queued work with it
-            gone = asyncio.ensure_future(_disconnected(request))
-            try:
-                await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not task.done():
-                    task.cancel()
-            if task.cancelled():
-                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        results, version = await task
-        return await run_in_threadpool(job.finish, results), version
-
-    api = APIRouter()
-
-    # -- OpenAI-compatible -----------------------------------------------------------------------
-
-    @api.post("/v1/completions", summary="Prompt log-probs (echo) and at most one greedy token",
-              responses=replies(CompletionReply))
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
-            check_items(len(body.prompt), "prompt")
-        job = await run_in_threadpool(completion_job, body, scorer, name, config.max_top_logprobs)
-        out = await run(job, request)
-        return out if isinstance(out, Response) else {**out[0], "weights_version": out[1]}
-
-    @api.get("/v1/models", responses=replies(ModelsReply, (401,)))
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "logprobe",
-                                            "root": scorer.info.path, "max_model_len": scorer.info.max_length}]}
-
-    # -- tokenizer (the vLLM endpoints lm-evaluation-harness looks for) ---------------------------
-
-    @api.get("/tokenizer_info", responses=replies(TokenizerInfoReply, (401,)))
-    async def tokenizer_info():
-        hf = tok.hf
-        return {"tokenizer_class": type(hf).__name__, "bos_token": hf.bos_token, "eos_token": hf.eos_token,
-                "pad_token": hf.pad_token, "unk_token": hf.unk_token, "add_bos_token": tok.add_bos,
-                "model_max_length": scorer.info.max_length, "vocab_size": scorer.info.vocab_size,
-                "chat_template": getattr(hf, "chat_template", None)}
-
-    @api.post("/tokenize", responses=replies(TokenizeReply, (400, 401, 404, 413)))
-    async def tokenize(body: TokenizeRequest):
-        check_model(body.model)
-        ids = await run_in_threadpool(tok.encode, body.prompt)
-        if body.add_special_tokens and tok.add_bos:
-            ids = [tok.bos_id] + ids
-        out = {"count": len(ids), "max_model_len": scorer.info.max_length, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = tok.token_texts(ids) if ids else []
-        return out
-
-    @api.post("/detokenize", responses=replies(DetokenizeReply, (400, 401, 404, 413)))
-    async def detokenize(body: DetokenizeRequest):
-        check_model(body.model)
-        ids = scorer.check_ids(body.tokens, "tokens")
-        return {"prompt": await run_in_threadpool(tok.decode, ids)}
-
-    # -- native ----------------------------------------------------------------------------------
-
-    @api.post("/v1/score", summary="log p(continuation | prompt) for each continuation",
-              responses=replies(ScoreReply, NATIVE_CODES))
-    async def score(body: ScoreBody, request: Request):
-        check_model(body.model)
-        check_items(len(body.continuations), "continuations")
-        check_top_k(body.top_k)
-        job = await run_in_threadpool(lambda: scorer.score_job(body.prompt, body.continuations,
-                                                               temperature=body.temperature, top_k=body.top_k,
-                                                               entropy=body.entropy, **body.hook_args()))
-        out = await run(job, request, body.timeout)
-        if isinstance(out, Response):
-            return out
-        results, version = out
-        return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results],
-                "weights_version": version}
-
-    @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature",
-              responses=replies(LogprobsReply, NATIVE_CODES))
-    async def logprobs(body: LogprobsBody, request: Request):
-        check_model(body.model)
-        check_items(len(body.sequences), "sequences")
-        check_top_k(body.top_k)
-        seqs = [s.model_dump() for s in body.sequences]
-        job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy,
-                                                                  **body.hook_args()))
-        out = await run(job, request, body.timeout)
-        if isinstance(out, Response):
-            return out
-        results, version = out
-        return {"object": "logprobs", "model": name, "temperature": body.temperature,
-                "results": [r.to_dict() for r in results], "weights_version": version}
-
-    @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows",
-              responses=replies(PerplexityReply, NATIVE_CODES))
-    async def perplexity(body: PerplexityBody, request: Request):
-        check_model(body.model)
-        if isinstance(body.texts, list) and body.texts and not isinstance(body.texts[0], int):
-            check_items(len(body.texts), "texts")
-        job = await run_in_threadpool(lambda: scorer.perplexity_job(
-            body.texts, context_length=body.context_length, stride=body.stride, policy=body.policy,
-            prefix=body.prefix, max_tokens=body.max_tokens, return_token_nlls=body.return_token_nlls,
-            **body.hook_args()))
-        out = await run(job, request, body.timeout)
-        if isinstance(out, Response):
-            return out
-        return {"object": "perplexity", "model": name, **out[0].to_dict(), "weights_version": out[1]}
+    served = Served(scorer, config, name, batcher, weights)
+    ops = APIRouter()
 
     # -- operations ------------------------------------------------------------------------------
 
@@ -438,16 +270,16 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens,
                 "weights_version": weights.version}
 
-    @api.get("/metrics", response_class=PlainTextResponse, responses=replies(None, (401,)))
+    @ops.get("/metrics", response_class=PlainTextResponse, responses=replies(None, (401,)))
     async def prometheus():
         jobs, tokens = batcher.queue_depth
         metrics.queue_jobs.set(jobs)
         metrics.queue_tokens.set(tokens)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    rl = rl_router(scorer, config, run, check_items, weights)
-    app.include_router(api)
-    app.include_router(rl)
-    routes = {getattr(r, "path", "") for r in [*app.routes, *api.routes, *rl.routes]} - {""}
+    routers = [openai_router(served), native_router(served), rl_router(served), ops]
+    for router in routers:
+        app.include_router(router)
+    routes = {getattr(r, "path", "") for r in [*app.routes, *(r for x in routers for r in x.routes)]} - {""}
     app.add_middleware(Gate, config=config, metrics=metrics, routes=routes, lifecycle=lifecycle)
     return app

@@ -5,22 +5,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import LogprobeError
-from ..scorer import Scorer
 from .batcher import JobFailed
-from .config import ServerConfig
 from .responses import SafeJSONResponse, error_body, replies
 from .schemas_rl import GenerateReply, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
+from .served import Served
 from .sglang_compat import batched, generate_job
-from .weights import ServedWeights
-
-Run = Callable[..., Awaitable]  # app's run(job, request) -> (value, weights_version) | Response
 
 
 def stamp(reply: dict, version: int) -> dict:
@@ -30,17 +25,17 @@ def stamp(reply: dict, version: int) -> dict:
     return reply
 
 
-def rl_router(scorer: Scorer, config: ServerConfig, run: Run, check_items: Callable[[int, str], None],
-              weights: ServedWeights) -> APIRouter:
+def rl_router(served: Served) -> APIRouter:
+    scorer, config, run, weights = served.scorer, served.config, served.run, served.weights
     router = APIRouter()
 
     @router.post("/generate", summary="SGLang /generate for scoring: input_token_logprobs (max_new_tokens 0)",
                  responses=replies(GenerateReply | list[GenerateReply]))
     async def generate(body: GenerateRequest, request: Request):
         if body.input_ids is not None and batched(body):
-            check_items(len(body.input_ids), "input_ids")
+            served.check_items(len(body.input_ids), "input_ids")
         elif isinstance(body.text, list):
-            check_items(len(body.text), "text")
+            served.check_items(len(body.text), "text")
         job, owners = await run_in_threadpool(generate_job, body, scorer, config.max_top_logprobs)
         try:
             out = await run(job, request)
