@@ -21,7 +21,12 @@ vLLM's ``prompt_logprobs: k`` (with or without ``echo``) adds ``choices[i].promp
 entry per prompt token: ``null`` for the first, then ``{"<token id>": {"logprob", "rank",
 "decoded_token"}}`` holding the prompt token itself first (its rank: 1 + how many tokens score
 strictly higher, vLLM's rank when there are no ties) and the k most likely tokens (ranks 1..k);
-k or k + 1 keys. For the prompt above, ``prompt_logprobs: 1``, entry 1 (row 0 scores " capital"):
+k or k + 1 keys. What this relies on (vLLM's OpenAI server, not imported): the choice's
+``prompt_logprobs: list[dict[int, Logprob] | None]``, JSON keys the ids as strings, ``Logprob`` =
+``{logprob, rank, decoded_token}``, the prompt token inserted before the top-k (a duplicate keeps
+one key), rank = how many vocabulary entries score at least as high (1-based). Where the top-k
+value of a token and its own value differ in the last float32 bits (they are computed apart), the
+token's own value is kept. For the prompt above, ``prompt_logprobs: 1``, entry 1 (row 0 scores " capital"):
 ``{"3575": {"logprob": -11.539, "rank": 2923, "decoded_token": " capital"}, "29": {"logprob": -0.866,
 "rank": 1, "decoded_token": "-"}}``.
 """
