@@ -1,0 +1,197 @@
+"""Ray Data: logprobe's three row jobs as callable classes for ``Dataset.map_batches``.
+
+Each class loads one ``Scorer`` per Ray actor and maps a batch of rows to results through the
+same row -> requests -> row code as ``logprobe score/perplexity/logprobs --input``
+(``logprobe.jobs``), so a row gives the same columns (and, with ``deterministic=True``, the same
+bits) on a cluster as through the library or the CLI:
+
+* ``Logprobs``: ``prompt_token_ids``, ``completion_token_ids`` (optional per-row ``temperature``,
+  ``top_k``, ``entropy``) -> ``logprobs`` (list<float32>), ``sum_logprob``, ``is_greedy`` (list<bool>),
+  and ``entropy``, ``top_k_ids``, ``top_k_logprobs`` when asked;
+* ``Score``: ``prompt`` + ``continuation`` (or ``continuations``, a list) -> ``continuation`` (as
+  scored, after the join rule), ``log_prob``, ``num_tokens``, ``is_greedy``, ``token_logprobs``;
+* ``Perplexity``: ``text`` -> ``nll_sum``, ``num_tokens``, ``nll_mean``, ``nll_stderr``,
+  ``num_words``, ``num_bytes``, ``perplexity``, ... per text; ``aggregate_perplexity`` pools them.
+
+Every input column passes through unchanged (types kept); the results are appended (a result
+column replaces an input column of the same name), plus ``error``: null, or ``"field: reason"``
+for a row the job could not score (ids out of the vocabulary, an empty prompt, too long): the
+row stays in the block with null results, the block goes on.
+
+    import ray, logprobe.ray
+    ds = ray.data.read_parquet("rollouts/")
+    out = ds.map_batches(logprobe.ray.Logprobs, fn_constructor_kwargs={"model": "org/model",
+                         "deterministic": True, "top_k": 5}, concurrency=4, num_gpus=1,
+                         batch_size=256, batch_format="pyarrow")
+
+Batches: any ``batch_format`` works (a pyarrow Table, a pandas DataFrame or a dict of numpy
+arrays); ``"pyarrow"`` is the natural one (no conversion). A batch comes back as a pyarrow Table.
+``num_gpus=G > 1`` makes the actor's Scorer tensor-parallel over its G GPUs. Ray Data restarts
+a dead actor and retries its batch (``max_restarts``, ``max_task_retries``: Ray Data's defaults,
+or pass them to ``map_batches``).
+
+Corpus perplexity from per-text rows, exactly as ``Scorer.perplexity(texts)`` pools the tokens
+(lm-eval's definitions; words are ``re.split(r"\\s+", text)``, bytes UTF-8)::
+
+    row   nll_sum  num_tokens  num_words  num_bytes
+    a       12.0        4          2          10
+    b        8.0        6          3          14
+    corpus: nll_mean = (12 + 8) / (4 + 6) = 2.0  -> perplexity = e^2.0 = 7.389
+            word perplexity = e^(20 / 5) = 54.6, byte perplexity = e^(20 / 24) = 2.30,
+            bits per byte = 20 / 24 / ln 2 = 1.202
+
+>>> t = {"nll_sum": [12.0, 8.0], "num_tokens": [4, 6], "nll_mean": [3.0, 4 / 3], "nll_stderr": [0.5, 0.5],
+...      "num_windows": [1, 1], "num_words": [2, 3], "num_bytes": [10, 14]}
+>>> agg = aggregate_perplexity(t)
+>>> round(agg["perplexity"], 3), round(agg["word_perplexity"], 1), round(agg["bits_per_byte"], 3)
+(7.389, 54.6, 1.202)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..io.tables import Row
+from ..jobs import LogprobsRows, PerplexityRows, ScoreRows, aggregate, map_rows
+
+PERPLEXITY_INPUTS = ("nll_sum", "num_tokens", "nll_mean", "nll_stderr", "num_windows", "num_words", "num_bytes")
+JOBS = {"logprobs": LogprobsRows, "score": ScoreRows, "perplexity": PerplexityRows}
+_log = logging.getLogger("logprobe.ray")
+
+
+class _RowJob:
+    """One Scorer per actor; ``__call__(batch) -> pyarrow.Table`` (see the module docstring).
+
+    ``model``, ``device``, ``dtype``, ``deterministic``, ``max_batch_tokens``: as ``Scorer``;
+    ``tensor_parallel_size``: default the number of GPUs Ray gave the actor (1 without GPUs).
+    ``columns``: None (default) passes every input column through; a tuple makes the CLI's rows
+    instead: ``index`` (read from the input's ``index`` column), ``id`` (logprobs), these columns.
+    Other keywords are the job's options (``temperature``, ``top_k``, ``entropy``; score: ``join``;
+    perplexity: ``text_field``, ``context_length``, ``stride``, ``policy``, ``prefix``, ``max_tokens``).
+    """
+
+    job_name = ""
+
+    def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+                 deterministic: bool = False, max_batch_tokens: int = 8192, tensor_parallel_size: int | None = None,
+                 columns: tuple[str, ...] | None = None, **options: Any) -> None:
+        from ..config import EngineConfig
+        from ..scorer import Scorer
+
+        config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic, progress=False)
+        self.scorer = Scorer(model, device=device, dtype=dtype, config=config,
+                             tensor_parallel_size=tensor_parallel_size or _actor_gpus())
+        self.columns = columns
+        self.job = JOBS[self.job_name](scorer=self.scorer, keep=tuple(columns or ()), **options)
+
+    def __call__(self, batch):
+        table = to_arrow(batch)
+        data = table.to_pylist()
+        if self.columns is None:  # position in the batch; the input's columns come back as they were
+            rows = [Row(k, f"row {k + 1} of the batch", d) for k, d in enumerate(data)]
+        else:
+            rows = [Row(d["index"], f"row {d['index'] + 1}", d) for d in data]
+        outs = map_rows(self.scorer, self.job, rows, report=_log.warning)
+        if self.columns is not None:
+            return result_table(outs, self.job.float32_columns)
+        head = set(self.job.head(rows[0])) if rows else set()
+        results = result_table([{k: v for k, v in o.items() if k not in head} for o in outs], self.job.float32_columns)
+        for name in results.column_names:
+            if name in table.column_names:
+                table = table.drop_columns([name])
+            table = table.append_column(name, results[name])
+        return table
+
+    def __del__(self) -> None:
+        scorer = getattr(self, "scorer", None)
+        if scorer is not None and hasattr(scorer, "close"):
+            scorer.close()
+
+
+class Logprobs(_RowJob):
+    """RL sequences -> per-token log-probs (``logprobe logprobs`` columns). See the module docstring."""
+
+    job_name = "logprobs"
+
+
+class Score(_RowJob):
+    """Prompt + continuation(s) -> log-prob, greedy flag (``logprobe score`` columns)."""
+
+    job_name = "score"
+
+
+class Perplexity(_RowJob):
+    """A text per row -> its NLL sum, token, word and byte counts (``aggregate_perplexity`` pools them)."""
+
+    job_name = "perplexity"
+
+
+def _actor_gpus() -> int:
+    """How many GPUs Ray assigned to this actor (1 when none or outside Ray)."""
+    try:
+        import ray
+
+        return max(1, len(ray.get_gpu_ids())) if ray.is_initialized() else 1
+    except Exception:  # noqa: BLE001 (outside a worker)
+        return 1
+
+
+def to_arrow(batch):
+    """A Ray Data batch (pyarrow Table, pandas DataFrame or dict of numpy arrays) as a pyarrow Table.
+
+    >>> import numpy as np
+    >>> to_arrow({"ids": np.array([np.array([1, 2]), np.array([3])], dtype=object)})["ids"].to_pylist()
+    [[1, 2], [3]]
+    """
+    import pyarrow as pa
+
+    if isinstance(batch, pa.Table):
+        return batch
+    if isinstance(batch, dict):
+        return pa.table({k: pa.array(list(v) if getattr(v, "dtype", None) == object else v) for k, v in batch.items()})
+    return pa.Table.from_pandas(batch, preserve_index=False)
+
+
+def result_table(rows: list[dict], float32_columns=frozenset()):
+    """Output dicts as a pyarrow Table: every key of every row a column (null where a row lacks
+    it), per-token float lists as float32 (they are float32 already: nothing is rounded), and an
+    ``error`` string column last.
+
+    >>> result_table([{"index": 0, "x": [0.5]}, {"index": 1, "error": "x: bad"}], {"x"}).schema.types
+    [DataType(int64), ListType(list<item: float>), DataType(string)]
+    """
+    import pyarrow as pa
+
+    from ..io.parquet import float32_type
+
+    names = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "error"]
+    cols = {k: pa.array([r.get(k) for r in rows]) for k in names}
+    for k in float32_columns & set(cols):
+        cols[k] = cols[k].cast(float32_type(cols[k].type))
+    cols["error"] = pa.array([r.get("error") for r in rows], pa.string())
+    return pa.table(cols)
+
+
+def aggregate_perplexity(results) -> dict:
+    """Corpus perplexity (± stderr), word and byte perplexity and bits per byte of ``Perplexity``
+    rows: a Ray ``Dataset``, a pyarrow Table, a pandas DataFrame, a dict of columns or a list of
+    row dicts. Rows with an ``error`` are left out (counted in ``failed_rows``). Only the per-row
+    sums are read, so it pools blocks computed anywhere (``jobs.aggregate``; example in the
+    module docstring)."""
+    import pyarrow as pa
+
+    if hasattr(results, "select_columns") and hasattr(results, "to_arrow_refs"):  # a Ray Dataset
+        import ray
+
+        names = [c for c in (*PERPLEXITY_INPUTS, "error") if c in results.columns()]
+        tables = ray.get(results.select_columns(names).to_arrow_refs())
+        results = pa.concat_tables(tables, promote_options="permissive") if tables else []
+    if isinstance(results, list):
+        return aggregate(results)
+    if isinstance(results, dict):
+        results = pa.table(results)
+    elif not isinstance(results, pa.Table):
+        results = pa.Table.from_pandas(results, preserve_index=False)
+    names = [c for c in (*PERPLEXITY_INPUTS, "error") if c in results.column_names]
+    return aggregate(results.select(names).to_pylist())

@@ -1,0 +1,196 @@
+"""Ray Data (``logprobe.ray``): the three classes on a local cluster give the library's bits, the
+corpus perplexity pooled from blocks is ``Scorer.perplexity``'s, and ``logprobe ray`` writes one
+row per input row and resumes.
+
+One ``ray.init(num_cpus=2)`` for the module; a tiny random Llama (byte tokenizer); deterministic
+mode, so rows batched on other actors with other rows give the same bits as the library alone.
+Actors take half a CPU each, so two actors leave room for Ray's read and write tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'logprobe[ray]')")
+
+from logprobe import Scorer  # noqa: E402
+from logprobe.cli.main import main  # noqa: E402
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "It was a sunny day in the park, and then it rained.",
+         "Exact numbers first.", "A row\nwith a newline, a comma and \"quotes\".", "Short one.",
+         "Ray Data splits these rows into blocks; each block goes to one of two actors."]
+WINDOWS = {"context_length": 16, "stride": 4}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from helpers import make_hf_dir
+
+    d = tmp_path_factory.mktemp("tiny-llama-ray")
+    make_hf_dir(d, "llama", seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return Scorer(str(tiny_dir), device="cpu", dtype="float32", progress=False, deterministic=True)
+
+
+def model_kwargs(tiny_dir, **options) -> dict:
+    return {"model": str(tiny_dir), "device": "cpu", "dtype": "float32", "deterministic": True, **options}
+
+
+def mapped(rows: list[dict], cls, kwargs: dict, batch_size: int) -> list[dict]:
+    """``rows`` through ``cls`` on 2 actors, ``batch_size`` rows a batch; rows back in input order."""
+    ds = ray.data.from_items([dict(r, row=i) for i, r in enumerate(rows)], override_num_blocks=3)
+    out = ds.map_batches(cls, fn_constructor_kwargs=kwargs, concurrency=2, num_cpus=0.5, batch_size=batch_size,
+                         batch_format="pyarrow")
+    got = sorted(out.take_all(), key=lambda r: r["row"])
+    assert [r["row"] for r in got] == list(range(len(rows)))  # every row once
+    return got
+
+
+def rl_rows() -> list[dict]:
+    from helpers import random_sequences
+
+    rows = [dict(s, id=f"s{i}", temperature=[1.0, 0.7, 1.3][i % 3]) for i, s in enumerate(random_sequences(7, seed=1))]
+    rows[4]["completion_token_ids"] = [5, 99999]  # out of the vocabulary: an error, not a failed block
+    return rows
+
+
+def test_logprobs_equal_library_bitwise(cluster, tiny, tiny_dir):
+    import logprobe.ray
+
+    rows = rl_rows()
+    got = mapped(rows, logprobe.ray.Logprobs, model_kwargs(tiny_dir, top_k=2, entropy=True), batch_size=3)
+    for r, g in zip(rows, got):
+        assert g["id"] == r["id"] and g["prompt_token_ids"] == r["prompt_token_ids"]  # passed through
+        if r["id"] == "s4":
+            assert g["error"].startswith("completion_token_ids[1]: token id 99999") and g["logprobs"] is None
+            continue
+        seq = {k: r[k] for k in ("prompt_token_ids", "completion_token_ids")}
+        want = tiny.logprobs([seq], temperature=r["temperature"], top_k=2, entropy=True)[0].to_dict()
+        assert g["error"] is None
+        for k in ("logprobs", "sum_logprob", "is_greedy", "entropy", "top_k_ids", "top_k_logprobs"):
+            assert g[k] == want[k], k  # float32 lists hold the library's float32 values exactly
+
+
+def test_score_equal_library_bitwise(cluster, tiny, tiny_dir):
+    import logprobe.ray
+
+    rows = [{"prompt": "The capital of France is", "continuation": "Paris"},
+            {"prompt": "Hello", "continuation": " world"}, {"prompt": None, "continuation": "x"},
+            {"prompt": "2 + 2 =", "continuation": "4"}, {"prompt": "Yes or", "continuation": "no"}]
+    got = mapped(rows, logprobe.ray.Score, model_kwargs(tiny_dir), batch_size=2)
+    for r, g in zip(rows, got):
+        if r["prompt"] is None:
+            assert g["error"] == "prompt: is missing; give a prompt column" and g["log_prob"] is None
+            continue
+        cont = r["continuation"] if r["continuation"][0].isspace() else " " + r["continuation"]
+        want = tiny.score(r["prompt"], [cont])[0]
+        assert (g["continuation"], g["log_prob"], g["is_greedy"], g["num_tokens"], g["token_logprobs"]) == \
+            (cont, want.log_prob, want.is_greedy, want.num_tokens, want.token_logprobs)
+
+
+def test_perplexity_rows_and_corpus_equal_library(cluster, tiny, tiny_dir):
+    import logprobe.ray
+
+    rows = [{"text": t} for t in TEXTS]
+    got = mapped(rows, logprobe.ray.Perplexity, model_kwargs(tiny_dir, **WINDOWS), batch_size=2)
+    for r, g in zip(rows, got):
+        one = tiny.perplexity(r["text"], return_token_nlls=True, **WINDOWS)
+        assert (g["perplexity"], g["num_tokens"], g["num_words"], g["num_bytes"]) == \
+            (one.perplexity, one.num_tokens, one.num_words, one.num_bytes)
+        assert g["nll_sum"] == math.fsum(one.token_nlls[0])
+    want = tiny.perplexity(TEXTS, **WINDOWS)
+    agg = logprobe.ray.aggregate_perplexity(pa.Table.from_pylist(got))
+    assert (agg["num_tokens"], agg["num_words"], agg["num_bytes"], agg["num_windows"]) == \
+        (want.num_tokens, want.num_words, want.num_bytes, want.num_windows)
+    # the total NLL is a sum of per-text exactly rounded sums: equal to the flat sum up to rounding
+    for k in ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert math.isclose(agg[k], getattr(want, k), rel_tol=1e-12), k
+    assert math.isclose(agg["perplexity_stderr"], want.perplexity_stderr, rel_tol=1e-9)
+    assert logprobe.ray.aggregate_perplexity(got) == agg  # list of rows, same numbers
+
+
+def output_rows(out: Path) -> dict[int, dict]:
+    tables = [pq.read_table(p) for p in sorted(out.glob("*.parquet"))]
+    rows = pa.concat_tables(tables, promote_options="permissive").to_pylist()
+    index = [r["index"] for r in rows]
+    assert len(index) == len(set(index)), f"rows doubled: {sorted(index)}"
+    return {r["index"]: r for r in rows}
+
+
+def run_cli(tiny_dir, capsys, *argv) -> tuple[int, dict]:
+    code = main(["ray", "logprobs", *argv, "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+                 "--deterministic", "--quiet", "--json", "--top-k", "2", "--replicas", "1", "--cpus-per-replica",
+                 "0.5", "--batch-size", "2", "--keep-columns", "group"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def test_cli_jsonl_to_parquet_and_resume(cluster, tiny, tiny_dir, tmp_path, capsys):
+    from helpers import random_sequences
+
+    rows = [dict(s, id=f"s{i}", group=i % 2) for i, s in enumerate(random_sequences(6, seed=4))]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "out.parquet"
+    code, summary = run_cli(tiny_dir, capsys, "--input", str(src), "--output", str(out))
+    assert code == 0 and (summary["rows"], summary["written"], summary["already_done"]) == (6, 6, 0)
+    want = tiny.logprobs([{k: r[k] for k in ("prompt_token_ids", "completion_token_ids")} for r in rows], top_k=2)
+    assert summary["tokens"] == sum(len(r["completion_token_ids"]) for r in rows)
+    first = output_rows(out)
+    assert sorted(first) == list(range(6))
+    for i, w in enumerate(want):
+        g = first[i]
+        assert (g["id"], g["group"], g["error"]) == (f"s{i}", i % 2, None)
+        assert (g["logprobs"], g["sum_logprob"], g["top_k_ids"]) == (w.logprobs.tolist(), w.sum_logprob,
+                                                                      w.topk_ids.tolist())
+    assert set(pq.read_schema(next(out.glob("*.parquet"))).names) >= {"index", "id", "group", "logprobs", "error"}
+
+    # a crash: rows 1, 3, 4 never reached the output, and a file was cut off mid-write
+    for p in out.glob("*.parquet"):
+        t = pq.read_table(p)
+        pq.write_table(t.filter(pa.compute.is_in(t["index"], value_set=pa.array([0, 2, 5]))), p)
+    (out / "cut-off.parquet").write_bytes(b"PAR1 not a whole file")
+    code, summary = run_cli(tiny_dir, capsys, "--input", str(src), "--output", str(out))
+    assert code == 0 and (summary["written"], summary["already_done"]) == (3, 3)
+    assert not (out / "cut-off.parquet").exists()
+    assert output_rows(out) == first  # every row once, the same bits
+
+    code, summary = run_cli(tiny_dir, capsys, "--input", str(src), "--output", str(out))
+    assert code == 0 and (summary["written"], summary["already_done"]) == (0, 6)
+
+
+def test_cli_bad_input_one_line(tmp_path, capsys):
+    code = main(["ray", "score", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err
+    (tmp_path / "a.txt").write_text("x")
+    assert main(["ray", "score", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "o")]) == 2
+    assert "has files of formats" in capsys.readouterr().err
+
+
+def test_import_logprobe_does_not_import_ray():
+    import subprocess
+    import sys
+
+    code = "import logprobe, logprobe.cli.main, sys; sys.exit('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env={**os.environ}).returncode == 0
