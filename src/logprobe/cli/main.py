@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval import add_eval_parser
 
     add_eval_parser(sub)
+    from .ray_cmd import add_ray_parser  # Ray itself is imported only when the command runs
+
+    add_ray_parser(sub, common, head)
     return parser
 
 

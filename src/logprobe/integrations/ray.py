@@ -149,7 +149,7 @@ def to_arrow(batch):
     if isinstance(batch, pa.Table):
         return batch
     if isinstance(batch, dict):
-        return pa.table({k: pa.array(list(v) if getattr(v, "dtype", None) == object else v) for k, v in batch.items()})
+        return pa.table({k: pa.array(list(v) if getattr(getattr(v, "dtype", None), "kind", "") == "O" else v) for k, v in batch.items()})
     return pa.Table.from_pandas(batch, preserve_index=False)
 
 
