@@ -576,7 +576,7 @@ def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
     """Yield (parameter name, tensor or CTLinear) for a compressed-tensors checkpoint."""
     from safetensors import safe_open
 
-    from .hf import check_plain_dtype, hf_param_name, safetensors_files
+    from .checkpoint import check_plain_dtype, hf_param_name, safetensors_files
 
     check_config(qcfg)
     groups, ignore = qcfg["config_groups"], qcfg.get("ignore") or []

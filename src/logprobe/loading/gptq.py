@@ -204,7 +204,7 @@ def read_modules(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[s
     """Every safetensors tensor grouped by module: module -> {leaf: tensor}, and key -> file name."""
     from safetensors import safe_open
 
-    from .hf import safetensors_files
+    from .checkpoint import safetensors_files
 
     modules: dict[str, dict[str, torch.Tensor]] = {}
     files: dict[str, str] = {}
@@ -220,7 +220,7 @@ def read_modules(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[s
 def packed_tensors(path: Path, cfg: LlamaConfig, packed: bool, make_layer, method: str):
     """Yield (parameter name, tensor or packed layer): modules holding ``qweight`` become
     ``make_layer(module, tensors)``; every other tensor must be a plain float."""
-    from .hf import check_plain_dtype, hf_param_name
+    from .checkpoint import check_plain_dtype, hf_param_name
 
     modules, files = read_modules(path)
     found = False

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from ..errors import LogprobeError
 from ..models.llama import LlamaConfig
+from .checkpoint import _EXPERT, check_plain_dtype, hf_param_name, safetensors_files
 
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NATIVE_QUANT_METHODS = ("compressed-tensors", "gptq", "awq")  # loading.compressed, loading.gptq, loading.awq
@@ -117,36 +117,7 @@ def _moe_spec(cfg: dict, mtype: str):
     return spec, ""
 
 
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).exists()]
-        if missing:
-            raise LogprobeError("model", f"{path} is missing weight shards: {', '.join(missing)}")
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise LogprobeError("model", f"{path} has no *.safetensors weights",
-                            "save the model with safe_serialization=True")
-    return files
-
-
-# dtypes a float model holds exactly; anything else (float8, int, bool) is a quantized or foreign tensor
-_EXACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# safetensors dtype codes the transformers backend would cast to float with no scale
 _PACKED_CODES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4")
-
-
-def check_plain_dtype(key: str, value: torch.Tensor, where: str) -> None:
-    """A tensor loaded as a plain float parameter must be a float the model holds exactly: casting
-    float8 codes or integers to the model dtype drops the scale or packing they need."""
-    if value.dtype not in _EXACT_DTYPES:
-        raise LogprobeError("model", f"tensor {key!r} in {where} is {str(value.dtype).removeprefix('torch.')}, "
-                            "and no quantization scheme logprobe reads says how to expand it: casting it to the "
-                            "model dtype would give a silently wrong model",
-                            "give float32/float16/bfloat16 weights, or a checkpoint format logprobe reads "
-                            "(compressed-tensors W4A16/W8A16, GGUF)")
 
 
 def check_quantization(raw: dict, path: Path, native: bool) -> None:
@@ -224,10 +195,6 @@ def _plain_tensors(path: Path, cfg: LlamaConfig):
                     yield name, value
 
 
-_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
 def stack_experts(tensors, cfg: LlamaConfig):
     """Per-expert matrices ``layers.N.mlp.experts.{e}.{gate,up,down}_proj.weight`` [out, in] (what
     ``save_pretrained`` writes) -> ``layers.N.mlp.experts.{gate,up,down}_proj`` [E, out, in], yielded
@@ -257,24 +224,6 @@ def stack_experts(tensors, cfg: LlamaConfig):
         missing = sorted(set(range(cfg.moe.num_experts)) - set(got))
         raise LogprobeError("model", f"{stacked}: experts {missing[:8]} are missing from the checkpoint "
                             f"(num_experts {cfg.moe.num_experts})")
-
-
-def hf_param_name(key: str, cfg: LlamaConfig, where: str) -> str | None:
-    """A checkpoint key -> the native model's parameter name (None: not a weight we load)."""
-    if key.endswith("rotary_emb.inv_freq"):
-        return None
-    if key == "lm_head.weight":
-        return None if cfg.tie_word_embeddings else "lm_head.weight"
-    if key.startswith("model."):
-        name = key[len("model."):]
-        if ".block_sparse_moe." in name:  # Mixtral: gate = router, experts.{e}.w1/w3/w2 = gate/up/down
-            name = name.replace(".block_sparse_moe.", ".mlp.")
-            parts = name.split(".")
-            if len(parts) == 7 and parts[5] in _MIXTRAL:  # layers.N.mlp.experts.E.w1.weight
-                parts[5] = _MIXTRAL[parts[5]]
-            name = ".".join(parts)
-        return name
-    raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
 
 
 def hf_tokenizer(path: Path):

@@ -50,7 +50,7 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext):
     """Yield (parameter name, this rank's slice) from a float safetensors checkpoint."""
     from safetensors import safe_open
 
-    from .hf import hf_param_name, safetensors_files
+    from .checkpoint import hf_param_name, safetensors_files
 
     vocab = LlamaModel.vocab_range_of(cfg, ctx)
     for f in safetensors_files(path):

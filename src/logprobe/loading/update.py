@@ -43,7 +43,7 @@ import torch
 
 from ..errors import LogprobeError
 from ..models.llama import LlamaModel
-from .hf import _EXPERT, hf_param_name
+from .checkpoint import _EXPERT, hf_param_name
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")  # [E, out, in] parameters
@@ -325,7 +325,7 @@ def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
     config.json declares a quantization is refused."""
     from safetensors import safe_open
 
-    from .hf import safetensors_files
+    from .checkpoint import safetensors_files
 
     p = Path(path).expanduser()
     if p.is_dir():

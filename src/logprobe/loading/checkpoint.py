@@ -1,0 +1,65 @@
+"""Checkpoint files and tensor names shared by the Hugging Face readers (``hf``, ``compressed``,
+``gptq``, ``awq``, ``sharding``, ``update``): which safetensors files hold the weights, a checkpoint
+key's native parameter name, and the rule that a plain parameter is a float held exactly."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import LogprobeError
+from ..models.llama import LlamaConfig
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).exists()]
+        if missing:
+            raise LogprobeError("model", f"{path} is missing weight shards: {', '.join(missing)}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LogprobeError("model", f"{path} has no *.safetensors weights",
+                            "save the model with safe_serialization=True")
+    return files
+
+
+# dtypes a float model holds exactly; anything else (float8, int, bool) is a quantized or foreign tensor
+_EXACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# safetensors dtype codes the transformers backend would cast to float with no scale
+def check_plain_dtype(key: str, value: torch.Tensor, where: str) -> None:
+    """A tensor loaded as a plain float parameter must be a float the model holds exactly: casting
+    float8 codes or integers to the model dtype drops the scale or packing they need."""
+    if value.dtype not in _EXACT_DTYPES:
+        raise LogprobeError("model", f"tensor {key!r} in {where} is {str(value.dtype).removeprefix('torch.')}, "
+                            "and no quantization scheme logprobe reads says how to expand it: casting it to the "
+                            "model dtype would give a silently wrong model",
+                            "give float32/float16/bfloat16 weights, or a checkpoint format logprobe reads "
+                            "(compressed-tensors W4A16/W8A16, GGUF)")
+
+
+_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def hf_param_name(key: str, cfg: LlamaConfig, where: str) -> str | None:
+    """A checkpoint key -> the native model's parameter name (None: not a weight we load)."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    if key == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else "lm_head.weight"
+    if key.startswith("model."):
+        name = key[len("model."):]
+        if ".block_sparse_moe." in name:  # Mixtral: gate = router, experts.{e}.w1/w3/w2 = gate/up/down
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            parts = name.split(".")
+            if len(parts) == 7 and parts[5] in _MIXTRAL:  # layers.N.mlp.experts.E.w1.weight
+                parts[5] = _MIXTRAL[parts[5]]
+            name = ".".join(parts)
+        return name
+    raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
