@@ -124,6 +124,11 @@ def test_bad_checkpoint_changes_nothing(dirs, tmp_path):
         with pytest.raises(LogprobeError) as e:
             s.load_weights(str(path))
         assert e.value.field == "path"
+    data = (b / "model.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:len(data) // 2])  # a truncated file: safetensors' own error
+    with pytest.raises(LogprobeError, match="not a readable safetensors file") as e:
+        s.load_weights(str(tmp_path / "cut.safetensors"))
+    assert e.value.field == "path"
     assert same(scores(s), old) and s.weights_version == 0
 
 

@@ -345,7 +345,11 @@ def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
                             "give a Hugging Face checkpoint directory or a .safetensors file")
     items = []
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        try:
+            st = safe_open(str(f), framework="pt")
+        except Exception as e:  # safetensors' own error type (a truncated or foreign file)
+            raise LogprobeError(field, f"{f} is not a readable safetensors file ({e})") from e
+        with st:
             for key in st.keys():
                 sl = st.get_slice(key)
                 code = sl.get_dtype()
