@@ -74,11 +74,26 @@ def rl_rows() -> list[dict]:
     return rows
 
 
-def test_logprobs_equal_library_bitwise(cluster, tiny, tiny_dir):
+def killed_once(marker: str):
+    """``Logprobs`` whose actor process dies (``os._exit``) in the middle of its first batch."""
     import logprobe.ray
 
+    class KilledOnce(logprobe.ray.Logprobs):
+        def __call__(self, batch):
+            if not os.path.exists(marker):
+                Path(marker).touch()
+                os._exit(1)
+            return super().__call__(batch)
+
+    return KilledOnce
+
+
+def test_logprobs_equal_library_bitwise_after_a_worker_is_killed(cluster, tiny, tiny_dir, tmp_path):
+    """Ray replaces the killed actor and gives its batch to a live one: every row once, same bits."""
+    marker = tmp_path / "killed"
     rows = rl_rows()
-    got = mapped(rows, logprobe.ray.Logprobs, model_kwargs(tiny_dir, top_k=2, entropy=True), batch_size=3)
+    got = mapped(rows, killed_once(str(marker)), model_kwargs(tiny_dir, top_k=2, entropy=True), batch_size=3)
+    assert marker.exists()  # a worker did die mid-job
     for r, g in zip(rows, got):
         assert g["id"] == r["id"] and g["prompt_token_ids"] == r["prompt_token_ids"]  # passed through
         if r["id"] == "s4":

@@ -15,8 +15,10 @@
   killed driver has no Parquet footer and cannot be read: it is deleted and its rows are done
   again; rows with an ``error`` are removed from their file (rewritten under a temporary name,
   then renamed) and computed again, as ``logprobe ... --output x.parquet`` does.
-* **Retries**: the actor pool runs with ``max_restarts=-1`` (a dead actor is always replaced)
-  and ``max_task_retries=3`` (its batch is retried on the new actor up to 3 times).
+* **Retries**: Ray Data's actor pools run with ``max_restarts=-1`` (a dead actor, its process
+  or node lost, is always replaced) and ``max_task_retries=-1`` (the batch it held is given to a
+  live actor again until it completes); an exception raised by the job is not retried (bad rows
+  never raise: they get an ``error``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from ..errors import LogprobeError
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet",
            ".pq": "parquet"}
-RETRIES = {"max_restarts": -1, "max_task_retries": 3}
 
 
 @dataclass(slots=True)
@@ -190,7 +191,7 @@ def run_dataset(job: str, input_path: str, output: str, scorer_kwargs: dict, opt
     if total > len(done):
         out = todo.map_batches(mapper, fn_constructor_kwargs={**scorer_kwargs, **options, "columns": keep_columns},
                                batch_size=batch_size, batch_format="pyarrow", concurrency=replicas,
-                               num_gpus=gpus_per_replica or None, num_cpus=cpus_per_replica, **RETRIES)
+                               num_gpus=gpus_per_replica or None, num_cpus=cpus_per_replica)
         out.write_parquet(output if "://" in output else os.path.abspath(output))
     _count_new(summary, fs, [p for p in _parquet_files(fs, root) if p not in before], job)
     summary.elapsed_s = time.perf_counter() - start
