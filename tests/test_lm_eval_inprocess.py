@@ -79,6 +79,9 @@ def test_lm_requests_and_refusals(default_scorer):
 def test_logprobe_eval_cli_runs_lm_eval_in_process(tmp_path, monkeypatch, capsys, default_scorer):
     """``logprobe eval`` with lm-eval's own options passed through (--include_path, --limit, --output_path,
     --log_samples): every logged answer equals the library's loglikelihood."""
+    seen = []
+    monkeypatch.setattr("logprobe.scorer.load_model",  # the session's weights, not a second load
+                        lambda *a: seen.append(a) or default_scorer.loaded)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
     tasks = tmp_path / "tasks"
@@ -87,7 +90,7 @@ def test_logprobe_eval_cli_runs_lm_eval_in_process(tmp_path, monkeypatch, capsys
     out = tmp_path / "out"
     rc = main(["eval", "--device", "cpu", "--tasks", "logprobe_mc", "--include_path", str(tasks), "--limit", "2",
                "--output_path", str(out), "--log_samples", "--max-length", "512"])
-    assert rc == 0
+    assert rc == 0 and seen == [(None, "cpu", "auto")]  # --device reached the Scorer through lm-eval
     stdout = capsys.readouterr().out
     assert "logprobe_mc" in stdout and "acc" in stdout
     samples = [json.loads(x) for f in out.rglob("samples_logprobe_mc_*.jsonl") for x in f.read_text().splitlines()]

@@ -43,7 +43,9 @@ def test_score_html(tmp_path, capsys):
     assert lps == [x for r in printed for x in r["token_logprobs"]] and count == len(lps) == 2
 
 
-def test_compare_html(tmp_path, capsys):
+def test_compare_html(tmp_path, capsys, monkeypatch):
+    loaded = get_scorer().loaded  # Q and R: the CLI's cached default model (no second load)
+    monkeypatch.setattr("logprobe.loading.load_model", lambda *a, **k: loaded)
     text = tmp_path / "t.txt"
     text.write_text(TEXT, encoding="utf-8")
     out = tmp_path / "k.html"
