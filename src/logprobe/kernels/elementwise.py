@@ -83,9 +83,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rotary_reference(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] (interleaved pairs) rotated by cis [T, D/2] complex64: the PyTorch path of
     ``layers.rotary.apply_rotary`` (a float32 complex multiply, rounded once)."""
-    from ..layers.rotary import apply_rotary
-
-    return apply_rotary(x, cis, triton=False)
+    T, H, D = x.shape
+    xc = torch.view_as_complex(x.float().reshape(T, H, D // 2, 2))  # [T, H, D/2]
+    return torch.view_as_real(xc * cis[:, None, :]).reshape(T, H, D).to(x.dtype)
 
 
 def rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:

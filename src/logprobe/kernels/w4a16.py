@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import LogprobeError
 from . import triton_available
+from .packing import unpack_int32
 
 if triton_available():
     import triton
@@ -118,7 +119,6 @@ class W4A16Config:
 def dequantize_w4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
                   K: int) -> torch.Tensor:
     """float32 [N, K] weights of the layout above (the reference's definition)."""
-    from ..layers.quant_linear import unpack_int32
 
     q = unpack_int32(qweight, 4, K).float()  # [N, K]
     g = torch.arange(K, device=q.device) // group_size  # [K] group of each column

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..kernels.packing import unpack_int32
 from ..loading.gguf_quants import block_values, dequantize_blocks
 from .linear import Linear, tiled_linear
 
@@ -141,18 +142,6 @@ class GGUFLinear(_PackedLinearMixin, Linear):
 
     def extra_repr(self) -> str:
         return f"{self.qtype}, in={self.in_features}, out={self.out_features}"
-
-
-def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
-    """compressed-tensors ``pack-quantized`` words [r, w] int32 -> signed codes [r, cols] int16.
-
-    Element i of a row sits in word i // (32 / bits) at bit (i % (32 / bits)) * bits, stored
-    with an offset of 2^(bits-1) so it is unsigned."""
-    per_word = 32 // num_bits
-    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)  # [per_word]
-    u = (packed[..., None] >> shifts) & ((1 << num_bits) - 1)  # [r, w, per_word]
-    u = u.reshape(packed.shape[0], packed.shape[1] * per_word)[:, :cols]  # [r, cols]
-    return u.to(torch.int16) - (1 << (num_bits - 1))
 
 
 class CTLinear(_PackedLinearMixin, Linear):

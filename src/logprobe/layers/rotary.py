@@ -57,16 +57,12 @@ def apply_rotary(x: torch.Tensor, cis: torch.Tensor, triton: bool = False) -> to
     their rows permuted to this layout (see ``to_interleaved``), which leaves q.k unchanged.
     ``triton``: on CUDA, one Triton pass (``kernels.elementwise.rotary``, same arithmetic).
     """
-    if triton and x.is_cuda and x.stride(2) == 1:
-        from ..kernels import triton_available
+    from ..kernels import triton_available
+    from ..kernels.elementwise import rotary, rotary_reference
 
-        if triton_available():
-            from ..kernels.elementwise import rotary
-
-            return rotary(x, cis)
-    T, H, D = x.shape
-    xc = torch.view_as_complex(x.float().reshape(T, H, D // 2, 2))  # [T, H, D/2]
-    return torch.view_as_real(xc * cis[:, None, :]).reshape(T, H, D).to(x.dtype)
+    if triton and x.is_cuda and x.stride(2) == 1 and triton_available():
+        return rotary(x, cis)
+    return rotary_reference(x, cis)
 
 
 def to_interleaved(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -389,7 +389,8 @@ def _check_dtype(module: str, leaf: str, t: torch.Tensor, allowed: tuple[torch.d
 def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str, gname: str = "?"):
     """One module's stored tensors (leaf -> tensor, bias excluded) -> a ``CTLinear``; anything in them
     that the scheme's layout does not define, or defines differently, is refused."""
-    from ..layers.quant_linear import CTLinear, unpack_int32
+    from ..kernels.packing import unpack_int32
+    from ..layers.quant_linear import CTLinear
 
     w = _check_scheme(module, gname, scheme, fmt)
     if w is None:
