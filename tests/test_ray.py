@@ -56,11 +56,14 @@ def model_kwargs(tiny_dir, **options) -> dict:
     return {"model": str(tiny_dir), "device": "cpu", "dtype": "float32", "deterministic": True, **options}
 
 
-def mapped(rows: list[dict], cls, kwargs: dict, batch_size: int) -> list[dict]:
-    """``rows`` through ``cls`` on 2 actors, ``batch_size`` rows a batch; rows back in input order."""
+def mapped(rows: list[dict], cls, kwargs: dict, batch_size: int, dataset: list | None = None) -> list[dict]:
+    """``rows`` through ``cls`` on 2 actors, ``batch_size`` rows a batch; rows back in input order
+    (``dataset``, when given, receives the materialized output Dataset)."""
     ds = ray.data.from_items([dict(r, row=i) for i, r in enumerate(rows)], override_num_blocks=3)
     out = ds.map_batches(cls, fn_constructor_kwargs=kwargs, concurrency=2, num_cpus=0.5, batch_size=batch_size,
-                         batch_format="pyarrow")
+                         batch_format="pyarrow").materialize()
+    if dataset is not None:
+        dataset.append(out)
     got = sorted(out.take_all(), key=lambda r: r["row"])
     assert [r["row"] for r in got] == list(range(len(rows)))  # every row once
     return got
@@ -127,7 +130,8 @@ def test_perplexity_rows_and_corpus_equal_library(cluster, tiny, tiny_dir):
     import logprobe.ray
 
     rows = [{"text": t} for t in TEXTS]
-    got = mapped(rows, logprobe.ray.Perplexity, model_kwargs(tiny_dir, **WINDOWS), batch_size=2)
+    out: list = []
+    got = mapped(rows, logprobe.ray.Perplexity, model_kwargs(tiny_dir, **WINDOWS), batch_size=2, dataset=out)
     for r, g in zip(rows, got):
         one = tiny.perplexity(r["text"], return_token_nlls=True, **WINDOWS)
         assert (g["perplexity"], g["num_tokens"], g["num_words"], g["num_bytes"]) == \
@@ -142,6 +146,34 @@ def test_perplexity_rows_and_corpus_equal_library(cluster, tiny, tiny_dir):
         assert math.isclose(agg[k], getattr(want, k), rel_tol=1e-12), k
     assert math.isclose(agg["perplexity_stderr"], want.perplexity_stderr, rel_tol=1e-9)
     assert logprobe.ray.aggregate_perplexity(got) == agg  # list of rows, same numbers
+    assert logprobe.ray.aggregate_perplexity(out[0]) == agg  # the Dataset itself
+
+
+def test_cli_perplexity_directory_of_csv(cluster, tiny, tiny_dir, tmp_path, capsys):
+    import csv
+
+    src = tmp_path / "texts"
+    src.mkdir()
+    for name, part in (("b.csv", TEXTS[3:]), ("a.csv", TEXTS[:3])):  # numbered in sorted file order: a, then b
+        with open(src / name, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["text", "n"])
+            w.writerows([t, k] for k, t in enumerate(part))
+    out = tmp_path / "ppl.parquet"
+    code = main(["ray", "perplexity", "--input", str(src), "--output", str(out), "--model", str(tiny_dir),
+                 "--device", "cpu", "--dtype", "float32", "--deterministic", "--quiet", "--json", "--replicas", "1",
+                 "--cpus-per-replica", "0.5", "--batch-size", "4", "--keep-columns", "text,n",
+                 "--context-length", "16", "--stride", "4"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["written"] == len(TEXTS)
+    rows = output_rows(out)
+    for i, t in enumerate(TEXTS):
+        one = tiny.perplexity(t, **WINDOWS)
+        assert (rows[i]["text"], rows[i]["n"], rows[i]["perplexity"]) == (t, i % 3, one.perplexity)
+    want = tiny.perplexity(TEXTS, **WINDOWS)
+    assert summary["tokens"] == want.num_tokens == summary["perplexity"]["num_tokens"]
+    assert math.isclose(summary["perplexity"]["perplexity"], want.perplexity, rel_tol=1e-12)
+    assert math.isclose(summary["perplexity"]["bits_per_byte"], want.bits_per_byte, rel_tol=1e-12)
 
 
 def output_rows(out: Path) -> dict[int, dict]:

@@ -86,7 +86,12 @@ def read_input(path: str, fmt: str | None = None):
     import ray.data
 
     fs, files, fmt = input_files(path, fmt)
-    reader = {"jsonl": ray.data.read_json, "csv": ray.data.read_csv, "parquet": ray.data.read_parquet}[fmt]
+    if fmt == "csv":  # quoted cells may hold newlines (texts)
+        import pyarrow.csv
+
+        return ray.data.read_csv(files, filesystem=fs,
+                                 parse_options=pyarrow.csv.ParseOptions(newlines_in_values=True))
+    reader = {"jsonl": ray.data.read_json, "parquet": ray.data.read_parquet}[fmt]
     return reader(files, filesystem=fs)
 
 
