@@ -1,0 +1,119 @@
+"""RL framework adapters (logprobe.integrations.trl / verl / openrlhf) against the frameworks' own code.
+
+Each test runs the real library (skipped with a reason when it is not installed) and compares the
+adapter's tensors with what the framework computes itself on the same tiny random model, in
+float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from helpers import make_hf_dir
+
+TOL = 1e-4  # float32 on CPU: logprobe's packed engine vs the framework's padded transformers forward
+
+
+def needs(module: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed (pip install -e '.[test]')")
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rl-policy")
+    make_hf_dir(d, "llama", seed=0)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rl-ref")
+    make_hf_dir(d, "qwen3", seed=1)  # another family and other weights than the policy
+    return d
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def test_importing_logprobe_imports_no_rl_framework():
+    import subprocess
+
+    code = ("import sys, logprobe, logprobe.integrations; "
+            "print(sorted(m for m in ('trl', 'verl', 'openrlhf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# -- TRL ------------------------------------------------------------------------------------------
+
+@needs("trl")
+def test_trl_grpo_two_steps_reference_from_logprobe(policy_dir, ref_dir, tmp_path):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    from logprobe.integrations.trl import LogprobeReference, LogprobeRefGRPOTrainer
+
+    temperature = 0.7
+    trl_reference = hf_model(ref_dir)  # TRL's own reference: the HF model with TRL's fused head
+    add_fused_lm_head(trl_reference, temperature=temperature)
+
+    class Recording(LogprobeRefGRPOTrainer):
+        """Asks TRL's own code for the reference log-probs beside every logprobe answer."""
+
+        pairs: list = []
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kw):
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kw)
+            if isinstance(model, LogprobeReference):
+                theirs = GRPOTrainer._get_per_token_logps_and_entropies(
+                    self, trl_reference, input_ids, attention_mask, logits_to_keep, batch_size=kw.get("batch_size"))
+                self.pairs.append((out[0], theirs[0], input_ids, attention_mask, logits_to_keep))
+            return out
+
+    prompts = Dataset.from_dict({"prompt": ["ab", "hello", "xyz q", "t", "logprobe", "rl"]})
+    args = GRPOConfig(output_dir=str(tmp_path), beta=0.1, temperature=temperature, max_steps=2,
+                      per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+                      learning_rate=1e-2, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+                      logging_steps=1, disable_tqdm=True, seed=0)
+    trainer = Recording(model=str(policy_dir), reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                        args=args, train_dataset=prompts, ref_model_path=str(ref_dir),
+                        ref_scorer_kwargs={"device": "cpu", "dtype": "float32", "progress": False})
+    assert trainer.beta == 0.1 and args.beta == 0.1
+    trainer.train()
+
+    assert len(Recording.pairs) == 2  # one reference batch per GRPO step
+    worst = 0.0
+    for ours, theirs, ids, mask, k in Recording.pairs:
+        assert ours.shape == theirs.shape == (ids.shape[0], k) and ours.dtype == torch.float32
+        assert (ours[mask[:, -k:] == 0] == 0).all()
+        worst = max(worst, float((ours - theirs.float()).abs().max()))
+    print(f"TRL GRPO reference log-probs: max |logprobe - TRL| = {worst:.2e}")
+    assert worst <= TOL
+    # the comparison can fail: the temperature and the reference model both change the numbers
+    ours, _, ids, mask, k = Recording.pairs[-1]
+    cold = trainer.ref_model.scorer.logprobs_padded(ids, mask, num_response_tokens=k).logprobs
+    assert float((cold - ours).abs().max()) > 1e-2
+    policy = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, k)[0]
+    assert float((policy.float() - ours).abs().max()) > 1e-2
+
+
+@needs("trl")
+def test_trl_refuses_beta_zero(policy_dir, tmp_path):
+    from trl import GRPOConfig
+
+    from logprobe.errors import LogprobeError
+    from logprobe.integrations.trl import LogprobeRefGRPOTrainer
+
+    with pytest.raises(LogprobeError, match="args.beta"):
+        LogprobeRefGRPOTrainer(model=str(policy_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                               args=GRPOConfig(output_dir=str(tmp_path), beta=0.0, use_cpu=True, report_to="none"),
+                               ref_model_path=str(policy_dir))
