@@ -143,8 +143,9 @@ def _print_summary(args: argparse.Namespace, s) -> None:
     if a and a.get("num_tokens"):
         line = f"perplexity {a['perplexity']:.4f} ± {a['perplexity_stderr']:.4f} over {a['num_tokens']} tokens"
         if a.get("word_perplexity") is not None:
-            line += (f"; word {a['word_perplexity']:.4f}, byte {a['byte_perplexity']:.4f}, "
+            line += (f"; word {a['word_perplexity']:.6g}, byte {a['byte_perplexity']:.6g}, "
                      f"bits/byte {a['bits_per_byte']:.4f}")
         print(line)
     if s.failed:
-        print(f"{PROG}: {s.failed} rows failed (their error column says why); rerun to retry them", file=sys.stderr)
+        print(f"{PROG}: {s.failed} row{'s' * (s.failed != 1)} failed (their error column says why); rerun to retry",
+              file=sys.stderr)
