@@ -117,3 +117,73 @@ def test_trl_refuses_beta_zero(policy_dir, tmp_path):
         LogprobeRefGRPOTrainer(model=str(policy_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions),
                                args=GRPOConfig(output_dir=str(tmp_path), beta=0.0, use_cpu=True, report_to="none"),
                                ref_model_path=str(policy_dir))
+
+
+# -- verl -----------------------------------------------------------------------------------------
+
+def verl_batch(temperature: float):
+    """A rollout batch as verl lays it out: prompts left-padded, responses right-padded; row 1 holds
+    a tool token (attention 1, response_mask 0) inside its response."""
+    from verl import DataProto
+
+    g = torch.Generator().manual_seed(3)
+    P, R = 5, 6
+    prompt_lens, response_lens = [2, 5, 3, 1], [4, 6, 1, 5]
+    prompts = torch.zeros(4, P, dtype=torch.long)  # pad id 0
+    responses = torch.zeros(4, R, dtype=torch.long)
+    attention = torch.zeros(4, P + R, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        prompts[b, P - p:] = torch.randint(2, 258, (p,), generator=g)
+        responses[b, :r] = torch.randint(2, 258, (r,), generator=g)
+        attention[b, P - p:P + r] = 1
+    response_mask = attention[:, P:].clone()
+    response_mask[1, 2] = 0  # a tool observation token
+    position_ids = (attention.cumsum(1) - 1).clamp(min=0)  # verl's compute_position_id_with_mask
+    return DataProto.from_dict(
+        tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                 "attention_mask": attention, "response_mask": response_mask, "position_ids": position_ids},
+        meta_info={"temperature": temperature})
+
+
+def verl_reference(model, data) -> torch.Tensor:
+    """verl's actor: transformers forward, logits / T, logprobs_from_logits on the response span,
+    then 0 after each response (verl 0.9's no_padding_2_padding)."""
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    b = data.batch
+    R = b["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"], use_cache=False).logits
+    logits = logits[:, -R - 1:-1].float() / data.meta_info["temperature"]
+    return logprobs_from_logits(logits, b["responses"]) * b["attention_mask"][:, -R:]
+
+
+@needs("verl")
+def test_verl_ref_log_prob_matches_verl(ref_dir):
+    import types
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from logprobe.integrations.verl import LogprobeRefPolicy
+
+    data = verl_batch(temperature=0.8)
+    expected = verl_reference(hf_model(ref_dir), data)  # [4, 6]
+    worker = LogprobeRefPolicy(str(ref_dir), device="cpu", dtype="float32", progress=False)
+    worker.init_model()
+
+    padded = worker.compute_ref_log_prob(data).batch["ref_log_prob"]  # the DataProto contract
+    # verl 0.9's own trainer step: DataProto -> no-padding TensorDict -> worker -> no_padding_2_padding
+    trainer = types.SimpleNamespace(ref_in_actor=False, ref_policy_wg=worker)
+    nopad = RayPPOTrainer._compute_ref_log_prob(trainer, data).batch["ref_log_prob"]
+
+    assert padded.shape == nopad.shape == (4, 6) and padded.dtype == nopad.dtype == torch.float32
+    worst = max(float((padded - expected).abs().max()), float((nopad - expected).abs().max()))
+    print(f"verl ref_log_prob: max |logprobe - verl| = {worst:.2e}")
+    assert worst <= TOL
+    assert torch.equal(padded, nopad)  # the same requests either way
+    real = data.batch["attention_mask"][:, -6:].bool()
+    assert (padded[~real] == 0).all() and (padded[real] != 0).all()  # the tool token is scored too
+    # the comparison can fail: without the temperature the numbers move
+    data.meta_info["temperature"] = 1.0
+    assert float((worker.compute_ref_log_prob(data).batch["ref_log_prob"] - expected).abs().max()) > 1e-2
