@@ -233,6 +233,11 @@ def test_cli_bad_input_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("x")
     assert main(["ray", "score", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "o")]) == 2
     assert "has files of formats" in capsys.readouterr().err
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    assert main(["ray", "perplexity", "--input", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"),
+                 "--model", str(tmp_path / "no-model")]) == 2  # a local run checks the model before starting Ray
+    err = capsys.readouterr().err
+    assert err.startswith("logprobe: error: model: ") and err.count("\n") == 1
 
 
 def test_import_logprobe_does_not_import_ray():

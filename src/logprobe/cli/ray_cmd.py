@@ -12,6 +12,7 @@ rows are numbered, resumed and retried: ``logprobe.integrations.ray_dataset``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import LogprobeError
@@ -100,6 +101,10 @@ def cmd_ray(args: argparse.Namespace) -> int:
     from ..integrations import ray_dataset
 
     ray_dataset.input_files(args.input, args.input_format)  # a bad --input fails before the cluster starts
+    if args.ray_address is None and not os.environ.get("RAY_ADDRESS"):  # a local run: the model is here too
+        from ..loading.loader import resolve_spec
+
+        resolve_spec(args.model)
     if not ray.is_initialized():
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
     ctx = ray.data.DataContext.get_current()
@@ -125,7 +130,10 @@ def _first_line(e: Exception) -> str:
     while getattr(cause, "cause", None) is not None:  # RayTaskError(...).cause
         cause = cause.cause
     text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+    last = text[-1] if text else ""
+    if "LogprobeError: " in last:  # raised in an actor (Ray re-raises it under another type)
+        return last.split("LogprobeError: ", 1)[1]
+    return f"{type(cause).__name__}: {last}"
 
 
 def _print_summary(args: argparse.Namespace, s) -> None:

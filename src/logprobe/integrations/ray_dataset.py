@@ -181,10 +181,9 @@ def run_dataset(job: str, input_path: str, output: str, scorer_kwargs: dict, opt
     cluster this process is connected to (``ray.init`` first). See the module docstring."""
     import ray.data
 
-    from .ray import JOBS, Logprobs, Perplexity, Score
+    from .ray import Logprobs, Perplexity, Score
 
     mapper = {"logprobs": Logprobs, "score": Score, "perplexity": Perplexity}[job]
-    assert set(JOBS) == {"logprobs", "score", "perplexity"}
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     start = time.perf_counter()
     ds = read_input(input_path, input_format)
@@ -207,6 +206,7 @@ def run_dataset(job: str, input_path: str, output: str, scorer_kwargs: dict, opt
 
 def _count_new(summary: RunSummary, fs, files: list[str], job: str) -> None:
     """Rows, failures and scored tokens of this run's files."""
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -220,7 +220,7 @@ def _count_new(summary: RunSummary, fs, files: list[str], job: str) -> None:
         values = table[col]
         if job == "logprobs":
             values = pc.list_value_length(values)
-        elif values.type.num_fields or str(values.type).startswith("list"):  # score with continuations
+        elif pa.types.is_list(values.type):  # score rows with continuations: a count per continuation
             values = pc.list_flatten(values)
         summary.tokens += int(pc.sum(values).as_py() or 0)
 
