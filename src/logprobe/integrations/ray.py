@@ -52,12 +52,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..errors import LogprobeError
 from ..io.tables import Row
 from ..jobs import LogprobsRows, PerplexityRows, ScoreRows, aggregate, map_rows
 
 PERPLEXITY_INPUTS = ("nll_sum", "num_tokens", "nll_mean", "nll_stderr", "num_windows", "num_words", "num_bytes")
 JOBS = {"logprobs": LogprobsRows, "score": ScoreRows, "perplexity": PerplexityRows}
 _log = logging.getLogger("logprobe.ray")
+NO_CAPTURE = "hidden-state captures are not available on Ray yet"
 
 
 class _RowJob:
@@ -79,6 +81,8 @@ class _RowJob:
         from ..config import EngineConfig
         from ..scorer import Scorer
 
+        if options.get("capture") is not None:
+            raise LogprobeError("capture", NO_CAPTURE, "use logprobe logprobs --capture on one machine")
         config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic, progress=False)
         self.scorer = Scorer(model, device=device, dtype=dtype, config=config,
                              tensor_parallel_size=tensor_parallel_size or _actor_gpus())
@@ -92,6 +96,9 @@ class _RowJob:
             rows = [Row(k, f"row {k + 1} of the batch", d) for k, d in enumerate(data)]
         else:
             rows = [Row(d["index"], f"row {d['index'] + 1}", d) for d in data]
+        for r in rows:
+            if r.data.get("capture") is not None:  # side files would need a shared disk: refused per row
+                r.problem = f"capture: {NO_CAPTURE}"
         outs = map_rows(self.scorer, self.job, rows, report=_log.warning)
         if self.columns is not None:
             return result_table(outs, self.job.float32_columns)

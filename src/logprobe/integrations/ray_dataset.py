@@ -150,6 +150,8 @@ def number_rows(ds, done: set[int]):
     import ray
 
     refs = ds.materialize().to_arrow_refs()  # in read order (preserve_order is set by run_dataset)
+    if not refs:
+        return ray.data.from_items([]), 0
     sizes = ray.get([ray.remote(_num_rows).remote(r) for r in refs])
     skip = ray.put(np.fromiter(sorted(done), dtype=np.int64, count=len(done)))
     index_block = ray.remote(_index_block)
