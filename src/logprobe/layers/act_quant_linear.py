@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from ..kernels.act_quant import FP8, KINDS, quantize_rows_reference
-from .linear import Linear, tiled_linear
+from .linear import Linear, float32_product
 from .quant_linear import _PackedLinearMixin
 
 
@@ -133,17 +133,7 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
                                  self.qweight, self.scale, self.block_cols, self.bias)
             return y.view(*shape[:-1], self.out_features)
         xq = self.quantize_input(x)  # [T, in] float32
-        w = self.rows()  # [out, in] float32
-        bias = None if self.bias is None else self.bias.float()
-        if self.reduce_ctx is not None:
-            from .parallel_linear import row_parallel_product
-
-            y = row_parallel_product(xq, w, bias, self.row_tile, self.reduce_ctx, self.tp_invariant)
-        elif self.row_tile is None:
-            y = F.linear(xq, w, bias)
-        else:
-            y = tiled_linear(xq, w, bias, self.row_tile, self.col_blocks if self.tp_invariant else None)
-        return y.to(x.dtype)
+        return float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
 
     def permute_rows(self, perm: torch.Tensor) -> None:
         for name in ("qweight", "scale", "bias", "expanded"):

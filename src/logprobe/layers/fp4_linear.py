@@ -26,11 +26,10 @@ row-tiled one of ``linear``). No FP4 tensor-core GEMM here: on CUDA the same flo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from .linear import Linear, tiled_linear
+from .linear import Linear, float32_product
 from .quant_linear import _PackedLinearMixin
 
 FP8 = torch.float8_e4m3fn
@@ -134,17 +133,7 @@ class FP4Linear(_PackedLinearMixin, Linear):
         if self.input_global_scale is None:  # NVFP4A16: a weight-only layer
             return super().forward(x)
         xq = self.quantize_input(x)  # [T, in] float32
-        w = self.rows()  # [out, in] float32
-        bias = None if self.bias is None else self.bias.float()
-        if self.reduce_ctx is not None:
-            from .parallel_linear import row_parallel_product
-
-            y = row_parallel_product(xq, w, bias, self.row_tile, self.reduce_ctx, self.tp_invariant)
-        elif self.row_tile is None:
-            y = F.linear(xq, w, bias)
-        else:
-            y = tiled_linear(xq, w, bias, self.row_tile, self.col_blocks if self.tp_invariant else None)
-        return y.to(x.dtype)
+        return float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
 
     def permute_rows(self, perm: torch.Tensor) -> None:
         for name in ("weight_packed", "weight_scale", "bias", "expanded"):
