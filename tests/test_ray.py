@@ -2,9 +2,11 @@
 corpus perplexity pooled from blocks is ``Scorer.perplexity``'s, and ``logprobe ray`` writes one
 row per input row and resumes.
 
-One ``ray.init(num_cpus=2)`` for the module; a tiny random Llama (byte tokenizer); deterministic
-mode, so rows batched on other actors with other rows give the same bits as the library alone.
-Actors take half a CPU each, so two actors leave room for Ray's read and write tasks.
+One Ray cluster for the module: two nodes of one CPU each, simulated on this machine by Ray's
+``cluster_utils`` (two raylets, two object stores; one actor per node through a custom resource). A
+tiny random Llama (byte tokenizer); deterministic mode, so rows batched on other actors with
+other rows give the same bits as the library alone. Actors take half a CPU each, leaving room
+for Ray's read and write tasks.
 """
 
 from __future__ import annotations
@@ -31,11 +33,19 @@ WINDOWS = {"context_length": 16, "stride": 4}
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """Two nodes of one CPU each (Ray's test utility: two raylets and object stores on this
+    machine), each with one ``slot``: an actor that asks for a slot has a node of its own."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"slot": 1},
+                                                          "include_dashboard": False})
+    nodes.add_node(num_cpus=1, resources={"slot": 1})
+    ray.init(address=nodes.address, log_to_driver=False)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     yield
     ray.shutdown()
+    nodes.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +67,11 @@ def model_kwargs(tiny_dir, **options) -> dict:
 
 
 def mapped(rows: list[dict], cls, kwargs: dict, batch_size: int, dataset: list | None = None) -> list[dict]:
-    """``rows`` through ``cls`` on 2 actors, ``batch_size`` rows a batch; rows back in input order
+    """``rows`` through ``cls`` on 2 actors (one per node), ``batch_size`` rows a batch; rows back in input order
     (``dataset``, when given, receives the materialized output Dataset)."""
     ds = ray.data.from_items([dict(r, row=i) for i, r in enumerate(rows)], override_num_blocks=3)
-    out = ds.map_batches(cls, fn_constructor_kwargs=kwargs, concurrency=2, num_cpus=0.5, batch_size=batch_size,
-                         batch_format="pyarrow").materialize()
+    out = ds.map_batches(cls, fn_constructor_kwargs=kwargs, concurrency=2, num_cpus=0.5, resources={"slot": 1},
+                         batch_size=batch_size, batch_format="pyarrow").materialize()
     if dataset is not None:
         dataset.append(out)
     got = sorted(out.take_all(), key=lambda r: r["row"])
