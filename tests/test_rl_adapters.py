@@ -187,3 +187,78 @@ def test_verl_ref_log_prob_matches_verl(ref_dir):
     # the comparison can fail: without the temperature the numbers move
     data.meta_info["temperature"] = 1.0
     assert float((worker.compute_ref_log_prob(data).batch["ref_log_prob"] - expected).abs().max()) > 1e-2
+
+
+# -- OpenRLHF -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def openrlhf_actor_class(monkeypatch):
+    """``openrlhf.models.actor.Actor``. flash-attn has CUDA wheels only, and OpenRLHF's padding helpers
+    import ``flash_attn.bert_padding`` at module level: while the module is imported, that name holds
+    verl's pure-PyTorch equivalents of flash-attn's functions (``verl.utils.attention_utils``, what verl
+    itself runs without flash-attn); ring attention's ``all_gather`` raises. The shim is removed after
+    the import (OpenRLHF's ``log_probs_from_logits`` then finds no flash-attn and uses PyTorch)."""
+    import types
+
+    pytest.importorskip("deepspeed", reason="OpenRLHF's models import deepspeed")
+    au = pytest.importorskip("verl.utils.attention_utils", reason="verl supplies flash-attn's padding helpers")
+    if "openrlhf.models.actor" not in sys.modules and importlib.util.find_spec("flash_attn") is None:
+        bert = types.ModuleType("flash_attn.bert_padding")
+        bert.index_first_axis, bert.pad_input = au._fallback_index_first_axis, au._fallback_pad_input
+        bert.unpad_input, bert.rearrange = au._fallback_unpad_input, au._fallback_rearrange
+        dist = types.ModuleType("flash_attn.utils.distributed")
+
+        def all_gather(*args, **kwargs):
+            raise RuntimeError("ring attention is not available in this test")
+
+        dist.all_gather = all_gather
+        for name, mod in [("flash_attn", types.ModuleType("flash_attn")), ("flash_attn.bert_padding", bert),
+                          ("flash_attn.utils", types.ModuleType("flash_attn.utils")),
+                          ("flash_attn.utils.distributed", dist)]:
+            monkeypatch.setitem(sys.modules, name, mod)
+    from openrlhf.models.actor import Actor
+
+    return Actor
+
+
+def openrlhf_batches():
+    """OpenRLHF 0.11.2 rollouts (right-padded rows, action_mask = mask[1:], A = L - 1, with an
+    observation token in row 1) and the older layout (left-padded prompts, A = response length)."""
+    g = torch.Generator().manual_seed(5)
+    L = 12
+    seq = torch.randint(2, 258, (3, L), generator=g)
+    attn = torch.tensor([[1] * 9 + [0] * 3, [1] * 12, [1] * 5 + [0] * 7])
+    act = torch.zeros(3, L - 1, dtype=torch.long)
+    act[0, 2:8] = 1      # prompt of 3 tokens, 6 actions
+    act[1, 0:11] = 1     # prompt of 1 token
+    act[1, 5:7] = 0      # an observation inside the response
+    act[2, 1:4] = 1
+    new_attn = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0], [1] * 10, [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]])
+    new_act = new_attn[:, -5:].clone()  # responses: the last 5 columns
+    return [(seq * attn, act, attn), (seq[:, :10] * new_attn, new_act, new_attn)]
+
+
+@needs("openrlhf")
+def test_openrlhf_actor_forward_matches(openrlhf_actor_class, ref_dir):
+    from logprobe.integrations.openrlhf import LogprobeRefActor
+
+    temperature = 0.9
+    ours = LogprobeRefActor(str(ref_dir), temperature=temperature, device="cpu", dtype="float32", progress=False)
+    # OpenRLHF loads a path only in bf16/fp16; the float32 comparison hands Actor the model instance and
+    # sets the attribute its path loading sets. packing_samples=True is not run: OpenRLHF packs for
+    # flash-attn's varlen kernels, and on CPU transformers' sdpa/eager attend across the packed rows.
+    actor = openrlhf_actor_class(hf_model(ref_dir), temperature=temperature)
+    actor.packing_samples = False
+    worst = 0.0
+    for sequences, action_mask, attention_mask in openrlhf_batches():
+        with torch.no_grad():
+            theirs = actor(sequences, action_mask, attention_mask, packed_seq_lens=None)
+        got = ours(sequences, action_mask, attention_mask, packed_seq_lens=None)
+        assert got.shape == theirs.shape == action_mask.shape and got.dtype == torch.float32
+        assert (got[action_mask == 0] == 0).all() and (got[action_mask == 1] != 0).all()
+        worst = max(worst, float((got - theirs).abs().max()))
+    print(f"OpenRLHF Actor.forward: max |logprobe - OpenRLHF| = {worst:.2e}")
+    assert worst <= TOL
+    sequences, action_mask, attention_mask = openrlhf_batches()[0]
+    cold = LogprobeRefActor(scorer=ours.scorer)(sequences, action_mask, attention_mask)  # temperature 1
+    assert float((cold - ours(sequences, action_mask, attention_mask)).abs().max()) > 1e-2
