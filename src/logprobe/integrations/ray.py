@@ -96,7 +96,7 @@ class _RowJob:
             rows = [Row(k, f"row {k + 1} of the batch", d) for k, d in enumerate(data)]
         else:
             rows = [Row(d["index"], f"row {d['index'] + 1}", d) for d in data]
-        for r in rows:
+        for r in rows if self.job_name == "logprobs" else ():
             if r.data.get("capture") is not None:  # side files would need a shared disk: refused per row
                 r.problem = f"capture: {NO_CAPTURE}"
         outs = map_rows(self.scorer, self.job, rows, report=_log.warning)
