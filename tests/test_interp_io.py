@@ -94,7 +94,7 @@ def test_cli_logprobs_capture_side_files_and_steer(tmp_path, default_scorer, cap
     err = capsys.readouterr().err
     assert "line 3: capture[0].at:" in err and "out of range" in err
     recs = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(recs) == [0, 1]
+    assert sorted(recs) == [0, 1, 2] and "out of range" in recs[2]["error"]  # the bad row carries its error
     cap_none, cap_sum = recs[0]["captures"]
     side = load_file(cap_none["file"])[cap_none["key"]]
     want = default_scorer.logprobs(lines[0:1], capture=lines[0]["capture"])[0]
