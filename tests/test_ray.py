@@ -211,15 +211,18 @@ def test_cli_jsonl_to_parquet_and_resume(cluster, tiny, tiny_dir, tmp_path, caps
     from helpers import random_sequences
 
     rows = [dict(s, id=f"s{i}", group=i % 2) for i, s in enumerate(random_sequences(6, seed=4))]
+    bad = {"prompt_token_ids": [5], "completion_token_ids": [99999], "id": "s6", "group": 0}  # index 6: fails
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    src.write_text("".join(json.dumps(r) + "\n" for r in [*rows, bad]), encoding="utf-8")
     out = tmp_path / "out.parquet"
     code, summary = run_cli(tiny_dir, capsys, "--input", str(src), "--output", str(out))
-    assert code == 0 and (summary["rows"], summary["written"], summary["already_done"]) == (6, 6, 0)
+    assert code == 1 and (summary["rows"], summary["written"], summary["already_done"], summary["failed"]) == \
+        (7, 7, 0, 1)
     want = tiny.logprobs([{k: r[k] for k in ("prompt_token_ids", "completion_token_ids")} for r in rows], top_k=2)
     assert summary["tokens"] == sum(len(r["completion_token_ids"]) for r in rows)
     first = output_rows(out)
-    assert sorted(first) == list(range(6))
+    assert sorted(first) == list(range(7))
+    assert first[6]["error"].startswith("completion_token_ids[0]: token id 99999") and first[6]["id"] == "s6"
     for i, w in enumerate(want):
         g = first[i]
         assert (g["id"], g["group"], g["error"]) == (f"s{i}", i % 2, None)
@@ -227,18 +230,20 @@ def test_cli_jsonl_to_parquet_and_resume(cluster, tiny, tiny_dir, tmp_path, caps
                                                                       w.topk_ids.tolist())
     assert set(pq.read_schema(next(out.glob("*.parquet"))).names) >= {"index", "id", "group", "logprobs", "error"}
 
-    # a crash: rows 1, 3, 4 never reached the output, and a file was cut off mid-write
+    # a crash: rows 1, 3, 4 never reached the output, and a file was cut off mid-write; the failed
+    # row 6 is done again on every rerun
     for p in out.glob("*.parquet"):
         t = pq.read_table(p)
-        pq.write_table(t.filter(pa.compute.is_in(t["index"], value_set=pa.array([0, 2, 5]))), p)
+        pq.write_table(t.filter(pa.compute.is_in(t["index"], value_set=pa.array([0, 2, 5, 6]))), p)
     (out / "cut-off.parquet").write_bytes(b"PAR1 not a whole file")
     code, summary = run_cli(tiny_dir, capsys, "--input", str(src), "--output", str(out))
-    assert code == 0 and (summary["written"], summary["already_done"]) == (3, 3)
+    assert code == 1 and (summary["written"], summary["already_done"], summary["failed"]) == (4, 3, 1)
     assert not (out / "cut-off.parquet").exists()
     assert output_rows(out) == first  # every row once, the same bits
 
     code, summary = run_cli(tiny_dir, capsys, "--input", str(src), "--output", str(out))
-    assert code == 0 and (summary["written"], summary["already_done"]) == (0, 6)
+    assert code == 1 and (summary["written"], summary["already_done"]) == (1, 6)
+    assert output_rows(out) == first
 
 
 def test_cli_bad_input_one_line(tmp_path, capsys):

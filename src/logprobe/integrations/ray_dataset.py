@@ -121,12 +121,14 @@ def finished_indices(output: str) -> set[int]:
             fs.delete_file(i.path)
     done: set[int] = set()
     for path in _parquet_files(fs, root):
-        try:
-            table = pq.read_table(path, filesystem=fs)
+        try:  # only the index and error columns (per-token results stay on disk)
+            names = [c for c in ("index", "error") if c in pq.read_schema(path, filesystem=fs).names]
+            table = pq.read_table(path, filesystem=fs, columns=names)
         except (OSError, ValueError):  # cut off by a kill: no footer
             fs.delete_file(path)
             continue
         if "error" in table.column_names and table["error"].null_count < len(table):
+            table = pq.read_table(path, filesystem=fs)
             table = table.filter(pc.is_null(table["error"]))
             _replace(fs, path, table)
         done.update(table["index"].to_pylist())
