@@ -46,7 +46,6 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..server import ServerConfig, create_app
-    from .main import _scorer
 
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOGPROBE_API_KEY") or None,
@@ -58,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not _loopback(config.host) and config.api_key is None:
         print(f"logprobe: warning: serving on {config.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    scorer = _scorer(args)
+    scorer = args.make_scorer(args)
     app = create_app(scorer, config)
     import uvicorn
 
