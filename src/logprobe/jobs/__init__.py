@@ -2,8 +2,8 @@
 
 ``ScoreRows`` (prompt + continuations), ``PerplexityRows`` (a text per row; ``aggregate`` pools
 them) and ``LogprobsRows`` (RL token ids) map rows; ``run_rows`` drives any of them over a row
-source into a sink (``io.tables``). The CLI uses them; the server, Ray and other table writers
-can reuse the same mapping.
+source into a sink (``io.tables``), ``map_rows`` over a list of rows in memory (output rows in
+input order). The CLI and Ray Data (``logprobe.ray``) use them; the server can reuse the same mapping.
 """
 
 from .base import ListSink, RowWork, RunCounts, map_rows, run_rows
