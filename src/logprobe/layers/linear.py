@@ -57,20 +57,6 @@ def invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return tiled_linear(x, weight, bias, row_tile, col_blocks)
 
 
-def float32_product(layer: Linear, xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """xq [T, in] @ w [out, in]^T (+ the layer's bias), all float32, the way ``layer`` is set up: a
-    row-parallel reduction under tensor parallelism, fixed row tiles in deterministic mode, one
-    product otherwise. The fake-quantized layers (FP8/INT8/FP4 activations) end with it."""
-    bias = None if layer.bias is None else layer.bias.float()
-    if layer.reduce_ctx is not None:
-        from .parallel_linear import row_parallel_product
-
-        return row_parallel_product(xq, w, bias, layer.row_tile, layer.reduce_ctx, layer.tp_invariant)
-    if layer.row_tile is None:
-        return F.linear(xq, w, bias)
-    return tiled_linear(xq, w, bias, layer.row_tile, layer.col_blocks if layer.tp_invariant else None)
-
-
 def _triton() -> bool:
     from ..kernels import triton_available
 

@@ -91,3 +91,15 @@ def row_parallel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                              row_tile, out_dtype=wide) for i in range(n)]  # n x [T, out] float32
     y = ctx.tree_sum(partials).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def float32_product(layer, xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xq [T, in] @ w [out, in]^T (+ the layer's bias), all float32, the way ``layer`` is set up: a
+    row-parallel reduction under tensor parallelism, fixed row tiles in deterministic mode, one
+    product otherwise. The fake-quantized layers (FP8/INT8/FP4 activations) end with it."""
+    bias = None if layer.bias is None else layer.bias.float()
+    if layer.reduce_ctx is not None:
+        return row_parallel_product(xq, w, bias, layer.row_tile, layer.reduce_ctx, layer.tp_invariant)
+    if layer.row_tile is None:
+        return F.linear(xq, w, bias)
+    return tiled_linear(xq, w, bias, layer.row_tile, layer.col_blocks if layer.tp_invariant else None)
