@@ -262,3 +262,37 @@ def test_openrlhf_actor_forward_matches(openrlhf_actor_class, ref_dir):
     sequences, action_mask, attention_mask = openrlhf_batches()[0]
     cold = LogprobeRefActor(scorer=ours.scorer)(sequences, action_mask, attention_mask)  # temperature 1
     assert float((cold - ours(sequences, action_mask, attention_mask)).abs().max()) > 1e-2
+
+
+@needs("verl")
+def test_verl_ray_worker_group(ref_dir):
+    """LogprobeRefWorker registered the way verl's trainer builds Role.RefPolicy: two Ray workers, the
+    batch split between them by verl's dispatch, answered through RayPPOTrainer._compute_ref_log_prob."""
+    import types
+
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from logprobe.integrations.verl import LogprobeRefWorker
+
+    data = verl_batch(temperature=0.8)
+    expected = verl_reference(hf_model(ref_dir), data)
+    config = {"model": {"path": str(ref_dir)}, "rollout": {"temperature": 1.0},
+              "logprobe": {"device": "cpu", "dtype": "float32", "progress": False}}
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
+        workers = RayWorkerGroup(resource_pool=pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
+            cls=ray.remote(LogprobeRefWorker), config=config, role="ref"))
+        workers.init_model()
+        trainer = types.SimpleNamespace(ref_in_actor=False, ref_policy_wg=workers)
+        got = RayPPOTrainer._compute_ref_log_prob(trainer, data).batch["ref_log_prob"]
+    finally:
+        if started:
+            ray.shutdown()
+    worst = float((got - expected).abs().max())
+    print(f"verl Ray worker group (2 workers): max |logprobe - verl| = {worst:.2e}")
+    assert got.shape == (4, 6) and worst <= TOL

@@ -36,9 +36,19 @@ response). Here entries before P_i - 1 and the last are 0::
 
 **Temperature**: ``meta_info["temperature"]`` (the rollout's, which verl's trainer sets), else the
 worker's own ``temperature``; a per-row temperature tensor must hold one value.
+
+**As verl's Ray worker** for ``Role.RefPolicy`` (each worker holds a whole Scorer and scores its
+share of the batch: one data-parallel rank per worker)::
+
+    from logprobe.integrations.verl import LogprobeRefWorker
+    role_worker_mapping[Role.RefPolicy] = ray.remote(LogprobeRefWorker)
+    # model: actor_rollout_ref.model.path, or actor_rollout_ref.logprobe.model_path; other keys of
+    # actor_rollout_ref.logprobe (device, dtype, ...) go to the Scorer; temperature: the rollout's
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -130,3 +140,57 @@ class LogprobeRefPolicy:
 
         t = temperature_of(data.meta_info, self.temperature)
         return DataProto.from_dict(tensors={"ref_log_prob": ref_log_prob_padded(self.scorer, data.batch, t).cpu()})
+
+
+def config_get(config, *keys, default=None):
+    """``config[k0][k1]...`` of a dict or an OmegaConf config, ``default`` where a key is absent."""
+    for k in keys:
+        if config is None or not hasattr(config, "get"):
+            return default
+        config = config.get(k)
+    return default if config is None else config
+
+
+@functools.cache
+def make_ref_worker_class():
+    """``LogprobeRefWorker``: a ``verl.single_controller.base.Worker`` whose ``init_model`` (one call
+    to all workers) loads a ``LogprobeRefPolicy`` from verl's ``actor_rollout_ref`` config and
+    registers the worker as its own data-parallel rank of mesh "ref", and whose
+    ``compute_ref_log_prob`` takes that rank's share of the batch, as verl's engine workers do."""
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import (
+        Dispatch,
+        make_nd_compute_dataproto_dispatch_fn,
+        register,
+    )
+
+    class LogprobeRefWorker(Worker):
+        def __init__(self, config=None, role: str | None = None) -> None:
+            super().__init__()
+            self.config, self.role, self.policy = config, role, None
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def init_model(self) -> None:
+            options = dict(config_get(self.config, "logprobe", default={}))
+            path = options.pop("model_path", None) or config_get(self.config, "model", "path")
+            if path is None:
+                raise LogprobeError("actor_rollout_ref.model.path", "is missing", "the reference model's path")
+            temperature = config_get(self.config, "rollout", "temperature")
+            self.policy = LogprobeRefPolicy(path, temperature=temperature, **options)
+            self.policy.init_model()
+            self._register_dispatch_collect_info("ref", dp_rank=self.rank, is_collect=True)
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
+        def compute_ref_log_prob(self, data):
+            return self.policy.compute_ref_log_prob(data)
+
+    LogprobeRefWorker.__module__ = __name__
+    LogprobeRefWorker.__qualname__ = "LogprobeRefWorker"
+    return LogprobeRefWorker
+
+
+def __getattr__(name: str):
+    # ``LogprobeRefWorker`` is built on first use, so that the functions above need no verl import
+    if name == "LogprobeRefWorker":
+        return make_ref_worker_class()
+    raise AttributeError(name)
