@@ -45,8 +45,10 @@ def hf_model(path):
 def test_importing_logprobe_imports_no_rl_framework():
     import subprocess
 
-    code = ("import sys, logprobe, logprobe.integrations; "
-            "print(sorted(m for m in ('trl', 'verl', 'openrlhf') if m in sys.modules))")
+    # the verl and OpenRLHF adapters' layout functions need neither framework either
+    code = ("import sys, logprobe, logprobe.integrations, logprobe.integrations.verl, "
+            "logprobe.integrations.openrlhf; "
+            "print(sorted(m for m in ('trl', 'verl', 'openrlhf', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -296,3 +298,36 @@ def test_verl_ray_worker_group(ref_dir):
     worst = float((got - expected).abs().max())
     print(f"verl Ray worker group (2 workers): max |logprobe - verl| = {worst:.2e}")
     assert got.shape == (4, 6) and worst <= TOL
+
+
+def test_adapter_refusals(ref_dir):
+    """What the adapters cannot answer exactly is an error naming it (no framework needed)."""
+    from logprobe import Scorer
+    from logprobe.errors import LogprobeError
+    from logprobe.integrations.openrlhf import LogprobeRefActor
+    from logprobe.integrations.verl import padded_layout, temperature_of
+
+    actor = LogprobeRefActor(scorer=Scorer(str(ref_dir), device="cpu", dtype="float32", progress=False))
+    seq, attn = torch.tensor([[5, 6, 7, 0]]), torch.tensor([[1, 1, 1, 0]])
+    assert actor(seq, torch.tensor([[1, 1, 0]]), attn).shape == (1, 3)
+    with pytest.raises(LogprobeError, match=r"response_mask\[0\]\[2\]"):  # an action on padding
+        actor(seq, torch.tensor([[1, 1, 1]]), attn)
+    with pytest.raises(LogprobeError, match="return_output"):
+        actor(seq, torch.tensor([[1, 1, 0]]), attn, return_output=True)
+    with pytest.raises(LogprobeError, match="ring_attn_group"):
+        actor(seq, torch.tensor([[1, 1, 0]]), attn, ring_attn_group=object())
+    with pytest.raises(LogprobeError, match="model_path"):
+        LogprobeRefActor(str(ref_dir), scorer=actor.scorer)
+
+    assert temperature_of({"temperature": torch.tensor([0.7, 0.7])}, None) == pytest.approx(0.7)
+    assert temperature_of({}, 0.9) == 0.9
+    with pytest.raises(LogprobeError, match="temperature"):
+        temperature_of({}, None)
+    with pytest.raises(LogprobeError, match="differs between rows"):
+        temperature_of({"temperature": torch.tensor([0.7, 1.0])}, None)
+    batch = {"input_ids": seq, "attention_mask": attn, "responses": torch.tensor([[7, 1]])}
+    with pytest.raises(LogprobeError, match="responses"):
+        padded_layout(batch)
+    batch["responses"] = torch.tensor([[7, 0]])
+    ids, mask, scored = padded_layout(batch)
+    assert scored.tolist() == [[1, 0]]
