@@ -113,11 +113,9 @@ def ref_log_prob_nopadding(scorer: Scorer, td, temperature: float) -> torch.Tens
 class LogprobeRefPolicy:
     """A reference-policy worker: ``compute_ref_log_prob`` answers verl's padded ``DataProto``
     with ``DataProto{"ref_log_prob": [bs, R]}`` and verl 0.9's no-padding TensorDict with
-    ``TensorDict{"log_probs": nested}``. ``config`` / ``role`` are accepted (and ignored) so the
-    class can be built the way verl builds a ``Role.RefPolicy`` worker."""
+    ``TensorDict{"log_probs": nested}``, in this process (``LogprobeRefWorker`` is the Ray worker)."""
 
-    def __init__(self, model_path: str, temperature: float | None = None, config=None, role: str | None = None,
-                 **scorer_kwargs) -> None:
+    def __init__(self, model_path: str, temperature: float | None = None, **scorer_kwargs) -> None:
         self.model_path, self.temperature, self.scorer_kwargs = model_path, temperature, scorer_kwargs
         self.scorer: Scorer | None = None
 
