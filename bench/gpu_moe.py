@@ -1,0 +1,763 @@
+"""Mixture-of-experts on the GPU (issue 17): random-init Qwen3-30B-A3B shape, logprobe vs transformers.
+
+One process, markdown tables. Sections (``--sections``, comma-separated; a section that fails
+prints its error and the rest go on):
+
+  kernel     the MoE MLP alone at the 30B-A3B layer shape (H 2048, I 768, 128 experts, top-8) for
+             T = 8192 tokens routed by a random router: logprobe's fused Triton kernel
+             (``kernels.moe.fused_moe``), its PyTorch reference ``moe_reference`` (a loop over the
+             experts), the model's PyTorch segment path (``Experts.reference``, also with deterministic
+             mode's fixed 2048-row tiles), against a grouped-GEMM floor: the same two GEMMs alone
+             (gate|up, then down) as one ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``
+             call each over the expert-sorted rows (else ``bmm`` over padded per-expert segments),
+             and a dense lower bound (one [T*k, H] x [H, 2I] and one [T*k, I] x [I, H] matmul: the
+             same FLOPs with one expert's weights). ms, TFLOP/s, ratio to the floor, max rel Δ
+             against a float32 ``moe_reference`` of the same bf16 values, and whether a token's
+             rows are bitwise the same alone (100 tokens) and in the T-token batch. The kernel has
+             no separate deterministic variant: deterministic mode runs it as is (fixed tiles, no
+             split-K). ``--tune`` adds a sweep of ``MoeKernelConfig`` tiles.
+  workloads  logprobe (``Engine`` at default settings: ``EngineConfig(progress=False)``,
+             max_batch_tokens 8192) on W1 (RL groups: 32 prompts x 8 completions) and W3 (perplexity:
+             256k tokens, context 2048, stride 512) of bench/gpu_scoring.py: seconds, input tokens/s,
+             peak extra memory, MFU on *active* parameters (FLOPs of attention, the router, the k = 8
+             routed experts of each token and the head; all needed tokens, and unique tokens after
+             shared prefixes run once) against the bf16 matmul ceiling measured in this run; then
+             transformers on the same weights (right-padded batches sorted by length, ``use_cache=
+             False``, logits -> float32 log_softmax -> gather; transformers' default experts
+             implementation unless ``--hf-experts``). ``--baseline-limit N``: transformers (and
+             logprobe again, for a measured ratio) on the first N requests only; the whole-workload
+             time of transformers is then extrapolated by needed tokens and labelled so.
+  det        W1 with ``EngineConfig(deterministic=True)``: time, cost against the default run,
+             max |Δ| between the two, and the first 3 requests alone vs inside W1 (bitwise).
+  correct    per-token max / mean |Δ log-prob| of logprobe vs transformers (same dtype, bf16 on the
+             GPU) on the first ``--check-requests`` W1 requests.
+
+Weights: one seeded random tensor per parameter (``torch.Generator`` seeded by the crc32 of its
+name, std 0.02, norms 1), made on the GPU twice: first for logprobe's native model, which is timed
+and freed, then for transformers' model (the same values into its fused ``experts.gate_up_proj``).
+Never two 61 GB copies at once, and no checkpoint on disk (57 GiB would not fit the 64 GiB disk
+of the device machines); with ``--tiny`` the same builder is checked bitwise against the public
+``Scorer(dir)`` loading of a ``save_pretrained`` directory. Memory: H200 (139 GB) holds the 48
+layers (57 GiB of weights) with room; the H100 (80 GB) should too (about 20 GiB left for
+activations at 8192-token passes); if it runs out, ``--layers 40`` (labelled in the output).
+
+Each command on the device machine has 10 minutes, so the workloads are split across commands
+(each builds its models again, about a minute per build; estimates, not measured):
+
+    # H200 (or H100: the same commands; add --layers 40 if the 48 layers run out of memory)
+    python bench/gpu_moe.py --sections kernel --tune
+    python bench/gpu_moe.py --sections workloads,det,correct --workloads W1
+    python bench/gpu_moe.py --sections workloads --workloads W3 --baseline-limit 128
+    # H100 explicitly, fewer layers if needed (everything is labelled with the layer count)
+    python bench/gpu_moe.py --sections workloads,det,correct --workloads W1 --layers 40
+
+CPU smoke test of the whole script (tiny MoE config, float32, truncated workloads; the kernel
+section runs under Triton's interpreter in a child process):
+
+    python bench/gpu_moe.py --device cpu --tiny --baseline-limit 4 --tune     # about 70 s on 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_scoring import workload  # noqa: E402
+
+from logprobe.config import EngineConfig  # noqa: E402
+from logprobe.engine.runner import Engine  # noqa: E402
+
+GiB = 1024**3
+# Qwen3-30B-A3B's config.json (the fields that shape the compute)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                     tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
+                     eos_token_id=151645)
+TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+STD = 0.02
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def section(name, fn, *a):
+    """Run one section; on failure print the error and go on."""
+    t = time.perf_counter()
+    try:
+        fn(*a)
+    except Exception as e:  # noqa: BLE001 - report, don't stop the benchmark
+        log(f"\n**section {name} failed** after {time.perf_counter() - t:.1f} s: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:600]}")
+        log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-12:]) + "```")
+    finally:
+        free()
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def sync_time(fn):
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def bench_ms(fn, dev, rep=200):
+    """Median ms: triton's do_bench on CUDA, a few timed calls on CPU."""
+    if dev.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        times.append(sync_time(fn)[1] * 1e3)
+    return sorted(times)[1]
+
+
+def peak_reset(dev):
+    if dev.type == "cuda":
+        free()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    return 0
+
+
+def peak_extra(dev, base) -> float | None:
+    return (torch.cuda.max_memory_allocated() - base) / GiB if dev.type == "cuda" else None
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+def hf_config(args):
+    import transformers as tf
+
+    kw = dict(TINY if args.tiny else QWEN3_30B_A3B)
+    if args.layers:
+        kw["num_hidden_layers"] = args.layers
+    return tf.Qwen3MoeConfig(**kw)
+
+
+def native_cfg(cfg):
+    from logprobe.loading.hf import native_config
+
+    lc, why = native_config(cfg.to_dict())
+    if lc is None:
+        raise RuntimeError(f"logprobe does not run this config natively: {why}")
+    return lc
+
+
+def native_shapes(lc) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of logprobe's native model = the checkpoint's tensors after the
+    loader's renaming and expert stacking (``loading.hf``): the canonical list of weights here."""
+    from logprobe.models.moe import native_model_class
+
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in native_model_class(lc)(lc).state_dict().items()}
+
+
+def seeded(name: str, shape, dev, dtype) -> torch.Tensor:
+    """The weight called ``name``: the same values every time it is made on this device."""
+    if len(shape) == 1:
+        return torch.ones(shape, device=dev, dtype=dtype)  # RMSNorm weights
+    g = torch.Generator(device=dev).manual_seed(zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=g, device=dev) * STD).to(dtype)
+
+
+def build_logprobe(lc, dev, dtype):
+    """logprobe's native model from the seeded tensors, through the loader's own builder (the one
+    ``Scorer(dir)`` / ``load_model`` use; tensors stream in, one copy on the device)."""
+    from logprobe.loading.loader import _build_native
+
+    shapes = native_shapes(lc)
+    return _build_native(lc, ((n, seeded(n, s, dev, dtype)) for n, s in shapes.items()), dev, dtype)
+
+
+def build_transformers(cfg, lc, dev, dtype, experts: str | None):
+    """transformers' Qwen3-MoE with the same seeded tensors (gate|up concatenated into its
+    ``experts.gate_up_proj`` [E, 2I, H]), copied in one at a time."""
+    from transformers import AutoModelForCausalLM
+
+    shapes = native_shapes(lc)
+    kw = {"experts_implementation": experts} if experts else {}
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kw)
+    finally:
+        torch.set_default_dtype(old)
+    used = set()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            n = name.removeprefix("model.")
+            if n.endswith(".experts.gate_up_proj"):
+                base = n.removesuffix("gate_up_proj")
+                parts = [base + "gate_proj", base + "up_proj"]
+                inter = shapes[parts[0]][1]
+                for j, part in enumerate(parts):
+                    p[:, j * inter:(j + 1) * inter].copy_(seeded(part, shapes[part], dev, dtype))
+                used.update(parts)
+            else:
+                if n not in shapes or tuple(p.shape) != shapes[n]:
+                    raise RuntimeError(f"transformers parameter {name} {tuple(p.shape)} has no native counterpart")
+                p.copy_(seeded(n, shapes[n], dev, dtype))
+                used.add(n)
+    if used != set(shapes):
+        raise RuntimeError(f"native weights not in transformers' model: {sorted(set(shapes) - used)[:5]}")
+    return hf.eval()
+
+
+def describe(lc) -> str:
+    s = lc.moe
+    active = active_params(lc)
+    total = (lc.num_layers * (attn_params(lc) + s.num_experts * 3 * lc.hidden_size * s.intermediate_size
+                              + lc.hidden_size * s.num_experts) + 2 * lc.vocab_size * lc.hidden_size)
+    return (f"Qwen3-MoE shape: {lc.num_layers} layers, H {lc.hidden_size}, {s.num_experts} experts top-{s.top_k}, "
+            f"I {s.intermediate_size}, {lc.num_heads} q / {lc.num_kv_heads} kv heads x {lc.head_dim}, "
+            f"V {lc.vocab_size}; {total / 1e9:.3g} B parameters, {active / 1e9:.3g} B active per token "
+            "(attention + router + k experts + head)")
+
+
+# -------------------------------------------------------------------------------------- FLOPs
+
+
+def attn_params(lc) -> int:
+    H, qd, kvd = lc.hidden_size, lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim
+    return H * qd + 2 * H * kvd + qd * H
+
+
+def layer_active_params(lc) -> int:
+    """Per-token matmul parameters of the blocks: attention projections, router, k routed experts
+    (+ shared expert, + dense MLP blocks)."""
+    s, H, L = lc.moe, lc.hidden_size, lc.num_layers
+    moe = H * s.num_experts + s.top_k * 3 * H * s.intermediate_size + 3 * H * s.shared_intermediate_size
+    nd = len(s.dense_layers)
+    return L * attn_params(lc) + (L - nd) * moe + nd * 3 * H * lc.intermediate_size
+
+
+def active_params(lc) -> int:
+    return layer_active_params(lc) + lc.vocab_size * lc.hidden_size
+
+
+def active_flops(lc, reqs, min_shared: int | None = 16) -> float:
+    """Forward FLOPs on active parameters: 2 x layer_active_params per computed token, causal
+    attention 2 L qd n^2 per sequence, the head per scored token. ``min_shared``: shared prefixes
+    (>= that many tokens, in sorted order, as ``share_prefixes`` runs them) count once, as
+    gpu_scoring.unique_flops; None: every needed token counts."""
+    H, L, qd = lc.hidden_size, lc.num_layers, lc.num_heads * lc.head_dim
+    per_token = 2 * layer_active_params(lc)
+    total, prev = 0.0, []
+    for r in sorted(reqs, key=lambda r: r.inputs):
+        x, n = r.inputs, r.num_inputs
+        a = 0
+        if min_shared is not None:
+            while a < min(len(prev), n) and prev[a] == x[a]:
+                a += 1
+            a = a if a >= min_shared else 0
+        total += per_token * (n - a) + 2 * L * qd * (n * n - a * a) + 2 * H * lc.vocab_size * r.num_scored
+        prev = x
+    return total
+
+
+# ------------------------------------------------------------------------------------ kernel
+
+
+def kernel_section(args, dev, tflops):
+    from logprobe.kernels.moe import DEFAULT_CONFIG, MoeKernelConfig, fused_moe, moe_reference
+    from logprobe.layers.moe import Experts, route
+
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # the fused kernel runs on CPU only under Triton's interpreter, which must be on before
+        # triton is imported: run this section in a child process
+        cmd = [sys.executable, __file__, "--sections", "kernel", "--device", "cpu", "--kernel-tokens",
+               str(args.kernel_tokens), *(["--tiny"] if args.tiny else []), *(["--tune"] if args.tune else [])]
+        out = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True)
+        log("(kernel section in a child process under TRITON_INTERPRET=1)")
+        log("\n".join(line for line in out.stdout.splitlines() if not line.startswith("device:")))
+        if out.returncode:
+            raise RuntimeError(out.stderr[-2000:])
+        return
+    shape = TINY if args.tiny else QWEN3_30B_A3B
+    T, H, I = args.kernel_tokens, shape["hidden_size"], shape["moe_intermediate_size"]  # noqa: E741
+    E, k = shape["num_experts"], shape["num_experts_per_tok"]
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, generator=g, device=dev).to(dtype)  # post-RMSNorm scale
+    router = (torch.randn(E, H, generator=g, device=dev) * STD).to(dtype)
+    _, _, ids = route(F.linear(x, router), k, True)  # [T, k]
+    gate, up = ((torch.randn(E, I, H, generator=g, device=dev) * STD).to(dtype) for _ in range(2))
+    down = (torch.randn(E, H, I, generator=g, device=dev) * STD).to(dtype)
+    fl = 2 * T * k * 3 * H * I
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    log(f"\n## MoE MLP alone: T={T} tokens, H={H}, I={I}, {E} experts, top-{k}, {str(dtype).removeprefix('torch.')} "
+        f"(random router: rows per expert min {int(counts.min())}, mean {T * k / E:.0f}, max {int(counts.max())}; "
+        f"{fl / 1e12:.3f} TFLOP)")
+    ref32 = moe_reference(x.float(), ids, gate.float(), up.float(), down.float())  # [T*k, H]
+    scale = float(ref32.abs().max())
+
+    def rel(y):
+        return float((y.float() - ref32).abs().max()) / scale
+
+    with torch.device("meta"):
+        experts = Experts(E, H, I)
+    for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        setattr(experts, name, torch.nn.Parameter(w, requires_grad=False))
+    tile = EngineConfig().cuda_invariant_tile if dev.type == "cuda" else EngineConfig().invariant_tile
+
+    # the floor: the two GEMMs alone over expert-sorted rows (gathers, SiLU, scatter not included)
+    order = torch.sort(ids.reshape(-1), stable=True).indices
+    xs = x[order // k].contiguous()  # [T*k, H]
+    act = (torch.randn(T * k, I, generator=g, device=dev)).to(dtype)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    gu_t = torch.cat([gate, up], 1).transpose(-2, -1)  # [E, H, 2I] (view of [E, 2I, H])
+    dn_t = down.transpose(-2, -1)  # [E, I, H]
+    gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    floor_name, floor_fn = None, None
+    if gmm is not None:
+        try:
+            fn = lambda: (gmm(xs, gu_t, offs=offs), gmm(act, dn_t, offs=offs))  # noqa: E731
+            fn()
+            floor_name = (f"grouped-GEMM floor: {'F.grouped_mm' if gmm is getattr(F, 'grouped_mm', None) else 'torch._grouped_mm'}"
+                          " x2 (gate|up, down) over sorted rows")
+            floor_fn = fn
+        except Exception as e:  # noqa: BLE001 - e.g. no kernel for this GPU / dtype
+            log(f"(grouped_mm failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}; using bmm)")
+    if floor_fn is None:  # bmm over per-expert segments padded to the largest
+        m = int(counts.max())
+        xp = x.new_zeros(E, m, H)
+        ap = x.new_zeros(E, m, I)
+        floor_name = f"bmm floor over per-expert segments padded to {m} rows (pads count as work)"
+        floor_fn = lambda: (torch.bmm(xp, gu_t), torch.bmm(ap, dn_t))  # noqa: E731
+    w2 = torch.cat([gate[0], up[0]], 0)  # [2I, H]
+    dense_fn = lambda: (F.linear(xs, w2), F.linear(act, down[0]))  # noqa: E731
+
+    rows = [(floor_name, bench_ms(floor_fn, dev, args.rep), None, "—"),
+            ("dense lower bound: [T*k, H] x [H, 2I] + [T*k, I] x [I, H], one expert's weights",
+             bench_ms(dense_fn, dev, args.rep), None, "—")]
+    few = 100 if T > 100 else T // 2
+
+    def invariant(fn):
+        return bool(torch.equal(fn(x[:few].clone(), ids[:few].clone()).reshape(few * k, H),
+                                fn(x, ids).reshape(T * k, H)[:few * k]))
+
+    cases = [("logprobe fused Triton kernel (kernels.moe.fused_moe, default tiles)",
+              lambda a, b: fused_moe(a, b, gate, up, down)),
+             ("PyTorch reference moe_reference (loop over experts)", lambda a, b: moe_reference(a, b, gate, up, down)),
+             ("PyTorch segment path Experts.reference (MoeBlock.triton = False)",
+              lambda a, b: experts.reference(a, b, None)),
+             (f"PyTorch segment path, deterministic fixed {tile}-row tiles", lambda a, b: experts.reference(a, b, tile))]
+    for name, fn in cases:
+        try:
+            y = fn(x, ids)
+            ms = bench_ms(lambda fn=fn: fn(x, ids), dev, args.rep)
+            rows.append((name, ms, rel(y.reshape(T * k, H)), invariant(fn)))
+            del y
+        except Exception as e:  # noqa: BLE001
+            rows.append((f"{name}: failed {type(e).__name__}: {' '.join(str(e).split())[:160]}", None, None, "—"))
+    y_f, y_r = fused_moe(x, ids, gate, up, down), moe_reference(x, ids, gate, up, down)
+    d_fr = float((y_f.float() - y_r.float()).abs().max()) / scale
+    floor = rows[0][1]
+    log(f"matmul ceiling {tflops:.0f} TFLOP/s" if tflops else "(no matmul ceiling on CPU)")
+    log("| path | ms | TFLOP/s | time / floor | max rel Δ vs float32 reference | 100 tokens alone = in batch (bitwise) |")
+    log("| --- | ---: | ---: | ---: | ---: | --- |")
+    for name, ms, d, inv in rows:
+        if ms is None:
+            log(f"| {name} | | | | | |")
+            continue
+        ds = f"{d:.2e}" if d is not None else "—"
+        log(f"| {name} | {ms:.3f} | {fl / ms / 1e9:.1f} | {ms / floor:.2f} | {ds} | {inv} |")
+    log(f"fused kernel vs {str(dtype).removeprefix('torch.')} moe_reference: max rel Δ {d_fr:.2e} (relative to "
+        f"max |y| = {scale:.3g}); deterministic variant: none separate, deterministic mode runs the same kernel "
+        f"(fixed tiles, no split-K)")
+    if args.tune:
+        configs = [DEFAULT_CONFIG, MoeKernelConfig(64, 128, 64, 4, 3), MoeKernelConfig(64, 128, 64, 8, 4),
+                   MoeKernelConfig(128, 128, 64, 8, 3), MoeKernelConfig(128, 64, 64, 4, 3),
+                   MoeKernelConfig(64, 64, 128, 4, 3), MoeKernelConfig(32, 128, 64, 4, 4),
+                   MoeKernelConfig(128, 128, 32, 8, 4), MoeKernelConfig(16, 64, 128, 4, 4)]
+        if dev.type == "cpu":
+            configs = [MoeKernelConfig(16, 16, 16), MoeKernelConfig(32, 16, 32)]
+        log("\n| BM | BN | BK | warps | stages | ms | TFLOP/s | time / floor | max rel Δ vs float32 reference |")
+        log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for c in configs:
+            try:
+                ms = bench_ms(lambda c=c: fused_moe(x, ids, gate, up, down, c), dev, args.rep)
+                d = rel(fused_moe(x, ids, gate, up, down, c))
+                log(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {ms:.3f} | "
+                    f"{fl / ms / 1e9:.1f} | {ms / floor:.2f} | {d:.2e} |")
+            except Exception as e:  # noqa: BLE001 - a tile the compiler or shared memory refuses
+                log(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | failed: "
+                    f"{type(e).__name__}: {' '.join(str(e).split())[:120]} | | | |")
+
+
+# ---------------------------------------------------------------------------------- workloads
+
+
+def get_workloads(args, vocab) -> dict[str, list]:
+    out = {}
+    for w in args.workloads.split(","):
+        reqs = workload(w, vocab)
+        out[w] = reqs[:args.tiny_requests] if args.tiny else reqs
+    return out
+
+
+def warm_count(args, w) -> int:
+    return 2 if args.tiny else (32 if w == "W1" else 16)
+
+
+def logprobe_phase(args, cfg, lc, dev, dtype, wls, tflops, state):
+    """Build logprobe's model, time what the sections ask, keep the numbers (on the CPU), free it."""
+    t = time.perf_counter()
+    model = build_logprobe(lc, dev, dtype)
+    weights = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    log(f"\nlogprobe model built in {time.perf_counter() - t:.1f} s"
+        + (f", {weights / GiB:.1f} GiB allocated" if dev.type == "cuda" else ""))
+    base = dict(progress=False) if args.batch_tokens is None else dict(progress=False, max_batch_tokens=args.batch_tokens)
+    engine = Engine(model, EngineConfig(**base), dev)
+    det_engine = Engine(model, EngineConfig(**base, deterministic=True), dev)
+    sections = args.sections
+    try:
+        with torch.inference_mode():
+            if "workloads" in sections:
+                for w, reqs in wls.items():
+                    try:
+                        engine.run(reqs[:warm_count(args, w)])  # warm-up: Triton kernels compiled
+                        b0 = peak_reset(dev)
+                        res, sec = sync_time(lambda reqs=reqs: engine.run(reqs))
+                        row = dict(sec=sec, peak=peak_extra(dev, b0), lp=[r.logprobs.float().cpu() for r in res])
+                        del res
+                        n = args.baseline_limit
+                        if n and n < len(reqs):  # the same prefix as transformers, measured
+                            row["prefix_sec"] = sync_time(lambda reqs=reqs, n=n: engine.run(reqs[:n]))[1]
+                        state["ours"][w] = row
+                        log(f"logprobe {w}: {sec:.2f} s, {sum(r.num_inputs for r in reqs) / sec:,.0f} tok/s")
+                    except Exception as e:  # noqa: BLE001
+                        state["ours"][w] = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+                        log(f"logprobe {w} failed: {state['ours'][w]['error']}")
+                        free()
+            if "det" in sections:
+                try:
+                    reqs = workload("W1", lc.vocab_size)
+                    reqs = reqs[:args.tiny_requests] if args.tiny else reqs
+                    det_engine.run(reqs[:warm_count(args, "W1")])
+                    engine.run(reqs[:warm_count(args, "W1")])
+                    on, t_on = sync_time(lambda: det_engine.run(reqs))
+                    if "W1" in state["ours"] and "sec" in state["ours"]["W1"]:
+                        t_off, off = state["ours"]["W1"]["sec"], state["ours"]["W1"]["lp"]
+                    else:
+                        res, t_off = sync_time(lambda: engine.run(reqs))
+                        off = [r.logprobs.float().cpu() for r in res]
+                    on_lp = [r.logprobs.float().cpu() for r in on]
+                    d = max(float((a - b).abs().max()) for a, b in zip(off, on_lp))
+                    alone = [det_engine.run([r])[0].logprobs for r in reqs[:3]]
+                    same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(alone, (r.logprobs for r in on[:3])))
+                    state["det"] = dict(off=t_off, on=t_on, d=d, bitwise=same, n=len(reqs),
+                                        tokens=sum(r.num_inputs for r in reqs))
+                    log(f"deterministic W1: {t_on:.2f} s vs default {t_off:.2f} s")
+                except Exception as e:  # noqa: BLE001
+                    state["det"] = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+                    log(f"det failed: {state['det']['error']}")
+                    free()
+            if "correct" in sections:
+                reqs = workload("W1", lc.vocab_size)[:args.check_requests]
+                state["check_ours"] = [r.logprobs.float().cpu() for r in engine.run(reqs)]
+            if args.tiny and "correct" in sections:
+                state["public"] = public_path_check(cfg, model, reqs, dev, dtype)
+    finally:
+        engine = det_engine = model = None  # noqa: F841 - the weights go before transformers' are made
+        free()
+
+
+def public_path_check(cfg, model, reqs, dev, dtype) -> str:
+    """Tiny only: the in-memory builder against ``Scorer(dir)`` on a save_pretrained directory of
+    the same weights (transformers model -> safetensors -> logprobe's loader)."""
+    import tempfile
+
+    from logprobe import Scorer
+
+    lc = native_cfg(cfg)
+    hf = build_transformers(cfg, lc, dev, dtype, None)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        byte_tokenizer().save_pretrained(d)
+        s = Scorer(d, device=str(dev), dtype=str(dtype).removeprefix("torch."), progress=False)
+        a = s.engine.run(reqs)
+    b = Engine(model, EngineConfig(progress=False), dev).run(reqs)
+    same = all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
+    return f"in-memory builder vs Scorer(save_pretrained dir) on {len(reqs)} W1 requests: bitwise {same}"
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def run_transformers(hf, reqs, budget, dev):
+    """Right-padded batches (sorted by length) of at most ``budget`` padded tokens; logits ->
+    float32 log_softmax -> gather (bench/gpu_scoring.py's baseline, on any device, no KV cache)."""
+    order = sorted(range(len(reqs)), key=lambda i: -reqs[i].num_inputs)
+    out = [None] * len(reqs)
+    i = 0
+    while i < len(order):
+        L = reqs[order[i]].num_inputs
+        B = max(1, budget // L)
+        idx = order[i:i + B]
+        i += B
+        ids = torch.zeros(len(idx), L, dtype=torch.long)
+        mask = torch.zeros(len(idx), L, dtype=torch.long)
+        for j, r in enumerate(idx):
+            t = reqs[r].tokens[:-1]
+            ids[j, :len(t)] = torch.tensor(t)
+            mask[j, :len(t)] = 1
+        logits = hf(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False).logits  # [B, L, V]
+        lp = logits.float().log_softmax(-1)
+        del logits
+        for j, r in enumerate(idx):
+            q = reqs[r]
+            rows = torch.arange(q.score_begin - 1, q.num_inputs, device=dev)
+            tgt = torch.tensor(q.tokens[q.score_begin:], device=dev)
+            out[r] = lp[j, rows].gather(1, tgt[:, None])[:, 0].float().cpu()
+        del lp
+    return out
+
+
+def transformers_phase(args, cfg, lc, dev, dtype, wls, state):
+    if dev.type == "cuda":
+        log(f"\nbefore transformers' model: {torch.cuda.memory_allocated() / GiB:.2f} GiB still allocated")
+    t = time.perf_counter()
+    impls = args.hf_experts.split(",") if args.hf_experts else [None]
+    hf = build_transformers(cfg, lc, dev, dtype, impls[0])
+    weights = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    log(f"\ntransformers model built in {time.perf_counter() - t:.1f} s (experts {hf.config._experts_implementation}, "
+        f"attention {hf.config._attn_implementation})" + (f", {weights / GiB:.1f} GiB allocated" if weights else ""))
+    try:
+        with torch.inference_mode():
+            if "correct" in args.sections:
+                reqs = workload("W1", lc.vocab_size)[:args.check_requests]
+                state["check_hf"] = run_transformers(hf, reqs, args.budgets[0], dev)
+            if "workloads" not in args.sections:
+                return
+            for impl in impls:
+                if impl is not None and impl != hf.config._experts_implementation:
+                    hf.set_experts_implementation(impl)
+                label = hf.config._experts_implementation
+                for w, reqs in wls.items():
+                    n = args.baseline_limit
+                    part = reqs[:n] if n and n < len(reqs) else reqs
+                    run_transformers(hf, part[:warm_count(args, w) // 2 or 1], args.budgets[0], dev)  # warm-up
+                    best = None
+                    for budget in args.budgets:
+                        b0 = peak_reset(dev)
+                        try:
+                            res, sec = sync_time(lambda b=budget, part=part: run_transformers(hf, part, b, dev))
+                        except torch.OutOfMemoryError:
+                            log(f"transformers ({label}) {w} budget {budget}: OOM")
+                            free()
+                            continue
+                        ours = state["ours"].get(w, {}).get("lp")
+                        d = (max(float((a - b).abs().max()) for a, b in zip(res, ours)) if ours else None)
+                        row = dict(sec=sec, budget=budget, peak=peak_extra(dev, b0), d=d, n=len(part), impl=label)
+                        log(f"transformers ({label}) {w} budget {budget}: {sec:.2f} s on {len(part)} of {len(reqs)} "
+                            "requests" + (f", max |Δ| vs logprobe {d:.2e}" if d is not None else ""))
+                        if best is None or sec < best["sec"]:
+                            best = row
+                        del res
+                    state["hf"].setdefault(w, []).append(best)
+    finally:
+        hf = None  # noqa: F841
+        free()
+
+
+def report_workloads(args, lc, wls, tflops, state):
+    log(f"\n## workloads: {describe(lc)}; {args.dtype_name} random init (seeded, std {STD}); logprobe EngineConfig "
+        f"defaults (max_batch_tokens {args.batch_tokens or EngineConfig().max_batch_tokens})"
+        + (f"; matmul ceiling {tflops:.0f} TFLOP/s measured in this run" if tflops else ""))
+    log("MFU on active parameters (attention + router + k routed experts + head): FLOPs of all needed tokens / "
+        "time / ceiling; MFU (unique): after shared prefixes run once (what was computed)")
+    if args.layers:
+        log(f"**{args.layers} layers, not 48** (--layers): times and memory are of the shorter model")
+    log("| workload | requests | needed tokens | scored tokens | logprobe s | tok/s | MFU | MFU (unique) | "
+        "peak extra GiB | transformers s | transformers experts | speed-up | max abs Δ |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    for w, reqs in wls.items():
+        o = state["ours"].get(w)
+        needed, scored = sum(r.num_inputs for r in reqs), sum(r.num_scored for r in reqs)
+        head = f"| {w} | {len(reqs)} | {needed:,} | {scored:,} "
+        if o is None or "sec" not in o:
+            log(head + f"| {o['error'] if o else 'not run'} | | | | | | | | |")
+            continue
+        mfu = mfu_u = "—"
+        if tflops:
+            mfu = f"{active_flops(lc, reqs, None) / o['sec'] / (tflops * 1e12):.3f}"
+            mfu_u = f"{active_flops(lc, reqs) / o['sec'] / (tflops * 1e12):.3f}"
+        peak = f"{o['peak']:.1f}" if o["peak"] is not None else "—"
+        ours = head + f"| {o['sec']:.2f} | {needed / o['sec']:,.0f} | {mfu} | {mfu_u} | {peak} "
+        rows = [b for b in state["hf"].get(w, []) if b is not None] or [None]
+        for b in rows:
+            if b is None:
+                log(ours + ("| OOM | | | |" if w in state["hf"] else "| not run | | | |"))
+                continue
+            d = f"{b['d']:.2e}" if b["d"] is not None else "—"
+            if b["n"] == len(reqs):
+                log(ours + f"| {b['sec']:.2f} (budget {b['budget']}) | {b['impl']} | {b['sec'] / o['sec']:.2f}x | {d} |")
+                continue
+            part = reqs[:b["n"]]
+            frac = sum(r.num_inputs for r in part) / needed
+            ext = b["sec"] / frac
+            measured = f"; {b['sec'] / o['prefix_sec']:.2f}x measured on the prefix" if "prefix_sec" in o else ""
+            log(ours + f"| **{ext:.1f} extrapolated** from {b['sec']:.2f} s on the first {b['n']} requests "
+                f"({100 * frac:.1f}% of tokens; logprobe {o.get('prefix_sec', float('nan')):.2f} s on them) | "
+                f"{b['impl']} | {ext / o['sec']:.2f}x (extrapolated{measured}) | {d} |")
+
+
+def report_det(lc, state):
+    d = state.get("det")
+    if d is None:
+        return
+    log(f"\n## deterministic mode on W1 ({describe(lc)})")
+    if "error" in d:
+        log(f"failed: {d['error']}")
+        return
+    log("| workload | requests | input tokens | default s | deterministic s | cost | max abs Δ default vs det | "
+        "first 3 alone = in W1 (bitwise) |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    log(f"| W1 | {d['n']} | {d['tokens']:,} | {d['off']:.2f} | {d['on']:.2f} | {100 * (d['on'] / d['off'] - 1):+.1f}% | "
+        f"{d['d']:.2e} | {d['bitwise']} |")
+
+
+def report_correct(args, lc, state):
+    if "check_ours" not in state:
+        return
+    log(f"\n## logprobe vs transformers, first {args.check_requests} W1 requests (same weights, "
+        f"{args.dtype_name} both)")
+    if "public" in state:
+        log(state["public"])
+    if "check_hf" not in state:
+        log("(no transformers numbers: its phase failed)")
+        return
+    log("| request | input tokens | scored tokens | max abs Δ | mean abs Δ |")
+    log("| ---: | ---: | ---: | ---: | ---: |")
+    reqs = workload("W1", lc.vocab_size)[:args.check_requests]
+    allv = []
+    for i, (r, a, b) in enumerate(zip(reqs, state["check_ours"], state["check_hf"])):
+        dd = (a.double() - b.double()).abs()
+        allv.append(dd)
+        log(f"| {i} | {r.num_inputs:,} | {r.num_scored:,} | {float(dd.max()):.2e} | {float(dd.mean()):.2e} |")
+    dd = torch.cat(allv)
+    log(f"| all | | {dd.numel():,} | {float(dd.max()):.2e} | {float(dd.mean()):.2e} |")
+    log("(random router: tokens whose k-th and (k+1)-th router probabilities are closer than the rounding "
+        "differences of the two implementations can pick different experts; those give the largest Δ)")
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="kernel,workloads,det,correct")
+    ap.add_argument("--workloads", default="W1,W3")
+    ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers than 48 (labelled in the output)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny for a smoke test")
+    ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3-MoE config and truncated workloads")
+    ap.add_argument("--tiny-requests", type=int, default=6, help="--tiny: requests per workload")
+    ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    ap.add_argument("--baseline-limit", type=int, default=0,
+                    help="transformers on the first N requests of each workload only, whole time extrapolated")
+    ap.add_argument("--hf-experts", default=None, help="transformers experts implementation(s), comma-separated "
+                    "(grouped_mm, batched_mm, eager); default: transformers' own default")
+    ap.add_argument("--budgets", default="8192", help="transformers padded-token budgets to try (best is kept)")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="logprobe max_batch_tokens (default: the library's)")
+    ap.add_argument("--check-requests", type=int, default=8)
+    ap.add_argument("--kernel-tokens", type=int, default=None, help="kernel section T (default 8192; --tiny 64)")
+    ap.add_argument("--tune", action="store_true", help="kernel section: sweep MoeKernelConfig tiles")
+    ap.add_argument("--rep", type=int, default=200, help="do_bench milliseconds per kernel row")
+    args = ap.parse_args()
+    args.sections = args.sections.split(",")
+    args.budgets = [int(b) for b in args.budgets.split(",")]
+    if args.kernel_tokens is None:
+        args.kernel_tokens = 64 if args.tiny else 8192
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --device cpu --tiny)")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    args.dtype_name = str(dtype).removeprefix("torch.")
+    import transformers
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "none"
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        where = f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / GiB:.0f} GiB"
+    else:
+        where = f"CPU, {torch.get_num_threads()} threads"
+    log(f"device: {where}; torch {torch.__version__}, triton {tv}, transformers {transformers.__version__}; "
+        f"sections {','.join(args.sections)}")
+    tflops = None
+    if dev.type == "cuda":
+        from gpu_scoring import matmul_ceiling
+
+        tflops = matmul_ceiling()
+        log(f"bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
+    if "kernel" in args.sections:
+        section("kernel", kernel_section, args, dev, tflops)
+    if not any(s in args.sections for s in ("workloads", "det", "correct")):
+        return
+    cfg = hf_config(args)
+    lc = native_cfg(cfg)
+    log(f"\n{describe(lc)}" + (f" (**--layers {args.layers}**)" if args.layers else ""))
+    wls = get_workloads(args, lc.vocab_size) if "workloads" in args.sections else {}
+    state = {"ours": {}, "hf": {}}
+    section("logprobe", logprobe_phase, args, cfg, lc, dev, dtype, wls, tflops, state)
+    if not args.no_baseline and ("workloads" in args.sections or "correct" in args.sections):
+        section("transformers", transformers_phase, args, cfg, lc, dev, dtype, wls, state)
+    if "workloads" in args.sections:
+        section("workloads report", report_workloads, args, lc, wls, tflops, state)
+    if "det" in args.sections:
+        section("det report", report_det, lc, state)
+    if "correct" in args.sections:
+        section("correct report", report_correct, args, lc, state)
+
+
+if __name__ == "__main__":
+    main()
