@@ -424,6 +424,9 @@ def kernel_section(args, dev, tflops):
 def get_workloads(args, vocab) -> dict[str, list]:
     out = {}
     for w in args.workloads.split(","):
+        if w not in ("W1", "W2", "W3", "W4"):
+            log(f"(workload {w!r} skipped: bench/gpu_scoring.py defines W1-W4)")
+            continue
         reqs = workload(w, vocab)
         out[w] = reqs[:args.tiny_requests] if args.tiny else reqs
     return out
