@@ -115,3 +115,17 @@ def test_logprobe_eval_cli_errors_are_one_line(capsys):
         main(["score", "A", "B", "--limit", "3"])
     assert e.value.code == 2
     assert "unrecognized arguments: --limit 3" in capsys.readouterr().err
+
+
+def test_registering_logprobe_keeps_lm_evals_own_models():
+    """lm-eval imports its built-in models only while its registry is empty: our registration must
+    not hide them (a run that imported the integration first once lost ``local-completions``)."""
+    code = ("import logprobe.integrations.lm_eval\n"
+            "from lm_eval.api.registry import get_model\n"
+            "print(get_model('local-completions').__name__, get_model('logprobe').__name__)")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["LocalCompletionsAPI", "LogprobeLM"]

@@ -225,9 +225,10 @@ def post_safely(url: str, body: dict):
         return "lost", None, repr(e)
 
 
-@pytest.mark.parametrize("grace", ["30", "0.3"])
+@pytest.mark.parametrize("grace", ["120", "0.3"])
 def test_sigterm_drains_and_exits_0(tiny_dir, grace):
-    """SIGTERM with 12 heavy requests in flight: with the default grace every one is answered 200;
+    """SIGTERM with 12 heavy requests in flight: with a long grace (120 s: the 12 may share one
+    engine step, which a loaded 2-core machine once took over 30 s to finish) every one is answered 200;
     with 0.3 s the ones not reached get a clean 503 JSON (Retry-After). A request arriving while
     draining is refused with 503; the process exits 0. No answer is lost."""
     proc, url = start_serve(tiny_dir, "--shutdown-timeout", grace)
@@ -253,7 +254,7 @@ def test_sigterm_drains_and_exits_0(tiny_dir, grace):
     assert late[0] == 503 and late[1] and late[2]["error"]["code"] == "shutting_down", late
     codes = [a[0] for a in answers]
     assert "lost" not in codes, answers
-    if grace == "30":
+    if grace == "120":
         assert codes == [200] * 12
     else:
         assert 503 in codes and set(codes) <= {200, 503}, codes

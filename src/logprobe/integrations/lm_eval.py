@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lm_eval.api.model import LM
+import lm_eval.models  # noqa: F401  (lm-eval's built-in models: its registry imports them only while empty,
+from lm_eval.api.model import LM  # so registering "logprobe" first would hide local-completions & co.)
 from lm_eval.api.registry import register_model
 
 from ..errors import LogprobeError

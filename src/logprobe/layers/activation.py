@@ -11,7 +11,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torc
 
     ``triton`` on CUDA: one Triton pass in float32, rounded once (``kernels.elementwise.silu_mul``);
     otherwise PyTorch's two ops, which round SiLU(gate) to the activation dtype first, as
-    transformers does (identical in float32)."""
+    transformers does (identical in float32).
+
+    On CPU a row's bits must not depend on how many rows come with it (deterministic mode; an
+    expert of a mixture gets a different number of rows in every batch). PyTorch's CPU loops run
+    SIMD chunks and a scalar tail that rounds SiLU differently, and with a width I that is not a
+    multiple of the vector length the tail falls on different elements as T changes (I = 24: 184 of
+    300 rows differed from the same row alone). So such rows are padded with zeros to a multiple
+    of 64 columns, which puts every element in a SIMD chunk, and cut back."""
     if triton and gate.is_cuda and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
         from ..kernels import triton_available
 
@@ -19,4 +26,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torc
             from ..kernels.elementwise import silu_mul as fused
 
             return fused(gate, up)
-    return F.silu(gate) * up
+    width = gate.shape[-1]
+    if gate.is_cuda or width % 64 == 0:
+        return F.silu(gate) * up
+    pad = -width % 64
+    return (F.silu(F.pad(gate, (0, pad))) * F.pad(up, (0, pad)))[..., :width]  # [T, I + pad] -> [T, I]

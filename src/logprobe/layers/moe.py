@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from .activation import silu_mul
 from .linear import Linear, tiled_linear
 from .quant_linear import PackedWeight
 
@@ -176,7 +177,7 @@ class Experts(nn.Module):
             return F.linear(a, w) if row_tile is None else tiled_linear(a, w, None, row_tile)
 
         gate, up = lin(x, self.weight("gate_proj", e)), lin(x, self.weight("up_proj", e))  # [n, I] each
-        return lin(F.silu(gate) * up, self.weight("down_proj", e))
+        return lin(silu_mul(gate, up), self.weight("down_proj", e))  # row-invariant on CPU too
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
                 triton: bool = True) -> torch.Tensor:
