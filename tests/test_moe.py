@@ -560,8 +560,12 @@ def test_fused_expert_tensors_load_like_per_expert(moe_dirs, tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     seqs = random_sequences(2, seed=4)
     a = Scorer(str(src), device="cpu", dtype="float32", progress=False).logprobs(seqs)
-    b = Scorer(str(tmp_path), device="cpu", dtype="float32", progress=False).logprobs(seqs)
+    fused = Scorer(str(tmp_path), device="cpu", dtype="float32", progress=False)
+    b = fused.logprobs(seqs)
     assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
+    experts = fused.loaded.model.layers[0].mlp.experts  # split halves own their storage (no copy per call)
+    halves = {n: t for n, t in [*experts.named_parameters(), *experts.named_buffers()] if n in ("gate_proj", "up_proj")}
+    assert sorted(halves) == ["gate_proj", "up_proj"] and all(t.is_contiguous() for t in halves.values())
 
 
 @pytest.mark.parametrize("width", [24, 40, 100])

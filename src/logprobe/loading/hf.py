@@ -207,9 +207,9 @@ def stack_experts(tensors, cfg: LlamaConfig):
             yield name, value
             continue
         if m is None:  # fused gate_up [E, 2I, H]
-            gate, up = value.chunk(2, dim=1)  # [E, I, H] each
-            yield name.replace("gate_up_proj", "gate_proj"), gate
-            yield name.replace("gate_up_proj", "up_proj"), up
+            gate, up = value.chunk(2, dim=1)  # [E, I, H] each; own storage: the fused kernel reads them whole
+            yield name.replace("gate_up_proj", "gate_proj"), gate.contiguous()
+            yield name.replace("gate_up_proj", "up_proj"), up.contiguous()
             continue
         stacked = f"{m.group(1)}.{m.group(3)}"
         got = pending.setdefault(stacked, {})
