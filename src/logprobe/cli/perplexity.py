@@ -18,7 +18,7 @@ import time
 from ..errors import LogprobeError
 from ..io.jsonsafe import dumps
 from ..io.tables import read_output, read_rows, table_format
-from ..jobs import PerplexityRows, aggregate
+from ..jobs import ListSink, PerplexityRows, aggregate
 from .common import hooks_parser, json_option, read_text
 from .compare import add_window_args
 from .report import add_html_option, check_html, perplexity_html
@@ -145,23 +145,6 @@ def _report(args: argparse.Namespace, scorer, d: dict, elapsed: float) -> None:
         print(f"{k:<11} {v}")
 
 
-class _ListSink:
-    """Rows kept in memory (per-row perplexity without --output)."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-        self.done: set[int] = set()
-
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
-
-    def end_batch(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _per_row(args: argparse.Namespace) -> int:
     if args.steer or args.capture:
         raise LogprobeError("--steer", "is not available per row yet", "use --join to score one text")
@@ -172,13 +155,13 @@ def _per_row(args: argparse.Namespace) -> int:
     if job.stride is None and args.policy == "sliding":
         job.stride = max(1, job.context_length // 4)
     start = time.perf_counter()
-    sink = None if args.output is not None else _ListSink()
+    sink = None if args.output is not None else ListSink()
     counts, sink = run_table(args, job.scorer, job, _rows(args), sink, summary=False)
     if counts.stopped:
         print(f"logprobe: stopped: {counts.written} rows written; run the same command again to resume",
               file=sys.stderr)
         return 130
-    all_rows = sink.rows if isinstance(sink, _ListSink) else read_output(args.output)
+    all_rows = sink.rows if isinstance(sink, ListSink) else read_output(args.output)
     agg = aggregate(all_rows)
     if agg["num_tokens"] == 0:
         raise LogprobeError(args.text_field, "no row could be scored", "see the row errors above")

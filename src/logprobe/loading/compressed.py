@@ -77,6 +77,19 @@ def _refuse(problem: str, fix: str = SUPPORTED):
     raise LogprobeError("quantization_config", problem, fix)
 
 
+def _check_layout(module: str, where: str, fmt: str, t: dict, layout: set[str], optional: set[str]) -> None:
+    """The module's stored tensors are ``layout`` plus some of ``optional``: an extra one would be
+    ignored (a different model), a missing one cannot be read."""
+    extra = sorted(set(t) - layout - optional)
+    if extra:
+        _refuse(f"{where} stores {', '.join(module + '.' + x for x in extra)}, which the {fmt} layout logprobe "
+                f"reads ({', '.join(sorted(layout | optional))}) does not have: it would be ignored, and the "
+                "model would compute something else")
+    missing = sorted(layout - set(t))
+    if missing:
+        _refuse(f"{where} lacks {', '.join(module + '.' + x for x in missing)}")
+
+
 # -- the config -----------------------------------------------------------------------------------------
 
 
@@ -404,14 +417,7 @@ def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str, gn
     codes = "weight_packed" if fmt == "pack-quantized" else "weight"
     layout = {codes, "weight_scale"} | ({"weight_shape"} if fmt == "pack-quantized" else set())
     optional = {"weight_zero_point", "weight_g_idx"}
-    extra = sorted(set(t) - layout - optional)
-    if extra:
-        _refuse(f"{where} stores {', '.join(module + '.' + x for x in extra)}, which the {fmt} layout logprobe "
-                f"reads ({', '.join(sorted(layout | optional))}) does not have: it would be ignored, and the "
-                "model would compute something else")
-    missing = sorted(layout - set(t))
-    if missing:
-        _refuse(f"{where} lacks {', '.join(module + '.' + x for x in missing)}")
+    _check_layout(module, where, fmt, t, layout, optional)
     scale = t["weight_scale"]
     _check_dtype(module, "weight_scale", scale, _SCALE_DTYPES, f"{fmt} scale")
     if fmt == "pack-quantized":
@@ -482,14 +488,7 @@ def act_quant_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: 
     static = a.get("dynamic") is False
     layout = {"weight", "weight_scale"} | ({"input_scale"} if static else set())
     optional = {"weight_zero_point", "input_zero_point"}
-    extra = sorted(set(t) - layout - optional)
-    if extra:
-        _refuse(f"{where} stores {', '.join(module + '.' + x for x in extra)}, which the {fmt} layout logprobe "
-                f"reads ({', '.join(sorted(layout | optional))}) does not have: it would be ignored, and the "
-                "model would compute something else")
-    missing = sorted(layout - set(t))
-    if missing:
-        _refuse(f"{where} lacks {', '.join(module + '.' + x for x in missing)}")
+    _check_layout(module, where, fmt, t, layout, optional)
     kind = w.get("type", "int")
     qweight, scale = t["weight"], t["weight_scale"]
     _check_dtype(module, "weight", qweight, (FP8,) if kind == "float" else (torch.int8,), f"{fmt} weight")
@@ -551,14 +550,7 @@ def fp4_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str):
     act = scheme.get("input_activations") is not None
     layout = {"weight_packed", "weight_scale", "weight_global_scale"} | ({"input_global_scale"} if act else set())
     optional = {"weight_zero_point"} | ({"input_zero_point"} if act else set())
-    extra = sorted(set(t) - layout - optional)
-    if extra:
-        _refuse(f"{where} stores {', '.join(module + '.' + x for x in extra)}, which the {fmt} layout logprobe "
-                f"reads ({', '.join(sorted(layout | optional))}) does not have: it would be ignored, and the "
-                "model would compute something else")
-    missing = sorted(layout - set(t))
-    if missing:
-        _refuse(f"{where} lacks {', '.join(module + '.' + x for x in missing)}")
+    _check_layout(module, where, fmt, t, layout, optional)
     packed, scale = t["weight_packed"], t["weight_scale"]
     _check_dtype(module, "weight_packed", packed, (torch.uint8,), f"{fmt} weight")
     _check_dtype(module, "weight_scale", scale, (FP8,), f"{fmt} group scale")
