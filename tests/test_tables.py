@@ -121,6 +121,27 @@ def test_logprobs_every_format_same_numbers(tiny, tiny_dir, tmp_path):
         assert first[i]["logprobs"] == w.logprobs.tolist() and first[i]["top_k_ids"] == w.topk_ids.tolist()
 
 
+def test_failed_first_batch_writes_every_result_column(tiny_dir, tmp_path):
+    """A part of failed rows only has the result columns too (null, with their types), so a reader
+    that takes the first part's schema (``pq.read_table(dir)``) loses nothing."""
+    from helpers import random_sequences
+
+    good = random_sequences(2, seed=3)
+    bad = {"prompt_token_ids": [5], "completion_token_ids": [99999]}
+    src = write_table(tmp_path / "in.jsonl", [bad, *good])
+    out = tmp_path / "out.parquet"
+    assert run(tiny_dir, "logprobs", "--input", str(src), "--output", str(out), "--top-k", "2",
+               "--batch-rows", "1") == 1
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) == 3
+    schemas = [pq.read_schema(p) for p in parts]
+    assert all(s.equals(schemas[0]) for s in schemas), schemas
+    assert schemas[0].field("logprobs").type == pa.list_(pa.float32())
+    assert schemas[0].field("top_k_ids").type == pa.list_(pa.list_(pa.int64()))
+    whole = pq.read_table(out)
+    assert whole.num_rows == 3 and whole["logprobs"].null_count == 1 and whole["top_k_logprobs"].null_count == 1
+
+
 def test_perplexity_rows_and_aggregate(tiny, tiny_dir, tmp_path, capsys):
     src = write_table(tmp_path / "in.csv", [{"text": t, "source": f"doc{i}"} for i, t in enumerate(TEXTS)])
     out = tmp_path / "ppl.parquet"

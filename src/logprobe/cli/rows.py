@@ -102,7 +102,7 @@ def run_table(args: argparse.Namespace, scorer, job, rows=None, sink=None,
         rows = read_rows(args.input, fmt)
         total = count_rows(args.input, fmt) if show_progress(args) else None
     if sink is None:
-        sink = open_sink(args.output, args.output_format, job.float32_columns)
+        sink = open_sink(args.output, args.output_format, job.float32_columns, job.result_types())
     start = time.perf_counter()
     progress = Progress(total, show_progress(args))
     try:

@@ -100,15 +100,28 @@ class _RowJob:
             if r.data.get("capture") is not None:  # side files would need a shared disk: refused per row
                 r.problem = f"capture: {NO_CAPTURE}"
         outs = map_rows(self.scorer, self.job, rows, report=_log.warning)
+        types = self._types(table)
         if self.columns is not None:
-            return result_table(outs, self.job.float32_columns)
+            return result_table(outs, self.job.float32_columns, types)
         head = set(self.job.head(rows[0])) if rows else set()
-        results = result_table([{k: v for k, v in o.items() if k not in head} for o in outs], self.job.float32_columns)
+        results = result_table([{k: v for k, v in o.items() if k not in head} for o in outs],
+                               self.job.float32_columns, types)
         for name in results.column_names:
             if name in table.column_names:
                 table = table.drop_columns([name])
             table = table.append_column(name, results[name])
         return table
+
+    def _types(self, table) -> dict:
+        """Every output column's pyarrow type, known before the rows are run, so that every
+        block (one of failed rows too) writes the same schema: results from the job, the echoed
+        ``id`` and kept columns from the input."""
+        from ..io.parquet import arrow_type
+
+        types = {k: arrow_type(t) for k, t in self.job.result_types(set(table.column_names)).items()}
+        if self.columns is not None:
+            types.update((k, table.schema.field(k).type) for k in ("id", *self.columns) if k in table.column_names)
+        return types
 
     def __del__(self) -> None:
         scorer = getattr(self, "scorer", None)
@@ -160,24 +173,27 @@ def to_arrow(batch):
     return pa.Table.from_pandas(batch, preserve_index=False)
 
 
-def result_table(rows: list[dict], float32_columns=frozenset()):
+def result_table(rows: list[dict], float32_columns=frozenset(), types: dict | None = None):
     """Output dicts as a pyarrow Table: every key of every row a column (null where a row lacks
-    it), per-token float lists as float32 (they are float32 already: nothing is rounded), and an
+    it), per-token float lists as float32 (they are float32 already: nothing is rounded), the
+    declared ``types`` (name -> pyarrow type) present even where no row has them, and an
     ``error`` string column last.
 
-    >>> result_table([{"index": 0, "x": [0.5]}, {"index": 1, "error": "x: bad"}], {"x"}).schema.types
+    >>> import pyarrow as pa
+    >>> result_table([{"index": 1, "error": "x: bad"}], {"x"}, {"x": pa.list_(pa.float32())}).schema.types
     [DataType(int64), ListType(list<item: float>), DataType(string)]
     """
     import pyarrow as pa
 
-    from ..io.parquet import float32_type
+    from ..io.parquet import float32_type, with_declared
 
     names = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "error"]
     cols = {k: pa.array([r.get(k) for r in rows]) for k in names}
     for k in float32_columns & set(cols):
         cols[k] = cols[k].cast(float32_type(cols[k].type))
     cols["error"] = pa.array([r.get("error") for r in rows], pa.string())
-    return pa.table(cols)
+    table = with_declared(pa.table(cols), types or {})
+    return table.select([*(n for n in table.column_names if n != "error"), "error"])
 
 
 def aggregate_perplexity(results) -> dict:

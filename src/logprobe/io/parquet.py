@@ -3,13 +3,15 @@
 Why part files: a part is written to ``.part-N.tmp`` and renamed into place only when whole, so
 a run killed at any instant leaves complete parts only; the rows they hold are done, every
 other row is computed again on the next run. Every part holds the ``index`` and ``error``
-columns; a part's schema is the union of the parts before it and its own rows (a column one
-batch lacks is null there), so a reader that takes the first part's schema sees every result
-column once a successful row has been written.
+columns and every result column the job declares (``result_types``: null in a failed row); a
+part's schema is the union of the parts before it and its own rows (a column one batch lacks is
+null there), so a reader that takes the first part's schema sees every result column.
 
 >>> import pyarrow as pa
 >>> float32_type(pa.list_(pa.list_(pa.float64())))
 ListType(list<item: list<item: float>>)
+>>> arrow_type("list<list<int64>>")
+ListType(list<item: list<item: int64>>)
 """
 
 from __future__ import annotations
@@ -31,6 +33,41 @@ def float32_type(t):
     return pa.float32() if pa.types.is_floating(t) else t
 
 
+def arrow_type(tag: str):
+    """A job's column type tag (``float64``, ``int64``, ``float32``, ``bool``, ``string``,
+    ``list<T>``) as a pyarrow type; jobs declare their output columns in tags so that they need
+    no pyarrow (``LogprobsRows.result_types``)."""
+    import pyarrow as pa
+
+    if tag.startswith("list<") and tag.endswith(">"):
+        return pa.list_(arrow_type(tag[5:-1]))
+    scalars = {"float64": pa.float64(), "float32": pa.float32(), "int64": pa.int64(), "bool": pa.bool_(),
+               "string": pa.string()}
+    if tag not in scalars:
+        raise ValueError(f"unknown column type tag {tag!r}")
+    return scalars[tag]
+
+
+def with_declared(table, types: dict):
+    """``table`` with every declared column (name -> pyarrow type): a missing one added as nulls,
+    an all-null one (pyarrow's ``null`` type) cast, so that a batch of failed rows has the same
+    schema as any other batch (a reader that takes one file's schema sees every column).
+
+    >>> import pyarrow as pa
+    >>> t = with_declared(pa.table({"index": [3], "x": [None]}), {"x": pa.float64(), "y": pa.list_(pa.int64())})
+    >>> [str(f.type) for f in t.schema]
+    ['int64', 'double', 'list<item: int64>']
+    """
+    import pyarrow as pa
+
+    for name, kind in types.items():
+        if name not in table.column_names:
+            table = table.append_column(pa.field(name, kind), pa.nulls(len(table), kind))
+        elif pa.types.is_null(table[name].type):
+            table = table.set_column(table.column_names.index(name), pa.field(name, kind), table[name].cast(kind))
+    return table
+
+
 def _parts(path: str) -> list[tuple[int, str]]:
     found = [(int(m.group(1)), name) for name in os.listdir(path) if (m := PART.match(name))]
     return [(n, os.path.join(path, name)) for n, name in sorted(found)]
@@ -39,7 +76,7 @@ def _parts(path: str) -> list[tuple[int, str]]:
 class ParquetSink:
     """Collects rows and writes them as one part file per batch (``end_batch``)."""
 
-    def __init__(self, path: str, float32_columns: set[str] = frozenset()) -> None:
+    def __init__(self, path: str, float32_columns: set[str] = frozenset(), types: dict | None = None) -> None:
         if os.path.isfile(path):
             raise LogprobeError("--output", f"{path!r} is a file; Parquet output is a directory of part files",
                                 "give a new path (it becomes a directory) or an earlier run's directory")
@@ -49,6 +86,7 @@ class ParquetSink:
             raise LogprobeError("--output", f"cannot create {path!r}: {e.strerror or e}", "check the path") from e
         self.path = path
         self.float32_columns = set(float32_columns)
+        self.types = {k: arrow_type(t) for k, t in (types or {}).items()}  # declared columns (job.result_types)
         self.schema = None
         self._rows: list[dict] = []
         self.done = self._resume()
@@ -99,6 +137,7 @@ class ParquetSink:
         for name in self.float32_columns & set(table.column_names):
             i = table.column_names.index(name)
             table = table.set_column(i, name, table[name].cast(float32_type(table[name].type)))
+        table = with_declared(table, self.types)
         self.schema = table.schema if self.schema is None else pa.unify_schemas(
             [self.schema, table.schema], promote_options="permissive")
         for field in self.schema:

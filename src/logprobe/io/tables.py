@@ -137,13 +137,14 @@ def count_rows(path: str, fmt: str) -> int | None:
 # -- output ----------------------------------------------------------------------------------------
 
 
-def open_sink(path: str, fmt: str | None, float32_columns: set[str] = frozenset()):
-    """A ``JsonlSink`` or ``ParquetSink`` for ``path`` (format from ``fmt`` or the extension)."""
+def open_sink(path: str, fmt: str | None, float32_columns: set[str] = frozenset(), types: dict | None = None):
+    """A ``JsonlSink`` or ``ParquetSink`` for ``path`` (format from ``fmt`` or the extension);
+    ``types``: the job's declared result columns (Parquet only)."""
     fmt = table_format(path, fmt, "--output", ("jsonl", "parquet"))
     if fmt == "parquet":
         from .parquet import ParquetSink
 
-        return ParquetSink(path, float32_columns)
+        return ParquetSink(path, float32_columns, types)
     return JsonlSink(path)
 
 

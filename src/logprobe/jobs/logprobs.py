@@ -38,6 +38,20 @@ class LogprobsRows:
     def head(self, row: Row) -> dict:
         return row_head(row, self.keep, echo_id=True)
 
+    def result_types(self, names=()) -> dict[str, str]:
+        """The result columns every output row has (null in a failed row), as ``io.parquet.arrow_type``
+        tags; ``names``: the input's columns (a ``top_k`` or ``entropy`` column turns those on per row).
+
+        >>> list(LogprobsRows(top_k=2).result_types())
+        ['logprobs', 'sum_logprob', 'is_greedy', 'top_k_ids', 'top_k_logprobs']
+        """
+        out = {"logprobs": "list<float32>", "sum_logprob": "float64", "is_greedy": "list<bool>"}
+        if self.entropy or "entropy" in names:
+            out["entropy"] = "list<float32>"
+        if self.top_k or "top_k" in names:
+            out.update(top_k_ids="list<list<int64>>", top_k_logprobs="list<list<float32>>")
+        return out
+
     def work(self, row: Row) -> RowWork:
         data, index, scorer = row.data, row.index, self.scorer
         get = lambda k, default: default if fields.missing(data.get(k)) else data[k]  # noqa: E731

@@ -44,6 +44,10 @@ class PerplexityRows:
     def head(self, row: Row) -> dict:
         return row_head(row, self.keep)
 
+    def result_types(self, names=()) -> dict[str, str]:
+        """The result columns of every output row (null in a failed row), as ``io.parquet.arrow_type`` tags."""
+        return {k: "int64" if k.startswith("num_") else "float64" for k in RESULT_COLUMNS}
+
     def work(self, row: Row) -> RowWork:
         text = fields.text(row.data.get(self.text_field), self.text_field)
         try:

@@ -51,6 +51,24 @@ class ScoreRows:
     def head(self, row: Row) -> dict:
         return row_head(row, self.keep)
 
+    def result_types(self, names=()) -> dict[str, str]:
+        """The result columns every output row has (null in a failed row), as ``io.parquet.arrow_type``
+        tags. Their shape follows the input: scalars for ``continuation``, lists for ``continuations``
+        (none declared when the input has both columns or neither: a row decides).
+
+        >>> ScoreRows().result_types({"prompt", "continuations"})["log_prob"]
+        'list<float64>'
+        """
+        if ("continuation" in names) == ("continuations" in names):
+            return {}
+        one = {"continuation": "string", "log_prob": "float64", "num_tokens": "int64", "is_greedy": "bool",
+               "token_logprobs": "list<float32>"}
+        if self.entropy:
+            one["entropy"] = "list<float32>"
+        if self.top_k:
+            one.update(top_k_ids="list<list<int64>>", top_k_logprobs="list<list<float32>>")
+        return one if "continuation" in names else {k: f"list<{t}>" for k, t in one.items()}
+
     def work(self, row: Row) -> RowWork:
         data = row.data
         prompt = fields.text(data.get("prompt"), "prompt")
