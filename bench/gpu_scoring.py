@@ -374,9 +374,13 @@ def engine_modes_section(args) -> None:
             cases = cases[2:]
         if args.det_triton:
             cases += [(w, reqs, "deterministic, Triton matmul") for w, reqs, o in cases if o == "deterministic"]
+        if args.overlap:  # issue 19: results read after the next batch launched (default) vs before
+            cases = [(w, workload(w, lc.vocab_size), "overlap_host") for w in ("W1", "W2")] + cases
         for wname, reqs, option in cases:
             base_opt = {"share_prefixes": False} if option == "share_prefixes" else {}
             on_opt = {} if option == "share_prefixes" else {"deterministic": True}
+            if option == "overlap_host":  # "off" is the engine before the overlap; "on" the default
+                base_opt, on_opt = {"overlap_host": False}, {}
             # deterministic Linears: cuBLAS on fixed 2048-row tiles (default) or the Triton matmul
             if "Triton" in option:
                 on_opt["invariant_matmul"] = "triton"
@@ -384,12 +388,12 @@ def engine_modes_section(args) -> None:
                 run_logprobe(ours, reqs[:8], args.batch_tokens, **on_opt)  # warm-up of this mode
                 base, t_base = sync_time(lambda r=reqs, o=base_opt, m=ours: run_logprobe(m, r, args.batch_tokens, **o))
                 on, t_on = sync_time(lambda r=reqs, o=on_opt, m=ours: run_logprobe(m, r, args.batch_tokens, **o))
-                if option != "share_prefixes":  # short runs: best of two, so a one-off first-call cost does not count
+                if option not in ("share_prefixes", "overlap_host"):  # short runs: best of two, so a one-off first-call cost does not count
                     t_base = min(t_base, sync_time(lambda r=reqs, o=base_opt, m=ours: run_logprobe(
                         m, r, args.batch_tokens, **o))[1])
                     t_on = min(t_on, sync_time(lambda r=reqs, o=on_opt, m=ours: run_logprobe(
                         m, r, args.batch_tokens, **o))[1])
-                if option != "share_prefixes":  # bitwise: the first 3 requests alone vs in the whole slice
+                if option not in ("share_prefixes", "overlap_host"):  # bitwise: the first 3 requests alone vs in the whole slice
                     alone = run_logprobe(ours, reqs[:3], args.batch_tokens, **on_opt)
                     same = all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(alone, on[:3]))
                     log(f"{mname} {wname} {option}: first 3 requests alone vs in the slice bitwise: {same}")
@@ -818,6 +822,8 @@ def main() -> None:
     ap.add_argument("--tune-topk", action="store_true", help="sweep the top-k settings (splits, flattening)")
     ap.add_argument("--triton-matmul", action="store_true", help="also time a plain Triton matmul")
     ap.add_argument("--det-only", action="store_true", help="engine section: only the deterministic-mode rows")
+    ap.add_argument("--overlap", action="store_true",
+                    help="engine section: also W1 and W2 with the host overlap off (before) and on (default)")
     ap.add_argument("--det-triton", action="store_true", help="engine section: also deterministic mode with "
                     "the Triton fixed-tile matmul instead of cuBLAS row tiles")
     ap.add_argument("--det-windows", type=int, default=32, help="engine section: requests in the slices")

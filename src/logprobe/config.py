@@ -71,6 +71,10 @@ class EngineConfig:
         ones in fixed column blocks (Triton fixed tiles on CUDA). Costs extra products at every TP
         size, TP = 1 included (docs/perf.md); False keeps deterministic mode batch-invariant at
         the TP size in use only, at the cost it had before tensor parallelism.
+    overlap_host: a batch's results are read after the next batch is launched, so that the host
+        plans and packs while the device computes (one device-to-host copy per batch, ``engine.host``).
+        False reads each batch before launching the next (for measuring what the overlap gives);
+        the numbers are the same bits either way.
     """
 
     max_batch_tokens: int = 8192
@@ -85,6 +89,7 @@ class EngineConfig:
     share_prefixes: bool = True
     min_shared_prefix: int = 16
     tp_invariant: bool = True
+    overlap_host: bool = True
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile",

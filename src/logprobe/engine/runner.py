@@ -16,7 +16,8 @@ from ..layers.attention import AttentionMeta, KVCache, Segment
 from ..layers.hooks import CaptureTable, Hooks, SteerTable
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..scoring.head import HeadOutput, logprob_head
+from ..scoring.head import logprob_head
+from .host import HostCopy, HostRows, start_copy
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, plan_work, tree_cost
 
@@ -263,27 +264,44 @@ class Engine:
             if on_error is not None:
                 on_error(i, err)
 
+        in_flight: list[Launched] = []  # the batch launched last, its results not read yet
+
+        def settle() -> None:
+            while in_flight:
+                launched = in_flight.pop()
+                for i, part in launched.results():
+                    finish(i, _concat([part], requests[i]))
+                if bar is not None:
+                    bar.update(launched.packed.meta.num_rows)
+
         queue = self._plan(requests, range(len(requests)))
         planned_at = self.budget
         while queue:
             if stop is not None and stop():
+                settle()
                 raise RunStopped()
             unit = queue.popleft()
             if isinstance(unit, int):  # a request over the budget: its chunks, one per batch, in order
+                settle()
                 self._run_chunks(requests, unit, finish, fail, bar, stop)
             else:
                 rows = sum(tree_cost(t, lengths) for t in unit)
                 oom = None
                 try:
-                    packed, scored = self._run_batch(requests, unit)
+                    packed, launched = self._run_batch(requests, unit)
                 except torch.OutOfMemoryError as e:
                     oom = _first_line(e)
+                except BaseException:
+                    settle()  # the batches before it are delivered, as without the overlap
+                    raise
+                # read the previous batch's results only now: its GPU work ran while this one was
+                # planned, packed and launched (config.overlap_host; bitwise the same either way)
+                settle()
                 if oom is None:
                     self._succeeded(packed.meta.num_rows)
-                    for i, part in scored:
-                        finish(i, _concat([part], requests[i]))
-                    if bar is not None:
-                        bar.update(packed.meta.num_rows)
+                    in_flight.append(launched)
+                    if not cfg.overlap_host:
+                        settle()
                 else:
                     self._out_of_memory(rows)
                     members = [m for t in unit for m in t.members]
@@ -296,6 +314,7 @@ class Engine:
             if self.budget != planned_at:  # lowered (or raised back): plan what is left again
                 queue = self._plan(requests, _pending(queue))
                 planned_at = self.budget
+        settle()
         if bar is not None:
             bar.close()
         if errors and on_error is None:
@@ -322,7 +341,7 @@ class Engine:
         return units
 
     def _run_batch(self, requests: list[ScoreRequest], batch: list, cache: KVCache | None = None):
-        """One forward pass and its head: (packed batch, [(request, result part)])."""
+        """One forward pass and its head, queued: (packed batch, ``Launched``)."""
         packed = pack(batch, requests, self.device, self.config.attention_block if self.config.deterministic else None)
         packed.meta.cache = cache
         if self.fault_hook is not None:
@@ -332,9 +351,7 @@ class Engine:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
         else:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
-        scored = self.score(requests, packed, hidden)
-        _attach_captures(scored, packed.captures or [])
-        return packed, scored
+        return packed, self.score(requests, packed, hidden)
 
     def _run_chunks(self, requests: list[ScoreRequest], m: int, finish: Callable, fail: Callable, bar,
                     stop: Callable[[], bool] | None = None) -> None:
@@ -353,7 +370,8 @@ class Engine:
             e = min(b + max(1, min(size, self.budget)), n)
             oom = None
             try:
-                packed, scored = self._run_batch(requests, [Chunk(m, b, e)], cache)
+                packed, launched = self._run_batch(requests, [Chunk(m, b, e)], cache)
+                scored = launched.results()
             except torch.OutOfMemoryError as exc:
                 oom = _first_line(exc)
             if oom is not None:
@@ -388,17 +406,13 @@ class Engine:
             self.budget = min(self.config.max_batch_tokens, self.budget * 2)
             self._good = 0
 
-    def score(self, requests: list[ScoreRequest], packed: PackedBatch,
-              hidden: torch.Tensor) -> list[tuple[int, RequestResult]]:
-        """Head options are per request: the head computes the largest top-k and entropy asked
-        for in the batch (neither changes any other number of a row), each request gets its own."""
+    def score(self, requests: list[ScoreRequest], packed: PackedBatch, hidden: torch.Tensor) -> Launched:
+        """The head on a batch's rows, its results' copy to the host started (``Launched.results``
+        reads them). Head options are per request: the head computes the largest top-k and entropy
+        asked for in the batch (neither changes any other number of a row), each request gets its own."""
         batch = [requests[i] for i, _ in packed.owners]
         if len(packed.score_rows) == 0:  # only a chunk holding a capture's extra last row
-            empty = torch.empty(0)
-            return [(i, RequestResult(empty, empty.long(), empty if r.entropy else None,
-                                      empty.long().view(0, r.top_k) if r.top_k else None,
-                                      empty.view(0, r.top_k) if r.top_k else None))
-                    for (i, _), r in zip(packed.owners, batch)]
+            return Launched(packed, batch, None)
         top_k = max(r.top_k for r in batch)
         entropy = any(r.entropy for r in batch)
         det = self.config.deterministic
@@ -406,12 +420,7 @@ class Engine:
                            packed.temperature, top_k=top_k, entropy=entropy,
                            token_chunk=self.config.invariant_tile if det else self.config.head_token_chunk,
                            vocab_chunk=self.config.head_vocab_chunk, pad_chunks=det)
-        results = []
-        offset = 0
-        for (i, n), r in zip(packed.owners, batch):
-            results.append((i, _slice(out, slice(offset, offset + n), r)))
-            offset += n
-        return results
+        return Launched(packed, batch, start_copy(out, top_k, entropy))
 
     def _set_tiling(self) -> None:
         # set before every forward: engines with different configs may share one model
@@ -436,13 +445,39 @@ class Engine:
         return tqdm(total=total, unit="tok", desc="scoring", file=sys.stderr)
 
 
-def _slice(out: HeadOutput, sl: slice, r: ScoreRequest) -> RequestResult:
+@dataclass(slots=True)
+class Launched:
+    """A batch whose forward pass and head are queued on the device; ``results()`` waits for its
+    host copy (``engine.host``) and gives each request's part, captures attached."""
+
+    packed: PackedBatch
+    batch: list[ScoreRequest]  # the request of each of packed.owners
+    copy: HostCopy | None  # None: the batch scores no row
+
+    def results(self) -> list[tuple[int, RequestResult]]:
+        owners = self.packed.owners
+        if self.copy is None:
+            empty = torch.empty(0)
+            scored = [(i, RequestResult(empty, empty.long(), empty if r.entropy else None,
+                                        empty.long().view(0, r.top_k) if r.top_k else None,
+                                        empty.view(0, r.top_k) if r.top_k else None))
+                      for (i, _), r in zip(owners, self.batch)]
+        else:
+            rows, scored, offset = self.copy.wait(), [], 0
+            for (i, n), r in zip(owners, self.batch):
+                scored.append((i, _slice(rows, slice(offset, offset + n), r)))
+                offset += n
+        _attach_captures(scored, self.packed.captures or [])
+        return scored
+
+
+def _slice(out: HostRows, sl: slice, r: ScoreRequest) -> RequestResult:
     return RequestResult(
-        logprobs=out.logprobs[sl].cpu(),
-        ranks=out.ranks[sl].cpu(),
-        entropy=out.entropy[sl].cpu() if r.entropy else None,
-        topk_ids=out.topk_ids[sl, : r.top_k].cpu() if r.top_k else None,
-        topk_logprobs=out.topk_logprobs[sl, : r.top_k].cpu() if r.top_k else None,
+        logprobs=out.logprobs[sl],
+        ranks=out.ranks[sl],
+        entropy=out.entropy[sl] if r.entropy else None,
+        topk_ids=out.topk_ids[sl, : r.top_k] if r.top_k else None,
+        topk_logprobs=out.topk_logprobs[sl, : r.top_k] if r.top_k else None,
     )
 
 
