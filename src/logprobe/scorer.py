@@ -1,65 +1,35 @@
 """The public API: ``Scorer`` scores continuations, sequences of token ids and perplexity.
 
 Every method states which rows predict which tokens; see ``scoring.contract`` for the full
-contract and ``scoring.windows`` for how perplexity windows overlap.
+contract and ``scoring.windows`` for how perplexity windows overlap. The methods build a ``Job``
+(``scoring.job``) in the ``scoring`` module of their kind and run it on the scorer's engine.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .config import EngineConfig
-from .engine.request import CaptureAt, RequestResult, ScoreRequest, SteerAt
+from .engine.request import RequestResult, ScoreRequest
 from .engine.runner import Engine
 from .errors import LogprobeError
-from .interp.points import point_layer, resolve_points
-from .interp.specs import (
-    CaptureSpec,
-    SteerSpec,
-    capture_results,
-    parse_capture,
-    parse_steer,
-    request_hooks,
-)
-from .interp.vectors import SteeringVector, check_method, direction_from_states
-from .io.text import check_text
+from .interp.specs import CaptureSpec, SteerSpec
+from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
-from .scoring.contract import split_continuation
-from .scoring.padded import AlignedLogprobs, Plan, gather_results, plan_packed, plan_padded, plan_requests
+from .scoring import continuations as text_scoring
+from .scoring import inputs, states
+from .scoring import perplexity as ppl_scoring
+from .scoring import sequences as id_scoring
+from .scoring.inputs import MIN_TEMPERATURE
+from .scoring.job import Job
+from .scoring.padded import AlignedLogprobs, plan_packed, plan_padded
 from .scoring.results import ContinuationScore, PerplexityResult, SequenceLogprobs
-from .scoring.stats import count_words, mean_and_stderr
-from .scoring.windows import make_windows
 
-MIN_TEMPERATURE = 1e-30  # below it, logits / temperature can overflow float32 (NaN log-probs)
-
-
-def _exp(x: float) -> float:
-    """``math.exp``, but inf (then ``null`` in JSON) where the result exceeds float64, not OverflowError."""
-    try:
-        return math.exp(x)
-    except OverflowError:
-        return math.inf
-
-
-@dataclass(slots=True)
-class Job:
-    """Engine requests and how to turn their results into the method's answer.
-
-    ``Scorer.score(...)`` is ``job = Scorer.score_job(...)`` then ``job.finish(engine.run(job.requests))``;
-    the server runs the requests of many jobs in shared batches and finishes each job on its own.
-    """
-
-    requests: list[ScoreRequest]
-    finish: Callable[[list[RequestResult]], Any]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_inputs for r in self.requests)
+# Job and the result types are imported from here by the server, integrations and ``logprobe``.
+__all__ = ["MIN_TEMPERATURE", "ContinuationScore", "Job", "PerplexityResult", "Scorer", "SequenceLogprobs"]
 
 
 class Scorer:
@@ -142,46 +112,15 @@ class Scorer:
 
         An empty prompt is replaced by the prefix token (BOS, else EOS).
         """
-        if isinstance(continuations, str):
-            continuations = [continuations]
-        if not isinstance(prompt, str):
-            raise LogprobeError("prompt", f"must be a string, got {type(prompt).__name__}")
-        check_text(prompt, "prompt")
-        if not continuations:
-            raise LogprobeError("continuations", "is empty", "give at least one continuation")
-        temperature, top_k = self._options(temperature, top_k)
-        caps, steers = self.hook_specs(capture, steer)
-        requests, texts = [], []
-        n_spaces = len(prompt) - len(prompt.rstrip())
-        for i, c in enumerate(continuations):
-            if not isinstance(c, str):
-                raise LogprobeError("continuations", f"must be strings, got {type(c).__name__}")
-            check_text(c, f"continuations[{i}]")
-            ctx, cont = self._split(prompt, c)
-            self._check_length(len(ctx) + len(cont), "prompt + continuation")
-            st, ca = request_hooks(caps, steers, len(ctx) + len(cont), len(ctx),
-                                   f"continuations[{i}]: " if len(continuations) > 1 else "",
-                                   exact_sums=self.config.deterministic)
-            requests.append(ScoreRequest(ctx + cont, len(ctx), temperature, top_k, entropy, st, ca))
-            texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)
-        return Job(requests, lambda results: [self._continuation_score(t, r, res, caps)
-                                              for t, r, res in zip(texts, requests, results)])
+        return text_scoring.score_job(self, prompt, continuations, temperature=temperature, top_k=top_k,
+                                      entropy=entropy, capture=capture, steer=steer)
 
     def loglikelihood(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), is_greedy)`` per pair, as lm-eval's ``loglikelihood``."""
         return self.run(self.loglikelihood_job(pairs))
 
     def loglikelihood_job(self, pairs: Sequence[tuple[str, str]]) -> Job:
-        requests = []
-        for i, pair in enumerate(pairs):
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-                raise LogprobeError(f"pairs[{i}]", "must be a (context, continuation) pair of strings")
-            check_text(pair[0], f"pairs[{i}][0]"), check_text(pair[1], f"pairs[{i}][1]")
-            ctx, cont = self._split(pair[0], pair[1])
-            self._check_length(len(ctx) + len(cont), f"pairs[{i}]")
-            requests.append(ScoreRequest(ctx + cont, len(ctx)))
-        return Job(requests, lambda results: [(float(r.logprobs.double().sum()), bool((r.ranks == 0).all()))
-                                              for r in results])
+        return text_scoring.loglikelihood_job(self, pairs)
 
     # -- token ids (reinforcement learning) ----------------------------------------------------
 
@@ -202,47 +141,20 @@ class Scorer:
     def logprobs_job(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
                      entropy: bool = False, capture: Sequence[dict] | None = None,
                      steer: Sequence[dict] | None = None) -> Job:
-        temperature, top_k = self._options(temperature, top_k)
-        if isinstance(sequences, (str, bytes, dict)) or not isinstance(sequences, Sequence) or not sequences:
-            raise LogprobeError("sequences", "must be a non-empty list of objects with prompt_token_ids and "
-                                "completion_token_ids")
-        caps, steers = self.hook_specs(capture, steer)
-        requests = [self.sequence_request(seq, i, temperature, top_k, entropy, caps, steers)
-                    for i, seq in enumerate(sequences)]
-        return Job(requests, lambda results: [self.sequence_result(r, res, caps) for r, res in zip(requests, results)])
+        return id_scoring.logprobs_job(self, sequences, temperature, top_k, entropy, capture, steer)
 
     @staticmethod
     def sequence_result(req: ScoreRequest, r: RequestResult, caps: list[CaptureSpec]) -> SequenceLogprobs:
-        return SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids, r.topk_logprobs,
-                                capture_results(caps, req.capture, r.captures) if caps else None)
+        return id_scoring.sequence_result(req, r, caps)
 
     def hook_specs(self, capture, steer) -> tuple[list[CaptureSpec], list[SteerSpec]]:
         """Validated ``capture`` / ``steer`` lists against this model's depth and width."""
-        if not capture and not steer:
-            return [], []
-        model = self.loaded.model
-        if not getattr(model, "supports_hooks", False):
-            raise LogprobeError("steer" if steer else "capture", f"the {self.info.backend} backend has no hook points",
-                                "use a native model (GGUF or a Llama-family directory)")
-        L, H = model.config.num_layers, model.config.hidden_size
-        return parse_capture(capture, L, H), parse_steer(steer, L, H)
+        return inputs.check_hooks(capture, steer, self.loaded.model, self.info.backend)
 
     def sequence_request(self, seq: dict, i: int, temperature: float, top_k: int, entropy: bool,
                          caps: list[CaptureSpec] = (), steers: list[SteerSpec] = ()) -> ScoreRequest:
         """Validate one RL sequence and turn it into a request (used by the CLI's streaming mode)."""
-        if not isinstance(seq, dict):
-            raise LogprobeError(f"sequences[{i}]", "must be an object with prompt_token_ids and completion_token_ids")
-        prompt = self.check_ids(seq.get("prompt_token_ids"), f"sequences[{i}].prompt_token_ids")
-        completion = self.check_ids(seq.get("completion_token_ids"), f"sequences[{i}].completion_token_ids")
-        if not prompt:
-            raise LogprobeError(f"sequences[{i}].prompt_token_ids", "is empty: the first completion token needs "
-                                "a context", "prepend the BOS (or EOS) token id")
-        if not completion:
-            raise LogprobeError(f"sequences[{i}].completion_token_ids", "is empty", "give at least one token")
-        self._check_length(len(prompt) + len(completion), f"sequences[{i}]")
-        st, ca = request_hooks(list(caps), list(steers), len(prompt) + len(completion), len(prompt),
-                               f"sequences[{i}]: ", exact_sums=self.config.deterministic)
-        return ScoreRequest(prompt + completion, len(prompt), temperature, top_k, entropy, st, ca)
+        return id_scoring.sequence_request(self, seq, i, temperature, top_k, entropy, caps, steers)
 
     def logprobs_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         response_mask: torch.Tensor | None = None, *, num_response_tokens: int | None = None,
@@ -269,7 +181,7 @@ class Scorer:
                             response_mask: torch.Tensor | None = None, *, num_response_tokens: int | None = None,
                             temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> Job:
         plan = plan_padded(attention_mask, response_mask, num_response_tokens)
-        return self._aligned_job(plan, input_ids, temperature, entropy, top_k)
+        return id_scoring.aligned_job(self, plan, input_ids, temperature, entropy, top_k)
 
     def logprobs_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, score_start: torch.Tensor, *,
                         temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> AlignedLogprobs:
@@ -282,18 +194,8 @@ class Scorer:
 
     def logprobs_packed_job(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, score_start: torch.Tensor, *,
                             temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> Job:
-        return self._aligned_job(plan_packed(input_ids, cu_seqlens, score_start), input_ids, temperature,
-                                 entropy, top_k)
-
-    def _aligned_job(self, plan: Plan, input_ids: torch.Tensor, temperature: float, entropy: bool,
-                     top_k: int) -> Job:
-        temperature, top_k = self._options(temperature, top_k)
-        if not isinstance(entropy, bool):
-            raise LogprobeError("entropy", f"must be true or false, got {entropy!r}")
-        requests = plan_requests(plan, input_ids, self.info.vocab_size, self.info.max_length, temperature, top_k,
-                                 entropy)
-        device = input_ids.device
-        return Job(requests, lambda results: gather_results(results, plan, device, entropy, top_k))
+        plan = plan_packed(input_ids, cu_seqlens, score_start)
+        return id_scoring.aligned_job(self, plan, input_ids, temperature, entropy, top_k)
 
     # -- new weights (reinforcement learning) --------------------------------------------------
 
@@ -332,44 +234,14 @@ class Scorer:
 
     def last_token_states(self, texts: Sequence[str], layers: Sequence[int], field: str = "texts") -> torch.Tensor:
         """``blocks.{l}.resid_post`` at each text's last token -> float32 [len(texts), len(layers), H]."""
-        if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
-            raise LogprobeError(field, "must be a non-empty list of texts")
-        at = [f"blocks.{layer}.resid_post" for layer in layers]
-        caps, _ = self.hook_specs([{"at": at, "positions": "last", "reduce": "last"}], None)
-        requests = []
-        for i, t in enumerate(texts):
-            if not isinstance(t, str) or not t:
-                raise LogprobeError(f"{field}[{i}]", "must be a non-empty string")
-            check_text(t, f"{field}[{i}]")
-            ids = self.tokenizer.encode(t)
-            if self.tokenizer.add_bos:
-                ids = [self.tokenizer.bos_id] + ids
-            if len(ids) < 2:
-                ids = [self.tokenizer.prefix_id] + ids
-            self._check_length(len(ids), f"{field}[{i}]")
-            _, ca = request_hooks(caps, [], len(ids), len(ids) - 1)
-            requests.append(ScoreRequest(ids, len(ids) - 1, capture=ca))
-        results = self.engine.run(requests)
-        return torch.stack([torch.stack([v[0] for v in r.captures]) for r in results])
+        return states.last_token_states(self, texts, layers, field)
 
     def train_vector(self, positive: Sequence[str], negative: Sequence[str], layers: Sequence[int] | None = None,
                      method: str = "pca_diff") -> SteeringVector:
         """A reading/steering vector per layer from contrasting prompts (``interp.vectors``):
         captured last-token ``resid_post`` states of ``positive[i]`` vs ``negative[i]``. Layers
         default to 1..L-1 (llama.cpp cannot steer block 0). Save it with ``.save_gguf(path)``."""
-        check_method(method)
-        L = self.loaded.model.config.num_layers if getattr(self.loaded.model, "supports_hooks", False) else 0
-        layers = list(range(1, L)) if layers is None else [int(x) for x in layers]
-        if not layers:
-            raise LogprobeError("layers", "is empty", "name at least one layer")
-        if method == "pca_diff" and len(positive) != len(negative):
-            raise LogprobeError("negative", f"has {len(negative)} prompts, positive has {len(positive)}",
-                                "pca_diff pairs positive[i] with negative[i]: give equally many")
-        names = [resolve_points(f"blocks.{x}.resid_post", L)[0] if L else "" for x in layers]
-        pos = self.last_token_states(positive, layers, "positive")  # [n, layers, H]
-        neg = self.last_token_states(negative, layers, "negative")
-        dirs = {point_layer(n): direction_from_states(pos[:, j], neg[:, j], method) for j, n in enumerate(names)}
-        return SteeringVector(dirs, method)
+        return states.train_vector(self, positive, negative, layers, method)
 
     # -- perplexity ----------------------------------------------------------------------------
 
@@ -406,163 +278,12 @@ class Scorer:
                        prefix: bool | None = None, max_tokens: int | None = None,
                        return_token_nlls: bool = False, capture: Sequence[dict] | None = None,
                        steer: Sequence[dict] | None = None) -> Job:
-        caps, steers = self.hook_specs(capture, steer)
-        streams, raw_texts = self._perplexity_streams(texts, max_tokens)
-        if context_length is None:
-            context_length = min(2048, self.info.max_length)
-        self._check_length(context_length, "context_length")
-        if stride is None and policy == "sliding":
-            stride = max(1, context_length // 4)
-        use_prefix = (policy != "llama.cpp") if prefix is None else bool(prefix)
-        requests, owners = [], []
-        text_hooks = []  # per text: its whole-stream SteerAt / CaptureAt, before windowing
-        for t, ids in enumerate(streams):
-            n_text = len(ids)
-            if use_prefix:
-                ids = [self.tokenizer.prefix_id] + ids
-            elif self.tokenizer.add_bos:
-                ids = [self.tokenizer.bos_id] + ids
-            off = len(ids) - n_text
-            name = "texts" if len(streams) == 1 and texts and isinstance(texts[0], int) else f"texts[{t}]"
-            if len(ids) < 2:  # a one-token stream predicts nothing
-                raise LogprobeError(name, f"has {n_text} token{'s' * (n_text != 1)}: perplexity needs at least one "
-                                    "scored token (the first token has no context)",
-                                    "give a longer text" + ("" if use_prefix else " or set prefix true"))
-            st, ca = request_hooks(caps, steers, n_text, 0, f"texts[{t}]: " if len(streams) > 1 else "",
-                                   need_prompt=False, offset=off, exact_sums=self.config.deterministic)
-            text_hooks.append((ca, off))
-            try:
-                windows = make_windows(policy, len(ids), context_length, stride)
-            except LogprobeError as e:
-                raise (LogprobeError(name, e.problem, e.fix) if e.field == "text" else e) from None
-            for wi, w in enumerate(windows):
-                toks = ids[w.begin:w.end]
-                if policy == "llama.cpp" and self.tokenizer.add_bos:
-                    toks = [self.tokenizer.bos_id] + toks[1:]  # llama-perplexity puts BOS first in every chunk
-                w_steer = tuple(SteerAt(s.point, local, s.op, s.vector, s.coeff) for s in st
-                                if (local := tuple(k - w.begin for k in s.positions if w.begin <= k < w.end)))
-                lo = 0 if wi == 0 else w.score_begin  # tokens no window scores are read in the first
-                w_capture = tuple(CaptureAt(c.point, tuple(k - w.begin for k in c.positions if lo <= k < w.end),
-                                            c.kind, c.vector) for c in ca)
-                requests.append(ScoreRequest(toks, w.score_begin - w.begin, steer=w_steer,
-                                             capture=tuple(c for c in w_capture if c.positions)))
-                owners.append((t, w_capture))
-        if (scored := sum(r.num_scored for r in requests)) < 2:  # one NLL has no standard error (nan)
-            raise LogprobeError(name if len(streams) == 1 else "texts", f"gives only {scored} scored token: a "
-                                "perplexity and its standard error need at least 2", "give a longer text (or more texts)")
-        finish = lambda results: self._perplexity_result(  # noqa: E731
-            results, owners, len(streams), raw_texts, policy, context_length, stride, max_tokens, return_token_nlls,
-            caps, text_hooks)
-        return Job(requests, finish)
-
-    @staticmethod
-    def _perplexity_result(results, owners, n_streams, raw_texts, policy, context_length, stride, max_tokens,
-                           return_token_nlls, caps=(), text_hooks=()) -> PerplexityResult:
-        per_text: list[list[float]] = [[] for _ in range(n_streams)]
-        pieces = [[[] for _ in text_hooks[t][0]] for t in range(n_streams)] if caps else None
-        for (t, w_capture), r in zip(owners, results):
-            per_text[t].extend((-r.logprobs.double()).tolist())
-            if pieces is not None:
-                got = iter(r.captures or ())
-                for k, c in enumerate(w_capture):
-                    if c.positions:
-                        pieces[t][k].append(next(got))
-        captures = None
-        if pieces is not None:
-            from .engine.runner import _join
-
-            captures = [capture_results(list(caps), ca, [_join(ps, c.kind) for ps, c in zip(pieces[t], ca)], off)
-                        for t, (ca, off) in enumerate(text_hooks)]
-        nlls = [x for text_nlls in per_text for x in text_nlls]
-        mean, se = mean_and_stderr(nlls)
-        total = math.fsum(nlls)
-        out = PerplexityResult(
-            perplexity=_exp(mean), perplexity_stderr=_exp(mean) * se, nll_mean=mean, nll_stderr=se,
-            num_tokens=len(nlls), num_windows=len(results), policy=policy, context_length=context_length,
-            stride=stride if policy == "sliding" else None,
-            token_nlls=per_text if return_token_nlls else None, captures=captures)
-        if raw_texts is not None and max_tokens is None:
-            out.num_words = sum(count_words(t) for t in raw_texts)
-            out.num_bytes = sum(len(t.encode("utf-8")) for t in raw_texts)
-            out.word_perplexity = _exp(total / out.num_words)
-            out.byte_perplexity = _exp(total / out.num_bytes)
-            out.bits_per_byte = total / out.num_bytes / math.log(2)
-        return out
-
-    # -- helpers -------------------------------------------------------------------------------
-
-    def _perplexity_streams(self, texts, max_tokens):
-        if isinstance(texts, str):
-            texts = [texts]
-        if not isinstance(texts, Sequence) or isinstance(texts, bytes) or len(texts) == 0:
-            raise LogprobeError("texts", "must be a non-empty text, list of texts, or token ids")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
-            raise LogprobeError("max_tokens", f"must be an integer >= 2, got {max_tokens!r}")
-        if all(isinstance(t, str) for t in texts):
-            for i, t in enumerate(texts):
-                if not t.strip():
-                    raise LogprobeError(f"texts[{i}]", "is empty", "give some text to score")
-                check_text(t, f"texts[{i}]")
-            streams = self.tokenizer.encode_batch(list(texts))
-            raw = list(texts)
-        elif all(isinstance(t, int) for t in texts):
-            streams, raw = [self.check_ids(texts, "texts")], None
-        else:
-            streams = [self.check_ids(t, f"texts[{i}]") for i, t in enumerate(texts)]
-            raw = None
-        if max_tokens is not None:
-            streams = [s[:max_tokens] for s in streams]
-        return streams, raw
-
-    def _split(self, prompt: str, continuation: str) -> tuple[list[int], list[int]]:
-        tok = self.tokenizer
-        return split_continuation(prompt, continuation, tok.encode, tok.prefix_id, tok.add_bos, tok.bos_id)
+        return ppl_scoring.perplexity_job(self, texts, context_length=context_length, stride=stride, policy=policy,
+                                          prefix=prefix, max_tokens=max_tokens, return_token_nlls=return_token_nlls,
+                                          capture=capture, steer=steer)
 
     def check_ids(self, ids, name: str) -> list[int]:
-        if not isinstance(ids, (list, tuple)) and not (isinstance(ids, torch.Tensor) and ids.ndim == 1):
-            raise LogprobeError(name, "must be a list of token ids")
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        vocab = self.info.vocab_size
-        for j, x in enumerate(ids):
-            if not isinstance(x, int) or isinstance(x, bool):
-                raise LogprobeError(f"{name}[{j}]", f"must be an integer token id, got {x!r}")
-            if not 0 <= x < vocab:
-                raise LogprobeError(f"{name}[{j}]", f"token id {x} is outside the vocabulary [0, {vocab})")
-        return ids
-
-    def _check_length(self, n: int, name: str) -> None:
-        if n > self.info.max_length:
-            raise LogprobeError(name, f"{n} tokens exceed the model's context of {self.info.max_length}",
-                                "shorten the input")
-
-    @staticmethod
-    def _options(temperature: float, top_k: int) -> tuple[float, int]:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not math.isfinite(temperature) or temperature <= 0:
-            raise LogprobeError("temperature", f"must be a finite number > 0, got {temperature!r}")
-        if temperature < MIN_TEMPERATURE:  # refused here, before a batch: the head would fail every request in it
-            raise LogprobeError("temperature", f"{temperature!r} is below {MIN_TEMPERATURE:g}: logits / temperature "
-                                "would overflow float32", f"use a temperature >= {MIN_TEMPERATURE:g}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise LogprobeError("top_k", f"must be an integer >= 0, got {top_k!r}")
-        return float(temperature), top_k
-
-    def _continuation_score(self, text: str, req: ScoreRequest, res: RequestResult,
-                            caps: list[CaptureSpec] = ()) -> ContinuationScore:
-        ids = req.tokens[req.score_begin:]
-        lps = res.logprobs.tolist()
-        total = float(res.logprobs.double().sum())
-        top = None
-        if res.topk_ids is not None:
-            texts = self.tokenizer.token_texts(res.topk_ids.flatten().tolist())
-            k = res.topk_ids.shape[1]
-            top = [[(int(i), texts[r * k + c], float(lp)) for c, (i, lp) in enumerate(zip(ids_row, lp_row))]
-                   for r, (ids_row, lp_row) in enumerate(zip(res.topk_ids.tolist(), res.topk_logprobs.tolist()))]
-        return ContinuationScore(
-            continuation=text, log_prob=total, prob=_exp(total), perplexity=_exp(-total / len(ids)),
-            num_tokens=len(ids), is_greedy=bool((res.ranks == 0).all()), tokens=self.tokenizer.token_texts(ids),
-            token_ids=ids, token_logprobs=lps, entropy=res.entropy.tolist() if res.entropy is not None else None,
-            top_k=top, captures=capture_results(list(caps), req.capture, res.captures) if caps else None)
+        return inputs.check_ids(ids, name, self.info.vocab_size)
 
     # -- quantization quality ------------------------------------------------------------------
 
@@ -578,7 +299,7 @@ class Scorer:
         full vocabulary (mean ± stderr, max, percentiles), same-top-token rate and Δp statistics,
         as llama.cpp's ``--kl-divergence``. ``reference`` may be a Scorer, a LoadedModel or a model
         spec (loaded on this scorer's device)."""
-        from .scoring.compare import compare_requests, compare_stats
+        from .scoring.compare import compare_scorers
 
         if not isinstance(self.engine, Engine):
             raise LogprobeError("tensor_parallel_size", "compare runs both models in this process",
@@ -586,18 +307,5 @@ class Scorer:
 
         if not isinstance(reference, Scorer):
             reference = Scorer(reference, device=str(self.device), config=self.config)
-        a, b = self.tokenizer.hf, reference.tokenizer.hf
-        if self.info.vocab_size != reference.info.vocab_size or len(a) != len(b) or a.get_vocab() != b.get_vocab():
-            raise LogprobeError("reference", f"{reference.info.name} does not share the vocabulary of {self.info.name} "
-                                f"({reference.info.vocab_size} vs {self.info.vocab_size} logits, {len(b)} vs {len(a)} "
-                                "tokens)", "compare models with the same tokenizer (e.g. two quantizations of one model)")
-        job = self.perplexity_job(texts, context_length=context_length, stride=stride, policy=policy, prefix=prefix,
-                                  max_tokens=max_tokens)
-        rows = compare_requests(self.engine, reference.engine, job.requests, token_budget=self.config.max_batch_tokens,
-                                token_chunk=self.config.head_token_chunk, vocab_chunk=self.config.head_vocab_chunk)
-        ctx = context_length if context_length is not None else min(2048, self.info.max_length)
-        if stride is None and policy == "sliding":
-            stride = max(1, ctx // 4)
-        return compare_stats(rows, len(job.requests), policy, ctx, stride if policy == "sliding" else None,
-                             return_token_stats)
-
+        return compare_scorers(self, reference, texts, context_length=context_length, stride=stride, policy=policy,
+                               prefix=prefix, max_tokens=max_tokens, return_token_stats=return_token_stats)

@@ -32,9 +32,9 @@ def add_logprobs_parser(sub, common: argparse.ArgumentParser, head: argparse.Arg
 
 
 def cmd_logprobs(args: argparse.Namespace) -> int:
-    from ..scorer import Scorer
+    from ..scoring.inputs import check_options
 
-    Scorer._options(args.temperature, args.top_k)  # fail before loading the model
+    check_options(args.temperature, args.top_k)  # fail before loading the model
     job = LogprobsRows(None, args.temperature, args.top_k, args.entropy, json_option(args.steer, "--steer"),
                        json_option(args.capture, "--capture"), args.capture_dir or args.output + ".captures",
                        args.keep_columns)

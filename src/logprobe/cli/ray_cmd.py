@@ -71,9 +71,9 @@ def job_options(args: argparse.Namespace) -> dict:
     if args.ray_job == "perplexity":
         return {"text_field": args.text_field, "context_length": args.context_length, "stride": args.stride,
                 "policy": args.policy, "prefix": False if args.no_prefix else None}
-    from ..scorer import Scorer
+    from ..scoring.inputs import check_options
 
-    Scorer._options(args.temperature, args.top_k)
+    check_options(args.temperature, args.top_k)
     out = {"temperature": args.temperature, "top_k": args.top_k, "entropy": args.entropy}
     if args.ray_job == "score":
         out["join"] = args.join

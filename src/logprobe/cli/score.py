@@ -34,9 +34,9 @@ def add_score_parser(sub, common: argparse.ArgumentParser, head: argparse.Argume
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from ..scorer import Scorer
+    from ..scoring.inputs import check_options
 
-    Scorer._options(args.temperature, args.top_k)  # fail before loading the model
+    check_options(args.temperature, args.top_k)  # fail before loading the model
     check_html(args)
     if args.input is not None:
         return _score_table(args)

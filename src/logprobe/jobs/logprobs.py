@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import LogprobeError
 from ..io.tables import Row
+from ..scoring.inputs import check_options
 from . import fields
 from .base import RowWork, row_head
 
@@ -58,7 +59,7 @@ class LogprobsRows:
         temperature = fields.number(get("temperature", self.temperature), "temperature", float)
         top_k = fields.number(get("top_k", self.top_k), "top_k", int)
         entropy = fields.flag(get("entropy", self.entropy), "entropy")
-        temperature, top_k = scorer._options(temperature, top_k)
+        temperature, top_k = check_options(temperature, top_k)
         seq = {k: fields.id_list(data.get(k), k) if not fields.missing(data.get(k)) else None
                for k in ("prompt_token_ids", "completion_token_ids")}
         try:

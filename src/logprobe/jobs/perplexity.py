@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..errors import LogprobeError
 from ..io.tables import Row
+from ..scoring.stats import exp_or_inf
 from . import fields
 from .base import RowWork, row_head
 
@@ -67,13 +68,6 @@ class PerplexityRows:
         return RowWork(row.index, job.requests, finish, self.head(row))
 
 
-def _exp(x: float) -> float:
-    try:
-        return math.exp(x)
-    except OverflowError:
-        return math.inf
-
-
 def aggregate(rows: list[dict]) -> dict:
     """Corpus perplexity of the rows without an error (see the module docstring)."""
     good = [r for r in rows if r.get("error") is None]
@@ -86,10 +80,10 @@ def aggregate(rows: list[dict]) -> dict:
     m2 = math.fsum((r["num_tokens"] - 1) * r["num_tokens"] * r["nll_stderr"] ** 2
                    + r["num_tokens"] * (r["nll_mean"] - mean) ** 2 for r in good)
     se = math.sqrt(m2 / (n - 1) / n) if n > 1 else math.nan
-    out.update(perplexity=_exp(mean), perplexity_stderr=_exp(mean) * se, nll_mean=mean, nll_stderr=se,
+    out.update(perplexity=exp_or_inf(mean), perplexity_stderr=exp_or_inf(mean) * se, nll_mean=mean, nll_stderr=se,
                num_windows=sum(r["num_windows"] for r in good))
     if all(r.get("num_words") is not None for r in good):
         words, nbytes = sum(r["num_words"] for r in good), sum(r["num_bytes"] for r in good)
-        out.update(word_perplexity=_exp(total / words), byte_perplexity=_exp(total / nbytes),
+        out.update(word_perplexity=exp_or_inf(total / words), byte_perplexity=exp_or_inf(total / nbytes),
                    bits_per_byte=total / nbytes / math.log(2), num_words=words, num_bytes=nbytes)
     return out

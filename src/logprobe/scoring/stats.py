@@ -19,3 +19,15 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
         return mean, math.nan
     var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
+
+
+def exp_or_inf(x: float) -> float:
+    """``math.exp``, but inf (then ``null`` in JSON) where the result exceeds float64, not OverflowError.
+
+    >>> exp_or_inf(0.0), exp_or_inf(1e6)
+    (1.0, inf)
+    """
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
