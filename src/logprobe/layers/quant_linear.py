@@ -13,7 +13,8 @@ On CPU a layer expands its weight to float32 for the one product and drops it, s
 full-precision model never exists: peak weight memory is the packed model plus one layer. The
 expanded weight is bitwise the one the dense loader builds (same function), so packed and dense
 results are identical. On CUDA, int4 layers run ``kernels.w4a16``: the Triton dequant-GEMM for few
-rows, a one-pass Triton expansion of the one layer + cuBLAS for many.
+rows, a one-pass Triton expansion of the one layer + cuBLAS for many; GGUF layers expand in one
+Triton pass into the activation dtype (``kernels.gguf_expand``, bitwise the same weight) + cuBLAS.
 
 ``PackedEmbedding`` keeps a (possibly tied) token embedding packed; its ``weight`` is a
 ``PackedRows`` view that the log-prob head slices chunk by chunk, so the head dequantizes one
@@ -133,6 +134,18 @@ class GGUFLinear(_PackedLinearMixin, Linear):
 
     def rows(self, idx=slice(None)) -> torch.Tensor:
         return dequantize_blocks(self.qtype, self.d[idx], self.qs[idx], None if self.m is None else self.m[idx])
+
+    def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        # the whole layer expanded in one Triton pass straight into x's dtype: bitwise the
+        # reference's ``rows(...).to(x.dtype)``, so the product is the same F.linear
+        from ..kernels import triton_available
+
+        if self.reduce_ctx is not None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+                or not triton_available():
+            return None
+        from ..kernels.gguf_expand import gguf_expand
+
+        return F.linear(x, gguf_expand(self.qtype, self.d, self.qs, self.m, x.dtype), self.bias)
 
     def permute_rows(self, perm: torch.Tensor) -> None:
         for name in ("d", "qs", "m", "bias"):
