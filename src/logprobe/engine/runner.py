@@ -453,8 +453,11 @@ class Launched:
     packed: PackedBatch
     batch: list[ScoreRequest]  # the request of each of packed.owners
     copy: HostCopy | None  # None: the batch scores no row
+    ready: list[tuple[int, RequestResult]] | None = None  # parts already made (an engine scoring otherwise)
 
     def results(self) -> list[tuple[int, RequestResult]]:
+        if self.ready is not None:
+            return self.ready
         owners = self.packed.owners
         if self.copy is None:
             empty = torch.empty(0)

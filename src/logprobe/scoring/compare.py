@@ -243,7 +243,7 @@ def _hidden_engine(engine):
     """An engine over the same model and config whose per-request "results" are the final hidden
     states of the scored rows ([n, H], on the model's device) instead of log-probs."""
     from ..engine.request import RequestResult
-    from ..engine.runner import Engine
+    from ..engine.runner import Engine, Launched
 
     class HiddenEngine(Engine):
         def score(self, requests, packed, hidden):
@@ -252,7 +252,7 @@ def _hidden_engine(engine):
             for i, n in packed.owners:
                 out.append((i, RequestResult(rows[offset:offset + n], None)))
                 offset += n
-            return out
+            return Launched(packed, [], None, ready=out)
 
     return HiddenEngine(engine.model, engine.config, engine.device)
 
