@@ -48,7 +48,9 @@ class EngineConfig:
 
     max_batch_tokens: token budget (rows) of one packed forward pass. A request whose inputs
         exceed it is split into chunks of that many rows that see the earlier chunks through a
-        KV cache (native models; others run such a request whole, alone).
+        KV cache (native models; others run such a request whole, alone). None (default): chosen
+        when the engine starts, from the device and the memory the weights left free
+        (``engine.budget``: 8192 on CPU, up to 32768 on CUDA); ``Scorer.config`` shows the value.
     head_token_chunk / head_vocab_chunk: tile of the log-prob head; peak extra memory of the head is
         about 4 * head_token_chunk * head_vocab_chunk * 4 bytes, whatever T and V are.
     progress: None = a progress bar on long jobs when stderr is a terminal; True/False force it.
@@ -77,7 +79,7 @@ class EngineConfig:
         the numbers are the same bits either way.
     """
 
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int | None = None
     head_token_chunk: int = 512
     head_vocab_chunk: int = 8192
     progress: bool | None = None
@@ -92,7 +94,9 @@ class EngineConfig:
     overlap_host: bool = True
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, ("max_batch_tokens", "head_token_chunk", "head_vocab_chunk", "invariant_tile",
+        if self.max_batch_tokens is not None:
+            check_positive_ints(self, ("max_batch_tokens",))
+        check_positive_ints(self, ("head_token_chunk", "head_vocab_chunk", "invariant_tile",
                                    "cuda_invariant_tile", "attention_block", "min_shared_prefix"))
         if self.invariant_matmul not in ("cublas", "triton"):
             raise LogprobeError("invariant_matmul", f"must be cublas or triton, got {self.invariant_matmul!r}",

@@ -41,7 +41,7 @@ class Scorer:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
-                 dtype: str | None = "auto", max_batch_tokens: int = 8192, progress: bool | None = None,
+                 dtype: str | None = "auto", max_batch_tokens: int | None = None, progress: bool | None = None,
                  deterministic: bool = False, config: EngineConfig | None = None,
                  batch_invariant: bool = False, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1) -> None:
@@ -67,6 +67,7 @@ class Scorer:
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
             self.device = next(self.loaded.model.parameters()).device
             self.engine = Engine(self.loaded.model, self.config, self.device)
+        self.config = self.engine.config  # max_batch_tokens resolved (None: from the device)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         self.weights_version = 0  # +1 per successful update_weights / load_weights

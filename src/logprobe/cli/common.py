@@ -27,7 +27,7 @@ MODEL_HELP = ("a known name (default: smollm2-135m), a .gguf file, a Hugging Fac
 
 
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
-               max_batch_tokens: int = 8192, deterministic: bool = False, tensor_parallel_size: int = 1,
+               max_batch_tokens: int | None = None, deterministic: bool = False, tensor_parallel_size: int = 1,
                data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
@@ -51,8 +51,9 @@ def model_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
-    g.add_argument("--max-batch-tokens", type=int, default=8192, metavar="N",
-                   help="token budget of one forward pass (default: %(default)s); lower it if memory runs out")
+    g.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="token budget of one forward pass (default: from the device: 8192 on CPU, up to 32768 "
+                        "on CUDA as free memory allows); lower it if memory runs out")
     g.add_argument("--deterministic", "--batch-invariant", dest="deterministic", action="store_true",
                    help="bitwise-identical numbers whatever shares a batch, its order, budget, chunking or "
                         "prefix sharing (native models; slower, see docs/perf.md)")

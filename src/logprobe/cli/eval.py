@@ -35,8 +35,8 @@ def add_eval_parser(sub) -> None:
                    help="a known name (default: smollm2-135m), a .gguf file, or a Hugging Face model directory")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
-    p.add_argument("--max-batch-tokens", type=int, default=8192, metavar="N",
-                   help="token budget of one forward pass (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="token budget of one forward pass (default: from the device, as logprobe score)")
     p.add_argument("--deterministic", action="store_true", help="bitwise-identical numbers whatever shares a batch")
     p.add_argument("--max-length", type=int, default=None, metavar="L",
                    help="lm-eval's max_length: tokens fed per window (default: min(2048, model context - 1))")
@@ -69,7 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Register the ``logprobe`` model and hand the command line to lm-eval's own CLI."""
     if args.max_length is not None and args.max_length < 1:
         raise LogprobeError("--max-length", f"must be a positive integer, got {args.max_length}")
-    if args.max_batch_tokens < 1:
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         raise LogprobeError("--max-batch-tokens", f"must be a positive integer, got {args.max_batch_tokens}")
     try:
         from lm_eval.__main__ import cli_evaluate

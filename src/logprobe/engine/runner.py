@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from ..layers.hooks import CaptureTable, Hooks, SteerTable
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..scoring.head import logprob_head
+from .budget import budget_for
 from .host import HostCopy, HostRows, start_copy
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, plan_work, tree_cost
@@ -199,6 +200,8 @@ class Engine:
     runs as an independent sequence (a request over the budget runs whole, alone)."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device) -> None:
+        if config.max_batch_tokens is None:  # the default: from the device and its free memory
+            config = replace(config, max_batch_tokens=budget_for(model, device))
         self.model = model
         self.config = config
         self.device = device

@@ -103,7 +103,8 @@ class LogprobeLM(LM):
     """
 
     def __init__(self, model: str | None = None, pretrained: str | None = None, device: str | None = "auto",
-                 dtype: str | None = "auto", deterministic: bool | str = False, max_batch_tokens: int | str = 8192,
+                 dtype: str | None = "auto", deterministic: bool | str = False,
+                 max_batch_tokens: int | str | None = None,
                  max_length: int | str | None = None, batch_size=None, max_batch_size=None, scorer=None) -> None:
         super().__init__()
         del batch_size, max_batch_size  # lm-eval's; logprobe batches by tokens (max_batch_tokens)
@@ -114,7 +115,8 @@ class LogprobeLM(LM):
             from ..scorer import Scorer
 
             scorer = Scorer(model or pretrained, device=device or "auto", dtype=dtype or "auto",
-                            max_batch_tokens=_count(max_batch_tokens, "max_batch_tokens"),
+                            max_batch_tokens=None if max_batch_tokens is None
+                            else _count(max_batch_tokens, "max_batch_tokens"),
                             deterministic=_flag(deterministic, "deterministic"))
         self.scorer = scorer
         self._device = str(scorer.device)

@@ -76,7 +76,7 @@ class _RowJob:
     job_name = ""
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
-                 deterministic: bool = False, max_batch_tokens: int = 8192, tensor_parallel_size: int | None = None,
+                 deterministic: bool = False, max_batch_tokens: int | None = None, tensor_parallel_size: int | None = None,
                  columns: tuple[str, ...] | None = None, **options: Any) -> None:
         from ..config import EngineConfig
         from ..scorer import Scorer

@@ -10,6 +10,7 @@ companions, so they are bitwise the same whichever replica ran it and whatever t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing import connection
 
 from ..config import EngineConfig
@@ -54,6 +55,8 @@ class ParallelEngine:
         except BaseException:
             self.close()
             raise
+        if config.max_batch_tokens is None:  # every replica runs the driver's config: the smallest budget
+            self.config = replace(config, max_batch_tokens=min(g.budget for g in self.groups))
 
     def run(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None = None,
             progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,
@@ -149,6 +152,7 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int)
     import torch
 
     from ..config import resolve_device
+    from ..engine.budget import agreed_budget
     from ..engine.runner import Engine
     from ..loading.loader import LoadedModel, describe_model, load_shard, parallel_context
     from .context import ParallelContext
@@ -172,6 +176,8 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int)
         rank = dist.get_rank()
         local = torch.device(f"cuda:{torch.cuda.current_device()}") if dev.type == "cuda" else dev
         loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD), local, dtype)
+        if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
+            config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
         return loaded, Engine(loaded.model, config, local), local
     loaded = describe_model(model, device, dtype)
     parallel_context(loaded.model.config, 0, tp)  # a size that cannot split the model fails here, before any process

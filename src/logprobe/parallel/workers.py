@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import connection
 
 import torch
@@ -72,6 +72,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
     """Entry point of one rank (a spawned process)."""
     import torch.distributed as dist
 
+    from ..engine.budget import agreed_budget
     from ..engine.runner import Engine
     from ..loading.loader import load_shard
     from .context import ParallelContext
@@ -87,8 +88,11 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
                                 world_size=spec.tp)
         with _AnonPeak() as peak:
             loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD), device, spec.dtype)
-        engine = Engine(loaded.model, spec.config, torch.device(device))
-        send(conn, ("ready", _param_bytes(loaded.model), peak.growth))
+        config = spec.config
+        if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver
+            config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))
+        engine = Engine(loaded.model, config, torch.device(device))
+        send(conn, ("ready", _param_bytes(loaded.model), peak.growth, config.max_batch_tokens))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then this process ends
         send(conn, _error(e))
         return
@@ -243,6 +247,7 @@ class WorkerGroup:
                     raise LogprobeError(*msg[1:])
                 self.param_bytes.append(msg[1])
                 self.load_peak_bytes.append(msg[2])  # growth of the peak RSS while loading the shard
+                self.budget = msg[3]  # max_batch_tokens, the same on every rank of the group
         except BaseException:
             self.close()
             raise

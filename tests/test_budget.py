@@ -1,0 +1,79 @@
+"""The default token budget (``max_batch_tokens=None``) from the device and free memory (issue 19):
+the rule pinned by a literal table, and what the Scorer, the CLI and tensor-parallel ranks end with."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from logprobe import EngineConfig, Scorer
+from logprobe.engine.budget import CPU_BUDGET, activation_bytes_per_token, auto_budget, budget_for
+from logprobe.errors import LogprobeError
+from logprobe.layers.moe import MoeSpec
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_dirs):
+    return tiny_dirs["llama"][0]
+
+LLAMA_8B = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
+                           moe=None)
+LLAMA_1B = SimpleNamespace(hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, head_dim=64,
+                           moe=None)
+QWEN3_30B_A3B = SimpleNamespace(hidden_size=2048, intermediate_size=6144, num_heads=32, num_kv_heads=4, head_dim=128,
+                                moe=MoeSpec(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True))
+
+
+@pytest.mark.parametrize("cfg,size,want", [
+    (LLAMA_8B, 2, 2 * (6 * 4096 + 48 * 128 + 3 * 14336)),  # 147,456
+    (LLAMA_1B, 2, 2 * (6 * 2048 + 48 * 64 + 3 * 8192)),  # 79,872
+    (LLAMA_8B, 4, 294912),
+    (QWEN3_30B_A3B, 2, 2 * (6 * 2048 + 40 * 128 + 3 * 8 * 768)),  # experts: 8 of 768 each
+])
+def test_bytes_per_token_gold(cfg, size, want):
+    assert activation_bytes_per_token(cfg, size) == want
+
+
+@pytest.mark.parametrize("device,free,per_token,want", [
+    ("cpu", None, None, 8192),
+    ("cpu", 500 * GiB, 1, 8192),  # CPU never changes
+    ("cuda", None, 147456, 8192),  # no figure: the conservative default
+    ("cuda", 60 * GiB, 147456, 32768),  # llama-8b on an 80 GB card: the cap
+    ("cuda", 7 * GiB, 147456, 8192),  # 12,743 tokens fit in a quarter -> 8192
+    ("cuda", 2 * GiB, 147456, 2048),  # 3,640 -> 2048
+    ("cuda", GiB // 8, 147456, 1024),  # 227 tokens -> the floor (OOM retries below it)
+    ("cuda", 20 * GiB, 79872, 32768),
+    ("cuda", int(2.5 * GiB), 79872, 8192),  # 8,402 -> 8192
+])
+def test_auto_budget_gold(device, free, per_token, want):
+    assert auto_budget(device, free, per_token) == want
+
+
+def test_config_default_is_none_and_validated():
+    assert EngineConfig().max_batch_tokens is None
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(LogprobeError, match="max_batch_tokens"):
+            EngineConfig(max_batch_tokens=bad)
+
+
+def test_scorer_resolves_the_default(tiny_dir):
+    s = Scorer(str(tiny_dir), device="cpu", dtype="float32")
+    assert s.config.max_batch_tokens == CPU_BUDGET and s.engine.budget == CPU_BUDGET
+    assert s.config is s.engine.config  # what the server reads is what the engine runs
+    assert Scorer(s.loaded, max_batch_tokens=300).config.max_batch_tokens == 300
+    assert budget_for(s.loaded.model, torch.device("cpu")) == CPU_BUDGET
+
+
+def test_tensor_parallel_ranks_agree(tiny_dir):
+    """Worker ranks resolve the budget, agree on the smallest and tell the driver (gloo, CPU)."""
+    with Scorer(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2) as s:
+        assert s.config.max_batch_tokens == CPU_BUDGET and s.engine.config is s.config
+        ids = list(range(5, 40))
+        lp = s.logprobs([{"prompt_token_ids": ids[:10], "completion_token_ids": ids[10:]}])[0].logprobs
+    ref = Scorer(str(tiny_dir), device="cpu", dtype="float32").logprobs(
+        [{"prompt_token_ids": ids[:10], "completion_token_ids": ids[10:]}])[0].logprobs
+    torch.testing.assert_close(lp, ref, rtol=0, atol=2e-5)
