@@ -197,6 +197,9 @@ def run_dataset(job: str, input_path: str, output: str, scorer_kwargs: dict, opt
     todo, total = number_rows(ds, done)
     summary = RunSummary(rows=total, already_done=len(done))
     if total > len(done):
+        # a small input may be read as one block, and a block goes to one actor: split the rows so
+        # that every replica gets batches (a block per batch, at least one per replica)
+        todo = todo.repartition(max(replicas, -(-(total - len(done)) // batch_size)))
         out = todo.map_batches(mapper, fn_constructor_kwargs={**scorer_kwargs, **options, "columns": keep_columns},
                                batch_size=batch_size, batch_format="pyarrow", concurrency=replicas,
                                num_gpus=gpus_per_replica or None, num_cpus=cpus_per_replica)
