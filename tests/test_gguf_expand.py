@@ -94,12 +94,19 @@ def test_interpreter_bitwise():
         x = torch.randn(3, 256).to(torch.bfloat16)
         ref = torch.nn.functional.linear(x, dequantize_blocks("Q4_K", d, qs, m).to(x.dtype), layer.bias)
         res["layer"] = torch.equal(layer._cuda_forward(x), ref)
+        # a packed (tied) embedding: the head's vocabulary chunks and lookups, in one pass
+        from logprobe.layers.quant_linear import PackedEmbedding
+        emb = PackedEmbedding(layer, torch.bfloat16)
+        full = dequantize_blocks("Q4_K", d, qs, m)
+        ids = torch.tensor([4, 0, 4, 2])
+        res["embedding rows"] = torch.equal(emb.weight[1:4], full[1:4].to(torch.bfloat16)) and torch.equal(
+            emb(ids), full[ids].to(torch.bfloat16)) and emb.weight[2:2].shape == (0, 256)
         print(json.dumps(res))
     """)
     r = run_interpreted(code)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(res) == 18 and res == {k: True for k in res}, res
+    assert len(res) == 19 and res == {k: True for k in res}, res
 
 
 @pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and Triton")
@@ -119,3 +126,6 @@ def test_cuda_bitwise_and_linear():
         layer = GGUFLinear(qtype, d, qs, m, bias=torch.randn(rows, device=dev).to(torch.bfloat16))
         x = torch.randn(5, layer.in_features, device=dev, dtype=torch.bfloat16)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, ref.to(x.dtype), layer.bias)), qtype
+        ids = torch.tensor([7, 0, 7, rows - 1], device=dev)  # the head's chunks and embedding lookups
+        assert torch.equal(layer.rows_in(slice(3, 20), torch.bfloat16), ref[3:20].to(torch.bfloat16)), qtype
+        assert torch.equal(layer.rows_in(ids, torch.bfloat16), ref[ids].to(torch.bfloat16)), qtype

@@ -53,7 +53,7 @@ class PackedRows:
         return 0  # not a strided tensor: keeps the fused Triton head (which needs one) off
 
     def __getitem__(self, idx) -> torch.Tensor:
-        return self.owner.rows(idx).to(self.dtype)
+        return self.owner.rows_in(idx, self.dtype)
 
 
 class PackedWeight(nn.Module):
@@ -65,6 +65,10 @@ class PackedWeight(nn.Module):
 
     def rows(self, idx=slice(None)) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def rows_in(self, idx, dtype: torch.dtype) -> torch.Tensor:
+        """``rows(idx).to(dtype)``, bitwise; a format may get there in one pass (GGUF on CUDA)."""
+        return self.rows(idx).to(dtype)
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole weight, dequantized: float32 [out, in] (then cast to dtype)."""
@@ -135,17 +139,30 @@ class GGUFLinear(_PackedLinearMixin, Linear):
     def rows(self, idx=slice(None)) -> torch.Tensor:
         return dequantize_blocks(self.qtype, self.d[idx], self.qs[idx], None if self.m is None else self.m[idx])
 
+    def rows_in(self, idx, dtype: torch.dtype) -> torch.Tensor:
+        # on CUDA the rows expand in one Triton pass straight into dtype (the head's vocabulary
+        # chunks of a packed embedding, embedding lookups): bitwise ``rows(idx).to(dtype)``
+        if not self._one_pass(dtype):
+            return self.rows(idx).to(dtype)
+        from ..kernels.gguf_expand import gguf_expand
+
+        d, m = self.d[idx], None if self.m is None else self.m[idx].contiguous()
+        if d.ndim != 2 or d.shape[0] == 0:  # not a list of rows (or none): the reference path
+            return self.rows(idx).to(dtype)
+        return gguf_expand(self.qtype, d.contiguous(), self.qs[idx].contiguous(), m, dtype)
+
+    def _one_pass(self, dtype: torch.dtype) -> bool:
+        from ..kernels import interpreting, triton_available
+
+        return (self.d.is_cuda or interpreting()) and dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and triton_available()
+
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         # the whole layer expanded in one Triton pass straight into x's dtype: bitwise the
         # reference's ``rows(...).to(x.dtype)``, so the product is the same F.linear
-        from ..kernels import triton_available
-
-        if self.reduce_ctx is not None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
-                or not triton_available():
+        if self.reduce_ctx is not None or not self._one_pass(x.dtype):
             return None
-        from ..kernels.gguf_expand import gguf_expand
-
-        return F.linear(x, gguf_expand(self.qtype, self.d, self.qs, self.m, x.dtype), self.bias)
+        return F.linear(x, self.rows_in(slice(None), x.dtype), self.bias)
 
     def permute_rows(self, perm: torch.Tensor) -> None:
         for name in ("d", "qs", "m", "bias"):
@@ -233,7 +250,7 @@ class PackedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.packed.rows(ids).to(self.dtype)  # [T, H]
+        return self.packed.rows_in(ids, self.dtype)  # [T, H]
 
     @property
     def weight(self) -> PackedRows:
