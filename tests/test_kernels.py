@@ -194,3 +194,21 @@ def test_logprob_head_dispatches_to_kernel(monkeypatch):
     full = logprob_head(h, p, y, temp, pad_chunks=True)
     part = logprob_head(h[:10], p, y[:10], temp[:10], pad_chunks=True)
     assert seen == [256, 256] and torch.equal(full.logprobs[:10], part.logprobs)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_torch_head_16bit_gemm(dtype):
+    """The chunked PyTorch head on CUDA (top-k above the kernel's 20, packed heads) multiplies
+    16-bit inputs on the tensor cores with float32 accumulation: against the same head on the
+    inputs widened to float32 first, within float32 summation-order rounding; also in fixed
+    (deterministic) chunks."""
+    h, p, y, temp = make_case(300, 576, 49152, getattr(torch, dtype), "bias_scale", "cuda", seed=7)
+    wide = HeadParams(p.weight.float(), p.bias, p.scale, p.softcap)
+    for pad in (False, True):
+        got = logprob_head(h, p, y, temp, top_k=50, entropy=True, backend="torch", pad_chunks=pad)
+        ref = logprob_head(h.float(), wide, y, temp, top_k=50, entropy=True, backend="torch", pad_chunks=pad)
+        assert (got.logprobs - ref.logprobs).abs().max() < 1e-4
+        assert (got.entropy - ref.entropy).abs().max() < 2e-4
+        assert (got.topk_logprobs - ref.topk_logprobs).abs().max() < 1e-4
+        assert (got.ranks != ref.ranks).sum() <= 15 and (got.topk_ids != ref.topk_ids).any(1).sum() <= 15
