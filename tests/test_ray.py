@@ -249,6 +249,34 @@ def test_cli_jsonl_to_parquet_and_resume(cluster, tiny, tiny_dir, tmp_path, caps
     assert output_rows(out) == first
 
 
+def test_cli_replicas_fill_the_cluster(cluster, tiny, tiny_dir, tmp_path):
+    """Two replicas of one CPU each take every CPU of the two-node cluster: the job still ends
+    (the row blocks are made before the actors start: nothing waits behind them), both replicas
+    get blocks of a one-file input (a block per batch), and the rows are the library's bits.
+    A separate process, so that a hang fails the test instead of stopping the suite."""
+    import subprocess
+    import sys
+
+    from helpers import random_sequences
+
+    rows = random_sequences(6, seed=8)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "out"
+    cli = "import sys; from logprobe.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", cli, "ray", "logprobs", "--input", str(src), "--output", str(out),
+           "--ray-address", ray.get_runtime_context().gcs_address, "--replicas", "2", "--cpus-per-replica", "1",
+           "--batch-size", "2", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+           "--deterministic", "--quiet", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["written"] == 6
+    got = output_rows(out)
+    assert len(list(out.glob("*.parquet"))) >= 3  # three blocks of two rows
+    for i, w in enumerate(tiny.logprobs(rows)):
+        assert got[i]["logprobs"] == w.logprobs.tolist()
+
+
 def test_cli_bad_input_one_line(tmp_path, capsys):
     code = main(["ray", "score", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")])
     err = capsys.readouterr().err

@@ -146,8 +146,11 @@ def _replace(fs, path: str, table) -> None:
     fs.move(tmp, path)
 
 
-def number_rows(ds, done: set[int]):
-    """``(dataset with an index column minus the done rows, number of input rows)``."""
+def number_rows(ds, done: set[int], block_rows: int | None = None):
+    """``(dataset with an index column minus the done rows, number of input rows)``, in blocks
+    of at most ``block_rows`` rows (a block goes to one actor: a small input read as one block
+    would keep every replica but one idle). The blocks are made by tasks that have finished when
+    this returns: once the actors hold every CPU, a task queued behind them would wait forever."""
     import numpy as np
     import ray
 
@@ -158,7 +161,9 @@ def number_rows(ds, done: set[int]):
     skip = ray.put(np.fromiter(sorted(done), dtype=np.int64, count=len(done)))
     index_block = ray.remote(_index_block)
     offsets = np.cumsum([0, *sizes[:-1]]).tolist()
-    blocks = [index_block.remote(r, off, skip) for r, off in zip(refs, offsets)]
+    blocks = [index_block.remote(r, off, skip, b, min(b + (block_rows or n), n))
+              for r, off, n in zip(refs, offsets, sizes) for b in range(0, max(n, 1), block_rows or max(n, 1))]
+    ray.wait(blocks, num_returns=len(blocks), fetch_local=False)
     return ray.data.from_arrow_refs(blocks), int(sum(sizes))
 
 
@@ -166,11 +171,14 @@ def _num_rows(table) -> int:
     return table.num_rows
 
 
-def _index_block(table, offset: int, skip):
-    """The block with ``index`` (first; kept when the input has one) minus the rows in ``skip``."""
+def _index_block(table, offset: int, skip, begin: int, end: int):
+    """Rows ``begin:end`` of the block with ``index`` (first; kept when the input has one) minus
+    the rows in ``skip``."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    table = table.slice(begin, end - begin)
+    offset += begin
     if "index" not in table.column_names:
         table = table.add_column(0, "index", pa.array(range(offset, offset + table.num_rows), pa.int64()))
     if len(skip):
@@ -194,12 +202,9 @@ def run_dataset(job: str, input_path: str, output: str, scorer_kwargs: dict, opt
     done = finished_indices(output)
     fs, root = filesystem(output, "--output")
     before = set(_parquet_files(fs, root))
-    todo, total = number_rows(ds, done)
+    todo, total = number_rows(ds, done, batch_size)
     summary = RunSummary(rows=total, already_done=len(done))
     if total > len(done):
-        # a small input may be read as one block, and a block goes to one actor: split the rows so
-        # that every replica gets batches (a block per batch, at least one per replica)
-        todo = todo.repartition(max(replicas, -(-(total - len(done)) // batch_size)))
         out = todo.map_batches(mapper, fn_constructor_kwargs={**scorer_kwargs, **options, "columns": keep_columns},
                                batch_size=batch_size, batch_format="pyarrow", concurrency=replicas,
                                num_gpus=gpus_per_replica or None, num_cpus=cpus_per_replica)
