@@ -128,3 +128,13 @@ def test_cuda_pinned_copy_and_overlap(tiny_dirs):
         results[overlap] = engine.run(mixed_requests())
     for a, b, r in zip(results[True], results[False], mixed_requests()):
         same(a, b, True, r)
+
+
+def test_results_own_their_storage(model):
+    """A request's result is not a view of the batch's buffer (pickled to another process, a view
+    would carry the whole batch)."""
+    out, _ = run(model, True)
+    for r in out:
+        for t in (r.logprobs, r.ranks, r.entropy, r.topk_ids, r.topk_logprobs):
+            if t is not None:
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()

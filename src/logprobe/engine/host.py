@@ -36,7 +36,8 @@ from ..scoring.head import HeadOutput
 
 @dataclass(slots=True)
 class HostRows:
-    """A batch's per-row results on the host (views into one buffer)."""
+    """A batch's per-row results on the host (views into one buffer; the engine copies each
+    request's rows out of it)."""
 
     logprobs: torch.Tensor  # [n] float32
     ranks: torch.Tensor  # [n] int64

@@ -478,12 +478,14 @@ class Launched:
 
 
 def _slice(out: HostRows, sl: slice, r: ScoreRequest) -> RequestResult:
+    # copies, not views of the batch's buffer: a result may be kept, or pickled to another
+    # process (a view would carry the whole batch's storage with it)
     return RequestResult(
-        logprobs=out.logprobs[sl],
-        ranks=out.ranks[sl],
-        entropy=out.entropy[sl] if r.entropy else None,
-        topk_ids=out.topk_ids[sl, : r.top_k] if r.top_k else None,
-        topk_logprobs=out.topk_logprobs[sl, : r.top_k] if r.top_k else None,
+        logprobs=out.logprobs[sl].clone(),
+        ranks=out.ranks[sl].clone(),
+        entropy=out.entropy[sl].clone() if r.entropy else None,
+        topk_ids=out.topk_ids[sl, : r.top_k].clone() if r.top_k else None,
+        topk_logprobs=out.topk_logprobs[sl, : r.top_k].clone() if r.top_k else None,
     )
 
 
