@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from .responses import NATIVE_CODES, replies
+from .responses import NATIVE_CODES, replies, reply
 from .schemas import LogprobsBody, LogprobsReply, PerplexityBody, PerplexityReply, ScoreBody, ScoreReply
 from .served import Served
 
@@ -30,8 +30,8 @@ def native_router(served: Served) -> APIRouter:
         if isinstance(out, Response):
             return out
         results, version = out
-        return {"object": "score", "model": name, "prompt": body.prompt, "results": [r.to_dict() for r in results],
-                "weights_version": version}
+        return reply({"object": "score", "model": name, "prompt": body.prompt,
+                      "results": [r.to_dict() for r in results], "weights_version": version})
 
     @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature",
               responses=replies(LogprobsReply, NATIVE_CODES))
@@ -46,8 +46,8 @@ def native_router(served: Served) -> APIRouter:
         if isinstance(out, Response):
             return out
         results, version = out
-        return {"object": "logprobs", "model": name, "temperature": body.temperature,
-                "results": [r.to_dict() for r in results], "weights_version": version}
+        return reply({"object": "logprobs", "model": name, "temperature": body.temperature,
+                      "results": [r.to_dict() for r in results], "weights_version": version})
 
     @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows",
               responses=replies(PerplexityReply, NATIVE_CODES))
@@ -62,6 +62,6 @@ def native_router(served: Served) -> APIRouter:
         out = await run(job, request, body.timeout)
         if isinstance(out, Response):
             return out
-        return {"object": "perplexity", "model": name, **out[0].to_dict(), "weights_version": out[1]}
+        return reply({"object": "perplexity", "model": name, **out[0].to_dict(), "weights_version": out[1]})
 
     return api

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from .openai_compat import completion_job
-from .responses import replies
+from .responses import replies, reply
 from .schemas import (
     CompletionReply,
     CompletionRequest,
@@ -39,7 +39,7 @@ def openai_router(served: Served) -> APIRouter:
             check_items(len(body.prompt), "prompt")
         job = await run_in_threadpool(completion_job, body, scorer, name, config.max_top_logprobs)
         out = await run(job, request)
-        return out if isinstance(out, Response) else {**out[0], "weights_version": out[1]}
+        return out if isinstance(out, Response) else reply({**out[0], "weights_version": out[1]})
 
     @api.get("/v1/models", responses=replies(ModelsReply, (401,)))
     async def models():

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import LogprobeError
 from .batcher import JobFailed
-from .responses import SafeJSONResponse, error_body, replies
+from .responses import SafeJSONResponse, error_body, replies, reply
 from .schemas_rl import GenerateReply, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
 from .served import Served
 from .sglang_compat import batched, generate_job
@@ -45,7 +45,7 @@ def rl_router(served: Served) -> APIRouter:
         if isinstance(out, Response):
             return out
         value, version = out
-        return [stamp(r, version) for r in value] if isinstance(value, list) else stamp(value, version)
+        return reply([stamp(r, version) for r in value] if isinstance(value, list) else stamp(value, version))
 
     @router.post("/update_weights_from_disk", summary="Load new weights (same architecture) between batches",
                  responses=replies(UpdateWeightsReply, (400, 401, 503)))
