@@ -368,3 +368,26 @@ def test_deterministic_server_ignores_concurrent_traffic(default_scorer):
             replies = list(ex.map(call, range(9)))
     assert all(r.status_code == 200 for r in replies)
     assert replies[0].json()["results"] == alone  # JSON floats: equal bits
+
+
+def test_scoring_replies_skip_fastapi_encoder(server, monkeypatch):
+    """The scoring routes hand FastAPI a finished Response: its ``jsonable_encoder`` (a Python walk
+    over every float of the reply, most of the serving thread's time) never runs for them."""
+    import fastapi.routing
+
+    def boom(*a, **k):
+        raise AssertionError("jsonable_encoder ran")
+
+    monkeypatch.setattr(fastapi.routing, "jsonable_encoder", boom)
+    url, _ = server
+    ids = [1, 504, 3575, 282, 10]
+    for path, body in [("/v1/score", {"prompt": PROMPT, "continuations": [" Paris"]}),
+                       ("/v1/logprobs", {"sequences": [{"prompt_token_ids": ids[:2], "completion_token_ids": ids[2:]}]}),
+                       ("/v1/perplexity", {"texts": ["The quick brown fox jumps over the lazy dog."]}),
+                       ("/v1/completions", {"prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1}),
+                       ("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                                      "return_logprob": True, "logprob_start_len": 0})]:
+        r = post(url, path, body)
+        assert r.status_code == 200, (path, r.text[:300])
+    r = requests.get(url + "/v1/models")  # a small reply still goes through FastAPI's path: the patch bites
+    assert r.status_code == 500
