@@ -15,9 +15,9 @@ whole workload:
   reading and numbering the rows, starting the actors, one model load per actor, scoring, writing
   the Parquet output.
 
-Ray Data reads an input this small as one block (several small files too: the read merges them,
-tried), and ``run_dataset`` hands a block to one replica, so with 2 replicas the second loads the
-model and then idles (Ray warns "only received 1 input(s)"); its time shows that cost.
+``run_dataset`` cuts the numbered rows into blocks of ``--batch-size`` rows, so every replica gets
+blocks even of a one-file input (before commit 4512614 the input was one block and a second
+replica loaded the model and idled).
 
 Every Ray output row must equal the library's row bitwise (logprobs as float32 bits, sum_logprob,
 is_greedy); the script exits 1 otherwise. Also printed: the model load and the torch thread count
