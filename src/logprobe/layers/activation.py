@@ -26,8 +26,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torc
             from ..kernels.elementwise import silu_mul as fused
 
             return fused(gate, up)
-    width = gate.shape[-1]
-    if gate.is_cuda or width % 64 == 0:
-        return F.silu(gate) * up
+    return row_invariant(lambda g, u: F.silu(g) * u, gate, up)
+
+
+def row_invariant(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` for an elementwise ``fn`` of [T, W] tensors, each row's bits independent of T on
+    CPU: a width that is not a multiple of 64 is padded with zeros to one (every element then falls
+    in a SIMD chunk, never in the scalar tail whose rounding differs) and cut back. CUDA and widths
+    that are multiples of 64 run ``fn`` as it is.
+
+    >>> g = torch.tensor([[-30.0], [0.5], [2.0]])
+    >>> torch.equal(row_invariant(torch.sigmoid, g)[1:2], row_invariant(torch.sigmoid, g[1:2]))
+    True
+    """
+    width = xs[0].shape[-1]
+    if xs[0].is_cuda or width % 64 == 0:
+        return fn(*xs)
     pad = -width % 64
-    return (F.silu(F.pad(gate, (0, pad))) * F.pad(up, (0, pad)))[..., :width]  # [T, I + pad] -> [T, I]
+    return fn(*(F.pad(x, (0, pad)) for x in xs))[..., :width]  # [T, W + pad] -> [T, W]

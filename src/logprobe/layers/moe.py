@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from .activation import silu_mul
+from .activation import row_invariant, silu_mul
 from .linear import Linear, tiled_linear
 from .quant_linear import PackedWeight
 
@@ -241,8 +241,6 @@ class MoeBlock(nn.Module):
 
 
 def row_sigmoid(g: torch.Tensor) -> torch.Tensor:
-    """sigmoid of a column g [T, 1], each row's bits independent of T. PyTorch's CPU elementwise
-    loops run SIMD chunks and a scalar tail, which round transcendental functions differently, so
-    in a [T, 1] column whether a row lands in the tail depends on T; widened to 64 equal lanes
-    per row, every row is computed in SIMD chunks."""
-    return torch.sigmoid(g.expand(-1, 64).contiguous())[:, :1]  # [T, 64] -> [T, 1]
+    """sigmoid of a column g [T, 1], each row's bits independent of T (``activation.row_invariant``:
+    in a [T, 1] column whether a row lands in PyTorch's scalar CPU tail depends on T)."""
+    return row_invariant(torch.sigmoid, g)
