@@ -22,6 +22,7 @@ Runs on one CUDA GPU and prints tables (docs/perf.md keeps the results). Section
 
     python bench/gpu_scoring.py --sections head,exact
     python bench/gpu_scoring.py --sections quant --det-windows 16    # W4A16 llama-8b vs bf16 (issue 6)
+    python bench/gpu_scoring.py --sections gguf --gguf-types Q4_K,Q8_0  # GGUF llama-8b, Triton vs PyTorch expansion
     python bench/gpu_scoring.py --sections workloads --models llama-8b --workloads W1,W3
 """
 
@@ -725,6 +726,78 @@ def quantize_w4a16(model, group: int = 128) -> int:
     return total
 
 
+def random_gguf(model, qtype: str) -> int:
+    """Replace every decoder Linear by a ``GGUFLinear`` of random ``qtype`` blocks of its shape
+    (random codes, small random scales: a speed stand-in, not a quantization of the weights).
+    Returns the packed bytes."""
+    import numpy as np
+
+    from logprobe.layers.quant_linear import GGUFLinear
+    from logprobe.loading.gguf_quants import GGML_TYPES, block_values, split_blocks
+
+    type_id = next(t for t, (name, _) in GGML_TYPES.items() if name == qtype)
+    rng = np.random.default_rng(0)
+    total = 0
+    for layer in model.layers:
+        for parent, fused, parts, rest in ((layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+                                           (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), "down_proj")):
+            if getattr(parent, fused) is not None:
+                for p in parts:
+                    setattr(parent, p, None)
+                names = (fused, rest)
+            else:
+                names = (*parts, rest)
+            for name in names:
+                m = getattr(parent, name)
+                N, K = m.weight.shape
+                raw = rng.integers(0, 256, N * (K // block_values(qtype)) * GGML_TYPES[type_id][1], dtype=np.uint8)
+                b = split_blocks(raw, type_id, (N, K))
+                # valid small scales (random bytes could be inf/NaN as f16)
+                b["d"] = (torch.rand(b["d"].shape) * 1e-3 + 1e-4).half()
+                if "m" in b:
+                    b["m"] = (torch.rand(b["m"].shape) * 1e-3).half()
+                q = GGUFLinear(qtype, *(b[k].cuda() if k in b else None for k in ("d", "qs", "m")), bias=m.bias)
+                total += q.packed_bytes()
+                setattr(parent, name, q)
+    torch.cuda.empty_cache()
+    return total
+
+
+def gguf_section(args) -> None:
+    """Issue 19: GGUF layers on CUDA, llama-8b of random blocks per ``--gguf-types`` on W3, the
+    one-pass Triton expansion (default) and the PyTorch expansion (before), against the same shape
+    in bf16, one run."""
+    from logprobe.layers.quant_linear import GGUFLinear
+
+    _, dense, lc = build_models("llama-8b", False)
+    reqs = workload("W3", lc.vocab_size)
+    needed = sum(r.num_inputs for r in reqs)
+    with torch.inference_mode():
+        run_logprobe(dense, reqs[:4], args.batch_tokens)
+        _, t_d = sync_time(lambda: run_logprobe(dense, reqs, args.batch_tokens))
+    log(f"\n## GGUF on CUDA, llama-8b W3 ({needed:,} tokens, budget {args.batch_tokens})")
+    log("| weights | expansion | s | tok/s | vs bf16 | packed linear GiB |")
+    log("| --- | --- | ---: | ---: | ---: | ---: |")
+    log(f"| bf16 | - | {t_d:.2f} | {needed / t_d:,.0f} | 1.00x | - |")
+    dense = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    for qtype in args.gguf_types.split(","):
+        _, quant, _ = build_models("llama-8b", False)
+        packed = random_gguf(quant, qtype)
+        for one_pass in (True, False):
+            GGUFLinear.one_pass = one_pass
+            with torch.inference_mode():
+                run_logprobe(quant, reqs[:4], args.batch_tokens)
+                _, t = sync_time(lambda q=quant: run_logprobe(q, reqs, args.batch_tokens))
+            log(f"| {qtype} | {'Triton one pass' if one_pass else 'PyTorch'} | {t:.2f} | {needed / t:,.0f} | "
+                f"{t_d / t:.2f}x | {packed / GiB:.2f} |")
+        GGUFLinear.one_pass = True
+        quant = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def quant_section(args, tflops: float) -> None:
     """Issue 6 on the GPU: the W4A16 dequant-GEMM alone at llama-8b shapes against the bf16
     matmul, then llama-8b W4A16 (random init, RTN group 128) against the same model in bf16 on W3:
@@ -828,6 +901,7 @@ def main() -> None:
                     "the Triton fixed-tile matmul instead of cuBLAS row tiles")
     ap.add_argument("--det-windows", type=int, default=32, help="engine section: requests in the slices")
     ap.add_argument("--w4-all", action="store_true", help="W4 on every model, not only llama-8b")
+    ap.add_argument("--gguf-types", default="Q4_K,Q8_0", help="gguf section: block types to time")
     args = ap.parse_args()
     args.budgets = [int(b) for b in args.budgets.split(",")]
     if not torch.cuda.is_available():
@@ -853,6 +927,8 @@ def main() -> None:
         engine_modes_section(args)
     if "matmul" in sections:
         matmul_section(args)
+    if "gguf" in sections:
+        gguf_section(args)
     if "quant" in sections:
         quant_section(args, tflops)
 

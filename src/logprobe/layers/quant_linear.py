@@ -122,7 +122,10 @@ class _PackedLinearMixin(PackedWeight):
 
 class GGUFLinear(_PackedLinearMixin, Linear):
     """A GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrix: buffers ``d`` [out, nb] f16, ``m`` (Q4_1's
-    minimum, Q4_K's dmin), ``qs`` codes (the rest of each k-quant super-block)."""
+    minimum, Q4_K's dmin), ``qs`` codes (the rest of each k-quant super-block). ``one_pass``
+    (class-wide): the Triton expansion on CUDA; False expands in PyTorch (for measuring it)."""
+
+    one_pass = True
 
     def __init__(self, qtype: str, d: torch.Tensor, qs: torch.Tensor, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
@@ -154,7 +157,7 @@ class GGUFLinear(_PackedLinearMixin, Linear):
     def _one_pass(self, dtype: torch.dtype) -> bool:
         from ..kernels import interpreting, triton_available
 
-        return (self.d.is_cuda or interpreting()) and dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        return self.one_pass and (self.d.is_cuda or interpreting()) and dtype in (torch.float32, torch.bfloat16, torch.float16) \
             and triton_available()
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
