@@ -355,7 +355,8 @@ def workload(name: str, vocab: int) -> list[ScoreRequest]:
 
 
 def run_logprobe(model, reqs, batch_tokens, **options):
-    """``options``: EngineConfig fields (``share_prefixes``, ``deterministic``)."""
+    """``options``: EngineConfig fields (``share_prefixes``, ``deterministic``); ``batch_tokens``
+    None: the library's default budget (chosen from free memory when the engine starts)."""
     engine = Engine(model, EngineConfig(max_batch_tokens=batch_tokens, progress=False, **options),
                     torch.device("cuda"))
     return engine.run(reqs)
@@ -497,6 +498,9 @@ def workloads_section(args, tflops: float) -> None:
             f"{weights / GiB:.1f} GiB allocated with both models")
         # warm-up: compiles the Triton kernels and sets up cuBLAS / SDPA
         run_logprobe(ours, workload("W2", lc.vocab_size)[:64], args.batch_tokens)
+        budget = Engine(ours, EngineConfig(max_batch_tokens=args.batch_tokens), torch.device("cuda")).config
+        log(f"logprobe max_batch_tokens {budget.max_batch_tokens}"
+            + (" (the library's default for this model and free memory)" if args.batch_tokens is None else ""))
         for wname in args.workloads.split(","):
             if wname == "W4" and mname != "llama-8b" and not args.w4_all:
                 continue
@@ -557,7 +561,7 @@ def workloads_section(args, tflops: float) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     log(f"\n## workloads (bf16, random init; matmul ceiling {tflops:.0f} TFLOP/s measured in this run; "
-        f"logprobe max_batch_tokens {args.batch_tokens})")
+        f"logprobe max_batch_tokens {args.batch_tokens or 'default, per model above'})")
     log("MFU: FLOPs of all needed tokens (the work as posed) / time / ceiling; MFU (unique): FLOPs left "
         "after shared prefixes run once (what the GPU actually computed) / time / ceiling")
     log("| model | workload | sequences | needed tokens | scored tokens | logprobe s | tok/s (needed) | MFU | "
@@ -775,7 +779,7 @@ def gguf_section(args) -> None:
     with torch.inference_mode():
         run_logprobe(dense, reqs[:4], args.batch_tokens)
         _, t_d = sync_time(lambda: run_logprobe(dense, reqs, args.batch_tokens))
-    log(f"\n## GGUF on CUDA, llama-8b W3 ({needed:,} tokens, budget {args.batch_tokens})")
+    log(f"\n## GGUF on CUDA, llama-8b W3 ({needed:,} tokens, budget {args.batch_tokens or 'default'})")
     log("| weights | expansion | s | tok/s | vs bf16 | packed linear GiB |")
     log("| --- | --- | ---: | ---: | ---: | ---: |")
     log(f"| bf16 | - | {t_d:.2f} | {needed / t_d:,.0f} | 1.00x | - |")
@@ -870,7 +874,7 @@ def quant_section(args, tflops: float) -> None:
     cfg = EngineConfig(max_batch_tokens=args.batch_tokens, progress=False)
     eq, er = Engine(quant, cfg, torch.device("cuda")), Engine(dense, cfg, torch.device("cuda"))
     sl = reqs[:args.det_windows]
-    rows, t_c = sync_time(lambda: compare_requests(eq, er, sl, token_budget=args.batch_tokens))
+    rows, t_c = sync_time(lambda: compare_requests(eq, er, sl, token_budget=eq.config.max_batch_tokens))
     st = compare_stats(rows, len(sl), "sliding", 2048, 512)
     log(f"compare W4A16 vs bf16 on the first {len(sl)} W3 windows ({st.num_tokens} tokens, {t_c:.2f} s): "
         f"PPL ratio {st.ppl_ratio:.4f} ± {st.ppl_ratio_stderr:.4f}, KL mean {st.kl_mean:.5f} ± {st.kl_stderr:.5f}, "
@@ -886,7 +890,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="W1,W2,W3,W4")
     ap.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--budgets", default="8192,32768", help="transformers padded-token budgets to try")
-    ap.add_argument("--batch-tokens", type=int, default=32768, help="logprobe max_batch_tokens")
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="logprobe max_batch_tokens (default: the library's, chosen from free memory; runs "
+                         "before session 7 passed 32768)")
     ap.add_argument("--head-tokens", type=int, default=16384)
     ap.add_argument("--rep", type=int, default=300, help="do_bench milliseconds per head row")
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
