@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements that were written on CPU and wait for a GPU, by step, so that
+# one device call runs several with no time lost between them. Each step runs under its own time
+# limit; its log goes to $OUT/<step>.log (or /tmp/gpu_round) and a line per step is printed at the
+# end (exit status, seconds). The steps print their own tables; docs/perf.md keeps the results.
+#
+#   bench/gpu_round.sh tests scoring            # steps in the order given
+#
+# steps (rough H100 minutes):
+#   tests    the CUDA cases of the kernel, engine and format tests (pytest -m "not slow") ...... ~3
+#   overlap  engine section: W1/W2 with the host overlap off and on, llama-1b and llama-8b ...... ~4
+#   gguf     llama-8b of random GGUF blocks on W3: Triton expansion vs PyTorch vs bf16 ........... ~5
+#   first    first-call cost, Triton cache cold and warm, llama-1b ................................ ~2
+#   workloads W1/W3 at the default budget, llama-1b and llama-8b, against transformers ........... ~8
+#   actquant FP8/INT8 GEMMs and llama-8b W1 per scheme against bf16 (issue 22) ..................... ~8
+#   moe      the fused MoE kernel (tuned) and 30B-A3B W1 against transformers (issue 17) ........... ~10
+#   rl       logprobs_padded vs logprobs on W1 shapes, update_weights of llama-8b (issue 20) ....... ~3
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_round}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+summary=()
+
+step() {  # name, time limit in seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    summary+=("$name rc=$rc $((SECONDS - t0)) s")
+    tail -n 40 "$out/$name.log"
+}
+
+for s in "$@"; do
+    case $s in
+        tests) step tests 400 python -m pytest -q -m "not slow" -p no:cacheprovider \
+            tests/test_host_copy.py tests/test_gguf_expand.py tests/test_kernels.py tests/test_act_quant_kernels.py \
+            tests/test_elementwise_kernels.py tests/test_invariant_kernels.py tests/test_w4a16.py \
+            tests/test_sliced_matmul.py tests/test_attention_gpu.py tests/test_moe.py tests/test_padded.py \
+            tests/test_gptq_awq.py tests/test_nvfp4.py tests/test_budget.py ;;
+        overlap) step overlap 400 python bench/gpu_scoring.py --sections engine --models llama-1b,llama-8b \
+            --overlap --det-only ;;
+        gguf) step gguf 500 python bench/gpu_scoring.py --sections gguf --gguf-types Q4_K,Q8_0 ;;
+        first) step first 300 python bench/gpu_first_call.py --model llama-1b ;;
+        workloads) step workloads 580 python bench/gpu_scoring.py --sections workloads --models llama-1b,llama-8b \
+            --workloads W1,W3 --budgets 32768 ;;
+        actquant) step actquant 580 python bench/gpu_act_quant.py ;;
+        moe) step moe 580 python bench/gpu_moe.py --sections kernel,workloads,det,correct --workloads W1 --tune ;;
+        rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" python bench/rl_padded.py ;;
+        *) echo "unknown step $s" >&2 ;;
+    esac
+done
+printf '%s\n' "${summary[@]}"
