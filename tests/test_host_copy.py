@@ -130,6 +130,31 @@ def test_cuda_pinned_copy_and_overlap(tiny_dirs):
         same(a, b, True, r)
 
 
+def _slow_head_output(device: str) -> HeadOutput:
+    """Head outputs produced by a long kernel still running when the copy is queued."""
+    g = torch.Generator(device=device).manual_seed(1)
+    a = torch.randn(4096, 4096, device=device, generator=g)
+    for _ in range(8):
+        a = torch.tanh(a @ a) * 0.5
+    lp = a[:, 0].contiguous()  # [4096]
+    return HeadOutput(lp, torch.zeros_like(lp), a[:, 1].mul(100).long().abs(), entropy=a[:, 2].contiguous(),
+                      topk_ids=a[:, 3:6].mul(1000).long().abs(), topk_logprobs=a[:, 6:9].contiguous())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+def test_cuda_copy_waits_for_the_producer(device):
+    """The copy is read only after the kernels that produce it have finished, also when the
+    tensors are on a GPU other than the current one (the event is recorded on their stream)."""
+    if int(device[-1]) >= torch.cuda.device_count():
+        pytest.skip("needs two CUDA GPUs")
+    torch.cuda.set_device(0)
+    out = _slow_head_output(device)
+    rows = start_copy(out, 3, True).wait()
+    assert torch.equal(rows.logprobs.view(torch.int32), out.logprobs.cpu().view(torch.int32))
+    assert torch.equal(rows.topk_ids, out.topk_ids.cpu()) and torch.equal(rows.entropy, out.entropy.cpu())
+
+
 def test_results_own_their_storage(model):
     """A request's result is not a view of the batch's buffer (pickled to another process, a view
     would carry the whole batch)."""

@@ -79,9 +79,9 @@ def start_copy(out: HeadOutput, top_k: int, entropy: bool) -> HostCopy:
     if not flat.is_cuda:
         return HostCopy(flat, n, top_k, entropy)
     host = torch.empty(flat.shape, dtype=torch.int32, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
+    host.copy_(flat, non_blocking=True)  # queued on the tensor's device's current stream
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(flat.device))  # that stream, not the current device's
     return HostCopy(host, n, top_k, entropy, event)
 
 
