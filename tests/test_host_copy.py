@@ -163,3 +163,18 @@ def test_results_own_their_storage(model):
         for t in (r.logprobs, r.ranks, r.entropy, r.topk_ids, r.topk_logprobs):
             if t is not None:
                 assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_engine_on_another_gpu_than_the_current(tiny_dirs):
+    """An engine on cuda:1 while cuda:0 is current gives the bits of the same engine on cuda:0
+    (its Triton kernels and copies run on its own device)."""
+    torch.cuda.set_device(0)
+    got = {}
+    for dev in ("cuda:0", "cuda:1"):
+        m = load_model(str(tiny_dirs["llama"][0]), dev, "float32").model
+        got[dev] = Engine(m, EngineConfig(max_batch_tokens=128, deterministic=True), torch.device(dev)).run(
+            mixed_requests())
+        assert torch.cuda.current_device() == 0
+    for a, b, r in zip(got["cuda:1"], got["cuda:0"], mixed_requests()):
+        same(a, b, True, r)

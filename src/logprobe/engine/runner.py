@@ -242,6 +242,10 @@ class Engine:
 
         ``stop()`` is asked before each forward pass; True raises ``RunStopped`` there: every
         request completed so far has reached ``on_result`` (a job interrupted by a signal)."""
+        dev = self.device
+        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):  # Triton launches on the current device: make it this engine's
+                return self.run(requests, on_result, progress, on_error=on_error, stop=stop)
         cfg = self.config
         if cfg.deterministic and not self._context:
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
