@@ -255,6 +255,8 @@ def _dots(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype:
         try:
             return torch.mm(h, w.T, out_dtype=torch.float32)
+        except torch.OutOfMemoryError:  # the engine's to split and retry
+            raise
         except (TypeError, RuntimeError):  # a torch without mm's out_dtype
             pass
     return h.float() @ w.float().T
