@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_scoring import build_models, workload  # noqa: E402
+from gpu_scoring import build_models, decoder_linears, workload  # noqa: E402
 
 from logprobe.config import EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
@@ -114,31 +114,22 @@ def quantize_model(model, scheme: str) -> int:
     """Replace every decoder projection by an ``ActQuantLinear`` of its weights (RTN); returns bytes."""
     kind, wblock, agroup = SCHEMES[scheme]
     total = 0
-    for layer in model.layers:
-        for parent, fused, parts, rest in ((layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "o_proj"),
-                                           (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), "down_proj")):
-            if getattr(parent, fused, None) is not None:
-                for p in parts:
-                    setattr(parent, p, None)
-                names = (fused, rest)
-            else:
-                names = (*parts, rest)
-            for name in names:
-                m = getattr(parent, name)
-                w = m.weight.float()  # [N, K]
-                N, K = w.shape
-                if wblock:  # 128x128 blocks: absmax over each block, one row of scales per weight row
-                    blocks = w.view(N // wblock, wblock, K // wblock, wblock).abs().amax(dim=(1, 3))
-                    half = 448.0 if kind == "float" else 127.5
-                    scale = (blocks / half).repeat_interleave(wblock, 0)  # [N, K / 128]
-                    codes = (w.view(N, K // wblock, wblock) / scale[..., None]).clamp(-448, 448).view(N, K)
-                    codes = codes.to(torch.float8_e4m3fn)
-                else:
-                    codes, scale = quantize_rows_reference(w, kind, None)
-                q = ActQuantLinear(codes, scale, wblock or K, kind, act_group=agroup, bias=m.bias)
-                total += codes.numel() + scale.numel() * 4
-                setattr(parent, name, q)
-                del w
+    for parent, name in decoder_linears(model):
+        m = getattr(parent, name)
+        w = m.weight.float()  # [N, K]
+        N, K = w.shape
+        if wblock:  # 128x128 blocks: absmax over each block, one row of scales per weight row
+            blocks = w.view(N // wblock, wblock, K // wblock, wblock).abs().amax(dim=(1, 3))
+            half = 448.0 if kind == "float" else 127.5
+            scale = (blocks / half).repeat_interleave(wblock, 0)  # [N, K / 128]
+            codes = (w.view(N, K // wblock, wblock) / scale[..., None]).clamp(-448, 448).view(N, K)
+            codes = codes.to(torch.float8_e4m3fn)
+        else:
+            codes, scale = quantize_rows_reference(w, kind, None)
+        q = ActQuantLinear(codes, scale, wblock or K, kind, act_group=agroup, bias=m.bias)
+        total += codes.numel() + scale.numel() * 4
+        setattr(parent, name, q)
+        del w
     torch.cuda.empty_cache()
     return total
 

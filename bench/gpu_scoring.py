@@ -694,6 +694,22 @@ def exact_section(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def decoder_linears(model):
+    """(parent module, attribute name) of every decoder projection, for replacing it: a fused
+    q/k/v or gate/up matrix once, its parts (views of it) dropped so the bf16 copy is freed."""
+    for layer in model.layers:
+        for parent, fused, parts, rest in ((layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+                                           (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), "down_proj")):
+            if getattr(parent, fused, None) is not None:
+                for p in parts:
+                    setattr(parent, p, None)
+                names = (fused, rest)
+            else:
+                names = (*parts, rest)
+            for name in names:
+                yield parent, name
+
+
 def quantize_w4a16(model, group: int = 128) -> int:
     """Replace every decoder Linear by a ``CTLinear`` holding its round-to-nearest int4 symmetric
     group-``group`` quantization (bf16 scales, as llm-compressor writes for a bf16 model). Returns
@@ -701,31 +717,21 @@ def quantize_w4a16(model, group: int = 128) -> int:
     from logprobe.layers.quant_linear import CTLinear
 
     total = 0
-    for layer in model.layers:
-        for parent, fused, parts, rest in ((layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "o_proj"),
-                                           (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), "down_proj")):
-            # the fused matrix is quantized as one (groups lie within rows, so this equals quantizing
-            # the parts); the parts are views of it and go, so the bf16 copy is freed
-            if getattr(parent, fused) is not None:
-                for p in parts:
-                    setattr(parent, p, None)
-                names = (fused, rest)
-            else:
-                names = (*parts, rest)
-            for name in names:
-                m = getattr(parent, name)
-                w = m.weight.float()  # [N, K]
-                N, K = w.shape
-                wg = w.view(N, K // group, group)
-                scale = (wg.abs().amax(-1) / 7.5).clamp_min(1e-8).to(torch.bfloat16)  # [N, G], as calculate_qparams
-                codes = torch.round(wg / scale.float()[..., None]).clamp(-8, 7).view(N, K).to(torch.int64)
-                u = (codes + 8).view(N, K // 8, 8)
-                words = sum(u[..., i] << (4 * i) for i in range(8))  # [N, K/8] in [0, 2^32)
-                qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-                q = CTLinear(qweight, scale, None, 4, group, K, bias=m.bias)
-                total += q.packed_bytes()
-                setattr(parent, name, q)
-                del w, wg, codes, u, words
+    # a fused matrix is quantized as one (groups lie within rows, so this equals quantizing the parts)
+    for parent, name in decoder_linears(model):
+        m = getattr(parent, name)
+        w = m.weight.float()  # [N, K]
+        N, K = w.shape
+        wg = w.view(N, K // group, group)
+        scale = (wg.abs().amax(-1) / 7.5).clamp_min(1e-8).to(torch.bfloat16)  # [N, G], as calculate_qparams
+        codes = torch.round(wg / scale.float()[..., None]).clamp(-8, 7).view(N, K).to(torch.int64)
+        u = (codes + 8).view(N, K // 8, 8)
+        words = sum(u[..., i] << (4 * i) for i in range(8))  # [N, K/8] in [0, 2^32)
+        qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        q = CTLinear(qweight, scale, None, 4, group, K, bias=m.bias)
+        total += q.packed_bytes()
+        setattr(parent, name, q)
+        del w, wg, codes, u, words
     torch.cuda.empty_cache()
     return total
 
@@ -742,27 +748,18 @@ def random_gguf(model, qtype: str) -> int:
     type_id = next(t for t, (name, _) in GGML_TYPES.items() if name == qtype)
     rng = np.random.default_rng(0)
     total = 0
-    for layer in model.layers:
-        for parent, fused, parts, rest in ((layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "o_proj"),
-                                           (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), "down_proj")):
-            if getattr(parent, fused) is not None:
-                for p in parts:
-                    setattr(parent, p, None)
-                names = (fused, rest)
-            else:
-                names = (*parts, rest)
-            for name in names:
-                m = getattr(parent, name)
-                N, K = m.weight.shape
-                raw = rng.integers(0, 256, N * (K // block_values(qtype)) * GGML_TYPES[type_id][1], dtype=np.uint8)
-                b = split_blocks(raw, type_id, (N, K))
-                # valid small scales (random bytes could be inf/NaN as f16)
-                b["d"] = (torch.rand(b["d"].shape) * 1e-3 + 1e-4).half()
-                if "m" in b:
-                    b["m"] = (torch.rand(b["m"].shape) * 1e-3).half()
-                q = GGUFLinear(qtype, *(b[k].cuda() if k in b else None for k in ("d", "qs", "m")), bias=m.bias)
-                total += q.packed_bytes()
-                setattr(parent, name, q)
+    for parent, name in decoder_linears(model):
+        m = getattr(parent, name)
+        N, K = m.weight.shape
+        raw = rng.integers(0, 256, N * (K // block_values(qtype)) * GGML_TYPES[type_id][1], dtype=np.uint8)
+        b = split_blocks(raw, type_id, (N, K))
+        # valid small scales (random bytes could be inf/NaN as f16)
+        b["d"] = (torch.rand(b["d"].shape) * 1e-3 + 1e-4).half()
+        if "m" in b:
+            b["m"] = (torch.rand(b["m"].shape) * 1e-3).half()
+        q = GGUFLinear(qtype, *(b[k].cuda() if k in b else None for k in ("d", "qs", "m")), bias=m.bias)
+        total += q.packed_bytes()
+        setattr(parent, name, q)
     torch.cuda.empty_cache()
     return total
 
