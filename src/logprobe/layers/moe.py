@@ -103,7 +103,44 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class PackedExperts(PackedWeight):
+class ExpertMatrices(PackedWeight):
+    """Packed expert matrices ``[E, out, in]``: ``expert(e)`` is expert e's weight [out, in] in the
+    model dtype, expanded by the function the dense loader uses (packed and dense: the same bits)."""
+
+    num_experts: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_experts, self.out_features, self.in_features))
+
+    def expert(self, e: int) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class ExpertStack(ExpertMatrices):
+    """E experts each kept as its own packed layer (compressed-tensors integer weights, ``CTLinear``:
+    what llm-compressor writes for ``experts.{e}.gate_proj`` and the others)."""
+
+    def __init__(self, layers: list[PackedWeight]) -> None:
+        nn.Module.__init__(self)
+        self.layers = nn.ModuleList(layers)
+        self.num_experts = len(layers)
+        self.out_features, self.in_features = layers[0].out_features, layers[0].in_features
+        self.compute_dtype = torch.float32
+        if any((m.out_features, m.in_features) != (self.out_features, self.in_features) for m in layers):
+            raise LogprobeError("model", "the experts of one matrix have different shapes")
+
+    def expert(self, e: int) -> torch.Tensor:
+        return self.layers[e].rows(slice(None)).to(self.compute_dtype)
+
+    def rows(self, idx=slice(None)) -> torch.Tensor:
+        return torch.cat([m.rows(slice(None)) for m in self.layers])[idx]  # [E*out, in] rows
+
+    def extra_repr(self) -> str:
+        return f"{type(self.layers[0]).__name__} x {self.num_experts}, in={self.in_features}, out={self.out_features}"
+
+
+class PackedExperts(ExpertMatrices):
     """GGUF-quantized expert matrices ``[E, out, in]`` kept as blocks: buffers ``d`` [E, out, nb],
     ``qs`` [E, out, nb, bytes], ``m`` (Q4_1's minimum, Q4_K's dmin) or None. ``expert(e)`` expands
     one expert with the function the dense loader uses (``loading.gguf_quants``), so packed and
@@ -120,10 +157,6 @@ class PackedExperts(PackedWeight):
         self.register_buffer("d", d)
         self.register_buffer("qs", qs)
         self.register_buffer("m", m)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.num_experts, self.out_features, self.in_features))
 
     def expert(self, e: int) -> torch.Tensor:
         """Expert e's weight, float32 [out, in] expanded, then the model dtype."""
@@ -154,7 +187,7 @@ class Experts(nn.Module):
         for name, shape in zip(EXPERT_PROJS, [(intermediate, hidden)] * 2 + [(hidden, intermediate)]):
             setattr(self, name, nn.Parameter(torch.empty(num_experts, *shape), requires_grad=False))
 
-    def set_packed(self, name: str, packed: PackedExperts) -> None:
+    def set_packed(self, name: str, packed: ExpertMatrices) -> None:
         """Replace one of the three parameters by packed blocks (at load)."""
         want = getattr(self, name).shape
         if tuple(packed.shape) != tuple(want):
@@ -165,11 +198,11 @@ class Experts(nn.Module):
 
     def weight(self, name: str, e: int) -> torch.Tensor:
         w = getattr(self, name)
-        return w.expert(e) if isinstance(w, PackedExperts) else w[e]
+        return w.expert(e) if isinstance(w, ExpertMatrices) else w[e]
 
     @property
     def packed(self) -> bool:
-        return any(isinstance(getattr(self, n), PackedExperts) for n in EXPERT_PROJS)
+        return any(isinstance(getattr(self, n), ExpertMatrices) for n in EXPERT_PROJS)
 
     def expert_mlp(self, e: int, x: torch.Tensor, row_tile: int | None) -> torch.Tensor:
         """Expert e on rows x [n, H] -> [n, H]; ``row_tile``: fixed row tiles (deterministic mode)."""

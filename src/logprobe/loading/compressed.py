@@ -64,7 +64,7 @@ _SCHEME_KEYS = {"targets", "weights", "input_activations", "output_activations",
 _ARGS_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
               "scale_dtype", "zp_dtype", "observer", "observer_kwargs"}
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_LINEAR_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+_LINEAR_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"}
 _PLAIN_LEAVES = {"weight", "bias", "inv_freq"}
 
 SUPPORTED = ("logprobe runs compressed-tensors int4/int8 weight-only schemes (W4A16, W4A16_ASYM, W8A16: "

@@ -160,10 +160,10 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
     quantization metadata, and any tensor that is not a plain float, is refused."""
     check_quantization(raw or {}, path, native=True)
     qcfg = (raw or {}).get("quantization_config")
-    if qcfg is not None and cfg.moe is not None:
+    if qcfg is not None and cfg.moe is not None and qcfg.get("quant_method") != "compressed-tensors":
         raise LogprobeError("quantization_config", f"{path.name}: a quantized mixture-of-experts checkpoint "
                             f"(quant_method {qcfg.get('quant_method')!r}) is not read natively yet",
-                            "score the unquantized model, or a GGUF file of it")
+                            "score the unquantized model, a compressed-tensors or a GGUF file of it")
     if qcfg is not None and qcfg.get("quant_method") == "gptq":
         from .gptq import gptq_tensors
 
@@ -177,7 +177,7 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
     if qcfg is not None:
         from .compressed import ct_tensors
 
-        yield from ct_tensors(path, cfg, qcfg, packed)
+        yield from stack_experts(ct_tensors(path, cfg, qcfg, packed), cfg)  # W4A16/W8A16 experts stay packed
         return
     yield from stack_experts(_plain_tensors(path, cfg), cfg)
 
@@ -218,12 +218,29 @@ def stack_experts(tensors, cfg: LlamaConfig):
             if sorted(got) != list(range(cfg.moe.num_experts)):
                 raise LogprobeError("model", f"{stacked}: expert ids {sorted(got)[:8]}... do not match "
                                     f"num_experts {cfg.moe.num_experts}")
-            yield stacked, torch.stack([got[e] for e in range(cfg.moe.num_experts)])  # [E, out, in]
+            yield stacked, _stack([got[e] for e in range(cfg.moe.num_experts)], stacked)
             del pending[stacked]
     for stacked, got in pending.items():
         missing = sorted(set(range(cfg.moe.num_experts)) - set(got))
         raise LogprobeError("model", f"{stacked}: experts {missing[:8]} are missing from the checkpoint "
                             f"(num_experts {cfg.moe.num_experts})")
+
+
+def _stack(experts: list, name: str):
+    """E expert weights -> [E, out, in]: float tensors stacked, packed integer layers (compressed-
+    tensors ``CTLinear``) kept packed side by side (``ExpertStack``). Anything else is refused: an
+    expert with activation quantization would need its rounding inside the expert kernels."""
+    from ..layers.moe import ExpertStack
+    from ..layers.quant_linear import CTLinear
+
+    if all(isinstance(w, torch.Tensor) for w in experts):
+        return torch.stack(experts)  # [E, out, in]
+    if all(type(w) is CTLinear for w in experts):
+        return ExpertStack(experts)
+    kinds = sorted({type(w).__name__ for w in experts})
+    raise LogprobeError("quantization_config", f"{name}: experts stored as {', '.join(kinds)} are not run natively "
+                        "(weight-only integer experts are; activation-quantized ones are not yet)",
+                        "quantize the experts weight-only (W4A16 / W8A16), or score a GGUF file")
 
 
 def hf_tokenizer(path: Path):

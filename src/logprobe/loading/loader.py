@@ -86,18 +86,18 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
     ``tensors`` yields (parameter name, tensor) or (parameter name, packed layer): a packed
     ``*.weight`` replaces the whole Linear (or the embedding) it belongs to; packed experts
     (``layers.moe.PackedExperts``) replace one of an MoE block's expert tensors."""
-    from ..layers.moe import PackedExperts
+    from ..layers.moe import ExpertMatrices
     from ..layers.quant_linear import PackedEmbedding, PackedWeight
     from ..models.moe import native_model_class
 
     freq_factors = None
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
-    experts: dict[str, PackedExperts] = {}
+    experts: dict[str, ExpertMatrices] = {}
     for name, w in tensors:
         if name == "rope_freqs":
             freq_factors = w.float()
-        elif isinstance(w, PackedExperts):
+        elif isinstance(w, ExpertMatrices):
             w.compute_dtype = dtype
             experts[name] = w.to(device)
         elif isinstance(w, PackedWeight):

@@ -67,14 +67,14 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     [E, out, in] is E units ``layers.N.mlp.experts.gate_proj.{e}`` (views [out, in]). A
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
-    from ..layers.moe import PackedExperts
+    from ..layers.moe import ExpertMatrices
     from ..layers.quant_linear import PackedEmbedding, PackedWeight
 
     if not isinstance(model, LlamaModel):
         raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
                             "use a native model (a Llama-family directory or GGUF file)")
     for name, m in model.named_modules():
-        if isinstance(m, (PackedWeight, PackedEmbedding, PackedExperts)):
+        if isinstance(m, (PackedWeight, PackedEmbedding, ExpertMatrices)):
             raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
                                 "tensors cannot be written into quantized blocks exactly",
                                 "load the float checkpoint, or reload the scorer from the new quantized file")
