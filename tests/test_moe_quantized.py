@@ -156,3 +156,22 @@ def test_activation_quantized_experts_are_refused(quantized, tmp_path):
     quantize_moe(root / "src", tmp_path / "w8a8", tmp_path / "ref", scheme="W8A8")
     with pytest.raises(LogprobeError, match="experts stored as ActQuantLinear"):
         Scorer(str(tmp_path / "w8a8"), device="cpu", dtype="float32")
+
+
+def test_w8a16_experts(quantized, tmp_path):
+    """int8 weight-only experts (per-channel scales) take the same path."""
+    from transformers import AutoModelForCausalLM
+
+    root, _ = quantized
+    quantize_moe(root / "src", tmp_path / "w8a16", tmp_path / "ref", scheme="W8A16")
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"), attn_implementation="eager",
+                                               experts_implementation="eager", dtype=torch.float64).eval()
+    scorer = Scorer(str(tmp_path / "w8a16"), device="cpu", dtype="float32", progress=False)
+    stack = scorer.loaded.model.layers[1].mlp.experts.up_proj
+    assert isinstance(stack, ExpertStack) and stack.layers[0].num_bits == 8
+    seq = random_sequences(2, seed=4)
+    check_routing_is_decided(scorer, ref, [s["prompt_token_ids"] + s["completion_token_ids"] for s in seq])
+    for s, res in zip(seq, scorer.logprobs(seq)):
+        ids = s["prompt_token_ids"] + s["completion_token_ids"]
+        rows = ref_logprobs(ref, ids)[len(s["prompt_token_ids"]) - 1: len(ids) - 1]
+        assert (res.logprobs.double() - rows.gather(1, torch.tensor(s["completion_token_ids"])[:, None])[:, 0]).abs().max() < TOL
