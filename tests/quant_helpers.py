@@ -91,6 +91,23 @@ def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=Non
     (FP8_DYNAMIC, W8A8, FP8_BLOCK) need nothing more; static ones (FP8) get their ``input_scale``
     from running ``calibration`` (lists of token ids)."""
     from compressed_tensors.compressors import ModelCompressor
+
+    quantize_in_place(model, scheme, group_size)
+    if calibration is not None:
+        _calibrate_inputs(model, calibration)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(str(out_dir))
+    compressor.update_config(str(out_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def quantize_in_place(model, scheme: str = "W4A16", group_size: int | None = None) -> None:
+    """compressed-tensors' ``apply_quantization_config`` of a preset on every ``Linear`` of
+    ``model`` (``lm_head`` ignored), with round-to-nearest min/max scales (``_minmax_qparams``).
+    ``W8A16_CHANNEL`` and the like: the preset with per-channel scales."""
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationStatus,
@@ -98,7 +115,7 @@ def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=Non
         preset_name_to_scheme,
     )
 
-    channel = scheme.endswith("_CHANNEL")  # e.g. W8A16_CHANNEL: the preset with per-channel scales
+    channel = scheme.endswith("_CHANNEL")
     qscheme = preset_name_to_scheme(scheme.removesuffix("_CHANNEL"), ["Linear"])
     if channel:
         qscheme.weights.strategy, qscheme.weights.group_size = "channel", None
@@ -113,15 +130,6 @@ def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=Non
             m.weight_scale.data = scale.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
             if hasattr(m, "weight_zero_point"):
                 m.weight_zero_point.data = zp.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
-    if calibration is not None:
-        _calibrate_inputs(model, calibration)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(str(out_dir))
-    compressor.update_config(str(out_dir))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def decompressed_state(out_dir: Path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 from helpers import random_sequences, ref_logprobs
-from quant_helpers import _minmax_qparams
+from quant_helpers import quantize_in_place
 from test_moe import TOL, check_routing_is_decided, make_moe_dir
 
 from logprobe import Scorer
@@ -52,28 +52,11 @@ def quantize_moe(src, dst, ref_dst, scheme: str = "W4A16", group: int = 32) -> N
     """``src`` (a saved MoE) -> ``dst`` compressed, ``ref_dst`` with the weights compressed-tensors
     decompresses (a plain checkpoint of the same model)."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationStatus,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
     from safetensors.torch import load_file, save_file
 
     sd = load_file(str(src / "model.safetensors"))
     root = _tree(sd)
-    qscheme = preset_name_to_scheme(scheme, ["Linear"])
-    if qscheme.weights.strategy == "group":
-        qscheme.weights.group_size = group
-    config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=["lm_head"],
-                                quantization_status=QuantizationStatus.FROZEN)
-    apply_quantization_config(root, config, show_progress=False)
-    for _, m in root.named_modules():
-        if getattr(m, "quantization_scheme", None) is not None:
-            scale, zp = _minmax_qparams(m, m.quantization_scheme.weights)
-            m.weight_scale.data = scale.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
-            if hasattr(m, "weight_zero_point"):
-                m.weight_zero_point.data = zp.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+    quantize_in_place(root, scheme, group)
     compressor = ModelCompressor.from_pretrained_model(root)
     compressor.compress_model(root)
     quantized = {k.removesuffix(".weight") for k in sd if k.removesuffix(".weight") in dict(root.named_modules())}
