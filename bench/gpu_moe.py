@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_scoring import workload  # noqa: E402
+from gpu_scoring import byte_tokenizer, run_transformers, workload  # noqa: E402
 
 from logprobe.config import EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
@@ -518,49 +518,6 @@ def public_path_check(cfg, model, reqs, dev, dtype) -> str:
     return f"in-memory builder vs Scorer(save_pretrained dir) on {len(reqs)} W1 requests: bitwise {same}"
 
 
-def byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2}
-    for ch in sorted(ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-
-
-def run_transformers(hf, reqs, budget, dev):
-    """Right-padded batches (sorted by length) of at most ``budget`` padded tokens; logits ->
-    float32 log_softmax -> gather (bench/gpu_scoring.py's baseline, on any device, no KV cache)."""
-    order = sorted(range(len(reqs)), key=lambda i: -reqs[i].num_inputs)
-    out = [None] * len(reqs)
-    i = 0
-    while i < len(order):
-        L = reqs[order[i]].num_inputs
-        B = max(1, budget // L)
-        idx = order[i:i + B]
-        i += B
-        ids = torch.zeros(len(idx), L, dtype=torch.long)
-        mask = torch.zeros(len(idx), L, dtype=torch.long)
-        for j, r in enumerate(idx):
-            t = reqs[r].tokens[:-1]
-            ids[j, :len(t)] = torch.tensor(t)
-            mask[j, :len(t)] = 1
-        logits = hf(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False).logits  # [B, L, V]
-        lp = logits.float().log_softmax(-1)
-        del logits
-        for j, r in enumerate(idx):
-            q = reqs[r]
-            rows = torch.arange(q.score_begin - 1, q.num_inputs, device=dev)
-            tgt = torch.tensor(q.tokens[q.score_begin:], device=dev)
-            out[r] = lp[j, rows].gather(1, tgt[:, None])[:, 0].float().cpu()
-        del lp
-    return out
-
-
 def transformers_phase(args, cfg, lc, dev, dtype, wls, state):
     if dev.type == "cuda":
         log(f"\nbefore transformers' model: {torch.cuda.memory_allocated() / GiB:.2f} GiB still allocated")
@@ -574,7 +531,7 @@ def transformers_phase(args, cfg, lc, dev, dtype, wls, state):
         with torch.inference_mode():
             if "correct" in args.sections:
                 reqs = workload("W1", lc.vocab_size)[:args.check_requests]
-                state["check_hf"] = run_transformers(hf, reqs, args.budgets[0], dev)
+                state["check_hf"] = run_transformers(hf, reqs, args.budgets[0], dev, use_cache=False)
             if "workloads" not in args.sections:
                 return
             for impl in impls:
@@ -584,12 +541,12 @@ def transformers_phase(args, cfg, lc, dev, dtype, wls, state):
                 for w, reqs in wls.items():
                     n = args.baseline_limit
                     part = reqs[:n] if n and n < len(reqs) else reqs
-                    run_transformers(hf, part[:warm_count(args, w) // 2 or 1], args.budgets[0], dev)  # warm-up
+                    run_transformers(hf, part[:warm_count(args, w) // 2 or 1], args.budgets[0], dev, use_cache=False)  # warm-up
                     best = None
                     for budget in args.budgets:
                         b0 = peak_reset(dev)
                         try:
-                            res, sec = sync_time(lambda b=budget, part=part: run_transformers(hf, part, b, dev))
+                            res, sec = sync_time(lambda b=budget, part=part: run_transformers(hf, part, b, dev, use_cache=False))
                         except torch.OutOfMemoryError:
                             log(f"transformers ({label}) {w} budget {budget}: OOM")
                             free()

@@ -36,30 +36,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-SHAPES = {
-    "tiny": dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-}
-
-
-def save_model(shape: str, path: str, device: str) -> None:
-    import transformers as tf
-    from tokenizers import Tokenizer, models
-
-    cfg = tf.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = tf.LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    model.save_pretrained(path)
-    vocab = {f"<{i}>": i for i in range(SHAPES[shape]["vocab_size"])}
-    tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<0>")),
-                               bos_token="<1>", eos_token="<2>").save_pretrained(path)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_first_call import SHAPES, save_model  # noqa: E402  (the same random model, saved once)
 
 
 def rl_groups(vocab: int, scale: float, seed: int = 11) -> list[dict]:

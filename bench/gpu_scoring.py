@@ -460,9 +460,26 @@ def matmul_section(args) -> None:
     log("(Triton cells: TFLOP/s (speed relative to cuBLAS))")
 
 
-def run_transformers(hf, reqs, budget):
+def byte_tokenizer():
+    """A byte-level tokenizer (every byte a token, ids 3.. ): the random-weight benches score token
+    ids, a model directory still needs one."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def run_transformers(hf, reqs, budget, dev="cuda", use_cache: bool = True):
     """Right-padded batches (sorted by length) of at most ``budget`` padded tokens; logits ->
-    float32 log_softmax -> gather. Returns per-request logprobs."""
+    float32 log_softmax -> gather. Returns per-request logprobs (float32, on the CPU).
+    ``use_cache=False``: no KV cache is built (bench/gpu_moe.py's baseline)."""
     order = sorted(range(len(reqs)), key=lambda i: -reqs[i].num_inputs)
     out = [None] * len(reqs)
     i = 0
@@ -477,13 +494,13 @@ def run_transformers(hf, reqs, budget):
             t = reqs[r].tokens[:-1]
             ids[j, :len(t)] = torch.tensor(t)
             mask[j, :len(t)] = 1
-        logits = hf(input_ids=ids.cuda(), attention_mask=mask.cuda()).logits  # [B, L, V]
+        logits = hf(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=use_cache).logits  # [B, L, V]
         lp = logits.float().log_softmax(-1)
         del logits
         for j, r in enumerate(idx):
             q = reqs[r]
-            rows = torch.arange(q.score_begin - 1, q.num_inputs, device="cuda")
-            tgt = torch.tensor(q.tokens[q.score_begin:], device="cuda")
+            rows = torch.arange(q.score_begin - 1, q.num_inputs, device=dev)
+            tgt = torch.tensor(q.tokens[q.score_begin:], device=dev)
             out[r] = lp[j, rows].gather(1, tgt[:, None])[:, 0].cpu()
         del lp
     return out

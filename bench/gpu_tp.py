@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_scoring import MODELS, matmul_ceiling, unique_flops, workload  # noqa: E402
+from gpu_scoring import MODELS, byte_tokenizer, matmul_ceiling, unique_flops, workload  # noqa: E402
 
 
 def log(*a):
@@ -37,8 +37,6 @@ def write_checkpoint(name: str, path: Path) -> None:
     """Random bf16 weights (seeded per tensor), config.json and a byte-level tokenizer."""
     import transformers as tf
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models
-    from tokenizers.pre_tokenizers import ByteLevel
 
     from logprobe.loading.hf import native_config
     from logprobe.models.llama import LlamaModel
@@ -68,15 +66,7 @@ def write_checkpoint(name: str, path: Path) -> None:
         index.update({k: fname for k in p})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     cfg.save_pretrained(str(path))
-    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2}
-    for ch in sorted(ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    from transformers import PreTrainedTokenizerFast
-
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(str(path))
+    byte_tokenizer().save_pretrained(str(path))
 
 
 def timed(engine, reqs):

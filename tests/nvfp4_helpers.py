@@ -61,13 +61,13 @@ def _input_global_scales(model, calibration: list[list[int]]) -> None:
 
 def nvfp4_checkpoint(src: Path, out_dir: Path, scheme: str, calibration: list[list[int]], tokenizer=None) -> Path:
     """Quantize the float Llama at ``src`` with the NVFP4 or NVFP4A16 preset and save it compressed."""
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationStatus,
         apply_quantization_config,
         preset_name_to_scheme,
     )
+    from quant_helpers import compress_and_save
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
@@ -79,13 +79,7 @@ def nvfp4_checkpoint(src: Path, out_dir: Path, scheme: str, calibration: list[li
             _weight_qparams(m)
     if scheme == "NVFP4":
         _input_global_scales(model, calibration)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(str(out_dir))
-    compressor.update_config(str(out_dir))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
-    return out_dir
+    return compress_and_save(model, out_dir, tokenizer)
 
 
 def _args(d: Path):

@@ -90,11 +90,16 @@ def quantize_and_save(model, out_dir: Path, scheme: str = "W4A16", tokenizer=Non
     ``group_size`` overrides the preset's (128) for grouped schemes. Activation-quantized presets
     (FP8_DYNAMIC, W8A8, FP8_BLOCK) need nothing more; static ones (FP8) get their ``input_scale``
     from running ``calibration`` (lists of token ids)."""
-    from compressed_tensors.compressors import ModelCompressor
-
     quantize_in_place(model, scheme, group_size)
     if calibration is not None:
         _calibrate_inputs(model, calibration)
+    return compress_and_save(model, out_dir, tokenizer)
+
+
+def compress_and_save(model, out_dir: Path, tokenizer=None) -> Path:
+    """compressed-tensors' ``ModelCompressor`` on a quantized ``model``, saved with its config."""
+    from compressed_tensors.compressors import ModelCompressor
+
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(str(out_dir))
