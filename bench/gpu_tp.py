@@ -80,8 +80,7 @@ def timed(engine, reqs):
 def set_mode(scorer, det: bool) -> None:
     from logprobe.config import EngineConfig
 
-    scorer.config = EngineConfig(deterministic=det, progress=False)
-    scorer.engine.config = scorer.config
+    scorer.config = EngineConfig(deterministic=det, progress=False)  # None budget: the one chosen at start
 
 
 def run_config(label, scorer, loads, reqs_by_w, det_modes, ref, rows, gpus, ceiling, lc):

@@ -68,10 +68,29 @@ def test_scorer_resolves_the_default(tiny_dir):
     assert budget_for(s.loaded.model, torch.device("cpu")) == CPU_BUDGET
 
 
+def test_config_set_later_keeps_the_start_budget(tiny_dir):
+    """A config set after start with ``max_batch_tokens=None`` (deterministic switched on, say)
+    runs under the budget chosen at start; a new budget replaces the working one. Before the
+    setter resolved None, the first good batch compared ``int < None`` and raised."""
+    s = Scorer(str(tiny_dir), device="cpu", dtype="float32", max_batch_tokens=300)
+    seqs = [{"prompt_token_ids": list(range(5, 15)), "completion_token_ids": list(range(15, 40))}]
+    want = s.logprobs(seqs)[0].logprobs
+    s.config = EngineConfig(deterministic=True)
+    assert s.config.max_batch_tokens == 300 and s.config.deterministic and s.engine.budget == 300
+    torch.testing.assert_close(s.logprobs(seqs)[0].logprobs, want, rtol=0, atol=2e-5)
+    s.config = EngineConfig(max_batch_tokens=64)
+    assert s.engine.budget == 64 and s.config.max_batch_tokens == 64 and not s.config.deterministic
+    s.engine.budget = 32  # lowered after an out-of-memory: an unchanged budget keeps the lowering
+    s.config = EngineConfig(max_batch_tokens=64, deterministic=True)
+    assert s.engine.budget == 32
+
+
 def test_tensor_parallel_ranks_agree(tiny_dir):
     """Worker ranks resolve the budget, agree on the smallest and tell the driver (gloo, CPU)."""
     with Scorer(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2) as s:
         assert s.config.max_batch_tokens == CPU_BUDGET and s.engine.config is s.config
+        s.config = EngineConfig(deterministic=True)  # sent to the workers each run, None resolved
+        assert s.config.max_batch_tokens == CPU_BUDGET
         ids = list(range(5, 40))
         lp = s.logprobs([{"prompt_token_ids": ids[:10], "completion_token_ids": ids[10:]}])[0].logprobs
     ref = Scorer(str(tiny_dir), device="cpu", dtype="float32").logprobs(

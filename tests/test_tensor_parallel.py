@@ -28,8 +28,7 @@ FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
 
 
 def _set_mode(scorer: Scorer, deterministic: bool) -> None:
-    scorer.config = EngineConfig(deterministic=deterministic, max_batch_tokens=scorer.config.max_batch_tokens)
-    scorer.engine.config = scorer.config
+    scorer.config = EngineConfig(deterministic=deterministic)
 
 
 def _sequences():

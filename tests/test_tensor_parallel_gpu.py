@@ -35,8 +35,7 @@ def model_dir(tmp_path_factory):
 
 
 def _mode(s: Scorer, det: bool) -> None:
-    s.config = EngineConfig(deterministic=det)
-    s.engine.config = s.config
+    s.config = EngineConfig(deterministic=det)  # max_batch_tokens None: the budget chosen at start
 
 
 def _equal(a, b) -> bool:

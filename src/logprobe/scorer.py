@@ -56,21 +56,31 @@ class Scorer:
         ``torchrun`` (a process group already initialised with N ranks) every rank makes its
         Scorer with the same arguments and calls it with the same inputs. ``close()`` stops the
         workers."""
-        self.config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress,
-                                             deterministic=deterministic or batch_invariant)
+        config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress,
+                                        deterministic=deterministic or batch_invariant)
         if tensor_parallel_size != 1 or data_parallel_size != 1:
             from .parallel.engine import parallel_parts
 
-            self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, self.config,
+            self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
                                                                    tensor_parallel_size, data_parallel_size)
         else:
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
             self.device = next(self.loaded.model.parameters()).device
-            self.engine = Engine(self.loaded.model, self.config, self.device)
-        self.config = self.engine.config  # max_batch_tokens resolved (None: from the device)
+            self.engine = Engine(self.loaded.model, config, self.device)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         self.weights_version = 0  # +1 per successful update_weights / load_weights
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's config, ``max_batch_tokens`` resolved (None at start: from the device)."""
+        return self.engine.config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        """Later calls run under ``config`` (``scorer.config = replace(scorer.config,
+        deterministic=True)``); ``max_batch_tokens=None`` keeps the budget chosen at start."""
+        self.engine.config = config
 
     def close(self) -> None:
         """Stop worker processes (parallel scorers); a no-op otherwise."""

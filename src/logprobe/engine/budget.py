@@ -28,7 +28,11 @@ plus a shared expert's ``3 I_s``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+
+from ..config import EngineConfig
 
 CPU_BUDGET = 8192
 MAX_AUTO = 32768
@@ -81,3 +85,18 @@ def budget_for(model: torch.nn.Module, device: torch.device) -> int:
     except (AttributeError, StopIteration, TypeError):
         return CUDA_UNKNOWN
     return auto_budget("cuda", torch.cuda.mem_get_info(device)[0], per_token)
+
+
+def resolved_budget(config: EngineConfig, start_budget: int | None) -> EngineConfig:
+    """``config`` with ``max_batch_tokens=None`` replaced by the budget an engine started with
+    (set after start, None means "the default", which was chosen once from the device).
+
+    >>> from logprobe.config import EngineConfig
+    >>> resolved_budget(EngineConfig(deterministic=True), 32768).max_batch_tokens
+    32768
+    >>> resolved_budget(EngineConfig(max_batch_tokens=4096), 32768).max_batch_tokens
+    4096
+    """
+    if config.max_batch_tokens is None and start_budget is not None:
+        return replace(config, max_batch_tokens=start_budget)
+    return config

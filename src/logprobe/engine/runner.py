@@ -17,7 +17,7 @@ from ..layers.hooks import CaptureTable, Hooks, SteerTable
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..scoring.head import logprob_head
-from .budget import budget_for
+from .budget import budget_for, resolved_budget
 from .host import HostCopy, HostRows, start_copy
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, plan_work, tree_cost
@@ -203,7 +203,8 @@ class Engine:
         if config.max_batch_tokens is None:  # the default: from the device and its free memory
             config = replace(config, max_batch_tokens=budget_for(model, device))
         self.model = model
-        self.config = config
+        self.start_budget = config.max_batch_tokens  # what a later config's None stands for
+        self._config = config
         self.device = device
         self._linears = [m for m in model.modules() if isinstance(m, Linear)]
         self._norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
@@ -403,6 +404,20 @@ class Engine:
         self.oom_count += 1
         self.budget = max(1, min(self.budget, rows // 2))
         self._good = 0
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        """The config of the next runs (deterministic on or off, say). ``max_batch_tokens=None``
+        keeps the budget this engine started with (chosen once, agreed by TP ranks); a new budget
+        replaces the working one, an unchanged one keeps any lowering after an out-of-memory."""
+        config = resolved_budget(config, self.start_budget)
+        if config.max_batch_tokens != self._config.max_batch_tokens:
+            self.budget = config.max_batch_tokens
+        self._config = config
 
     def _succeeded(self, tokens: int) -> None:
         """A forward pass that held ``tokens`` (rows and cached keys) ran: raise the budget back

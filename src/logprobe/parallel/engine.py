@@ -16,6 +16,7 @@ from multiprocessing import connection
 from ..config import EngineConfig
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
+from ..engine.budget import resolved_budget
 from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
 
 
@@ -57,6 +58,16 @@ class ParallelEngine:
             raise
         if config.max_batch_tokens is None:  # every replica runs the driver's config: the smallest budget
             self.config = replace(config, max_batch_tokens=min(g.budget for g in self.groups))
+        self.start_budget = self.config.max_batch_tokens
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        """As ``Engine.config``: ``max_batch_tokens=None`` keeps the budget the replicas agreed at start."""
+        self._config = resolved_budget(config, getattr(self, "start_budget", None))
 
     def run(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None = None,
             progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,
