@@ -260,6 +260,56 @@ def test_under_torchrun_every_rank_is_one_shard(hf_models, tmp_path):
         assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), want)
 
 
+HEAD_SCRIPT = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+from logprobe.kernels.logprob_head import fused_head_partials
+from logprobe.parallel.context import ParallelContext
+from logprobe.parallel.shard import vocab_chunk_width, vocab_shard
+from logprobe.scoring.head import HeadParams, logprob_head
+rank, V, H, N = dist.get_rank(), 1000, 32, 6
+g = torch.Generator().manual_seed(0)
+w, h = torch.randn(V, H, generator=g), torch.randn(N, H, generator=g)
+y = torch.randint(0, V, (N,), generator=g)
+v0, v1 = vocab_shard(V, vocab_chunk_width(V), rank, 2)
+p = HeadParams(w[v0:v1].contiguous(), vocab_start=v0, vocab_total=V, comm=ParallelContext(rank, 2, dist.group.WORLD))
+t = torch.full((N,), 0.7)
+splits = fused_head_partials(h, p.weight, y - v0, torch.zeros(N), 1 / t)[0].shape[0]
+out = logprob_head(h, p, y, 0.7, top_k=3, entropy=True, backend="triton")
+torch.save(dict(splits=splits, lp=out.logprobs, ent=out.entropy, ids=out.topk_ids, h=h, w=w, y=y),
+           sys.argv[1] + f"/rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+def test_vocab_parallel_kernel_head_in_default_mode(tmp_path):
+    """The fused head kernel on vocabulary shards in default mode (Triton's CPU interpreter, two
+    gloo ranks): each rank splits its shard into several partials to fill the device, and every
+    one of them reaches the combine. Until the counts were exchanged, only each rank's first split
+    was kept, and TP = 2 on two H200s gave log-probs up to 1.1 nats off (a random bf16 Llama)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "head.py"
+    script.write_text(HEAD_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(__import__("server_util").free_port()), str(script), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [torch.load(tmp_path / f"rank{k}.pt") for k in (0, 1)]
+    assert min(g["splits"] for g in got) > 1  # what made the bug: more than one partial per rank
+    z = (got[0]["h"].double() @ got[0]["w"].double().T) / 0.7  # [N, V] float64 reference
+    logp = torch.log_softmax(z, -1)
+    want = logp.gather(1, got[0]["y"][:, None]).squeeze(1)
+    ent = -(logp.exp() * logp).sum(-1)
+    for g in got:
+        torch.testing.assert_close(g["lp"].double(), want, rtol=0, atol=1e-4)
+        torch.testing.assert_close(g["ent"].double(), ent, rtol=0, atol=1e-4)
+        assert torch.equal(g["ids"], logp.topk(3, -1).indices)
+
+
 def test_more_ranks_than_gpus_is_an_error(hf_models, monkeypatch):
     """Checked before any process starts (CUDA is faked: the check reads only the device count)."""
     path, _ = hf_models["llama"]

@@ -190,15 +190,21 @@ def _kernel_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entr
 
 def _gather_partials(parts, params: HeadParams, fixed: bool):
     """Every rank's partials, in rank order (= vocabulary order), on every rank: [P_total, N(, K)].
-    Ranks may hold different numbers of grid chunks: each pads to the most, and the padding
-    partials are dropped after the gather."""
+    Ranks may hold different numbers of partials: each pads to the most, and the padding partials
+    are dropped after the gather. Fixed (deterministic) mode: one per grid chunk of the rank's
+    shard, known to all. Default mode: as many as the rank's pass made (the fused kernel splits
+    its shard to fill the GPU, the PyTorch loop makes one), so the counts are exchanged first."""
     comm = params.comm
     if comm is None or comm.size == 1:
         return parts
     from ..parallel.shard import vocab_shard
 
-    counts = [len(range(*vocab_shard(params.vocab_size, params.grid_width, r, comm.size))[::params.grid_width])
-              for r in range(comm.size)] if fixed else [1] * comm.size
+    if fixed:
+        counts = [len(range(*vocab_shard(params.vocab_size, params.grid_width, r, comm.size))[::params.grid_width])
+                  for r in range(comm.size)]
+    else:
+        mine = torch.tensor([parts[0].shape[0]], dtype=torch.int64, device=parts[0].device)
+        counts = comm.all_gather(mine).flatten().tolist()  # [size]
     most = max(counts)
     out = []
     for t in parts:
