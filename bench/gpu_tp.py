@@ -29,8 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_scoring import MODELS, byte_tokenizer, matmul_ceiling, unique_flops, workload  # noqa: E402
 
 
+T0 = time.perf_counter()
+
+
 def log(*a):
-    print(*a, flush=True)
+    print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
 
 
 def write_checkpoint(name: str, path: Path) -> None:
@@ -87,7 +90,9 @@ def run_config(label, scorer, loads, reqs_by_w, det_modes, ref, rows, gpus, ceil
     for det in det_modes:
         set_mode(scorer, det)
         for w, reqs in reqs_by_w.items():
+            t = time.perf_counter()
             scorer.engine.run(reqs if w == "W1" else reqs[:16])  # warm-up: every kernel specialisation compiled
+            log(f"{label} {w} {'det' if det else 'default'}: warm-up {time.perf_counter() - t:.1f} s")
             secs, lp = timed(scorer.engine, reqs)
             toks = sum(r.num_inputs for r in reqs)
             mfu = unique_flops(lc, reqs) / secs / (ceiling * 1e12 * gpus)
@@ -237,14 +242,21 @@ def main() -> None:
     t = time.perf_counter()
     one = Scorer(str(path), device="cuda", config=EngineConfig(progress=False))
     lc = one.loaded.model.config
+    log(f"TP=1: loaded in {time.perf_counter() - t:.1f} s, budget {one.config.max_batch_tokens}")
     reqs = {w: workload(w, lc.vocab_size) for w in args.workloads.split(",")}
     run_config("TP=1", one, time.perf_counter() - t, reqs, (False, True), ref, rows, 1, ceiling, lc)
+    del one  # GPU 0 free again for the workers of the next configurations
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
     for label, kw, gpus in (("TP=2", dict(tensor_parallel_size=2), 2), ("DP=2", dict(data_parallel_size=2), 2)):
         if torch.cuda.device_count() < 2:
             log(f"{label}: skipped, one GPU")
             continue
         t = time.perf_counter()
         with Scorer(str(path), device="cuda", config=EngineConfig(progress=False), **kw) as s:
+            log(f"{label}: workers ready in {time.perf_counter() - t:.1f} s, budget {s.config.max_batch_tokens}")
             run_config(label, s, time.perf_counter() - t, reqs, (False, True), ref, rows, gpus, ceiling, lc)
     log("\n| config | workload | mode | s | tok/s | MFU | max |Δ| vs TP=1 | mean |Δ| | bitwise |")
     log("|---|---|---|---:|---:|---:|---:|---:|---|")
