@@ -28,7 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_scoring import MODELS, byte_tokenizer, matmul_ceiling, unique_flops, workload  # noqa: E402
 
-
 T0 = time.perf_counter()
 
 

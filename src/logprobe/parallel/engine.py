@@ -14,9 +14,9 @@ from dataclasses import replace
 from multiprocessing import connection
 
 from ..config import EngineConfig
+from ..engine.budget import resolved_budget
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
-from ..engine.budget import resolved_budget
 from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
 
 
