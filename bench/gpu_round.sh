@@ -3,8 +3,10 @@
 # one device call runs several with no time lost between them. Each step runs under its own time
 # limit; its log goes to $OUT/<step>.log (or /tmp/gpu_round) and a line per step is printed at the
 # end (exit status, seconds). The steps print their own tables; docs/perf.md keeps the results.
+# Call it without a pipe (`| tail` waits for every step; the device's reply already keeps the
+# output's end); the device returns at most 8 files, so the test files' logs stay in /tmp.
 #
-#   bench/gpu_round.sh tests scoring            # steps in the order given
+#   bench/gpu_round.sh tests overlap            # steps in the order given
 #
 # steps (rough H100 minutes):
 #   tests    the CUDA cases of the kernel, engine and format tests (pytest -m "not slow") ...... ~3
@@ -26,19 +28,22 @@ step() {  # name, time limit in seconds, command...
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    # -k: a process that ignores the TERM (seen on an H100: a test step that never ended) is killed
+    timeout -k 15 "$limit" "$@" >"${logdir:-$out}/$name.log" 2>&1
     local rc=$?
     summary+=("$name rc=$rc $((SECONDS - t0)) s")
-    tail -n 40 "$out/$name.log"
+    echo "== $name rc=$rc $((SECONDS - t0)) s"
+    tail -n "${lines:-40}" "${logdir:-$out}/$name.log"
 }
 
 for s in "$@"; do
     case $s in
-        tests) step tests 400 python -m pytest -q -m "not slow" -p no:cacheprovider \
-            tests/test_host_copy.py tests/test_gguf_expand.py tests/test_kernels.py tests/test_act_quant_kernels.py \
-            tests/test_elementwise_kernels.py tests/test_invariant_kernels.py tests/test_w4a16.py \
-            tests/test_sliced_matmul.py tests/test_attention_gpu.py tests/test_moe.py tests/test_padded.py \
-            tests/test_gptq_awq.py tests/test_nvfp4.py tests/test_budget.py ;;
+        tests)  # one file per step: a file that hangs is named by its own line, the others still run
+            mkdir -p /tmp/gpu_round_tests  # 14 logs: more than the device returns; their tails are printed
+            for f in host_copy gguf_expand kernels act_quant_kernels elementwise_kernels invariant_kernels w4a16 \
+                     sliced_matmul attention_gpu moe padded gptq_awq nvfp4 budget; do
+                logdir=/tmp/gpu_round_tests lines=8 step "test_$f" 120 python -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
+            done ;;
         overlap) step overlap 400 python bench/gpu_scoring.py --sections engine --models llama-1b,llama-8b \
             --overlap --det-only ;;
         gguf) step gguf 500 python bench/gpu_scoring.py --sections gguf --gguf-types Q4_K,Q8_0 ;;
