@@ -79,24 +79,24 @@ def timed(engine, reqs):
     return time.perf_counter() - t, torch.cat([r.logprobs for r in out])
 
 
-def set_mode(scorer, det: bool) -> None:
+MODES = {"default": {}, "det": dict(deterministic=True),  # det: TP-invariant, the default products
+         "det-triton": dict(deterministic=True, invariant_matmul="triton")}  # opt-in one-kernel slices
+
+
+def run_config(label, scorer, loads, reqs_by_w, modes, ref, rows, gpus, ceiling, lc):
     from logprobe.config import EngineConfig
 
-    scorer.config = EngineConfig(deterministic=det, progress=False)  # None budget: the one chosen at start
-
-
-def run_config(label, scorer, loads, reqs_by_w, det_modes, ref, rows, gpus, ceiling, lc):
-    for det in det_modes:
-        set_mode(scorer, det)
+    for mode in modes:
+        scorer.config = EngineConfig(progress=False, **MODES[mode])  # None budget: the one chosen at start
         for w, reqs in reqs_by_w.items():
             t = time.perf_counter()
             scorer.engine.run(reqs if w == "W1" else reqs[:16])  # warm-up: every kernel specialisation compiled
-            log(f"{label} {w} {'det' if det else 'default'}: warm-up {time.perf_counter() - t:.1f} s")
+            log(f"{label} {w} {mode}: warm-up {time.perf_counter() - t:.1f} s")
             secs, lp = timed(scorer.engine, reqs)
             toks = sum(r.num_inputs for r in reqs)
             mfu = unique_flops(lc, reqs) / secs / (ceiling * 1e12 * gpus)
-            key = (w, det)
-            row = dict(config=label, workload=w, mode="det" if det else "default", s=round(secs, 3),
+            key = (w, mode)
+            row = dict(config=label, workload=w, mode=mode, s=round(secs, 3),
                        tok_s=round(toks / secs), mfu=round(mfu, 3), load_s=round(loads, 1))
             if key in ref:
                 d = (lp - ref[key]).abs()
@@ -212,6 +212,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--workloads", default="W1,W3")
+    ap.add_argument("--modes", default="default,det", help=f"of {','.join(MODES)}; each against TP=1 in the same mode")
     ap.add_argument("--old-src", default=None, help="an older src/ tree: TP = 1 timed there and here")
     ap.add_argument("--skip-parallel", action="store_true")
     ap.add_argument("--layers", action="store_true", help="the deterministic products alone at llama-8b shapes")
@@ -243,7 +244,8 @@ def main() -> None:
     lc = one.loaded.model.config
     log(f"TP=1: loaded in {time.perf_counter() - t:.1f} s, budget {one.config.max_batch_tokens}")
     reqs = {w: workload(w, lc.vocab_size) for w in args.workloads.split(",")}
-    run_config("TP=1", one, time.perf_counter() - t, reqs, (False, True), ref, rows, 1, ceiling, lc)
+    modes = args.modes.split(",")
+    run_config("TP=1", one, time.perf_counter() - t, reqs, modes, ref, rows, 1, ceiling, lc)
     del one  # GPU 0 free again for the workers of the next configurations
     import gc
 
@@ -256,7 +258,7 @@ def main() -> None:
         t = time.perf_counter()
         with Scorer(str(path), device="cuda", config=EngineConfig(progress=False), **kw) as s:
             log(f"{label}: workers ready in {time.perf_counter() - t:.1f} s, budget {s.config.max_batch_tokens}")
-            run_config(label, s, time.perf_counter() - t, reqs, (False, True), ref, rows, gpus, ceiling, lc)
+            run_config(label, s, time.perf_counter() - t, reqs, modes, ref, rows, gpus, ceiling, lc)
     log("\n| config | workload | mode | s | tok/s | MFU | max |Δ| vs TP=1 | mean |Δ| | bitwise |")
     log("|---|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
