@@ -23,6 +23,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}  # the GPU image has python3 and no python
 summary=()
 
 step() {  # name, time limit in seconds, command...
@@ -43,18 +44,18 @@ for s in "$@"; do
             mkdir -p /tmp/gpu_round_tests  # 14 logs: more than the device returns; their tails are printed
             for f in host_copy gguf_expand kernels act_quant_kernels elementwise_kernels invariant_kernels w4a16 \
                      sliced_matmul attention_gpu moe padded gptq_awq nvfp4 budget; do
-                logdir=/tmp/gpu_round_tests lines=8 step "test_$f" 120 python -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
+                logdir=/tmp/gpu_round_tests lines=8 step "test_$f" 120 "$py" -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
             done ;;
-        overlap) step overlap 400 python bench/gpu_scoring.py --sections engine --models llama-1b,llama-8b \
+        overlap) step overlap 400 "$py" bench/gpu_scoring.py --sections engine --models llama-1b,llama-8b \
             --overlap --det-only ;;
-        gguf) step gguf 500 python bench/gpu_scoring.py --sections gguf --gguf-types Q4_K,Q8_0 ;;
-        first) step first 300 python bench/gpu_first_call.py --model llama-1b ;;
-        workloads) step workloads 580 python bench/gpu_scoring.py --sections workloads --models llama-1b,llama-8b \
+        gguf) step gguf 500 "$py" bench/gpu_scoring.py --sections gguf --gguf-types Q4_K,Q8_0 ;;
+        first) step first 300 "$py" bench/gpu_first_call.py --model llama-1b ;;
+        workloads) step workloads 580 "$py" bench/gpu_scoring.py --sections workloads --models llama-1b,llama-8b \
             --workloads W1,W3 --budgets 32768 ;;
-        actquant) step actquant 580 python bench/gpu_act_quant.py ;;
-        moe) step moe 580 python bench/gpu_moe.py --sections kernel,workloads,det,correct --workloads W1 --tune ;;
-        det) step det 580 python bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton ;;
-        rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" python bench/rl_padded.py ;;
+        actquant) step actquant 580 "$py" bench/gpu_act_quant.py ;;
+        moe) step moe 580 "$py" bench/gpu_moe.py --sections kernel,workloads,det,correct --workloads W1 --tune ;;
+        det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton ;;
+        rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
