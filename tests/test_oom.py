@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from logprobe.config import EngineConfig
+from logprobe.engine.delivery import RequestOutOfMemory
 from logprobe.engine.request import CaptureAt, ScoreRequest, SteerAt
-from logprobe.engine.runner import MIN_OOM_CHUNK, Engine, RequestOutOfMemory
+from logprobe.engine.runner import MIN_OOM_CHUNK, Engine
 from logprobe.errors import LogprobeError
 from logprobe.loading import load_model
 

@@ -18,6 +18,7 @@ from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..scoring.head import logprob_head
 from .budget import budget_for, resolved_budget
+from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, plan_work, tree_cost
@@ -28,26 +29,6 @@ PROGRESS_MIN_TOKENS = 32768
 MIN_OOM_CHUNK = 16
 # Out of memory: the lowered working budget doubles back after this many good batches in a row.
 OOM_RESTORE_AFTER = 8
-
-
-class RunStopped(Exception):
-    """``Engine.run(stop=...)`` was told to stop; the requests completed before it were delivered."""
-
-
-class RequestOutOfMemory(LogprobeError):
-    """Request ``index`` (``tokens`` inputs) ran out of memory even alone, in a pass of ``rows``
-    rows seeing ``context`` tokens; ``fits``: the most tokens one pass has held on this engine."""
-
-    def __init__(self, index: int, tokens: int, rows: int, context: int, fits: int, cause: str = "") -> None:
-        self.index, self.tokens, self.rows, self.context, self.fits = index, tokens, rows, context, fits
-        self.cause = cause
-        have = f"at most about {fits} tokens have fit in one pass" if fits else "no pass has fit yet"
-        super().__init__(f"requests[{index}]", f"{tokens} input tokens do not fit in memory even alone "
-                         f"(out of memory at {context} tokens; {have}){'; ' + cause if cause else ''}",
-                         "send fewer tokens per request, or use a smaller --dtype, a smaller model or more memory")
-
-    def __reduce__(self):  # picklable (its arguments are not its message)
-        return type(self), (self.index, self.tokens, self.rows, self.context, self.fits, self.cause)
 
 
 @dataclass(slots=True)
@@ -247,87 +228,65 @@ class Engine:
         if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
             with torch.cuda.device(dev):  # Triton launches on the current device: make it this engine's
                 return self.run(requests, on_result, progress, on_error=on_error, stop=stop)
-        cfg = self.config
-        if cfg.deterministic and not self._context:
+        self._check_supported(requests)
+        out = Delivery(requests, on_result, on_error, self._progress_bar(sum(r.num_inputs for r in requests), progress))
+        queue = self._plan(requests, range(len(requests)))
+        planned_at = self.budget
+        while queue:
+            if stop is not None and stop():
+                out.settle()
+                raise RunStopped()
+            unit = queue.popleft()
+            if isinstance(unit, int):  # a request over the budget: its chunks, one per batch, in order
+                out.settle()
+                self._run_chunks(requests, unit, out, stop)
+            elif (again := self._run_unit(requests, unit, out)) is not None:
+                # out of memory: under the lowered budget (at most half its rows) with everything not yet run
+                queue = self._plan(requests, again + _pending(queue))
+                planned_at = self.budget
+                continue
+            if self.budget != planned_at:  # lowered (or raised back): plan what is left again
+                queue = self._plan(requests, _pending(queue))
+                planned_at = self.budget
+        return out.close()
+
+    def _check_supported(self, requests: list[ScoreRequest]) -> None:
+        if self.config.deterministic and not self._context:
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
                                 "use a native model (GGUF or a Llama-family directory), or turn it off")
         if not getattr(self.model, "supports_hooks", False) and any(r.steer or r.capture for r in requests):
             raise LogprobeError("steer" if any(r.steer for r in requests) else "capture",
                                 f"{type(self.model).__name__} has no hook points",
                                 "use a native model (GGUF or a Llama-family directory)")
-        results: list[RequestResult | None] = [None] * len(requests)
-        errors: list[RequestOutOfMemory] = []
-        bar = self._progress_bar(sum(r.num_inputs for r in requests), progress)
-        lengths = [r.num_inputs for r in requests]
 
-        def finish(i: int, res: RequestResult) -> None:
-            results[i] = res
-            if on_result is not None:
-                on_result(i, res)
-
-        def fail(i: int, rows: int, context: int, cause: str) -> None:
-            # the error keeps no traceback: its frames would hold the failed batch's tensors
-            err = RequestOutOfMemory(i, lengths[i], rows, context, self.max_ok_tokens, cause)
-            errors.append(err)
-            if on_error is not None:
-                on_error(i, err)
-
-        in_flight: list[Launched] = []  # the batch launched last, its results not read yet
-
-        def settle() -> None:
-            while in_flight:
-                launched = in_flight.pop()
-                for i, part in launched.results():
-                    finish(i, _concat([part], requests[i]))
-                if bar is not None:
-                    bar.update(launched.packed.meta.num_rows)
-
-        queue = self._plan(requests, range(len(requests)))
-        planned_at = self.budget
-        while queue:
-            if stop is not None and stop():
-                settle()
-                raise RunStopped()
-            unit = queue.popleft()
-            if isinstance(unit, int):  # a request over the budget: its chunks, one per batch, in order
-                settle()
-                self._run_chunks(requests, unit, finish, fail, bar, stop)
-            else:
-                rows = sum(tree_cost(t, lengths) for t in unit)
-                oom = None
-                try:
-                    packed, launched = self._run_batch(requests, unit)
-                except torch.OutOfMemoryError as e:
-                    oom = _first_line(e)
-                except BaseException:
-                    settle()  # the batches before it are delivered, as without the overlap
-                    raise
-                # read the previous batch's results only now: its GPU work ran while this one was
-                # planned, packed and launched (config.overlap_host; bitwise the same either way)
-                settle()
-                if oom is None:
-                    self._succeeded(packed.meta.num_rows)
-                    in_flight.append(launched)
-                    if not cfg.overlap_host:
-                        settle()
-                else:
-                    self._out_of_memory(rows)
-                    members = [m for t in unit for m in t.members]
-                    if len(members) == 1 and not (self._context and rows > MIN_OOM_CHUNK):
-                        fail(members[0], rows, rows, oom)  # alone and not to be cut
-                    else:  # under the lowered budget (at most half its rows) with everything not yet run
-                        queue = self._plan(requests, members + _pending(queue))
-                        planned_at = self.budget
-                        continue
-            if self.budget != planned_at:  # lowered (or raised back): plan what is left again
-                queue = self._plan(requests, _pending(queue))
-                planned_at = self.budget
-        settle()
-        if bar is not None:
-            bar.close()
-        if errors and on_error is None:
-            raise errors[0]
-        return results  # type: ignore[return-value]
+    def _run_unit(self, requests: list[ScoreRequest], unit: list[Tree], out: Delivery) -> list[int] | None:
+        """Launch one batch of trees, then deliver the batch before it. Out of memory: the request
+        indices to plan again under the lowered budget (None when the batch ran, or when its one
+        request failed alone)."""
+        rows = sum(tree_cost(t, out.lengths) for t in unit)
+        oom = None
+        try:
+            packed, launched = self._run_batch(requests, unit)
+        except torch.OutOfMemoryError as e:
+            oom = _first_line(e)
+        except BaseException:
+            out.settle()  # the batches before it are delivered, as without the overlap
+            raise
+        # read the previous batch's results only now: its GPU work ran while this one was
+        # planned, packed and launched (config.overlap_host; bitwise the same either way)
+        out.settle()
+        if oom is None:
+            self._succeeded(packed.meta.num_rows)
+            out.hold(launched)
+            if not self.config.overlap_host:
+                out.settle()
+            return None
+        self._out_of_memory(rows)
+        members = [m for t in unit for m in t.members]
+        if len(members) == 1 and not (self._context and rows > MIN_OOM_CHUNK):
+            out.fail(members[0], rows, rows, self.max_ok_tokens, oom)  # alone and not to be cut
+            return None
+        return members
 
     def _plan(self, requests: list[ScoreRequest], indices) -> deque[list[Tree] | int]:
         """Units of work for ``indices`` under the working budget: batches of trees (request indices
@@ -361,7 +320,7 @@ class Engine:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
         return packed, self.score(requests, packed, hidden)
 
-    def _run_chunks(self, requests: list[ScoreRequest], m: int, finish: Callable, fail: Callable, bar,
+    def _run_chunks(self, requests: list[ScoreRequest], m: int, out: Delivery,
                     stop: Callable[[], bool] | None = None) -> None:
         """Request ``m``'s chunks in order through one KV cache. Out of memory: the cache is cut
         back to the chunk's start and the chunk halved (down to ``MIN_OOM_CHUNK`` rows, then the
@@ -386,16 +345,15 @@ class Engine:
                 _truncate(cache, b)
                 self._out_of_memory(e - b)
                 if e - b <= MIN_OOM_CHUNK:
-                    fail(m, e - b, e, oom)
+                    out.fail(m, e - b, e, self.max_ok_tokens, oom)
                     return
                 size = max(MIN_OOM_CHUNK, (e - b) // 2)
                 continue
             self._succeeded(e)
             parts.extend(part for _, part in scored)
-            if bar is not None:
-                bar.update(e - b)
+            out.progress(e - b)
             b = e
-        finish(m, _concat(parts, r))
+        out.finish(m, concat_parts(parts, r))
 
     def _out_of_memory(self, rows: int) -> None:
         """A batch of ``rows`` rows ran out of memory: free the allocator's cache, lower the budget."""
@@ -514,35 +472,10 @@ def _attach_captures(scored: list[tuple[int, RequestResult]], slots: list[Captur
     for slot in slots:
         res = by_request[slot.request]
         if res.captures is None:
-            res.captures = []  # (capture index, piece) until _concat orders them
+            res.captures = []  # (capture index, piece) until concat_parts orders them
         out = slot.table.out
         piece = out[slot.start] if slot.table.kind == "sum" else out[slot.start:slot.end]
         res.captures.append((slot.capture, piece.cpu()))
-
-
-def _concat(parts: list[RequestResult], r: ScoreRequest) -> RequestResult:
-    """One request's results from its chunks, in order; capture pieces joined (rows) or added (sum)."""
-    cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
-    out = parts[0] if len(parts) == 1 else RequestResult(cat("logprobs"), cat("ranks"), cat("entropy"),
-                                                         cat("topk_ids"), cat("topk_logprobs"))
-    if r.capture:
-        pieces: list[list[torch.Tensor]] = [[] for _ in r.capture]
-        for p in parts:
-            for c, piece in p.captures or ():
-                pieces[c].append(piece)
-        out.captures = [_join(ps, c.kind) for ps, c in zip(pieces, r.capture)]
-    return out
-
-
-def _join(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
-    if len(pieces) == 1:
-        return pieces[0]
-    if kind == "sum":
-        total = pieces[0].clone()
-        for p in pieces[1:]:
-            total += p
-        return total
-    return torch.cat(pieces)
 
 
 def _first_line(e: BaseException) -> str:

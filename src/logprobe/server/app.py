@@ -29,7 +29,8 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..engine.runner import Engine, RequestOutOfMemory
+from ..engine.delivery import RequestOutOfMemory
+from ..engine.runner import Engine
 from ..errors import LogprobeError
 from ..scorer import Scorer
 from .batcher import Batcher, JobFailed, JobTimeout, QueueFull, ServerClosed
