@@ -19,47 +19,28 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..engine.delivery import RequestOutOfMemory
-from ..engine.runner import Engine
-from ..errors import LogprobeError
 from ..scorer import Scorer
-from .batcher import Batcher, JobFailed, JobTimeout, QueueFull, ServerClosed
+from .batcher import Batcher
 from .config import ServerConfig
+from .handlers import engine_call, install_error_handlers, openapi_without_422
 from .metrics import Metrics
 from .responses import SafeJSONResponse, error_response, replies
 from .routes_native import native_router
 from .routes_openai import openai_router
 from .routes_rl import rl_router
-from .schemas import (
-    CompletionRequest,
-    DetokenizeRequest,
-    HealthReply,
-    LogprobsBody,
-    PerplexityBody,
-    ScoreBody,
-    TokenizeRequest,
-)
-from .schemas_rl import GenerateRequest, UpdateWeightsRequest
-from .served import ModelNotFound, RequestTooLarge, Served
-from .validation import validation_message
+from .schemas import HealthReply
+from .served import RequestTooLarge, Served
 from .weights import ServedWeights
 
-log = logging.getLogger("logprobe.server")
-
 OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers, probes)
-BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-          "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody,
-          "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest}
+
 
 
 class Gate:
@@ -149,19 +130,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     engine = scorer.engine
     metrics = Metrics(engine)
 
-    def run_batch(requests):
-        """The engine call; a request that does not fit in memory even alone is an exception in
-        its slot (its job alone fails, 413)."""
-        if not isinstance(engine, Engine):  # ParallelEngine: no per-request errors
-            return engine.run(requests)
-        results: list = engine.run(requests, on_error=lambda i, e: errors.append((i, e)))
-        for i, e in errors:
-            results[i] = e
-        errors.clear()
-        return results
-
-    errors: list = []
-    batcher = Batcher(run_batch, scorer.config.max_batch_tokens, config.max_queue_requests,
+    batcher = Batcher(engine_call(engine), scorer.config.max_batch_tokens, config.max_queue_requests,
                       config.max_queue_tokens, config.batching, metrics.observe_step,
                       lambda reason: metrics.dropped.labels(reason).inc())
     lifecycle = Lifecycle(batcher)
@@ -177,89 +146,11 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     app = FastAPI(title="logprobe", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
                   description="Exact log-probabilities of given text: OpenAI-compatible scoring, tokenizer "
                               "endpoints and native scoring endpoints.")
-    fastapi_openapi = app.openapi
-
-    def openapi() -> dict:
-        """FastAPI's document, less the 422 it adds to every body route: bad bodies answer 400."""
-        doc = fastapi_openapi()
-        for ops in doc.get("paths", {}).values():
-            for op in ops.values():
-                op.get("responses", {}).pop("422", None)
-        for unused in ("HTTPValidationError", "ValidationError"):
-            doc.get("components", {}).get("schemas", {}).pop(unused, None)
-        return doc
-
-    app.openapi = openapi
+    app.openapi = openapi_without_422(app.openapi)
     app.state.scorer, app.state.batcher, app.state.config, app.state.metrics = scorer, batcher, config, metrics
     app.state.lifecycle = lifecycle
 
-    # -- errors ----------------------------------------------------------------------------------
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        field, message = validation_message(list(exc.errors()), BODIES.get(request.url.path))
-        ctype = request.headers.get("content-type", "")
-        if field == "body" and "json" not in ctype:
-            message += f" (the request was sent as {ctype or 'no content type'}: send Content-Type: application/json)"
-        return error_response(400, message, field, "invalid_value")
-
-    @app.exception_handler(LogprobeError)
-    async def _logprobe_error(request: Request, exc: LogprobeError):
-        if isinstance(exc, ModelNotFound):
-            return error_response(404, str(exc), exc.field, "model_not_found")
-        return error_response(400, str(exc), exc.field, "invalid_value")
-
-    @app.exception_handler(RequestTooLarge)
-    async def _too_large(request: Request, exc: RequestTooLarge):
-        return error_response(413, str(exc), exc.field, "request_too_large")
-
-    @app.exception_handler(QueueFull)
-    async def _queue_full(request: Request, exc: QueueFull):
-        return error_response(429, f"server busy: {exc.reason}; retry after {exc.retry_after} s", None,
-                              "queue_full", {"Retry-After": str(exc.retry_after)})
-
-    @app.exception_handler(JobTimeout)
-    async def _timeout(request: Request, exc: JobTimeout):
-        return error_response(408, str(exc), "timeout", "timeout")
-
-    @app.exception_handler(JobFailed)
-    async def _job_failed(request: Request, exc: JobFailed):
-        e = exc.error
-        if isinstance(e, RequestOutOfMemory):
-            have = f"at most about {e.fits} tokens have fit in one pass" if e.fits else "no pass has fit yet"
-            # the job's requests are the body's items, in order (perplexity: its windows)
-            items = {"/v1/score": "continuations", "/v1/logprobs": "sequences"}.get(request.url.path)
-            field = exc.field or (f"{items}[{exc.index}]" if items else "texts" if request.url.path == "/v1/perplexity"
-                                  else "prompt")
-            what = f"window {exc.index} of this request has " if field == "texts" else ""
-            return error_response(413, f"{field}: {what}{e.tokens} input tokens do not fit in the server's memory "
-                                  f"even alone (out of memory at {e.context} tokens; {have}); send shorter inputs",
-                                  field, "out_of_memory")
-        if isinstance(e, LogprobeError):
-            return error_response(400, str(e), e.field, "invalid_value")
-        log.error("request failed in the engine: %r", e)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
-
-    @app.exception_handler(ServerClosed)
-    async def _closed(request: Request, exc: ServerClosed):
-        return error_response(503, f"{exc}; retry later", None, "shutting_down", {"Retry-After": "5"})
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        message = {404: f"{request.url.path}: no such endpoint; see /docs for the list",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        import torch
-
-        if isinstance(exc, torch.OutOfMemoryError):
-            return error_response(503, "out of memory on the server; send fewer tokens per request or retry",
-                                  None, "out_of_memory", {"Retry-After": "5"})
-        log.exception("unexpected error on %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
-
+    install_error_handlers(app)
     served = Served(scorer, config, name, batcher, weights)
     ops = APIRouter()
 

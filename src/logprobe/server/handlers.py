@@ -1,0 +1,134 @@
+"""The app's error handlers (every error a JSON body naming the field; see ``app``), its OpenAPI
+document without FastAPI's 422s, and the engine call the ``Batcher`` makes."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.delivery import RequestOutOfMemory
+from ..engine.runner import Engine
+from ..errors import LogprobeError
+from .batcher import JobFailed, JobTimeout, QueueFull, ServerClosed
+from .responses import error_response
+from .schemas import (
+    CompletionRequest,
+    DetokenizeRequest,
+    LogprobsBody,
+    PerplexityBody,
+    ScoreBody,
+    TokenizeRequest,
+)
+from .schemas_rl import GenerateRequest, UpdateWeightsRequest
+from .served import ModelNotFound, RequestTooLarge
+from .validation import validation_message
+
+log = logging.getLogger("logprobe.server")
+# the body model of each route, for naming the field of a validation error
+BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody,
+          "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest}
+
+
+def engine_call(engine):
+    """``run_batch`` for the Batcher: a request that does not fit in memory even alone is an
+    exception in its slot (its job alone fails, 413)."""
+    errors: list = []
+
+    def run_batch(requests):
+        if not isinstance(engine, Engine):  # ParallelEngine: no per-request errors
+            return engine.run(requests)
+        results: list = engine.run(requests, on_error=lambda i, e: errors.append((i, e)))
+        for i, e in errors:
+            results[i] = e
+        errors.clear()
+        return results
+
+    return run_batch
+
+
+def openapi_without_422(fastapi_openapi):
+    """FastAPI's document, less the 422 it adds to every body route: bad bodies answer 400."""
+    def openapi() -> dict:
+        doc = fastapi_openapi()
+        for ops in doc.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(unused, None)
+        return doc
+
+    return openapi
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Each exception type to its status: 400 bad values, 404 unknown model, 408 not started in
+    time, 413 too large (body, request or memory), 429 queue full, 503 shutting down or out of
+    memory, 500 only for a fault of the server's own."""
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        field, message = validation_message(list(exc.errors()), BODIES.get(request.url.path))
+        ctype = request.headers.get("content-type", "")
+        if field == "body" and "json" not in ctype:
+            message += f" (the request was sent as {ctype or 'no content type'}: send Content-Type: application/json)"
+        return error_response(400, message, field, "invalid_value")
+
+    @app.exception_handler(LogprobeError)
+    async def _logprobe_error(request: Request, exc: LogprobeError):
+        if isinstance(exc, ModelNotFound):
+            return error_response(404, str(exc), exc.field, "model_not_found")
+        return error_response(400, str(exc), exc.field, "invalid_value")
+
+    @app.exception_handler(RequestTooLarge)
+    async def _too_large(request: Request, exc: RequestTooLarge):
+        return error_response(413, str(exc), exc.field, "request_too_large")
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, exc: QueueFull):
+        return error_response(429, f"server busy: {exc.reason}; retry after {exc.retry_after} s", None,
+                              "queue_full", {"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(JobTimeout)
+    async def _timeout(request: Request, exc: JobTimeout):
+        return error_response(408, str(exc), "timeout", "timeout")
+
+    @app.exception_handler(JobFailed)
+    async def _job_failed(request: Request, exc: JobFailed):
+        e = exc.error
+        if isinstance(e, RequestOutOfMemory):
+            have = f"at most about {e.fits} tokens have fit in one pass" if e.fits else "no pass has fit yet"
+            # the job's requests are the body's items, in order (perplexity: its windows)
+            items = {"/v1/score": "continuations", "/v1/logprobs": "sequences"}.get(request.url.path)
+            field = exc.field or (f"{items}[{exc.index}]" if items else "texts" if request.url.path == "/v1/perplexity"
+                                  else "prompt")
+            what = f"window {exc.index} of this request has " if field == "texts" else ""
+            return error_response(413, f"{field}: {what}{e.tokens} input tokens do not fit in the server's memory "
+                                  f"even alone (out of memory at {e.context} tokens; {have}); send shorter inputs",
+                                  field, "out_of_memory")
+        if isinstance(e, LogprobeError):
+            return error_response(400, str(e), e.field, "invalid_value")
+        log.error("request failed in the engine: %r", e)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
+
+    @app.exception_handler(ServerClosed)
+    async def _closed(request: Request, exc: ServerClosed):
+        return error_response(503, f"{exc}; retry later", None, "shutting_down", {"Retry-After": "5"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = {404: f"{request.url.path}: no such endpoint; see /docs for the list",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return error_response(503, "out of memory on the server; send fewer tokens per request or retry",
+                                  None, "out_of_memory", {"Retry-After": "5"})
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
