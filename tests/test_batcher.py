@@ -276,3 +276,18 @@ def test_drain_finishes_the_queue_or_fails_the_rest():
     drops.clear()
     failed, out = asyncio.run(stuck())
     assert failed == 2 and all(isinstance(x, ServerClosed) for x in out) and drops == ["shutdown", "shutdown"]
+
+
+@pytest.mark.parametrize("remaining, budget, want", [
+    ([[10, 10, 10, 10], [10], [10, 10]], 40, [(0, 0), (1, 0), (2, 0), (0, 1)]),  # test_round_robin_gold's 1st step
+    ([[10], [10, 10]], 40, [(0, 0), (1, 0), (1, 1)]),  # ... and its 2nd: turn order C, A -> C1, A2, A3
+    ([[5, 5, 5], [3], [20]], 16, [(0, 0), (1, 0), (0, 1)]),  # C0 never fits; A2 no longer fits
+    ([[50, 1], [2]], 16, [(0, 0)]),  # the first request over the budget fills the step alone
+    ([[2, 50], [50], [3]], 16, [(0, 0), (2, 0)]),  # too large after the first: passed over
+    ([[], [4, 4]], 8, [(1, 0), (1, 1)]),  # an empty job is skipped; budget spent exactly
+    ([[1] * 5], 3, [(0, 0), (0, 1), (0, 2)]),
+])
+def test_round_robin_pure_gold(remaining, budget, want):
+    from logprobe.server.batcher import round_robin
+
+    assert round_robin(remaining, budget) == want

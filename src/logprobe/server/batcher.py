@@ -35,7 +35,7 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..engine.request import RequestResult, ScoreRequest
@@ -314,29 +314,13 @@ class Batcher:
             return []
         if not self.batching:
             pending = pending[:1]
-        step: list[tuple[_Job, int]] = []
-        budget = self.max_batch_tokens
-        start = self._turn % len(pending)
-        order = pending[start:] + pending[:start]
-        progress = True
-        while progress:
-            progress = False
-            for job in order:
-                if job.next >= len(job.requests):
-                    continue
-                n = job.requests[job.next].num_inputs
-                if step and n > budget:
-                    continue
-                if job.next == 0:
-                    job.tag = self.tag
-                step.append((job, job.next))
-                job.next += 1
-                budget -= n
-                progress = True
-                if budget <= 0:
-                    break
-            if budget <= 0:
-                break
+        order = pending[self._turn % len(pending):] + pending[:self._turn % len(pending)]
+        step = [(order[j], order[j].next + k) for j, k in round_robin([_Remaining(job) for job in order],
+                                                                       self.max_batch_tokens)]
+        for job, i in step:
+            if job.next == 0:
+                job.tag = self.tag  # the weights' version this job starts under
+            job.next = max(job.next, i + 1)
         self._turn += 1
         return step
 
@@ -382,6 +366,52 @@ class Batcher:
         self._queued_tokens -= sum(r.num_inputs for r in job.requests[job.done:])
         if dropped is not None and self.on_drop is not None:
             self.on_drop(dropped)
+
+
+class _Remaining(Sequence):
+    """A job's unscored requests' input-token counts, without copying them (a job may hold many)."""
+
+    def __init__(self, job: _Job) -> None:
+        self.requests, self.first = job.requests, job.next
+
+    def __len__(self) -> int:
+        return len(self.requests) - self.first
+
+    def __getitem__(self, k):
+        return self.requests[self.first + k].num_inputs
+
+
+def round_robin(remaining: Sequence[Sequence[int]], budget: int) -> list[tuple[int, int]]:
+    """One engine step's requests: ``remaining[j]`` holds the input-token counts of job ``j``'s
+    unscored requests in order, jobs in this step's turn order. Rounds over the jobs take each
+    one's next request while it fits what is left of ``budget``; a job whose next request does
+    not fit is passed over in that round (it keeps its order), except that the step's first
+    request is always taken, whatever its size. Returns ``(job, k)``: job ``j``'s ``k``-th
+    remaining request, in the order taken.
+
+    budget 16: A = [5, 5, 5], B = [3], C = [20]
+      round 1: A0 (left 11), B0 (8), C0 does not fit;  round 2: A1 (3);  round 3: A2 does not fit
+    >>> round_robin([[5, 5, 5], [3], [20]], 16)
+    [(0, 0), (1, 0), (0, 1)]
+    >>> round_robin([[50, 1], [2]], 16)  # the first request alone is over the budget: the step is full
+    [(0, 0)]
+    """
+    taken: list[tuple[int, int]] = []
+    nxt = [0] * len(remaining)
+    left = budget
+    progress = True
+    while progress and left > 0:
+        progress = False
+        for j, sizes in enumerate(remaining):
+            if nxt[j] >= len(sizes) or (taken and sizes[nxt[j]] > left):
+                continue
+            taken.append((j, nxt[j]))
+            left -= sizes[nxt[j]]
+            nxt[j] += 1
+            progress = True
+            if left <= 0:
+                break
+    return taken
 
 
 def _succeed(future: asyncio.Future, value) -> None:
