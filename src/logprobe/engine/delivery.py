@@ -100,11 +100,12 @@ def concat_parts(parts: list[RequestResult], r: ScoreRequest) -> RequestResult:
         for p in parts:
             for c, piece in p.captures or ():
                 pieces[c].append(piece)
-        out.captures = [_join(ps, c.kind) for ps, c in zip(pieces, r.capture)]
+        out.captures = [join_pieces(ps, c.kind) for ps, c in zip(pieces, r.capture)]
     return out
 
 
-def _join(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
+def join_pieces(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """One capture's pieces from several passes: rows joined in order, or "sum" captures added."""
     if len(pieces) == 1:
         return pieces[0]
     if kind == "sum":

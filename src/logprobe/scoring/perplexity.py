@@ -121,9 +121,9 @@ def perplexity_result(results, owners, n_streams, raw_texts, policy, context_len
                     pieces[t][k].append(next(got))
     captures = None
     if pieces is not None:
-        from ..engine.runner import _join
+        from ..engine.delivery import join_pieces
 
-        captures = [capture_results(list(caps), ca, [_join(ps, c.kind) for ps, c in zip(pieces[t], ca)], off)
+        captures = [capture_results(list(caps), ca, [join_pieces(ps, c.kind) for ps, c in zip(pieces[t], ca)], off)
                     for t, (ca, off) in enumerate(text_hooks)]
     nlls = [x for text_nlls in per_text for x in text_nlls]
     mean, se = mean_and_stderr(nlls)
