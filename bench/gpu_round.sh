@@ -16,7 +16,7 @@
 #   workloads W1/W3 at the default budget, llama-1b and llama-8b, against transformers ........... ~8
 #   actquant FP8/INT8 GEMMs and llama-8b W1 per scheme against bf16 (issue 22) ..................... ~8
 #   moe      the fused MoE kernel (tuned) and 30B-A3B W1 against transformers (issue 17) ........... ~10
-#   det      llama-8b W1/W3: default vs deterministic (cuBLAS slices) vs invariant_matmul=triton ... ~5
+#   det      llama-8b W1/W3: default, deterministic (cuBLAS slices), invariant_matmul=triton, tp_invariant=False ~7
 #   rl       logprobs_padded vs logprobs on W1 shapes, update_weights of llama-8b (issue 20) ....... ~3
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +54,7 @@ for s in "$@"; do
             --workloads W1,W3 --budgets 32768 ;;
         actquant) step actquant 580 "$py" bench/gpu_act_quant.py ;;
         moe) step moe 580 "$py" bench/gpu_moe.py --sections kernel,workloads,det,correct --workloads W1 --tune ;;
-        det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton ;;
+        det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton,det-notp ;;
         rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py ;;
         *) echo "unknown step $s" >&2 ;;
     esac

@@ -80,7 +80,8 @@ def timed(engine, reqs):
 
 
 MODES = {"default": {}, "det": dict(deterministic=True),  # det: TP-invariant, the default products
-         "det-triton": dict(deterministic=True, invariant_matmul="triton")}  # opt-in one-kernel slices
+         "det-triton": dict(deterministic=True, invariant_matmul="triton"),  # opt-in one-kernel slices
+         "det-notp": dict(deterministic=True, tp_invariant=False)}  # batch-invariant at this TP size only
 
 
 def run_config(label, scorer, loads, reqs_by_w, modes, ref, rows, gpus, ceiling, lc):
