@@ -241,18 +241,25 @@ dist.destroy_process_group()
 """
 
 
-def test_under_torchrun_every_rank_is_one_shard(hf_models, tmp_path):
-    """An already initialised process group (torchrun): each process holds one shard and every rank
-    returns the same numbers, bitwise equal to TP = 1."""
+def _torchrun(tmp_path, script: str, *args: str, env: dict | None = None):
+    """``script`` on two gloo ranks under ``torch.distributed.run``: the CompletedProcess."""
     import subprocess
     import sys
 
+    from server_util import free_port
+
+    path = tmp_path / "run.py"
+    path.write_text(script)
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(path), *args],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_under_torchrun_every_rank_is_one_shard(hf_models, tmp_path):
+    """An already initialised process group (torchrun): each process holds one shard and every rank
+    returns the same numbers, bitwise equal to TP = 1."""
     path, _ = hf_models["llama"]
-    script = tmp_path / "run.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(__import__("server_util").free_port()), str(script), str(path), str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    r = _torchrun(tmp_path, TORCHRUN_SCRIPT, str(path), str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     want = Scorer(str(path), device="cpu", deterministic=True).logprobs(
         [{"prompt_token_ids": [5, 6, 7, 8], "completion_token_ids": [9, 10, 11]}])[0].logprobs
@@ -290,16 +297,7 @@ def test_vocab_parallel_kernel_head_in_default_mode(tmp_path):
     gloo ranks): each rank splits its shard into several partials to fill the device, and every
     one of them reaches the combine. Until the counts were exchanged, only each rank's first split
     was kept, and TP = 2 on two H200s gave log-probs up to 1.1 nats off (a random bf16 Llama)."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "head.py"
-    script.write_text(HEAD_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(__import__("server_util").free_port()), str(script), str(tmp_path)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = _torchrun(tmp_path, HEAD_SCRIPT, str(tmp_path), env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     got = [torch.load(tmp_path / f"rank{k}.pt") for k in (0, 1)]
     assert min(g["splits"] for g in got) > 1  # what made the bug: more than one partial per rank

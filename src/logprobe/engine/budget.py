@@ -87,7 +87,7 @@ def budget_for(model: torch.nn.Module, device: torch.device) -> int:
     return auto_budget("cuda", torch.cuda.mem_get_info(device)[0], per_token)
 
 
-def resolved_budget(config: EngineConfig, start_budget: int | None) -> EngineConfig:
+def resolved_budget(config: EngineConfig, start_budget: int) -> EngineConfig:
     """``config`` with ``max_batch_tokens=None`` replaced by the budget an engine started with
     (set after start, None means "the default", which was chosen once from the device).
 
@@ -97,6 +97,4 @@ def resolved_budget(config: EngineConfig, start_budget: int | None) -> EngineCon
     >>> resolved_budget(EngineConfig(max_batch_tokens=4096), 32768).max_batch_tokens
     4096
     """
-    if config.max_batch_tokens is None and start_budget is not None:
-        return replace(config, max_batch_tokens=start_budget)
-    return config
+    return replace(config, max_batch_tokens=start_budget) if config.max_batch_tokens is None else config

@@ -45,7 +45,6 @@ class ParallelEngine:
     """``dp`` replicas of ``tp`` worker processes each (GPUs ``replica * tp .. + tp - 1``)."""
 
     def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int) -> None:
-        self.config = config
         self.tp, self.dp = tp, dp
         self.groups: list[WorkerGroup] = []
         threads = default_threads(tp * dp) if device == "cpu" else 1
@@ -56,9 +55,9 @@ class ParallelEngine:
         except BaseException:
             self.close()
             raise
-        if config.max_batch_tokens is None:  # every replica runs the driver's config: the smallest budget
-            self.config = replace(config, max_batch_tokens=min(g.budget for g in self.groups))
-        self.start_budget = self.config.max_batch_tokens
+        # every replica runs the driver's config; left unset, the budget is the smallest replica's
+        self.start_budget = config.max_batch_tokens or min(g.budget for g in self.groups)
+        self._config = resolved_budget(config, self.start_budget)
 
     @property
     def config(self) -> EngineConfig:
@@ -67,7 +66,7 @@ class ParallelEngine:
     @config.setter
     def config(self, config: EngineConfig) -> None:
         """As ``Engine.config``: ``max_batch_tokens=None`` keeps the budget the replicas agreed at start."""
-        self._config = resolved_budget(config, getattr(self, "start_budget", None))
+        self._config = resolved_budget(config, self.start_budget)
 
     def run(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None = None,
             progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,

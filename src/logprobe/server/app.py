@@ -42,7 +42,6 @@ from .weights import ServedWeights
 OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers, probes)
 
 
-
 class Gate:
     """Pure ASGI middleware: API key, body-size limit, request metrics."""
 

@@ -314,13 +314,14 @@ class Batcher:
             return []
         if not self.batching:
             pending = pending[:1]
-        order = pending[self._turn % len(pending):] + pending[:self._turn % len(pending)]
+        start = self._turn % len(pending)
+        order = pending[start:] + pending[:start]
         step = [(order[j], order[j].next + k) for j, k in round_robin([_Remaining(job) for job in order],
                                                                        self.max_batch_tokens)]
-        for job, i in step:
+        for job, i in step:  # a job's requests come in order
             if job.next == 0:
                 job.tag = self.tag  # the weights' version this job starts under
-            job.next = max(job.next, i + 1)
+            job.next = i + 1
         self._turn += 1
         return step
 

@@ -36,15 +36,14 @@ BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/
 def engine_call(engine):
     """``run_batch`` for the Batcher: a request that does not fit in memory even alone is an
     exception in its slot (its job alone fails, 413)."""
-    errors: list = []
 
     def run_batch(requests):
         if not isinstance(engine, Engine):  # ParallelEngine: no per-request errors
             return engine.run(requests)
+        errors: list = []
         results: list = engine.run(requests, on_error=lambda i, e: errors.append((i, e)))
         for i, e in errors:
             results[i] = e
-        errors.clear()
         return results
 
     return run_batch
@@ -52,6 +51,7 @@ def engine_call(engine):
 
 def openapi_without_422(fastapi_openapi):
     """FastAPI's document, less the 422 it adds to every body route: bad bodies answer 400."""
+
     def openapi() -> dict:
         doc = fastapi_openapi()
         for ops in doc.get("paths", {}).values():
@@ -68,6 +68,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Each exception type to its status: 400 bad values, 404 unknown model, 408 not started in
     time, 413 too large (body, request or memory), 429 queue full, 503 shutting down or out of
     memory, 500 only for a fault of the server's own."""
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         field, message = validation_message(list(exc.errors()), BODIES.get(request.url.path))
