@@ -7,6 +7,7 @@
 # output's end); the device returns at most 8 files, so the test files' logs stay in /tmp.
 #
 #   bench/gpu_round.sh tests overlap            # steps in the order given
+#   TESTS="moe padded" TEST_LIMIT=70 bench/gpu_round.sh tests rl
 #
 # steps (rough H100 minutes):
 #   tests    the CUDA cases of the kernel, engine and format tests (pytest -m "not slow") ...... ~3
@@ -17,7 +18,9 @@
 #   actquant FP8/INT8 GEMMs and llama-8b W1 per scheme against bf16 (issue 22) ..................... ~8
 #   moe      the fused MoE kernel (tuned) and 30B-A3B W1 against transformers (issue 17) ........... ~10
 #   det      llama-8b W1/W3: default, deterministic (cuBLAS slices), invariant_matmul=triton, tp_invariant=False ~7
-#   rl       logprobs_padded vs logprobs on W1 shapes, update_weights of llama-8b (issue 20) ....... ~3
+#   rl       logprobs_padded vs logprobs on W1 as [256, L], update_weights of llama-8b (issue 20) .. ~4
+#   ray      Ray Data, one replica, against the library on llama-1b (issue 18; ray carried) ....... ~4
+# TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_round}
@@ -42,9 +45,9 @@ for s in "$@"; do
     case $s in
         tests)  # one file per step: a file that hangs is named by its own line, the others still run
             mkdir -p /tmp/gpu_round_tests  # 14 logs: more than the device returns; their tails are printed
-            for f in host_copy gguf_expand kernels act_quant_kernels elementwise_kernels invariant_kernels w4a16 \
-                     sliced_matmul attention_gpu moe padded gptq_awq nvfp4 budget; do
-                logdir=/tmp/gpu_round_tests lines=8 step "test_$f" 120 "$py" -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
+            for f in ${TESTS:-host_copy gguf_expand kernels act_quant_kernels elementwise_kernels invariant_kernels w4a16 \
+                     sliced_matmul attention_gpu moe padded gptq_awq nvfp4 budget}; do
+                logdir=/tmp/gpu_round_tests lines=8 step "test_$f" "${TEST_LIMIT:-120}" "$py" -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
             done ;;
         overlap) step overlap 400 "$py" bench/gpu_scoring.py --sections engine --models llama-1b,llama-8b \
             --overlap --det-only ;;
@@ -55,7 +58,8 @@ for s in "$@"; do
         actquant) step actquant 580 "$py" bench/gpu_act_quant.py ;;
         moe) step moe 580 "$py" bench/gpu_moe.py --sections kernel,workloads,det,correct --workloads W1 --tune ;;
         det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton,det-notp ;;
-        rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py ;;
+        rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py --w1 llama-8b ;;
+        ray) step ray 400 "$py" bench/gpu_ray.py ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done

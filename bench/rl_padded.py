@@ -9,6 +9,16 @@ left-padded, responses right-padded, random response lengths). Checks, on CUDA i
 after ``update_weights`` (a stream of the trainer model's bf16 parameters on the GPU) the scores
 equal a fresh Scorer's on the new checkpoint bitwise. Times: ``logprobs_padded`` vs transformers'
 padded forward + float32 log_softmax + gather (micro-batches of 16 rows), and ``update_weights``.
+
+``--w1 llama-8b`` (or llama-1b) adds the issue's whole-workload figures at the defaults a user gets:
+a random-init bf16 model saved once and read by ``Scorer(dir, device="cuda")``; the 256 sequences of
+bench/gpu_scoring.py's W1 (32 prompts x 8 completions) as one padded ``[256, P + R]`` batch (prompts
+left-padded to P, completions right-padded to R) through ``logprobs_padded``, against
+``Scorer.logprobs`` on the same sequences as lists (best of 2 runs each, alternated), with the max
+|Δ| between the two; then ``update_weights`` from a state dict in memory (a dict of the trainer's
+bf16 CUDA tensors: the whole model) timed with a CUDA sync, and the scores of 8 sequences after it
+before and after (a check that it took), and an update back to the first weights (an iterator) that
+must give the first scores bitwise.
 """
 
 from __future__ import annotations
@@ -82,6 +92,75 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
+def w1_section(shape: str, dev: str) -> None:
+    """W1 as a padded batch vs as lists, and update_weights of the whole model (see the docstring)."""
+    import sys
+
+    import transformers as tf
+
+    from logprobe import Scorer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_first_call import SHAPES
+    from gpu_scoring import workload
+
+    cfg = tf.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, initializer_range=0.02,
+                         max_position_embeddings=8192)  # W1 sequences reach 6,144 ids
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    with torch.device(dev):
+        hf = tf.LlamaForCausalLM(cfg).to(dtype).eval()
+    path = Path(tempfile.mkdtemp()) / shape
+    (_, t_save) = timed(lambda: hf.save_pretrained(str(path)))
+    from helpers import byte_tokenizer
+
+    byte_tokenizer()[0].save_pretrained(str(path))
+    s, t_load = timed(lambda: Scorer(str(path), device=dev, progress=False))
+    print(f"\n## {shape} W1 at the defaults (Scorer(dir, device={dev!r})): saved in {t_save:.1f} s, "
+          f"loaded in {t_load:.1f} s, budget {s.config.max_batch_tokens}")
+    reqs = workload("W1", cfg.vocab_size)
+    seqs = [{"prompt_token_ids": r.tokens[:r.score_begin], "completion_token_ids": r.tokens[r.score_begin:]}
+            for r in reqs]
+    P = max(len(q["prompt_token_ids"]) for q in seqs)
+    R = max(len(q["completion_token_ids"]) for q in seqs)
+    ids = torch.zeros(len(seqs), P + R, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for b, q in enumerate(seqs):  # [bs, P + R]: prompt ends at column P, completion starts there
+        p, c = q["prompt_token_ids"], q["completion_token_ids"]
+        ids[b, P - len(p):P + len(c)] = torch.tensor(p + c)
+        am[b, P - len(p):P + len(c)] = 1
+    ids, am = ids.to(dev), am.to(dev)
+    rm = am[:, P:]
+    print(f"{len(seqs)} sequences, padded [{ids.shape[0]}, {ids.shape[1]}] ({ids.numel():,} cells), "
+          f"{int(am.sum()):,} real tokens, {int(rm.sum()):,} scored")
+    s.logprobs(seqs[:8]), s.logprobs_padded(ids[:8], am[:8], rm[:8])  # warm-up of both paths
+    t_list, t_pad = [], []
+    for _ in range(2):
+        lists, t = timed(lambda: s.logprobs(seqs))
+        t_list.append(t)
+        padded, t = timed(lambda: s.logprobs_padded(ids, am, rm))
+        t_pad.append(t)
+    d = max(float((padded.logprobs[b, :len(r.logprobs)].cpu() - r.logprobs).abs().max()) for b, r in enumerate(lists))
+    print(f"| path | s (best of 2) | tok/s | vs logprobs |\n| --- | ---: | ---: | ---: |\n"
+          f"| Scorer.logprobs (lists) | {min(t_list):.2f} | {int(am.sum()) / min(t_list):,.0f} | 1 |\n"
+          f"| Scorer.logprobs_padded [{ids.shape[0]}, {ids.shape[1]}] | {min(t_pad):.2f} | "
+          f"{int(am.sum()) / min(t_pad):,.0f} | {min(t_pad) / min(t_list):.3f}x |")
+    print(f"runs: lists {', '.join(f'{t:.2f}' for t in t_list)}; padded {', '.join(f'{t:.2f}' for t in t_pad)}; "
+          f"max |padded - lists| {d:.2e}")
+    g = torch.Generator(device=dev).manual_seed(1)  # a trainer's step: each weight moved by 10% of its std
+    new = {k: v + 0.002 * torch.randn(v.shape, generator=g, device=dev, dtype=v.dtype) for k, v in hf.state_dict().items()}
+    before = s.logprobs_padded(ids[:8], am[:8], rm[:8]).logprobs
+    version, t_upd = timed(lambda: s.update_weights(new))
+    after = s.logprobs_padded(ids[:8], am[:8], rm[:8]).logprobs
+    n = sum(v.numel() for v in new.values())
+    print(f"update_weights ({n / 1e9:.2f}B {dtype} params, a dict of {dev} tensors): {t_upd:.2f} s, version {version}; "
+          f"scores moved: mean |Δ| {float((after - before).abs().mean()):.3f}")
+    again, t_iter = timed(lambda: s.update_weights(iter(list(hf.state_dict().items()))))
+    back = s.logprobs_padded(ids[:8], am[:8], rm[:8]).logprobs
+    print(f"update_weights back to the first weights (an iterator, staged): {t_iter:.2f} s, version {again}; "
+          f"scores == before the first update: {torch.equal(back, before)}")
+
+
 def main() -> None:
     from logprobe import Scorer
 
@@ -90,7 +169,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--w1", default=None, help="also W1 padded vs lists and update_weights at this shape "
+                    "(llama-1b, llama-8b; tiny with --device cpu for a smoke run)")
+    ap.add_argument("--w1-only", action="store_true", help="skip the small-model checks")
     args = ap.parse_args()
+    if args.w1:
+        w1_section(args.w1, args.device)
+        if args.w1_only:
+            return
     dev, dt = args.device, "bfloat16" if args.device == "cuda" else "float32"
     tmp = Path(tempfile.mkdtemp())
     model_a = make_model(tmp / "a", 1, dev, args.hidden, args.layers)
