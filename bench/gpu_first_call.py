@@ -70,7 +70,7 @@ def save_model(shape: str, path: str, device: str) -> None:
     import transformers as tf
 
     cfg = tf.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, initializer_range=0.02,
-                         torch_dtype="bfloat16")
+                         torch_dtype="bfloat16", max_position_embeddings=8192)  # W1 rows reach 6,144 ids
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):

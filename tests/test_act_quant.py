@@ -280,3 +280,17 @@ def test_tensors_outside_the_layout_are_refused(case, aq_dirs, tmp_path):
         load_model(str(d), "cpu", "float32")
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
+
+
+@pytest.mark.parametrize("kind", ["float", "int"])
+def test_layer_takes_any_leading_shape(kind):
+    """[..., in] inputs are quantized per row, like [T, in]: the GPU test feeds [3, 100, in] (a 3-D
+    input once broke the reference path's row split)."""
+    from logprobe.kernels.act_quant import quantize_rows_reference
+
+    g = torch.Generator().manual_seed(0)
+    codes, scale = quantize_rows_reference(torch.randn(24, 64, generator=g) * 0.02, kind, 32)
+    layer = ActQuantLinear(codes, scale, 32, kind, act_group=16, bias=torch.randn(24, generator=g))
+    x = torch.randn(3, 5, 64, generator=g)
+    y = layer(x)
+    assert y.shape == (3, 5, 24) and torch.equal(y, layer(x.view(15, 64)).view(3, 5, 24))

@@ -73,7 +73,9 @@ def quantize_rows_reference(x: torch.Tensor, kind: str, group: int | None = None
         xv = x.view(T, K // g, g)  # [T, G, g]
         lo = torch.clamp(xv.amin(-1, keepdim=True), max=0.0)
         hi = torch.clamp(xv.amax(-1, keepdim=True), min=0.0)
-        s = torch.maximum(lo.abs(), hi) / torch.tensor((qmax - qmin) / 2)  # [T, G, 1]
+        # a tensor divisor, not a Python number: CUDA divides by a scalar as a product with its
+        # rounded reciprocal, which is not the IEEE quotient (div_rn) the kernels and the CPU compute
+        s = torch.maximum(lo.abs(), hi) / torch.full_like(hi, (qmax - qmin) / 2)  # [T, G, 1]
         s = torch.where(s == 0, torch.tensor(EPS), s)
         q = torch.clamp(xv / s, qmin, qmax).view(T, K)
         s = s.view(T, K // g)

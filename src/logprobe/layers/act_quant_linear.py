@@ -126,15 +126,17 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         return triton_available() and all(g >= k or g % 128 == 0 for g in (self.block_cols, self.act_group or k))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels(x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [..., in] -> [T, in]: quantization is per row
+        if self.use_kernels(x2):
             from ..kernels.act_quant import act_quant_linear
 
-            shape = x.shape
-            y = act_quant_linear(x.reshape(-1, shape[-1]), self.act_kind, self.act_group, self.input_scale,
+            y = act_quant_linear(x2, self.act_kind, self.act_group, self.input_scale,
                                  self.qweight, self.scale, self.block_cols, self.bias)
-            return y.view(*shape[:-1], self.out_features)
-        xq = self.quantize_input(x)  # [T, in] float32
-        return float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
+        else:
+            xq = self.quantize_input(x2)  # [T, in] float32
+            y = float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
+        return y.view(*shape[:-1], self.out_features)
 
     def permute_rows(self, perm: torch.Tensor) -> None:
         for name in ("qweight", "scale", "bias", "expanded"):

@@ -66,7 +66,7 @@ def nvfp4_group_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
     xv = x.view(T, k // GROUP, GROUP)  # [T, G, 16]
     lo = torch.clamp(xv.amin(-1), max=0.0)
     hi = torch.clamp(xv.amax(-1), min=0.0)
-    s = torch.maximum(lo.abs(), hi) / torch.tensor((2 * _FP4_MAX) / 2, dtype=x.dtype)  # [T, G]
+    s = torch.maximum(lo.abs(), hi) / torch.full_like(hi, (2 * _FP4_MAX) / 2)  # [T, G]; tensor divisor: see act_quant
     s = global_scale * s
     fp8 = torch.finfo(FP8)
     s = torch.clamp(s, fp8.min, fp8.max).to(FP8).to(x.dtype)
@@ -133,8 +133,10 @@ class FP4Linear(_PackedLinearMixin, Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_global_scale is None:  # NVFP4A16: a weight-only layer
             return super().forward(x)
-        xq = self.quantize_input(x)  # [T, in] float32
-        return float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
+        shape = x.shape
+        xq = self.quantize_input(x.reshape(-1, shape[-1]))  # [T, in] float32: quantized per row
+        y = float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
+        return y.view(*shape[:-1], self.out_features)
 
     def permute_rows(self, perm: torch.Tensor) -> None:
         for name in ("weight_packed", "weight_scale", "bias", "expanded"):
