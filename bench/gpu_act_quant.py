@@ -19,6 +19,7 @@ alone, then llama-8b quantized with each scheme against the same model in bf16, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -60,12 +61,13 @@ def bench_ms(fn, rep=100) -> float:
 def gemm_section() -> None:
     log("## GEMMs, M = 8192 (ms, median of do_bench; TFLOP/s in brackets)")
     log("| N | K | bf16 F.linear | _scaled_mm FP8 row-wise | FP8 per-channel (best cfg) | FP8 128-block | INT8 | "
-        "quantize [M, K] | max rel Δ vs float64 |")
-    log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        "FP8 per-channel on FP8 MMA (opt-in) | quantize [M, K] | max rel Δ vs float64 (default kernels) | "
+        "same, FP8 MMA |")
+    log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     g = torch.Generator(device="cuda").manual_seed(0)
     for N, K in [(6144, 4096), (28672, 4096), (4096, 4096), (4096, 14336)]:
-        cells, err = gemm_row(8192, N, K, g)
-        log(f"| {N} | {K} | " + " | ".join(cells) + f" | {err:.1e} |")
+        cells, errs = gemm_row(8192, N, K, g)
+        log(f"| {N} | {K} | " + " | ".join(cells) + f" | {max(errs[:3]):.1e} | {errs[3]:.1e} |")
 
 
 def gemm_row(M: int, N: int, K: int, g) -> tuple[list[str], float]:
@@ -87,16 +89,18 @@ def gemm_row(M: int, N: int, K: int, g) -> tuple[list[str], float]:
         cells.append(f"n/a ({type(e).__name__})")
     for kind, ga, gb in (("float", None, None), ("float", 128, 128), ("int", None, None)):
         cells.append(kernel_cell(x, w, kind, ga or K, gb or K, tf, errs))
+    cells.append(kernel_cell(x, w, "float", K, K, tf, errs, mma=True))
     cells.append(f"{bench_ms(lambda: quantize_rows(x, 'float', None)):.3f}")
-    return cells, max(errs)
+    return cells, errs
 
 
-def kernel_cell(x, w, kind: str, ga: int, gb: int, tf, errs: list[float]) -> str:
+def kernel_cell(x, w, kind: str, ga: int, gb: int, tf, errs: list[float], mma: bool = False) -> str:
     K = x.shape[1]
     wc, ws = quantize_rows_reference(w, kind, gb if gb < K else None)
     xc, xs = quantize_rows(x, kind, ga if ga < K else None)
     best = None
     for i, cfg in enumerate(CONFIGS):
+        cfg = dataclasses.replace(cfg, fp8_tensor_cores=mma)
         try:
             t = bench_ms(lambda cfg=cfg: scaled_matmul(xc, xs, ga, wc, ws, gb, None, torch.bfloat16, cfg))
         except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, and said
@@ -104,7 +108,8 @@ def kernel_cell(x, w, kind: str, ga: int, gb: int, tf, errs: list[float]) -> str
             continue
         if best is None or t < best[0]:
             best = (t, i)
-    y = scaled_matmul(xc[:256], xs[:256], ga, wc, ws, gb, None, torch.float32)
+    y = scaled_matmul(xc[:256], xs[:256], ga, wc, ws, gb, None, torch.float32,
+                      dataclasses.replace(CONFIGS[best[1]], fp8_tensor_cores=mma))
     ref = scaled_matmul_reference(xc[:256], xs[:256], ga, wc, ws, gb, None, torch.float64)
     errs.append(float((y.double() - ref).abs().max() / ref.abs().max()))
     return tf(best[0]) + ("" if best[1] == 0 else f" cfg{best[1]}")
@@ -134,10 +139,10 @@ def quantize_model(model, scheme: str) -> int:
     return total
 
 
-def run(model, reqs, det: bool):
+def run(model, reqs, det: bool, warm: int = 32):
     engine = Engine(model, EngineConfig(deterministic=det, progress=False), torch.device("cuda"))
     with torch.inference_mode():
-        engine.run(reqs[:32])  # warm-up: kernels compiled for this mode
+        engine.run(reqs[:warm])  # warm-up: kernels compiled for this mode
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = engine.run(reqs)
@@ -147,14 +152,14 @@ def run(model, reqs, det: bool):
 
 def model_section(args) -> None:
     log(f"\n## {args.model} W1, default max_batch_tokens (s; tok/s; x bf16)")
-    log("| scheme | weights GiB | default s | det s | default / bf16 | det / default | "
-        "kernels vs reference path on 8 requests: max / mean |Δ| |")
-    log("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    log("| scheme | weights GiB | default s | det s | bf16 s / scheme s | det / default | "
+        "kernels vs reference path on 8 requests: max / mean |Δ| | those 8: reference path s / kernels s |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     _, model, lc = build_models(args.model, False)
     reqs = workload("W1", lc.vocab_size)
     weights = torch.cuda.memory_allocated()
     base = {det: run(model, reqs, det)[0] for det in (False, True)}
-    log(f"| bf16 | {weights / GiB:.1f} | {base[False]:.2f} | {base[True]:.2f} | 1 | {base[True] / base[False]:.2f} | — |")
+    log(f"| bf16 | {weights / GiB:.1f} | {base[False]:.2f} | {base[True]:.2f} | 1 | {base[True] / base[False]:.2f} | — | — |")
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -164,13 +169,14 @@ def model_section(args) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         ActQuantLinear.kernels = False
-        _, ref = run(model, reqs[:8], False)
+        t_ref, ref = run(model, reqs[:8], False, warm=2)
         ActQuantLinear.kernels = True
         t = {det: run(model, reqs, det)[0] for det in (False, True)}
-        _, got = run(model, reqs[:8], False)
+        t_got, got = run(model, reqs[:8], False)
         d = (got - ref).abs()
         log(f"| {scheme} | {nbytes / GiB:.1f} (linears) | {t[False]:.2f} | {t[True]:.2f} | "
-            f"{base[False] / t[False]:.2f}x | {t[True] / t[False]:.2f} | {float(d.max()):.3f} / {float(d.mean()):.4f} |")
+            f"{base[False] / t[False]:.2f}x | {t[True] / t[False]:.2f} | {float(d.max()):.3f} / {float(d.mean()):.4f} | "
+            f"{t_ref:.2f} / {t_got:.2f} |")
         del model
         gc.collect()
         torch.cuda.empty_cache()
