@@ -43,7 +43,9 @@ from logprobe.kernels.act_quant import (  # noqa: E402
 from logprobe.layers.act_quant_linear import ActQuantLinear  # noqa: E402
 
 GiB = 1 << 30
-SCHEMES = {"FP8_DYNAMIC": ("float", None, None), "FP8_BLOCK": ("float", 128, 128), "W8A8": ("int", None, None)}
+SCHEMES = {"FP8_DYNAMIC": ("float", None, None), "FP8_BLOCK": ("float", 128, 128), "W8A8": ("int", None, None),
+           "NVFP4": ("fp4", None, None)}
+NVFP4_SLICE = 32  # NVFP4 runs its float32 emulation: timed on the first W1 requests only (labelled)
 CONFIGS = [ActQuantConfig(), ActQuantConfig(128, 256, 128, 8, 3), ActQuantConfig(128, 128, 128, 4, 4),
            ActQuantConfig(64, 128, 128, 4, 4), ActQuantConfig(128, 64, 128, 4, 4)]
 
@@ -129,6 +131,11 @@ def quantize_model(model, scheme: str) -> int:
             scale = (blocks / half).repeat_interleave(wblock, 0)  # [N, K / 128]
             codes = (w.view(N, K // wblock, wblock) / scale[..., None]).clamp(-448, 448).view(N, K)
             codes = codes.to(torch.float8_e4m3fn)
+        elif kind == "fp4":
+            q = nvfp4_linear(w, m.bias)
+            total += q.weight_packed.numel() + q.weight_scale.numel()
+            setattr(parent, name, q)
+            continue
         else:
             codes, scale = quantize_rows_reference(w, kind, None)
         q = ActQuantLinear(codes, scale, wblock or K, kind, act_group=agroup, bias=m.bias)
@@ -137,6 +144,23 @@ def quantize_model(model, scheme: str) -> int:
         del w
     torch.cuda.empty_cache()
     return total
+
+
+def nvfp4_linear(w: torch.Tensor, bias):
+    """An ``FP4Linear`` (NVFP4: FP4 weights and activations) of w [N, K] by round to nearest, scales as
+    compressed-tensors makes them: a global scale 448 * 6 / absmax, FP8 group scales of 16 columns;
+    the input's global scale from the same rule with absmax 8 (random-init activations stay below)."""
+    from logprobe.layers.fp4_linear import E2M1, FP4Linear, round_to_fp4
+
+    N, K = w.shape
+    gs = (448.0 * 6.0) / w.abs().amax()
+    groups = w.view(N, K // 16, 16)  # [N, G, 16]
+    scale = torch.clamp(gs * groups.abs().amax(-1) / 6.0, max=448.0).to(torch.float8_e4m3fn)  # [N, G]
+    v = round_to_fp4(torch.clamp(groups / (scale.float() / gs)[..., None], -6.0, 6.0)).view(N, K)
+    mag = torch.bucketize(v.abs(), torch.tensor(E2M1, device=w.device))  # exact table values -> index
+    nib = (mag | ((v < 0).to(torch.int64) << 3)).to(torch.uint8).view(N, K // 2, 2)
+    packed = nib[..., 0] | (nib[..., 1] << 4)  # low nibble = even column
+    return FP4Linear(packed, scale, gs.reshape(1), torch.tensor([448.0 * 6.0 / 8.0], device=w.device), bias)
 
 
 def run(model, reqs, det: bool, warm: int = 32):
@@ -150,6 +174,15 @@ def run(model, reqs, det: bool, warm: int = 32):
     return time.perf_counter() - t, torch.cat([r.logprobs for r in out])
 
 
+def nvfp4_row(model, reqs, nbytes: int) -> None:
+    """NVFP4's emulation (float32 product of the dequantized weight and fake-quantized input) is slow:
+    it and bf16 on the first ``NVFP4_SLICE`` W1 requests, and its batch invariance in deterministic mode."""
+    sl = reqs[:NVFP4_SLICE]
+    t = {det: run(model, sl, det, warm=2)[0] for det in (False, True)}
+    log(f"| NVFP4 (emulated; first {NVFP4_SLICE} requests, {sum(len(r.tokens) for r in sl):,} tokens) | "
+        f"{nbytes / GiB:.1f} (linears) | {t[False]:.2f} | {t[True]:.2f} | see below | {t[True] / t[False]:.2f} | — | — |")
+
+
 def model_section(args) -> None:
     log(f"\n## {args.model} W1, default max_batch_tokens (s; tok/s; x bf16)")
     log("| scheme | weights GiB | default s | det s | bf16 s / scheme s | det / default | "
@@ -159,6 +192,8 @@ def model_section(args) -> None:
     reqs = workload("W1", lc.vocab_size)
     weights = torch.cuda.memory_allocated()
     base = {det: run(model, reqs, det)[0] for det in (False, True)}
+    if "NVFP4" in args.schemes:
+        log(f"(bf16 on the first {NVFP4_SLICE} requests: {run(model, reqs[:NVFP4_SLICE], False)[0]:.2f} s, for the NVFP4 row)")
     log(f"| bf16 | {weights / GiB:.1f} | {base[False]:.2f} | {base[True]:.2f} | 1 | {base[True] / base[False]:.2f} | — | — |")
     del model
     gc.collect()
@@ -168,6 +203,12 @@ def model_section(args) -> None:
         nbytes = quantize_model(model, scheme)
         gc.collect()
         torch.cuda.empty_cache()
+        if scheme == "NVFP4":
+            nvfp4_row(model, reqs, nbytes)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         ActQuantLinear.kernels = False
         t_ref, ref = run(model, reqs[:8], False, warm=2)
         ActQuantLinear.kernels = True
@@ -186,7 +227,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="gemm,model")
     ap.add_argument("--model", default="llama-8b")
-    ap.add_argument("--schemes", default="FP8_DYNAMIC,FP8_BLOCK,W8A8")
+    ap.add_argument("--schemes", default="FP8_DYNAMIC,FP8_BLOCK,W8A8,NVFP4")
     args = ap.parse_args()
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if "gemm" in args.sections:

@@ -100,14 +100,15 @@ if triton_available():
 
 @dataclass(frozen=True, slots=True)
 class MoeKernelConfig:
-    """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch. Not yet
-    tuned on a GPU."""
+    """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch. The
+    default is the best of bench/gpu_moe.py's sweep at the Qwen3-30B-A3B layer (T = 8192, H200):
+    2.25 ms against 2.99 ms for 64/64/64 with 4 warps and 3 stages, 1.74x the grouped-GEMM floor."""
 
     block_m: int = 64
-    block_n: int = 64
+    block_n: int = 128
     block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int = 8
+    num_stages: int = 4
 
 
 DEFAULT_CONFIG = MoeKernelConfig()
