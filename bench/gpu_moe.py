@@ -667,8 +667,15 @@ def main() -> None:
     ap.add_argument("--check-requests", type=int, default=8)
     ap.add_argument("--kernel-tokens", type=int, default=None, help="kernel section T (default 8192; --tiny 64)")
     ap.add_argument("--tune", action="store_true", help="kernel section: sweep MoeKernelConfig tiles")
+    ap.add_argument("--tiles", default=None, help="BM,BN,BK,warps,stages: the fused kernel's default tiles "
+                    "for this run (labelled; compares a config on whole workloads)")
     ap.add_argument("--rep", type=int, default=200, help="do_bench milliseconds per kernel row")
     args = ap.parse_args()
+    if args.tiles:
+        import logprobe.kernels.moe as kmoe
+
+        kmoe.DEFAULT_CONFIG = kmoe.MoeKernelConfig(*(int(v) for v in args.tiles.split(",")))
+        log(f"**fused MoE tiles for this run: {kmoe.DEFAULT_CONFIG}** (not the library default)")
     args.sections = args.sections.split(",")
     args.budgets = [int(b) for b in args.budgets.split(",")]
     if args.kernel_tokens is None:

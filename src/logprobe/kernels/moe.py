@@ -149,14 +149,15 @@ def _check(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Ten
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-              config: MoeKernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+              config: MoeKernelConfig | None = None) -> torch.Tensor:
     """x [T, H], ids [T, k], gate/up [E, I, H], down [E, H, I] -> y [T*k, H] in x's dtype: row
-    ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted)."""
+    ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted). ``config`` None: the
+    module's ``DEFAULT_CONFIG``, read at the call (bench/gpu_moe.py --tiles sets it to compare)."""
     _check(x, ids, gate, up, down)
     E, inter, H = gate.shape
     T, k = ids.shape
     x, gate, up, down = (t.contiguous() for t in (x, gate, up, down))
-    c = config
+    c = config or DEFAULT_CONFIG
     sorted_slots, tile_expert = align_by_expert(ids, E, c.block_m)
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [T*k, H]
