@@ -371,8 +371,6 @@ def kernel_section(args, dev, tflops):
 
     cases = [("logprobe fused Triton kernel (kernels.moe.fused_moe, default tiles)",
               lambda a, b: fused_moe(a, b, gate, up, down)),
-             ("logprobe Experts.grouped: F.grouped_mm x3 + gather, SiLU, scatter (default mode, bf16 on Hopper)",
-              lambda a, b: experts.grouped(a, b)),
              ("PyTorch reference moe_reference (loop over experts)", lambda a, b: moe_reference(a, b, gate, up, down)),
              ("PyTorch segment path Experts.reference (MoeBlock.triton = False)",
               lambda a, b: experts.reference(a, b, None)),
@@ -442,11 +440,6 @@ def logprobe_phase(args, cfg, lc, dev, dtype, wls, tflops, state):
     """Build logprobe's model, time what the sections ask, keep the numbers (on the CPU), free it."""
     t = time.perf_counter()
     model = build_logprobe(lc, dev, dtype)
-    if args.moe_path == "fused":  # the fused Triton kernel in default mode too (labelled)
-        for m in model.modules():
-            if hasattr(m, "grouped_mm"):
-                m.grouped_mm = False
-        log("**MoE MLP in default mode: the fused Triton kernel (--moe-path fused, not the library default)**")
     weights = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
     log(f"\nlogprobe model built in {time.perf_counter() - t:.1f} s"
         + (f", {weights / GiB:.1f} GiB allocated" if dev.type == "cuda" else ""))
@@ -674,9 +667,6 @@ def main() -> None:
     ap.add_argument("--check-requests", type=int, default=8)
     ap.add_argument("--kernel-tokens", type=int, default=None, help="kernel section T (default 8192; --tiny 64)")
     ap.add_argument("--tune", action="store_true", help="kernel section: sweep MoeKernelConfig tiles")
-    ap.add_argument("--moe-path", default="auto", choices=["auto", "fused"],
-                    help="auto: the library's choice (grouped GEMMs in default mode on Hopper, bf16); "
-                    "fused: the fused Triton kernel in default mode too")
     ap.add_argument("--tiles", default=None, help="BM,BN,BK,warps,stages: the fused kernel's default tiles "
                     "for this run (labelled; compares a config on whole workloads)")
     ap.add_argument("--rep", type=int, default=200, help="do_bench milliseconds per kernel row")

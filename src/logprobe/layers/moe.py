@@ -24,9 +24,7 @@ Worked example, T = 3 tokens, E = 4 experts, k = 2, ids = [[2, 0], [0, 3], [2, 1
 A token's numbers therefore never depend on which other tokens share its experts: each row of a
 segment is its own product (in deterministic mode every segment runs in fixed row tiles, as the
 dense layers do; the Triton kernel ``kernels.moe`` has fixed tiles by construction) and the
-weighted sum runs in slot order. (Default mode on a Hopper GPU runs the products as PyTorch's
-grouped GEMMs instead, ``Experts.grouped``, whose tiles follow the row counts: default mode promises
-no batch invariance, and it is the fastest path there.) Expert weights are 3-D ``[E, out, in]`` tensors, or
+weighted sum runs in slot order. Expert weights are 3-D ``[E, out, in]`` tensors, or
 ``PackedExperts`` (GGUF blocks, expanded one expert at a time inside the forward).
 """
 
@@ -215,10 +213,8 @@ class Experts(nn.Module):
         return lin(silu_mul(gate, up), self.weight("down_proj", e))  # row-invariant on CPU too
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
-                triton: bool = True, grouped: bool = True) -> torch.Tensor:
+                triton: bool = True) -> torch.Tensor:
         T, k = ids.shape
-        if grouped and row_tile is None and self.grouped_mm_applies(x):
-            return self.grouped(x, ids)
         if triton and x.is_cuda and not self.packed and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
             from ..kernels import triton_available
 
@@ -228,33 +224,6 @@ class Experts(nn.Module):
                 y = fused_moe(x, ids, self.gate_proj, self.up_proj, self.down_proj)  # [T*k, H]
                 return y.view(T, k, self.hidden)
         return self.reference(x, ids, row_tile)
-
-    def grouped_mm_applies(self, x: torch.Tensor) -> bool:
-        """Default mode on a Hopper-or-newer GPU in bf16 with dense experts whose widths keep rows
-        16-byte aligned: PyTorch's grouped GEMM (``F.grouped_mm``) is there and fastest."""
-        return (x.is_cuda and x.dtype == torch.bfloat16 and not self.packed and hasattr(F, "grouped_mm")
-                and self.hidden % 8 == 0 and self.intermediate % 8 == 0
-                and torch.cuda.get_device_capability(x.device)[0] >= 9)
-
-    def grouped(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The same products as ``reference`` as three grouped GEMMs over the expert-sorted rows
-        (gate, up, down; no Python loop and no host sync), SiLU(gate) * up in between -> [T, k, H].
-        Not batch-invariant (the GEMM library picks its tiles by the row counts): deterministic
-        mode runs the fused Triton kernel or the row-tiled reference instead."""
-        T, k = ids.shape
-        flat = ids.reshape(-1)  # [T*k]
-        order = torch.sort(flat, stable=True).indices
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)  # [E] segment ends
-        xs = x[order // k]  # [T*k, H]: slot s reads token s // k
-
-        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # a [n, in] by segments, w [E, out, in]
-            return F.grouped_mm(a, w.transpose(-2, -1), offs=offs)  # [n, out]
-
-        act = silu_mul(gmm(xs, self.gate_proj), gmm(xs, self.up_proj), triton=True)  # [T*k, I]
-        ys = gmm(act, self.down_proj)  # [T*k, H] in expert order
-        y = torch.empty_like(ys)
-        y[order] = ys  # back to slot order
-        return y.view(T, k, self.hidden)  # [T, k, H]
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None) -> torch.Tensor:
         """The PyTorch path: rows sorted by expert, one product per expert segment -> [T, k, H]."""
@@ -288,7 +257,6 @@ class MoeBlock(nn.Module):
         self.shared_expert = shared
         self.shared_expert_gate = Linear(hidden, 1) if shared is not None else None
         self.triton = True  # the fused Triton kernel on CUDA (kernels.moe)
-        self.grouped_mm = True  # default mode on Hopper: Experts.grouped (PyTorch's grouped GEMM)
 
     def fuse(self) -> None:
         if self.shared_expert is not None:
@@ -298,7 +266,7 @@ class MoeBlock(nn.Module):
         probs, weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, E], [T, k], [T, k]
         if hooks is not None:
             hooks(self.router_point, probs)
-        y = self.experts(x, ids, self.gate.row_tile, self.triton, self.grouped_mm)  # [T, k, H]
+        y = self.experts(x, ids, self.gate.row_tile, self.triton)  # [T, k, H]
         out = combine(y, weights).to(x.dtype)  # [T, H]
         if self.shared_expert is not None:
             out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
