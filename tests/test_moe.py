@@ -582,3 +582,21 @@ def test_silu_mul_rows_do_not_depend_on_how_many_come_together(width):
     for n in (1, 7, 33, 299):
         assert torch.equal(silu_mul(gate[:n], up[:n]), full[:n]), n
     assert torch.allclose(full.double(), torch.nn.functional.silu(gate.double()) * up.double(), atol=1e-6)
+
+
+def test_deterministic_mode_skips_tp_invariance_on_unsplittable_models(moe_dirs, tiny_dirs):
+    """MoE models are never split, so deterministic mode runs them without the TP-invariant slices
+    (tp_invariant True and False give the same bits); dense models keep the slices."""
+    from logprobe.layers.linear import Linear
+
+    reqs = _mix(seed=5)[:4]
+    loaded = load_model(str(moe_dirs["qwen3_moe"][0]), "cpu", "float32")
+    outs = {}
+    for tp_inv in (True, False):
+        engine = Scorer(loaded, config=EngineConfig(deterministic=True, tp_invariant=tp_inv)).engine
+        outs[tp_inv] = [r.logprobs for r in engine.run(reqs)]
+        assert not any(m.tp_invariant for m in loaded.model.modules() if isinstance(m, Linear))
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    dense = load_model(str(tiny_dirs["llama"][0]), "cpu", "float32")
+    Scorer(dense, config=EngineConfig(deterministic=True)).engine.run([ScoreRequest([5, 6, 7, 8], 1)])
+    assert all(m.tp_invariant for m in dense.model.modules() if isinstance(m, Linear))

@@ -72,7 +72,8 @@ class EngineConfig:
         row-parallel products as fixed inner slices summed by one pairwise tree, column-parallel
         ones in fixed column blocks (Triton fixed tiles on CUDA). Costs extra products at every TP
         size, TP = 1 included (docs/perf.md); False keeps deterministic mode batch-invariant at
-        the TP size in use only, at the cost it had before tensor parallelism.
+        the TP size in use only, at the cost it had before tensor parallelism. Models that are
+        never split (mixture-of-experts today) skip it: there is no other TP size to match.
     overlap_host: a batch's results are read after the next batch is launched, so that the host
         plans and packs while the device computes (one device-to-host copy per batch, ``engine.host``).
         False reads each batch before launching the next (for measuring what the overlap gives);

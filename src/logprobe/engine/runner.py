@@ -188,6 +188,7 @@ class Engine:
         self._config = config
         self.device = device
         self._linears = [m for m in model.modules() if isinstance(m, Linear)]
+        self._splittable = getattr(model, "supports_tensor_parallel", True)  # tp_invariant means something
         self._norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
         self._context = bool(getattr(model, "supports_context", False))
         # out of memory: the working budget (<= config.max_batch_tokens), see ``run``
@@ -410,7 +411,7 @@ class Engine:
         for m in self._linears:
             m.row_tile = tile
             m.invariant_kernel = cfg.invariant_matmul
-            m.tp_invariant = cfg.tp_invariant
+            m.tp_invariant = cfg.tp_invariant and self._splittable
         for m in self._norms:
             m.invariant = self.config.deterministic
 

@@ -181,6 +181,7 @@ class LlamaModel(nn.Module):
 
     supports_context = True  # shared-prefix segments and chunk KV caches (see AttentionMeta)
     supports_hooks = True  # steering and capture at the points of interp.points
+    supports_tensor_parallel = True  # deterministic mode keeps its bits equal across TP sizes
 
     def __init__(self, cfg: LlamaConfig, rope_freq_factors: torch.Tensor | None = None,
                  ctx: ParallelContext | None = None) -> None:

@@ -33,6 +33,10 @@ from .llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP, LlamaModel
 class MoeModel(LlamaModel):
     """``LlamaModel`` whose blocks (all but ``cfg.moe.dense_layers``) route each token to experts."""
 
+    # never split (see above), so deterministic mode skips the TP-invariant slices: there is no
+    # other tensor-parallel size whose bits it could match, and they cost 1.6x on dense llama-8b
+    supports_tensor_parallel = False
+
     def __init__(self, cfg: LlamaConfig, rope_freq_factors=None, ctx: ParallelContext | None = None) -> None:
         super().__init__(cfg, rope_freq_factors, ctx)
         self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
