@@ -65,7 +65,8 @@ print(json.dumps({"load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": 
 """
 
 
-def save_model(shape: str, path: str, device: str) -> None:
+def save_model(shape: str, path: str, device: str):
+    """The random bf16 model of ``shape`` (seed 0) saved to ``path`` with a byte tokenizer; returned."""
     import torch
     import transformers as tf
 
@@ -83,6 +84,7 @@ def save_model(shape: str, path: str, device: str) -> None:
     tok = Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)} | {"<s>": 256, "</s>": 257}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return model.eval()
 
 
 def child(path: str, det: bool, cache: str, device: str, vocab: int) -> dict:

@@ -96,29 +96,19 @@ def w1_section(shape: str, dev: str) -> None:
     """W1 as a padded batch vs as lists, and update_weights of the whole model (see the docstring)."""
     import sys
 
-    import transformers as tf
-
     from logprobe import Scorer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_first_call import SHAPES
+    from gpu_first_call import save_model
     from gpu_scoring import workload
 
-    cfg = tf.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, initializer_range=0.02,
-                         max_position_embeddings=8192)  # W1 sequences reach 6,144 ids
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    with torch.device(dev):
-        hf = tf.LlamaForCausalLM(cfg).to(dtype).eval()
     path = Path(tempfile.mkdtemp()) / shape
-    (_, t_save) = timed(lambda: hf.save_pretrained(str(path)))
-    from helpers import byte_tokenizer
-
-    byte_tokenizer()[0].save_pretrained(str(path))
+    hf, t_save = timed(lambda: save_model(shape, str(path), dev))  # bf16, 8192 positions (W1 reaches 6,144)
+    dtype = next(hf.parameters()).dtype
     s, t_load = timed(lambda: Scorer(str(path), device=dev, progress=False))
-    print(f"\n## {shape} W1 at the defaults (Scorer(dir, device={dev!r})): saved in {t_save:.1f} s, "
+    print(f"\n## {shape} W1 at the defaults (Scorer(dir, device={dev!r})): built and saved in {t_save:.1f} s, "
           f"loaded in {t_load:.1f} s, budget {s.config.max_batch_tokens}")
-    reqs = workload("W1", cfg.vocab_size)
+    reqs = workload("W1", hf.config.vocab_size)
     seqs = [{"prompt_token_ids": r.tokens[:r.score_begin], "completion_token_ids": r.tokens[r.score_begin:]}
             for r in reqs]
     P = max(len(q["prompt_token_ids"]) for q in seqs)
