@@ -292,7 +292,7 @@ def active_flops(lc, reqs, min_shared: int | None = 16) -> float:
 
 
 def kernel_section(args, dev, tflops):
-    from logprobe.kernels.moe import DEFAULT_CONFIG, MoeKernelConfig, fused_moe, moe_reference
+    from logprobe.kernels.moe import DEFAULT_CONFIG, HALF_CONFIG, MoeKernelConfig, fused_moe, moe_reference
     from logprobe.layers.moe import Experts, route
 
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -369,7 +369,7 @@ def kernel_section(args, dev, tflops):
         return bool(torch.equal(fn(x[:few].clone(), ids[:few].clone()).reshape(few * k, H),
                                 fn(x, ids).reshape(T * k, H)[:few * k]))
 
-    cases = [("logprobe fused Triton kernel (kernels.moe.fused_moe, default tiles)",
+    cases = [("logprobe fused Triton kernel (kernels.moe.fused_moe, default tiles of the dtype)",
               lambda a, b: fused_moe(a, b, gate, up, down)),
              ("PyTorch reference moe_reference (loop over experts)", lambda a, b: moe_reference(a, b, gate, up, down)),
              ("PyTorch segment path Experts.reference (MoeBlock.triton = False)",
@@ -398,8 +398,20 @@ def kernel_section(args, dev, tflops):
     log(f"fused kernel vs {str(dtype).removeprefix('torch.')} moe_reference: max rel Δ {d_fr:.2e} (relative to "
         f"max |y| = {scale:.3g}); deterministic variant: none separate, deterministic mode runs the same kernel "
         f"(fixed tiles, no split-K)")
+    if dev.type == "cuda":  # the weighted sum of the k expert rows: PyTorch ops vs the one-pass kernel
+        from logprobe.kernels.moe import combine_slots
+        from logprobe.layers.moe import combine
+
+        y3 = fused_moe(x, ids, gate, up, down)  # [T*k, H]
+        wts = torch.softmax(torch.randn(T, k, device=dev), -1)
+        ms_pt = bench_ms(lambda: combine(y3.view(T, k, H), wts).to(dtype), dev, args.rep)
+        ms_tr = bench_ms(lambda: combine_slots(y3, wts, dtype), dev, args.rep)
+        same = torch.equal(combine_slots(y3, wts, dtype), combine(y3.view(T, k, H), wts).to(dtype))
+        log(f"combine of the k = {k} expert rows, T = {T}: PyTorch ops {ms_pt:.3f} ms, combine_slots {ms_tr:.3f} ms "
+            f"({ms_pt / ms_tr:.1f}x), bitwise equal: {same}")
+        del y3
     if args.tune:
-        configs = [DEFAULT_CONFIG, MoeKernelConfig(64, 128, 64, 4, 3), MoeKernelConfig(64, 128, 64, 8, 4),
+        configs = [DEFAULT_CONFIG, HALF_CONFIG, MoeKernelConfig(64, 128, 64, 4, 3),
                    MoeKernelConfig(128, 128, 64, 8, 3), MoeKernelConfig(128, 64, 64, 4, 3),
                    MoeKernelConfig(64, 64, 128, 4, 3), MoeKernelConfig(32, 128, 64, 4, 4),
                    MoeKernelConfig(128, 128, 32, 8, 4), MoeKernelConfig(16, 64, 128, 4, 4)]
@@ -674,8 +686,8 @@ def main() -> None:
     if args.tiles:
         import logprobe.kernels.moe as kmoe
 
-        kmoe.DEFAULT_CONFIG = kmoe.MoeKernelConfig(*(int(v) for v in args.tiles.split(",")))
-        log(f"**fused MoE tiles for this run: {kmoe.DEFAULT_CONFIG}** (not the library default)")
+        kmoe.DEFAULT_CONFIG = kmoe.HALF_CONFIG = kmoe.MoeKernelConfig(*(int(v) for v in args.tiles.split(",")))
+        log(f"**fused MoE tiles for this run, every dtype: {kmoe.DEFAULT_CONFIG}** (not the library default)")
     args.sections = args.sections.split(",")
     args.budgets = [int(b) for b in args.budgets.split(",")]
     if args.kernel_tokens is None:

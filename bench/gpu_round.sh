@@ -20,7 +20,9 @@
 #   det      llama-8b W1/W3: default, deterministic (cuBLAS slices), invariant_matmul=triton, tp_invariant=False ~7
 #   rl       logprobs_padded vs logprobs on W1 as [256, L], update_weights of llama-8b (issue 20) .. ~4
 #   ray      Ray Data, one replica, against the library on llama-1b (issue 18; ray carried) ....... ~4
-# TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step.
+#   long     llama-8b W4: one 32k and one 128k sequence, and the 128k one against transformers' trunk ... ~4
+# TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
+# MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_round}
@@ -55,8 +57,9 @@ for s in "$@"; do
         first) step first 300 "$py" bench/gpu_first_call.py --model llama-1b ;;
         workloads) step workloads 580 "$py" bench/gpu_scoring.py --sections workloads --models llama-1b,llama-8b \
             --workloads W1,W3 --budgets 32768 ;;
-        actquant) step actquant 580 "$py" bench/gpu_act_quant.py ;;
-        moe) step moe 580 "$py" bench/gpu_moe.py --sections kernel,workloads,det,correct --workloads W1 --tune ;;
+        actquant) step actquant 580 "$py" bench/gpu_act_quant.py ${ACTQ_ARGS:-} ;;
+        moe) step moe "${MOE_LIMIT:-580}" "$py" bench/gpu_moe.py ${MOE_ARGS:---sections kernel,workloads,det,correct --workloads W1 --tune} ;;
+        long) step long 500 "$py" bench/gpu_scoring.py --sections workloads --models llama-8b --workloads W4 ;;
         det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton,det-notp ;;
         rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py --w1 llama-8b ;;
         ray) step ray 400 "$py" bench/gpu_ray.py ;;

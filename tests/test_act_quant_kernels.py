@@ -74,10 +74,13 @@ def test_interpreter_matches_reference():
                 bias = torch.randn(N, generator=g)
                 y = scaled_matmul(xc, xs, ga or K, wc, ws, gb, bias, torch.float32, cfg)
                 ref = scaled_matmul_reference(xc, xs, ga or K, wc, ws, gb, bias, torch.float64)
-                both = scaled_matmul(torch.cat([xc.flip(0), xc]), torch.cat([xs.flip(0), xs]), ga or K, wc, ws, gb,
+                # 16 other rows (one row tile) first: each row keeps its place in its tile, because the
+                # interpreter's tl.dot is a NumPy product whose BLAS may round a tile's edge rows differently
+                both = scaled_matmul(torch.cat([xc.flip(0).repeat(16, 1)[:16], xc]),
+                                     torch.cat([xs.flip(0).repeat(16, 1)[:16], xs]), ga or K, wc, ws, gb,
                                      bias, torch.float32, cfg)
                 out["mm"][f"{kind}-{M}-{K}-{ga}-{gb}"] = [float((y.double() - ref).abs().max() / ref.abs().max()),
-                                                         torch.equal(both[M:], y)]
+                                                         torch.equal(both[16:], y)]
         print(json.dumps(out))
     """)
     r = run_interpreted(code)
@@ -131,8 +134,62 @@ def test_cuda_layer_kernels_match_its_reference_path(kind, block_cols, act_group
     y = layer(x).float()
     assert y.shape == ref.shape
     assert float((y - ref).abs().max() / ref.abs().max()) <= 1e-2  # both cast to bfloat16 at the end
+    layer.row_tile = 2048  # deterministic mode: fixed tiles, never torch._scaled_mm
+    y = layer(x).float()
+    assert float((y - ref).abs().max() / ref.abs().max()) <= 1e-2
     alone = layer(x[1:2]).float()
     assert torch.equal(alone, y[1:2])  # a row's bits do not depend on its batch
+
+
+def test_product_path_gold_table():
+    """Which product multiplies the codes: (kind, out dtype, per-row scales, batch-invariant,
+    fp8_tensor_cores, torch._scaled_mm row-wise there) -> path (``kernels.act_quant.product_path``)."""
+    from logprobe.kernels.act_quant import product_path
+
+    bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    table = [
+        (("int", bf, True, False, None, True), "int8"),
+        (("int", f32, False, True, True, True), "int8"),
+        (("float", f32, True, False, None, True), "fp16"),  # float32 model: the exact product
+        (("float", f32, True, False, True, True), "fp8-mma"),  # forced on: the kernel (scaled_mm is bf16 only)
+        (("float", bf, True, False, None, True), "scaled_mm"),
+        (("float", bf, True, False, None, False), "fp8-mma"),  # no row-wise scaled_mm on this GPU
+        (("float", bf, True, True, None, True), "fp8-mma"),  # deterministic mode: fixed tiles
+        (("float", bf, False, False, None, True), "fp8-mma"),  # 128-column blocks
+        (("float", f16, True, False, None, True), "fp8-mma"),
+        (("float", bf, True, False, False, True), "fp16"),  # forced off
+    ]
+    assert [product_path(*args) for args, _ in table] == [want for _, want in table]
+
+
+@gpu
+@pytest.mark.parametrize("M, N, K, ga, gb, invariant", [(300, 6144, 4096, None, 4096, False),
+                                                        (4096, 4096, 14336, None, 14336, False),
+                                                        (300, 6144, 4096, None, 4096, True),
+                                                        (2048, 4096, 14336, 128, 128, False)])
+def test_cuda_fp8_tensor_core_paths_within_bf16_rounding(M, N, K, ga, gb, invariant):
+    """bf16 outputs take the FP8 tensor cores (``torch._scaled_mm`` or the kernel's FP8 MMA): their
+    truncated partial sums stay under 5e-4 of the float64 product (a bf16 output's own rounding is
+    up to 2e-3), and the fixed-tile kernel is batch-invariant."""
+    from logprobe.kernels.act_quant import ActQuantConfig, quantize_rows, scaled_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(K)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    wc, ws = quantize_rows_reference(w, "float", gb)
+    xc, xs = quantize_rows(x, "float", ga)
+    ref = scaled_matmul_reference(xc, xs, ga or K, wc, ws, gb, None, torch.float64)
+    y = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.bfloat16, batch_invariant=invariant)
+    assert not torch.isnan(y).any()
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) <= 5e-3  # bf16 output rounding included
+    exact32 = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.float32)
+    mma32 = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.float32, ActQuantConfig(fp8_tensor_cores=True))
+    assert float((mma32.double() - ref).abs().max() / ref.abs().max()) <= 5e-4  # the MMA's truncation alone
+    assert float((exact32.double() - ref).abs().max() / ref.abs().max()) <= 1e-6
+    if invariant:
+        both = scaled_matmul(torch.cat([xc, xc]), torch.cat([xs, xs]), ga or K, wc, ws, gb, None, torch.bfloat16,
+                             batch_invariant=True)
+        assert torch.equal(both[M:], y) and torch.equal(both[:M], y)
 
 
 def test_kernel_kinds_cover_the_layer_kinds():

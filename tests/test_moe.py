@@ -527,6 +527,48 @@ def test_fused_kernel_interpreted():
     assert out["invariant"]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
+def test_combine_kernel_interpreted_is_bitwise_the_pytorch_definition():
+    """``combine_slots`` (one Triton pass) against ``layers.moe.combine(...).to(dtype)``: the same bits
+    (FMA contraction off, the same order of products and sums), for k = 1, 3, 8, widths that leave a
+    partial column block, float32 / bf16 inputs; and a gold row worked by hand. Outputs are float32
+    here: the interpreter's float32 -> bf16 cast truncates (CUDA's rounds to nearest even, and the
+    CUDA test below compares bf16 outputs bitwise)."""
+    code = textwrap.dedent("""
+        import json, torch
+        from logprobe.kernels.moe import combine_slots
+        from logprobe.layers.moe import combine
+        out = {"equal": []}
+        g = torch.Generator().manual_seed(3)
+        for T, k, H, dt in [(5, 1, 40, torch.float32), (7, 3, 1100, torch.bfloat16), (4, 8, 64, torch.float32),
+                            (3, 8, 96, torch.bfloat16)]:
+            y = torch.randn(T * k, H, generator=g).to(dt)
+            w = torch.softmax(torch.randn(T, k, generator=g), -1)
+            ref = combine(y.view(T, k, H), w)  # float32
+            out["equal"].append(bool(torch.equal(combine_slots(y, w, torch.float32), ref)))
+        y = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        out["gold"] = combine_slots(y, torch.tensor([[0.5, 0.25]]), torch.float32).tolist()
+        print(json.dumps(out))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["equal"] == [True] * 4
+    assert out["gold"] == [[0.5 * 1 + 0.25 * 3, 0.5 * 2 + 0.25 * 4]]  # [[1.25, 2.0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA")
+def test_combine_kernel_cuda_is_bitwise_the_pytorch_definition():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, k, H, dt in [(4096, 8, 2048, torch.bfloat16), (333, 4, 1000, torch.float32)]:
+        y = torch.randn(T * k, H, generator=g, device="cuda").to(dt)
+        w = torch.softmax(torch.randn(T, k, generator=g, device="cuda"), -1)
+        from logprobe.kernels.moe import combine_slots
+        from logprobe.layers.moe import combine
+
+        assert torch.equal(combine_slots(y, w, dt), combine(y.view(T, k, H), w).to(dt))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_block_cuda_kernel_matches_reference_path(dtype, moe_dirs):

@@ -24,11 +24,20 @@ Two kernels, each beside its PyTorch definition (``quantize_rows_reference``,
    (a per-token activation scale is group_a = K; a per-channel weight scale group_b = K; DeepSeek's
    128x128 blocks give group_b = 128 with one row of scales per weight row, and 1x128 activation
    groups group_a = 128). When both groups are K the scales multiply once at the end; otherwise once
-   per K tile (BLOCK_K divides both groups). FP8 codes are widened to fp16 (exactly) and multiplied
-   on the fp16 tensor cores, because Hopper's FP8 MMA truncates its partial sums to ~14 bits
-   (DeepSeek-V3's observation; measured here at 1.6e-4 relative error for K = 4096 on an H200),
-   which is not an exact product. The widening costs half the bf16 GEMM rate in this kernel (H200:
-   about 370 against 780 TFLOP/s). ``ActQuantConfig(fp8_tensor_cores=True)`` opts into the FP8 MMA.
+   per K tile (BLOCK_K divides both groups). Which tensor-core product multiplies FP8 codes
+   (``product_path``, a pure function with a gold table in the tests):
+
+   * float32 output (the exactness mode): codes widened to fp16 (exact: 4-bit significands,
+     2^-9..448) on the fp16 tensor cores, float32 sums: within 2.5e-6 of float64 at K = 4096, at
+     half the bf16 GEMM rate (H200: about 370 against 780 TFLOP/s);
+   * bf16 / fp16 output (the default on CUDA): the FP8 tensor cores. Hopper's FP8 MMA keeps only
+     ~14 bits of its partial sums (DeepSeek-V3's observation; 1.4e-4 - 2.0e-4 relative at llama-8b
+     shapes on an H200), a tenth of the output's own rounding (bf16: 2^-9 = 2e-3 relative). With
+     per-row scales on both sides (per-token activations, per-channel or per-tensor weights) and
+     no batch invariance asked, ``torch._scaled_mm`` (cuBLAS / CUTLASS row-wise FP8) runs it; else
+     this kernel's FP8 MMA with fixed tiles (deterministic mode, 128-column blocks).
+
+   ``ActQuantConfig(fp8_tensor_cores=True / False)`` forces the FP8 MMA / the exact product.
 
 Tiles are fixed (``ActQuantConfig``), never chosen by M, and the K loop is never split: a row's
 result depends on that row only, so deterministic mode's batch invariance holds.
@@ -57,10 +66,41 @@ class ActQuantConfig:
     block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
-    # FP8 codes on the FP8 tensor cores (cuBLAS FP8 ran 1.6x bf16 at llama-8b shapes on an H200), but Hopper's
-    # FP8 MMA keeps only ~14 bits of each partial sum (measured: 1.6e-4 relative error at K = 4096, H200),
-    # so it is off: e4m3 codes widen exactly to fp16 and multiply on the fp16 tensor cores instead.
-    fp8_tensor_cores: bool = False
+    # FP8 codes on the FP8 tensor cores: None (auto) when the output is bf16 / fp16, True always, False
+    # never (codes widened exactly to fp16); see ``product_path``
+    fp8_tensor_cores: bool | None = None
+
+
+PATHS = ("int8", "fp16", "fp8-mma", "scaled_mm")
+
+
+def product_path(kind: str, out_dtype: torch.dtype, per_row_scales: bool, batch_invariant: bool,
+                 fp8_tensor_cores: bool | None, has_scaled_mm: bool) -> str:
+    """Which product multiplies the codes (the module docstring says why):
+
+    * "int8": int8 tiles summed in int32 (exact) in ``_scaled_mm_kernel``;
+    * "fp16": e4m3 codes widened to fp16 (exact products, float32 sums), ``_scaled_mm_kernel``;
+    * "fp8-mma": the FP8 tensor cores in ``_scaled_mm_kernel`` (fixed tiles: batch-invariant);
+    * "scaled_mm": ``torch._scaled_mm`` row-wise (cuBLAS / CUTLASS; bf16 out, per-row scales only).
+
+    >>> product_path("float", torch.bfloat16, True, False, None, True)
+    'scaled_mm'
+    >>> product_path("float", torch.float32, True, False, None, True)
+    'fp16'
+    """
+    if kind == "int":
+        return "int8"
+    mma = out_dtype in (torch.bfloat16, torch.float16) if fp8_tensor_cores is None else fp8_tensor_cores
+    if not mma:
+        return "fp16"
+    if has_scaled_mm and per_row_scales and out_dtype == torch.bfloat16 and not batch_invariant:
+        return "scaled_mm"
+    return "fp8-mma"
+
+
+def has_rowwise_scaled_mm(device: torch.device) -> bool:
+    """``torch._scaled_mm`` with row-wise FP8 scales: CUDA compute capability 9.0 (Hopper) or later."""
+    return device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 # ------------------------------------------------------------------------------ PyTorch definitions
@@ -212,9 +252,10 @@ def quantize_rows(x: torch.Tensor, kind: str, group: int | None = None,
 
 def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tensor, sb: torch.Tensor, group_b: int,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                  config: ActQuantConfig | None = None) -> torch.Tensor:
+                  config: ActQuantConfig | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """a [M, K] codes with scales sa [M, ceil(K / group_a)], b [N, K] codes with sb [N, ceil(K /
-    group_b)] (float8_e4m3fn both, or int8 both) -> y [M, N] in ``out_dtype``."""
+    group_b)] (float8_e4m3fn both, or int8 both) -> y [M, N] in ``out_dtype``, by ``product_path``.
+    ``batch_invariant``: a row's result must not depend on M (deterministic mode)."""
     cfg = config or ActQuantConfig()
     M, K = a.shape
     N = b.shape[0]
@@ -225,6 +266,10 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
     if per_tile and any(g < K and g % cfg.block_k for g in (group_a, group_b)):
         raise LogprobeError("group", f"scale groups {group_a}/{group_b} are not multiples of the K tile "
                             f"{cfg.block_k}", "use the PyTorch path (ActQuantLinear without kernels)")
+    path = product_path("int" if a.dtype == torch.int8 else "float", out_dtype, not per_tile, batch_invariant,
+                        cfg.fp8_tensor_cores, has_rowwise_scaled_mm(a.device))
+    if path == "scaled_mm" and K % 16 == 0 and N % 16 == 0:
+        return rowwise_scaled_mm(a, sa, b, sb, bias)
     ga, gb = (group_a if group_a < K else K + cfg.block_k), (group_b if group_b < K else K + cfg.block_k)
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
     sa, sb = sa.float().contiguous(), sb.float().contiguous()
@@ -232,18 +277,30 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
     _scaled_mm_kernel[grid](a, b, sa, sb, bias if bias is not None else y, y, M, N, K,
                             a.stride(0), b.stride(0), sa.stride(0), sb.stride(0), y.stride(0), ga, gb,
                             PER_TILE=per_tile, IS_INT=a.dtype == torch.int8, HAS_BIAS=bias is not None,
-                            FP8_MMA=cfg.fp8_tensor_cores,
+                            FP8_MMA=path in ("fp8-mma", "scaled_mm"),
                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
+def rowwise_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8 codes a [M, K] x b [N, K]^T with one scale per row of each (sa [M, 1], sb [N, 1]) on the
+    FP8 tensor cores through ``torch._scaled_mm`` -> bf16 [M, N] (float32 accumulation with the
+    library's periodic promotion: ``use_fast_accum=False``)."""
+    M, N = a.shape[0], b.shape[0]
+    return torch._scaled_mm(a.contiguous(), b.t(), scale_a=sa.reshape(M, 1).contiguous(),
+                            scale_b=sb.reshape(1, N).contiguous(), bias=None if bias is None else bias.to(torch.bfloat16),
+                            out_dtype=torch.bfloat16, use_fast_accum=False)
+
+
 def act_quant_linear(x: torch.Tensor, kind: str, act_group: int | None, static_scale: torch.Tensor | None,
                      qweight: torch.Tensor, w_scale: torch.Tensor, block_cols: int,
-                     bias: torch.Tensor | None = None, config: ActQuantConfig | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, config: ActQuantConfig | None = None,
+                     batch_invariant: bool = False) -> torch.Tensor:
     """``ActQuantLinear``'s product through the two kernels: x [T, K] -> y [T, N] in x's dtype."""
     K = x.shape[1]
     codes, sx = quantize_rows(x, kind, act_group, static_scale)
     group_a = K if static_scale is not None else (act_group or K)
     out = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    return scaled_matmul(codes, sx, group_a, qweight, w_scale, block_cols, bias, out, config)
+    return scaled_matmul(codes, sx, group_a, qweight, w_scale, block_cols, bias, out, config, batch_invariant)

@@ -15,10 +15,15 @@ BLOCK_M = 2, ids = [[2, 0], [0, 3], [2, 1]]:
 * ``_down_kernel``: program (tile, n) multiplies the tile's act rows by expert e's down columns
   n and stores ``y[s]`` [T*k, H].
 
+* ``_combine_kernel`` (``combine_slots``): program (t, column block) adds token t's k rows of y
+  weighted by the router, ``out[t] = w[t,0] y[t*k] + w[t,1] y[t*k+1] + ...`` in float32, in slot
+  order, each product and each sum rounded as ``layers.moe.combine`` rounds them (FMA contraction
+  off), then rounds once to the output dtype: bitwise the PyTorch definition's ``combine(y,
+  w).to(dtype)``, in one pass over y instead of 3k float32 temporaries of [T, H].
+
 Fixed tiles per expert, each K loop in order, no split-K: a row's numbers depend only on its own
 row and its expert's weights, never on how many rows share the expert, so the kernel is
-batch-invariant by construction (deterministic mode uses it as is). The weighted sum over the k
-slots of a token stays outside, in slot order (``layers.moe.combine``). ``moe_reference`` is the
+batch-invariant by construction (deterministic mode uses it as is). ``moe_reference`` is the
 PyTorch definition it is tested against (``tests/test_moe.py``, under ``TRITON_INTERPRET=1`` on
 CPU); the PyTorch path rounds gate and up to the activation dtype before SiLU as transformers
 does, the kernel does not (equal in float32 up to accumulation order).
@@ -97,14 +102,26 @@ if triton_available():
         yp = y_ptr + slots[:, None].to(tl.int64) * stride_ym + rn[None, :]
         tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
+    @triton.jit
+    def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        row = y_ptr + t * TOP_K * stride_y + cols  # slot t*k, then t*k + j
+        acc = tl.load(row, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + t * TOP_K)
+        for j in tl.static_range(1, TOP_K):
+            acc = acc + tl.load(row + j * stride_y, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + t * TOP_K + j)
+        tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
 
 @dataclass(frozen=True, slots=True)
 class MoeKernelConfig:
-    """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch, every
-    dtype. On an H200 at the Qwen3-30B-A3B layer (T = 8192, bf16) the sweep's best, 64/128/64 with
-    8 warps and 4 stages, ran the kernel alone in 2.25 ms against 2.99 ms for this default, but
-    whole W1 workloads only 0-4% faster, and in float32 it needs more shared memory than a Hopper
-    SM has (245,760 > 232,448 bytes), so the default stays the one that fits every dtype."""
+    """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch of a
+    dtype (``default_config``). On an H200 at the Qwen3-30B-A3B layer (T = 8192, bf16) the sweep's
+    best, 64/128/64 with 8 warps and 4 stages (``HALF_CONFIG``), ran the kernel alone in 2.25 ms
+    against 2.99 ms for 64/64/64 with 4 warps and 3 stages (``DEFAULT_CONFIG``); in float32 it needs
+    more shared memory than a Hopper SM has (245,760 > 232,448 bytes), so float32 keeps the smaller
+    tiles."""
 
     block_m: int = 64
     block_n: int = 64
@@ -113,7 +130,13 @@ class MoeKernelConfig:
     num_stages: int = 3
 
 
-DEFAULT_CONFIG = MoeKernelConfig()
+DEFAULT_CONFIG = MoeKernelConfig()  # float32 (and every dtype when a benchmark sets both to one)
+HALF_CONFIG = MoeKernelConfig(64, 128, 64, 8, 4)  # bf16 / fp16
+
+
+def default_config(dtype: torch.dtype) -> MoeKernelConfig:
+    """The tiles for activations of ``dtype``, read at the call (bench/gpu_moe.py --tiles sets them)."""
+    return HALF_CONFIG if dtype in (torch.bfloat16, torch.float16) else DEFAULT_CONFIG
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,13 +176,13 @@ def _check(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Ten
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
               config: MoeKernelConfig | None = None) -> torch.Tensor:
     """x [T, H], ids [T, k], gate/up [E, I, H], down [E, H, I] -> y [T*k, H] in x's dtype: row
-    ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted). ``config`` None: the
-    module's ``DEFAULT_CONFIG``, read at the call (bench/gpu_moe.py --tiles sets it to compare)."""
+    ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted). ``config`` None:
+    ``default_config(x.dtype)``."""
     _check(x, ids, gate, up, down)
     E, inter, H = gate.shape
     T, k = ids.shape
     x, gate, up, down = (t.contiguous() for t in (x, gate, up, down))
-    c = config or DEFAULT_CONFIG
+    c = config or default_config(x.dtype)
     sorted_slots, tile_expert = align_by_expert(ids, E, c.block_m)
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [T*k, H]
@@ -176,6 +199,25 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.
         y.stride(0), IEEE=ieee, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages)
     return y
+
+
+def combine_slots(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs y [T*k, H] (slot order) and router weights [T, k] float32 -> [T, H] in ``dtype``:
+    bitwise ``layers.moe.combine(y.view(T, k, H), weights).to(dtype)``, in one pass."""
+    T, k = weights.shape
+    H = y.shape[-1]
+    if y.shape[0] != T * k or weights.dtype != torch.float32:
+        raise LogprobeError("weights", f"y {tuple(y.shape)} and weights {tuple(weights.shape)} {weights.dtype} do not "
+                            "fit [T*k, H] and [T, k] float32")
+    y, weights = y.contiguous(), weights.contiguous()
+    out = torch.empty(T, H, dtype=dtype, device=y.device)  # [T, H]
+    if T == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(H))
+    # FMA contraction off: each product and each sum rounded on its own, as PyTorch's elementwise ops do
+    _combine_kernel[(T, triton.cdiv(H, block))](y, weights, out, H, y.stride(0), out.stride(0), TOP_K=k,
+                                                BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
+    return out
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,

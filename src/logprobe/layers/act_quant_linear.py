@@ -19,13 +19,14 @@ Everything is computed in float32 (an input in another dtype is widened first, t
 cast back): the dequantized activation times the dequantized weight, one float32 product. That
 is the exact reference path, on CPU (and on CUDA with ``ActQuantLinear.kernels = False``, a class
 switch). CUDA inputs go through ``kernels.act_quant`` by default: a fused quantizer that gives the
-reference's codes bit for bit, and a tensor-core GEMM of the codes with float32 accumulation and
-fixed tiles (INT8: exact int32 tile sums; FP8: codes widened exactly to fp16, since Hopper's FP8
-MMA truncates its sums), within 2.5e-6 of the float64 product at llama-8b shapes and 6x faster
-than the float32 path on an H200 (docs/perf.md, issue 22). Quantization is
-row-wise (per token), so deterministic mode's batch invariance holds on both paths: a row's codes
-and scale depend on that row only, and the product is the row-tiled one of ``linear`` or the
-kernel's fixed tiles.
+reference's codes bit for bit, and a tensor-core GEMM of the codes with float32 accumulation
+(``kernels.act_quant.product_path``): INT8 exact int32 tile sums; FP8 in a float32 model codes
+widened exactly to fp16 (within 2.5e-6 of the float64 product at llama-8b shapes), in a bf16 /
+fp16 model the FP8 tensor cores (``torch._scaled_mm`` row-wise, or the kernel's FP8 MMA), whose
+truncated partial sums (2e-4 relative) stay under a tenth of the output's own rounding.
+Quantization is row-wise (per token), so deterministic mode's batch invariance holds on every
+path: a row's codes and scale depend on that row only, and the product is the row-tiled one of
+``linear`` or the kernel's fixed tiles (deterministic mode never takes ``torch._scaled_mm``).
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         if self.use_kernels(x2):
             from ..kernels.act_quant import act_quant_linear
 
-            y = act_quant_linear(x2, self.act_kind, self.act_group, self.input_scale,
-                                 self.qweight, self.scale, self.block_cols, self.bias)
+            y = act_quant_linear(x2, self.act_kind, self.act_group, self.input_scale, self.qweight, self.scale,
+                                 self.block_cols, self.bias, batch_invariant=self.row_tile is not None)
         else:
             xq = self.quantize_input(x2)  # [T, in] float32
             y = float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32

@@ -103,6 +103,19 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def combine_to(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``combine(y, weights).to(dtype)``; on CUDA one Triton pass (``kernels.moe.combine_slots``,
+    the same bits) instead of 3k float32 temporaries of [T, H]."""
+    if y.is_cuda:
+        from ..kernels import triton_available
+
+        if triton_available():
+            from ..kernels.moe import combine_slots
+
+            return combine_slots(y.reshape(-1, y.shape[-1]), weights, dtype)  # [T, k, H] -> [T*k, H]
+    return combine(y, weights).to(dtype)
+
+
 class ExpertMatrices(PackedWeight):
     """Packed expert matrices ``[E, out, in]``: ``expert(e)`` is expert e's weight [out, in] in the
     model dtype, expanded by the function the dense loader uses (packed and dense: the same bits)."""
@@ -267,7 +280,7 @@ class MoeBlock(nn.Module):
         if hooks is not None:
             hooks(self.router_point, probs)
         y = self.experts(x, ids, self.gate.row_tile, self.triton)  # [T, k, H]
-        out = combine(y, weights).to(x.dtype)  # [T, H]
+        out = combine_to(y, weights, x.dtype)  # [T, H]
         if self.shared_expert is not None:
             out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
