@@ -185,7 +185,7 @@ def test_cuda_fp8_tensor_core_paths_within_bf16_rounding(M, N, K, ga, gb, invari
     exact32 = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.float32)
     mma32 = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.float32, ActQuantConfig(fp8_tensor_cores=True))
     assert float((mma32.double() - ref).abs().max() / ref.abs().max()) <= 5e-4  # the MMA's truncation alone
-    assert float((exact32.double() - ref).abs().max() / ref.abs().max()) <= 1e-6
+    assert float((exact32.double() - ref).abs().max() / ref.abs().max()) <= 5e-6  # float32 sums over K = 14336
     if invariant:
         both = scaled_matmul(torch.cat([xc, xc]), torch.cat([xs, xs]), ga or K, wc, ws, gb, None, torch.bfloat16,
                              batch_invariant=True)

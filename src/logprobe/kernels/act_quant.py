@@ -244,9 +244,13 @@ def quantize_rows(x: torch.Tensor, kind: str, group: int | None = None,
     codes = torch.empty(T, K, dtype=dtype, device=x.device)
     scales = torch.empty(T, G, dtype=torch.float32, device=x.device)
     static = scale.float().reshape(1).contiguous() if scale is not None else scales
+    block = triton.next_power_of_2(g)
+    # about 16 values a thread: a whole 14336-wide row on 4 warps kept 128 a thread (measured on an
+    # H200: 0.26 ms for [8192, 14336], a third of the FP8 GEMM after it)
+    warps = max(1, min(32, block // 512))
     _quantize_kernel[(T, G)](x, codes, scales, static, K, G, g, x.stride(0), codes.stride(0),
                              IS_FLOAT=kind == "float", STATIC=scale is not None, QMIN=qmin, QMAX=qmax,
-                             HALF_RANGE=(qmax - qmin) / 2, EPS_=EPS, BLOCK=triton.next_power_of_2(g))
+                             HALF_RANGE=(qmax - qmin) / 2, EPS_=EPS, BLOCK=block, num_warps=warps)
     return codes, scales
 
 

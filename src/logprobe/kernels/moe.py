@@ -117,11 +117,12 @@ if triton_available():
 @dataclass(frozen=True, slots=True)
 class MoeKernelConfig:
     """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch of a
-    dtype (``default_config``). On an H200 at the Qwen3-30B-A3B layer (T = 8192, bf16) the sweep's
-    best, 64/128/64 with 8 warps and 4 stages (``HALF_CONFIG``), ran the kernel alone in 2.25 ms
-    against 2.99 ms for 64/64/64 with 4 warps and 3 stages (``DEFAULT_CONFIG``); in float32 it needs
-    more shared memory than a Hopper SM has (245,760 > 232,448 bytes), so float32 keeps the smaller
-    tiles."""
+    dtype (``default_config``). On an H200 at the Qwen3-30B-A3B layer with T = 32768 tokens (the
+    default budget's batch: about 2048 rows per expert), bf16: 128/128/64 with 8 warps and 3 stages
+    (``HALF_CONFIG``) 6.25 ms = 1.45x the grouped-GEMM floor, 64/128/64/8/4 8.01 ms, 64/64/64/4/3
+    (``DEFAULT_CONFIG``) 8.87 ms (docs/perf.md). Float32 tiles take twice the shared memory, and the
+    larger ones need more than a Hopper SM has (245,760 > 232,448 bytes), so float32 keeps the
+    small tiles."""
 
     block_m: int = 64
     block_n: int = 64
@@ -131,7 +132,7 @@ class MoeKernelConfig:
 
 
 DEFAULT_CONFIG = MoeKernelConfig()  # float32 (and every dtype when a benchmark sets both to one)
-HALF_CONFIG = MoeKernelConfig(64, 128, 64, 8, 4)  # bf16 / fp16
+HALF_CONFIG = MoeKernelConfig(128, 128, 64, 8, 3)  # bf16 / fp16
 
 
 def default_config(dtype: torch.dtype) -> MoeKernelConfig:
