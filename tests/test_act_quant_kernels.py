@@ -153,7 +153,7 @@ def test_product_path_gold_table():
         (("float", f32, True, False, None, True), "fp16"),  # float32 model: the exact product
         (("float", f32, True, False, True, True), "fp8-mma"),  # forced on: the kernel (scaled_mm is bf16 only)
         (("float", bf, True, False, None, True), "scaled_mm"),
-        (("float", bf, True, False, None, False), "fp8-mma"),  # no row-wise scaled_mm on this GPU
+        (("float", bf, True, False, None, False), "fp8-mma"),  # no row-wise scaled_mm on this GPU, or K / N not multiples of 16
         (("float", bf, True, True, None, True), "fp8-mma"),  # deterministic mode: fixed tiles
         (("float", bf, False, False, None, True), "fp8-mma"),  # 128-column blocks
         (("float", f16, True, False, None, True), "fp8-mma"),

@@ -71,9 +71,6 @@ class ActQuantConfig:
     fp8_tensor_cores: bool | None = None
 
 
-PATHS = ("int8", "fp16", "fp8-mma", "scaled_mm")
-
-
 def product_path(kind: str, out_dtype: torch.dtype, per_row_scales: bool, batch_invariant: bool,
                  fp8_tensor_cores: bool | None, has_scaled_mm: bool) -> str:
     """Which product multiplies the codes (the module docstring says why):
@@ -81,7 +78,8 @@ def product_path(kind: str, out_dtype: torch.dtype, per_row_scales: bool, batch_
     * "int8": int8 tiles summed in int32 (exact) in ``_scaled_mm_kernel``;
     * "fp16": e4m3 codes widened to fp16 (exact products, float32 sums), ``_scaled_mm_kernel``;
     * "fp8-mma": the FP8 tensor cores in ``_scaled_mm_kernel`` (fixed tiles: batch-invariant);
-    * "scaled_mm": ``torch._scaled_mm`` row-wise (cuBLAS / CUTLASS; bf16 out, per-row scales only).
+    * "scaled_mm": ``torch._scaled_mm`` row-wise (cuBLAS / CUTLASS; bf16 out, per-row scales only;
+      ``has_scaled_mm``: the GPU has it and K, N are multiples of 16).
 
     >>> product_path("float", torch.bfloat16, True, False, None, True)
     'scaled_mm'
@@ -270,9 +268,10 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
     if per_tile and any(g < K and g % cfg.block_k for g in (group_a, group_b)):
         raise LogprobeError("group", f"scale groups {group_a}/{group_b} are not multiples of the K tile "
                             f"{cfg.block_k}", "use the PyTorch path (ActQuantLinear without kernels)")
+    scaled_mm_fits = has_rowwise_scaled_mm(a.device) and K % 16 == 0 and N % 16 == 0  # cuBLAS FP8's alignment
     path = product_path("int" if a.dtype == torch.int8 else "float", out_dtype, not per_tile, batch_invariant,
-                        cfg.fp8_tensor_cores, has_rowwise_scaled_mm(a.device))
-    if path == "scaled_mm" and K % 16 == 0 and N % 16 == 0:
+                        cfg.fp8_tensor_cores, scaled_mm_fits)
+    if path == "scaled_mm":
         return rowwise_scaled_mm(a, sa, b, sb, bias)
     ga, gb = (group_a if group_a < K else K + cfg.block_k), (group_b if group_b < K else K + cfg.block_k)
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
@@ -281,7 +280,7 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
     _scaled_mm_kernel[grid](a, b, sa, sb, bias if bias is not None else y, y, M, N, K,
                             a.stride(0), b.stride(0), sa.stride(0), sb.stride(0), y.stride(0), ga, gb,
                             PER_TILE=per_tile, IS_INT=a.dtype == torch.int8, HAS_BIAS=bias is not None,
-                            FP8_MMA=path in ("fp8-mma", "scaled_mm"),
+                            FP8_MMA=path == "fp8-mma",
                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
