@@ -29,6 +29,8 @@ prints its error and the rest go on):
              time of transformers is then extrapolated by needed tokens and labelled so.
   det        W1 with ``EngineConfig(deterministic=True)``: time, cost against the default run,
              max |Δ| between the two, and the first 3 requests alone vs inside W1 (bitwise).
+  profile    the CUDA kernels of logprobe's W1 (first ``--profile-requests`` requests) by total
+             time, under torch.profiler: where the time goes.
   correct    per-token max / mean |Δ log-prob| of logprobe vs transformers (same dtype, bf16 on the
              GPU) on the first ``--check-requests`` W1 requests.
 
@@ -511,6 +513,8 @@ def logprobe_phase(args, cfg, lc, dev, dtype, wls, tflops, state):
                     state["det"] = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
                     log(f"det failed: {state['det']['error']}")
                     free()
+            if "profile" in sections:
+                profile_w1(args, engine, lc)
             if "correct" in sections:
                 reqs = workload("W1", lc.vocab_size)[:args.check_requests]
                 state["check_ours"] = [r.logprobs.float().cpu() for r in engine.run(reqs)]
@@ -519,6 +523,24 @@ def logprobe_phase(args, cfg, lc, dev, dtype, wls, tflops, state):
     finally:
         engine = det_engine = model = None  # noqa: F841 - the weights go before transformers' are made
         free()
+
+
+def profile_w1(args, engine, lc) -> None:
+    """Where the time of logprobe's W1 goes: the first ``--profile-requests`` requests under
+    torch.profiler, the CUDA kernels by total time (the share a kernel family would free)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reqs = workload("W1", lc.vocab_size)[:args.profile_requests]
+    engine.run(reqs)  # shapes met once before the profiled run
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.run(reqs)
+        sync()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) or 1
+    log(f"\n## W1 profile: first {len(reqs)} requests, {total / 1e3:.1f} ms of kernels")
+    log("| kernel | calls | ms | share |\n| --- | ---: | ---: | ---: |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        log(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | {e.self_device_time_total / total:.1%} |")
 
 
 def public_path_check(cfg, model, reqs, dev, dtype) -> str:
@@ -694,6 +716,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="8192", help="transformers padded-token budgets to try (best is kept)")
     ap.add_argument("--batch-tokens", type=int, default=None, help="logprobe max_batch_tokens (default: the library's)")
     ap.add_argument("--check-requests", type=int, default=8)
+    ap.add_argument("--profile-requests", type=int, default=64, help="profile section: W1 requests profiled")
     ap.add_argument("--kernel-tokens", type=int, default=None, help="kernel section T (default 8192; --tiny 64)")
     ap.add_argument("--tune", action="store_true", help="kernel section: sweep MoeKernelConfig tiles")
     ap.add_argument("--tiles", default=None, help="BM,BN,BK,warps,stages: the fused kernel's default tiles "

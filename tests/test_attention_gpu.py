@@ -60,3 +60,67 @@ def test_flash_tree_and_cache_match_portable(window):
     meta = AttentionMeta([Segment(0, 30, ((0, 50),))], cache=gpu_cache, past=50)
     out = attention.packed_attention(*(x.to("cuda", torch.bfloat16) for x in (q, k, v)), meta, 0, D**-0.5, window)
     assert (out.float().cpu() - ref).abs().max().item() < 2e-2
+
+
+def _dense64(q, k, v, causal, scale):
+    """Float64 attention of one sequence, top-left causal, with its log-sum-exp: the ``dense``
+    contract of ``causal_tail_attention``, computed independently."""
+    s = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)) * scale
+    if causal:
+        n, m = s.shape[1:]
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [H, n]
+    o = torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1), v.double().repeat_interleave(q.shape[1] // k.shape[1], 1))
+    return o, lse.t()
+
+
+@pytest.mark.parametrize("n,m", [(5, 5), (3, 11), (1, 4), (7, 8)])
+def test_causal_tail_split_equals_bottom_right(n, m):
+    """Split in two (the m - n earlier keys in full, the n own keys causally) and merged by the
+    log-sum-exps, against one float64 bottom-right causal softmax over all m keys."""
+    from logprobe.layers.attention_gpu import causal_tail_attention
+
+    g = torch.Generator().manual_seed(n * 100 + m)
+    q, k, v = torch.randn(n, 4, 8, generator=g), torch.randn(m, 2, 8, generator=g), torch.randn(m, 2, 8, generator=g)
+    out = causal_tail_attention(q.double(), k.double(), v.double(), lambda a, b, c, causal: _dense64(a, b, c, causal, 0.3))
+    s = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(2, 1)) * 0.3
+    visible = torch.arange(m)[None, :] <= (m - n + torch.arange(n))[:, None]  # query i sees keys 0 .. m - n + i
+    ref = torch.einsum("hnm,mhd->nhd", torch.softmax(s.masked_fill(~visible, float("-inf")), -1),
+                       v.double().repeat_interleave(2, 1))
+    assert (out - ref).abs().max().item() < 1e-12
+    # a wrong alignment (top-left over all m keys) is far from it: the test can fail
+    wrong = _dense64(q, k, v, True, 0.3)[0]
+    assert m == n or (wrong - ref).abs().max().item() > 1e-3
+
+
+def test_segment_keys_slices_a_chunk_and_gathers_a_branch():
+    x = torch.arange(10.0)[:, None, None]  # key source rows 0..9
+    chunk = attention._segment_keys(x, Segment(0, 4, ((0, 6),)), past=6)  # 6 cached rows, then its own 4
+    assert chunk.data_ptr() == x.data_ptr() and chunk.shape[0] == 10
+    branch = attention._segment_keys(x, Segment(7, 9, ((0, 3),)), past=0)  # a prefix 0:3, own rows 7:9
+    assert branch.flatten().tolist() == [0, 1, 2, 7, 8]
+
+
+@cuda
+@pytest.mark.parametrize("long_rows", [None, 64])
+def test_long_segments_on_cudnn_match_portable(monkeypatch, long_rows):
+    """Default mode: segments of LONG_ROWS rows or more go to cuDNN (split at the cache / prefix
+    boundary), the rest to FlashAttention; the whole against the float32 portable path. With
+    long_rows = 64 the threshold falls between the batch's segments (a mixed batch)."""
+    if long_rows is not None:
+        monkeypatch.setattr(attention, "LONG_ROWS", long_rows)
+    g = torch.Generator().manual_seed(2)
+    Hq, Hkv, D = 8, 2, 128
+    n = 4200 if long_rows is None else 300
+    segs = [Segment(0, n, ((0, 700),)), Segment(n, n + 40, ((0, 100),)), Segment(n + 40, n + 50)]
+    past_k, past_v = (torch.randn(700, Hkv, D, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(n + 50, h, D, generator=g) for h in (Hq, Hkv, Hkv))
+    ref = _portable(q, k, v, AttentionMeta(segs, cache=KVCache([past_k], [past_v]), past=700), D**-0.5, None)
+    cache = KVCache([past_k.to("cuda", torch.bfloat16)], [past_v.to("cuda", torch.bfloat16)])
+    meta = AttentionMeta(list(segs), cache=cache, past=700)
+    out = attention.packed_attention(*(x.to("cuda", torch.bfloat16) for x in (q, k, v)), meta, 0, D**-0.5)
+    assert (out.float().cpu() - ref).abs().max().item() < 2e-2
+    det = AttentionMeta(list(segs), cache=KVCache([past_k.to("cuda", torch.bfloat16)],
+                                                  [past_v.to("cuda", torch.bfloat16)]), past=700, kv_block=64)
+    flash = attention.packed_attention(*(x.to("cuda", torch.bfloat16) for x in (q, k, v)), det, 0, D**-0.5)
+    assert (flash.float().cpu() - ref).abs().max().item() < 2e-2

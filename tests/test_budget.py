@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logprobe import EngineConfig, Scorer
-from logprobe.engine.budget import CPU_BUDGET, activation_bytes_per_token, auto_budget, budget_for
+from logprobe.engine.budget import CPU_BUDGET, MAX_AUTO_MOE, activation_bytes_per_token, auto_budget, budget_for
 from logprobe.errors import LogprobeError
 from logprobe.layers.moe import MoeSpec
 
@@ -51,6 +51,18 @@ def test_bytes_per_token_gold(cfg, size, want):
 ])
 def test_auto_budget_gold(device, free, per_token, want):
     assert auto_budget(device, free, per_token) == want
+
+
+@pytest.mark.parametrize("free,want", [
+    (100 * GiB, 65536),  # Qwen3-30B-A3B (71,680 bytes a token) on an H200 after its weights: the MoE cap
+    (12 * GiB, 32768),  # 44,938 tokens fit in a quarter -> 32768, under either cap
+    (4 * GiB, 8192),  # 14,979 -> 8192
+])
+def test_moe_cap_gold(free, want):
+    per_token = activation_bytes_per_token(QWEN3_30B_A3B, 2)
+    assert per_token == 71680
+    assert auto_budget("cuda", free, per_token, cap=MAX_AUTO_MOE) == want
+    assert auto_budget("cuda", free, per_token) == min(want, 32768)  # the dense cap
 
 
 def test_config_default_is_none_and_validated():

@@ -23,11 +23,12 @@ Two kernels compute the same function:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from .attention_gpu import flash_varlen_attention
+from .attention_gpu import LONG_ROWS, causal_tail_attention, cudnn_dense, flash_varlen_attention
 
 
 @dataclass(slots=True)
@@ -97,14 +98,24 @@ class AttentionMeta:
         """The same mask for a varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` and the key-source
         rows to gather (``key_index``) so segment s's keys are ``key_index[cu_k[s]:cu_k[s+1]]``;
         causal bottom-right within each segment. (A FlexAttention block mask can be built from it.)"""
-        cu_q, cu_k, index = [0], [0], []
-        for s in self.segments:
-            for a, b in s.context:
-                index.extend(range(a, b))
-            index.extend(range(self.past + s.start, self.past + s.end))
-            cu_q.append(cu_q[-1] + s.end - s.start)
-            cu_k.append(len(index))
-        return cu_q, cu_k, index
+        return varlen_index(self.segments, self.past)
+
+
+def varlen_index(segments: list[Segment], past: int) -> tuple[list[int], list[int], list[int]]:
+    """``AttentionMeta.varlen`` of some segments: cu_q counts their query rows in the order given
+    (packed one after the other), cu_k and the key-source rows their keys.
+
+    >>> varlen_index([Segment(0, 2), Segment(2, 3, ((0, 1),))], past=0)
+    ([0, 2, 3], [0, 2, 4], [0, 1, 0, 2])
+    """
+    cu_q, cu_k, index = [0], [0], []
+    for s in segments:
+        for a, b in s.context:
+            index.extend(range(a, b))
+        index.extend(range(past + s.start, past + s.end))
+        cu_q.append(cu_q[-1] + s.end - s.start)
+        cu_k.append(len(index))
+    return cu_q, cu_k, index
 
 
 def packed_attention(
@@ -124,7 +135,7 @@ def packed_attention(
         # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py); also in
         # deterministic mode: a row's key blocks start at its sequence's first key and run in a
         # fixed order, whatever else is packed (tests/test_gpu.py checks bitwise invariance)
-        o = _flash(q, k, v, meta, scale, sliding_window)
+        o = _gpu(q, k, v, meta, past, scale, sliding_window)
         if o is not None:
             return o
     out = torch.empty_like(q)
@@ -143,6 +154,42 @@ def packed_attention(
         else:
             out[seg.start:seg.end] = _tiled(qs, ks, vs, scale, sliding_window, meta.kv_block)
     return out
+
+
+def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, past: int, scale: float,
+         window: int | None) -> torch.Tensor | None:
+    """The CUDA kernels (layers/attention_gpu.py): segments of ``LONG_ROWS`` rows or more on cuDNN in
+    default mode, the rest (everything in deterministic mode) in one varlen FlashAttention call."""
+    long = [s for s in meta.segments if s.end - s.start >= LONG_ROWS] \
+        if meta.kv_block is None and window is None else []
+    if not long:
+        return _flash(q, k, v, meta, scale, window)
+    out = torch.empty_like(q)
+    for seg in long:
+        ks, vs = _segment_keys(k, seg, past), _segment_keys(v, seg, past)
+        o = causal_tail_attention(q[seg.start:seg.end], ks, vs, partial(cudnn_dense, scale=scale))
+        if o is None:  # cuDNN refused the shape: the whole batch on FlashAttention
+            return _flash(q, k, v, meta, scale, window)
+        out[seg.start:seg.end] = o
+    short = [s for s in meta.segments if s.end - s.start < LONG_ROWS]
+    if short:
+        cu_q, cu_k, index = varlen_index(short, past)
+        rows = torch.cat([torch.arange(s.start, s.end, device=q.device) for s in short])  # [T short]
+        keys = torch.tensor(index, dtype=torch.long, device=q.device)
+        o = flash_varlen_attention(q[rows], k[keys], v[keys], cu_q, cu_k, scale, window)
+        if o is None:
+            return _flash(q, k, v, meta, scale, window)
+        out[rows] = o
+    return out
+
+
+def _segment_keys(x: torch.Tensor, seg: Segment, past: int) -> torch.Tensor:
+    """One segment's keys (or values) from the key source [past + T, Hkv, D]: its context spans, then
+    its own rows; a slice, not a copy, when they follow each other (a chunk over its cache)."""
+    spans = [*seg.context, (past + seg.start, past + seg.end)]
+    if all(a1 == b0 for (_, a1), (b0, _) in zip(spans, spans[1:])):
+        return x[spans[0][0]:spans[-1][1]]
+    return torch.cat([x[a:b] for a, b in spans])
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,

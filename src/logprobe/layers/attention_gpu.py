@@ -10,11 +10,26 @@ Hq) and a sliding window, and never crosses sequences.
 
 Applies to float16 / bfloat16 on CUDA with head_dim <= 256 (FlashAttention's limits); anything
 else returns None and the caller runs the portable loop.
+
+Long segments (``LONG_ROWS`` query rows or more: a long request, or a chunk of one over its KV
+cache) run on cuDNN's attention instead, outside deterministic mode: on an H200 it ran a 32k causal
+sequence at 598 TFLOP/s against FlashAttention-2's 354 (``bench/gpu_attention.py``; it is also what
+PyTorch's SDPA picks for transformers). PyTorch exposes it on dense [B, H, L, D] tensors with a
+top-left causal mask only, so a segment whose n queries are the last n of m keys is split
+(``causal_tail_attention``): the m - n earlier keys seen in full, the n own keys causally (square,
+where top-left and bottom-right agree), and the two partial softmaxes merged by their
+log-sum-exps (``merge_partials``). Deterministic mode keeps FlashAttention-2, whose key blocks
+start at each sequence's first key whatever the chunking: the split puts a boundary at the chunk
+start, so a row's bits would depend on where its sequence was chunked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+LONG_ROWS = 4096  # query rows from which a segment runs on cuDNN in default mode (module docstring)
 
 
 def flash_varlen_attention(
@@ -45,3 +60,69 @@ def flash_varlen_attention(
     except (RuntimeError, TypeError, NotImplementedError):  # a build without flash, or an older signature
         return None
     return out[0]  # [T, Hq, D]
+
+
+def merge_partials(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Attention over two disjoint key sets -> attention over their union, in float32 (or the inputs'
+    wider dtype), cast once.
+
+    o_* [n, H, D] are each set's softmax-weighted values, lse_* [n, H] float32 the natural log of
+    each set's sum of exp(scores): the union's softmax weighs o_a by exp(lse_a - lse) and o_b by
+    exp(lse_b - lse), lse = log(exp(lse_a) + exp(lse_b)). Worked example, one row and head: keys
+    with scores [0] (value 1) and [0, 0] (values 4, 7): o_a = 1, lse_a = 0; o_b = 5.5, lse_b = log 2;
+    lse = log 3, weights 1/3 and 2/3: 1/3 + 11/3 = 4, the mean of 1, 4 and 7.
+
+    >>> t = lambda x: torch.tensor([[x]])
+    >>> round(merge_partials(t([1.0]), t(0.0), t([5.5]), t(2.0).log(), torch.float32).item(), 5)
+    4.0
+    """
+    wide = torch.promote_types(o_a.dtype, torch.float32)
+    lse = torch.logaddexp(lse_a, lse_b)  # [n, H]
+    wa = torch.exp(lse_a - lse).unsqueeze(-1).to(wide)  # [n, H, 1]
+    wb = torch.exp(lse_b - lse).unsqueeze(-1).to(wide)
+    return (o_a.to(wide) * wa).add_(o_b.to(wide) * wb).to(dtype)
+
+
+Dense = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
+def causal_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: Dense) -> torch.Tensor | None:
+    """q [n, Hq, D], the queries of the last n of m keys k/v [m, Hkv, D], causal aligned bottom-right
+    (query i sees keys 0 .. m - n + i) -> [n, Hq, D], from a ``dense(q, k, v, causal)`` that returns
+    (output [n, Hq, D], log-sum-exp [n, Hq] float32) with a top-left causal mask, or None.
+
+    m = n: one causal call. m > n: keys 0 .. m - n - 1 are visible to every query (one call, no
+    mask) and keys m - n .. m - 1 are the square causal part (one call, top-left = bottom-right);
+    ``merge_partials`` joins them. E.g. n = 2, m = 5: query 0 sees keys 0-2 (full part) and key 3;
+    query 1 sees keys 0-2 and keys 3-4."""
+    n, m = q.shape[0], k.shape[0]
+    own = dense(q, k[m - n:], v[m - n:], True)
+    if own is None or m == n:
+        return None if own is None else own[0]
+    early = dense(q, k[:m - n], v[:m - n], False)
+    if early is None:
+        return None
+    return merge_partials(early[0], early[1], own[0], own[1], q.dtype)
+
+
+def cudnn_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cuDNN's attention on one sequence (PyTorch's dense op; causal = top-left): q [n, Hq, D],
+    k/v [m, Hkv, D] -> (out [n, Hq, D], log-sum-exp [n, Hq] float32), or None where it does not run.
+    Key/value heads are repeated for the query heads that share them (GQA) if the op refuses
+    them as they are."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    n, hq, d = q.shape
+    heads = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [L, H, D] -> [1, H, L, D] (a view)
+    for expand in (False, True):
+        kk, vv = (k, v) if not expand else (x.repeat_interleave(hq // k.shape[1], dim=1) for x in (k, v))
+        try:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                heads(q), heads(kk), heads(vv), None, True, 0.0, causal, False, scale=scale)
+        except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+            continue
+        o, lse = out[0], out[1]  # [1, Hq, n, D], [1, Hq, n] (or [1, Hq, n, 1])
+        return o[0].transpose(0, 1), lse.reshape(hq, n).t().float()
+    return None
