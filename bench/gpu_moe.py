@@ -526,21 +526,11 @@ def logprobe_phase(args, cfg, lc, dev, dtype, wls, tflops, state):
 
 
 def profile_w1(args, engine, lc) -> None:
-    """Where the time of logprobe's W1 goes: the first ``--profile-requests`` requests under
-    torch.profiler, the CUDA kernels by total time (the share a kernel family would free)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Where the time of logprobe's W1 goes (first ``--profile-requests`` requests)."""
+    from gpu_scoring import kernel_profile
 
     reqs = workload("W1", lc.vocab_size)[:args.profile_requests]
-    engine.run(reqs)  # shapes met once before the profiled run
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.run(reqs)
-        sync()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events) or 1
-    log(f"\n## W1 profile: first {len(reqs)} requests, {total / 1e3:.1f} ms of kernels")
-    log("| kernel | calls | ms | share |\n| --- | ---: | ---: | ---: |")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        log(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | {e.self_device_time_total / total:.1%} |")
+    kernel_profile(lambda: engine.run(reqs), f"Qwen3-30B-A3B shape W1, first {len(reqs)} requests")
 
 
 def public_path_check(cfg, model, reqs, dev, dtype) -> str:
@@ -762,7 +752,7 @@ def main() -> None:
         log(f"bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
     if "kernel" in args.sections:
         section("kernel", kernel_section, args, dev, tflops)
-    if not any(s in args.sections for s in ("workloads", "det", "correct")):
+    if not any(s in args.sections for s in ("workloads", "det", "correct", "profile")):
         return
     cfg = hf_config(args)
     lc = native_cfg(cfg)

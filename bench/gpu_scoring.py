@@ -8,6 +8,7 @@ Runs on one CUDA GPU and prints tables (docs/perf.md keeps the results). Section
              PyTorch chunked head, Liger-Kernel and Cut Cross-Entropy (reduction="none"), each with
              time, ratio to the matmul, extra memory and max |Δ logprob| against the float32 head
              (float32 products of the same bf16 values).
+  profile    the CUDA kernels of logprobe's W1 (first ``--profile-requests`` requests) by total time.
   exact      per-token |Δ| of logprobe (bf16 and float32) against a float64 reference of the same
              random-init SmolLM2-135M-shaped weights (the GGUF cannot travel to the GPU machine).
   workloads  random-init bf16 Llama shapes, fixed seeds:
@@ -34,6 +35,7 @@ import math
 import random
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -360,6 +362,35 @@ def run_logprobe(model, reqs, batch_tokens, **options):
     engine = Engine(model, EngineConfig(max_batch_tokens=batch_tokens, progress=False, **options),
                     torch.device("cuda"))
     return engine.run(reqs)
+
+
+def kernel_profile(run, label: str) -> None:
+    """The CUDA kernels of one ``run()`` under torch.profiler, by total time (top 25; the share a
+    kernel family would free). ``run`` is called once before, so shapes are compiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) or 1
+    log(f"\n## Profile: {label}, {total / 1e3:.1f} ms of kernels")
+    log("| kernel | calls | ms | share |\n| --- | ---: | ---: | ---: |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        log(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | {e.self_device_time_total / total:.1%} |")
+
+
+def profile_section(args) -> None:
+    """Where logprobe's time goes on W1 (first ``--profile-requests`` requests, default budget), per model."""
+    for name in args.models.split(","):
+        _, ours, lc = build_models(name, baseline=False)
+        reqs = workload("W1", lc.vocab_size)[:args.profile_requests]
+        run = partial(Engine(ours, EngineConfig(progress=False), torch.device("cuda")).run, reqs)
+        with torch.inference_mode():
+            kernel_profile(run, f"{name} W1, first {len(reqs)} requests")
+        del ours, run
+        torch.cuda.empty_cache()
 
 
 def engine_modes_section(args) -> None:
@@ -942,6 +973,7 @@ def main() -> None:
     ap.add_argument("--det-windows", type=int, default=32, help="engine section: requests in the slices")
     ap.add_argument("--w4-all", action="store_true", help="W4 on every model, not only llama-8b")
     ap.add_argument("--gguf-types", default="Q4_K,Q8_0", help="gguf section: block types to time")
+    ap.add_argument("--profile-requests", type=int, default=64, help="profile section: W1 requests profiled")
     args = ap.parse_args()
     args.budgets = [int(b) for b in args.budgets.split(",")]
     if not torch.cuda.is_available():
@@ -971,6 +1003,8 @@ def main() -> None:
         gguf_section(args)
     if "quant" in sections:
         quant_section(args, tflops)
+    if "profile" in sections:
+        profile_section(args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from logprobe import EngineConfig, Scorer
-from logprobe.engine.budget import CPU_BUDGET, MAX_AUTO_MOE, activation_bytes_per_token, auto_budget, budget_for
+from logprobe.engine.budget import (
+    CPU_BUDGET,
+    MAX_AUTO_MOE,
+    activation_bytes_per_token,
+    auto_budget,
+    budget_for,
+)
 from logprobe.errors import LogprobeError
 from logprobe.layers.moe import MoeSpec
 

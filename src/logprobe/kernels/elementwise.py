@@ -35,21 +35,23 @@ if triton_available():
     @triton.jit
     def _rotary(x_ptr, cs_ptr, y_ptr, n_heads, half, stride_xt, stride_xh, stride_yt, stride_yh,
                 BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
-        # one program per token, all its heads: pair j = dims (2j, 2j + 1) rotated by (cos, sin)_j
+        # one program per token, all its heads: pair j = dims (2j, 2j + 1) rotated by (cos, sin)_j.
+        # Whole head rows are loaded and stored contiguously and split into (even, odd) in
+        # registers: loading the evens and the odds as two stride-2 gathers (and storing them the
+        # same way) ran at about a fifth of the memory bandwidth on an H200 (15% of Qwen3-MoE's W1)
         t = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, BLOCK_H)
-        j = tl.arange(0, BLOCK_J)
-        jok = j < half
-        ok = (heads < n_heads)[:, None] & jok[None, :]  # [BH, BJ]
-        c = tl.load(cs_ptr + t * 2 * half + 2 * j, mask=jok, other=0.0)[None, :]  # cis as real [T, D/2, 2]
-        s = tl.load(cs_ptr + t * 2 * half + 2 * j + 1, mask=jok, other=0.0)[None, :]
-        xp = x_ptr + t * stride_xt + heads[:, None] * stride_xh + 2 * j[None, :]
-        xe = tl.load(xp, mask=ok, other=0.0).to(tl.float32)
-        xo = tl.load(xp + 1, mask=ok, other=0.0).to(tl.float32)
-        yp = y_ptr + t * stride_yt + heads[:, None] * stride_yh + 2 * j[None, :]
-        dt = y_ptr.dtype.element_ty
-        tl.store(yp, (xe * c - xo * s).to(dt), mask=ok)
-        tl.store(yp + 1, (xe * s + xo * c).to(dt), mask=ok)
+        d = tl.arange(0, 2 * BLOCK_J)
+        ok = (heads < n_heads)[:, None] & (d < 2 * half)[None, :]  # [BH, 2 BJ]
+        x = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :], mask=ok, other=0.0)
+        xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, BLOCK_J, 2)))  # [BH, BJ] each
+        cs = tl.load(cs_ptr + t * 2 * half + d, mask=d < 2 * half, other=0.0)  # cis as real [T, D/2, 2]
+        c, s = tl.split(tl.reshape(cs, (BLOCK_J, 2)))  # [BJ] each
+        ye = xe * c[None, :] - xo * s[None, :]
+        yo = xe * s[None, :] + xo * c[None, :]
+        y = tl.reshape(tl.join(ye, yo), (BLOCK_H, 2 * BLOCK_J))  # pairs interleaved back
+        tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + d[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 def _runs_here(x: torch.Tensor, name: str) -> None:
