@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from logprobe.layers import attention
 from logprobe.layers.attention import AttentionMeta, KVCache, Segment, packed_attention
 from logprobe.layers.attention_gpu import flash_varlen_attention
 
@@ -72,6 +74,15 @@ def library(q, k, v, cu_q, cu_k, scale, kv_block):
     return packed_attention(q, k, v, AttentionMeta(segs, kv_block=kv_block), 0, scale)
 
 
+def with_long_rows(rows, fn, *a):
+    saved = attention.LONG_ROWS
+    attention.LONG_ROWS = rows
+    try:
+        return fn(*a)
+    finally:
+        attention.LONG_ROWS = saved
+
+
 def case(name, lens_q, lens_k, args, gen, sdpa=True):
     cu_q, cu_k = [0], [0]
     for n, m in zip(lens_q, lens_k):
@@ -91,6 +102,9 @@ def case(name, lens_q, lens_k, args, gen, sdpa=True):
            "cuDNN varlen": lambda: cudnn_varlen(q, k, v, cu_q, cu_k, scale),
            "logprobe packed_attention (default mode)": lambda: library(q, k, v, cu_q, cu_k, scale, None),
            "logprobe packed_attention (deterministic)": lambda: library(q, k, v, cu_q, cu_k, scale, 64)}
+    for rows in args.long_rows:  # the default path with another threshold (attention.LONG_ROWS)
+        fns[f"logprobe packed_attention, LONG_ROWS {rows}"] = partial(with_long_rows, rows, library, q, k, v,
+                                                                      cu_q, cu_k, scale, None)
     if sdpa and len(lens_q) == 1 and lens_q[0] == lens_k[0]:
         qd, kd, vd = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
         for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
@@ -133,11 +147,21 @@ def main() -> None:
     ap.add_argument("--square", type=int, default=32768)
     ap.add_argument("--packed", type=int, default=16)
     ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--long-rows", default="", help="comma-separated LONG_ROWS values to time the library with too")
+    ap.add_argument("--cases", default="all", help="all, or 'w1': only the packed cases of W1-like batches")
     args = ap.parse_args()
+    args.long_rows = [int(r) for r in args.long_rows.split(",") if r]
     log(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
     log(f"SDPA enabled: flash {torch.backends.cuda.flash_sdp_enabled()}, cudnn {torch.backends.cuda.cudnn_sdp_enabled()}, "
         f"efficient {torch.backends.cuda.mem_efficient_sdp_enabled()}")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.cases == "w1":
+        case("packed 16 x 2048", [2048] * 16, [2048] * 16, args, gen)
+        case("packed 8 x 4096", [4096] * 8, [4096] * 8, args, gen)
+        case("packed 32 x 1024", [1024] * 32, [1024] * 32, args, gen)
+        for n in (1024, 2048):
+            case(f"square {n}", [n], [n], args, gen, sdpa=False)
+        return
     case("square", [args.square], [args.square], args, gen)
     case("chunk", [args.chunk], [args.tokens], args, gen)
     case("chunk + short", [args.chunk, 512], [args.tokens, 512], args, gen)

@@ -11,6 +11,10 @@ the model-level comparison pins those elements (the reference takes our code the
 float64 scale) after checking that each is such a tie (adjacent codes, x / scale within 1e-5 of
 their midpoint); everything else is the package's float64 result. The layer-level test needs no
 pinning: on the same float32 input our quantized activations are the package's, bitwise.
+
+q/k/v and gate/up load fused (``ActQuantLinear.fuse_parts``: one quantization of the shared input,
+one GEMM); the captured quantized input of a fused layer is checked under each part's name, i.e.
+against what the package computes for that part with its own stored input scale.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from quant_helpers import act_quant_reference, quantize_and_save, tiny_wide_llam
 
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
+from logprobe.kernels.act_quant import quantize_rows_reference
 from logprobe.layers.act_quant_linear import FP8, ActQuantLinear
 from logprobe.loading import load_model
 
@@ -59,17 +64,29 @@ def aq_dirs(tmp_path_factory):
     return out
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 def _capture(loaded) -> dict[str, list]:
-    """Record (float32 input, quantized input) of every ActQuantLinear, by HF module name."""
+    """Record (float32 input, quantized input) of every ActQuantLinear, by HF module name; a fused
+    layer's under each of its parts' names (the input every part quantizes alike)."""
     seen: dict[str, list] = {}
     for name, m in loaded.model.named_modules():
         if isinstance(m, ActQuantLinear):
-            def wrapped(x, m=m, key="model." + name, orig=m.quantize_input):
+            parent, _, child = name.rpartition(".")
+            keys = [f"model.{parent}.{part}" for part in FUSED.get(child, (child,))]
+
+            def wrapped(x, keys=keys, orig=m.quantize_input):
                 xq = orig(x)
-                seen.setdefault(key, []).append((x.detach().clone(), xq.detach().clone()))
+                for key in keys:
+                    seen.setdefault(key, []).append((x.detach().clone(), xq.detach().clone()))
                 return xq
             m.quantize_input = wrapped
     return seen
+
+
+def _fused_layers(model) -> list[ActQuantLinear]:
+    return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]
 
 
 def test_checkpoints_load_as_activation_quantized_layers(aq_dirs):
@@ -86,7 +103,9 @@ def test_checkpoints_load_as_activation_quantized_layers(aq_dirs):
         for weights in ("packed", "dense"):  # dense expands the weight, never the activation rounding away
             model = load_model(str(d), "cpu", "float32", weights=weights).model
             layers = [m for m in model.modules() if isinstance(m, ActQuantLinear)]
-            assert len(layers) == 7 * 2 and all(m.qweight.dtype == dtype for m in layers)
+            # 7 per block, and q/k/v, gate/up fused (static FP8 too: one input, one calibrated scale)
+            assert len(layers) == 9 * 2 and all(m.qweight.dtype == dtype for m in layers)
+            assert all(isinstance(m, ActQuantLinear) for m in _fused_layers(model))
             assert all((m.expanded is None) == (weights == "packed") for m in layers)
             assert all((m.input_scale is not None) == (not dynamic) for m in layers)
             assert not isinstance(model.lm_head, ActQuantLinear)  # ignored: stays float
@@ -146,6 +165,7 @@ def test_logprobs_match_float64_reference(scheme, aq_dirs):
     d = aq_dirs[scheme]
     ref = act_quant_reference(d)
     loaded = load_model(str(d), "cpu", "float32")
+    assert all(isinstance(m, ActQuantLinear) for m in _fused_layers(loaded.model))  # the fused model is scored
     seen = _capture(loaded)
     scorer = Scorer(loaded, progress=False)
     ours, theirs, unpinned = [], [], 0.0
@@ -286,11 +306,111 @@ def test_tensors_outside_the_layout_are_refused(case, aq_dirs, tmp_path):
 def test_layer_takes_any_leading_shape(kind):
     """[..., in] inputs are quantized per row, like [T, in]: the GPU test feeds [3, 100, in] (a 3-D
     input once broke the reference path's row split)."""
-    from logprobe.kernels.act_quant import quantize_rows_reference
-
     g = torch.Generator().manual_seed(0)
     codes, scale = quantize_rows_reference(torch.randn(24, 64, generator=g) * 0.02, kind, 32)
     layer = ActQuantLinear(codes, scale, 32, kind, act_group=16, bias=torch.randn(24, generator=g))
     x = torch.randn(3, 5, 64, generator=g)
     y = layer(x)
     assert y.shape == (3, 5, 24) and torch.equal(y, layer(x.view(15, 64)).view(3, 5, 24))
+
+
+# -- fusion (q/k/v, gate/up) and the gated down projection --------------------------------------------
+
+
+def _layer(out: int, kind: str = "float", seed: int = 0, input_scale=None, act_group=None, bias=False, k: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    codes, scale = quantize_rows_reference(torch.randn(out, k, generator=g) * 0.02, kind, 32)
+    return ActQuantLinear(codes, scale, 32, kind, None if input_scale is None else torch.tensor([input_scale]),
+                          act_group, torch.randn(out, generator=g) if bias else None)
+
+
+def test_fuse_parts_refuses_parts_that_quantize_differently():
+    """Fusion shares one quantization of the input: different static scales (1/256 vs 1/128 make
+    x = 1.0 codes 256 and 128), activation kinds or groups quantize differently, so they stay apart."""
+    from logprobe.layers.linear import fuse_linears
+
+    refused = {
+        "static scales": [_layer(8, input_scale=1 / 256), _layer(4, input_scale=1 / 128)],
+        "static and dynamic": [_layer(8, input_scale=1 / 256), _layer(4)],
+        "kind": [_layer(8, "float"), _layer(4, "int")],
+        "group": [_layer(8, act_group=32), _layer(4)],
+        "bias on one": [_layer(8, bias=True), _layer(4)],
+        "input width": [_layer(8), _layer(4, k=96)],
+        "row tile": [_layer(8), _layer(4)],
+        "dense expansion on one": [_layer(8).expand(), _layer(4)],
+    }
+    refused["row tile"][0].row_tile = 16
+    for name, parts in refused.items():
+        assert fuse_linears(parts) is None, name
+    equal = [_layer(8, input_scale=1 / 256, seed=1), _layer(4, input_scale=1 / 256, seed=2)]
+    assert isinstance(fuse_linears(equal), ActQuantLinear)  # equal static scales fuse
+
+
+@pytest.mark.parametrize("kind, act_group, static, bias", [("float", None, False, True), ("int", None, False, False),
+                                                          ("float", 32, False, False), ("float", None, True, True)])
+def test_fused_layer_is_its_parts_side_by_side(kind, act_group, static, bias):
+    """The fused layer's output is the parts' outputs concatenated (CPU float32: bit for bit in
+    deterministic mode, whose column blocks are the parts'); the parts' buffers are views into
+    the fused ones (no memory duplicated, counted once), and a row permutation of a part reaches
+    the fused layer."""
+    from logprobe.layers.linear import fuse_linears
+    from logprobe.layers.quant_linear import weight_bytes
+
+    s = 0.01 if static else None
+    parts = [_layer(n, kind, seed, s, act_group, bias) for seed, n in enumerate((16, 8, 8))]
+    for p in parts:
+        p.col_blocks = [p.out_features]  # as adopted from the column-parallel layers they replace
+    before = sum(p.packed_bytes() for p in parts)
+    x = torch.randn(5, 7, 64, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([p(x) for p in parts], dim=-1)
+    fused = fuse_linears(parts)
+    assert isinstance(fused, ActQuantLinear) and fused.col_blocks == [16, 8, 8] and fused.out_features == 32
+    torch.testing.assert_close(fused(x), alone, rtol=1e-6, atol=1e-7)
+    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), alone)  # the parts still work alone
+    for m in [fused, *parts]:
+        m.row_tile = 4
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert parts[1].qweight.data_ptr() == fused.qweight.data_ptr() + 16 * 64  # one byte a code
+    # counted once; the fused layer holds one static input scale where the parts held three
+    assert weight_bytes(torch.nn.ModuleList([fused, *parts]))["packed"] == before - (2 * 4 if static else 0)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(3))
+    want = parts[2](x)[..., perm]
+    parts[2].permute_rows(perm)
+    assert torch.equal(fused(x)[..., 24:], want) and torch.equal(parts[2](x), want)
+    with pytest.raises(LogprobeError, match="fused"):
+        parts[0].expand()
+
+
+def test_fused_projections_equal_separate(aq_dirs):
+    """A loaded FP8_DYNAMIC model: q/k/v and gate/up are fused ActQuantLinears whose parts are views,
+    the old names are still in the state dict, and the scores equal those of the separate layers
+    (bit for bit in deterministic mode, whose column blocks are the parts')."""
+    loaded = load_model(str(aq_dirs["FP8_DYNAMIC"]), "cpu", "float32")
+    attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, ActQuantLinear) and isinstance(mlp.gate_up_proj, ActQuantLinear)
+    assert attn.k_proj.qweight.data_ptr() == attn.qkv_proj.qweight.data_ptr() + attn.q_proj.qweight.numel()
+    assert mlp.up_proj.scale.data_ptr() > mlp.gate_up_proj.scale.data_ptr()
+    assert "layers.0.self_attn.q_proj.qweight" in loaded.model.state_dict()
+    seqs = _seqs()
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            for layer in loaded.model.layers:
+                layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
+        for det in (False, True):
+            cfg = EngineConfig(deterministic=det, invariant_tile=16)
+            runs[fused, det] = [r.logprobs for r in Scorer(loaded, config=cfg, progress=False).logprobs(seqs)]
+    for a, b in zip(runs[True, False], runs[False, False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert loaded.model.layers[0].self_attn.q_proj.col_blocks == [32] * 4  # per head: the fused layer's too
+    assert all(torch.equal(a, b) for a, b in zip(runs[True, True], runs[False, True]))
+
+
+def test_gated_on_cpu_is_the_layer_of_silu_mul():
+    """``gated`` (the MLP's down projection of SiLU(gate) * up): on CPU the unfused PyTorch path."""
+    from logprobe.layers.activation import silu_mul
+
+    layer = _layer(24)
+    g = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
+    assert torch.equal(layer.gated(gate, up, True), layer(silu_mul(gate, up, True)))

@@ -1,7 +1,7 @@
 """8-bit activation-quantized GEMMs in Triton: FP8 (e4m3) and INT8 W8A8 (``layers.act_quant_linear``).
 
-Two kernels, each beside its PyTorch definition (``quantize_rows_reference``,
-``scaled_matmul_reference``):
+Three kernels, each beside its PyTorch definition (``quantize_rows_reference``,
+``scaled_matmul_reference``, ``silu_mul_quantize_reference``):
 
 1. ``quantize_rows``: x [T, K] (any float dtype) -> codes [T, K] (float8_e4m3fn or int8) and scales
    [T, G] float32, one program per (row, group of ``group`` columns), by the format's rule
@@ -39,6 +39,16 @@ Two kernels, each beside its PyTorch definition (``quantize_rows_reference``,
 
    ``ActQuantConfig(fp8_tensor_cores=True / False)`` forces the FP8 MMA / the exact product.
 
+3. ``silu_mul_quantize``: gate, up [T, I] -> the dynamic per-token codes and scales [T, 1] of
+   y = SiLU(gate) * up, i.e. ``quantize_rows(kernels.elementwise.silu_mul(gate, up))`` bit for bit
+   in one pass (a Llama MLP's down_proj input; ``ActQuantLinear.gated``): y in float32 by
+   ``_silu_mul``'s arithmetic, rounded to the activation dtype (the unfused model stores y in it,
+   then quantizes what it stored), then rule 1 on the row held in registers. Worked example (e4m3):
+   gate = [20, 20, 20, -200, 0], up = [2, -7, 5.25, 3, 9] gives y = [40, -140, 105, -0, 0] (SiLU(20)
+   = 20 / (1 + e^-20) rounds to 20; e^200 overflows to inf, so SiLU(-200) = -0), s = 140 / 448 =
+   5/16 and codes [128, -448, 320, -0, 0]: the example of 1 scaled by 20. Saves writing and reading
+   the [T, I] bf16 activation (I = 14336 on llama-8b).
+
 Tiles are fixed (``ActQuantConfig``), never chosen by M, and the K loop is never split: a row's
 result depends on that row only, so deterministic mode's batch invariance holds.
 """
@@ -51,6 +61,7 @@ import torch
 
 from ..errors import LogprobeError
 from . import triton_available
+from .elementwise import _runs_here, silu_mul_reference
 
 FP8 = torch.float8_e4m3fn
 KINDS = {"float": (FP8, -448.0, 448.0), "int": (torch.int8, -128.0, 127.0)}  # code dtype, qmin, qmax
@@ -128,6 +139,12 @@ def quantize_rows_reference(x: torch.Tensor, kind: str, group: int | None = None
     return codes, s.contiguous()
 
 
+def silu_mul_quantize_reference(gate: torch.Tensor, up: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate, up [T, I] -> the dynamic per-token codes [T, I] and scales [T, 1] of SiLU(gate) * up
+    rounded to gate's dtype (the activation the unfused model stores, then quantizes)."""
+    return quantize_rows_reference(silu_mul_reference(gate, up), kind)
+
+
 def scaled_matmul_reference(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tensor, sb: torch.Tensor,
                             group_b: int, bias: torch.Tensor | None = None,
                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -164,6 +181,32 @@ if triton_available():
         return (q + 12582912.0) - 12582912.0
 
     @triton.jit
+    def _round_bf16(y):
+        """float32 y -> the nearest bfloat16 (ties to even), as float32: the GPU's cast, in integer
+        arithmetic (the interpreter's own float32 -> bfloat16 cast truncates)."""
+        bits = y.to(tl.uint32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # a carry moves into the exponent: right
+        return tl.where(y == y, r.to(tl.float32, bitcast=True), y)  # NaN stays NaN
+
+    @triton.jit
+    def _absmax_scale(x, HALF_RANGE: tl.constexpr, EPS_: tl.constexpr):
+        """The dynamic scale of the values x (masked ones loaded as 0): max(|min(x, 0)|, max(x, 0)) / half range."""
+        lo = tl.minimum(tl.min(x, 0), 0.0)
+        hi = tl.maximum(tl.max(x, 0), 0.0)
+        s = tl.math.div_rn(tl.maximum(-lo, hi), HALF_RANGE)
+        return tl.where(s == 0.0, EPS_, s)
+
+    @triton.jit
+    def _codes(x, s, IS_FLOAT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+        """clamp(x / s) rounded to the code grid, as float32 (exact in the code dtype)."""
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), QMIN), QMAX)
+        if IS_FLOAT:
+            r = _round_e4m3(q)
+        else:
+            r = _round_half_even(q)
+        return r
+
+    @triton.jit
     def _quantize_kernel(x_ptr, c_ptr, s_ptr, static_ptr, K, G, group, stride_x, stride_c,
                          IS_FLOAT: tl.constexpr, STATIC: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
                          HALF_RANGE: tl.constexpr, EPS_: tl.constexpr, BLOCK: tl.constexpr):
@@ -175,17 +218,30 @@ if triton_available():
         if STATIC:
             s = tl.load(static_ptr).to(tl.float32)
         else:
-            lo = tl.minimum(tl.min(x, 0), 0.0)
-            hi = tl.maximum(tl.max(x, 0), 0.0)
-            s = tl.math.div_rn(tl.maximum(-lo, hi), HALF_RANGE)
-            s = tl.where(s == 0.0, EPS_, s)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), QMIN), QMAX)
-        if IS_FLOAT:
-            code = _round_e4m3(q).to(c_ptr.dtype.element_ty)  # exact: q is on the grid already
-        else:
-            code = _round_half_even(q).to(tl.int8)
+            s = _absmax_scale(x, HALF_RANGE, EPS_)
+        code = _codes(x, s, IS_FLOAT, QMIN, QMAX).to(c_ptr.dtype.element_ty)  # exact: on the grid already
         tl.store(c_ptr + row * stride_c + cols, code, mask=ok)
         tl.store(s_ptr + row * G + g, s)
+
+    @triton.jit
+    def _silu_mul_quantize_kernel(g_ptr, u_ptr, c_ptr, s_ptr, K, stride_g, stride_u, stride_c,
+                                  IS_FLOAT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                                  HALF_RANGE: tl.constexpr, EPS_: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per row, the whole row in registers: SiLU(g) * u, then its per-token codes
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < K
+        g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u  # kernels.elementwise._silu_mul's arithmetic (masked: 0)
+        if g_ptr.dtype.element_ty == tl.bfloat16:  # the activation dtype's rounding, as that kernel stores it
+            y = _round_bf16(y)
+        else:
+            y = y.to(g_ptr.dtype.element_ty).to(tl.float32)
+        s = _absmax_scale(y, HALF_RANGE, EPS_)
+        code = _codes(y, s, IS_FLOAT, QMIN, QMAX).to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + row * stride_c + cols, code, mask=ok)
+        tl.store(s_ptr + row, s)
 
     @triton.jit
     def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, y_ptr, M, N, K,
@@ -252,6 +308,29 @@ def quantize_rows(x: torch.Tensor, kind: str, group: int | None = None,
     return codes, scales
 
 
+def silu_mul_quantize(gate: torch.Tensor, up: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(kernels.elementwise.silu_mul(gate, up), kind)`` in one pass, bit for bit: gate,
+    up [T, I] (unit last stride, any row stride: the halves of a fused gate/up output) -> codes
+    [T, I] and dynamic per-token scales [T, 1] float32. The [T, I] activation never reaches memory."""
+    if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
+        raise LogprobeError("gate", f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
+                            "must be 2-D with one shape and dtype")
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        raise LogprobeError("gate", "gate and up rows must be contiguous (unit last stride)")
+    _runs_here(gate, "SiLU-multiply-quantize")
+    dtype, qmin, qmax = KINDS[kind]
+    T, K = gate.shape
+    codes = torch.empty(T, K, dtype=dtype, device=gate.device)
+    scales = torch.empty(T, 1, dtype=torch.float32, device=gate.device)
+    if T and K:
+        block = triton.next_power_of_2(K)
+        warps = max(1, min(32, block // 512))  # about 16 values a thread, as quantize_rows
+        _silu_mul_quantize_kernel[(T,)](gate, up, codes, scales, K, gate.stride(0), up.stride(0), codes.stride(0),
+                                        IS_FLOAT=kind == "float", QMIN=qmin, QMAX=qmax, HALF_RANGE=(qmax - qmin) / 2,
+                                        EPS_=EPS, BLOCK=block, num_warps=warps)
+    return codes, scales
+
+
 def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tensor, sb: torch.Tensor, group_b: int,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                   config: ActQuantConfig | None = None, batch_invariant: bool = False) -> torch.Tensor:
@@ -305,5 +384,19 @@ def act_quant_linear(x: torch.Tensor, kind: str, act_group: int | None, static_s
     K = x.shape[1]
     codes, sx = quantize_rows(x, kind, act_group, static_scale)
     group_a = K if static_scale is not None else (act_group or K)
-    out = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    return scaled_matmul(codes, sx, group_a, qweight, w_scale, block_cols, bias, out, config, batch_invariant)
+    return scaled_matmul(codes, sx, group_a, qweight, w_scale, block_cols, bias, _out_dtype(x.dtype), config,
+                         batch_invariant)
+
+
+def gated_act_quant_linear(gate: torch.Tensor, up: torch.Tensor, kind: str, qweight: torch.Tensor,
+                           w_scale: torch.Tensor, block_cols: int, bias: torch.Tensor | None = None,
+                           config: ActQuantConfig | None = None, batch_invariant: bool = False) -> torch.Tensor:
+    """``act_quant_linear(silu_mul(gate, up), kind, None, None, ...)`` (dynamic per-token activations),
+    bit for bit, with ``silu_mul_quantize`` in place of the two passes: gate, up [T, I] -> y [T, N]."""
+    codes, sx = silu_mul_quantize(gate, up, kind)
+    return scaled_matmul(codes, sx, gate.shape[1], qweight, w_scale, block_cols, bias, _out_dtype(gate.dtype), config,
+                         batch_invariant)
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32

@@ -27,6 +27,18 @@ truncated partial sums (2e-4 relative) stay under a tenth of the output's own ro
 Quantization is row-wise (per token), so deterministic mode's batch invariance holds on every
 path: a row's codes and scale depend on that row only, and the product is the row-tiled one of
 ``linear`` or the kernel's fixed tiles (deterministic mode never takes ``torch._scaled_mm``).
+
+Two fusions remove passes over the activations and change no bit (llama-8b FP8_DYNAMIC: q, k, v
+quantized the same [T, 4096] input three times, and SiLU(gate) * up went to memory as bf16 [T,
+14336] only to be read back by down_proj's quantizer):
+
+* ``fuse_parts``: layers that quantize one input alike (q/k/v, gate/up; same kind, group and
+  static scale or none) become one layer whose rows are theirs: one quantization, one GEMM. Parts
+  with different static input scales stay apart: their codes differ (e.g. x = 1.0 is code 256
+  under scale 1/256 and 128 under 1/128), and one code per element is what fusion shares.
+* ``gated(gate, up)`` = ``self(silu_mul(gate, up))``: with dynamic per-token activations on CUDA,
+  ``kernels.act_quant.silu_mul_quantize`` computes SiLU(gate) * up, rounds it to the activation
+  dtype (the unfused model quantizes that stored tensor) and quantizes it in registers.
 """
 
 from __future__ import annotations
@@ -109,6 +121,9 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
     def expand(self) -> ActQuantLinear:
         """Keep the dequantized float32 weight (``weights="dense"``): faster, 4x the memory of the
         8-bit codes, the same numbers. The activations are still quantized: that is the model."""
+        if self.shares_buffers:
+            raise LogprobeError("weights", "this layer shares its buffers with a fused layer (fuse_parts): "
+                                "expanding one of them alone would split the two", "expand before fusing")
         self.expanded = self.rows()
         return self
 
@@ -141,10 +156,69 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
             y = float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
         return y.view(*shape[:-1], self.out_features)
 
+    def gated(self, gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        """``self(silu_mul(gate, up, triton))``, bit for bit. With dynamic per-token activations on
+        the kernels' path (and ``triton``), one pass computes SiLU(gate) * up and its codes
+        (``kernels.act_quant.silu_mul_quantize``), then the same GEMM as ``forward``."""
+        if not self._gates_in_one_pass(gate, up, triton):
+            return super().gated(gate, up, triton)
+        from ..kernels.act_quant import gated_act_quant_linear
+
+        return gated_act_quant_linear(gate, up, self.act_kind, self.qweight, self.scale, self.block_cols, self.bias,
+                                      batch_invariant=self.row_tile is not None)
+
+    def _gates_in_one_pass(self, gate: torch.Tensor, up: torch.Tensor, triton: bool) -> bool:
+        """Where the unfused path is the two Triton passes (``activation.silu_mul``'s Triton case,
+        then ``forward``'s kernels) and the scheme is dynamic per token."""
+        return (triton and self.input_scale is None and self.act_group is None and self.use_kernels(gate)
+                and gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype and gate.shape[0] > 0
+                and gate.shape[1] == self.in_features and gate.stride(1) == 1 and up.stride(1) == 1)
+
+    shares_buffers = False  # set by fuse_parts on the fused layer and its parts (views of one storage)
+    fused_part = False  # set by fuse_parts on the parts: their bytes are the fused layer's
+
+    def packed_bytes(self) -> int:
+        """Bytes of weight storage; 0 for a part of a fused layer (``weight_bytes`` counts it there)."""
+        return 0 if self.fused_part else super().packed_bytes()
+
+    @classmethod
+    def fuse_parts(cls, parts: list[ActQuantLinear]) -> ActQuantLinear | None:
+        """One layer computing ``parts`` side by side (``layers.linear.fuse_linears``' hook), or None
+        unless it is exact: every part must quantize its input alike (one kind, group, static scale
+        or none), on one device and layout, none tensor-parallel. Then the input is quantized once
+        and multiplied once: q/k/v, gate/up. The parts' buffers become row views of the fused ones
+        (no memory duplicated, their names still in ``state_dict``; ``permute_rows`` works in place)."""
+        first = parts[0]
+        if any(p.reduce_ctx is not None or _fusion_key(p) != _fusion_key(first) or not _same_static(p, first)
+               for p in parts):
+            return None
+        names = [n for n in ("qweight", "scale", "bias", "expanded") if getattr(first, n) is not None]
+        cat = {n: torch.cat([getattr(p, n) for p in parts]) for n in names}  # [sum out, ...]
+        fused = cls(cat["qweight"], cat["scale"], first.block_cols, first.act_kind, first.input_scale,
+                    first.act_group, cat.get("bias"), first.row_tile)
+        fused.expanded = cat.get("expanded")
+        fused.compute_dtype = first.compute_dtype
+        if all(p.col_blocks for p in parts):  # deterministic mode's column blocks, as the dense fusion
+            fused.col_blocks = [w for p in parts for w in p.col_blocks]
+        if "kernels" in first.__dict__:  # an instance switch; else the class's stays in force
+            fused.kernels = first.kernels
+        offset = 0
+        for p in parts:
+            for n in names:
+                setattr(p, n, cat[n][offset:offset + p.out_features])
+            p.shares_buffers = p.fused_part = True
+            offset += p.out_features
+        fused.shares_buffers = True
+        return fused
+
     def permute_rows(self, perm: torch.Tensor) -> None:
+        """Reorder the output rows (q/k to the interleaved RoPE layout, at load). Buffers shared with
+        a fused layer are permuted in place, so the fused layer sees it (within this part's rows)."""
         for name in ("qweight", "scale", "bias", "expanded"):
             t = getattr(self, name)
-            if t is not None:
+            if t is not None and self.shares_buffers:
+                t.copy_(t[perm])
+            elif t is not None:
                 setattr(self, name, t[perm].contiguous())
 
     def extra_repr(self) -> str:
@@ -154,3 +228,21 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
             f"dynamic per-token group {self.act_group}" if self.act_group else "dynamic per-token"
         return (f"weights {w} (column blocks of {self.block_cols}), activations {a} {act}, "
                 f"in={self.in_features}, out={self.out_features}")
+
+
+def _fusion_key(p: ActQuantLinear) -> tuple:
+    """What must be equal for ``fuse_parts``: the activation quantization, the weight layout and
+    dtypes, the device, bias and dense expansion present or not, the deterministic row tile."""
+    def dtype(t):
+        return None if t is None else t.dtype
+
+    return (type(p), p.in_features, p.act_kind, p.act_group, p.block_cols, p.qweight.dtype, p.scale.dtype,
+            p.qweight.device, dtype(p.bias), dtype(p.expanded), dtype(p.input_scale), p.row_tile, p.kernels,
+            p.compute_dtype)
+
+
+def _same_static(p: ActQuantLinear, first: ActQuantLinear) -> bool:
+    """Both dynamic, or both static with the same input scale (different ones quantize differently)."""
+    if p.input_scale is None or first.input_scale is None:
+        return p.input_scale is None and first.input_scale is None
+    return torch.equal(p.input_scale, first.input_scale)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .activation import silu_mul
+
 
 class Linear(nn.Module):
     fusable = True  # a plain dense product (packed and row-parallel layers say False)
@@ -42,6 +44,12 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return invariant_product(x, self.weight, self.bias, self.row_tile,
                                  self.col_blocks if self.tp_invariant else None, self.invariant_kernel)
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        """This layer applied to the gated activation, ``self(silu_mul(gate, up, triton))`` (a Llama
+        MLP's down projection): gate, up [T, I] -> [T, out]. A layer that quantizes its input fuses
+        the two (``ActQuantLinear``: one pass computes and quantizes SiLU(gate) * up)."""
+        return self(silu_mul(gate, up, triton))
 
 
 def invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,
@@ -123,8 +131,14 @@ def fuse_linears(parts: list[Linear]) -> Linear | None:
     """One Linear computing ``parts`` side by side (their outputs concatenated), or None when they
     cannot be fused (not all plain dense layers of one input width, dtype and device). The parts'
     weights become views into the fused weight, so no memory is duplicated and their parameter
-    names still load and save."""
-    if not parts or any(not isinstance(p, Linear) or not p.fusable for p in parts):
+    names still load and save. Parts all of one class with a ``fuse_parts`` classmethod are fused
+    by it (a packed layer's own rules: ``ActQuantLinear``), None where it says they cannot be."""
+    if not parts:
+        return None
+    own = getattr(type(parts[0]), "fuse_parts", None)
+    if own is not None and all(type(p) is type(parts[0]) for p in parts):
+        return own(parts)
+    if any(not isinstance(p, Linear) or not p.fusable for p in parts):
         return None
     first = parts[0]
     if any(p.in_features != first.in_features or p.weight.dtype != first.weight.dtype

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from ..errors import LogprobeError
-from ..layers.activation import silu_mul
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
@@ -150,7 +149,7 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul(gate, up, self.triton))
+        return self.down_proj.gated(gate, up, self.triton)  # down_proj(silu_mul(gate, up)), fused where it can be
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -237,7 +236,8 @@ class LlamaModel(nn.Module):
 
     def fuse_projections(self) -> None:
         """At load: q/k/v and gate/up as single matmuls where their weights allow (plain dense
-        layers; packed quantized ones stay apart). The old parameter names remain as views."""
+        layers, and activation-quantized ones that quantize their input alike: one quantization
+        pass, one GEMM; other packed layers stay apart). The old names remain as views."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
