@@ -31,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_scoring import build_models, decoder_linears, workload  # noqa: E402
 
+import logprobe.kernels.act_quant as kact  # noqa: E402
 from logprobe.config import EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
 from logprobe.kernels.act_quant import (  # noqa: E402
@@ -63,14 +64,15 @@ def bench_ms(fn, rep=100) -> float:
 
 def gemm_section() -> None:
     log("## GEMMs, M = 8192 (ms, median of do_bench; TFLOP/s in brackets)")
-    log("| N | K | bf16 F.linear | _scaled_mm FP8 row-wise (bf16 default) | FP8 per-channel exact fp16 MMA (float32 "
+    log("| N | K | bf16 F.linear | _scaled_mm FP8 row-wise (bf16 default) | _scaled_mm fast accum | FP8 per-channel exact fp16 MMA (float32 "
         "default; best cfg) | FP8 128-block exact | INT8 | FP8 per-channel Triton FP8 MMA (deterministic bf16) | "
-        "quantize [M, K] | max rel Δ vs float64: exact kernels | Triton FP8 MMA | _scaled_mm |")
-    log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        "quantize [M, K] | max rel Δ vs float64: exact kernels | Triton FP8 MMA | _scaled_mm | fast accum |")
+    log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     g = torch.Generator(device="cuda").manual_seed(0)
     for N, K in [(6144, 4096), (28672, 4096), (4096, 4096), (4096, 14336)]:
         cells, errs = gemm_row(8192, N, K, g)
-        log(f"| {N} | {K} | " + " | ".join(cells) + f" | {max(errs[1:4]):.1e} | {errs[4]:.1e} | {errs[0]:.1e} |")
+        log(f"| {N} | {K} | " + " | ".join(cells) + f" | {max(errs[2:5]):.1e} | {errs[5]:.1e} | {errs[0]:.1e} | "
+            f"{errs[1]:.1e} |")
 
 
 def gemm_row(M: int, N: int, K: int, g) -> tuple[list[str], float]:
@@ -84,14 +86,18 @@ def gemm_row(M: int, N: int, K: int, g) -> tuple[list[str], float]:
     cells, errs = [tf(bench_ms(lambda: F.linear(x, wb)))], []
     wc, ws = quantize_rows_reference(w, "float", None)
     xc, xs = quantize_rows(x, "float", None)
-    try:
-        cells.append(tf(bench_ms(lambda: rowwise_scaled_mm(xc, xs, wc, ws, None))))
-        ref = scaled_matmul_reference(xc[:256], xs[:256], K, wc, ws, K, None, torch.float64)
-        y = rowwise_scaled_mm(xc[:256].contiguous(), xs[:256], wc, ws, None)
-        errs.append(float((y.double() - ref).abs().max() / ref.abs().max()))  # bf16 output rounding included
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        cells.append(f"n/a ({type(e).__name__})")
-        errs.append(float("nan"))
+    for fast in (False, True):
+        try:
+            cells.append(tf(bench_ms(lambda fast=fast: rowwise_scaled_mm(xc, xs, wc, ws, None, fast))))
+            ref = scaled_matmul_reference(xc[:256], xs[:256], K, wc, ws, K, None, torch.float64)
+            y = rowwise_scaled_mm(xc[:256].contiguous(), xs[:256], wc, ws, None, fast)
+            errs.append(float((y.double() - ref).abs().max() / ref.abs().max()))  # bf16 output rounding included
+            if fast:  # how many bf16 outputs the truncated sums move, against the promoted ones
+                slow = rowwise_scaled_mm(xc[:256].contiguous(), xs[:256], wc, ws, None, False)
+                cells[-1] += f", {float((y != slow).float().mean()):.1%} of outputs differ"
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            cells.append(f"n/a ({type(e).__name__})")
+            errs.append(float("nan"))
     for kind, ga, gb in (("float", None, None), ("float", 128, 128), ("int", None, None)):
         cells.append(kernel_cell(x, w, kind, ga or K, gb or K, tf, errs))
     cells.append(kernel_cell(x, w, "float", K, K, tf, errs, mma=True))
@@ -187,6 +193,20 @@ def nvfp4_row(model, reqs, nbytes: int) -> None:
         f"{nbytes / GiB:.1f} (linears) | {t[False]:.2f} | {t[True]:.2f} | see below | {t[True] / t[False]:.2f} | — | — |")
 
 
+def fast_accum_row(model, reqs, bf16_s: float, promoted) -> None:
+    """FP8_DYNAMIC in default mode with ``ActQuantConfig(fast_accum=True)`` (not the library's
+    default; labelled): time, and per-token |Δ| against the promoted sums on the first 8 requests."""
+    saved = kact.DEFAULT_CONFIG
+    kact.DEFAULT_CONFIG = dataclasses.replace(saved, fast_accum=True)
+    try:
+        t = run(model, reqs, False)[0]
+        d = (run(model, reqs[:8], False)[1] - promoted).abs()
+    finally:
+        kact.DEFAULT_CONFIG = saved
+    log(f"| FP8_DYNAMIC, **fast_accum=True (not the default)** | | {t:.2f} | | {bf16_s / t:.2f}x | | "
+        f"vs promoted sums: {float(d.max()):.3f} / {float(d.mean()):.4f} | |")
+
+
 def model_section(args) -> None:
     log(f"\n## {args.model} W1, default max_batch_tokens (s; tok/s; x bf16)")
     log("| scheme | weights GiB | default s | det s | bf16 s / scheme s | det / default | "
@@ -222,6 +242,8 @@ def model_section(args) -> None:
         log(f"| {scheme} | {nbytes / GiB:.1f} (linears) | {t[False]:.2f} | {t[True]:.2f} | "
             f"{base[False] / t[False]:.2f}x | {t[True] / t[False]:.2f} | {float(d.max()):.3f} / {float(d.mean()):.4f} | "
             f"{t_ref:.2f} / {t_got:.2f} |")
+        if args.fast_accum and scheme == "FP8_DYNAMIC":
+            fast_accum_row(model, reqs, base[False], got)
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -232,6 +254,7 @@ def main() -> None:
     ap.add_argument("--sections", default="gemm,model")
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--schemes", default="FP8_DYNAMIC,FP8_BLOCK,W8A8,NVFP4")
+    ap.add_argument("--fast-accum", action="store_true", help="also FP8_DYNAMIC with ActQuantConfig(fast_accum=True)")
     args = ap.parse_args()
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if "gemm" in args.sections:

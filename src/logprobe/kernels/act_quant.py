@@ -80,6 +80,12 @@ class ActQuantConfig:
     # FP8 codes on the FP8 tensor cores: None (auto) when the output is bf16 / fp16, True always, False
     # never (codes widened exactly to fp16); see ``product_path``
     fp8_tensor_cores: bool | None = None
+    # ``torch._scaled_mm`` without cuBLAS's periodic promotion of the FP8 MMA's partial sums to
+    # float32 (``use_fast_accum``): faster, and truncated like the Triton FP8 MMA path. Off by default
+    fast_accum: bool = False
+
+
+DEFAULT_CONFIG = ActQuantConfig()  # what ``scaled_matmul`` runs without a config
 
 
 def product_path(kind: str, out_dtype: torch.dtype, per_row_scales: bool, batch_invariant: bool,
@@ -337,7 +343,7 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
     """a [M, K] codes with scales sa [M, ceil(K / group_a)], b [N, K] codes with sb [N, ceil(K /
     group_b)] (float8_e4m3fn both, or int8 both) -> y [M, N] in ``out_dtype``, by ``product_path``.
     ``batch_invariant``: a row's result must not depend on M (deterministic mode)."""
-    cfg = config or ActQuantConfig()
+    cfg = config or DEFAULT_CONFIG
     M, K = a.shape
     N = b.shape[0]
     if b.shape[1] != K or a.dtype != b.dtype or a.dtype not in (FP8, torch.int8):
@@ -351,7 +357,7 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
     path = product_path("int" if a.dtype == torch.int8 else "float", out_dtype, not per_tile, batch_invariant,
                         cfg.fp8_tensor_cores, scaled_mm_fits)
     if path == "scaled_mm":
-        return rowwise_scaled_mm(a, sa, b, sb, bias)
+        return rowwise_scaled_mm(a, sa, b, sb, bias, cfg.fast_accum)
     ga, gb = (group_a if group_a < K else K + cfg.block_k), (group_b if group_b < K else K + cfg.block_k)
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
     sa, sb = sa.float().contiguous(), sb.float().contiguous()
@@ -366,14 +372,14 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
 
 
 def rowwise_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+                      bias: torch.Tensor | None, fast_accum: bool = False) -> torch.Tensor:
     """FP8 codes a [M, K] x b [N, K]^T with one scale per row of each (sa [M, 1], sb [N, 1]) on the
     FP8 tensor cores through ``torch._scaled_mm`` -> bf16 [M, N] (float32 accumulation with the
-    library's periodic promotion: ``use_fast_accum=False``)."""
+    library's periodic promotion, unless ``fast_accum``)."""
     M, N = a.shape[0], b.shape[0]
     return torch._scaled_mm(a.contiguous(), b.t(), scale_a=sa.reshape(M, 1).contiguous(),
                             scale_b=sb.reshape(1, N).contiguous(), bias=None if bias is None else bias.to(torch.bfloat16),
-                            out_dtype=torch.bfloat16, use_fast_accum=False)
+                            out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
 def act_quant_linear(x: torch.Tensor, kind: str, act_group: int | None, static_scale: torch.Tensor | None,

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import LogprobeError
 
@@ -237,17 +238,21 @@ def _torch_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entro
     for r0 in range(0, N, token_chunk):
         r1 = min(r0 + token_chunk, N)
         h = hidden[r0:r1]  # [t, H]
+        it, yz, yt = inv_t[r0:r1], zy[r0:r1], targets[r0:r1]
         if fixed and r1 - r0 < token_chunk:
-            h = torch.cat([h, h.new_zeros(token_chunk - (r1 - r0), H)])  # [token_chunk, H]
-        fold = _Fold(r1 - r0, top_k, entropy, dev)
+            # every fold runs on token_chunk rows (its reductions over [t, v] are PyTorch's, whose
+            # layout follows the shape): padding rows are zeros with T = 1 and no target
+            pad = token_chunk - (r1 - r0)
+            h = torch.cat([h, h.new_zeros(pad, H)])  # [token_chunk, H]
+            it, yz = F.pad(it, (0, pad), value=1.0), F.pad(yz, (0, pad))
+            yt = F.pad(yt, (0, pad), value=params.vocab_start - 1)  # a column of no chunk
+        fold = _Fold(h.shape[0], top_k, entropy, dev)
         for p, (v0, v1) in enumerate(spans):
-            z = _transform(_dots(h, params.weight[v0:v1])[: r1 - r0], bias[v0:v1] if bias is not None else None,
-                           params)
-            fold.add(z * inv_t[r0:r1, None], zy[r0:r1], targets[r0:r1] - params.vocab_start - v0,
-                     params.vocab_start + v0)
+            z = _transform(_dots(h, params.weight[v0:v1]), bias[v0:v1] if bias is not None else None, params)
+            fold.add(z * it[:, None], yz, yt - params.vocab_start - v0, params.vocab_start + v0)
             if fixed:
                 fold.write(p, r0, r1, m, s, a, c, tv, ti)
-                fold = _Fold(r1 - r0, top_k, entropy, dev)
+                fold = _Fold(h.shape[0], top_k, entropy, dev)
         if not fixed:
             fold.write(0, r0, r1, m, s, a, c, tv, ti)
     return m, s, a, c, tv, ti
@@ -303,10 +308,12 @@ class _Fold:
             self.best_z, self.best_id = cz, ci
 
     def write(self, p: int, r0: int, r1: int, m, s, a, c, tv, ti) -> None:
-        m[p, r0:r1], s[p, r0:r1], c[p, r0:r1] = self.m, self.s, self.c
+        """Rows r0:r1 of partial p from this fold's first r1 - r0 rows (the rest are padding)."""
+        n = r1 - r0
+        m[p, r0:r1], s[p, r0:r1], c[p, r0:r1] = self.m[:n], self.s[:n], self.c[:n]
         if a is not None:
-            a[p, r0:r1] = self.a
+            a[p, r0:r1] = self.a[:n]
         if tv is not None:
             k = self.best_z.shape[1]
-            tv[p, r0:r1, :k], ti[p, r0:r1, :k] = self.best_z, self.best_id
+            tv[p, r0:r1, :k], ti[p, r0:r1, :k] = self.best_z[:n], self.best_id[:n]
             tv[p, r0:r1, k:], ti[p, r0:r1, k:] = -torch.inf, 0  # a chunk narrower than k
