@@ -80,6 +80,7 @@ class AttentionMeta:
     kv_block: int | None = None
     past: int = field(default=0)  # rows in the cache before this batch (for the key-source index)
     varlen_cache: tuple | None = field(default=None, repr=False)  # varlen() for the GPU path, built once
+    split_cache: tuple | None = field(default=None, repr=False)  # _gpu's long / short split, built once
 
     @classmethod
     def packed(cls, lengths: list[int], kv_block: int | None = None) -> AttentionMeta:
@@ -160,8 +161,11 @@ def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
          window: int | None) -> torch.Tensor | None:
     """The CUDA kernels (layers/attention_gpu.py): segments of ``LONG_ROWS`` rows or more on cuDNN in
     default mode, the rest (everything in deterministic mode) in one varlen FlashAttention call."""
-    long = [s for s in meta.segments if s.end - s.start >= LONG_ROWS] \
-        if meta.kv_block is None and window is None else []
+    if meta.kv_block is not None or window is not None:
+        return _flash(q, k, v, meta, scale, window)
+    if meta.split_cache is None:  # once per batch, not per layer
+        meta.split_cache = _split(meta, past, q.device)
+    long, short = meta.split_cache
     if not long:
         return _flash(q, k, v, meta, scale, window)
     out = torch.empty_like(q)
@@ -171,16 +175,25 @@ def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
         if o is None:  # cuDNN refused the shape: the whole batch on FlashAttention
             return _flash(q, k, v, meta, scale, window)
         out[seg.start:seg.end] = o
-    short = [s for s in meta.segments if s.end - s.start < LONG_ROWS]
-    if short:
-        cu_q, cu_k, index = varlen_index(short, past)
-        rows = torch.cat([torch.arange(s.start, s.end, device=q.device) for s in short])  # [T short]
-        keys = torch.tensor(index, dtype=torch.long, device=q.device)
+    if short is not None:
+        rows, keys, cu_q, cu_k = short
         o = flash_varlen_attention(q[rows], k[keys], v[keys], cu_q, cu_k, scale, window)
         if o is None:
             return _flash(q, k, v, meta, scale, window)
         out[rows] = o
     return out
+
+
+def _split(meta: AttentionMeta, past: int, device: torch.device) -> tuple[list[Segment], tuple | None]:
+    """The segments ``_gpu`` runs on cuDNN, and for the others (None if none): their query rows
+    [T short], key-source rows, cu_q and cu_k of one varlen call."""
+    long = [s for s in meta.segments if s.end - s.start >= LONG_ROWS]
+    short = [s for s in meta.segments if s.end - s.start < LONG_ROWS]
+    if not long or not short:
+        return long, None
+    cu_q, cu_k, index = varlen_index(short, past)
+    rows = torch.cat([torch.arange(s.start, s.end) for s in short]).to(device)  # [T short]
+    return long, (rows, torch.tensor(index, dtype=torch.long).to(device), cu_q, cu_k)
 
 
 def _segment_keys(x: torch.Tensor, seg: Segment, past: int) -> torch.Tensor:

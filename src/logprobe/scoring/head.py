@@ -140,7 +140,7 @@ def logprob_head(
         from ..kernels.logprob_head import _check
 
         _check(hidden, params.weight, params.bias, targets, inv_t, top_k)
-    zy = _target_logits(hidden, params, targets, inv_t, token_chunk, kernel)
+    zy = _target_logits(hidden, params, targets, inv_t, token_chunk, kernel, pad_chunks)
     if params.comm is not None:
         params.comm.all_reduce_max(zy)  # one rank owns each target: a max of one finite value and -inf
     if kernel:
@@ -161,8 +161,11 @@ def _local_targets(params: HeadParams, targets: torch.Tensor) -> tuple[torch.Ten
     return local.clamp(0, params.weight.shape[0] - 1), owned
 
 
-def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int, kernel: bool) -> torch.Tensor:
-    """z_{i,y_i} / T_i [N] float32 from the target's own row of W; -inf where another rank owns it."""
+def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int, kernel: bool,
+                   fixed: bool = False) -> torch.Tensor:
+    """z_{i,y_i} / T_i [N] float32 from the target's own row of W; -inf where another rank owns it.
+    ``fixed`` (deterministic mode): the PyTorch loop sums zero-padded chunks of ``token_chunk`` rows
+    (its row sums are a reduction whose CUDA layout follows the number of rows)."""
     rows, owned = _local_targets(params, targets)
     if kernel:
         from ..kernels.logprob_head import fused_target_logits
@@ -174,8 +177,11 @@ def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int,
         bias = params.bias.float() if params.bias is not None else None
         for r0 in range(0, hidden.shape[0], token_chunk):
             r1 = min(r0 + token_chunk, hidden.shape[0])
-            y = rows[r0:r1]
-            z = (hidden[r0:r1].float() * params.weight[y].float()).sum(-1)  # [t]
+            y, h = rows[r0:r1], hidden[r0:r1].float()
+            prod = h * params.weight[y].float()  # [t, H]
+            if fixed and r1 - r0 < token_chunk:
+                prod = F.pad(prod, (0, 0, 0, token_chunk - (r1 - r0)))  # [token_chunk, H]
+            z = prod.sum(-1)[: r1 - r0]  # [t]
             zy[r0:r1] = _transform(z, bias[y] if bias is not None else None, params) * inv_t[r0:r1]
     return zy.masked_fill_(~owned, float("-inf"))
 
