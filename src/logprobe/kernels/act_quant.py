@@ -61,7 +61,7 @@ import torch
 
 from ..errors import LogprobeError
 from . import triton_available
-from .elementwise import _runs_here, silu_mul_reference
+from .elementwise import check_gate_up, silu_mul_reference
 
 FP8 = torch.float8_e4m3fn
 KINDS = {"float": (FP8, -448.0, 448.0), "int": (torch.int8, -128.0, 127.0)}  # code dtype, qmin, qmax
@@ -318,12 +318,7 @@ def silu_mul_quantize(gate: torch.Tensor, up: torch.Tensor, kind: str) -> tuple[
     """``quantize_rows(kernels.elementwise.silu_mul(gate, up), kind)`` in one pass, bit for bit: gate,
     up [T, I] (unit last stride, any row stride: the halves of a fused gate/up output) -> codes
     [T, I] and dynamic per-token scales [T, 1] float32. The [T, I] activation never reaches memory."""
-    if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
-        raise LogprobeError("gate", f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
-                            "must be 2-D with one shape and dtype")
-    if gate.stride(1) != 1 or up.stride(1) != 1:
-        raise LogprobeError("gate", "gate and up rows must be contiguous (unit last stride)")
-    _runs_here(gate, "SiLU-multiply-quantize")
+    check_gate_up(gate, up, "SiLU-multiply-quantize")
     dtype, qmin, qmax = KINDS[kind]
     T, K = gate.shape
     codes = torch.empty(T, K, dtype=dtype, device=gate.device)

@@ -65,14 +65,20 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [T, I] (any row stride, e.g. the two halves of a fused gate/up output) -> [T, I]."""
+def check_gate_up(gate: torch.Tensor, up: torch.Tensor, name: str) -> None:
+    """What a Triton kernel over SiLU(gate) * up (``name``) takes: gate, up [T, I] of one dtype, unit
+    last stride (any row stride), on CUDA or under the interpreter; else a ``LogprobeError``."""
     if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
         raise LogprobeError("gate", f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                             "must be 2-D with one shape and dtype")
     if gate.stride(1) != 1 or up.stride(1) != 1:
         raise LogprobeError("gate", "gate and up rows must be contiguous (unit last stride)")
-    _runs_here(gate, "SiLU-multiply")
+    _runs_here(gate, name)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [T, I] (any row stride, e.g. the two halves of a fused gate/up output) -> [T, I]."""
+    check_gate_up(gate, up, "SiLU-multiply")
     T, n = gate.shape
     y = torch.empty(T, n, dtype=gate.dtype, device=gate.device)
     if T and n:
