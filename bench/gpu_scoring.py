@@ -8,6 +8,7 @@ Runs on one CUDA GPU and prints tables (docs/perf.md keeps the results). Section
              PyTorch chunked head, Liger-Kernel and Cut Cross-Entropy (reduction="none"), each with
              time, ratio to the matmul, extra memory and max |Δ logprob| against the float32 head
              (float32 products of the same bf16 values).
+  options    W1 plain against W1 with temperature 0.7 + top-5 + entropy on every request (no baseline).
   profile    the CUDA kernels of logprobe's W1 (first ``--profile-requests`` requests) by total time.
   exact      per-token |Δ| of logprobe (bf16 and float32) against a float64 reference of the same
              random-init SmolLM2-135M-shaped weights (the GGUF cannot travel to the GPU machine).
@@ -390,6 +391,27 @@ def kernel_profile(run, label: str) -> None:
     log("| kernel | calls | ms | share |\n| --- | ---: | ---: | ---: |")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         log(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | {e.self_device_time_total / total:.1%} |")
+
+
+def options_section(args) -> None:
+    """Issue 19's per-request options on whole W1: every request plain, then with temperature 0.7,
+    top-5 and entropy, at the default budget, best of ``--passes`` each (no baseline)."""
+    from dataclasses import replace
+
+    log("\n## W1 with per-request options (temperature 0.7 + top-5 + entropy) against plain")
+    log("| model | plain s | options s | cost |\n| --- | ---: | ---: | ---: |")
+    for name in args.models.split(","):
+        _, ours, lc = build_models(name, baseline=False)
+        plain = workload("W1", lc.vocab_size)
+        rich = [replace(r, temperature=0.7, top_k=5, entropy=True) for r in plain]
+        engine = Engine(ours, EngineConfig(progress=False), torch.device("cuda"))
+        with torch.inference_mode():
+            engine.run(rich[:32])  # compiles the top-k / entropy variants
+            t = {k: best_of(args.passes, partial(engine.run, reqs), f"{name} W1 {k}")[1]
+                 for k, reqs in (("plain", plain), ("options", rich))}
+        log(f"| {name} | {t['plain']:.2f} | {t['options']:.2f} | {t['options'] / t['plain'] - 1:+.1%} |")
+        del ours, engine
+        torch.cuda.empty_cache()
 
 
 def profile_section(args) -> None:
@@ -1020,6 +1042,8 @@ def main() -> None:
         quant_section(args, tflops)
     if "profile" in sections:
         profile_section(args)
+    if "options" in sections:
+        options_section(args)
 
 
 if __name__ == "__main__":
