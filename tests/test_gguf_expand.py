@@ -129,3 +129,36 @@ def test_cuda_bitwise_and_linear():
         ids = torch.tensor([7, 0, 7, rows - 1], device=dev)  # the head's chunks and embedding lookups
         assert torch.equal(layer.rows_in(slice(3, 20), torch.bfloat16), ref[3:20].to(torch.bfloat16)), qtype
         assert torch.equal(layer.rows_in(ids, torch.bfloat16), ref[ids].to(torch.bfloat16)), qtype
+
+
+def test_expand_all_equals_the_chunks_and_stays_off_cpu():
+    """The resident copy of a packed LM head (``PackedRows.resident``) is built in row blocks: the
+    same bits as one expansion; on CPU there is none (the chunked head runs, as it did)."""
+    from logprobe.layers.quant_linear import GGUFLinear, PackedEmbedding, dense_head_fits, expand_all
+
+    d, qs, m = make_blocks("Q4_K", 7, 2, seed=5)
+    layer = GGUFLinear("Q4_K", d, qs, m)
+    want = dequantize_blocks("Q4_K", d, qs, m).to(torch.bfloat16)
+    assert torch.equal(expand_all(layer, torch.bfloat16, step=3), want)  # blocks of 3, 3 and 1 rows
+    assert PackedEmbedding(layer, torch.bfloat16).weight.resident() is None
+    assert dense_head_fits(10, 100) and not dense_head_fits(11, 100)  # a tenth of the free memory
+
+
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and Triton")
+def test_cuda_packed_head_runs_the_fused_kernel_on_its_resident_copy():
+    from logprobe.layers.quant_linear import GGUFLinear, PackedEmbedding
+    from logprobe.scoring.head import HeadParams, logprob_head
+
+    dev = torch.device("cuda")
+    d, qs, m = make_blocks("Q6_K", 3000, 2, seed=9, device=dev)  # V = 3000, H = 512
+    layer = GGUFLinear("Q6_K", d, qs, m)
+    params = HeadParams(PackedEmbedding(layer, torch.bfloat16).weight)
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(300, 512, device=dev, generator=g).to(torch.bfloat16)
+    y = torch.randint(0, 3000, (300,), device=dev, generator=g)
+    fused = logprob_head(h, params, y, 0.7, top_k=5, entropy=True)
+    assert torch.equal(layer.resident_rows, dequantize_blocks("Q6_K", d, qs, m).to(torch.bfloat16))
+    chunked = logprob_head(h, params, y, 0.7, top_k=5, entropy=True, backend="torch")
+    for name in ("logprobs", "entropy", "topk_logprobs"):
+        assert float((getattr(fused, name) - getattr(chunked, name)).abs().max()) < 1e-4, name
+    assert torch.equal(fused.ranks, chunked.ranks) or float((fused.ranks - chunked.ranks).abs().max()) <= 1

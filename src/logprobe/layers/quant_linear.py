@@ -18,7 +18,9 @@ Triton pass into the activation dtype (``kernels.gguf_expand``, bitwise the same
 
 ``PackedEmbedding`` keeps a (possibly tied) token embedding packed; its ``weight`` is a
 ``PackedRows`` view that the log-prob head slices chunk by chunk, so the head dequantizes one
-vocabulary chunk at a time.
+vocabulary chunk at a time. On CUDA the head instead asks for ``PackedRows.resident()``: the whole
+matrix expanded once into the model's dtype and kept, when it fits in ``DENSE_HEAD_SHARE`` of the
+free memory, so the fused Triton head runs on it (bitwise the same weight as the chunks).
 """
 
 from __future__ import annotations
@@ -31,6 +33,29 @@ from ..errors import LogprobeError
 from ..kernels.packing import unpack_int32
 from ..loading.gguf_quants import block_values, dequantize_blocks
 from .linear import Linear, tiled_linear
+
+DENSE_HEAD_SHARE = 0.1  # the most of the free GPU memory a resident dense copy of a packed head may take
+EXPAND_ROWS = 8192  # rows expanded at a time into the resident copy (bounds the temporaries)
+
+
+def dense_head_fits(need: int, free: int) -> bool:
+    """Whether a packed LM head of ``need`` bytes dense is kept expanded, with ``free`` bytes free.
+
+    >>> llama_8b_bf16 = 128256 * 4096 * 2  # 1.05 GB
+    >>> dense_head_fits(llama_8b_bf16, 40 * 2**30), dense_head_fits(llama_8b_bf16, 8 * 2**30)
+    (True, False)
+    """
+    return need <= free * DENSE_HEAD_SHARE
+
+
+def expand_all(owner: PackedWeight, dtype: torch.dtype, step: int = EXPAND_ROWS) -> torch.Tensor:
+    """``owner.rows_in(slice(None), dtype)`` [out, in], built ``step`` rows at a time (bitwise the same:
+    every row expands alone)."""
+    out = torch.empty(owner.out_features, owner.in_features, dtype=dtype, device=owner.device)
+    for r0 in range(0, owner.out_features, step):
+        r1 = min(r0 + step, owner.out_features)
+        out[r0:r1] = owner.rows_in(slice(r0, r1), dtype)
+    return out
 
 
 class PackedRows:
@@ -54,6 +79,22 @@ class PackedRows:
 
     def __getitem__(self, idx) -> torch.Tensor:
         return self.owner.rows_in(idx, self.dtype)
+
+    def resident(self) -> torch.Tensor | None:
+        """The whole weight in ``dtype``, expanded once and kept by its owner, for the fused CUDA
+        head (which needs a strided tensor; the chunked head re-expands every vocabulary chunk of
+        every batch). None off CUDA, or when it would take more than ``DENSE_HEAD_SHARE`` of the
+        free memory (then the chunked head runs, as before)."""
+        kept = getattr(self.owner, "resident_rows", None)
+        if kept is not None and kept.dtype == self.dtype:
+            return kept
+        if self.device.type != "cuda":
+            return None
+        need = self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
+        if not dense_head_fits(need, torch.cuda.mem_get_info(self.device)[0]):
+            return None
+        self.owner.resident_rows = expand_all(self.owner, self.dtype)
+        return self.owner.resident_rows
 
 
 class PackedWeight(nn.Module):
