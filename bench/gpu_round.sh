@@ -21,6 +21,8 @@
 #   rl       logprobs_padded vs logprobs on W1 as [256, L], update_weights of llama-8b (issue 20) .. ~4
 #   ray      Ray Data, one replica, against the library on llama-1b (issue 18; ray carried) ....... ~4
 #   long     llama-8b W4: one 32k and one 128k sequence, and the 128k one against transformers' trunk ... ~4
+#   options  W1 plain vs temperature 0.7 + top-5 + entropy, llama-1b and llama-8b (issue 19) ............ ~3
+#   head     the head alone at M = 16k, V = 128k: fused (+entropy, +top-20), chunked, packed Q6_K head ... ~3
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
@@ -60,6 +62,8 @@ for s in "$@"; do
         actquant) step actquant 580 "$py" bench/gpu_act_quant.py ${ACTQ_ARGS:-} ;;
         moe) step moe "${MOE_LIMIT:-580}" "$py" bench/gpu_moe.py ${MOE_ARGS:---sections kernel,workloads,det,correct --workloads W1 --tune} ;;
         long) step long 500 "$py" bench/gpu_scoring.py --sections workloads --models llama-8b --workloads W4 ;;
+        options) step options 400 "$py" bench/gpu_scoring.py --sections options --models llama-1b,llama-8b ;;
+        head) step head 400 "$py" bench/gpu_scoring.py --sections head ;;
         det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton,det-notp ;;
         rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py --w1 llama-8b ;;
         ray) step ray 400 "$py" bench/gpu_ray.py ;;

@@ -212,6 +212,11 @@ def head_section(args, tflops: float) -> None:
         lambda: fused_logprob_head(h, w, y, inv_t, top_k=20, entropy=True, **fk), lambda o: o[0])
     add("logprobe PyTorch chunked head (512x8192, fallback)",
         lambda: logprob_head(h, HeadParams(w), y, backend="torch"), lambda o: o.logprobs)
+    packed = packed_head(V, H)  # random Q6_K blocks (not W): time only, against the matmul
+    add("packed Q6_K LM head, chunked (before: expands every chunk)",
+        lambda: logprob_head(h, packed, y, backend="torch"))
+    packed.weight.resident()  # built once, outside the timing (the first batch's cost)
+    add("packed Q6_K LM head, fused kernel on its resident bf16 copy (now)", lambda: logprob_head(h, packed, y))
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -837,6 +842,23 @@ def quantize_w4a16(model, group: int = 128) -> int:
         del w, wg, codes, u, words
     torch.cuda.empty_cache()
     return total
+
+
+def packed_head(V: int, H: int, qtype: str = "Q6_K") -> HeadParams:
+    """A [V, H] LM head of random GGUF ``qtype`` blocks (small valid scales) as the head sees a
+    packed one: ``HeadParams`` over ``PackedEmbedding(...).weight`` (a ``PackedRows``)."""
+    import numpy as np
+
+    from logprobe.layers.quant_linear import GGUFLinear, PackedEmbedding
+    from logprobe.loading.gguf_quants import GGML_TYPES, block_values, split_blocks
+
+    type_id = next(t for t, (name, _) in GGML_TYPES.items() if name == qtype)
+    raw = np.random.default_rng(1).integers(0, 256, V * (H // block_values(qtype)) * GGML_TYPES[type_id][1],
+                                            dtype=np.uint8)
+    b = split_blocks(raw, type_id, (V, H))
+    b["d"] = (torch.rand(b["d"].shape) * 1e-3 + 1e-4).half()
+    layer = GGUFLinear(qtype, *(b[k].cuda() if k in b else None for k in ("d", "qs", "m")))
+    return HeadParams(PackedEmbedding(layer, torch.bfloat16).weight)
 
 
 def random_gguf(model, qtype: str) -> int:
