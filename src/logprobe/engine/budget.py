@@ -8,8 +8,9 @@ from the device and the memory left once the weights are loaded.
   allocator's slack and the head's fixed chunks. Mixture-of-experts models clamp at
   ``MAX_AUTO_MOE`` instead: a pass of T tokens gives each of E experts about T * top_k / E rows,
   and the expert GEMMs' 128-row tiles run fuller with more (Qwen3-30B-A3B, 128 experts, top-8, on
-  an H200: W1 5.76 s at 32768, 5.52 s at 65536, ``bench/gpu_moe.py --batch-tokens``). A pass that still runs out is split and retried
-  (``Engine.run``), so the estimate only has to be right most of the time.
+  an H200: W1 5.76 s at 32768, 5.52 s at 65536, ``bench/gpu_moe.py --batch-tokens``). A pass that
+  still runs out is split and retried (``Engine.run``), so the estimate only has to be right most
+  of the time.
 
 Activations per token of one block, in the model's dtype (the widest moment of each half):
 attention ``6 H + (heads + 2 kv_heads) * head_dim`` (residual, norm, q/k/v, output and its

@@ -23,14 +23,19 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def silu_times(g, u):
+        """SiLU(g) * u of float32 values, the one arithmetic both SiLU kernels use (``_silu_mul`` here,
+        ``kernels.act_quant``'s fused quantizer), so their products are the same bits."""
+        return g / (1.0 + tl.exp(-g)) * u  # exp overflows to inf for g << 0: g / inf = -0, SiLU's limit
+
+    @triton.jit
     def _silu_mul(g_ptr, u_ptr, y_ptr, n_cols, stride_g, stride_u, stride_y, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
         g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u  # exp overflows to inf for g << 0: g / inf = -0, SiLU's limit
-        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + row * stride_y + cols, silu_times(g, u).to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rotary(x_ptr, cs_ptr, y_ptr, n_heads, half, stride_xt, stride_xh, stride_yt, stride_yh,

@@ -50,7 +50,8 @@ def dense_head_fits(need: int, free: int) -> bool:
 
 def expand_all(owner: PackedWeight, dtype: torch.dtype, step: int = EXPAND_ROWS) -> torch.Tensor:
     """``owner.rows_in(slice(None), dtype)`` [out, in], built ``step`` rows at a time (bitwise the same:
-    every row expands alone)."""
+    every row expands alone). ``PackedWeight.dense`` gives the same values through one float32 copy
+    of the whole matrix; this bounds the temporaries and keeps GGUF's one-pass expansion."""
     out = torch.empty(owner.out_features, owner.in_features, dtype=dtype, device=owner.device)
     for r0 in range(0, owner.out_features, step):
         r1 = min(r0 + step, owner.out_features)

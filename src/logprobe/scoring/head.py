@@ -263,7 +263,7 @@ def _torch_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entro
             # every fold runs on token_chunk rows (its reductions over [t, v] are PyTorch's, whose
             # layout follows the shape): padding rows are zeros with T = 1 and no target
             pad = token_chunk - (r1 - r0)
-            h = torch.cat([h, h.new_zeros(pad, H)])  # [token_chunk, H]
+            h = F.pad(h, (0, 0, 0, pad))  # [token_chunk, H]
             it, yz = F.pad(it, (0, pad), value=1.0), F.pad(yz, (0, pad))
             yt = F.pad(yt, (0, pad), value=params.vocab_start - 1)  # a column of no chunk
         fold = _Fold(h.shape[0], top_k, entropy, dev)
