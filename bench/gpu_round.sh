@@ -17,7 +17,7 @@
 #   workloads W1/W3 at the default budget, llama-1b and llama-8b, against transformers ........... ~8
 #   actquant FP8/INT8 GEMMs and llama-8b W1 per scheme against bf16 (issue 22) ..................... ~8
 #   moe      the fused MoE kernel (tuned) and 30B-A3B W1 against transformers (issue 17) ........... ~10
-#   det      llama-8b W1/W3: default, deterministic (cuBLAS slices), invariant_matmul=triton, tp_invariant=False ~7
+#   det      llama-8b W1/W3: default, deterministic (TP-invariant), tp_invariant=False .............. ~6
 #   rl       logprobs_padded vs logprobs on W1 as [256, L], update_weights of llama-8b (issue 20) .. ~4
 #   ray      Ray Data, one replica, against the library on llama-1b (issue 18; ray carried) ....... ~4
 #   long     llama-8b W4: one 32k and one 128k sequence, and the 128k one against transformers' trunk ... ~4
@@ -50,7 +50,7 @@ for s in "$@"; do
         tests)  # one file per step: a file that hangs is named by its own line, the others still run
             mkdir -p /tmp/gpu_round_tests  # 14 logs: more than the device returns; their tails are printed
             for f in ${TESTS:-host_copy gguf_expand kernels act_quant_kernels elementwise_kernels invariant_kernels w4a16 \
-                     sliced_matmul attention_gpu moe padded gptq_awq nvfp4 budget}; do
+                     attention_gpu moe padded gptq_awq nvfp4 budget}; do
                 logdir=/tmp/gpu_round_tests lines=8 step "test_$f" "${TEST_LIMIT:-120}" "$py" -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
             done ;;
         overlap) step overlap 400 "$py" bench/gpu_scoring.py --sections engine --models llama-1b,llama-8b \
@@ -64,7 +64,7 @@ for s in "$@"; do
         long) step long 500 "$py" bench/gpu_scoring.py --sections workloads --models llama-8b --workloads W4 ;;
         options) step options 400 "$py" bench/gpu_scoring.py --sections options --models llama-1b,llama-8b ;;
         head) step head 400 "$py" bench/gpu_scoring.py --sections head ;;
-        det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-triton,det-notp ;;
+        det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-notp ;;
         rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py --w1 llama-8b ;;
         ray) step ray 400 "$py" bench/gpu_ray.py ;;
         *) echo "unknown step $s" >&2 ;;

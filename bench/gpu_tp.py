@@ -79,9 +79,9 @@ def timed(engine, reqs):
     return time.perf_counter() - t, torch.cat([r.logprobs for r in out])
 
 
-MODES = {"default": {}, "det": dict(deterministic=True),  # det: TP-invariant, the default products
-         "det-triton": dict(deterministic=True, invariant_matmul="triton"),  # opt-in one-kernel slices
-         "det-notp": dict(deterministic=True, tp_invariant=False)}  # batch-invariant at this TP size only
+MODES = {"default": {}, "det": dict(deterministic=True),  # det: TP-invariant (Triton fixed tiles), the default
+         "det-notp": dict(deterministic=True, tp_invariant=False),  # batch-invariant at this TP size only
+         "det-notp-triton": dict(deterministic=True, tp_invariant=False, invariant_matmul="triton")}
 
 
 def run_config(label, scorer, loads, reqs_by_w, modes, ref, rows, gpus, ceiling, lc):
@@ -174,38 +174,25 @@ def time_only(args) -> None:
 
 
 def layers_section(T: int = 8192) -> None:
-    """Deterministic products at llama-8b shapes (T rows): the old fixed-row-tile product, with
-    fixed column blocks (column-parallel), and as S fixed inner slices + tree (row-parallel)."""
+    """Deterministic products at llama-8b shapes (T rows): F.linear, the fixed-row-tile cuBLAS
+    product (``tp_invariant=False``) and the Triton fixed-tile product every layer runs in the
+    TP-invariant form (row-parallel layers too, over their gathered input), with its column check."""
     from gpu_scoring import bench_ms
 
+    from logprobe.kernels.matmul import invariant_linear
     from logprobe.layers.linear import tiled_linear
-    from logprobe.layers.parallel_linear import row_parallel_product
-    from logprobe.parallel.context import ParallelContext
 
-    x8 = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
-    for name, (n_out, k_in, blocks) in {"qkv": (6144, 4096, [512] * 8 + [128] * 16), "gate_up": (28672, 4096, [1792] * 16),
-                                       "o": (4096, 4096, None), "down": (4096, 14336, None)}.items():
+    for name, (n_out, k_in) in {"qkv": (6144, 4096), "gate_up": (28672, 4096), "o": (4096, 4096),
+                                "down": (4096, 14336)}.items():
         w = torch.randn(n_out, k_in, device="cuda", dtype=torch.bfloat16) * 0.02
-        x = x8 if k_in == 4096 else torch.randn(T, k_in, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(T, k_in, device="cuda", dtype=torch.bfloat16)
         plain = bench_ms(lambda: torch.nn.functional.linear(x, w), 20)  # noqa: B023
         tiled = bench_ms(lambda: tiled_linear(x, w, None, 2048), 20)  # noqa: B023
-        if blocks:
-            from logprobe.kernels.matmul import invariant_linear
-
-            det = bench_ms(lambda: tiled_linear(x, w, None, 2048, blocks), 20)  # noqa: B023
-            tri = bench_ms(lambda: invariant_linear(x, w), 20)  # noqa: B023
-            half = n_out // 2
-            cols_tri = torch.equal(invariant_linear(x, w)[:, half:], invariant_linear(x, w[half:].contiguous()))
-            cols_cub = torch.equal(tiled_linear(x, w, None, 2048)[:, half:],
-                                   tiled_linear(x, w[half:].contiguous(), None, 2048))
-            how = (f"Triton fixed tiles {tri:.2f} ms (columns invariant: {cols_tri}; cuBLAS tiles: {cols_cub}), "
-                   f"column blocks {len(blocks)}")
-        else:
-            ctx = ParallelContext(slices=8)
-            det = bench_ms(lambda: row_parallel_product(x, w, None, 2048, ctx), 20)  # noqa: B023
-            how = "8 slices + tree"
+        tri = bench_ms(lambda: invariant_linear(x, w), 20)  # noqa: B023
+        half = n_out // 2
+        cols = torch.equal(invariant_linear(x, w)[:, half:], invariant_linear(x, w[half:].contiguous()))
         log(f"{name:8s} [{T}x{k_in}]x[{k_in}x{n_out}]: F.linear {plain:.2f} ms, fixed row tiles {tiled:.2f} ms, "
-            f"{how} {det:.2f} ms ({det / tiled:.2f}x the row tiles)")
+            f"Triton fixed tiles {tri:.2f} ms ({tri / plain:.2f}x F.linear; columns invariant: {cols})")
 
 
 def main() -> None:

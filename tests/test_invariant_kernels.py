@@ -94,3 +94,98 @@ def test_cuda_deterministic_head_rows_do_not_depend_on_n():
         assert torch.equal(getattr(big, name)[:7], getattr(small, name)), name
     ref = logprob_head(h.float(), HeadParams(w.float()), y, 0.8, backend="torch")
     assert float((big.logprobs - ref.logprobs).abs().max()) < 1e-4
+
+
+# ---- the matmul's other ways to run a tile: persistent programs, TMA descriptors -------------------------------
+
+def check_matmul(device: str, dt: str, M1: int, M2: int, K: int, N: int, config, offset: int = 0) -> dict:
+    """max |Δ| of ``invariant_linear`` to the float64 product, whether it took the TMA path, and
+    bitwise: the first M1 rows alone vs among M2 rows (batch invariance); the last N - N//2 columns
+    from ``weight[N//2:]`` alone vs in the full product (tensor-parallel invariance). ``offset``
+    elements in front of x's storage: a base no TMA descriptor can address (the path must not change)."""
+    import torch.nn.functional as F
+
+    from logprobe.kernels.matmul import invariant_linear, uses_tma
+
+    g = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, dt)
+    x = torch.randn(offset + M2 * K, generator=g).to(device, dtype)[offset:].view(M2, K)  # [M2, K]
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype)
+    y = invariant_linear(x, w, b, config=config)
+    ref = F.linear(x.double(), w.double(), b.double())
+    rows = torch.equal(invariant_linear(x[:M1].clone(), w, b, config=config), y[:M1])
+    h = N // 2
+    cols = torch.equal(invariant_linear(x, w[h:], b[h:], config=config), y[:, h:])
+    return {"err": float((y.double() - ref).abs().max()), "rows": rows, "cols": cols, "tma": uses_tma(x, config)}
+
+
+def matmul_variants(small: bool) -> dict:
+    """Configs of each path; small: the interpreter's 16x16x16 tiles (K loops of several steps)."""
+    from logprobe.kernels.matmul import MatmulConfig
+
+    tiles = dict(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1) if small else \
+        dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    return {
+        "ptr-persistent": MatmulConfig(**tiles, tma=False, persistent=True, flatten=True),
+        "tma": MatmulConfig(**tiles, tma=True, persistent=False, flatten=False),
+        "tma-persistent": MatmulConfig(**tiles, tma=True, persistent=True, flatten=True),
+        "tma-persistent-ptrstore": MatmulConfig(**tiles, tma=True, tma_store=False, persistent=True, flatten=True),
+    }
+
+
+def _assert_matmul_ok(res: dict, tol: dict, want_tma: bool) -> None:
+    for name, d in res.items():
+        assert d["rows"] and d["cols"], (name, d)
+        assert d["err"] < tol[name.split("/")[1]], (name, d)
+        if name.startswith("tma") and name.split("/")[1] != "float32":  # float32 always reads through pointers
+            assert d["tma"] == want_tma, (name, d)
+        else:
+            assert not d["tma"], (name, d)
+
+
+def test_uses_tma_only_where_asked_and_possible():
+    from logprobe.kernels.matmul import MatmulConfig, uses_tma
+
+    half = torch.zeros(3, 64, dtype=torch.float16)
+    assert not uses_tma(half, MatmulConfig(tma=False))  # not asked
+    assert not uses_tma(half, MatmulConfig())  # the default asks, but CPU outside the interpreter
+    assert not uses_tma(torch.zeros(3, 64), MatmulConfig(tma=True))  # float32
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
+def test_interpreter_matmul_persistent_and_tma():
+    # N = 40: y's rows 16-byte aligned (TMA store); N = 37: pointer store; K = 40: a K tail;
+    # K = 36 (72 bytes a row): no TMA possible, pointers for every config; offset 1: x re-aligned;
+    # 8x8 from 1 of 3 rows: blocks larger than the whole matrix
+    code = textwrap.dedent("""
+        import json
+        from test_invariant_kernels import check_matmul, matmul_variants
+        out = {}
+        for name, cfg in matmul_variants(small=True).items():
+            for dt in ["float16", "float32"]:
+                for N, K, off, M1, M2 in [(40, 40, 0, 13, 45), (37, 40, 1, 13, 45), (40, 36, 0, 13, 45), (8, 8, 0, 1, 3)]:
+                    out[f"{name}/{dt}/{N}x{K}+{off}"] = check_matmul("cpu", dt, M1, M2, K, N, cfg, off)
+        print(json.dumps(out))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    _assert_matmul_ok({k: v for k, v in res.items() if not k.endswith("x36+0")}, {"float32": 1e-5, "float16": 2e-2}, True)
+    assert not any(v["tma"] for k, v in res.items() if k.endswith("x36+0")), res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
+def test_cuda_matmul_persistent_and_tma():
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    res = {}
+    for name, cfg in matmul_variants(small=False).items():
+        # float32 reads through pointers in every config: one of them checks it (each compile is slow)
+        for dt in ["bfloat16", "float32"] if name == "tma-persistent" else ["bfloat16"]:
+            # N = 768 / 772: TMA / pointer store; K = 1000: a K tail; offset 3: x re-aligned for TMA;
+            # 24x16 from 1 of 5 rows: blocks larger than the whole matrix (decoding-sized calls)
+            for N, K, off, M1, M2 in [(768, 1024, 0, 100, 3000), (772, 1000, 3, 100, 3000), (24, 16, 0, 1, 5)]:
+                res[f"{name}/{dt}/{N}x{K}+{off}"] = check_matmul("cuda", dt, M1, M2, K, N, cfg, off)
+    print(res)
+    _assert_matmul_ok(res, {"float32": 1e-4, "bfloat16": 0.1}, hopper)

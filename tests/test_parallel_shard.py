@@ -8,10 +8,9 @@ from logprobe.parallel.engine import assign_replicas
 from logprobe.parallel.shard import (
     check_tp,
     kv_heads,
-    num_slices,
+    num_blocks,
     q_heads,
     shard_range,
-    tree_order,
     vocab_chunk_width,
     vocab_shard,
 )
@@ -35,11 +34,12 @@ def test_heads_gold():
     assert kv_heads(32, 32, 1, 4) == (8, 16)
 
 
-def test_slices_and_vocab_grid_gold():
-    assert num_slices(4, 128) == 4
-    assert num_slices(32, 14336) == 8
-    assert num_slices(9, 1536) == 1  # SmolLM2-135M: 9 heads
-    assert num_slices(12, 4864) == 4
+def test_blocks_and_vocab_grid_gold():
+    assert num_blocks(4, 64, 128) == 4
+    assert num_blocks(32, 4096, 14336) == 8  # Llama-3-8B
+    assert num_blocks(9, 576, 1536) == 1  # SmolLM2-135M: 9 heads
+    assert num_blocks(12, 1536, 4864) == 4
+    assert num_blocks(8, 1000, 4096) == 8 and num_blocks(8, 1004, 4096) == 4  # the hidden size counts
     assert vocab_chunk_width(300) == 48
     assert vocab_chunk_width(128256) == 8192
     assert vocab_chunk_width(49152) == 6144
@@ -48,31 +48,25 @@ def test_slices_and_vocab_grid_gold():
     assert [vocab_shard(128256, 8192, r, 2) for r in range(2)] == [(0, 65536), (65536, 128256)]
 
 
-def test_tree_order_gold():
-    assert tree_order(1) == []
-    assert tree_order(2) == [(0, 1)]
-    assert tree_order(4) == [(0, 1), (2, 3), (0, 2)]
-    assert tree_order(8) == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 2), (4, 6), (0, 4)]
-    with pytest.raises(ValueError):
-        tree_order(3)
-
-
-def test_tree_sum_is_the_same_additions_at_every_size():
-    """Rank-local subtrees + the top of the tree == the whole tree on one rank, bitwise."""
-    import torch
-
+def test_shard_slice_gold():
+    """The module docstring's worked example: every cut is rows of the native parameter."""
+    from logprobe.loading.sharding import shard_slice
+    from logprobe.models.llama import LlamaConfig, LlamaModel
     from logprobe.parallel.context import ParallelContext
 
-    g = torch.Generator().manual_seed(0)
-    leaves = [torch.randn(5, 7, generator=g) * 10 ** i for i in range(8)]
-    whole = ParallelContext(slices=8).tree_sum(leaves)
-    # what TP = 2 computes: each half locally, then the two subtotals
-    half = [ParallelContext(slices=8).tree_sum(leaves[:4]), ParallelContext(slices=8).tree_sum(leaves[4:])]
-    assert torch.equal(whole, half[0] + half[1])
-    left_to_right = leaves[0]
-    for x in leaves[1:]:
-        left_to_right = left_to_right + x
-    assert not torch.equal(whole, left_to_right)  # the order matters: the tree is what makes it fixed
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    gold = {0: [(0, 32), (0, 16), (0, 16), (0, 32), (0, 64), (0, 64), (0, 32)],
+            1: [(32, 64), (16, 32), (16, 32), (32, 64), (64, 128), (64, 128), (32, 64)]}
+    for rank in (0, 1):
+        ctx = ParallelContext(rank, 2, None, 4)
+        vocab = LlamaModel.vocab_range_of(cfg, ctx)
+        mod = lambda n: "self_attn" if n in names[:4] else "mlp"  # noqa: E731
+        got = [shard_slice(f"layers.0.{mod(n)}.{n}.weight", cfg, ctx, vocab) for n in names]
+        assert got == gold[rank]
+        assert shard_slice("lm_head.weight", cfg, ctx, vocab) == [(0, 192), (192, 300)][rank]
+        assert shard_slice("layers.0.input_layernorm.weight", cfg, ctx, vocab) is None
 
 
 def test_check_tp_errors():

@@ -68,12 +68,14 @@ class EngineConfig:
         mode's time on llama-8b, docs/perf.md). "triton": logprobe's fixed-tile Triton matmul
         (``kernels.matmul``), invariant by construction, independent of cuBLAS's heuristics, slower.
     tp_invariant: deterministic mode's numbers are also the same bits for every tensor-parallel
-        size dividing the model's slice count (``parallel.shard.num_slices``; 8 for Llama-3-8B):
-        row-parallel products as fixed inner slices summed by one pairwise tree, column-parallel
-        ones in fixed column blocks (Triton fixed tiles on CUDA). Costs extra products at every TP
-        size, TP = 1 included (docs/perf.md); False keeps deterministic mode batch-invariant at
-        the TP size in use only, at the cost it had before tensor parallelism. Models that are
-        never split (mixture-of-experts today) skip it: there is no other TP size to match.
+        size dividing the model's column block count (``parallel.shard.num_blocks``; 8 for
+        Llama-3-8B): every product is computed in fixed column blocks (the Triton fixed-tile
+        matmul on CUDA, invariant by construction), and row-parallel layers gather their input
+        and compute each output over the whole inner dimension (``layers.parallel_linear``), so
+        no sum is split by the TP size. Costs the Triton matmul's speed against cuBLAS at every
+        TP size, TP = 1 included (docs/perf.md); False keeps deterministic mode batch-invariant
+        at the TP size in use only, on cuBLAS row tiles. Models that are never split
+        (mixture-of-experts today) skip it: there is no other TP size to match.
     overlap_host: a batch's results are read after the next batch is launched, so that the host
         plans and packs while the device computes (one device-to-host copy per batch, ``engine.host``).
         False reads each batch before launching the next (for measuring what the overlap gives);

@@ -408,6 +408,11 @@ class Engine:
         cfg = self.config
         tile = (cfg.cuda_invariant_tile if self.device.type == "cuda" else cfg.invariant_tile) if cfg.deterministic \
             else None
+        ctx = getattr(self.model, "ctx", None)
+        if cfg.deterministic and cfg.tp_invariant and ctx is not None and ctx.size > 1 and ctx.blocks % ctx.size:
+            raise LogprobeError("tensor_parallel_size", f"deterministic mode keeps its numbers equal across "
+                                f"TP sizes that divide the model's {ctx.blocks} column blocks; {ctx.size} does not",
+                                "use such a TP size, or EngineConfig(tp_invariant=False)")
         for m in self._linears:
             m.row_tile = tile
             m.invariant_kernel = cfg.invariant_matmul

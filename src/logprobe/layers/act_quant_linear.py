@@ -134,9 +134,9 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
     kernels = True  # CUDA inputs through kernels.act_quant (see the module's docstring)
 
     def use_kernels(self, x: torch.Tensor) -> bool:
-        """The kernels run a whole product on one device: not under tensor parallelism, not on the
-        dense expansion, and only with K tiles that fit the scale blocks."""
-        if not (self.kernels and x.is_cuda and self.reduce_ctx is None and self.expanded is None):
+        """The kernels run a whole product (quantized checkpoints are not split by tensor
+        parallelism), not on the dense expansion, and only with K tiles that fit the scale blocks."""
+        if not (self.kernels and x.is_cuda and self.expanded is None):
             return False
         from ..kernels import triton_available
 
@@ -185,12 +185,11 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
     def fuse_parts(cls, parts: list[ActQuantLinear]) -> ActQuantLinear | None:
         """One layer computing ``parts`` side by side (``layers.linear.fuse_linears``' hook), or None
         unless it is exact: every part must quantize its input alike (one kind, group, static scale
-        or none), on one device and layout, none tensor-parallel. Then the input is quantized once
+        or none), on one device and layout. Then the input is quantized once
         and multiplied once: q/k/v, gate/up. The parts' buffers become row views of the fused ones
         (no memory duplicated, their names still in ``state_dict``; ``permute_rows`` works in place)."""
         first = parts[0]
-        if any(p.reduce_ctx is not None or _fusion_key(p) != _fusion_key(first) or not _same_static(p, first)
-               for p in parts):
+        if any(_fusion_key(p) != _fusion_key(first) or not _same_static(p, first) for p in parts):
             return None
         names = [n for n in ("qweight", "scale", "bias", "expanded") if getattr(first, n) is not None]
         cat = {n: torch.cat([getattr(p, n) for p in parts]) for n in names}  # [sum out, ...]

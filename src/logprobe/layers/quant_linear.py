@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..kernels.packing import unpack_int32
 from ..loading.gguf_quants import block_values, dequantize_blocks
-from .linear import Linear, tiled_linear
+from .linear import Linear, invariant_product
 
 DENSE_HEAD_SHARE = 0.1  # the most of the free GPU memory a resident dense copy of a packed head may take
 EXPAND_ROWS = 8192  # rows expanded at a time into the resident copy (bounds the temporaries)
@@ -128,8 +128,6 @@ class PackedWeight(nn.Module):
 
 class _PackedLinearMixin(PackedWeight):
     fusable = False  # packed blocks are expanded inside forward: never concatenated
-    # set when the layer replaces a row-parallel one (``adopt``): its product is then that layer's
-    reduce_ctx = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.row_tile is None:
@@ -138,21 +136,15 @@ class _PackedLinearMixin(PackedWeight):
                 return y
         # float32 expansion as the dense loader does, then the dense model's dtype
         w = self.rows(slice(None)).to(x.dtype)  # [out, in]
-        if self.reduce_ctx is not None:
-            from .parallel_linear import row_parallel_product
-
-            return row_parallel_product(x, w, self.bias, self.row_tile, self.reduce_ctx, self.tp_invariant,
-                                        self.invariant_kernel)
         if self.row_tile is None:
             return F.linear(x, w, self.bias)
-        return tiled_linear(x, w, self.bias, self.row_tile, self.col_blocks if self.tp_invariant else None)
+        return invariant_product(x, w, self.bias, self.row_tile, self.col_blocks if self.tp_invariant else None,
+                                 self.invariant_kernel)
 
     def adopt(self, layer) -> None:
-        """Take over the deterministic layout of the dense layer this one replaces (column blocks,
-        or a row-parallel layer's fixed slices), so packed and dense weights give the same bits."""
+        """Take over the deterministic layout of the dense layer this one replaces (its column
+        blocks), so packed and dense weights give the same bits."""
         self.col_blocks = getattr(layer, "col_blocks", None)
-        if not getattr(layer, "fusable", True):
-            self.reduce_ctx = layer.ctx
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -205,7 +197,7 @@ class GGUFLinear(_PackedLinearMixin, Linear):
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         # the whole layer expanded in one Triton pass straight into x's dtype: bitwise the
         # reference's ``rows(...).to(x.dtype)``, so the product is the same F.linear
-        if self.reduce_ctx is not None or not self._one_pass(x.dtype):
+        if not self._one_pass(x.dtype):
             return None
         return F.linear(x, self.rows_in(slice(None), x.dtype), self.bias)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import resolve_device, resolve_dtype
 from ..errors import LogprobeError
-from ..models.llama import LlamaConfig, LlamaModel, slice_count
+from ..models.llama import LlamaConfig, LlamaModel, block_count
 from ..parallel.context import ParallelContext
 from ..tokenizer import Tokenizer
 
@@ -155,10 +155,11 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
                             "replica (tensor parallelism for experts is not there yet)",
                             "use tensor_parallel_size 1 (data parallelism works)")
     check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // grid), size)
-    if cfg.intermediate_size % size:
-        raise LogprobeError("tensor_parallel_size", f"{size} does not divide the intermediate size "
-                            f"{cfg.intermediate_size}", "use a size that divides it")
-    return ParallelContext(rank, size, group, slice_count(cfg))
+    for what, n in (("intermediate size", cfg.intermediate_size), ("hidden size", cfg.hidden_size)):
+        if n % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide the {what} {n}",
+                                "use a size that divides it")
+    return ParallelContext(rank, size, group, block_count(cfg))
 
 
 def describe_model(spec: str | None = None, device: str | torch.device | None = "auto",

@@ -1,10 +1,10 @@
 """Shard-by-shard reading for tensor parallelism: each rank reads only its slices of each tensor.
 
 ``shard_slice(name, cfg, ctx)`` says which slice of a native parameter a rank holds (the layer
-types of ``models.llama`` define the split: column-parallel = rows, row-parallel = input columns,
+types of ``models.llama`` define the split: column-parallel = rows, row-parallel = rows of the output,
 vocabulary-parallel = rows of the embedding and LM head). Safetensors are read with
 ``get_slice`` (only those bytes); GGUF tensors are memory-mapped and cut before anything is
-decoded, quantized blocks whole: a cut inside a block is an error naming the tensor.
+decoded (whole rows: quantized blocks are never cut).
 """
 
 from __future__ import annotations
@@ -21,28 +21,26 @@ from ..parallel.shard import kv_heads, q_heads, shard_range
 
 
 def shard_slice(name: str, cfg: LlamaConfig, ctx: ParallelContext, vocab: tuple[int, int]
-                ) -> tuple[int, int, int] | None:
-    """(dim, start, end) of parameter ``name`` on this rank, or None when every rank holds it whole."""
+                ) -> tuple[int, int] | None:
+    """The rows [start, end) of parameter ``name`` on this rank, or None when every rank holds it
+    whole. Every split is by rows (output features), so a cut never falls inside a row's blocks."""
     D = cfg.head_dim
     m = re.fullmatch(r"layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)", name)
     if name in ("embed_tokens.weight", "lm_head.weight"):
-        return 0, *vocab
+        return vocab
     if m is None:
         return None
     proj, kind = m.group(2), m.group(3)
     if proj == "q_proj":
         q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)
-        return 0, q0 * D, q1 * D
+        return q0 * D, q1 * D
     if proj in ("k_proj", "v_proj"):
         k0, k1 = kv_heads(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.size)
-        return 0, k0 * D, k1 * D
-    if proj == "o_proj" and kind == "weight":
-        q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)
-        return 1, q0 * D, q1 * D
+        return k0 * D, k1 * D
     if proj in ("gate_proj", "up_proj"):
-        return 0, *shard_range(cfg.intermediate_size, ctx.rank, ctx.size)
-    if proj == "down_proj" and kind == "weight":
-        return 1, *shard_range(cfg.intermediate_size, ctx.rank, ctx.size)
+        return shard_range(cfg.intermediate_size, ctx.rank, ctx.size)
+    if proj in ("o_proj", "down_proj"):  # rows of the output, whole along the inputs
+        return shard_range(cfg.hidden_size, ctx.rank, ctx.size)
     return None
 
 
@@ -63,9 +61,8 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext):
                 if cut is None:
                     yield name, st.get_tensor(key)
                     continue
-                dim, a, b = cut
-                sl = st.get_slice(key)
-                yield name, (sl[a:b] if dim == 0 else sl[:, a:b])
+                a, b = cut
+                yield name, st.get_slice(key)[a:b]
 
 
 class ShardedGGUF:
@@ -73,7 +70,7 @@ class ShardedGGUF:
     ``gguf.gguf_tensors`` reads it like the whole file."""
 
     def __init__(self, reader, cfg: LlamaConfig, ctx: ParallelContext) -> None:
-        from .gguf_quants import GGML_TYPES, block_values
+        from .gguf_quants import GGML_TYPES
 
         self.fields = reader.fields
         vocab = LlamaModel.vocab_range_of(cfg, ctx)
@@ -84,20 +81,13 @@ class ShardedGGUF:
             if cut is None or int(t.tensor_type) not in GGML_TYPES:
                 self.tensors.append(t)
                 continue
-            dim, a, b = cut
-            qname, block_bytes = GGML_TYPES[int(t.tensor_type)]
+            a, b = cut
             shape = [int(x) for x in t.shape]  # innermost first
-            data = t.data if t.data.ndim == 2 else t.data.reshape(int(np.prod(shape[1:])), -1)
-            if dim == 0:
-                data, shape[1] = data[a:b], b - a
+            if len(shape) == 1:  # a bias: [rows]
+                data, shape[0] = t.data[a:b], b - a
             else:
-                per = block_values(qname) if block_bytes else 1
-                if a % per or b % per:
-                    raise LogprobeError("tensor_parallel_size", f"{t.name} ({qname}) would be cut inside its "
-                                        f"blocks of {per} weights at columns {a}:{b}",
-                                        "use a TP size that splits rows at block boundaries")
-                unit = block_bytes if block_bytes else 1
-                data, shape[0] = data[:, a // per * unit:b // per * unit], b - a
+                data = t.data if t.data.ndim == 2 else t.data.reshape(int(np.prod(shape[1:])), -1)  # [rows, bytes]
+                data, shape[1] = data[a:b], b - a
             self.tensors.append(t._replace(data=data, shape=np.array(shape), n_elements=int(np.prod(shape))))
 
 

@@ -112,8 +112,8 @@ def rank_slice(name: str, value: torch.Tensor, cfg, ctx) -> torch.Tensor:
     cut = shard_slice(name, cfg, ctx, LlamaModel.vocab_range_of(cfg, ctx))
     if cut is None:
         return value
-    dim, a, b = cut
-    return value.narrow(dim, a, b - a).clone(memory_format=torch.contiguous_format)
+    a, b = cut
+    return value[a:b].clone(memory_format=torch.contiguous_format)
 
 
 def native_name(hf_name: str, model: LlamaModel) -> str | None:
@@ -252,12 +252,12 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
     error before that drops every staged slice (all or nothing across ranks)."""
-    from ..models.llama import slice_count
+    from ..models.llama import block_count
     from ..parallel.context import ParallelContext
 
     full = weight_slots(model)
     cfg, seen, n = model.config, set(), 0
-    ranks = [ParallelContext(r, engine.tp, None, slice_count(cfg)) for r in range(engine.tp)]
+    ranks = [ParallelContext(r, engine.tp, None, block_count(cfg)) for r in range(engine.tp)]
     try:
         for item in items:
             for unit, piece in units(item, model, field):

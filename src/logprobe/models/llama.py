@@ -35,7 +35,7 @@ from ..layers.norm import RMSNorm
 from ..layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import kv_heads, num_slices, q_heads, vocab_chunk_width, vocab_shard
+from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
 from ..scoring.head import HeadParams
 
 if TYPE_CHECKING:
@@ -77,10 +77,10 @@ class LlamaConfig:
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
 
 
-def slice_count(cfg: LlamaConfig) -> int:
-    """Deterministic mode's inner-dimension slices (``parallel.shard.num_slices``) of this model."""
+def block_count(cfg: LlamaConfig) -> int:
+    """Deterministic mode's column blocks (``parallel.shard.num_blocks``) of this model."""
     shared = cfg.moe.shared_intermediate_size if cfg.moe is not None else 0
-    return num_slices(cfg.num_heads, cfg.intermediate_size, *([shared] if shared else []))
+    return num_blocks(cfg.num_heads, cfg.hidden_size, cfg.intermediate_size, *([shared] if shared else []))
 
 
 class LlamaAttention(nn.Module):
@@ -94,12 +94,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
-        D, S, H = cfg.head_dim, ctx.slices, cfg.hidden_size
+        D, S, H = cfg.head_dim, ctx.blocks, cfg.hidden_size
         kv_block = D * (cfg.num_kv_heads // S if cfg.num_kv_heads % S == 0 else 1)
         self.q_proj = ColumnParallelLinear(H, self.num_heads * D, cfg.attention_bias, ctx, cfg.num_heads // S * D)
         self.k_proj = ColumnParallelLinear(H, self.num_kv_heads * D, cfg.attention_bias, ctx, kv_block)
         self.v_proj = ColumnParallelLinear(H, self.num_kv_heads * D, cfg.attention_bias, ctx, kv_block)
-        self.o_proj = RowParallelLinear(self.num_heads * D, H, False, ctx)
+        self.o_proj = RowParallelLinear(self.num_heads * D, H, False, ctx, H // S)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         if cfg.qk_norm_full:  # over all heads at once (one rank: MoE models are not split)
@@ -134,10 +134,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        inter, block = cfg.intermediate_size // ctx.size, cfg.intermediate_size // ctx.slices
+        inter, block = cfg.intermediate_size // ctx.size, cfg.intermediate_size // ctx.blocks
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, inter, False, ctx, block)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, inter, False, ctx, block)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx, cfg.hidden_size // ctx.blocks)
         self.gate_up_proj: Linear | None = None  # set by fuse(): gate and up in one matmul
         self.triton = True  # SiLU(gate) * up as one Triton pass on CUDA
 
@@ -187,7 +187,7 @@ class LlamaModel(nn.Module):
         """``ctx``: this rank's tensor-parallel group (None: one rank, the whole model)."""
         super().__init__()
         self.config = cfg
-        self.ctx = ctx = ctx or ParallelContext(slices=slice_count(cfg))
+        self.ctx = ctx = ctx or ParallelContext(blocks=block_count(cfg))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
         self.vocab_range = self.vocab_range_of(cfg, ctx)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)

@@ -9,18 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .shard import tree_order
-
 
 @dataclass(slots=True)
 class ParallelContext:
     """rank/size within the tensor-parallel group; ``group`` is a torch.distributed process group
-    (None with one rank). ``slices``: deterministic mode's inner-dimension slice count (``S``)."""
+    (None with one rank). ``blocks``: deterministic mode's column block count (``S``,
+    ``shard.num_blocks``): a layer's output columns are computed in S blocks of one width."""
 
     rank: int = 0
     size: int = 1
     group: object | None = None
-    slices: int = 1
+    blocks: int = 1
 
     @property
     def parallel(self) -> bool:
@@ -54,20 +53,10 @@ class ParallelContext:
         gather(out, x, group=self.group)
         return out.view(self.size, *x.shape)
 
-    def tree_sum(self, partials: list[torch.Tensor]) -> torch.Tensor:
-        """Deterministic sum of this rank's ``S / size`` consecutive leaf partials (float32), then
-        of the ranks' subtotals, by one fixed pairwise tree over all ``S`` leaves (``tree_order``):
-        the same additions in the same order at every TP size, hence the same bits.
-
-        S = 4, TP = 2:  rank 0: a = p0 + p1, rank 1: b = p2 + p3; gather; a + b
-        S = 4, TP = 1:  (p0 + p1) + (p2 + p3)          -- identical operations
-        """
-        local = list(partials)
-        for i, j in tree_order(len(local)):
-            local[i] = local[i] + local[j]
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n], this rank's columns -> [T, size * n], the ranks' columns side by side in rank
+        order (an exact copy: no arithmetic, hence the same bits at every TP size)."""
         if self.size == 1:
-            return local[0]
-        ranks = list(self.all_gather(local[0]).unbind(0))
-        for i, j in tree_order(self.size):
-            ranks[i] = ranks[i] + ranks[j]
-        return ranks[0]
+            return x
+        g = self.all_gather(x)  # [size, T, n]
+        return g.permute(1, 0, 2).reshape(x.shape[0], -1)  # [T, size * n]

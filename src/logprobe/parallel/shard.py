@@ -1,16 +1,16 @@
-"""Index arithmetic of tensor parallelism: which rows, heads, slices and vocabulary chunks a rank
+"""Index arithmetic of tensor parallelism: which rows, heads, blocks and vocabulary chunks a rank
 owns. Pure functions of integers, pinned by gold tables in ``tests/test_parallel_shard.py``.
 
-Worked example: a model with 4 query heads, 2 kv heads, head_dim 16, intermediate 128 and a
-vocabulary of 300, at TP = 2 (``S`` = 4 slices, see ``num_slices``):
+Worked example: a model with hidden size 64, 4 query heads, 2 kv heads, head_dim 16,
+intermediate 128 and a vocabulary of 300, at TP = 2 (``S`` = 4 column blocks, see ``num_blocks``):
 
     rank            :        0              1
     q heads         :      0, 1           2, 3          (column-parallel q_proj rows 0:32 | 32:64)
     kv heads        :       0              1            (group size 2: q heads 0,1 read kv head 0)
-    o_proj inputs   :   slices 0, 1     slices 2, 3      (16 columns each = one head)
-    gate/up rows    :     0:64           64:128
-    down inputs     :   slices 0, 1     slices 2, 3      (32 columns each)
-    vocab chunks    :    0, 1, 2, 3      4, 5, 6          (48 ids each; chunk 6 is 12 ids: 288:300)
+    gate/up rows    :     0:64           64:128         (blocks of 32 rows: 0, 1 | 2, 3)
+    o_proj / down   :     0:32           32:64          (rows of the output: every rank gathers
+                                                         the whole input, each computes its outputs)
+    vocab chunks    :    0, 1, 2, 3      4, 5, 6        (48 ids each; chunk 6 is 12 ids: 288:300)
     vocab rows      :      0:192         192:300
 
 At TP = 4 with 2 kv heads, ranks 0 and 1 both hold kv head 0 (replicated), ranks 2 and 3 kv head 1.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..errors import LogprobeError
 
-MAX_SLICES = 8  # deterministic mode is TP-invariant for every TP size dividing the model's slice count
+MAX_BLOCKS = 8  # deterministic mode is TP-invariant for every TP size dividing the model's block count
 
 
 def shard_range(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -59,11 +59,12 @@ def kv_heads(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[i
     return q0 // group, (q1 - 1) // group + 1
 
 
-def num_slices(*widths: int) -> int:
-    """Deterministic mode's inner-dimension slice count ``S``: the largest power of two <= 8 that
-    divides every width given (query heads and intermediate size). A row-parallel product is the
-    sum of ``S`` slice products combined by ``tree_order``, whatever the TP size (TP must divide S)."""
-    s = MAX_SLICES
+def num_blocks(*widths: int) -> int:
+    """Deterministic mode's column block count ``S``: the largest power of two <= 8 that divides
+    every width given (query heads, hidden and intermediate sizes). A layer's output columns are
+    computed in blocks of width / S, each a product of one shape, so a column's bits do not
+    depend on how many columns its rank holds (TP must divide S)."""
+    s = MAX_BLOCKS
     while s > 1 and any(w % s for w in widths):
         s //= 2
     return s
@@ -81,21 +82,3 @@ def vocab_shard(vocab: int, chunk: int, rank: int, size: int) -> tuple[int, int]
     chunks = -(-vocab // chunk)
     c0, c1 = shard_range(chunks, rank, size)
     return min(vocab, c0 * chunk), min(vocab, c1 * chunk)
-
-
-def tree_order(n: int) -> list[tuple[int, int]]:
-    """Pairwise summation of ``n`` (a power of two) partials as a list of (into, from) steps:
-    level by level, ``p[i] += p[i + step]``. A rank holding a power-of-two run of consecutive
-    leaves computes a whole subtree, so TP ranks reduce locally and combine the rank totals
-    with the top of the same tree: the same additions in the same order at every TP size.
-
-        n = 4:  (0, 1), (2, 3), (0, 2)   i.e. (p0 + p1) + (p2 + p3)
-    """
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"tree_order needs a power of two, got {n}")
-    steps = []
-    step = 1
-    while step < n:
-        steps.extend((i, i + step) for i in range(0, n, 2 * step))
-        step *= 2
-    return steps
