@@ -62,11 +62,11 @@ class EngineConfig:
         tiles of ``invariant_tile`` rows (``cuda_invariant_tile`` on CUDA), attention in
         ``attention_block`` tiles with a fixed KV split, the head in padded token chunks (native
         models; see docs/perf.md for the cost). Off: equal within float32 rounding.
-    invariant_matmul: how a deterministic matrix product runs on CUDA. "cublas" (default): cuBLAS
-        on row tiles of one fixed shape; a fixed shape pins cuBLAS's kernel and a GEMM never
-        reduces across rows, so a row's bits do not depend on its companions (1.01x the default
-        mode's time on llama-8b, docs/perf.md). "triton": logprobe's fixed-tile Triton matmul
-        (``kernels.matmul``), invariant by construction, independent of cuBLAS's heuristics, slower.
+    invariant_matmul: how a deterministic product without column blocks (``tp_invariant=False``)
+        runs on CUDA. "cublas" (default): cuBLAS on row tiles of one fixed shape; a fixed shape
+        pins cuBLAS's kernel and a GEMM never reduces across rows, so a row's bits do not depend
+        on its companions. "triton": logprobe's fixed-tile Triton matmul (``kernels.matmul``),
+        invariant by construction; it is what every product runs with ``tp_invariant`` on CUDA.
     tp_invariant: deterministic mode's numbers are also the same bits for every tensor-parallel
         size dividing the model's column block count (``parallel.shard.num_blocks``; 8 for
         Llama-3-8B): every product is computed in fixed column blocks (the Triton fixed-tile
