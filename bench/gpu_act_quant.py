@@ -12,8 +12,14 @@ alone, then llama-8b quantized with each scheme against the same model in bf16, 
    on; default and deterministic mode; weight memory; per-token max/mean |Δ| of the kernels against
    the float32 reference path of the same quantized model on a slice (first 8 requests).
 
-    python bench/gpu_act_quant.py                         # both sections
+3. ``--sections disk``: the user's path. The bf16 model is written as a Hugging Face directory, an
+   FP8_DYNAMIC checkpoint is made from it by compressed-tensors' own API (``tests/quant_helpers``:
+   ``apply_quantization_config``, min/max scales, ``ModelCompressor``), and both are read from disk
+   by ``Scorer(path, device="cuda")`` and timed on W1 at the defaults (two passes, best kept).
+
+    python bench/gpu_act_quant.py                         # sections gemm and model
     python bench/gpu_act_quant.py --sections gemm         # the kernels alone
+    PYTHONPATH=src:tests python bench/gpu_act_quant.py --sections disk
 """
 
 from __future__ import annotations
@@ -249,6 +255,54 @@ def model_section(args) -> None:
         torch.cuda.empty_cache()
 
 
+def disk_section(args) -> None:
+    """bf16 and FP8_DYNAMIC checkpoints read from disk by ``Scorer``: W1 at the defaults."""
+    import shutil
+
+    from gpu_tp import write_checkpoint
+
+    from logprobe import Scorer
+
+    root = Path("/tmp/logprobe-bench")
+    bf16_dir, fp8_dir = root / args.model, root / f"{args.model}-fp8-dynamic"
+    write_checkpoint(args.model, bf16_dir)
+    if not (fp8_dir / "config.json").exists():
+        import transformers as tf
+        from quant_helpers import quantize_and_save  # tests/ on PYTHONPATH: compressed-tensors' own API
+
+        t = time.perf_counter()
+        model = tf.AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.bfloat16).cuda()
+        quantize_and_save(model, fp8_dir, "FP8_DYNAMIC")
+        for f in bf16_dir.glob("*token*"):
+            shutil.copy(f, fp8_dir / f.name)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        log(f"FP8_DYNAMIC checkpoint written in {time.perf_counter() - t:.0f} s")
+    log(f"\n## {args.model} W1 read from disk by Scorer(path, device='cuda'), default budget (best of 2 passes)")
+    log("| checkpoint | GiB on disk | passes s | bf16 s / this s |")
+    log("| --- | ---: | --- | ---: |")
+    base = None
+    for label, d in (("bf16", bf16_dir), ("FP8_DYNAMIC (compressed-tensors)", fp8_dir)):
+        scorer = Scorer(str(d), device="cuda", progress=False)
+        reqs = workload("W1", scorer.loaded.model.config.vocab_size)
+        passes = []
+        with torch.inference_mode():
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                scorer.engine.run(reqs)
+                torch.cuda.synchronize()
+                passes.append(time.perf_counter() - t)
+        best = min(passes)
+        base = base or best
+        size = sum(f.stat().st_size for f in d.glob("*.safetensors")) / GiB
+        log(f"| {label} | {size:.1f} | {', '.join(f'{x:.2f}' for x in passes)} | {base / best:.2f}x |")
+        del scorer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="gemm,model")
@@ -257,6 +311,8 @@ def main() -> None:
     ap.add_argument("--fast-accum", action="store_true", help="also FP8_DYNAMIC with ActQuantConfig(fast_accum=True)")
     args = ap.parse_args()
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if "disk" in args.sections:
+        disk_section(args)
     if "gemm" in args.sections:
         gemm_section()
     if "model" in args.sections:

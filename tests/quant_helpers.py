@@ -30,7 +30,7 @@ def _minmax_qparams(module, args):
     padded = torch.nn.functional.pad(w, (0, G * g - cols))  # [out, G*g]
     grouped = padded.view(out, G, g)
     # a partial last group must not see the zero padding
-    valid = torch.nn.functional.pad(torch.ones(cols, dtype=torch.bool), (0, G * g - cols)).view(G, g)
+    valid = torch.nn.functional.pad(torch.ones(cols, dtype=torch.bool, device=w.device), (0, G * g - cols)).view(G, g)
     big = torch.finfo(w.dtype).max
     mins = torch.where(valid, grouped, big).amin(-1)  # [out, G]
     maxs = torch.where(valid, grouped, -big).amax(-1)

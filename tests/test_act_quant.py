@@ -414,3 +414,32 @@ def test_gated_on_cpu_is_the_layer_of_silu_mul():
     g = torch.Generator().manual_seed(4)
     gate, up = torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
     assert torch.equal(layer.gated(gate, up, True), layer(silu_mul(gate, up, True)))
+
+
+def test_bf16_checkpoint_scales_widen_to_float32(tmp_path):
+    """llm-compressor saves a bf16 model's scales in bf16 (the hub's FP8 checkpoints): the layers
+    hold them as float32, the same values (cuBLAS's FP8 GEMM refuses 16-bit scales: on CUDA such
+    a checkpoint used to fail in ``torch._scaled_mm``), and on CUDA the kernels run it."""
+    from helpers import byte_tokenizer
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_wide_llama(tmp_path / "src", seed=2)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
+    d = quantize_and_save(model, tmp_path / "fp8", "FP8_DYNAMIC", byte_tokenizer()[0])
+    with safe_open(str(next(d.glob("*.safetensors"))), framework="pt") as f:
+        stored = f.get_tensor(f"{MOD}.weight_scale")
+    assert stored.dtype == torch.bfloat16
+    loaded = load_model(str(d), "cpu", "float32")
+    down = loaded.model.layers[0].mlp.down_proj
+    assert down.scale.dtype == torch.float32 and torch.equal(down.scale, stored.float())
+    if torch.cuda.is_available():
+        cuda = load_model(str(d), "cuda", "bfloat16")
+        assert all(torch.isfinite(r.logprobs).all() for r in Scorer(cuda).logprobs(_seqs()))
+        layer = cuda.model.layers[0].mlp.down_proj  # its product alone: whole-model numbers of a bf16
+        x = torch.randn(50, layer.in_features, device="cuda").to(torch.bfloat16)  # model drift (perf.md)
+        assert layer.use_kernels(x)
+        y = layer(x).float()
+        layer.kernels = False
+        ref = layer(x).float()
+        assert float((y - ref).abs().max() / ref.abs().max()) <= 1e-2  # both rounded to bf16 at the end

@@ -102,8 +102,10 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
             raise LogprobeError("input_scale", f"{tuple(input_scale.shape)} {input_scale.dtype}: a static "
                                 "per-tensor scale is one float")
         self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale)
-        self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1))
+        # float32 whatever the checkpoint's (bf16 for a bf16 model): the widening is exact, and
+        # cuBLAS's FP8 GEMM refuses 16-bit scales
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(1))
         self.register_buffer("bias", bias)
         self.register_buffer("expanded", None)  # weights="dense": the float32 weight, made once
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import LogprobeError
 from ..models.llama import LlamaConfig, LlamaModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, q_heads, shard_range
@@ -30,7 +29,7 @@ def shard_slice(name: str, cfg: LlamaConfig, ctx: ParallelContext, vocab: tuple[
         return vocab
     if m is None:
         return None
-    proj, kind = m.group(2), m.group(3)
+    proj = m.group(2)
     if proj == "q_proj":
         q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)
         return q0 * D, q1 * D
