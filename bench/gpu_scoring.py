@@ -165,20 +165,20 @@ def head_section(args, tflops: float) -> None:
     else:
         cfg = DEFAULT_CONFIG
     if args.tune_topk:
-        log("\nkernel configs with top-20 (entropy off):")
-        log("| top-k waves | top-k flatten | stages | ms | ratio to matmul |")
-        log("| ---: | --- | ---: | ---: | ---: |")
+        log("\nkernel configs with top-k (entropy off):")
+        log("| top-k waves | flatten | row max first | top-20 ms | × matmul | top-5 ms | × matmul |")
+        log("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
         mm = bench_ms(lambda: h @ w.T, rep=100)
-        for c in [KernelConfig(topk_waves=8), KernelConfig(topk_waves=4), KernelConfig(topk_waves=2),
-                  KernelConfig(topk_waves=1), KernelConfig(topk_waves=1, num_stages=4),
-                  KernelConfig(topk_waves=1, topk_flatten=True), KernelConfig(topk_waves=2, topk_flatten=True)]:
-            try:
-                ms = bench_ms(lambda c=c: fused_logprob_head(h, w, y, inv_t, top_k=20, config=c), rep=args.rep)
-            except Exception as e:
-                log(f"| {c.topk_waves} | {c.topk_flatten} | {c.num_stages} | failed: {type(e).__name__}: "
-                    f"{' '.join(str(e).split())[:160]} | |")
-                continue
-            log(f"| {c.topk_waves} | {c.topk_flatten} | {c.num_stages} | {ms:.2f} | {ms / mm:.3f} |")
+        for c in [KernelConfig(), KernelConfig(topk_rowmax=False), KernelConfig(topk_waves=2),
+                  KernelConfig(topk_rowmax=False, topk_flatten=True)]:
+            cells = []
+            for k in (20, 5):
+                try:
+                    ms = bench_ms(lambda c=c, k=k: fused_logprob_head(h, w, y, inv_t, top_k=k, config=c), rep=args.rep)
+                    cells += [f"{ms:.2f}", f"{ms / mm:.3f}"]
+                except Exception as e:
+                    cells += [f"failed: {type(e).__name__}: {' '.join(str(e).split())[:100]}", ""]
+            log(f"| {c.topk_waves} | {c.topk_flatten} | {c.topk_rowmax} | {' | '.join(cells)} |")
 
     rows = []
 

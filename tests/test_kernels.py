@@ -86,6 +86,20 @@ def test_interpreter_matches_torch_head():
         case = make_case(37, 40, 300, torch.float32, "plain", "cpu", seed=4)
         flat = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, waves=1, flatten=True)
         res["float32-flatten"] = compare(*case, top_k=0, entropy=True, config=flat)
+        # top-k's first candidate from the row max (the default) or from a pass over the
+        # candidates: the same bits, with one vocabulary split per row and with several
+        import dataclasses
+        from logprobe.kernels.logprob_head import fused_logprob_head
+        for waves in (1, 4):
+            fast = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, waves=1, topk_waves=waves)
+            slow = dataclasses.replace(fast, topk_rowmax=False)
+            for dtype in ("float32", "float16"):
+                h, p, y, temp = make_case(37, 40, 300, getattr(torch, dtype), "bias_scale", "cpu", seed=5)
+                name = f"{dtype}-waves{waves}-no-rowmax"
+                res[name] = compare(h, p, y, temp, top_k=7, entropy=True, config=slow)
+                outs = [fused_logprob_head(h, p.weight, y, 1.0 / temp, bias=p.bias, scale=p.scale, top_k=7,
+                                           entropy=True, config=k) for k in (fast, slow)]
+                res[name]["same_bits"] = all(torch.equal(a, b) for a, b in zip(*outs))
         print(json.dumps(res))
     """)
     r = run_interpreted(code)
@@ -98,7 +112,8 @@ def test_interpreter_matches_torch_head():
         for key in ("logprobs", "logsumexp", "entropy", "topk_logprobs"):
             assert d.get(key, 0.0) < 2e-5, (name, key, d)
         assert d.get("topk_id_mismatch_gap", 0.0) < 2e-5, (name, d)
-    assert len(res) == 5 and "entropy" in res["float32-flatten"]
+        assert d.get("same_bits", True), name
+    assert len(res) == 9 and "entropy" in res["float32-flatten"] and res["float16-waves4-no-rowmax"]["same_bits"]
 
 
 def test_wrapper_rejects_bad_input():
@@ -161,7 +176,8 @@ def test_cuda_rank_exact(dtype):
 @pytest.mark.parametrize("config", [KernelConfig(), KernelConfig(tma=False, flatten=False),
                                     KernelConfig(block_m=64, block_n=256, num_warps=8), KernelConfig(max_rows=100),
                                     KernelConfig(tma=False), KernelConfig(flatten=False), KernelConfig(topk_waves=8),
-                                    KernelConfig(topk_flatten=True)])
+                                    KernelConfig(topk_flatten=True), KernelConfig(topk_rowmax=False),
+                                    KernelConfig(topk_rowmax=False, topk_flatten=True)])
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_cuda_configs(config, top_k):
     case = make_case(777, 256, 32000, torch.bfloat16, "plain", "cuda", seed=1)
