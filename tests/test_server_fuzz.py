@@ -16,6 +16,7 @@ that break it (negative); every answer must be:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections import Counter
@@ -24,6 +25,11 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
+# schemathesis imports its OpenAPI loader lazily, and pytest compiles (assertion-rewrites) those
+# modules at that moment: deep inside the fixture, with the server's threads running. CPython
+# 3.11.7 once failed that compile in CI ("SystemError: AST constructor recursion depth mismatch",
+# a CPython bug fixed in 3.11.8; the same run passed on a rerun). Import it at collection.
+importlib.import_module("schemathesis.specs.openapi.schemas")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
