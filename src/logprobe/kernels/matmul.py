@@ -121,8 +121,8 @@ class MatmulConfig:
     descriptor too (when its rows are 16-byte aligned; the same bits). ``persistent``: one program
     per SM looping over tiles; ``flatten`` / ``warp_specialize``: the compiler hints of that loop
     (``tl.range``). The default, TMA + persistent + flatten at 128x256x64, 8 warps, 3 stages, ran
-    llama-8b's shapes at 0.91-1.00 of cuBLAS on an H200, where the earlier pointer kernel at
-    256x128 ran at 0.69-0.78 (bench/gpu_matmul.py, docs/perf.md)."""
+    llama-8b's shapes at 0.88-1.00 of cuBLAS on an H200, where the earlier pointer kernel at
+    256x128 ran at 0.67-0.76 in the same run (bench/gpu_matmul.py, docs/perf.md)."""
 
     block_m: int = 128
     block_n: int = 256

@@ -49,8 +49,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from ..kernels.act_quant import FP8, KINDS, quantize_rows_reference
-from .linear import Linear
-from .parallel_linear import float32_product
+from .linear import Linear, float32_product
 from .quant_linear import _PackedLinearMixin
 
 

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import LogprobeError
-from .linear import Linear
-from .parallel_linear import float32_product
+from .linear import Linear, float32_product
 from .quant_linear import _PackedLinearMixin
 
 FP8 = torch.float8_e4m3fn

@@ -40,16 +40,32 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.weight, self.bias)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` the way this layer is set up: one product, or deterministic
+        mode's (fixed row tiles, and column blocks when ``tp_invariant``). Packed layers call it
+        with their expanded weight."""
         if self.row_tile is None:
-            return F.linear(x, self.weight, self.bias)
-        return invariant_product(x, self.weight, self.bias, self.row_tile,
-                                 self.col_blocks if self.tp_invariant else None, self.invariant_kernel)
+            return F.linear(x, weight, bias)
+        return invariant_product(x, weight, bias, self.row_tile, self.col_blocks if self.tp_invariant else None,
+                                 self.invariant_kernel)
 
     def gated(self, gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
         """This layer applied to the gated activation, ``self(silu_mul(gate, up, triton))`` (a Llama
         MLP's down projection): gate, up [T, I] -> [T, out]. A layer that quantizes its input fuses
         the two (``ActQuantLinear``: one pass computes and quantizes SiLU(gate) * up)."""
         return self(silu_mul(gate, up, triton))
+
+
+def float32_product(layer: Linear, xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xq [T, in] @ w [out, in]^T (+ the layer's bias), all float32, the way ``layer`` is set up:
+    fixed row tiles (and column blocks) in deterministic mode, one product otherwise. The
+    fake-quantized layers (FP8/INT8/FP4 activations) end with it."""
+    bias = None if layer.bias is None else layer.bias.float()
+    if layer.row_tile is None:
+        return F.linear(xq, w, bias)
+    return tiled_linear(xq, w, bias, layer.row_tile, layer.col_blocks if layer.tp_invariant else None)
 
 
 def invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,

@@ -30,10 +30,9 @@ With one rank both are plain ``Linear`` layers.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..parallel.context import ParallelContext
-from .linear import Linear, tiled_linear
+from .linear import Linear
 
 
 class ColumnParallelLinear(Linear):
@@ -64,12 +63,3 @@ class RowParallelLinear(ColumnParallelLinear):
         y = super().forward(self.ctx.gather_columns(x))  # [T, out / size]
         return self.ctx.gather_columns(y)
 
-
-def float32_product(layer, xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """xq [T, in] @ w [out, in]^T (+ the layer's bias), all float32, the way ``layer`` is set up:
-    fixed row tiles (and column blocks) in deterministic mode, one product otherwise. The
-    fake-quantized layers (FP8/INT8/FP4 activations) end with it."""
-    bias = None if layer.bias is None else layer.bias.float()
-    if layer.row_tile is None:
-        return F.linear(xq, w, bias)
-    return tiled_linear(xq, w, bias, layer.row_tile, layer.col_blocks if layer.tp_invariant else None)

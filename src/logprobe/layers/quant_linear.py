@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..kernels.packing import unpack_int32
 from ..loading.gguf_quants import block_values, dequantize_blocks
-from .linear import Linear, invariant_product
+from .linear import Linear
 
 DENSE_HEAD_SHARE = 0.1  # the most of the free GPU memory a resident dense copy of a packed head may take
 EXPAND_ROWS = 8192  # rows expanded at a time into the resident copy (bounds the temporaries)
@@ -135,11 +135,7 @@ class _PackedLinearMixin(PackedWeight):
             if y is not None:
                 return y
         # float32 expansion as the dense loader does, then the dense model's dtype
-        w = self.rows(slice(None)).to(x.dtype)  # [out, in]
-        if self.row_tile is None:
-            return F.linear(x, w, self.bias)
-        return invariant_product(x, w, self.bias, self.row_tile, self.col_blocks if self.tp_invariant else None,
-                                 self.invariant_kernel)
+        return self.product(x, self.rows(slice(None)).to(x.dtype), self.bias)  # [out, in] expanded
 
     def adopt(self, layer) -> None:
         """Take over the deterministic layout of the dense layer this one replaces (its column
