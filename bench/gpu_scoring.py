@@ -45,7 +45,7 @@ from logprobe.engine.request import ScoreRequest
 from logprobe.engine.runner import Engine, pack
 from logprobe.engine.scheduler import plan_work
 from logprobe.kernels.logprob_head import DEFAULT_CONFIG, KernelConfig, fused_logprob_head
-from logprobe.scoring.head import HeadParams, logprob_head
+from logprobe.layers.logprob_head import HeadParams, logprob_head
 from logprobe.scoring.windows import sliding_windows
 
 GiB = 1024**3
@@ -850,7 +850,7 @@ def packed_head(V: int, H: int, qtype: str = "Q6_K") -> HeadParams:
     import numpy as np
 
     from logprobe.layers.quant_linear import GGUFLinear, PackedEmbedding
-    from logprobe.loading.gguf_quants import GGML_TYPES, block_values, split_blocks
+    from logprobe.kernels.gguf_quants import GGML_TYPES, block_values, split_blocks
 
     type_id = next(t for t, (name, _) in GGML_TYPES.items() if name == qtype)
     raw = np.random.default_rng(1).integers(0, 256, V * (H // block_values(qtype)) * GGML_TYPES[type_id][1],
@@ -868,7 +868,7 @@ def random_gguf(model, qtype: str) -> int:
     import numpy as np
 
     from logprobe.layers.quant_linear import GGUFLinear
-    from logprobe.loading.gguf_quants import GGML_TYPES, block_values, split_blocks
+    from logprobe.kernels.gguf_quants import GGML_TYPES, block_values, split_blocks
 
     type_id = next(t for t, (name, _) in GGML_TYPES.items() if name == qtype)
     rng = np.random.default_rng(0)

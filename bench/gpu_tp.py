@@ -145,7 +145,7 @@ def time_only(args) -> None:
         model.forward = clock("forward", real_fwd)
         Engine.score = clock("score", real_score)
         import logprobe.kernels.logprob_head as kh
-        import logprobe.scoring.head as hd
+        import logprobe.layers.logprob_head as hd
 
         for mod, name in ((hd, "_target_logits"), (hd, "_kernel_partials"), (hd, "_torch_partials"),
                           (kh, "combine_head_partials"), (kh, "fused_target_logits"), (kh, "fused_head_partials")):

@@ -13,7 +13,7 @@ from helpers import make_hf_dir, write_tiny_gguf
 from logprobe import LogprobeError, Scorer
 from logprobe.cli.main import main
 from logprobe.scoring.compare import kl_head
-from logprobe.scoring.head import HeadParams
+from logprobe.layers.logprob_head import HeadParams
 
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
         "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "

@@ -9,7 +9,7 @@ import torch
 from helpers import VOCAB, make_hf_dir, ref_logprobs, write_tiny_gguf
 
 from logprobe import LogprobeError, Scorer
-from logprobe.loading.gguf_quants import dequantize
+from logprobe.kernels.gguf_quants import dequantize
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 

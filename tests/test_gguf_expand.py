@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import run_interpreted
 
-from logprobe.loading.gguf_quants import QUANT_NAMES, dequantize_blocks
+from logprobe.kernels.gguf_quants import QUANT_NAMES, dequantize_blocks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -68,7 +68,7 @@ def test_interpreter_bitwise():
         import json, torch
         from test_gguf_expand import make_blocks
         from logprobe.kernels.gguf_expand import gguf_expand
-        from logprobe.loading.gguf_quants import QUANT_NAMES, dequantize_blocks
+        from logprobe.kernels.gguf_quants import QUANT_NAMES, dequantize_blocks
         res = {}
         # rows not a multiple of the row tile (16 / 8), blocks not a multiple of the block tile (8)
         shapes = {"Q8_0": (19, 11), "Q4_0": (21, 9), "Q4_1": (17, 13), "Q4_K": (11, 3), "Q6_K": (9, 2)}
@@ -147,7 +147,7 @@ def test_expand_all_equals_the_chunks_and_stays_off_cpu():
 @pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and Triton")
 def test_cuda_packed_head_runs_the_fused_kernel_on_its_resident_copy():
     from logprobe.layers.quant_linear import GGUFLinear, PackedEmbedding
-    from logprobe.scoring.head import HeadParams, logprob_head
+    from logprobe.layers.logprob_head import HeadParams, logprob_head
 
     dev = torch.device("cuda")
     d, qs, m = make_blocks("Q6_K", 3000, 2, seed=9, device=dev)  # V = 3000, H = 512

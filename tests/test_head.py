@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logprobe.errors import LogprobeError
-from logprobe.scoring.head import HeadParams, logprob_head
+from logprobe.layers.logprob_head import HeadParams, logprob_head
 
 
 def reference(h, p: HeadParams, y, temp):
@@ -84,7 +84,7 @@ def test_head_never_allocates_T_by_V():
     """T * V * 4 bytes = 8 GiB; the head must stay far below it (peak RSS in a fresh process)."""
     code = textwrap.dedent("""
         import resource, torch
-        from logprobe.scoring.head import HeadParams, logprob_head
+        from logprobe.layers.logprob_head import HeadParams, logprob_head
         torch.manual_seed(0)
         T, V, H = 32768, 65536, 16
         h = torch.randn(T, H); w = torch.randn(V, H) * 0.1; y = torch.randint(0, V, (T,))

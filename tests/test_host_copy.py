@@ -14,7 +14,7 @@ from logprobe.config import EngineConfig
 from logprobe.engine.host import start_copy, unpack
 from logprobe.engine.runner import Engine, RunStopped
 from logprobe.loading import load_model
-from logprobe.scoring.head import HeadOutput
+from logprobe.layers.logprob_head import HeadOutput
 
 
 @pytest.fixture(scope="module")

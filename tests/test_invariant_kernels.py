@@ -81,7 +81,7 @@ def test_cuda_invariant_kernels():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
 def test_cuda_deterministic_head_rows_do_not_depend_on_n():
-    from logprobe.scoring.head import HeadParams, logprob_head
+    from logprobe.layers.logprob_head import HeadParams, logprob_head
 
     g = torch.Generator().manual_seed(1)
     H, V = 512, 50000

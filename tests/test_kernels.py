@@ -19,7 +19,7 @@ from helpers import run_interpreted
 
 from logprobe.errors import LogprobeError
 from logprobe.kernels.logprob_head import MAX_TOP_K, KernelConfig, fused_logprob_head
-from logprobe.scoring.head import HeadParams, logprob_head
+from logprobe.layers.logprob_head import HeadParams, logprob_head
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()

@@ -4,7 +4,7 @@ and the replica assignment of data parallelism."""
 import pytest
 
 from logprobe.errors import LogprobeError
-from logprobe.parallel.engine import assign_replicas
+from logprobe.executor.engine import assign_replicas
 from logprobe.parallel.shard import (
     check_tp,
     kv_heads,

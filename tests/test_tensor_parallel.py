@@ -123,7 +123,7 @@ def test_shard_loading_holds_only_the_rank_share(tmp_path):
     import transformers as tf
     from helpers import byte_tokenizer
 
-    from logprobe.parallel.engine import ParallelEngine
+    from logprobe.executor.engine import ParallelEngine
 
     cfg = tf.Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
@@ -273,7 +273,7 @@ dist.init_process_group("gloo")
 from logprobe.kernels.logprob_head import fused_head_partials
 from logprobe.parallel.context import ParallelContext
 from logprobe.parallel.shard import vocab_chunk_width, vocab_shard
-from logprobe.scoring.head import HeadParams, logprob_head
+from logprobe.layers.logprob_head import HeadParams, logprob_head
 rank, V, H, N = dist.get_rank(), 1000, 32, 6
 g = torch.Generator().manual_seed(0)
 w, h = torch.randn(V, H, generator=g), torch.randn(N, H, generator=g)

@@ -16,13 +16,16 @@ from .config import EngineConfig
 from .engine.request import RequestResult, ScoreRequest
 from .engine.runner import Engine
 from .errors import LogprobeError
+from .executor.engine import parallel_parts
 from .interp.specs import CaptureSpec, SteerSpec
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
+from .loading.update import load_weights, update_weights
 from .scoring import continuations as text_scoring
 from .scoring import inputs, states
 from .scoring import perplexity as ppl_scoring
 from .scoring import sequences as id_scoring
+from .scoring.compare import compare_scorers
 from .scoring.inputs import MIN_TEMPERATURE
 from .scoring.job import Job
 from .scoring.padded import AlignedLogprobs, plan_packed, plan_padded
@@ -51,7 +54,7 @@ class Scorer:
         old name.
 
         ``tensor_parallel_size`` / ``data_parallel_size``: the model split over N ranks, and M such
-        replicas; the library starts and owns the N * M worker processes (``parallel.workers``;
+        replicas; the library starts and owns the N * M worker processes (``executor.workers``;
         GPUs 0 .. N*M - 1 on CUDA, gloo processes on CPU) and this process holds no weights. Under
         ``torchrun`` (a process group already initialised with N ranks) every rank makes its
         Scorer with the same arguments and calls it with the same inputs. ``close()`` stops the
@@ -59,8 +62,6 @@ class Scorer:
         config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress,
                                         deterministic=deterministic or batch_invariant)
         if tensor_parallel_size != 1 or data_parallel_size != 1:
-            from .parallel.engine import parallel_parts
-
             self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
                                                                    tensor_parallel_size, data_parallel_size)
         else:
@@ -222,8 +223,6 @@ class Scorer:
         names) or stacked (transformers' in-memory ``experts.gate_up_proj``). Refused for
         packed-quantized models (GGUF blocks, compressed-tensors) and the transformers backend
         (``loading.update``)."""
-        from .loading.update import update_weights
-
         update_weights(self.loaded.model, named_tensors, engine=self._workers())
         self.weights_version += 1
         return self.weights_version
@@ -231,8 +230,6 @@ class Scorer:
     def load_weights(self, path: str) -> int:
         """``update_weights`` from a safetensors file or a Hugging Face checkpoint directory: every
         header is checked before one tensor is read, then tensors are copied in one at a time."""
-        from .loading.update import load_weights
-
         load_weights(self.loaded.model, path, engine=self._workers())
         self.weights_version += 1
         return self.weights_version
@@ -310,8 +307,6 @@ class Scorer:
         full vocabulary (mean ± stderr, max, percentiles), same-top-token rate and Δp statistics,
         as llama.cpp's ``--kl-divergence``. ``reference`` may be a Scorer, a LoadedModel or a model
         spec (loaded on this scorer's device)."""
-        from .scoring.compare import compare_scorers
-
         if not isinstance(self.engine, Engine):
             raise LogprobeError("tensor_parallel_size", "compare runs both models in this process",
                                 "compare with scorers made without tensor_parallel_size / data_parallel_size")

@@ -7,6 +7,12 @@ import argparse
 import json
 import time
 
+from ..config import EngineConfig
+from ..errors import LogprobeError
+from ..loading import load_model
+from ..scorer import Scorer
+from ..scoring.compare import kl_plot_html
+from .common import read_text as _read_text
 from .report import add_html_option, check_html, compare_html
 
 
@@ -44,12 +50,6 @@ def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..config import EngineConfig
-    from ..errors import LogprobeError
-    from ..loading import load_model
-    from ..scorer import Scorer
-    from .common import read_text as _read_text
-
     check_html(args)
     text = _read_text(args.text_file, "--text-file")
     if not text.strip():
@@ -67,8 +67,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     compare_html(args, q, r, text, res)
     if args.plot is not None:
-        from ..scoring.compare import kl_plot_html
-
         page = kl_plot_html(res.token_kl, f"KL(R || Q): Q = {q.info.name}, R = {r.info.name}", res.report())
         try:
             with open(args.plot, "w", encoding="utf-8") as f:

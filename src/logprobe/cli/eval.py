@@ -18,6 +18,7 @@ import json
 import sys
 
 from ..errors import LogprobeError
+from ..integrations import lm_eval as _registers  # noqa: F401  (--model logprobe)
 
 
 def add_eval_parser(sub) -> None:
@@ -74,7 +75,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         from lm_eval.__main__ import cli_evaluate
 
-        from ..integrations import lm_eval as _registers  # noqa: F401  (--model logprobe)
     except ImportError as e:
         raise LogprobeError("eval", f"needs lm-evaluation-harness ({e})", "pip install 'lm-eval==0.4.13'") from e
     saved = sys.argv

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..jobs import LogprobsRows
+from ..scoring.inputs import check_options
 from .common import hooks_parser, json_option
 from .rows import add_table_args, exit_code, run_table
 
@@ -32,8 +33,6 @@ def add_logprobs_parser(sub, common: argparse.ArgumentParser, head: argparse.Arg
 
 
 def cmd_logprobs(args: argparse.Namespace) -> int:
-    from ..scoring.inputs import check_options
-
     check_options(args.temperature, args.top_k)  # fail before loading the model
     job = LogprobsRows(None, args.temperature, args.top_k, args.entropy, json_option(args.steer, "--steer"),
                        json_option(args.capture, "--capture"), args.capture_dir or args.output + ".captures",

@@ -17,6 +17,8 @@ Exit codes: 0 ok; 1 some input rows failed (each reported as ``line N: ...`` / `
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import sys
 
 import torch
@@ -25,9 +27,13 @@ from .. import __version__
 from ..errors import LogprobeError
 from ..jobs import join_continuation  # noqa: F401  (re-exported: the CLI's join rule)
 from .common import _MODELS, PROG, fail, get_scorer, head_parser, model_parser, read_text  # noqa: F401
+from .compare import add_compare_parser
+from .eval import add_eval_parser
 from .logprobs import add_logprobs_parser
 from .perplexity import add_perplexity_parser
+from .ray_cmd import add_ray_parser
 from .score import add_score_parser
+from .serve import add_serve_parser
 from .vectors import add_train_vector_parser
 
 __all__ = ["build_parser", "get_scorer", "join_continuation", "main"]
@@ -35,9 +41,6 @@ __all__ = ["build_parser", "get_scorer", "join_continuation", "main"]
 
 def version_text() -> str:
     """``logprobe X (torch Y, device D, triton Z)``: what a bug report needs first."""
-    import importlib.metadata
-    import importlib.util
-
     device = f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
     if importlib.util.find_spec("triton") is None:
         triton = "triton not installed"
@@ -70,16 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_perplexity_parser(sub, common)
     add_logprobs_parser(sub, common, head)
     add_train_vector_parser(sub, common)
-    from .serve import add_serve_parser  # the server's options live with the server command
 
     add_serve_parser(sub, common)
-    from .compare import add_compare_parser
 
     add_compare_parser(sub, common)
-    from .eval import add_eval_parser
 
     add_eval_parser(sub)
-    from .ray_cmd import add_ray_parser  # Ray itself is imported only when the command runs
 
     add_ray_parser(sub, common, head)
     return parser

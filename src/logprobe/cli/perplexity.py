@@ -16,6 +16,7 @@ import sys
 import time
 
 from ..errors import LogprobeError
+from ..io.datasets import dataset_rows
 from ..io.jsonsafe import dumps
 from ..io.tables import read_output, read_rows, table_format
 from ..jobs import ListSink, PerplexityRows, aggregate
@@ -63,8 +64,6 @@ def _join(args: argparse.Namespace) -> str | None:
 
 def _rows(args: argparse.Namespace):
     if args.dataset is not None:
-        from ..io.datasets import dataset_rows
-
         return dataset_rows(args.dataset, args.dataset_config, args.split, args.num_samples)
     rows = read_rows(args.input, table_format(args.input, args.input_format, "--input", INPUT_FORMATS))
     return (r for r in rows if args.num_samples is None or r.index < args.num_samples)

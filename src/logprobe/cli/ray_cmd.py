@@ -16,7 +16,10 @@ import os
 import sys
 
 from ..errors import LogprobeError
+from ..integrations import ray_dataset
 from ..io.jsonsafe import dumps
+from ..loading.loader import resolve_spec
+from ..scoring.inputs import check_options
 from .common import PROG
 
 
@@ -71,7 +74,6 @@ def job_options(args: argparse.Namespace) -> dict:
     if args.ray_job == "perplexity":
         return {"text_field": args.text_field, "context_length": args.context_length, "stride": args.stride,
                 "policy": args.policy, "prefix": False if args.no_prefix else None}
-    from ..scoring.inputs import check_options
 
     check_options(args.temperature, args.top_k)
     out = {"temperature": args.temperature, "top_k": args.top_k, "entropy": args.entropy}
@@ -98,11 +100,9 @@ def cmd_ray(args: argparse.Namespace) -> int:
         import ray
     except ImportError:
         raise LogprobeError("ray", "is not installed", "pip install 'logprobe[ray]'") from None
-    from ..integrations import ray_dataset
 
     ray_dataset.input_files(args.input, args.input_format)  # a bad --input fails before the cluster starts
     if args.ray_address is None and not os.environ.get("RAY_ADDRESS"):  # a local run: the model is here too
-        from ..loading.loader import resolve_spec
 
         resolve_spec(args.model)
     if not ray.is_initialized():

@@ -8,6 +8,7 @@ import math
 from ..errors import LogprobeError
 from ..io.jsonsafe import dumps
 from ..jobs import ScoreRows, join_continuation
+from ..scoring.inputs import check_options
 from .common import hooks_parser, json_option
 from .report import add_html_option, check_html, score_html
 from .rows import add_table_args, exit_code, run_table
@@ -34,8 +35,6 @@ def add_score_parser(sub, common: argparse.ArgumentParser, head: argparse.Argume
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from ..scoring.inputs import check_options
-
     check_options(args.temperature, args.top_k)  # fail before loading the model
     check_html(args)
     if args.input is not None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import os
 import sys
+
+from ..server import ServerConfig, create_app
 
 
 def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
@@ -45,8 +48,6 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..server import ServerConfig, create_app
-
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOGPROBE_API_KEY") or None,
         served_model_name=args.served_model_name or args.model, max_queue_requests=args.max_queue_requests,
@@ -106,8 +107,6 @@ def _server_class():
             self._loop.call_soon_threadsafe(lambda: self._loop.create_task(drain()))
 
         async def serve(self, sockets=None) -> None:
-            import asyncio
-
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
 

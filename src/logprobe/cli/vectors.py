@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import LogprobeError
+from ..interp.points import point_layer, resolve_points
 from ..io.jsonsafe import dumps
 from .common import read_text
 
@@ -38,8 +39,6 @@ def cmd_train_vector(args: argparse.Namespace) -> int:
     scorer = args.make_scorer(args)
     layers = None
     if args.layers is not None:
-        from ..interp.points import point_layer, resolve_points
-
         L = scorer.loaded.model.config.num_layers if getattr(scorer.loaded.model, "supports_hooks", False) else 0
         try:
             layers = [point_layer(p) for p in resolve_points(f"blocks.{args.layers}.resid_post", L)]

@@ -14,7 +14,7 @@ Layout of the buffer, rows n = 3, top-k 2, entropy asked (lp: log-prob, r: rank,
      <- n ->       <- n ->    <- n ->    <------------ n * k ---------->  <------------ n * k --------->
 
 >>> import torch
->>> from logprobe.scoring.head import HeadOutput
+>>> from logprobe.layers.logprob_head import HeadOutput
 >>> out = HeadOutput(torch.tensor([-0.5, -2.0]), torch.zeros(2), torch.tensor([0, 7]),
 ...                  topk_ids=torch.tensor([[3, 1, 4], [1, 5, 9]]), topk_logprobs=-torch.rand(2, 3))
 >>> copy = start_copy(out, top_k=2, entropy=False)
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..scoring.head import HeadOutput
+from ..layers.logprob_head import HeadOutput
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, KVCache, Segment
 from ..layers.hooks import CaptureTable, Hooks, SteerTable
 from ..layers.linear import Linear
+from ..layers.logprob_head import logprob_head
 from ..layers.norm import RMSNorm
-from ..scoring.head import logprob_head
 from .budget import budget_for, resolved_budget
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy

@@ -40,6 +40,7 @@ from lm_eval.api.model import LM  # so registering "logprobe" first would hide l
 from lm_eval.api.registry import register_model
 
 from ..errors import LogprobeError
+from ..scorer import Scorer
 from ..scoring.contract import split_continuation
 from ..scoring.windows import rolling_windows
 
@@ -112,8 +113,6 @@ class LogprobeLM(LM):
             raise LogprobeError("model_args", f"model={model!r} and pretrained={pretrained!r} disagree",
                                 "give one of them")
         if scorer is None:
-            from ..scorer import Scorer
-
             scorer = Scorer(model or pretrained, device=device or "auto", dtype=dtype or "auto",
                             max_batch_tokens=None if max_batch_tokens is None
                             else _count(max_batch_tokens, "max_batch_tokens"),

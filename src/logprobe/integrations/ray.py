@@ -52,9 +52,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..config import EngineConfig
 from ..errors import LogprobeError
+from ..io.parquet import arrow_type, float32_type, with_declared
 from ..io.tables import Row
 from ..jobs import LogprobsRows, PerplexityRows, ScoreRows, aggregate, map_rows
+from ..scorer import Scorer
 
 PERPLEXITY_INPUTS = ("nll_sum", "num_tokens", "nll_mean", "nll_stderr", "num_windows", "num_words", "num_bytes")
 JOBS = {"logprobs": LogprobsRows, "score": ScoreRows, "perplexity": PerplexityRows}
@@ -78,9 +81,6 @@ class _RowJob:
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
                  deterministic: bool = False, max_batch_tokens: int | None = None, tensor_parallel_size: int | None = None,
                  columns: tuple[str, ...] | None = None, **options: Any) -> None:
-        from ..config import EngineConfig
-        from ..scorer import Scorer
-
         if options.get("capture") is not None:
             raise LogprobeError("capture", NO_CAPTURE, "use logprobe logprobs --capture on one machine")
         config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic, progress=False)
@@ -116,8 +116,6 @@ class _RowJob:
         """Every output column's pyarrow type, known before the rows are run, so that every
         block (one of failed rows too) writes the same schema: results from the job, the echoed
         ``id`` and kept columns from the input."""
-        from ..io.parquet import arrow_type
-
         types = {k: arrow_type(t) for k, t in self.job.result_types(set(table.column_names)).items()}
         if self.columns is not None:
             types.update((k, table.schema.field(k).type) for k in ("id", *self.columns) if k in table.column_names)
@@ -185,7 +183,6 @@ def result_table(rows: list[dict], float32_columns=frozenset(), types: dict | No
     """
     import pyarrow as pa
 
-    from ..io.parquet import float32_type, with_declared
 
     names = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "error"]
     cols = {k: pa.array([r.get(k) for r in rows]) for k in names}

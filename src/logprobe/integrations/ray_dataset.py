@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import LogprobeError
+from .ray import PERPLEXITY_INPUTS, Logprobs, Perplexity, Score, aggregate_perplexity
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet",
            ".pq": "parquet"}
@@ -193,7 +194,6 @@ def run_dataset(job: str, input_path: str, output: str, scorer_kwargs: dict, opt
     cluster this process is connected to (``ray.init`` first). See the module docstring."""
     import ray.data
 
-    from .ray import Logprobs, Perplexity, Score
 
     mapper = {"logprobs": Logprobs, "score": Score, "perplexity": Perplexity}[job]
     ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -251,7 +251,6 @@ def aggregate_output(fs, root: str) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .ray import PERPLEXITY_INPUTS, aggregate_perplexity
 
     tables = []
     for p in _parquet_files(fs, root):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ..errors import LogprobeError
 from .jsonsafe import dumps
+from .parquet import ParquetSink, read_parts
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet",
            ".pq": "parquet"}
@@ -142,8 +143,6 @@ def open_sink(path: str, fmt: str | None, float32_columns: set[str] = frozenset(
     ``types``: the job's declared result columns (Parquet only)."""
     fmt = table_format(path, fmt, "--output", ("jsonl", "parquet"))
     if fmt == "parquet":
-        from .parquet import ParquetSink
-
         return ParquetSink(path, float32_columns, types)
     return JsonlSink(path)
 
@@ -151,8 +150,6 @@ def open_sink(path: str, fmt: str | None, float32_columns: set[str] = frozenset(
 def read_output(path: str) -> list[dict]:
     """The rows of a JSONL output file or a Parquet output directory, in file order."""
     if os.path.isdir(path):
-        from .parquet import read_parts
-
         return read_parts(path)
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

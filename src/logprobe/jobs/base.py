@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.request import RequestResult, ScoreRequest
+from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
 from ..io.tables import Row
 
@@ -136,8 +137,6 @@ def _failed(sink, head: dict, where: str, message: str, counts: RunCounts, repor
 def _run_batch(scorer, works: list[RowWork], batch: list[Row], sink, counts: RunCounts, report, stop,
                progress) -> bool:
     """Run the requests of ``works`` together; True when ``stop`` ended it early."""
-    from ..engine.runner import Engine, RunStopped
-
     requests, owner = [], []
     for k, w in enumerate(works):
         requests.extend(w.requests)

@@ -1,7 +1,7 @@
 """One-pass expansion of a GGUF quantized layer (Triton): packed blocks -> [out, in] in the activation dtype.
 
 ``gguf_expand(qtype, d, qs, m, dtype)`` reads the buffers ``layers.quant_linear.GGUFLinear`` keeps
-(``loading.gguf_quants.split_blocks``' layout) once and writes the weight once, instead of the
+(``kernels.gguf_quants.split_blocks``' layout) once and writes the weight once, instead of the
 PyTorch reference's chain of small kernels and float32 temporaries (``dequantize_blocks``, then
 ``.to(dtype)``). Its result is bitwise ``dequantize_blocks(qtype, d, qs, m).to(dtype)``:
 
@@ -18,7 +18,7 @@ Programs: Q8_0 / Q4_0 / Q4_1 (blocks of 32) take a [BLOCK_R rows, BLOCK_B blocks
 k-quants take [BLOCK_R rows, one super-block of 256] as (sub-block, value) axes: Q4_K [8, 32],
 Q6_K [16, 16]. Row offsets are int64 (a vocabulary-sized matrix can pass 2**31 values).
 
-``dequantize_blocks`` (``loading.gguf_quants``) is the PyTorch reference.
+``dequantize_blocks`` (``kernels.gguf_quants``) is the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import LogprobeError
-from ..loading.gguf_quants import QUANT_NAMES, block_values
 from . import triton_available
+from .gguf_quants import QUANT_NAMES, block_values
 
 FORMATS = QUANT_NAMES  # Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

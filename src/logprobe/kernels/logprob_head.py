@@ -1,6 +1,6 @@
 """Fused LM head + log-prob statistics in Triton: one pass over the vocabulary, no logits in memory.
 
-Same function as ``logprobe.scoring.head.logprob_head`` (the pure-PyTorch reference), for rows
+Same function as ``logprobe.layers.logprob_head.logprob_head`` (the pure-PyTorch reference), for rows
 ``i`` with hidden ``h_i`` [H] and target ``y_i``:
 
     z_iv   = softcap(scale * (h_i . W_v + b_v)) / T_i          # float32, one [BLOCK_M, BLOCK_N] tile at a time

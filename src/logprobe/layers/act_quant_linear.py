@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..kernels.act_quant import FP8, KINDS, quantize_rows_reference
+from ..kernels import triton_available
+from ..kernels.act_quant import FP8, KINDS, act_quant_linear, gated_act_quant_linear, quantize_rows_reference
 from .linear import Linear, float32_product
 from .quant_linear import _PackedLinearMixin
 
@@ -139,7 +140,6 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         parallelism), not on the dense expansion, and only with K tiles that fit the scale blocks."""
         if not (self.kernels and x.is_cuda and self.expanded is None):
             return False
-        from ..kernels import triton_available
 
         k = self.in_features
         return triton_available() and all(g >= k or g % 128 == 0 for g in (self.block_cols, self.act_group or k))
@@ -148,8 +148,6 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [..., in] -> [T, in]: quantization is per row
         if self.use_kernels(x2):
-            from ..kernels.act_quant import act_quant_linear
-
             y = act_quant_linear(x2, self.act_kind, self.act_group, self.input_scale, self.qweight, self.scale,
                                  self.block_cols, self.bias, batch_invariant=self.row_tile is not None)
         else:
@@ -163,7 +161,6 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         (``kernels.act_quant.silu_mul_quantize``), then the same GEMM as ``forward``."""
         if not self._gates_in_one_pass(gate, up, triton):
             return super().gated(gate, up, triton)
-        from ..kernels.act_quant import gated_act_quant_linear
 
         return gated_act_quant_linear(gate, up, self.act_kind, self.qweight, self.scale, self.block_cols, self.bias,
                                       batch_invariant=self.row_tile is not None)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import triton_available
+from ..kernels.elementwise import silu_mul as fused
+
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
     """gate, up [T, I] -> SiLU(gate) * up [T, I].
@@ -20,11 +23,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torc
     300 rows differed from the same row alone). So such rows are padded with zeros to a multiple
     of 64 columns, which puts every element in a SIMD chunk, and cut back."""
     if triton and gate.is_cuda and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
-        from ..kernels import triton_available
-
         if triton_available():
-            from ..kernels.elementwise import silu_mul as fused
-
             return fused(gate, up)
     return row_invariant(lambda g, u: F.silu(g) * u, gate, up)
 

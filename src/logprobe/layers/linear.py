@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import triton_available
+from ..kernels.matmul import invariant_linear
 from .activation import silu_mul
 
 
@@ -75,15 +77,11 @@ def invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     fixed-tile matmul gives both by construction (every output tile is one program with the same
     K loop), so many narrow column blocks run there instead of as narrow cuBLAS products."""
     if x.is_cuda and x.dim() == 2 and (kernel == "triton" or col_blocks) and _triton():
-        from ..kernels.matmul import invariant_linear
-
         return invariant_linear(x, weight, bias)
     return tiled_linear(x, weight, bias, row_tile, col_blocks)
 
 
 def _triton() -> bool:
-    from ..kernels import triton_available
-
     return triton_available()
 
 

@@ -37,6 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..kernels import triton_available
+from ..kernels.gguf_quants import block_values, dequantize_blocks
+from ..kernels.moe import combine_slots, fused_moe
 from .activation import row_invariant, silu_mul
 from .linear import Linear, tiled_linear
 from .quant_linear import PackedWeight
@@ -107,11 +110,7 @@ def combine_to(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> to
     """``combine(y, weights).to(dtype)``; on CUDA one Triton pass (``kernels.moe.combine_slots``,
     the same bits) instead of 3k float32 temporaries of [T, H]."""
     if y.is_cuda:
-        from ..kernels import triton_available
-
         if triton_available():
-            from ..kernels.moe import combine_slots
-
             return combine_slots(y.reshape(-1, y.shape[-1]), weights, dtype)  # [T, k, H] -> [T*k, H]
     return combine(y, weights).to(dtype)
 
@@ -156,12 +155,10 @@ class ExpertStack(ExpertMatrices):
 class PackedExperts(ExpertMatrices):
     """GGUF-quantized expert matrices ``[E, out, in]`` kept as blocks: buffers ``d`` [E, out, nb],
     ``qs`` [E, out, nb, bytes], ``m`` (Q4_1's minimum, Q4_K's dmin) or None. ``expert(e)`` expands
-    one expert with the function the dense loader uses (``loading.gguf_quants``), so packed and
+    one expert with the function the dense loader uses (``kernels.gguf_quants``), so packed and
     dense experts give the same bits. ``rows(idx)`` reads the experts' rows flattened [E*out, in]."""
 
     def __init__(self, qtype: str, d: torch.Tensor, qs: torch.Tensor, m: torch.Tensor | None = None) -> None:
-        from ..loading.gguf_quants import block_values
-
         nn.Module.__init__(self)
         self.qtype = qtype
         self.num_experts, self.out_features, nb = d.shape
@@ -173,14 +170,10 @@ class PackedExperts(ExpertMatrices):
 
     def expert(self, e: int) -> torch.Tensor:
         """Expert e's weight, float32 [out, in] expanded, then the model dtype."""
-        from ..loading.gguf_quants import dequantize_blocks
-
         w = dequantize_blocks(self.qtype, self.d[e], self.qs[e], None if self.m is None else self.m[e])
         return w.to(self.compute_dtype)
 
     def rows(self, idx=slice(None)) -> torch.Tensor:
-        from ..loading.gguf_quants import dequantize_blocks
-
         def flat(t: torch.Tensor) -> torch.Tensor:
             return t.reshape(-1, *t.shape[2:])  # [E, out, ...] -> [E*out, ...]
         return dequantize_blocks(self.qtype, flat(self.d)[idx], flat(self.qs)[idx],
@@ -229,11 +222,7 @@ class Experts(nn.Module):
                 triton: bool = True) -> torch.Tensor:
         T, k = ids.shape
         if triton and x.is_cuda and not self.packed and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            from ..kernels import triton_available
-
             if triton_available():
-                from ..kernels.moe import fused_moe
-
                 y = fused_moe(x, ids, self.gate_proj, self.up_proj, self.down_proj)  # [T*k, H]
                 return y.view(T, k, self.hidden)
         return self.reference(x, ids, row_tile)

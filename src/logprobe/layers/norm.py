@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import triton_available
+from ..kernels.rmsnorm import invariant_rmsnorm
+
 
 class RMSNorm(nn.Module):
     """On CUDA each row is reduced alone by the Triton kernel ``kernels.rmsnorm``: one read and
@@ -22,11 +25,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.invariant or self.triton) and x.is_cuda:
-            from ..kernels import triton_available
-
             if triton_available():
-                from ..kernels.rmsnorm import invariant_rmsnorm
-
                 return invariant_rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()

@@ -4,7 +4,7 @@ Same interface as ``layers.linear.Linear`` (``forward(x [T, in]) -> [T, out]``, 
 the model never knows the weight format. Formats:
 
 * ``GGUFLinear``: GGUF Q8_0 / Q4_0 / Q4_1 blocks of 32 and Q4_K / Q6_K super-blocks of 256
-  (``loading.gguf_quants``).
+  (``kernels.gguf_quants``).
 * ``CTLinear``: compressed-tensors integer weights (llm-compressor's checkpoints): ``pack-quantized``
   int4 or int8 codes in int32 words (W4A16, W8A16) and ``naive-quantized`` int8, with per-group
   (e.g. 128) or per-channel scales, symmetric or with a zero point:  w = (q - zp) * scale.
@@ -30,8 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..kernels import interpreting, triton_available
+from ..kernels.gguf_expand import gguf_expand
+from ..kernels.gguf_quants import block_values, dequantize_blocks
 from ..kernels.packing import unpack_int32
-from ..loading.gguf_quants import block_values, dequantize_blocks
+from ..kernels.w4a16 import w4a16_linear
 from .linear import Linear
 
 DENSE_HEAD_SHARE = 0.1  # the most of the free GPU memory a resident dense copy of a packed head may take
@@ -177,7 +180,6 @@ class GGUFLinear(_PackedLinearMixin, Linear):
         # chunks of a packed embedding, embedding lookups): bitwise ``rows(idx).to(dtype)``
         if not self._one_pass(dtype):
             return self.rows(idx).to(dtype)
-        from ..kernels.gguf_expand import gguf_expand
 
         d, m = self.d[idx], None if self.m is None else self.m[idx].contiguous()
         if d.ndim != 2 or d.shape[0] == 0:  # not a list of rows (or none): the reference path
@@ -185,8 +187,6 @@ class GGUFLinear(_PackedLinearMixin, Linear):
         return gguf_expand(self.qtype, d.contiguous(), self.qs[idx].contiguous(), m, dtype)
 
     def _one_pass(self, dtype: torch.dtype) -> bool:
-        from ..kernels import interpreting, triton_available
-
         return self.one_pass and (self.d.is_cuda or interpreting()) and dtype in (torch.float32, torch.bfloat16, torch.float16) \
             and triton_available()
 
@@ -259,12 +259,9 @@ class CTLinear(_PackedLinearMixin, Linear):
                 setattr(self, name, t[perm].contiguous())
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        from ..kernels import triton_available
-
         if self.num_bits != 4 or self.qweight.dtype != torch.int32 or x.dtype not in (torch.float16, torch.bfloat16) \
                 or not triton_available():
             return None
-        from ..kernels.w4a16 import w4a16_linear
 
         y = w4a16_linear(x, self.qweight, self.scale, self.zero_point, self.group_size)
         return y if self.bias is None else y + self.bias

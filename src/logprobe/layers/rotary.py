@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from ..errors import LogprobeError
+from ..kernels import triton_available
+from ..kernels.elementwise import rotary, rotary_reference
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -57,9 +59,6 @@ def apply_rotary(x: torch.Tensor, cis: torch.Tensor, triton: bool = False) -> to
     their rows permuted to this layout (see ``to_interleaved``), which leaves q.k unchanged.
     ``triton``: on CUDA, one Triton pass (``kernels.elementwise.rotary``, same arithmetic).
     """
-    from ..kernels import triton_available
-    from ..kernels.elementwise import rotary, rotary_reference
-
     if triton and x.is_cuda and x.stride(2) == 1 and triton_available():
         return rotary(x, cis)
     return rotary_reference(x, cis)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
 from .gptq import _check_int32, _check_scales, pack_words, packed_tensors, unpack_words
 
@@ -75,8 +76,6 @@ def awq_settings(qcfg: dict) -> int:
 
 def awq_layer(module: str, t: dict[str, torch.Tensor], group: int):
     """One AWQ GEMM module's tensors (bias excluded) -> a ``CTLinear``."""
-    from ..layers.quant_linear import CTLinear
-
     layout = {"qweight", "qzeros", "scales"}
     extra, missing = sorted(set(t) - layout), sorted(layout - set(t))
     if extra:

@@ -50,7 +50,12 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..kernels.packing import unpack_int32
+from ..layers.act_quant_linear import ActQuantLinear
+from ..layers.fp4_linear import FP8, GROUP, FP4Linear
+from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
+from .checkpoint import check_plain_dtype, hf_param_name, safetensors_files
 
 _FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # the layouts logprobe reads
 # every compressed-tensors CompressionFormat (0.20): a value outside this list is unknown
@@ -402,9 +407,6 @@ def _check_dtype(module: str, leaf: str, t: torch.Tensor, allowed: tuple[torch.d
 def ct_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str, gname: str = "?"):
     """One module's stored tensors (leaf -> tensor, bias excluded) -> a ``CTLinear``; anything in them
     that the scheme's layout does not define, or defines differently, is refused."""
-    from ..kernels.packing import unpack_int32
-    from ..layers.quant_linear import CTLinear
-
     w = _check_scheme(module, gname, scheme, fmt)
     if w is None:
         _refuse(f"{module} holds quantized tensors but config group {gname!r} has no weight scheme")
@@ -481,8 +483,6 @@ def act_quant_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: 
     float-quantized / int-quantized: <m>.weight float8_e4m3fn / int8 [out, in], <m>.weight_scale
     ([1] per tensor, [out, 1] per channel, [ceil(out/bh), ceil(in/bw)] per block), <m>.input_scale [1]
     for static activations; zero points, if stored, must be zero (symmetric)."""
-    from ..layers.act_quant_linear import FP8, ActQuantLinear
-
     w, a = scheme["weights"], scheme["input_activations"]
     where = f"{module} ({describe(scheme, fmt)})"
     static = a.get("dynamic") is False
@@ -544,8 +544,6 @@ def fp4_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str):
     <m>.weight_packed uint8 [out, in/2], <m>.weight_scale float8_e4m3fn [out, in/16],
     <m>.weight_global_scale [1], and for NVFP4 <m>.input_global_scale [1]; zero points, if stored,
     must be zero (symmetric)."""
-    from ..layers.fp4_linear import FP8, GROUP, FP4Linear
-
     where = f"{module} ({describe(scheme, fmt)})"
     act = scheme.get("input_activations") is not None
     layout = {"weight_packed", "weight_scale", "weight_global_scale"} | ({"input_global_scale"} if act else set())
@@ -569,7 +567,6 @@ def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
     """Yield (parameter name, tensor or CTLinear) for a compressed-tensors checkpoint."""
     from safetensors import safe_open
 
-    from .checkpoint import check_plain_dtype, hf_param_name, safetensors_files
 
     check_config(qcfg)
     groups, ignore = qcfg["config_groups"], qcfg.get("ignore") or []

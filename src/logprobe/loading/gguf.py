@@ -9,8 +9,11 @@ import re
 from pathlib import Path
 
 from ..errors import LogprobeError
+from ..kernels.gguf_quants import GGML_TYPES, QUANT_NAMES, dequantize, split_blocks
+from ..layers.moe import MoeSpec, PackedExperts
+from ..layers.quant_linear import GGUFLinear
 from ..models.llama import LlamaConfig
-from .gguf_quants import GGML_TYPES, QUANT_NAMES, dequantize, split_blocks
+from ..tokenizer import Tokenizer
 
 ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 # llama.cpp's build_moe_ffn(norm_w) per architecture: whether the top-k weights are renormalised
@@ -205,8 +208,6 @@ def _moe_spec(reader, arch: str, path: Path):
     """The MoE part of a GGUF's config, as llama.cpp runs these architectures: softmax routing,
     top-k renormalised for qwen3moe and llama (Mixtral), not for qwen2moe; Qwen2-MoE's shared expert
     gated by a sigmoid. Expert widths come from the tensors themselves."""
-    from ..layers.moe import MoeSpec
-
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}  # outermost first
     experts = _int_field(reader, f"{arch}.expert_count", path) or 0
     used = _int_field(reader, f"{arch}.expert_used_count", path) or 0
@@ -270,11 +271,8 @@ def gguf_tensors(reader, arch: str, cfg: LlamaConfig, packed: bool = False):
             raise LogprobeError("model", f"unexpected tensor {t.name!r} in a {arch} GGUF file",
                                 "this file is not a plain Llama-family model")
         if packed and GGML_TYPES[type_id][0] in QUANT_NAMES and len(shape) == 2:
-            from ..layers.quant_linear import GGUFLinear
-
             yield name, GGUFLinear(GGML_TYPES[type_id][0], **split_blocks(t.data, type_id, shape))
         elif packed and GGML_TYPES[type_id][0] in QUANT_NAMES and len(shape) == 3:  # experts [E, out, in]
-            from ..layers.moe import PackedExperts
 
             blocks = split_blocks(t.data, type_id, shape)  # rows = E * out
             E, out = shape[0], shape[1]
@@ -290,7 +288,6 @@ def gguf_tokenizer(path: Path, reader):
     """A fast tokenizer built from the GGUF metadata by transformers, cached on disk (slow to build)."""
     from transformers import AutoTokenizer
 
-    from ..tokenizer import Tokenizer
 
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:20]

@@ -40,7 +40,10 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..layers.act_order_linear import ActOrderLinear
+from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
+from .checkpoint import check_plain_dtype, hf_param_name, safetensors_files
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 # keys that only describe how the checkpoint was calibrated or which kernel a runtime should pick
@@ -150,9 +153,6 @@ def _check_scales(module: str, scales: torch.Tensor, shape: tuple[int, int]) -> 
 
 def gptq_layer(module: str, t: dict[str, torch.Tensor], bits: int, group_size: int, desc_act: bool, v1: bool):
     """One GPTQ module's tensors (bias excluded) -> a ``CTLinear`` (or ``ActOrderLinear`` for act-order)."""
-    from ..layers.act_order_linear import ActOrderLinear
-    from ..layers.quant_linear import CTLinear
-
     layout, optional = {"qweight", "qzeros", "scales"}, {"g_idx"}
     extra, missing = sorted(set(t) - layout - optional), sorted(layout - set(t))
     if extra:
@@ -204,7 +204,6 @@ def read_modules(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[s
     """Every safetensors tensor grouped by module: module -> {leaf: tensor}, and key -> file name."""
     from safetensors import safe_open
 
-    from .checkpoint import safetensors_files
 
     modules: dict[str, dict[str, torch.Tensor]] = {}
     files: dict[str, str] = {}
@@ -220,8 +219,6 @@ def read_modules(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[s
 def packed_tensors(path: Path, cfg: LlamaConfig, packed: bool, make_layer, method: str):
     """Yield (parameter name, tensor or packed layer): modules holding ``qweight`` become
     ``make_layer(module, tensors)``; every other tensor must be a plain float."""
-    from .checkpoint import check_plain_dtype, hf_param_name
-
     modules, files = read_modules(path)
     found = False
     for module, t in modules.items():

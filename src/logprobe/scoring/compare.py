@@ -20,6 +20,7 @@ m_Q = m_R and S_Q = S_R bitwise, so KL = 0 exactly.
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -27,8 +28,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from ..engine.request import RequestResult
+from ..engine.runner import Engine, Launched
 from ..errors import LogprobeError
-from .head import HeadParams, _transform
+from ..layers.logprob_head import HeadParams, _transform
 from .job import ScorerParts
 from .perplexity import perplexity_job, window_defaults
 
@@ -242,9 +245,6 @@ def compare_stats(rows: KLRows, num_windows: int, policy: str = "sliding", conte
 def _hidden_engine(engine):
     """An engine over the same model and config whose per-request "results" are the final hidden
     states of the scored rows ([n, H], on the model's device) instead of log-probs."""
-    from ..engine.request import RequestResult
-    from ..engine.runner import Engine, Launched
-
     class HiddenEngine(Engine):
         def score(self, requests, packed, hidden):
             rows = hidden[packed.score_rows]  # [N, H]
@@ -310,8 +310,6 @@ def kl_plot_html(token_kl: Sequence[float], title: str, summary: str, smooth: in
     """A self-contained HTML page (inline SVG, no scripts or downloads) plotting per-token KL(R || Q)
     along the text: each token as a thin grey line, a ``smooth``-token moving average in blue,
     the mean as a dashed line; ``summary`` (e.g. ``CompareResult.report()``) printed below."""
-    import html
-
     n = len(token_kl)
     if n == 0:
         raise LogprobeError("token_kl", "is empty (no scored tokens to plot)", "compare a longer text")

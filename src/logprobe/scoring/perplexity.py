@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ..engine.delivery import join_pieces
 from ..engine.request import CaptureAt, ScoreRequest, SteerAt
 from ..errors import LogprobeError
 from ..interp.specs import capture_results, request_hooks
@@ -121,8 +122,6 @@ def perplexity_result(results, owners, n_streams, raw_texts, policy, context_len
                     pieces[t][k].append(next(got))
     captures = None
     if pieces is not None:
-        from ..engine.delivery import join_pieces
-
         captures = [capture_results(list(caps), ca, [join_pieces(ps, c.kind) for ps, c in zip(pieces[t], ca)], off)
                     for t, (ca, off) in enumerate(text_hooks)]
     nlls = [x for text_nlls in per_text for x in text_nlls]

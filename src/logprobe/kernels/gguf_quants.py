@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import LogprobeError
+
 BLOCK = 32
 # ggml type id -> (name, bytes per block, or None for plain float types)
 GGML_TYPES = {0: ("F32", None), 1: ("F16", None), 30: ("BF16", None),
@@ -50,8 +52,6 @@ def split_blocks(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> dict[
     rows, cols = (int(np.prod(shape[:-1])), int(shape[-1]))
     data = torch.from_numpy(np.array(raw, copy=True)).view(torch.uint8)
     if cols % block_values(name):
-        from ..errors import LogprobeError
-
         raise LogprobeError("model", f"a {name} tensor of shape {tuple(shape)} has rows of {cols} weights, not a "
                             f"multiple of its block of {block_values(name)}: the file is damaged")
     blocks = data.reshape(rows, cols // block_values(name), block_bytes)  # [rows, nb, bytes]

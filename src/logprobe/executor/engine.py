@@ -13,10 +13,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing import connection
 
-from ..config import EngineConfig
-from ..engine.budget import resolved_budget
+from ..config import EngineConfig, resolve_device
+from ..engine.budget import agreed_budget, resolved_budget
 from ..engine.request import RequestResult, ScoreRequest
+from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
+from ..loading.loader import LoadedModel, describe_model, load_shard, parallel_context
+from ..parallel.context import ParallelContext
 from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
 
 
@@ -74,8 +77,6 @@ class ParallelEngine:
         """As ``Engine.run``. ``stop`` is asked once, before the requests go to the workers (a run
         already handed out finishes). ``on_error``: a replica's error is reported for each of its
         requests that got no result (their slots stay None) instead of being raised."""
-        from ..engine.runner import RunStopped
-
         if not all(g.alive for g in self.groups):
             raise LogprobeError("tensor_parallel_size", "a worker of this scorer has died", "create a new Scorer")
         if stop is not None and stop():
@@ -161,11 +162,6 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int)
     """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks."""
     import torch
 
-    from ..config import resolve_device
-    from ..engine.budget import agreed_budget
-    from ..engine.runner import Engine
-    from ..loading.loader import LoadedModel, describe_model, load_shard, parallel_context
-    from .context import ParallelContext
 
     for name, n in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

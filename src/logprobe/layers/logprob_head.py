@@ -33,6 +33,16 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LogprobeError
+from ..kernels import triton_available
+from ..kernels.logprob_head import (
+    DEFAULT_CONFIG,
+    MAX_TOP_K,
+    _check,
+    combine_head_partials,
+    fused_head_partials,
+    fused_target_logits,
+)
+from ..parallel.shard import vocab_chunk_width, vocab_shard
 
 
 @dataclass(slots=True)
@@ -57,8 +67,6 @@ class HeadParams:
 
     @property
     def grid_width(self) -> int:
-        from ..parallel.shard import vocab_chunk_width
-
         return self.grid if self.grid is not None else vocab_chunk_width(self.vocab_size)
 
 
@@ -84,9 +92,6 @@ def _transform(z: torch.Tensor, b: torch.Tensor | None, p: HeadParams) -> torch.
 
 
 def _kernel_applies(hidden: torch.Tensor, p: HeadParams, top_k: int, pad_chunks: bool) -> bool:
-    from ..kernels import triton_available
-    from ..kernels.logprob_head import DEFAULT_CONFIG, MAX_TOP_K
-
     if not hidden.is_cuda or top_k > MAX_TOP_K:
         return False
     if pad_chunks and p.grid_width % DEFAULT_CONFIG.block_n:
@@ -138,8 +143,6 @@ def logprob_head(
     params = _resident_head(params, hidden, top_k, backend)
     kernel = backend == "triton" or (backend == "auto" and _kernel_applies(hidden, params, top_k, pad_chunks))
     if kernel:
-        from ..kernels.logprob_head import _check
-
         _check(hidden, params.weight, params.bias, targets, inv_t, top_k)
     zy = _target_logits(hidden, params, targets, inv_t, token_chunk, kernel, pad_chunks)
     if params.comm is not None:
@@ -150,7 +153,6 @@ def logprob_head(
         parts = _torch_partials(hidden, params, targets, zy, inv_t, top_k, entropy, token_chunk, vocab_chunk,
                                 pad_chunks)
     parts = _gather_partials(parts, params, pad_chunks)
-    from ..kernels.logprob_head import combine_head_partials
 
     return HeadOutput(*combine_head_partials(zy, *parts, top_k=top_k, ordered=pad_chunks))
 
@@ -159,8 +161,6 @@ def _resident_head(params: HeadParams, hidden: torch.Tensor, top_k: int, backend
     """A packed LM head (``layers.quant_linear.PackedRows``) on CUDA, where the fused kernel would
     run, as its resident dense copy: the same weight in the same dtype, expanded once instead of
     chunk by chunk in every batch (the chunked head took 7.6x the bare matmul on an H200)."""
-    from ..kernels.logprob_head import MAX_TOP_K
-
     resident = getattr(params.weight, "resident", None)
     if resident is None or backend == "torch" or not hidden.is_cuda or top_k > MAX_TOP_K:
         return params
@@ -182,8 +182,6 @@ def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int,
     (its row sums are a reduction whose CUDA layout follows the number of rows)."""
     rows, owned = _local_targets(params, targets)
     if kernel:
-        from ..kernels.logprob_head import fused_target_logits
-
         zy = fused_target_logits(hidden, params.weight, rows, inv_t, bias=params.bias, scale=params.scale,
                                  softcap=params.softcap)
     else:
@@ -201,8 +199,6 @@ def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int,
 
 
 def _kernel_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, fixed: bool):
-    from ..kernels.logprob_head import fused_head_partials
-
     local = targets - params.vocab_start  # may fall outside the shard: only compared with columns
     return fused_head_partials(hidden, params.weight, local, zy, inv_t, bias=params.bias, scale=params.scale,
                                softcap=params.softcap, top_k=top_k, entropy=entropy,
@@ -218,7 +214,6 @@ def _gather_partials(parts, params: HeadParams, fixed: bool):
     comm = params.comm
     if comm is None or comm.size == 1:
         return parts
-    from ..parallel.shard import vocab_shard
 
     if fixed:
         counts = [len(range(*vocab_shard(params.vocab_size, params.grid_width, r, comm.size))[::params.grid_width])

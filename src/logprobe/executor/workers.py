@@ -7,7 +7,7 @@ rank of a replica runs the same engine loop on the same requests (planning is a 
 them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
 each request's result back as it completes, every rank sends ``done`` at the end.
 
-Workers are fresh interpreters (``python -m logprobe.parallel.workers``), not forks or
+Workers are fresh interpreters (``python -m logprobe.executor.workers``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
 needs no ``if __name__ == "__main__"`` guard. They connect back over a local authenticated
 socket. Messages are pickled with the plain pickler (tensors inline: no shared-memory handles to
@@ -17,12 +17,15 @@ raises an error naming the rank; nothing waits forever, and no process is left b
 
 from __future__ import annotations
 
+import hmac
 import os
 import pickle
 import secrets
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing import connection
@@ -30,7 +33,12 @@ from multiprocessing import connection
 import torch
 
 from ..config import EngineConfig
+from ..engine.budget import agreed_budget
+from ..engine.runner import Engine
 from ..errors import LogprobeError
+from ..loading.loader import load_shard
+from ..loading.update import StagedWeights
+from ..parallel.context import ParallelContext
 
 READY_TIMEOUT_S = 600.0  # loading a large model's shard can take minutes
 
@@ -72,10 +80,6 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
     """Entry point of one rank (a spawned process)."""
     import torch.distributed as dist
 
-    from ..engine.budget import agreed_budget
-    from ..engine.runner import Engine
-    from ..loading.loader import load_shard
-    from .context import ParallelContext
 
     try:
         torch.set_num_threads(spec.threads)
@@ -122,8 +126,6 @@ def _weights_message(msg, model, stage, conn):
     """A weight update (``loading.update.update_workers``): "weights" stages slices (no answer),
     "weights_prepare" answers whether every slice arrived and converted, "weights_commit" copies
     them into the shard, "weights_abort" drops them; those three answer ("done",) or an error."""
-    from ..loading.update import StagedWeights
-
     kind = msg[0]
     try:
         if kind == "weights":
@@ -161,8 +163,6 @@ class _AnonPeak:
     shard costs the process at its worst, reported to the driver)."""
 
     def __enter__(self):
-        import threading
-
         self.base = self.top = _rss_anon()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -234,7 +234,7 @@ class WorkerGroup:
         self.conns: list = [None] * spec.tp
         try:
             for rank in range(spec.tp):
-                cmd = [sys.executable, "-m", "logprobe.parallel.workers", host, str(port), key.hex(), str(rank)]
+                cmd = [sys.executable, "-m", "logprobe.executor.workers", host, str(port), key.hex(), str(rank)]
                 self.procs.append(_Proc(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=_worker_env())))
             for _ in range(spec.tp):
                 self._accept(listener, key)
@@ -257,9 +257,6 @@ class WorkerGroup:
     def _accept(self, listener, key: bytes) -> None:
         """The next worker to connect proves it holds ``key`` and says its rank (raw bytes: nothing
         is unpickled from a peer before that); a worker that dies first is an error."""
-        import hmac
-        import select
-
         end = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < end:
             ready, _, _ = select.select([listener, *[p.sentinel for p in self.procs]], [], [], 1.0)
@@ -370,10 +367,8 @@ class WorkerGroup:
 
 def _worker_env() -> dict[str, str]:
     """The caller's environment, with this package importable in the worker."""
-    import logprobe
-
     env = dict(os.environ)
-    src = os.path.dirname(os.path.dirname(os.path.abspath(logprobe.__file__)))
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../src
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
