@@ -402,11 +402,11 @@ def test_gguf_extra_tensor_is_refused(name, tiny_gguf, tmp_path):
 
 def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(tiny_gguf, tmp_path):
     """No type key: llama.cpp's default is linear, so a factor applies; type 'none' ignores it."""
-    from logprobe.loading.gguf import _reader, gguf_config
+    from logprobe.loading.gguf import gguf_config, gguf_reader
 
     def scaling(kv):
         path = copy_gguf(tiny_gguf, tmp_path / "s.gguf", set_kv=kv)
-        return gguf_config(_reader(path), path)[1].rope_scaling
+        return gguf_config(gguf_reader(path), path)[1].rope_scaling
 
     assert scaling({}) is None
     assert scaling({"llama.rope.scaling.factor": 4.0}) == {"rope_type": "linear", "factor": 4.0}

@@ -50,7 +50,7 @@ _TOP_MAP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "n
             "output.weight": "lm_head.weight"}
 
 
-def _reader(path: Path):
+def gguf_reader(path: Path):
     import gguf
 
     try:

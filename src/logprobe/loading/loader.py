@@ -19,7 +19,7 @@ from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, vocab_chunk_width
 from ..tokenizer import Tokenizer
-from .gguf import _reader, gguf_config, gguf_tensors, gguf_tokenizer, rope_interleaved
+from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
 from .sharding import ShardedGGUF, hf_shard_tensors
@@ -86,8 +86,8 @@ def _check_weights(weights: str) -> str:
     return weights
 
 
-def _build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype,
-                  rope_interleaved: bool = False, ctx: ParallelContext | None = None) -> LlamaModel:
+def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype,
+                 rope_interleaved: bool = False, ctx: ParallelContext | None = None) -> LlamaModel:
     """rope_interleaved: q/k rows already arrive in the layout the model uses (llama GGUF).
     ``ctx``: this rank's tensor-parallel group; ``tensors`` then yields this rank's slices.
 
@@ -173,7 +173,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
     if path.is_file():
-        reader = _reader(path)
+        reader = gguf_reader(path)
         arch, cfg = gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
     else:
@@ -204,15 +204,15 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if cfg.moe is not None:  # one rank (parallel_context refused a split): the whole model
         return load_model(spec, device, dtype)
     if path.is_file():
-        reader = _reader(path)
+        reader = gguf_reader(path)
         arch = loaded.info.architecture
         tensors = gguf_tensors(ShardedGGUF(reader, cfg, ctx), arch, cfg, packed=False)
-        model = _build_native(cfg, tensors, dev, dt, rope_interleaved(arch), ctx=ctx)
+        model = build_native(cfg, tensors, dev, dt, rope_interleaved(arch), ctx=ctx)
     else:
         if read_config(path).get("quantization_config") is not None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor "
                                 "parallelism reads float safetensors and GGUF files", "use one GPU for it")
-        model = _build_native(cfg, hf_shard_tensors(path, cfg, ctx), dev, dt, ctx=ctx)
+        model = build_native(cfg, hf_shard_tensors(path, cfg, ctx), dev, dt, ctx=ctx)
     return LoadedModel(model, loaded.tokenizer, loaded.info)
 
 
@@ -237,11 +237,11 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
     if path.is_file():
-        reader = _reader(path)
+        reader = gguf_reader(path)
         arch, cfg = gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
-        model = _build_native(cfg, gguf_tensors(reader, arch, cfg, packed=weights == "packed"), dev, dt,
-                              rope_interleaved(arch))
+        model = build_native(cfg, gguf_tensors(reader, arch, cfg, packed=weights == "packed"), dev, dt,
+                             rope_interleaved(arch))
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
@@ -252,7 +252,7 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     cfg, _why = native_config(raw)
     arch = str(raw.get("model_type"))
     if cfg is not None:
-        model = _build_native(cfg, hf_tensors(path, cfg, raw, packed=weights == "packed"), dev, dt)
+        model = build_native(cfg, hf_tensors(path, cfg, raw, packed=weights == "packed"), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
