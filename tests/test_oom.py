@@ -16,6 +16,7 @@ from logprobe.engine.request import CaptureAt, ScoreRequest, SteerAt
 from logprobe.engine.runner import MIN_OOM_CHUNK, Engine
 from logprobe.errors import LogprobeError
 from logprobe.loading import load_model
+from logprobe.models.caps import ModelCaps
 
 FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
 
@@ -184,7 +185,7 @@ def test_transformers_backend_cannot_chunk_so_a_long_request_fails_alone(tiny_di
     """A model on the transformers backend runs each request whole: out of memory splits batches
     down to one request; one that does not fit whole fails, the others are answered."""
     loaded = load_model(str(tiny_dirs["gpt2"][0]), "cpu", "float32")
-    assert not getattr(loaded.model, "supports_context", False)
+    assert not ModelCaps.of(loaded.model).context
     g = torch.Generator().manual_seed(5)
     reqs = [ScoreRequest(torch.randint(2, 300, (n,), generator=g).tolist(), 1) for n in (20, 31, 61, 12)]
     engine = Engine(loaded.model, EngineConfig(max_batch_tokens=256), torch.device("cpu"))

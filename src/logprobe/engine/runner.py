@@ -17,6 +17,7 @@ from ..layers.hooks import CaptureTable, Hooks, SteerTable
 from ..layers.linear import Linear
 from ..layers.logprob_head import logprob_head
 from ..layers.norm import RMSNorm
+from ..models.caps import ModelCaps
 from .budget import budget_for, resolved_budget
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy
@@ -177,7 +178,7 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
 class Engine:
     """Runs ScoreRequests on a model (``forward(ids, positions, meta) -> hidden``, ``head_params()``).
 
-    Shared prefixes and chunking need a model with ``supports_context``; for others each request
+    Shared prefixes and chunking need a model with ``caps.context``; for others each request
     runs as an independent sequence (a request over the budget runs whole, alone)."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device) -> None:
@@ -188,9 +189,9 @@ class Engine:
         self._config = config
         self.device = device
         self._linears = [m for m in model.modules() if isinstance(m, Linear)]
-        self._splittable = getattr(model, "supports_tensor_parallel", True)  # tp_invariant means something
+        self._splittable = ModelCaps.of(model).tensor_parallel  # tp_invariant means something
         self._norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-        self._context = bool(getattr(model, "supports_context", False))
+        self._context = ModelCaps.of(model).context
         # out of memory: the working budget (<= config.max_batch_tokens), see ``run``
         self.budget = config.max_batch_tokens
         self.restore_after = OOM_RESTORE_AFTER
@@ -255,7 +256,7 @@ class Engine:
         if self.config.deterministic and not self._context:
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
                                 "use a native model (GGUF or a Llama-family directory), or turn it off")
-        if not getattr(self.model, "supports_hooks", False) and any(r.steer or r.capture for r in requests):
+        if not ModelCaps.of(self.model).hooks and any(r.steer or r.capture for r in requests):
             raise LogprobeError("steer" if any(r.steer for r in requests) else "capture",
                                 f"{type(self.model).__name__} has no hook points",
                                 "use a native model (GGUF or a Llama-family directory)")

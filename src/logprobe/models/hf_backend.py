@@ -4,7 +4,7 @@ The packed batch is unpacked into a right-padded batch (real tokens first, so ca
 never reaches a pad and default positions 0..L-1 are right), the model's base forward gives
 the final hidden states, and they are packed back into [T, H]. Slower than the native path.
 It takes only independent sequences: no shared-prefix context and no chunk KV cache
-(``supports_context = False``, so the engine neither shares prefixes nor chunks for it).
+(``caps.context`` is False, so the engine neither shares prefixes nor chunks for it).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta
 from ..layers.logprob_head import HeadParams
+from .caps import ModelCaps
 
 
 class TransformersModel(nn.Module):
-    supports_context = False
+    caps = ModelCaps(context=False, hooks=False)
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()

@@ -37,6 +37,7 @@ from ..layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
+from .caps import ModelCaps
 
 if TYPE_CHECKING:
     from ..layers.moe import MoeSpec
@@ -178,9 +179,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Final hidden states for a packed batch; ``head_params()`` feeds the log-prob head."""
 
-    supports_context = True  # shared-prefix segments and chunk KV caches (see AttentionMeta)
-    supports_hooks = True  # steering and capture at the points of interp.points
-    supports_tensor_parallel = True  # deterministic mode keeps its bits equal across TP sizes
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def __init__(self, cfg: LlamaConfig, rope_freq_factors: torch.Tensor | None = None,
                  ctx: ParallelContext | None = None) -> None:

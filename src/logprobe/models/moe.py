@@ -27,6 +27,7 @@ from torch import nn
 
 from ..layers.moe import MoeBlock
 from ..parallel.context import ParallelContext
+from .caps import ModelCaps
 from .llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
@@ -35,7 +36,7 @@ class MoeModel(LlamaModel):
 
     # never split (see above), so deterministic mode skips the TP-invariant slices: there is no
     # other tensor-parallel size whose bits it could match, and they cost 1.6x on dense llama-8b
-    supports_tensor_parallel = False
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
 
     def __init__(self, cfg: LlamaConfig, rope_freq_factors=None, ctx: ParallelContext | None = None) -> None:
         super().__init__(cfg, rope_freq_factors, ctx)
