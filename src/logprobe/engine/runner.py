@@ -181,6 +181,9 @@ class Engine:
     Shared prefixes and chunking need a model with ``caps.context``; for others each request
     runs as an independent sequence (a request over the budget runs whole, alone)."""
 
+    per_request_errors = True  # executor.Executor: on_error gets each request that fails alone
+    in_process = True  # executor.Executor: the model and its weights live in this process
+
     def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device) -> None:
         if config.max_batch_tokens is None:  # the default: from the device and its free memory
             config = replace(config, max_batch_tokens=budget_for(model, device))
@@ -201,6 +204,9 @@ class Engine:
         # called as fault_hook(rows, tokens) before each forward pass (tokens: rows + cached keys);
         # tests raise torch.OutOfMemoryError from it, or count passes
         self.fault_hook: Callable[[int, int], None] | None = None
+
+    def close(self) -> None:
+        """Nothing to stop (``executor.Executor``): the model lives in this process."""
 
     @torch.no_grad()
     def run(
