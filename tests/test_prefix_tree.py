@@ -59,7 +59,7 @@ def test_plan_work_gold(inputs, budget, share, chunk, gold):
 
 
 def test_pack_tree_gold():
-    """Which row predicts which token in a tree (the drawing in the README).
+    """Which row predicts which token in a tree (the drawing in docs/contract.md).
 
     prefix rows 0..2 = [10 11 12]; A's branch row 3 = [13]; B's rows 4, 5 = [20 21]; C's branch
     is empty (its inputs are the prefix). Row 2 scores A's 13, B's 20 and C's 13: the row that

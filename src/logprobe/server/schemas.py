@@ -139,7 +139,7 @@ def _check_positions(value: Any) -> Any:
 
 
 class CaptureEntry(BaseModel):
-    """Read hidden states at hook points (see the README's hook-point table)."""
+    """Read hidden states at hook points (see the hook-point table in docs/interp.md)."""
 
     model_config = _STRICT
     at: Text | list[Text] = Field(description="hook point(s): blocks.10.resid_post, blocks.*.mlp_out, hidden_states.4, ...")
