@@ -10,10 +10,11 @@ import pytest
 import torch
 from helpers import make_hf_dir, write_tiny_gguf
 
+import logprobe.cli.compare as compare_cmd
 from logprobe import LogprobeError, Scorer
 from logprobe.cli.main import main
-from logprobe.scoring.compare import kl_head
 from logprobe.layers.logprob_head import HeadParams
+from logprobe.scoring.compare import kl_head
 
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
         "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
@@ -162,6 +163,30 @@ def test_cli_compare(tiny_pair, tmp_path, capsys):
     assert len(raw) == n and "Mean    KLD:" in text and text.startswith("<!doctype html>")
     assert main(args + ["--plot", str(tmp_path / "no" / "dir" / "kl.html")]) == 2
     assert "--plot" in capsys.readouterr().err
+
+
+def test_cli_compare_reads_every_model_option(tmp_path, monkeypatch):
+    """compare builds its EngineConfig where every command does: --no-tp-invariant, --quiet and
+    --max-batch-tokens reach it (they were dropped silently when compare built its own)."""
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def scorer(loaded, config):
+        seen.append(config)
+        raise Built
+
+    monkeypatch.setattr(compare_cmd, "load_model", lambda *a, **k: None)
+    monkeypatch.setattr(compare_cmd, "Scorer", scorer)
+    with pytest.raises(Built):
+        main(["compare", "--reference", "r", "--text-file", str(f), "--deterministic", "--no-tp-invariant",
+              "--quiet", "--max-batch-tokens", "96"])
+    config = seen[0]
+    assert config.progress is False and config.max_batch_tokens == 96
+    assert config.deterministic and config.deterministic.tp_invariant is False
 
 
 def test_kl_plot_html_points():

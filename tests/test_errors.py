@@ -7,6 +7,7 @@ import json
 import pytest
 
 from logprobe import LogprobeError, Scorer, load_model
+from logprobe.config import EngineConfig
 
 
 def test_unknown_model():
@@ -78,3 +79,13 @@ def test_bad_input(default_scorer: Scorer, call, field):
     # the message starts with the field's full path, e.g. "sequences[0].completion_token_ids: ..."
     head = str(e.value).split(": ", 1)[0]
     assert head == field or head.endswith("." + field), str(e.value)
+
+
+@pytest.mark.parametrize("keyword", [dict(max_batch_tokens=64), dict(progress=False), dict(deterministic=True)])
+def test_config_and_a_keyword_that_it_holds_is_an_error(keyword):
+    """Scorer(config=..., max_batch_tokens=...) used to ignore the keyword; it names both now,
+    before any model is loaded."""
+    (name,) = keyword
+    with pytest.raises(LogprobeError, match=rf"^{name}: is given with config=EngineConfig") as e:
+        Scorer("no-such-model", config=EngineConfig(), **keyword)
+    assert f"EngineConfig({name}=...)" in e.value.fix

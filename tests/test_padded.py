@@ -61,7 +61,7 @@ def test_scatter_and_requests_gold():
     top = scatter(torch.arange(10).view(5, 2), plan)  # [N, k] -> [bs, R, k]
     assert top.shape == (3, 3, 2) and top[1].tolist() == [[4, 5], [0, 0], [8, 9]]
     ids = torch.arange(100, 121).view(3, 7)
-    reqs = plan_requests(plan, ids, 300, 512, 1.0, 0, False)
+    reqs = plan_requests(plan, ids, 300, 512)
     assert [(r.tokens, r.score_begin) for r in reqs] == [([102, 103, 104, 105], 2),
                                                          ([107, 108, 109, 110, 111, 112, 113], 4)]
 
@@ -81,7 +81,7 @@ def test_scatter_and_requests_gold():
      "cu_seqlens[2]"),
     (lambda: plan_packed(torch.zeros(5, dtype=torch.long), torch.tensor([0, 5]), torch.tensor([6])), "score_start[0]"),
     (lambda: plan_requests(plan_padded(torch.tensor(ATTENTION), num_response_tokens=2), torch.zeros(3, 6).long(),
-                           300, 512, 1.0, 0, False), "input_ids"),
+                           300, 512), "input_ids"),
 ])
 def test_layout_errors_name_the_field(call, field):
     with pytest.raises(LogprobeError) as e:

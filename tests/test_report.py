@@ -17,6 +17,7 @@ from logprobe.errors import LogprobeError
 from logprobe.report import Segment, Token, kl_page, locate_targets, surprisal_page
 from logprobe.report.html import kl_histogram_svg
 from logprobe.report.tokens import stream_tokens
+from logprobe.scoring.options import Windows
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def _count(page: str) -> int:
                                      dict(context_length=16, policy="llama.cpp"),
                                      dict(context_length=32, stride=32, prefix=False)])
 def test_perplexity_page_equals_scorer(default_scorer, options):
-    page = perplexity_page(default_scorer, TEXT, ARGS, **options)
+    page = perplexity_page(default_scorer, TEXT, ARGS, Windows(**options))
     ref = default_scorer.perplexity(TEXT, return_token_nlls=True, **options)
     assert _count(page) == ref.num_tokens == len(_logprobs(page))
     assert _logprobs(page) == [-x for x in ref.token_nlls[0]]  # bitwise: the same jobs on the same engine
@@ -66,7 +67,7 @@ def test_page_ranks_and_alternatives_equal_logprobs(default_scorer):
     """Ranks, entropies and top-k on the page equal Scorer.logprobs on the same windows' ids."""
     from logprobe.scoring.windows import sliding_windows
 
-    page = perplexity_page(default_scorer, TEXT, ARGS, context_length=24, stride=12)
+    page = perplexity_page(default_scorer, TEXT, ARGS, Windows(context_length=24, stride=12))
     stream = [default_scorer.tokenizer.prefix_id] + default_scorer.tokenizer.encode(TEXT)
     seqs = [{"prompt_token_ids": stream[w.begin:w.score_begin], "completion_token_ids": stream[w.score_begin:w.end]}
             for w in sliding_windows(len(stream), 24, 12)]
@@ -99,7 +100,7 @@ def test_score_page_equals_score(default_scorer):
 
 def test_compare_page_same_model_has_zero_kl(default_scorer):
     res = default_scorer.compare(default_scorer, TEXT, context_length=32, stride=8, return_token_stats=True)
-    page = compare_page(default_scorer, default_scorer, TEXT, res, context_length=32, stride=8)
+    page = compare_page(default_scorer, default_scorer, TEXT, res, Windows(context_length=32, stride=8))
     kl = [float(x) for x in re.findall(r'data-kl="([^"]+)"', page)]
     assert _count(page) == res.num_tokens == len(kl) and kl == res.token_kl and set(kl) == {0.0}
     assert "<svg" in page and "Mean    KLD" in page

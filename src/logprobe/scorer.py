@@ -2,34 +2,36 @@
 
 Every method states which rows predict which tokens; see ``scoring.contract`` for the full
 contract and ``scoring.windows`` for how perplexity windows overlap. The methods build a ``Job``
-(``scoring.job``) in the ``scoring`` module of their kind and run it on the scorer's engine.
+(``scoring.work``) in the ``scoring`` module of their kind, from the scorer's ``ScoringContext``
+and the option records of ``scoring.options``, and run it on the scorer's executor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .config import EngineConfig
-from .engine.request import RequestResult, ScoreRequest
 from .engine.runner import Engine
 from .errors import LogprobeError
 from .executor.engine import parallel_parts
-from .interp.specs import CaptureSpec, SteerSpec
+from .executor.interface import Executor
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
 from .loading.update import load_weights, update_weights
 from .scoring import continuations as text_scoring
-from .scoring import inputs, states
 from .scoring import perplexity as ppl_scoring
 from .scoring import sequences as id_scoring
-from .scoring.compare import compare_scorers
+from .scoring import states
+from .scoring.compare import compare_models
 from .scoring.inputs import MIN_TEMPERATURE
-from .scoring.job import Job
+from .scoring.options import HeadOptions, HookSpecs, Windows
 from .scoring.padded import AlignedLogprobs, plan_packed, plan_padded
 from .scoring.results import ContinuationScore, PerplexityResult, SequenceLogprobs
+from .scoring.work import Job, ScoringContext
 
 # Job and the result types are imported from here by the server, integrations and ``logprobe``.
 __all__ = ["MIN_TEMPERATURE", "ContinuationScore", "Job", "PerplexityResult", "Scorer", "SequenceLogprobs"]
@@ -45,13 +47,11 @@ class Scorer:
 
     def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
                  dtype: str | None = "auto", max_batch_tokens: int | None = None, progress: bool | None = None,
-                 deterministic: bool = False, config: EngineConfig | None = None,
-                 batch_invariant: bool = False, tensor_parallel_size: int = 1,
+                 deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
-        tiles everywhere, see EngineConfig), and whatever the TP size. ``batch_invariant`` is its
-        old name.
+        tiles everywhere, see EngineConfig), and whatever the TP size.
 
         ``tensor_parallel_size`` / ``data_parallel_size``: the model split over N ranks, and M such
         replicas; the library starts and owns the N * M worker processes (``executor.workers``;
@@ -59,8 +59,8 @@ class Scorer:
         ``torchrun`` (a process group already initialised with N ranks) every rank makes its
         Scorer with the same arguments and calls it with the same inputs. ``close()`` stops the
         workers."""
-        config = config or EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress,
-                                        deterministic=deterministic or batch_invariant)
+        config = engine_config(config, max_batch_tokens=max_batch_tokens, progress=progress,
+                               deterministic=deterministic)
         if tensor_parallel_size != 1 or data_parallel_size != 1:
             self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
                                                                    tensor_parallel_size, data_parallel_size)
@@ -70,6 +70,8 @@ class Scorer:
             self.engine = Engine(self.loaded.model, config, self.device)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
+        # what the job builders read about the model, built once (deterministic: renewed with config)
+        self.context = ScoringContext.of(self.loaded, self.engine.config.deterministic)
         self.weights_version = 0  # +1 per successful update_weights / load_weights
 
     @property
@@ -82,12 +84,17 @@ class Scorer:
         """Later calls run under ``config`` (``scorer.config = replace(scorer.config,
         deterministic=True)``); ``max_batch_tokens=None`` keeps the budget chosen at start."""
         self.engine.config = config
+        self.context = replace(self.context, deterministic=bool(config.deterministic))
+
+    @property
+    def executor(self) -> Executor:
+        """What runs this scorer's requests (``executor.interface``): the in-process engine or the
+        worker processes' one. A server batches the requests of many jobs on it."""
+        return self.engine
 
     def close(self) -> None:
         """Stop worker processes (parallel scorers); a no-op otherwise."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     def __enter__(self) -> Scorer:
         return self
@@ -124,15 +131,15 @@ class Scorer:
 
         An empty prompt is replaced by the prefix token (BOS, else EOS).
         """
-        return text_scoring.score_job(self, prompt, continuations, temperature=temperature, top_k=top_k,
-                                      entropy=entropy, capture=capture, steer=steer)
+        return text_scoring.score_job(self.context, prompt, continuations, HeadOptions(temperature, top_k, entropy),
+                                      HookSpecs(capture, steer))
 
     def loglikelihood(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), is_greedy)`` per pair, as lm-eval's ``loglikelihood``."""
         return self.run(self.loglikelihood_job(pairs))
 
     def loglikelihood_job(self, pairs: Sequence[tuple[str, str]]) -> Job:
-        return text_scoring.loglikelihood_job(self, pairs)
+        return text_scoring.loglikelihood_job(self.context, pairs)
 
     # -- token ids (reinforcement learning) ----------------------------------------------------
 
@@ -153,20 +160,8 @@ class Scorer:
     def logprobs_job(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
                      entropy: bool = False, capture: Sequence[dict] | None = None,
                      steer: Sequence[dict] | None = None) -> Job:
-        return id_scoring.logprobs_job(self, sequences, temperature, top_k, entropy, capture, steer)
-
-    @staticmethod
-    def sequence_result(req: ScoreRequest, r: RequestResult, caps: list[CaptureSpec]) -> SequenceLogprobs:
-        return id_scoring.sequence_result(req, r, caps)
-
-    def hook_specs(self, capture, steer) -> tuple[list[CaptureSpec], list[SteerSpec]]:
-        """Validated ``capture`` / ``steer`` lists against this model's depth and width."""
-        return inputs.check_hooks(capture, steer, self.loaded.model, self.info.backend)
-
-    def sequence_request(self, seq: dict, i: int, temperature: float, top_k: int, entropy: bool,
-                         caps: list[CaptureSpec] = (), steers: list[SteerSpec] = ()) -> ScoreRequest:
-        """Validate one RL sequence and turn it into a request (used by the CLI's streaming mode)."""
-        return id_scoring.sequence_request(self, seq, i, temperature, top_k, entropy, caps, steers)
+        return id_scoring.logprobs_job(self.context, sequences, HeadOptions(temperature, top_k, entropy),
+                                       HookSpecs(capture, steer))
 
     def logprobs_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         response_mask: torch.Tensor | None = None, *, num_response_tokens: int | None = None,
@@ -193,7 +188,7 @@ class Scorer:
                             response_mask: torch.Tensor | None = None, *, num_response_tokens: int | None = None,
                             temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> Job:
         plan = plan_padded(attention_mask, response_mask, num_response_tokens)
-        return id_scoring.aligned_job(self, plan, input_ids, temperature, entropy, top_k)
+        return id_scoring.aligned_job(self.context, plan, input_ids, HeadOptions(temperature, top_k, entropy))
 
     def logprobs_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, score_start: torch.Tensor, *,
                         temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> AlignedLogprobs:
@@ -207,7 +202,7 @@ class Scorer:
     def logprobs_packed_job(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, score_start: torch.Tensor, *,
                             temperature: float = 1.0, entropy: bool = False, top_k: int = 0) -> Job:
         plan = plan_packed(input_ids, cu_seqlens, score_start)
-        return id_scoring.aligned_job(self, plan, input_ids, temperature, entropy, top_k)
+        return id_scoring.aligned_job(self.context, plan, input_ids, HeadOptions(temperature, top_k, entropy))
 
     # -- new weights (reinforcement learning) --------------------------------------------------
 
@@ -236,20 +231,20 @@ class Scorer:
 
     def _workers(self):
         """The engine of worker processes that hold the weights (tensor/data parallel), else None."""
-        return None if isinstance(self.engine, Engine) else self.engine
+        return None if self.engine.in_process else self.engine
 
     # -- hidden states and steering vectors ----------------------------------------------------
 
     def last_token_states(self, texts: Sequence[str], layers: Sequence[int], field: str = "texts") -> torch.Tensor:
         """``blocks.{l}.resid_post`` at each text's last token -> float32 [len(texts), len(layers), H]."""
-        return states.last_token_states(self, texts, layers, field)
+        return states.last_token_states(self.context, self.engine, texts, layers, field)
 
     def train_vector(self, positive: Sequence[str], negative: Sequence[str], layers: Sequence[int] | None = None,
                      method: str = "pca_diff") -> SteeringVector:
         """A reading/steering vector per layer from contrasting prompts (``interp.vectors``):
         captured last-token ``resid_post`` states of ``positive[i]`` vs ``negative[i]``. Layers
         default to 1..L-1 (llama.cpp cannot steer block 0). Save it with ``.save_gguf(path)``."""
-        return states.train_vector(self, positive, negative, layers, method)
+        return states.train_vector(self.context, self.engine, positive, negative, layers, method)
 
     # -- perplexity ----------------------------------------------------------------------------
 
@@ -286,12 +281,8 @@ class Scorer:
                        prefix: bool | None = None, max_tokens: int | None = None,
                        return_token_nlls: bool = False, capture: Sequence[dict] | None = None,
                        steer: Sequence[dict] | None = None) -> Job:
-        return ppl_scoring.perplexity_job(self, texts, context_length=context_length, stride=stride, policy=policy,
-                                          prefix=prefix, max_tokens=max_tokens, return_token_nlls=return_token_nlls,
-                                          capture=capture, steer=steer)
-
-    def check_ids(self, ids, name: str) -> list[int]:
-        return inputs.check_ids(ids, name, self.info.vocab_size)
+        windows = Windows(context_length, stride, policy, prefix, max_tokens)
+        return ppl_scoring.perplexity_job(self.context, texts, windows, HookSpecs(capture, steer), return_token_nlls)
 
     # -- quantization quality ------------------------------------------------------------------
 
@@ -307,11 +298,33 @@ class Scorer:
         full vocabulary (mean ± stderr, max, percentiles), same-top-token rate and Δp statistics,
         as llama.cpp's ``--kl-divergence``. ``reference`` may be a Scorer, a LoadedModel or a model
         spec (loaded on this scorer's device)."""
-        if not isinstance(self.engine, Engine):
+        if not self.engine.in_process:
             raise LogprobeError("tensor_parallel_size", "compare runs both models in this process",
                                 "compare with scorers made without tensor_parallel_size / data_parallel_size")
 
         if not isinstance(reference, Scorer):
             reference = Scorer(reference, device=str(self.device), config=self.config)
-        return compare_scorers(self, reference, texts, context_length=context_length, stride=stride, policy=policy,
-                               prefix=prefix, max_tokens=max_tokens, return_token_stats=return_token_stats)
+        return compare_models(self.context, self.engine, reference.context, reference.engine, texts,
+                              Windows(context_length, stride, policy, prefix, max_tokens), return_token_stats)
+
+
+def engine_config(config: EngineConfig | None, *, max_batch_tokens: int | None = None, progress: bool | None = None,
+                  deterministic: bool = False) -> EngineConfig:
+    """``config``, or one made of the keywords; both at once is a contradiction and raises (the
+    keywords would be silently ignored).
+
+    >>> engine_config(None, max_batch_tokens=64).max_batch_tokens
+    64
+    >>> engine_config(EngineConfig(), max_batch_tokens=64)
+    Traceback (most recent call last):
+    logprobe.errors.LogprobeError: max_batch_tokens: is given with config=EngineConfig(...), which already says it; set it in the config: EngineConfig(max_batch_tokens=...)
+    """
+    if config is None:
+        return EngineConfig(max_batch_tokens=max_batch_tokens, progress=progress, deterministic=deterministic)
+    given = {"max_batch_tokens": max_batch_tokens is not None, "progress": progress is not None,
+             "deterministic": bool(deterministic)}
+    for name, is_given in given.items():
+        if is_given:
+            raise LogprobeError(name, "is given with config=EngineConfig(...), which already says it",
+                                f"set it in the config: EngineConfig({name}=...)")
+    return config

@@ -1,5 +1,5 @@
-"""What every ``logprobe`` command shares: the model options, the cached model, one-line errors,
-reading text and JSON options.
+"""What every ``logprobe`` command shares: the model options (read from the arguments in one
+place, ``ScorerOptions``), the cached model, one-line errors, reading text and JSON options.
 
 >>> p = argparse.ArgumentParser(parents=[model_parser()])
 >>> p.parse_args(["--model", "org/name@main", "--quiet"]).model
@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
-from ..config import EngineConfig
+from ..config import Deterministic, EngineConfig
 from ..errors import LogprobeError
 from ..loading import LoadedModel, load_model
 from ..scorer import Scorer
+from ..scoring.options import HeadOptions, HookSpecs
 
 PROG = "logprobe"
 
@@ -26,14 +28,48 @@ MODEL_HELP = ("a known name (default: smollm2-135m), a .gguf file, a Hugging Fac
               "ORG/NAME[@REVISION] (ORG/NAME:FILE.gguf for one GGUF file of a repo; the local cache first)")
 
 
+@dataclass(frozen=True, slots=True)
+class ScorerOptions:
+    """The options of ``model_parser``, the one place where a command's arguments become a model
+    and an ``EngineConfig`` (every command that loads a model goes through it).
+
+    >>> args = argparse.ArgumentParser(parents=[model_parser()]).parse_args(
+    ...     ["--deterministic", "--no-tp-invariant", "--quiet", "--max-batch-tokens", "64"])
+    >>> config = ScorerOptions.from_args(args).engine_config()
+    >>> config.max_batch_tokens, config.progress, config.deterministic.tp_invariant
+    (64, False, False)
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_tokens: int | None = None
+    deterministic: bool = False
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    tp_invariant: bool = True
+    progress: bool | None = None  # --quiet: False; else a bar when stderr is a terminal
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> ScorerOptions:
+        return ScorerOptions(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
+                             args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
+                             False if getattr(args, "quiet", False) else None)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's config (validated here, before any slow load)."""
+        deterministic = Deterministic(tp_invariant=self.tp_invariant) if self.deterministic else None
+        return EngineConfig(max_batch_tokens=self.max_batch_tokens, deterministic=deterministic,
+                            progress=self.progress)
+
+
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
                max_batch_tokens: int | None = None, deterministic: bool = False, tensor_parallel_size: int = 1,
                data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
-    # validates before the slow load
-    config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic, tp_invariant=tp_invariant,
-                          progress=progress)
+    config = ScorerOptions(model, device, dtype, max_batch_tokens, deterministic, tensor_parallel_size,
+                           data_parallel_size, tp_invariant, progress).engine_config()
     if tensor_parallel_size != 1 or data_parallel_size != 1:
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size)
@@ -54,7 +90,7 @@ def model_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="token budget of one forward pass (default: from the device: 8192 on CPU, up to 32768 "
                         "on CUDA as free memory allows); lower it if memory runs out")
-    g.add_argument("--deterministic", "--batch-invariant", dest="deterministic", action="store_true",
+    g.add_argument("--deterministic", dest="deterministic", action="store_true",
                    help="bitwise-identical numbers whatever shares a batch, its order, budget, chunking or "
                         "prefix sharing (native models; slower, see docs/perf.md)")
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
@@ -80,6 +116,17 @@ def head_parser() -> argparse.ArgumentParser:
                    help="also report the K most likely tokens at each scored position (default: 0)")
     h.add_argument("--entropy", action="store_true", help="also report the entropy of each position's distribution")
     return head
+
+
+def head_options(args: argparse.Namespace) -> HeadOptions:
+    """The options of ``head_parser`` as one record (not yet checked: ``HeadOptions.checked``)."""
+    return HeadOptions(args.temperature, args.top_k, args.entropy)
+
+
+def hook_specs(args: argparse.Namespace) -> HookSpecs:
+    """The options of ``hooks_parser`` as one record, JSON (or @FILE) read; the steer first."""
+    steer = json_option(args.steer, "--steer")
+    return HookSpecs(json_option(args.capture, "--capture"), steer)
 
 
 def hooks_parser() -> argparse.ArgumentParser:

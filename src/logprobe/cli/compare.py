@@ -7,13 +7,12 @@ import argparse
 import json
 import time
 
-from ..config import EngineConfig
 from ..errors import LogprobeError
 from ..loading import load_model
 from ..scorer import Scorer
 from ..scoring.compare import kl_plot_html
-from .common import read_text as _read_text
-from .report import add_html_option, check_html, compare_html
+from .common import ScorerOptions, read_text
+from .report import add_html_option, check_html, compare_html, window_options
 
 
 def add_window_args(p: argparse.ArgumentParser, policy_help: str, max_tokens_help: str,
@@ -51,19 +50,20 @@ def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     check_html(args)
-    text = _read_text(args.text_file, "--text-file")
+    text = read_text(args.text_file, "--text-file")
     if not text.strip():
         raise LogprobeError("--text-file", "is empty (no text to score)", "give a file with some text")
     if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
         raise LogprobeError("--tensor-parallel-size", "compare runs both models in this process",
                             "drop --tensor-parallel-size / --data-parallel-size")
-    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, deterministic=args.deterministic)
-    q = Scorer(load_model(args.model, args.device, args.dtype, weights=args.weights), config=config)
-    r = Scorer(load_model(args.reference, args.device, args.dtype, weights=args.weights), config=config)
+    options = ScorerOptions.from_args(args)
+    config = options.engine_config()  # every model option, as every other command reads them
+    q = Scorer(load_model(options.model, options.device, options.dtype, weights=args.weights), config=config)
+    r = Scorer(load_model(args.reference, options.device, options.dtype, weights=args.weights), config=config)
     start = time.perf_counter()
-    res = q.compare(r, text, context_length=args.context_length, stride=args.stride, policy=args.policy,
-                    prefix=False if args.no_prefix else None, max_tokens=args.max_tokens,
-                    return_token_stats=args.plot is not None or args.html is not None)
+    w = window_options(args)
+    res = q.compare(r, text, context_length=w.context_length, stride=w.stride, policy=w.policy, prefix=w.prefix,
+                    max_tokens=w.max_tokens, return_token_stats=args.plot is not None or args.html is not None)
     elapsed = time.perf_counter() - start
     compare_html(args, q, r, text, res)
     if args.plot is not None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..jobs import LogprobsRows
-from ..scoring.inputs import check_options
-from .common import hooks_parser, json_option
+from .common import head_options, hook_specs, hooks_parser
 from .rows import add_table_args, exit_code, run_table
 
 
@@ -33,10 +32,8 @@ def add_logprobs_parser(sub, common: argparse.ArgumentParser, head: argparse.Arg
 
 
 def cmd_logprobs(args: argparse.Namespace) -> int:
-    check_options(args.temperature, args.top_k)  # fail before loading the model
-    job = LogprobsRows(None, args.temperature, args.top_k, args.entropy, json_option(args.steer, "--steer"),
-                       json_option(args.capture, "--capture"), args.capture_dir or args.output + ".captures",
+    head_options(args).checked()  # fail before loading the model
+    job = LogprobsRows(head_options(args), hook_specs(args), args.capture_dir or args.output + ".captures",
                        args.keep_columns)
-    job.scorer = args.make_scorer(args)
-    counts, _ = run_table(args, job.scorer, job)
+    counts, _ = run_table(args, args.make_scorer(args), job)
     return exit_code(counts)

@@ -26,7 +26,7 @@ import torch
 from .. import __version__
 from ..errors import LogprobeError
 from ..jobs import join_continuation  # noqa: F401  (re-exported: the CLI's join rule)
-from .common import _MODELS, PROG, fail, get_scorer, head_parser, model_parser, read_text  # noqa: F401
+from .common import PROG, ScorerOptions, fail, get_scorer, head_parser, model_parser
 from .compare import add_compare_parser
 from .eval import add_eval_parser
 from .logprobs import add_logprobs_parser
@@ -110,12 +110,9 @@ def _fail(message: str) -> int:
 
 
 def _scorer(args: argparse.Namespace):
-    return get_scorer(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
-                      args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
-                      False if getattr(args, "quiet", False) else None)
-
-
-_read_text = read_text  # the old name (cli.compare and others used it)
+    o = ScorerOptions.from_args(args)
+    return get_scorer(o.model, o.device, o.dtype, o.max_batch_tokens, o.deterministic, o.tensor_parallel_size,
+                      o.data_parallel_size, o.tp_invariant, o.progress)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,7 @@ from ..io.tables import read_output, read_rows, table_format
 from ..jobs import ListSink, PerplexityRows, aggregate
 from .common import hooks_parser, json_option, read_text
 from .compare import add_window_args
-from .report import add_html_option, check_html, perplexity_html
+from .report import add_html_option, check_html, perplexity_html, window_options
 from .rows import INPUT_FORMATS, add_table_args, exit_code, run_table
 
 
@@ -99,9 +99,10 @@ def _one_text(args: argparse.Namespace, text: str, option: str, where: str) -> i
         raise LogprobeError(option, f"{where} is empty (no text to score)", "give a file with some text")
     scorer = args.make_scorer(args)
     start = time.perf_counter()
-    res = scorer.perplexity(text, context_length=args.context_length, stride=args.stride, policy=args.policy,
-                            prefix=False if args.no_prefix else None, max_tokens=args.max_tokens,
-                            steer=json_option(args.steer, "--steer"), capture=json_option(args.capture, "--capture"))
+    w = window_options(args)
+    res = scorer.perplexity(text, context_length=w.context_length, stride=w.stride, policy=w.policy, prefix=w.prefix,
+                            max_tokens=w.max_tokens, steer=json_option(args.steer, "--steer"),
+                            capture=json_option(args.capture, "--capture"))
     elapsed = time.perf_counter() - start
     perplexity_html(args, scorer, text, json_option(args.steer, "--steer"))
     d = res.to_dict()
@@ -147,15 +148,12 @@ def _report(args: argparse.Namespace, scorer, d: dict, elapsed: float) -> None:
 def _per_row(args: argparse.Namespace) -> int:
     if args.steer or args.capture:
         raise LogprobeError("--steer", "is not available per row yet", "use --join to score one text")
-    job = PerplexityRows(None, args.text_field, args.context_length, args.stride, args.policy,
-                         False if args.no_prefix else None, args.max_tokens, args.keep_columns)
-    job.scorer = args.make_scorer(args)
-    job.context_length = args.context_length or min(2048, job.scorer.info.max_length)
-    if job.stride is None and args.policy == "sliding":
-        job.stride = max(1, job.context_length // 4)
+    scorer = args.make_scorer(args)
+    windows = window_options(args).resolved(scorer.info.max_length)
+    job = PerplexityRows(args.text_field, windows, args.keep_columns)
     start = time.perf_counter()
     sink = None if args.output is not None else ListSink()
-    counts, sink = run_table(args, job.scorer, job, _rows(args), sink, summary=False)
+    counts, sink = run_table(args, scorer, job, _rows(args), sink, summary=False)
     if counts.stopped:
         print(f"logprobe: stopped: {counts.written} rows written; run the same command again to resume",
               file=sys.stderr)
@@ -164,10 +162,10 @@ def _per_row(args: argparse.Namespace) -> int:
     agg = aggregate(all_rows)
     if agg["num_tokens"] == 0:
         raise LogprobeError(args.text_field, "no row could be scored", "see the row errors above")
-    agg.update(policy=args.policy, context_length=job.context_length, stride=job.stride)
+    agg.update(policy=args.policy, context_length=windows.context_length, stride=windows.stride)
     if args.output is None and args.json:
         agg["rows"] = all_rows
     elif args.output is not None:
         agg.update(output=args.output, written=counts.written, already_done=counts.already_done)
-    _report(args, job.scorer, agg, time.perf_counter() - start)
+    _report(args, scorer, agg, time.perf_counter() - start)
     return exit_code(counts)

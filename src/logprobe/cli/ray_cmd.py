@@ -19,8 +19,7 @@ from ..errors import LogprobeError
 from ..integrations import ray_dataset
 from ..io.jsonsafe import dumps
 from ..loading.loader import resolve_spec
-from ..scoring.inputs import check_options
-from .common import PROG
+from .common import PROG, head_options
 
 
 def add_ray_parser(sub, common: argparse.ArgumentParser, head: argparse.ArgumentParser) -> None:
@@ -75,7 +74,7 @@ def job_options(args: argparse.Namespace) -> dict:
         return {"text_field": args.text_field, "context_length": args.context_length, "stride": args.stride,
                 "policy": args.policy, "prefix": False if args.no_prefix else None}
 
-    check_options(args.temperature, args.top_k)
+    head_options(args).checked()
     out = {"temperature": args.temperature, "top_k": args.top_k, "entropy": args.entropy}
     if args.ray_job == "score":
         out["join"] = args.join

@@ -14,6 +14,9 @@ import dataclasses
 from ..errors import LogprobeError
 from ..report import Segment, kl_page, locate_targets, surprisal_page
 from ..report.tokens import Token, result_tokens, stream_tokens
+from ..scoring.continuations import score_job
+from ..scoring.options import HeadOptions, HookSpecs, Windows
+from ..scoring.perplexity import perplexity_job
 
 DEFAULT_TOP_K = 5
 
@@ -59,11 +62,11 @@ def _window_tokens(scorer, req, res) -> list[Token]:
                          None if res.entropy is None else res.entropy.tolist())
 
 
-def score_page(scorer, prompt: str, continuations: list[str], args: argparse.Namespace, **options) -> str:
+def score_page(scorer, prompt: str, continuations: list[str], args: argparse.Namespace, temperature: float = 1.0,
+               hooks: HookSpecs = HookSpecs()) -> str:
     """One segment per continuation: its prompt tokens (grey) then its scored tokens."""
-    k = _top_k(args)
-    job = scorer.score_job(prompt, continuations, top_k=k, entropy=True, **options)
-    results = scorer.engine.run(job.requests)
+    job = score_job(scorer.context, prompt, continuations, HeadOptions(temperature, _top_k(args), True), hooks)
+    results = scorer.executor.run(job.requests)
     scores = job.finish(results)
     segments = []
     for req, res, sc in zip(job.requests, results, scores, strict=True):
@@ -74,16 +77,17 @@ def score_page(scorer, prompt: str, continuations: list[str], args: argparse.Nam
     return surprisal_page(segments, "logprobe score", rows)
 
 
-def perplexity_page(scorer, text: str, args: argparse.Namespace, **options) -> str:
+def perplexity_page(scorer, text: str, args: argparse.Namespace, windows: Windows = Windows(),
+                    hooks: HookSpecs = HookSpecs()) -> str:
     """The text's tokens, each scored one coloured, as ``Scorer.perplexity`` windows score them."""
     k = _top_k(args)
-    job = scorer.perplexity_job(text, **options)
+    job = perplexity_job(scorer.context, text, windows, hooks)
     requests = [dataclasses.replace(r, top_k=k, entropy=True) for r in job.requests]
-    results = scorer.engine.run(requests)
+    results = scorer.executor.run(requests)
     res = job.finish(results)
     stream = scorer.tokenizer.encode(text)
-    if options.get("max_tokens") is not None:
-        stream = stream[:options["max_tokens"]]
+    if windows.max_tokens is not None:
+        stream = stream[:windows.max_tokens]
     starts = locate_targets(stream, [(r.tokens, r.tokens[r.score_begin:]) for r in requests])
     tokens = stream_tokens(scorer.tokenizer.token_texts(stream), starts,
                            [_window_tokens(scorer, q, r) for q, r in zip(requests, results, strict=True)])
@@ -98,15 +102,15 @@ def perplexity_page(scorer, text: str, args: argparse.Namespace, **options) -> s
     return surprisal_page([segment], "logprobe perplexity", rows)
 
 
-def compare_page(q, r, text: str, res, **options) -> str:
+def compare_page(q, r, text: str, res, windows: Windows = Windows()) -> str:
     """Tokens coloured by KL(R || Q) (``res.token_kl``, the compare result's own numbers), with the
-    KL histogram and the text report. ``options`` are the window options ``compare`` was given."""
+    KL histogram and the text report. ``windows``: the window options ``compare`` was given."""
     if res.token_kl is None:
         raise LogprobeError("--html", "the compare result has no per-token KL", "compare with return_token_stats")
-    job = q.perplexity_job(text, **options)  # the windows compare ran: tokenizing only
+    job = perplexity_job(q.context, text, windows)  # the windows compare ran: tokenizing only
     stream = q.tokenizer.encode(text)
-    if options.get("max_tokens") is not None:
-        stream = stream[:options["max_tokens"]]
+    if windows.max_tokens is not None:
+        stream = stream[:windows.max_tokens]
     starts = locate_targets(stream, [(w.tokens, w.tokens[w.score_begin:]) for w in job.requests])
     kl = iter(res.token_kl)
     scored = [[Token(t, kl=next(kl)) for t in q.tokenizer.token_texts(w.tokens[w.score_begin:])] for w in job.requests]
@@ -130,26 +134,25 @@ def check_html(args: argparse.Namespace) -> None:
                             "drop --html, or give PROMPT CONT... / --text-file")
 
 
-def window_options(args: argparse.Namespace) -> dict:
-    """The window options of ``perplexity`` / ``compare`` as ``Scorer.perplexity_job`` keywords."""
-    return dict(context_length=args.context_length, stride=args.stride, policy=args.policy,
-                prefix=False if args.no_prefix else None, max_tokens=args.max_tokens)
+def window_options(args: argparse.Namespace) -> Windows:
+    """The window options of ``perplexity`` / ``compare`` (``add_window_args``, ``--no-prefix``) as one record."""
+    return Windows(args.context_length, args.stride, args.policy, False if args.no_prefix else None, args.max_tokens)
 
 
 def score_html(args: argparse.Namespace, scorer, continuations: list[str], steer=None) -> None:
     """``logprobe score ... --html FILE``: the page of the continuations just scored."""
     if getattr(args, "html", None) is not None:
-        write_page(args.html, score_page(scorer, args.prompt, continuations, args, temperature=args.temperature,
-                                         steer=steer))
+        write_page(args.html, score_page(scorer, args.prompt, continuations, args, args.temperature,
+                                         HookSpecs(steer=steer)))
 
 
 def perplexity_html(args: argparse.Namespace, scorer, text: str, steer=None) -> None:
     """``logprobe perplexity --text-file F --html FILE``: the page of the text just scored."""
     if getattr(args, "html", None) is not None:
-        write_page(args.html, perplexity_page(scorer, text, args, steer=steer, **window_options(args)))
+        write_page(args.html, perplexity_page(scorer, text, args, window_options(args), HookSpecs(steer=steer)))
 
 
 def compare_html(args: argparse.Namespace, q, r, text: str, res) -> None:
     """``logprobe compare ... --html FILE``: tokens coloured by KL, the KL histogram, the report."""
     if getattr(args, "html", None) is not None:
-        write_page(args.html, compare_page(q, r, text, res, **window_options(args)))
+        write_page(args.html, compare_page(q, r, text, res, window_options(args)))

@@ -8,8 +8,7 @@ import math
 from ..errors import LogprobeError
 from ..io.jsonsafe import dumps
 from ..jobs import ScoreRows, join_continuation
-from ..scoring.inputs import check_options
-from .common import hooks_parser, json_option
+from .common import head_options, hooks_parser, json_option
 from .report import add_html_option, check_html, score_html
 from .rows import add_table_args, exit_code, run_table
 
@@ -35,7 +34,7 @@ def add_score_parser(sub, common: argparse.ArgumentParser, head: argparse.Argume
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    check_options(args.temperature, args.top_k)  # fail before loading the model
+    head_options(args).checked()  # fail before loading the model
     check_html(args)
     if args.input is not None:
         return _score_table(args)
@@ -62,9 +61,8 @@ def _score_table(args: argparse.Namespace) -> int:
         raise LogprobeError("--output", "is needed with --input", "give --output FILE.jsonl or FILE.parquet")
     if args.steer or args.capture:
         raise LogprobeError("--steer", "is not available for table files yet", "use logprobe logprobs, or the API")
-    job = ScoreRows(None, args.temperature, args.top_k, args.entropy, args.join, args.keep_columns)
-    job.scorer = args.make_scorer(args)
-    counts, _ = run_table(args, job.scorer, job)
+    job = ScoreRows(head_options(args), args.join, args.keep_columns)
+    counts, _ = run_table(args, args.make_scorer(args), job)
     return exit_code(counts)
 
 

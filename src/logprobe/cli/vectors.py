@@ -39,7 +39,7 @@ def cmd_train_vector(args: argparse.Namespace) -> int:
     scorer = args.make_scorer(args)
     layers = None
     if args.layers is not None:
-        L = scorer.loaded.model.config.num_layers if getattr(scorer.loaded.model, "supports_hooks", False) else 0
+        L = scorer.context.hook_layers
         try:
             layers = [point_layer(p) for p in resolve_points(f"blocks.{args.layers}.resid_post", L)]
         except LogprobeError as e:

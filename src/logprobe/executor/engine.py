@@ -20,7 +20,7 @@ from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
 from ..loading.loader import LoadedModel, describe_model, load_shard, parallel_context
 from ..parallel.context import ParallelContext
-from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
+from .workers import EndWeights, LaunchSpec, StageWeights, WorkerDied, WorkerGroup, default_threads, recv
 
 
 def assign_replicas(inputs: list[list[int]], replicas: int, key_len: int = 16) -> list[list[int]]:
@@ -45,7 +45,11 @@ def assign_replicas(inputs: list[list[int]], replicas: int, key_len: int = 16) -
 
 
 class ParallelEngine:
-    """``dp`` replicas of ``tp`` worker processes each (GPUs ``replica * tp .. + tp - 1``)."""
+    """``dp`` replicas of ``tp`` worker processes each (GPUs ``replica * tp .. + tp - 1``); an
+    ``executor.interface.Executor``."""
+
+    per_request_errors = False  # a replica's error is reported for each of its requests
+    in_process = False  # the workers hold the weights: stage_weights / end_weights update them
 
     def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int) -> None:
         self.tp, self.dp = tp, dp
@@ -103,10 +107,10 @@ class ParallelEngine:
                     error = error or e
                     del live[g]
                     continue
-                i = idx[msg[1]]
-                results[i] = msg[2]
+                i = idx[msg.index]
+                results[i] = msg.result
                 if on_result is not None:
-                    on_result(i, msg[2])
+                    on_result(i, msg.result)
         if error is not None:
             if on_error is None or isinstance(error, WorkerDied):
                 raise error
@@ -118,20 +122,20 @@ class ParallelEngine:
     def stage_weights(self, rank: int, pairs: list) -> None:
         """Hand rank ``rank`` of every replica its slices of new weights (``loading.update``)."""
         for g in self.groups:
-            g.broadcast(("weights", pairs), rank)
+            g.broadcast(StageWeights(pairs), rank)
 
     def end_weights(self, commit: bool) -> None:
         """Every worker confirms its staged weights, then all copy them in; or all drop them. A
         worker's error drops them everywhere and is raised."""
         if commit:
             try:
-                self._everyone(("weights_prepare",))
+                self._everyone(EndWeights("prepare"))
             except BaseException:
-                self._everyone(("weights_abort",))
+                self._everyone(EndWeights("abort"))
                 raise
-        self._everyone(("weights_commit",) if commit else ("weights_abort",))
+        self._everyone(EndWeights("commit" if commit else "abort"))
 
-    def _everyone(self, msg) -> None:
+    def _everyone(self, msg: EndWeights) -> None:
         for g in self.groups:
             g.broadcast(msg)
         error = None

@@ -5,7 +5,8 @@ worker joins its replica's process group (NCCL on GPUs, gloo on CPU), reads only
 weights (``loading.load_shard``) and then serves one message kind: *run these requests*. Every
 rank of a replica runs the same engine loop on the same requests (planning is a pure function of
 them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
-each request's result back as it completes, every rank sends ``done`` at the end.
+each request's ``Result`` back as it completes, every rank sends ``Done`` at the end (the
+messages are the small records below, read with ``match``).
 
 Workers are fresh interpreters (``python -m logprobe.executor.workers``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
@@ -62,6 +63,74 @@ class LaunchSpec:
     threads: int = 1
 
 
+# -- messages: small records, pickled whole and read with ``match`` ------------------------------
+# driver -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run ``requests`` under the driver's ``config`` of this run (e.g. deterministic on or off)."""
+
+    requests: list
+    config: EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class StageWeights:
+    """Stage these ``(name, slice)`` pairs of new weights (``loading.update``); no answer."""
+
+    pairs: list
+
+
+@dataclass(frozen=True, slots=True)
+class EndWeights:
+    """"prepare" (check every staged slice arrived and converted), "commit" (copy them in) or
+    "abort" (drop them); answered ``Done`` or ``Failed``."""
+
+    step: str
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    pass
+
+
+# worker -> driver
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The shard is loaded: its parameter bytes, the growth of the peak RSS while loading it, and
+    the group's ``max_batch_tokens`` (the same on every rank)."""
+
+    param_bytes: int
+    load_peak_bytes: int
+    budget: int
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """Request ``index`` of the current run is done (rank 0 only)."""
+
+    index: int
+    result: object
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    field: str
+    problem: str
+    fix: str
+
+    def error(self) -> LogprobeError:
+        return LogprobeError(self.field, self.problem, self.fix)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -96,7 +165,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))
         engine = Engine(loaded.model, config, torch.device(device))
-        send(conn, ("ready", _param_bytes(loaded.model), peak.growth, config.max_batch_tokens))
+        send(conn, Ready(_param_bytes(loaded.model), peak.growth, config.max_batch_tokens))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then this process ends
         send(conn, _error(e))
         return
@@ -106,40 +175,41 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             msg = recv(conn)
         except (EOFError, OSError):  # the driver is gone
             break
-        if msg[0] == "close":
-            break
-        if msg[0].startswith("weights"):
-            stage = _weights_message(msg, loaded.model, stage, conn)
-            continue
-        try:
-            on_result = (lambda i, r: send(conn, ("result", i, r))) if rank == 0 else None
-            engine.config = msg[2]  # the driver's config of this run (e.g. deterministic on or off)
-            engine.run(msg[1], on_result=on_result, progress=False)
-            send(conn, ("done",))
-        except BaseException as e:  # noqa: BLE001
-            send(conn, _error(e))
+        match msg:
+            case Close():
+                break
+            case StageWeights() | EndWeights():
+                stage = _weights_message(msg, loaded.model, stage, conn)
+            case Run(requests, run_config):
+                try:
+                    on_result = (lambda i, r: send(conn, Result(i, r))) if rank == 0 else None
+                    engine.config = run_config
+                    engine.run(requests, on_result=on_result, progress=False)
+                    send(conn, Done())
+                except BaseException as e:  # noqa: BLE001
+                    send(conn, _error(e))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _weights_message(msg, model, stage, conn):
-    """A weight update (``loading.update.update_workers``): "weights" stages slices (no answer),
-    "weights_prepare" answers whether every slice arrived and converted, "weights_commit" copies
-    them into the shard, "weights_abort" drops them; those three answer ("done",) or an error."""
-    kind = msg[0]
+def _weights_message(msg: StageWeights | EndWeights, model, stage, conn):
+    """A weight update (``loading.update.update_workers``): ``StageWeights`` stages slices (no
+    answer); ``EndWeights`` "prepare" answers whether every slice arrived and converted, "commit"
+    copies them into the shard, "abort" drops them; those three answer ``Done`` or ``Failed``."""
     try:
-        if kind == "weights":
-            stage = stage or StagedWeights(model)
-            stage.add(msg[1])
-            return stage
-        if kind == "weights_prepare":
-            (stage or StagedWeights(model)).prepare()
-        elif kind == "weights_commit":
-            stage.commit()
-            stage = None
-        else:
-            stage = None
-        send(conn, ("done",))
+        match msg:
+            case StageWeights(pairs):
+                stage = stage or StagedWeights(model)
+                stage.add(pairs)
+                return stage
+            case EndWeights("prepare"):
+                (stage or StagedWeights(model)).prepare()
+            case EndWeights("commit"):
+                stage.commit()
+                stage = None
+            case _:
+                stage = None
+        send(conn, Done())
     except BaseException as e:  # noqa: BLE001 - reported to the driver
         send(conn, _error(e))
     return stage
@@ -187,10 +257,10 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _error(e: BaseException):
+def _error(e: BaseException) -> Failed:
     if isinstance(e, LogprobeError):
-        return ("error", e.field, e.problem, e.fix)
-    return ("error", "worker", f"{type(e).__name__}: {e}", "")
+        return Failed(e.field, e.problem, e.fix)
+    return Failed("worker", f"{type(e).__name__}: {e}", "")
 
 
 class _Proc:
@@ -242,12 +312,13 @@ class WorkerGroup:
                 send(conn, spec)
             self.param_bytes, self.load_peak_bytes = [], []
             for rank in range(spec.tp):
-                msg = self._recv(rank, READY_TIMEOUT_S)
-                if msg[0] == "error":
-                    raise LogprobeError(*msg[1:])
-                self.param_bytes.append(msg[1])
-                self.load_peak_bytes.append(msg[2])  # growth of the peak RSS while loading the shard
-                self.budget = msg[3]  # max_batch_tokens, the same on every rank of the group
+                match self._recv(rank, READY_TIMEOUT_S):
+                    case Failed() as failed:
+                        raise failed.error()
+                    case Ready(param_bytes, load_peak_bytes, budget):
+                        self.param_bytes.append(param_bytes)
+                        self.load_peak_bytes.append(load_peak_bytes)
+                        self.budget = budget
         except BaseException:
             self.close()
             raise
@@ -277,7 +348,7 @@ class WorkerGroup:
 
     def submit(self, requests, config: EngineConfig) -> None:
         for conn in self.conns:
-            send(conn, ("run", requests, config))
+            send(conn, Run(requests, config))
 
     def broadcast(self, msg, rank: int | None = None) -> None:
         """Send ``msg`` to every rank (or to one)."""
@@ -286,7 +357,7 @@ class WorkerGroup:
                 send(conn, msg)
 
     def messages(self):
-        """Yield ("result", i, result) from rank 0 until every rank is done; raise a rank's error."""
+        """Yield ``Result``s from rank 0 until every rank is done; raise a rank's error."""
         done, error = set(), None
         while len(done) < len(self.conns):
             for rank in self._ready(sorted(set(range(len(self.conns))) - done)):
@@ -294,14 +365,16 @@ class WorkerGroup:
                     msg = recv(self.conns[rank])
                 except (EOFError, OSError):  # its end of the socket closed: the process is going
                     self._died(rank)
-                if msg[0] == "result":
-                    yield msg
-                else:
-                    done.add(rank)
-                    if msg[0] == "error" and error is None:
-                        error = msg
+                match msg:
+                    case Result():
+                        yield msg
+                    case Failed():
+                        done.add(rank)
+                        error = error or msg
+                    case _:
+                        done.add(rank)
         if error is not None:
-            raise LogprobeError(*error[1:])
+            raise error.error()
 
     def _ready(self, ranks: list[int]) -> list[int]:
         """Ranks with a message; a dead worker is an error naming it (and ends the replica)."""
@@ -338,7 +411,7 @@ class WorkerGroup:
         for conn, p in zip(self.conns, self.procs):
             if conn is not None and p.is_alive():
                 try:
-                    send(conn, ("close",))
+                    send(conn, Close())
                 except (OSError, BrokenPipeError):
                     pass
         end = time.monotonic() + timeout

@@ -56,11 +56,10 @@ from ..config import EngineConfig
 from ..errors import LogprobeError
 from ..io.parquet import arrow_type, float32_type, with_declared
 from ..io.tables import Row
-from ..jobs import LogprobsRows, PerplexityRows, ScoreRows, aggregate, map_rows
+from ..jobs import JOBS, aggregate, map_rows, row_job  # noqa: F401  (JOBS: re-exported by logprobe.ray)
 from ..scorer import Scorer
 
 PERPLEXITY_INPUTS = ("nll_sum", "num_tokens", "nll_mean", "nll_stderr", "num_windows", "num_words", "num_bytes")
-JOBS = {"logprobs": LogprobsRows, "score": ScoreRows, "perplexity": PerplexityRows}
 _log = logging.getLogger("logprobe.ray")
 NO_CAPTURE = "hidden-state captures are not available on Ray yet"
 
@@ -87,7 +86,7 @@ class _RowJob:
         self.scorer = Scorer(model, device=device, dtype=dtype, config=config,
                              tensor_parallel_size=tensor_parallel_size or _actor_gpus())
         self.columns = columns
-        self.job = JOBS[self.job_name](scorer=self.scorer, keep=tuple(columns or ()), **options)
+        self.job = row_job(self.job_name, keep=tuple(columns or ()), **options)
 
     def __call__(self, batch):
         table = to_arrow(batch)

@@ -1,11 +1,11 @@
 """Rows in, rows out: the one loop that runs a row job (score, perplexity, logprobs) on a scorer.
 
-A job turns one input row into engine requests and, once they have all finished, into one
-output row (``RowWork``). ``run_rows`` reads rows in batches, runs each batch's requests in
+A job turns one input row, under the scorer's ``ScoringContext``, into a ``RowWork``: the row's
+``scoring.work.Job`` (engine requests, and how their results become the output columns). ``run_rows`` reads rows in batches, runs each batch's requests in
 shared forward passes and hands every finished row to a sink (``io.tables``):
 
-    input row 7 --job.work--> requests r0, r1 (windows, continuations) --engine--> results
-                --work.finish--> {"index": 7, <kept columns>, <results>}  --> sink.add
+    input row 7 --job.work(row, context)--> requests r0, r1 (windows, continuations) --engine--> results
+                --work.job.finish--> {"index": 7, <kept columns>, <results>}  --> sink.add
 
 A row the job cannot read (missing field, bad ids, too long) or that does not fit in memory even
 alone becomes ``{"index": i, ..., "error": "<why>"}`` and a line ``"row 8: <why>"`` on stderr; the
@@ -21,23 +21,24 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ..engine.request import RequestResult, ScoreRequest
-from ..engine.runner import Engine, RunStopped
+from ..engine.delivery import RunStopped
+from ..engine.request import RequestResult
 from ..errors import LogprobeError
 from ..io.tables import Row
+from ..scoring.work import Job
 
 
 @dataclass(slots=True)
 class RowWork:
-    """One input row as engine requests; ``finish(results)`` gives its output columns."""
+    """One input row: its index, the output row's first columns (``head``: index, id, kept
+    columns) and its ``Job``, whose ``finish(results)`` gives the rest of the output row."""
 
     index: int
-    requests: list[ScoreRequest]
-    finish: Callable[[list[RequestResult]], dict]
-    head: dict = field(default_factory=dict)  # the output row's first columns (index, id, kept columns)
+    head: dict
+    job: Job
 
 
 @dataclass(slots=True)
@@ -85,7 +86,7 @@ def run_rows(scorer, job, rows: Iterable[Row], sink, *, done: set[int] = frozens
                 if row.problem is not None:  # unreadable (not JSON): reported as the reader words it
                     _failed(sink, job.head(row), row.where, row.problem, counts, report)
                 else:
-                    works.append(job.work(row))
+                    works.append(job.work(row, scorer.context))
             except LogprobeError as e:
                 _failed(sink, job.head(row), row.where, str(e), counts, report)
         counts.stopped = _run_batch(scorer, works, batch, sink, counts, report, stop, progress)
@@ -139,10 +140,10 @@ def _run_batch(scorer, works: list[RowWork], batch: list[Row], sink, counts: Run
     """Run the requests of ``works`` together; True when ``stop`` ended it early."""
     requests, owner = [], []
     for k, w in enumerate(works):
-        requests.extend(w.requests)
-        owner.extend((k, j) for j in range(len(w.requests)))
-    results: list[list] = [[None] * len(w.requests) for w in works]
-    left = [len(w.requests) for w in works]
+        requests.extend(w.job.requests)
+        owner.extend((k, j) for j in range(len(w.job.requests)))
+    results: list[list] = [[None] * len(w.job.requests) for w in works]
+    left = [len(w.job.requests) for w in works]
     where = {r.index: r.where for r in batch}
 
     def on_result(i: int, res: RequestResult) -> None:
@@ -152,12 +153,12 @@ def _run_batch(scorer, works: list[RowWork], batch: list[Row], sink, counts: Run
         if left[k] == 0:
             w = works[k]
             try:
-                sink.add({**w.head, **w.finish(results[k])})
+                sink.add({**w.head, **w.job.finish(results[k])})
                 counts.written += 1
             except LogprobeError as e:
                 _failed(sink, w.head, where[w.index], str(e), counts, report)
             if progress is not None:
-                progress.update(1, sum(r.num_inputs for r in w.requests))
+                progress.update(1, w.job.num_tokens)
 
     def on_error(i: int, e: Exception) -> None:  # out of memory even alone: the row fails, once
         k, _ = owner[i]
@@ -169,10 +170,11 @@ def _run_batch(scorer, works: list[RowWork], batch: list[Row], sink, counts: Run
     if not requests:
         return bool(stop and stop())
     try:
-        if isinstance(scorer.engine, Engine):
-            scorer.engine.run(requests, on_result=on_result, progress=False, stop=stop, on_error=on_error)
-        else:  # ParallelEngine: stops between batches
-            scorer.engine.run(requests, on_result=on_result)
+        executor = scorer.executor
+        if executor.per_request_errors:
+            executor.run(requests, on_result=on_result, progress=False, stop=stop, on_error=on_error)
+        else:  # worker processes: a replica's error fails the batch; stops between batches
+            executor.run(requests, on_result=on_result)
     except RunStopped:
         return True
     return bool(stop and stop())

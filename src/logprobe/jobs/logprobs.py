@@ -19,19 +19,17 @@ from dataclasses import dataclass
 
 from ..errors import LogprobeError
 from ..io.tables import Row
-from ..scoring.inputs import check_options
+from ..scoring.options import HeadOptions, HookSpecs
+from ..scoring.sequences import sequence_request, sequence_result
+from ..scoring.work import Job, ScoringContext
 from . import fields
 from .base import RowWork, row_head
 
 
 @dataclass(slots=True)
 class LogprobsRows:
-    scorer: object = None
-    temperature: float = 1.0
-    top_k: int = 0
-    entropy: bool = False
-    steer: list | None = None
-    capture: list | None = None
+    options: HeadOptions = HeadOptions()
+    hooks: HookSpecs = HookSpecs()
     capture_dir: str = "captures"
     keep: tuple[str, ...] = ()
     float32_columns = frozenset({"logprobs", "entropy", "top_k_logprobs"})
@@ -43,41 +41,41 @@ class LogprobsRows:
         """The result columns every output row has (null in a failed row), as ``io.parquet.arrow_type``
         tags; ``names``: the input's columns (a ``top_k`` or ``entropy`` column turns those on per row).
 
-        >>> list(LogprobsRows(top_k=2).result_types())
+        >>> list(LogprobsRows(HeadOptions(top_k=2)).result_types())
         ['logprobs', 'sum_logprob', 'is_greedy', 'top_k_ids', 'top_k_logprobs']
         """
         out = {"logprobs": "list<float32>", "sum_logprob": "float64", "is_greedy": "list<bool>"}
-        if self.entropy or "entropy" in names:
+        if self.options.entropy or "entropy" in names:
             out["entropy"] = "list<float32>"
-        if self.top_k or "top_k" in names:
+        if self.options.top_k or "top_k" in names:
             out.update(top_k_ids="list<list<int64>>", top_k_logprobs="list<list<float32>>")
         return out
 
-    def work(self, row: Row) -> RowWork:
-        data, index, scorer = row.data, row.index, self.scorer
+    def work(self, row: Row, context: ScoringContext) -> RowWork:
+        data, index, opts = row.data, row.index, self.options
         get = lambda k, default: default if fields.missing(data.get(k)) else data[k]  # noqa: E731
-        temperature = fields.number(get("temperature", self.temperature), "temperature", float)
-        top_k = fields.number(get("top_k", self.top_k), "top_k", int)
-        entropy = fields.flag(get("entropy", self.entropy), "entropy")
-        temperature, top_k = check_options(temperature, top_k)
+        head = HeadOptions(fields.number(get("temperature", opts.temperature), "temperature", float),
+                           fields.number(get("top_k", opts.top_k), "top_k", int),
+                           fields.flag(get("entropy", opts.entropy), "entropy")).checked()
         seq = {k: fields.id_list(data.get(k), k) if not fields.missing(data.get(k)) else None
                for k in ("prompt_token_ids", "completion_token_ids")}
         try:
-            caps, steers = scorer.hook_specs(fields.json_value(get("capture", self.capture), "capture"),
-                                             fields.json_value(get("steer", self.steer), "steer"))
-            req = scorer.sequence_request(seq, index, temperature, top_k, entropy, caps, steers)
+            caps, steers = context.hook_specs(HookSpecs(
+                fields.json_value(get("capture", self.hooks.capture), "capture"),
+                fields.json_value(get("steer", self.hooks.steer), "steer")))
+            req = sequence_request(context, seq, index, head, caps, steers)
         except LogprobeError as e:  # "sequences[i].completion_token_ids[3]" -> "completion_token_ids[3]"
             field = e.field.removeprefix(f"sequences[{index}]").lstrip(".").lstrip(": ") or "line"
             raise LogprobeError(field, e.problem, e.fix) from e
 
         def finish(results) -> dict:
-            res = scorer.sequence_result(req, results[0], caps)
+            res = sequence_result(req, results[0], caps)
             out = res.to_dict()
             if res.captures is not None:
                 out["captures"] = capture_records(res.captures, self.capture_dir, index)
             return out
 
-        return RowWork(index, [req], finish, self.head(row))
+        return RowWork(index, self.head(row), Job([req], finish))
 
 
 def capture_records(captures, capture_dir: str, index: int) -> list[dict]:

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 from ..errors import LogprobeError
 from ..io.tables import Row
+from ..scoring.options import Windows
+from ..scoring.perplexity import perplexity_job
 from ..scoring.stats import exp_or_inf
+from ..scoring.work import Job, ScoringContext
 from . import fields
 from .base import RowWork, row_head
 
@@ -32,13 +35,8 @@ RESULT_COLUMNS = ("perplexity", "perplexity_stderr", "nll_mean", "nll_stderr", "
 
 @dataclass(slots=True)
 class PerplexityRows:
-    scorer: object = None
     text_field: str = "text"
-    context_length: int | None = None
-    stride: int | None = None
-    policy: str = "sliding"
-    prefix: bool | None = None
-    max_tokens: int | None = None
+    windows: Windows = Windows()
     keep: tuple[str, ...] = ()
     float32_columns = frozenset()
 
@@ -49,12 +47,10 @@ class PerplexityRows:
         """The result columns of every output row (null in a failed row), as ``io.parquet.arrow_type`` tags."""
         return {k: "int64" if k.startswith("num_") else "float64" for k in RESULT_COLUMNS}
 
-    def work(self, row: Row) -> RowWork:
+    def work(self, row: Row, context: ScoringContext) -> RowWork:
         text = fields.text(row.data.get(self.text_field), self.text_field)
         try:
-            job = self.scorer.perplexity_job(text, context_length=self.context_length, stride=self.stride,
-                                             policy=self.policy, prefix=self.prefix, max_tokens=self.max_tokens,
-                                             return_token_nlls=True)
+            job = perplexity_job(context, text, self.windows, return_token_nlls=True)
         except LogprobeError as e:  # "texts[0]: is empty" -> "text: is empty"
             field = self.text_field if e.field.startswith("texts") else e.field
             raise LogprobeError(field, e.problem, e.fix) from None
@@ -65,7 +61,7 @@ class PerplexityRows:
             out["nll_sum"] = math.fsum(res.token_nlls[0])
             return out
 
-        return RowWork(row.index, job.requests, finish, self.head(row))
+        return RowWork(row.index, self.head(row), Job(job.requests, finish))
 
 
 def aggregate(rows: list[dict]) -> dict:

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 from ..errors import LogprobeError
 from ..io.tables import Row
+from ..scoring.continuations import score_job
+from ..scoring.options import HeadOptions
+from ..scoring.work import Job, ScoringContext
 from . import fields
 from .base import RowWork, row_head
 
@@ -38,12 +41,9 @@ def join_continuation(prompt: str, continuation: str, join: str) -> str:
 
 @dataclass(slots=True)
 class ScoreRows:
-    """Options shared by every row: temperature, top-k and entropy, the join, kept columns."""
+    """Options shared by every row: the head's (temperature, top-k, entropy), the join, kept columns."""
 
-    scorer: object = None
-    temperature: float = 1.0
-    top_k: int = 0
-    entropy: bool = False
+    options: HeadOptions = HeadOptions()
     join: str = " "
     keep: tuple[str, ...] = ()
     float32_columns = frozenset({"token_logprobs", "entropy", "top_k_logprobs"})
@@ -63,13 +63,13 @@ class ScoreRows:
             return {}
         one = {"continuation": "string", "log_prob": "float64", "num_tokens": "int64", "is_greedy": "bool",
                "token_logprobs": "list<float32>"}
-        if self.entropy:
+        if self.options.entropy:
             one["entropy"] = "list<float32>"
-        if self.top_k:
+        if self.options.top_k:
             one.update(top_k_ids="list<list<int64>>", top_k_logprobs="list<list<float32>>")
         return one if "continuation" in names else {k: f"list<{t}>" for k, t in one.items()}
 
-    def work(self, row: Row) -> RowWork:
+    def work(self, row: Row, context: ScoringContext) -> RowWork:
         data = row.data
         prompt = fields.text(data.get("prompt"), "prompt")
         many = not fields.missing(data.get("continuations"))
@@ -80,14 +80,13 @@ class ScoreRows:
         else:
             raise LogprobeError("continuation", "is missing", "give a continuation or continuations column")
         conts = [join_continuation(prompt, c, self.join) for c in conts]
-        job = self.scorer.score_job(prompt, conts, temperature=self.temperature, top_k=self.top_k,
-                                    entropy=self.entropy)
+        job = score_job(context, prompt, conts, self.options)
 
         def finish(results) -> dict:
             cols = [score_columns(s) for s in job.finish(results)]
             return cols[0] if not many else {k: [c[k] for c in cols] for k in cols[0]}
 
-        return RowWork(row.index, job.requests, finish, self.head(row))
+        return RowWork(row.index, self.head(row), Job(job.requests, finish))
 
 
 def score_columns(s) -> dict:

@@ -32,8 +32,9 @@ from ..engine.request import RequestResult
 from ..engine.runner import Engine, Launched
 from ..errors import LogprobeError
 from ..layers.logprob_head import HeadParams, _transform
-from .job import ScorerParts
-from .perplexity import perplexity_job, window_defaults
+from .options import Windows
+from .perplexity import perplexity_job
+from .work import ScoringContext
 
 KL_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0)
 DP_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 50.0, 25.0, 10.0, 5.0, 1.0, 0.1)
@@ -286,24 +287,22 @@ def compare_requests(engine_q, engine_r, requests, *, token_budget: int, token_c
     return KLRows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprobs_q", "logprobs_r", "kl", "same_top")))
 
 
-def compare_scorers(scorer: ScorerParts, reference: ScorerParts, texts, *, context_length: int | None = None,
-                    stride: int | None = None, policy: str = "sliding", prefix: bool | None = None,
-                    max_tokens: int | None = None, return_token_stats: bool = False) -> CompareResult:
-    """``Scorer.compare`` once ``reference`` is a Scorer: ``scorer``'s perplexity windows, run on
-    both models' engines (this process), compared row by row."""
-    a, b = scorer.tokenizer.hf, reference.tokenizer.hf
-    if scorer.info.vocab_size != reference.info.vocab_size or len(a) != len(b) or a.get_vocab() != b.get_vocab():
-        raise LogprobeError("reference", f"{reference.info.name} does not share the vocabulary of {scorer.info.name} "
-                            f"({reference.info.vocab_size} vs {scorer.info.vocab_size} logits, {len(b)} vs {len(a)} "
+def compare_models(q: ScoringContext, engine_q: Engine, r: ScoringContext, engine_r: Engine, texts,
+                   windows: Windows = Windows(), return_token_stats: bool = False) -> CompareResult:
+    """``Scorer.compare`` once ``reference`` is a Scorer: Q's perplexity windows, run on both
+    models' engines (this process), compared row by row."""
+    a, b = q.tokenizer.hf, r.tokenizer.hf
+    if q.vocab_size != r.vocab_size or len(a) != len(b) or a.get_vocab() != b.get_vocab():
+        raise LogprobeError("reference", f"{r.name} does not share the vocabulary of {q.name} "
+                            f"({r.vocab_size} vs {q.vocab_size} logits, {len(b)} vs {len(a)} "
                             "tokens)", "compare models with the same tokenizer (e.g. two quantizations of one model)")
-    job = perplexity_job(scorer, texts, context_length=context_length, stride=stride, policy=policy, prefix=prefix,
-                         max_tokens=max_tokens)
-    config = scorer.config
-    rows = compare_requests(scorer.engine, reference.engine, job.requests, token_budget=config.max_batch_tokens,
+    job = perplexity_job(q, texts, windows)
+    config = engine_q.config
+    rows = compare_requests(engine_q, engine_r, job.requests, token_budget=config.max_batch_tokens,
                             token_chunk=config.head_token_chunk, vocab_chunk=config.head_vocab_chunk)
-    ctx, stride = window_defaults(context_length, stride, policy, scorer.info.max_length)
-    return compare_stats(rows, len(job.requests), policy, ctx, stride if policy == "sliding" else None,
-                         return_token_stats)
+    w = windows.resolved(q.max_length)
+    return compare_stats(rows, len(job.requests), w.policy, w.context_length,
+                         w.stride if w.policy == "sliding" else None, return_token_stats)
 
 
 def kl_plot_html(token_kl: Sequence[float], title: str, summary: str, smooth: int = 64) -> str:

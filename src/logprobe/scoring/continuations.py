@@ -1,4 +1,5 @@
-"""Text continuations: ``Scorer.score_job`` and ``Scorer.loglikelihood_job`` as functions of a scorer.
+"""Text continuations: ``Scorer.score_job`` and ``Scorer.loglikelihood_job`` as functions of a
+``ScoringContext``.
 
 Prompt and continuation are encoded jointly and split by ``scoring.contract``; the request scores
 the continuation's tokens from the row of the last prompt token on:
@@ -10,25 +11,22 @@ the continuation's tokens from the row of the last prompt token on:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..interp.specs import CaptureSpec, capture_results, request_hooks
 from ..io.text import check_text
+from ..tokenizer import Tokenizer
 from .contract import split_continuation
-from .inputs import check_length, check_options
-from .job import Job, ScorerParts
+from .inputs import check_length
+from .options import HeadOptions, HookSpecs
 from .results import ContinuationScore
 from .stats import exp_or_inf
-
-if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+from .work import Job, ScoringContext
 
 
-def score_job(scorer: ScorerParts, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
-              top_k: int = 0, entropy: bool = False, capture: Sequence[dict] | None = None,
-              steer: Sequence[dict] | None = None) -> Job:
+def score_job(context: ScoringContext, prompt: str, continuations: str | Sequence[str],
+              head: HeadOptions = HeadOptions(), hooks: HookSpecs = HookSpecs()) -> Job:
     """``Scorer.score_job``: one request per continuation after ``prompt``."""
     if isinstance(continuations, str):
         continuations = [continuations]
@@ -37,35 +35,35 @@ def score_job(scorer: ScorerParts, prompt: str, continuations: str | Sequence[st
     check_text(prompt, "prompt")
     if not continuations:
         raise LogprobeError("continuations", "is empty", "give at least one continuation")
-    temperature, top_k = check_options(temperature, top_k)
-    caps, steers = scorer.hook_specs(capture, steer)
+    head = head.checked()
+    caps, steers = context.hook_specs(hooks)
     requests, texts = [], []
     n_spaces = len(prompt) - len(prompt.rstrip())
     for i, c in enumerate(continuations):
         if not isinstance(c, str):
             raise LogprobeError("continuations", f"must be strings, got {type(c).__name__}")
         check_text(c, f"continuations[{i}]")
-        ctx, cont = split(scorer.tokenizer, prompt, c)
-        check_length(len(ctx) + len(cont), "prompt + continuation", scorer.info.max_length)
+        ctx, cont = split(context.tokenizer, prompt, c)
+        check_length(len(ctx) + len(cont), "prompt + continuation", context.max_length)
         st, ca = request_hooks(caps, steers, len(ctx) + len(cont), len(ctx),
                                f"continuations[{i}]: " if len(continuations) > 1 else "",
-                               exact_sums=scorer.config.deterministic)
-        requests.append(ScoreRequest(ctx + cont, len(ctx), temperature, top_k, entropy, st, ca))
+                               exact_sums=context.deterministic)
+        requests.append(ScoreRequest(ctx + cont, len(ctx), head.temperature, head.top_k, head.entropy, st, ca))
         texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)  # the moved whitespace
-    tokenizer = scorer.tokenizer
+    tokenizer = context.tokenizer
     return Job(requests, lambda results: [continuation_score(tokenizer, t, r, res, caps)
                                           for t, r, res in zip(texts, requests, results)])
 
 
-def loglikelihood_job(scorer: ScorerParts, pairs: Sequence[tuple[str, str]]) -> Job:
+def loglikelihood_job(context: ScoringContext, pairs: Sequence[tuple[str, str]]) -> Job:
     """``Scorer.loglikelihood_job``: ``(log p(continuation | context), is_greedy)`` per pair."""
     requests = []
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
             raise LogprobeError(f"pairs[{i}]", "must be a (context, continuation) pair of strings")
         check_text(pair[0], f"pairs[{i}][0]"), check_text(pair[1], f"pairs[{i}][1]")
-        ctx, cont = split(scorer.tokenizer, pair[0], pair[1])
-        check_length(len(ctx) + len(cont), f"pairs[{i}]", scorer.info.max_length)
+        ctx, cont = split(context.tokenizer, pair[0], pair[1])
+        check_length(len(ctx) + len(cont), f"pairs[{i}]", context.max_length)
         requests.append(ScoreRequest(ctx + cont, len(ctx)))
     return Job(requests, lambda results: [(float(r.logprobs.double().sum()), bool((r.ranks == 0).all()))
                                           for r in results])

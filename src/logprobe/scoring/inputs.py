@@ -62,13 +62,17 @@ def check_length(n: int, name: str, max_length: int) -> None:
         raise LogprobeError(name, f"{n} tokens exceed the model's context of {max_length}", "shorten the input")
 
 
-def check_hooks(capture, steer, model, backend: str) -> tuple[list[CaptureSpec], list[SteerSpec]]:
-    """``capture`` / ``steer`` parsed against ``model``'s depth and width; ``([], [])`` for neither,
-    on any model, so the plain forward never needs hook points."""
+def check_hooks(capture, steer, has_hooks: bool, layers: int, width: int,
+                backend: str) -> tuple[list[CaptureSpec], list[SteerSpec]]:
+    """``capture`` / ``steer`` parsed against a model of ``layers`` blocks of ``width``; ``([], [])``
+    for neither, on any model, so the plain forward never needs hook points.
+
+    >>> check_hooks(None, [], False, 0, 0, "transformers")
+    ([], [])
+    """
     if not capture and not steer:
         return [], []
-    if not getattr(model, "supports_hooks", False):
+    if not has_hooks:
         raise LogprobeError("steer" if steer else "capture", f"the {backend} backend has no hook points",
                             "use a native model (GGUF or a Llama-family directory)")
-    L, H = model.config.num_layers, model.config.hidden_size
-    return parse_capture(capture, L, H), parse_steer(steer, L, H)
+    return parse_capture(capture, layers, width), parse_steer(steer, layers, width)

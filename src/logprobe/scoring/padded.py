@@ -44,6 +44,7 @@ import torch
 
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
+from .options import HeadOptions
 
 
 @dataclass(slots=True)
@@ -175,8 +176,8 @@ def plan_packed(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, score_start: 
                 (num_tokens,), (num_tokens,), [f"sequence {i}" for i in rows.tolist()])
 
 
-def plan_requests(plan: Plan, input_ids: torch.Tensor, vocab_size: int, max_length: int, temperature: float,
-                  top_k: int, entropy: bool) -> list[ScoreRequest]:
+def plan_requests(plan: Plan, input_ids: torch.Tensor, vocab_size: int, max_length: int,
+                  head: HeadOptions = HeadOptions()) -> list[ScoreRequest]:
     """The plan's requests over ``input_ids`` (any shape whose flat order the plan indexes): the
     ``ScoreRequest(prompt + completion, len(prompt), ...)`` that ``Scorer.logprobs`` builds."""
     ids = _int_tensor(input_ids, "input_ids", len(plan.in_shape))
@@ -195,7 +196,7 @@ def plan_requests(plan: Plan, input_ids: torch.Tensor, vocab_size: int, max_leng
     tokens = flat.tolist()
     out, start = [], 0
     for n, sb in zip(plan.lengths, plan.score_begin):
-        out.append(ScoreRequest(tokens[start:start + n], sb, temperature, top_k, entropy))
+        out.append(ScoreRequest(tokens[start:start + n], sb, head.temperature, head.top_k, head.entropy))
         start += n
     return out
 

@@ -1,4 +1,4 @@
-"""Perplexity: ``Scorer.perplexity_job`` as a function of a scorer.
+"""Perplexity: ``Scorer.perplexity_job`` as a function of a ``ScoringContext``.
 
 Each text is one token stream (with the prefix token first when ``prefix`` is on), cut into
 windows by ``scoring.windows``; each window is one request, and a text's NLLs are its windows'
@@ -21,62 +21,45 @@ from ..errors import LogprobeError
 from ..interp.specs import capture_results, request_hooks
 from ..io.text import check_text
 from .inputs import check_length
-from .job import Job, ScorerParts
+from .options import HookSpecs, Windows
 from .results import PerplexityResult
 from .stats import count_words, exp_or_inf, mean_and_stderr
 from .windows import make_windows
+from .work import Job, ScoringContext
 
 
-def window_defaults(context_length: int | None, stride: int | None, policy: str,
-                    max_length: int) -> tuple[int, int | None]:
-    """``(context_length, stride)`` with the defaults filled in: context min(2048, the model's),
-    stride context // 4 (at least 1) for "sliding"; other policies keep the stride given.
-
-    >>> window_defaults(None, None, "sliding", 8192), window_defaults(None, None, "rolling", 512)
-    ((2048, 512), (512, None))
-    """
-    if context_length is None:
-        context_length = min(2048, max_length)
-    if stride is None and policy == "sliding":
-        stride = max(1, context_length // 4)
-    return context_length, stride
-
-
-def perplexity_job(scorer: ScorerParts, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
-                   context_length: int | None = None, stride: int | None = None, policy: str = "sliding",
-                   prefix: bool | None = None, max_tokens: int | None = None,
-                   return_token_nlls: bool = False, capture: Sequence[dict] | None = None,
-                   steer: Sequence[dict] | None = None) -> Job:
+def perplexity_job(context: ScoringContext, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                   windows: Windows = Windows(), hooks: HookSpecs = HookSpecs(),
+                   return_token_nlls: bool = False) -> Job:
     """``Scorer.perplexity_job``: the windows of every text as requests, one ``PerplexityResult``."""
-    caps, steers = scorer.hook_specs(capture, steer)
-    streams, raw_texts = perplexity_streams(scorer, texts, max_tokens)
-    context_length, stride = window_defaults(context_length, stride, policy, scorer.info.max_length)
-    check_length(context_length, "context_length", scorer.info.max_length)
-    use_prefix = (policy != "llama.cpp") if prefix is None else bool(prefix)
+    caps, steers = context.hook_specs(hooks)
+    streams, raw_texts = perplexity_streams(context, texts, windows.max_tokens)
+    w = windows.resolved(context.max_length)
+    check_length(w.context_length, "context_length", context.max_length)
     requests, owners = [], []
     text_hooks = []  # per text: its whole-stream CaptureAt and prefix offset, to rejoin the windows' pieces
     for t, ids in enumerate(streams):
         name = "texts" if len(streams) == 1 and texts and isinstance(texts[0], int) else f"texts[{t}]"
-        reqs, w_captures, hooks = _text_requests(scorer, t, ids, name, len(streams), use_prefix, policy,
-                                                 context_length, stride, caps, steers)
+        reqs, w_captures, text_hook = _text_requests(context, t, ids, name, len(streams), w, caps, steers)
         requests += reqs
-        owners += [(t, w) for w in w_captures]
-        text_hooks.append(hooks)
+        owners += [(t, wc) for wc in w_captures]
+        text_hooks.append(text_hook)
     if (scored := sum(r.num_scored for r in requests)) < 2:  # one NLL has no standard error (nan)
         raise LogprobeError(name if len(streams) == 1 else "texts", f"gives only {scored} scored token: a "
                             "perplexity and its standard error need at least 2", "give a longer text (or more texts)")
     finish = lambda results: perplexity_result(  # noqa: E731
-        results, owners, len(streams), raw_texts, policy, context_length, stride, max_tokens, return_token_nlls,
-        caps, text_hooks)
+        results, owners, len(streams), raw_texts, w.policy, w.context_length, w.stride, w.max_tokens,
+        return_token_nlls, caps, text_hooks)
     return Job(requests, finish)
 
 
-def _text_requests(scorer: ScorerParts, t: int, ids: list[int], name: str, n_streams: int, use_prefix: bool,
-                   policy: str, context_length: int, stride: int | None, caps, steers):
-    """Text ``t``'s window requests, each window's ``CaptureAt``s, and ``(text CaptureAt, offset)``."""
-    tok = scorer.tokenizer
+def _text_requests(context: ScoringContext, t: int, ids: list[int], name: str, n_streams: int, w: Windows,
+                   caps, steers):
+    """Text ``t``'s window requests under resolved windows ``w``, each window's ``CaptureAt``s, and
+    ``(text CaptureAt, offset)``."""
+    tok = context.tokenizer
     n_text = len(ids)
-    if use_prefix:
+    if w.prefix:
         ids = [tok.prefix_id] + ids
     elif tok.add_bos:
         ids = [tok.bos_id] + ids
@@ -84,24 +67,24 @@ def _text_requests(scorer: ScorerParts, t: int, ids: list[int], name: str, n_str
     if len(ids) < 2:  # a one-token stream predicts nothing
         raise LogprobeError(name, f"has {n_text} token{'s' * (n_text != 1)}: perplexity needs at least one "
                             "scored token (the first token has no context)",
-                            "give a longer text" + ("" if use_prefix else " or set prefix true"))
+                            "give a longer text" + ("" if w.prefix else " or set prefix true"))
     st, ca = request_hooks(caps, steers, n_text, 0, f"texts[{t}]: " if n_streams > 1 else "",
-                           need_prompt=False, offset=off, exact_sums=scorer.config.deterministic)
+                           need_prompt=False, offset=off, exact_sums=context.deterministic)
     try:
-        windows = make_windows(policy, len(ids), context_length, stride)
+        windows = make_windows(w.policy, len(ids), w.context_length, w.stride)
     except LogprobeError as e:
         raise (LogprobeError(name, e.problem, e.fix) if e.field == "text" else e) from None
     requests, w_captures = [], []
-    for wi, w in enumerate(windows):
-        toks = ids[w.begin:w.end]
-        if policy == "llama.cpp" and tok.add_bos:
+    for wi, win in enumerate(windows):
+        toks = ids[win.begin:win.end]
+        if w.policy == "llama.cpp" and tok.add_bos:
             toks = [tok.bos_id] + toks[1:]  # llama-perplexity puts BOS first in every chunk
         w_steer = tuple(SteerAt(s.point, local, s.op, s.vector, s.coeff) for s in st
-                        if (local := tuple(k - w.begin for k in s.positions if w.begin <= k < w.end)))
-        lo = 0 if wi == 0 else w.score_begin  # tokens no window scores are read in the first
-        w_capture = tuple(CaptureAt(c.point, tuple(k - w.begin for k in c.positions if lo <= k < w.end),
+                        if (local := tuple(k - win.begin for k in s.positions if win.begin <= k < win.end)))
+        lo = 0 if wi == 0 else win.score_begin  # tokens no window scores are read in the first
+        w_capture = tuple(CaptureAt(c.point, tuple(k - win.begin for k in c.positions if lo <= k < win.end),
                                     c.kind, c.vector) for c in ca)
-        requests.append(ScoreRequest(toks, w.score_begin - w.begin, steer=w_steer,
+        requests.append(ScoreRequest(toks, win.score_begin - win.begin, steer=w_steer,
                                      capture=tuple(c for c in w_capture if c.positions)))
         w_captures.append(w_capture)
     return requests, w_captures, (ca, off)
@@ -141,7 +124,7 @@ def perplexity_result(results, owners, n_streams, raw_texts, policy, context_len
     return out
 
 
-def perplexity_streams(scorer: ScorerParts, texts, max_tokens) -> tuple[list[list[int]], list[str] | None]:
+def perplexity_streams(context: ScoringContext, texts, max_tokens) -> tuple[list[list[int]], list[str] | None]:
     """Token streams of ``texts`` (text, texts, ids, or lists of ids), cut to ``max_tokens``, and the
     raw texts (None for ids: no words or bytes to count)."""
     if isinstance(texts, str):
@@ -155,12 +138,12 @@ def perplexity_streams(scorer: ScorerParts, texts, max_tokens) -> tuple[list[lis
             if not t.strip():
                 raise LogprobeError(f"texts[{i}]", "is empty", "give some text to score")
             check_text(t, f"texts[{i}]")
-        streams = scorer.tokenizer.encode_batch(list(texts))
+        streams = context.tokenizer.encode_batch(list(texts))
         raw = list(texts)
     elif all(isinstance(t, int) for t in texts):
-        streams, raw = [scorer.check_ids(texts, "texts")], None
+        streams, raw = [context.check_ids(texts, "texts")], None
     else:
-        streams = [scorer.check_ids(t, f"texts[{i}]") for i, t in enumerate(texts)]
+        streams = [context.check_ids(t, f"texts[{i}]") for i, t in enumerate(texts)]
         raw = None
     if max_tokens is not None:
         streams = [s[:max_tokens] for s in streams]

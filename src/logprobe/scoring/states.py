@@ -1,4 +1,5 @@
-"""Hidden states of whole texts and the steering vectors trained from them, as functions of a scorer.
+"""Hidden states of whole texts and the steering vectors trained from them, as functions of a
+``ScoringContext`` and the executor that runs the requests.
 
 Each text is read at its last token, which only sees the text itself:
 
@@ -19,17 +20,18 @@ from ..interp.specs import request_hooks
 from ..interp.vectors import SteeringVector, check_method, direction_from_states
 from ..io.text import check_text
 from .inputs import check_length
-from .job import ScorerParts
+from .options import HookSpecs
+from .work import ScoringContext
 
 
-def last_token_states(scorer: ScorerParts, texts: Sequence[str], layers: Sequence[int],
+def last_token_states(context: ScoringContext, executor, texts: Sequence[str], layers: Sequence[int],
                       field: str = "texts") -> torch.Tensor:
     """``Scorer.last_token_states``: ``blocks.{l}.resid_post`` at each text's last token."""
     if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
         raise LogprobeError(field, "must be a non-empty list of texts")
     at = [f"blocks.{layer}.resid_post" for layer in layers]
-    caps, _ = scorer.hook_specs([{"at": at, "positions": "last", "reduce": "last"}], None)
-    tok = scorer.tokenizer
+    caps, _ = context.hook_specs(HookSpecs(capture=[{"at": at, "positions": "last", "reduce": "last"}]))
+    tok = context.tokenizer
     requests = []
     for i, t in enumerate(texts):
         if not isinstance(t, str) or not t:
@@ -40,19 +42,18 @@ def last_token_states(scorer: ScorerParts, texts: Sequence[str], layers: Sequenc
             ids = [tok.bos_id] + ids
         if len(ids) < 2:  # a request needs a scored token: its row is the last one read
             ids = [tok.prefix_id] + ids
-        check_length(len(ids), f"{field}[{i}]", scorer.info.max_length)
+        check_length(len(ids), f"{field}[{i}]", context.max_length)
         _, ca = request_hooks(caps, [], len(ids), len(ids) - 1)
         requests.append(ScoreRequest(ids, len(ids) - 1, capture=ca))
-    results = scorer.engine.run(requests)
+    results = executor.run(requests)
     return torch.stack([torch.stack([v[0] for v in r.captures]) for r in results])
 
 
-def train_vector(scorer: ScorerParts, positive: Sequence[str], negative: Sequence[str],
+def train_vector(context: ScoringContext, executor, positive: Sequence[str], negative: Sequence[str],
                  layers: Sequence[int] | None = None, method: str = "pca_diff") -> SteeringVector:
     """``Scorer.train_vector``: a direction per layer from the last-token states of both sides."""
     check_method(method)
-    model = scorer.loaded.model
-    L = model.config.num_layers if getattr(model, "supports_hooks", False) else 0
+    L = context.hook_layers
     layers = list(range(1, L)) if layers is None else [int(x) for x in layers]
     if not layers:
         raise LogprobeError("layers", "is empty", "name at least one layer")
@@ -60,7 +61,7 @@ def train_vector(scorer: ScorerParts, positive: Sequence[str], negative: Sequenc
         raise LogprobeError("negative", f"has {len(negative)} prompts, positive has {len(positive)}",
                             "pca_diff pairs positive[i] with negative[i]: give equally many")
     names = [resolve_points(f"blocks.{x}.resid_post", L)[0] if L else "" for x in layers]
-    pos = last_token_states(scorer, positive, layers, "positive")  # [n, layers, H]
-    neg = last_token_states(scorer, negative, layers, "negative")
+    pos = last_token_states(context, executor, positive, layers, "positive")  # [n, layers, H]
+    neg = last_token_states(context, executor, negative, layers, "negative")
     dirs = {point_layer(n): direction_from_states(pos[:, j], neg[:, j], method) for j, n in enumerate(names)}
     return SteeringVector(dirs, method)

@@ -1,7 +1,7 @@
 """The ASGI app (FastAPI on uvicorn): thin handlers over ``Scorer`` jobs and the shared ``Batcher``.
-``create_app`` wires the OpenAI/vLLM and native routes defined here and the RL routes of
-``routes_rl`` (SGLang's ``/generate`` and ``/update_weights_from_disk``); every scoring reply says
-the ``weights_version`` that computed it.
+``create_app`` wires the OpenAI/vLLM routes of ``routes_openai``, the native routes of
+``routes_native`` and the RL routes of ``routes_rl`` (SGLang's ``/generate`` and
+``/update_weights_from_disk``); every scoring reply says the ``weights_version`` that computed it.
 
 Every error is JSON ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape) with a
 4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``. Faults (issue 23): a
@@ -27,9 +27,9 @@ from fastapi.responses import PlainTextResponse, Response
 
 from .. import __version__
 from ..scorer import Scorer
-from .batcher import Batcher
+from .batcher import Batcher, engine_call
 from .config import ServerConfig
-from .handlers import engine_call, install_error_handlers, openapi_without_422
+from .handlers import install_error_handlers, openapi_without_422
 from .metrics import Metrics
 from .responses import SafeJSONResponse, error_response, replies
 from .routes_native import native_router
@@ -126,10 +126,9 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     """The app serving ``scorer``; its engine thread starts and stops with the app (lifespan)."""
     config = config or ServerConfig()
     name = config.served_model_name or model_name or scorer.info.name
-    engine = scorer.engine
-    metrics = Metrics(engine)
+    metrics = Metrics(scorer.executor)
 
-    batcher = Batcher(engine_call(engine), scorer.config.max_batch_tokens, config.max_queue_requests,
+    batcher = Batcher(engine_call(scorer.executor), scorer.config.max_batch_tokens, config.max_queue_requests,
                       config.max_queue_tokens, config.batching, metrics.observe_step,
                       lambda reason: metrics.dropped.labels(reason).inc())
     lifecycle = Lifecycle(batcher)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..engine.request import RequestResult, ScoreRequest
+from ..executor.interface import Executor
 
 
 class QueueFull(Exception):
@@ -94,11 +95,28 @@ class StepStats:
     seconds: float
 
 
+def engine_call(executor: Executor) -> Callable[[list[ScoreRequest]], list[RequestResult | Exception]]:
+    """``run_batch`` for the Batcher: ``executor.run``, where a request that does not fit in memory
+    even alone is an exception in its slot (its job alone fails, 413). An executor without
+    per-request errors (worker processes) raises instead: the step's jobs fail together."""
+
+    def run_batch(requests: list[ScoreRequest]) -> list[RequestResult | Exception]:
+        if not executor.per_request_errors:
+            return executor.run(requests)
+        errors: list[tuple[int, Exception]] = []
+        results: list = executor.run(requests, on_error=lambda i, e: errors.append((i, e)))
+        for i, e in errors:
+            results[i] = e
+        return results
+
+    return run_batch
+
+
 class Batcher:
     """``await batcher.submit(requests)`` -> results in order, scored in batches shared with other callers.
 
-    ``run_batch(requests) -> results`` is the engine call (``Engine.run``; a result may be an
-    exception: that request's job fails with it); ``on_step`` sees each step's size and time, and
+    ``run_batch(requests) -> results`` is the engine call (``engine_call(executor)``; a result may
+    be an exception: that request's job fails with it); ``on_step`` sees each step's size and time, and
     ``on_drop(reason)`` each job dropped unscored ("disconnected", "timeout", "shutdown") (metrics).
     """
 

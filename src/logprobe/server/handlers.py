@@ -1,5 +1,5 @@
-"""The app's error handlers (every error a JSON body naming the field; see ``app``), its OpenAPI
-document without FastAPI's 422s, and the engine call the ``Batcher`` makes."""
+"""The app's error handlers (every error a JSON body naming the field; see ``app``) and its
+OpenAPI document without FastAPI's 422s."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.delivery import RequestOutOfMemory
-from ..engine.runner import Engine
 from ..errors import LogprobeError
 from .batcher import JobFailed, JobTimeout, QueueFull, ServerClosed
 from .responses import error_response
@@ -31,22 +30,6 @@ log = logging.getLogger("logprobe.server")
 BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody,
           "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest}
-
-
-def engine_call(engine):
-    """``run_batch`` for the Batcher: a request that does not fit in memory even alone is an
-    exception in its slot (its job alone fails, 413)."""
-
-    def run_batch(requests):
-        if not isinstance(engine, Engine):  # ParallelEngine: no per-request errors
-            return engine.run(requests)
-        errors: list = []
-        results: list = engine.run(requests, on_error=lambda i, e: errors.append((i, e)))
-        for i, e in errors:
-            results[i] = e
-        return results
-
-    return run_batch
 
 
 def openapi_without_422(fastapi_openapi):

@@ -97,7 +97,7 @@ def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt") -> tuple[lis
         else:
             if not p:
                 raise LogprobeError(name, "is an empty list of token ids", "give at least one token id")
-            ids = scorer.check_ids(p, name)
+            ids = scorer.context.check_ids(p, name)
             texts.append(tok.decode(ids))
         ids_list.append(ids)
     return ids_list, texts

@@ -70,7 +70,7 @@ def openai_router(served: Served) -> APIRouter:
     @api.post("/detokenize", responses=replies(DetokenizeReply, (400, 401, 404, 413)))
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        ids = scorer.check_ids(body.tokens, "tokens")
+        ids = scorer.context.check_ids(body.tokens, "tokens")
         return {"prompt": await run_in_threadpool(tok.decode, ids)}
 
     return api

@@ -53,8 +53,7 @@ class Served:
     @property
     def hidden(self) -> int:
         """Hidden size for the capture limit (0: a model without hook points)."""
-        model = self.scorer.loaded.model
-        return model.config.hidden_size if getattr(model, "supports_hooks", False) else 0
+        return self.scorer.context.hook_width
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in {self.name, self.scorer.info.name, self.scorer.info.path}:

@@ -1,0 +1,79 @@
+"""``Job``: a method's engine requests and how to turn their results into its answer; and
+``ScoringContext``, what building a job reads about the model, built once by the ``Scorer``.
+
+The job builders (``scoring.continuations``, ``sequences``, ``perplexity``, ``states``,
+``compare``) take a ``ScoringContext`` and never call back into the ``Scorer``:
+``Scorer.perplexity_job(texts)`` is ``scoring.perplexity.perplexity_job(scorer.context, texts, ...)``.
+
+>>> job = Job([], lambda results: len(results))
+>>> job.num_tokens, job.finish([])
+(0, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.request import RequestResult, ScoreRequest
+from ..interp.specs import CaptureSpec, SteerSpec
+from ..loading import LoadedModel
+from ..models.caps import ModelCaps
+from ..tokenizer import Tokenizer
+from .inputs import check_hooks, check_ids
+from .options import HookSpecs
+
+
+@dataclass(slots=True)
+class Job:
+    """Engine requests and how to turn their results into the method's answer.
+
+    ``Scorer.score(...)`` is ``job = Scorer.score_job(...)`` then ``job.finish(engine.run(job.requests))``;
+    the server runs the requests of many jobs in shared batches and finishes each job on its own.
+    """
+
+    requests: list[ScoreRequest]
+    finish: Callable[[list[RequestResult]], Any]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_inputs for r in self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringContext:
+    """What the job builders need to know about a scorer's model, and nothing else.
+
+    ``hook_layers`` / ``hook_width``: the depth and hidden size that hook points are checked
+    against (0 for a model without hook points). ``deterministic``: the engine's mode, which sums
+    captures in a fixed order (``interp.specs.request_hooks``); ``Scorer.config = ...`` renews it.
+    """
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_length: int
+    backend: str
+    caps: ModelCaps
+    hook_layers: int
+    hook_width: int
+    deterministic: bool = False
+
+    @staticmethod
+    def of(loaded: LoadedModel, deterministic: bool = False) -> ScoringContext:
+        """The context of a loaded model (on a parallel scorer: the driver's weightless copy)."""
+        model, info = loaded.model, loaded.info
+        caps = ModelCaps.of(model)
+        layers, width = (model.config.num_layers, model.config.hidden_size) if caps.hooks else (0, 0)
+        return ScoringContext(info.name, loaded.tokenizer, info.vocab_size, info.max_length, info.backend, caps,
+                              layers, width, bool(deterministic))
+
+    def check_ids(self, ids, name: str) -> list[int]:
+        """``ids`` as a list of ints in this model's vocabulary (``scoring.inputs.check_ids``)."""
+        return check_ids(ids, name, self.vocab_size)
+
+    def hook_specs(self, hooks: HookSpecs) -> tuple[list[CaptureSpec], list[SteerSpec]]:
+        """``hooks`` parsed against this model's depth and width; ``([], [])`` for none."""
+        return check_hooks(hooks.capture, hooks.steer, self.caps.hooks, self.hook_layers, self.hook_width,
+                           self.backend)
