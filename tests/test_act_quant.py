@@ -30,7 +30,7 @@ import torch
 from quant_helpers import act_quant_reference, quantize_and_save, tiny_wide_llama
 
 from logprobe import LogprobeError, Scorer
-from logprobe.config import EngineConfig
+from logprobe.config import Deterministic, EngineConfig, Numerics
 from logprobe.kernels.act_quant import quantize_rows_reference
 from logprobe.layers.act_quant_linear import FP8, ActQuantLinear
 from logprobe.loading import load_model
@@ -195,7 +195,7 @@ def test_packed_equals_dense_and_deterministic_batch_invariance(scheme, aq_dirs)
     packed = load_model(str(d), "cpu", "float32")
     dense = load_model(str(d), "cpu", "float32", weights="dense")
     for det in (False, True):
-        cfg = EngineConfig(deterministic=det, invariant_tile=16)
+        cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
         a = Scorer(packed, config=cfg, progress=False).logprobs(seqs)
         b = Scorer(dense, config=cfg, progress=False).logprobs(seqs)
         assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
@@ -339,7 +339,7 @@ def test_fuse_parts_refuses_parts_that_quantize_differently():
         "row tile": [_layer(8), _layer(4)],
         "dense expansion on one": [_layer(8).expand(), _layer(4)],
     }
-    refused["row tile"][0].row_tile = 16
+    refused["row tile"][0].numerics = Numerics(deterministic=True, row_tile=16)  # another numerics
     for name, parts in refused.items():
         assert fuse_linears(parts) is None, name
     equal = [_layer(8, input_scale=1 / 256, seed=1), _layer(4, input_scale=1 / 256, seed=2)]
@@ -367,8 +367,8 @@ def test_fused_layer_is_its_parts_side_by_side(kind, act_group, static, bias):
     assert isinstance(fused, ActQuantLinear) and fused.col_blocks == [16, 8, 8] and fused.out_features == 32
     torch.testing.assert_close(fused(x), alone, rtol=1e-6, atol=1e-7)
     assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), alone)  # the parts still work alone
-    for m in [fused, *parts]:
-        m.row_tile = 4
+    for m in [fused, *parts]:  # deterministic mode, as the engine hands it
+        m.numerics = Numerics(deterministic=True, row_tile=4, column_blocks=True)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     assert parts[1].qweight.data_ptr() == fused.qweight.data_ptr() + 16 * 64  # one byte a code
     # counted once; the fused layer holds one static input scale where the parts held three
@@ -398,7 +398,7 @@ def test_fused_projections_equal_separate(aq_dirs):
             for layer in loaded.model.layers:
                 layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
         for det in (False, True):
-            cfg = EngineConfig(deterministic=det, invariant_tile=16)
+            cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
             runs[fused, det] = [r.logprobs for r in Scorer(loaded, config=cfg, progress=False).logprobs(seqs)]
     for a, b in zip(runs[True, False], runs[False, False]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

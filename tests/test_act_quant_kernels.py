@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers import run_interpreted
 
+from logprobe.config import Numerics
 from logprobe.kernels import triton_available
 from logprobe.kernels.act_quant import (
     KINDS,
@@ -31,6 +32,11 @@ from logprobe.kernels.act_quant import (
 )
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def deterministic(row_tile: int | None) -> Numerics:
+    """Deterministic mode's numerics with ``row_tile`` (None: the default mode), as the engine hands them."""
+    return Numerics(deterministic=row_tile is not None, row_tile=row_tile, column_blocks=row_tile is not None)
 
 
 def test_reference_worked_example():
@@ -143,7 +149,7 @@ def test_cuda_layer_kernels_match_its_reference_path(kind, block_cols, act_group
     y = layer(x).float()
     assert y.shape == ref.shape
     assert float((y - ref).abs().max() / ref.abs().max()) <= 1e-2  # both cast to bfloat16 at the end
-    layer.row_tile = 2048  # deterministic mode: fixed tiles, never torch._scaled_mm
+    layer.numerics = deterministic(2048)  # fixed tiles, never torch._scaled_mm
     y = layer(x).float()
     assert float((y - ref).abs().max() / ref.abs().max()) <= 1e-2
     alone = layer(x[1:2]).float()
@@ -188,7 +194,7 @@ def test_cuda_fp8_tensor_core_paths_within_bf16_rounding(M, N, K, ga, gb, invari
     wc, ws = quantize_rows_reference(w, "float", gb)
     xc, xs = quantize_rows(x, "float", ga)
     ref = scaled_matmul_reference(xc, xs, ga or K, wc, ws, gb, None, torch.float64)
-    y = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.bfloat16, batch_invariant=invariant)
+    y = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.bfloat16, deterministic=invariant)
     assert not torch.isnan(y).any()
     assert float((y.double() - ref).abs().max() / ref.abs().max()) <= 5e-3  # bf16 output rounding included
     exact32 = scaled_matmul(xc, xs, ga or K, wc, ws, gb, None, torch.float32)
@@ -197,7 +203,7 @@ def test_cuda_fp8_tensor_core_paths_within_bf16_rounding(M, N, K, ga, gb, invari
     assert float((exact32.double() - ref).abs().max() / ref.abs().max()) <= 5e-6  # float32 sums over K = 14336
     if invariant:
         both = scaled_matmul(torch.cat([xc, xc]), torch.cat([xs, xs]), ga or K, wc, ws, gb, None, torch.bfloat16,
-                             batch_invariant=True)
+                             deterministic=True)
         assert torch.equal(both[M:], y) and torch.equal(both[:M], y)
 
 
@@ -332,12 +338,12 @@ def test_cuda_gated_equals_down_proj_of_silu_mul(kind, out_features):
     gu = torch.randn(777, 2 * inter, device="cuda", generator=g).to(torch.bfloat16) * 3
     gate, up = gu.chunk(2, dim=-1)  # strided halves, as the model passes them
     for row_tile in (None, 128):
-        layer.row_tile = row_tile
+        layer.numerics = deterministic(row_tile)
         assert layer._gates_in_one_pass(gate, up, True)
         fused = layer.gated(gate, up, True)
         assert torch.equal(fused, layer(silu_mul(gate, up, True))), row_tile
         assert torch.equal(layer.gated(gate, up, False), layer(silu_mul(gate, up, False)))  # PyTorch SiLU: unfused
-    layer.row_tile = 128
+    layer.numerics = deterministic(128)
     assert torch.equal(layer.gated(gate[5:6], up[5:6], True), fused[5:6])  # batch-invariant
 
 
@@ -352,7 +358,8 @@ def test_cuda_fused_layer_equals_its_parts_in_deterministic_mode():
     parts = []
     for n in (4096, 1024, 1024):
         codes, scale = quantize_rows_reference(torch.randn(n, 4096, device="cuda", generator=g) * 0.02, "float", 4096)
-        parts.append(ActQuantLinear(codes, scale, 4096, "float", row_tile=128))
+        parts.append(ActQuantLinear(codes, scale, 4096, "float"))
+        parts[-1].numerics = deterministic(128)
     x = torch.randn(300, 4096, device="cuda", generator=g).to(torch.bfloat16)
     alone = torch.cat([p(x) for p in parts], dim=-1)
     fused = fuse_linears(parts)
@@ -393,7 +400,7 @@ def test_cuda_native_llama_fused_equals_unfused():
     def run(row_tile):
         for m in model.modules():
             if isinstance(m, Linear):
-                m.row_tile = row_tile
+                m.numerics = deterministic(row_tile)
         with torch.no_grad():
             return model(ids, pos, meta).float()
 

@@ -118,14 +118,14 @@ def test_wikitext_perplexity_first_2k_tokens(default_scorer):
 
 
 def test_packing_on_the_real_model(default_scorer):
-    """Alone vs packed: within float32 rounding by default, bitwise with batch_invariant=True."""
+    """Alone vs packed: within float32 rounding by default, bitwise with deterministic=True."""
     from logprobe import Scorer
 
     seqs = random_sequences(6, seed=1, vocab=49152, max_prompt=150, max_completion=150)
     alone = [default_scorer.logprobs([s])[0].logprobs for s in seqs]
     packed = default_scorer.logprobs(seqs)
     assert max(float((a - b.logprobs).abs().max()) for a, b in zip(alone, packed)) < 5e-5
-    inv = Scorer(default_scorer.loaded, batch_invariant=True, progress=False)  # shares the weights
+    inv = Scorer(default_scorer.loaded, deterministic=True, progress=False)  # shares the weights
     alone = [inv.logprobs([s])[0] for s in seqs]
     packed = inv.logprobs(seqs[::-1], top_k=2, entropy=True)[::-1]  # shuffled order, more options
     for a, b in zip(alone, packed):

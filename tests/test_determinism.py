@@ -143,7 +143,6 @@ def test_cli_deterministic_flag(tmp_path):
     from logprobe.cli.main import build_parser, main
 
     assert build_parser().parse_args(["score", "a", "b", "--deterministic"]).deterministic
-    assert build_parser().parse_args(["score", "a", "b", "--batch-invariant"]).deterministic
     prompt = list(range(100, 140))
     rows = [{"prompt_token_ids": prompt, "completion_token_ids": [5 + i, 6, 7 + i]} for i in range(3)]
     rows.append({"prompt_token_ids": list(range(200, 260)), "completion_token_ids": [1, 2]})
@@ -159,11 +158,19 @@ def test_cli_deterministic_flag(tmp_path):
 
 
 def test_deterministic_config_is_validated():
-    from logprobe.config import EngineConfig
+    from dataclasses import replace
+
+    from logprobe.config import Deterministic, EngineConfig
     from logprobe.errors import LogprobeError
 
-    with pytest.raises(LogprobeError, match="invariant_matmul"):
-        EngineConfig(invariant_matmul="cutlass")
-    with pytest.raises(LogprobeError, match="cuda_invariant_tile"):
-        EngineConfig(cuda_invariant_tile=0)
-    assert EngineConfig().invariant_matmul == "cublas" and EngineConfig().cuda_invariant_tile == 2048
+    with pytest.raises(LogprobeError, match="deterministic.matmul"):
+        Deterministic(matmul="cutlass")
+    with pytest.raises(LogprobeError, match="deterministic.cuda_tile"):
+        EngineConfig(deterministic=Deterministic(cuda_tile=0))
+    with pytest.raises(LogprobeError, match="deterministic"):
+        EngineConfig(deterministic="yes")
+    det = EngineConfig(deterministic=True).deterministic
+    assert det == Deterministic() and det.matmul == "cublas" and det.cuda_tile == 2048
+    assert EngineConfig().deterministic is None and EngineConfig(deterministic=False).deterministic is None
+    assert replace(EngineConfig(), deterministic=True).deterministic == Deterministic()  # normalised in replace too
+    assert replace(EngineConfig(deterministic=True), deterministic=False).deterministic is None

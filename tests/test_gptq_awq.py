@@ -22,7 +22,7 @@ from helpers import ref_logprobs
 from quant_helpers import tiny_wide_llama
 
 from logprobe import Scorer
-from logprobe.config import EngineConfig
+from logprobe.config import Deterministic, EngineConfig
 from logprobe.layers.act_order_linear import ActOrderLinear
 from logprobe.layers.quant_linear import CTLinear
 from logprobe.loading import load_model
@@ -182,7 +182,7 @@ def test_packed_equals_dense_and_deterministic_batch_invariance(variant, quant_d
     packed = load_model(str(d), "cpu", "float32")
     dense = load_model(str(d), "cpu", "float32", weights="dense")
     for det in (False, True):
-        cfg = EngineConfig(deterministic=det, invariant_tile=16)
+        cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
         a = Scorer(packed, config=cfg, progress=False).logprobs(seqs)
         b = Scorer(dense, config=cfg, progress=False).logprobs(seqs)
         assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))

@@ -61,7 +61,7 @@ def test_cuda_deterministic_is_bitwise_batch_invariant(dtype, matmul, tmp_path):
     import transformers as tf
     from test_determinism import random_mix, same
 
-    from logprobe.config import EngineConfig
+    from logprobe.config import Deterministic, EngineConfig
     from logprobe.loading import load_model
 
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def test_cuda_deterministic_is_bitwise_batch_invariant(dtype, matmul, tmp_path):
     loaded = load_model(str(tmp_path), "cuda", dtype)
     reqs = random_mix(seed=3, vocab=20000)
     # a small CUDA row tile, so that the requests span several tiles and padded tails
-    det = dict(deterministic=True, invariant_matmul=matmul, cuda_invariant_tile=64)
+    det = dict(deterministic=Deterministic(matmul=matmul, cuda_tile=64))
     alone_engine = Scorer(loaded, config=EngineConfig(share_prefixes=False, **det))
     alone = [alone_engine.engine.run([r])[0] for r in reqs]
     rng = random.Random(2)

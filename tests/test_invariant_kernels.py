@@ -88,8 +88,8 @@ def test_cuda_deterministic_head_rows_do_not_depend_on_n():
     w = (torch.randn(V, H, generator=g) / H**0.5).cuda().bfloat16()
     h = torch.randn(5000, H, generator=g).cuda().bfloat16()
     y = torch.randint(0, V, (5000,), generator=g).cuda()
-    big = logprob_head(h, HeadParams(w), y, 0.8, top_k=5, entropy=True, pad_chunks=True)
-    small = logprob_head(h[:7].clone(), HeadParams(w), y[:7].clone(), 0.8, top_k=5, entropy=True, pad_chunks=True)
+    big = logprob_head(h, HeadParams(w), y, 0.8, top_k=5, entropy=True, deterministic=True)
+    small = logprob_head(h[:7].clone(), HeadParams(w), y[:7].clone(), 0.8, top_k=5, entropy=True, deterministic=True)
     for name in ("logprobs", "logsumexp", "ranks", "entropy", "topk_logprobs"):
         assert torch.equal(getattr(big, name)[:7], getattr(small, name)), name
     ref = logprob_head(h.float(), HeadParams(w.float()), y, 0.8, backend="torch")

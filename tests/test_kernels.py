@@ -207,8 +207,8 @@ def test_logprob_head_dispatches_to_kernel(monkeypatch):
     seen = []
     monkeypatch.setattr(k, "fused_head_partials", lambda *a, **kw: seen.append(kw["split"]) or real(*a, **kw))
     p.grid = 256
-    full = logprob_head(h, p, y, temp, pad_chunks=True)
-    part = logprob_head(h[:10], p, y[:10], temp[:10], pad_chunks=True)
+    full = logprob_head(h, p, y, temp, deterministic=True)
+    part = logprob_head(h[:10], p, y[:10], temp[:10], deterministic=True)
     assert seen == [256, 256] and torch.equal(full.logprobs[:10], part.logprobs)
 
 
@@ -222,8 +222,8 @@ def test_cuda_torch_head_16bit_gemm(dtype):
     h, p, y, temp = make_case(300, 576, 49152, getattr(torch, dtype), "bias_scale", "cuda", seed=7)
     wide = HeadParams(p.weight.float(), p.bias, p.scale, p.softcap)
     for pad in (False, True):
-        got = logprob_head(h, p, y, temp, top_k=50, entropy=True, backend="torch", pad_chunks=pad)
-        ref = logprob_head(h.float(), wide, y, temp, top_k=50, entropy=True, backend="torch", pad_chunks=pad)
+        got = logprob_head(h, p, y, temp, top_k=50, entropy=True, backend="torch", deterministic=pad)
+        ref = logprob_head(h.float(), wide, y, temp, top_k=50, entropy=True, backend="torch", deterministic=pad)
         assert (got.logprobs - ref.logprobs).abs().max() < 1e-4
         assert (got.entropy - ref.entropy).abs().max() < 2e-4
         assert (got.topk_logprobs - ref.topk_logprobs).abs().max() < 1e-4

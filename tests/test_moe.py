@@ -25,7 +25,7 @@ import torch
 from helpers import VOCAB, byte_tokenizer, permute_for_gguf, random_sequences, ref_logprobs, run_interpreted
 
 from logprobe import LogprobeError, Scorer
-from logprobe.config import EngineConfig
+from logprobe.config import Deterministic, EngineConfig
 from logprobe.engine.request import ScoreRequest
 from logprobe.layers.moe import MoeBlock, combine, route, sort_by_expert
 from logprobe.loading import load_model
@@ -577,9 +577,7 @@ def test_moe_block_cuda_kernel_matches_reference_path(dtype, moe_dirs):
     s = Scorer(loaded, progress=False)
     seqs = random_sequences(4, seed=2)
     fused = [r.logprobs for r in s.logprobs(seqs)]
-    for m in loaded.model.modules():
-        if isinstance(m, MoeBlock):
-            m.triton = False
+    loaded.model.use_triton_elementwise(False)  # the MoE blocks' PyTorch path (and PyTorch elementwise ops)
     plain = [r.logprobs for r in s.logprobs(seqs)]
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert max(float((a - b).abs().max()) for a, b in zip(fused, plain)) < tol
@@ -635,10 +633,10 @@ def test_deterministic_mode_skips_tp_invariance_on_unsplittable_models(moe_dirs,
     loaded = load_model(str(moe_dirs["qwen3_moe"][0]), "cpu", "float32")
     outs = {}
     for tp_inv in (True, False):
-        engine = Scorer(loaded, config=EngineConfig(deterministic=True, tp_invariant=tp_inv)).engine
+        engine = Scorer(loaded, config=EngineConfig(deterministic=Deterministic(tp_invariant=tp_inv))).engine
         outs[tp_inv] = [r.logprobs for r in engine.run(reqs)]
-        assert not any(m.tp_invariant for m in loaded.model.modules() if isinstance(m, Linear))
+        assert not any(m.numerics.column_blocks for m in loaded.model.modules() if isinstance(m, Linear))
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
     dense = load_model(str(tiny_dirs["llama"][0]), "cpu", "float32")
     Scorer(dense, config=EngineConfig(deterministic=True)).engine.run([ScoreRequest([5, 6, 7, 8], 1)])
-    assert all(m.tp_invariant for m in dense.model.modules() if isinstance(m, Linear))
+    assert all(m.numerics.column_blocks for m in dense.model.modules() if isinstance(m, Linear))

@@ -20,7 +20,7 @@ from nvfp4_helpers import nvfp4_checkpoint, nvfp4_reference, package_quantize, p
 from quant_helpers import tiny_wide_llama
 
 from logprobe import Scorer
-from logprobe.config import EngineConfig
+from logprobe.config import Deterministic, EngineConfig
 from logprobe.layers.fp4_linear import FP4Linear, round_to_fp4, unpack_fp4
 from logprobe.loading import load_model
 
@@ -189,7 +189,7 @@ def test_packed_equals_dense_and_deterministic_batch_invariance(scheme, fp4_dirs
     packed = load_model(str(d), "cpu", "float32")
     dense = load_model(str(d), "cpu", "float32", weights="dense")
     for det in (False, True):
-        cfg = EngineConfig(deterministic=det, invariant_tile=16)
+        cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
         a = Scorer(packed, config=cfg, progress=False).logprobs(seqs)
         b = Scorer(dense, config=cfg, progress=False).logprobs(seqs)
         assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))

@@ -48,10 +48,12 @@ def test_blocks_and_vocab_grid_gold():
     assert [vocab_shard(128256, 8192, r, 2) for r in range(2)] == [(0, 65536), (65536, 128256)]
 
 
-def test_shard_slice_gold():
-    """The module docstring's worked example: every cut is rows of the native parameter."""
-    from logprobe.loading.sharding import shard_slice
-    from logprobe.models.llama import LlamaConfig, LlamaModel
+def test_held_rows_gold():
+    """The module docstring's worked example: every cut is rows of the native parameter, as each
+    rank's layers state them (``RowShard.tp_rows``, read off a meta-device model)."""
+    from logprobe.layers.parallel_linear import held_rows
+    from logprobe.loading.sharding import rank_model
+    from logprobe.models.llama import LlamaConfig
     from logprobe.parallel.context import ParallelContext
 
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
@@ -60,13 +62,18 @@ def test_shard_slice_gold():
     gold = {0: [(0, 32), (0, 16), (0, 16), (0, 32), (0, 64), (0, 64), (0, 32)],
             1: [(32, 64), (16, 32), (16, 32), (32, 64), (64, 128), (64, 128), (32, 64)]}
     for rank in (0, 1):
-        ctx = ParallelContext(rank, 2, None, 4)
-        vocab = LlamaModel.vocab_range_of(cfg, ctx)
+        model = rank_model(cfg, ParallelContext(rank, 2, None, 4))
         mod = lambda n: "self_attn" if n in names[:4] else "mlp"  # noqa: E731
-        got = [shard_slice(f"layers.0.{mod(n)}.{n}.weight", cfg, ctx, vocab) for n in names]
+        got = [held_rows(model, f"layers.0.{mod(n)}.{n}.weight") for n in names]
         assert got == gold[rank]
-        assert shard_slice("lm_head.weight", cfg, ctx, vocab) == [(0, 192), (192, 300)][rank]
-        assert shard_slice("layers.0.input_layernorm.weight", cfg, ctx, vocab) is None
+        assert held_rows(model, "lm_head.weight") == [(0, 192), (192, 300)][rank]
+        assert held_rows(model, "embed_tokens.weight") == [(0, 192), (192, 300)][rank]
+        assert held_rows(model, "layers.0.input_layernorm.weight") is None
+        assert held_rows(model, "norm.weight") is None and held_rows(model, "no.such.weight") is None
+        # deterministic mode's column blocks, derived by each layer from its width and S = 4
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        assert attn.q_proj.col_blocks == [16, 16] and attn.k_proj.col_blocks is None
+        assert mlp.gate_proj.col_blocks == [32, 32] and mlp.down_proj.col_blocks == [16, 16]
 
 
 def test_check_tp_errors():

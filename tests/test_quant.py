@@ -21,7 +21,7 @@ from helpers import ref_logprobs, write_tiny_gguf
 from quant_helpers import decompressed_state, quantize_and_save, tiny_wide_llama
 
 from logprobe import LogprobeError, Scorer
-from logprobe.config import EngineConfig
+from logprobe.config import Deterministic, EngineConfig
 from logprobe.layers.quant_linear import CTLinear, GGUFLinear, PackedEmbedding, PackedWeight, weight_bytes
 from logprobe.loading import load_model
 
@@ -109,7 +109,7 @@ def test_compressed_tensors_logprobs_match_float64(scheme, ct_dirs):
     for weights in ("packed", "dense"):
         for det in (False, True):
             s = Scorer(load_model(str(d), "cpu", "float32", weights=weights),
-                       config=EngineConfig(deterministic=det, invariant_tile=16))
+                       config=EngineConfig(deterministic=det and Deterministic(tile=16)))
             outs[weights, det] = s.logprobs([seq])[0].logprobs
     assert (outs["packed", False].double() - want).abs().max() < 1e-4
     for det in (False, True):  # one expansion function: bitwise equal, tiled or not
@@ -131,7 +131,7 @@ def test_gguf_packed_equals_dense(name, tie, tmp_path):
     dense = load_model(str(path), "cpu", "float32", weights="dense")
     seq = _seq(300, seed=1)
     for det in (False, True):
-        cfg = EngineConfig(deterministic=det, invariant_tile=16)
+        cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
         a = Scorer(packed, config=cfg).logprobs([seq], top_k=3)[0]
         b = Scorer(dense, config=cfg).logprobs([seq], top_k=3)[0]
         assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.topk_ids, b.topk_ids)

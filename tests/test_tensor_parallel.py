@@ -20,7 +20,7 @@ import torch
 from helpers import make_hf_dir, random_sequences, ref_logprobs, write_tiny_gguf
 
 from logprobe import Scorer
-from logprobe.config import EngineConfig
+from logprobe.config import Deterministic, EngineConfig
 from logprobe.errors import LogprobeError
 
 OPTS = dict(temperature=0.7, top_k=5, entropy=True)
@@ -222,7 +222,7 @@ def test_deterministic_without_tp_invariance_is_batch_invariant(hf_models):
     the TP size in use: requests alone equal them among others."""
     path, _ = hf_models["qwen3"]
     seqs = _sequences()
-    cfg = EngineConfig(deterministic=True, tp_invariant=False, max_batch_tokens=64)
+    cfg = EngineConfig(deterministic=Deterministic(tp_invariant=False), max_batch_tokens=64)
     with Scorer(str(path), device="cpu", config=cfg, tensor_parallel_size=2) as s:
         together = s.logprobs(seqs, **OPTS)
         alone = [s.logprobs([q], **OPTS)[0] for q in seqs[:3]]

@@ -218,12 +218,11 @@ def test_shard_takes_its_slices_as_loading_reads_them(kind, dirs):
     """A rank's shard (as under torchrun) updated with whole tensors holds exactly the parameters
     ``load_shard`` reads from the new checkpoint, bit for bit."""
     from logprobe.loading.loader import load_shard
-    from logprobe.models.llama import block_count
     from logprobe.parallel.context import ParallelContext
 
     a, b = dirs[kind]
     for rank in (0, 1):
-        ctx = ParallelContext(rank, 2, None, block_count(scorer(a).loaded.model.config))
+        ctx = ParallelContext(rank, 2)  # load_shard takes the model's column blocks from its config
         shard = load_shard(str(a), ctx, "cpu", "float32").model
         want = load_shard(str(b), ctx, "cpu", "float32").model.state_dict()
         assert not torch.equal(shard.state_dict()["layers.0.self_attn.q_proj.weight"],

@@ -42,6 +42,53 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+@dataclass(frozen=True, slots=True)
+class Deterministic:
+    """Deterministic mode's settings: ``EngineConfig(deterministic=Deterministic(...))``, or
+    ``deterministic=True`` for these defaults. Every per-token number is then bitwise the same
+    whatever else is in the batch, the order of requests, the budget, chunking and prefix sharing.
+
+    tile: matrix products in fixed tiles of this many rows (the last one zero-padded); also the
+        head's token chunk. ``cuda_tile``: the products' row tile on CUDA.
+    matmul: how a product without column blocks (``tp_invariant=False``) runs on CUDA. "cublas"
+        (default): cuBLAS on row tiles of one fixed shape; a fixed shape pins cuBLAS's kernel and
+        a GEMM never reduces across rows, so a row's bits do not depend on its companions.
+        "triton": logprobe's fixed-tile Triton matmul (``kernels.matmul``), invariant by
+        construction; it is what every product runs with ``tp_invariant`` on CUDA.
+    attention_block: attention in tiles of this many queries and keys, with a fixed KV split.
+    tp_invariant: the numbers are also the same bits for every tensor-parallel size dividing the
+        model's column block count (``parallel.shard.num_blocks``; 8 for Llama-3-8B): every
+        product is computed in fixed column blocks (the Triton fixed-tile matmul on CUDA), and
+        row layers gather their input and compute each output over the whole inner dimension
+        (``layers.parallel_linear``), so no sum is split by the TP size. Costs the Triton
+        matmul's speed against cuBLAS at every TP size, TP = 1 included (docs/perf.md); False
+        keeps the mode batch-invariant at the TP size in use only, on cuBLAS row tiles. Models
+        that are never split (mixture-of-experts today) skip it: there is no other TP size to match.
+
+        >>> EngineConfig(deterministic=True).deterministic
+        Deterministic(tile=128, cuda_tile=2048, matmul='cublas', attention_block=64, tp_invariant=True)
+        >>> EngineConfig(deterministic=Deterministic(tp_invariant=False)).deterministic.tile
+        128
+        >>> EngineConfig(deterministic=False).deterministic is None
+        True
+    """
+
+    tile: int = 128
+    cuda_tile: int = 2048
+    matmul: str = "cublas"
+    attention_block: int = 64
+    tp_invariant: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tile", "cuda_tile", "attention_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LogprobeError(f"deterministic.{name}", f"must be a positive integer, got {value!r}")
+        if self.matmul not in ("cublas", "triton"):
+            raise LogprobeError("deterministic.matmul", f"must be cublas or triton, got {self.matmul!r}",
+                                "cublas: fixed-shape cuBLAS row tiles (fast); triton: logprobe's fixed-tile kernel")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How the engine batches and scores.
@@ -57,25 +104,11 @@ class EngineConfig:
     share_prefixes / min_shared_prefix: requests whose inputs share at least that many leading
         token ids run the prefix once, as a tree (native models). 16 keeps the saving above the
         per-segment overhead; shared or not, results agree (bitwise in deterministic mode).
-    deterministic: every per-token number is bitwise the same whatever else is in the batch, the
-        order of requests, the budget, chunking and prefix sharing: matrix products in fixed
-        tiles of ``invariant_tile`` rows (``cuda_invariant_tile`` on CUDA), attention in
-        ``attention_block`` tiles with a fixed KV split, the head in padded token chunks (native
-        models; see docs/perf.md for the cost). Off: equal within float32 rounding.
-    invariant_matmul: how a deterministic product without column blocks (``tp_invariant=False``)
-        runs on CUDA. "cublas" (default): cuBLAS on row tiles of one fixed shape; a fixed shape
-        pins cuBLAS's kernel and a GEMM never reduces across rows, so a row's bits do not depend
-        on its companions. "triton": logprobe's fixed-tile Triton matmul (``kernels.matmul``),
-        invariant by construction; it is what every product runs with ``tp_invariant`` on CUDA.
-    tp_invariant: deterministic mode's numbers are also the same bits for every tensor-parallel
-        size dividing the model's column block count (``parallel.shard.num_blocks``; 8 for
-        Llama-3-8B): every product is computed in fixed column blocks (the Triton fixed-tile
-        matmul on CUDA, invariant by construction), and row-parallel layers gather their input
-        and compute each output over the whole inner dimension (``layers.parallel_linear``), so
-        no sum is split by the TP size. Costs the Triton matmul's speed against cuBLAS at every
-        TP size, TP = 1 included (docs/perf.md); False keeps deterministic mode batch-invariant
-        at the TP size in use only, on cuBLAS row tiles. Models that are never split
-        (mixture-of-experts today) skip it: there is no other TP size to match.
+    deterministic: None (off, the default): equal within float32 rounding. A ``Deterministic``
+        (``True`` stands for ``Deterministic()``, ``False`` for None, here and in ``replace``):
+        every per-token number is bitwise the same whatever else is in the batch, the order of
+        requests, the budget, chunking and prefix sharing (native models; see ``Deterministic``
+        and docs/perf.md for the cost). Test it as a truth value: ``if cfg.deterministic:``.
     overlap_host: a batch's results are read after the next batch is launched, so that the host
         plans and packs while the device computes (one device-to-host copy per batch, ``engine.host``).
         False reads each batch before launching the next (for measuring what the overlap gives);
@@ -86,26 +119,70 @@ class EngineConfig:
     head_token_chunk: int = 512
     head_vocab_chunk: int = 8192
     progress: bool | None = None
-    deterministic: bool = False
-    invariant_tile: int = 128
-    cuda_invariant_tile: int = 2048
-    invariant_matmul: str = "cublas"
-    attention_block: int = 64
+    deterministic: Deterministic | None = None
     share_prefixes: bool = True
     min_shared_prefix: int = 16
-    tp_invariant: bool = True
     overlap_host: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens is not None:
             check_positive_ints(self, ("max_batch_tokens",))
-        check_positive_ints(self, ("head_token_chunk", "head_vocab_chunk", "invariant_tile",
-                                   "cuda_invariant_tile", "attention_block", "min_shared_prefix"))
-        if self.invariant_matmul not in ("cublas", "triton"):
-            raise LogprobeError("invariant_matmul", f"must be cublas or triton, got {self.invariant_matmul!r}",
-                                "cublas: fixed-shape cuBLAS row tiles (fast); triton: logprobe's fixed-tile kernel")
+        check_positive_ints(self, ("head_token_chunk", "head_vocab_chunk", "min_shared_prefix"))
+        if self.deterministic is True:
+            self.deterministic = Deterministic()
+        elif self.deterministic is False:
+            self.deterministic = None
+        elif self.deterministic is not None and not isinstance(self.deterministic, Deterministic):
+            raise LogprobeError("deterministic", f"must be True, False, None or a Deterministic, got "
+                                f"{self.deterministic!r}", "e.g. Deterministic(tp_invariant=False)")
 
-    @property
-    def batch_invariant(self) -> bool:
-        """The old name of ``deterministic``."""
-        return self.deterministic
+
+@dataclass(frozen=True, slots=True)
+class Numerics:
+    """How the layers compute: one object, derived from an ``EngineConfig`` and the device by
+    ``numerics_for`` (the only place the mode's settings become layer choices). The engine hands
+    it to the model (``layers.numerics.NumericsUser.set_numerics``); layers read ``self.numerics``.
+
+    deterministic: the mode is on (RMSNorm's row-wise kernel on CUDA whatever ``triton`` says,
+        the head in padded chunks of a fixed vocabulary grid, combined in grid order).
+    row_tile: products in fixed tiles of this many rows (None: one product, the fastest).
+    matmul: ``Deterministic.matmul``. column_blocks: products in the layer's column blocks
+        (``Deterministic.tp_invariant`` on a model that can be split).
+    attention_block: attention's query/key tile (None: the fastest kernel).
+    head_token_chunk / head_vocab_chunk: the log-prob head's tile.
+    triton: RMSNorm, rotary, SiLU(gate) * up and the MoE MLP as Triton passes on CUDA (the
+        default); False: PyTorch ops, a benchmark's baseline (``LlamaModel.use_triton_elementwise``).
+
+        >>> numerics_for(EngineConfig(deterministic=True), "cpu").row_tile
+        128
+        >>> numerics_for(EngineConfig(), "cpu") == Numerics()
+        True
+    """
+
+    deterministic: bool = False
+    row_tile: int | None = None
+    matmul: str = "cublas"
+    column_blocks: bool = False
+    attention_block: int | None = None
+    head_token_chunk: int = 512
+    head_vocab_chunk: int = 8192
+    triton: bool = True
+
+
+def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable: bool = True,
+                 tp_size: int = 1, tp_blocks: int = 1) -> Numerics:
+    """The ``Numerics`` of ``config`` on ``device``. ``splittable``: the model can be split by
+    tensor parallelism (column blocks mean something); ``tp_size`` / ``tp_blocks``: its TP size
+    and column block count, checked here (a TP-invariant run needs a size dividing the blocks)."""
+    det = config.deterministic
+    if det is None:
+        return Numerics(head_token_chunk=config.head_token_chunk, head_vocab_chunk=config.head_vocab_chunk)
+    if det.tp_invariant and tp_size > 1 and tp_blocks % tp_size:
+        raise LogprobeError("tensor_parallel_size", f"deterministic mode keeps its numbers equal across TP sizes "
+                            f"that divide the model's {tp_blocks} column blocks; {tp_size} does not",
+                            "use such a TP size, or EngineConfig(deterministic=Deterministic(tp_invariant=False))")
+    cuda = torch.device(device).type == "cuda"
+    # the head's token chunk is ``tile`` on every device: its bits were pinned that way
+    return Numerics(deterministic=True, row_tile=det.cuda_tile if cuda else det.tile, matmul=det.matmul,
+                    column_blocks=det.tp_invariant and splittable, attention_block=det.attention_block,
+                    head_token_chunk=det.tile, head_vocab_chunk=config.head_vocab_chunk)

@@ -10,13 +10,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..config import EngineConfig
+from ..config import EngineConfig, Numerics, numerics_for
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, KVCache, Segment
 from ..layers.hooks import CaptureTable, Hooks, SteerTable
-from ..layers.linear import Linear
 from ..layers.logprob_head import logprob_head
-from ..layers.norm import RMSNorm
+from ..layers.numerics import NumericsUser
 from ..models.caps import ModelCaps
 from .budget import budget_for, resolved_budget
 from .delivery import Delivery, RunStopped, concat_parts
@@ -191,9 +190,8 @@ class Engine:
         self.start_budget = config.max_batch_tokens  # what a later config's None stands for
         self._config = config
         self.device = device
-        self._linears = [m for m in model.modules() if isinstance(m, Linear)]
-        self._splittable = ModelCaps.of(model).tensor_parallel  # tp_invariant means something
-        self._norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        self._numerics: Numerics | None = None  # of this config, made when first needed
+        self._splittable = ModelCaps.of(model).tensor_parallel  # column blocks mean something
         self._context = ModelCaps.of(model).context
         # out of memory: the working budget (<= config.max_batch_tokens), see ``run``
         self.budget = config.max_batch_tokens
@@ -317,11 +315,13 @@ class Engine:
 
     def _run_batch(self, requests: list[ScoreRequest], batch: list, cache: KVCache | None = None):
         """One forward pass and its head, queued: (packed batch, ``Launched``)."""
-        packed = pack(batch, requests, self.device, self.config.attention_block if self.config.deterministic else None)
+        numerics = self.numerics
+        packed = pack(batch, requests, self.device, numerics.attention_block)
         packed.meta.cache = cache
         if self.fault_hook is not None:
             self.fault_hook(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
-        self._set_tiling()
+        if isinstance(self.model, NumericsUser):
+            self.model.set_numerics(numerics)  # a no-op unless another engine's ran last
         if packed.hooks is None:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
         else:
@@ -384,6 +384,7 @@ class Engine:
         if config.max_batch_tokens != self._config.max_batch_tokens:
             self.budget = config.max_batch_tokens
         self._config = config
+        self._numerics = None  # derived again from this config, when first needed
 
     def _succeeded(self, tokens: int) -> None:
         """A forward pass that held ``tokens`` (rows and cached keys) ran: raise the budget back
@@ -403,29 +404,23 @@ class Engine:
             return Launched(packed, batch, None)
         top_k = max(r.top_k for r in batch)
         entropy = any(r.entropy for r in batch)
-        det = self.config.deterministic
         out = logprob_head(hidden[packed.score_rows], self.model.head_params(), packed.targets,
                            packed.temperature, top_k=top_k, entropy=entropy,
-                           token_chunk=self.config.invariant_tile if det else self.config.head_token_chunk,
-                           vocab_chunk=self.config.head_vocab_chunk, pad_chunks=det)
+                           token_chunk=self.numerics.head_token_chunk, vocab_chunk=self.numerics.head_vocab_chunk,
+                           deterministic=self.numerics.deterministic)
         return Launched(packed, batch, start_copy(out, top_k, entropy))
 
-    def _set_tiling(self) -> None:
-        # set before every forward: engines with different configs may share one model
-        cfg = self.config
-        tile = (cfg.cuda_invariant_tile if self.device.type == "cuda" else cfg.invariant_tile) if cfg.deterministic \
-            else None
-        ctx = getattr(self.model, "ctx", None)
-        if cfg.deterministic and cfg.tp_invariant and ctx is not None and ctx.size > 1 and ctx.blocks % ctx.size:
-            raise LogprobeError("tensor_parallel_size", f"deterministic mode keeps its numbers equal across "
-                                f"TP sizes that divide the model's {ctx.blocks} column blocks; {ctx.size} does not",
-                                "use such a TP size, or EngineConfig(tp_invariant=False)")
-        for m in self._linears:
-            m.row_tile = tile
-            m.invariant_kernel = cfg.invariant_matmul
-            m.tp_invariant = cfg.tp_invariant and self._splittable
-        for m in self._norms:
-            m.invariant = self.config.deterministic
+    @property
+    def numerics(self) -> Numerics:
+        """How the model computes under this engine's config on its device: derived once per
+        config (``config.numerics_for``) and handed to the model before each pass
+        (``layers.numerics``: the model rewrites its layers only when it differs)."""
+        if self._numerics is None:
+            ctx = getattr(self.model, "ctx", None)  # a native model's tensor-parallel group
+            self._numerics = numerics_for(self.config, self.device, splittable=self._splittable,
+                                          tp_size=ctx.size if ctx is not None else 1,
+                                          tp_blocks=ctx.blocks if ctx is not None else 1)
+        return self._numerics
 
     def _progress_bar(self, total: int, progress: bool | None):
         show = self.config.progress if progress is None else progress

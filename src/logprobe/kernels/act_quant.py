@@ -88,7 +88,7 @@ class ActQuantConfig:
 DEFAULT_CONFIG = ActQuantConfig()  # what ``scaled_matmul`` runs without a config
 
 
-def product_path(kind: str, out_dtype: torch.dtype, per_row_scales: bool, batch_invariant: bool,
+def product_path(kind: str, out_dtype: torch.dtype, per_row_scales: bool, deterministic: bool,
                  fp8_tensor_cores: bool | None, has_scaled_mm: bool) -> str:
     """Which product multiplies the codes (the module docstring says why):
 
@@ -108,7 +108,7 @@ def product_path(kind: str, out_dtype: torch.dtype, per_row_scales: bool, batch_
     mma = out_dtype in (torch.bfloat16, torch.float16) if fp8_tensor_cores is None else fp8_tensor_cores
     if not mma:
         return "fp16"
-    if has_scaled_mm and per_row_scales and out_dtype == torch.bfloat16 and not batch_invariant:
+    if has_scaled_mm and per_row_scales and out_dtype == torch.bfloat16 and not deterministic:
         return "scaled_mm"
     return "fp8-mma"
 
@@ -339,10 +339,10 @@ def silu_mul_quantize(gate: torch.Tensor, up: torch.Tensor, kind: str) -> tuple[
 
 def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tensor, sb: torch.Tensor, group_b: int,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                  config: ActQuantConfig | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                  config: ActQuantConfig | None = None, deterministic: bool = False) -> torch.Tensor:
     """a [M, K] codes with scales sa [M, ceil(K / group_a)], b [N, K] codes with sb [N, ceil(K /
     group_b)] (float8_e4m3fn both, or int8 both) -> y [M, N] in ``out_dtype``, by ``product_path``.
-    ``batch_invariant``: a row's result must not depend on M (deterministic mode)."""
+    ``deterministic``: a row's result must not depend on M (never ``torch._scaled_mm``)."""
     cfg = config or DEFAULT_CONFIG
     M, K = a.shape
     N = b.shape[0]
@@ -354,7 +354,7 @@ def scaled_matmul(a: torch.Tensor, sa: torch.Tensor, group_a: int, b: torch.Tens
         raise LogprobeError("group", f"scale groups {group_a}/{group_b} are not multiples of the K tile "
                             f"{cfg.block_k}", "use the PyTorch path (ActQuantLinear without kernels)")
     scaled_mm_fits = has_rowwise_scaled_mm(a.device) and K % 16 == 0 and N % 16 == 0  # cuBLAS FP8's alignment
-    path = product_path("int" if a.dtype == torch.int8 else "float", out_dtype, not per_tile, batch_invariant,
+    path = product_path("int" if a.dtype == torch.int8 else "float", out_dtype, not per_tile, deterministic,
                         cfg.fp8_tensor_cores, scaled_mm_fits)
     if path == "scaled_mm":
         return rowwise_scaled_mm(a, sa, b, sb, bias, cfg.fast_accum)
@@ -385,23 +385,23 @@ def rowwise_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: to
 def act_quant_linear(x: torch.Tensor, kind: str, act_group: int | None, static_scale: torch.Tensor | None,
                      qweight: torch.Tensor, w_scale: torch.Tensor, block_cols: int,
                      bias: torch.Tensor | None = None, config: ActQuantConfig | None = None,
-                     batch_invariant: bool = False) -> torch.Tensor:
+                     deterministic: bool = False) -> torch.Tensor:
     """``ActQuantLinear``'s product through the two kernels: x [T, K] -> y [T, N] in x's dtype."""
     K = x.shape[1]
     codes, sx = quantize_rows(x, kind, act_group, static_scale)
     group_a = K if static_scale is not None else (act_group or K)
     return scaled_matmul(codes, sx, group_a, qweight, w_scale, block_cols, bias, _out_dtype(x.dtype), config,
-                         batch_invariant)
+                         deterministic)
 
 
 def gated_act_quant_linear(gate: torch.Tensor, up: torch.Tensor, kind: str, qweight: torch.Tensor,
                            w_scale: torch.Tensor, block_cols: int, bias: torch.Tensor | None = None,
-                           config: ActQuantConfig | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                           config: ActQuantConfig | None = None, deterministic: bool = False) -> torch.Tensor:
     """``act_quant_linear(silu_mul(gate, up), kind, None, None, ...)`` (dynamic per-token activations),
     bit for bit, with ``silu_mul_quantize`` in place of the two passes: gate, up [T, I] -> y [T, N]."""
     codes, sx = silu_mul_quantize(gate, up, kind)
     return scaled_matmul(codes, sx, gate.shape[1], qweight, w_scale, block_cols, bias, _out_dtype(gate.dtype), config,
-                         batch_invariant)
+                         deterministic)
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:

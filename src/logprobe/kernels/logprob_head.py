@@ -293,13 +293,13 @@ def _check(hidden, weight, bias, targets, inv_t, top_k) -> None:
         raise LogprobeError("device", f"the fused head runs on CUDA (or CPU under TRITON_INTERPRET=1), got {dev}")
 
 
-def combine_head_partials(zy, m, s, a, c, tv, ti, top_k: int, ordered: bool):
+def combine_head_partials(zy, m, s, a, c, tv, ti, top_k: int, deterministic: bool):
     """The PyTorch half of the head, shared by the fused kernel and the chunked reference: fold P
     partials (one per vocabulary split, chunk or rank shard) into per-row results.
 
     zy [N] target logits; m, s, a [P, N] (max, sum exp(z - m), sum exp(z - m) z over the split);
     c [P, N] counts above the target; tv, ti [P, N, K] each split's best logits and global ids.
-    The global max is exact in any order; ``ordered`` (deterministic mode) adds the rescaled sums
+    The global max is exact in any order; ``deterministic`` (the mode) adds the rescaled sums
     split after split in P order (elementwise ops only, no shape-dependent reduction), so a row's
     bits depend only on its partials:
 
@@ -309,7 +309,7 @@ def combine_head_partials(zy, m, s, a, c, tv, ti, top_k: int, ordered: bool):
     mx = m.max(dim=0).values  # [N]
     w = torch.exp(m - mx)  # [P, N]
     entropy = a is not None
-    if ordered:
+    if deterministic:
         tot, ent_num = s[0] * w[0], (a[0] * w[0] if entropy else None)
         for j in range(1, m.shape[0]):
             tot = tot + s[j] * w[j]
@@ -462,4 +462,4 @@ def fused_logprob_head(
     zy = fused_target_logits(hidden, weight, targets, inv_temperature, **opts)
     parts = fused_head_partials(hidden, weight, targets, zy, inv_temperature, **opts, top_k=top_k, entropy=entropy,
                                 config=config, split=config.fixed_split if deterministic else None)
-    return combine_head_partials(zy, *parts, top_k=top_k, ordered=deterministic)
+    return combine_head_partials(zy, *parts, top_k=top_k, deterministic=deterministic)

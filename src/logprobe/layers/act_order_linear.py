@@ -26,9 +26,8 @@ class ActOrderLinear(CTLinear):
     in_perm = [1, 3, 0, 2] (channels of group 0, then of group 1)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int,
-                 group_size: int, in_features: int, in_perm: torch.Tensor, bias: torch.Tensor | None = None,
-                 row_tile: int | None = None) -> None:
-        super().__init__(qweight, scale, zero_point, num_bits, group_size, in_features, bias, row_tile)
+                 group_size: int, in_features: int, in_perm: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(qweight, scale, zero_point, num_bits, group_size, in_features, bias)
         in_perm = in_perm.long()
         if in_perm.shape != (self.in_features,) or not torch.equal(in_perm.sort().values,
                                                                     torch.arange(self.in_features)):

@@ -80,7 +80,7 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block_cols: int, act_kind: str,
                  input_scale: torch.Tensor | None = None, act_group: int | None = None,
-                 bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
+                 bias: torch.Tensor | None = None) -> None:
         nn.Module.__init__(self)
         if act_kind not in KINDS:
             raise LogprobeError("quantization_config", f"activation type {act_kind!r} is not run",
@@ -90,7 +90,6 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
                                 "int8 weight")
         self.out_features, self.in_features = (int(n) for n in qweight.shape)
         self.block_cols, self.act_kind, self.act_group = int(block_cols), act_kind, act_group
-        self.row_tile = row_tile
         groups = -(-self.in_features // self.block_cols)
         if tuple(scale.shape) != (self.out_features, groups):
             raise LogprobeError("weight_scale", f"shape {tuple(scale.shape)} does not match "
@@ -149,7 +148,7 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         x2 = x.reshape(-1, shape[-1])  # [..., in] -> [T, in]: quantization is per row
         if self.use_kernels(x2):
             y = act_quant_linear(x2, self.act_kind, self.act_group, self.input_scale, self.qweight, self.scale,
-                                 self.block_cols, self.bias, batch_invariant=self.row_tile is not None)
+                                 self.block_cols, self.bias, deterministic=self.numerics.deterministic)
         else:
             xq = self.quantize_input(x2)  # [T, in] float32
             y = float32_product(self, xq, self.rows()).to(x.dtype)  # rows(): [out, in] float32
@@ -163,7 +162,7 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
             return super().gated(gate, up, triton)
 
         return gated_act_quant_linear(gate, up, self.act_kind, self.qweight, self.scale, self.block_cols, self.bias,
-                                      batch_invariant=self.row_tile is not None)
+                                      deterministic=self.numerics.deterministic)
 
     def _gates_in_one_pass(self, gate: torch.Tensor, up: torch.Tensor, triton: bool) -> bool:
         """Where the unfused path is the two Triton passes (``activation.silu_mul``'s Triton case,
@@ -192,7 +191,8 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
         names = [n for n in ("qweight", "scale", "bias", "expanded") if getattr(first, n) is not None]
         cat = {n: torch.cat([getattr(p, n) for p in parts]) for n in names}  # [sum out, ...]
         fused = cls(cat["qweight"], cat["scale"], first.block_cols, first.act_kind, first.input_scale,
-                    first.act_group, cat.get("bias"), first.row_tile)
+                    first.act_group, cat.get("bias"))
+        fused.numerics = first.numerics
         fused.expanded = cat.get("expanded")
         fused.compute_dtype = first.compute_dtype
         if all(p.col_blocks for p in parts):  # deterministic mode's column blocks, as the dense fusion
@@ -229,12 +229,12 @@ class ActQuantLinear(_PackedLinearMixin, Linear):
 
 def _fusion_key(p: ActQuantLinear) -> tuple:
     """What must be equal for ``fuse_parts``: the activation quantization, the weight layout and
-    dtypes, the device, bias and dense expansion present or not, the deterministic row tile."""
+    dtypes, the device, bias and dense expansion present or not, the numerics."""
     def dtype(t):
         return None if t is None else t.dtype
 
     return (type(p), p.in_features, p.act_kind, p.act_group, p.block_cols, p.qweight.dtype, p.scale.dtype,
-            p.qweight.device, dtype(p.bias), dtype(p.expanded), dtype(p.input_scale), p.row_tile, p.kernels,
+            p.qweight.device, dtype(p.bias), dtype(p.expanded), dtype(p.input_scale), p.numerics, p.kernels,
             p.compute_dtype)
 
 

@@ -13,9 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.context import ParallelContext
+from .parallel_linear import RowShard
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(RowShard, nn.Module):
+    """Rows ``vocab_start .. vocab_end`` of the whole [num_embeddings, embedding_dim] table (``tp_rows``)."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int, ctx: ParallelContext,
                  vocab_start: int = 0, vocab_end: int | None = None) -> None:
         super().__init__()
@@ -23,6 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings  # the whole vocabulary
         self.vocab_start = vocab_start
         self.vocab_end = num_embeddings if vocab_end is None else vocab_end
+        self.tp_rows = (vocab_start, self.vocab_end)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - vocab_start, embedding_dim), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

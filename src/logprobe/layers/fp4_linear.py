@@ -92,8 +92,7 @@ class FP4Linear(_PackedLinearMixin, Linear):
     (``weights="dense"`` for NVFP4: the float32 weight, made once) or None."""
 
     def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
-                 input_global_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 row_tile: int | None = None) -> None:
+                 input_global_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
         nn.Module.__init__(self)
         if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
             raise LogprobeError("weight_packed", f"{weight_packed.dtype} {tuple(weight_packed.shape)} is not a 2-D "
@@ -102,7 +101,6 @@ class FP4Linear(_PackedLinearMixin, Linear):
         if self.in_features % GROUP or tuple(weight_scale.shape) != (self.out_features, self.in_features // GROUP):
             raise LogprobeError("weight_scale", f"shape {tuple(weight_scale.shape)} is not one scale per 16 "
                                 f"columns of a [{self.out_features}, {self.in_features}] weight")
-        self.row_tile = row_tile
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_global_scale", weight_global_scale.reshape(1).float())

@@ -14,44 +14,50 @@ from torch import nn
 from ..kernels import triton_available
 from ..kernels.matmul import invariant_linear
 from .activation import silu_mul
+from .numerics import NumericsUser
 
 
-class Linear(nn.Module):
-    fusable = True  # a plain dense product (packed and row-parallel layers say False)
+class Linear(NumericsUser, nn.Module):
+    """``y = x W^T (+ b)``: x [T, in] -> [T, out], computed as ``self.numerics`` says.
+
+    Deterministic mode (``numerics.row_tile`` set): each row's result is bitwise independent of
+    how many rows came with it: rows are multiplied in fixed tiles of that many rows (the last one
+    zero-padded), since BLAS and cuBLAS pick their kernel from the matrix shape and a fixed shape
+    pins it. ``numerics.matmul == "triton"`` uses the Triton matmul of ``kernels.matmul`` on CUDA
+    instead (one fixed tile shape, no split-K: invariant by construction). With
+    ``numerics.column_blocks`` the output columns are also computed in ``col_blocks`` (set by the
+    column-parallel layers from the model's block count), so a column's bits do not depend on how
+    many other columns its rank holds.
+    """
+
+    fusable = True  # a plain dense product (packed and row-gathered layers say False)
+    # deterministic mode's column blocks (widths summing to out_features; None: one block), set by
+    # the column-parallel layers and adopted by the packed layers that replace them
     col_blocks: list[int] | None = None
-    tp_invariant = True  # deterministic mode honours col_blocks (set per run by the engine)
-    invariant_kernel = "cublas"  # or "triton" (EngineConfig.invariant_matmul, set per run by the engine)
 
-    """``row_tile``: when set, each row's result is bitwise independent of how many rows came
-    with it (batch invariance): rows are multiplied in fixed tiles of that many rows (the last
-    one zero-padded), since BLAS and cuBLAS pick their kernel from the matrix shape and a fixed
-    shape pins it. ``invariant_kernel = "triton"`` uses the Triton matmul of ``kernels.matmul``
-    on CUDA instead (one fixed tile shape, no split-K: invariant by construction)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, row_tile: int | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.row_tile = row_tile
-        self.invariant_kernel = "cublas"
-        # deterministic mode: output columns computed in blocks of these widths, each its own
-        # fixed-shape product (set by column-parallel layers, so a column's bits do not depend on
-        # how many other columns its rank holds)
-        self.col_blocks: list[int] | None = None
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.weight, self.bias)
 
+    @property
+    def blocks(self) -> list[int] | None:
+        """The column blocks this layer's products honour now: ``col_blocks`` when the numerics
+        ask for them, else None."""
+        return self.col_blocks if self.numerics.column_blocks else None
+
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` the way this layer is set up: one product, or deterministic
-        mode's (fixed row tiles, and column blocks when ``tp_invariant``). Packed layers call it
-        with their expanded weight."""
-        if self.row_tile is None:
+        """``F.linear(x, weight, bias)`` under this layer's numerics: one product, or deterministic
+        mode's (fixed row tiles, and column blocks). Packed layers call it with their expanded weight."""
+        n = self.numerics
+        if n.row_tile is None:
             return F.linear(x, weight, bias)
-        return invariant_product(x, weight, bias, self.row_tile, self.col_blocks if self.tp_invariant else None,
-                                 self.invariant_kernel)
+        return deterministic_product(x, weight, bias, n.row_tile, self.blocks, n.matmul)
 
     def gated(self, gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
         """This layer applied to the gated activation, ``self(silu_mul(gate, up, triton))`` (a Llama
@@ -65,12 +71,12 @@ def float32_product(layer: Linear, xq: torch.Tensor, w: torch.Tensor) -> torch.T
     fixed row tiles (and column blocks) in deterministic mode, one product otherwise. The
     fake-quantized layers (FP8/INT8/FP4 activations) end with it."""
     bias = None if layer.bias is None else layer.bias.float()
-    if layer.row_tile is None:
+    if layer.numerics.row_tile is None:
         return F.linear(xq, w, bias)
-    return tiled_linear(xq, w, bias, layer.row_tile, layer.col_blocks if layer.tp_invariant else None)
+    return tiled_linear(xq, w, bias, layer.numerics.row_tile, layer.blocks)
 
 
-def invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,
+def deterministic_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,
                       col_blocks: list[int] | None, kernel: str = "cublas") -> torch.Tensor:
     """Deterministic mode's ``F.linear``: a row's bits independent of the other rows, and (with
     ``col_blocks``) a column's bits independent of the other columns. On CUDA the Triton

@@ -91,10 +91,10 @@ def _transform(z: torch.Tensor, b: torch.Tensor | None, p: HeadParams) -> torch.
     return z
 
 
-def _kernel_applies(hidden: torch.Tensor, p: HeadParams, top_k: int, pad_chunks: bool) -> bool:
+def _kernel_applies(hidden: torch.Tensor, p: HeadParams, top_k: int, deterministic: bool) -> bool:
     if not hidden.is_cuda or top_k > MAX_TOP_K:
         return False
-    if pad_chunks and p.grid_width % DEFAULT_CONFIG.block_n:
+    if deterministic and p.grid_width % DEFAULT_CONFIG.block_n:
         return False  # the kernel's fixed splits are whole tiles: a grid that is not stays on this path
     w = p.weight
     return (triton_available() and w.device == hidden.device and w.dtype == hidden.dtype
@@ -111,12 +111,12 @@ def logprob_head(
     entropy: bool = False,
     token_chunk: int = 512,
     vocab_chunk: int = 8192,
-    pad_chunks: bool = False,
+    deterministic: bool = False,
     backend: str = "auto",
 ) -> HeadOutput:
     """hidden [N, H], targets [N] -> HeadOutput. ``temperature`` is a float or a [N] tensor.
 
-    ``pad_chunks`` (deterministic mode): every row's numbers independent of the other rows and of
+    ``deterministic`` (the mode): every row's numbers independent of the other rows and of
     the TP size, bitwise: this loop zero-pads the last token chunk to ``token_chunk`` rows so every
     row goes through identically shaped products, and the vocabulary is folded per chunk of the
     fixed grid, combined in grid order (the kernel splits at the same grid).
@@ -141,20 +141,20 @@ def logprob_head(
         raise LogprobeError("backend", f"must be auto, torch or triton, got {backend!r}")
     inv_t = 1.0 / temp
     params = _resident_head(params, hidden, top_k, backend)
-    kernel = backend == "triton" or (backend == "auto" and _kernel_applies(hidden, params, top_k, pad_chunks))
+    kernel = backend == "triton" or (backend == "auto" and _kernel_applies(hidden, params, top_k, deterministic))
     if kernel:
         _check(hidden, params.weight, params.bias, targets, inv_t, top_k)
-    zy = _target_logits(hidden, params, targets, inv_t, token_chunk, kernel, pad_chunks)
+    zy = _target_logits(hidden, params, targets, inv_t, token_chunk, kernel, deterministic)
     if params.comm is not None:
         params.comm.all_reduce_max(zy)  # one rank owns each target: a max of one finite value and -inf
     if kernel:
-        parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, pad_chunks)
+        parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, deterministic)
     else:
         parts = _torch_partials(hidden, params, targets, zy, inv_t, top_k, entropy, token_chunk, vocab_chunk,
-                                pad_chunks)
-    parts = _gather_partials(parts, params, pad_chunks)
+                                deterministic)
+    parts = _gather_partials(parts, params, deterministic)
 
-    return HeadOutput(*combine_head_partials(zy, *parts, top_k=top_k, ordered=pad_chunks))
+    return HeadOutput(*combine_head_partials(zy, *parts, top_k=top_k, deterministic=deterministic))
 
 
 def _resident_head(params: HeadParams, hidden: torch.Tensor, top_k: int, backend: str) -> HeadParams:
@@ -176,9 +176,9 @@ def _local_targets(params: HeadParams, targets: torch.Tensor) -> tuple[torch.Ten
 
 
 def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int, kernel: bool,
-                   fixed: bool = False) -> torch.Tensor:
+                   deterministic: bool = False) -> torch.Tensor:
     """z_{i,y_i} / T_i [N] float32 from the target's own row of W; -inf where another rank owns it.
-    ``fixed`` (deterministic mode): the PyTorch loop sums zero-padded chunks of ``token_chunk`` rows
+    ``deterministic``: the PyTorch loop sums zero-padded chunks of ``token_chunk`` rows
     (its row sums are a reduction whose CUDA layout follows the number of rows)."""
     rows, owned = _local_targets(params, targets)
     if kernel:
@@ -191,31 +191,31 @@ def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int,
             r1 = min(r0 + token_chunk, hidden.shape[0])
             y, h = rows[r0:r1], hidden[r0:r1].float()
             prod = h * params.weight[y].float()  # [t, H]
-            if fixed and r1 - r0 < token_chunk:
+            if deterministic and r1 - r0 < token_chunk:
                 prod = F.pad(prod, (0, 0, 0, token_chunk - (r1 - r0)))  # [token_chunk, H]
             z = prod.sum(-1)[: r1 - r0]  # [t]
             zy[r0:r1] = _transform(z, bias[y] if bias is not None else None, params) * inv_t[r0:r1]
     return zy.masked_fill_(~owned, float("-inf"))
 
 
-def _kernel_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, fixed: bool):
+def _kernel_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, deterministic: bool):
     local = targets - params.vocab_start  # may fall outside the shard: only compared with columns
     return fused_head_partials(hidden, params.weight, local, zy, inv_t, bias=params.bias, scale=params.scale,
                                softcap=params.softcap, top_k=top_k, entropy=entropy,
-                               split=params.grid_width if fixed else None, vocab_start=params.vocab_start)
+                               split=params.grid_width if deterministic else None, vocab_start=params.vocab_start)
 
 
-def _gather_partials(parts, params: HeadParams, fixed: bool):
+def _gather_partials(parts, params: HeadParams, deterministic: bool):
     """Every rank's partials, in rank order (= vocabulary order), on every rank: [P_total, N(, K)].
     Ranks may hold different numbers of partials: each pads to the most, and the padding partials
-    are dropped after the gather. Fixed (deterministic) mode: one per grid chunk of the rank's
+    are dropped after the gather. Deterministic mode: one per grid chunk of the rank's
     shard, known to all. Default mode: as many as the rank's pass made (the fused kernel splits
     its shard to fill the GPU, the PyTorch loop makes one), so the counts are exchanged first."""
     comm = params.comm
     if comm is None or comm.size == 1:
         return parts
 
-    if fixed:
+    if deterministic:
         counts = [len(range(*vocab_shard(params.vocab_size, params.grid_width, r, comm.size))[::params.grid_width])
                   for r in range(comm.size)]
     else:
@@ -235,14 +235,14 @@ def _gather_partials(parts, params: HeadParams, fixed: bool):
 
 
 def _torch_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, token_chunk, vocab_chunk,
-                    fixed: bool):
+                    deterministic: bool):
     """The chunked PyTorch fold of this rank's vocabulary rows: one partial per grid chunk
-    (``fixed``) or one for the whole shard (online max / sum-exp over ``vocab_chunk`` columns)."""
+    (deterministic mode) or one for the whole shard (online max / sum-exp over ``vocab_chunk`` columns)."""
     N, H = hidden.shape
     Vl = params.weight.shape[0]
-    step = params.grid_width if fixed else vocab_chunk
+    step = params.grid_width if deterministic else vocab_chunk
     spans = [(v0, min(v0 + step, Vl)) for v0 in range(0, Vl, step)]
-    P = len(spans) if fixed else 1
+    P = len(spans) if deterministic else 1
     dev = hidden.device
     m = torch.empty(P, N, dtype=torch.float32, device=dev)
     s, a = torch.empty_like(m), (torch.empty_like(m) if entropy else None)
@@ -254,7 +254,7 @@ def _torch_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entro
         r1 = min(r0 + token_chunk, N)
         h = hidden[r0:r1]  # [t, H]
         it, yz, yt = inv_t[r0:r1], zy[r0:r1], targets[r0:r1]
-        if fixed and r1 - r0 < token_chunk:
+        if deterministic and r1 - r0 < token_chunk:
             # every fold runs on token_chunk rows (its reductions over [t, v] are PyTorch's, whose
             # layout follows the shape): padding rows are zeros with T = 1 and no target
             pad = token_chunk - (r1 - r0)
@@ -265,10 +265,10 @@ def _torch_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entro
         for p, (v0, v1) in enumerate(spans):
             z = _transform(_dots(h, params.weight[v0:v1]), bias[v0:v1] if bias is not None else None, params)
             fold.add(z * it[:, None], yz, yt - params.vocab_start - v0, params.vocab_start + v0)
-            if fixed:
+            if deterministic:
                 fold.write(p, r0, r1, m, s, a, c, tv, ti)
                 fold = _Fold(h.shape[0], top_k, entropy, dev)
-        if not fixed:
+        if not deterministic:
             fold.write(0, r0, r1, m, s, a, c, tv, ti)
     return m, s, a, c, tv, ti
 

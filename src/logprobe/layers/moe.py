@@ -42,6 +42,7 @@ from ..kernels.gguf_quants import block_values, dequantize_blocks
 from ..kernels.moe import combine_slots, fused_moe
 from .activation import row_invariant, silu_mul
 from .linear import Linear, tiled_linear
+from .numerics import NumericsUser
 from .quant_linear import PackedWeight
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -243,12 +244,13 @@ class Experts(nn.Module):
         return y.view(T, k, self.hidden)  # [T, k, H]
 
 
-class MoeBlock(nn.Module):
+class MoeBlock(NumericsUser, nn.Module):
     """Router + experts (+ an optional gated shared expert), in place of a dense MLP.
 
     ``forward(x [T, H], hooks)`` -> [T, H] (the block's ``mlp_out``); the router probabilities
-    [T, E] are offered to ``hooks`` at ``router_point`` (capture only). Deterministic mode is the
-    router's: the engine sets ``row_tile`` on every ``Linear``, the router included."""
+    [T, E] are offered to ``hooks`` at ``router_point`` (capture only). The experts run under the
+    block's ``numerics``: fixed row tiles in deterministic mode, the fused Triton kernel on CUDA
+    unless ``numerics.triton`` is off."""
 
     def __init__(self, spec: MoeSpec, hidden: int, router_point: str, shared: nn.Module | None = None) -> None:
         super().__init__()
@@ -258,7 +260,6 @@ class MoeBlock(nn.Module):
         self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size)
         self.shared_expert = shared
         self.shared_expert_gate = Linear(hidden, 1) if shared is not None else None
-        self.triton = True  # the fused Triton kernel on CUDA (kernels.moe)
 
     def fuse(self) -> None:
         if self.shared_expert is not None:
@@ -268,7 +269,7 @@ class MoeBlock(nn.Module):
         probs, weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, E], [T, k], [T, k]
         if hooks is not None:
             hooks(self.router_point, probs)
-        y = self.experts(x, ids, self.gate.row_tile, self.triton)  # [T, k, H]
+        y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
         out = combine_to(y, weights, x.dtype)  # [T, H]
         if self.shared_expert is not None:
             out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

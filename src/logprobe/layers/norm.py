@@ -7,24 +7,23 @@ from torch import nn
 
 from ..kernels import triton_available
 from ..kernels.rmsnorm import invariant_rmsnorm
+from .numerics import NumericsUser
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(NumericsUser, nn.Module):
     """On CUDA each row is reduced alone by the Triton kernel ``kernels.rmsnorm``: one read and
     one write instead of PyTorch's chain of float32 intermediates, and batch-invariant (PyTorch's
-    reduction layout depends on the number of rows). ``triton = False`` keeps the PyTorch ops
-    (a benchmark baseline) except in deterministic mode (``invariant``, set by the engine). On
-    CPU the PyTorch reduction of a row is already independent of the others."""
+    reduction layout depends on the number of rows). ``numerics.triton = False`` keeps the PyTorch
+    ops (a benchmark baseline) except in deterministic mode. On CPU the PyTorch reduction of a
+    row is already independent of the others."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.invariant = False
-        self.triton = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.invariant or self.triton) and x.is_cuda:
+        if (self.numerics.deterministic or self.numerics.triton) and x.is_cuda:
             if triton_available():
                 return invariant_rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype

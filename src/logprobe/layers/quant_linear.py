@@ -1,6 +1,6 @@
 """Quantized linear layers kept packed in memory, dequantized inside the matmul.
 
-Same interface as ``layers.linear.Linear`` (``forward(x [T, in]) -> [T, out]``, ``row_tile``), so
+Same interface as ``layers.linear.Linear`` (``forward(x [T, in]) -> [T, out]``, ``numerics``), so
 the model never knows the weight format. Formats:
 
 * ``GGUFLinear``: GGUF Q8_0 / Q4_0 / Q4_1 blocks of 32 and Q4_K / Q6_K super-blocks of 256
@@ -133,7 +133,7 @@ class _PackedLinearMixin(PackedWeight):
     fusable = False  # packed blocks are expanded inside forward: never concatenated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.row_tile is None:
+        if x.is_cuda and self.numerics.row_tile is None:  # deterministic mode: the fixed-tile product
             y = self._cuda_forward(x)
             if y is not None:
                 return y
@@ -161,12 +161,11 @@ class GGUFLinear(_PackedLinearMixin, Linear):
     one_pass = True
 
     def __init__(self, qtype: str, d: torch.Tensor, qs: torch.Tensor, m: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
+                 bias: torch.Tensor | None = None) -> None:
         nn.Module.__init__(self)
         self.qtype = qtype
         self.out_features, nb = d.shape
         self.in_features = nb * block_values(qtype)
-        self.row_tile = row_tile
         self.register_buffer("d", d)
         self.register_buffer("qs", qs)
         self.register_buffer("m", m)
@@ -215,15 +214,13 @@ class CTLinear(_PackedLinearMixin, Linear):
     ``group_size`` = in for per-channel scales (G = 1)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                 num_bits: int, group_size: int, in_features: int, bias: torch.Tensor | None = None,
-                 row_tile: int | None = None) -> None:
+                 num_bits: int, group_size: int, in_features: int, bias: torch.Tensor | None = None) -> None:
         nn.Module.__init__(self)
         if num_bits not in (4, 8):
             raise LogprobeError("quantization_config", f"{num_bits}-bit integer weights are not supported",
                                 "logprobe reads 4- and 8-bit compressed-tensors weights")
         self.num_bits, self.group_size = num_bits, group_size
         self.out_features, self.in_features = int(qweight.shape[0]), int(in_features)
-        self.row_tile = row_tile
         groups = -(-self.in_features // group_size)
         if tuple(scale.shape) != (self.out_features, groups):
             raise LogprobeError("weight_scale", f"shape {tuple(scale.shape)} does not match "

@@ -14,10 +14,10 @@ from ..errors import LogprobeError
 from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.hf_backend import TransformersModel
-from ..models.llama import LlamaConfig, LlamaModel, block_count
+from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
-from ..parallel.shard import check_tp, vocab_chunk_width
+from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from ..tokenizer import Tokenizer
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
@@ -161,7 +161,7 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
         if n % size:
             raise LogprobeError("tensor_parallel_size", f"{size} does not divide the {what} {n}",
                                 "use a size that divides it")
-    return ParallelContext(rank, size, group, block_count(cfg))
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
 
 
 def describe_model(spec: str | None = None, device: str | torch.device | None = "auto",

@@ -1,10 +1,12 @@
 """Shard-by-shard reading for tensor parallelism: each rank reads only its slices of each tensor.
 
-``shard_slice(name, cfg, ctx)`` says which slice of a native parameter a rank holds (the layer
-types of ``models.llama`` define the split: column-parallel = rows, row-parallel = rows of the output,
-vocabulary-parallel = rows of the embedding and LM head). Safetensors are read with
-``get_slice`` (only those bytes); GGUF tensors are memory-mapped and cut before anything is
-decoded (whole rows: quantized blocks are never cut).
+The split is the layers' own: every tensor-parallel layer states the rows of the checkpoint's whole
+tensors it holds (``layers.parallel_linear.RowShard.tp_rows``: column-parallel = its rows,
+gathered-row = rows of the output, vocabulary-parallel = rows of the embedding and LM head), and
+``held_rows(rank_model(cfg, ctx), name)`` reads it off the rank's model built on the meta device
+(no memory). Safetensors are read with ``get_slice`` (only those bytes); GGUF tensors are
+memory-mapped and cut before anything is decoded (whole rows: quantized blocks are never cut).
+Weight updates slice whole tensors the same way (``loading.update.rank_slice``).
 """
 
 from __future__ import annotations
@@ -13,37 +15,22 @@ import re
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..kernels.gguf_quants import GGML_TYPES
+from ..layers.parallel_linear import held_rows
 from ..models.llama import LlamaConfig, LlamaModel
+from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
-from ..parallel.shard import kv_heads, q_heads, shard_range
 from .checkpoint import hf_param_name, safetensors_files
 from .gguf import _LAYER_MAP, _TOP_MAP
 
 
-def shard_slice(name: str, cfg: LlamaConfig, ctx: ParallelContext, vocab: tuple[int, int]
-                ) -> tuple[int, int] | None:
-    """The rows [start, end) of parameter ``name`` on this rank, or None when every rank holds it
-    whole. Every split is by rows (output features), so a cut never falls inside a row's blocks."""
-    D = cfg.head_dim
-    m = re.fullmatch(r"layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)", name)
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        return vocab
-    if m is None:
-        return None
-    proj = m.group(2)
-    if proj == "q_proj":
-        q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)
-        return q0 * D, q1 * D
-    if proj in ("k_proj", "v_proj"):
-        k0, k1 = kv_heads(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.size)
-        return k0 * D, k1 * D
-    if proj in ("gate_proj", "up_proj"):
-        return shard_range(cfg.intermediate_size, ctx.rank, ctx.size)
-    if proj in ("o_proj", "down_proj"):  # rows of the output, whole along the inputs
-        return shard_range(cfg.hidden_size, ctx.rank, ctx.size)
-    return None
+def rank_model(cfg: LlamaConfig, ctx: ParallelContext) -> LlamaModel:
+    """Rank ``ctx.rank``'s model on the meta device: its layers say which rows of each tensor the
+    rank holds (``held_rows``), without a byte of weights."""
+    with torch.device("meta"):
+        return native_model_class(cfg)(cfg, ctx=ctx)
 
 
 def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext):
@@ -51,14 +38,14 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext):
     from safetensors import safe_open
 
 
-    vocab = LlamaModel.vocab_range_of(cfg, ctx)
+    model = rank_model(cfg, ctx)
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 name = hf_param_name(key, cfg, f.name)
                 if name is None:
                     continue
-                cut = shard_slice(name, cfg, ctx, vocab)
+                cut = held_rows(model, name)
                 if cut is None:
                     yield name, st.get_tensor(key)
                     continue
@@ -72,11 +59,11 @@ class ShardedGGUF:
 
     def __init__(self, reader, cfg: LlamaConfig, ctx: ParallelContext) -> None:
         self.fields = reader.fields
-        vocab = LlamaModel.vocab_range_of(cfg, ctx)
+        model = rank_model(cfg, ctx)
         self.tensors = []
         for t in reader.tensors:
             name = _gguf_param_name(t.name)
-            cut = shard_slice(name, cfg, ctx, vocab) if name else None
+            cut = held_rows(model, name) if name else None
             if cut is None or int(t.tensor_type) not in GGML_TYPES:
                 self.tensors.append(t)
                 continue

@@ -21,7 +21,7 @@ as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked,
 them in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); see ``units``.
 
 Tensor/data-parallel scorers: the driver checks each tensor against its weightless (meta) model,
-cuts the ranks' slices (``loading.sharding.shard_slice``, the loader's split) and sends them to the
+cuts the ranks' slices (each rank's layers state theirs: ``loading.sharding``, the loader's split) and sends them to the
 workers, which stage them (``StagedWeights``), all confirm, then all copy in (``update_workers``).
 Under torchrun a rank's shard takes its own slice of each whole tensor (``rank_slice``).
 
@@ -43,12 +43,13 @@ import torch
 
 from ..errors import LogprobeError
 from ..layers.moe import ExpertMatrices
+from ..layers.parallel_linear import held_rows
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
-from ..models.llama import LlamaModel, block_count
+from ..models.llama import LlamaModel
 from ..models.moe import native_model_class
-from ..parallel.context import ParallelContext
 from .checkpoint import _EXPERT, hf_param_name, safetensors_files
-from .sharding import shard_slice
+from .loader import parallel_context
+from .sharding import rank_model
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")  # [E, out, in] parameters
@@ -102,12 +103,13 @@ def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
     return slots
 
 
-def rank_slice(name: str, value: torch.Tensor, cfg, ctx) -> torch.Tensor:
-    """This rank's part of slot ``name``'s whole tensor (``loading.sharding.shard_slice``: the split
-    the loader reads), as its own contiguous storage; the tensor itself with one rank."""
-    if ctx.size == 1:
+def rank_slice(name: str, value: torch.Tensor, model: LlamaModel) -> torch.Tensor:
+    """``model``'s rank's part of slot ``name``'s whole tensor (the rows its layer holds, as the
+    loader reads them: ``loading.sharding``), as its own contiguous storage; the tensor itself
+    with one rank."""
+    if model.ctx.size == 1:
         return value
-    cut = shard_slice(name, cfg, ctx, LlamaModel.vocab_range_of(cfg, ctx))
+    cut = held_rows(model, name)
     if cut is None:
         return value
     a, b = cut
@@ -225,7 +227,7 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
     seen: set[str] = set()
 
     def ready(name: str, piece: Incoming) -> torch.Tensor:
-        return convert(name, rank_slice(name, piece.load(), model.config, model.ctx), slots[name], model)
+        return convert(name, rank_slice(name, piece.load(), model), slots[name], model)
 
     if staged:
         values = {}
@@ -252,15 +254,15 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     error before that drops every staged slice (all or nothing across ranks)."""
     full = weight_slots(model)
     cfg, seen, n = model.config, set(), 0
-    ranks = [ParallelContext(r, engine.tp, None, block_count(cfg)) for r in range(engine.tp)]
+    ranks = [rank_model(cfg, parallel_context(cfg, r, engine.tp)) for r in range(engine.tp)]
     try:
         for item in items:
             for unit, piece in units(item, model, field):
                 if (name := check(unit, piece, model, full, seen, field)) is None:
                     continue
                 value = piece.load().detach().cpu()
-                for ctx in ranks:
-                    engine.stage_weights(ctx.rank, [(name, rank_slice(name, value, cfg, ctx))])
+                for rank in ranks:
+                    engine.stage_weights(rank.ctx.rank, [(name, rank_slice(name, value, rank))])
                 n += 1
         check_complete(full, seen, field)
     except BaseException:

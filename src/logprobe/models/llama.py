@@ -20,12 +20,13 @@ stream h is whole on every rank, so hooks see the full width whatever the TP siz
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ..config import Numerics
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
@@ -33,7 +34,8 @@ from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
 from ..layers.norm import RMSNorm
-from ..layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.numerics import NumericsUser
+from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
@@ -77,14 +79,15 @@ class LlamaConfig:
             raise LogprobeError("config.head_dim", f"must be even for RoPE, got {self.head_dim}")
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
 
+    @property
+    def split_widths(self) -> tuple[int, ...]:
+        """The widths tensor parallelism cuts: query heads, hidden and intermediate sizes (and a
+        shared expert's). ``parallel.shard.num_blocks`` of them is the model's column block count."""
+        shared = self.moe.shared_intermediate_size if self.moe is not None else 0
+        return (self.num_heads, self.hidden_size, self.intermediate_size, *([shared] if shared else []))
 
-def block_count(cfg: LlamaConfig) -> int:
-    """Deterministic mode's column blocks (``parallel.shard.num_blocks``) of this model."""
-    shared = cfg.moe.shared_intermediate_size if cfg.moe is not None else 0
-    return num_blocks(cfg.num_heads, cfg.hidden_size, cfg.intermediate_size, *([shared] if shared else []))
 
-
-class LlamaAttention(nn.Module):
+class LlamaAttention(NumericsUser, nn.Module):
     """This rank's query heads and the kv heads they read (all of them with one rank)."""
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> None:
@@ -95,12 +98,11 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
-        D, S, H = cfg.head_dim, ctx.blocks, cfg.hidden_size
-        kv_block = D * (cfg.num_kv_heads // S if cfg.num_kv_heads % S == 0 else 1)
-        self.q_proj = ColumnParallelLinear(H, self.num_heads * D, cfg.attention_bias, ctx, cfg.num_heads // S * D)
-        self.k_proj = ColumnParallelLinear(H, self.num_kv_heads * D, cfg.attention_bias, ctx, kv_block)
-        self.v_proj = ColumnParallelLinear(H, self.num_kv_heads * D, cfg.attention_bias, ctx, kv_block)
-        self.o_proj = RowParallelLinear(self.num_heads * D, H, False, ctx, H // S)
+        D, H, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
+        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * D, bias, ctx, rows=(q0 * D, q1 * D), head_dim=D)
+        self.k_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, bias, ctx, rows=(k0 * D, k1 * D), head_dim=D)
+        self.v_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, bias, ctx, rows=(k0 * D, k1 * D), head_dim=D)
+        self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, False, ctx)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         if cfg.qk_norm_full:  # over all heads at once (one rank: MoE models are not split)
@@ -108,7 +110,6 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.num_kv_heads * D, cfg.rms_norm_eps)
         self.qk_norm_full = cfg.qk_norm_full
         self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
-        self.triton = True  # rotary as one Triton pass on CUDA (see LlamaModel.use_triton_elementwise)
 
     def fuse(self) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -127,20 +128,19 @@ class LlamaAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cis, self.triton), apply_rotary(k, cis, self.triton)
+        q, k = apply_rotary(q, cis, self.numerics.triton), apply_rotary(k, cis, self.numerics.triton)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(NumericsUser, nn.Module):
     def __init__(self, cfg: LlamaConfig, ctx: ParallelContext) -> None:
         super().__init__()
-        inter, block = cfg.intermediate_size // ctx.size, cfg.intermediate_size // ctx.blocks
-        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, inter, False, ctx, block)
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, inter, False, ctx, block)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx, cfg.hidden_size // ctx.blocks)
+        H, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ColumnParallelLinear(H, inter, False, ctx)
+        self.up_proj = ColumnParallelLinear(H, inter, False, ctx)
+        self.down_proj = GatheredRowLinear(inter, H, False, ctx)
         self.gate_up_proj: Linear | None = None  # set by fuse(): gate and up in one matmul
-        self.triton = True  # SiLU(gate) * up as one Triton pass on CUDA
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
@@ -150,7 +150,7 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj.gated(gate, up, self.triton)  # down_proj(silu_mul(gate, up)), fused where it can be
+        return self.down_proj.gated(gate, up, self.numerics.triton)  # down_proj(silu_mul(gate, up)), fused where it can be
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -176,8 +176,9 @@ class LlamaDecoderLayer(nn.Module):
         return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h), hooks)))
 
 
-class LlamaModel(nn.Module):
-    """Final hidden states for a packed batch; ``head_params()`` feeds the log-prob head."""
+class LlamaModel(NumericsUser, nn.Module):
+    """Final hidden states for a packed batch; ``head_params()`` feeds the log-prob head. Its
+    layers compute under the ``config.Numerics`` the engine hands it (``set_numerics``)."""
 
     caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
@@ -186,15 +187,14 @@ class LlamaModel(nn.Module):
         """``ctx``: this rank's tensor-parallel group (None: one rank, the whole model)."""
         super().__init__()
         self.config = cfg
-        self.ctx = ctx = ctx or ParallelContext(blocks=block_count(cfg))
+        self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
         self.vocab_range = self.vocab_range_of(cfg, ctx)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
         self.layers = nn.ModuleList(self.make_layer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
-        rows = self.vocab_range[1] - self.vocab_range[0]
-        self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, rows, False, ctx)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
 
     def make_layer(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> nn.Module:
         """Block ``layer_idx`` (a family with another MLP overrides this: ``models.moe``)."""
@@ -241,13 +241,20 @@ class LlamaModel(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    triton_elementwise = True  # see use_triton_elementwise
+
     def use_triton_elementwise(self, on: bool) -> None:
         """RMSNorm, rotary and SiLU(gate) * up as single Triton passes on CUDA (the default), or
         as PyTorch ops (``False``: the benchmark's before/after); MoE blocks switch between the
-        fused Triton kernel (``kernels.moe``) and their PyTorch path the same way. No effect on CPU."""
-        for m in self.modules():
-            if hasattr(m, "triton"):  # RMSNorm, attention, MLPs (dense and MoE)
-                m.triton = on
+        fused Triton kernel (``kernels.moe``) and their PyTorch path the same way. No effect on
+        CPU. Kept across the numerics engines hand in (``Numerics.triton``)."""
+        self.triton_elementwise = on
+        self.set_numerics(replace(self.numerics, triton=True))
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        """Every layer computes under ``numerics`` from now on (``layers.numerics``), its
+        ``triton`` as ``use_triton_elementwise`` last said; a no-op when they already do."""
+        super().set_numerics(replace(numerics, triton=numerics.triton and self.triton_elementwise))
 
     def head_params(self) -> HeadParams:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

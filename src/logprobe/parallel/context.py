@@ -26,7 +26,8 @@ class ParallelContext:
         return self.size > 1
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """In place across ranks (default mode's row-parallel reduction; order left to the backend)."""
+        """In place across ranks, order left to the backend: exact only where at most one rank
+        adds a non-zero (the vocabulary-parallel embedding, ``layers.embedding``)."""
         if self.size > 1:
             import torch.distributed as dist
 
