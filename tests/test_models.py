@@ -83,7 +83,7 @@ def test_packing_is_exact(kind, scorers):
     for a, b in zip(alone, packed):
         assert (a - b.logprobs).abs().max() < 1e-5
     # and the engine did pack them into one forward pass
-    reqs = [scorer.sequence_request(s, i, 1.0, 0, False) for i, s in enumerate(seqs)]
+    reqs = scorer.logprobs_job(seqs).requests
     from logprobe.engine.scheduler import plan_batches
     assert len(plan_batches([r.num_inputs for r in reqs], scorer.config.max_batch_tokens)) == 1
 
