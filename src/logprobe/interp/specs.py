@@ -222,11 +222,11 @@ def _number(c, field: str) -> float:
 
 
 def request_hooks(captures: list[CaptureSpec], steers: list[SteerSpec], n: int, p: int, field: str = "",
-                  need_prompt: bool = True, offset: int = 0, exact_sums: bool = False
+                  need_prompt: bool = True, offset: int = 0, deterministic: bool = False
                   ) -> tuple[tuple[SteerAt, ...], tuple[CaptureAt, ...]]:
     """Engine-level entries for one request of ``n`` tokens, ``p`` of prompt. ``offset`` shifts
-    the resolved indices (a prefix token the user's positions do not count). ``exact_sums``
-    (deterministic mode): mean/sum read the rows and add them once at the end, in token order,
+    the resolved indices (a prefix token the user's positions do not count). ``deterministic``
+    (the mode): mean/sum read the rows and add them once at the end, in token order,
     so chunking cannot change the order of the additions."""
     steer: list[SteerAt] = []
     for i, s in enumerate(steers):
@@ -244,7 +244,7 @@ def request_hooks(captures: list[CaptureSpec], steers: list[SteerSpec], n: int, 
             pos = pos[-1:]
         pos = tuple(k + offset for k in pos)
         kind = {"none": "rows", "last": "rows", "mean": "sum", "sum": "sum", "project": "project"}[c.reduce]
-        if exact_sums and kind == "sum":
+        if deterministic and kind == "sum":
             kind = "rows"
         for pt in c.points:
             vec = None if c.vectors is None else c.vectors.get(pt, c.vectors.get(ANY))

@@ -47,7 +47,7 @@ def score_job(context: ScoringContext, prompt: str, continuations: str | Sequenc
         check_length(len(ctx) + len(cont), "prompt + continuation", context.max_length)
         st, ca = request_hooks(caps, steers, len(ctx) + len(cont), len(ctx),
                                f"continuations[{i}]: " if len(continuations) > 1 else "",
-                               exact_sums=context.deterministic)
+                               deterministic=context.deterministic)
         requests.append(ScoreRequest(ctx + cont, len(ctx), head.temperature, head.top_k, head.entropy, st, ca))
         texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)  # the moved whitespace
     tokenizer = context.tokenizer

@@ -69,7 +69,7 @@ def _text_requests(context: ScoringContext, t: int, ids: list[int], name: str, n
                             "scored token (the first token has no context)",
                             "give a longer text" + ("" if w.prefix else " or set prefix true"))
     st, ca = request_hooks(caps, steers, n_text, 0, f"texts[{t}]: " if n_streams > 1 else "",
-                           need_prompt=False, offset=off, exact_sums=context.deterministic)
+                           need_prompt=False, offset=off, deterministic=context.deterministic)
     try:
         windows = make_windows(w.policy, len(ids), w.context_length, w.stride)
     except LogprobeError as e:

@@ -57,7 +57,7 @@ def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptio
         raise LogprobeError(f"sequences[{i}].completion_token_ids", "is empty", "give at least one token")
     check_length(len(prompt) + len(completion), f"sequences[{i}]", context.max_length)
     st, ca = request_hooks(list(caps), list(steers), len(prompt) + len(completion), len(prompt),
-                           f"sequences[{i}]: ", exact_sums=context.deterministic)
+                           f"sequences[{i}]: ", deterministic=context.deterministic)
     return ScoreRequest(prompt + completion, len(prompt), head.temperature, head.top_k, head.entropy, st, ca)
 
 
