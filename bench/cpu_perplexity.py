@@ -23,57 +23,19 @@ import argparse
 import math
 import os
 import platform
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from logprobe import Scorer
-from logprobe.scoring.windows import Window, sliding_windows
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import WIKITEXT, cpu_model, git_rev, mem_gib, read_wikitext  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO / ".." / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"
+from logprobe import Scorer  # noqa: E402
+from logprobe.scoring.windows import Window, sliding_windows  # noqa: E402
+
 CONTEXT, STRIDE = 2048, 512
-
-
-def read_wikitext(path: Path) -> str:
-    """The test split as the Hugging Face rows, joined with blank lines (the HF perplexity guide)."""
-    txt = open(path, encoding="utf-8", newline="").read()
-    rows = [ln + "\n" for ln in txt.split("\n")[:-1]]
-    rows = [r if r.strip() else "" for r in rows]
-    return "\n\n".join(rows)
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def mem_gib() -> float | None:
-    try:
-        for line in open("/proc/meminfo", encoding="utf-8"):
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + (" (+ uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_logprobe(scorer: Scorer, ids: list[int]) -> tuple[float, int, float, float]:
@@ -124,7 +86,7 @@ def run_transformers(model, ids: list[int], windows: list[Window], batch_size: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="wiki.test.raw (wikitext-2-raw-v1)")
+    ap.add_argument("--data", type=Path, default=WIKITEXT, help="wiki.test.raw (wikitext-2-raw-v1)")
     ap.add_argument("--tokens", type=int, default=32768, help="score the first N tokens")
     ap.add_argument("--batch-sizes", default="1,4", help="transformers batch sizes to try (comma-separated)")
     args = ap.parse_args()

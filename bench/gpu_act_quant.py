@@ -5,7 +5,7 @@ alone, then llama-8b quantized with each scheme against the same model in bf16, 
    row-wise scales (cuBLAS FP8, where this torch has it); our FP8 per-channel, FP8 128-block and
    INT8 kernels (each over a few tile configs; the default config is marked); the fused quantizer.
    Each row checks the kernel against the float64 product of the same codes.
-2. Workload W1 of bench/gpu_scoring.py (RL groups, 450k tokens) through ``Engine`` at the default
+2. Workload W1 of bench/common.py (RL groups, 450k tokens) through ``Engine`` at the default
    ``max_batch_tokens``: the bf16 model, then the same weights quantized (round to nearest, scales
    from each row's / block's absmax) as FP8_DYNAMIC (per-channel weights, per-token activations),
    FP8_BLOCK (128x128 weights, 1x128 activation groups) and INT8 W8A8, with ``ActQuantLinear.kernels``
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_scoring import build_models, decoder_linears, workload  # noqa: E402
+from common import build_models, decoder_linears, workload, write_checkpoint  # noqa: E402
 
 import logprobe.kernels.act_quant as kact  # noqa: E402
 from logprobe.config import EngineConfig  # noqa: E402
@@ -120,7 +120,7 @@ def kernel_cell(x, w, kind: str, ga: int, gb: int, tf, errs: list[float], mma: b
         cfg = dataclasses.replace(cfg, fp8_tensor_cores=mma)
         try:
             t = bench_ms(lambda cfg=cfg: scaled_matmul(xc, xs, ga, wc, ws, gb, None, torch.bfloat16, cfg,
-                                                       batch_invariant=True))  # the Triton kernel, never _scaled_mm
+                                                       deterministic=True))  # the Triton kernel, never _scaled_mm
         except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, and said
             log(f"(config {cfg} failed: {type(e).__name__})")
             continue
@@ -258,8 +258,6 @@ def model_section(args) -> None:
 def disk_section(args) -> None:
     """bf16 and FP8_DYNAMIC checkpoints read from disk by ``Scorer``: W1 at the defaults."""
     import shutil
-
-    from gpu_tp import write_checkpoint
 
     from logprobe import Scorer
 

@@ -28,15 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-SHAPES = {
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-    "tiny": dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SAVED_SHAPES, save_model  # noqa: E402
 
 CHILD = r"""
 import json, random, sys, time
@@ -65,28 +60,6 @@ print(json.dumps({"load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": 
 """
 
 
-def save_model(shape: str, path: str, device: str):
-    """The random bf16 model of ``shape`` (seed 0) saved to ``path`` with a byte tokenizer; returned."""
-    import torch
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, initializer_range=0.02,
-                         torch_dtype="bfloat16", max_position_embeddings=8192)  # W1 rows reach 6,144 ids
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = tf.LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    # a byte-level tokenizer is enough: the bench passes token ids
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)} | {"<s>": 256, "</s>": 257}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    return model.eval()
-
-
 def child(path: str, det: bool, cache: str, device: str, vocab: int) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=cache)
     out = subprocess.run([sys.executable, "-c", CHILD, path, "1" if det else "0", device, str(vocab)], env=env,
@@ -98,7 +71,7 @@ def child(path: str, det: bool, cache: str, device: str, vocab: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--model", default="llama-1b", choices=sorted(SAVED_SHAPES))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (with --model tiny)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
@@ -110,7 +83,7 @@ def main() -> None:
         for det in (False, True):
             cache = os.path.join(root, f"triton-{int(det)}")
             for run in ("cold", "warm"):
-                r = child(path, det, cache, args.device, SHAPES[args.model]["vocab_size"])
+                r = child(path, det, cache, args.device, SAVED_SHAPES[args.model]["vocab_size"])
                 rows.append((run, "deterministic" if det else "default", r))
                 print(run, det, r, flush=True)
     print("\n| run | mode | load s | first call s | second call s | one-off s | budget | same bits |")

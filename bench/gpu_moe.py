@@ -18,7 +18,7 @@ prints its error and the rest go on):
              split-K). ``--tune`` adds a sweep of ``MoeKernelConfig`` tiles.
   workloads  logprobe (``Engine`` at default settings: ``EngineConfig(progress=False)``,
              max_batch_tokens 8192) on W1 (RL groups: 32 prompts x 8 completions) and W3 (perplexity:
-             256k tokens, context 2048, stride 512) of bench/gpu_scoring.py: seconds, input tokens/s,
+             256k tokens, context 2048, stride 512) of bench/common.py: seconds, input tokens/s,
              peak extra memory, MFU on *active* parameters (FLOPs of attention, the router, the k = 8
              routed experts of each token and the head; all needed tokens, and unique tokens after
              shared prefixes run once) against the bf16 matmul ceiling measured in this run; then
@@ -62,7 +62,6 @@ section runs under Triton's interpreter in a child process):
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import subprocess
 import sys
@@ -75,10 +74,20 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_scoring import byte_tokenizer, run_transformers, workload  # noqa: E402
+from common import (  # noqa: E402
+    byte_tokenizer,
+    free,
+    kernel_profile,
+    log,
+    matmul_ceiling,
+    run_transformers,
+    sync_time,
+    workload,
+)
 
-from logprobe.config import EngineConfig  # noqa: E402
+from logprobe.config import Deterministic, EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
+from logprobe.loading.loader import build_native  # noqa: E402
 
 GiB = 1024**3
 # Qwen3-30B-A3B's config.json (the fields that shape the compute)
@@ -95,10 +104,6 @@ TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128
 STD = 0.02
 
 
-def log(*a):
-    print(*a, flush=True)
-
-
 def section(name, fn, *a):
     """Run one section; on failure print the error and go on."""
     t = time.perf_counter()
@@ -110,25 +115,6 @@ def section(name, fn, *a):
         log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-12:]) + "```")
     finally:
         free()
-
-
-def free():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def sync_time(fn):
-    sync()
-    t = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t
 
 
 def bench_ms(fn, dev, rep=200):
@@ -197,10 +183,8 @@ def seeded(name: str, shape, dev, dtype) -> torch.Tensor:
 def build_logprobe(lc, dev, dtype):
     """logprobe's native model from the seeded tensors, through the loader's own builder (the one
     ``Scorer(dir)`` / ``load_model`` use; tensors stream in, one copy on the device)."""
-    from logprobe.loading.loader import _build_native
-
     shapes = native_shapes(lc)
-    return _build_native(lc, ((n, seeded(n, s, dev, dtype)) for n, s in shapes.items()), dev, dtype)
+    return build_native(lc, ((n, seeded(n, s, dev, dtype)) for n, s in shapes.items()), dev, dtype)
 
 
 def build_transformers(cfg, lc, dev, dtype, experts: str | None):
@@ -274,7 +258,7 @@ def active_flops(lc, reqs, min_shared: int | None = 16) -> float:
     """Forward FLOPs on active parameters: 2 x layer_active_params per computed token, causal
     attention 2 L qd n^2 per sequence, the head per scored token. ``min_shared``: shared prefixes
     (>= that many tokens, in sorted order, as ``share_prefixes`` runs them) count once, as
-    gpu_scoring.unique_flops; None: every needed token counts."""
+    common.unique_flops; None: every needed token counts."""
     H, L, qd = lc.hidden_size, lc.num_layers, lc.num_heads * lc.head_dim
     per_token = 2 * layer_active_params(lc)
     total, prev = 0.0, []
@@ -333,7 +317,7 @@ def kernel_section(args, dev, tflops):
         experts = Experts(E, H, I)
     for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
         setattr(experts, name, torch.nn.Parameter(w, requires_grad=False))
-    tile = EngineConfig().cuda_invariant_tile if dev.type == "cuda" else EngineConfig().invariant_tile
+    tile = Deterministic().cuda_tile if dev.type == "cuda" else Deterministic().tile
 
     # the floor: the two GEMMs alone over expert-sorted rows (gathers, SiLU, scatter not included)
     order = torch.sort(ids.reshape(-1), stable=True).indices
@@ -374,7 +358,7 @@ def kernel_section(args, dev, tflops):
     cases = [("logprobe fused Triton kernel (kernels.moe.fused_moe, default tiles of the dtype)",
               lambda a, b: fused_moe(a, b, gate, up, down)),
              ("PyTorch reference moe_reference (loop over experts)", lambda a, b: moe_reference(a, b, gate, up, down)),
-             ("PyTorch segment path Experts.reference (MoeBlock.triton = False)",
+             ("PyTorch segment path Experts.reference (Numerics.triton = False)",
               lambda a, b: experts.reference(a, b, None)),
              (f"PyTorch segment path, deterministic fixed {tile}-row tiles", lambda a, b: experts.reference(a, b, tile))]
     for name, fn in cases:
@@ -439,7 +423,7 @@ def get_workloads(args, vocab) -> dict[str, list]:
     out = {}
     for w in args.workloads.split(","):
         if w not in ("W1", "W2", "W3", "W4"):
-            log(f"(workload {w!r} skipped: bench/gpu_scoring.py defines W1-W4)")
+            log(f"(workload {w!r} skipped: bench/common.py defines W1-W4)")
             continue
         reqs = workload(w, vocab)
         out[w] = reqs[:args.tiny_requests] if args.tiny else reqs
@@ -527,8 +511,6 @@ def logprobe_phase(args, cfg, lc, dev, dtype, wls, tflops, state):
 
 def profile_w1(args, engine, lc) -> None:
     """Where the time of logprobe's W1 goes (first ``--profile-requests`` requests)."""
-    from gpu_scoring import kernel_profile
-
     reqs = workload("W1", lc.vocab_size)[:args.profile_requests]
     kernel_profile(lambda: engine.run(reqs), f"Qwen3-30B-A3B shape W1, first {len(reqs)} requests")
 
@@ -746,8 +728,6 @@ def main() -> None:
         f"sections {','.join(args.sections)}")
     tflops = None
     if dev.type == "cuda":
-        from gpu_scoring import matmul_ceiling
-
         tflops = matmul_ceiling()
         log(f"bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
     if "kernel" in args.sections:

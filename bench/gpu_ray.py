@@ -2,7 +2,7 @@
 seen on the GPU machine with one replica, what a user should expect per GPU").
 
 A random-init Llama (``--model`` shape, bf16) saved once with ``save_pretrained``; RL groups like
-bench/gpu_scoring.py's W1 (32 prompts of 256-2048 ids x 8 completions of 16-4096 ids, log-uniform)
+bench/common.py's W1 (32 prompts of 256-2048 ids x 8 completions of 16-4096 ids, log-uniform)
 written to a Parquet file. Wall-clock seconds of the whole workload:
 
 * **library**: ``Scorer(dir, device="cuda")`` (load timed apart) + reading the file + one
@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_first_call import SHAPES, save_model  # noqa: E402  (the same random model, saved once)
+from common import SAVED_SHAPES, save_model  # noqa: E402  (the same random model, saved once)
 
 
 def rl_groups(vocab: int, scale: float, seed: int = 11) -> list[dict]:
@@ -83,14 +83,14 @@ def on_ray(path: str, device: str, rows_file: str, out_dir: str, deterministic: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--model", default="llama-1b", choices=sorted(SAVED_SHAPES))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch-sizes", default="64,256", help="Ray batch sizes (rows) to time; 64 is the CLI default")
     ap.add_argument("--rows-scale", type=float, default=1.0, help="length scale of the rows (smoke runs)")
     args = ap.parse_args()
     import ray
 
-    vocab = SHAPES[args.model]["vocab_size"]
+    vocab = SAVED_SHAPES[args.model]["vocab_size"]
     rows = rl_groups(vocab, args.rows_scale)
     tokens = sum(len(r["completion_token_ids"]) for r in rows)
     inputs = sum(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) - 1 for r in rows)

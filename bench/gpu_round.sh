@@ -11,7 +11,7 @@
 #
 # steps (rough H100 minutes):
 #   tests    the CUDA cases of the kernel, engine and format tests (pytest -m "not slow") ...... ~3
-#   overlap  engine section: W1/W2 with the host overlap off and on, llama-1b and llama-8b ...... ~4
+#   overlap  gpu_engine.py: W1/W2 with the host overlap off and on, llama-1b and llama-8b ...... ~4
 #   gguf     llama-8b of random GGUF blocks on W3: Triton expansion vs PyTorch vs bf16 ........... ~5
 #   first    first-call cost, Triton cache cold and warm, llama-1b ................................ ~2
 #   workloads W1/W3 at the default budget, llama-1b and llama-8b, against transformers ........... ~8
@@ -53,17 +53,16 @@ for s in "$@"; do
                      attention_gpu moe padded gptq_awq nvfp4 budget}; do
                 logdir=/tmp/gpu_round_tests lines=8 step "test_$f" "${TEST_LIMIT:-120}" "$py" -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
             done ;;
-        overlap) step overlap 400 "$py" bench/gpu_scoring.py --sections engine --models llama-1b,llama-8b \
-            --overlap --det-only ;;
-        gguf) step gguf 500 "$py" bench/gpu_scoring.py --sections gguf --gguf-types Q4_K,Q8_0 ;;
+        overlap) step overlap 400 "$py" bench/gpu_engine.py --models llama-1b,llama-8b --overlap --det-only ;;
+        gguf) step gguf 500 "$py" bench/gpu_gguf.py --gguf-types Q4_K,Q8_0 ;;
         first) step first 300 "$py" bench/gpu_first_call.py --model llama-1b ;;
-        workloads) step workloads 580 "$py" bench/gpu_scoring.py --sections workloads --models llama-1b,llama-8b \
-            --workloads W1,W3 --budgets 32768 ;;
+        workloads) step workloads 580 "$py" bench/gpu_workloads.py --models llama-1b,llama-8b --workloads W1,W3 \
+            --budgets 32768 ;;
         actquant) step actquant 580 "$py" bench/gpu_act_quant.py ${ACTQ_ARGS:-} ;;
         moe) step moe "${MOE_LIMIT:-580}" "$py" bench/gpu_moe.py ${MOE_ARGS:---sections kernel,workloads,det,correct --workloads W1 --tune} ;;
-        long) step long 500 "$py" bench/gpu_scoring.py --sections workloads --models llama-8b --workloads W4 ;;
-        options) step options 400 "$py" bench/gpu_scoring.py --sections options --models llama-1b,llama-8b ;;
-        head) step head 400 "$py" bench/gpu_scoring.py --sections head ;;
+        long) step long 500 "$py" bench/gpu_long.py --models llama-8b ;;
+        options) step options 400 "$py" bench/gpu_options.py --models llama-1b,llama-8b ;;
+        head) step head 400 "$py" bench/gpu_head.py ;;
         det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-notp ;;
         rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py --w1 llama-8b ;;
         ray) step ray 400 "$py" bench/gpu_ray.py ;;

@@ -52,6 +52,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_checkpoint  # noqa: E402
 
 GiB = 1 << 30
 SQUEEZER = r"""
@@ -290,7 +291,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--pool", type=int, default=240, help="distinct request bodies (default: %(default)s)")
-    ap.add_argument("--model", default="llama-1b", help="random-init shape from bench/gpu_scoring.py's MODELS")
+    ap.add_argument("--model", default="llama-1b", help="random-init shape from bench/common.py's MODELS")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/logprobe-soak-model"))
     ap.add_argument("--leave-gib", type=float, default=0.5, help="GiB the squeezer leaves free")
     ap.add_argument("--squeeze-on", type=float, default=20.0)
@@ -305,8 +306,6 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run on an existing --model-dir, no squeezer")
     ap.add_argument("--server-log", type=Path, default=Path("/tmp/logprobe-soak-server.log"))
     args = ap.parse_args()
-    from gpu_tp import write_checkpoint
-
     t0 = time.perf_counter()
     if not (args.model_dir / "config.json").exists():
         write_checkpoint(args.model, args.model_dir)

@@ -3,7 +3,7 @@ and the TP = 1 path through the new parallel layers against an older checkout (i
 
 A random-init bf16 Llama (default llama-8b) is written once as a Hugging Face directory (the
 workers read their shards from it, as users' models are read), then scored through the public
-API (``Scorer``, default ``max_batch_tokens``) on the workloads of bench/gpu_scoring.py:
+API (``Scorer``, default ``max_batch_tokens``) on the workloads of bench/common.py:
 W1 RL groups (32 prompts x 8 completions) and W3 perplexity windows (256k tokens, 2048 / 512).
 Printed per configuration and mode (default, deterministic): seconds, input tokens/s, MFU on the
 unique-token FLOPs against the summed matmul ceiling of the GPUs used, per-token max / mean
@@ -26,49 +26,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_scoring import MODELS, byte_tokenizer, matmul_ceiling, unique_flops, workload  # noqa: E402
+from common import bench_ms, matmul_ceiling, unique_flops, workload, write_checkpoint  # noqa: E402
+
+from logprobe.config import Deterministic  # noqa: E402
 
 T0 = time.perf_counter()
 
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
-
-
-def write_checkpoint(name: str, path: Path) -> None:
-    """Random bf16 weights (seeded per tensor), config.json and a byte-level tokenizer."""
-    import transformers as tf
-    from safetensors.torch import save_file
-
-    from logprobe.loading.hf import native_config
-    from logprobe.models.llama import LlamaModel
-
-    if (path / "config.json").exists():
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = tf.LlamaConfig(**MODELS[name], bos_token_id=1, eos_token_id=2, initializer_range=0.02)
-    lc, _ = native_config(cfg.to_dict())
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in LlamaModel(lc).state_dict().items()}
-    files, part, size = [], {}, 0
-    for i, (k, shape) in enumerate(sorted(shapes.items())):
-        g = torch.Generator("cuda").manual_seed(i)
-        t = torch.ones(shape, device="cuda") if len(shape) == 1 else torch.randn(shape, generator=g, device="cuda") * 0.02
-        key = "lm_head.weight" if k == "lm_head.weight" else "model." + k
-        part[key] = t.to(torch.bfloat16).cpu()
-        size += part[key].numel() * 2
-        if size > 4 << 30:
-            files.append(part)
-            part, size = {}, 0
-    files.append(part)
-    index = {}
-    for j, p in enumerate(files):
-        fname = f"model-{j:05d}.safetensors"
-        save_file(p, str(path / fname))
-        index.update({k: fname for k in p})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    cfg.save_pretrained(str(path))
-    byte_tokenizer().save_pretrained(str(path))
 
 
 def timed(engine, reqs):
@@ -80,8 +46,8 @@ def timed(engine, reqs):
 
 
 MODES = {"default": {}, "det": dict(deterministic=True),  # det: TP-invariant (Triton fixed tiles), the default
-         "det-notp": dict(deterministic=True, tp_invariant=False),  # batch-invariant at this TP size only
-         "det-notp-triton": dict(deterministic=True, tp_invariant=False, invariant_matmul="triton")}
+         "det-notp": dict(deterministic=Deterministic(tp_invariant=False)),  # batch-invariant at this TP size only
+         "det-notp-triton": dict(deterministic=Deterministic(tp_invariant=False, matmul="triton"))}
 
 
 def run_config(label, scorer, loads, reqs_by_w, modes, ref, rows, gpus, ceiling, lc):
@@ -159,8 +125,7 @@ def time_only(args) -> None:
         print(json.dumps({"W1 total": round(total, 3), **{k: round(v, 3) for k, v in spent.items()}}))
         return
     modes = {"default": {}, "det": dict(deterministic=True)}
-    if "tp_invariant" in EngineConfig.__slots__:  # this tree has tensor parallelism
-        modes["det, tp_invariant=False"] = dict(deterministic=True, tp_invariant=False)
+    modes["det, tp_invariant=False"] = dict(deterministic=Deterministic(tp_invariant=False))
     for mode, kw in modes.items():
         s.config = EngineConfig(progress=False, **kw)
         s.engine.config = s.config
@@ -177,8 +142,6 @@ def layers_section(T: int = 8192) -> None:
     """Deterministic products at llama-8b shapes (T rows): F.linear, the fixed-row-tile cuBLAS
     product (``tp_invariant=False``) and the Triton fixed-tile product every layer runs in the
     TP-invariant form (row-parallel layers too, over their gathered input), with its column check."""
-    from gpu_scoring import bench_ms
-
     from logprobe.kernels.matmul import invariant_linear
     from logprobe.layers.linear import tiled_linear
 

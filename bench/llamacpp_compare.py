@@ -80,7 +80,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from cpu_perplexity import cpu_model, git_rev, read_wikitext
+    from common import cpu_model, git_rev, read_wikitext
 
     from logprobe import Scorer
     from logprobe.layers.quant_linear import weight_bytes

@@ -12,7 +12,7 @@ padded forward + float32 log_softmax + gather (micro-batches of 16 rows), and ``
 
 ``--w1 llama-8b`` (or llama-1b) adds the issue's whole-workload figures at the defaults a user gets:
 a random-init bf16 model saved once and read by ``Scorer(dir, device="cuda")``; the 256 sequences of
-bench/gpu_scoring.py's W1 (32 prompts x 8 completions) as one padded ``[256, P + R]`` batch (prompts
+bench/common.py's W1 (32 prompts x 8 completions) as one padded ``[256, P + R]`` batch (prompts
 left-padded to P, completions right-padded to R) through ``logprobs_padded``, against
 ``Scorer.logprobs`` on the same sequences as lists (best of 2 runs each, alternated), with the max
 |Δ| between the two; then ``update_weights`` from a state dict in memory (a dict of the trainer's
@@ -99,8 +99,7 @@ def w1_section(shape: str, dev: str) -> None:
     from logprobe import Scorer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_first_call import save_model
-    from gpu_scoring import workload
+    from common import save_model, workload
 
     path = Path(tempfile.mkdtemp()) / shape
     hf, t_save = timed(lambda: save_model(shape, str(path), dev))  # bf16, 8192 positions (W1 reaches 6,144)

@@ -153,11 +153,11 @@ async def one_mode(mode: str, args, stream: list[int]) -> dict:
 
 def token_stream(path: Path, max_chars: int) -> list[int]:
     # the default model's tokenizer only (the server loads the same one)
-    from logprobe.loading.gguf import _reader, gguf_tokenizer
+    from logprobe.loading.gguf import gguf_reader, gguf_tokenizer
     from logprobe.loading.loader import resolve_spec
 
     gguf = resolve_spec(None)
-    tok = gguf_tokenizer(gguf, _reader(gguf))
+    tok = gguf_tokenizer(gguf, gguf_reader(gguf))
     return tok.encode(path.read_text(encoding="utf-8")[:max_chars])
 
 

@@ -1,0 +1,453 @@
+"""What the benchmark scripts share: the workloads W1-W4, timing, the matmul ceiling, FLOP counts,
+the random-init model shapes, a byte tokenizer, a random checkpoint on disk, the transformers
+baseline. Not a script: ``sys.path.insert(0, <bench/>)`` then ``from common import ...``.
+
+Imports without a GPU (triton and transformers are imported where they are used).
+
+Workloads (seeded, the same ids in every run and every script):
+  W1  RL groups: 32 prompts of 256-2048 ids x 8 completions of 16-4096 ids (log-uniform); the
+      completions are scored
+  W2  multiple choice: 512 contexts of 200-1000 ids x 4 continuations of 1-30
+  W3  perplexity: 262,144 ids in windows of 2048, stride 512
+  W4  long context: one 32,768-id and one 131,072-id sequence, every token scored
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import platform
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from logprobe import EngineConfig
+from logprobe.engine.request import ScoreRequest
+from logprobe.engine.runner import Engine
+from logprobe.models.llama import LlamaModel
+from logprobe.scoring.windows import sliding_windows
+
+GiB = 1024**3
+MODELS = {
+    # Llama-3.1-8B, Llama-3.2-1B and SmolLM2-135M shapes (random weights)
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                     max_position_embeddings=131072, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                     max_position_embeddings=131072, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+}
+# the shapes save_model writes (transformers' default rope and untied head, 8192 positions)
+SAVED_SHAPES = {
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "tiny": dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+REPO = Path(__file__).resolve().parent.parent
+WIKITEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"  # the CPU benches' text
+
+
+# ---------------------------------------------------------------------------------------- host
+
+
+def read_wikitext(path: Path) -> str:
+    """The test split as the Hugging Face rows, joined with blank lines (the HF perplexity guide)."""
+    txt = open(path, encoding="utf-8", newline="").read()
+    rows = [ln + "\n" for ln in txt.split("\n")[:-1]]
+    rows = [r if r.strip() else "" for r in rows]
+    return "\n\n".join(rows)
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def mem_gib() -> float | None:
+    try:
+        for line in open("/proc/meminfo", encoding="utf-8"):
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + (" (+ uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# -------------------------------------------------------------------------------------- timing
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def sync_time(fn):
+    """``(fn(), seconds)``, the GPU synchronised before and after."""
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def best_of(passes: int, fn, label: str):
+    """``fn()`` timed ``passes`` times (each pass logged: a first one may compile or warm caches);
+    the last result and the best time."""
+    secs = []
+    for _ in range(max(1, passes)):
+        out, sec = sync_time(fn)
+        secs.append(sec)
+    log(f"  {label} passes: " + ", ".join(f"{t:.2f}" for t in secs) + " s")
+    return out, min(secs)
+
+
+def bench_ms(fn, rep=200, warmup=50):
+    """Median milliseconds of ``triton.testing.do_bench`` (CUDA)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def extra_memory(fn):
+    """``(fn(), peak bytes allocated by fn() above what was allocated before it)``."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def matmul_ceiling() -> float:
+    """bf16 8192^3 TFLOP/s on random data (median of do_bench)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def gpu_banner() -> float:
+    """Logs the device and versions and measures the matmul ceiling (TFLOP/s, returned)."""
+    import transformers
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    log(f"device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / GiB:.0f} GiB; torch {torch.__version__}, "
+        f"triton {triton.__version__}, transformers {transformers.__version__}")
+    tflops = matmul_ceiling()
+    log(f"bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
+    return tflops
+
+
+def kernel_profile(run, label: str) -> None:
+    """The CUDA kernels of one ``run()`` under torch.profiler, by total time (top 25; the share a
+    kernel family would free). ``run`` is called once before, so shapes are compiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) or 1
+    log(f"\n## Profile: {label}, {total / 1e3:.1f} ms of kernels")
+    log("| kernel | calls | ms | share |\n| --- | ---: | ---: | ---: |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        log(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | {e.self_device_time_total / total:.1%} |")
+
+
+# ------------------------------------------------------------------------------------ workloads
+
+
+def workload(name: str, vocab: int) -> list[ScoreRequest]:
+    """W1-W4 (see the module docstring) over ids 3 .. vocab - 1."""
+    rng = random.Random({"W1": 1, "W2": 2, "W3": 3, "W4": 4}[name])
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    reqs = []
+    if name == "W1":  # RL groups: 32 prompts x 8 completions
+        for _ in range(32):
+            prompt = tok(rng.randint(256, 2048))
+            for _ in range(8):
+                n = int(round(math.exp(rng.uniform(math.log(16), math.log(4096)))))
+                reqs.append(ScoreRequest(prompt + tok(n), len(prompt)))
+    elif name == "W2":  # multiple choice: 512 contexts x 4 continuations
+        for _ in range(512):
+            ctx = tok(rng.randint(200, 1000))
+            for _ in range(4):
+                reqs.append(ScoreRequest(ctx + tok(rng.randint(1, 30)), len(ctx)))
+    elif name == "W3":  # perplexity: 256k tokens, context 2048, stride 512
+        ids = tok(262144)
+        for w in sliding_windows(len(ids), 2048, 512):
+            reqs.append(ScoreRequest(ids[w.begin:w.end], w.score_begin - w.begin))
+    elif name == "W4":  # long context: one 32k and one 128k sequence, all scored
+        for n in (32768, 131072):
+            reqs.append(ScoreRequest(tok(n + 1), 1))
+    return reqs
+
+
+def run_logprobe(model, reqs, batch_tokens, **options):
+    """``Engine(model).run(reqs)`` on CUDA. ``options``: EngineConfig fields (``share_prefixes``,
+    ``deterministic``, ...); ``batch_tokens`` None: the library's default budget (chosen from free
+    memory when the engine starts)."""
+    engine = Engine(model, EngineConfig(max_batch_tokens=batch_tokens, progress=False, **options),
+                    torch.device("cuda"))
+    return engine.run(reqs)
+
+
+def _per_token(lc) -> float:
+    H, F, L = lc.hidden_size, lc.intermediate_size, lc.num_layers
+    qd, kvd = lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim
+    return 2 * L * (H * qd + 2 * H * kvd + qd * H + 3 * H * F)
+
+
+def flops(lc, seqs: list[tuple[int, int]]) -> float:
+    """Forward FLOPs of the needed tokens: seqs = (input length, scored tokens)."""
+    qd, L, per_token = lc.num_heads * lc.head_dim, lc.num_layers, _per_token(lc)
+    total = 0.0
+    for n, scored in seqs:  # causal attention: L^2 D per QK, PV
+        total += per_token * n + 2 * L * qd * n * n + 2 * lc.hidden_size * lc.vocab_size * scored
+    return total
+
+
+def unique_flops(lc, reqs: list[ScoreRequest], min_shared: int = 16) -> float:
+    """FLOPs left when shared prefixes run once (``share_prefixes``): in sorted order, a request's
+    tokens past its longest common prefix with the previous one (if >= ``min_shared``) are new.
+    Attention of a new token still spans its whole context."""
+    qd, L, per_token = lc.num_heads * lc.head_dim, lc.num_layers, _per_token(lc)
+    total, prev = 0.0, []
+    for r in sorted(reqs, key=lambda r: r.inputs):
+        x, n = r.inputs, r.num_inputs
+        a = 0
+        while a < min(len(prev), n) and prev[a] == x[a]:
+            a += 1
+        a = a if a >= min_shared else 0
+        total += per_token * (n - a) + 2 * L * qd * (n * n - a * a) + 2 * lc.hidden_size * lc.vocab_size * r.num_scored
+        prev = x
+    return total
+
+
+def time_workload(model, lc, mname: str, wname: str, reqs, batch_tokens, passes: int, tflops: float,
+                  weights: int) -> tuple[dict, torch.Tensor]:
+    """logprobe on one workload, best of ``passes``: the table row (seconds, tok/s of needed tokens,
+    peak extra GiB above ``weights``, MFU on all needed / unique tokens) and the logprobs."""
+    needed = sum(r.num_inputs for r in reqs)
+    fl = flops(lc, [(r.num_inputs, r.num_scored) for r in reqs])
+    free()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        res, sec = best_of(passes, lambda: run_logprobe(model, reqs, batch_tokens), f"logprobe {mname} {wname}")
+    peak = torch.cuda.max_memory_allocated()
+    row = dict(model=mname, wl=wname, seqs=len(reqs), needed=needed, scored=sum(r.num_scored for r in reqs),
+               sec=sec, tps=needed / sec, peak=(peak - weights) / GiB, mfu=fl / sec / (tflops * 1e12),
+               mfu_unique=unique_flops(lc, reqs) / sec / (tflops * 1e12))
+    return row, torch.cat([r.logprobs for r in res])
+
+
+# --------------------------------------------------------------------------------------- models
+
+
+def llama_config(name: str):
+    """transformers' ``LlamaConfig`` of ``MODELS[name]``."""
+    import transformers as tf
+
+    return tf.LlamaConfig(**MODELS[name], bos_token_id=1, eos_token_id=2, initializer_range=0.02)
+
+
+def native_from_hf(hf, dtype: torch.dtype, device="cuda"):
+    """logprobe's native model (``loading.build_native``, the loader's own builder) of a transformers
+    Llama's weights, cast to ``dtype``; returns (model, native config)."""
+    # imported here: gpu_tp.py --old-src imports this file over older src trees, which lack it
+    from logprobe.loading.hf import native_config
+    from logprobe.loading.loader import build_native
+
+    lc, why = native_config(hf.config.to_dict())
+    if lc is None:
+        raise SystemExit(why)
+    with torch.device("meta"):
+        names = set(LlamaModel(lc).state_dict().keys())
+    tensors = [(k.removeprefix("model."), v.to(dtype)) for k, v in hf.state_dict().items()
+               if k.removeprefix("model.") in names]
+    return build_native(lc, tensors, torch.device(device), dtype), lc
+
+
+def build_models(name: str, baseline: bool):
+    """Random-init (seed 0) bf16 transformers Llama of ``MODELS[name]`` on CUDA and logprobe's
+    native model sharing its weights: (transformers model or None, native model, native config)."""
+    import transformers as tf
+
+    cfg = llama_config(name)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = tf.LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    hf.eval()
+    ours, lc = native_from_hf(hf, torch.bfloat16)
+    return (hf if baseline else None), ours, lc
+
+
+def decoder_linears(model):
+    """(parent module, attribute name) of every decoder projection, for replacing it: a fused
+    q/k/v or gate/up matrix once, its parts (views of it) dropped so the bf16 copy is freed."""
+    for layer in model.layers:
+        for parent, fused, parts, rest in ((layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+                                           (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), "down_proj")):
+            if getattr(parent, fused, None) is not None:
+                for p in parts:
+                    setattr(parent, p, None)
+                names = (fused, rest)
+            else:
+                names = (*parts, rest)
+            for name in names:
+                yield parent, name
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (every byte a token, ids 3.. ): the random-weight benches score token
+    ids, a model directory still needs one."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def write_checkpoint(name: str, path: Path) -> None:
+    """``MODELS[name]`` as a Hugging Face directory: random bf16 weights (seeded per tensor, made
+    on CUDA), config.json and a byte-level tokenizer. Nothing is done if ``path`` has a config."""
+    from safetensors.torch import save_file
+
+    from logprobe.loading.hf import native_config
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config(name)
+    lc, _ = native_config(cfg.to_dict())
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaModel(lc).state_dict().items()}
+    files, part, size = [], {}, 0
+    for i, (k, shape) in enumerate(sorted(shapes.items())):
+        g = torch.Generator("cuda").manual_seed(i)
+        t = torch.ones(shape, device="cuda") if len(shape) == 1 else torch.randn(shape, generator=g, device="cuda") * 0.02
+        key = "lm_head.weight" if k == "lm_head.weight" else "model." + k
+        part[key] = t.to(torch.bfloat16).cpu()
+        size += part[key].numel() * 2
+        if size > 4 << 30:
+            files.append(part)
+            part, size = {}, 0
+    files.append(part)
+    index = {}
+    for j, p in enumerate(files):
+        fname = f"model-{j:05d}.safetensors"
+        save_file(p, str(path / fname))
+        index.update({k: fname for k in p})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg.save_pretrained(str(path))
+    byte_tokenizer().save_pretrained(str(path))
+
+
+def save_model(shape: str, path: str, device: str):
+    """The random bf16 Llama of ``SAVED_SHAPES[shape]`` (transformers' init, seed 0) saved to
+    ``path`` (``save_pretrained``) with a 258-id byte tokenizer; the transformers model is returned."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = tf.LlamaConfig(**SAVED_SHAPES[shape], bos_token_id=1, eos_token_id=2, initializer_range=0.02,
+                         torch_dtype="bfloat16", max_position_embeddings=8192)  # W1 rows reach 6,144 ids
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = tf.LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tok = Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)} | {"<s>": 256, "</s>": 257}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------- baseline
+
+
+def run_transformers(hf, reqs, budget, dev="cuda", use_cache: bool = True):
+    """The transformers baseline: right-padded batches (sorted by length) of at most ``budget``
+    padded tokens; logits -> float32 log_softmax -> gather. Returns per-request logprobs (float32,
+    on the CPU). ``use_cache=False``: no KV cache is built (bench/gpu_moe.py's baseline)."""
+    order = sorted(range(len(reqs)), key=lambda i: -reqs[i].num_inputs)
+    out = [None] * len(reqs)
+    i = 0
+    while i < len(order):
+        L = reqs[order[i]].num_inputs
+        B = max(1, budget // L)
+        idx = order[i:i + B]
+        i += B
+        ids = torch.zeros(len(idx), L, dtype=torch.long)
+        mask = torch.zeros(len(idx), L, dtype=torch.long)
+        for j, r in enumerate(idx):
+            t = reqs[r].tokens[:-1]
+            ids[j, :len(t)] = torch.tensor(t)
+            mask[j, :len(t)] = 1
+        logits = hf(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=use_cache).logits  # [B, L, V]
+        lp = logits.float().log_softmax(-1)
+        del logits
+        for j, r in enumerate(idx):
+            q = reqs[r]
+            rows = torch.arange(q.score_begin - 1, q.num_inputs, device=dev)
+            tgt = torch.tensor(q.tokens[q.score_begin:], device=dev)
+            out[r] = lp[j, rows].gather(1, tgt[:, None])[:, 0].cpu()
+        del lp
+    return out
