@@ -51,6 +51,17 @@ MODELS = {
                          max_position_embeddings=8192, rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
 }
+# Qwen3-30B-A3B's config.json (the fields that shape the compute)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                     tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
+                     eos_token_id=151645)
+QWEN3_MOE_TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
 # the shapes save_model writes (transformers' default rope and untied head, 8192 positions)
 SAVED_SHAPES = {
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

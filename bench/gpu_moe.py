@@ -3,19 +3,8 @@
 One process, markdown tables. Sections (``--sections``, comma-separated; a section that fails
 prints its error and the rest go on):
 
-  kernel     the MoE MLP alone at the 30B-A3B layer shape (H 2048, I 768, 128 experts, top-8) for
-             T = 8192 tokens routed by a random router: logprobe's fused Triton kernel
-             (``kernels.moe.fused_moe``), its PyTorch reference ``moe_reference`` (a loop over the
-             experts), the model's PyTorch segment path (``Experts.reference``, also with deterministic
-             mode's fixed 2048-row tiles), against a grouped-GEMM floor: the same two GEMMs alone
-             (gate|up, then down) as one ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``
-             call each over the expert-sorted rows (else ``bmm`` over padded per-expert segments),
-             and a dense lower bound (one [T*k, H] x [H, 2I] and one [T*k, I] x [I, H] matmul: the
-             same FLOPs with one expert's weights). ms, TFLOP/s, ratio to the floor, max rel Δ
-             against a float32 ``moe_reference`` of the same bf16 values, and whether a token's
-             rows are bitwise the same alone (100 tokens) and in the T-token batch. The kernel has
-             no separate deterministic variant: deterministic mode runs it as is (fixed tiles, no
-             split-K). ``--tune`` adds a sweep of ``MoeKernelConfig`` tiles.
+  kernel     the MoE MLP alone at the 30B-A3B layer shape against a grouped-GEMM floor and the
+             PyTorch paths (``--tune``: a tile sweep): bench/gpu_moe_kernel.py, run as a child process.
   workloads  logprobe (``Engine`` at default settings: ``EngineConfig(progress=False)``,
              max_batch_tokens 8192) on W1 (RL groups: 32 prompts x 8 completions) and W3 (perplexity:
              256k tokens, context 2048, stride 512) of bench/common.py: seconds, input tokens/s,
@@ -71,10 +60,11 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    QWEN3_30B_A3B,
+    QWEN3_MOE_TINY,
     byte_tokenizer,
     free,
     kernel_profile,
@@ -85,22 +75,12 @@ from common import (  # noqa: E402
     workload,
 )
 
-from logprobe.config import Deterministic, EngineConfig  # noqa: E402
+from logprobe.config import EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
 from logprobe.loading.loader import build_native  # noqa: E402
 
 GiB = 1024**3
-# Qwen3-30B-A3B's config.json (the fields that shape the compute)
-QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
-                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                     tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
-                     eos_token_id=151645)
-TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=32, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+TINY = QWEN3_MOE_TINY
 STD = 0.02
 
 
@@ -115,19 +95,6 @@ def section(name, fn, *a):
         log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-12:]) + "```")
     finally:
         free()
-
-
-def bench_ms(fn, dev, rep=200):
-    """Median ms: triton's do_bench on CUDA, a few timed calls on CPU."""
-    if dev.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        times.append(sync_time(fn)[1] * 1e3)
-    return sorted(times)[1]
 
 
 def peak_reset(dev):
@@ -278,142 +245,15 @@ def active_flops(lc, reqs, min_shared: int | None = 16) -> float:
 
 
 def kernel_section(args, dev, tflops):
-    from logprobe.kernels.moe import DEFAULT_CONFIG, HALF_CONFIG, MoeKernelConfig, fused_moe, moe_reference
-    from logprobe.layers.moe import Experts, route
-
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        # the fused kernel runs on CPU only under Triton's interpreter, which must be on before
-        # triton is imported: run this section in a child process
-        cmd = [sys.executable, __file__, "--sections", "kernel", "--device", "cpu", "--kernel-tokens",
-               str(args.kernel_tokens), *(["--tiny"] if args.tiny else []), *(["--tune"] if args.tune else [])]
-        out = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True)
-        log("(kernel section in a child process under TRITON_INTERPRET=1)")
-        log("\n".join(line for line in out.stdout.splitlines() if not line.startswith("device:")))
-        if out.returncode:
-            raise RuntimeError(out.stderr[-2000:])
-        return
-    shape = TINY if args.tiny else QWEN3_30B_A3B
-    T, H, I = args.kernel_tokens, shape["hidden_size"], shape["moe_intermediate_size"]  # noqa: E741
-    E, k = shape["num_experts"], shape["num_experts_per_tok"]
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(T, H, generator=g, device=dev).to(dtype)  # post-RMSNorm scale
-    router = (torch.randn(E, H, generator=g, device=dev) * STD).to(dtype)
-    _, _, ids = route(F.linear(x, router), k, True)  # [T, k]
-    gate, up = ((torch.randn(E, I, H, generator=g, device=dev) * STD).to(dtype) for _ in range(2))
-    down = (torch.randn(E, H, I, generator=g, device=dev) * STD).to(dtype)
-    fl = 2 * T * k * 3 * H * I
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
-    log(f"\n## MoE MLP alone: T={T} tokens, H={H}, I={I}, {E} experts, top-{k}, {str(dtype).removeprefix('torch.')} "
-        f"(random router: rows per expert min {int(counts.min())}, mean {T * k / E:.0f}, max {int(counts.max())}; "
-        f"{fl / 1e12:.3f} TFLOP)")
-    ref32 = moe_reference(x.float(), ids, gate.float(), up.float(), down.float())  # [T*k, H]
-    scale = float(ref32.abs().max())
-
-    def rel(y):
-        return float((y.float() - ref32).abs().max()) / scale
-
-    with torch.device("meta"):
-        experts = Experts(E, H, I)
-    for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-        setattr(experts, name, torch.nn.Parameter(w, requires_grad=False))
-    tile = Deterministic().cuda_tile if dev.type == "cuda" else Deterministic().tile
-
-    # the floor: the two GEMMs alone over expert-sorted rows (gathers, SiLU, scatter not included)
-    order = torch.sort(ids.reshape(-1), stable=True).indices
-    xs = x[order // k].contiguous()  # [T*k, H]
-    act = (torch.randn(T * k, I, generator=g, device=dev)).to(dtype)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    gu_t = torch.cat([gate, up], 1).transpose(-2, -1)  # [E, H, 2I] (view of [E, 2I, H])
-    dn_t = down.transpose(-2, -1)  # [E, I, H]
-    gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    floor_name, floor_fn = None, None
-    if gmm is not None:
-        try:
-            fn = lambda: (gmm(xs, gu_t, offs=offs), gmm(act, dn_t, offs=offs))  # noqa: E731
-            fn()
-            floor_name = (f"grouped-GEMM floor: {'F.grouped_mm' if gmm is getattr(F, 'grouped_mm', None) else 'torch._grouped_mm'}"
-                          " x2 (gate|up, down) over sorted rows")
-            floor_fn = fn
-        except Exception as e:  # noqa: BLE001 - e.g. no kernel for this GPU / dtype
-            log(f"(grouped_mm failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}; using bmm)")
-    if floor_fn is None:  # bmm over per-expert segments padded to the largest
-        m = int(counts.max())
-        xp = x.new_zeros(E, m, H)
-        ap = x.new_zeros(E, m, I)
-        floor_name = f"bmm floor over per-expert segments padded to {m} rows (pads count as work)"
-        floor_fn = lambda: (torch.bmm(xp, gu_t), torch.bmm(ap, dn_t))  # noqa: E731
-    w2 = torch.cat([gate[0], up[0]], 0)  # [2I, H]
-    dense_fn = lambda: (F.linear(xs, w2), F.linear(act, down[0]))  # noqa: E731
-
-    rows = [(floor_name, bench_ms(floor_fn, dev, args.rep), None, "—"),
-            ("dense lower bound: [T*k, H] x [H, 2I] + [T*k, I] x [I, H], one expert's weights",
-             bench_ms(dense_fn, dev, args.rep), None, "—")]
-    few = 100 if T > 100 else T // 2
-
-    def invariant(fn):
-        return bool(torch.equal(fn(x[:few].clone(), ids[:few].clone()).reshape(few * k, H),
-                                fn(x, ids).reshape(T * k, H)[:few * k]))
-
-    cases = [("logprobe fused Triton kernel (kernels.moe.fused_moe, default tiles of the dtype)",
-              lambda a, b: fused_moe(a, b, gate, up, down)),
-             ("PyTorch reference moe_reference (loop over experts)", lambda a, b: moe_reference(a, b, gate, up, down)),
-             ("PyTorch segment path Experts.reference (Numerics.triton = False)",
-              lambda a, b: experts.reference(a, b, None)),
-             (f"PyTorch segment path, deterministic fixed {tile}-row tiles", lambda a, b: experts.reference(a, b, tile))]
-    for name, fn in cases:
-        try:
-            y = fn(x, ids)
-            ms = bench_ms(lambda fn=fn: fn(x, ids), dev, args.rep)
-            rows.append((name, ms, rel(y.reshape(T * k, H)), invariant(fn)))
-            del y
-        except Exception as e:  # noqa: BLE001
-            rows.append((f"{name}: failed {type(e).__name__}: {' '.join(str(e).split())[:160]}", None, None, "—"))
-    y_f, y_r = fused_moe(x, ids, gate, up, down), moe_reference(x, ids, gate, up, down)
-    d_fr = float((y_f.float() - y_r.float()).abs().max()) / scale
-    floor = rows[0][1]
-    log(f"matmul ceiling {tflops:.0f} TFLOP/s" if tflops else "(no matmul ceiling on CPU)")
-    log("| path | ms | TFLOP/s | time / floor | max rel Δ vs float32 reference | 100 tokens alone = in batch (bitwise) |")
-    log("| --- | ---: | ---: | ---: | ---: | --- |")
-    for name, ms, d, inv in rows:
-        if ms is None:
-            log(f"| {name} | | | | | |")
-            continue
-        ds = f"{d:.2e}" if d is not None else "—"
-        log(f"| {name} | {ms:.3f} | {fl / ms / 1e9:.1f} | {ms / floor:.2f} | {ds} | {inv} |")
-    log(f"fused kernel vs {str(dtype).removeprefix('torch.')} moe_reference: max rel Δ {d_fr:.2e} (relative to "
-        f"max |y| = {scale:.3g}); deterministic variant: none separate, deterministic mode runs the same kernel "
-        f"(fixed tiles, no split-K)")
-    if dev.type == "cuda":  # the weighted sum of the k expert rows: PyTorch ops vs the one-pass kernel
-        from logprobe.kernels.moe import combine_slots
-        from logprobe.layers.moe import combine
-
-        y3 = fused_moe(x, ids, gate, up, down)  # [T*k, H]
-        wts = torch.softmax(torch.randn(T, k, device=dev), -1)
-        ms_pt = bench_ms(lambda: combine(y3.view(T, k, H), wts).to(dtype), dev, args.rep)
-        ms_tr = bench_ms(lambda: combine_slots(y3, wts, dtype), dev, args.rep)
-        same = torch.equal(combine_slots(y3, wts, dtype), combine(y3.view(T, k, H), wts).to(dtype))
-        log(f"combine of the k = {k} expert rows, T = {T}: PyTorch ops {ms_pt:.3f} ms, combine_slots {ms_tr:.3f} ms "
-            f"({ms_pt / ms_tr:.1f}x), bitwise equal: {same}")
-        del y3
-    if args.tune:
-        configs = [DEFAULT_CONFIG, HALF_CONFIG, MoeKernelConfig(64, 128, 64, 4, 3),
-                   MoeKernelConfig(128, 128, 64, 8, 3), MoeKernelConfig(128, 64, 64, 4, 3),
-                   MoeKernelConfig(64, 64, 128, 4, 3), MoeKernelConfig(32, 128, 64, 4, 4),
-                   MoeKernelConfig(128, 128, 32, 8, 4), MoeKernelConfig(16, 64, 128, 4, 4)]
-        if dev.type == "cpu":
-            configs = [MoeKernelConfig(16, 16, 16), MoeKernelConfig(32, 16, 32)]
-        log("\n| BM | BN | BK | warps | stages | ms | TFLOP/s | time / floor | max rel Δ vs float32 reference |")
-        log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for c in configs:
-            try:
-                ms = bench_ms(lambda c=c: fused_moe(x, ids, gate, up, down, c), dev, args.rep)
-                d = rel(fused_moe(x, ids, gate, up, down, c))
-                log(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {ms:.3f} | "
-                    f"{fl / ms / 1e9:.1f} | {ms / floor:.2f} | {d:.2e} |")
-            except Exception as e:  # noqa: BLE001 - a tile the compiler or shared memory refuses
-                log(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | failed: "
-                    f"{type(e).__name__}: {' '.join(str(e).split())[:120]} | | | |")
+    """bench/gpu_moe_kernel.py in a child process (its output goes straight to this one's)."""
+    cmd = [sys.executable, str(Path(__file__).with_name("gpu_moe_kernel.py")), "--device", args.device, "--rep",
+           str(args.rep), *(["--kernel-tokens", str(args.kernel_tokens)] if args.kernel_tokens else []),
+           *(["--tiny"] if args.tiny else []), *(["--tune"] if args.tune else []),
+           *(["--tiles", args.tiles] if args.tiles else []), *(["--tflops", str(tflops)] if tflops else [])]
+    sys.stdout.flush()
+    env = dict(os.environ, TRITON_INTERPRET="1") if dev.type == "cpu" else None  # the kernel on CPU: interpreted
+    if subprocess.run(cmd, env=env).returncode:
+        raise RuntimeError("bench/gpu_moe_kernel.py failed (its output is above)")
 
 
 # ---------------------------------------------------------------------------------- workloads
