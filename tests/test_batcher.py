@@ -8,7 +8,10 @@ import threading
 import pytest
 
 from logprobe.engine.request import RequestResult, ScoreRequest
-from logprobe.server.batcher import Batcher, QueueFull, ServerClosed
+from logprobe.engine.runner import Engine
+from logprobe.executor.engine import ParallelEngine
+from logprobe.executor.interface import Executor
+from logprobe.server.batcher import Batcher, QueueFull, ServerClosed, engine_call
 
 
 def req(n_inputs: int, tag: int) -> ScoreRequest:
@@ -291,3 +294,33 @@ def test_round_robin_pure_gold(remaining, budget, want):
     from logprobe.server.batcher import round_robin
 
     assert round_robin(remaining, budget) == want
+
+
+class _Executor:
+    """A stand-in executor: request 1 fails alone (out of memory even alone)."""
+
+    in_process = True
+
+    def __init__(self, per_request_errors: bool) -> None:
+        self.per_request_errors = per_request_errors
+
+    def run(self, requests, on_result=None, progress=None, *, on_error=None, stop=None):
+        if on_error is None:
+            return ["a", "b", "c"]
+        on_error(1, MemoryError("alone"))
+        return ["a", None, "c"]
+
+
+def test_engine_call_reads_the_executor_interface():
+    """One engine call for both executors: per-request errors land in their slots; an executor
+    of worker processes is run without on_error. Engine and ParallelEngine both state the
+    interface (no isinstance on the engine class anywhere)."""
+    out = engine_call(_Executor(per_request_errors=True))([None] * 3)
+    assert out[0] == "a" and isinstance(out[1], MemoryError) and out[2] == "c"
+    assert engine_call(_Executor(per_request_errors=False))([None] * 3) == ["a", "b", "c"]
+    members = ("per_request_errors", "in_process", "config", "run", "close")
+    for cls in (Engine, ParallelEngine):
+        assert all(hasattr(cls, m) for m in members), cls
+    assert (Engine.per_request_errors, Engine.in_process) == (True, True)
+    assert (ParallelEngine.per_request_errors, ParallelEngine.in_process) == (False, False)
+    assert isinstance(_Executor(True), Executor) is False  # no config: not an executor

@@ -100,6 +100,7 @@ def test_tiled_kernel_matches_sdpa(window, block, context, n):
         assert torch.equal(bits(torch.cat([first, second])), bits(got))
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the real model chunked many ways
 def test_default_model_chunked_bitwise(default_scorer, default_reference):
     """The real model: a 1000-token sequence with budgets 64, 257 and 4096, deterministic."""
     g = torch.Generator().manual_seed(11)

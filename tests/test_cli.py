@@ -16,8 +16,6 @@ import pytest
 from logprobe.cli import main as cli
 from logprobe.cli.main import get_scorer, join_continuation, main
 
-pytestmark = pytest.mark.slow
-
 PROMPT = "The capital of France is"
 SEQS = [
     {"prompt_token_ids": [1, 504, 3575, 282], "completion_token_ids": [4649, 314], "id": "a"},

@@ -218,7 +218,7 @@ def smollm_f16_q40(default_scorer, tmp_path_factory):
     return r, q
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # slow tier (pytest -m slow): the default model against its float32 self
 def test_default_model_compare(default_scorer, smollm_f16_q40):
     r_path, q_path = smollm_f16_q40
     r = Scorer(str(r_path), device="cpu", dtype="float32", progress=False)

@@ -117,6 +117,7 @@ def test_wikitext_perplexity_first_2k_tokens(default_scorer):
 
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): many packings of the real model
 def test_packing_on_the_real_model(default_scorer):
     """Alone vs packed: within float32 rounding by default, bitwise with deterministic=True."""
     from logprobe import Scorer

@@ -146,8 +146,8 @@ def test_expand_all_equals_the_chunks_and_stays_off_cpu():
 
 @pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and Triton")
 def test_cuda_packed_head_runs_the_fused_kernel_on_its_resident_copy():
-    from logprobe.layers.quant_linear import GGUFLinear, PackedEmbedding
     from logprobe.layers.logprob_head import HeadParams, logprob_head
+    from logprobe.layers.quant_linear import GGUFLinear, PackedEmbedding
 
     dev = torch.device("cuda")
     d, qs, m = make_blocks("Q6_K", 3000, 2, seed=9, device=dev)  # V = 3000, H = 512

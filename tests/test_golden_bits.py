@@ -13,7 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_bits.json"
@@ -71,7 +70,6 @@ def collect(tmp: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-@pytest.mark.slow
 def test_deterministic_bits_equal_the_golden_file(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     got = collect(tmp_path)

@@ -80,6 +80,7 @@ def test_head_rejects_bad_input():
         logprob_head(torch.randn(3, 9), p, torch.zeros(3, dtype=torch.long))
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): a large head, memory traced
 def test_head_never_allocates_T_by_V():
     """T * V * 4 bytes = 8 GiB; the head must stay far below it (peak RSS in a fresh process)."""
     code = textwrap.dedent("""

@@ -13,8 +13,8 @@ from test_oom import OOMAbove, mixed_requests, same
 from logprobe.config import EngineConfig
 from logprobe.engine.host import start_copy, unpack
 from logprobe.engine.runner import Engine, RunStopped
-from logprobe.loading import load_model
 from logprobe.layers.logprob_head import HeadOutput
+from logprobe.loading import load_model
 
 
 @pytest.fixture(scope="module")

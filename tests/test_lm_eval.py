@@ -14,6 +14,8 @@ import pytest
 from conftest import REPO
 from server_util import free_port, wait_http
 
+pytestmark = pytest.mark.slow  # slow tier (pytest -m slow): lm-eval against a real server
+
 lm_eval = pytest.importorskip("lm_eval")
 
 DATA = REPO / "tests" / "data" / "lm_eval"

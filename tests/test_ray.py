@@ -25,6 +25,8 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'logp
 from logprobe import Scorer  # noqa: E402
 from logprobe.cli.main import main  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier (pytest -m slow): Ray clusters
+
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "It was a sunny day in the park, and then it rained.",
          "Exact numbers first.", "A row\nwith a newline, a comma and \"quotes\".", "Short one.",
          "Ray Data splits these rows into blocks; each block goes to one of two actors."]

@@ -19,8 +19,6 @@ from logprobe.report.html import kl_histogram_svg
 from logprobe.report.tokens import stream_tokens
 from logprobe.scoring.options import Windows
 
-pytestmark = pytest.mark.slow
-
 TEXT = ("The river rises in the hills north of the town and runs south through a wide valley. In spring "
         "the water is high and fast; by late summer it is slow.")
 ARGS = argparse.Namespace(html_top_k=3)

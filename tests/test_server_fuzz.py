@@ -44,6 +44,8 @@ from server_util import serve  # noqa: E402
 
 from logprobe.server import ServerConfig, create_app  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier (pytest -m slow): fuzzing the HTTP API
+
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("LOGPROBE_FUZZ_EXAMPLES", "150"))

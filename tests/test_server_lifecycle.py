@@ -282,6 +282,7 @@ def read_jsonl(path) -> dict[int, dict]:
     return by_index
 
 
+@pytest.mark.slow  # slow tier: a real job under signals
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_logprobs_job_stops_cleanly_on_a_signal_and_resumes(tiny_dir, tmp_path, sig):
     """A signal mid-job: the lines completed are written whole and flushed, the job stops before

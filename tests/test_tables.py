@@ -186,6 +186,7 @@ def test_bad_rows_reported_written_and_rerun(tiny_dir, tmp_path, capsys):
     assert fixed[0] == got[0] and fixed[3] == got[3]
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): kill -9 of a real job
 def test_parquet_output_survives_kill_9(tiny_dir, tmp_path):
     """A run killed (SIGKILL) right after its first part is written; the rerun adds the rest:
     every row once, bitwise equal to a run never interrupted (deterministic mode)."""

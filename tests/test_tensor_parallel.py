@@ -56,7 +56,9 @@ def _max_diff(a, b) -> float:
     return max(float((x.logprobs - y.logprobs).abs().max()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("kind, sizes", [("llama", (2, 4)), ("qwen2", (2, 4)), ("qwen3", (2, 4)), ("mistral", (2,))])
+@pytest.mark.parametrize("kind, sizes", [pytest.param("llama", (2, 4), marks=pytest.mark.slow),
+                                         pytest.param("qwen2", (2, 4), marks=pytest.mark.slow),
+                                         pytest.param("qwen3", (2, 4), marks=pytest.mark.slow), ("mistral", (2,))])
 def test_tp_equals_tp1(kind, sizes, hf_models):
     path, ref_model = hf_models[kind]
     seqs = _sequences()
@@ -91,6 +93,7 @@ def test_tp_equals_tp1(kind, sizes, hf_models):
                         assert torch.equal(x.topk_ids, y.topk_ids)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): worker processes, several configurations
 def test_tp_engine_features_and_data_parallel(hf_models):
     """Chunked long sequences, prefix sharing, capture and steering under TP = 2 (deterministic:
     bitwise equal to TP = 1), and 2 data-parallel replicas of TP = 2 equal to one scorer."""
@@ -116,6 +119,7 @@ def test_tp_engine_features_and_data_parallel(hf_models):
                                                 context_length=64, stride=16).perplexity
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): measures each rank's memory while loading
 def test_shard_loading_holds_only_the_rank_share(tmp_path):
     """Each rank reads and keeps only its slices: its parameter bytes, and the peak growth of its
     anonymous resident memory while loading (sampled every 2 ms; a whole float32 checkpoint can
@@ -140,6 +144,7 @@ def test_shard_loading_holds_only_the_rank_share(tmp_path):
     assert all(0 < p < 0.55 * full_bytes for p in peaks), (peaks, full_bytes)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): TP = 2 and 4 of a GGUF file
 def test_gguf_tp_reads_whole_blocks(tmp_path, hf_models):
     """Every split is by rows, so TP = 4 reads o_proj (64 inputs, 32-weight Q8_0 blocks) in whole
     blocks too: a Megatron split by inputs would cut them in 16-wide pieces."""
@@ -171,6 +176,7 @@ def _children() -> set[int]:
         return set()
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): kills a worker process
 def test_worker_killed_mid_run_is_an_error_naming_the_rank(hf_models):
     path, _ = hf_models["llama"]
     before = _children()
@@ -188,6 +194,7 @@ def test_worker_killed_mid_run_is_an_error_naming_the_rank(hf_models):
     assert _children() <= before  # no process left behind (reaped: no zombies)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): a real server with workers
 def test_serve_with_tensor_parallelism_matches_the_library(hf_models):
     """``logprobe serve --tensor-parallel-size 2 --deterministic`` (a real process, real HTTP):
     /v1/logprobs equals the library at TP = 1, bitwise (JSON floats round-trip float32 exactly)."""
@@ -217,6 +224,7 @@ def test_serve_with_tensor_parallelism_matches_the_library(hf_models):
         proc.wait(60)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): worker processes
 def test_deterministic_without_tp_invariance_is_batch_invariant(hf_models):
     """``tp_invariant=False``: one product per rank (the old cost), still bitwise batch-invariant at
     the TP size in use: requests alone equal them among others."""
@@ -255,6 +263,7 @@ def _torchrun(tmp_path, script: str, *args: str, env: dict | None = None):
                           capture_output=True, text=True, timeout=600, env=env)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): torchrun
 def test_under_torchrun_every_rank_is_one_shard(hf_models, tmp_path):
     """An already initialised process group (torchrun): each process holds one shard and every rank
     returns the same numbers, bitwise equal to TP = 1."""
@@ -322,6 +331,7 @@ def test_more_ranks_than_gpus_is_an_error(hf_models, monkeypatch):
         Scorer(str(path), device="cuda", tensor_parallel_size=2, data_parallel_size=2)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the CLI with worker processes
 def test_cli_logprobs_with_tensor_parallelism(hf_models, tmp_path):
     """``logprobe logprobs --tensor-parallel-size 2 --deterministic`` (a real process): the JSONL lines
     equal the library at TP = 1, bitwise."""
