@@ -20,7 +20,8 @@ from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
 from ..loading.loader import LoadedModel, describe_model, load_shard, parallel_context
 from ..parallel.context import ParallelContext
-from .workers import EndWeights, LaunchSpec, StageWeights, WorkerDied, WorkerGroup, default_threads, recv
+from .messages import EndWeights, StageWeights
+from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
 
 
 def assign_replicas(inputs: list[list[int]], replicas: int, key_len: int = 16) -> list[list[int]]:

@@ -6,7 +6,7 @@ weights (``loading.load_shard``) and then serves one message kind: *run these re
 rank of a replica runs the same engine loop on the same requests (planning is a pure function of
 them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
 each request's ``Result`` back as it completes, every rank sends ``Done`` at the end (the
-messages are the small records below, read with ``match``).
+messages are the small records of ``executor.messages``, read with ``match``).
 
 Workers are fresh interpreters (``python -m logprobe.executor.workers``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
@@ -40,6 +40,7 @@ from ..errors import LogprobeError
 from ..loading.loader import load_shard
 from ..loading.update import StagedWeights
 from ..parallel.context import ParallelContext
+from .messages import Close, Done, EndWeights, Failed, Ready, Result, Run, StageWeights
 
 READY_TIMEOUT_S = 600.0  # loading a large model's shard can take minutes
 
@@ -61,74 +62,6 @@ class LaunchSpec:
     first_gpu: int = 0
     port: int = 0
     threads: int = 1
-
-
-# -- messages: small records, pickled whole and read with ``match`` ------------------------------
-# driver -> worker
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """Run ``requests`` under the driver's ``config`` of this run (e.g. deterministic on or off)."""
-
-    requests: list
-    config: EngineConfig
-
-
-@dataclass(frozen=True, slots=True)
-class StageWeights:
-    """Stage these ``(name, slice)`` pairs of new weights (``loading.update``); no answer."""
-
-    pairs: list
-
-
-@dataclass(frozen=True, slots=True)
-class EndWeights:
-    """"prepare" (check every staged slice arrived and converted), "commit" (copy them in) or
-    "abort" (drop them); answered ``Done`` or ``Failed``."""
-
-    step: str
-
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    pass
-
-
-# worker -> driver
-
-
-@dataclass(frozen=True, slots=True)
-class Ready:
-    """The shard is loaded: its parameter bytes, the growth of the peak RSS while loading it, and
-    the group's ``max_batch_tokens`` (the same on every rank)."""
-
-    param_bytes: int
-    load_peak_bytes: int
-    budget: int
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """Request ``index`` of the current run is done (rank 0 only)."""
-
-    index: int
-    result: object
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    field: str
-    problem: str
-    fix: str
-
-    def error(self) -> LogprobeError:
-        return LogprobeError(self.field, self.problem, self.fix)
 
 
 def free_port() -> int:

@@ -1,0 +1,87 @@
+"""The messages between the driver and its worker processes (``executor.workers``): small
+frozen records, pickled whole and read with ``match``. They live in their own module so that both
+sides name them ``logprobe.executor.messages.X`` (a worker runs ``executor.workers`` as
+``__main__``, whose classes the driver could not unpickle).
+
+    driver -> worker : Run(requests, config) | StageWeights(pairs) | EndWeights(step) | Close()
+    worker -> driver : Ready(param_bytes, load_peak_bytes, budget) once, then per run
+                       Result(index, result)... (rank 0) and Done() | Failed(field, problem, fix)
+
+>>> match Failed("model", "no such file", "check the path"):
+...     case Failed() as f:
+...         str(f.error())
+'model: no such file; check the path'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..errors import LogprobeError
+
+# driver -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run ``requests`` under the driver's ``config`` of this run (e.g. deterministic on or off)."""
+
+    requests: list
+    config: EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class StageWeights:
+    """Stage these ``(name, slice)`` pairs of new weights (``loading.update``); no answer."""
+
+    pairs: list
+
+
+@dataclass(frozen=True, slots=True)
+class EndWeights:
+    """"prepare" (check every staged slice arrived and converted), "commit" (copy them in) or
+    "abort" (drop them); answered ``Done`` or ``Failed``."""
+
+    step: str
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    pass
+
+
+# worker -> driver
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The shard is loaded: its parameter bytes, the growth of the peak RSS while loading it, and
+    the group's ``max_batch_tokens`` (the same on every rank)."""
+
+    param_bytes: int
+    load_peak_bytes: int
+    budget: int
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """Request ``index`` of the current run is done (rank 0 only)."""
+
+    index: int
+    result: object
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    field: str
+    problem: str
+    fix: str
+
+    def error(self) -> LogprobeError:
+        return LogprobeError(self.field, self.problem, self.fix)
