@@ -19,7 +19,7 @@ from ..errors import LogprobeError
 from ..integrations import ray_dataset
 from ..io.jsonsafe import dumps
 from ..loading.loader import resolve_spec
-from .common import PROG, head_options
+from .common import PROG, ScorerOptions, head_options
 
 
 def add_ray_parser(sub, common: argparse.ArgumentParser, head: argparse.ArgumentParser) -> None:
@@ -108,8 +108,9 @@ def cmd_ray(args: argparse.Namespace) -> int:
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = not args.quiet
-    scorer_kwargs = {"model": args.model, "device": args.device, "dtype": args.dtype,
-                     "deterministic": args.deterministic, "max_batch_tokens": args.max_batch_tokens,
+    o = ScorerOptions.from_args(args)  # the model options every command reads (tp_invariant included)
+    scorer_kwargs = {"model": o.model, "device": o.device, "dtype": o.dtype, "deterministic": o.deterministic,
+                     "tp_invariant": o.tp_invariant, "max_batch_tokens": o.max_batch_tokens,
                      "tensor_parallel_size": max(1, int(args.gpus_per_replica))}
     try:
         summary = ray_dataset.run_dataset(args.ray_job, args.input, args.output, scorer_kwargs, options,

@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..config import EngineConfig
+from ..config import Deterministic, EngineConfig
 from ..errors import LogprobeError
 from ..io.parquet import arrow_type, float32_type, with_declared
 from ..io.tables import Row
@@ -68,6 +68,7 @@ class _RowJob:
     """One Scorer per actor; ``__call__(batch) -> pyarrow.Table`` (see the module docstring).
 
     ``model``, ``device``, ``dtype``, ``deterministic``, ``max_batch_tokens``: as ``Scorer``;
+    ``tp_invariant``: ``Deterministic.tp_invariant`` (with ``deterministic``);
     ``tensor_parallel_size``: default the number of GPUs Ray gave the actor (1 without GPUs).
     ``columns``: None (default) passes every input column through; a tuple makes the CLI's rows
     instead: ``index`` (read from the input's ``index`` column), ``id`` (logprobs), these columns.
@@ -78,11 +79,12 @@ class _RowJob:
     job_name = ""
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
-                 deterministic: bool = False, max_batch_tokens: int | None = None, tensor_parallel_size: int | None = None,
-                 columns: tuple[str, ...] | None = None, **options: Any) -> None:
+                 deterministic: bool = False, tp_invariant: bool = True, max_batch_tokens: int | None = None,
+                 tensor_parallel_size: int | None = None, columns: tuple[str, ...] | None = None, **options: Any) -> None:
         if options.get("capture") is not None:
             raise LogprobeError("capture", NO_CAPTURE, "use logprobe logprobs --capture on one machine")
-        config = EngineConfig(max_batch_tokens=max_batch_tokens, deterministic=deterministic, progress=False)
+        config = EngineConfig(max_batch_tokens=max_batch_tokens, progress=False,
+                              deterministic=Deterministic(tp_invariant=tp_invariant) if deterministic else None)
         self.scorer = Scorer(model, device=device, dtype=dtype, config=config,
                              tensor_parallel_size=tensor_parallel_size or _actor_gpus())
         self.columns = columns
