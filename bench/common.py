@@ -267,18 +267,21 @@ def flops(lc, seqs: list[tuple[int, int]]) -> float:
     return total
 
 
-def unique_flops(lc, reqs: list[ScoreRequest], min_shared: int = 16) -> float:
+def unique_flops(lc, reqs: list[ScoreRequest], min_shared: int | None = 16, per_token: float | None = None) -> float:
     """FLOPs left when shared prefixes run once (``share_prefixes``): in sorted order, a request's
-    tokens past its longest common prefix with the previous one (if >= ``min_shared``) are new.
-    Attention of a new token still spans its whole context."""
-    qd, L, per_token = lc.num_heads * lc.head_dim, lc.num_layers, _per_token(lc)
+    tokens past its longest common prefix with the previous one (if >= ``min_shared``) are new;
+    None: every needed token counts. Attention of a new token still spans its whole context.
+    ``per_token``: matmul FLOPs per computed token of the blocks (default: the dense Llama's)."""
+    qd, L = lc.num_heads * lc.head_dim, lc.num_layers
+    per_token = _per_token(lc) if per_token is None else per_token
     total, prev = 0.0, []
     for r in sorted(reqs, key=lambda r: r.inputs):
         x, n = r.inputs, r.num_inputs
         a = 0
-        while a < min(len(prev), n) and prev[a] == x[a]:
-            a += 1
-        a = a if a >= min_shared else 0
+        if min_shared is not None:
+            while a < min(len(prev), n) and prev[a] == x[a]:
+                a += 1
+            a = a if a >= min_shared else 0
         total += per_token * (n - a) + 2 * L * qd * (n * n - a * a) + 2 * lc.hidden_size * lc.vocab_size * r.num_scored
         prev = x
     return total

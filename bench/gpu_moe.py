@@ -72,6 +72,7 @@ from common import (  # noqa: E402
     matmul_ceiling,
     run_transformers,
     sync_time,
+    unique_flops,
     workload,
 )
 
@@ -222,23 +223,9 @@ def active_params(lc) -> int:
 
 
 def active_flops(lc, reqs, min_shared: int | None = 16) -> float:
-    """Forward FLOPs on active parameters: 2 x layer_active_params per computed token, causal
-    attention 2 L qd n^2 per sequence, the head per scored token. ``min_shared``: shared prefixes
-    (>= that many tokens, in sorted order, as ``share_prefixes`` runs them) count once, as
-    common.unique_flops; None: every needed token counts."""
-    H, L, qd = lc.hidden_size, lc.num_layers, lc.num_heads * lc.head_dim
-    per_token = 2 * layer_active_params(lc)
-    total, prev = 0.0, []
-    for r in sorted(reqs, key=lambda r: r.inputs):
-        x, n = r.inputs, r.num_inputs
-        a = 0
-        if min_shared is not None:
-            while a < min(len(prev), n) and prev[a] == x[a]:
-                a += 1
-            a = a if a >= min_shared else 0
-        total += per_token * (n - a) + 2 * L * qd * (n * n - a * a) + 2 * H * lc.vocab_size * r.num_scored
-        prev = x
-    return total
+    """Forward FLOPs on active parameters (common.unique_flops with 2 x layer_active_params per
+    computed token): ``min_shared`` None counts every needed token."""
+    return unique_flops(lc, reqs, min_shared, per_token=2 * layer_active_params(lc))
 
 
 # ------------------------------------------------------------------------------------ kernel
