@@ -195,13 +195,13 @@ def test_packed_equals_dense_and_deterministic_batch_invariance(scheme, aq_dirs)
     packed = load_model(str(d), "cpu", "float32")
     dense = load_model(str(d), "cpu", "float32", weights="dense")
     for det in (False, True):
-        cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
-        a = Scorer(packed, config=cfg, progress=False).logprobs(seqs)
-        b = Scorer(dense, config=cfg, progress=False).logprobs(seqs)
+        cfg = EngineConfig(deterministic=det and Deterministic(tile=16), progress=False)
+        a = Scorer(packed, config=cfg).logprobs(seqs)
+        b = Scorer(dense, config=cfg).logprobs(seqs)
         assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
         if det:  # a request alone gives the bits it gets in a batch
             for i, seq in enumerate(seqs):
-                alone = Scorer(packed, config=cfg, progress=False).logprobs([seq])[0].logprobs
+                alone = Scorer(packed, config=cfg).logprobs([seq])[0].logprobs
                 assert torch.equal(alone, a[i].logprobs), i
 
 
@@ -398,8 +398,8 @@ def test_fused_projections_equal_separate(aq_dirs):
             for layer in loaded.model.layers:
                 layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
         for det in (False, True):
-            cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
-            runs[fused, det] = [r.logprobs for r in Scorer(loaded, config=cfg, progress=False).logprobs(seqs)]
+            cfg = EngineConfig(deterministic=det and Deterministic(tile=16), progress=False)
+            runs[fused, det] = [r.logprobs for r in Scorer(loaded, config=cfg).logprobs(seqs)]
     for a, b in zip(runs[True, False], runs[False, False]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert loaded.model.layers[0].self_attn.q_proj.col_blocks == [32] * 4  # per head: the fused layer's too

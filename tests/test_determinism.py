@@ -174,3 +174,26 @@ def test_deterministic_config_is_validated():
     assert EngineConfig().deterministic is None and EngineConfig(deterministic=False).deterministic is None
     assert replace(EngineConfig(), deterministic=True).deterministic == Deterministic()  # normalised in replace too
     assert replace(EngineConfig(deterministic=True), deterministic=False).deterministic is None
+
+
+def test_engines_sharing_a_model_each_run_under_their_own_numerics(loaded):
+    """A default and a deterministic engine on one model, alternating: each pass runs under the
+    numerics of the engine that launched it (``layers.numerics``), so each engine's results are
+    the bits it gives alone; an unchanged config hands nothing new to the layers."""
+    from logprobe.config import Numerics
+    from logprobe.engine.runner import Engine
+    from logprobe.layers.linear import Linear
+
+    model = loaded["llama"].model
+    reqs = random_mix(seed=11)[:5]
+    det = Engine(model, EngineConfig(max_batch_tokens=64, deterministic=True), torch.device("cpu"))
+    fast = Engine(model, EngineConfig(max_batch_tokens=64), torch.device("cpu"))
+    first = det.run(reqs)
+    assert fast.run(reqs) and all(m.numerics == Numerics() for m in model.modules() if isinstance(m, Linear))
+    again = det.run(reqs)
+    for a, b in zip(first, again):
+        same(a, b, exact=True)
+    held = model.numerics
+    assert held.row_tile == 128 and held.column_blocks and held == det.numerics
+    det.run(reqs[:1])
+    assert model.numerics is held  # the same config: the layers were not handed a new object

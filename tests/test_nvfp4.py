@@ -189,13 +189,13 @@ def test_packed_equals_dense_and_deterministic_batch_invariance(scheme, fp4_dirs
     packed = load_model(str(d), "cpu", "float32")
     dense = load_model(str(d), "cpu", "float32", weights="dense")
     for det in (False, True):
-        cfg = EngineConfig(deterministic=det and Deterministic(tile=16))
-        a = Scorer(packed, config=cfg, progress=False).logprobs(seqs)
-        b = Scorer(dense, config=cfg, progress=False).logprobs(seqs)
+        cfg = EngineConfig(deterministic=det and Deterministic(tile=16), progress=False)
+        a = Scorer(packed, config=cfg).logprobs(seqs)
+        b = Scorer(dense, config=cfg).logprobs(seqs)
         assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
         if det:
             for i, seq in enumerate(seqs):
-                alone = Scorer(packed, config=cfg, progress=False).logprobs([seq])[0].logprobs
+                alone = Scorer(packed, config=cfg).logprobs([seq])[0].logprobs
                 assert torch.equal(alone, a[i].logprobs), i
 
 

@@ -6,7 +6,7 @@ one program, as a K loop of ``tl.dot`` over BLOCK_K slices in order from a float
 zero (no split-K, no stream-K), and the tile shape never depends on M or N: row i's numbers depend
 only on row i, W and b (batch invariance), and column j's only on x, W's row j and b_j (so a
 subset of W's rows gives bitwise the same columns: tensor-parallel invariance). This is what
-deterministic mode runs on CUDA (``layers.linear.Linear`` with ``row_tile`` set). The pure-PyTorch
+deterministic mode runs on CUDA (``layers.linear.Linear`` under ``Numerics.row_tile``). The pure-PyTorch
 reference is ``F.linear`` (equal within float32 rounding of the accumulation order, tested).
 
 Tiles are numbered in groups of GROUP_M row tiles (column tiles varying fastest within a group) so

@@ -166,6 +166,7 @@ def fuse_linears(parts: list[Linear]) -> Linear | None:
         return None
     with torch.device("meta"):
         fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
+    fused.numerics = first.numerics  # the parts' (they all hold the model's)
     if all(p.col_blocks for p in parts):
         fused.col_blocks = [w for p in parts for w in p.col_blocks]
     fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)  # [sum out, in]

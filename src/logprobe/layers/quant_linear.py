@@ -142,8 +142,9 @@ class _PackedLinearMixin(PackedWeight):
 
     def adopt(self, layer) -> None:
         """Take over the deterministic layout of the dense layer this one replaces (its column
-        blocks), so packed and dense weights give the same bits."""
+        blocks and numerics), so packed and dense weights give the same bits."""
         self.col_blocks = getattr(layer, "col_blocks", None)
+        self.numerics = getattr(layer, "numerics", self.numerics)
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return None
