@@ -194,7 +194,7 @@ def w4_expand(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     return w
 
 
-EXPAND_MIN_ROWS = 256  # from bench/gpu_scoring.py --sections quant on an H100 (docs/perf.md)
+EXPAND_MIN_ROWS = 256  # from bench/gpu_w4a16.py (then gpu_scoring.py --sections quant) on an H100 (docs/perf.md)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
