@@ -103,6 +103,7 @@ def test_config_set_later_keeps_the_start_budget(tiny_dir):
     assert s.engine.budget == 32
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): worker processes
 def test_tensor_parallel_ranks_agree(tiny_dir):
     """Worker ranks resolve the budget, agree on the smallest and tell the driver (gloo, CPU)."""
     with Scorer(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2) as s:

@@ -122,6 +122,7 @@ def test_keyboard_interrupt_exits_130_quietly(monkeypatch, capsys):
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day in the park.\n"
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the real model through the CLI
 def test_perplexity_report_and_json(scorer, tmp_path, capsys):
     f = tmp_path / "t.txt"
     f.write_text(TEXT, encoding="utf-8")
@@ -184,6 +185,7 @@ def test_logprobs_end_to_end_equals_api(scorer, tmp_path, capsys):
         assert got[i]["id"] == SEQS[i].get("id")
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the real model through the CLI
 def test_logprobs_options_and_per_line_overrides(scorer, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     rows = [dict(SEQS[0]), dict(SEQS[1], temperature=0.5, top_k=1, entropy=False)]
@@ -202,6 +204,7 @@ def test_logprobs_options_and_per_line_overrides(scorer, tmp_path, capsys):
     assert _strip(got[1]) == w1.to_dict() and "entropy" not in got[1] and len(got[1]["top_k_ids"][0]) == 1
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): a job interrupted and resumed
 def test_logprobs_resume_after_interrupt(scorer, tmp_path, capsys):
     inp = tmp_path / "in.jsonl"
     _write_jsonl(inp, SEQS)
@@ -226,6 +229,7 @@ def test_logprobs_resume_after_interrupt(scorer, tmp_path, capsys):
     assert f"0 written, {len(SEQS)} already done" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the real model through the CLI
 def test_logprobs_bad_lines_reported_and_skipped(scorer, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     oov = {"prompt_token_ids": [1, 2], "completion_token_ids": [3, 99999]}

@@ -51,6 +51,7 @@ def test_score_matches_reference(default_scorer, default_reference):
         assert r.is_greedy == bool((rows.argmax(-1) == torch.tensor(r.token_ids)).all())
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the real model
 def test_loglikelihood_equals_score(default_scorer):
     pairs = [("The capital of France is", " Paris"), ("", "Hello world"), ("2 + 2 =", " 4")]
     ll = default_scorer.loglikelihood(pairs)
@@ -68,6 +69,7 @@ def test_empty_prompt_uses_prefix_token(default_scorer, default_reference):
     assert r.num_tokens == len(ids) - 1
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the real model against float64
 def test_rl_logprobs_match_reference(default_scorer, default_reference):
     tok = default_scorer.tokenizer
     seqs = [{"prompt_token_ids": tok.encode("Solve 12 * 7."), "completion_token_ids": tok.encode(" The answer is 84.")},

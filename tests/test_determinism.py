@@ -122,6 +122,7 @@ def test_mixed_batches_per_request_options(loaded):
     assert torch.equal(bits(top.topk_logprobs), bits(mixed[1].topk_logprobs[:, :2]))
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): random mixes on the real model (tests/test_golden_bits.py pins its bits in the fast tier)
 def test_default_model_mix_bitwise(default_scorer):
     """The real model, once: a random mix alone vs shuffled in a 257-token budget with sharing."""
     reqs = random_mix(seed=9, vocab=49152)

@@ -267,6 +267,7 @@ def test_openrlhf_actor_forward_matches(openrlhf_actor_class, ref_dir):
 
 
 @needs("verl")
+@pytest.mark.slow  # slow tier (pytest -m slow): a Ray worker group
 def test_verl_ray_worker_group(ref_dir):
     """LogprobeRefWorker registered the way verl's trainer builds Role.RefPolicy: two Ray workers, the
     batch split between them by verl's dispatch, answered through RayPPOTrainer._compute_ref_log_prob."""
