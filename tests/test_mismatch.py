@@ -1,0 +1,73 @@
+"""The training-inference mismatch report (``scoring.mismatch``): literal gold values, a float64
+reference written independently with numpy, and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from logprobe.errors import LogprobeError
+from logprobe.scoring.mismatch import mismatch
+
+
+def test_gold_example_from_the_docstring():
+    r = mismatch([[-1.0, -2.0]], [[-1.1, -1.5]])
+    o = r.overall
+    assert o.tokens == 2
+    assert o.max_abs == pytest.approx(0.5, abs=1e-12)
+    assert o.mean_abs == pytest.approx(0.3, abs=1e-12)
+    assert o.k1 == pytest.approx(0.2, abs=1e-12)
+    assert o.k2 == pytest.approx(0.065, abs=1e-12)
+    # exp(0.1) - 1.1 = 0.005170918075647624, exp(-0.5) - 0.5 = 0.10653065971263342
+    assert o.k3 == pytest.approx((0.005170918075647624 + 0.10653065971263342) / 2, abs=1e-15)
+    assert o.out_of_range == 0.5
+    assert r.sequences[0] == o
+
+
+def numpy_reference(ours, theirs, low, high):
+    d = np.concatenate([np.asarray(a, np.float64) - np.asarray(b, np.float64) for a, b in zip(ours, theirs)])
+    ratio = np.exp(d)
+    return dict(tokens=d.size, max_abs=np.abs(d).max(), mean_abs=np.abs(d).mean(), k1=(-d).mean(),
+                k2=(d ** 2 / 2).mean(), k3=(ratio - 1 - d).mean(), out=((ratio < low) | (ratio > high)).mean())
+
+
+def test_random_sequences_equal_an_independent_float64_reference():
+    rng = np.random.default_rng(0)
+    lengths = [1, 7, 0, 40, 3]
+    theirs = [rng.uniform(-8, 0, n) for n in lengths]
+    ours = [t + rng.normal(0, 0.2, t.size) for t in theirs]
+    r = mismatch(ours, theirs, low=0.9, high=1.1)
+    ref = numpy_reference(ours, theirs, 0.9, 1.1)
+    o = r.overall
+    assert o.tokens == ref["tokens"] == sum(lengths)
+    for key in ("max_abs", "mean_abs", "k1", "k2", "k3"):
+        assert getattr(o, key) == pytest.approx(ref[key], rel=1e-12, abs=1e-15), key
+    assert o.out_of_range == pytest.approx(ref["out"], abs=1e-15)
+    assert [m.tokens for m in r.sequences] == lengths
+    assert r.sequences[2].tokens == 0 and r.sequences[2].k3 == 0.0
+    # overall is token-weighted: the sequences' k1 times their lengths sum to the total
+    assert sum(m.k1 * m.tokens for m in r.sequences) == pytest.approx(o.k1 * o.tokens, rel=1e-12)
+
+
+def test_identical_log_probs_are_zero_everywhere():
+    r = mismatch([[-0.5, -3.0, -1e-9]], [[-0.5, -3.0, -1e-9]])
+    assert (r.overall.max_abs, r.overall.k1, r.overall.k2, r.overall.k3, r.overall.out_of_range) == (0, 0, 0, 0, 0)
+    assert "0% of tokens" in r.report()
+
+
+@pytest.mark.parametrize("ours, theirs, field", [
+    ([[-1.0]], [[-1.0], [-2.0]], "logprobs"),
+    ([[-1.0, -2.0]], [[-1.0]], "logprobs[0]"),
+    ([[-1.0]], [[math.nan]], "logprobs[0]"),
+])
+def test_refusals_name_the_field(ours, theirs, field):
+    with pytest.raises(LogprobeError) as e:
+        mismatch(ours, theirs)
+    assert e.value.field == field
+
+
+def test_ratio_range_is_checked():
+    with pytest.raises(LogprobeError):
+        mismatch([[-1.0]], [[-1.0]], low=1.2, high=1.25)
