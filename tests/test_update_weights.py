@@ -86,8 +86,12 @@ def _bad_updates(good: dict[str, torch.Tensor]):
     shape = dict(good) | {name: good[name][:, :-1]}
     ints = dict(good) | {name: good[name].to(torch.int8)}
     missing = {k: v for k, v in good.items() if k != name}
+    nan, inf = good[name].clone(), good[name].clone()
+    nan[0, 0], inf[1, 2], inf[2, 1] = float("nan"), float("inf"), -float("inf")
     return [(extra, "model.layers.9.mlp.down_proj.weight"), (shape, "shape"), (ints, "int8"),
-            (missing, name), (list(good.items()) + [(name, good[name])], "twice")]
+            (missing, name), (list(good.items()) + [(name, good[name])], "twice"),
+            (dict(good) | {name: nan}, f"'{name}' holds 1 non-finite value"),
+            (dict(good) | {name: inf}, f"'{name}' holds 2 non-finite values")]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -114,6 +118,13 @@ def test_bad_checkpoint_changes_nothing(dirs, tmp_path):
     save_file(w, str(tmp_path / "bad.safetensors"))
     with pytest.raises(LogprobeError, match="model.norm.weight"):
         s.load_weights(str(tmp_path / "bad.safetensors"))
+    w = hf_weights(b)  # a NaN in the last tensor read: the ones before it are not copied either
+    last = sorted(w)[-1]
+    w[last] = w[last].clone()
+    w[last].view(-1)[3] = float("nan")
+    save_file(w, str(tmp_path / "nan.safetensors"))
+    with pytest.raises(LogprobeError, match=f"'{last}' holds 1 non-finite value"):
+        s.load_weights(str(tmp_path / "nan.safetensors"))
     quant = tmp_path / "quantized"  # a compressed-tensors checkpoint: packed int4 blocks, not floats
     shutil.copytree(b, quant)
     cfg = json.loads((quant / "config.json").read_text())
@@ -247,8 +258,50 @@ def test_tensor_parallel_scorer_update(dirs):
         bad[-1] = (bad[-1][0], bad[-1][1][:-1])
         with pytest.raises(LogprobeError, match="shape"):
             s.update_weights(iter(bad))
+        nan = list(hf_weights(b).items())
+        nan[-1] = (nan[-1][0], torch.full_like(nan[-1][1], float("nan")))
+        with pytest.raises(LogprobeError, match=f"'{nan[-1][0]}' holds .* non-finite values"):
+            s.update_weights(iter(nan))
         assert same(scores(s), old) and s.weights_version == 0
         assert s.update_weights(iter(list(hf_weights(b).items()))) == 1
         assert same(scores(s), scores(scorer(b, True)))
         assert s.load_weights(str(a)) == 2
         assert same(scores(s), old)
+
+
+def test_server_refuses_non_finite_checkpoint(dirs, tmp_path):
+    """/update_weights_from_disk goes through load_weights: a checkpoint with an infinity is
+    refused (400, the tensor named), weights_version and the scores stay."""
+    import requests
+    from server_util import serve
+
+    from logprobe.server import create_app
+
+    a, b = dirs["llama"]
+    bad = tmp_path / "inf"
+    shutil.copytree(b, bad)
+    w = hf_weights(b)
+    w["model.norm.weight"] = w["model.norm.weight"].clone()
+    w["model.norm.weight"][0] = float("inf")
+    save_file(w, str(bad / "model.safetensors"))
+    s = scorer(a, True)
+    old = scores(s)
+    with serve(create_app(s)) as url:
+        r = requests.post(url + "/update_weights_from_disk", json={"model_path": str(bad)}, timeout=120)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "model_path" and "'model.norm.weight' holds 1 non-finite value" in err["message"]
+        assert requests.get(url + "/health", timeout=30).json()["weights_version"] == 0
+    assert same(scores(s), old) and s.weights_version == 0
+
+
+def test_values_beyond_a_float16_model_are_refused(dirs):
+    """float32 weights that overflow the model's float16 would be inf after conversion."""
+    a, b = dirs["llama"]
+    s = Scorer(str(a), device="cpu", dtype="float16", progress=False)
+    w = hf_weights(b)
+    w["model.norm.weight"] = w["model.norm.weight"].clone()
+    w["model.norm.weight"][0] = 1e6
+    with pytest.raises(LogprobeError, match="'model.norm.weight' holds values beyond the range of the model's float16"):
+        s.update_weights(w)
+    assert s.weights_version == 0

@@ -209,8 +209,9 @@ class Scorer:
     def update_weights(self, named_tensors) -> int:
         """Replace every weight with ``(Hugging Face name, tensor)`` pairs (float32/bfloat16/float16;
         a dict, a list, or an iterator that streams them), all or nothing: a missing, extra, repeated
-        or mis-shaped name raises naming it and the old weights stay in force. Scores afterwards equal
-        a fresh Scorer's on the new weights (bitwise in deterministic mode). A list or dict is
+        or mis-shaped name, or a tensor holding NaN or inf, raises naming it and the old weights stay
+        in force. Scores afterwards equal a fresh Scorer's on the new weights (bitwise in
+        deterministic mode). A list or dict is
         checked whole, then copied in place; an iterator is staged on the model's device (one more
         copy of the weights at most). Returns the new ``weights_version``. Tensor/data-parallel
         scorers cut each tensor into its ranks' slices and send them to the workers, which stage them

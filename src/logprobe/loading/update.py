@@ -2,8 +2,9 @@
 
 Names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), as
 ``named_parameters()`` / ``state_dict()`` of the trainer's model or a safetensors checkpoint give
-them. Every tensor is checked (a known name, not seen before, a float dtype, the exact shape)
-before any weight changes, so a bad name or shape leaves the old weights in force:
+them. Every tensor is checked (a known name, not seen before, a float dtype, the exact shape,
+finite values: no NaN or inf, none beyond the model's dtype) before any weight changes, so a bad
+name, shape or value leaves the old weights in force:
 
     named tensors --check each--> (native name, tensor) ... all present? --> copy into the model
 
@@ -14,7 +15,8 @@ before any weight changes, so a bad name or shape leaves the old weights in forc
         the staged ones are copied in once the stream ended complete: at most one more copy of
         the weights, on the model's device, and never the stream collected twice;
     a safetensors file or directory: names, dtypes and shapes come from the headers, so all are
-        checked before one tensor is read, then tensors are read and copied one at a time.
+        checked before one tensor is read; then each tensor is read and checked for finite values,
+        then read again and copied, one at a time (twice the reads, no extra memory).
 
 Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.{e}.gate_proj.weight``,
 as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked, as transformers holds
@@ -187,6 +189,20 @@ def check(name: str | None, item: Incoming, model: LlamaModel, slots: dict[str, 
     return name
 
 
+def check_finite(name: str, value: torch.Tensor, slot: torch.Tensor, field: str) -> None:
+    """Refuse ``value`` (incoming tensor ``name``) if it holds a NaN or an infinity, or a value that
+    becomes one in the model's dtype (float32 -> float16 beyond 65504): such weights turn every
+    score into NaN."""
+    bad = int((~torch.isfinite(value)).sum())
+    if bad:
+        raise LogprobeError(field, f"{name!r} holds {bad} non-finite value{'s' * (bad != 1)} (NaN or inf)",
+                            "send finite weights (a diverged trainer step would make every score NaN)")
+    if value.numel() and slot.dtype != value.dtype and not torch.isfinite(value.abs().amax().to(slot.dtype)):
+        raise LogprobeError(field, f"{name!r} holds values beyond the range of the model's "
+                            f"{str(slot.dtype).removeprefix('torch.')} (largest {value.abs().amax().item():.4g})",
+                            "send weights that fit the model's dtype")
+
+
 def check_complete(slots: dict[str, torch.Tensor], seen: set[str], field: str) -> None:
     missing = [n for n in slots if n not in seen]
     if missing:
@@ -227,7 +243,9 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
     seen: set[str] = set()
 
     def ready(name: str, piece: Incoming) -> torch.Tensor:
-        return convert(name, rank_slice(name, piece.load(), model), slots[name], model)
+        value = piece.load()
+        check_finite(piece.name, value, slots[name], field)
+        return convert(name, rank_slice(name, value, model), slots[name], model)
 
     if staged:
         values = {}
@@ -242,8 +260,10 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
     todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
             if (name := check(unit, piece, model, full, seen, field)) is not None]
     check_complete(full, seen, field)
+    for name, piece in todo:  # values too before any copy (a checkpoint's tensors are read twice)
+        check_finite(piece.name, piece.load(), slots[name], field)
     for name, piece in todo:
-        slots[name].copy_(ready(name, piece))
+        slots[name].copy_(convert(name, rank_slice(name, piece.load(), model), slots[name], model))
     return len(todo)
 
 
@@ -261,6 +281,7 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
                 if (name := check(unit, piece, model, full, seen, field)) is None:
                     continue
                 value = piece.load().detach().cpu()
+                check_finite(piece.name, value, full[name], field)
                 for rank in ranks:
                     engine.stage_weights(rank.ctx.rank, [(name, rank_slice(name, value, rank))])
                 n += 1
