@@ -44,7 +44,9 @@ def _read_out(path: Path) -> dict[int, dict]:
 
 
 def _strip(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if k not in ("index", "id")}
+    """The result columns of an output row (the input columns pass through: dropped here)."""
+    inputs = ("index", "id", "prompt_token_ids", "completion_token_ids", "temperature", "top_k")
+    return {k: v for k, v in rec.items() if k not in inputs}
 
 
 # -- score -----------------------------------------------------------------------------------------
@@ -193,7 +195,7 @@ def test_logprobs_options_and_per_line_overrides(scorer, tmp_path, capsys):
     # --max-batch-tokens 6: every sequence (at most 6 inputs) runs alone and whole (not chunked),
     # as in the API calls below, so values are comparable bit for bit
     assert main(["logprobs", "--input", str(inp), "--output", str(out), "--temperature", "2", "--top-k", "3",
-                 "--entropy", "--max-batch-tokens", "6", "--json"]) == 0
+                 "--entropy", "--max-batch-tokens", "6", "--json", "--keep-columns", "id"]) == 0  # results only
     summary = json.loads(capsys.readouterr().out)
     assert summary["written"] == 2 and summary["failed"] == 0
     got = _read_out(out)

@@ -110,7 +110,7 @@ def test_logprobs_every_format_same_numbers(tiny, tiny_dir, tmp_path):
         for out_ext in ("jsonl", "parquet"):
             out = tmp_path / f"out-{ext}.{out_ext}"
             assert run(tiny_dir, "logprobs", "--input", str(src), "--output", str(out), "--top-k", "2",
-                       "--entropy", "--max-batch-tokens", "80") == 0
+                       "--entropy", "--max-batch-tokens", "80", "--keep-columns", "id") == 0  # CSV cells: text
             outs[ext, out_ext] = by_index(out)
     first = outs["jsonl", "jsonl"]
     assert all(got == first for got in outs.values())
@@ -246,3 +246,30 @@ def test_progress_bar_and_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == text
+
+
+@pytest.mark.parametrize("out_name", ["out.parquet", "out.jsonl"])
+def test_output_in_input_order_with_input_columns(tiny_dir, tmp_path, capsys, out_name):
+    """Rows come back in input order (a failed row is not written first; a resumed run's rows are
+    put in their places) with every input column, so the output lines up with the input."""
+    import pandas as pd
+
+    rows = [{"prompt": p, "continuation": c, "q": k, "note": f"n{k}"} for k, (p, c) in enumerate(
+        [("The capital of France is", "Paris"), ("Hello", " world"), ("a", None), ("2 + 2 =", "4"), ("Yes or", "no")])]
+    src, out = write_table(tmp_path / "in.jsonl", rows), tmp_path / out_name
+    assert run(tiny_dir, "score", "--input", str(src), "--output", str(out), "--batch-rows", "5") == 1
+    read = (lambda: pd.read_parquet(out)) if out_name.endswith(".parquet") else (lambda: pd.read_json(out, lines=True))
+    got = read()
+    assert got["index"].tolist() == [0, 1, 2, 3, 4]
+    assert got["q"].tolist() == [0, 1, 2, 3, 4] and got["note"].tolist() == [f"n{k}" for k in range(5)]
+    assert got["prompt"].tolist() == [r["prompt"] for r in rows] and got["error"].notna().tolist()[2]
+    rows[2]["continuation"] = "b"  # fixed: the rerun computes row 2 only, and it lands in its place
+    write_table(src, rows)
+    assert run(tiny_dir, "score", "--input", str(src), "--output", str(out), "--batch-rows", "5") == 0
+    assert "1 written, 4 already done" in capsys.readouterr().out
+    again = read()
+    assert again["index"].tolist() == again["q"].tolist() == [0, 1, 2, 3, 4]
+    assert again["log_prob"].notna().all() and again["log_prob"].tolist()[:2] == got["log_prob"].tolist()[:2]
+    assert run(tiny_dir, "score", "--input", str(src), "--output", str(tmp_path / "kept.jsonl"),
+               "--keep-columns", "q") == 0
+    assert "note" not in by_index(tmp_path / "kept.jsonl")[0]  # --keep-columns: only those

@@ -36,8 +36,9 @@ def add_table_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="results, one row per input row: JSONL (a file) or Parquet (*.parquet: a directory of "
                         "part files, one per batch). An existing output is resumed: rows already there are skipped")
     t.add_argument("--output-format", choices=("jsonl", "parquet"), default=None)
-    t.add_argument("--keep-columns", type=lambda s: tuple(c for c in s.split(",") if c), default=(),
-                   metavar="A,B", help="input columns copied into each output row")
+    t.add_argument("--keep-columns", type=lambda s: tuple(c for c in s.split(",") if c), default=None,
+                   metavar="A,B", help="only these input columns are copied into each output row (default: every "
+                                       "input column; a result column of the same name replaces it)")
     t.add_argument("--batch-rows", type=int, default=64, metavar="N",
                    help="input rows per batch: results reach the output at least this often (default: %(default)s)")
 

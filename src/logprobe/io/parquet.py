@@ -7,6 +7,11 @@ columns and every result column the job declares (``result_types``: null in a fa
 part's schema is the union of the parts before it and its own rows (a column one batch lacks is
 null there), so a reader that takes the first part's schema sees every result column.
 
+Order: a part's rows are in index order, and so are the parts of a run from the start. When a
+resumed run's rows fill gaps (rows that failed, or a run stopped mid-way with rows after), the
+sink's ``close`` writes every row, in index order, as one new part and then deletes the older
+parts; a run killed between the two leaves rows twice, and the next open keeps the newest copy.
+
 >>> import pyarrow as pa
 >>> float32_type(pa.list_(pa.list_(pa.float64())))
 ListType(list<item: list<item: float>>)
@@ -92,6 +97,8 @@ class ParquetSink:
         self.done = self._resume()
         parts = _parts(path)
         self._next = parts[-1][0] + 1 if parts else 0
+        self._last = max(self.done, default=-1)  # the highest index written
+        self._disordered = False
 
     def _resume(self) -> set[int]:
         """Indices in the whole parts; tmp files of a killed run removed, error rows dropped (rerun)."""
@@ -103,15 +110,17 @@ class ParquetSink:
             if name.endswith(".tmp"):
                 os.remove(os.path.join(self.path, name))
         done: set[int] = set()
-        for _, part in _parts(self.path):
+        for _, part in reversed(_parts(self.path)):  # newest first: a row twice (a killed reorder) keeps that copy
             table = pq.read_table(part)
-            failed = pc.invert(pc.is_null(table["error"]))
-            if pc.any(failed).as_py():
-                table = table.filter(pc.invert(failed))
+            drop = pc.invert(pc.is_null(table["error"]))
+            if done:
+                drop = pc.or_(drop, pc.is_in(table["index"], value_set=pa.array(sorted(done), pa.int64())))
+            if pc.any(drop).as_py():
+                table = table.filter(pc.invert(drop))
                 self._write(table, part)
             done.update(table["index"].to_pylist())
             self.schema = table.schema if self.schema is None else pa.unify_schemas(
-                [self.schema, table.schema], promote_options="permissive")
+                [table.schema, self.schema], promote_options="permissive")
         return done
 
     def add(self, row: dict) -> None:
@@ -121,13 +130,28 @@ class ParquetSink:
         """Write the rows added since the last call as the next part file (nothing if none)."""
         if not self._rows:
             return
-        table = self._table(self._rows)
+        rows = sorted(self._rows, key=lambda r: r["index"])
+        self._disordered |= rows[0]["index"] < self._last
+        self._last = max(self._last, rows[-1]["index"])
+        table = self._table(rows)
         self._write(table, os.path.join(self.path, f"part-{self._next:05d}.parquet"))
         self._next += 1
         self._rows = []
 
     def close(self) -> None:
         self.end_batch()
+        if self._disordered:  # a resumed run filled gaps: every row in index order, one part
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            old = _parts(self.path)
+            tables = [pq.read_table(part) for _, part in old]
+            table = pa.concat_tables(tables, promote_options="permissive").sort_by("index")
+            self._write(table, os.path.join(self.path, f"part-{self._next:05d}.parquet"))
+            self._next += 1
+            for _, part in old:
+                os.remove(part)
+            self._disordered = False
 
     def _table(self, rows: list[dict]):
         import pyarrow as pa

@@ -8,15 +8,19 @@ the jobs parse numbers and JSON lists themselves); Parquet: read one record batc
 Output, one dict per finished input row (``{"index": i, ...}``; a row that failed has an
 ``"error"``):
 
-* JSONL (``JsonlSink``): one line per row, flushed as each row completes. Resume: the lines
-  already there are kept (a cut-off last line is removed), error lines are dropped so those rows
-  run again.
+* JSONL (``JsonlSink``): one line per row, a batch's rows written (in index order) and flushed
+  when the batch ends. Resume: the lines already there are kept (a cut-off last line is removed),
+  error lines are dropped so those rows run again; when the rerun's rows fill gaps, the file is
+  rewritten in index order at the end (atomically).
 * Parquet (``ParquetSink``): ``OUTPUT`` is a directory of part files ``part-00000.parquet``,
   ``part-00001.parquet``, ..., one per batch of rows, each written to ``.part-N.tmp`` and renamed
   when complete, so a killed run leaves only whole parts (and maybe a tmp file, deleted on
   resume). ``pyarrow.dataset.dataset(OUTPUT)``, ``pandas.read_parquet(OUTPUT)`` or ``read_output``
   read it back. Per-token arrays are list<float32> columns (the values are float32 already, so
-  nothing is rounded); rows come in completion order, ``index`` says which input row each is.
+  nothing is rounded).
+
+Both outputs are in input order (``index`` ascending), a resumed job's included, so an output
+read back lines up with its input row for row (when no row failed).
 
 >>> import tempfile, os
 >>> d = tempfile.mkdtemp()
@@ -156,13 +160,17 @@ def read_output(path: str) -> list[dict]:
 
 
 class JsonlSink:
-    """Appends one JSON line per row, flushed at once; ``done`` holds the rows already there."""
+    """Appends one JSON line per row, a batch at a time in index order; ``done`` holds the rows
+    already there. ``close`` rewrites the file in index order when a resumed run filled gaps."""
 
     def __init__(self, path: str) -> None:
         if os.path.isdir(path):
             raise LogprobeError("--output", f"{path!r} is a directory", "give a file path")
         self.path = path
+        self._rows: list[dict] = []
         self.done = self._resume()
+        self._last = max(self.done, default=-1)  # the highest index in the file
+        self._disordered = False
         try:
             self._f = open(path, "a", encoding="utf-8")
         except OSError as e:
@@ -196,14 +204,28 @@ class JsonlSink:
         return done
 
     def add(self, row: dict) -> None:
-        self._f.write(dumps(row) + "\n")
-        self._f.flush()
+        self._rows.append(row)
 
     def end_batch(self) -> None:
-        pass
+        """Write the rows added since the last call, in index order, and flush."""
+        if not self._rows:
+            return
+        rows = sorted(self._rows, key=lambda r: r["index"])
+        self._rows = []
+        self._disordered |= rows[0]["index"] < self._last
+        self._last = max(self._last, rows[-1]["index"])
+        self._f.write("".join(dumps(r) + "\n" for r in rows))
+        self._f.flush()
 
     def close(self) -> None:
+        self.end_batch()
         self._f.close()
+        if self._disordered:  # a resumed run filled gaps: the whole file in index order
+            with open(self.path, "rb") as f:
+                lines = [line for line in f.read().splitlines(keepends=True) if line.strip()]
+            lines.sort(key=lambda line: json.loads(line)["index"])
+            _replace(self.path, b"".join(lines))
+            self._disordered = False
 
 
 def _json_line(line: bytes) -> dict | None:

@@ -49,12 +49,20 @@ class RunCounts:
     stopped: bool = False
 
 
-def row_head(row: Row, keep: tuple[str, ...], echo_id: bool = False) -> dict:
-    """``{"index": i}``, then ``id`` (when echoed) and the kept input columns (None where missing)."""
+def row_head(row: Row, keep: tuple[str, ...] | None, echo_id: bool = False) -> dict:
+    """``{"index": i}``, then ``id`` (when echoed) and the kept input columns (None where missing);
+    ``keep`` None: every input column but ``index`` and ``error`` (the output's own), as the Ray
+    path passes them through (a result column of the same name replaces it).
+
+    >>> row_head(Row(3, "row 4", {"q": 1, "index": 9, "text": "a"}), None)
+    {'index': 3, 'q': 1, 'text': 'a'}
+    """
     head: dict[str, Any] = {"index": row.index}
     data = row.data or {}
     if echo_id:
         head["id"] = data.get("id")
+    if keep is None:
+        keep = tuple(k for k in data if k not in ("index", "error"))
     head.update((k, data.get(k)) for k in keep)
     return head
 
