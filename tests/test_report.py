@@ -41,7 +41,7 @@ def _count(page: str) -> int:
                                      dict(context_length=16, policy="llama.cpp"),
                                      dict(context_length=32, stride=32, prefix=False)])
 def test_perplexity_page_equals_scorer(default_scorer, options):
-    page = perplexity_page(default_scorer, TEXT, ARGS, Windows(**options))
+    page, _ = perplexity_page(default_scorer, TEXT, ARGS, Windows(**options))
     ref = default_scorer.perplexity(TEXT, return_token_nlls=True, **options)
     assert _count(page) == ref.num_tokens == len(_logprobs(page))
     assert _logprobs(page) == [-x for x in ref.token_nlls[0]]  # bitwise: the same jobs on the same engine
@@ -65,7 +65,7 @@ def test_page_ranks_and_alternatives_equal_logprobs(default_scorer):
     """Ranks, entropies and top-k on the page equal Scorer.logprobs on the same windows' ids."""
     from logprobe.scoring.windows import sliding_windows
 
-    page = perplexity_page(default_scorer, TEXT, ARGS, Windows(context_length=24, stride=12))
+    page, _ = perplexity_page(default_scorer, TEXT, ARGS, Windows(context_length=24, stride=12))
     stream = [default_scorer.tokenizer.prefix_id] + default_scorer.tokenizer.encode(TEXT)
     seqs = [{"prompt_token_ids": stream[w.begin:w.score_begin], "completion_token_ids": stream[w.score_begin:w.end]}
             for w in sliding_windows(len(stream), 24, 12)]
@@ -87,7 +87,7 @@ def test_page_ranks_and_alternatives_equal_logprobs(default_scorer):
 
 def test_score_page_equals_score(default_scorer):
     conts = [" Paris", " London", " a city of bridges"]
-    page = score_page(default_scorer, "The capital of France is", conts, ARGS)
+    page, _ = score_page(default_scorer, "The capital of France is", conts, ARGS)
     ref = default_scorer.score("The capital of France is", conts)
     assert _logprobs(page) == [x for r in ref for x in r.token_logprobs]
     assert _count(page) == sum(r.num_tokens for r in ref)

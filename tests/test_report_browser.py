@@ -38,7 +38,7 @@ def browser():
 def test_surprisal_page_in_chromium(browser, default_scorer, tmp_path):
     options = dict(context_length=32, stride=8)
     path = tmp_path / "surprisal.html"
-    path.write_text(perplexity_page(default_scorer, TEXT, argparse.Namespace(html_top_k=5), Windows(**options)),
+    path.write_text(perplexity_page(default_scorer, TEXT, argparse.Namespace(html_top_k=5), Windows(**options))[0],
                     encoding="utf-8")
     ref = default_scorer.perplexity(TEXT, return_token_nlls=True, **options)
     page = browser.new_page(viewport={"width": 1000, "height": 600})

@@ -73,3 +73,41 @@ def test_unwritable_html_path(tmp_path, capsys):
     assert main(["score", "A", "B", "--html", str(tmp_path / "missing" / "x.html")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--html: cannot write" in err[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["perplexity", "--text-file", "{text}", "-c", "12", "--stride", "12", "--json"],
+    ["score", "The capital of France is", "Paris", "London", "--top-k", "1", "--json"],
+], ids=["perplexity", "score"])
+def test_html_scores_the_text_once(tmp_path, capsys, monkeypatch, argv):
+    """--html adds no engine pass: the page and the printed numbers come from one run of the job,
+    with the page's top-k and entropy requested in it (the printed ones stay as asked)."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    argv = [a.replace("{text}", str(text)) for a in argv]
+    engine_cls = type(get_scorer().engine)
+    real_run = engine_cls.run
+    runs: list[int] = []  # tokens per engine run
+
+    def counting_run(self, requests, *a, **k):
+        runs.append(sum(len(r.tokens) for r in requests))
+        return real_run(self, requests, *a, **k)
+
+    monkeypatch.setattr(engine_cls, "run", counting_run)
+    assert main(argv) == 0
+    plain, plain_runs = json.loads(capsys.readouterr().out), list(runs)
+    runs.clear()
+    out = tmp_path / "p.html"
+    assert main([*argv, "--html", str(out), "--html-top-k", "3"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert len(plain_runs) == 1 and runs == plain_runs  # one pass, the same tokens, with or without the page
+    _, lps, _ = _page_numbers(out)
+    page = out.read_text(encoding="utf-8")
+    if argv[0] == "score":
+        assert printed == plain and lps == [x for r in printed for x in r["token_logprobs"]]
+        assert all(len(alts) == 1 for r in printed for alts in r["top_k"]) and printed[0]["entropy"] is None
+        assert "top" in page and ", 1 token, " in page and "1 tokens" not in page  # ' Paris': one token
+    else:
+        assert {k: v for k, v in printed.items() if k not in ("elapsed_s", "tokens_per_s")} == \
+            {k: v for k, v in plain.items() if k not in ("elapsed_s", "tokens_per_s")}
+        assert len(lps) == printed["num_tokens"]

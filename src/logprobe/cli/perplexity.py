@@ -99,12 +99,9 @@ def _one_text(args: argparse.Namespace, text: str, option: str, where: str) -> i
         raise LogprobeError(option, f"{where} is empty (no text to score)", "give a file with some text")
     scorer = args.make_scorer(args)
     start = time.perf_counter()
-    w = window_options(args)
-    res = scorer.perplexity(text, context_length=w.context_length, stride=w.stride, policy=w.policy, prefix=w.prefix,
-                            max_tokens=w.max_tokens, steer=json_option(args.steer, "--steer"),
-                            capture=json_option(args.capture, "--capture"))
+    res = perplexity_html(args, scorer, text, json_option(args.steer, "--steer"),
+                          json_option(args.capture, "--capture"))  # with --html: the page from this pass
     elapsed = time.perf_counter() - start
-    perplexity_html(args, scorer, text, json_option(args.steer, "--steer"))
     d = res.to_dict()
     d.pop("token_nlls", None)
     if d.get("captures") is None:

@@ -1,9 +1,10 @@
-"""``--html FILE`` for ``score``, ``perplexity`` and ``compare``: run the scorer's jobs with per-token
-ranks and top-k alternatives, turn the results into ``report`` segments, write the page.
+"""``--html FILE`` for ``score``, ``perplexity`` and ``compare``: run the command's job once, with
+per-token ranks and top-k alternatives, turn the results into ``report`` segments, write the page.
 
-The page's numbers are the scorer's: the same jobs (``Scorer.score_job`` / ``perplexity_job``)
-on the same engine, with ``top_k`` and ``entropy`` switched on (per-request options, which never
-change a log-prob).
+The page's numbers and the printed ones come from the same pass: the command's job
+(``Scorer.score_job`` / ``perplexity_job``) runs once on the engine with the page's ``top_k``
+and ``entropy`` switched on (per-request options, which never change a log-prob); the printed
+results keep only the top-k and entropy the command asked for.
 """
 
 from __future__ import annotations
@@ -49,37 +50,53 @@ def _model_rows(scorer) -> list[tuple[str, str]]:
     return [("model", f"{i.name} ({i.backend}, {i.device}, {i.dtype})")]
 
 
-def _window_tokens(scorer, req, res) -> list[Token]:
-    """A request's scored tokens with their log-prob, rank, entropy and top alternatives."""
+def _window_tokens(scorer, req, res, top_k: int | None = None) -> list[Token]:
+    """A request's scored tokens with their log-prob, rank, entropy and (the first ``top_k``) top
+    alternatives."""
     tok = scorer.tokenizer
     ids = req.tokens[req.score_begin:]
     top = None
     if res.topk_ids is not None:
-        k = res.topk_ids.shape[1]
-        texts = tok.token_texts(res.topk_ids.flatten().tolist())
-        top = [list(zip(texts[r * k:(r + 1) * k], row)) for r, row in enumerate(res.topk_logprobs.tolist())]
+        k = res.topk_ids.shape[1] if top_k is None else min(top_k, res.topk_ids.shape[1])
+        texts = tok.token_texts(res.topk_ids[:, :k].flatten().tolist())
+        top = [list(zip(texts[r * k:(r + 1) * k], row[:k])) for r, row in enumerate(res.topk_logprobs.tolist())]
     return result_tokens(tok.token_texts(ids), res.logprobs.tolist(), res.ranks.tolist(), top,
                          None if res.entropy is None else res.entropy.tolist())
 
 
-def score_page(scorer, prompt: str, continuations: list[str], args: argparse.Namespace, temperature: float = 1.0,
-               hooks: HookSpecs = HookSpecs()) -> str:
-    """One segment per continuation: its prompt tokens (grey) then its scored tokens."""
-    job = score_job(scorer.context, prompt, continuations, HeadOptions(temperature, _top_k(args), True), hooks)
+def _plural(n: int, word: str) -> str:
+    """``n word``, plural unless n is 1.
+
+    >>> _plural(1, "token"), _plural(2, "token")
+    ('1 token', '2 tokens')
+    """
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def score_page(scorer, prompt: str, continuations: list[str], args: argparse.Namespace,
+               options: HeadOptions = HeadOptions(), hooks: HookSpecs = HookSpecs()) -> tuple[str, list]:
+    """One segment per continuation: its prompt tokens (grey) then its scored tokens. Returns the
+    page and the continuations' scores under ``options`` (one engine pass serves both)."""
+    k = _top_k(args)
+    page_options = HeadOptions(options.temperature, max(k, options.top_k), True)
+    job = score_job(scorer.context, prompt, continuations, page_options, hooks)
     results = scorer.executor.run(job.requests)
     scores = job.finish(results)
     segments = []
     for req, res, sc in zip(job.requests, results, scores, strict=True):
         ctx = [Token(t) for t in scorer.tokenizer.token_texts(req.tokens[:req.score_begin])]
-        segments.append(Segment(f"{sc.continuation!r}: log-prob {sc.log_prob:.4f}, {sc.num_tokens} tokens, "
-                                f"{'greedy' if sc.is_greedy else 'not greedy'}", ctx + _window_tokens(scorer, req, res)))
+        segments.append(Segment(f"{sc.continuation!r}: log-prob {sc.log_prob:.4f}, {_plural(sc.num_tokens, 'token')}, "
+                                f"{'greedy' if sc.is_greedy else 'not greedy'}", ctx + _window_tokens(scorer, req, res, k)))
     rows = _model_rows(scorer) + [("prompt", repr(prompt)), ("continuations", str(len(continuations)))]
-    return surprisal_page(segments, "logprobe score", rows)
+    asked = [dataclasses.replace(sc, top_k=[alts[:options.top_k] for alts in sc.top_k] if options.top_k else None,
+                                 entropy=sc.entropy if options.entropy else None) for sc in scores]
+    return surprisal_page(segments, "logprobe score", rows), asked
 
 
 def perplexity_page(scorer, text: str, args: argparse.Namespace, windows: Windows = Windows(),
-                    hooks: HookSpecs = HookSpecs()) -> str:
-    """The text's tokens, each scored one coloured, as ``Scorer.perplexity`` windows score them."""
+                    hooks: HookSpecs = HookSpecs()) -> tuple[str, object]:
+    """The text's tokens, each scored one coloured, as ``Scorer.perplexity`` windows score them.
+    Returns the page and the ``PerplexityResult`` of the same pass."""
     k = _top_k(args)
     job = perplexity_job(scorer.context, text, windows, hooks)
     requests = [dataclasses.replace(r, top_k=k, entropy=True) for r in job.requests]
@@ -92,14 +109,14 @@ def perplexity_page(scorer, text: str, args: argparse.Namespace, windows: Window
     tokens = stream_tokens(scorer.tokenizer.token_texts(stream), starts,
                            [_window_tokens(scorer, q, r) for q, r in zip(requests, results, strict=True)])
     windows = f"{res.num_windows} window{'s' * (res.num_windows != 1)}"
-    segment = Segment(f"{res.num_tokens} tokens scored in {windows} (policy {res.policy}, "
+    segment = Segment(f"{_plural(res.num_tokens, 'token')} scored in {windows} (policy {res.policy}, "
                       f"context {res.context_length}" + (f", stride {res.stride})" if res.stride else ")"), tokens)
     if segment.num_scored != res.num_tokens:
         raise LogprobeError("--html", f"page shows {segment.num_scored} scored tokens, perplexity scored "
                             f"{res.num_tokens}", "this is a bug: report it with the command line")
     rows = _model_rows(scorer) + [("perplexity", f"{res.perplexity:.4f} ± {res.perplexity_stderr:.4f}"),
                                   ("mean NLL", f"{res.nll_mean:.4f} nats")]
-    return surprisal_page([segment], "logprobe perplexity", rows)
+    return surprisal_page([segment], "logprobe perplexity", rows), res
 
 
 def compare_page(q, r, text: str, res, windows: Windows = Windows()) -> str:
@@ -139,17 +156,28 @@ def window_options(args: argparse.Namespace) -> Windows:
     return Windows(args.context_length, args.stride, args.policy, False if args.no_prefix else None, args.max_tokens)
 
 
-def score_html(args: argparse.Namespace, scorer, continuations: list[str], steer=None) -> None:
-    """``logprobe score ... --html FILE``: the page of the continuations just scored."""
-    if getattr(args, "html", None) is not None:
-        write_page(args.html, score_page(scorer, args.prompt, continuations, args, args.temperature,
-                                         HookSpecs(steer=steer)))
+def score_html(args: argparse.Namespace, scorer, continuations: list[str], steer=None, capture=None) -> list:
+    """``logprobe score``: the continuations scored (``Scorer.score``); with ``--html FILE`` the
+    page is written from the same engine pass."""
+    options = HeadOptions(args.temperature, args.top_k, args.entropy)
+    if getattr(args, "html", None) is None:
+        return scorer.score(args.prompt, continuations, temperature=options.temperature, top_k=options.top_k,
+                            entropy=options.entropy, steer=steer, capture=capture)
+    page, scores = score_page(scorer, args.prompt, continuations, args, options, HookSpecs(capture, steer))
+    write_page(args.html, page)
+    return scores
 
 
-def perplexity_html(args: argparse.Namespace, scorer, text: str, steer=None) -> None:
-    """``logprobe perplexity --text-file F --html FILE``: the page of the text just scored."""
-    if getattr(args, "html", None) is not None:
-        write_page(args.html, perplexity_page(scorer, text, args, window_options(args), HookSpecs(steer=steer)))
+def perplexity_html(args: argparse.Namespace, scorer, text: str, steer=None, capture=None):
+    """``logprobe perplexity --text-file F``: the text's ``PerplexityResult``; with ``--html FILE``
+    the page is written from the same engine pass."""
+    w = window_options(args)
+    if getattr(args, "html", None) is None:
+        return scorer.perplexity(text, context_length=w.context_length, stride=w.stride, policy=w.policy,
+                                 prefix=w.prefix, max_tokens=w.max_tokens, steer=steer, capture=capture)
+    page, res = perplexity_page(scorer, text, args, w, HookSpecs(capture, steer))
+    write_page(args.html, page)
+    return res
 
 
 def compare_html(args: argparse.Namespace, q, r, text: str, res) -> None:

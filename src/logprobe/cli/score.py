@@ -43,10 +43,8 @@ def cmd_score(args: argparse.Namespace) -> int:
                             'e.g. logprobe score "The capital of France is" Paris London')
     scorer = args.make_scorer(args)
     conts = [join_continuation(args.prompt, c, args.join) for c in args.continuations]
-    results = scorer.score(args.prompt, conts, temperature=args.temperature, top_k=args.top_k,
-                           entropy=args.entropy, steer=json_option(args.steer, "--steer"),
-                           capture=json_option(args.capture, "--capture"))
-    score_html(args, scorer, conts, json_option(args.steer, "--steer"))
+    results = score_html(args, scorer, conts, json_option(args.steer, "--steer"),
+                         json_option(args.capture, "--capture"))  # with --html: the page from this pass
     if args.json:
         print(dumps([r.to_dict() for r in results], compact=False))
         return 0
