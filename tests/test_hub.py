@@ -77,3 +77,30 @@ def test_offline_and_not_cached_is_one_clear_line(offline_cache, capsys):
         assert err.count("\n") == 1 and "Traceback" not in err, err
         assert err.startswith("logprobe: error: model: ") and named in err and str(cache) in err
         assert "HF_HUB_OFFLINE" in err
+
+
+def test_offline_hint_names_the_revision(offline_cache, capsys):
+    """Offline, ``ORG/NAME@REV`` suggests downloading that revision, not main."""
+    assert main(["score", "a", "b", "--model", "org/missing@v2.0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`hf download org/missing --revision v2.0`" in err, err
+
+
+@pytest.mark.parametrize("spec", ["org/noweights", "org/noweights@main"])
+def test_cached_snapshot_without_weights_is_an_incomplete_download(hub, tmp_path, monkeypatch, capsys, spec):
+    """Config and tokenizer cached, weights not (a cut-off download): one line naming the snapshot
+    and the fix (download the weight files), not advice on how to save a model."""
+    src = hub[1]
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    snap = cached_repo(cache, "org/noweights", src)
+    for f in snap.glob("*.safetensors"):
+        f.unlink()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["score", "a", "b", "--model", spec, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert str(snap) in err and "incomplete" in err and "weight files" in err and "safe_serialization" not in err
+    revision = " --revision main" if "@" in spec else ""
+    assert f"`hf download org/noweights{revision}`" in err

@@ -15,6 +15,7 @@ naming the id and the cache directory.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -46,6 +47,36 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
+class IncompleteSnapshot(Exception):
+    """A cached (or downloaded) snapshot with its config but without weight files."""
+
+    def __init__(self, path: str, missing: list[str]) -> None:
+        super().__init__(f"{path} lacks {', '.join(missing)}")
+        self.path, self.missing = path, missing
+
+
+def download_command(repo: str, revision: str | None = None, gguf_file: str | None = None) -> str:
+    """The ``hf download`` line that fetches exactly what the id names.
+
+    >>> download_command("org/name", "v2.0"), download_command("org/name-GGUF", None, "m-Q4_0.gguf")
+    ('hf download org/name --revision v2.0', 'hf download org/name-GGUF m-Q4_0.gguf')
+    """
+    return f"hf download {repo}" + (f" {gguf_file}" if gguf_file else "") + (f" --revision {revision}" if revision else "")
+
+
+def missing_weights(path: Path) -> list[str]:
+    """The weight files a model directory lacks: the shards its index lists that are not there,
+    or ``*.safetensors`` when it has no index and no safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError):
+            return []  # not ours to judge: the loader reports a bad index
+        return [s for s in shards if not (path / s).exists()]
+    return [] if any(path.glob("*.safetensors")) else ["*.safetensors"]
+
+
 def hub_path(spec: str) -> Path | None:
     """The local path of hub id ``spec`` (downloaded if missing and allowed), or None if not a hub id."""
     if Path(spec).expanduser().exists():
@@ -55,16 +86,28 @@ def hub_path(spec: str) -> Path | None:
         return None
     repo, revision, gguf_file = parsed
     cache = hub_cache()
+    download = download_command(repo, revision, gguf_file)
     try:
         return Path(_fetch(repo, revision, gguf_file, cache, local_only=True))
+    except IncompleteSnapshot as e:  # config and tokenizer cached, weights not: a cut-off download
+        if offline():
+            raise LogprobeError("model", f"{spec!r}: the cached snapshot {e.path} is incomplete: it has the config "
+                                f"but not the weight files ({', '.join(e.missing)}); HF_HUB_OFFLINE is set",
+                                f"download the weight files: run `{download}` while online, or unset "
+                                "HF_HUB_OFFLINE") from None
+        first = e
     except Exception as e:  # not cached (or partly): go online unless told not to
         if offline():
             raise LogprobeError("model", f"{spec!r} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE "
-                                "is set", f"run `hf download {repo}{' ' + gguf_file if gguf_file else ''}` while "
-                                "online, or unset HF_HUB_OFFLINE") from None
+                                "is set", f"run `{download}` while online, or unset HF_HUB_OFFLINE") from None
         first = e
     try:
         return Path(_fetch(repo, revision, gguf_file, cache, local_only=False))
+    except IncompleteSnapshot as e:
+        raise LogprobeError("model", f"{spec!r}: the snapshot {e.path} has the config but no weight files "
+                            f"({', '.join(e.missing)}) after downloading",
+                            "check that the repo holds *.safetensors weights (logprobe does not read .bin), or "
+                            f"delete the snapshot and run `{download}`") from None
     except Exception as e:
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         raise LogprobeError("model", f"{spec!r}: not in the Hugging Face cache {cache} ({type(first).__name__}), "
@@ -81,4 +124,7 @@ def _fetch(repo: str, revision: str | None, gguf_file: str | None, cache: str, l
                                 allow_patterns=SNAPSHOT_FILES)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{repo} has no config.json (a GGUF repo? give ORG/NAME:FILE.gguf)")
+    missing = missing_weights(Path(path))
+    if missing:
+        raise IncompleteSnapshot(path, missing)
     return path
