@@ -20,9 +20,15 @@ row stays in the block with null results, the block goes on.
 
     import ray, logprobe.ray
     ds = ray.data.read_parquet("rollouts/")
-    out = ds.map_batches(logprobe.ray.Logprobs, fn_constructor_kwargs={"model": "org/model",
-                         "deterministic": True, "top_k": 5}, concurrency=4, num_gpus=1,
-                         batch_size=256, batch_format="pyarrow")
+    out = logprobe.ray.map_batches(ds, logprobe.ray.Logprobs, fn_constructor_kwargs={"model": "org/model",
+                                   "deterministic": True, "top_k": 5}, concurrency=4, num_gpus=1, batch_size=256)
+
+``map_batches(ds, cls, ...)`` is ``ds.map_batches(cls, ...)`` (pyarrow batches by default) after one
+check, before anything starts: the actors must leave the cluster a whole CPU for Ray Data's read
+tasks (``check_cpus``). Actors that hold every CPU start first and the read waits behind them
+forever (``ray.init(num_cpus=2)`` with ``concurrency=2, num_cpus=1``: "ListFiles 0/1", no error);
+it is refused with the fix instead. ``num_cpus`` only reserves: a Scorer uses its threads whatever
+it says, so ``num_cpus=0.5`` costs nothing.
 
 Batches: any ``batch_format`` works (a pyarrow Table, a pandas DataFrame or a dict of numpy
 arrays); ``"pyarrow"`` is the natural one (no conversion). A batch comes back as a pyarrow Table.
@@ -144,6 +150,74 @@ class Perplexity(_RowJob):
     """A text per row -> its NLL sum, token, word and byte counts (``aggregate_perplexity`` pools them)."""
 
     job_name = "perplexity"
+
+
+JOBS_CLASSES: dict[str, type[_RowJob]] = {"logprobs": Logprobs, "score": Score, "perplexity": Perplexity}
+
+
+READ_CPUS = 1.0  # what one Ray Data read task reserves (its map tasks' default)
+
+
+def check_cpus(cluster_cpus: float, replicas: int, cpus_per_replica: float) -> None:
+    """Refuse actors that leave the cluster less than a whole CPU for Ray Data's read tasks: they
+    would start first and the read would wait behind them forever (one line, naming the fix).
+
+    >>> check_cpus(4, 2, 1)
+    >>> check_cpus(2, 2, 1)
+    Traceback (most recent call last):
+    logprobe.errors.LogprobeError: num_cpus: concurrency × num_cpus = 2 × 1 = 2 of the cluster's 2 CPUs leaves 0 for reading (a read task needs 1 CPU; it would wait forever behind the actors); use num_cpus=0.5 (a reservation only: the Scorer's threads do not change) or concurrency=1
+    """
+    held = replicas * cpus_per_replica
+    if cluster_cpus - held >= READ_CPUS:
+        return
+    room = cluster_cpus - READ_CPUS
+    fixes = []
+    if room > 0:
+        fixes.append(f"num_cpus={_round_down(room / replicas):g} (a reservation only: the Scorer's threads "
+                     "do not change)")
+        if cpus_per_replica > 0 and (fewer := int(room // cpus_per_replica)) >= 1:
+            fixes.append(f"concurrency={fewer}")
+    fix = " or ".join(fixes) if fixes else f"give the cluster more than {READ_CPUS:g} CPU (ray.init(num_cpus=...))"
+    raise LogprobeError("num_cpus", f"concurrency × num_cpus = {replicas} × {cpus_per_replica:g} = {held:g} of the "
+                        f"cluster's {cluster_cpus:g} CPUs leaves {max(cluster_cpus - held, 0):g} for reading (a read "
+                        f"task needs {READ_CPUS:g} CPU; it would wait forever behind the actors)", f"use {fix}")
+
+
+def _round_down(x: float) -> float:
+    """``x`` rounded down to a hundredth (a num_cpus that fits)."""
+    return max(int(x * 100) / 100, 0.01)
+
+
+def map_batches(ds, job, *, concurrency: int | tuple | None = None, num_cpus: float | None = None,
+                batch_format: str = "pyarrow", compute=None, **kwargs):
+    """``ds.map_batches(job, ...)`` (``job``: ``Logprobs``, ``Score``, ``Perplexity``, a subclass,
+    or its name) after ``check_cpus`` on the cluster this process is connected to (started as
+    ``ds.map_batches`` would, if none): the replicas (``concurrency``, an int; a tuple: its
+    largest size; ``compute``: an ``ActorPoolStrategy``) times ``num_cpus`` (Ray Data's default:
+    1) must leave a whole CPU. Other keywords go to ``Dataset.map_batches`` as they are; an int
+    ``concurrency`` becomes ``compute=ActorPoolStrategy(size=...)`` (Ray's non-deprecated form)."""
+    import ray.data
+
+    cls = JOBS_CLASSES.get(job, job) if isinstance(job, str) else job
+    if not (isinstance(cls, type) and issubclass(cls, _RowJob)):
+        raise LogprobeError("job", f"{job!r} is not a logprobe Ray job", f"give one of {', '.join(JOBS_CLASSES)} "
+                            "(or logprobe.ray.Logprobs, Score, Perplexity)")
+    if compute is None and concurrency is None:
+        concurrency = 1
+    if compute is None and isinstance(concurrency, int):
+        compute, concurrency = ray.data.ActorPoolStrategy(size=concurrency), None
+    if compute is not None:
+        replicas = compute.max_size if compute.max_size not in (None, float("inf")) else compute.min_size
+    else:
+        replicas = max(concurrency[:2]) if isinstance(concurrency, tuple) else concurrency
+    if not ray.is_initialized():
+        ray.init()
+    check_cpus(float(ray.cluster_resources().get("CPU", 0)), int(replicas), 1.0 if num_cpus is None else num_cpus)
+    if concurrency is not None:
+        kwargs["concurrency"] = concurrency
+    if compute is not None:
+        kwargs["compute"] = compute
+    return ds.map_batches(cls, num_cpus=num_cpus, batch_format=batch_format, **kwargs)
 
 
 def _actor_gpus() -> int:
