@@ -24,7 +24,7 @@ class FakeEngine:
         self.calls: list[list[int]] = []
         self.gate = gate
 
-    def __call__(self, requests: list[ScoreRequest]) -> list[RequestResult]:
+    def __call__(self, requests: list[ScoreRequest], cancelled=None) -> list[RequestResult]:
         if self.gate is not None:
             self.gate.wait(10)
         self.calls.append([r.tokens[0] for r in requests])
@@ -126,7 +126,7 @@ def test_queue_full_and_closed():
 def test_engine_error_fails_only_its_step():
     calls = []
 
-    def engine(requests):
+    def engine(requests, cancelled=None):
         calls.append(len(requests))
         if requests[0].tokens[0] == 1:
             raise RuntimeError("boom")
@@ -179,7 +179,7 @@ def test_a_failed_request_fails_its_own_job_only():
     seen = []
     gate = threading.Event()
 
-    def engine(requests):
+    def engine(requests, cancelled=None):
         gate.wait(10)
         seen.append([r.tokens[0] for r in requests])
         out = FakeEngine()(requests)
@@ -304,7 +304,7 @@ class _Executor:
     def __init__(self, per_request_errors: bool) -> None:
         self.per_request_errors = per_request_errors
 
-    def run(self, requests, on_result=None, progress=None, *, on_error=None, stop=None):
+    def run(self, requests, on_result=None, progress=None, *, on_error=None, stop=None, cancelled=None):
         if on_error is None:
             return ["a", "b", "c"]
         on_error(1, MemoryError("alone"))

@@ -312,9 +312,9 @@ def test_queue_full_answers_429(default_scorer):
     gate = threading.Event()
     real = batcher.run_batch
 
-    def slow(requests_):
+    def slow(requests_, cancelled=None):
         gate.wait(30)
-        return real(requests_)
+        return real(requests_, cancelled)
 
     batcher.run_batch = slow
     with serve(app) as url:

@@ -139,7 +139,7 @@ def test_what_would_fail_a_shared_batch_is_refused_before_it(server):
     url, app = server
     batcher = app.state.batcher
     real, calls = batcher.run_batch, []
-    batcher.run_batch = lambda reqs: (calls.append(len(reqs)), real(reqs))[1]
+    batcher.run_batch = lambda reqs, cancelled=None: (calls.append(len(reqs)), real(reqs, cancelled))[1]
     try:
         bad = [("/v1/score", {"prompt": "ab", "continuations": ["c"], "top_k": 301}, "top_k"),
                ("/v1/logprobs", {"sequences": [{"prompt_token_ids": [3], "completion_token_ids": [4]}],

@@ -291,7 +291,7 @@ def test_exclusive_waits_for_started_jobs_and_holds_new_ones():
     log: list = []
     step = threading.Semaphore(0)
 
-    def engine(reqs: list[ScoreRequest]) -> list[RequestResult]:
+    def engine(reqs: list[ScoreRequest], cancelled=None) -> list[RequestResult]:
         step.acquire(timeout=10)
         log.extend(r.tokens[0] for r in reqs)
         return [RequestResult(torch.zeros(r.num_scored), torch.zeros(r.num_scored, dtype=torch.long)) for r in reqs]

@@ -215,6 +215,7 @@ class Engine:
         *,
         on_error: Callable[[int, Exception], None] | None = None,
         stop: Callable[[], bool] | None = None,
+        cancelled: Callable[[int], bool] | None = None,
     ) -> list[RequestResult]:
         """Results in input order; ``on_result(i, result)`` is called as each request completes.
 
@@ -229,11 +230,15 @@ class Engine:
         (and reaches ``on_result``), then the first such error is raised.
 
         ``stop()`` is asked before each forward pass; True raises ``RunStopped`` there: every
-        request completed so far has reached ``on_result`` (a job interrupted by a signal)."""
+        request completed so far has reached ``on_result`` (a job interrupted by a signal).
+        ``cancelled(i)`` is asked of request ``i`` before each pass that would run it (a chunked
+        request: before each chunk); True leaves it out of that pass and every later one: its
+        slot stays None, and neither ``on_result`` nor ``on_error`` hears of it (the HTTP client
+        went away, or its deadline passed)."""
         dev = self.device
         if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
             with torch.cuda.device(dev):  # Triton launches on the current device: make it this engine's
-                return self.run(requests, on_result, progress, on_error=on_error, stop=stop)
+                return self.run(requests, on_result, progress, on_error=on_error, stop=stop, cancelled=cancelled)
         self._check_supported(requests)
         out = Delivery(requests, on_result, on_error, self._progress_bar(sum(r.num_inputs for r in requests), progress))
         queue = self._plan(requests, range(len(requests)))
@@ -243,9 +248,14 @@ class Engine:
                 out.settle()
                 raise RunStopped()
             unit = queue.popleft()
+            if cancelled is not None and any(cancelled(m) for m in _pending([unit])):
+                # plan what is left without the cancelled requests
+                queue = self._plan(requests, [m for m in _pending([unit, *queue]) if not cancelled(m)])
+                planned_at = self.budget
+                continue
             if isinstance(unit, int):  # a request over the budget: its chunks, one per batch, in order
                 out.settle()
-                self._run_chunks(requests, unit, out, stop)
+                self._run_chunks(requests, unit, out, stop, cancelled)
             elif (again := self._run_unit(requests, unit, out)) is not None:
                 # out of memory: under the lowered budget (at most half its rows) with everything not yet run
                 queue = self._plan(requests, again + _pending(queue))
@@ -329,10 +339,10 @@ class Engine:
         return packed, self.score(requests, packed, hidden)
 
     def _run_chunks(self, requests: list[ScoreRequest], m: int, out: Delivery,
-                    stop: Callable[[], bool] | None = None) -> None:
+                    stop: Callable[[], bool] | None = None, cancelled: Callable[[int], bool] | None = None) -> None:
         """Request ``m``'s chunks in order through one KV cache. Out of memory: the cache is cut
         back to the chunk's start and the chunk halved (down to ``MIN_OOM_CHUNK`` rows, then the
-        request fails)."""
+        request fails). Cancelled between chunks: left unfinished, undelivered."""
         r = requests[m]
         n = r.num_inputs
         cache = KVCache.empty(len(self.model.layers))
@@ -342,6 +352,8 @@ class Engine:
         while b < n:
             if stop is not None and stop():
                 raise RunStopped()
+            if b > 0 and cancelled is not None and cancelled(m):
+                return
             e = min(b + max(1, min(size, self.budget)), n)
             oom = None
             try:

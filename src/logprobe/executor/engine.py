@@ -78,10 +78,21 @@ class ParallelEngine:
 
     def run(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None = None,
             progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,
-            stop: Callable[[], bool] | None = None) -> list[RequestResult]:
-        """As ``Engine.run``. ``stop`` is asked once, before the requests go to the workers (a run
-        already handed out finishes). ``on_error``: a replica's error is reported for each of its
-        requests that got no result (their slots stay None) instead of being raised."""
+            stop: Callable[[], bool] | None = None,
+            cancelled: Callable[[int], bool] | None = None) -> list[RequestResult]:
+        """As ``Engine.run``. ``stop`` and ``cancelled`` are asked once, before the requests go to the
+        workers (a run already handed out finishes; a cancelled request is not sent, its slot stays
+        None). ``on_error``: a replica's error is reported for each of its requests that got no
+        result (their slots stay None) instead of being raised."""
+        keep = [i for i in range(len(requests)) if cancelled is None or not cancelled(i)]
+        if len(keep) < len(requests):
+            out: list[RequestResult | None] = [None] * len(requests)
+            sub = self.run([requests[i] for i in keep],
+                           None if on_result is None else lambda k, r: on_result(keep[k], r), progress,
+                           on_error=None if on_error is None else lambda k, e: on_error(keep[k], e), stop=stop)
+            for k, r in zip(keep, sub):
+                out[k] = r
+            return out  # type: ignore[return-value]
         if not all(g.alive for g in self.groups):
             raise LogprobeError("tensor_parallel_size", "a worker of this scorer has died", "create a new Scorer")
         if stop is not None and stop():

@@ -2,12 +2,13 @@
 in-process ``engine.runner.Engine`` and the worker processes' ``executor.engine.ParallelEngine``
 both implement it, so no caller tells them apart by type:
 
-    executor.run(requests, on_result=..., on_error=..., stop=...)  -> results in input order
+    executor.run(requests, on_result=..., on_error=..., stop=..., cancelled=...)  -> results in input order
     executor.config                (read; set: later runs use it, max_batch_tokens None keeps the budget)
     executor.per_request_errors    True:  on_error(i, e) per request that fails alone, the rest go on;
-                                          stop() asked between passes
+                                          stop() asked between passes, cancelled(i) before each
+                                          pass that would run request i (True: dropped, slot None)
                                    False: on_error(i, e) for each request of a failed replica;
-                                          stop() asked once, before the workers start
+                                          stop() and cancelled(i) asked once, before the workers start
     executor.in_process            True:  the model runs here (loading.update copies into it);
                                    False: worker processes hold the weights (stage_weights, end_weights)
     executor.close()               stop the workers (a no-op in process)
@@ -35,6 +36,7 @@ class Executor(Protocol):
 
     def run(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None = None,
             progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,
-            stop: Callable[[], bool] | None = None) -> list[RequestResult]: ...
+            stop: Callable[[], bool] | None = None,
+            cancelled: Callable[[int], bool] | None = None) -> list[RequestResult]: ...
 
     def close(self) -> None: ...

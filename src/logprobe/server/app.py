@@ -6,9 +6,10 @@
 Every error is JSON ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape) with a
 4xx status naming the field and the fix; 429 and 503 carry ``Retry-After``. Faults (issue 23): a
 request that does not fit in memory even alone answers 413 (its neighbours in the batch are
-answered as usual); a client that disconnects before its work starts costs no forward pass
+answered as usual); a client that disconnects costs no forward pass after the one under way
 (``logprobe_requests_dropped_total{reason="disconnected"}``); the native endpoints take an optional
-``timeout`` (408 when not started by then); ``drain`` (SIGTERM via ``logprobe serve``, or the
+``timeout`` (408 when not answered by then, its work stopped the same way); a body is read whole
+by the ``Gate`` (413 over the limit, chunked or not; 408 when it stalls ``body_timeout`` s); ``drain`` (SIGTERM via ``logprobe serve``, or the
 lifespan's end) answers new requests 503 and finishes queued ones within ``shutdown_timeout``. Every JSON reply goes
 through ``io.jsonsafe`` (``SafeJSONResponse``): no NaN or Infinity, always valid UTF-8. The OpenAPI
 document (``/openapi.json``) states each reply's shape, errors included; ``tests/test_server_fuzz.py``
@@ -32,18 +33,19 @@ from .config import ServerConfig
 from .handlers import install_error_handlers, openapi_without_422
 from .metrics import Metrics
 from .responses import SafeJSONResponse, error_response, replies
+from .routes_chat import chat_router
 from .routes_native import native_router
 from .routes_openai import openai_router
 from .routes_rl import rl_router
 from .schemas import HealthReply
-from .served import RequestTooLarge, Served
+from .served import Served
 from .weights import ServedWeights
 
 OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers, probes)
 
 
 class Gate:
-    """Pure ASGI middleware: API key, body-size limit, request metrics."""
+    """Pure ASGI middleware: API key, the body (read whole: size limit, stall timeout), request metrics."""
 
     def __init__(self, app, config: ServerConfig, metrics: Metrics, routes: set[str], lifecycle: Lifecycle) -> None:
         self.app = app
@@ -85,24 +87,65 @@ class Gate:
             limit = self.config.max_body_bytes
             length = headers.get(b"content-length")
             if length is not None and length.isdigit() and int(length) > limit:
+                await self.drain(receive, 0)  # read before answering: closing on unread bytes resets it
                 resp = error_response(413, f"body: {int(length)} bytes exceed the limit of {limit}; send less "
-                                      "per request", "body", "body_too_large")
+                                      "per request", "body", "body_too_large", {"Connection": "close"})
                 return await resp(scope, receive, send_wrapped)
-            received = 0
+            messages, refusal = await self.read_body(receive)
+            if refusal is not None:
+                return await refusal(scope, receive, send_wrapped)
+            if messages is None:  # the client went away while sending
+                status["code"] = 499
+                return None
+            replay = iter(messages)
 
-            async def receive_limited():
-                nonlocal received
-                message = await receive()
-                if message["type"] == "http.request":
-                    received += len(message.get("body", b""))
-                    if received > limit:
-                        raise RequestTooLarge("body", f"body: more than {limit} bytes; send less per request")
-                return message
+            async def receive_read():
+                message = next(replay, None)
+                return message if message is not None else await receive()
 
-            await self.app(scope, receive_limited, send_wrapped)
+            await self.app(scope, receive_read, send_wrapped)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+    async def read_body(self, receive) -> tuple[list[dict] | None, Response | None]:
+        """The body's messages, read whole before any route sees them (a chunked body has no
+        length to check up front), or the refusal: 413 past ``max_body_bytes`` (the rest read and
+        dropped first), 408 when no byte arrives for ``body_timeout`` s. (None, None): the client
+        went away."""
+        limit, wait = self.config.max_body_bytes, self.config.body_timeout
+        messages: list[dict] = []
+        received = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), wait)
+            except asyncio.TimeoutError:
+                return None, error_response(408, f"body: no byte arrived for {wait:g} s after {received} bytes of "
+                                            "the request body; send the whole body (Content-Length must match "
+                                            "it)", "body", "body_timeout", {"Connection": "close"})
+            if message["type"] != "http.request":
+                return None, None
+            received += len(message.get("body", b""))
+            if received > limit:
+                await self.drain(receive, received)
+                return None, error_response(413, f"body: more than {received} bytes (sent without a "
+                                            f"length) exceed the limit of {limit}; send less per request", "body", "body_too_large", {"Connection": "close"})
+            messages.append(message)
+            if not message.get("more_body", False):
+                return messages, None
+
+    async def drain(self, receive, received: int) -> None:
+        """Read and drop the rest of a refused body (up to twice ``max_body_bytes`` in all, while it
+        keeps coming), so that the client, still sending, reads the answer instead of a reset."""
+        while received <= 2 * self.config.max_body_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), min(self.config.body_timeout, 5.0))
+            except asyncio.TimeoutError:
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            received += len(message.get("body", b""))
 
 
 class Lifecycle:
@@ -167,7 +210,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         metrics.queue_tokens.set(tokens)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    routers = [openai_router(served), native_router(served), rl_router(served), ops]
+    routers = [openai_router(served), chat_router(served), native_router(served), rl_router(served), ops]
     for router in routers:
         app.include_router(router)
     routes = {getattr(r, "path", "") for r in [*app.routes, *(r for x in routers for r in x.routes)]} - {""}

@@ -8,9 +8,10 @@ is scored. The queue is bounded in jobs and in tokens; beyond either ``submit`` 
 ``QueueFull`` (the server answers 429 with ``Retry-After``).
 
 Nothing is computed for nobody: a job whose caller has gone (its ``submit`` cancelled: the HTTP
-client disconnected) or whose ``timeout`` passed before its first request reached the engine
-(``JobTimeout``) leaves the queue unscored, counted by ``on_drop(reason)``. A job already started
-is finished. A result that is an exception (``Engine.run``'s per-request failures: a request that
+client disconnected) or whose ``timeout`` passed (``JobTimeout``) leaves the queue at once,
+counted once by ``on_drop(reason)``; if it is running, the engine leaves its requests out of
+the passes that follow (``run_batch(requests, cancelled)``: asked between passes and chunks), so
+only the pass under way is finished, and its tokens are not counted as scored. A result that is an exception (``Engine.run``'s per-request failures: a request that
 does not fit in memory even alone) fails its own job only. ``drain(timeout)`` stops taking jobs,
 lets the queue run empty within ``timeout`` seconds and fails what is left (``ServerClosed``).
 
@@ -65,9 +66,10 @@ class JobFailed(Exception):
 
 
 class JobTimeout(Exception):
-    def __init__(self, timeout: float) -> None:
-        super().__init__(f"timeout: the request was not started within {timeout:g} s; nothing was computed; "
-                         "retry later or with a longer timeout")
+    def __init__(self, timeout: float, started: bool = False) -> None:
+        what = ("did not finish within {:g} s; its work was stopped and nothing is returned" if started else
+                "was not started within {:g} s; nothing was computed").format(timeout)
+        super().__init__(f"timeout: the request {what}; retry later or with a longer timeout")
         self.timeout = timeout
 
 
@@ -80,7 +82,7 @@ class _Job:
     results: list[RequestResult | None] = field(default_factory=list)
     next: int = 0  # first request not yet handed to the engine
     done: int = 0  # requests scored
-    deadline: float | None = None  # time.monotonic() by which its first request must reach the engine
+    deadline: float | None = None  # time.monotonic() by which it must be answered
     timeout: float | None = None
     removed: bool = False  # out of the queue (finished, failed, dropped)
     tag: object = None  # the batcher's tag when its first request was taken
@@ -95,16 +97,20 @@ class StepStats:
     seconds: float
 
 
-def engine_call(executor: Executor) -> Callable[[list[ScoreRequest]], list[RequestResult | Exception]]:
+RunBatch = Callable[[list[ScoreRequest], Callable[[int], bool] | None], list[RequestResult | Exception | None]]
+
+
+def engine_call(executor: Executor) -> RunBatch:
     """``run_batch`` for the Batcher: ``executor.run``, where a request that does not fit in memory
     even alone is an exception in its slot (its job alone fails, 413). An executor without
-    per-request errors (worker processes) raises instead: the step's jobs fail together."""
+    per-request errors (worker processes) raises instead: the step's jobs fail together.
+    ``cancelled(i)``: asked between passes; a cancelled request's slot is None."""
 
-    def run_batch(requests: list[ScoreRequest]) -> list[RequestResult | Exception]:
+    def run_batch(requests: list[ScoreRequest], cancelled: Callable[[int], bool] | None = None):
         if not executor.per_request_errors:
-            return executor.run(requests)
+            return executor.run(requests, cancelled=cancelled)
         errors: list[tuple[int, Exception]] = []
-        results: list = executor.run(requests, on_error=lambda i, e: errors.append((i, e)))
+        results: list = executor.run(requests, on_error=lambda i, e: errors.append((i, e)), cancelled=cancelled)
         for i, e in errors:
             results[i] = e
         return results
@@ -115,12 +121,13 @@ def engine_call(executor: Executor) -> Callable[[list[ScoreRequest]], list[Reque
 class Batcher:
     """``await batcher.submit(requests)`` -> results in order, scored in batches shared with other callers.
 
-    ``run_batch(requests) -> results`` is the engine call (``engine_call(executor)``; a result may
-    be an exception: that request's job fails with it); ``on_step`` sees each step's size and time, and
+    ``run_batch(requests, cancelled) -> results`` is the engine call (``engine_call(executor)``; a
+    result may be an exception: that request's job fails with it; ``cancelled(i)`` is True once
+    request i's job is gone, and its slot may then be None); ``on_step`` sees each step's size and time, and
     ``on_drop(reason)`` each job dropped unscored ("disconnected", "timeout", "shutdown") (metrics).
     """
 
-    def __init__(self, run_batch: Callable[[list[ScoreRequest]], list[RequestResult | Exception]],
+    def __init__(self, run_batch: RunBatch,
                  max_batch_tokens: int, max_queue_requests: int, max_queue_tokens: int, batching: bool = True,
                  on_step: Callable[[StepStats], None] | None = None,
                  on_drop: Callable[[str], None] | None = None) -> None:
@@ -226,9 +233,9 @@ class Batcher:
                     self._cond.notify_all()
 
     async def submit(self, requests: list[ScoreRequest], timeout: float | None = None) -> list[RequestResult]:
-        """Results in order. ``timeout``: seconds until the job must have started, else JobTimeout
-        (nothing computed). Cancelling the call (the client went away) drops the job unscored
-        (what is not yet running)."""
+        """Results in order. ``timeout``: seconds until the job must be answered, else JobTimeout
+        (its work stopped between passes). Cancelling the call (the client went away) drops the
+        job: what has not run is not computed."""
         return (await self.submit_tagged(requests, timeout))[0]
 
     async def submit_tagged(self, requests: list[ScoreRequest],
@@ -260,11 +267,11 @@ class Batcher:
                 return await asyncio.wait_for(asyncio.shield(job.future), timeout), job.tag
             except asyncio.TimeoutError:
                 with self._cond:
-                    if job.next == 0 and not job.removed:  # not started: drop it
+                    if not job.removed:  # the engine leaves it out of its next pass
                         self._remove(job, "timeout")
                         self._cond.notify_all()
-                        raise JobTimeout(timeout) from None
-                return await asyncio.shield(job.future), job.tag  # started (or just failed): its answer
+                        raise JobTimeout(timeout, job.next > 0) from None
+                return await asyncio.shield(job.future), job.tag  # answered or failed meanwhile
         except asyncio.CancelledError:
             with self._cond:
                 if not job.removed:  # what has not reached the engine is not computed
@@ -295,18 +302,34 @@ class Batcher:
             tokens = sum(r.num_inputs for r in requests)
             t0 = time.perf_counter()
             try:
-                results = self.run_batch(requests)
+                results = self.run_batch(requests, lambda k, step=step: self._gone(step[k][0]))
             except Exception as e:  # noqa: BLE001 - fail the jobs in this step, keep serving the others
                 self._idle()
                 self._fail_jobs({job for job, _ in step}, e)
                 continue
             self._idle()
             seconds = time.perf_counter() - t0
-            self._deliver(step, results, tokens)
+            scored = self._deliver(step, results)
             self._rate = tokens / seconds if self._rate == 0 else 0.8 * self._rate + 0.2 * tokens / seconds
             if self.on_step is not None:
-                self.on_step(StepStats(len(requests), len({id(j) for j, _ in step}), tokens,
-                                       sum(r.num_scored for r in requests), seconds))
+                self.on_step(StepStats(len(requests), len({id(j) for j, _ in step}), tokens, scored, seconds))
+
+    def _gone(self, job: _Job) -> bool:
+        """Asked by the engine between passes: True once ``job`` left the queue (its client went
+        away, or its deadline passed: then it is taken out here and answered JobTimeout)."""
+        if job.removed:
+            return True
+        late = job.deadline is not None and time.monotonic() > job.deadline
+        if not late and not job.future.cancelled():
+            return False
+        with self._cond:
+            if job.removed:
+                return True
+            self._remove(job, "timeout" if late and not job.future.cancelled() else "disconnected")
+            self._cond.notify_all()
+        if late:
+            job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0, job.next > 0))
+        return True
 
     def _ready(self) -> bool:
         """Something to take (lock held): a job, and while paused a started job with requests left."""
@@ -324,9 +347,9 @@ class Batcher:
         for job in list(self._jobs):
             if job.future.cancelled():  # the client went away
                 self._remove(job, "disconnected")
-            elif job.next == 0 and job.deadline is not None and now > job.deadline:
+            elif job.deadline is not None and now > job.deadline:
                 self._remove(job, "timeout")
-                job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0))
+                job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0, job.next > 0))
         pending = [j for j in self._jobs if j.next < len(j.requests) and (j.next > 0 or not self._paused)]
         if not pending:
             return []
@@ -343,19 +366,25 @@ class Batcher:
         self._turn += 1
         return step
 
-    def _deliver(self, step: list[tuple[_Job, int]], results: list[RequestResult | Exception], tokens: int) -> None:
+    def _deliver(self, step: list[tuple[_Job, int]], results: list[RequestResult | Exception | None]) -> int:
+        """Hand each result to its job; returns the token log-probs delivered (a dropped job's are
+        not counted)."""
         finished: list[_Job] = []
         failed: list[tuple[_Job, Exception]] = []
+        scored = 0
         with self._cond:
             for (job, i), res in zip(step, results):
                 if job.removed:  # dropped or failed meanwhile (its tokens left the count then)
                     continue
+                if res is None:
+                    res = RuntimeError("the engine returned no result")
                 if isinstance(res, Exception):
                     self._remove(job)
                     failed.append((job, JobFailed(i, res)))
                     continue
                 job.results[i] = res
                 job.done += 1
+                scored += job.requests[i].num_scored
                 self._queued_tokens -= job.requests[i].num_inputs
                 if job.done == len(job.requests):
                     self._remove(job)
@@ -365,6 +394,7 @@ class Batcher:
             job.loop.call_soon_threadsafe(_succeed, job.future, job.results)
         for job, error in failed:
             job.loop.call_soon_threadsafe(_fail, job.future, error)
+        return scored
 
     def _fail_jobs(self, jobs: set[_Job], error: Exception) -> None:
         with self._cond:

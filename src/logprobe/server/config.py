@@ -25,6 +25,8 @@ class ServerConfig:
     batching: False runs one HTTP request's work per engine step (for comparison; slower).
     shutdown_timeout: seconds a shutdown (SIGTERM/SIGINT, the app's lifespan end) waits for queued
         and running requests before failing the rest with 503; new requests get 503 meanwhile.
+    body_timeout: seconds a request body may stall (no byte arriving) before the server answers 408
+        and closes that connection.
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +42,7 @@ class ServerConfig:
     max_capture_floats: int = 1 << 22
     batching: bool = True
     shutdown_timeout: float = 30.0
+    body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",
@@ -50,5 +53,8 @@ class ServerConfig:
         t = self.shutdown_timeout
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < float("inf"):
             raise LogprobeError("shutdown_timeout", f"must be a number of seconds >= 0, got {t!r}")
+        t = self.body_timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
+            raise LogprobeError("body_timeout", f"must be a number of seconds > 0, got {t!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise LogprobeError("api_key", "is empty", "give a non-empty key or leave it unset")

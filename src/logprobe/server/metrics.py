@@ -41,8 +41,8 @@ class Metrics:
                                     buckets=_SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram("logprobe_batch_tokens", "Input tokens per engine step",
                                       buckets=_TOKEN_BUCKETS, registry=r)
-        self.dropped = Counter("logprobe_requests_dropped", "HTTP requests dropped before their work was "
-                               "computed, by reason (disconnected, timeout, shutdown)", ["reason"], registry=r)
+        self.dropped = Counter("logprobe_requests_dropped", "HTTP requests dropped unanswered, their work "
+                               "stopped, by reason (disconnected, timeout, shutdown)", ["reason"], registry=r)
         for reason in ("disconnected", "timeout", "shutdown"):
             self.dropped.labels(reason)
         self.step_seconds = Histogram("logprobe_engine_step_seconds", "Time of one engine step",

@@ -15,6 +15,7 @@ from .schemas import (
     CompletionRequest,
     DetokenizeReply,
     DetokenizeRequest,
+    ModelCard,
     ModelsReply,
     TokenizeReply,
     TokenizeRequest,
@@ -41,10 +42,19 @@ def openai_router(served: Served) -> APIRouter:
         out = await run(job, request)
         return out if isinstance(out, Response) else reply({**out[0], "weights_version": out[1]})
 
+    def card() -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "logprobe", "root": scorer.info.path,
+                "max_model_len": scorer.info.max_length}
+
     @api.get("/v1/models", responses=replies(ModelsReply, (401,)))
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "logprobe",
-                                            "root": scorer.info.path, "max_model_len": scorer.info.max_length}]}
+        return {"object": "list", "data": [card()]}
+
+    @api.get("/v1/models/{model:path}", responses=replies(ModelCard, (401, 404)))
+    async def model(model: str):
+        """OpenAI's ``models.retrieve``: the served model's card (any name ``model`` accepts), else 404."""
+        check_model(model)
+        return card()
 
     # -- tokenizer (the vLLM endpoints lm-evaluation-harness looks for) ---------------------------
 

@@ -120,15 +120,16 @@ class SamplingParams(BaseModel):
 class GenerateRequest(BaseModel):
     """SGLang's ``POST /generate`` body, for scoring. One of ``input_ids`` / ``text``; a list of
     lists (texts) is a batch and gets a list of replies. ``return_logprob``, ``logprob_start_len``
-    and ``top_logprobs_num`` are one value for all or a list, one per item; ``sampling_params`` is one
-    object for all."""
+    and ``top_logprobs_num`` are one value for all or a list, one per item; so is ``sampling_params``
+    (one object for all, or a list of objects, one per item, as SGLang takes them)."""
 
     model_config = _STRICT
 
     input_ids: list[int] | list[list[int]] | None = Field(None, description="token ids, or a batch of them")
     text: Text | list[Text] | None = Field(None, description="a text or a batch of texts (tokenized as SGLang "
                                                            "does: with BOS when the tokenizer adds one)")
-    sampling_params: SamplingParams | None = Field(None, description="one for the whole batch")
+    sampling_params: SamplingParams | list[SamplingParams] | None = Field(
+        None, description="one for the whole batch, or a list: one per item of a batch")
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = Field(-1, description="first input position returned (-1: the last "
                                                                "input token only, SGLang's default)")

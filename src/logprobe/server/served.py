@@ -91,7 +91,8 @@ class Served:
                 gone.cancel()
                 if not task.done():
                     task.cancel()
-            if task.cancelled():
+            if not task.done() or task.cancelled():
+                await asyncio.wait({task})  # its cancellation runs: the job leaves the queue
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         results, version = await task
         return await run_in_threadpool(job.finish, results), version

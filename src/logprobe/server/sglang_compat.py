@@ -36,7 +36,7 @@ from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..scorer import Job, Scorer
 from .openai_compat import prompt_token_ids
-from .schemas_rl import GenerateRequest
+from .schemas_rl import GenerateRequest, SamplingParams
 
 SAMPLING_EPS = 1e-6  # SGLang: a temperature below it is greedy, with temperature 1
 
@@ -66,8 +66,8 @@ def per_item(value, n: int, field: str, many: bool) -> list:
     return value
 
 
-def temperature(body: GenerateRequest) -> float:
-    t = body.sampling_params.temperature if body.sampling_params is not None else 1.0
+def temperature(params: SamplingParams | None) -> float:
+    t = params.temperature if params is not None else 1.0
     return 1.0 if t < SAMPLING_EPS else t
 
 
@@ -84,7 +84,7 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -
     starts = per_item(body.logprob_start_len, n, "logprob_start_len", many)
     tops = per_item(body.top_logprobs_num, n, "top_logprobs_num", many)
     rids = per_item(body.rid, n, "rid", many)
-    temp = temperature(body)
+    temps = [temperature(p) for p in per_item(body.sampling_params, n, "sampling_params", many)]
     items: list[_Item] = []
     requests: list[ScoreRequest] = []
     for i, ids in enumerate(ids_list):
@@ -98,7 +98,7 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -
         items.append(_Item(ids, start, logprob[i], top, len(requests) if need else None,
                            rids[i] if rids[i] is not None else uuid.uuid4().hex))
         if need:
-            requests.append(ScoreRequest(ids, start + 1, temp, top))
+            requests.append(ScoreRequest(ids, start + 1, temps[i], top))
 
     def finish(results: list[RequestResult]) -> dict | list[dict]:
         texts = _token_texts(items, results, scorer) if body.return_text_in_logprobs else None

@@ -17,8 +17,18 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-p
 
 
 def _branch(part) -> bool:
-    """A union-branch tag pydantic puts in ``loc`` ('function-after[...]', 'list[...]', 'float'), not a field."""
-    return isinstance(part, str) and (part in _TYPE_TAGS or bool(re.fullmatch(r"[a-z-]+\[.*\]", part, re.S)))
+    """A union-branch tag pydantic puts in ``loc`` ('function-after[...]', 'list[...]', 'float', a
+    model's class name: 'SamplingParams'), not a field."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or bool(re.fullmatch(r"[a-z-]+\[.*\]", part, re.S))
+                                      or (part[:1].isupper() and part in _model_names()))
+
+
+def _model_names(cls: type = BaseModel) -> set[str]:
+    """The class names of the pydantic models defined so far."""
+    out: set[str] = set()
+    for sub in cls.__subclasses__():
+        out |= {sub.__name__} | _model_names(sub)
+    return out
 
 
 def _name(part: str) -> str:
@@ -87,8 +97,8 @@ def validation_message(errors: list[dict], model: type | None = None) -> tuple[s
         msg = f"is not a known field; accepted fields: {known}" if known else "is not a known field"
     elif kind == "missing":
         msg = "is required"
-    elif kind == "model_attributes_type":
-        field, msg = "body", "must be a JSON object"
+    elif kind in ("model_attributes_type", "model_type"):
+        msg = "must be a JSON object"
     elif kind == "string_unicode":  # a string pydantic cannot read (e.g. a field name with a lone surrogate)
         value = e.get("input")
         problem = (text_problem(value) if isinstance(value, str) else None) or "is not valid Unicode"
