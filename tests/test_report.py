@@ -129,3 +129,24 @@ def test_page_escapes_text_and_survives_inf():
     data = _data(page)
     assert data == [{"t": "&", "lp": None, "r": 7, "h": None, "kl": None, "top": [["<", -0.1]]}]
     assert _count(page) == 1
+
+
+def test_compare_page_shows_both_models_and_their_alternatives(default_scorer):
+    """The compare page's hover data: each model's log-p, Δp and each model's top-k (the numbers of
+    the compare run itself), equal to what the perplexity page shows on the same windows."""
+    from logprobe.scoring.compare import compare_models
+
+    s, w = default_scorer, Windows(context_length=32, stride=8)
+    res = compare_models(s.context, s.engine, s.context, s.engine, TEXT, w, return_token_stats=True, top_k=3)
+    data = _data(compare_page(s, s, TEXT, res, w))
+    ppl, _ = perplexity_page(s, TEXT, ARGS, w)  # ARGS: --html-top-k 3
+    ref = _data(ppl)
+    assert len(data) == len(ref) == res.num_tokens
+    for d, e in zip(data, ref):
+        assert d["t"] == e["t"] and d["lp"] == d["lpr"] and d["dp"] == 0.0 and d["kl"] == 0.0
+        assert abs(d["lp"] - e["lp"]) <= 1e-4
+        assert len(d["top"]) == len(d["topr"]) == 3 and d["top"] == d["topr"]
+        assert [a for a, _ in d["top"]] == [a for a, _ in e["top"]]
+        assert max(abs(b - c) for (_, b), (_, c) in zip(d["top"], e["top"])) <= 1e-4
+    page = compare_page(s, s, TEXT, res, w)
+    assert "top alternatives (R)" in page and "log-p R" in page and "&Delta;p" in page

@@ -111,3 +111,23 @@ def test_html_scores_the_text_once(tmp_path, capsys, monkeypatch, argv):
         assert {k: v for k, v in printed.items() if k not in ("elapsed_s", "tokens_per_s")} == \
             {k: v for k, v in plain.items() if k not in ("elapsed_s", "tokens_per_s")}
         assert len(lps) == printed["num_tokens"]
+
+
+def test_compare_html_top_k_and_both_models(tmp_path, capsys, monkeypatch):
+    """compare --html honours --html-top-k: each token's hover data has both models' log-p, Δp and
+    each model's top-k alternatives."""
+    loaded = get_scorer().loaded
+    monkeypatch.setattr("logprobe.loading.load_model", lambda *a, **k: loaded)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "k.html"
+    assert main(["compare", "--reference", "smollm2-135m", "--text-file", str(text), "--context-length", "12",
+                 "--json", "--html", str(out), "--html-top-k", "2", "--device", "cpu"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "token_top_q" not in printed and "token_logprobs_q" not in printed
+    page = out.read_text(encoding="utf-8")
+    blob = re.search(r'<script type="application/json" id="token-data">(.*?)</script>', page, re.S).group(1)
+    data = json.loads(blob.replace("<\\/", "</"))
+    assert len(data) == printed["num_tokens"]
+    assert all(len(d["top"]) == len(d["topr"]) == 2 and d["lp"] == d["lpr"] and d["dp"] == 0.0 for d in data)
+    assert all(d["top"][0][1] >= d["lp"] - 1e-4 for d in data)  # the best alternative: at least the target

@@ -1,5 +1,6 @@
 """``logprobe compare``: quantization quality of --model against --reference (a thin shell over
-``Scorer.compare``)."""
+``scoring.compare.compare_models``, what ``Scorer.compare`` runs, asked for both models' top-k
+alternatives when ``--html`` shows them)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import time
 from ..errors import LogprobeError
 from ..loading import load_model
 from ..scorer import Scorer
-from ..scoring.compare import kl_plot_html
+from ..scoring.compare import compare_models, kl_plot_html
 from .common import ScorerOptions, read_text
-from .report import add_html_option, check_html, compare_html, window_options
+from .report import add_html_option, check_html, compare_html, compare_top_k, window_options
 
 
 def add_window_args(p: argparse.ArgumentParser, policy_help: str, max_tokens_help: str,
@@ -62,8 +63,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     r = Scorer(load_model(args.reference, options.device, options.dtype, weights=args.weights), config=config)
     start = time.perf_counter()
     w = window_options(args)
-    res = q.compare(r, text, context_length=w.context_length, stride=w.stride, policy=w.policy, prefix=w.prefix,
-                    max_tokens=w.max_tokens, return_token_stats=args.plot is not None or args.html is not None)
+    res = compare_models(q.context, q.engine, r.context, r.engine, text, w,
+                         return_token_stats=args.plot is not None or args.html is not None, top_k=compare_top_k(args))
     elapsed = time.perf_counter() - start
     compare_html(args, q, r, text, res)
     if args.plot is not None:
@@ -75,7 +76,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise LogprobeError("--plot", f"cannot write {args.plot}: {e.strerror}", "give a writable path") from e
     if args.json:
         d = res.to_dict()
-        d.pop("token_kl", None)
+        for k in ("token_kl", "token_logprobs_q", "token_logprobs_r", "token_top_q", "token_top_r"):
+            d.pop(k, None)
         d.update(model=q.info.name, reference=r.info.name, elapsed_s=elapsed)
         print(json.dumps(d))
         return 0

@@ -120,8 +120,9 @@ def perplexity_page(scorer, text: str, args: argparse.Namespace, windows: Window
 
 
 def compare_page(q, r, text: str, res, windows: Windows = Windows()) -> str:
-    """Tokens coloured by KL(R || Q) (``res.token_kl``, the compare result's own numbers), with the
-    KL histogram and the text report. ``windows``: the window options ``compare`` was given."""
+    """Tokens coloured by KL(R || Q) (``res.token_kl``, the compare result's own numbers), each with
+    both models' log-probs, Δp and (when the compare ran with ``top_k``) both models' alternatives,
+    with the KL histogram and the text report. ``windows``: the window options ``compare`` was given."""
     if res.token_kl is None:
         raise LogprobeError("--html", "the compare result has no per-token KL", "compare with return_token_stats")
     job = perplexity_job(q.context, text, windows)  # the windows compare ran: tokenizing only
@@ -129,12 +130,24 @@ def compare_page(q, r, text: str, res, windows: Windows = Windows()) -> str:
     if windows.max_tokens is not None:
         stream = stream[:windows.max_tokens]
     starts = locate_targets(stream, [(w.tokens, w.tokens[w.score_begin:]) for w in job.requests])
-    kl = iter(res.token_kl)
-    scored = [[Token(t, kl=next(kl)) for t in q.tokenizer.token_texts(w.tokens[w.score_begin:])] for w in job.requests]
+    n = len(res.token_kl)
+    lq = res.token_logprobs_q or [None] * n
+    lr = res.token_logprobs_r or [None] * n
+
+    def alternatives(top) -> list[list[tuple[str, float]]]:
+        if top is None:
+            return [[] for _ in range(n)]
+        texts = iter(q.tokenizer.token_texts([i for alts in top for i, _ in alts]))
+        return [[(next(texts), lp) for _, lp in alts] for alts in top]
+
+    top_q, top_r = alternatives(res.token_top_q), alternatives(res.token_top_r)
+    i = iter(range(n))
+    scored = [[Token(t, lq[k], kl=res.token_kl[k], top=top_q[k], logprob_r=lr[k], top_r=top_r[k])
+               for t, k in zip(q.tokenizer.token_texts(w.tokens[w.score_begin:]), i)] for w in job.requests]
     tokens = stream_tokens(q.tokenizer.token_texts(stream), starts, scored)
     rows = [("Q", q.info.name), ("R", r.info.name), ("mean KL", f"{res.kl_mean:.6f} ± {res.kl_stderr:.6f}"),
             ("PPL(Q)/PPL(R)", f"{res.ppl_ratio:.6f} ± {res.ppl_ratio_stderr:.6f}")]
-    return kl_page([Segment(f"{res.num_tokens} tokens, coloured by KL(R || Q)", tokens)],
+    return kl_page([Segment(f"{_plural(res.num_tokens, 'token')}, coloured by KL(R || Q)", tokens)],
                    "logprobe compare", rows, res.report())
 
 
@@ -178,6 +191,11 @@ def perplexity_html(args: argparse.Namespace, scorer, text: str, steer=None, cap
     page, res = perplexity_page(scorer, text, args, w, HookSpecs(capture, steer))
     write_page(args.html, page)
     return res
+
+
+def compare_top_k(args: argparse.Namespace) -> int:
+    """The alternatives ``compare`` computes per token: ``--html-top-k`` with ``--html``, else none."""
+    return _top_k(args) if getattr(args, "html", None) is not None else 0
 
 
 def compare_html(args: argparse.Namespace, q, r, text: str, res) -> None:

@@ -3,7 +3,8 @@
 Each scored token is a ``<span class="tok">`` coloured by its surprisal -log p (nats; white at 0,
 yellow, red at ``scale`` and above) or, on compare pages, by KL(R || Q). Its exact numbers are
 in ``data-*`` attributes (``data-logprob`` is Python's ``repr`` of the float); hovering shows a
-tooltip with the token, its log-prob, probability, rank, entropy and the top alternatives.
+tooltip with the token, its log-prob, probability, rank, entropy and the top alternatives (on
+compare pages: each model's log-prob, Δp = p_Q - p_R, KL(R || Q) and each model's alternatives).
 ``#token-count`` holds the number of scored tokens.
 
     page = surprisal_page([Segment("text", tokens)], title="SmolLM2 on wiki.txt",
@@ -46,21 +47,28 @@ JS = """
     var el = ev.target.closest('.tok'); if(!el){tip.style.display='none';return;}
     var d = data[+el.dataset.i], rows = [];
     rows.push('<b>token</b> <code>'+esc(JSON.stringify(d.t))+'</code>');
-    if(d.lp!==null){
+    if(d.lpr!==undefined){
+      rows.push('<b>log-p Q</b> <span class="lp">'+fmt(d.lp)+'</span>'+(d.lp===null?'':' (p = '+Math.exp(d.lp).toPrecision(4)+')'));
+      rows.push('<b>log-p R</b> <span class="lpr">'+fmt(d.lpr)+'</span>'+(d.lpr===null?'':' (p = '+Math.exp(d.lpr).toPrecision(4)+')'));
+      rows.push('<b>&Delta;p</b> <span class="dp">'+fmt(d.dp)+'</span>');
+    } else if(d.lp!==null){
       rows.push('<b>log-prob</b> <span class="lp">'+fmt(d.lp)+'</span> (p = '+Math.exp(d.lp).toPrecision(4)+')');
       if(d.r!==null) rows.push('<b>rank</b> '+d.r+(d.r===0?' (greedy)':''));
     }
     if(d.h!==null) rows.push('<b>entropy</b> '+fmt(d.h));
     if(d.kl!==null) rows.push('<b>KL(R || Q)</b> <span class="kl">'+fmt(d.kl)+'</span>');
     var html = rows.join('<br>');
-    if(d.top.length){
-      html += '<table><tr><td colspan=3><b>top alternatives</b></td></tr>';
-      d.top.forEach(function(a){
-        var w = Math.round(80*Math.exp(a[1]));
+    function alts(title, list){
+      if(!list || !list.length) return;
+      html += '<table><tr><td colspan=3><b>'+title+'</b></td></tr>';
+      list.forEach(function(a){
+        var w = a[1]===null?0:Math.round(80*Math.exp(a[1]));
         html += '<tr><td><code>'+esc(JSON.stringify(a[0]))+'</code></td><td>'+fmt(a[1])+'</td><td><span class="bar" style="width:'+w+'px"></span></td></tr>';
       });
       html += '</table>';
     }
+    alts(d.lpr!==undefined?'top alternatives (Q)':'top alternatives', d.top);
+    alts('top alternatives (R)', d.topr);
     tip.innerHTML = html; tip.style.display='block';
     var x = Math.min(ev.clientX+12, window.innerWidth-tip.offsetWidth-8), y = ev.clientY+16;
     if(y+tip.offsetHeight > window.innerHeight) y = ev.clientY-tip.offsetHeight-8;
@@ -84,8 +92,12 @@ def _finite(x: float | None) -> float | None:
 
 
 def _token_record(t: Token) -> dict:
-    return {"t": t.text, "lp": _finite(t.logprob), "r": t.rank, "h": _finite(t.entropy), "kl": _finite(t.kl),
-            "top": [[a, _finite(b)] for a, b in t.top]}
+    rec = {"t": t.text, "lp": _finite(t.logprob), "r": t.rank, "h": _finite(t.entropy), "kl": _finite(t.kl),
+           "top": [[a, _finite(b)] for a, b in t.top]}
+    if t.logprob_r is not None:  # compare pages: the reference's numbers and Δp = p_Q - p_R
+        dp = math.exp(t.logprob) - math.exp(t.logprob_r) if t.logprob is not None else None
+        rec.update(lpr=_finite(t.logprob_r), dp=dp, topr=[[a, _finite(b)] for a, b in t.top_r])
+    return rec
 
 
 def _spans(segment: Segment, records: list[dict], color) -> str:

@@ -25,6 +25,8 @@ class Token:
     top: list[tuple[str, float]] = field(default_factory=list)  # alternatives, most likely first
     entropy: float | None = None
     kl: float | None = None  # KL(R || Q) at this token (compare pages)
+    logprob_r: float | None = None  # compare pages: the reference's log-prob (``logprob``, ``top``: the model's)
+    top_r: list[tuple[str, float]] = field(default_factory=list)  # the reference's alternatives
 
     @property
     def scored(self) -> bool:

@@ -48,6 +48,16 @@ class KLRows:
     logprobs_r: torch.Tensor  # [N] float32
     kl: torch.Tensor  # [N] float32
     same_top: torch.Tensor  # [N] bool
+    top_q: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids [N, k] int64, log-probs [N, k]) with top_k
+    top_r: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _merge_top(vals: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, v0: int, k: int):
+    """The running top ``k`` (values, ids) of the rows merged with vocabulary chunk ``z`` (ids from ``v0``)."""
+    cv, ci = z.topk(min(k, z.shape[1]), dim=1)
+    all_v, all_i = torch.cat([vals, cv], dim=1), torch.cat([ids, ci + v0], dim=1)
+    top_v, pos = all_v.topk(k, dim=1)
+    return top_v, all_i.gather(1, pos)
 
 
 def _online_lse(m: torch.Tensor, s: torch.Tensor, z: torch.Tensor):
@@ -60,12 +70,14 @@ def _online_lse(m: torch.Tensor, s: torch.Tensor, z: torch.Tensor):
 
 
 def kl_head(hidden_q: torch.Tensor, params_q: HeadParams, hidden_r: torch.Tensor, params_r: HeadParams,
-            targets: torch.Tensor, *, token_chunk: int = 512, vocab_chunk: int = 8192) -> KLRows:
-    """hidden_q [N, Hq], hidden_r [N, Hr] (the same rows of the same token ids), targets [N] -> KLRows.
+            targets: torch.Tensor, *, token_chunk: int = 512, vocab_chunk: int = 8192, top_k: int = 0) -> KLRows:
+    """hidden_q [N, Hq], hidden_r [N, Hr] (the same rows of the same token ids), targets [N] -> KLRows;
+    ``top_k`` > 0: also each model's ``top_k`` most likely tokens per row, with their log-probs.
 
     Extra memory is O(token_chunk * vocab_chunk) whatever N and V are; all arithmetic in float32."""
     N = hidden_q.shape[0]
     V = params_q.vocab_size
+    k = min(top_k, V)
     if params_r.vocab_size != V:
         raise LogprobeError("reference", f"vocabulary of {params_r.vocab_size} does not match the model's {V}",
                             "compare models that share a tokenizer and vocabulary")
@@ -76,6 +88,8 @@ def kl_head(hidden_q: torch.Tensor, params_q: HeadParams, hidden_r: torch.Tensor
     out_r = torch.empty(N, dtype=torch.float32, device=device)
     out_kl = torch.empty(N, dtype=torch.float32, device=device)
     out_same = torch.empty(N, dtype=torch.bool, device=device)
+    tops = [(torch.empty(N, k, dtype=torch.int64, device=device), torch.empty(N, k, device=device))
+            for _ in range(2)] if k else None
     bias_q = params_q.bias.float() if params_q.bias is not None else None
     bias_r = params_r.bias.float() if params_r.bias is not None else None
 
@@ -97,6 +111,8 @@ def kl_head(hidden_q: torch.Tensor, params_q: HeadParams, hidden_r: torch.Tensor
         acc = torch.zeros(t, 1, device=device)  # sum exp(z_R - m_R) (z_R - z_Q), rescaled with m_R
         top_q = torch.zeros(t, dtype=torch.int64, device=device)
         top_r = torch.zeros(t, dtype=torch.int64, device=device)
+        kv = [torch.full((t, k), -torch.inf, device=device) for _ in range(2)]  # running top-k (Q, R)
+        ki = [torch.zeros(t, k, dtype=torch.int64, device=device) for _ in range(2)]
         for v0 in range(0, V, vocab_chunk):
             v1 = min(v0 + vocab_chunk, V)
             zq = logits(hq, params_q, bias_q, v0, v1)
@@ -106,6 +122,9 @@ def kl_head(hidden_q: torch.Tensor, params_q: HeadParams, hidden_r: torch.Tensor
             cr, ir = zr.max(dim=1)
             top_q = torch.where(cq > m_q[:, 0], iq + v0, top_q)
             top_r = torch.where(cr > m_r[:, 0], ir + v0, top_r)
+            if k:
+                kv[0], ki[0] = _merge_top(kv[0], ki[0], zq, v0, k)
+                kv[1], ki[1] = _merge_top(kv[1], ki[1], zr, v0, k)
             m_q, s_q, _, _ = _online_lse(m_q, s_q, zq)
             m_r, s_r, alpha, e_r = _online_lse(m_r, s_r, zr)
             acc = acc * alpha + (e_r * (zr - zq)).sum(dim=1, keepdim=True)
@@ -116,7 +135,10 @@ def kl_head(hidden_q: torch.Tensor, params_q: HeadParams, hidden_r: torch.Tensor
         # lse_Q - lse_R as (m_Q - m_R) + log(S_Q / S_R): no cancellation between two O(10) logs
         out_kl[r0:r1] = (acc / s_r + (m_q - m_r) + torch.log(s_q / s_r))[:, 0]
         out_same[r0:r1] = top_q == top_r
-    return KLRows(out_q, out_r, out_kl, out_same)
+        if tops is not None:
+            for (ids, lps), v, i, lse in zip(tops, kv, ki, (lse_q, lse_r), strict=True):
+                ids[r0:r1], lps[r0:r1] = i, v - lse
+    return KLRows(out_q, out_r, out_kl, out_same, *(tops or (None, None)))
 
 
 @dataclass(slots=True)
@@ -154,6 +176,10 @@ class CompareResult:
     context_length: int = 0
     stride: int | None = None
     token_kl: list[float] | None = None  # per scored token, in order (return_token_stats=True)
+    token_logprobs_q: list[float] | None = None  # per scored token: log p_Q(target) (return_token_stats=True)
+    token_logprobs_r: list[float] | None = None  # log p_R(target)
+    token_top_q: list[list[tuple[int, float]]] | None = None  # per scored token: Q's top-k (id, log-prob) (top_k)
+    token_top_r: list[list[tuple[int, float]]] | None = None  # R's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -240,7 +266,16 @@ def compare_stats(rows: KLRows, num_windows: int, policy: str = "sliding", conte
         same_top_stderr=math.sqrt(p_same * (1 - p_same) / n), dp_mean=dpm, dp_stderr=dps,
         dp_rms=rms, dp_rms_stderr=mss / (2 * rms) if rms > 0 else 0.0, dp_max=float(dp.max()), dp_min=float(dp.min()),
         dp_percentiles=_percentiles(dp, DP_PERCENTILES), policy=policy, context_length=context_length,
-        stride=stride, token_kl=kl.tolist() if return_token_stats else None)
+        stride=stride, token_kl=kl.tolist() if return_token_stats else None,
+        token_logprobs_q=rows.logprobs_q.tolist() if return_token_stats else None,
+        token_logprobs_r=rows.logprobs_r.tolist() if return_token_stats else None,
+        token_top_q=_top_lists(rows.top_q), token_top_r=_top_lists(rows.top_r))
+
+
+def _top_lists(top) -> list[list[tuple[int, float]]] | None:
+    if top is None:
+        return None
+    return [list(zip(i, v)) for i, v in zip(top[0].tolist(), top[1].tolist(), strict=True)]
 
 
 def _hidden_engine(engine):
@@ -259,7 +294,7 @@ def _hidden_engine(engine):
 
 
 def compare_requests(engine_q, engine_r, requests, *, token_budget: int, token_chunk: int = 512,
-                     vocab_chunk: int = 8192) -> KLRows:
+                     vocab_chunk: int = 8192, top_k: int = 0) -> KLRows:
     """Run both models on the same requests, a budget of input tokens at a time, and compare each
     scored row's full distributions (``kl_head``); per-row results are collected on the CPU."""
     hq_engine, hr_engine = _hidden_engine(engine_q), _hidden_engine(engine_r)
@@ -272,8 +307,10 @@ def compare_requests(engine_q, engine_r, requests, *, token_budget: int, token_c
         hq = torch.cat([r.logprobs for r in hq_engine.run(group, progress=False)])  # [N, Hq]
         hr = torch.cat([r.logprobs for r in hr_engine.run(group, progress=False)]).to(hq.device)  # [N, Hr]
         targets = torch.tensor([t for r in group for t in r.tokens[r.score_begin:]], device=hq.device)
-        rows = kl_head(hq, params_q, hr, params_r, targets, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
-        parts.append(KLRows(*(x.cpu() for x in (rows.logprobs_q, rows.logprobs_r, rows.kl, rows.same_top))))
+        rows = kl_head(hq, params_q, hr, params_r, targets, token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+                       top_k=top_k)
+        parts.append(KLRows(*(x.cpu() for x in (rows.logprobs_q, rows.logprobs_r, rows.kl, rows.same_top)),
+                            *(None if t is None else (t[0].cpu(), t[1].cpu()) for t in (rows.top_q, rows.top_r))))
 
     with torch.no_grad():
         for r in requests:
@@ -284,13 +321,17 @@ def compare_requests(engine_q, engine_r, requests, *, token_budget: int, token_c
             size += r.num_inputs
         if group:
             flush()
-    return KLRows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprobs_q", "logprobs_r", "kl", "same_top")))
+    tops = [None if top_k == 0 else tuple(torch.cat([getattr(p, f)[j] for p in parts]) for j in (0, 1))
+            for f in ("top_q", "top_r")]
+    return KLRows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprobs_q", "logprobs_r", "kl", "same_top")),
+                  *tops)
 
 
 def compare_models(q: ScoringContext, engine_q: Engine, r: ScoringContext, engine_r: Engine, texts,
-                   windows: Windows = Windows(), return_token_stats: bool = False) -> CompareResult:
+                   windows: Windows = Windows(), return_token_stats: bool = False, top_k: int = 0) -> CompareResult:
     """``Scorer.compare`` once ``reference`` is a Scorer: Q's perplexity windows, run on both
-    models' engines (this process), compared row by row."""
+    models' engines (this process), compared row by row. ``top_k`` > 0: the result also holds each
+    model's ``top_k`` most likely tokens at every scored token (``token_top_q``, ``token_top_r``)."""
     a, b = q.tokenizer.hf, r.tokenizer.hf
     if q.vocab_size != r.vocab_size or len(a) != len(b) or a.get_vocab() != b.get_vocab():
         raise LogprobeError("reference", f"{r.name} does not share the vocabulary of {q.name} "
@@ -299,7 +340,7 @@ def compare_models(q: ScoringContext, engine_q: Engine, r: ScoringContext, engin
     job = perplexity_job(q, texts, windows)
     config = engine_q.config
     rows = compare_requests(engine_q, engine_r, job.requests, token_budget=config.max_batch_tokens,
-                            token_chunk=config.head_token_chunk, vocab_chunk=config.head_vocab_chunk)
+                            token_chunk=config.head_token_chunk, vocab_chunk=config.head_vocab_chunk, top_k=top_k)
     w = windows.resolved(q.max_length)
     return compare_stats(rows, len(job.requests), w.policy, w.context_length,
                          w.stride if w.policy == "sliding" else None, return_token_stats)
