@@ -22,6 +22,7 @@ from .executor.interface import Executor
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
 from .loading.update import load_weights, update_weights
+from .scoring import chat as chat_scoring
 from .scoring import continuations as text_scoring
 from .scoring import perplexity as ppl_scoring
 from .scoring import sequences as id_scoring
@@ -133,6 +134,24 @@ class Scorer:
         """
         return text_scoring.score_job(self.context, prompt, continuations, HeadOptions(temperature, top_k, entropy),
                                       HookSpecs(capture, steer))
+
+    def score_chat(self, messages: Sequence[dict], *, temperature: float = 1.0, top_k: int = 0,
+                   entropy: bool = False) -> ContinuationScore:
+        """The final assistant message of a chat (OpenAI-style ``[{"role", "content"}, ...]``) given
+        the messages before it, under the model's own chat template (``tokenizer.apply_chat_template``,
+        its tokenization: no second BOS):
+
+            context = template(messages[:-1], add_generation_prompt=True)
+            scored  = template(messages)[len(context):]   (the message, its end-of-turn marker, ...)
+
+        Returns a ``ContinuationScore``: ``continuation`` is the scored tokens' text, then
+        ``log_prob``, ``tokens``, ``token_ids``, ``token_logprobs`` per token (``scoring.chat``).
+        A model without a chat template raises ``LogprobeError``."""
+        return self.run(self.score_chat_job(messages, temperature=temperature, top_k=top_k, entropy=entropy))
+
+    def score_chat_job(self, messages: Sequence[dict], *, temperature: float = 1.0, top_k: int = 0,
+                       entropy: bool = False) -> Job:
+        return chat_scoring.chat_job(self.context, messages, HeadOptions(temperature, top_k, entropy))
 
     def loglikelihood(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), is_greedy)`` per pair, as lm-eval's ``loglikelihood``."""

@@ -2,7 +2,8 @@
 
 The output columns follow the input: with ``continuation`` they are scalars per row, with
 ``continuations`` lists (one entry per continuation, in the row's order). The CLI's join rule
-applies (``join`` between prompt and continuation unless either side has whitespace there).
+applies (``join`` between prompt and continuation unless either side has whitespace there). A row
+with ``messages`` (a chat) scores its final assistant message instead (``jobs.chat``).
 
     {"prompt": "The capital of France is", "continuation": "Paris"}
  -> {"index": 0, "continuation": " Paris", "log_prob": -0.2581, "num_tokens": 1, "is_greedy": true,
@@ -23,6 +24,7 @@ from ..scoring.options import HeadOptions
 from ..scoring.work import Job, ScoringContext
 from . import fields
 from .base import RowWork, row_head
+from .chat import chat_row_job
 
 SCORE_COLUMNS = ("continuation", "log_prob", "num_tokens", "is_greedy", "token_logprobs", "entropy", "top_k_ids",
                  "top_k_logprobs")
@@ -71,6 +73,10 @@ class ScoreRows:
 
     def work(self, row: Row, context: ScoringContext) -> RowWork:
         data = row.data
+        if not fields.missing(data.get("messages")):  # a chat: its last assistant message (jobs.chat)
+            chat = chat_row_job(data["messages"], context, self.options)
+            return RowWork(row.index, self.head(row),
+                           Job(chat.requests, lambda results: score_columns(chat.finish(results))))
         prompt = fields.text(data.get("prompt"), "prompt")
         many = not fields.missing(data.get("continuations"))
         if many:

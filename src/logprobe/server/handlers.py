@@ -21,6 +21,7 @@ from .schemas import (
     ScoreBody,
     TokenizeRequest,
 )
+from .schemas_chat import ChatCompletionRequest
 from .schemas_rl import GenerateRequest, UpdateWeightsRequest
 from .served import ModelNotFound, RequestTooLarge
 from .validation import validation_message
@@ -29,7 +30,8 @@ log = logging.getLogger("logprobe.server")
 # the body model of each route, for naming the field of a validation error
 BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody,
-          "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest}
+          "/generate": GenerateRequest, "/update_weights_from_disk": UpdateWeightsRequest,
+          "/v1/chat/completions": ChatCompletionRequest}
 
 
 def openapi_without_422(fastapi_openapi):

@@ -1,0 +1,87 @@
+"""Chat conversations: the final assistant message of an OpenAI-style ``messages`` list scored
+under the model's own chat template (``Scorer.score_chat``).
+
+The template renders the conversation twice, through ``tokenizer.apply_chat_template`` (its own
+tokenization: special tokens come from the template text only, so a template that writes
+``{{ bos_token }}`` gives one BOS, never two):
+
+    context = template(messages[:-1], add_generation_prompt=True)   ... <|im_start|>assistant\\n
+    full    = template(messages)                                   ... <|im_start|>assistant\\nHi!<|im_end|>\\n
+
+``context`` must be a prefix of ``full``; the scored tokens are the rest: the assistant message
+as the template writes it, its end-of-turn marker and whatever the template puts after it. One
+request, scored from the first of them on (the last context row predicts the first):
+
+    ids : c0 ... cn | a0 a1 ...        row cn -> a0, row a0 -> a1, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..engine.request import ScoreRequest
+from ..errors import LogprobeError
+from ..tokenizer import Tokenizer
+from .continuations import continuation_score
+from .inputs import check_length
+from .options import HeadOptions
+from .work import Job, ScoringContext
+
+
+def check_messages(messages, field: str = "messages") -> list[dict]:
+    """``messages`` as a list of ``{"role", "content"}`` dicts (strings), the last one the
+    assistant's, with at least one message before it."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or len(messages) < 2:
+        raise LogprobeError(field, "must be a list of at least two {role, content} messages, the last one the "
+                            "assistant's", 'e.g. [{"role": "user", "content": "Hi"}, {"role": "assistant", '
+                            '"content": "Hello!"}]')
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise LogprobeError(f"{field}[{i}]", "must be an object with a string role and a string content")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "assistant":
+        raise LogprobeError(f"{field}[{len(out) - 1}].role", f"is {out[-1]['role']!r}: the scored message is the "
+                            "last one and must be the assistant's", "end the conversation with the assistant message")
+    return out
+
+
+def _template_ids(tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, field: str) -> list[int]:
+    hf = tokenizer.hf
+    try:
+        ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    except Exception as e:  # the template's own error (jinja: "conversation roles must alternate", ...)
+        raise LogprobeError(field, f"the chat template refused the conversation ({e})") from e
+    if hasattr(ids, "keys"):  # transformers 5: a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def chat_ids(context: ScoringContext, messages, field: str = "messages") -> tuple[list[int], list[int]]:
+    """``(context ids, scored ids)`` of a conversation under the model's chat template (see the
+    module docstring). Raises for a tokenizer without a chat template."""
+    tokenizer = context.tokenizer
+    if not getattr(tokenizer.hf, "chat_template", None):
+        raise LogprobeError(field, f"{context.name} has no chat template (its tokenizer defines none)",
+                            "score the rendered text with score(prompt, continuation), or load an instruct model")
+    messages = check_messages(messages, field)
+    prompt = _template_ids(tokenizer, messages[:-1], True, field)
+    full = _template_ids(tokenizer, messages, False, field)
+    if full[:len(prompt)] != prompt or len(full) == len(prompt):
+        raise LogprobeError(field, "the chat template does not render the conversation as the conversation "
+                            "before the last message plus the generation prompt, then the assistant message",
+                            "score the rendered text with score(prompt, continuation)")
+    context.check_ids(full, field)
+    return prompt, full[len(prompt):]
+
+
+def chat_job(context: ScoringContext, messages, head: HeadOptions = HeadOptions(),
+             field: str = "messages") -> Job:
+    """``Scorer.score_chat_job``: one request; the answer is a ``ContinuationScore`` whose
+    ``continuation`` is the scored tokens' text (the assistant message as the template writes it)."""
+    head = head.checked()
+    prompt, scored = chat_ids(context, messages, field)
+    check_length(len(prompt) + len(scored), field, context.max_length)
+    req = ScoreRequest(prompt + scored, len(prompt), head.temperature, head.top_k, head.entropy)
+    text = context.tokenizer.decode(scored)
+    return Job([req], lambda results: continuation_score(context.tokenizer, text, req, results[0]))
