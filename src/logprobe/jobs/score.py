@@ -60,8 +60,11 @@ class ScoreRows:
 
         >>> ScoreRows().result_types({"prompt", "continuations"})["log_prob"]
         'list<float64>'
+        >>> ScoreRows().result_types({"messages"})["log_prob"]   # a chat per row: scalars
+        'float64'
         """
-        if ("continuation" in names) == ("continuations" in names):
+        chats = "messages" in names and not {"continuation", "continuations"} & set(names)
+        if ("continuation" in names) == ("continuations" in names) and not chats:
             return {}
         one = {"continuation": "string", "log_prob": "float64", "num_tokens": "int64", "is_greedy": "bool",
                "token_logprobs": "list<float32>"}
@@ -69,7 +72,7 @@ class ScoreRows:
             one["entropy"] = "list<float32>"
         if self.options.top_k:
             one.update(top_k_ids="list<list<int64>>", top_k_logprobs="list<list<float32>>")
-        return one if "continuation" in names else {k: f"list<{t}>" for k, t in one.items()}
+        return one if "continuation" in names or chats else {k: f"list<{t}>" for k, t in one.items()}
 
     def work(self, row: Row, context: ScoringContext) -> RowWork:
         data = row.data
