@@ -55,6 +55,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance]
 SEEN: dict[str, Counter] = {}
 CHECKPOINT: list[str] = []  # the served model's directory
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,7 @@ def api(tmp_path_factory):
     make_hf_dir(d, "llama", seed=3)
     CHECKPOINT.append(str(d))  # nudge() reloads it through /update_weights_from_disk
     scorer = Scorer(str(d), device="cpu", dtype="float32", progress=False)
+    scorer.tokenizer.hf.chat_template = CHAT_TEMPLATE  # /v1/chat/completions reaches the model
     app = create_app(scorer, ServerConfig(api_key=KEY, max_request_tokens=4096, max_request_items=32,
                                           max_body_bytes=1 << 20, max_top_logprobs=20,
                                           max_capture_floats=1 << 16))
@@ -80,7 +83,7 @@ def api(tmp_path_factory):
 def operations() -> list[tuple[str, str]]:
     """Every operation of the document (listed here: parametrizing needs them before the app exists;
     ``test_document_lists_every_operation`` keeps the list equal to the document)."""
-    return [("POST", p) for p in ("/v1/completions", "/tokenize", "/detokenize", "/v1/score", "/v1/logprobs",
+    return [("POST", p) for p in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/score", "/v1/logprobs",
                                   "/v1/perplexity", "/generate", "/update_weights_from_disk")] + \
         [("GET", p) for p in ("/v1/models", "/v1/models/{model}", "/tokenizer_info", "/health", "/metrics")]
 
@@ -150,6 +153,16 @@ def nudge(case, path: str):
         b["max_tokens"], b["echo"] = seed % 2, True
         if isinstance(b.get("logprobs"), int):
             b["logprobs"] %= 21
+    if path == "/v1/chat/completions":  # scoring only, the last message the assistant's
+        for k in ("n", "stream", "add_generation_prompt", "continue_final_message", "max_completion_tokens"):
+            b.pop(k, None)
+        b["max_tokens"], b["echo"], b["logprobs"] = 0, True, True
+        for k in ("top_logprobs", "prompt_logprobs"):
+            if isinstance(b.get(k), int):
+                b[k] %= 21
+        msgs = [m for m in b.get("messages") or [] if isinstance(m, dict)]
+        b["messages"] = [{"role": "user", "content": "hi"}, *msgs[:3],
+                         {"role": "assistant", "content": (msgs[-1].get("content") if msgs else None) or "ok"}]
     for k in ("prompt", "texts"):  # generated strings are short: repeat some, for long inputs and many windows
         if isinstance(b.get(k), str) and b[k].strip():
             b[k] = b[k] * (1 + seed % 60)
