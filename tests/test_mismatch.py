@@ -71,3 +71,44 @@ def test_refusals_name_the_field(ours, theirs, field):
 def test_ratio_range_is_checked():
     with pytest.raises(LogprobeError):
         mismatch([[-1.0]], [[-1.0]], low=1.2, high=1.25)
+
+
+def test_cli_compare_logprobs_from_a_file_on_the_default_model(tmp_path, capsys, default_scorer):
+    """``logprobe compare --logprobs-from``: a JSONL file of sequences with another engine's
+    log-probs (here logprobe's own, shifted by known amounts) against the default model."""
+    import json
+
+    from logprobe.cli.main import main
+
+    seqs = [{"prompt_token_ids": [504, 3575, 282], "completion_token_ids": [4649, 314, 2260]},
+            {"prompt_token_ids": [1, 2, 3, 4], "completion_token_ids": [28, 29]}]
+    exact = [r.logprobs.tolist() for r in default_scorer.logprobs(seqs)]
+    shift = [[0.0, 0.5, -0.1], [0.3, 0.0]]
+    theirs = [[a - d for a, d in zip(e, s)] for e, s in zip(exact, shift)]
+    f = tmp_path / "rollouts.jsonl"
+    f.write_text("".join(json.dumps({**s, "rollout_logprobs": t, "id": i}) + "\n"
+                         for i, (s, t) in enumerate(zip(seqs, theirs))))
+    out, page = tmp_path / "report.json", tmp_path / "page.html"
+    assert main(["compare", "--logprobs-from", str(f), "--logprobs-column", "rollout_logprobs", "--device", "cpu",
+                 "--dtype", "float32", "--json", "--output", str(out), "--plot", str(page), "--quiet"]) == 0
+    overall = json.loads(capsys.readouterr().out)
+    want = mismatch(exact, theirs).overall
+    assert overall["tokens"] == 5
+    assert overall["max_abs"] == pytest.approx(0.5, abs=1e-6)
+    assert overall["k3"] == pytest.approx(want.k3, abs=1e-9)
+    assert overall["out_of_range"] == pytest.approx(2 / 5)  # exp(0.5) = 1.65 and exp(0.3) = 1.35 > 1.25
+    report = json.loads(out.read_text())
+    assert [s["tokens"] for s in report["sequences"]] == [3, 2]
+    assert "|log p - log q| per token" in page.read_text()
+
+
+def test_cli_compare_needs_a_reference_or_a_file(tmp_path, capsys):
+    from logprobe.cli.main import main
+
+    assert main(["compare", "--text-file", str(tmp_path / "x.txt")]) != 0
+    assert "--reference" in capsys.readouterr().err
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt_token_ids": [1], "completion_token_ids": [2, 3], "logprobs": [-1.0]}\n')
+    assert main(["compare", "--logprobs-from", str(f), "--device", "cpu", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "logprobs[0]" in err and len(err.strip().splitlines()) == 1

@@ -13,6 +13,7 @@ from ..loading import load_model
 from ..scorer import Scorer
 from ..scoring.compare import compare_models, kl_plot_html
 from .common import ScorerOptions, read_text
+from .mismatch import add_mismatch_args, cmd_mismatch
 from .report import add_html_option, check_html, compare_html, compare_top_k, window_options
 
 
@@ -36,9 +37,10 @@ def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
                     "ratio, KL(R || Q) over the full vocabulary (mean ± stderr, max, percentiles), how often the "
                     "top token agrees and Δp = p_Q(target) - p_R(target), like llama.cpp's --kl-divergence.",
         epilog="Both models must share a tokenizer and vocabulary (e.g. two quantizations of one model).")
-    p.add_argument("--reference", required=True, metavar="R",
+    p.add_argument("--reference", default=None, metavar="R",
                    help="the reference model: a known name, a .gguf file or a Hugging Face directory")
-    add_window_args(p, "window policy, as for `perplexity` (default: %(default)s)", "compare only the first N tokens")
+    add_window_args(p, "window policy, as for `perplexity` (default: %(default)s)", "compare only the first N tokens",
+                    text_required=False)
     p.add_argument("--no-prefix", action="store_true", help="do not put BOS before the text")
     p.add_argument("--weights", choices=["packed", "dense"], default="packed",
                    help="quantized weights of both models: packed in memory, expanded per layer inside the "
@@ -46,10 +48,19 @@ def add_compare_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.html",
                    help="also write a self-contained HTML page plotting per-token KL along the text")
     add_html_option(p)
+    add_mismatch_args(p)
     p.set_defaults(func=cmd_compare)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    if args.logprobs_from is not None:
+        if args.reference is not None:
+            raise LogprobeError("--logprobs-from", "compares --model with a file's log-probs, not with --reference",
+                                "give one of --reference and --logprobs-from")
+        return cmd_mismatch(args, args.make_scorer(args))  # the model as every command loads it (TP/DP too)
+    if args.reference is None or args.text_file is None:
+        raise LogprobeError("--reference" if args.reference is None else "--text-file", "is required",
+                            "give --reference R --text-file FILE (or --logprobs-from FILE)")
     check_html(args)
     text = read_text(args.text_file, "--text-file")
     if not text.strip():

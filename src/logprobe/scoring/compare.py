@@ -346,10 +346,12 @@ def compare_models(q: ScoringContext, engine_q: Engine, r: ScoringContext, engin
                          w.stride if w.policy == "sliding" else None, return_token_stats)
 
 
-def kl_plot_html(token_kl: Sequence[float], title: str, summary: str, smooth: int = 64) -> str:
-    """A self-contained HTML page (inline SVG, no scripts or downloads) plotting per-token KL(R || Q)
-    along the text: each token as a thin grey line, a ``smooth``-token moving average in blue,
-    the mean as a dashed line; ``summary`` (e.g. ``CompareResult.report()``) printed below."""
+def kl_plot_html(token_kl: Sequence[float], title: str, summary: str, smooth: int = 64,
+                 label: str = "KL(R || Q)") -> str:
+    """A self-contained HTML page (inline SVG, no scripts or downloads) plotting a per-token value
+    (``label``: KL(R || Q) by default) along the text: each token as a thin grey line, a
+    ``smooth``-token moving average in blue, the mean as a dashed line; ``summary`` (e.g.
+    ``CompareResult.report()``) printed below."""
     n = len(token_kl)
     if n == 0:
         raise LogprobeError("token_kl", "is empty (no scored tokens to plot)", "compare a longer text")
@@ -373,7 +375,7 @@ def kl_plot_html(token_kl: Sequence[float], title: str, summary: str, smooth: in
            f'<line x1="{pad}" x2="{W - pad}" y1="{y(mean):.1f}" y2="{y(mean):.1f}" stroke="#c33" '
            f'stroke-dasharray="6 4"/>'
            f'<circle cx="{x(worst):.1f}" cy="{y(token_kl[worst]):.1f}" r="3" fill="#c33"/>'
-           f'<text x="{pad}" y="{pad - 8}" font-size="12">KL(R || Q) per token (max {top:.4g} at token '
+           f'<text x="{pad}" y="{pad - 8}" font-size="12">{html.escape(label)} per token (max {top:.4g} at token '
            f'{worst}; mean {mean:.4g} dashed; {k}-token moving average in blue)</text>'
            f'<text x="{pad}" y="{Hh - 12}" font-size="12">token 0</text>'
            f'<text x="{W - pad}" y="{Hh - 12}" font-size="12" text-anchor="end">token {n - 1}</text>'
