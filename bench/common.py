@@ -20,6 +20,7 @@ import math
 import platform
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -185,7 +186,10 @@ def matmul_ceiling() -> float:
 
 
 def gpu_banner() -> float:
-    """Logs the device and versions and measures the matmul ceiling (TFLOP/s, returned)."""
+    """Exits with a one-line message without a CUDA GPU; else logs the device and versions and
+    measures the matmul ceiling (TFLOP/s, returned)."""
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     import transformers
     import triton
 

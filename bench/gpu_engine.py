@@ -85,8 +85,6 @@ def main() -> None:
                     "fixed-tile matmul instead of cuBLAS row tiles")
     ap.add_argument("--det-windows", type=int, default=32, help="requests in the deterministic slices")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     gpu_banner()
     engine_modes_section(args)
 

@@ -93,8 +93,6 @@ def main() -> None:
     ap.add_argument("--gguf-types", default="Q4_K,Q8_0", help="block types to time")
     ap.add_argument("--batch-tokens", type=int, default=None, help="logprobe max_batch_tokens (default: the library's)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     gpu_banner()
     gguf_section(args)
 

@@ -220,8 +220,6 @@ def main() -> None:
     ap.add_argument("--tune-topk", action="store_true", help="sweep the top-k settings (splits, flattening)")
     ap.add_argument("--triton-matmul", action="store_true", help="also time a plain Triton matmul")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     head_section(args, gpu_banner())
 
 

@@ -75,8 +75,6 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=None, help="logprobe max_batch_tokens (default: the library's)")
     ap.add_argument("--passes", type=int, default=2, help="timed passes over W4; the best is reported")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     tflops = gpu_banner()
     table = []
     for mname in args.models.split(","):

@@ -48,8 +48,6 @@ def main() -> None:
     ap.add_argument("--models", default="llama-1b,llama-8b")
     ap.add_argument("--passes", type=int, default=2, help="timed passes of each; the best is reported")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     gpu_banner()
     options_section(args)
 

@@ -146,8 +146,6 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=None, help="logprobe max_batch_tokens (default: the library's)")
     ap.add_argument("--det-windows", type=int, default=32, help="W3 windows of the compare")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     quant_section(args, gpu_banner())
 
 

@@ -93,8 +93,6 @@ def main() -> None:
     wnames = args.workloads.split(",")
     if "W4" in wnames:
         sys.exit("W4 is bench/gpu_long.py's")
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     tflops = gpu_banner()
     table = []
     for mname in args.models.split(","):
