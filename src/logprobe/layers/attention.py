@@ -37,10 +37,23 @@ class KVCache:
 
     keys: list[torch.Tensor | None]
     values: list[torch.Tensor | None]
+    # linear-attention layers (layers.linear_state): each layer's state after the rows committed so
+    # far, and the state a pass in flight has reached (``commit`` makes it the carried one)
+    states: dict[int, object] = field(default_factory=dict)
+    pending: dict[int, object] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, num_layers: int) -> KVCache:
         return cls([None] * num_layers, [None] * num_layers)
+
+    def commit(self) -> None:
+        """The pass that wrote ``pending`` ran in full: its states are the carried ones now."""
+        self.states.update(self.pending)
+        self.pending.clear()
+
+    def discard(self) -> None:
+        """The pass failed part-way (out of memory): forget what it wrote."""
+        self.pending.clear()
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this batch's k/v [T, Hkv, D]; return the key source [past + T, Hkv, D] of the layer."""
@@ -81,6 +94,7 @@ class AttentionMeta:
     past: int = field(default=0)  # rows in the cache before this batch (for the key-source index)
     varlen_cache: tuple | None = field(default=None, repr=False)  # varlen() for the GPU path, built once
     split_cache: tuple | None = field(default=None, repr=False)  # _gpu's long / short split, built once
+    state_route: object = field(default=None, repr=False)  # layers.linear_state.route_states, built once
 
     @classmethod
     def packed(cls, lengths: list[int], kv_block: int | None = None) -> AttentionMeta:
