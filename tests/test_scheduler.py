@@ -5,7 +5,7 @@ import torch
 
 from logprobe.engine.request import ScoreRequest
 from logprobe.engine.runner import pack
-from logprobe.engine.scheduler import Tree, plan_batches
+from logprobe.engine.scheduler import Chunk, Tree, aligned_trees, chunk_bounds, plan_batches, plan_work
 
 
 @pytest.mark.parametrize("lengths, budget, gold", [
@@ -29,3 +29,34 @@ def test_pack_alignment_gold():
     assert b.score_rows.tolist() == [1, 2, 3, 4]  # row 1 (token 11) predicts 12, ...
     assert b.targets.tolist() == [12, 13, 21, 22]
     assert b.temperature.tolist() == [1.0, 1.0, 0.5, 0.5]
+
+
+@pytest.mark.parametrize("length, size, align, gold", [
+    (300, 100, 64, [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]),
+    (300, 128, 64, [(0, 128), (128, 256), (256, 300)]),
+    (130, 10, 64, [(0, 64), (64, 128), (128, 130)]),  # a budget under the alignment: one aligned block
+    (7, 6, 1, [(0, 6), (6, 7)]),
+    (64, 64, 64, [(0, 64)]),
+])
+def test_chunk_bounds_gold(length, size, align, gold):
+    assert chunk_bounds(length, size, align) == gold
+
+
+@pytest.mark.parametrize("trees, align, min_shared, gold", [
+    ([Tree((0, 1), 150)], 64, 16, [Tree((0, 1), 128)]),
+    ([Tree((0, 1), 64)], 64, 16, [Tree((0, 1), 64)]),
+    ([Tree((0, 1, 2), 63)], 64, 16, [Tree((0,)), Tree((1,)), Tree((2,))]),  # below one block: unshared
+    ([Tree((0, 1), 130)], 64, 129, [Tree((0,)), Tree((1,))]),  # 128 < min_shared
+    ([Tree((3,)), Tree((0, 5), 20)], 4, 16, [Tree((3,)), Tree((0, 5), 20)]),
+])
+def test_aligned_trees_gold(trees, align, min_shared, gold):
+    assert aligned_trees(trees, align, min_shared) == gold
+
+
+def test_plan_work_aligned_gold():
+    # two requests sharing 70 tokens and a long one: the prefix is cut to 64, chunks fall on 64s
+    a, b = [1] * 70 + [2, 3], [1] * 70 + [4]
+    plan = plan_work([a, b, [5] * 150], 100, min_shared=16, align=64)
+    assert plan == [[Tree((0, 1), 64)], [Chunk(2, 0, 64)], [Chunk(2, 64, 128)], [Chunk(2, 128, 150)]]
+    assert plan_work([a, b, [5] * 150], 100, min_shared=16) == [
+        [Tree((0, 1), 70)], [Chunk(2, 0, 100)], [Chunk(2, 100, 150)]]

@@ -21,7 +21,7 @@ from .budget import budget_for, resolved_budget
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy
 from .request import RequestResult, ScoreRequest
-from .scheduler import Chunk, Tree, plan_work, tree_cost
+from .scheduler import Chunk, Tree, chunk_bounds, plan_work, tree_cost
 
 # Jobs with at least this many input tokens show a progress bar (when stderr is a terminal).
 PROGRESS_MIN_TOKENS = 32768
@@ -193,6 +193,7 @@ class Engine:
         self._numerics: Numerics | None = None  # of this config, made when first needed
         self._splittable = ModelCaps.of(model).tensor_parallel  # column blocks mean something
         self._context = ModelCaps.of(model).context
+        self._align = ModelCaps.of(model).state_align  # where a sequence may be cut (scheduler.plan_work)
         # out of memory: the working budget (<= config.max_batch_tokens), see ``run``
         self.budget = config.max_batch_tokens
         self.restore_after = OOM_RESTORE_AFTER
@@ -312,7 +313,8 @@ class Engine:
         cfg = self.config
         plan = plan_work([r.inputs for r in sub], self.budget, share=cfg.share_prefixes and self._context,
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
-                         unshared={k for k, r in enumerate(sub) if r.steer})  # steered rows differ: no sharing
+                         unshared={k for k, r in enumerate(sub) if r.steer},  # steered rows differ: no sharing
+                         align=self._align)
         units: deque[list[Tree] | int] = deque()
         for batch in plan:
             item = batch[0]
@@ -354,7 +356,7 @@ class Engine:
                 raise RunStopped()
             if b > 0 and cancelled is not None and cancelled(m):
                 return
-            e = min(b + max(1, min(size, self.budget)), n)
+            e = chunk_bounds(n - b, max(1, min(size, self.budget)), self._align)[0][1] + b
             oom = None
             try:
                 packed, launched = self._run_batch(requests, [Chunk(m, b, e)], cache)
@@ -363,12 +365,14 @@ class Engine:
                 oom = _first_line(exc)
             if oom is not None:
                 _truncate(cache, b)
+                cache.discard()  # linear-attention states stay those after row b
                 self._out_of_memory(e - b)
-                if e - b <= MIN_OOM_CHUNK:
+                if e - b <= max(MIN_OOM_CHUNK, self._align):
                     out.fail(m, e - b, e, self.max_ok_tokens, oom)
                     return
                 size = max(MIN_OOM_CHUNK, (e - b) // 2)
                 continue
+            cache.commit()  # the linear-attention states after row e carry to the next chunk
             self._succeeded(e)
             parts.extend(part for _, part in scored)
             out.progress(e - b)

@@ -105,8 +105,40 @@ def tree_cost(tree: Tree, lengths: list[int]) -> int:
     return tree.shared + sum(lengths[m] - tree.shared for m in tree.members)
 
 
+def aligned_trees(trees: list[Tree], align: int, min_shared: int) -> list[Tree]:
+    """Trees whose prefix ends at a multiple of ``align`` rows: each prefix is cut down to one, and
+    a tree whose prefix falls below ``max(min_shared, 1)`` rows so becomes lone requests.
+
+    >>> aligned_trees([Tree((0, 1), 150), Tree((2, 3), 40), Tree((4,))], 64, 16)
+    [Tree(members=(0, 1), shared=128), Tree(members=(2,), shared=0), Tree(members=(3,), shared=0), Tree(members=(4,), shared=0)]
+    """
+    out: list[Tree] = []
+    for t in trees:
+        shared = t.shared - t.shared % align
+        if len(t.members) > 1 and shared >= max(min_shared, 1):
+            out.append(Tree(t.members, shared))
+        else:
+            out.extend(Tree((m,)) for m in t.members)
+    return out
+
+
+def chunk_bounds(length: int, size: int, align: int = 1) -> list[tuple[int, int]]:
+    """Rows ``[begin, end)`` of a long request's chunks: ``size`` rows each (cut down to a multiple
+    of ``align``, at least ``align``), the last one shorter, so every cut falls on a multiple of
+    ``align`` from the sequence start.
+
+    >>> chunk_bounds(300, 100, 64)
+    [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]
+    >>> chunk_bounds(7, 6)
+    [(0, 6), (6, 7)]
+    """
+    step = max(align, size - size % align)
+    return [(b, min(b + step, length)) for b in range(0, length, step)]
+
+
 def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True, min_shared: int = 16,
-              chunk: bool = True, unshared: set[int] | frozenset[int] = frozenset()) -> list[list[Tree | Chunk]]:
+              chunk: bool = True, unshared: set[int] | frozenset[int] = frozenset(),
+              align: int = 1) -> list[list[Tree | Chunk]]:
     """The engine's plan: batches of prefix trees (each under ``max_batch_tokens`` rows), then the
     chunks of requests whose inputs exceed it, one chunk per batch. Requests in ``unshared``
     (steered ones) join no tree.
@@ -115,14 +147,22 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
     the prefix); a member that does not fit even with the prefix alone runs unshared. With
     ``chunk=False`` (models without KV-cache support) a long request runs whole, alone.
 
+    ``align``: the model's cut granularity (``ModelCaps.state_align``; 64 for the chunked linear
+    attention of the hybrid families): shared prefixes and chunk boundaries fall on multiples of
+    it from the sequence start, so a cut changes no bit (``layers.linear_state``).
+
     >>> plan_work([[1, 2, 3], [1, 2, 4], [5] * 7], 6, min_shared=2)
     [[Tree(members=(0, 1), shared=2)], [Chunk(request=2, begin=0, end=6)], [Chunk(request=2, begin=6, end=7)]]
+    >>> plan_work([[1, 2, 3], [1, 2, 4], [5] * 7], 6, min_shared=2, align=4)
+    [[Tree(members=(0,), shared=0), Tree(members=(1,), shared=0)], [Chunk(request=2, begin=0, end=4)], [Chunk(request=2, begin=4, end=7)]]
     """
     lengths = [len(x) for x in inputs]
     if share:
         sharable = [i for i in range(len(inputs)) if i not in unshared]
         trees = [Tree(tuple(sharable[m] for m in t.members), t.shared)
                  for t in share_prefixes([inputs[i] for i in sharable], min_shared)]
+        if align > 1:
+            trees = aligned_trees(trees, align, min_shared)
         trees = sorted(trees + [Tree((i,)) for i in sorted(unshared)], key=lambda t: t.members[0])
     else:
         trees = [Tree((i,)) for i in range(len(inputs))]
@@ -149,6 +189,5 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
     batches: list[list[Tree | Chunk]] = [
         [units[i] for i in b] for b in plan_batches([tree_cost(u, lengths) for u in units], max_batch_tokens)]
     for m in sorted(long):
-        batches.extend([Chunk(m, b, min(b + max_batch_tokens, lengths[m]))]
-                       for b in range(0, lengths[m], max_batch_tokens))
+        batches.extend([Chunk(m, b, e)] for b, e in chunk_bounds(lengths[m], max_batch_tokens, align))
     return batches

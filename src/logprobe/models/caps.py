@@ -2,7 +2,7 @@
 the scorer, the CLI and the server (a module without ``caps`` gets the defaults).
 
 >>> ModelCaps.of(object())
-ModelCaps(context=False, hooks=False, tensor_parallel=True)
+ModelCaps(context=False, hooks=False, tensor_parallel=True, state_align=1)
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ class ModelCaps:
     context: bool = False  # shared-prefix segments and chunk KV caches (see layers.attention.AttentionMeta)
     hooks: bool = False  # steering and capture at the points of interp.points
     tensor_parallel: bool = True  # deterministic mode keeps its bits equal across TP sizes
+    # a sequence may be cut (chunks, shared prefixes) only at multiples of this many rows from its
+    # start without changing a bit: 64 for the chunked linear attention of the hybrid families
+    state_align: int = 1
 
     @staticmethod
     def of(model) -> ModelCaps:
