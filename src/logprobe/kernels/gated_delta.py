@@ -1,0 +1,368 @@
+r"""Fast paths for the gated delta rule and its short convolution (Qwen3-Next / Qwen3.5 linear attention).
+
+``layers.gated_delta`` holds the float32 references (``gated_delta_rule_chunked``, ``causal_conv1d``),
+which loop over packed sequences and chunks in Python: fine on CPU, far too slow on a GPU with
+hundreds of packed sequences and dozens of layers. This module has drop-in replacements with the
+same signatures and results (it may not import ``layers``, so it repeats the few helpers it needs):
+
+* ``chunk_gated_delta_batched``: the same chunked (UT-transform) algorithm, vectorised across
+  sequences. Every sequence's tokens are gathered into chunks of ``chunk_size`` counted from its
+  own first token (the last chunk zero-padded with ``g = beta = 0, q = k = v = 0``, as the reference
+  pads), the within-chunk quantities (the triangular solve, the masked decayed scores, ...) are
+  computed for all chunks of all sequences in single batched ops, and the inter-chunk scan is a
+  Python loop over the chunk index ``c`` that advances every sequence having a chunk ``c`` at once.
+  Sequences are sorted by chunk count (descending) so the ones active at step ``c`` are a prefix of
+  the state tensor and chunk ``c`` of all of them a contiguous block of rows: no gathers in the loop.
+  Work is split into groups of at most ``max_group_chunks`` chunks (whole sequences) to bound memory.
+  Computes in float32 (float64 stays float64); matches the reference to rounding.
+* ``causal_conv1d_batched``: each row's ``K - 1`` predecessors gathered from ``[initial states ; x]``
+  with per-sequence offsets, taps summed in the reference's order and SiLU applied exactly as the
+  reference applies it, so on CPU it is bit-identical to ``causal_conv1d``.
+* ``chunk_gated_delta_fla``: ``fla-core``'s Triton ``chunk_gated_delta_rule`` (optional extra ``fla``),
+  behind our signature; CUDA only.
+* ``gated_delta_kernels(device, deterministic)``: which of them to use (see its docstring).
+
+Batch invariance: within a sequence the batched rule performs the reference's operations, but on
+CUDA a batched GEMM / triangular solve may choose its kernel by the batch count, so bits may
+depend on what else is packed; ``bench/gpu_gated_delta.py`` checks it for both GPU paths.
+
+    >>> T, Hk, Hv, Dk, Dv = 5, 1, 2, 4, 3
+    >>> q, k = torch.randn(T, Hk, Dk), torch.randn(T, Hk, Dk)
+    >>> v, g, beta = torch.randn(T, Hv, Dv), -torch.rand(T, Hv), torch.rand(T, Hv)
+    >>> o, s = chunk_gated_delta_batched(q, k, v, g, beta, cu_seqlens=[0, 2, 5])
+    >>> o.shape, s.shape
+    (torch.Size([5, 2, 3]), torch.Size([2, 2, 4, 3]))
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64  # as layers.gated_delta.CHUNK_SIZE
+L2_EPS = 1e-6  # as layers.gated_delta.L2_EPS
+MAX_GROUP_CHUNKS = 1024  # chunks (of all sequences) computed together: ~1 GiB per float32 tensor at Hv=32, D=128
+
+CuSeqlens = torch.Tensor | Sequence[int] | None
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers (the same numerics as layers.gated_delta's)
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _bounds(cu_seqlens: CuSeqlens, total: int) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, total)]
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to {total}, got {cu}")
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _initial_states(initial_state, n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    if initial_state is None:
+        return torch.zeros((n, *shape), dtype=dtype, device=device)
+    if tuple(initial_state.shape) != (n, *shape):
+        raise ValueError(f"initial_state must be {(n, *shape)}, got {tuple(initial_state.shape)}")
+    return initial_state.to(dtype)
+
+
+def _row_invariant(fn, x: torch.Tensor) -> torch.Tensor:
+    """``layers.activation.row_invariant`` for one tensor: on CPU a width that is not a multiple of
+    64 is zero-padded to one (so no element falls in the scalar tail, whose rounding differs)."""
+    width = x.shape[-1]
+    if x.is_cuda or width % 64 == 0:
+        return fn(x)
+    return fn(F.pad(x, (0, -width % 64)))[..., :width]
+
+
+# --------------------------------------------------------------------------------------------
+# The gated delta rule, batched across sequences
+
+
+def _groups(lengths: list[int], size: int, budget: int) -> list[list[int]]:
+    """Sequence indices in consecutive groups of at most ``budget`` chunks (a longer sequence alone);
+    empty sequences are left out (their final state is their initial state)."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        chunks = -(-n // size)
+        if not chunks:
+            continue
+        if cur and used + chunks > budget:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += chunks
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _chunk_layout(starts: list[int], lengths: list[int], size: int, device):
+    """For sequences already sorted by chunk count, descending: the token index of every chunk row,
+    chunk-major (chunk 0 of every sequence, then chunk 1 of those that have one, ...), as
+    ``idx [NC, size]`` (clamped into range) with ``valid [NC, size]``, and the row offsets of
+    each chunk index: ``offsets[c]:offsets[c + 1]`` are the chunks ``c`` of sequences ``0..A_c-1``."""
+    chunks = [-(-n // size) for n in lengths]
+    seq, pos, offsets = [], [], [0]
+    for c in range(chunks[0]):
+        active = sum(1 for n in chunks if n > c)  # a prefix, chunks being sorted descending
+        seq.extend(range(active))
+        pos.extend([c * size] * active)
+        offsets.append(offsets[-1] + active)
+    seq_t = torch.tensor(seq, dtype=torch.long)
+    local = torch.tensor(pos, dtype=torch.long)[:, None] + torch.arange(size)  # [NC, size] position in its sequence
+    valid = local < torch.tensor(lengths, dtype=torch.long)[seq_t][:, None]
+    idx = torch.tensor(starts, dtype=torch.long)[seq_t][:, None] + local
+    idx = torch.where(valid, idx, 0)
+    return idx.to(device), valid.to(device), offsets
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of a token-major ``x [T, H, ...]``, zero where not ``valid``, head-major:
+    ``[NC, H, size, ...]``."""
+    nc, size = idx.shape
+    y = x.index_select(0, idx.reshape(-1)).view(nc, size, *x.shape[1:])
+    y = y.masked_fill(~valid.view(nc, size, *([1] * (x.dim() - 1))), 0)
+    return y.transpose(1, 2).contiguous()
+
+
+def _rule_group(q, k, v, g, beta, S, starts, lengths, *, size, scale, qk_l2norm, cd):
+    """One group of sequences (sorted by chunk count, descending; all non-empty). q, k [T, Hk, Dk],
+    v [T, Hv, Dv], g, beta [T, Hv] in their own dtypes; S [n, Hv, Dk, Dv] in ``cd`` (updated in
+    place). Returns the outputs as chunk rows ``[NC, Hv, size, Dv]`` with ``idx`` and ``valid``."""
+    Hv, Dk = v.shape[1], k.shape[-1]
+    group = Hv // k.shape[1]
+    idx, valid, offsets = _chunk_layout(starts, lengths, size, v.device)
+    qc, kc = _gather(q, idx, valid).to(cd), _gather(k, idx, valid).to(cd)  # [NC, Hk, C, Dk]
+    if qk_l2norm:  # a zero (padding) row stays zero
+        qc, kc = _l2_normalize(qc), _l2_normalize(kc)
+    qc = qc * (Dk**-0.5 if scale is None else scale)
+    qc, kc = qc.repeat_interleave(group, dim=1), kc.repeat_interleave(group, dim=1)  # [NC, Hv, C, Dk]
+    vc = _gather(v, idx, valid).to(cd)  # [NC, Hv, C, Dv]
+    gc, bc = _gather(g, idx, valid).to(cd), _gather(beta, idx, valid).to(cd)  # [NC, Hv, C]
+
+    # within-chunk quantities, all chunks at once (the reference's _within_chunk)
+    G = gc.cumsum(-1)  # from each chunk's first token
+    causal = torch.ones(size, size, dtype=torch.bool, device=v.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [NC, Hv, C, C]
+    system = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
+    w_v = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(system, (bc * G.exp())[..., None] * kc, upper=False, unitriangular=True)
+    del system
+    scores = (qc @ kc.transpose(-1, -2)) * decay  # M * Q K^T, diagonal included
+    del decay
+    q_decayed = qc * G.exp()[..., None]
+    k_to_end = (kc * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [NC, Hv, Dk, C]
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [NC, Hv, 1, 1]
+    del qc, kc, vc
+
+    # the scan: chunk c of every sequence that has one, at once
+    out = torch.empty_like(w_v)
+    for c in range(len(offsets) - 1):
+        r0, r1 = offsets[c], offsets[c + 1]
+        s = S[: r1 - r0]
+        u = w_v[r0:r1] - w_k[r0:r1] @ s  # [A, Hv, C, Dv]
+        out[r0:r1] = q_decayed[r0:r1] @ s + scores[r0:r1] @ u
+        S[: r1 - r0] = s * chunk_decay[r0:r1] + k_to_end[r0:r1] @ u
+    return out, idx, valid
+
+
+def chunk_gated_delta_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: CuSeqlens = None,
+    initial_state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    qk_l2norm: bool = True,
+    chunk_size: int = CHUNK_SIZE,
+    max_group_chunks: int = MAX_GROUP_CHUNKS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers.gated_delta.gated_delta_rule_chunked`` vectorised across the packed sequences (see
+    the module docstring): q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; initial_state
+    [N, Hv, Dk, Dv] or None. Returns ``(o [T, Hv, Dv] in v's dtype, final states [N, Hv, Dk, Dv]
+    in float32, float64 if an input is)``. ``max_group_chunks`` bounds the chunks computed together."""
+    T, Hv, Dv = v.shape
+    Hk, Dk = k.shape[1], k.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
+    cd = _compute_dtype(q, k, v, g, beta, initial_state)
+    bounds = _bounds(cu_seqlens, T)
+    finals = _initial_states(initial_state, len(bounds), (Hv, Dk, Dv), cd, v.device).clone()
+    out = torch.zeros((T, Hv, Dv), dtype=cd, device=v.device)
+    lengths = [b - a for a, b in bounds]
+    for members in _groups(lengths, chunk_size, max_group_chunks):
+        members = sorted(members, key=lambda i: -(-lengths[i] // chunk_size), reverse=True)  # stable
+        sel = torch.tensor(members, dtype=torch.long, device=v.device)
+        S = finals.index_select(0, sel)
+        o, idx, valid = _rule_group(q, k, v, g, beta, S, [bounds[i][0] for i in members],
+                                    [lengths[i] for i in members], size=chunk_size, scale=scale,
+                                    qk_l2norm=qk_l2norm, cd=cd)
+        rows = o.transpose(1, 2).reshape(-1, Hv, Dv)  # [NC, Hv, C, Dv] -> [NC * C, Hv, Dv]
+        keep = valid.reshape(-1)
+        out.index_copy_(0, idx.reshape(-1)[keep], rows[keep])
+        finals.index_copy_(0, sel, S)
+    return out.to(v.dtype), finals
+
+
+# --------------------------------------------------------------------------------------------
+# The short causal convolution, batched across sequences
+
+
+def causal_conv1d_batched(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: CuSeqlens = None,
+    initial_state: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers.gated_delta.causal_conv1d`` without a loop over sequences: x [T, C]; weight [C, K];
+    initial_state [N, C, K - 1] (oldest first) or None. Returns ``(y [T, C] in x's dtype, final
+    states [N, C, K - 1] in x's dtype)``. Same operations in the same order as the reference, so
+    bit-identical to it on CPU (and, being elementwise, batch-invariant on any device)."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    T, C = x.shape
+    K = weight.shape[-1]
+    cd = _compute_dtype(x, weight)
+    bounds = _bounds(cu_seqlens, T)
+    N = len(bounds)
+    states = _initial_states(initial_state, N, (C, K - 1), x.dtype, x.device)
+    w = weight.reshape(C, K).to(cd)
+    # ext = [every sequence's K - 1 state rows ; x]: window position p of sequence i (p < K - 1 the
+    # state, else token p - (K - 1) of the sequence) is row i (K - 1) + p, or N (K - 1) + start_i + p - (K - 1)
+    ext = torch.cat([states.transpose(1, 2).reshape(N * (K - 1), C), x])
+    lengths = torch.tensor([b - a for a, b in bounds], dtype=torch.long)
+    starts = torch.tensor([a for a, _ in bounds], dtype=torch.long)
+
+    def rows(seq: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # window positions -> ext rows
+        return torch.where(p < K - 1, seq * (K - 1) + p, N * (K - 1) + starts[seq] + p - (K - 1))
+
+    seq = torch.repeat_interleave(torch.arange(N), lengths)  # [T] sequence of each token
+    p0 = torch.arange(T) - starts[seq]  # window position of the oldest tap of each token
+    taps = [rows(seq, p0 + j).to(x.device) for j in range(K)]
+    acc = ext.index_select(0, taps[0]).to(cd) * w[:, 0]
+    for j in range(1, K):  # taps in a fixed order, oldest input first
+        acc = acc + ext.index_select(0, taps[j]).to(cd) * w[:, j]
+    if bias is not None:
+        acc = acc + bias.to(cd)
+    if activation is not None:
+        acc = _row_invariant(F.silu, acc)
+    last = rows(torch.arange(N)[:, None], lengths[:, None] + torch.arange(K - 1))  # [N, K - 1]
+    finals = ext.index_select(0, last.reshape(-1).to(x.device)).view(N, K - 1, C).transpose(1, 2)
+    return acc.to(x.dtype), finals.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# fla-core (optional, CUDA)
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether ``fla.ops.gated_delta_rule`` imports (the optional extra ``fla``)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception:  # missing, or broken (no triton, no CUDA libraries)
+        return False
+    return True
+
+
+def chunk_gated_delta_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: CuSeqlens = None,
+    initial_state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    qk_l2norm: bool = True,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule through fla-core's ``chunk_gated_delta_rule`` (Triton, CUDA), same arguments and
+    results as ``chunk_gated_delta_batched``.
+
+    How the arguments map: fla takes packed ``[1, T, H, D]`` inputs with ``cu_seqlens`` (long, on
+    the device) and counts chunks from each sequence's start, as we do; grouped value attention is
+    native (q, k keep their Hk heads; value head h reads key head ``h // (Hv / Hk)``, our
+    ``repeat_interleave`` order). The L2 norm is done here in float32 (``x / sqrt(|x|^2 + 1e-6)``,
+    fla's formula) and rounded to the activation dtype, as fla's own in-kernel norm rounds it; it is
+    not left to fla because fla's norm kernel is autotuned per token count, which could make a
+    sequence's bits depend on the batch. The scale (default ``Dk^-1/2``) is passed to fla, which
+    applies it in the output (``o = scale * q (...)``), the same product as our pre-scaled q up to
+    rounding. ``g`` goes in float32, ``beta`` as given; states are float32 ``[N, Hv, Dk, Dv]``.
+    Empty sequences are left out of fla's call (their final state is their initial state)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    T, Hv, Dv = v.shape
+    Hk, Dk = k.shape[1], k.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
+    bounds = _bounds(cu_seqlens, T)
+    finals = _initial_states(initial_state, len(bounds), (Hv, Dk, Dv), torch.float32, v.device).clone()
+    if T == 0:
+        return v.new_zeros((0, Hv, Dv)), finals
+    nonempty = [i for i, (a, b) in enumerate(bounds) if b > a]
+    cu = [0] + [b for a, b in bounds if b > a]
+    act = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    if qk_l2norm:
+        q, k = _l2_normalize(q.float()), _l2_normalize(k.float())
+    h0 = finals if len(nonempty) == len(bounds) else finals[nonempty]
+    o, ht = chunk_gated_delta_rule(
+        q.to(act)[None], k.to(act)[None], v.to(act)[None], g.float()[None], beta[None],
+        scale=Dk**-0.5 if scale is None else scale, initial_state=h0.contiguous(), output_final_state=True,
+        use_qk_l2norm_in_kernel=False, cu_seqlens=torch.tensor(cu, dtype=torch.long, device=v.device),
+        cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long), chunk_size=chunk_size,
+    )
+    if len(nonempty) == len(bounds):
+        finals = ht.float()
+    else:
+        finals[nonempty] = ht.float()
+    return o[0].to(v.dtype), finals
+
+
+# --------------------------------------------------------------------------------------------
+# Which kernels
+
+
+def gated_delta_kernels(device: torch.device | str, deterministic: bool) -> tuple[Kernel | None, Kernel | None]:
+    """``(rule, conv)`` for ``layers.linear_state.packed_gated_delta`` on ``device``; ``None`` means
+    "keep the reference" (``layers.gated_delta``'s, which this floor cannot name).
+
+    * CPU: ``(None, None)``, the references (bit-for-bit batch-invariant, the tests' ground truth).
+    * CUDA, default mode: fla-core's Triton rule when it imports, else the batched PyTorch rule;
+      the batched conv (elementwise, batch-invariant).
+    * CUDA, deterministic mode: the rule must give a sequence the same bits whatever is packed
+      beside it. fla-core's kernels grid per (chunk, head) / (sequence, head) with autotune keys
+      that do not depend on the token count (its L2-norm kernel's do, so we normalise ourselves),
+      so fla is batch-invariant by construction; the batched PyTorch rule relies on cuBLAS batched
+      GEMMs and a batched triangular solve, which may pick kernels by batch count, so it is not
+      used there; without fla the reference's per-sequence loop is kept (``None``).
+      ``bench/gpu_gated_delta.py`` checks both claims on the GPU."""
+    if torch.device(device).type != "cuda":
+        return None, None
+    if fla_available():
+        return chunk_gated_delta_fla, causal_conv1d_batched
+    return (None if deterministic else chunk_gated_delta_batched), causal_conv1d_batched
