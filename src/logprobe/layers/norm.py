@@ -31,3 +31,20 @@ class RMSNorm(NumericsUser, nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # Cast back before the gain, as the reference implementations do, so bf16 runs match them.
         return self.weight * xf.to(dtype)
+
+
+class OffsetRMSNorm(NumericsUser, nn.Module):
+    """RMSNorm whose stored weight ``w`` is an offset from one: ``x / rms(x) * (1 + w)``, as
+    Qwen3-Next and Qwen3.5 (``Qwen3NextRMSNorm``, Gemma's convention) store their decoder, final
+    and q/k norms (initialised to zeros). Rounded as they compute it: the norm and the gain in
+    float32, one cast to x's dtype at the end (``RMSNorm`` casts before its gain)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

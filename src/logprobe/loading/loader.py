@@ -16,12 +16,14 @@ from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.hf_backend import TransformersModel
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
+from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from ..tokenizer import Tokenizer
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
+from .hybrid import build_hybrid, hybrid_config, hybrid_tensors, is_hybrid
 from .sharding import ShardedGGUF, hf_shard_tensors
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -151,6 +153,12 @@ def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.d
 
 def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
     """A rank's context for this model, after checking the model can be split ``size`` ways."""
+    if isinstance(cfg, HybridConfig):
+        if size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models (hybrid linear attention) run "
+                                "on one device per replica (tensor parallelism for them is not there yet)",
+                                "use tensor_parallel_size 1 (data parallelism works)")
+        return ParallelContext(rank, 1, group)
     grid = vocab_chunk_width(cfg.vocab_size)
     if cfg.moe is not None and size > 1:
         raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models run on one device per "
@@ -178,14 +186,14 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
         tokenizer = gguf_tokenizer(path, reader)
     else:
         raw = read_config(path)
-        cfg, why = native_config(raw)
+        cfg, why = (hybrid_config(raw), "") if is_hybrid(raw) else native_config(raw)
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a Llama-family model, or one GPU")
         arch, tokenizer = str(raw.get("model_type")), hf_tokenizer(path)
 
     with torch.device("meta"):
-        model = native_model_class(cfg)(cfg)
+        model = HybridModel(cfg) if isinstance(cfg, HybridConfig) else native_model_class(cfg)(cfg)
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
     return LoadedModel(model, tokenizer, info)
@@ -201,7 +209,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
     ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
-    if cfg.moe is not None:  # one rank (parallel_context refused a split): the whole model
+    if cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
         return load_model(spec, device, dtype)
     if path.is_file():
         reader = gguf_reader(path)
@@ -249,8 +257,14 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
 
     raw = read_config(path)
     tokenizer = hf_tokenizer(path)
-    cfg, _why = native_config(raw)
     arch = str(raw.get("model_type"))
+    if is_hybrid(raw):  # Qwen3-Next, Qwen3.5 (dense, MoE, multimodal wrappers): models.qwen3_next
+        hcfg = hybrid_config(raw)
+        model = build_hybrid(hcfg, hybrid_tensors(path, hcfg), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         hcfg.vocab_size, hcfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+    cfg, _why = native_config(raw)
     if cfg is not None:
         model = build_native(cfg, hf_tensors(path, cfg, raw, packed=weights == "packed"), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),

@@ -49,6 +49,7 @@ from ..layers.parallel_linear import held_rows
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.llama import LlamaModel
 from ..models.moe import native_model_class
+from ..models.qwen3_next import HybridModel
 from .checkpoint import _EXPERT, hf_param_name, safetensors_files
 from .loader import parallel_context
 from .sharding import rank_model
@@ -75,6 +76,7 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     [E, out, in] is E units ``layers.N.mlp.experts.gate_proj.{e}`` (views [out, in]). A
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
+    refuse_hybrid(model)
     if not isinstance(model, LlamaModel):
         raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
                             "use a native model (a Llama-family directory or GGUF file)")
@@ -84,6 +86,13 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
                                 "tensors cannot be written into quantized blocks exactly",
                                 "load the float checkpoint, or reload the scorer from the new quantized file")
     return _slots(model, list(full_slots(model.config, names=True)))
+
+
+def refuse_hybrid(model) -> None:
+    """The hybrid linear-attention models (``models.qwen3_next``) take no weight update yet."""
+    if isinstance(model, HybridModel):
+        raise LogprobeError("model", f"{model.config.family} (hybrid linear attention) has no weight update yet",
+                            "reload the scorer from the new checkpoint")
 
 
 def full_slots(cfg, names: bool = False) -> dict[str, torch.Tensor]:
@@ -330,6 +339,7 @@ def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors
     ``engine``: a parallel scorer's ``ParallelEngine`` (``model`` is then the driver's meta model)."""
     if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
         raise LogprobeError(field, "must be (name, tensor) pairs: a dict, a list or an iterator")
+    refuse_hybrid(model)
     items = incoming_tensors(named_tensors, field)
     if engine is not None:
         return update_workers(model, items, engine, field)
@@ -385,6 +395,7 @@ def _read(f: Path, key: str) -> torch.Tensor:
 def load_weights(model: LlamaModel, path: str | Path, field: str = "path", engine=None) -> int:
     """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
     read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
+    refuse_hybrid(model)
     items = safetensors_items(path, field)
     if engine is not None:
         full, seen = weight_slots(model), set()

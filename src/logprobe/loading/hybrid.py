@@ -1,0 +1,230 @@
+"""Hugging Face directories of the hybrid linear-attention Qwen families (``models.qwen3_next``):
+Qwen3-Next (``qwen3_next``), Qwen3.5 (``qwen3_5_text``; the multimodal ``qwen3_5`` with its
+``text_config``) and Qwen3.5 MoE (``qwen3_5_moe_text`` in ``qwen3_5_moe``).
+
+Checkpoint keys as the hub ships them: ``model.layers.*`` (causal LM classes) or
+``model.language_model.layers.*`` (``*ForConditionalGeneration``), ``lm_head.weight``; the vision
+tower (``model.visual.*``) and the multi-token-prediction head (``mtp.*``) are not used for
+scoring and are skipped with one note; any other key is refused. Config options the native model
+does not run are refused with their key named.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import LogprobeError
+from ..layers.gated_delta import split_qwen3_next_projections
+from ..layers.moe import MoeSpec
+from ..models.qwen3_next import HybridConfig, HybridModel
+from .checkpoint import check_plain_dtype, safetensors_files
+from .hf import stack_experts
+
+log = logging.getLogger(__name__)
+
+TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # multimodal: text_config inside
+HYBRID_TYPES = TEXT_TYPES + tuple(WRAPPERS)
+_SKIPPED = ("model.visual.", "mtp.")  # vision tower, multi-token prediction: not part of the text forward
+_SPLIT = re.compile(r"(layers\.\d+\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight")
+
+
+def is_hybrid(raw: dict) -> bool:
+    return raw.get("model_type") in HYBRID_TYPES
+
+
+def _text_config(raw: dict) -> tuple[dict, str, str]:
+    """(text config, its model_type, the prefix config keys are named with in errors)."""
+    mtype = raw.get("model_type")
+    if mtype in WRAPPERS:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise LogprobeError("config.text_config", f"model_type {mtype!r} needs a text_config object")
+        ttype = text.get("model_type", WRAPPERS[mtype])
+        if ttype != WRAPPERS[mtype]:
+            raise LogprobeError("config.text_config.model_type", f"{ttype!r} inside {mtype!r}, expected "
+                                f"{WRAPPERS[mtype]!r}")
+        return text, ttype, "config.text_config."
+    return raw, mtype, "config."
+
+
+def _int(cfg: dict, key: str, where: str, default=None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise LogprobeError(f"{where}{key}", "is missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LogprobeError(f"{where}{key}", f"must be an integer, got {value!r}")
+    return value
+
+
+def hybrid_config(raw: dict) -> HybridConfig:
+    """The native config of a hybrid Qwen checkpoint; refuses (naming the key) what it does not run."""
+    cfg, mtype, where = _text_config(raw)
+    for key in ("quantization_config",):
+        if raw.get(key) is not None or cfg.get(key) is not None:
+            raise LogprobeError(key, f"a quantized {mtype} checkpoint is not read natively yet",
+                                "score the unquantized (float) checkpoint")
+    if cfg.get("attention_bias"):
+        raise LogprobeError(f"{where}attention_bias", f"true: bias on the attention projections is not in the "
+                            f"native {mtype} model", "the released models have none")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise LogprobeError(f"{where}hidden_act", f"{cfg.get('hidden_act')!r}: the native {mtype} model runs silu")
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise LogprobeError(f"{where}rope_parameters", f"must be an object, got {params!r}")
+    legacy = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default"))) or "default"
+    if kind != "default":
+        raise LogprobeError(f"{where}rope_parameters.rope_type", f"{kind!r} is not in the native {mtype} model",
+                            "the released models use the default rotary")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    layers = _int(cfg, "num_hidden_layers", where)
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:  # transformers' default: full attention every full_attention_interval blocks
+        every = _int(cfg, "full_attention_interval", where, 4)
+        layer_types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    hidden, heads = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
+    moe, inter = _moe(cfg, mtype, where, layers)
+    tie = raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    try:
+        return HybridConfig(
+            vocab_size=_int(cfg, "vocab_size", where),
+            hidden_size=hidden,
+            num_layers=layers,
+            layer_types=tuple(layer_types),
+            num_heads=heads,
+            num_kv_heads=_int(cfg, "num_key_value_heads", where, heads),
+            head_dim=_int(cfg, "head_dim", where, hidden // heads),
+            linear_num_key_heads=_int(cfg, "linear_num_key_heads", where, 16),
+            linear_num_value_heads=_int(cfg, "linear_num_value_heads", where, 32),
+            linear_key_head_dim=_int(cfg, "linear_key_head_dim", where, 128),
+            linear_value_head_dim=_int(cfg, "linear_value_head_dim", where, 128),
+            linear_conv_kernel_dim=_int(cfg, "linear_conv_kernel_dim", where, 4),
+            intermediate_size=inter,
+            partial_rotary_factor=partial,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=None,
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", where, 32768),
+            moe=moe,
+            family=mtype,
+        )
+    except LogprobeError as e:
+        if e.field.startswith("config.") and where != "config.":  # name the key where it is: text_config
+            raise LogprobeError(where + e.field.removeprefix("config."), e.problem, e.fix) from e
+        raise
+
+
+def _moe(cfg: dict, mtype: str, where: str, layers: int) -> tuple[MoeSpec | None, int]:
+    """(the MoE part or None, the dense MLP width: 0 where no block is dense)."""
+    if mtype == "qwen3_5_text":
+        return None, _int(cfg, "intermediate_size", where)
+    experts = _int(cfg, "num_experts", where, 0)
+    if mtype == "qwen3_next" and experts == 0:
+        return None, _int(cfg, "intermediate_size", where)
+    dense: tuple[int, ...] = ()
+    if mtype == "qwen3_next":  # transformers' Qwen3NextDecoderLayer: which blocks are sparse
+        step, only = _int(cfg, "decoder_sparse_step", where, 1) or 1, set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
+    spec = MoeSpec(num_experts=experts, top_k=_int(cfg, "num_experts_per_tok", where),
+                   intermediate_size=_int(cfg, "moe_intermediate_size", where),
+                   norm_topk_prob=True if mtype == "qwen3_5_moe_text" else bool(cfg.get("norm_topk_prob", True)),
+                   shared_intermediate_size=_int(cfg, "shared_expert_intermediate_size", where, 0),
+                   dense_layers=dense)
+    inter = _int(cfg, "intermediate_size", where) if dense else int(cfg.get("intermediate_size") or 0)
+    return spec, inter
+
+
+def hybrid_param_name(key: str, cfg: HybridConfig, where: str) -> str | None:
+    """A checkpoint key -> the native parameter name (None: a tensor the text forward does not use)."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    if key == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else "lm_head.weight"
+    for prefix in ("model.language_model.", "model."):
+        if key.startswith(prefix) and not key.startswith(_SKIPPED):
+            name = key[len(prefix):]
+            return name.replace(".linear_attn.conv1d.weight", ".linear_attn.conv_weight")
+    if key.startswith(_SKIPPED):
+        return None
+    raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
+
+
+def hybrid_tensors(path: Path, cfg: HybridConfig):
+    """Yield (native parameter name, tensor) from the safetensors files of a hybrid checkpoint:
+    conv weights [C, 1, K] -> [C, K], Qwen3-Next's fused projections cut into Qwen3.5's layout,
+    experts stacked [E, out, in]."""
+    yield from stack_experts(_split_fused(_plain(path, cfg), cfg), cfg)
+
+
+def _plain(path: Path, cfg: HybridConfig):
+    from safetensors import safe_open
+
+    skipped: list[str] = []
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = hybrid_param_name(key, cfg, f.name)
+                if name is None:
+                    if key.startswith(_SKIPPED):
+                        skipped.append(key)
+                    continue
+                value = st.get_tensor(key)
+                check_plain_dtype(key, value, f.name)
+                if name.endswith(".linear_attn.conv_weight") and value.dim() == 3:
+                    value = value.squeeze(1)  # [C, 1, K] -> [C, K]
+                yield name, value
+    if skipped:
+        kinds = sorted({k.split(".")[0] if k.startswith("mtp.") else "model.visual" for k in skipped})
+        log.warning("%s: skipped %d tensors not used to score text (%s)", path.name, len(skipped), ", ".join(kinds))
+
+
+def _split_fused(tensors, cfg: HybridConfig):
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` of a layer (once both are read) -> ``in_proj_qkv``,
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in tensors:
+        m = _SPLIT.fullmatch(name)
+        if m is None:
+            yield name, value
+            continue
+        got = pending.setdefault(m.group(1), {})
+        got[m.group(2)] = value
+        if len(got) == 2:
+            parts = split_qwen3_next_projections(got["in_proj_qkvz"], got["in_proj_ba"], cfg.linear_num_key_heads,
+                                                 cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+                                                 cfg.linear_value_head_dim)
+            for part, w in parts.items():
+                yield f"{m.group(1)}.{part}.weight", w.contiguous()
+            del pending[m.group(1)]
+    for prefix, got in pending.items():
+        raise LogprobeError("model", f"{prefix}: {sorted(got)[0]} without its partner "
+                            f"({'in_proj_ba' if 'in_proj_qkvz' in got else 'in_proj_qkvz'}) in the checkpoint")
+
+
+def build_hybrid(cfg: HybridConfig, tensors, device: torch.device, dtype: torch.dtype) -> HybridModel:
+    """The native model from (name, tensor) pairs: every parameter present with the shape the
+    config implies, q/k rows permuted to the interleaved rotary layout."""
+    state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
+    with torch.device("meta"):
+        model = HybridModel(cfg)
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+    for name, w in state.items():
+        want = model.get_parameter(name).shape
+        if tuple(w.shape) != tuple(want):
+            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+    model.load_state_dict(HybridModel.interleave_rope_weights(cfg, state), assign=True, strict=True)
+    # non-persistent buffers were created on the meta device: make the rotary table for real
+    model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.fuse_projections()
+    return model.eval()

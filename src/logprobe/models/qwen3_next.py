@@ -1,0 +1,350 @@
+"""The hybrid linear-attention Qwen families, natively: Qwen3-Next (``qwen3_next``), Qwen3.5 dense
+(``qwen3_5_text``, also the text model of the multimodal ``qwen3_5``) and Qwen3.5 MoE
+(``qwen3_5_moe_text`` inside ``qwen3_5_moe``).
+
+Their blocks interleave two token mixers, ``config.layer_types[l]`` saying which (the released
+models: three linear-attention blocks before each full-attention one). The residual stream is the
+Llama one, with RMSNorms that store an offset from one (``N(x) = x / rms(x) * (1 + w)``,
+``layers.norm.OffsetRMSNorm``):
+
+    h_0     = embed(ids)                                  # embed
+    h'_l    = h_l + Mix_l(N(h_l))                         # resid_pre l, attn_out l, resid_mid l
+    h_{l+1} = h'_l + MLP_l(N(h'_l))                       # mlp_out l, resid_post l
+    out     = N(h_L)                                      # final_norm: fed to the log-prob head
+
+Linear attention (Gated DeltaNet; the core is ``layers.linear_state.packed_gated_delta``, which
+takes each packed segment's state from the ``AttentionMeta``: fresh, a chunk cache, or a shared
+prefix's end):
+
+    [q | k | v] = silu(conv1d(W_qkv x))                   causal depthwise conv, width K
+    g = -exp(A_log) * softplus(W_a x + dt_bias),  beta = sigmoid(W_b x)
+    o = GatedDeltaRule(q, k, v, g, beta)                  per value head, see layers.gated_delta
+    Mix(x) = W_out (w * o / rms(o) * silu(W_z x))         per-head gated norm, weight as stored
+
+Gated full attention (a Qwen3 attention whose q projection also yields a per-channel gate):
+
+    [q_h | gate_h] = (W_q x)_h                            per head h: D query rows, then D gate rows
+    q_h, k_h = N_q(q_h), N_k(k_h)                         (1 + w) RMSNorm per head
+    q_h, k_h = rope(q_h[:r]) ++ q_h[r:], ...              partial rotary: first r = D * partial_rotary_factor dims
+    Mix(x) = W_o (Attention(q, k, v) * sigmoid(gate))
+
+Qwen3.5's multimodal rotary (``mrope_section``) rotates frequency bands by the temporal, height
+and width positions; for text all three are the token's position, so it is the plain rotary above.
+
+MLP: a SwiGLU (Qwen3.5 dense; Qwen3-Next's ``mlp_only_layers``), or a routed mixture of experts
+with a shared expert behind a sigmoid gate (``layers.moe.MoeBlock``): softmax in float32, top k,
+renormalised over the k (Qwen3.5 MoE always; Qwen3-Next when ``norm_topk_prob``).
+
+Checkpoints: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are cut into Qwen3.5's
+``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` at load
+(``layers.gated_delta.split_qwen3_next_projections``); the conv weight [C, 1, K] is kept [C, K]
+(``conv_weight``); q/k rows are permuted to the interleaved rotary layout on their first r dims
+(``interleave_rope_weights``). One rank only (no tensor parallelism yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from ..config import Numerics
+from ..errors import LogprobeError
+from ..layers.activation import row_invariant
+from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.embedding import VocabParallelEmbedding
+from ..layers.gated_delta import GatedRMSNorm
+from ..layers.hooks import Hooks
+from ..layers.linear import Linear
+from ..layers.linear_state import DeltaInputs, packed_gated_delta
+from ..layers.logprob_head import HeadParams
+from ..layers.moe import MoeBlock, MoeSpec
+from ..layers.norm import OffsetRMSNorm
+from ..layers.numerics import NumericsUser
+from ..layers.parallel_linear import ParallelLMHead
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from ..parallel.context import ParallelContext
+from ..parallel.shard import vocab_chunk_width, vocab_shard
+from .caps import ModelCaps
+from .llama import LlamaMLP
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
+
+@dataclass(slots=True)
+class HybridConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    num_heads: int  # full attention
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    intermediate_size: int = 0  # the dense MLP's width (0: every block is a mixture of experts)
+    partial_rotary_factor: float = 0.25
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    moe: MoeSpec | None = None
+    family: str = "qwen3_5_text"  # the text model_type
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LogprobeError(f"config.{_KEYS.get(name, name)}", f"must be a positive integer, got {value!r}")
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_layers:
+            raise LogprobeError("config.layer_types", f"{len(self.layer_types)} entries for num_hidden_layers "
+                                f"{self.num_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise LogprobeError("config.layer_types", f"unknown layer type {unknown[0]!r}",
+                                f"the native model runs {' and '.join(LAYER_TYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise LogprobeError("config.num_key_value_heads",
+                                f"{self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise LogprobeError("config.linear_num_value_heads", f"{self.linear_num_value_heads} is not a multiple "
+                                f"of linear_num_key_heads {self.linear_num_key_heads}")
+        r = self.rotary_dim
+        if not 0 < r <= self.head_dim or r % 2:
+            raise LogprobeError("config.partial_rotary_factor", f"{self.partial_rotary_factor} of head_dim "
+                                f"{self.head_dim} gives {r} rotary dims: must be even and in 2..head_dim")
+        if self.moe is None and self.intermediate_size < 1:
+            raise LogprobeError("config.intermediate_size", f"must be a positive integer, got {self.intermediate_size!r}")
+        if self.moe is not None and self.moe.dense_layers and self.intermediate_size < 1:
+            raise LogprobeError("config.intermediate_size", "dense blocks (mlp_only_layers / decoder_sparse_step) "
+                                f"need a positive intermediate_size, got {self.intermediate_size!r}")
+        rope_inv_freq(r, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotary dims at the start of each head (transformers: ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def dense_mlp(self, layer_idx: int) -> bool:
+        return self.moe is None or layer_idx in self.moe.dense_layers
+
+
+@dataclass(slots=True)
+class _MlpWidths:  # what LlamaMLP reads of a config
+    hidden_size: int
+    intermediate_size: int
+
+
+def _swiglu(hidden: int, inter: int, ctx: ParallelContext) -> LlamaMLP:
+    """``down(silu(gate x) * up x)``: the dense MLP and the shared expert."""
+    return LlamaMLP(_MlpWidths(hidden, inter), ctx)
+
+
+class GatedDeltaMixer(NumericsUser, nn.Module):
+    """The linear-attention token mixer (checkpoint module ``linear_attn``)."""
+
+    def __init__(self, cfg: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # which layer of a chunk cache's states is ours
+        H = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = Linear(H, conv_dim)
+        self.in_proj_z = Linear(H, self.value_dim)
+        self.in_proj_b = Linear(H, self.num_v_heads)
+        self.in_proj_a = Linear(H, self.num_v_heads)
+        self.conv_weight = nn.Parameter(torch.empty(conv_dim, cfg.linear_conv_kernel_dim), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, H)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        T = x.shape[0]
+        inputs = DeltaInputs(
+            mixed=self.in_proj_qkv(x), a=self.in_proj_a(x), b=self.in_proj_b(x),  # [T, C], [T, Hv], [T, Hv]
+            conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias, key_dim=self.key_dim,
+            num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim)
+        o = packed_gated_delta(inputs, meta, self.layer_idx)  # [T, Hv, Dv]
+        z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        return self.out_proj(self.norm(o, z).reshape(T, self.value_dim))  # [T, H]
+
+
+class GatedAttention(NumericsUser, nn.Module):
+    """Full attention with a sigmoid output gate, q/k norms and partial rotary (module ``self_attn``)."""
+
+    def __init__(self, cfg: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        self.scale = cfg.head_dim**-0.5
+        D, H = cfg.head_dim, cfg.hidden_size
+        self.q_proj = Linear(H, cfg.num_heads * 2 * D)  # per head: D query rows, then D gate rows
+        self.k_proj = Linear(H, cfg.num_kv_heads * D)
+        self.v_proj = Linear(H, cfg.num_kv_heads * D)
+        self.o_proj = Linear(cfg.num_heads * D, H)
+        self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
+
+    def rotate(self, x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+        """Rotary on the first ``rotary_dim`` dims of each head (interleaved layout), the rest as is."""
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return apply_rotary(x, cis, self.numerics.triton)
+        return torch.cat([apply_rotary(x[..., :r], cis, self.numerics.triton), x[..., r:]], dim=-1)
+
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * D).chunk(2, dim=-1)  # [T, Hq, D] each
+        k = self.k_proj(x).view(T, self.num_kv_heads, D)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, D)
+        q, k = self.rotate(self.q_norm(q), cis), self.rotate(self.k_norm(k), cis)
+        o = packed_attention(q, k, v, meta, self.layer_idx, self.scale)  # [T, Hq, D]
+        gate = row_invariant(torch.sigmoid, gate.reshape(T, self.num_heads * D))  # [T, Hq * D]
+        return self.o_proj(o.reshape(T, self.num_heads * D) * gate)  # [T, H]
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig, layer_idx: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
+                                                                 "resid_post"))
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaMixer(cfg, layer_idx)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_idx)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.dense_mlp(layer_idx):
+            self.mlp = _swiglu(cfg.hidden_size, cfg.intermediate_size, ctx)
+        else:
+            spec = cfg.moe
+            shared = _swiglu(cfg.hidden_size, spec.shared_intermediate_size, ctx) \
+                if spec.shared_intermediate_size else None
+            self.mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared)
+
+    def mix(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        if self.layer_type == "linear_attention":
+            return self.linear_attn(x, meta)
+        return self.self_attn(x, cis, meta)
+
+    def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
+                ) -> torch.Tensor:
+        if hooks is None:
+            h = h + self.mix(self.input_layernorm(h), cis, meta)  # resid_mid
+            return h + self.mlp(self.post_attention_layernorm(h))  # resid_post
+        resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
+        h = hooks(resid_pre, h)
+        h = hooks(resid_mid, h + hooks(attn_out, self.mix(self.input_layernorm(h), cis, meta)))
+        return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h), hooks)))
+
+
+class HybridModel(NumericsUser, nn.Module):
+    """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
+    -> [T, H]``); ``head_params()`` feeds the log-prob head. One rank."""
+
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+
+    def __init__(self, cfg: HybridConfig, ctx: ParallelContext | None = None) -> None:
+        super().__init__()
+        if ctx is not None and ctx.size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {cfg.family} models run on one device per "
+                                "replica (no tensor parallelism for them yet)",
+                                "use tensor_parallel_size 1 (data parallelism works)")
+        self.config = cfg
+        self.ctx = ctx = ctx or ParallelContext()
+        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
+        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
+        self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
+
+    def check_hooks(self, hooks: Hooks) -> None:
+        """Refuse hooks at points this model does not have (router points of dense blocks), steering
+        router probabilities, or projecting them (as ``LlamaModel.check_hooks``)."""
+        for point in hooks.steer:
+            if point.endswith(".router"):
+                raise LogprobeError("steer", f"{point}: router probabilities are capture-only",
+                                    "steer a residual-stream point (e.g. blocks.N.mlp_out)")
+        for point, tables in hooks.capture.items():
+            if point.endswith(".router") and point not in self.router_points:
+                raise LogprobeError("capture", f"{point}: this block has no router (not a mixture-of-experts MLP)",
+                                    "capture router probabilities of a mixture-of-experts block")
+            if point.endswith(".router") and any(t.kind == "project" for t in tables):
+                raise LogprobeError("capture", f"{point}: router probabilities cannot be projected onto a "
+                                    "hidden-size vector", "use reduce none, last, mean or sum")
+
+    @staticmethod
+    def interleave_rope_weights(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint (rotate-half) q/k rows -> the interleaved layout ``apply_rotary`` expects, on
+        the first ``rotary_dim`` dims of each head (q_proj's heads are 2 D rows: query, then gate)."""
+        out = dict(state)
+        for name, w in state.items():
+            if ".self_attn.q_proj." in name:
+                out[name] = _interleave_head_rows(w, 2 * cfg.head_dim, cfg.rotary_dim)
+            elif any(f".self_attn.{p}." in name for p in ("k_proj", "q_norm", "k_norm")):
+                out[name] = _interleave_head_rows(w, cfg.head_dim, cfg.rotary_dim)
+        return out
+
+    def fuse_projections(self) -> None:
+        """Dense MLPs' gate/up as one matmul (shared experts too)."""
+        for layer in self.layers:
+            layer.mlp.fuse()
+
+    triton_elementwise = True
+
+    def use_triton_elementwise(self, on: bool) -> None:
+        """As ``LlamaModel.use_triton_elementwise``."""
+        self.triton_elementwise = on
+        self.set_numerics(replace(self.numerics, triton=True))
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        super().set_numerics(replace(numerics, triton=numerics.triton and self.triton_elementwise))
+
+    def head_params(self) -> HeadParams:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
+                          comm=None, grid=self.vocab_grid)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                hooks: Hooks | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        hooks = hooks or None
+        if hooks is not None:
+            self.check_hooks(hooks)
+        h = self.embed_tokens(input_ids)  # [T, H]
+        if hooks is not None:
+            h = hooks("embed", h)
+        cis = self.rotary(positions)  # [T, r/2] complex
+        for layer in self.layers:
+            h = layer(h, cis, meta, hooks)
+        h = self.norm(h)
+        return h if hooks is None else hooks("final_norm", h)
+
+
+def _interleave_head_rows(w: torch.Tensor, block: int, r: int) -> torch.Tensor:
+    """Rows of ``w`` in heads of ``block`` rows: each head's first ``r`` rows from the rotate-half
+    pairing (j with j + r/2) to the interleaved one (2j with 2j + 1); other rows unchanged."""
+    n = w.shape[0] // block
+    heads = w.reshape(n, block, *w.shape[1:])  # [n, block, ...]
+    rot = heads[:, :r].reshape(n, 2, r // 2, *w.shape[1:]).transpose(1, 2).reshape(n, r, *w.shape[1:])
+    return torch.cat([rot, heads[:, r:]], dim=1).reshape(w.shape)

@@ -1,0 +1,215 @@
+"""The hybrid linear-attention Qwen families (``models.qwen3_next``) against float64 transformers.
+
+Four tiny random checkpoints, saved by transformers' own classes with ``save_pretrained``: Qwen3.5
+dense (``Qwen3_5ForCausalLM``), Qwen3.5 multimodal (``Qwen3_5ForConditionalGeneration``: text
+weights under ``model.language_model.``, a vision tower to skip), Qwen3.5 MoE multimodal
+(``Qwen3_5MoeForConditionalGeneration``) and Qwen3-Next (fused ``in_proj_qkvz`` / ``in_proj_ba``,
+one dense block through ``mlp_only_layers``). Each has linear- and full-attention blocks and every
+weight random, the (1 + w) norms, A_log, dt_bias and the gated norm included (transformers
+initialises the norms to the identity, which would hide a w vs 1 + w mix-up).
+
+The reference is transformers' forward in float64. Its gated delta rule, gated norm and (1 + w)
+RMSNorm cast to float32 inside, so those code objects run with ``torch.float32`` read as float64
+(as ``test_gated_delta`` does): the reference is float64 throughout. Ours runs in float32 through
+``Scorer`` (the engine, the packed batch, the log-prob head); per-token log-probs must agree to
+1e-4 over more than 50 tokens of several sequences, some longer than the rule's 64-token chunk.
+
+MoE near-ties: as in ``test_moe``, the float64 router's gap between the k-th and (k+1)-th
+probability of every scored token must exceed ``MIN_MARGIN`` (asserted), so both pick the same
+experts and the 1e-4 comparison is not luck.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import types
+
+import pytest
+import torch
+from helpers import VOCAB, byte_tokenizer, random_sequences
+
+from logprobe import LogprobeError, Scorer
+from logprobe.loading.hybrid import hybrid_config
+from logprobe.loading.loader import parallel_context
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf35  # noqa: E402
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf35moe  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next as hfnext  # noqa: E402
+
+TOL = 1e-4
+MIN_MARGIN = 1e-6
+KINDS = ["qwen3_5_text", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4)
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=0,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"], **LINEAR)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16)
+MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+
+
+def make_model(kind: str):
+    """transformers' model of ``kind``: eager attention and experts (its grouped_mm has no float64)."""
+    model = _config_and_class(kind)
+    return model[1]._from_config(model[0], attn_implementation="eager", experts_implementation="eager")
+
+
+def _config_and_class(kind: str):
+    tf = transformers
+    if kind == "qwen3_5_text":  # partial rotary 1/2 of the head here (0.25 is the default, the next ones)
+        cfg = tf.Qwen3_5TextConfig(**TEXT, intermediate_size=96, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        return cfg, tf.Qwen3_5ForCausalLM
+    if kind == "qwen3_5":
+        return (tf.Qwen3_5Config(text_config=dict(**TEXT, intermediate_size=96), vision_config=VISION),
+                tf.Qwen3_5ForConditionalGeneration)
+    if kind == "qwen3_5_moe":
+        return (tf.Qwen3_5MoeConfig(text_config=dict(**TEXT, **MOE), vision_config=VISION),
+                tf.Qwen3_5MoeForConditionalGeneration)
+    if kind == "qwen3_next":  # block 2 dense (mlp_only_layers), top-2 renormalised
+        return (tf.Qwen3NextConfig(**TEXT, **MOE, intermediate_size=96, mlp_only_layers=[2], norm_topk_prob=True),
+                tf.Qwen3NextForCausalLM)
+    raise ValueError(kind)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log())
+            elif p.dim() == 1:  # norms (offsets and the gated norm's weight), dt_bias
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1.0 if "linear_attn.norm" in name else 0.0))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+class _TorchFloat32IsFloat64:
+    float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _float64(fn):
+    """``fn``'s code with ``torch.float32`` meaning float64 (and ``.float()`` left to the caller)."""
+    fn = inspect.unwrap(fn)
+    out = types.FunctionType(fn.__code__, dict(fn.__globals__, torch=_TorchFloat32IsFloat64()), fn.__name__,
+                             fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def _offset_norm64(self, x):
+    """transformers' (1 + w) RMSNorm in float64 (its ``.float()`` casts would round to float32)."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.double())
+
+
+@pytest.fixture(scope="module")
+def float64_reference():
+    """transformers' hybrid modules computing in float64 while the fixture lives."""
+    mp = pytest.MonkeyPatch()
+    for mod, prefix in ((hf35, "Qwen3_5"), (hf35moe, "Qwen3_5Moe"), (hfnext, "Qwen3Next")):
+        mp.setattr(mod, "torch_chunk_gated_delta_rule", _float64(mod.torch_chunk_gated_delta_rule))
+        gated = getattr(mod, f"{prefix}RMSNormGated")
+        mp.setattr(gated, "forward", _float64(gated.forward))
+        mp.setattr(getattr(mod, f"{prefix}RMSNorm"), "forward", _offset_norm64)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory, float64_reference):
+    out = {}
+    for i, kind in enumerate(KINDS):
+        d = tmp_path_factory.mktemp(kind)
+        torch.manual_seed(i)
+        model = make_model(kind).float().eval()
+        _randomise(model, seed=100 + i)
+        model.save_pretrained(str(d))
+        byte_tokenizer()[0].save_pretrained(str(d))
+        out[kind] = (d, model.double())
+    return out
+
+
+def _reference(model, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """float64 log-probs [L, V] and each MoE block's router probabilities [L, E]."""
+    routers: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, o: routers.append(torch.softmax(o[0].double(), -1)))
+             for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.log_softmax(logits, dim=-1), routers
+
+
+def _sequences() -> list[dict]:
+    seqs = random_sequences(4, seed=7, max_prompt=30, max_completion=60)
+    seqs.append({"prompt_token_ids": list(range(2, 42)), "completion_token_ids": list(range(60, 100))})  # 80 tokens
+    return seqs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprobs_match_float64_transformers(kind, hybrid_dirs):
+    path, ref = hybrid_dirs[kind]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    assert scorer.info.backend == "native"
+    assert type(scorer.loaded.model).__name__ == "HybridModel"
+    seqs = _sequences()
+    out = scorer.logprobs(seqs)
+    compared, worst, margin = 0, 0.0, float("inf")
+    for seq, res in zip(seqs, out):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        lp, routers = _reference(ref, ids)
+        lo, hi = len(seq["prompt_token_ids"]) - 1, len(ids) - 1
+        tgt = lp[lo:hi].gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+        worst = max(worst, (res.logprobs.double() - tgt).abs().max().item())
+        compared += len(tgt)
+        for p in routers:  # rows 0..hi-1 feed the scored rows (causal)
+            top = p[:hi].topk(3, dim=-1).values
+            margin = min(margin, (top[:, 1] - top[:, 2]).min().item())
+    assert compared > 50 and len(seqs) >= 5
+    assert max(len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) for s in seqs) > 64
+    if kind in ("qwen3_5_moe", "qwen3_next"):
+        assert margin > MIN_MARGIN, f"router near-tie {margin:.2e}: pick another seed"
+    print(f"{kind}: max |delta| {worst:.2e} over {compared} tokens, router margin {margin:.2e}")
+    assert worst < TOL, f"{kind}: max |delta log-prob| {worst:.2e} over {compared} tokens"
+
+
+def test_packed_and_alone_agree(hybrid_dirs):
+    """A sequence scored alone and packed among others: the same numbers (linear state per segment)."""
+    path, _ = hybrid_dirs["qwen3_5"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    seqs = _sequences()
+    together = scorer.logprobs(seqs)
+    for seq, res in zip(seqs, together):
+        alone = scorer.logprobs([seq])[0]
+        assert (alone.logprobs - res.logprobs).abs().max().item() < 1e-5
+
+
+def test_config_refusals(hybrid_dirs):
+    raw = json.loads((hybrid_dirs["qwen3_5"][0] / "config.json").read_text())
+    cfg = hybrid_config(raw)
+    assert cfg.family == "qwen3_5_text" and cfg.layer_types[1] == "full_attention" and cfg.rotary_dim == 8
+    for key, value, field in [
+        ("attention_bias", True, "config.text_config.attention_bias"),
+        ("layer_types", ["linear_attention", "sliding_attention"] * 2, "config.text_config.layer_types"),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0},
+         "config.text_config.rope_parameters.rope_type"),
+        ("hidden_act", "gelu", "config.text_config.hidden_act"),
+    ]:
+        bad = json.loads(json.dumps(raw))
+        bad["text_config"][key] = value
+        with pytest.raises(LogprobeError) as e:
+            hybrid_config(bad)
+        assert e.value.field == field
+    with pytest.raises(LogprobeError) as e:
+        parallel_context(cfg, 0, 2)
+    assert e.value.field == "tensor_parallel_size" and "data parallelism" in str(e.value)
