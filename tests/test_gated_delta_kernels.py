@@ -146,7 +146,7 @@ def test_selector_policy(monkeypatch):
         assert rule is (chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
         rule, conv = gated_delta_kernels("cuda:0", True)
         assert conv is causal_conv1d_batched
-        assert rule is (chunk_gated_delta_fla if has_fla else None)
+        assert rule is (chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,8 +179,8 @@ fla = pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()), re
 def test_fla_rule_matches_reference(hk, hv, dk, dv):
     cu = _cu(LENGTHS)
     x = _inputs(cu[-1], device="cuda", hk=hk, hv=hv, dk=dk, dv=dv)
-    q, k, v, g, beta = (t.to(torch.bfloat16) for t in x[:3]), x[3], x[4].to(torch.bfloat16)
-    q, k, v = q
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (x[0], x[1], x[2], x[4]))
+    g = x[3]
     s0 = torch.randn(len(LENGTHS), hv, dk, dv, device="cuda") * 0.1
     o_ref, s_ref = gated_delta_rule_chunked(q.float(), k.float(), v.float(), g, beta.float(), cu, s0)
     o, s = chunk_gated_delta_fla(q, k, v, g, beta, cu, s0)
@@ -201,4 +201,20 @@ def test_fla_rule_batch_invariant():
     for i in (LENGTHS.index(200), LENGTHS.index(65)):
         a, b = cu[i], cu[i + 1]
         o1, s1 = chunk_gated_delta_fla(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], None, s0[i:i + 1])
+        assert torch.equal(o1, o[a:b]) and torch.equal(s1[0], s[i])
+
+
+@pytest.mark.gpu
+@cuda
+def test_batched_rule_batch_invariant_on_cuda():
+    """What deterministic mode's fallback without fla relies on (``gated_delta_kernels``): a
+    sequence alone and packed among others, the same bits."""
+    cu = _cu(LENGTHS)
+    q, k, v, g, beta = _inputs(cu[-1], device="cuda", hk=4, hv=8, dk=128, dv=128)
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    s0 = torch.randn(len(LENGTHS), 8, 128, 128, device="cuda") * 0.1
+    o, s = chunk_gated_delta_batched(q, k, v, g, beta, cu, s0)
+    for i in (LENGTHS.index(200), LENGTHS.index(65)):
+        a, b = cu[i], cu[i + 1]
+        o1, s1 = chunk_gated_delta_batched(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], None, s0[i:i + 1])
         assert torch.equal(o1, o[a:b]) and torch.equal(s1[0], s[i])

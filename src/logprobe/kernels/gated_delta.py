@@ -15,16 +15,17 @@ same signatures and results (it may not import ``layers``, so it repeats the few
   the state tensor and chunk ``c`` of all of them a contiguous block of rows: no gathers in the loop.
   Work is split into groups of at most ``max_group_chunks`` chunks (whole sequences) to bound memory.
   Computes in float32 (float64 stays float64); matches the reference to rounding.
-* ``causal_conv1d_batched``: each row's ``K - 1`` predecessors gathered from ``[initial states ; x]``
-  with per-sequence offsets, taps summed in the reference's order and SiLU applied exactly as the
+* ``causal_conv1d_batched``: every sequence's window ``[initial state ; x_i]`` laid end to end, so
+  each tap of every token is one contiguous slice; taps summed in the reference's order and SiLU applied exactly as the
   reference applies it, so on CPU it is bit-identical to ``causal_conv1d``.
 * ``chunk_gated_delta_fla``: ``fla-core``'s Triton ``chunk_gated_delta_rule`` (optional extra ``fla``),
   behind our signature; CUDA only.
 * ``gated_delta_kernels(device, deterministic)``: which of them to use (see its docstring).
 
 Batch invariance: within a sequence the batched rule performs the reference's operations, but on
-CUDA a batched GEMM / triangular solve may choose its kernel by the batch count, so bits may
-depend on what else is packed; ``bench/gpu_gated_delta.py`` checks it for both GPU paths.
+CUDA a batched GEMM / triangular solve may choose its kernel by the batch count, so bits could
+depend on what else is packed; ``bench/gpu_gated_delta.py`` checks it for both GPU paths (on an
+H100 both were bit-identical alone and packed; see ``gated_delta_kernels``).
 
     >>> T, Hk, Hv, Dk, Dv = 5, 1, 2, 4, 3
     >>> q, k = torch.randn(T, Hk, Dk), torch.randn(T, Hk, Dk)
@@ -250,28 +251,29 @@ def causal_conv1d_batched(
     N = len(bounds)
     states = _initial_states(initial_state, N, (C, K - 1), x.dtype, x.device)
     w = weight.reshape(C, K).to(cd)
-    # ext = [every sequence's K - 1 state rows ; x]: window position p of sequence i (p < K - 1 the
-    # state, else token p - (K - 1) of the sequence) is row i (K - 1) + p, or N (K - 1) + start_i + p - (K - 1)
-    ext = torch.cat([states.transpose(1, 2).reshape(N * (K - 1), C), x])
+    # The windows of all sequences, end to end: [state_0 ; x_0 ; state_1 ; x_1 ; ...] ([T + N (K - 1), C]),
+    # so every tap of every token is a contiguous slice (token row r reads rows r - K + 1 .. r).
     lengths = torch.tensor([b - a for a, b in bounds], dtype=torch.long)
     starts = torch.tensor([a for a, _ in bounds], dtype=torch.long)
-
-    def rows(seq: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # window positions -> ext rows
-        return torch.where(p < K - 1, seq * (K - 1) + p, N * (K - 1) + starts[seq] + p - (K - 1))
-
     seq = torch.repeat_interleave(torch.arange(N), lengths)  # [T] sequence of each token
-    p0 = torch.arange(T) - starts[seq]  # window position of the oldest tap of each token
-    taps = [rows(seq, p0 + j).to(x.device) for j in range(K)]
-    acc = ext.index_select(0, taps[0]).to(cd) * w[:, 0]
+    token_rows = torch.arange(T) + (seq + 1) * (K - 1)  # where token t sits in the windows
+    first = starts + torch.arange(N) * (K - 1)  # each window's first row
+    state_rows = first[:, None] + torch.arange(K - 1)  # [N, K - 1]
+    last_rows = (first + lengths)[:, None] + torch.arange(K - 1)  # each window's last K - 1 rows
+    windows = torch.empty((T + N * (K - 1), C), dtype=cd, device=x.device)
+    windows.index_copy_(0, state_rows.reshape(-1).to(x.device), states.transpose(1, 2).reshape(-1, C).to(cd))
+    windows.index_copy_(0, token_rows.to(x.device), x.to(cd))
+    R = windows.shape[0] - (K - 1)  # rows K - 1 .. end, each with K - 1 predecessors in the windows
+    acc = windows[0:R] * w[:, 0]
     for j in range(1, K):  # taps in a fixed order, oldest input first
-        acc = acc + ext.index_select(0, taps[j]).to(cd) * w[:, j]
+        acc = acc + windows[j : j + R] * w[:, j]
+    acc = acc.index_select(0, (token_rows - (K - 1)).to(x.device))  # the tokens' rows: [T, C]
     if bias is not None:
         acc = acc + bias.to(cd)
     if activation is not None:
         acc = _row_invariant(F.silu, acc)
-    last = rows(torch.arange(N)[:, None], lengths[:, None] + torch.arange(K - 1))  # [N, K - 1]
-    finals = ext.index_select(0, last.reshape(-1).to(x.device)).view(N, K - 1, C).transpose(1, 2)
-    return acc.to(x.dtype), finals.contiguous()
+    finals = windows.index_select(0, last_rows.reshape(-1).to(x.device)).view(N, K - 1, C).transpose(1, 2)
+    return acc.to(x.dtype), finals.to(x.dtype).contiguous()
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,12 +359,13 @@ def gated_delta_kernels(device: torch.device | str, deterministic: bool) -> tupl
     * CUDA, deterministic mode: the rule must give a sequence the same bits whatever is packed
       beside it. fla-core's kernels grid per (chunk, head) / (sequence, head) with autotune keys
       that do not depend on the token count (its L2-norm kernel's do, so we normalise ourselves),
-      so fla is batch-invariant by construction; the batched PyTorch rule relies on cuBLAS batched
-      GEMMs and a batched triangular solve, which may pick kernels by batch count, so it is not
-      used there; without fla the reference's per-sequence loop is kept (``None``).
-      ``bench/gpu_gated_delta.py`` checks both claims on the GPU."""
+      so it is batch-invariant by construction: fla when it imports. Without it the batched PyTorch
+      rule: it relies on cuBLAS batched GEMMs and a batched triangular solve, which could pick
+      kernels by batch count, but on an H100 (torch 2.11, cu130) ``bench/gpu_gated_delta.py`` found
+      a sequence alone and packed among 14 others bit-identical, and its final states bit-identical
+      to the per-sequence reference's; rerun that check on a new GPU or library version.
+      So the choice does not depend on the mode today; ``deterministic`` stays in the signature
+      for the day a kernel is fast but not invariant."""
     if torch.device(device).type != "cuda":
         return None, None
-    if fla_available():
-        return chunk_gated_delta_fla, causal_conv1d_batched
-    return (None if deterministic else chunk_gated_delta_batched), causal_conv1d_batched
+    return (chunk_gated_delta_fla if fla_available() else chunk_gated_delta_batched), causal_conv1d_batched
