@@ -54,7 +54,8 @@ from ..errors import LogprobeError
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
-from ..layers.gated_delta import GatedRMSNorm
+from ..kernels.gated_delta import gated_delta_kernels
+from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear
 from ..layers.linear_state import DeltaInputs, packed_gated_delta
@@ -179,7 +180,9 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
             conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias, key_dim=self.key_dim,
             num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
             head_v_dim=self.head_v_dim)
-        o = packed_gated_delta(inputs, meta, self.layer_idx)  # [T, Hv, Dv]
+        rule, conv = gated_delta_kernels(x.device, self.numerics.deterministic)  # None: the reference
+        kernels = {k: f for k, f in (("rule", rule), ("conv", conv)) if f is not None}
+        o = packed_gated_delta(inputs, meta, self.layer_idx, **kernels)  # [T, Hv, Dv]
         z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         return self.out_proj(self.norm(o, z).reshape(T, self.value_dim))  # [T, H]
 
@@ -259,7 +262,8 @@ class HybridModel(NumericsUser, nn.Module):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
     -> [T, H]``); ``head_params()`` feeds the log-prob head. One rank."""
 
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    # the chunked rule reproduces a whole run's bits only where a sequence is cut at a multiple of its chunk
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False, state_align=CHUNK_SIZE)
 
     def __init__(self, cfg: HybridConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
