@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import random
 import types
 
 import pytest
@@ -30,8 +31,12 @@ import torch
 from helpers import VOCAB, byte_tokenizer, random_sequences
 
 from logprobe import LogprobeError, Scorer
+from logprobe.config import EngineConfig
+from logprobe.engine.request import ScoreRequest
+from logprobe.loading import load_model
 from logprobe.loading.hybrid import hybrid_config
 from logprobe.loading.loader import parallel_context
+from logprobe.models.caps import ModelCaps
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf35  # noqa: E402
@@ -213,3 +218,47 @@ def test_config_refusals(hybrid_dirs):
     with pytest.raises(LogprobeError) as e:
         parallel_context(cfg, 0, 2)
     assert e.value.field == "tensor_parallel_size" and "data parallelism" in str(e.value)
+
+
+def _mix(seed: int) -> list[ScoreRequest]:
+    """Groups sharing a 70-token context (shared prefixes cut back to 64, the state grid), and long
+    requests (chunks at 64s under a small budget)."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+    ctx = tok(70)
+    reqs = [ScoreRequest(ctx + tok(rng.randint(1, 20)), rng.choice([70, 1])) for _ in range(3)]
+    return reqs + [ScoreRequest(tok(n), 1) for n in (5, 150)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_chunks_and_shared_prefixes_are_bitwise(kind, hybrid_dirs):
+    """Deterministic mode: each request alone, or packed with shared prefixes and cut into chunks
+    by small budgets, gives the same bits (the engine cuts on ``caps.state_align``)."""
+    loaded = load_model(str(hybrid_dirs[kind][0]), "cpu", "float32")
+    assert ModelCaps.of(loaded.model).state_align == 64
+    reqs = _mix(4)
+    alone = [Scorer(loaded, config=EngineConfig(deterministic=True, share_prefixes=False)).engine.run([r])[0]
+             for r in reqs]
+    for budget in (64, 100, 1 << 20):
+        cfg = EngineConfig(max_batch_tokens=budget, deterministic=True, share_prefixes=True)
+        for a, b in zip(alone, Scorer(loaded, config=cfg).engine.run(reqs)):
+            assert torch.equal(a.logprobs, b.logprobs), budget
+
+
+def test_capture_router_and_hooks(hybrid_dirs):
+    """Router probabilities of a MoE block against the float64 reference's; a router point of the
+    dense block (Qwen3-Next's mlp_only_layers) is refused; steering with a zero vector changes nothing."""
+    path, ref = hybrid_dirs["qwen3_next"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    seq = {"prompt_token_ids": list(range(10, 40)), "completion_token_ids": list(range(40, 60))}
+    tokens = seq["prompt_token_ids"] + seq["completion_token_ids"]
+    res = scorer.logprobs([seq], capture=[{"at": ["blocks.0.router", "blocks.*.resid_post"], "positions": "all"}])[0]
+    got = {c.at: c.value for c in res.captures}
+    _, routers = _reference(ref, tokens)
+    assert got["blocks.0.router"].shape == (len(tokens), 8)
+    assert (got["blocks.0.router"].double() - routers[0]).abs().max() < 1e-5
+    assert got["blocks.3.resid_post"].shape == (len(tokens), 64)
+    with pytest.raises(LogprobeError, match="no router"):
+        scorer.logprobs([seq], capture=[{"at": "blocks.2.router"}])
+    steered = scorer.logprobs([seq], steer=[{"at": "blocks.1.attn_out", "vector": [0.0] * 64}])[0]
+    assert torch.equal(steered.logprobs, scorer.logprobs([seq])[0].logprobs)

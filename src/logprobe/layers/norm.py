@@ -37,7 +37,9 @@ class OffsetRMSNorm(NumericsUser, nn.Module):
     """RMSNorm whose stored weight ``w`` is an offset from one: ``x / rms(x) * (1 + w)``, as
     Qwen3-Next and Qwen3.5 (``Qwen3NextRMSNorm``, Gemma's convention) store their decoder, final
     and q/k norms (initialised to zeros). Rounded as they compute it: the norm and the gain in
-    float32, one cast to x's dtype at the end (``RMSNorm`` casts before its gain)."""
+    float32, one cast to x's dtype at the end (``RMSNorm`` casts before its gain). On CUDA (as
+    ``RMSNorm``: deterministic mode, or ``numerics.triton``) each row is reduced alone by
+    ``kernels.rmsnorm`` on the float32 input with the float32 gain ``1 + w``: the same rounding."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -45,6 +47,9 @@ class OffsetRMSNorm(NumericsUser, nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.numerics.deterministic or self.numerics.triton) and x.is_cuda:
+            if triton_available():
+                return invariant_rmsnorm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
