@@ -34,7 +34,7 @@ from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
 from logprobe.engine.request import ScoreRequest
 from logprobe.loading import load_model
-from logprobe.loading.hybrid import hybrid_config
+from logprobe.loading.hybrid import hybrid_config, hybrid_param_name
 from logprobe.loading.loader import parallel_context
 from logprobe.models.caps import ModelCaps
 
@@ -262,3 +262,25 @@ def test_capture_router_and_hooks(hybrid_dirs):
         scorer.logprobs([seq], capture=[{"at": "blocks.2.router"}])
     steered = scorer.logprobs([seq], steer=[{"at": "blocks.1.attn_out", "vector": [0.0] * 64}])[0]
     assert torch.equal(steered.logprobs, scorer.logprobs([seq])[0].logprobs)
+
+
+def test_hub_style_configs_and_keys(hybrid_dirs):
+    """Qwen3-Next as the hub ships its config (no layer_types: full_attention_interval; rope_theta and
+    partial_rotary_factor at the top), and the checkpoint keys the loader skips or refuses."""
+    raw = json.loads((hybrid_dirs["qwen3_next"][0] / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        raw.pop(key)
+    raw.update(full_attention_interval=2, rope_theta=1e6, partial_rotary_factor=0.25, rope_scaling=None)
+    cfg = hybrid_config(raw)
+    assert cfg.layer_types == ("linear_attention", "full_attention") * 2
+    assert (cfg.rope_theta, cfg.rotary_dim, cfg.moe.dense_layers, cfg.moe.norm_topk_prob) == (1e6, 8, (2,), True)
+    assert hybrid_param_name("mtp.layers.0.mlp.gate.weight", cfg, "f") is None
+    assert hybrid_param_name("model.visual.blocks.0.attn.qkv.weight", cfg, "f") is None
+    assert hybrid_param_name("model.language_model.layers.0.linear_attn.conv1d.weight", cfg, "f") == \
+        "layers.0.linear_attn.conv_weight"
+    with pytest.raises(LogprobeError, match="unexpected tensor"):
+        hybrid_param_name("vision_tower.proj.weight", cfg, "f")
+    raw["quantization_config"] = {"quant_method": "fp8"}
+    with pytest.raises(LogprobeError) as e:
+        hybrid_config(raw)
+    assert e.value.field == "quantization_config"
