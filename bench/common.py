@@ -63,6 +63,30 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
 QWEN3_MOE_TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+# Qwen3.5 hybrids (Gated DeltaNet linear attention, 3 linear : 1 full layers): the text configs of
+# Qwen3.5-9B and Qwen3.5-35B-A3B (transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig, whose
+# defaults are these two models), and tiny ones for CPU runs; bench/gpu_hybrid.py writes them
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+_QWEN35_COMMON = dict(vocab_size=248320, num_attention_heads=16, head_dim=256, linear_conv_kernel_dim=4,
+                      linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                      linear_num_value_heads=32, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, rope_parameters=_QWEN35_ROPE, bos_token_id=1, eos_token_id=2)
+_QWEN35_TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, max_position_embeddings=32768)
+HYBRID_MODELS = {  # name: (transformers config class, kwargs)
+    "qwen35-9b": ("Qwen3_5TextConfig", dict(_QWEN35_COMMON, hidden_size=4096, intermediate_size=12288,
+                                             num_hidden_layers=32, num_key_value_heads=4)),
+    "qwen35-35b-a3b": ("Qwen3_5MoeTextConfig", dict(_QWEN35_COMMON, hidden_size=2048, num_hidden_layers=40,
+                                                   num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                                                   moe_intermediate_size=512, shared_expert_intermediate_size=512)),
+}
+HYBRID_TINY = {
+    "qwen35-9b": dict(_QWEN35_TINY, intermediate_size=128),
+    "qwen35-35b-a3b": dict(_QWEN35_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=32),
+}
 # the shapes save_model writes (transformers' default rope and untied head, 8192 positions)
 SAVED_SHAPES = {
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -213,3 +213,27 @@ def test_tiny_cpu_run(args):
     out = run(args, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "failed" not in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_hybrid_tiny_cpu_run(tmp_path):
+    """gpu_hybrid.py's CPU run (about 12 s on 2 threads): both tiny Qwen3.5 checkpoints are written
+    with transformers' classes and every row a CPU can run gives numbers; logprobe (whichever
+    backend ``Scorer`` picks) and transformers' PyTorch path agree in float32. Row 3 (fla) is
+    skipped on a CPU; row 2 is timed, or refused by a backend without deterministic kernels."""
+    out = run(["gpu_hybrid.py", "--tiny", "--requests", "2", "--warmup", "2", "--hf-passes", "1",
+               "--dir", str(tmp_path)], timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "failed" not in out.stdout, out.stdout[-3000:]
+    for model in ("qwen35-9b", "qwen35-35b-a3b"):
+        assert f"## {model} (all 4 layers), W1: 2 requests" in out.stdout
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.stdout.splitlines() if re.match(r"\| [1-5] \|", ln)]
+    assert len(cells) == 2 * 2 * 5, out.stdout[-3000:]  # each model's table, then again under "all models"
+    for c in cells:
+        row = int(c[0])
+        if row == 3:
+            assert c[4].startswith("skipped: fla"), c
+        elif row == 2 and c[4].startswith("refused"):
+            continue
+        else:
+            assert float(c[4].split()[0]) > 0 and float(c[9]) < 1e-4 and float(c[10]) < 1e-5, c
