@@ -2,7 +2,7 @@
 attention, 3 linear : 1 full layers), against transformers on the same checkpoint?
 
 Shapes (bench/common.py HYBRID_MODELS, random init, bf16, transformers' own classes, written once
-with ``save_pretrained`` plus a byte tokenizer under ``--dir``):
+with ``save_pretrained`` plus a byte tokenizer under ``--dir``; /dev/shm when it holds them):
   qwen35-9b        Qwen3.5-9B's text config (``Qwen3_5ForCausalLM``), all 32 layers
   qwen35-35b-a3b   Qwen3.5-35B-A3B's text config (``Qwen3_5MoeForCausalLM``), 256 experts top-8;
                    the 40 layers are 65 GiB of bf16, so by default the nearest layer count (a
@@ -41,8 +41,9 @@ skipped, and said so, once the run is ``--time-limit`` seconds old (default 480;
 model runs on the tunings the 9B one left, same linear-attention shapes). Progress lines carry the
 elapsed seconds. A row that fails prints its error and the rest go on.
 
-First run on one H100 (single passes, 2026-11-25): 474 s for both models, 82 s of it writing the
-checkpoints (kept under ``--dir`` and reused by a later run on the same machine).
+First run on one H100 (single passes, 2026-11-25, docs/runs/hybrid-w1-single-pass-h100-2026-11-25.log):
+474 s for both models, 82 s of it writing the checkpoints to the disk (now to /dev/shm when it
+has room; kept and reused by a later run on the same machine).
 
     # one H100, both models in one command (about 9 minutes with the checkpoints to write)
     pip install --no-index --find-links .whl fla-core einops
@@ -267,6 +268,29 @@ def write_checkpoint(cfg, path: Path, dev, dtype) -> str:
     marker.write_text(stamp)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return f"written: {size / GiB:.1f} GiB ({made:.1f} s to make, {time.perf_counter() - t - made:.1f} s to save)"
+
+
+def mem_available() -> int:
+    try:
+        for line in open("/proc/meminfo", encoding="utf-8"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def checkpoint_root(args, names, dtype) -> Path:
+    """/dev/shm (RAM) when it and the free memory hold every checkpoint of this run with room
+    (48 GiB of memory left over), else /tmp: on the device machines the disk wrote about 0.5 GiB/s
+    (82 s for the two bf16 checkpoints), which a RAM disk skips."""
+    need = sum(param_bytes(n, args.tiny, pick_layers(args, n, dtype.itemsize)[0], dtype.itemsize) for n in names)
+    shm = Path("/dev/shm")
+    try:
+        ok = shutil.disk_usage(shm).free >= need + 8 * GiB and mem_available() >= need + 48 * GiB
+    except OSError:
+        ok = False
+    return (shm if ok else Path("/tmp")) / "logprobe-bench-hybrid"
 
 
 def make_room(root: Path, keep: Path, need: int) -> None:
@@ -560,7 +584,9 @@ def main() -> None:
                     "beyond the first are skipped (said so), so both models fit one 10-minute device command")
     ap.add_argument("--budget", type=int, default=8192, help="transformers' padded tokens per batch (rows 3, 4)")
     ap.add_argument("--warmup", type=int, default=16, help="requests of the warm-up before each logprobe row")
-    ap.add_argument("--dir", default="/tmp/logprobe-bench-hybrid", help="where the checkpoints are written (kept "
+    ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: /dev/shm/"
+                    "logprobe-bench-hybrid when that RAM disk and the free memory hold them with room, else "
+                    "/tmp/logprobe-bench-hybrid: the device's disk writes about 0.5 GiB/s; kept "
                     "and reused while their config is the same)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="CUDA weights and compute of every row (float32: Δ at rounding level; fewer MoE layers fit)")
@@ -603,7 +629,8 @@ def main() -> None:
         TorchPath(mods.values()).__enter__()
         log("CPU run: transformers' torch path in every row (fla's kernels are CUDA-only)")
     progress(f"rows {','.join(map(str, args.rows))} on {args.workload}; models {', '.join(names)}")
-    root = Path(args.dir)
+    root = Path(args.dir or checkpoint_root(args, names, dtype))
+    progress(f"checkpoints under {root}")
     tables = []
     for name in names:
         rows: dict = {}
