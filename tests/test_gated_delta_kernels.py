@@ -146,7 +146,7 @@ def test_selector_policy(monkeypatch):
         assert rule is (chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
         rule, conv = gated_delta_kernels("cuda:0", True)
         assert conv is causal_conv1d_batched
-        assert rule is (chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
+        assert rule is (chunk_gated_delta_fla if has_fla else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,9 +206,10 @@ def test_fla_rule_batch_invariant():
 
 @pytest.mark.gpu
 @cuda
-def test_batched_rule_batch_invariant_on_cuda():
-    """What deterministic mode's fallback without fla relies on (``gated_delta_kernels``): a
-    sequence alone and packed among others, the same bits."""
+def test_batched_rule_alone_or_packed_on_cuda():
+    """A sequence alone and packed among others: the same to rounding. Not asserted bit for bit:
+    on an H100 it was not at these shapes (cuBLAS picks batched kernels by batch count), which is
+    why deterministic mode without fla keeps the reference (``gated_delta_kernels``)."""
     cu = _cu(LENGTHS)
     q, k, v, g, beta = _inputs(cu[-1], device="cuda", hk=4, hv=8, dk=128, dv=128)
     q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
@@ -217,4 +218,4 @@ def test_batched_rule_batch_invariant_on_cuda():
     for i in (LENGTHS.index(200), LENGTHS.index(65)):
         a, b = cu[i], cu[i + 1]
         o1, s1 = chunk_gated_delta_batched(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], None, s0[i:i + 1])
-        assert torch.equal(o1, o[a:b]) and torch.equal(s1[0], s[i])
+        assert _rel(o1, o[a:b]) < 1e-2 and _rel(s1[0], s[i]) < 1e-5

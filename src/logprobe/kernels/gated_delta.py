@@ -24,8 +24,8 @@ same signatures and results (it may not import ``layers``, so it repeats the few
 
 Batch invariance: within a sequence the batched rule performs the reference's operations, but on
 CUDA a batched GEMM / triangular solve may choose its kernel by the batch count, so bits could
-depend on what else is packed; ``bench/gpu_gated_delta.py`` checks it for both GPU paths (on an
-H100 both were bit-identical alone and packed; see ``gated_delta_kernels``).
+depend on what else is packed (on an H100 it did at small shapes: see ``gated_delta_kernels``);
+``bench/gpu_gated_delta.py`` checks it for both GPU paths.
 
     >>> T, Hk, Hv, Dk, Dv = 5, 1, 2, 4, 3
     >>> q, k = torch.randn(T, Hk, Dk), torch.randn(T, Hk, Dk)
@@ -359,13 +359,14 @@ def gated_delta_kernels(device: torch.device | str, deterministic: bool) -> tupl
     * CUDA, deterministic mode: the rule must give a sequence the same bits whatever is packed
       beside it. fla-core's kernels grid per (chunk, head) / (sequence, head) with autotune keys
       that do not depend on the token count (its L2-norm kernel's do, so we normalise ourselves),
-      so it is batch-invariant by construction: fla when it imports. Without it the batched PyTorch
-      rule: it relies on cuBLAS batched GEMMs and a batched triangular solve, which could pick
-      kernels by batch count, but on an H100 (torch 2.11, cu130) ``bench/gpu_gated_delta.py`` found
-      a sequence alone and packed among 14 others bit-identical, and its final states bit-identical
-      to the per-sequence reference's; rerun that check on a new GPU or library version.
-      So the choice does not depend on the mode today; ``deterministic`` stays in the signature
-      for the day a kernel is fast but not invariant."""
+      so it is batch-invariant by construction: fla when it imports (checked on an H100: alone =
+      packed, bit for bit, in ``bench/gpu_gated_delta.py`` and tests/test_gated_delta_kernels.py).
+      The batched PyTorch rule is not used there: its cuBLAS batched GEMMs and batched triangular
+      solve pick kernels by batch count. On an H100 (torch 2.11, cu130) it was bit-identical alone
+      and packed at Qwen3.5-9B shapes (Hv = 32, 15 sequences), but not at Hv = 8 with 7 short
+      sequences. Without fla the reference's per-sequence loop is kept (``None``)."""
     if torch.device(device).type != "cuda":
         return None, None
-    return (chunk_gated_delta_fla if fla_available() else chunk_gated_delta_batched), causal_conv1d_batched
+    if fla_available():
+        return chunk_gated_delta_fla, causal_conv1d_batched
+    return (None if deterministic else chunk_gated_delta_batched), causal_conv1d_batched
