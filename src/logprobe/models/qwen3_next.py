@@ -54,8 +54,10 @@ from ..errors import LogprobeError
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
+from ..kernels import triton_available
 from ..kernels.gated_delta import gated_delta_kernels
-from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm
+from ..kernels.rmsnorm import invariant_rmsnorm
+from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm, gated_rms_norm
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear
 from ..layers.linear_state import DeltaInputs, packed_gated_delta
@@ -151,6 +153,19 @@ def _swiglu(hidden: int, inter: int, ctx: ParallelContext) -> LlamaMLP:
     return LlamaMLP(_MlpWidths(hidden, inter), ctx)
 
 
+class RowGatedRMSNorm(NumericsUser, GatedRMSNorm):
+    """``gated_delta.gated_rms_norm`` (weight as stored), each row reduced alone on CUDA: the norm
+    and its weight through ``kernels.rmsnorm`` (``w * (o / rms(o)).to(o.dtype)``, the reference's
+    rounding), then the float32 SiLU gate; PyTorch's own reduction there picks its layout by the
+    number of rows, so a token's bits would depend on what is packed beside it."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if (self.numerics.deterministic or self.numerics.triton) and x.is_cuda and triton_available():
+            normed = invariant_rmsnorm(x, self.weight, self.eps)  # [T, Hv, Dv]
+            return (normed * torch.nn.functional.silu(z.float())).to(x.dtype)
+        return gated_rms_norm(x, z, self.weight, self.eps)
+
+
 class GatedDeltaMixer(NumericsUser, nn.Module):
     """The linear-attention token mixer (checkpoint module ``linear_attn``)."""
 
@@ -170,7 +185,7 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(conv_dim, cfg.linear_conv_kernel_dim), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
-        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.norm = RowGatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, H)
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
