@@ -39,7 +39,13 @@ Checkpoints: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are cut into Q
 ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` at load
 (``layers.gated_delta.split_qwen3_next_projections``); the conv weight [C, 1, K] is kept [C, K]
 (``conv_weight``); q/k rows are permuted to the interleaved rotary layout on their first r dims
-(``interleave_rope_weights``). One rank only (no tensor parallelism yet).
+(``interleave_rope_weights``). One rank only (no tensor parallelism yet; data parallelism works).
+
+Cuts: the engine shares prefixes and cuts long requests only at multiples of the rule's 64-token
+chunk from a sequence's start (``caps.state_align``), where the chunked rule reproduces a whole
+run's bits. On CUDA the rule and conv come from ``kernels.gated_delta`` (the float32 references
+on CPU), and every per-row norm (the (1 + w) ones and the gated output norm) reduces each row alone
+(``kernels.rmsnorm``), so deterministic mode's numbers do not depend on what is packed beside a row.
 """
 
 from __future__ import annotations
