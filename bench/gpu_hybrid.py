@@ -2,7 +2,7 @@
 attention, 3 linear : 1 full layers), against transformers on the same checkpoint?
 
 Shapes (bench/common.py HYBRID_MODELS, random init, bf16, transformers' own classes, written once
-with ``save_pretrained`` plus a byte tokenizer under ``--dir``; /dev/shm when it holds them):
+with ``save_pretrained`` plus a byte tokenizer under ``--dir``):
   qwen35-9b        Qwen3.5-9B's text config (``Qwen3_5ForCausalLM``), all 32 layers
   qwen35-35b-a3b   Qwen3.5-35B-A3B's text config (``Qwen3_5MoeForCausalLM``), 256 experts top-8;
                    the 40 layers are 65 GiB of bf16, so by default the nearest layer count (a
@@ -42,8 +42,12 @@ model runs on the tunings the 9B one left, same linear-attention shapes). Progre
 elapsed seconds. A row that fails prints its error and the rest go on.
 
 First run on one H100 (single passes, 2026-11-25, docs/runs/hybrid-w1-single-pass-h100-2026-11-25.log):
-474 s for both models, 82 s of it writing the checkpoints to the disk (now to /dev/shm when it
-has room; kept and reused by a later run on the same machine).
+474 s for both models, 82 s of it writing the checkpoints (``save_pretrained`` itself: /dev/shm
+wrote no faster than the disk, 50 s for the MoE's 27 GiB; kept under ``--dir`` and reused by a
+later run on the same machine). fla's autotuning is what the second passes of rows 3 and 5 are
+for: on a fresh process, qwen35-35b-a3b's first 64 W1 requests took 66 s (4-request warm-up),
+35.3 s (pass 1) and 2.8 s (pass 2) in row 3. In a two-model run the second model meets the
+tunings the first left (same linear-attention shapes); the default order runs the 9B first.
 
     # one H100, both models in one command (about 9 minutes with the checkpoints to write)
     pip install --no-index --find-links .whl fla-core einops
@@ -268,29 +272,6 @@ def write_checkpoint(cfg, path: Path, dev, dtype) -> str:
     marker.write_text(stamp)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return f"written: {size / GiB:.1f} GiB ({made:.1f} s to make, {time.perf_counter() - t - made:.1f} s to save)"
-
-
-def mem_available() -> int:
-    try:
-        for line in open("/proc/meminfo", encoding="utf-8"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def checkpoint_root(args, names, dtype) -> Path:
-    """/dev/shm (RAM) when it and the free memory hold every checkpoint of this run with room
-    (48 GiB of memory left over), else /tmp: on the device machines the disk wrote about 0.5 GiB/s
-    (82 s for the two bf16 checkpoints), which a RAM disk skips."""
-    need = sum(param_bytes(n, args.tiny, pick_layers(args, n, dtype.itemsize)[0], dtype.itemsize) for n in names)
-    shm = Path("/dev/shm")
-    try:
-        ok = shutil.disk_usage(shm).free >= need + 8 * GiB and mem_available() >= need + 48 * GiB
-    except OSError:
-        ok = False
-    return (shm if ok else Path("/tmp")) / "logprobe-bench-hybrid"
 
 
 def make_room(root: Path, keep: Path, need: int) -> None:
@@ -584,9 +565,7 @@ def main() -> None:
                     "beyond the first are skipped (said so), so both models fit one 10-minute device command")
     ap.add_argument("--budget", type=int, default=8192, help="transformers' padded tokens per batch (rows 3, 4)")
     ap.add_argument("--warmup", type=int, default=16, help="requests of the warm-up before each logprobe row")
-    ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: /dev/shm/"
-                    "logprobe-bench-hybrid when that RAM disk and the free memory hold them with room, else "
-                    "/tmp/logprobe-bench-hybrid: the device's disk writes about 0.5 GiB/s; kept "
+    ap.add_argument("--dir", default="/tmp/logprobe-bench-hybrid", help="where the checkpoints are written (kept "
                     "and reused while their config is the same)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="CUDA weights and compute of every row (float32: Δ at rounding level; fewer MoE layers fit)")
@@ -629,7 +608,7 @@ def main() -> None:
         TorchPath(mods.values()).__enter__()
         log("CPU run: transformers' torch path in every row (fla's kernels are CUDA-only)")
     progress(f"rows {','.join(map(str, args.rows))} on {args.workload}; models {', '.join(names)}")
-    root = Path(args.dir or checkpoint_root(args, names, dtype))
+    root = Path(args.dir)
     progress(f"checkpoints under {root}")
     tables = []
     for name in names:
