@@ -284,3 +284,12 @@ def test_hub_style_configs_and_keys(hybrid_dirs):
     with pytest.raises(LogprobeError) as e:
         hybrid_config(raw)
     assert e.value.field == "quantization_config"
+
+
+def test_weight_updates_refused(hybrid_dirs):
+    path, _ = hybrid_dirs["qwen3_5"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    for call in (lambda: scorer.update_weights({"lm_head.weight": torch.zeros(VOCAB, 64)}),
+                 lambda: scorer.load_weights(str(path))):
+        with pytest.raises(LogprobeError, match="no weight update yet"):
+            call()
