@@ -65,7 +65,7 @@ from ..kernels.gated_delta import gated_delta_kernels
 from ..kernels.rmsnorm import invariant_rmsnorm
 from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm, gated_rms_norm
 from ..layers.hooks import Hooks
-from ..layers.linear import Linear
+from ..layers.linear import Linear, fuse_linears
 from ..layers.linear_state import DeltaInputs, packed_gated_delta
 from ..layers.logprob_head import HeadParams
 from ..layers.moe import MoeBlock, MoeSpec
@@ -193,18 +193,30 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.norm = RowGatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, H)
+        self.in_proj: Linear | None = None  # set by fuse(): qkv, z, b and a in one matmul
+
+    def fuse(self) -> None:
+        self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> mixed [T, C], z [T, Hv * Dv], b, a [T, Hv]."""
+        if self.in_proj is None:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        sizes = [self.in_proj_qkv.out_features, self.value_dim, self.num_v_heads, self.num_v_heads]
+        return tuple(t.contiguous() for t in self.in_proj(x).split(sizes, dim=-1))
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
+        mixed, z, b, a = self.project(x)
         inputs = DeltaInputs(
-            mixed=self.in_proj_qkv(x), a=self.in_proj_a(x), b=self.in_proj_b(x),  # [T, C], [T, Hv], [T, Hv]
+            mixed=mixed, a=a, b=b,  # [T, C], [T, Hv], [T, Hv]
             conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias, key_dim=self.key_dim,
             num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
             head_v_dim=self.head_v_dim)
         rule, conv = gated_delta_kernels(x.device, self.numerics.deterministic)  # None: the reference
         kernels = {k: f for k, f in (("rule", rule), ("conv", conv)) if f is not None}
         o = packed_gated_delta(inputs, meta, self.layer_idx, **kernels)  # [T, Hv, Dv]
-        z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        z = z.view(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         return self.out_proj(self.norm(o, z).reshape(T, self.value_dim))  # [T, H]
 
 
@@ -224,6 +236,10 @@ class GatedAttention(NumericsUser, nn.Module):
         self.o_proj = Linear(cfg.num_heads * D, H)
         self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
+        self.qkv_proj: Linear | None = None  # set by fuse(): q (with its gate), k, v in one matmul
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def rotate(self, x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         """Rotary on the first ``rotary_dim`` dims of each head (interleaved layout), the rest as is."""
@@ -234,9 +250,14 @@ class GatedAttention(NumericsUser, nn.Module):
 
     def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * D).chunk(2, dim=-1)  # [T, Hq, D] each
-        k = self.k_proj(x).view(T, self.num_kv_heads, D)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, D)
+        if self.qkv_proj is not None:
+            nq, nkv = self.q_proj.out_features, self.k_proj.out_features
+            qg, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)  # [T, 2 Hq D], [T, Hkv D], [T, Hkv D]
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = qg.reshape(T, self.num_heads, 2 * D).chunk(2, dim=-1)  # [T, Hq, D] each
+        k = k.reshape(T, self.num_kv_heads, D)  # [T, Hkv, D]
+        v = v.reshape(T, self.num_kv_heads, D)
         q, k = self.rotate(self.q_norm(q), cis), self.rotate(self.k_norm(k), cis)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale)  # [T, Hq, D]
         gate = row_invariant(torch.sigmoid, gate.reshape(T, self.num_heads * D))  # [T, Hq * D]
@@ -331,8 +352,10 @@ class HybridModel(NumericsUser, nn.Module):
         return out
 
     def fuse_projections(self) -> None:
-        """Dense MLPs' gate/up as one matmul (shared experts too)."""
+        """At load: each mixer's input projections as one matmul, and the MLPs' gate/up (shared
+        experts' too); the old names remain as views."""
         for layer in self.layers:
+            (layer.linear_attn if layer.layer_type == "linear_attention" else layer.self_attn).fuse()
             layer.mlp.fuse()
 
     triton_elementwise = True
