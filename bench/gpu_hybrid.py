@@ -49,7 +49,7 @@ for: on a fresh process, qwen35-35b-a3b's first 64 W1 requests took 66 s (4-requ
 35.3 s (pass 1) and 2.8 s (pass 2) in row 3. In a two-model run the second model meets the
 tunings the first left (same linear-attention shapes); the default order runs the 9B first.
 
-    # one H100, both models in one command (about 9 minutes with the checkpoints to write)
+    # one H100, both models in one command (estimated 8.5-9 minutes, the checkpoints written included)
     pip install --no-index --find-links .whl fla-core einops
     python bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b
     # one model, some rows

@@ -217,7 +217,7 @@ def test_tiny_cpu_run(args):
 
 @pytest.mark.slow
 def test_hybrid_tiny_cpu_run(tmp_path):
-    """gpu_hybrid.py's CPU run (about 12 s on 2 threads): both tiny Qwen3.5 checkpoints are written
+    """gpu_hybrid.py's CPU run (12-20 s on 2 idle threads): both tiny Qwen3.5 checkpoints are written
     with transformers' classes and every row a CPU can run gives numbers; logprobe (whichever
     backend ``Scorer`` picks) and transformers' PyTorch path agree in float32. Row 3 (fla) is
     skipped on a CPU; row 2 is timed, or refused by a backend without deterministic kernels."""
