@@ -298,3 +298,17 @@ def test_weight_updates_refused(hybrid_dirs):
                  lambda: scorer.load_weights(str(path))):
         with pytest.raises(LogprobeError, match="no weight update yet"):
             call()
+
+
+def test_data_parallel_and_tensor_parallel_refused(hybrid_dirs):
+    """Two data-parallel worker processes give the single process's bits; a tensor-parallel split is
+    refused before any process starts, naming tensor_parallel_size."""
+    path, _ = hybrid_dirs["qwen3_5"]
+    seqs = _sequences()
+    one = Scorer(str(path), device="cpu", dtype="float32", progress=False).logprobs(seqs)
+    with Scorer(str(path), device="cpu", dtype="float32", progress=False, data_parallel_size=2) as dp:
+        two = dp.logprobs(seqs)
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(one, two))
+    with pytest.raises(LogprobeError) as e:
+        Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2)
+    assert e.value.field == "tensor_parallel_size" and "data parallelism works" in str(e.value)
