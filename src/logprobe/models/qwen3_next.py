@@ -50,19 +50,19 @@ on CPU), and every per-row norm (the (1 + w) ones and the gated output norm) red
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from ..config import Numerics
 from ..errors import LogprobeError
-from ..layers.activation import row_invariant
-from ..layers.attention import AttentionMeta, packed_attention
-from ..layers.embedding import VocabParallelEmbedding
 from ..kernels import triton_available
 from ..kernels.gated_delta import gated_delta_kernels
 from ..kernels.rmsnorm import invariant_rmsnorm
+from ..layers.activation import row_invariant
+from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.embedding import VocabParallelEmbedding
 from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm, gated_rms_norm
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
@@ -84,6 +84,9 @@ _KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", 
 
 @dataclass(slots=True)
 class HybridConfig:
+    """The text model of a hybrid checkpoint (``loading.hybrid.hybrid_config`` reads it); errors
+    name the checkpoint's config keys."""
+
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -105,7 +108,6 @@ class HybridConfig:
     max_position_embeddings: int = 32768
     moe: MoeSpec | None = None
     family: str = "qwen3_5_text"  # the text model_type
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
