@@ -74,6 +74,7 @@ class Scorer:
         # what the job builders read about the model, built once (deterministic: renewed with config)
         self.context = ScoringContext.of(self.loaded, self.engine.config.deterministic)
         self.weights_version = 0  # +1 per successful update_weights / load_weights
+        self._weight_version = "0"  # the caller's name for the weights (weight_version=), else str(weights_version)
 
     @property
     def config(self) -> EngineConfig:
@@ -225,7 +226,19 @@ class Scorer:
 
     # -- new weights (reinforcement learning) --------------------------------------------------
 
-    def update_weights(self, named_tensors) -> int:
+    @property
+    def weight_version(self) -> str:
+        """The served weights' name (SGLang's ``weight_version``): ``"0"`` at load, then the
+        ``weight_version`` each successful ``update_weights``/``load_weights`` was given, else its
+        count as a string (``"1"``, ``"2"``, ...). A failed update leaves it unchanged."""
+        return self._weight_version
+
+    def _bump(self, weight_version: str | None) -> int:
+        self.weights_version += 1
+        self._weight_version = str(self.weights_version) if weight_version is None else str(weight_version)
+        return self.weights_version
+
+    def update_weights(self, named_tensors, weight_version: str | None = None) -> int:
         """Replace every weight with ``(Hugging Face name, tensor)`` pairs (float32/bfloat16/float16;
         a dict, a list, or an iterator that streams them), all or nothing: a missing, extra, repeated
         or mis-shaped name, or a tensor holding NaN or inf, raises naming it and the old weights stay
@@ -237,17 +250,16 @@ class Scorer:
         and copy in once all confirm. Mixture-of-experts models take experts one by one (checkpoint
         names) or stacked (transformers' in-memory ``experts.gate_up_proj``). Refused for
         packed-quantized models (GGUF blocks, compressed-tensors) and the transformers backend
-        (``loading.update``)."""
+        (``loading.update``). ``weight_version`` names the new weights (``Scorer.weight_version``;
+        default: the new ``weights_version`` as a string)."""
         update_weights(self.loaded.model, named_tensors, engine=self._workers())
-        self.weights_version += 1
-        return self.weights_version
+        return self._bump(weight_version)
 
-    def load_weights(self, path: str) -> int:
+    def load_weights(self, path: str, weight_version: str | None = None) -> int:
         """``update_weights`` from a safetensors file or a Hugging Face checkpoint directory: every
         header is checked before one tensor is read, then tensors are copied in one at a time."""
         load_weights(self.loaded.model, path, engine=self._workers())
-        self.weights_version += 1
-        return self.weights_version
+        return self._bump(weight_version)
 
     def _workers(self):
         """The engine of worker processes that hold the weights (tensor/data parallel), else None."""

@@ -37,7 +37,7 @@ from .routes_chat import chat_router
 from .routes_native import native_router
 from .routes_openai import openai_router
 from .routes_rl import rl_router
-from .schemas import HealthReply
+from .schemas import HealthReply, WeightVersionReply
 from .served import Served
 from .weights import ServedWeights
 
@@ -201,7 +201,12 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     async def health():
         jobs, tokens = batcher.queue_depth
         return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens,
-                "weights_version": weights.version}
+                "weights_version": weights.version, "weight_version": weights.weight_version}
+
+    @app.get("/get_weight_version", responses=replies(WeightVersionReply, (401,)))
+    async def get_weight_version():
+        """SGLang's: the name of the weights new requests are computed under."""
+        return {"weight_version": weights.weight_version}
 
     @ops.get("/metrics", response_class=PlainTextResponse, responses=replies(None, (401,)))
     async def prometheus():

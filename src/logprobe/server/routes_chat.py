@@ -23,6 +23,6 @@ def chat_router(served: Served) -> APIRouter:
         job = await run_in_threadpool(chat_completion_job, body, served.scorer, served.name,
                                       served.config.max_top_logprobs)
         out = await served.run(job, request)
-        return out if isinstance(out, Response) else reply({**out[0], "weights_version": out[1]})
+        return out if isinstance(out, Response) else reply({**out[0], **served.versions(out[1])})
 
     return api

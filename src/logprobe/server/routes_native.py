@@ -31,7 +31,7 @@ def native_router(served: Served) -> APIRouter:
             return out
         results, version = out
         return reply({"object": "score", "model": name, "prompt": body.prompt,
-                      "results": [r.to_dict() for r in results], "weights_version": version})
+                      "results": [r.to_dict() for r in results], **served.versions(version)})
 
     @api.post("/v1/logprobs", summary="Per-token log-probs of completions (RL), any temperature",
               responses=replies(LogprobsReply, NATIVE_CODES))
@@ -47,7 +47,7 @@ def native_router(served: Served) -> APIRouter:
             return out
         results, version = out
         return reply({"object": "logprobs", "model": name, "temperature": body.temperature,
-                      "results": [r.to_dict() for r in results], "weights_version": version})
+                      "results": [r.to_dict() for r in results], **served.versions(version)})
 
     @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows",
               responses=replies(PerplexityReply, NATIVE_CODES))
@@ -62,6 +62,6 @@ def native_router(served: Served) -> APIRouter:
         out = await run(job, request, body.timeout)
         if isinstance(out, Response):
             return out
-        return reply({"object": "perplexity", "model": name, **out[0].to_dict(), "weights_version": out[1]})
+        return reply({"object": "perplexity", "model": name, **out[0].to_dict(), **served.versions(out[1])})
 
     return api

@@ -40,7 +40,7 @@ def openai_router(served: Served) -> APIRouter:
             check_items(len(body.prompt), "prompt")
         job = await run_in_threadpool(completion_job, body, scorer, name, config.max_top_logprobs)
         out = await run(job, request)
-        return out if isinstance(out, Response) else reply({**out[0], "weights_version": out[1]})
+        return out if isinstance(out, Response) else reply({**out[0], **served.versions(out[1])})
 
     def card() -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "logprobe", "root": scorer.info.path,

@@ -18,10 +18,11 @@ from .served import Served
 from .sglang_compat import batched, generate_job
 
 
-def stamp(reply: dict, version: int) -> dict:
-    """``weights_version`` (logprobe's) and ``meta_info.weight_version`` (SGLang's name, a string)."""
+def stamp(reply: dict, version: int, name: str | None = None) -> dict:
+    """``weights_version`` (logprobe's) and ``meta_info.weight_version`` (SGLang's name, a string:
+    the one the update gave, else ``str(version)``)."""
     reply["weights_version"] = version
-    reply["meta_info"]["weight_version"] = str(version)
+    reply["meta_info"]["weight_version"] = str(version) if name is None else name
     return reply
 
 
@@ -45,7 +46,9 @@ def rl_router(served: Served) -> APIRouter:
         if isinstance(out, Response):
             return out
         value, version = out
-        return reply([stamp(r, version) for r in value] if isinstance(value, list) else stamp(value, version))
+        name = weights.name(version)
+        return reply([stamp(r, version, name) for r in value] if isinstance(value, list)
+                     else stamp(value, version, name))
 
     @router.post("/update_weights_from_disk", summary="Load new weights (same architecture) between batches",
                  responses=replies(UpdateWeightsReply, (400, 401, 503)))
@@ -54,11 +57,11 @@ def rl_router(served: Served) -> APIRouter:
         the checkpoint is bad: the old weights stay in force."""
         before = weights.version
         try:
-            version = await asyncio.to_thread(weights.load, body.model_path)
+            version = await asyncio.to_thread(weights.load, body.model_path, body.weight_version)
         except LogprobeError as e:
             return SafeJSONResponse({**error_body(400, str(e), e.field, "invalid_value"), "success": False,
                                      "message": str(e), "num_paused_requests": 0}, status_code=400)
         return {"success": True, "message": f"loaded {body.model_path}: weights_version {before} -> {version}",
-                "num_paused_requests": 0, "weights_version": version}
+                "num_paused_requests": 0, "weights_version": version, "weight_version": weights.name(version)}
 
     return router

@@ -292,6 +292,8 @@ class CompletionReply(BaseModel):
     usage: Usage
     weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
                                                  "increments it)")
+    weight_version: str = Field(description="their name (SGLang's weight_version: the one the update gave, "
+                                            "else weights_version as a string)")
 
 
 class ModelCard(BaseModel):
@@ -350,6 +352,8 @@ class ScoreReply(BaseModel):
     results: list[ContinuationReply]
     weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
                                                  "increments it)")
+    weight_version: str = Field(description="their name (SGLang's weight_version: the one the update gave, "
+                                            "else weights_version as a string)")
 
 
 class SequenceReply(BaseModel):
@@ -371,6 +375,8 @@ class LogprobsReply(BaseModel):
     results: list[SequenceReply]
     weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
                                                  "increments it)")
+    weight_version: str = Field(description="their name (SGLang's weight_version: the one the update gave, "
+                                            "else weights_version as a string)")
 
 
 class PerplexityReply(BaseModel):
@@ -395,6 +401,8 @@ class PerplexityReply(BaseModel):
     captures: list[list[dict[str, Any]]] | None
     weights_version: int = Field(description="the weights that computed it (update_weights_from_disk "
                                                  "increments it)")
+    weight_version: str = Field(description="their name (SGLang's weight_version: the one the update gave, "
+                                            "else weights_version as a string)")
 
 
 class HealthReply(BaseModel):
@@ -403,3 +411,8 @@ class HealthReply(BaseModel):
     queue_requests: int
     queue_tokens: int
     weights_version: int = Field(description="the weights new requests are computed under")
+    weight_version: str = Field(description="their name (SGLang's weight_version)")
+
+
+class WeightVersionReply(BaseModel):
+    weight_version: str = Field(description="the name of the weights new requests are computed under")

@@ -81,3 +81,4 @@ class ChatCompletionReply(BaseModel):
                           "of the templated conversation")
     usage: Usage
     weights_version: int = Field(description="the weights that computed it (update_weights_from_disk increments it)")
+    weight_version: str = Field(description="their name (SGLang's weight_version)")

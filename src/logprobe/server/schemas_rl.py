@@ -167,8 +167,9 @@ class UpdateWeightsRequest(BaseModel):
                                                        "the files)")
     abort_all_requests: bool = Field(False, description="must be false: requests under way are always finished "
                                                         "on the old weights, queued ones run on the new")
-    weight_version: Text | None = Field(None, description="accepted; the server counts versions itself "
-                                                          "(weights_version)")
+    weight_version: Text | None = Field(None, description="the new weights' name (SGLang's): replies' "
+                                                          "meta_info.weight_version and GET /get_weight_version "
+                                                          "give it; default: the new weights_version as a string")
 
     @field_validator("load_format")
     @classmethod
@@ -219,3 +220,4 @@ class UpdateWeightsReply(BaseModel):
     message: str
     num_paused_requests: int
     weights_version: int
+    weight_version: str

@@ -55,6 +55,11 @@ class Served:
         """Hidden size for the capture limit (0: a model without hook points)."""
         return self.scorer.context.hook_width
 
+    def versions(self, version: int) -> dict:
+        """A reply's version fields: ``weights_version`` (logprobe's count) and ``weight_version``
+        (SGLang's name, a string) of the weights that computed it."""
+        return {"weights_version": version, "weight_version": self.weights.name(version)}
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in {self.name, self.scorer.info.name, self.scorer.info.path}:
             raise ModelNotFound("model", f"{model!r} is not served here", f"use {self.name!r} (see GET /v1/models)")

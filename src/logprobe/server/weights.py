@@ -9,6 +9,10 @@ of the moment it started):
     t ->   [req A: old weights] [swap, version 1 -> 2] [req B: new weights]
            B arrived during A: it waited, and answers weights_version 2
 
+Each version also has a name, SGLang's ``weight_version`` (a string): the one the update gave,
+else the count as a string (``"0"`` at load). ``name(version)`` gives it for a reply's version, so
+a request that started before an update answers the old name, as it answers the old number.
+
 A checkpoint that cannot be loaded changes nothing (``Scorer.load_weights`` keeps the old weights
 when it fails): the caller gets its message as a ``LogprobeError`` naming ``model_path``.
 """
@@ -32,29 +36,42 @@ class ServedWeights:
         self.scorer = scorer
         self.batcher = batcher
         batcher.tag = self._scorer_version()
+        self._names = {batcher.tag: str(getattr(scorer, "weight_version", batcher.tag))}
 
     @property
     def version(self) -> int:
         """The version new requests will be computed under (the one of the last completed swap)."""
         return self.batcher.tag
 
+    def name(self, version: int) -> str:
+        """The ``weight_version`` string of ``version`` (one the batcher stamped on a job)."""
+        return self._names.get(version, str(version))
+
+    @property
+    def weight_version(self) -> str:
+        """The name of the weights new requests will be computed under."""
+        return self.name(self.version)
+
     def _scorer_version(self) -> int:
         return int(getattr(self.scorer, "weights_version", 0))
 
-    def load(self, path: str) -> int:
-        """Swap in the checkpoint at ``path`` between engine steps; returns the new version.
-        Blocking (call it from a worker thread)."""
+    def load(self, path: str, weight_version: str | None = None) -> int:
+        """Swap in the checkpoint at ``path`` between engine steps; returns the new version, named
+        ``weight_version`` (default: the version as a string). Blocking (call it from a worker thread)."""
         if not os.path.exists(path):
             raise LogprobeError("model_path", f"{path!r} does not exist on the server",
                                 "give a local checkpoint path the server can read")
         if not hasattr(self.scorer, "load_weights"):
             raise LogprobeError("model_path", "this logprobe cannot load weights into a running model",
                                 "update logprobe")
-        return self.batcher.exclusive(lambda: self._swap(path))
+        return self.batcher.exclusive(lambda: self._swap(path, weight_version))
 
-    def _swap(self, path: str) -> int:
+    def _swap(self, path: str, weight_version: str | None = None) -> int:
         try:
-            self.scorer.load_weights(path)
+            if weight_version is None:
+                self.scorer.load_weights(path)
+            else:
+                self.scorer.load_weights(path, weight_version=weight_version)
         except LogprobeError as e:
             raise LogprobeError("model_path", f"{path!r} was not loaded: {e}",
                                 f"weights_version {self._scorer_version()} is still served") from e
@@ -64,4 +81,6 @@ class ServedWeights:
             log.warning("update_weights_from_disk %r failed: %r", path, e)
             raise LogprobeError("model_path", f"{path!r} was not loaded: {type(e).__name__}: {e}",
                                 f"weights_version {self._scorer_version()} is still served") from e
-        return self._scorer_version()
+        version = self._scorer_version()
+        self._names[version] = str(getattr(self.scorer, "weight_version", version))
+        return version
