@@ -17,6 +17,7 @@ import torch
 from .config import EngineConfig
 from .engine.runner import Engine
 from .errors import LogprobeError
+from .executor.cached import with_cache
 from .executor.engine import parallel_parts
 from .executor.interface import Executor
 from .interp.vectors import SteeringVector
@@ -49,7 +50,7 @@ class Scorer:
     def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
                  dtype: str | None = "auto", max_batch_tokens: int | None = None, progress: bool | None = None,
                  deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, cache: str | None = None) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
         tiles everywhere, see EngineConfig), and whatever the TP size.
@@ -59,7 +60,11 @@ class Scorer:
         GPUs 0 .. N*M - 1 on CUDA, gloo processes on CPU) and this process holds no weights. Under
         ``torchrun`` (a process group already initialised with N ranks) every rank makes its
         Scorer with the same arguments and calls it with the same inputs. ``close()`` stops the
-        workers."""
+        workers.
+
+        ``cache``: a directory of stored results (``executor.cached``): a request scored before
+        under the same weights, tokenizer, dtype, device kind, deterministic mode and options is
+        answered from it without a forward pass; new results are stored as they complete."""
         config = engine_config(config, max_batch_tokens=max_batch_tokens, progress=progress,
                                deterministic=deterministic)
         if tensor_parallel_size != 1 or data_parallel_size != 1:
@@ -69,6 +74,9 @@ class Scorer:
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
             self.device = next(self.loaded.model.parameters()).device
             self.engine = Engine(self.loaded.model, config, self.device)
+        if cache is not None:  # hits answered from the cache, misses run and stored (versions: rehashed)
+            self.engine = with_cache(self.engine, self.loaded, cache, lambda: self.weights_version,
+                                     tensor_parallel_size)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         # what the job builders read about the model, built once (deterministic: renewed with config)

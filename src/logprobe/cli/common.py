@@ -49,12 +49,13 @@ class ScorerOptions:
     data_parallel_size: int = 1
     tp_invariant: bool = True
     progress: bool | None = None  # --quiet: False; else a bar when stderr is a terminal
+    cache: str | None = None  # --cache DIR: stored results (executor.cached)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ScorerOptions:
         return ScorerOptions(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
                              args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
-                             False if getattr(args, "quiet", False) else None)
+                             False if getattr(args, "quiet", False) else None, getattr(args, "cache", None))
 
     def engine_config(self) -> EngineConfig:
         """The engine's config (validated here, before any slow load)."""
@@ -65,18 +66,19 @@ class ScorerOptions:
 
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
                max_batch_tokens: int | None = None, deterministic: bool = False, tensor_parallel_size: int = 1,
-               data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None) -> Scorer:
+               data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None,
+               cache: str | None = None) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
     config = ScorerOptions(model, device, dtype, max_batch_tokens, deterministic, tensor_parallel_size,
                            data_parallel_size, tp_invariant, progress).engine_config()
     if tensor_parallel_size != 1 or data_parallel_size != 1:
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
-                      data_parallel_size=data_parallel_size)
+                      data_parallel_size=data_parallel_size, cache=cache)
     key = (model, device, dtype)
     if key not in _MODELS:
         _MODELS[key] = load_model(model, device, dtype)
-    return Scorer(_MODELS[key], config=config)
+    return Scorer(_MODELS[key], config=config, cache=cache)
 
 
 def model_parser() -> argparse.ArgumentParser:
@@ -101,6 +103,10 @@ def model_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
                    help="with --deterministic: bitwise repeatable at this tensor-parallel size only, not the same bits "
                         "at every size (cheaper; see docs/perf.md)")
+    g.add_argument("--cache", default=None, metavar="DIR",
+                   help="a persistent result cache (SQLite in DIR): requests scored before under the same weights, "
+                        "tokenizer, dtype, device kind, deterministic mode and options are answered from it "
+                        "without a forward pass (see `logprobe cache stats|clear`)")
     g.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table/report")
     g.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bar (it shows only when stderr is a terminal anyway)")

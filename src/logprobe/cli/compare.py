@@ -70,8 +70,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                             "drop --tensor-parallel-size / --data-parallel-size")
     options = ScorerOptions.from_args(args)
     config = options.engine_config()  # every model option, as every other command reads them
-    q = Scorer(load_model(options.model, options.device, options.dtype, weights=args.weights), config=config)
-    r = Scorer(load_model(args.reference, options.device, options.dtype, weights=args.weights), config=config)
+    q = Scorer(load_model(options.model, options.device, options.dtype, weights=args.weights), config=config,
+               cache=options.cache)
+    r = Scorer(load_model(args.reference, options.device, options.dtype, weights=args.weights), config=config,
+               cache=options.cache)
     start = time.perf_counter()
     w = window_options(args)
     res = compare_models(q.context, q.engine, r.context, r.engine, text, w,

@@ -26,6 +26,7 @@ import torch
 from .. import __version__
 from ..errors import LogprobeError
 from ..jobs import join_continuation  # noqa: F401  (re-exported: the CLI's join rule)
+from .cache_cmd import add_cache_parser
 from .common import PROG, ScorerOptions, fail, get_scorer, head_parser, model_parser
 from .compare import add_compare_parser
 from .eval import add_eval_parser
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
 
+    add_cache_parser(sub)
+
     add_ray_parser(sub, common, head)
     return parser
 
@@ -112,7 +115,7 @@ def _fail(message: str) -> int:
 def _scorer(args: argparse.Namespace):
     o = ScorerOptions.from_args(args)
     return get_scorer(o.model, o.device, o.dtype, o.max_batch_tokens, o.deterministic, o.tensor_parallel_size,
-                      o.data_parallel_size, o.tp_invariant, o.progress)
+                      o.data_parallel_size, o.tp_invariant, o.progress, o.cache)
 
 if __name__ == "__main__":
     sys.exit(main())

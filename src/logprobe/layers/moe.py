@@ -14,6 +14,16 @@ This is the routing of transformers' Qwen2-MoE / Qwen3-MoE / OLMoE routers (soft
 top-k, optional renormalisation) and of Mixtral's (always renormalised: softmax over all experts,
 top-k, divide by their sum, which equals a softmax over the k selected logits).
 
+DeepSeek-V3's router (``MoeSpec.router == "sigmoid_grouped"``, ``route_grouped``; also Kimi K2 and
+Moonlight): sigmoid scores in float32 from a float32 router, a score-correction bias b that only
+chooses experts, experts in G groups of which the best ``topk_group`` survive (a group's score is
+the sum of its two best biased scores), an unweighted shared expert:
+
+    s    = sigmoid(float32(G) float32(x))           [E]  (hook point blocks.l.router: these scores)
+    c    = s + b;  group g scores sum(top-2 of c in g);  c outside the topk_group best groups = -inf
+    ids  = top-k of c;   w = s[ids] / (sum(s[ids]) + 1e-20) if norm_topk_prob else s[ids];  w *= routed_scaling_factor
+    out  = sum_j w_j y_j  (as above)  + shared(x)
+
 Worked example, T = 3 tokens, E = 4 experts, k = 2, ids = [[2, 0], [0, 3], [2, 1]]:
 
     slots (t, j) -> flat index t*k + j:   0:(0,e2) 1:(0,e0) 2:(1,e0) 3:(1,e3) 4:(2,e2) 5:(2,e1)
@@ -62,6 +72,12 @@ class MoeSpec:
     norm_topk_prob: bool
     shared_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    # "softmax" (Qwen-MoE, Mixtral, OLMoE: ``route``) or "sigmoid_grouped" (DeepSeek-V3: ``route_grouped``,
+    # with a score-correction bias, n_group / topk_group, routed_scaling_factor and an ungated shared expert)
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -69,6 +85,20 @@ class MoeSpec:
                                 f"{self.num_experts}", "use 1 <= num_experts_per_tok <= num_experts")
         if self.intermediate_size < 1:
             raise LogprobeError("config.moe_intermediate_size", f"must be positive, got {self.intermediate_size}")
+        if self.router not in ("softmax", "sigmoid_grouped"):
+            raise LogprobeError("config.scoring_func", f"router {self.router!r} is not run natively")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise LogprobeError("config.n_group", f"{self.n_group} does not divide n_routed_experts {self.num_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise LogprobeError("config.topk_group", f"{self.topk_group} groups out of n_group {self.n_group}",
+                                "use 1 <= topk_group <= n_group")
+        if self.router == "sigmoid_grouped":
+            if self.num_experts // self.n_group < 2:
+                raise LogprobeError("config.n_group", f"{self.n_group} groups of {self.num_experts} experts: a "
+                                    "group's score is the sum of its two best, so a group needs 2 or more")
+            if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+                raise LogprobeError("config.num_experts_per_tok", f"{self.top_k} experts from {self.topk_group} "
+                                    f"groups of {self.num_experts // self.n_group}")
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,6 +113,32 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return probs, weights, ids
+
+
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``): float32 logits [T, E] and the
+    score-correction bias [E] -> sigmoid scores [T, E], weights [T, k] float32, expert ids [T, k].
+    The bias only chooses; the weights are the unbiased scores.
+
+    >>> s, w, ids = route_grouped(torch.tensor([[0.0, 1.0, 3.0, 2.0]]), torch.tensor([0.0, 0.0, -5.0, 0.0]),
+    ...                           2, 2, 1, True, 2.0)
+    >>> ids.tolist(), [round(v, 4) for v in w[0].tolist()]
+    ([[1, 0]], [1.1877, 0.8123])
+    """
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    choice = scores + bias.float()  # [T, E]
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    keep = torch.topk(group_scores, topk_group, dim=-1).indices  # [T, topk_group]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [T, G]
+    choice = choice.masked_fill(~mask[:, :, None].expand_as(grouped).reshape(T, E), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices  # [T, k], largest first
+    weights = scores.gather(1, ids)  # [T, k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores, weights * scale, ids
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
@@ -255,23 +311,36 @@ class MoeBlock(NumericsUser, nn.Module):
     def __init__(self, spec: MoeSpec, hidden: int, router_point: str, shared: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = spec.top_k, spec.norm_topk_prob
+        self.spec = spec
         self.router_point = router_point
-        self.gate = Linear(hidden, spec.num_experts)  # the router, [E, H]
+        self.gate = Linear(hidden, spec.num_experts)  # the router, [E, H] (float32 for "sigmoid_grouped")
         self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size)
         self.shared_expert = shared
-        self.shared_expert_gate = Linear(hidden, 1) if shared is not None else None
+        self.grouped = spec.router == "sigmoid_grouped"
+        # DeepSeek-V3: the score-correction bias [E] (float32, chooses experts only); its shared expert is ungated
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
+                                        if self.grouped else None)
+        self.shared_expert_gate = Linear(hidden, 1) if shared is not None and not self.grouped else None
 
     def fuse(self) -> None:
         if self.shared_expert is not None:
             self.shared_expert.fuse()
 
     def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
-        probs, weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, E], [T, k], [T, k]
+        if self.grouped:  # float32 router weight and input, as transformers keeps it
+            s = self.spec
+            probs, weights, ids = route_grouped(self.gate(x.to(self.gate.weight.dtype)), self.e_score_correction_bias,
+                                                self.top_k, s.n_group, s.topk_group, self.norm_topk_prob,
+                                                s.routed_scaling_factor)
+        else:
+            probs, weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, E], [T, k], [T, k]
         if hooks is not None:
             hooks(self.router_point, probs)
         y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
         out = combine_to(y, weights, x.dtype)  # [T, H]
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is None:
+            out = out + self.shared_expert(x)
+        elif self.shared_expert is not None:
             out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 

@@ -14,12 +14,14 @@ from ..errors import LogprobeError
 from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.hf_backend import TransformersModel
+from ..models.deepseek import DeepseekConfig, DeepseekModel
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from ..tokenizer import Tokenizer
+from .deepseek import build_deepseek, deepseek_config, deepseek_tensors, is_deepseek
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
@@ -159,6 +161,12 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
                                 "on one device per replica (tensor parallelism for them is not there yet)",
                                 "use tensor_parallel_size 1 (data parallelism works)")
         return ParallelContext(rank, 1, group)
+    if isinstance(cfg, DeepseekConfig):
+        if size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models (latent attention, grouped "
+                                "experts) run on one device per replica (tensor parallelism for them is not there "
+                                "yet)", "use tensor_parallel_size 1 (data parallelism works)")
+        return ParallelContext(rank, 1, group)
     grid = vocab_chunk_width(cfg.vocab_size)
     if cfg.moe is not None and size > 1:
         raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models run on one device per "
@@ -186,14 +194,16 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
         tokenizer = gguf_tokenizer(path, reader)
     else:
         raw = read_config(path)
-        cfg, why = (hybrid_config(raw), "") if is_hybrid(raw) else native_config(raw)
+        cfg, why = ((hybrid_config(raw), "") if is_hybrid(raw) else (deepseek_config(raw), "") if is_deepseek(raw)
+                    else native_config(raw))
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a Llama-family model, or one GPU")
         arch, tokenizer = str(raw.get("model_type")), hf_tokenizer(path)
 
     with torch.device("meta"):
-        model = HybridModel(cfg) if isinstance(cfg, HybridConfig) else native_model_class(cfg)(cfg)
+        model = (HybridModel(cfg) if isinstance(cfg, HybridConfig) else DeepseekModel(cfg)
+                 if isinstance(cfg, DeepseekConfig) else native_model_class(cfg)(cfg))
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
     return LoadedModel(model, tokenizer, info)
@@ -265,6 +275,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         model = build_hybrid(hcfg, hybrid_tensors(path, hcfg), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          hcfg.vocab_size, hcfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+    if is_deepseek(raw):  # DeepSeek-V3 / V3.1, Kimi K2, Moonlight: models.deepseek
+        dcfg = deepseek_config(raw)
+        model = build_deepseek(dcfg, deepseek_tensors(path, dcfg), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         dcfg.vocab_size, dcfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     cfg, _why = native_config(raw)
     if cfg is not None:

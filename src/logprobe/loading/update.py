@@ -47,6 +47,7 @@ from ..errors import LogprobeError
 from ..layers.moe import ExpertMatrices
 from ..layers.parallel_linear import held_rows
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
+from ..models.deepseek import DeepseekModel
 from ..models.llama import LlamaModel
 from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridModel
@@ -89,9 +90,13 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
 
 
 def refuse_hybrid(model) -> None:
-    """The hybrid linear-attention models (``models.qwen3_next``) take no weight update yet."""
+    """The hybrid linear-attention models (``models.qwen3_next``) and the DeepSeek-V3-style ones
+    (``models.deepseek``) take no weight update yet."""
     if isinstance(model, HybridModel):
         raise LogprobeError("model", f"{model.config.family} (hybrid linear attention) has no weight update yet",
+                            "reload the scorer from the new checkpoint")
+    if isinstance(model, DeepseekModel):
+        raise LogprobeError("model", f"{model.config.family} (latent attention) has no weight update yet",
                             "reload the scorer from the new checkpoint")
 
 

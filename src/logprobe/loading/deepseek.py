@@ -1,0 +1,200 @@
+"""Hugging Face directories of DeepSeek-V3-style models (``models.deepseek``): ``deepseek_v3``
+(DeepSeek-V3 / V3.1, Moonlight) and ``kimi_k2`` (Kimi K2: the same architecture under its own
+model_type).
+
+Checkpoint keys as transformers and the hub write them: ``model.layers.*``, ``model.embed_tokens``,
+``model.norm``, ``lm_head.weight``; experts one matrix per expert (``experts.{e}.gate_proj``; stacked
+[E, out, in] at load) or transformers' in-memory ``experts.gate_up_proj``; ``shared_experts`` and the
+router's ``gate.e_score_correction_bias`` renamed to the native module. The multi-token-prediction
+layers the released checkpoints append (``model.layers.{num_hidden_layers}...``,
+``num_nextn_predict_layers``) are not part of the scoring forward and are skipped with one note. The
+router (``mlp.gate.weight``) and its bias stay float32 whatever the model dtype, as transformers
+keeps them. Config options the native model does not run are refused with their key named.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import LogprobeError
+from ..layers.moe import MoeSpec
+from ..models.deepseek import DeepseekConfig, DeepseekModel
+from .checkpoint import check_plain_dtype, safetensors_files
+from .hf import stack_experts
+
+log = logging.getLogger(__name__)
+
+DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_FLOAT32 = (".mlp.gate.weight", ".mlp.e_score_correction_bias")  # the router: float32 in any model dtype
+
+
+def is_deepseek(raw: dict) -> bool:
+    return raw.get("model_type") in DEEPSEEK_TYPES
+
+
+def _int(cfg: dict, key: str, default=None, null_ok: bool = False) -> int | None:
+    value = cfg.get(key, default)
+    if value is None and null_ok:
+        return None
+    if value is None:
+        raise LogprobeError(f"config.{key}", "is missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LogprobeError(f"config.{key}", f"must be an integer, got {value!r}")
+    return value
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None, str]:
+    """(rope_theta, YaRN parameters or None, the key to name in errors)."""
+    params = cfg.get("rope_parameters")  # transformers >= 5
+    if params is not None:
+        if not isinstance(params, dict):
+            raise LogprobeError("config.rope_parameters", f"must be an object, got {params!r}")
+        where = "config.rope_parameters"
+    else:  # the hub's configs: rope_theta at the top, rope_scaling beside it
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        where = "config.rope_scaling"
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "yarn"):
+        raise LogprobeError(f"{where}.rope_type", f"{kind!r} is not in the native deepseek_v3 model",
+                            "the released models use yarn (or the default rotary)")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return theta, None, where
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = "yarn"
+    return theta, scaling, where
+
+
+def deepseek_config(raw: dict) -> DeepseekConfig:
+    """The native config of a DeepSeek-V3-style checkpoint; refuses (naming the key) what it does not run.
+    Missing keys take transformers' ``DeepseekV3Config`` defaults."""
+    mtype = raw.get("model_type")
+    if raw.get("quantization_config") is not None:
+        method = (raw["quantization_config"] or {}).get("quant_method", "?")
+        raise LogprobeError("quantization_config", f"a quantized ({method}) {mtype} checkpoint is not read "
+                            "natively yet (FP8 block-quantized weights are a later step)",
+                            "score a float (bf16) checkpoint, e.g. dequantized with DeepSeek's fp8_cast_bf16.py")
+    refusals = (("topk_method", "noaux_tc", "the released models route with noaux_tc"),
+                ("scoring_func", "sigmoid", "the released models score experts with sigmoid"),
+                ("hidden_act", "silu", "the released models use silu"),
+                ("moe_layer_freq", 1, "every block after first_k_dense_replace is a mixture of experts"))
+    for key, want, fix in refusals:
+        value = raw.get(key, want)
+        if value != want and not (key == "hidden_act" and value == "swish"):
+            raise LogprobeError(f"config.{key}", f"{value!r}: the native {mtype} model runs {want!r} only", fix)
+    for key in ("ep_size",):
+        if raw.get(key, 1) != 1:
+            log.info("config.%s=%s ignored (one device holds every expert)", key, raw.get(key))
+    heads = _int(raw, "num_attention_heads", 128)
+    kv_heads = _int(raw, "num_key_value_heads", heads, null_ok=True) or heads
+    if kv_heads != heads:
+        raise LogprobeError("config.num_key_value_heads", f"{kv_heads} with {heads} attention heads: latent "
+                            "attention expands k and v for every head", "use num_key_value_heads = "
+                            "num_attention_heads (as the released models)")
+    experts = _int(raw, "n_routed_experts", 256, null_ok=True)
+    if not experts:
+        raise LogprobeError("config.n_routed_experts", f"{experts!r}: the native {mtype} model needs routed experts")
+    theta, scaling, _ = _rope(raw)
+    layers = _int(raw, "num_hidden_layers", 61)
+    moe_inter = _int(raw, "moe_intermediate_size", 2048)
+    spec = MoeSpec(num_experts=experts, top_k=_int(raw, "num_experts_per_tok", 8),
+                   intermediate_size=moe_inter,
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                   shared_intermediate_size=moe_inter * (_int(raw, "n_shared_experts", 1, null_ok=True) or 0),
+                   dense_layers=tuple(range(min(_int(raw, "first_k_dense_replace", 3), layers))),
+                   router="sigmoid_grouped", n_group=_int(raw, "n_group", 8), topk_group=_int(raw, "topk_group", 4),
+                   routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)))
+    return DeepseekConfig(
+        vocab_size=_int(raw, "vocab_size", 129280),
+        hidden_size=_int(raw, "hidden_size", 7168),
+        intermediate_size=_int(raw, "intermediate_size", 18432),
+        num_layers=layers,
+        num_heads=heads,
+        q_lora_rank=_int(raw, "q_lora_rank", 1536, null_ok=True),
+        kv_lora_rank=_int(raw, "kv_lora_rank", 512),
+        qk_nope_head_dim=_int(raw, "qk_nope_head_dim", 128),
+        qk_rope_head_dim=_int(raw, "qk_rope_head_dim", 64),
+        v_head_dim=_int(raw, "v_head_dim", 128),
+        moe=spec,
+        first_k_dense_replace=_int(raw, "first_k_dense_replace", 3),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=_int(raw, "max_position_embeddings", 4096),
+        family=str(mtype),
+    )
+
+
+def deepseek_param_name(key: str, cfg: DeepseekConfig, where: str) -> str | None:
+    """A checkpoint key -> the native parameter name (None: a tensor the scoring forward does not
+    use: rotary tables, and the multi-token-prediction layers past ``num_hidden_layers``)."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    if key == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else "lm_head.weight"
+    m = _LAYER.match(key)
+    if m is not None and int(m.group(1)) >= cfg.num_layers:
+        return None  # an MTP layer
+    if key.startswith("model."):
+        name = key[len("model."):]
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+    raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
+
+
+def deepseek_tensors(path: Path, cfg: DeepseekConfig):
+    """Yield (native parameter name, tensor) from the safetensors files, experts stacked [E, out, in]."""
+    yield from stack_experts(_plain(path, cfg), cfg)
+
+
+def _plain(path: Path, cfg: DeepseekConfig):
+    from safetensors import safe_open
+
+    skipped: set[int] = set()
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = deepseek_param_name(key, cfg, f.name)
+                if name is None:
+                    m = _LAYER.match(key)
+                    if m is not None:
+                        skipped.add(int(m.group(1)))
+                    continue
+                value = st.get_tensor(key)
+                check_plain_dtype(key, value, f.name)
+                yield name, value
+    if skipped:
+        log.warning("%s: skipped multi-token-prediction layer%s %s (not used to score text)", path.name,
+                    "s" * (len(skipped) > 1), ", ".join(map(str, sorted(skipped))))
+
+
+def build_deepseek(cfg: DeepseekConfig, tensors, device: torch.device, dtype: torch.dtype) -> DeepseekModel:
+    """The native model from (name, tensor) pairs: every parameter present with the shape the config
+    implies, the router in float32, rope rows permuted to the interleaved layout where needed."""
+    state = {name: w.to(device=device, dtype=torch.float32 if name.endswith(_FLOAT32) else dtype)
+             for name, w in tensors}
+    with torch.device("meta"):
+        model = DeepseekModel(cfg)
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+    for name, w in state.items():
+        want = model.get_parameter(name).shape
+        if tuple(w.shape) != tuple(want):
+            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+    model.load_state_dict(DeepseekModel.interleave_rope_weights(cfg, state), assign=True, strict=True)
+    # non-persistent buffers were created on the meta device: make the rotary table for real
+    model.rotary = type(model.rotary)(cfg).to(device)
+    model.fuse_projections()
+    return model.eval()
