@@ -173,7 +173,7 @@ class Scorer:
 
     def logprobs(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
                  entropy: bool = False, capture: Sequence[dict] | None = None,
-                 steer: Sequence[dict] | None = None) -> list[SequenceLogprobs]:
+                 steer: Sequence[dict] | None = None, return_routed_experts: bool = False) -> list[SequenceLogprobs]:
         """Per-token log-probs of completions, for PPO/GRPO ratios and KL terms.
 
         Each sequence is ``{"prompt_token_ids": [...], "completion_token_ids": [...]}``. Scores are
@@ -182,14 +182,28 @@ class Scorer:
             ids  : p0 p1 p2 | c0 c1 c2
             row  :  0  1  2    3  4
             row 2 -> c0, row 3 -> c1, row 4 -> c2       (3 log-probs for 3 completion tokens)
+
+        Mixture-of-experts models (R3, SGLang's routed-experts shape): ``return_routed_experts``
+        gives each result ``routed_experts``, int32 [len(ids) - 1, moe_layers, k]: row j holds the
+        k experts token j was routed to at each MoE layer (the model's expert numbering, in the
+        order the router ranks them) -- every token fed (prompt and completion; the last token is
+        only a target), as SGLang's ``meta_info.routed_experts``. In the example above, 5 rows:
+        rows 0-1 are prompt routing, rows 2-4 the rows that score c0, c1, c2 (row j scores token
+        j + 1). A sequence's ``"routed_experts"`` (same shape: list, array, tensor or SGLang's base64)
+        forces those experts: each forced row's weights are its router's probabilities gathered at
+        the given ids, normalised as the model normalises its own choice (``norm_topk_prob``,
+        Mixtral's renormalisation), so replaying the returned routing gives bitwise the same numbers
+        in deterministic mode. Requests forcing experts never share prefix rows with others.
+        A dense model: ``LogprobeError`` naming the field.
         """
-        return self.run(self.logprobs_job(sequences, temperature, top_k, entropy, capture, steer))
+        return self.run(self.logprobs_job(sequences, temperature, top_k, entropy, capture, steer,
+                                          return_routed_experts))
 
     def logprobs_job(self, sequences: Sequence[dict], temperature: float = 1.0, top_k: int = 0,
                      entropy: bool = False, capture: Sequence[dict] | None = None,
-                     steer: Sequence[dict] | None = None) -> Job:
+                     steer: Sequence[dict] | None = None, return_routed_experts: bool = False) -> Job:
         return id_scoring.logprobs_job(self.context, sequences, HeadOptions(temperature, top_k, entropy),
-                                       HookSpecs(capture, steer))
+                                       HookSpecs(capture, steer), return_routed_experts)
 
     def logprobs_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         response_mask: torch.Tensor | None = None, *, num_response_tokens: int | None = None,

@@ -95,6 +95,8 @@ def concat_parts(parts: list[RequestResult], r: ScoreRequest) -> RequestResult:
     cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
     out = parts[0] if len(parts) == 1 else RequestResult(cat("logprobs"), cat("ranks"), cat("entropy"),
                                                          cat("topk_ids"), cat("topk_logprobs"))
+    if r.route and len(parts) > 1:  # the chunks' expert ids, in token order
+        out.routed_experts = torch.cat([p.routed_experts for p in parts if p.routed_experts is not None])
     if r.capture:
         pieces: list[list[torch.Tensor]] = [[] for _ in r.capture]
         for p in parts:

@@ -46,6 +46,11 @@ class ScoreRequest:
     entropy: bool = False
     steer: tuple[SteerAt, ...] = ()
     capture: tuple[CaptureAt, ...] = ()
+    # mixture-of-experts routing (``layers.hooks.RouteTable``): read the expert ids of tokens
+    # 0 .. len(tokens) - 2 (every token fed, SGLang's convention), and/or force them:
+    # force_experts [len(tokens) - 1, moe_layers, k] int64, row j for token j
+    route: bool = False
+    force_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.score_begin < len(self.tokens):
@@ -77,3 +82,4 @@ class RequestResult:
     topk_ids: torch.Tensor | None = None  # [n, k]
     topk_logprobs: torch.Tensor | None = None  # [n, k]
     captures: list[torch.Tensor] | None = None  # one per ScoreRequest.capture, float32
+    routed_experts: torch.Tensor | None = None  # [tokens fed here, moe_layers, k] int64 (ScoreRequest.route)

@@ -13,7 +13,7 @@ from torch import nn
 from ..config import EngineConfig, Numerics, numerics_for
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, KVCache, Segment
-from ..layers.hooks import CaptureTable, Hooks, SteerTable
+from ..layers.hooks import CaptureTable, Hooks, RouteTable, SteerTable
 from ..layers.logprob_head import logprob_head
 from ..layers.numerics import NumericsUser
 from ..models.caps import ModelCaps
@@ -48,6 +48,7 @@ class PackedBatch:
     owners: list[tuple[int, int]]  # (request index, scored rows) in score_rows order
     hooks: Hooks | None = None  # steering and capture tables, None when no request asks
     captures: list[CaptureSlot] | None = None  # where each request's captures land in ``hooks``
+    routes: list[tuple[int, int, int]] | None = None  # (request, start, end) of its rows in hooks.route.rows
 
 
 @dataclass(slots=True)
@@ -65,7 +66,12 @@ class CaptureSlot:
 class _HookBuilder:
     """Collects per-request steer/capture entries as rows of the packed batch, then tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, route_layers: dict[str, int] | None = None) -> None:
+        self.route_layers = route_layers  # router point -> MoE layer index (None: a model without routers)
+        self.route_rows: list[int] = []
+        self.route_slots: list[tuple[int, int, int]] = []
+        self.force_rows: list[int] = []
+        self.force_ids: list[torch.Tensor] = []
         self.steer: dict[tuple[str, str], tuple[list[int], list[torch.Tensor], list[int], list[float]]] = {}
         self.capture: dict[tuple[str, str], dict] = {}
         self.slots: list[tuple[int, int, tuple[str, str], int, int]] = []
@@ -73,6 +79,16 @@ class _HookBuilder:
     def add(self, i: int, r: ScoreRequest, input_rows: list[int]) -> None:
         """input_rows[k]: batch row of the request's token k, or -1 when not in this batch."""
         n = len(input_rows)
+        if r.route or r.force_experts is not None:  # tokens 0 .. len - 2: every token fed
+            ks = [k for k in range(min(n, len(r.tokens) - 1)) if input_rows[k] >= 0]
+            rows = [input_rows[k] for k in ks]
+            if r.route:
+                start = len(self.route_rows)
+                self.route_rows.extend(rows)
+                self.route_slots.append((i, start, start + len(rows)))
+            if r.force_experts is not None and ks:
+                self.force_rows.extend(rows)
+                self.force_ids.append(r.force_experts[torch.tensor(ks)])
         for s in r.steer:
             rows = [input_rows[k] for k in s.positions if k < n and input_rows[k] >= 0]
             if rows:
@@ -99,11 +115,18 @@ class _HookBuilder:
                     t["vectors"].append(c.vector)
             t["rows"].extend(rows)
 
-    def build(self, device: torch.device) -> tuple[Hooks | None, list[CaptureSlot] | None]:
-        if not self.steer and not self.capture:
-            return None, None
+    def build(self, device: torch.device) -> tuple[Hooks | None, list[CaptureSlot] | None,
+                                                  list[tuple[int, int, int]] | None]:
+        routing = bool(self.route_slots or self.force_rows)
+        if not self.steer and not self.capture and not routing:
+            return None, None, None
         long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         hooks = Hooks()
+        if routing:
+            hooks.route = RouteTable(dict(self.route_layers or {}),
+                                     long(self.route_rows) if self.route_slots else None,
+                                     long(self.force_rows) if self.force_rows else None,
+                                     torch.cat(self.force_ids).to(device) if self.force_rows else None)
         for (point, op), (rows, vectors, index, coeffs) in self.steer.items():
             hooks.steer.setdefault(point, []).append(SteerTable(
                 op, long(rows), torch.stack(vectors).to(device), long(index),
@@ -117,11 +140,12 @@ class _HookBuilder:
                 table.table, table.index = torch.stack(t["vectors"]).to(device), long(t["index"])
             hooks.capture.setdefault(point, []).append(table)
             tables[(point, kind)] = table
-        return hooks, [CaptureSlot(i, c, tables[key], a, b) for i, c, key, a, b in self.slots]
+        return (hooks, [CaptureSlot(i, c, tables[key], a, b) for i, c, key, a, b in self.slots],
+                self.route_slots or None)
 
 
 def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.device,
-         kv_block: int | None = None) -> PackedBatch:
+         kv_block: int | None = None, route_layers: dict[str, int] | None = None) -> PackedBatch:
     """Lay out a planned batch. Token j of a request is predicted by the row of its input j - 1,
     wherever that row is: in the shared prefix (one row can score a different target for each
     branch), in the request's own branch, or in its chunk."""
@@ -132,7 +156,7 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
     targets: list[int] = []
     temps: list[float] = []
     owners: list[tuple[int, int]] = []
-    hooks = _HookBuilder()
+    hooks = _HookBuilder(route_layers)
     past = 0
 
     def add_rows(tokens: list[int], first_pos: int, context: tuple[tuple[int, int], ...]) -> int:
@@ -150,7 +174,7 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
         targets.extend(r.tokens[j] for j in js)
         temps.extend([r.temperature] * len(js))
         owners.append((i, len(js)))
-        if r.steer or r.capture:
+        if r.steer or r.capture or r.route or r.force_experts is not None:
             hooks.add(i, r, input_rows)
 
     for item in batch:
@@ -271,6 +295,10 @@ class Engine:
         if self.config.deterministic and not self._context:
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
                                 "use a native model (GGUF or a Llama-family directory), or turn it off")
+        if any(r.route or r.force_experts is not None for r in requests) and not self.route_layers:
+            raise LogprobeError("return_routed_experts" if any(r.route for r in requests) else "routed_experts",
+                                f"{type(self.model).__name__} has no mixture-of-experts layers: no routed experts",
+                                "ask for routed experts of a mixture-of-experts model (Qwen-MoE, Mixtral, ...)")
         if not ModelCaps.of(self.model).hooks and any(r.steer or r.capture for r in requests):
             raise LogprobeError("steer" if any(r.steer for r in requests) else "capture",
                                 f"{type(self.model).__name__} has no hook points",
@@ -313,7 +341,8 @@ class Engine:
         cfg = self.config
         plan = plan_work([r.inputs for r in sub], self.budget, share=cfg.share_prefixes and self._context,
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
-                         unshared={k for k, r in enumerate(sub) if r.steer},  # steered rows differ: no sharing
+                         # steered rows or forced experts differ: no sharing
+                         unshared={k for k, r in enumerate(sub) if r.steer or r.force_experts is not None},
                          align=self._align)
         units: deque[list[Tree] | int] = deque()
         for batch in plan:
@@ -328,7 +357,7 @@ class Engine:
     def _run_batch(self, requests: list[ScoreRequest], batch: list, cache: KVCache | None = None):
         """One forward pass and its head, queued: (packed batch, ``Launched``)."""
         numerics = self.numerics
-        packed = pack(batch, requests, self.device, numerics.attention_block)
+        packed = pack(batch, requests, self.device, numerics.attention_block, self.route_layers)
         packed.meta.cache = cache
         if self.fault_hook is not None:
             self.fault_hook(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
@@ -427,6 +456,13 @@ class Engine:
         return Launched(packed, batch, start_copy(out, top_k, entropy))
 
     @property
+    def route_layers(self) -> dict[str, int]:
+        """Each MoE block's router point -> its index among the MoE layers, in layer order ({}: none)."""
+        if getattr(self, "_route_layers", None) is None:
+            self._route_layers = route_layers(self.model)
+        return self._route_layers
+
+    @property
     def numerics(self) -> Numerics:
         """How the model computes under this engine's config on its device: derived once per
         config (``config.numerics_for``) and handed to the model before each pass
@@ -475,6 +511,7 @@ class Launched:
                 scored.append((i, _slice(rows, slice(offset, offset + n), r)))
                 offset += n
         _attach_captures(scored, self.packed.captures or [])
+        _attach_routes(scored, self.packed)
         return scored
 
 
@@ -500,6 +537,26 @@ def _attach_captures(scored: list[tuple[int, RequestResult]], slots: list[Captur
         out = slot.table.out
         piece = out[slot.start] if slot.table.kind == "sum" else out[slot.start:slot.end]
         res.captures.append((slot.capture, piece.cpu()))
+
+
+def route_layers(model: nn.Module) -> dict[str, int]:
+    """Router point (``blocks.l.router``) -> MoE layer index, in layer order, of a native model."""
+    from ..layers.moe import MoeBlock
+
+    points = [m.router_point for m in model.modules() if isinstance(m, MoeBlock)]
+    points.sort(key=lambda p: int(p.split(".")[1]))
+    return {p: j for j, p in enumerate(points)}
+
+
+def _attach_routes(scored: list[tuple[int, RequestResult]], packed: PackedBatch) -> None:
+    """Each routing request's part gets its rows' expert ids [n, moe_layers, k] (int64, host)."""
+    if not packed.routes:
+        return
+    table = packed.hooks.route
+    ids = torch.stack([table.out[p] for p in sorted(table.layers, key=table.layers.get)], dim=1).cpu()  # [N, L, k]
+    by_request = {i: res for i, res in scored}
+    for i, a, b in packed.routes:
+        by_request[i].routed_experts = ids[a:b].long()
 
 
 def _first_line(e: BaseException) -> str:

@@ -21,6 +21,11 @@ Capture kinds (outputs float32, no padding: only the listed rows are touched):
     rows     h[r]                               -> [N, H]
     sum      index_add over segment ids g[r]    -> [G, H]   (mean = sum / count, done by the caller)
     project  <h[r], table[index]>                -> [N]
+
+Routing (mixture-of-experts layers, ``RouteTable``): at each router point the MoE block hands its
+chosen expert ids [T, k] to ``Hooks.routing``, which first forces the listed rows' ids
+(``force_rows`` get ``force_ids[:, layer]``; the block then re-weighs every row from its own router
+probabilities, as it weighs its own choice) and then reads the ids of ``rows`` (``out[point]``).
 """
 
 from __future__ import annotations
@@ -54,11 +59,42 @@ class CaptureTable:
 
 
 @dataclass(slots=True)
+class RouteTable:
+    """Routed experts of one forward pass, for every MoE layer (``layers``: router point -> its
+    index among the model's MoE layers). ``rows`` [N]: rows whose expert ids are read, into
+    ``out[point]`` [N, k]; ``force_rows`` [M] take ``force_ids[:, layer]`` [M, k] instead of
+    their router's choice."""
+
+    layers: dict[str, int]
+    rows: torch.Tensor | None = None
+    force_rows: torch.Tensor | None = None
+    force_ids: torch.Tensor | None = None  # [M, moe_layers, k] int64
+    out: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Hooks:
     """Per-point steering and capture tables of one forward pass."""
 
     steer: dict[str, list[SteerTable]] = field(default_factory=dict)
     capture: dict[str, list[CaptureTable]] = field(default_factory=dict)
+    route: RouteTable | None = None
+
+    def routing(self, point: str, ids: torch.Tensor, reweigh) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A MoE block's expert ids [T, k] at router ``point``: (weights, ids) when rows are forced
+        here (``reweigh(ids)`` -> weights [T, k] from the block's own probabilities), else None;
+        the ids used are read for the rows asked."""
+        r = self.route
+        if r is None or point not in r.layers:
+            return None
+        out = None
+        if r.force_rows is not None and len(r.force_rows):
+            ids = ids.clone()
+            ids[r.force_rows] = r.force_ids[:, r.layers[point]].to(ids.dtype)
+            out = reweigh(ids), ids
+        if r.rows is not None:
+            r.out[point] = ids[r.rows]
+        return out
 
     def __call__(self, point: str, h: torch.Tensor) -> torch.Tensor:
         tables = self.steer.get(point)
@@ -69,7 +105,7 @@ class Hooks:
         return h
 
     def __bool__(self) -> bool:
-        return bool(self.steer or self.capture)
+        return bool(self.steer or self.capture or self.route is not None)
 
 
 def _steer(h: torch.Tensor, tables: list[SteerTable]) -> torch.Tensor:

@@ -326,6 +326,17 @@ class MoeBlock(NumericsUser, nn.Module):
         if self.shared_expert is not None:
             self.shared_expert.fuse()
 
+    def reweigh(self, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weights [T, k] of experts ``ids`` [T, k] given by the caller (a replayed routing),
+        from the router's own probabilities [T, E] (grouped: the sigmoid scores), normalised as
+        the router normalises its own choice: for ids the router chose, bitwise its weights."""
+        weights = probs.gather(1, ids)  # [T, k]: what topk returns for the router's own ids
+        if getattr(self, "grouped", False):
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * self.spec.routed_scaling_factor
+        return weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
+
     def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
         if self.grouped:  # float32 router weight and input, as transformers keeps it
             s = self.spec
@@ -336,6 +347,9 @@ class MoeBlock(NumericsUser, nn.Module):
             probs, weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, E], [T, k], [T, k]
         if hooks is not None:
             hooks(self.router_point, probs)
+            forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.reweigh(probs, forced_ids))
+            if forced is not None:  # replayed experts (``layers.hooks.RouteTable``)
+                weights, ids = forced
         y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
         out = combine_to(y, weights, x.dtype)  # [T, H]
         if self.shared_expert is not None and self.shared_expert_gate is None:

@@ -40,6 +40,9 @@ class SequenceLogprobs:
     topk_ids: torch.Tensor | None = None  # [n, k]
     topk_logprobs: torch.Tensor | None = None  # [n, k]
     captures: list[Capture] | None = None
+    # [len(prompt) + len(completion) - 1, moe_layers, k] int32: the experts of every token fed
+    # (return_routed_experts; row j: token j's routing at each MoE layer, the router's order)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def sum_logprob(self) -> float:
@@ -55,6 +58,8 @@ class SequenceLogprobs:
             d["top_k_logprobs"] = self.topk_logprobs.tolist()
         if self.captures is not None:
             d["captures"] = [c.to_dict() for c in self.captures]
+        if self.routed_experts is not None:
+            d["routed_experts"] = self.routed_experts.tolist()
         return d
 
 

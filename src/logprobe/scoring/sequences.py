@@ -27,24 +27,31 @@ from .work import Job, ScoringContext
 
 
 def logprobs_job(context: ScoringContext, sequences: Sequence[dict], head: HeadOptions = HeadOptions(),
-                 hooks: HookSpecs = HookSpecs()) -> Job:
-    """``Scorer.logprobs_job``: one request per ``{"prompt_token_ids", "completion_token_ids"}``."""
+                 hooks: HookSpecs = HookSpecs(), return_routed_experts: bool = False) -> Job:
+    """``Scorer.logprobs_job``: one request per ``{"prompt_token_ids", "completion_token_ids"}``
+    (and optionally ``"routed_experts"``: the experts to force, see ``routed_experts``)."""
     head = head.checked()
     if isinstance(sequences, (str, bytes, dict)) or not isinstance(sequences, Sequence) or not sequences:
         raise LogprobeError("sequences", "must be a non-empty list of objects with prompt_token_ids and "
                             "completion_token_ids")
+    if not isinstance(return_routed_experts, bool):
+        raise LogprobeError("return_routed_experts", f"must be true or false, got {return_routed_experts!r}")
+    if return_routed_experts:
+        context.check_routing("return_routed_experts")
     caps, steers = context.hook_specs(hooks)
-    requests = [sequence_request(context, seq, i, head, caps, steers) for i, seq in enumerate(sequences)]
+    requests = [sequence_request(context, seq, i, head, caps, steers, return_routed_experts)
+                for i, seq in enumerate(sequences)]
     return Job(requests, lambda results: [sequence_result(r, res, caps) for r, res in zip(requests, results)])
 
 
 def sequence_result(req: ScoreRequest, r: RequestResult, caps: list[CaptureSpec]) -> SequenceLogprobs:
     return SequenceLogprobs(r.logprobs, r.ranks, r.entropy, r.topk_ids, r.topk_logprobs,
-                            capture_results(caps, req.capture, r.captures) if caps else None)
+                            capture_results(caps, req.capture, r.captures) if caps else None,
+                            r.routed_experts.to(torch.int32) if req.route else None)
 
 
 def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptions,
-                     caps: list[CaptureSpec] = (), steers: list[SteerSpec] = ()) -> ScoreRequest:
+                     caps: list[CaptureSpec] = (), steers: list[SteerSpec] = (), route: bool = False) -> ScoreRequest:
     """Validate sequence ``i`` and turn it into a request (``head`` already checked)."""
     if not isinstance(seq, dict):
         raise LogprobeError(f"sequences[{i}]", "must be an object with prompt_token_ids and completion_token_ids")
@@ -58,7 +65,62 @@ def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptio
     check_length(len(prompt) + len(completion), f"sequences[{i}]", context.max_length)
     st, ca = request_hooks(list(caps), list(steers), len(prompt) + len(completion), len(prompt),
                            f"sequences[{i}]: ", deterministic=context.deterministic)
-    return ScoreRequest(prompt + completion, len(prompt), head.temperature, head.top_k, head.entropy, st, ca)
+    forced = seq.get("routed_experts")
+    if forced is not None:
+        forced = routed_experts(context, forced, len(prompt) + len(completion), f"sequences[{i}].routed_experts")
+    return ScoreRequest(prompt + completion, len(prompt), head.temperature, head.top_k, head.entropy, st, ca,
+                        route, forced)
+
+
+def routed_experts(context: ScoringContext, value, length: int, field: str) -> torch.Tensor:
+    """A sequence's ``routed_experts`` to force (R3, SGLang's shape) -> int64 [length - 1, L, k]:
+    row j is token j's experts at each of the L MoE layers (every token fed: the last token is
+    only a target), ids in the model's numbering. A list of lists, a numpy array or a tensor; a
+    base64 string of int32 (SGLang's ``meta_info.routed_experts``) is decoded first."""
+    layers, k, num_experts = context.check_routing(field)
+    if isinstance(value, str):
+        value = decode_routed_experts(value, layers, k, field)
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise LogprobeError(field, f"is not an array of expert ids: {e}", "give [tokens][layers][k] integers") from e
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise LogprobeError(field, f"holds {t.dtype}, not integers", "give expert ids as integers")
+    want = (length - 1, layers, k)
+    if tuple(t.shape) != want:
+        raise LogprobeError(field, f"has shape {list(t.shape)}; this sequence needs {list(want)} (one row per "
+                            f"token fed: prompt and completion but the last token; {layers} MoE layers; {k} "
+                            "experts per token)", "return the routing of exactly this sequence")
+    t = t.long()
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
+        raise LogprobeError(field, f"holds expert ids outside [0, {num_experts})", "use the model's expert numbering")
+    return t
+
+
+def decode_routed_experts(text: str, layers: int, k: int, field: str = "routed_experts"):
+    """SGLang's ``meta_info.routed_experts``: base64 of int32 (little-endian) -> [-1, layers, k]."""
+    import base64
+    import binascii
+
+    import numpy as np
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise LogprobeError(field, f"is not base64: {e}", "send SGLang's base64 string or a list") from e
+    if len(raw) % (4 * layers * k):
+        raise LogprobeError(field, f"{len(raw)} bytes are not whole rows of {layers} x {k} int32")
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, k).copy()
+
+
+def encode_routed_experts(ids: torch.Tensor) -> str:
+    """[tokens, layers, k] expert ids -> base64 of int32 little-endian, as SGLang's
+    ``meta_info.routed_experts`` (decode: ``np.frombuffer(base64.b64decode(s), np.int32).reshape(-1, L, k)``)."""
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.ascontiguousarray(ids.cpu().numpy(), dtype="<i4").tobytes()).decode("ascii")
 
 
 def aligned_job(context: ScoringContext, plan: Plan, input_ids: torch.Tensor, head: HeadOptions) -> Job:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.request import RequestResult, ScoreRequest
+from ..errors import LogprobeError
 from ..interp.specs import CaptureSpec, SteerSpec
 from ..loading import LoadedModel
 from ..models.caps import ModelCaps
@@ -41,6 +42,14 @@ class Job:
         return sum(r.num_inputs for r in self.requests)
 
 
+def moe_routing(model) -> tuple[int, int, int]:
+    """(MoE layers, experts per token, experts) of a native model's MoE blocks; (0, 0, 0) for none."""
+    from ..layers.moe import MoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
+    return (len(blocks), blocks[0].top_k, blocks[0].spec.num_experts) if blocks else (0, 0, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class ScoringContext:
     """What the job builders need to know about a scorer's model, and nothing else.
@@ -59,6 +68,7 @@ class ScoringContext:
     hook_layers: int
     hook_width: int
     deterministic: bool = False
+    routing: tuple[int, int, int] = (0, 0, 0)  # MoE layers, experts per token, experts (0s: no routers)
 
     @staticmethod
     def of(loaded: LoadedModel, deterministic: bool = False) -> ScoringContext:
@@ -67,7 +77,14 @@ class ScoringContext:
         caps = ModelCaps.of(model)
         layers, width = (model.config.num_layers, model.config.hidden_size) if caps.hooks else (0, 0)
         return ScoringContext(info.name, loaded.tokenizer, info.vocab_size, info.max_length, info.backend, caps,
-                              layers, width, bool(deterministic))
+                              layers, width, bool(deterministic), moe_routing(model))
+
+    def check_routing(self, field: str) -> tuple[int, int, int]:
+        """(MoE layers, experts per token, experts); a dense model: a ``LogprobeError`` naming ``field``."""
+        if not self.routing[0]:
+            raise LogprobeError(field, f"{self.name} has no mixture-of-experts layers: it routes no experts",
+                                "ask for routed experts of a mixture-of-experts model (Qwen-MoE, Mixtral, ...)")
+        return self.routing
 
     def check_ids(self, ids, name: str) -> list[int]:
         """``ids`` as a list of ints in this model's vocabulary (``scoring.inputs.check_ids``)."""

@@ -27,6 +27,8 @@ class ServerConfig:
         and running requests before failing the rest with 503; new requests get 503 meanwhile.
     body_timeout: seconds a request body may stall (no byte arriving) before the server answers 408
         and closes that connection.
+    enable_return_routed_experts: requests may ask for ``return_routed_experts`` (mixture-of-experts
+        models; SGLang's ``--enable-return-routed-experts``), else 400 naming it.
     """
 
     host: str = "127.0.0.1"
@@ -43,6 +45,7 @@ class ServerConfig:
     batching: bool = True
     shutdown_timeout: float = 30.0
     body_timeout: float = 30.0
+    enable_return_routed_experts: bool = False  # SGLang's flag: requests may ask for routed experts
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",

@@ -7,9 +7,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from ..errors import LogprobeError
+from ..scoring.sequences import encode_routed_experts
 from .responses import NATIVE_CODES, replies, reply
 from .schemas import LogprobsBody, LogprobsReply, PerplexityBody, PerplexityReply, ScoreBody, ScoreReply
 from .served import Served
+
+
+def routed_base64(r) -> dict:
+    """A sequence's reply: ``routed_experts`` as SGLang's base64 of int32 (not nested lists)."""
+    d = r.to_dict()
+    if r.routed_experts is not None:
+        d["routed_experts"] = encode_routed_experts(r.routed_experts)
+    return d
 
 
 def native_router(served: Served) -> APIRouter:
@@ -39,15 +49,19 @@ def native_router(served: Served) -> APIRouter:
         check_model(body.model)
         check_items(len(body.sequences), "sequences")
         check_top_k(body.top_k)
-        seqs = [s.model_dump() for s in body.sequences]
+        seqs = [s.model_dump(exclude_none=True) for s in body.sequences]
+        if body.return_routed_experts and not served.config.enable_return_routed_experts:
+            raise LogprobeError("return_routed_experts", "is off on this server",
+                                "start it with --enable-return-routed-experts")
         job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy,
-                                                                  **body.hook_args()))
+                                                                  **body.hook_args(),
+                                                                  return_routed_experts=body.return_routed_experts))
         out = await run(job, request, body.timeout)
         if isinstance(out, Response):
             return out
         results, version = out
         return reply({"object": "logprobs", "model": name, "temperature": body.temperature,
-                      "results": [r.to_dict() for r in results], **served.versions(version)})
+                      "results": [routed_base64(r) for r in results], **served.versions(version)})
 
     @api.post("/v1/perplexity", summary="Perplexity of texts or token ids over sliding windows",
               responses=replies(PerplexityReply, NATIVE_CODES))

@@ -37,7 +37,8 @@ def rl_router(served: Served) -> APIRouter:
             served.check_items(len(body.input_ids), "input_ids")
         elif isinstance(body.text, list):
             served.check_items(len(body.text), "text")
-        job, owners = await run_in_threadpool(generate_job, body, scorer, config.max_top_logprobs)
+        job, owners = await run_in_threadpool(generate_job, body, scorer, config.max_top_logprobs,
+                                              config.enable_return_routed_experts)
         try:
             out = await run(job, request)
         except JobFailed as e:  # name the body's item, not the engine request (items may need none)

@@ -206,12 +206,18 @@ class Sequence(BaseModel):
     model_config = _STRICT
     prompt_token_ids: list[int] = Field(min_length=1)
     completion_token_ids: list[int] = Field(min_length=1)
+    routed_experts: Text | list[list[list[int]]] | None = Field(
+        None, description="mixture-of-experts models: the experts to force, [len(prompt) + len(completion) - 1]"
+                          "[moe_layers][k] (every token fed), as lists or SGLang's base64 of int32")
 
 
 class LogprobsBody(_HeadOptions, _Hooks, _Deadline):
     """``POST /v1/logprobs``: per-token log-probs of completions (``Scorer.logprobs``, RL)."""
 
     sequences: list[Sequence] = Field(min_length=1)
+    return_routed_experts: bool = Field(False, description="each result's routed_experts: SGLang's base64 of "
+                                                           "int32 [tokens fed, moe_layers, k] (the server needs "
+                                                           "--enable-return-routed-experts)")
 
 
 class PerplexityBody(_Hooks, _Deadline):
@@ -365,6 +371,7 @@ class SequenceReply(BaseModel):
     top_k_ids: list[list[int]] | None = None
     top_k_logprobs: list[list[Num]] | None = None
     captures: list[dict[str, Any]] | None = None
+    routed_experts: str | None = None
 
 
 class LogprobsReply(BaseModel):

@@ -137,6 +137,9 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = Field(False, description="third element of each entry: the token's text")
     stream: bool = Field(False, description="must be false")
     rid: Text | list[Text] | None = Field(None, description="request id(s), echoed as meta_info.id")
+    return_routed_experts: bool | list[bool] = Field(False, description="meta_info.routed_experts: base64 of "
+                                                                        "int32 [len(input) - 1, moe_layers, k] "
+                                                                        "(--enable-return-routed-experts)")
 
     @field_validator("input_ids", mode="plain", json_schema_input_type=InputIdsSchema | None)
     @classmethod
@@ -204,6 +207,7 @@ class GenerateMetaInfo(BaseModel):
     output_token_logprobs: list[Entry] | None = None
     input_top_logprobs: list[list[Entry] | None] | None = None
     output_top_logprobs: list[list[Entry] | None] | None = None
+    routed_experts: str | None = None
 
 
 class GenerateReply(BaseModel):

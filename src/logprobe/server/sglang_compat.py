@@ -14,6 +14,11 @@ token_id, text]``, text ``None`` unless ``return_text_in_logprobs``. With ``top_
 SGLang's ``SamplingParams`` (temperature set to 1); otherwise the log-probs are
 ``log_softmax(logits / temperature)``. A list of inputs (batch) is answered by a list of replies.
 ``meta_info.weight_version`` is SGLang's (a string); ``weights_version`` (an int) is logprobe's.
+``return_routed_experts`` (server started with ``--enable-return-routed-experts``; MoE models):
+``meta_info.routed_experts`` is SGLang's R3 encoding, base64 of the int32 (little-endian) array
+[len(input_ids) - 1, moe_layers, k]: row j is token j's experts (every token fed; the last token
+is only a target); clients decode it with
+``np.frombuffer(base64.b64decode(s), dtype=np.int32).reshape(-1, moe_layers, k)``.
 
 Worked example, ``input_ids = [a, b, c, d]``, ``logprob_start_len = 1``:
 
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..scorer import Job, Scorer
+from ..scoring.sequences import encode_routed_experts
 from .openai_compat import prompt_token_ids
 from .schemas_rl import GenerateRequest, SamplingParams
 
@@ -49,6 +55,7 @@ class _Item:
     top: int  # top_logprobs_num
     request: int | None  # index of its ScoreRequest; None when nothing needs the model
     rid: str
+    routed: bool = False  # return_routed_experts
 
 
 def batched(body: GenerateRequest) -> bool:
@@ -71,7 +78,8 @@ def temperature(params: SamplingParams | None) -> float:
     return 1.0 if t < SAMPLING_EPS else t
 
 
-def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -> tuple[Job, list[str]]:
+def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
+                 routed_experts: bool = False) -> tuple[Job, list[str]]:
     """The engine requests of a ``/generate`` body and how to answer it (one dict, or a list), and
     for each request the body item it scores (``input_ids[2]``), for errors."""
     if (body.input_ids is None) == (body.text is None):
@@ -85,6 +93,12 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -
     tops = per_item(body.top_logprobs_num, n, "top_logprobs_num", many)
     rids = per_item(body.rid, n, "rid", many)
     temps = [temperature(p) for p in per_item(body.sampling_params, n, "sampling_params", many)]
+    routed = per_item(body.return_routed_experts, n, "return_routed_experts", many)
+    if any(routed):
+        if not routed_experts:
+            raise LogprobeError("return_routed_experts", "is off on this server",
+                                "start it with --enable-return-routed-experts")
+        scorer.context.check_routing("return_routed_experts")
     items: list[_Item] = []
     requests: list[ScoreRequest] = []
     for i, ids in enumerate(ids_list):
@@ -94,11 +108,12 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int) -
         if len(ids) > scorer.info.max_length:
             raise LogprobeError(f"{field}{at}", f"{len(ids)} tokens exceed the model's context of "
                                 f"{scorer.info.max_length}", "shorten the input")
-        need = logprob[i] and start + 1 < len(ids)  # at least one scored entry after the first (null) one
+        route = bool(routed[i]) and len(ids) > 1
+        need = (logprob[i] and start + 1 < len(ids)) or route  # a scored entry after the first (null) one
         items.append(_Item(ids, start, logprob[i], top, len(requests) if need else None,
-                           rids[i] if rids[i] is not None else uuid.uuid4().hex))
+                           rids[i] if rids[i] is not None else uuid.uuid4().hex, bool(routed[i])))
         if need:
-            requests.append(ScoreRequest(ids, start + 1, temps[i], top))
+            requests.append(ScoreRequest(ids, min(start + 1, len(ids) - 1), temps[i], top, route=route))
 
     def finish(results: list[RequestResult]) -> dict | list[dict]:
         texts = _token_texts(items, results, scorer) if body.return_text_in_logprobs else None
@@ -159,4 +174,13 @@ def _reply(it: _Item, res: RequestResult | None, texts: dict[int, str] | None) -
             meta["input_top_logprobs"] = [None] + [[[v, t, name(t)] for v, t in zip(lps[r], ids[r])]
                                                    for r in range(len(tokens) - 1)]
             meta["output_top_logprobs"] = []
+    if it.routed:
+        meta["routed_experts"] = encode_routed_experts(res.routed_experts if res is not None
+                                                       else _no_rows())
     return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+def _no_rows():
+    import torch
+
+    return torch.empty(0, dtype=torch.int32)

@@ -1,0 +1,174 @@
+"""Routed experts (R3, SGLang's shape): ``return_routed_experts`` gives each token's experts at every
+MoE layer, a sequence's ``routed_experts`` forces them. Tiny Qwen3-MoE (renormalised top-k) and
+Qwen2-MoE (a dense block, a shared expert, weights not renormalised) against float64 transformers
+with the router's choice read (and, for replays, replaced) by a forward hook on each gate."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import requests
+import torch
+from helpers import make_hf_dir
+from server_util import serve
+from test_moe import make_moe_dir
+
+from logprobe import LogprobeError, Scorer
+from logprobe.server import ServerConfig, create_app
+from logprobe.server.schemas_rl import GenerateRequest
+from logprobe.server.sglang_compat import generate_job
+
+TOL = 1e-4
+KINDS = ["qwen3_moe", "qwen2_moe"]
+PROMPT = [5, 71, 72, 3, 140, 8, 200, 17]
+SEQS = [{"prompt_token_ids": PROMPT, "completion_token_ids": [9, 66, 250, 12, 33]},
+        {"prompt_token_ids": PROMPT, "completion_token_ids": [34, 35, 36]},  # shares the prompt
+        {"prompt_token_ids": [7, 101, 45], "completion_token_ids": [46, 47, 48, 49, 50, 51, 52, 53]}]
+
+
+def scorer(path, **kw) -> Scorer:
+    return Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for kind in KINDS:
+        d = tmp_path_factory.mktemp(f"r3-{kind}")
+        out[kind] = (d, make_moe_dir(d, kind), scorer(d))
+    return out
+
+
+def gates(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def reference(model, ids: list[int], force: torch.Tensor | None = None):
+    """float64 transformers on ``ids``: (log-probs [n, V] of each row, routed experts [n, L, k], the
+    smallest top-k margin p_(k) - p_(k+1) of each token and layer). ``force`` [n - 1, L, k]: each
+    gate's choice for tokens 0..n-2 replaced, weights its probabilities gathered there and
+    normalised as the gate normalises its own choice."""
+    chosen, margins, handles = [], [], []
+
+    def hook(layer):
+        def fn(module, inputs, out):
+            logits, weights, idx = out
+            probs = torch.softmax(logits.double(), dim=-1)
+            top = torch.topk(probs, idx.shape[-1] + 1, dim=-1).values
+            margins.append(float((top[:, -2] - top[:, -1]).min()))
+            if force is None:
+                chosen.append(idx.clone())
+                return None
+            idx = idx.clone()
+            idx[:force.shape[0]] = force[:, layer]
+            w = probs.gather(1, idx)
+            if getattr(module, "norm_topk_prob", True):
+                w = w / w.sum(dim=-1, keepdim=True)
+            chosen.append(idx)
+            return logits, w.to(weights.dtype), idx
+        return fn
+
+    for layer, g in enumerate(gates(model)):
+        handles.append(g.register_forward_hook(hook(layer)))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0].double()
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.log_softmax(logits, dim=-1), torch.stack(chosen, dim=1), min(margins)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_returned_experts_are_the_routers_choice(models, kind):
+    d, ref_model, s = models[kind]
+    out = s.logprobs(SEQS, return_routed_experts=True)
+    layers = len(gates(ref_model))
+    for seq, res in zip(SEQS, out):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        lp, chosen, margin = reference(ref_model, ids)
+        assert margin > 1e-5, f"a near-tie in the router ({margin}): pick other tokens"
+        assert res.routed_experts.dtype == torch.int32
+        assert tuple(res.routed_experts.shape) == (len(ids) - 1, layers, 2)
+        assert torch.equal(res.routed_experts.long(), chosen[:-1])  # every token fed; the router's order
+        want = torch.tensor([lp[j - 1, ids[j]] for j in range(len(seq["prompt_token_ids"]), len(ids))])
+        assert (res.logprobs.double() - want).abs().max() < TOL
+        assert res.to_dict()["routed_experts"] == res.routed_experts.tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replay_is_bitwise_and_perturbed_replay_matches_reference(models, kind):
+    d, ref_model, s = models[kind]
+    plain = s.logprobs(SEQS, return_routed_experts=True)
+    # replay sequences 0 and 2 (0 no longer shares its prompt with 1), in chunks of 6 rows too
+    for sc in (s, scorer(d, max_batch_tokens=6)):
+        replay = [dict(SEQS[0], routed_experts=plain[0].routed_experts), SEQS[1],
+                  dict(SEQS[2], routed_experts=plain[2].routed_experts.tolist())]
+        again = sc.logprobs(replay, return_routed_experts=True)
+        for a, b in zip(plain, again):
+            assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.routed_experts, b.routed_experts)
+
+    g = torch.Generator().manual_seed(1)
+    n_experts = s.context.routing[2]
+    perturbed = plain[0].routed_experts.clone()
+    for t in range(perturbed.shape[0]):
+        for layer in range(perturbed.shape[1]):
+            perturbed[t, layer] = torch.randperm(n_experts, generator=g)[:2].to(torch.int32)
+    got = s.logprobs([dict(SEQS[0], routed_experts=perturbed), SEQS[1]], return_routed_experts=True)
+    assert torch.equal(got[0].routed_experts, perturbed)
+    assert torch.equal(got[1].logprobs, plain[1].logprobs)  # its neighbour is untouched
+    ids = SEQS[0]["prompt_token_ids"] + SEQS[0]["completion_token_ids"]
+    lp, chosen, _ = reference(ref_model, ids, perturbed.long())
+    want = torch.tensor([lp[j - 1, ids[j]] for j in range(len(PROMPT), len(ids))])
+    assert (got[0].logprobs.double() - want).abs().max() < TOL
+    assert (got[0].logprobs - plain[0].logprobs).abs().max() > 1e-3  # the routing mattered
+
+
+def test_base64_round_trip_and_server(models):
+    d, ref_model, s = models["qwen3_moe"]
+    ids = SEQS[0]["prompt_token_ids"] + SEQS[0]["completion_token_ids"]
+    lib = s.logprobs(SEQS[:1], return_routed_experts=True)[0]
+    L, k = s.context.routing[:2]
+    off = GenerateRequest.model_validate({"input_ids": ids, "return_routed_experts": True})
+    with pytest.raises(LogprobeError) as e:
+        generate_job(off, s, 20, False)
+    assert e.value.field == "return_routed_experts"
+
+    app = create_app(scorer(d), ServerConfig(enable_return_routed_experts=True))
+    with serve(app) as url:
+        r = requests.post(url + "/generate", json={"input_ids": ids, "return_routed_experts": True,
+                                                   "return_logprob": True, "logprob_start_len": 0,
+                                                   "sampling_params": {"max_new_tokens": 0}}, timeout=60)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        got = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(-1, L, k)
+        assert torch.equal(torch.from_numpy(got.copy()), lib.routed_experts)
+        assert [e[0] for e in meta["input_token_logprobs"][1 + len(PROMPT) - 1:]] == lib.logprobs.tolist()
+        # native: base64 back, and a base64 routing replayed (perturbed: the first token's experts swapped)
+        body = {"sequences": [SEQS[0]], "return_routed_experts": True}
+        nat = requests.post(url + "/v1/logprobs", json=body, timeout=60).json()["results"][0]
+        assert nat["routed_experts"] == meta["routed_experts"] and nat["logprobs"] == lib.logprobs.tolist()
+        swapped = lib.routed_experts.clone()
+        swapped[:, :, [0, 1]] = swapped[:, :, [1, 0]]  # the same experts, listed in the other order
+        b64 = base64.b64encode(swapped.numpy().astype("<i4").tobytes()).decode()
+        rep = requests.post(url + "/v1/logprobs", json={"sequences": [dict(SEQS[0], routed_experts=b64)],
+                                                        "return_routed_experts": True}, timeout=60)
+        assert rep.status_code == 200, rep.text
+        want = s.logprobs([dict(SEQS[0], routed_experts=swapped)])[0].logprobs.tolist()
+        assert rep.json()["results"][0]["logprobs"] == want
+        bad = requests.post(url + "/v1/logprobs", json={"sequences": [dict(SEQS[0], routed_experts=[[[0, 1]]])]},
+                            timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sequences[0].routed_experts"
+
+
+def test_dense_model_refuses(tmp_path):
+    make_hf_dir(tmp_path, "llama", seed=3)
+    s = scorer(tmp_path)
+    with pytest.raises(LogprobeError) as e:
+        s.logprobs(SEQS[:1], return_routed_experts=True)
+    assert e.value.field == "return_routed_experts"
+    with pytest.raises(LogprobeError) as e:
+        s.logprobs([dict(SEQS[0], routed_experts=[[[0, 1]]] * 12)])
+    assert e.value.field == "sequences[0].routed_experts"
