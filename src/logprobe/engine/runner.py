@@ -15,6 +15,7 @@ from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, KVCache, Segment
 from ..layers.hooks import CaptureTable, Hooks, RouteTable, SteerTable
 from ..layers.logprob_head import logprob_head
+from ..layers.moe import MoeBlock
 from ..layers.numerics import NumericsUser
 from ..models.caps import ModelCaps
 from .budget import budget_for, resolved_budget
@@ -541,8 +542,6 @@ def _attach_captures(scored: list[tuple[int, RequestResult]], slots: list[Captur
 
 def route_layers(model: nn.Module) -> dict[str, int]:
     """Router point (``blocks.l.router``) -> MoE layer index, in layer order, of a native model."""
-    from ..layers.moe import MoeBlock
-
     points = [m.router_point for m in model.modules() if isinstance(m, MoeBlock)]
     points.sort(key=lambda p: int(p.split(".")[1]))
     return {p: j for j, p in enumerate(points)}

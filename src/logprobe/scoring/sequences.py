@@ -12,6 +12,8 @@ Padded and packed batches become the same requests through a ``scoring.padded.Pl
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Sequence
 
 import torch
@@ -99,9 +101,6 @@ def routed_experts(context: ScoringContext, value, length: int, field: str) -> t
 
 def decode_routed_experts(text: str, layers: int, k: int, field: str = "routed_experts"):
     """SGLang's ``meta_info.routed_experts``: base64 of int32 (little-endian) -> [-1, layers, k]."""
-    import base64
-    import binascii
-
     import numpy as np
 
     try:
@@ -116,8 +115,6 @@ def decode_routed_experts(text: str, layers: int, k: int, field: str = "routed_e
 def encode_routed_experts(ids: torch.Tensor) -> str:
     """[tokens, layers, k] expert ids -> base64 of int32 little-endian, as SGLang's
     ``meta_info.routed_experts`` (decode: ``np.frombuffer(base64.b64decode(s), np.int32).reshape(-1, L, k)``)."""
-    import base64
-
     import numpy as np
 
     return base64.b64encode(np.ascontiguousarray(ids.cpu().numpy(), dtype="<i4").tobytes()).decode("ascii")

@@ -19,6 +19,7 @@ from typing import Any
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..interp.specs import CaptureSpec, SteerSpec
+from ..layers.moe import MoeBlock
 from ..loading import LoadedModel
 from ..models.caps import ModelCaps
 from ..tokenizer import Tokenizer
@@ -44,8 +45,6 @@ class Job:
 
 def moe_routing(model) -> tuple[int, int, int]:
     """(MoE layers, experts per token, experts) of a native model's MoE blocks; (0, 0, 0) for none."""
-    from ..layers.moe import MoeBlock
-
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
     return (len(blocks), blocks[0].top_k, blocks[0].spec.num_experts) if blocks else (0, 0, 0)
 
