@@ -265,3 +265,50 @@ def test_cli_cache_through_a_subprocess(tmp_path):
     out = subprocess.run([sys.executable, "-m", "logprobe.cli.main", "cache", "stats", "--cache", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "10 entries" in out.stdout, out.stderr
+
+
+def test_lm_eval_use_cache_beside_logprobe_cache(tiny, tmp_path):
+    """lm-eval's CachingLM (its --use_cache, a sqlite of answers by request text) over a LogprobeLM
+    whose scorer has logprobe's cache: both fill, both answer, the numbers agree."""
+    pytest.importorskip("sqlitedict")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import CachingLM
+
+    from logprobe.integrations.lm_eval import LogprobeLM
+
+    _, _, loaded = tiny
+    reqs = [Instance("loglikelihood", {}, ("hello", " world"), i) for i in range(1)]
+    reqs.append(Instance("loglikelihood", {}, ("good", " day"), 1))
+    lm = LogprobeLM(scorer=Scorer(loaded, progress=False, cache=str(tmp_path / "lp")))
+    first = CachingLM(lm, str(tmp_path / "lm-eval.db")).loglikelihood(reqs)
+    assert lm.scorer.engine.cache.stats()["entries"] == 2
+    passes = counted(lm.scorer)
+    again = CachingLM(LogprobeLM(scorer=lm.scorer), str(tmp_path / "lm-eval.db")).loglikelihood(reqs)
+    assert again == first and passes[0] == 0  # lm-eval's cache answered
+    lm2 = LogprobeLM(scorer=Scorer(loaded, progress=False, cache=str(tmp_path / "lp")))
+    p2 = counted(lm2.scorer)
+    assert lm2.loglikelihood(reqs) == first and p2[0] == 0  # logprobe's cache answered
+
+
+def test_the_server_answers_from_the_cache(tiny, tmp_path):
+    """`logprobe serve --cache DIR`: the batcher's engine thread runs the cached executor; a repeat
+    runs no forward pass, /metrics still reads the engine through it."""
+    import requests
+    from server_util import serve
+
+    from logprobe.server import ServerConfig, create_app
+
+    _, _, loaded = tiny
+    s = Scorer(loaded, progress=False, cache=str(tmp_path))
+    passes = counted(s)
+    seqs = random_sequences(3, seed=7)
+    body = {"sequences": [{"prompt_token_ids": q["prompt_token_ids"], "completion_token_ids": q["completion_token_ids"]}
+                          for q in seqs], "top_k": 2}
+    with serve(create_app(s, ServerConfig())) as url:
+        first = requests.post(url + "/v1/logprobs", json=body, timeout=60)
+        assert first.status_code == 200, first.text
+        n = passes[0]
+        again = requests.post(url + "/v1/logprobs", json=body, timeout=60)
+        assert again.status_code == 200 and passes[0] == n > 0
+        assert again.json()["results"] == first.json()["results"]
+        assert requests.get(url + "/metrics", timeout=60).status_code == 200

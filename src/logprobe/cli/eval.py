@@ -39,6 +39,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="token budget of one forward pass (default: from the device, as logprobe score)")
     p.add_argument("--deterministic", action="store_true", help="bitwise-identical numbers whatever shares a batch")
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="logprobe's result cache (as every scoring command; beside lm-eval's own --use_cache)")
     p.add_argument("--max-length", type=int, default=None, metavar="L",
                    help="lm-eval's max_length: tokens fed per window (default: min(2048, model context - 1))")
     p.add_argument("--tasks", "-t", required=True, nargs="+", metavar="TASK",
@@ -60,6 +62,8 @@ def lm_eval_argv(args: argparse.Namespace) -> list[str]:
                   "deterministic": args.deterministic}
     if args.max_length is not None:
         model_args["max_length"] = args.max_length
+    if getattr(args, "cache", None):
+        model_args["cache"] = args.cache
     model_args = {k: v for k, v in model_args.items() if v is not None}
     # JSON keeps types and survives commas in paths; a later --model_args in passthrough merges over it
     return ["run", "--model", "logprobe", "--model_args", json.dumps(model_args), "--device", args.device,

@@ -90,6 +90,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
         raise LogprobeError("--tensor-parallel-size", "is set per replica by --gpus-per-replica here",
                             "use --gpus-per-replica G (and --replicas N for data parallelism)")
+    if getattr(args, "cache", None):
+        raise LogprobeError("--cache", "is not used by `logprobe ray` (its actors may run on other machines; the "
+                            "cache is one SQLite file on a local disk)", "drop --cache")
 
 
 def cmd_ray(args: argparse.Namespace) -> int:

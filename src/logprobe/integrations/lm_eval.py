@@ -13,7 +13,9 @@ before handing over to lm-eval's CLI; from Python::
 
 Model args: ``model`` (or ``pretrained``; a known name, a .gguf file or a Hugging Face directory),
 ``device``, ``dtype``, ``deterministic``, ``max_batch_tokens`` (the token budget of one forward
-pass; lm-eval's ``batch_size`` is accepted and ignored: logprobe batches by tokens), ``max_length``.
+pass; lm-eval's ``batch_size`` is accepted and ignored: logprobe batches by tokens), ``max_length``,
+``cache`` (a directory: logprobe's result cache, ``executor.cached``, keyed by weights and token
+ids; lm-eval's own ``--use_cache``, keyed by request text, works beside it).
 
 Token boundaries are lm-eval's, as its ``hf`` backend draws them with ``max_length = L``
 (default ``min(2048, model context - 1)``):
@@ -45,7 +47,7 @@ from ..scoring.contract import split_continuation
 from ..scoring.windows import rolling_windows
 
 DEFAULT_MAX_LENGTH = 2048
-MODEL_ARGS = ("model", "pretrained", "device", "dtype", "deterministic", "max_batch_tokens", "max_length")
+MODEL_ARGS = ("model", "pretrained", "device", "dtype", "deterministic", "max_batch_tokens", "max_length", "cache")
 
 
 def truncate_pair(ctx: list[int], cont: list[int], max_length: int) -> tuple[list[int], list[int]]:
@@ -106,7 +108,8 @@ class LogprobeLM(LM):
     def __init__(self, model: str | None = None, pretrained: str | None = None, device: str | None = "auto",
                  dtype: str | None = "auto", deterministic: bool | str = False,
                  max_batch_tokens: int | str | None = None,
-                 max_length: int | str | None = None, batch_size=None, max_batch_size=None, scorer=None) -> None:
+                 max_length: int | str | None = None, batch_size=None, max_batch_size=None, scorer=None,
+                 cache: str | None = None) -> None:
         super().__init__()
         del batch_size, max_batch_size  # lm-eval's; logprobe batches by tokens (max_batch_tokens)
         if model is not None and pretrained is not None and model != pretrained:
@@ -116,7 +119,7 @@ class LogprobeLM(LM):
             scorer = Scorer(model or pretrained, device=device or "auto", dtype=dtype or "auto",
                             max_batch_tokens=None if max_batch_tokens is None
                             else _count(max_batch_tokens, "max_batch_tokens"),
-                            deterministic=_flag(deterministic, "deterministic"))
+                            deterministic=_flag(deterministic, "deterministic"), cache=cache or None)
         self.scorer = scorer
         self._device = str(scorer.device)
         limit = scorer.info.max_length - 1  # L + 1 tokens per window must fit the model's context
