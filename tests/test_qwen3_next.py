@@ -220,8 +220,10 @@ def test_config_refusals(hybrid_dirs):
         with pytest.raises(LogprobeError) as e:
             hybrid_config(bad)
         assert e.value.field == field
+    assert parallel_context(cfg, 0, 2).size == 2  # dense: split by heads (tests/test_hybrid_tp.py)
+    moe = hybrid_config(json.loads((hybrid_dirs["qwen3_5_moe"][0] / "config.json").read_text()))
     with pytest.raises(LogprobeError) as e:
-        parallel_context(cfg, 0, 2)
+        parallel_context(moe, 0, 2)
     assert e.value.field == "tensor_parallel_size" and "data parallelism" in str(e.value)
 
 
@@ -300,9 +302,10 @@ def test_weight_updates_refused(hybrid_dirs):
             call()
 
 
-def test_data_parallel_and_tensor_parallel_refused(hybrid_dirs):
-    """Two data-parallel worker processes give the single process's bits; a tensor-parallel split is
-    refused before any process starts, naming tensor_parallel_size."""
+def test_data_parallel_and_moe_tensor_parallel_refused(hybrid_dirs):
+    """Two data-parallel worker processes give the single process's bits; a tensor-parallel split of
+    a mixture-of-experts model is refused before any process starts, naming tensor_parallel_size
+    (dense ones split: tests/test_hybrid_tp.py)."""
     path, _ = hybrid_dirs["qwen3_5"]
     seqs = _sequences()
     one = Scorer(str(path), device="cpu", dtype="float32", progress=False).logprobs(seqs)
@@ -310,5 +313,6 @@ def test_data_parallel_and_tensor_parallel_refused(hybrid_dirs):
         two = dp.logprobs(seqs)
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(one, two))
     with pytest.raises(LogprobeError) as e:
-        Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2)
+        Scorer(str(hybrid_dirs["qwen3_5_moe"][0]), device="cpu", dtype="float32", progress=False,
+               tensor_parallel_size=2)
     assert e.value.field == "tensor_parallel_size" and "data parallelism works" in str(e.value)

@@ -63,7 +63,44 @@ def held_rows(model: nn.Module, name: str) -> tuple[int, int] | None:
         owner = model.get_submodule(parent) if parent else model
     except AttributeError:
         return None
+    if getattr(owner, "tp_ranges", None) is not None or name.rpartition(".")[2] in getattr(owner, "tp_param_ranges", {}):
+        raise ValueError(f"{name}: held in several row ranges (read them with held_ranges)")
     return owner.tp_rows if isinstance(owner, RowShard) else None
+
+
+def held_ranges(model: nn.Module, name: str) -> tuple[tuple[int, int], ...] | None:
+    """The row ranges [start, end) of parameter ``name``'s whole tensor that ``model`` (one rank's)
+    holds, in the order its rows are stacked; None: held whole. A ``SegmentedColumnLinear`` states
+    several (``tp_ranges``); a module with parameters of its own split by rows states them per
+    parameter (``tp_param_ranges``: the Gated DeltaNet's conv weight, A_log, dt_bias); other
+    layers one range (``held_rows``)."""
+    parent, _, leaf = name.rpartition(".")
+    try:
+        owner = model.get_submodule(parent) if parent else model
+    except AttributeError:
+        return None
+    own = getattr(owner, "tp_param_ranges", None) or {}
+    if leaf in own:
+        return own[leaf]
+    if getattr(owner, "tp_ranges", None) is not None:
+        return owner.tp_ranges
+    rows = owner.tp_rows if isinstance(owner, RowShard) else None
+    return None if rows is None else (rows,)
+
+
+def head_ranges(segments: list[tuple[int, int]], ctx: ParallelContext) -> tuple[tuple[int, int], ...]:
+    """Rank ``ctx.rank``'s rows of a whole tensor made of ``segments`` side by side, each
+    ``(heads, rows per head)`` and split by heads on its own (balanced, contiguous).
+
+    >>> head_ranges([(2, 16), (2, 16), (4, 16)], ParallelContext(1, 2))  # Gated DeltaNet [q | k | v]
+    ((16, 32), (48, 64), (96, 128))
+    """
+    out, offset = [], 0
+    for heads, rows in segments:
+        h0, h1 = shard_range(heads, ctx.rank, ctx.size)
+        out.append((offset + h0 * rows, offset + h1 * rows))
+        offset += heads * rows
+    return tuple(out)
 
 
 class ColumnParallelLinear(RowShard, Linear):
@@ -99,6 +136,33 @@ def column_block(total: int, blocks: int, head_dim: int = 1) -> int | None:
     if total % blocks == 0 and (total // blocks) % head_dim == 0:
         return total // blocks
     return head_dim if head_dim > 1 else None
+
+
+class SegmentedColumnLinear(RowShard, Linear):
+    """A column-parallel layer whose whole weight is several segments side by side, each split by
+    heads on its own (the Gated DeltaNet's ``in_proj_qkv``: rows ``[q | k | v]``, q and k in key
+    heads, v in value heads): ``segments`` = [(heads, head_dim), ...]; a rank holds its heads of
+    every segment, its rows those ranges stacked (``tp_ranges``, ``head_ranges``). Its output
+    keeps the segments' order, so ``[q_r | k_r | v_r]`` splits as the whole one does.
+
+    Deterministic mode's column blocks per segment, as ``ColumnParallelLinear``'s (the segment's
+    width / S where that is whole heads, else one head), so a column's product has one shape at
+    every TP size. Worked example, segments (2, 16), (2, 16), (4, 16), S = 2, TP = 2: rank 1 holds
+    rows 16:32, 48:64 and 96:128, in blocks of 16, 16 and 32 (TP = 1: 16, 16 | 16, 16 | 32, 32)."""
+
+    tp_rows = None  # several ranges: tp_ranges
+
+    def __init__(self, in_features: int, segments: list[tuple[int, int]], bias: bool, ctx: ParallelContext) -> None:
+        ranges = head_ranges(segments, ctx)
+        widths = [b - a for a, b in ranges]
+        super().__init__(in_features, sum(widths), bias=bias)
+        self.ctx, self.tp_ranges = ctx, ranges
+        blocks = []
+        for (heads, head_dim), width in zip(segments, widths):
+            block = column_block(heads * head_dim, ctx.blocks, head_dim) or width
+            blocks += [block] * (width // block) if width % block == 0 else [width]
+        if len(blocks) > 1:
+            self.col_blocks = blocks
 
 
 class GatheredRowLinear(ColumnParallelLinear):

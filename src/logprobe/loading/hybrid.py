@@ -20,7 +20,10 @@ import torch
 from ..errors import LogprobeError
 from ..layers.gated_delta import split_qwen3_next_projections
 from ..layers.moe import MoeSpec
+from ..layers.parallel_linear import held_ranges
 from ..models.qwen3_next import HybridConfig, HybridModel
+from ..parallel.context import ParallelContext
+from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, safetensors_files
 from .hf import stack_experts
 
@@ -208,12 +211,46 @@ def _split_fused(tensors, cfg: HybridConfig):
                             f"({'in_proj_ba' if 'in_proj_qkvz' in got else 'in_proj_qkvz'}) in the checkpoint")
 
 
-def build_hybrid(cfg: HybridConfig, tensors, device: torch.device, dtype: torch.dtype) -> HybridModel:
+def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+    """A rank's context for a hybrid model (``loader.parallel_context``), after checking it splits
+    ``size`` ways: dense MLPs only, and ``size`` dividing the attention heads (or kv heads, or a
+    multiple of them), the linear-attention key and value heads, the hidden and intermediate sizes."""
+    if size > 1 and cfg.moe is not None:
+        raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models ({cfg.family}) run on one "
+                            "device per replica (tensor parallelism for experts is not there yet)",
+                            "use tensor_parallel_size 1 (data parallelism works)")
+    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
+    for key, n in (("linear_num_value_heads", cfg.linear_num_value_heads),  # a multiple of the key heads
+                   ("linear_num_key_heads", cfg.linear_num_key_heads),
+                   ("intermediate_size", cfg.intermediate_size), ("hidden_size", cfg.hidden_size)):
+        if n % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide {key} {n} of {cfg.family}",
+                                f"use a size that divides {key}")
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
+
+
+def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
+    """``hybrid_tensors``, each cut to this rank's rows as its layers state them (``held_ranges`` of
+    the rank's model on the meta device; the mixer's q/k/v rows and conv channels are three ranges).
+    Each tensor is read whole, then cut, one at a time (Qwen3-Next's fused projections are split
+    before they can be cut)."""
+    with torch.device("meta"):
+        model = HybridModel(cfg, ctx)
+    for name, w in hybrid_tensors(path, cfg):
+        ranges = held_ranges(model, name)
+        if ranges is not None:
+            w = torch.cat([w[a:b] for a, b in ranges]) if len(ranges) > 1 else w[ranges[0][0]:ranges[0][1]].clone()
+        yield name, w
+
+
+def build_hybrid(cfg: HybridConfig, tensors, device: torch.device, dtype: torch.dtype,
+                 ctx: ParallelContext | None = None) -> HybridModel:
     """The native model from (name, tensor) pairs: every parameter present with the shape the
-    config implies, q/k rows permuted to the interleaved rotary layout."""
+    config implies, q/k rows permuted to the interleaved rotary layout. ``ctx``: this rank's
+    tensor-parallel group; ``tensors`` then yields this rank's rows (``hybrid_shard_tensors``)."""
     state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
     with torch.device("meta"):
-        model = HybridModel(cfg)
+        model = HybridModel(cfg, ctx)
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:

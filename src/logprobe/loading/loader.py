@@ -25,7 +25,14 @@ from .deepseek import build_deepseek, deepseek_config, deepseek_tensors, is_deep
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
-from .hybrid import build_hybrid, hybrid_config, hybrid_tensors, is_hybrid
+from .hybrid import (
+    build_hybrid,
+    hybrid_config,
+    hybrid_parallel_context,
+    hybrid_shard_tensors,
+    hybrid_tensors,
+    is_hybrid,
+)
 from .sharding import ShardedGGUF, hf_shard_tensors
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -155,12 +162,8 @@ def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.d
 
 def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
     """A rank's context for this model, after checking the model can be split ``size`` ways."""
-    if isinstance(cfg, HybridConfig):
-        if size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models (hybrid linear attention) run "
-                                "on one device per replica (tensor parallelism for them is not there yet)",
-                                "use tensor_parallel_size 1 (data parallelism works)")
-        return ParallelContext(rank, 1, group)
+    if isinstance(cfg, HybridConfig):  # dense hybrid models split by heads; MoE ones refused
+        return hybrid_parallel_context(cfg, rank, size, group)
     if isinstance(cfg, DeepseekConfig):
         if size > 1:
             raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models (latent attention, grouped "
@@ -219,6 +222,9 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
     ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
+    if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
+        model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
+        return LoadedModel(model, loaded.tokenizer, loaded.info)
     if cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
         return load_model(spec, device, dtype)
     if path.is_file():

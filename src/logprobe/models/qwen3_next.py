@@ -39,7 +39,16 @@ Checkpoints: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are cut into Q
 ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` at load
 (``layers.gated_delta.split_qwen3_next_projections``); the conv weight [C, 1, K] is kept [C, K]
 (``conv_weight``); q/k rows are permuted to the interleaved rotary layout on their first r dims
-(``interleave_rope_weights``). One rank only (no tensor parallelism yet; data parallelism works).
+(``interleave_rope_weights``).
+
+Tensor parallelism (dense MLPs only: the MoE variants run on one rank, as every MoE model) lives
+in the layers, as Llama's: a rank holds its heads and its share of the MLP, the residual stream is
+whole on every rank. The mixer's rows: ``in_proj_qkv`` (and the conv's channels) its key heads of q
+and of k and its value heads of v, three ranges (``SegmentedColumnLinear``); ``in_proj_z``,
+``in_proj_a`` / ``in_proj_b``, A_log and dt_bias its value heads; ``out_proj`` and ``o_proj``
+gathered-row layers. Gated attention's q_proj rows are its heads' 2 D blocks (query and gate); k/v
+by kv head. Every head's core (conv, rule, gated norm, attention) sees only its own channels, so
+deterministic mode's bits are the same at every TP size dividing the column block count.
 
 Cuts: the engine shares prefixes and cuts long requests only at multiples of the rule's 64-token
 chunk from a sequence's start (``caps.state_align``), where the chunked rule reproduces a whole
@@ -71,10 +80,15 @@ from ..layers.logprob_head import HeadParams
 from ..layers.moe import MoeBlock, MoeSpec
 from ..layers.norm import OffsetRMSNorm
 from ..layers.numerics import NumericsUser
-from ..layers.parallel_linear import ParallelLMHead
+from ..layers.parallel_linear import (
+    ColumnParallelLinear,
+    GatheredRowLinear,
+    ParallelLMHead,
+    SegmentedColumnLinear,
+)
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from ..parallel.context import ParallelContext
-from ..parallel.shard import vocab_chunk_width, vocab_shard
+from ..parallel.shard import kv_heads, num_blocks, q_heads, shard_range, vocab_chunk_width, vocab_shard
 from .caps import ModelCaps
 from .llama import LlamaMLP
 
@@ -142,6 +156,13 @@ class HybridConfig:
         rope_inv_freq(r, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
 
     @property
+    def split_widths(self) -> tuple[int, ...]:
+        """The widths tensor parallelism cuts (``LlamaConfig.split_widths``): attention heads, hidden
+        and intermediate sizes, the linear-attention key and value heads."""
+        return (self.num_heads, self.hidden_size, *([self.intermediate_size] if self.intermediate_size else []),
+                self.linear_num_key_heads, self.linear_num_value_heads)
+
+    @property
     def rotary_dim(self) -> int:
         """Rotary dims at the start of each head (transformers: ``int(head_dim * partial_rotary_factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -161,6 +182,16 @@ def _swiglu(hidden: int, inter: int, ctx: ParallelContext) -> LlamaMLP:
     return LlamaMLP(_MlpWidths(hidden, inter), ctx)
 
 
+def _state_blocks(*layers: Linear) -> None:
+    """A layer holding a single column block states it (``col_blocks = [width]``), so the fused
+    projection keeps every part's blocks (``fuse_linears`` keeps them only where all parts state
+    them): in deterministic mode in_proj_b / in_proj_a's narrow blocks (Hv / S columns) are then
+    products of one width at every TP size; as one product with the rest of the fused rows
+    (TP = S), CPU BLAS gave those columns other bits."""
+    for layer in layers:
+        layer.col_blocks = layer.col_blocks or [layer.out_features]
+
+
 class RowGatedRMSNorm(NumericsUser, GatedRMSNorm):
     """``gated_delta.gated_rms_norm`` (weight as stored), each row reduced alone on CUDA: the norm
     and its weight through ``kernels.rmsnorm`` (``w * (o / rms(o)).to(o.dtype)``, the reference's
@@ -175,26 +206,35 @@ class RowGatedRMSNorm(NumericsUser, GatedRMSNorm):
 
 
 class GatedDeltaMixer(NumericsUser, nn.Module):
-    """The linear-attention token mixer (checkpoint module ``linear_attn``)."""
+    """The linear-attention token mixer (checkpoint module ``linear_attn``): this rank's key and
+    value heads (all of them with one rank). ``tp_param_ranges``: the rows of its own parameters'
+    whole tensors it holds (``parallel_linear.held_ranges``)."""
 
-    def __init__(self, cfg: HybridConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: HybridConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer of a chunk cache's states is ours
-        H = cfg.hidden_size
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = Linear(H, conv_dim)
-        self.in_proj_z = Linear(H, self.value_dim)
-        self.in_proj_b = Linear(H, self.num_v_heads)
-        self.in_proj_a = Linear(H, self.num_v_heads)
+        H, Hk, Hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        k0, k1 = shard_range(Hk, ctx.rank, ctx.size)
+        v0, v1 = shard_range(Hv, ctx.rank, ctx.size)
+        self.num_k_heads, self.num_v_heads = k1 - k0, v1 - v0
+        self.head_k_dim, self.head_v_dim = Dk, Dv
+        self.key_dim = self.num_k_heads * Dk
+        self.value_dim = self.num_v_heads * Dv
+        # rows [q | k | v]: this rank's key heads of q and of k, its value heads of v
+        self.in_proj_qkv = SegmentedColumnLinear(H, [(Hk, Dk), (Hk, Dk), (Hv, Dv)], False, ctx)
+        self.in_proj_z = ColumnParallelLinear(H, Hv * Dv, False, ctx, rows=(v0 * Dv, v1 * Dv), head_dim=Dv)
+        self.in_proj_b = ColumnParallelLinear(H, Hv, False, ctx, rows=(v0, v1))
+        self.in_proj_a = ColumnParallelLinear(H, Hv, False, ctx, rows=(v0, v1))
+        conv_dim = self.in_proj_qkv.out_features
         self.conv_weight = nn.Parameter(torch.empty(conv_dim, cfg.linear_conv_kernel_dim), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
-        self.norm = RowGatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, H)
+        self.tp_param_ranges = {"conv_weight": self.in_proj_qkv.tp_ranges, "A_log": ((v0, v1),),
+                                "dt_bias": ((v0, v1),)}
+        self.norm = RowGatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)  # one [Dv] weight for every head
+        self.out_proj = GatheredRowLinear(Hv * Dv, H, False, ctx)
+        _state_blocks(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         self.in_proj: Linear | None = None  # set by fuse(): qkv, z, b and a in one matmul
 
     def fuse(self) -> None:
@@ -204,7 +244,7 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
         """x [T, H] -> mixed [T, C], z [T, Hv * Dv], b, a [T, Hv]."""
         if self.in_proj is None:
             return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        sizes = [self.in_proj_qkv.out_features, self.value_dim, self.num_v_heads, self.num_v_heads]
+        sizes = [self.in_proj_qkv.out_features, self.value_dim, self.num_v_heads, self.num_v_heads]  # this rank's
         return tuple(t.contiguous() for t in self.in_proj(x).split(sizes, dim=-1))
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
@@ -223,19 +263,25 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
 
 
 class GatedAttention(NumericsUser, nn.Module):
-    """Full attention with a sigmoid output gate, q/k norms and partial rotary (module ``self_attn``)."""
+    """Full attention with a sigmoid output gate, q/k norms and partial rotary (module ``self_attn``):
+    this rank's query heads and the kv heads they read (as ``LlamaAttention``)."""
 
-    def __init__(self, cfg: HybridConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: HybridConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)
+        k0, k1 = kv_heads(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         self.rotary_dim = cfg.rotary_dim
         self.scale = cfg.head_dim**-0.5
         D, H = cfg.head_dim, cfg.hidden_size
-        self.q_proj = Linear(H, cfg.num_heads * 2 * D)  # per head: D query rows, then D gate rows
-        self.k_proj = Linear(H, cfg.num_kv_heads * D)
-        self.v_proj = Linear(H, cfg.num_kv_heads * D)
-        self.o_proj = Linear(cfg.num_heads * D, H)
+        # per head: D query rows, then D gate rows (a rank's rows: its heads' 2 D blocks)
+        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * 2 * D, False, ctx, rows=(q0 * 2 * D, q1 * 2 * D),
+                                           head_dim=2 * D)
+        self.k_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, rows=(k0 * D, k1 * D), head_dim=D)
+        self.v_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, rows=(k0 * D, k1 * D), head_dim=D)
+        self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, False, ctx)
+        _state_blocks(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
         self.qkv_proj: Linear | None = None  # set by fuse(): q (with its gate), k, v in one matmul
@@ -274,9 +320,9 @@ class HybridDecoderLayer(nn.Module):
         self.layer_type = cfg.layer_types[layer_idx]
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaMixer(cfg, layer_idx)
+            self.linear_attn = GatedDeltaMixer(cfg, layer_idx, ctx)
         else:
-            self.self_attn = GatedAttention(cfg, layer_idx)
+            self.self_attn = GatedAttention(cfg, layer_idx, ctx)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.dense_mlp(layer_idx):
             self.mlp = _swiglu(cfg.hidden_size, cfg.intermediate_size, ctx)
@@ -304,19 +350,20 @@ class HybridDecoderLayer(nn.Module):
 
 class HybridModel(NumericsUser, nn.Module):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
-    -> [T, H]``); ``head_params()`` feeds the log-prob head. One rank."""
+    -> [T, H]``); ``head_params()`` feeds the log-prob head. ``ctx``: this rank's tensor-parallel
+    group (None: one rank); mixture-of-experts blocks run on one rank only."""
 
     # the chunked rule reproduces a whole run's bits only where a sequence is cut at a multiple of its chunk
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False, state_align=CHUNK_SIZE)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True, state_align=CHUNK_SIZE)
 
     def __init__(self, cfg: HybridConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        if ctx is not None and ctx.size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {cfg.family} models run on one device per "
-                                "replica (no tensor parallelism for them yet)",
+        if ctx is not None and ctx.size > 1 and cfg.moe is not None:
+            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: mixture-of-experts {cfg.family} models run "
+                                "on one device per replica (tensor parallelism for experts is not there yet)",
                                 "use tensor_parallel_size 1 (data parallelism works)")
         self.config = cfg
-        self.ctx = ctx = ctx or ParallelContext()
+        self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
         self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
@@ -373,7 +420,7 @@ class HybridModel(NumericsUser, nn.Module):
     def head_params(self) -> HeadParams:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
-                          comm=None, grid=self.vocab_grid)
+                          comm=self.ctx if self.ctx.parallel else None, grid=self.vocab_grid)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                 hooks: Hooks | None = None) -> torch.Tensor:
