@@ -6,12 +6,14 @@ What a stored result is keyed by (sha256 of all of it):
 
     model   the weights (``weights_fingerprint``: sha256 over every parameter's and buffer's name,
             shape, dtype and bytes, computed once per weights version: at the first cached run,
-            again after each update_weights / load_weights), the tokenizer (its serialized vocabulary,
-            merges and BOS handling), the backend, the compute dtype, the device kind (cpu / cuda),
-            the deterministic mode (``EngineConfig.deterministic``, tp_invariant included) and the
+            again after each update_weights / load_weights), the model's config (its repr: rope,
+            norm eps, window, ...), the tokenizer (its serialized vocabulary, merges and BOS
+            handling), the backend, the compute dtype, the device kind (cpu / cuda), the
+            deterministic mode (``EngineConfig.deterministic``, tp_invariant included) and the
             tensor-parallel size
-    request the token ids, score_begin, temperature, top_k, entropy (and any further scalar option
-            a ScoreRequest carries)
+    request the token ids, score_begin, temperature, top_k, entropy, and any further option a
+            ScoreRequest carries away from its default when it is a plain scalar (e.g. route);
+            any other (e.g. forced experts) makes the request uncached
 
 Not in the key: the batch budget, what else shares a batch, chunking. Outside deterministic mode
 these move numbers in the last bits; a hit returns the numbers of the run that stored them.
@@ -135,10 +137,12 @@ class ModelIdentity:
             return None
         if self._tokenizer is None:
             self._tokenizer = tokenizer_fingerprint(self.loaded.tokenizer)
+            # the architecture's numbers (rope, eps, window, ...), which no weight holds
+            self._arch = hashlib.sha256(repr(getattr(self.loaded.model, "config", None)).encode()).hexdigest()
         info = self.loaded.info
         desc = {"name": info.name, "path": info.path, "backend": info.backend, "dtype": str(info.dtype),
                 "device": str(info.device).split(":")[0], "deterministic": repr(config.deterministic),
-                "tensor_parallel_size": self.tp, "weights": w, "tokenizer": self._tokenizer,
+                "tensor_parallel_size": self.tp, "weights": w, "tokenizer": self._tokenizer, "config": self._arch,
                 "schema": SCHEMA_VERSION}
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest(), desc
 
