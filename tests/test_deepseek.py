@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 
 import pytest
 import torch
 from helpers import VOCAB, byte_tokenizer, random_sequences
+from test_determinism import random_mix, same
 
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
-from logprobe.engine.request import ScoreRequest
 from logprobe.loading import load_model
 from logprobe.loading.deepseek import deepseek_config, deepseek_param_name
 from logprobe.loading.loader import parallel_context
@@ -241,39 +240,33 @@ def test_capture_router_and_hooks(ds_dirs):
     assert torch.equal(steered.logprobs, scorer.logprobs([seq])[0].logprobs)
 
 
-def _mix(seed: int) -> list[ScoreRequest]:
-    """Groups sharing a context (shared prefixes), duplicates, and long requests (chunks under a small budget)."""
-    rng = random.Random(seed)
-    tok = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
-    reqs = []
-    for _ in range(2):
-        ctx = tok(rng.randint(20, 50))
-        reqs += [ScoreRequest(ctx + tok(rng.randint(1, 25)), rng.choice([len(ctx), 1])) for _ in range(3)]
-    reqs += [ScoreRequest(tok(n), 1) for n in (5, 150)]
-    reqs.append(ScoreRequest(list(reqs[0].tokens), reqs[0].score_begin))
-    return reqs
-
-
-def test_chunks_and_shared_prefixes_are_bitwise(ds_dirs):
+@pytest.mark.parametrize("kind", ["qlora", "yarn"])
+def test_chunks_and_shared_prefixes_are_bitwise(kind, ds_dirs):
     """Deterministic mode: each request alone, or packed with shared prefixes and cut into chunks by
-    a 64-token budget, gives the same bits."""
-    loaded = load_model(str(ds_dirs["yarn"][0]), "cpu", "float32")
+    a 64-token budget (``test_determinism.random_mix``: shared contexts, duplicates, a prefix of
+    another, partial windows, mixed head options), gives the same bits."""
+    loaded = load_model(str(ds_dirs[kind][0]), "cpu", "float32")
     assert ModelCaps.of(loaded.model) == ModelCaps(context=True, hooks=True, tensor_parallel=False)
-    reqs = _mix(5)
+    reqs = random_mix(seed=3, vocab=VOCAB)
     alone = [Scorer(loaded, config=EngineConfig(deterministic=True, share_prefixes=False)).engine.run([r])[0]
              for r in reqs]
     for budget in (64, 1 << 20):
         cfg = EngineConfig(max_batch_tokens=budget, deterministic=True, share_prefixes=True)
         for a, b in zip(alone, Scorer(loaded, config=cfg).engine.run(reqs)):
-            assert torch.equal(a.logprobs, b.logprobs), budget
+            same(a, b, exact=True)
 
 
 @pytest.mark.slow  # slow tier (pytest -m slow): starts two worker processes (~10 s)
 def test_data_parallel_and_tensor_parallel_refused(ds_dirs):
+    """Two data-parallel worker processes give the single process's bits; a tensor-parallel split is
+    refused before any process starts, naming tensor_parallel_size."""
     path, _ = ds_dirs["qlora"]
     seqs = _sequences()
-    one = Scorer(str(path), device="cpu", dtype="float32", progress=False).logprobs(seqs)
-    with Scorer(str(path), device="cpu", dtype="float32", progress=False, data_parallel_size=2) as dp:
+    # deterministic mode: each worker packs its share of the sequences differently, and without it an
+    # expert's product depends on how many rows it gets
+    one = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True).logprobs(seqs)
+    with Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True,
+                data_parallel_size=2) as dp:
         two = dp.logprobs(seqs)
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(one, two))
     with pytest.raises(LogprobeError) as e:

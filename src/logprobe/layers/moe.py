@@ -126,7 +126,7 @@ def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group:
     >>> ids.tolist(), [round(v, 4) for v in w[0].tolist()]
     ([[1, 0]], [1.1877, 0.8123])
     """
-    scores = torch.sigmoid(logits.float())  # [T, E]
+    scores = row_invariant(torch.sigmoid, logits.float())  # [T, E], each row's bits independent of T
     choice = scores + bias.float()  # [T, E]
     T, E = choice.shape
     grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]

@@ -57,6 +57,7 @@ from torch import nn
 
 from ..config import Numerics
 from ..errors import LogprobeError
+from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
@@ -192,7 +193,8 @@ class DeepseekRotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rope/2]
-        return torch.polar(torch.full_like(freqs, self.attention_factor), freqs)
+        # each row's cos/sin bits independent of T (a narrow table's tail rows would round otherwise)
+        return row_invariant(lambda f: torch.polar(torch.full_like(f, self.attention_factor), f), freqs)
 
 
 class MultiHeadLatentAttention(NumericsUser, nn.Module):
