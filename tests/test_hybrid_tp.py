@@ -142,3 +142,30 @@ def test_indivisible_heads_and_moe_refused():
     with pytest.raises(LogprobeError, match="mixture-of-experts"):
         parallel_context(moe, 0, 2)
     assert parallel_context(moe, 0, 1).size == 1
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])
+def test_rank_reads_its_heads_rows(kind, dirs):
+    """Rank 1 of 2 reads (``hybrid_shard_tensors``): of in_proj_qkv and the conv weight its key heads
+    of q and of k and its value heads of v (three ranges); of in_proj_z / a / b, A_log and dt_bias
+    its value heads; of q_proj its heads' query+gate blocks; the norms whole. Qwen3-Next's fused
+    projections are split first, then cut the same way."""
+    from logprobe.loading.hf import read_config
+    from logprobe.loading.hybrid import hybrid_config, hybrid_shard_tensors, hybrid_tensors
+
+    path = dirs[kind]
+    cfg = hybrid_config(read_config(path))
+    whole = dict(hybrid_tensors(path, cfg))
+    got = dict(hybrid_shard_tensors(path, cfg, parallel_context(cfg, 1, 2)))
+    assert got.keys() == whole.keys()
+    la, sa = "layers.0.linear_attn.", "layers.1.self_attn."
+    for name in ("in_proj_qkv.weight", "conv_weight"):  # [q 0:32 | k 32:64 | v 64:128], 16 per key/value head
+        w = whole[la + name]
+        assert torch.equal(got[la + name], torch.cat([w[16:32], w[48:64], w[96:128]]))
+    assert torch.equal(got[la + "in_proj_z.weight"], whole[la + "in_proj_z.weight"][32:64])
+    for name in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        assert torch.equal(got[la + name], whole[la + name][2:4])
+    assert torch.equal(got[la + "norm.weight"], whole[la + "norm.weight"])
+    assert torch.equal(got[la + "out_proj.weight"], whole[la + "out_proj.weight"][32:64])  # rows of the output
+    assert torch.equal(got[sa + "q_proj.weight"], whole[sa + "q_proj.weight"][128:256])  # heads 2, 3: 2 x 64 rows
+    assert torch.equal(got[sa + "k_proj.weight"], whole[sa + "k_proj.weight"][32:64])

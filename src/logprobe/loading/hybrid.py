@@ -166,7 +166,9 @@ def hybrid_tensors(path: Path, cfg: HybridConfig):
     yield from stack_experts(_split_fused(_plain(path, cfg), cfg), cfg)
 
 
-def _plain(path: Path, cfg: HybridConfig):
+def _plain(path: Path, cfg: HybridConfig, cut=None):
+    """(name, tensor) of every used key; ``cut(name)``: the row ranges to read of it (None: whole),
+    read with ``get_slice`` (only those bytes)."""
     from safetensors import safe_open
 
     skipped: list[str] = []
@@ -178,7 +180,12 @@ def _plain(path: Path, cfg: HybridConfig):
                     if key.startswith(_SKIPPED):
                         skipped.append(key)
                     continue
-                value = st.get_tensor(key)
+                ranges = None if cut is None else cut(name)
+                if ranges is None:
+                    value = st.get_tensor(key)
+                else:
+                    sl = st.get_slice(key)
+                    value = torch.cat([sl[a:b] for a, b in ranges])
                 check_plain_dtype(key, value, f.name)
                 if name.endswith(".linear_attn.conv_weight") and value.dim() == 3:
                     value = value.squeeze(1)  # [C, 1, K] -> [C, K]
@@ -231,15 +238,19 @@ def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, gro
 
 def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
     """``hybrid_tensors``, each cut to this rank's rows as its layers state them (``held_ranges`` of
-    the rank's model on the meta device; the mixer's q/k/v rows and conv channels are three ranges).
-    Each tensor is read whole, then cut, one at a time (Qwen3-Next's fused projections are split
-    before they can be cut)."""
+    the rank's model on the meta device; the mixer's q/k/v rows and conv channels are three ranges):
+    only those rows are read (``get_slice``), except Qwen3-Next's fused ``in_proj_qkvz`` /
+    ``in_proj_ba``, read whole, split into Qwen3.5's layout, then cut (one layer at a time)."""
     with torch.device("meta"):
         model = HybridModel(cfg, ctx)
-    for name, w in hybrid_tensors(path, cfg):
+
+    def cut(name: str):
+        return None if _SPLIT.fullmatch(name) else held_ranges(model, name)
+
+    for name, w in _split_fused(_plain(path, cfg, cut), cfg):
         ranges = held_ranges(model, name)
-        if ranges is not None:
-            w = torch.cat([w[a:b] for a, b in ranges]) if len(ranges) > 1 else w[ranges[0][0]:ranges[0][1]].clone()
+        if ranges is not None and w.shape[0] != sum(b - a for a, b in ranges):  # read whole: split from a fused one
+            w = torch.cat([w[a:b] for a, b in ranges])
         yield name, w
 
 
