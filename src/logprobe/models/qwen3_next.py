@@ -47,8 +47,11 @@ whole on every rank. The mixer's rows: ``in_proj_qkv`` (and the conv's channels)
 and of k and its value heads of v, three ranges (``SegmentedColumnLinear``); ``in_proj_z``,
 ``in_proj_a`` / ``in_proj_b``, A_log and dt_bias its value heads; ``out_proj`` and ``o_proj``
 gathered-row layers. Gated attention's q_proj rows are its heads' 2 D blocks (query and gate); k/v
-by kv head. Every head's core (conv, rule, gated norm, attention) sees only its own channels, so
-deterministic mode's bits are the same at every TP size dividing the column block count.
+by kv head. Every head's core (conv, rule, gated norm, attention) sees only its own channels, and
+every projection states its column blocks (``_state_blocks``), so deterministic mode's bits are
+the same at every TP size dividing the column block count: checked on CPU (the reference rule,
+tests/test_hybrid_tp.py); on CUDA fla-core's rule kernels grid per head, but whether their
+autotuned tiles depend on the head count (Hv / TP) is not yet checked on a GPU.
 
 Cuts: the engine shares prefixes and cuts long requests only at multiples of the rule's 64-token
 chunk from a sequence's start (``caps.state_align``), where the chunked rule reproduces a whole
