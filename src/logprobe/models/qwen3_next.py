@@ -50,8 +50,9 @@ gathered-row layers. Gated attention's q_proj rows are its heads' 2 D blocks (qu
 by kv head. Every head's core (conv, rule, gated norm, attention) sees only its own channels, and
 every projection states its column blocks (``_state_blocks``), so deterministic mode's bits are
 the same at every TP size dividing the column block count: checked on CPU (the reference rule,
-tests/test_hybrid_tp.py); on CUDA fla-core's rule kernels grid per head, but whether their
-autotuned tiles depend on the head count (Hv / TP) is not yet checked on a GPU.
+tests/test_hybrid_tp.py). On CUDA fla-core's rule kernels grid per head, but their autotune keys
+include the head counts (H, HV: Hk / TP, Hv / TP), so a split may pick other tiles: TP = 2 vs 1
+bits there are not yet checked on a GPU (pinning fla's configs in deterministic mode would settle it).
 
 Cuts: the engine shares prefixes and cuts long requests only at multiples of the rule's 64-token
 chunk from a sequence's start (``caps.state_align``), where the chunked rule reproduces a whole
