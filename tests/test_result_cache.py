@@ -312,3 +312,33 @@ def test_the_server_answers_from_the_cache(tiny, tmp_path):
         assert again.status_code == 200 and passes[0] == n > 0
         assert again.json()["results"] == first.json()["results"]
         assert requests.get(url + "/metrics", timeout=60).status_code == 200
+
+
+def test_capture_runs_every_time_and_stores_nothing(tiny, tmp_path):
+    _, _, loaded = tiny
+    s = Scorer(loaded, progress=False, cache=str(tmp_path))
+    passes = counted(s)
+    spec = [{"at": "blocks.0.resid_post", "positions": "last"}]
+    a = s.score("hello", [" world"], capture=spec)
+    n = passes[0]
+    b = s.score("hello", [" world"], capture=spec)
+    assert n > 0 and passes[0] == 2 * n and a[0].log_prob == b[0].log_prob
+    assert s.engine.cache.stats()["entries"] == 0
+
+
+def test_worker_held_weights_key_by_files_and_stop_caching_after_an_update(tiny):
+    """A parallel scorer's weights live in worker processes: the key comes from the checkpoint's
+    files; after an update (nothing here to hash) no key, so every request runs."""
+    from logprobe.config import EngineConfig
+    from logprobe.executor.cached import ModelIdentity
+
+    a, b, loaded = tiny
+    version = [0]
+    ident = ModelIdentity(loaded, False, lambda: version[0], tensor_parallel_size=2)
+    key, desc = ident.key(EngineConfig())
+    assert desc["weights"].startswith("f:") and desc["tensor_parallel_size"] == 2
+    assert ident.key(EngineConfig()) == (key, desc)
+    version[0] = 1
+    assert ident.key(EngineConfig()) is None
+    in_proc = ModelIdentity(loaded, True, lambda: 0)
+    assert in_proc.key(EngineConfig())[1]["weights"].startswith("w:")
