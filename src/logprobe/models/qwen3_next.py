@@ -366,6 +366,8 @@ class HybridModel(NumericsUser, nn.Module):
             raise LogprobeError("tensor_parallel_size", f"{ctx.size}: mixture-of-experts {cfg.family} models run "
                                 "on one device per replica (tensor parallelism for experts is not there yet)",
                                 "use tensor_parallel_size 1 (data parallelism works)")
+        if cfg.moe is not None:  # never split, as the other MoE models: no column blocks in deterministic mode
+            self.caps = replace(self.caps, tensor_parallel=False)
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
