@@ -223,7 +223,8 @@ def test_mtp_layer_skipped_and_updates_refused(ds_dirs, tmp_path, caplog):
 
 def test_capture_router_and_hooks(ds_dirs):
     """Router scores of an MoE block against the reference's sigmoid; block 0 (dense) has no router
-    point; steering with a zero vector changes nothing."""
+    point; steering with a zero vector changes nothing; routed experts are the reference's choice
+    and replay to the same bits."""
     path, ref = ds_dirs["qlora"]
     scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
     seq = {"prompt_token_ids": list(range(10, 40)), "completion_token_ids": list(range(40, 60))}
@@ -236,8 +237,16 @@ def test_capture_router_and_hooks(ds_dirs):
     assert got["blocks.3.resid_post"].shape == (len(tokens), 64)
     with pytest.raises(LogprobeError, match="no router"):
         scorer.logprobs([seq], capture=[{"at": "blocks.0.router"}])
+    plain = scorer.logprobs([seq])[0].logprobs
     steered = scorer.logprobs([seq], steer=[{"at": "blocks.1.attn_out", "vector": [0.0] * 64}])[0]
-    assert torch.equal(steered.logprobs, scorer.logprobs([seq])[0].logprobs)
+    assert torch.equal(steered.logprobs, plain)
+    # routed experts (R3): the grouped router's choice, per MoE block; replaying them changes nothing
+    routed = torch.as_tensor(scorer.logprobs([seq], return_routed_experts=True)[0].routed_experts)
+    assert routed.shape == (len(tokens) - 1, 3, 2)
+    for j, (_, _, chosen) in enumerate(routers):
+        assert torch.equal(routed[:, j].sort(-1).values.long(), chosen[:len(tokens) - 1].sort(-1).values)
+    replayed = scorer.logprobs([dict(seq, routed_experts=routed)])[0]
+    assert torch.equal(replayed.logprobs, plain)
 
 
 @pytest.mark.parametrize("kind", ["qlora", "yarn"])
