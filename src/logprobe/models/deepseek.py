@@ -139,7 +139,12 @@ class DeepseekConfig:
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1). DeepSeek-V3
+    (factor 40, mscale_all_dim 1) multiplies its softmax scale by its square:
+
+    >>> round(yarn_mscale(40.0, 1.0), 4), yarn_mscale(1.0, 1.0)
+    (1.3689, 1.0)
+    """
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
