@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import byte_tokenizer, ref_logprobs
 from test_determinism import same
-from test_hybrid_engine import mix, tiny_qwen35, torch_reference  # noqa: F401 (a fixture)
+from test_hybrid_engine import mix, tiny_qwen35
+from test_hybrid_engine import torch_reference as torch_reference  # noqa: F401 (a fixture used by name)
 
 from logprobe import Scorer
 from logprobe.config import EngineConfig

@@ -13,7 +13,8 @@ Per decoder block ``l`` (0-based) of an ``L``-block model the residual stream re
 
 Mixture-of-experts blocks also have (capture only, not a residual-stream state):
 
-    blocks.{l}.router       = softmax(float32(router logits)) [E], before top-k (layers.moe)
+    blocks.{l}.router       = the router's probabilities [E] before top-k (layers.moe): softmax(float32
+                              logits); sigmoid scores for DeepSeek's grouped router
 
 Equal values keep distinct names: steering ``blocks.3.resid_post`` and ``blocks.4.resid_pre``
 acts on the same tensor twice (in that order). Selectors expand to several canonical names:

@@ -124,7 +124,9 @@ def packed_gated_delta(x: DeltaInputs, meta: AttentionMeta, layer: int, rule: Ru
             cu.append(cu[-1] + n)
         whole = len(idx) == len(segs) and all(segs[s].start == cu[j] for j, s in enumerate(idx))
         rows = None if whole else torch.cat([torch.arange(segs[s].start, segs[s].end) for s in idx]).to(x.mixed.device)
-        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
+        def pick(t: torch.Tensor, rows: torch.Tensor | None = rows) -> torch.Tensor:
+            return t if rows is None else t.index_select(0, rows)
+
         conv0, rec0 = _initial(route, idx, finals, meta, layer)
         y, conv_fin = conv(pick(x.mixed), x.conv_weight, cu, conv0)
         T_l = y.shape[0]

@@ -13,8 +13,8 @@ from ..config import resolve_device, resolve_dtype
 from ..errors import LogprobeError
 from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
-from ..models.hf_backend import TransformersModel
 from ..models.deepseek import DeepseekConfig, DeepseekModel
+from ..models.hf_backend import TransformersModel
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridConfig, HybridModel
