@@ -175,7 +175,7 @@ def test_cli_compare_reads_every_model_option(tmp_path, monkeypatch):
     class Built(Exception):
         pass
 
-    def scorer(loaded, config):
+    def scorer(loaded, config, cache=None):
         seen.append(config)
         raise Built
 
