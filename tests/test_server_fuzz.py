@@ -85,7 +85,8 @@ def operations() -> list[tuple[str, str]]:
     ``test_document_lists_every_operation`` keeps the list equal to the document)."""
     return [("POST", p) for p in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/score", "/v1/logprobs",
                                   "/v1/perplexity", "/generate", "/update_weights_from_disk")] + \
-        [("GET", p) for p in ("/v1/models", "/v1/models/{model}", "/tokenizer_info", "/health", "/metrics")]
+        [("GET", p) for p in ("/v1/models", "/v1/models/{model}", "/tokenizer_info", "/health", "/metrics",
+                                 "/get_weight_version")]
 
 
 def test_document_lists_every_operation(api):
