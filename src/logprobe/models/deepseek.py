@@ -49,20 +49,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Numerics
 from ..errors import LogprobeError
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear
-from ..layers.logprob_head import HeadParams
 from ..layers.moe import MoeBlock, MoeSpec
 from ..layers.norm import RMSNorm
 from ..layers.numerics import NumericsUser
@@ -70,6 +68,7 @@ from ..layers.parallel_linear import ParallelLMHead
 from ..layers.rotary import apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import vocab_chunk_width, vocab_shard
+from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
 
@@ -274,7 +273,7 @@ class DeepseekDecoderLayer(nn.Module):
         return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h), hooks)))
 
 
-class DeepseekModel(NumericsUser, nn.Module):
+class DeepseekModel(ScoringModel):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
     -> [T, H]``); ``head_params()`` feeds the log-prob head. One rank."""
 
@@ -296,21 +295,6 @@ class DeepseekModel(NumericsUser, nn.Module):
         self.rotary = DeepseekRotary(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
         self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
-
-    def check_hooks(self, hooks: Hooks) -> None:
-        """Refuse hooks at points this model does not have (router points of the dense blocks),
-        steering router scores, or projecting them (as ``LlamaModel.check_hooks``)."""
-        for point in hooks.steer:
-            if point.endswith(".router"):
-                raise LogprobeError("steer", f"{point}: router scores are capture-only",
-                                    "steer a residual-stream point (e.g. blocks.N.mlp_out)")
-        for point, tables in hooks.capture.items():
-            if point.endswith(".router") and point not in self.router_points:
-                raise LogprobeError("capture", f"{point}: this block has no router (not a mixture-of-experts MLP)",
-                                    "capture router scores of a mixture-of-experts block")
-            if point.endswith(".router") and any(t.kind == "project" for t in tables):
-                raise LogprobeError("capture", f"{point}: router scores cannot be projected onto a "
-                                    "hidden-size vector", "use reduce none, last, mean or sum")
 
     @staticmethod
     def interleave_rope_weights(cfg: DeepseekConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -336,21 +320,6 @@ class DeepseekModel(NumericsUser, nn.Module):
         """At load: the MLPs' gate/up as one matmul (shared experts' too); the old names remain views."""
         for layer in self.layers:
             layer.mlp.fuse()
-
-    triton_elementwise = True
-
-    def use_triton_elementwise(self, on: bool) -> None:
-        """As ``LlamaModel.use_triton_elementwise``."""
-        self.triton_elementwise = on
-        self.set_numerics(replace(self.numerics, triton=True))
-
-    def set_numerics(self, numerics: Numerics) -> None:
-        super().set_numerics(replace(numerics, triton=numerics.triton and self.triton_elementwise))
-
-    def head_params(self) -> HeadParams:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
-                          comm=None, grid=self.vocab_grid)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                 hooks: Hooks | None = None) -> torch.Tensor:

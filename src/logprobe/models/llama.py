@@ -20,25 +20,24 @@ stream h is whole on every rank, so hooks see the full width whatever the TP siz
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..config import Numerics
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
-from ..layers.logprob_head import HeadParams
 from ..layers.norm import RMSNorm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
+from .base import ScoringModel
 from .caps import ModelCaps
 
 if TYPE_CHECKING:
@@ -176,7 +175,7 @@ class LlamaDecoderLayer(nn.Module):
         return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h), hooks)))
 
 
-class LlamaModel(NumericsUser, nn.Module):
+class LlamaModel(ScoringModel):
     """Final hidden states for a packed batch; ``head_params()`` feeds the log-prob head. Its
     layers compute under the ``config.Numerics`` the engine hands it (``set_numerics``)."""
 
@@ -199,23 +198,6 @@ class LlamaModel(NumericsUser, nn.Module):
     def make_layer(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> nn.Module:
         """Block ``layer_idx`` (a family with another MLP overrides this: ``models.moe``)."""
         return LlamaDecoderLayer(cfg, layer_idx, ctx)
-
-    router_points: frozenset[str] = frozenset()  # capture-only points (MoE: blocks.l.router)
-
-    def check_hooks(self, hooks: Hooks) -> None:
-        """Refuse hooks at points this model does not have: a router point of a dense block (it
-        would capture nothing), steering router probabilities, or projecting them onto a vector."""
-        for point in hooks.steer:
-            if point.endswith(".router"):
-                raise LogprobeError("steer", f"{point}: router probabilities are capture-only",
-                                    "steer a residual-stream point (e.g. blocks.N.mlp_out)")
-        for point, tables in hooks.capture.items():
-            if point.endswith(".router") and point not in self.router_points:
-                raise LogprobeError("capture", f"{point}: this block has no router (not a mixture-of-experts MLP)",
-                                    "capture router probabilities of a mixture-of-experts block")
-            if point.endswith(".router") and any(t.kind == "project" for t in tables):
-                raise LogprobeError("capture", f"{point}: router probabilities cannot be projected onto a "
-                                    "hidden-size vector", "use reduce none, last, mean or sum")
 
     @staticmethod
     def vocab_range_of(cfg: LlamaConfig, ctx: ParallelContext) -> tuple[int, int]:
@@ -240,26 +222,6 @@ class LlamaModel(NumericsUser, nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-
-    triton_elementwise = True  # see use_triton_elementwise
-
-    def use_triton_elementwise(self, on: bool) -> None:
-        """RMSNorm, rotary and SiLU(gate) * up as single Triton passes on CUDA (the default), or
-        as PyTorch ops (``False``: the benchmark's before/after); MoE blocks switch between the
-        fused Triton kernel (``kernels.moe``) and their PyTorch path the same way. No effect on
-        CPU. Kept across the numerics engines hand in (``Numerics.triton``)."""
-        self.triton_elementwise = on
-        self.set_numerics(replace(self.numerics, triton=True))
-
-    def set_numerics(self, numerics: Numerics) -> None:
-        """Every layer computes under ``numerics`` from now on (``layers.numerics``), its
-        ``triton`` as ``use_triton_elementwise`` last said; a no-op when they already do."""
-        super().set_numerics(replace(numerics, triton=numerics.triton and self.triton_elementwise))
-
-    def head_params(self) -> HeadParams:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
-                          comm=self.ctx if self.ctx.parallel else None, grid=self.vocab_grid)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                 hooks: Hooks | None = None) -> torch.Tensor:

@@ -68,7 +68,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..config import Numerics
 from ..errors import LogprobeError
 from ..kernels import triton_available
 from ..kernels.gated_delta import gated_delta_kernels
@@ -80,7 +79,6 @@ from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm, gated_rms_norm
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.linear_state import DeltaInputs, packed_gated_delta
-from ..layers.logprob_head import HeadParams
 from ..layers.moe import MoeBlock, MoeSpec
 from ..layers.norm import OffsetRMSNorm
 from ..layers.numerics import NumericsUser
@@ -93,6 +91,7 @@ from ..layers.parallel_linear import (
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, shard_range, vocab_chunk_width, vocab_shard
+from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
 
@@ -352,7 +351,7 @@ class HybridDecoderLayer(nn.Module):
         return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h), hooks)))
 
 
-class HybridModel(NumericsUser, nn.Module):
+class HybridModel(ScoringModel):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
     -> [T, H]``); ``head_params()`` feeds the log-prob head. ``ctx``: this rank's tensor-parallel
     group (None: one rank); mixture-of-experts blocks run on one rank only."""
@@ -379,21 +378,6 @@ class HybridModel(NumericsUser, nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
         self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
 
-    def check_hooks(self, hooks: Hooks) -> None:
-        """Refuse hooks at points this model does not have (router points of dense blocks), steering
-        router probabilities, or projecting them (as ``LlamaModel.check_hooks``)."""
-        for point in hooks.steer:
-            if point.endswith(".router"):
-                raise LogprobeError("steer", f"{point}: router probabilities are capture-only",
-                                    "steer a residual-stream point (e.g. blocks.N.mlp_out)")
-        for point, tables in hooks.capture.items():
-            if point.endswith(".router") and point not in self.router_points:
-                raise LogprobeError("capture", f"{point}: this block has no router (not a mixture-of-experts MLP)",
-                                    "capture router probabilities of a mixture-of-experts block")
-            if point.endswith(".router") and any(t.kind == "project" for t in tables):
-                raise LogprobeError("capture", f"{point}: router probabilities cannot be projected onto a "
-                                    "hidden-size vector", "use reduce none, last, mean or sum")
-
     @staticmethod
     def interleave_rope_weights(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint (rotate-half) q/k rows -> the interleaved layout ``apply_rotary`` expects, on
@@ -412,21 +396,6 @@ class HybridModel(NumericsUser, nn.Module):
         for layer in self.layers:
             (layer.linear_attn if layer.layer_type == "linear_attention" else layer.self_attn).fuse()
             layer.mlp.fuse()
-
-    triton_elementwise = True
-
-    def use_triton_elementwise(self, on: bool) -> None:
-        """As ``LlamaModel.use_triton_elementwise``."""
-        self.triton_elementwise = on
-        self.set_numerics(replace(self.numerics, triton=True))
-
-    def set_numerics(self, numerics: Numerics) -> None:
-        super().set_numerics(replace(numerics, triton=numerics.triton and self.triton_elementwise))
-
-    def head_params(self) -> HeadParams:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
-                          comm=self.ctx if self.ctx.parallel else None, grid=self.vocab_grid)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                 hooks: Hooks | None = None) -> torch.Tensor:

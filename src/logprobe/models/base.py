@@ -1,0 +1,54 @@
+"""``ScoringModel``: what every native family's top module shares with the engine, whatever its
+blocks: hook checks (router points are capture-only), the numerics hand-over, and the head's
+parameters. A family's model subclasses it and sets ``embed_tokens``, ``lm_head`` (None when tied),
+``vocab_range``, ``vocab_grid``, ``ctx`` and ``config.vocab_size`` in its ``__init__``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from ..config import Numerics
+from ..errors import LogprobeError
+from ..layers.hooks import Hooks
+from ..layers.logprob_head import HeadParams
+from ..layers.numerics import NumericsUser
+
+
+class ScoringModel(NumericsUser, nn.Module):
+    router_points: frozenset[str] = frozenset()  # capture-only points (MoE: blocks.l.router)
+    triton_elementwise = True  # see use_triton_elementwise
+
+    def check_hooks(self, hooks: Hooks) -> None:
+        """Refuse hooks at points this model does not have: a router point of a dense block (it
+        would capture nothing), steering router probabilities, or projecting them onto a vector."""
+        for point in hooks.steer:
+            if point.endswith(".router"):
+                raise LogprobeError("steer", f"{point}: router probabilities are capture-only",
+                                    "steer a residual-stream point (e.g. blocks.N.mlp_out)")
+        for point, tables in hooks.capture.items():
+            if point.endswith(".router") and point not in self.router_points:
+                raise LogprobeError("capture", f"{point}: this block has no router (not a mixture-of-experts MLP)",
+                                    "capture router probabilities of a mixture-of-experts block")
+            if point.endswith(".router") and any(t.kind == "project" for t in tables):
+                raise LogprobeError("capture", f"{point}: router probabilities cannot be projected onto a "
+                                    "hidden-size vector", "use reduce none, last, mean or sum")
+
+    def use_triton_elementwise(self, on: bool) -> None:
+        """RMSNorm, rotary and SiLU(gate) * up as single Triton passes on CUDA (the default), or
+        as PyTorch ops (``False``: the benchmark's before/after); MoE blocks switch between the
+        fused Triton kernel (``kernels.moe``) and their PyTorch path the same way. No effect on
+        CPU. Kept across the numerics engines hand in (``Numerics.triton``)."""
+        self.triton_elementwise = on
+        self.set_numerics(replace(self.numerics, triton=True))
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        """Every layer computes under ``numerics`` from now on (``layers.numerics``), its
+        ``triton`` as ``use_triton_elementwise`` last said; a no-op when they already do."""
+        super().set_numerics(replace(numerics, triton=numerics.triton and self.triton_elementwise))
+
+    def head_params(self) -> HeadParams:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
+                          comm=self.ctx if self.ctx.parallel else None, grid=self.vocab_grid)
