@@ -112,3 +112,37 @@ def test_cli_compare_needs_a_reference_or_a_file(tmp_path, capsys):
     assert main(["compare", "--logprobs-from", str(f), "--device", "cpu", "--quiet"]) != 0
     err = capsys.readouterr().err
     assert "logprobs[0]" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_compare_reads_trl_and_vllm_rollouts(tmp_path, capsys, default_scorer):
+    """The same two completions written as TRL's rollout output (rank-sorted lists, the sampled
+    token's first) and as vLLM's RequestOutput JSON (one prompt, two outputs, per-token dicts keyed
+    by token id): the report equals the one on the plain layout; a null log-prob is refused."""
+    import json
+
+    from logprobe.cli.main import main
+
+    prompt, comps = [504, 3575, 282], [[4649, 314, 2260], [28, 29]]
+    seqs = [{"prompt_token_ids": prompt, "completion_token_ids": c} for c in comps]
+    exact = [r.logprobs.tolist() for r in default_scorer.logprobs(seqs)]
+    theirs = [[a - 0.2 * (j + 1) for j, a in enumerate(e)] for e in exact]
+    want = mismatch(exact, theirs).overall
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text("".join(json.dumps({"prompt_ids": prompt, "completion_ids": c,
+                                       "logprobs": [[v, v - 3.0] for v in t]}) + "\n"
+                           for c, t in zip(comps, theirs)))
+    vllm = tmp_path / "vllm.jsonl"
+    vllm.write_text(json.dumps({"prompt_token_ids": prompt, "outputs": [
+        {"token_ids": c, "logprobs": [{str(tok): {"logprob": v, "rank": 3}, "7": {"logprob": -0.01, "rank": 1}}
+                                      for tok, v in zip(c, t)]} for c, t in zip(comps, theirs)]}) + "\n")
+    for f in (trl, vllm):
+        assert main(["compare", "--logprobs-from", str(f), "--device", "cpu", "--dtype", "float32", "--json",
+                     "--quiet"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["tokens"] == 5
+        assert got["k3"] == pytest.approx(want.k3, abs=1e-9) and got["max_abs"] == pytest.approx(want.max_abs, abs=1e-6)
+    bad = tmp_path / "null.jsonl"
+    bad.write_text(json.dumps({"prompt_ids": prompt, "completion_ids": [28, 29], "logprobs": [[-1.0], [None]]}) + "\n")
+    assert main(["compare", "--logprobs-from", str(bad), "--device", "cpu", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "logprobs[1]" in err and "line 1" in err and len(err.strip().splitlines()) == 1

@@ -2,11 +2,21 @@
 rollout engine's, a trainer's) are from logprobe's exact ones on the same tokens
 (``scoring.mismatch``).
 
-FILE is JSONL, CSV or Parquet with one sequence a row: ``prompt_token_ids``,
-``completion_token_ids`` (as for ``logprobe logprobs``) and the other engine's log-prob of each
-completion token in ``--logprobs-column`` (default ``logprobs``; a list of floats, or JSON text of
-one in CSV). A row that cannot be read is an error naming its line: a report on some of the rows
-would be a different report.
+FILE is JSONL, CSV or Parquet, in one of three row layouts (``row_sequences``), told apart by
+their keys:
+
+* logprobe's: ``prompt_token_ids``, ``completion_token_ids`` (as for ``logprobe logprobs``) and the
+  other engine's log-prob of each completion token in ``--logprobs-column`` (default ``logprobs``;
+  a list of floats, or JSON text of one in CSV);
+* TRL's rollout output (what a GRPO ``rollout_func`` returns, one row per completion):
+  ``prompt_ids``, ``completion_ids``, ``logprobs``: per token a float, or a list whose first entry
+  is the sampled token's (vLLM's rank-sorted list with ``logprobs=0``, as TRL keeps it);
+* vLLM's ``RequestOutput`` as JSON: ``prompt_token_ids`` and ``outputs``, a list of completions each
+  with ``token_ids`` and ``logprobs`` (per token a dict from token id to ``{"logprob": x, ...}`` or to
+  x); each completion is one sequence, the log-prob of its own token taken from the dict.
+
+A row that cannot be read is an error naming its line: a report on some of the rows would be a
+different report. A null log-prob (vLLM's NaN, which TRL stores as None) is refused with its row.
 """
 
 from __future__ import annotations
@@ -45,19 +55,73 @@ def read_sequences(path: str, column: str) -> tuple[list[dict], list[list[float]
     for row in read_rows(path, fmt):
         if row.problem is not None:
             raise LogprobeError("--logprobs-from", f"{row.where}: {row.problem}", "fix or remove that row")
-        d = row.data
         try:
-            seqs.append({"prompt_token_ids": id_list(d.get("prompt_token_ids"), "prompt_token_ids"),
-                         "completion_token_ids": id_list(d.get("completion_token_ids"), "completion_token_ids")})
-            values = json_value(d.get(column), column)
-            if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
-                raise LogprobeError(column, "must be a list of numbers", "one log-prob per completion token")
+            for seq, values in row_sequences(row.data, column):
+                seqs.append(seq)
+                theirs.append(values)
         except LogprobeError as e:
             raise LogprobeError("--logprobs-from", f"{row.where}: {e}", "fix or remove that row") from e
-        theirs.append([float(v) for v in values])
     if not seqs:
         raise LogprobeError("--logprobs-from", f"{path} holds no rows", "give a file of sequences")
     return seqs, theirs
+
+
+def row_sequences(d: dict, column: str = "logprobs") -> list[tuple[dict, list[float]]]:
+    """The sequences of one row, with the other engine's log-prob of each completion token, in any
+    of the three layouts of the module docstring.
+
+    >>> row_sequences({"prompt_ids": [1, 2], "completion_ids": [3, 4], "logprobs": [[-0.5, -0.9], [-1.5]]})
+    [({'prompt_token_ids': [1, 2], 'completion_token_ids': [3, 4]}, [-0.5, -1.5])]
+    >>> row_sequences({"prompt_token_ids": [1], "outputs": [{"token_ids": [7, 8],
+    ...     "logprobs": [{"7": {"logprob": -0.1, "rank": 1}}, {"9": -0.2, "8": -2.0}]}]})
+    [({'prompt_token_ids': [1], 'completion_token_ids': [7, 8]}, [-0.1, -2.0])]
+    """
+    if "outputs" in d and "prompt_token_ids" in d:  # vLLM RequestOutput
+        outputs = json_value(d["outputs"], "outputs")
+        if not isinstance(outputs, list) or not outputs:
+            raise LogprobeError("outputs", "must be a non-empty list of completions", "vLLM's RequestOutput.outputs")
+        prompt = id_list(d["prompt_token_ids"], "prompt_token_ids")
+        return [_vllm_completion(prompt, o, k) for k, o in enumerate(outputs)]
+    if "prompt_ids" in d and "completion_ids" in d and "prompt_token_ids" not in d:  # TRL rollout output
+        seq = {"prompt_token_ids": id_list(d["prompt_ids"], "prompt_ids"),
+               "completion_token_ids": id_list(d["completion_ids"], "completion_ids")}
+        values = json_value(d.get("logprobs"), "logprobs")
+        if not isinstance(values, list):
+            raise LogprobeError("logprobs", "must be a list", "one log-prob (or rank-sorted list) per completion token")
+        return [(seq, [_number(v[0] if isinstance(v, list) and v else v, f"logprobs[{t}]")
+                       for t, v in enumerate(values)])]
+    seq = {"prompt_token_ids": id_list(d.get("prompt_token_ids"), "prompt_token_ids"),
+           "completion_token_ids": id_list(d.get("completion_token_ids"), "completion_token_ids")}
+    values = json_value(d.get(column), column)
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
+        raise LogprobeError(column, "must be a list of numbers", "one log-prob per completion token")
+    return [(seq, [float(v) for v in values])]
+
+
+def _vllm_completion(prompt: list[int], out, k: int) -> tuple[dict, list[float]]:
+    if not isinstance(out, dict):
+        raise LogprobeError(f"outputs[{k}]", "must be an object with token_ids and logprobs", "vLLM's CompletionOutput")
+    ids = id_list(out.get("token_ids"), f"outputs[{k}].token_ids")
+    steps = out.get("logprobs")
+    if not isinstance(steps, list) or len(steps) != len(ids):
+        raise LogprobeError(f"outputs[{k}].logprobs", f"must be a list of {len(ids)} per-token dicts",
+                            "generate with logprobs=0 (or more) so every token carries its log-prob")
+    values = []
+    for t, (tok, step) in enumerate(zip(ids, steps)):
+        entry = step.get(str(tok), step.get(tok)) if isinstance(step, dict) else None
+        if entry is None:
+            raise LogprobeError(f"outputs[{k}].logprobs[{t}]", f"has no entry for its token {tok}",
+                                "each position's dict holds the sampled token")
+        values.append(_number(entry.get("logprob") if isinstance(entry, dict) else entry,
+                              f"outputs[{k}].logprobs[{t}]"))
+    return {"prompt_token_ids": prompt, "completion_token_ids": ids}, values
+
+
+def _number(v, field: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise LogprobeError(field, f"is {v!r}, not a number",
+                            "a null log-prob (the engine's NaN) has no comparison: leave the row out")
+    return float(v)
 
 
 def ratio_range(text: str) -> tuple[float, float]:
