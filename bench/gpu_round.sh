@@ -23,6 +23,7 @@
 #   long     llama-8b W4: one 32k and one 128k sequence, and the 128k one against transformers' trunk ... ~4
 #   options  W1 plain vs temperature 0.7 + top-5 + entropy, llama-1b and llama-8b (issue 19) ............ ~3
 #   head     the head alone at M = 16k, V = 128k: fused (+entropy, +top-20), chunked, packed Q6_K head ... ~3
+#   hybrid   Qwen3.5 hybrids: GPU tests (fla-core from .whl), the gated delta kernels, W1 against transformers ... ~14
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
@@ -66,6 +67,12 @@ for s in "$@"; do
         det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-notp ;;
         rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py --w1 llama-8b ;;
         ray) step ray 400 "$py" bench/gpu_ray.py ;;
+        hybrid)  # fla-core from the carried wheels, the hybrid GPU tests, then the kernels and the whole workload
+            "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
+            step hybrid_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py \
+                tests/test_gated_delta_kernels.py tests/test_qwen3_next.py
+            step hybrid_kernels 180 "$py" bench/gpu_gated_delta.py
+            step hybrid 580 "$py" bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
