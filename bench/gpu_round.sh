@@ -23,7 +23,8 @@
 #   long     llama-8b W4: one 32k and one 128k sequence, and the 128k one against transformers' trunk ... ~4
 #   options  W1 plain vs temperature 0.7 + top-5 + entropy, llama-1b and llama-8b (issue 19) ............ ~3
 #   head     the head alone at M = 16k, V = 128k: fused (+entropy, +top-20), chunked, packed Q6_K head ... ~3
-#   hybrid   Qwen3.5 hybrids: GPU tests (fla-core from .whl), the gated delta kernels, W1 against transformers ... ~14
+#   hybridtests  the hybrid GPU tests (fla-core from .whl) and the gated delta kernels alone ........... ~5
+#   hybrid   Qwen3.5 hybrids' W1 against transformers with and without fla-core (a call of its own) ... ~9
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
@@ -67,11 +68,13 @@ for s in "$@"; do
         det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-notp ;;
         rl) step rl 300 env PYTHONPATH="${PYTHONPATH:-}:tests" "$py" bench/rl_padded.py --w1 llama-8b ;;
         ray) step ray 400 "$py" bench/gpu_ray.py ;;
-        hybrid)  # fla-core from the carried wheels, the hybrid GPU tests, then the kernels and the whole workload
+        hybridtests)  # fla-core from the carried wheels, then the hybrid GPU tests and the kernels alone
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step hybrid_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py \
                 tests/test_gated_delta_kernels.py tests/test_qwen3_next.py
-            step hybrid_kernels 180 "$py" bench/gpu_gated_delta.py
+            step hybrid_kernels 180 "$py" bench/gpu_gated_delta.py ;;
+        hybrid)  # a call of its own: W1 against transformers with and without fla-core (~9 minutes)
+            "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step hybrid 580 "$py" bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b ;;
         *) echo "unknown step $s" >&2 ;;
     esac
