@@ -14,6 +14,7 @@ from ..errors import LogprobeError
 from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekConfig, DeepseekModel
+from ..models.gemma import GemmaConfig, GemmaModel
 from ..models.hf_backend import TransformersModel
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
@@ -22,6 +23,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from ..tokenizer import Tokenizer
 from .deepseek import build_deepseek, deepseek_config, deepseek_tensors, is_deepseek
+from .gemma import build_gemma, gemma_config, gemma_tensors, is_gemma
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
@@ -170,6 +172,12 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
                                 "experts) run on one device per replica (tensor parallelism for them is not there "
                                 "yet)", "use tensor_parallel_size 1 (data parallelism works)")
         return ParallelContext(rank, 1, group)
+    if isinstance(cfg, GemmaConfig):
+        if size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models run on one device per "
+                                "replica (tensor parallelism for them is not there yet)",
+                                "use tensor_parallel_size 1 (data parallelism works)")
+        return ParallelContext(rank, 1, group)
     grid = vocab_chunk_width(cfg.vocab_size)
     if cfg.moe is not None and size > 1:
         raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models run on one device per "
@@ -198,7 +206,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     else:
         raw = read_config(path)
         cfg, why = ((hybrid_config(raw), "") if is_hybrid(raw) else (deepseek_config(raw), "") if is_deepseek(raw)
-                    else native_config(raw))
+                    else (gemma_config(raw), "") if is_gemma(raw) else native_config(raw))
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a Llama-family model, or one GPU")
@@ -206,7 +214,8 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
 
     with torch.device("meta"):
         model = (HybridModel(cfg) if isinstance(cfg, HybridConfig) else DeepseekModel(cfg)
-                 if isinstance(cfg, DeepseekConfig) else native_model_class(cfg)(cfg))
+                 if isinstance(cfg, DeepseekConfig) else GemmaModel(cfg) if isinstance(cfg, GemmaConfig)
+                 else native_model_class(cfg)(cfg))
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
     return LoadedModel(model, tokenizer, info)
@@ -222,6 +231,8 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
     ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
+    if isinstance(cfg, GemmaConfig):  # one rank (parallel_context refused a split)
+        return load_model(spec, device, dtype)
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
@@ -287,6 +298,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         model = build_deepseek(dcfg, deepseek_tensors(path, dcfg), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          dcfg.vocab_size, dcfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+    if is_gemma(raw):  # Gemma 3 (text models, the multimodal checkpoints' text tower): models.gemma
+        gcfg = gemma_config(raw)
+        model = build_gemma(gcfg, gemma_tensors(path, gcfg), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         gcfg.vocab_size, gcfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     cfg, _why = native_config(raw)
     if cfg is not None:

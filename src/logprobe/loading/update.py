@@ -48,6 +48,7 @@ from ..layers.moe import ExpertMatrices
 from ..layers.parallel_linear import held_rows
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekModel
+from ..models.gemma import GemmaModel
 from ..models.llama import LlamaModel
 from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridModel
@@ -97,6 +98,9 @@ def refuse_hybrid(model) -> None:
                             "reload the scorer from the new checkpoint")
     if isinstance(model, DeepseekModel):
         raise LogprobeError("model", f"{model.config.family} (latent attention) has no weight update yet",
+                            "reload the scorer from the new checkpoint")
+    if isinstance(model, GemmaModel):
+        raise LogprobeError("model", f"{model.config.family} (Gemma 3) has no weight update yet",
                             "reload the scorer from the new checkpoint")
 
 

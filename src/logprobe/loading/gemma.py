@@ -1,0 +1,217 @@
+"""Hugging Face directories of Gemma 3 (``models.gemma``): the text models (``gemma3_text``,
+``Gemma3ForCausalLM``: Gemma 3 1B, 270M) and the text tower of the multimodal ``gemma3`` checkpoints
+(``Gemma3ForConditionalGeneration``: 4B, 12B, 27B; its ``text_config``).
+
+Checkpoint keys as transformers 5 writes them (``model.layers.*``, or ``model.language_model.*``
+for the multimodal class) and as the hub's multimodal checkpoints ship them
+(``language_model.model.*``, ``language_model.lm_head.weight``); the vision tower and the
+multimodal projector are not used to score text and are skipped with one note; any other key is
+refused. ``lm_head.weight`` is read only when the embeddings are untied (Gemma 3 ties them).
+
+Rotary bases: ``rope_parameters`` per layer type (transformers 5: ``full_attention`` and
+``sliding_attention``, each default or linear), or the hub's ``rope_theta`` (full blocks, with
+``rope_scaling``) and ``rope_local_base_freq`` (sliding blocks). Config options the native model
+does not run are refused with their key named.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..errors import LogprobeError
+from ..models.gemma import LAYER_TYPES, GemmaConfig, GemmaModel
+from .checkpoint import check_plain_dtype, safetensors_files
+
+log = logging.getLogger(__name__)
+
+TEXT_TYPE = "gemma3_text"
+WRAPPER = "gemma3"  # multimodal: text_config inside
+GEMMA_TYPES = (TEXT_TYPE, WRAPPER)
+_SKIPPED = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def is_gemma(raw: dict) -> bool:
+    return raw.get("model_type") in GEMMA_TYPES
+
+
+def _text_config(raw: dict) -> tuple[dict, str]:
+    """(text config, the prefix its keys are named with in errors)."""
+    if raw.get("model_type") == WRAPPER:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise LogprobeError("config.text_config", f"model_type {WRAPPER!r} needs a text_config object")
+        ttype = text.get("model_type", TEXT_TYPE)
+        if ttype != TEXT_TYPE:
+            raise LogprobeError("config.text_config.model_type", f"{ttype!r} inside {WRAPPER!r}, expected "
+                                f"{TEXT_TYPE!r}")
+        return text, "config.text_config."
+    return raw, "config."
+
+
+def _int(cfg: dict, key: str, where: str, default=None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise LogprobeError(f"{where}{key}", "is missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LogprobeError(f"{where}{key}", f"must be an integer, got {value!r}")
+    return value
+
+
+def _rope_one(params, key: str, default_theta: float) -> tuple[float, dict | None]:
+    """(theta, scaling or None) of one layer type's rotary parameters."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise LogprobeError(key, f"must be an object, got {params!r}")
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear"):
+        raise LogprobeError(f"{key}.rope_type", f"{kind!r} is not in the native Gemma 3 model",
+                            "the released models use the default rotary (linear scaling on full-attention blocks)")
+    theta = float(params.get("rope_theta", default_theta))
+    if kind == "default":
+        return theta, None
+    if "factor" not in params:
+        raise LogprobeError(f"{key}.factor", "is missing (linear rope scaling)")
+    return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+
+
+def _rope(cfg: dict, where: str) -> tuple[float, dict | None, float, dict | None]:
+    """(full theta, full scaling, sliding theta, sliding scaling), transformers' defaults 1e6 / 1e4."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or not set(params) <= set(LAYER_TYPES):
+            raise LogprobeError(f"{where}rope_parameters", "must map full_attention and sliding_attention to their "
+                                f"rotary parameters, got {params!r}")
+        full = _rope_one(params.get("full_attention"), f"{where}rope_parameters.full_attention",
+                         float(cfg.get("rope_theta", 1_000_000.0)))
+        local = _rope_one(params.get("sliding_attention"), f"{where}rope_parameters.sliding_attention",
+                          float(cfg.get("rope_local_base_freq", 10_000.0)))
+        return (*full, *local)
+    scaling = dict(cfg.get("rope_scaling") or {})
+    scaling["rope_theta"] = cfg.get("rope_theta", 1_000_000.0)
+    full = _rope_one(scaling, f"{where}rope_scaling", 1_000_000.0)
+    return (*full, float(cfg.get("rope_local_base_freq", 10_000.0)), None)
+
+
+def gemma_config(raw: dict) -> GemmaConfig:
+    """The native config of a Gemma 3 checkpoint; refuses (naming the key) what it does not run.
+    Missing keys take transformers' ``Gemma3TextConfig`` defaults."""
+    cfg, where = _text_config(raw)
+    mtype = str(raw.get("model_type"))
+    for key, c in (("quantization_config", raw), ("quantization_config", cfg)):
+        if c.get(key) is not None:
+            method = (c[key] or {}).get("quant_method", "?") if isinstance(c[key], dict) else "?"
+            raise LogprobeError(key, f"a quantized ({method}) {mtype} checkpoint is not read natively yet",
+                                "score the unquantized (float) checkpoint")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise LogprobeError(f"{where}{key}", f"{cfg[key]!r}: logit soft-capping is not in the native Gemma 3 "
+                                "model", "the released Gemma 3 models set it to null")
+    if cfg.get("use_bidirectional_attention"):
+        raise LogprobeError(f"{where}use_bidirectional_attention", "true: the native Gemma 3 model is causal",
+                            "score a causal language model")
+    if cfg.get("attention_bias"):
+        raise LogprobeError(f"{where}attention_bias", "true: bias on the attention projections is not in the "
+                            "native Gemma 3 model", "the released models have none")
+    layers = _int(cfg, "num_hidden_layers", where, 26)
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:  # transformers' default: every sliding_window_pattern-th block is full
+        every = _int(cfg, "sliding_window_pattern", where, 6)
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if not isinstance(layer_types, list):
+        raise LogprobeError(f"{where}layer_types", f"must be a list, got {layer_types!r}")
+    window = cfg.get("sliding_window", 4096)
+    if window is None and "sliding_attention" in layer_types:
+        raise LogprobeError(f"{where}sliding_window", "is null, but layer_types has sliding_attention blocks")
+    theta, scaling, local_theta, local_scaling = _rope(cfg, where)
+    hidden, heads = _int(cfg, "hidden_size", where, 2304), _int(cfg, "num_attention_heads", where, 8)
+    tie = raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)):
+        raise LogprobeError(f"{where}query_pre_attn_scalar", f"must be a number, got {scalar!r}")
+    try:
+        return GemmaConfig(
+            vocab_size=_int(cfg, "vocab_size", where, 262_208),
+            hidden_size=hidden,
+            intermediate_size=_int(cfg, "intermediate_size", where, 9216),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=_int(cfg, "num_key_value_heads", where, 4),
+            head_dim=_int(cfg, "head_dim", where, 256),
+            layer_types=tuple(layer_types),
+            sliding_window=_int(cfg, "sliding_window", where, 4096) if window is not None else 1 << 62,
+            query_pre_attn_scalar=float(scalar),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rope_local_theta=local_theta,
+            rope_local_scaling=local_scaling,
+            hidden_activation=str(cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", where, 131_072),
+            family=mtype,
+        )
+    except LogprobeError as e:
+        if e.field.startswith("config.") and where != "config.":  # name the key where it is: text_config
+            raise LogprobeError(where + e.field.removeprefix("config."), e.problem, e.fix) from e
+        raise
+
+
+def gemma_param_name(key: str, cfg: GemmaConfig, where: str) -> str | None:
+    """A checkpoint key -> the native parameter name (None: a tensor the text forward does not use)."""
+    if key.endswith("rotary_emb.inv_freq") or key.endswith("embed_scale"):
+        return None
+    if key in _LM_HEADS:
+        return None if cfg.tie_word_embeddings else "lm_head.weight"
+    if key.startswith(_SKIPPED):
+        return None
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
+
+
+def gemma_tensors(path: Path, cfg: GemmaConfig):
+    """Yield (native parameter name, tensor) from the safetensors files."""
+    from safetensors import safe_open
+
+    skipped = 0
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = gemma_param_name(key, cfg, f.name)
+                if name is None:
+                    skipped += key.startswith(_SKIPPED)
+                    continue
+                value = st.get_tensor(key)
+                check_plain_dtype(key, value, f.name)
+                yield name, value
+    if skipped:
+        log.warning("%s: skipped %d tensors not used to score text (vision tower, multimodal projector)",
+                    path.name, skipped)
+
+
+def build_gemma(cfg: GemmaConfig, tensors, device: torch.device, dtype: torch.dtype) -> GemmaModel:
+    """The native model from (name, tensor) pairs: every parameter present with the shape the config
+    implies, q/k rows (and q/k norm weights) permuted to the interleaved rotary layout."""
+    state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
+    with torch.device("meta"):
+        model = GemmaModel(cfg)
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+    for name, w in state.items():
+        want = model.get_parameter(name).shape
+        if tuple(w.shape) != tuple(want):
+            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+    model.load_state_dict(GemmaModel.interleave_rope_weights(cfg, state), assign=True, strict=True)
+    model.make_rotary(device)  # non-persistent buffers were created on the meta device
+    model.fuse_projections()
+    return model.eval()

@@ -1,0 +1,269 @@
+"""Gemma 3, natively: the text models (``gemma3_text``) and the text tower of the multimodal
+``gemma3`` checkpoints (``loading.gemma``).
+
+A packed batch is rows of token ids ([T]) with their positions and an ``AttentionMeta`` (see
+``models.llama`` and ``layers.attention``). Per block l, with N(.) the (1 + w) RMSNorm
+(``layers.norm.OffsetRMSNorm``: normalised and scaled in float32, one cast at the end, as
+``Gemma3RMSNorm``):
+
+    h_0     = embed(ids) * s                        # embed; s = sqrt(hidden) as a tensor of the model dtype
+    a_l     = N_post_attn(Attn_l(N_in(h_l)))        # resid_pre l, attn_out l
+    h'_l    = h_l + a_l                             # resid_mid l
+    m_l     = N_post_ff(MLP_l(N_pre_ff(h'_l)))      # mlp_out l
+    h_{l+1} = h'_l + m_l                            # resid_post l
+    out     = N_final(h_L)                          # final_norm: fed to the log-prob head
+
+    Attn_l:  q, k = N_q(x Wq), N_k(x Wk) per head, then RoPE (the block's own table), v = x Wv;
+             softmax(q k^T * query_pre_attn_scalar^-1/2) v, causal, and for a ``sliding_attention``
+             block only keys with q_pos - k_pos < sliding_window; o_proj.
+    RoPE:    ``full_attention`` blocks rope_theta (with its scaling: default or linear);
+             ``sliding_attention`` blocks their own base (``rope_local_base_freq``, or
+             ``rope_parameters["sliding_attention"]`` in transformers 5).
+    MLP_l:   down(gelu_tanh(x Wgate) * x Wup)       (``hidden_activation`` gelu_pytorch_tanh; gelu: exact)
+
+The names on the right are hook points (``interp.points``): attn_out and mlp_out are what a block
+adds to the residual stream, i.e. after the post-attention and post-feedforward norms.
+
+Sliding windows under chunking and prefix sharing: ``packed_attention`` applies each block's
+window per query against key positions (context spans of a shared prefix or a chunk cache hold
+every earlier key, the window masks them), so a split never changes which keys a row sees.
+
+Not run (refused at load, key named, by ``loading.gemma``): attention and final logit
+soft-capping, bidirectional attention, attention bias; tensor parallelism (one device per replica).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LogprobeError
+from ..layers.activation import row_invariant
+from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.embedding import VocabParallelEmbedding
+from ..layers.hooks import Hooks
+from ..layers.linear import Linear, fuse_linears
+from ..layers.norm import OffsetRMSNorm
+from ..layers.numerics import NumericsUser
+from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
+from ..parallel.context import ParallelContext
+from ..parallel.shard import num_blocks, vocab_chunk_width, vocab_shard
+from .base import ScoringModel
+from .caps import ModelCaps
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> F.gelu's approximate
+
+
+@dataclass(slots=True)
+class GemmaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    query_pre_attn_scalar: float = 256.0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0  # full_attention blocks
+    rope_scaling: dict | None = None  # full_attention blocks: None or linear
+    rope_local_theta: float = 10_000.0  # sliding_attention blocks
+    rope_local_scaling: dict | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 131072
+    family: str = "gemma3_text"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings", "sliding_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LogprobeError(f"config.{name}", f"must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise LogprobeError("config.num_key_value_heads",
+                                f"{self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
+        if self.head_dim % 2:
+            raise LogprobeError("config.head_dim", f"must be even for RoPE, got {self.head_dim}")
+        if len(self.layer_types) != self.num_layers:
+            raise LogprobeError("config.layer_types", f"{len(self.layer_types)} entries for "
+                                f"{self.num_layers} layers (num_hidden_layers)")
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise LogprobeError("config.layer_types", f"{t!r} is not a Gemma 3 layer type",
+                                    f"use {' or '.join(LAYER_TYPES)}")
+        if self.hidden_activation not in ACTIVATIONS:
+            raise LogprobeError("config.hidden_activation", f"{self.hidden_activation!r} is not in the native "
+                                f"{self.family} model", "the released models use gelu_pytorch_tanh")
+        if not self.query_pre_attn_scalar > 0:
+            raise LogprobeError("config.query_pre_attn_scalar", f"must be positive, got {self.query_pre_attn_scalar!r}")
+        rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
+        rope_inv_freq(self.head_dim, self.rope_local_theta, self.rope_local_scaling)
+
+    @property
+    def split_widths(self) -> tuple[int, ...]:
+        return (self.num_heads, self.hidden_size, self.intermediate_size)
+
+
+class GemmaAttention(NumericsUser, nn.Module):
+    def __init__(self, cfg: GemmaConfig, layer_idx: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # which layer of a chunk's KV cache is ours
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        self.sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = cfg.sliding_window if self.sliding else None
+        D, H = cfg.head_dim, cfg.hidden_size
+        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * D, False, ctx, head_dim=D)
+        self.k_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, head_dim=D)
+        self.v_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, head_dim=D)
+        self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, False, ctx)
+        self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
+        self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        T = x.shape[0]
+        if self.qkv_proj is not None:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, Hq, D]
+        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cis, self.numerics.triton), apply_rotary(k, cis, self.numerics.triton)
+        o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+
+class GemmaMLP(NumericsUser, nn.Module):
+    def __init__(self, cfg: GemmaConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        H, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ColumnParallelLinear(H, inter, False, ctx)
+        self.up_proj = ColumnParallelLinear(H, inter, False, ctx)
+        self.down_proj = GatheredRowLinear(inter, H, False, ctx)
+        self.approximate = ACTIVATIONS[cfg.hidden_activation]
+        self.gate_up_proj: Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        # gelu(gate) rounded to the activation dtype, then * up, as transformers; each row's bits
+        # independent of the row count on CPU (layers.activation.row_invariant)
+        act = row_invariant(lambda g, u: F.gelu(g, approximate=self.approximate) * u, gate, up)
+        return self.down_proj(act)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: GemmaConfig, layer_idx: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
+                                                                 "resid_post"))
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = OffsetRMSNorm(H, eps)
+        self.self_attn = GemmaAttention(cfg, layer_idx, ctx)
+        self.post_attention_layernorm = OffsetRMSNorm(H, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(H, eps)
+        self.mlp = GemmaMLP(cfg, ctx)
+        self.post_feedforward_layernorm = OffsetRMSNorm(H, eps)
+
+    def forward(self, h: torch.Tensor, cis: dict[str, torch.Tensor], meta: AttentionMeta,
+                hooks: Hooks | None = None) -> torch.Tensor:
+        c = cis[self.layer_type]
+        if hooks is None:
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), c, meta))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
+        h = hooks(resid_pre, h)
+        a = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), c, meta))
+        h = hooks(resid_mid, h + hooks(attn_out, a))
+        m = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return hooks(resid_post, h + hooks(mlp_out, m))
+
+
+class GemmaModel(ScoringModel):
+    """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
+    -> [T, H]``); ``head_params()`` feeds the log-prob head. One rank (``loader.parallel_context``
+    refuses a split)."""
+
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+
+    def __init__(self, cfg: GemmaConfig, ctx: ParallelContext | None = None) -> None:
+        super().__init__()
+        if ctx is not None and ctx.size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {cfg.family} models run on one device per "
+                                "replica (tensor parallelism for them is not there yet)",
+                                "use tensor_parallel_size 1 (data parallelism works)")
+        self.config = cfg
+        self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
+        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
+        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.make_rotary()
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
+
+    def make_rotary(self, device: torch.device | None = None) -> None:
+        """The two rotary tables (non-persistent buffers: made again on the real device at load)."""
+        cfg = self.config
+        self.rotary_global = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, cfg.rope_local_scaling).to(device)
+
+    @staticmethod
+    def interleave_rope_weights(cfg: GemmaConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint (rotate-half) q/k rows and per-head q/k norm weights -> the interleaved
+        layout ``apply_rotary`` expects."""
+        out = dict(state)
+        for name, w in state.items():
+            if any(f".self_attn.{p}." in name for p in ("q_proj", "k_proj", "q_norm", "k_norm")):
+                out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim)
+        return out
+
+    def fuse_projections(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                hooks: Hooks | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        hooks = hooks or None
+        if hooks is not None:
+            self.check_hooks(hooks)
+        h = self.embed_tokens(input_ids)  # [T, H]
+        # transformers' Gemma3TextScaledWordEmbedding: sqrt(hidden) as a float32 tensor cast to the
+        # weight dtype (bf16: sqrt(2560) = 50.596 -> 50.5), then one product
+        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(h.dtype)
+        h = h * scale.to(h.device)
+        if hooks is not None:
+            h = hooks("embed", h)
+        types = set(self.config.layer_types)
+        cis = {}
+        if "full_attention" in types:
+            cis["full_attention"] = self.rotary_global(positions)  # [T, D/2] complex
+        if "sliding_attention" in types:
+            cis["sliding_attention"] = self.rotary_local(positions)
+        for layer in self.layers:
+            h = layer(h, cis, meta, hooks)
+        h = self.norm(h)
+        return h if hooks is None else hooks("final_norm", h)
