@@ -84,7 +84,9 @@ def operations() -> list[tuple[str, str]]:
     """Every operation of the document (listed here: parametrizing needs them before the app exists;
     ``test_document_lists_every_operation`` keeps the list equal to the document)."""
     return [("POST", p) for p in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/score", "/v1/logprobs",
-                                  "/v1/perplexity", "/generate", "/update_weights_from_disk")] + \
+                                  "/v1/perplexity", "/generate", "/update_weights_from_disk",
+                                  "/init_weights_update_group", "/update_weights_from_distributed",
+                                  "/destroy_weights_update_group")] + \
         [("GET", p) for p in ("/v1/models", "/v1/models/{model}", "/tokenizer_info", "/health", "/metrics",
                                  "/get_weight_version")]
 

@@ -22,6 +22,7 @@ from .executor.engine import parallel_parts
 from .executor.interface import Executor
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
+from .loading.collective import DEFAULT_GROUP, WeightGroups, check_metadata
 from .loading.update import load_weights, update_weights
 from .scoring import chat as chat_scoring
 from .scoring import continuations as text_scoring
@@ -103,7 +104,9 @@ class Scorer:
         return self.engine
 
     def close(self) -> None:
-        """Stop worker processes (parallel scorers); a no-op otherwise."""
+        """Stop worker processes (parallel scorers) and leave weight update groups; a no-op otherwise."""
+        if "_collective_groups" in self.__dict__:
+            self._collective_groups.close()
         self.engine.close()
 
     def __enter__(self) -> Scorer:
@@ -286,6 +289,65 @@ class Scorer:
     def _workers(self):
         """The engine of worker processes that hold the weights (tensor/data parallel), else None."""
         return None if self.engine.in_process else self.engine
+
+    # -- new weights over a collective (SGLang's weight sync: ``loading.collective``) -----------
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = DEFAULT_GROUP, backend: str = "nccl", *, timeout: float = 600.0,
+                                  connect_timeout: float = 10.0) -> None:
+        """Join the trainer's process group ``group_name`` (SGLang's ``init_weights_update_group``):
+        the trainer is rank 0 and hosts the store at ``master_address:master_port``, this scorer is
+        rank ``rank_offset`` of ``world_size``; ``backend`` "nccl" (model on CUDA) or "gloo".
+        Blocks until every rank joined (``timeout`` s; the trainer's store must listen within
+        ``connect_timeout`` s). In-process scorers only (no tensor/data-parallel workers)."""
+        self._refuse_workers("init_weights_update_group")
+        self._weight_groups().join(self.device, master_address, master_port, rank_offset, world_size, group_name,
+                                   backend, timeout=timeout, connect_timeout=connect_timeout)
+
+    def receive_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
+                                         group_name: str = DEFAULT_GROUP) -> list[tuple[str, torch.Tensor]]:
+        """The first half of ``update_weights_from_distributed``: every tensor broadcast by rank 0,
+        received into fresh buffers; the weights do not change (a server scores meanwhile)."""
+        self._refuse_workers("update_weights_from_distributed")
+        metadata = check_metadata(names, dtypes, shapes)
+        return self._weight_groups().get(group_name).receive(metadata)
+
+    def apply_received_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
+                               weight_version: str | None = None) -> int:
+        """The second half: ``update_weights`` of the received tensors (checks and errors name
+        ``names``); returns the new ``weights_version``."""
+        update_weights(self.loaded.model, named_tensors, field="names")
+        return self._bump(weight_version)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
+                                        weight_version: str | None = None, flush_cache: bool = True,
+                                        group_name: str = DEFAULT_GROUP) -> int:
+        """SGLang's ``update_weights_from_distributed``: receive each tensor (``names[i]``, dtype
+        ``dtypes[i]`` such as "bfloat16", shape ``shapes[i]``) by broadcast from rank 0 of the
+        group, in order, then apply them all as ``update_weights`` does: every weight, all or
+        nothing (a missing, unknown or mis-shaped name, or a NaN, raises naming ``names`` and the
+        old weights stay), version bumped (named ``weight_version``). ``flush_cache``: accepted;
+        nothing computed under the old weights is reused (the result cache is keyed by the
+        weights' version). Returns the new ``weights_version``."""
+        return self.apply_received_weights(self.receive_weights_from_distributed(names, dtypes, shapes, group_name),
+                                           weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        """Leave the group (SGLang's ``destroy_weights_update_group``); the name can be joined again."""
+        self._weight_groups().destroy(group_name)
+
+    def _weight_groups(self) -> WeightGroups:
+        groups = self.__dict__.get("_collective_groups")
+        if groups is None:
+            groups = self.__dict__["_collective_groups"] = WeightGroups()
+        return groups
+
+    def _refuse_workers(self, what: str) -> None:
+        if not self.engine.in_process:
+            raise LogprobeError("tensor_parallel_size", f"{what} needs the weights in this process; this scorer's "
+                                "are held by tensor/data-parallel workers",
+                                "use a scorer with tensor_parallel_size=1 and data_parallel_size=1, or "
+                                "update_weights / load_weights")
 
     # -- hidden states and steering vectors ----------------------------------------------------
 

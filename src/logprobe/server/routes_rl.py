@@ -13,7 +13,17 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import LogprobeError
 from .batcher import JobFailed
 from .responses import SafeJSONResponse, error_body, replies, reply
-from .schemas_rl import GenerateReply, GenerateRequest, UpdateWeightsReply, UpdateWeightsRequest
+from .schemas_rl import (
+    DestroyWeightsUpdateGroupRequest,
+    GenerateReply,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedReply,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsReply,
+    UpdateWeightsRequest,
+    WeightsGroupReply,
+)
 from .served import Served
 from .sglang_compat import batched, generate_job
 
@@ -64,5 +74,47 @@ def rl_router(served: Served) -> APIRouter:
                                      "message": str(e), "num_paused_requests": 0}, status_code=400)
         return {"success": True, "message": f"loaded {body.model_path}: weights_version {before} -> {version}",
                 "num_paused_requests": 0, "weights_version": version, "weight_version": weights.name(version)}
+
+    def refused(e: LogprobeError) -> SafeJSONResponse:
+        """400 with SGLang's ``success: false`` and ``message`` beside logprobe's error."""
+        return SafeJSONResponse({**error_body(400, str(e), e.field, "invalid_value"), "success": False,
+                                 "message": str(e)}, status_code=400)
+
+    @router.post("/init_weights_update_group", summary="Join the trainer's process group (weights by broadcast)",
+                 responses=replies(WeightsGroupReply, (400, 401, 503)))
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):
+        """Answers once every rank joined (the trainer, rank 0, joins as it sends this)."""
+        try:
+            await asyncio.to_thread(weights.join_group, body.master_address, body.master_port, body.rank_offset,
+                                    body.world_size, body.group_name, body.backend)
+        except LogprobeError as e:
+            return refused(e)
+        return {"success": True, "message": f"joined {body.group_name!r} as rank {body.rank_offset} of "
+                                            f"{body.world_size} ({body.backend})"}
+
+    @router.post("/update_weights_from_distributed", summary="Receive new weights by broadcast, apply between batches",
+                 responses=replies(UpdateWeightsFromDistributedReply, (400, 401, 503)))
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest):
+        """Receives every tensor (scoring goes on, on the old weights), then applies them all between
+        engine steps. 400 (``success: false``) when the metadata or the tensors are refused: the old
+        weights stay in force."""
+        before = weights.version
+        try:
+            version = await asyncio.to_thread(weights.update_from_group, body.names, body.dtypes, body.shapes,
+                                              body.group_name, body.weight_version)
+        except LogprobeError as e:
+            return refused(e)
+        return {"success": True, "message": f"received {len(body.names)} tensors: weights_version {before} -> "
+                                            f"{version}", "weights_version": version,
+                "weight_version": weights.name(version)}
+
+    @router.post("/destroy_weights_update_group", summary="Leave a weight update group",
+                 responses=replies(WeightsGroupReply, (400, 401, 503)))
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest):
+        try:
+            await asyncio.to_thread(weights.leave_group, body.group_name)
+        except LogprobeError as e:
+            return refused(e)
+        return {"success": True, "message": f"left {body.group_name!r}"}
 
     return router

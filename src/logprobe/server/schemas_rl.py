@@ -225,3 +225,87 @@ class UpdateWeightsReply(BaseModel):
     num_paused_requests: int
     weights_version: int
     weight_version: str
+
+
+# -- weight sync over a collective (SGLang's init_weights_update_group / update_weights_from_distributed)
+
+_GROUP = Field("weight_update_group", min_length=1, description="the process group's name (the trainer's "
+                                                                "init_custom_process_group group_name)")
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """SGLang's ``POST /init_weights_update_group`` body: join the trainer's process group (the
+    trainer is rank 0 and hosts its store; this server is rank ``rank_offset``)."""
+
+    model_config = _STRICT
+
+    master_address: Annotated[Text, Field(min_length=1)] = Field(description="the trainer's host (rank 0's store)")
+    master_port: int = Field(ge=1, le=65535, description="the port of the trainer's store")
+    rank_offset: int = Field(ge=1, description="this server's rank in the group (1 .. world_size - 1)")
+    world_size: int = Field(ge=2, description="the trainer plus every rank that receives")
+    group_name: Text = _GROUP
+    backend: Text = Field("nccl", description="'nccl' (the model on CUDA) or 'gloo'")
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v not in ("nccl", "gloo"):
+            raise ValueError(f"{v!r} is not supported; use 'nccl' or 'gloo'")
+        return v
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """SGLang's ``POST /update_weights_from_distributed`` body: the tensors the trainer then
+    broadcasts from rank 0, in this order. Every weight of the model, as ``update_weights``."""
+
+    model_config = _STRICT
+
+    names: Annotated[list[Text], Field(min_length=1)] = Field(description="Hugging Face parameter names")
+    dtypes: Annotated[list[Text], Field(min_length=1)] = Field(description="'bfloat16', 'float32', 'float16' "
+                                                                          "(or 'torch.bfloat16' ...), one per name")
+    shapes: Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(min_length=1)] = Field(
+        description="one shape per name")
+    group_name: Text = _GROUP
+    flush_cache: bool = Field(True, description="accepted: nothing computed under the old weights is reused")
+    abort_all_requests: bool = Field(False, description="must be false: requests under way finish on the old "
+                                                        "weights, queued ones run on the new")
+    weight_version: Text | None = Field(None, description="the new weights' name (default: the new "
+                                                          "weights_version as a string)")
+    load_format: Text | None = Field(None, description="accepted: absent or 'auto'")
+    torch_empty_cache: bool = Field(False, description="accepted; no effect")
+
+    @field_validator("abort_all_requests")
+    @classmethod
+    def _no_abort(cls, v: bool) -> bool:
+        return UpdateWeightsRequest._no_abort(v)
+
+    @field_validator("load_format")
+    @classmethod
+    def _format(cls, v: str | None) -> str | None:
+        if v not in (None, "auto"):
+            raise ValueError(f"{v!r} is not supported; leave it out")
+        return v
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    """SGLang's ``POST /destroy_weights_update_group`` body."""
+
+    model_config = _STRICT
+
+    group_name: Text = _GROUP
+
+
+class WeightsGroupReply(BaseModel):
+    """SGLang's reply of the group endpoints: ``success`` and ``message``."""
+
+    model_config = _OPEN
+    success: bool
+    message: str
+
+
+class UpdateWeightsFromDistributedReply(BaseModel):
+    model_config = _OPEN
+    success: bool
+    message: str
+    weights_version: int
+    weight_version: str

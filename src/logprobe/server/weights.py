@@ -84,3 +84,49 @@ class ServedWeights:
         version = self._scorer_version()
         self._names[version] = str(getattr(self.scorer, "weight_version", version))
         return version
+
+    # -- weights pushed over a collective (SGLang's update_weights_from_distributed) -----------
+
+    def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str) -> None:
+        """``Scorer.init_weights_update_group``; blocking (until every rank joined). Scoring goes on."""
+        if not hasattr(self.scorer, "init_weights_update_group"):
+            raise LogprobeError("backend", "this scorer cannot join a weight update group", "update logprobe")
+        self.scorer.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                              group_name=group_name, backend=backend)
+
+    def update_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                          weight_version: str | None = None) -> int:
+        """Receive every tensor the trainer broadcasts (scoring goes on, on the old weights), then
+        apply them all between engine steps, as ``load`` swaps a checkpoint: a request under way
+        finishes on the old weights, none is computed on a half-updated model. Returns the new
+        version; a refused update (a name, shape or value the model cannot take) changes nothing."""
+        if not hasattr(self.scorer, "receive_weights_from_distributed"):
+            raise LogprobeError("names", "this scorer cannot receive weights over a collective", "update logprobe")
+        try:
+            received = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name)
+        except LogprobeError:
+            raise
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the collective failed (a rank gone, a timeout)
+            log.warning("update_weights_from_distributed: receiving failed: %r", e)
+            raise LogprobeError("names", f"the tensors were not received: {type(e).__name__}: {e}",
+                                f"weights_version {self._scorer_version()} is still served; destroy the group "
+                                "and join it again") from e
+        return self.batcher.exclusive(lambda: self._apply(received, weight_version))
+
+    def _apply(self, received, weight_version: str | None) -> int:
+        try:
+            self.scorer.apply_received_weights(received, weight_version)
+        except LogprobeError as e:
+            raise LogprobeError(e.field, f"the received weights were not applied: {e.problem}",
+                                f"weights_version {self._scorer_version()} is still served") from e
+        version = self._scorer_version()
+        self._names[version] = str(getattr(self.scorer, "weight_version", version))
+        return version
+
+    def leave_group(self, group_name: str) -> None:
+        if not hasattr(self.scorer, "destroy_weights_update_group"):
+            raise LogprobeError("group_name", "this scorer has no weight update groups", "update logprobe")
+        self.scorer.destroy_weights_update_group(group_name)

@@ -1,0 +1,223 @@
+"""Weights pushed by a trainer over a collective (SGLang's ``init_weights_update_group`` /
+``update_weights_from_distributed`` protocol): no checkpoint on disk.
+
+    trainer (rank 0)                              this scorer (rank ``rank_offset``)
+    POST /init_weights_update_group  ---------->  join: TCPStore client of the trainer's store
+    init_custom_process_group(rank 0) <-------->  the same group (gloo or nccl), ``group_name``
+    POST /update_weights_from_distributed ----->  for each (name, dtype, shape): an empty buffer
+    broadcast(tensor, src=0) per tensor  ------->   filled by broadcast from rank 0
+                                                  then all of them through ``update_weights``
+
+The group is built as SGLang, vLLM and OpenRLHF build theirs (``init_custom_process_group``):
+``rendezvous("tcp://addr:port")`` (the trainer, rank 0, hosts the store), a ``PrefixStore`` of
+the group name, then ``_new_process_group_helper``; no default process group is needed on either
+side, and the trainer may use any of those projects' helpers: the store keys are the same.
+
+Every tensor is received before any weight changes, so a name or shape the model does not have,
+or a NaN, is refused by the update (all or nothing) after the trainer's broadcasts completed: the
+group stays usable. Metadata that cannot be received at all (lengths that differ, an unknown
+dtype, a negative dimension) is refused before the first broadcast.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from ..errors import LogprobeError
+
+BACKENDS = ("nccl", "gloo")
+DEFAULT_GROUP = "weight_update_group"
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "half": torch.float16, "float64": torch.float64, "double": torch.float64}
+
+
+def parse_dtype(value, field_name: str) -> torch.dtype:
+    """``"bfloat16"``, ``"torch.bfloat16"`` or a ``torch.dtype`` -> the dtype (floats only)."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+        raise LogprobeError(field_name, f"{value} is not a float dtype", f"send one of {sorted(set(_DTYPES))}")
+    key = value.removeprefix("torch.") if isinstance(value, str) else None
+    if key not in _DTYPES:
+        raise LogprobeError(field_name, f"{value!r} is not a float dtype this scorer takes",
+                            "send one of 'float32', 'bfloat16', 'float16', 'float64' (or 'torch.bfloat16' ...)")
+    return _DTYPES[key]
+
+
+def check_metadata(names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The three lists of ``update_weights_from_distributed`` -> (name, dtype, shape) triples."""
+    for key, value in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+        if not isinstance(value, (list, tuple)) or not value:
+            raise LogprobeError(key, "must be a non-empty list", "one entry per tensor the trainer broadcasts")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise LogprobeError("shapes", f"names, dtypes and shapes have {len(names)}, {len(dtypes)} and "
+                            f"{len(shapes)} entries", "give one of each per tensor")
+    out = []
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+        if not isinstance(name, str) or not name:
+            raise LogprobeError(f"names[{i}]", f"must be a non-empty string, got {name!r}")
+        if not isinstance(shape, (list, tuple)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise LogprobeError(f"shapes[{i}]", f"must be a list of non-negative integers, got {shape!r}")
+        out.append((name, parse_dtype(dtype, f"dtypes[{i}]"), tuple(shape)))
+    return out
+
+
+def check_address(master_address, master_port, connect_timeout: float) -> None:
+    """Refuse quickly what cannot be the trainer's store: a name that does not resolve, a port out of
+    range, nothing listening there within ``connect_timeout`` s (the trainer starts its store as it
+    sends the request, so a short wait covers the race)."""
+    if not isinstance(master_address, str) or not master_address:
+        raise LogprobeError("master_address", f"must be a host name or IP address, got {master_address!r}")
+    if not isinstance(master_port, int) or isinstance(master_port, bool) or not 1 <= master_port <= 65535:
+        raise LogprobeError("master_port", f"must be a port number (1-65535), got {master_port!r}")
+    try:
+        ipaddress.ip_address(master_address)
+    except ValueError:
+        try:
+            socket.getaddrinfo(master_address, master_port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as e:
+            raise LogprobeError("master_address", f"{master_address!r} does not resolve ({e})",
+                                "give the trainer's host name or IP address") from e
+    deadline = time.monotonic() + connect_timeout
+    while True:
+        try:
+            with socket.create_connection((master_address, master_port), timeout=max(0.1, min(2.0, connect_timeout))):
+                return
+        except (OSError, UnicodeError) as e:
+            if time.monotonic() >= deadline:
+                raise LogprobeError("master_port", f"nothing listens on {master_address}:{master_port} ({e})",
+                                    "start the trainer's process group (rank 0 hosts the store) as you send "
+                                    "this request") from e
+            time.sleep(0.1)
+
+
+def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+               backend: str, timeout: float):
+    """The process group of ``init_custom_process_group`` (SGLang/vLLM/OpenRLHF), this side's rank."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+    t = timedelta(seconds=timeout)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=t))
+    store.set_timeout(t)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      timeout=t)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+@dataclass(eq=False)
+class WeightGroup:
+    """One joined group: its process group, where its tensors are received, and a lock (one
+    transfer at a time: two interleaved ones would mix their broadcasts)."""
+
+    name: str
+    pg: object
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def receive(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.Tensor]]:
+        """Each tensor broadcast by rank 0, in order, into a fresh buffer."""
+        import torch.distributed as dist
+        out = []
+        with self.lock:
+            for name, dtype, shape in metadata:
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(buf, src=0, group=self.pg)
+                out.append((name, buf))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+        with self.lock:
+            dist.destroy_process_group(self.pg)
+
+
+class WeightGroups:
+    """A scorer's joined groups by name (``Scorer.init_weights_update_group`` ...)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, WeightGroup | None] = {}  # None: being joined
+        self._lock = threading.Lock()
+
+    def join(self, device: torch.device, master_address: str, master_port: int, rank_offset: int, world_size: int,
+             group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout: float = 600.0,
+             connect_timeout: float = 10.0) -> WeightGroup:
+        if not isinstance(group_name, str) or not group_name:
+            raise LogprobeError("group_name", f"must be a non-empty string, got {group_name!r}")
+        if backend not in BACKENDS:
+            raise LogprobeError("backend", f"{backend!r} is not supported", "use 'nccl' (CUDA) or 'gloo'")
+        if backend == "nccl" and device.type != "cuda":
+            raise LogprobeError("backend", f"'nccl' needs the model on a CUDA device; it is on {device.type}",
+                                "use backend 'gloo'")
+        for key, value in (("world_size", world_size), ("rank_offset", rank_offset)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise LogprobeError(key, f"must be an integer, got {value!r}")
+        if world_size < 2:
+            raise LogprobeError("world_size", f"is {world_size}", "the trainer (rank 0) and at least this scorer: 2 or more")
+        if not 1 <= rank_offset < world_size:
+            raise LogprobeError("rank_offset", f"is {rank_offset}; this scorer's rank must be 1 .. world_size - 1 "
+                                f"({world_size - 1})", "rank 0 is the trainer")
+        with self._lock:
+            if group_name in self._groups:
+                raise LogprobeError("group_name", f"{group_name!r} is already joined (or being joined)",
+                                    "destroy it first (destroy_weights_update_group) or use another name")
+            self._groups[group_name] = None
+        try:
+            check_address(master_address, master_port, connect_timeout)
+            try:
+                pg = join_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+            except LogprobeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the store or the backend refused (timeout, ...)
+                raise LogprobeError("master_address", f"could not join {group_name!r} at {master_address}:"
+                                    f"{master_port}: {type(e).__name__}: {e}",
+                                    "check the address, port, world_size and that every rank joins") from e
+            group = WeightGroup(group_name, pg, rank_offset, world_size, backend,
+                                device if backend == "nccl" else torch.device("cpu"))
+        except BaseException:
+            with self._lock:
+                self._groups.pop(group_name, None)
+            raise
+        with self._lock:
+            self._groups[group_name] = group
+        return group
+
+    def get(self, group_name: str) -> WeightGroup:
+        with self._lock:
+            group = self._groups.get(group_name)
+        if group is None:
+            raise LogprobeError("group_name", f"{group_name!r} is not a joined weight update group",
+                                "call init_weights_update_group first")
+        return group
+
+    def destroy(self, group_name: str = DEFAULT_GROUP) -> None:
+        group = self.get(group_name)
+        with self._lock:
+            self._groups.pop(group_name, None)
+        group.destroy()
+
+    def close(self) -> None:
+        for name in [n for n, g in self._groups.items() if g is not None]:
+            try:
+                self.destroy(name)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass

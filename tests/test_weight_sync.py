@@ -1,0 +1,212 @@
+"""Weights pushed over a collective (SGLang's ``init_weights_update_group`` /
+``update_weights_from_distributed``): a gloo "trainer" in another process (rank 0, its own
+``init_custom_process_group`` as SGLang's and OpenRLHF's trainers build it) broadcasts the weights
+of tiny Llama "b" to a scorer serving tiny Llama "a", through the library and through the real
+HTTP server. Afterwards the scores equal a fresh Scorer's on "b", bitwise (deterministic mode),
+and the version changed; refusals leave the old weights in force."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import requests
+import torch
+from helpers import make_hf_dir
+from server_util import free_port, serve
+
+from logprobe import Scorer
+from logprobe.errors import LogprobeError
+from logprobe.server import ServerConfig, create_app
+
+IDS = [5, 71, 72, 3, 140, 8, 200, 17, 9, 66, 250, 12]
+
+# rank 0: the trainer. argv: mode ("library" | "server"), port, checkpoint file, [server URL]
+TRAINER = textwrap.dedent('''
+    import json, sys, threading, time
+    from datetime import timedelta
+    import requests, torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    def init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout):
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = PrefixStore(group_name, store)
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                          timeout=timeout)
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        return pg
+
+    mode, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    url = sys.argv[4] if len(sys.argv) > 4 else None
+    weights = load_file(path)
+    names = sorted(weights)
+    out = {}
+
+    def call(key, route, body):
+        out[key] = (lambda r: (r.status_code, r.json()))(requests.post(url + route, json=body, timeout=60))
+
+    def beside(key, route, body):
+        t = threading.Thread(target=call, args=(key, route, body))
+        t.start()
+        return t
+
+    t = beside("init", "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "weight_update_group", "backend": "gloo"}) if url else None
+    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "weight_update_group",
+                                   timedelta(seconds=60))
+    if t:
+        t.join()
+        t = beside("update", "/update_weights_from_distributed", {
+            "names": names, "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(weights[n].shape) for n in names], "weight_version": "step-1"})
+    for i, name in enumerate(names):
+        dist.broadcast(weights[name].contiguous(), src=0, group=pg)
+        if url and i == len(names) // 2:  # half sent: the server still scores, on the old weights
+            call("during", "/generate", {"input_ids": [5, 71, 72, 3], "return_logprob": True,
+                                         "logprob_start_len": 0})
+    if t:
+        t.join()
+        call("destroy", "/destroy_weights_update_group", {"group_name": "weight_update_group"})
+    dist.destroy_process_group(pg)
+    print(json.dumps(out))
+''')
+
+
+def scorer(path) -> Scorer:
+    return Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for name, seed in (("a", 3), ("b", 4)):
+        d = tmp_path_factory.mktemp(f"sync-{name}")
+        make_hf_dir(d, "llama", seed=seed)
+        out[name] = d
+    return out
+
+
+def trainer(mode: str, port: int, model_dir, url: str | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-c", TRAINER, mode, str(port), str(model_dir / "model.safetensors")]
+    return subprocess.Popen(args + ([url] if url else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(p: subprocess.Popen) -> dict:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def logprobs(s: Scorer) -> list[float]:
+    return s.logprobs([{"prompt_token_ids": IDS[:1], "completion_token_ids": IDS[1:]}])[0].logprobs.tolist()
+
+
+def test_library_update_weights_from_distributed(models):
+    """The library API: join, receive every tensor, apply; bitwise a fresh load of the new weights."""
+    s = scorer(models["a"])
+    old, want = logprobs(s), logprobs(scorer(models["b"]))
+    assert old != want
+    port = free_port()
+    p = trainer("library", port, models["b"])
+    try:
+        s.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo", timeout=60)
+        from safetensors import safe_open
+        with safe_open(str(models["b"] / "model.safetensors"), "pt") as f:
+            names = sorted(f.keys())
+            meta = [(f.get_slice(n).get_dtype(), f.get_slice(n).get_shape()) for n in names]
+        dtypes = [{"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[d] for d, _ in meta]
+        assert s.update_weights_from_distributed(names, dtypes, [shape for _, shape in meta],
+                                                 weight_version="step-1") == 1
+        finished(p)
+    finally:
+        p.kill()
+    assert s.weight_version == "step-1" and s.weights_version == 1
+    assert logprobs(s) == want  # bitwise: the same numbers as a fresh Scorer on "b"
+    s.destroy_weights_update_group()
+    with pytest.raises(LogprobeError) as e:  # gone: a second destroy names the group
+        s.destroy_weights_update_group()
+    assert e.value.field == "group_name"
+    s.close()
+
+
+def test_library_refusals(models):
+    """Refused before anything is received or joined, each naming its field."""
+    s = scorer(models["a"])
+    cases = [(dict(backend="nccl"), "backend"), (dict(backend="mpi"), "backend"), (dict(world_size=1), "world_size"),
+             (dict(rank_offset=0), "rank_offset"), (dict(rank_offset=2), "rank_offset"),
+             (dict(master_address="no-such-host.invalid"), "master_address")]
+    for change, field in cases:
+        kw = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+              "backend": "gloo", **change}
+        with pytest.raises(LogprobeError) as e:
+            s.init_weights_update_group(**kw, connect_timeout=0.2)
+        assert e.value.field == field, (change, e.value)
+    with pytest.raises(LogprobeError) as e:  # nothing listens there
+        s.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="gloo", connect_timeout=0.3)
+    assert e.value.field == "master_port"
+    with pytest.raises(LogprobeError) as e:
+        s.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[2, 2]])
+    assert e.value.field == "group_name"  # no group joined
+    with pytest.raises(LogprobeError) as e:
+        s.update_weights_from_distributed(["lm_head.weight"], ["int8"], [[2, 2]])
+    assert e.value.field == "dtypes[0]"
+    with pytest.raises(LogprobeError) as e:
+        s.update_weights_from_distributed(["a", "b"], ["float32"], [[2, 2]])
+    assert e.value.field == "shapes"
+    assert s.weights_version == 0
+
+
+def test_server_update_weights_from_distributed(models):
+    """The real server: the trainer calls the HTTP routes and broadcasts; a request scored while the
+    tensors arrive answers the old weights; afterwards /generate equals a fresh Scorer on "b"."""
+    lib_a, lib_b = scorer(models["a"]), scorer(models["b"])
+    app = create_app(scorer(models["a"]), ServerConfig(max_top_logprobs=20))
+    body = {"input_ids": IDS, "return_logprob": True, "logprob_start_len": 0}
+    with serve(app) as url:
+        before = requests.post(url + "/generate", json=body, timeout=60).json()
+        port = free_port()
+        p = trainer("server", port, models["b"], url)
+        try:
+            out = finished(p)
+        finally:
+            p.kill()
+        after = requests.post(url + "/generate", json=body, timeout=60).json()
+        version = requests.get(url + "/get_weight_version", timeout=60).json()
+        # a bad body: 400 naming the field, SGLang's success false
+        bad = requests.post(url + "/update_weights_from_distributed",
+                            json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "abort_all_requests": True},
+                            timeout=60)
+        gone = requests.post(url + "/update_weights_from_distributed",
+                             json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, timeout=60)
+        nccl = requests.post(url + "/init_weights_update_group",
+                             json={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                   "world_size": 2}, timeout=60)
+    assert out["init"][0] == 200 and out["init"][1]["success"] is True, out["init"]
+    assert out["update"][0] == 200 and out["update"][1]["success"] is True, out["update"]
+    assert out["update"][1]["weights_version"] == 1 and out["update"][1]["weight_version"] == "step-1"
+    assert out["destroy"][0] == 200 and out["destroy"][1]["success"] is True, out["destroy"]
+    during = out["during"][1]
+    assert during["weights_version"] == 0 and during["meta_info"]["weight_version"] == "0"
+    want_during = lib_a.logprobs([{"prompt_token_ids": [5], "completion_token_ids": [71, 72, 3]}])[0].logprobs
+    assert [e[0] for e in during["meta_info"]["input_token_logprobs"][1:]] == want_during.tolist()
+
+    def scores(reply):
+        return [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]
+
+    assert before["weights_version"] == 0 and scores(before) == logprobs(lib_a)
+    assert after["weights_version"] == 1 and after["meta_info"]["weight_version"] == "step-1"
+    assert scores(after) == logprobs(lib_b)  # bitwise: a fresh Scorer on the new weights
+    assert version == {"weight_version": "step-1"}
+    assert bad.status_code == 400, bad.json()
+    assert "abort_all_requests" in json.dumps(bad.json()["error"])
+    assert gone.status_code == 400 and gone.json()["error"]["param"] == "group_name", gone.json()
+    assert nccl.status_code == 400 and nccl.json()["error"]["param"] == "backend", nccl.json()
+    assert torch.equal(torch.tensor(scores(after)), torch.tensor(logprobs(lib_b)))
