@@ -121,7 +121,8 @@ def gemma_config(raw: dict) -> GemmaConfig:
     layers = _int(cfg, "num_hidden_layers", where, 26)
     layer_types = cfg.get("layer_types")
     if layer_types is None:  # transformers' default: every sliding_window_pattern-th block is full
-        every = _int(cfg, "sliding_window_pattern", where, 6)
+        key = "sliding_window_pattern" if "sliding_window_pattern" in cfg else "_sliding_window_pattern"
+        every = _int(cfg, key, where, 6)
         layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     if not isinstance(layer_types, list):
         raise LogprobeError(f"{where}layer_types", f"must be a list, got {layer_types!r}")
