@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..layers.parallel_linear import held_ranges
 from ..models.gemma import LAYER_TYPES, GemmaConfig, GemmaModel
+from ..parallel.context import ParallelContext
+from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -197,12 +200,37 @@ def gemma_tensors(path: Path, cfg: GemmaConfig):
                     path.name, skipped)
 
 
-def build_gemma(cfg: GemmaConfig, tensors, device: torch.device, dtype: torch.dtype) -> GemmaModel:
+def gemma_parallel_context(cfg: GemmaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+    """A rank's context (``loader.parallel_context``), after checking the model splits ``size`` ways
+    (as the Llama family: heads, kv heads, vocabulary chunks, hidden and intermediate sizes)."""
+    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
+    for key, n in (("intermediate_size", cfg.intermediate_size), ("hidden_size", cfg.hidden_size)):
+        if n % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide {key} {n} of {cfg.family}",
+                                f"use a size that divides {key}")
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
+
+
+def gemma_shard_tensors(path: Path, cfg: GemmaConfig, ctx: ParallelContext):
+    """``gemma_tensors``, each cut to the rows this rank's layers hold (``held_ranges`` of the rank's
+    model on the meta device; whole where they hold all of it)."""
+    with torch.device("meta"):
+        model = GemmaModel(cfg, ctx)
+    for name, w in gemma_tensors(path, cfg):
+        ranges = held_ranges(model, name)
+        if ranges is not None:
+            w = torch.cat([w[a:b] for a, b in ranges])
+        yield name, w
+
+
+def build_gemma(cfg: GemmaConfig, tensors, device: torch.device, dtype: torch.dtype,
+                ctx: ParallelContext | None = None) -> GemmaModel:
     """The native model from (name, tensor) pairs: every parameter present with the shape the config
-    implies, q/k rows (and q/k norm weights) permuted to the interleaved rotary layout."""
+    implies, q/k rows (and q/k norm weights) permuted to the interleaved rotary layout. ``ctx``: this
+    rank's tensor-parallel group; ``tensors`` then yields this rank's rows (``gemma_shard_tensors``)."""
     state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
     with torch.device("meta"):
-        model = GemmaModel(cfg)
+        model = GemmaModel(cfg, ctx)
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:

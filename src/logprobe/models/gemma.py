@@ -29,7 +29,9 @@ window per query against key positions (context spans of a shared prefix or a ch
 every earlier key, the window masks them), so a split never changes which keys a row sees.
 
 Not run (refused at load, key named, by ``loading.gemma``): attention and final logit
-soft-capping, bidirectional attention, attention bias; tensor parallelism (one device per replica).
+soft-capping, bidirectional attention, attention bias.
+
+Tensor parallelism as the Llama family (``GemmaModel``; ``loading.gemma.gemma_shard_tensors``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import num_blocks, vocab_chunk_width, vocab_shard
+from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
 from .base import ScoringModel
 from .caps import ModelCaps
 
@@ -117,14 +119,16 @@ class GemmaAttention(NumericsUser, nn.Module):
     def __init__(self, cfg: GemmaConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer of a chunk's KV cache is ours
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)  # this rank's query heads and the kv heads they read
+        k0, k1 = kv_heads(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.sliding = cfg.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = cfg.sliding_window if self.sliding else None
         D, H = cfg.head_dim, cfg.hidden_size
-        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * D, False, ctx, head_dim=D)
-        self.k_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, head_dim=D)
-        self.v_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, head_dim=D)
+        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * D, False, ctx, rows=(q0 * D, q1 * D), head_dim=D)
+        self.k_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, rows=(k0 * D, k1 * D), head_dim=D)
+        self.v_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, False, ctx, rows=(k0 * D, k1 * D), head_dim=D)
         self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, False, ctx)
         self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
@@ -202,17 +206,15 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaModel(ScoringModel):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
-    -> [T, H]``); ``head_params()`` feeds the log-prob head. One rank (``loader.parallel_context``
-    refuses a split)."""
+    -> [T, H]``); ``head_params()`` feeds the log-prob head. ``ctx``: this rank's tensor-parallel
+    group (None: one rank), split as the Llama family (``models.llama``): a rank holds its query
+    heads and the kv heads they read, its share of the MLP; the residual stream is whole on every
+    rank, so the per-block norms and the q/k norms (per head) run unsplit."""
 
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def __init__(self, cfg: GemmaConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        if ctx is not None and ctx.size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {cfg.family} models run on one device per "
-                                "replica (tensor parallelism for them is not there yet)",
-                                "use tensor_parallel_size 1 (data parallelism works)")
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
