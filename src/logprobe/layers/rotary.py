@@ -1,4 +1,7 @@
-"""Rotary position embeddings (the "rotate half" layout) with Llama-3 and linear frequency scaling."""
+"""Rotary position embeddings (the "rotate half" layout) with Llama-3 and linear frequency scaling,
+LongRoPE (Phi-3 / Phi-4-mini: its short factors and attention factor, see ``RotaryEmbedding``) and
+partial rotation (``partial_rotary_factor`` in the scaling dict: only the first ``rotary_dim``
+dims of a head turn; the rest get frequency 0, a rotation by exactly 1)."""
 
 from __future__ import annotations
 
@@ -12,12 +15,35 @@ from ..kernels import triton_available
 from ..kernels.elementwise import rotary, rotary_reference
 
 
+def rotary_dim(head_dim: int, scaling: dict | None) -> int:
+    """How many leading dims of a head rotate (``partial_rotary_factor`` of the scaling dict)."""
+    factor = float((scaling or {}).get("partial_rotary_factor", 1.0) or 1.0)
+    rot = int(head_dim * factor)
+    if rot < 2 or rot > head_dim or rot % 2:
+        raise LogprobeError("partial_rotary_factor", f"{factor} of head_dim {head_dim} gives {rot} rotary dims, "
+                            "which must be even and in [2, head_dim]")
+    return rot
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float64, after the configured scaling."""
+    """Inverse frequencies [head_dim // 2] in float64, after the configured scaling; with partial
+    rotation the pairs past ``rotary_dim`` get frequency 0."""
+    rot = rotary_dim(head_dim, scaling)
+    inv = _inv_freq(rot, theta, scaling)
+    return torch.cat([inv, inv.new_zeros((head_dim - rot) // 2)]) if rot < head_dim else inv
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
     if kind == "default":
         return inv
+    if kind == "longrope":  # the short factors: what transformers uses while a sequence fits the original length
+        short = torch.tensor([float(f) for f in scaling["short_factor"]], dtype=torch.float64)
+        if short.shape != inv.shape:
+            raise LogprobeError("rope_scaling.short_factor", f"has {short.numel()} entries, rotary_dim / 2 is "
+                                f"{inv.numel()}")
+        return inv / short
     if kind == "linear":
         return inv / float(scaling["factor"])
     if kind == "llama3":
@@ -45,10 +71,34 @@ class RotaryEmbedding(nn.Module):
         if freq_factors is not None:  # GGUF `rope_freqs`: per-frequency divisors (Llama 3 scaling)
             inv = inv / freq_factors.double()
         self.register_buffer("inv_freq", inv.float(), persistent=False)
+        # LongRoPE: transformers turns cos and sin by `attention_factor` (on the rotary pairs), and
+        # switches a whole sequence to the long factors once it is longer than the original
+        # length, so a token's log-prob would hang on the sequence's total length. Positions
+        # stay below `max_positions` instead (short factors, exactly transformers' numbers for
+        # each such sequence; its last token is not fed, so position max_positions - 1 is the
+        # first too far); where long and short factors agree nothing switches.
+        self.max_positions: int | None = None
+        mag = None
+        if (scaling or {}).get("rope_type") == "longrope":
+            factor = float(scaling.get("attention_factor", 1.0))
+            if factor != 1.0:
+                mag = torch.ones(head_dim // 2)
+                mag[:rotary_dim(head_dim, scaling) // 2] = factor
+            if [float(f) for f in scaling["long_factor"]] != [float(f) for f in scaling["short_factor"]]:
+                self.max_positions = int(scaling["original_max_position_embeddings"])
+        self.register_buffer("magnitude", mag, persistent=False)  # None: unit rotations
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """Unit complex rotations exp(i * pos * freq) [T, D/2] (complex64) for positions [T]."""
+        """Complex rotations exp(i * pos * freq) [T, D/2] (complex64) for positions [T] (of
+        magnitude ``attention_factor`` on LongRoPE's rotary pairs)."""
+        if self.max_positions is not None and positions.numel() and int(positions.max()) >= self.max_positions - 1:
+            raise LogprobeError("rope_scaling", f"a sequence longer than original_max_position_embeddings "
+                                f"({self.max_positions}) under LongRoPE: transformers switches the whole sequence "
+                                "to long_factor then, so every token's log-prob would depend on the total length",
+                                f"score sequences of at most {self.max_positions} tokens with this model")
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        if self.magnitude is not None:
+            return torch.polar(self.magnitude.expand_as(freqs), freqs)
         return torch.polar(torch.ones_like(freqs), freqs)
 
 
@@ -64,9 +114,14 @@ def apply_rotary(x: torch.Tensor, cis: torch.Tensor, triton: bool = False) -> to
     return rotary_reference(x, cis)
 
 
-def to_interleaved(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def to_interleaved(w: torch.Tensor, n_head: int, rot: int | None = None) -> torch.Tensor:
     """Rows of a q/k projection (or bias, or per-head norm weight) from the rotate-half layout
-    (dim j pairs with j + D/2) to the interleaved one (dim 2j pairs with 2j + 1), per head."""
+    (dim j pairs with j + D/2) to the interleaved one (dim 2j pairs with 2j + 1), per head.
+    ``rot``: only the first ``rot`` dims of each head rotate (partial rotation); the rest stay."""
     rows = w.shape[0]
+    if rot is not None and rot < rows // n_head:
+        heads = w.reshape(n_head, rows // n_head, *w.shape[1:])  # [n_head, D, ...]
+        turned = to_interleaved(heads[:, :rot].reshape(n_head * rot, *w.shape[1:]), n_head)
+        return torch.cat([turned.reshape(n_head, rot, *w.shape[1:]), heads[:, rot:]], 1).reshape(w.shape)
     # [n_head, 2, D/2, ...] -> [n_head, D/2, 2, ...]
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -16,6 +16,7 @@ from .awq import awq_tensors
 from .checkpoint import _EXPERT, check_plain_dtype, hf_param_name, safetensors_files
 from .compressed import ct_tensors
 from .gptq import gptq_tensors
+from .phi3 import FUSED, phi3_config, split_fused
 
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NATIVE_QUANT_METHODS = ("compressed-tensors", "gptq", "awq")  # loading.compressed, loading.gptq, loading.awq
@@ -48,6 +49,8 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
 def native_config(cfg: dict) -> tuple[LlamaConfig | None, str]:
     """LlamaConfig when the native model covers this config, else None and the reason."""
     mtype = cfg.get("model_type")
+    if mtype == "phi3":  # fused checkpoint tensors, partial rotation, LongRoPE: loading.phi3
+        return phi3_config(cfg)
     if mtype not in NATIVE_TYPES + MOE_TYPES:
         return None, f"model_type {mtype!r} is not in the native Llama family"
     moe, why = _moe_spec(cfg, mtype) if mtype in MOE_TYPES else (None, "")
@@ -164,6 +167,12 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
     quantization metadata, and any tensor that is not a plain float, is refused."""
     check_quantization(raw or {}, path, native=True)
     qcfg = (raw or {}).get("quantization_config")
+    if cfg.extra.get(FUSED):  # Phi-3: qkv_proj and gate_up_proj cut into the Llama model's matrices
+        if qcfg is not None:
+            raise LogprobeError("quantization_config", f"{path.name}: a quantized Phi-3 checkpoint (fused "
+                                "qkv_proj / gate_up_proj) is not read natively yet", "score the unquantized model")
+        yield from split_fused(_plain_tensors(path, cfg), cfg)
+        return
     if qcfg is not None and cfg.moe is not None and qcfg.get("quant_method") != "compressed-tensors":
         raise LogprobeError("quantization_config", f"{path.name}: a quantized mixture-of-experts checkpoint "
                             f"(quant_method {qcfg.get('quant_method')!r}) is not read natively yet",

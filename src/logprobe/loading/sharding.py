@@ -23,6 +23,8 @@ from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
 from .checkpoint import hf_param_name, safetensors_files
+from .hf import _plain_tensors
+from .phi3 import FUSED, split_fused
 from .gguf import _LAYER_MAP, _TOP_MAP
 
 
@@ -39,6 +41,11 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext):
 
 
     model = rank_model(cfg, ctx)
+    if cfg.extra.get(FUSED):  # Phi-3: fused qkv_proj / gate_up_proj read whole, cut apart, then sliced
+        for name, w in split_fused(_plain_tensors(path, cfg), cfg):
+            cut = held_rows(model, name)
+            yield name, w if cut is None else w[cut[0]:cut[1]].contiguous()
+        return
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():

@@ -34,7 +34,7 @@ from ..layers.linear import Linear, fuse_linears
 from ..layers.norm import RMSNorm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
-from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotary_dim, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
 from .base import ScoringModel
@@ -208,9 +208,10 @@ class LlamaModel(ScoringModel):
     def interleave_rope_weights(cfg: LlamaConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint (rotate-half) q/k rows -> the interleaved layout ``apply_rotary`` expects."""
         out = dict(state)
+        rot = rotary_dim(cfg.head_dim, cfg.rope_scaling)  # Phi-4-mini: partial rotation
         for name, w in state.items():  # per head, so a rank's shard of heads permutes the same way
             if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
-                out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim)
+                out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim, rot)
             elif ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:
                 out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim)  # one head, or all (OLMoE)
         return out
