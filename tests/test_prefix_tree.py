@@ -149,5 +149,6 @@ def test_transformers_backend_does_not_share(tiny_dirs):
     b = pack([Tree((0, 1), 40)], reqs, CPU)
     with pytest.raises(LogprobeError, match="cannot run shared-prefix"):
         lm.model(b.input_ids, b.positions, b.meta)
-    with pytest.raises(LogprobeError, match="deterministic"):
-        Scorer(lm, deterministic=True).engine.run(reqs)
+    det = Scorer(lm, deterministic=True).engine.run(reqs)  # each request alone in its own forward
+    for s, d in zip(out, det):
+        assert (s.logprobs - d.logprobs).abs().max() < 1e-5

@@ -293,9 +293,9 @@ class Engine:
         return out.close()
 
     def _check_supported(self, requests: list[ScoreRequest]) -> None:
-        if self.config.deterministic and not self._context:
+        if self.config.deterministic and not (self._context or ModelCaps.of(self.model).deterministic):
             raise LogprobeError("deterministic", f"{type(self.model).__name__} has no deterministic kernels",
-                                "use a native model (GGUF or a Llama-family directory), or turn it off")
+                                "use a native model or the transformers backend, or turn it off")
         if any(r.route or r.force_experts is not None for r in requests) and not self.route_layers:
             raise LogprobeError("return_routed_experts" if any(r.route for r in requests) else "routed_experts",
                                 f"{type(self.model).__name__} has no mixture-of-experts layers: no routed experts",

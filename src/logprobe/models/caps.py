@@ -2,7 +2,7 @@
 the scorer, the CLI and the server (a module without ``caps`` gets the defaults).
 
 >>> ModelCaps.of(object())
-ModelCaps(context=False, hooks=False, tensor_parallel=True, state_align=1)
+ModelCaps(context=False, hooks=False, tensor_parallel=True, state_align=1, deterministic=False)
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ class ModelCaps:
     # a sequence may be cut (chunks, shared prefixes) only at multiples of this many rows from its
     # start without changing a bit: 64 for the chunked linear attention of the hybrid families
     state_align: int = 1
+    # deterministic mode without context: each request runs alone in its own forward, so its bits
+    # cannot depend on the batch (the transformers backend); models with context have it anyway
+    deterministic: bool = False
 
     @staticmethod
     def of(model) -> ModelCaps:

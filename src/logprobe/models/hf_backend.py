@@ -5,6 +5,16 @@ never reaches a pad and default positions 0..L-1 are right), the model's base fo
 the final hidden states, and they are packed back into [T, H]. Slower than the native path.
 It takes only independent sequences: no shared-prefix context and no chunk KV cache
 (``caps.context`` is False, so the engine neither shares prefixes nor chunks for it).
+
+Default mode: one padded forward per batch; the engine packs requests longest first
+(``engine.scheduler.plan_batches``), so a batch holds neighbouring lengths and little padding.
+A request's numbers may then move in the last bits with its batch (another padded length,
+other kernels).
+
+Deterministic mode (``caps.deterministic``): each request runs alone in its own forward (a batch
+of one, no padding, no attention mask), so its hidden states cannot depend on what else the
+batch holds, its order or the budget; the log-prob head is batch-invariant in that mode, so a
+request's every output is bitwise the same alone and in any mix. Slower: one forward per request.
 """
 
 from __future__ import annotations
@@ -15,11 +25,12 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta
 from ..layers.logprob_head import HeadParams
+from ..layers.numerics import NumericsUser
 from .caps import ModelCaps
 
 
-class TransformersModel(nn.Module):
-    caps = ModelCaps(context=False, hooks=False)
+class TransformersModel(NumericsUser, nn.Module):
+    caps = ModelCaps(context=False, hooks=False, deterministic=True)
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
@@ -46,6 +57,9 @@ class TransformersModel(nn.Module):
                                 "score with a native model, or let the engine plan the batch")
         cu_seqlens = [0] + [s.end for s in meta.segments]
         lengths = [s.end - s.start for s in meta.segments]
+        if self.numerics.deterministic:  # each request alone: a batch of one, no padding, no mask
+            return torch.cat([self.base(input_ids=input_ids[s:s + n][None], use_cache=False).last_hidden_state[0]
+                              for s, n in zip(cu_seqlens[:-1], lengths)])  # [T, H]
         B, L = len(lengths), max(lengths)
         pad = torch.zeros(B, L, dtype=input_ids.dtype, device=input_ids.device)  # [B, L]
         mask = torch.zeros(B, L, dtype=torch.long, device=input_ids.device)  # [B, L]
