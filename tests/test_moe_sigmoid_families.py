@@ -248,3 +248,29 @@ def test_released_config_shapes():
                              "qk_norm_type": "per_layer", "attn_type_list": [1] * 62, "shared_intermediate_size": 0,
                              "use_mtp": True, "num_mtp_modules": 3})
     assert (mm.rotary_dim, mm.qk_norm_full, mm.moe.n_group, mm.moe.shared_intermediate_size) == (64, True, 1, 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routed_experts_replay_and_steering(family, dirs):
+    """Routed experts (R3) are the reference's choice in each MoE block and replay to the same bits;
+    steering with a zero vector changes nothing; GLM's dense block 0 has no router point; a
+    tensor-parallel Scorer is refused naming tensor_parallel_size."""
+    path, ref = dirs[family]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    seq = {"prompt_token_ids": list(range(10, 40)), "completion_token_ids": list(range(40, 60))}
+    tokens = seq["prompt_token_ids"] + seq["completion_token_ids"]
+    _, routers = _reference(ref, tokens)
+    plain = scorer.logprobs([seq])[0].logprobs
+    routed = torch.as_tensor(scorer.logprobs([seq], return_routed_experts=True)[0].routed_experts)
+    assert routed.shape == (len(tokens) - 1, 2 if family == "glm4_moe" else 3, 2)  # [L, MoE blocks, k]
+    for j, (_, _, chosen) in enumerate(routers):
+        assert torch.equal(routed[:, j].sort(-1).values.long(), chosen[:len(tokens) - 1].sort(-1).values)
+    assert torch.equal(scorer.logprobs([dict(seq, routed_experts=routed)])[0].logprobs, plain)
+    steered = scorer.logprobs([seq], steer=[{"at": "blocks.1.attn_out", "vector": [0.0] * 64}])[0]
+    assert torch.equal(steered.logprobs, plain)
+    if family == "glm4_moe":
+        with pytest.raises(LogprobeError, match="no router"):
+            scorer.logprobs([seq], capture=[{"at": "blocks.0.router"}])
+    with pytest.raises(LogprobeError) as e:
+        Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2)
+    assert e.value.field == "tensor_parallel_size"
