@@ -67,6 +67,12 @@ TRAINER = textwrap.dedent('''
         t = beside("update", "/update_weights_from_distributed", {
             "names": names, "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in names],
             "shapes": [list(weights[n].shape) for n in names], "weight_version": "step-1"})
+    if mode == "library":  # first a round the scorer refuses (a NaN): the group stays usable
+        for i, name in enumerate(names):
+            bad = weights[name].clone()
+            if i == 1:
+                bad.view(-1)[0] = float("nan")
+            dist.broadcast(bad, src=0, group=pg)
     for i, name in enumerate(names):
         dist.broadcast(weights[name].contiguous(), src=0, group=pg)
         if url and i == len(names) // 2:  # half sent: the server still scores, on the old weights
@@ -75,6 +81,8 @@ TRAINER = textwrap.dedent('''
     if t:
         t.join()
         call("destroy", "/destroy_weights_update_group", {"group_name": "weight_update_group"})
+    else:  # the scorer leaves first (this process hosts the store: it must outlive the scorer's group)
+        sys.stdin.readline()
     dist.destroy_process_group(pg)
     print(json.dumps(out))
 ''')
@@ -96,11 +104,12 @@ def models(tmp_path_factory):
 
 def trainer(mode: str, port: int, model_dir, url: str | None = None) -> subprocess.Popen:
     args = [sys.executable, "-c", TRAINER, mode, str(port), str(model_dir / "model.safetensors")]
-    return subprocess.Popen(args + ([url] if url else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(args + ([url] if url else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def finished(p: subprocess.Popen) -> dict:
-    out, err = p.communicate(timeout=120)
+    out, err = p.communicate("left\n", timeout=120)
     assert p.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
@@ -110,7 +119,8 @@ def logprobs(s: Scorer) -> list[float]:
 
 
 def test_library_update_weights_from_distributed(models):
-    """The library API: join, receive every tensor, apply; bitwise a fresh load of the new weights."""
+    """The library API: join, receive every tensor, apply; bitwise a fresh load of the new weights.
+    A round holding a NaN is received whole and refused: the old weights stay, the group works on."""
     s = scorer(models["a"])
     old, want = logprobs(s), logprobs(scorer(models["b"]))
     assert old != want
@@ -122,15 +132,19 @@ def test_library_update_weights_from_distributed(models):
         with safe_open(str(models["b"] / "model.safetensors"), "pt") as f:
             names = sorted(f.keys())
             meta = [(f.get_slice(n).get_dtype(), f.get_slice(n).get_shape()) for n in names]
-        dtypes = [{"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[d] for d, _ in meta]
+        dtypes = [{"F32": "torch.float32", "BF16": "bfloat16", "F16": "float16"}[d] for d, _ in meta]
+        with pytest.raises(LogprobeError) as e:  # the NaN round: received whole, refused, nothing changed
+            s.update_weights_from_distributed(names, dtypes, [shape for _, shape in meta])
+        assert e.value.field == "names" and names[1] in str(e.value), e.value
+        assert s.weights_version == 0 and s.weight_version == "0" and logprobs(s) == old
         assert s.update_weights_from_distributed(names, dtypes, [shape for _, shape in meta],
                                                  weight_version="step-1") == 1
+        s.destroy_weights_update_group()
         finished(p)
     finally:
         p.kill()
     assert s.weight_version == "step-1" and s.weights_version == 1
     assert logprobs(s) == want  # bitwise: the same numbers as a fresh Scorer on "b"
-    s.destroy_weights_update_group()
     with pytest.raises(LogprobeError) as e:  # gone: a second destroy names the group
         s.destroy_weights_update_group()
     assert e.value.field == "group_name"

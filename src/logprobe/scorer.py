@@ -337,10 +337,8 @@ class Scorer:
         self._weight_groups().destroy(group_name)
 
     def _weight_groups(self) -> WeightGroups:
-        groups = self.__dict__.get("_collective_groups")
-        if groups is None:
-            groups = self.__dict__["_collective_groups"] = WeightGroups()
-        return groups
+        groups = self.__dict__.get("_collective_groups")  # made on first use (setdefault: one, whatever the threads)
+        return groups if groups is not None else self.__dict__.setdefault("_collective_groups", WeightGroups())
 
     def _refuse_workers(self, what: str) -> None:
         if not self.engine.in_process:
