@@ -123,3 +123,26 @@ def test_tensor_parallel_bitwise(phi_dirs):
         got = s.engine.run(reqs)
     for a, b in zip(want, got):
         same(a, b, True)
+
+
+def test_weight_update_takes_fused_names(phi_dirs, tmp_path):
+    """update_weights with transformers' names (qkv_proj, gate_up_proj: cut into the native
+    matrices, partial rotation rows interleaved) equals a fresh load of the new weights, bitwise."""
+    import transformers as tf
+
+    d, _, _ = phi_dirs["phi4mini"]
+    torch.manual_seed(42)
+    new = tf.AutoModelForCausalLM.from_config(tf.Phi3Config(**COMMON, **KINDS["phi4mini"])).float().eval()
+    new.save_pretrained(str(tmp_path))
+    byte_tokenizer()[0].save_pretrained(str(tmp_path))
+    reqs = random_mix(seed=5)[:6]
+    det = EngineConfig(deterministic=True)
+    want = Scorer(str(tmp_path), device="cpu", dtype="float32", config=det).engine.run(reqs)
+    s = Scorer(str(d), device="cpu", dtype="float32", config=det)
+    s.update_weights(dict(new.state_dict()))
+    for a, b in zip(want, s.engine.run(reqs)):
+        same(a, b, True)
+    bad = dict(new.state_dict())
+    bad["model.layers.0.self_attn.qkv_proj.weight"] = bad["model.layers.0.self_attn.qkv_proj.weight"][:-1]
+    with pytest.raises(LogprobeError, match="qkv_proj"):
+        s.update_weights(bad)

@@ -102,3 +102,19 @@ def split_fused(tensors, cfg: LlamaConfig):
             yield name.replace("gate_up_proj", "up_proj"), up.contiguous()
         else:
             yield name, w
+
+
+def fused_parts(name: str, cfg: LlamaConfig) -> list[tuple[str, int, int]] | None:
+    """For a fused native name (``layers.N.self_attn.qkv_proj.weight``, ``layers.N.mlp.gate_up_proj.weight``)
+    of a Phi-3 config: its parts as (native name, first row, end row); None for any other name.
+    Weight updates (``loading.update.units``) cut incoming fused tensors with it."""
+    if not cfg.extra.get(FUSED):
+        return None
+    nq, nkv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    if name.endswith(".self_attn.qkv_proj.weight"):
+        return [(name.replace("qkv_proj", "q_proj"), 0, nq), (name.replace("qkv_proj", "k_proj"), nq, nq + nkv),
+                (name.replace("qkv_proj", "v_proj"), nq + nkv, nq + 2 * nkv)]
+    if name.endswith(".mlp.gate_up_proj.weight"):
+        return [(name.replace("gate_up_proj", "gate_proj"), 0, inter),
+                (name.replace("gate_up_proj", "up_proj"), inter, 2 * inter)]
+    return None

@@ -55,6 +55,7 @@ from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridModel
 from .checkpoint import _EXPERT, hf_param_name, safetensors_files
 from .loader import parallel_context
+from .phi3 import fused_parts
 from .sharding import rank_model
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -161,6 +162,12 @@ def units(item: Incoming, model: LlamaModel, field: str) -> list[tuple[str | Non
                                          -> gate_proj.{e} = [e, :I], up_proj.{e} = [e, I:]
     """
     name = native_name(item.name, model)
+    if name is not None and (parts := fused_parts(name, model.config)) is not None:  # Phi-3's fused tensors
+        if len(item.shape) != 2 or item.shape[0] != parts[-1][2]:
+            raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is "
+                                f"{(parts[-1][2], model.config.hidden_size)}")
+        return [(part, Incoming(item.name, (b - a, item.shape[1]), item.dtype, lambda a=a, b=b: item.load()[a:b]))
+                for part, a, b in parts]
     if name is None or model.config.moe is None:
         return [(name, item)]
     if m := _EXPERT.fullmatch(name):
