@@ -23,9 +23,9 @@ from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
 from .checkpoint import hf_param_name, safetensors_files
+from .gguf import _LAYER_MAP, _TOP_MAP
 from .hf import _plain_tensors
 from .phi3 import FUSED, split_fused
-from .gguf import _LAYER_MAP, _TOP_MAP
 
 
 def rank_model(cfg: LlamaConfig, ctx: ParallelContext) -> LlamaModel:
