@@ -64,20 +64,28 @@ TRAINER = textwrap.dedent('''
                                    timedelta(seconds=60))
     if t:
         t.join()
-        t = beside("update", "/update_weights_from_distributed", {
-            "names": names, "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in names],
-            "shapes": [list(weights[n].shape) for n in names], "weight_version": "step-1"})
     if mode == "library":  # first a round the scorer refuses (a NaN): the group stays usable
         for i, name in enumerate(names):
             bad = weights[name].clone()
             if i == 1:
                 bad.view(-1)[0] = float("nan")
             dist.broadcast(bad, src=0, group=pg)
-    for i, name in enumerate(names):
-        dist.broadcast(weights[name].contiguous(), src=0, group=pg)
-        if url and i == len(names) // 2:  # half sent: the server still scores, on the old weights
-            call("during", "/generate", {"input_ids": [5, 71, 72, 3], "return_logprob": True,
-                                         "logprob_start_len": 0})
+    half = len(names) // 2
+    for j, bucket in enumerate((names[:half], names[half:])):  # two buckets, as trainers send them
+        if url:
+            t = beside(f"update{j}", "/update_weights_from_distributed", {
+                "names": bucket, "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in bucket],
+                "shapes": [list(weights[n].shape) for n in bucket], "weight_version": "step-1"})
+        for i, name in enumerate(bucket):
+            dist.broadcast(weights[name].contiguous(), src=0, group=pg)
+            if url and j == 0 and i == len(bucket) // 2:  # half sent: the server still scores, on the old weights
+                call("during", "/generate", {"input_ids": [5, 71, 72, 3], "return_logprob": True,
+                                             "logprob_start_len": 0})
+        if url:
+            t.join()
+        if url and j == 0:  # the first bucket is held: still the old weights
+            call("between", "/generate", {"input_ids": [5, 71, 72, 3], "return_logprob": True,
+                                          "logprob_start_len": 0})
     if t:
         t.join()
         call("destroy", "/destroy_weights_update_group", {"group_name": "weight_update_group"})
@@ -120,7 +128,8 @@ def logprobs(s: Scorer) -> list[float]:
 
 def test_library_update_weights_from_distributed(models):
     """The library API: join, receive every tensor, apply; bitwise a fresh load of the new weights.
-    A round holding a NaN is received whole and refused: the old weights stay, the group works on."""
+    A round holding a NaN is received whole and refused: the old weights stay, the group works on.
+    The good round comes in two buckets: the first is held (old weights), the second completes it."""
     s = scorer(models["a"])
     old, want = logprobs(s), logprobs(scorer(models["b"]))
     assert old != want
@@ -137,8 +146,11 @@ def test_library_update_weights_from_distributed(models):
             s.update_weights_from_distributed(names, dtypes, [shape for _, shape in meta])
         assert e.value.field == "names" and names[1] in str(e.value), e.value
         assert s.weights_version == 0 and s.weight_version == "0" and logprobs(s) == old
-        assert s.update_weights_from_distributed(names, dtypes, [shape for _, shape in meta],
-                                                 weight_version="step-1") == 1
+        half, shapes = len(names) // 2, [shape for _, shape in meta]
+        assert s.update_weights_from_distributed(names[:half], dtypes[:half], shapes[:half]) == 0  # held
+        assert s.weight_version == "0" and logprobs(s) == old
+        assert s.update_weights_from_distributed(names[half:], dtypes[half:], shapes[half:],
+                                                 weight_version="step-1") == 1  # every weight: applied
         s.destroy_weights_update_group()
         finished(p)
     finally:
@@ -179,8 +191,9 @@ def test_library_refusals(models):
 
 
 def test_server_update_weights_from_distributed(models):
-    """The real server: the trainer calls the HTTP routes and broadcasts; a request scored while the
-    tensors arrive answers the old weights; afterwards /generate equals a fresh Scorer on "b"."""
+    """The real server: the trainer calls the HTTP routes and broadcasts two buckets; a request
+    scored while the tensors arrive, or with the first bucket held, answers the old weights;
+    afterwards /generate equals a fresh Scorer on "b"."""
     lib_a, lib_b = scorer(models["a"]), scorer(models["b"])
     app = create_app(scorer(models["a"]), ServerConfig(max_top_logprobs=20))
     body = {"input_ids": IDS, "return_logprob": True, "logprob_start_len": 0}
@@ -204,13 +217,16 @@ def test_server_update_weights_from_distributed(models):
                              json={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
                                    "world_size": 2}, timeout=60)
     assert out["init"][0] == 200 and out["init"][1]["success"] is True, out["init"]
-    assert out["update"][0] == 200 and out["update"][1]["success"] is True, out["update"]
-    assert out["update"][1]["weights_version"] == 1 and out["update"][1]["weight_version"] == "step-1"
+    assert out["update0"][0] == 200 and out["update0"][1]["success"] is True, out["update0"]
+    assert out["update0"][1]["weights_version"] == 0 and "held" in out["update0"][1]["message"]
+    assert out["update1"][0] == 200 and out["update1"][1]["success"] is True, out["update1"]
+    assert out["update1"][1]["weights_version"] == 1 and out["update1"][1]["weight_version"] == "step-1"
     assert out["destroy"][0] == 200 and out["destroy"][1]["success"] is True, out["destroy"]
-    during = out["during"][1]
-    assert during["weights_version"] == 0 and during["meta_info"]["weight_version"] == "0"
     want_during = lib_a.logprobs([{"prompt_token_ids": [5], "completion_token_ids": [71, 72, 3]}])[0].logprobs
-    assert [e[0] for e in during["meta_info"]["input_token_logprobs"][1:]] == want_during.tolist()
+    for key in ("during", "between"):  # while the tensors arrive, and with the first bucket held
+        reply = out[key][1]
+        assert reply["weights_version"] == 0 and reply["meta_info"]["weight_version"] == "0", key
+        assert [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]] == want_during.tolist(), key
 
     def scores(reply):
         return [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]

@@ -305,12 +305,16 @@ class Scorer:
                                    backend, timeout=timeout, connect_timeout=connect_timeout)
 
     def receive_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
-                                         group_name: str = DEFAULT_GROUP) -> list[tuple[str, torch.Tensor]]:
-        """The first half of ``update_weights_from_distributed``: every tensor broadcast by rank 0,
-        received into fresh buffers; the weights do not change (a server scores meanwhile)."""
+                                         group_name: str = DEFAULT_GROUP, weight_version: str | None = None):
+        """The first half of ``update_weights_from_distributed``: the tensors broadcast by rank 0,
+        received into fresh buffers and held with those of earlier buckets; the weights do not
+        change (a server scores meanwhile). -> (every held (name, tensor), the last
+        ``weight_version`` given) once they cover the model (``apply_received_weights`` them),
+        else (None, None): more buckets to come."""
         self._refuse_workers("update_weights_from_distributed")
         metadata = check_metadata(names, dtypes, shapes)
-        return self._weight_groups().get(group_name).receive(metadata)
+        group = self._weight_groups().get(group_name)
+        return group.collect(group.receive(metadata), weight_version, self.loaded.model)
 
     def apply_received_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                                weight_version: str | None = None) -> int:
@@ -324,13 +328,15 @@ class Scorer:
                                         group_name: str = DEFAULT_GROUP) -> int:
         """SGLang's ``update_weights_from_distributed``: receive each tensor (``names[i]``, dtype
         ``dtypes[i]`` such as "bfloat16", shape ``shapes[i]``) by broadcast from rank 0 of the
-        group, in order, then apply them all as ``update_weights`` does: every weight, all or
-        nothing (a missing, unknown or mis-shaped name, or a NaN, raises naming ``names`` and the
-        old weights stay), version bumped (named ``weight_version``). ``flush_cache``: accepted;
-        nothing computed under the old weights is reused (the result cache is keyed by the
-        weights' version). Returns the new ``weights_version``."""
-        return self.apply_received_weights(self.receive_weights_from_distributed(names, dtypes, shapes, group_name),
-                                           weight_version)
+        group, in order. The weights may come in several calls (the trainer's buckets): they are
+        held until every weight of the model has come, then applied together as ``update_weights``
+        applies them: all or nothing (an unknown, repeated or mis-shaped name, or a NaN, raises
+        naming ``names``, the held tensors are dropped and the old weights stay), version bumped
+        (named by the last ``weight_version`` given). ``flush_cache``: accepted; nothing computed
+        under the old weights is reused (the result cache is keyed by the weights' version).
+        Returns the ``weights_version``: the new one once applied, the old one while held."""
+        received, version = self.receive_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
+        return self.weights_version if received is None else self.apply_received_weights(received, version)
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         """Leave the group (SGLang's ``destroy_weights_update_group``); the name can be joined again."""

@@ -17,6 +17,12 @@ Every tensor is received before any weight changes, so a name or shape the model
 or a NaN, is refused by the update (all or nothing) after the trainer's broadcasts completed: the
 group stays usable. Metadata that cannot be received at all (lengths that differ, an unknown
 dtype, a negative dimension) is refused before the first broadcast.
+
+Trainers send the weights in buckets (several requests, down to one tensor each, as OpenRLHF and
+verl do): the received tensors are held (``WeightGroup.held``) until they cover every weight of
+the model, then applied together, so no score is ever computed on a model half old, half new. A
+bucket naming a weight the model does not have is applied at once (the update refuses it, naming
+it, and the held tensors are dropped), as is one repeating a name already held.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from datetime import timedelta
 import torch
 
 from ..errors import LogprobeError
+from .update import Incoming, units, weight_slots
 
 BACKENDS = ("nccl", "gloo")
 DEFAULT_GROUP = "weight_update_group"
@@ -119,6 +126,24 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     return pg
 
 
+def covers(model, named: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether ``named`` holds every weight of ``model`` (then the update can run), or a name the
+    model does not have (then the update refuses it: no later bucket could make it right)."""
+    try:
+        slots = weight_slots(model)
+        seen = set()
+        for name, t in named:
+            for unit, _ in units(Incoming(name, tuple(t.shape), t.dtype, lambda t=t: t), model, "names"):
+                if unit is None:
+                    continue
+                if unit not in slots:
+                    return True
+                seen.add(unit)
+    except LogprobeError:
+        return True  # the update says what is wrong
+    return seen >= slots.keys()
+
+
 @dataclass(eq=False)
 class WeightGroup:
     """One joined group: its process group, where its tensors are received, and a lock (one
@@ -131,6 +156,9 @@ class WeightGroup:
     backend: str
     device: torch.device
     lock: threading.Lock = field(default_factory=threading.Lock)
+    held: list = field(default_factory=list)  # (name, tensor) received, waiting for the rest of the weights
+    held_version: str | None = None
+    held_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def receive(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.Tensor]]:
         """Each tensor broadcast by rank 0, in order, into a fresh buffer."""
@@ -145,10 +173,28 @@ class WeightGroup:
             torch.cuda.current_stream(self.device).synchronize()
         return out
 
+    def collect(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None, model,
+                field: str = "names") -> tuple[list[tuple[str, torch.Tensor]] | None, str | None]:
+        """Hold ``bucket`` with the tensors received before it; -> (every held tensor, the last
+        ``weight_version`` given) once they cover ``model``'s weights (or must be refused: an
+        unknown or repeated name; the update then names it), else (None, None): wait for more."""
+        with self.held_lock:
+            names = {n for n, _ in self.held}
+            repeated = [n for n, _ in bucket if n in names]
+            self.held.extend(bucket)
+            if weight_version is not None:
+                self.held_version = weight_version
+            if not repeated and not covers(model, self.held):
+                return None, None
+            out, version = self.held, self.held_version
+            self.held, self.held_version = [], None
+            return out, version
+
     def destroy(self) -> None:
         import torch.distributed as dist
         with self.lock:
             dist.destroy_process_group(self.pg)
+        self.held = []
 
 
 class WeightGroups:

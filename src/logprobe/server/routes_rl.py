@@ -96,14 +96,18 @@ def rl_router(served: Served) -> APIRouter:
                  responses=replies(UpdateWeightsFromDistributedReply, (400, 401, 503)))
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest):
         """Receives every tensor (scoring goes on, on the old weights), then applies them all between
-        engine steps. 400 (``success: false``) when the metadata or the tensors are refused: the old
-        weights stay in force."""
+        engine steps once every weight has come (buckets: held until then). 400 (``success: false``)
+        when the metadata or the tensors are refused: the old weights stay in force."""
         before = weights.version
         try:
             version = await asyncio.to_thread(weights.update_from_group, body.names, body.dtypes, body.shapes,
                                               body.group_name, body.weight_version)
         except LogprobeError as e:
             return refused(e)
+        if version is None:  # a bucket: the old weights are still served
+            return {"success": True, "message": f"received {len(body.names)} tensors: held until every weight has "
+                                                f"come; weights_version {before} is still served",
+                    "weights_version": before, "weight_version": weights.name(before)}
         return {"success": True, "message": f"received {len(body.names)} tensors: weights_version {before} -> "
                                             f"{version}", "weights_version": version,
                 "weight_version": weights.name(version)}

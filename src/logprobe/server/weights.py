@@ -96,15 +96,17 @@ class ServedWeights:
                                               group_name=group_name, backend=backend)
 
     def update_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                          weight_version: str | None = None) -> int:
+                          weight_version: str | None = None) -> int | None:
         """Receive every tensor the trainer broadcasts (scoring goes on, on the old weights), then
         apply them all between engine steps, as ``load`` swaps a checkpoint: a request under way
         finishes on the old weights, none is computed on a half-updated model. Returns the new
-        version; a refused update (a name, shape or value the model cannot take) changes nothing."""
+        version, or None while the buckets received so far do not cover every weight (held); a
+        refused update (a name, shape or value the model cannot take) changes nothing."""
         if not hasattr(self.scorer, "receive_weights_from_distributed"):
             raise LogprobeError("names", "this scorer cannot receive weights over a collective", "update logprobe")
         try:
-            received = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name)
+            received, weight_version = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                                                    weight_version)
         except LogprobeError:
             raise
         except torch.OutOfMemoryError:
@@ -114,6 +116,8 @@ class ServedWeights:
             raise LogprobeError("names", f"the tensors were not received: {type(e).__name__}: {e}",
                                 f"weights_version {self._scorer_version()} is still served; destroy the group "
                                 "and join it again") from e
+        if received is None:  # a bucket: held until every weight has come
+            return None
         return self.batcher.exclusive(lambda: self._apply(received, weight_version))
 
     def _apply(self, received, weight_version: str | None) -> int:
