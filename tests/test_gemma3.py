@@ -244,3 +244,29 @@ def test_weight_updates_refused(gemma_dirs):
                  lambda: scorer.load_weights(str(path))):
         with pytest.raises(LogprobeError, match="no weight update yet"):
             call()
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes (~10 s)
+def test_tp2_equals_tp1(gemma_dirs):
+    """TP = 2 (2 query heads and 1 kv head a rank, half the MLP, half the vocabulary) against TP = 1:
+    deterministic mode bitwise, with shared prefixes longer than the window and chunks; default
+    mode within 1e-5."""
+    path = str(gemma_dirs["gemma3"][0])
+    shared = list(range(3, 73))
+    seqs = _sequences() + [{"prompt_token_ids": shared, "completion_token_ids": [9, 10, 11]},
+                           {"prompt_token_ids": shared, "completion_token_ids": list(range(80, 120))}]
+    opts = dict(temperature=0.7, top_k=5, entropy=True)
+    one = Scorer(path, device="cpu", dtype="float32", progress=False)
+    want = {}
+    for det in (False, True):
+        one.config = EngineConfig(deterministic=det)
+        want[det] = one.logprobs(seqs, **opts)
+    with Scorer(path, device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as s:
+        for det in (False, True):
+            s.config = EngineConfig(deterministic=det, max_batch_tokens=64)
+            for x, y in zip(s.logprobs(seqs, **opts), want[det]):
+                if det:
+                    assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("logprobs", "entropy", "topk_ids",
+                                                                                    "topk_logprobs"))
+                else:
+                    assert (x.logprobs - y.logprobs).abs().max() <= 1e-5

@@ -24,7 +24,14 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from ..tokenizer import Tokenizer
 from .deepseek import build_deepseek, deepseek_config, deepseek_tensors, is_deepseek
-from .gemma import build_gemma, gemma_config, gemma_tensors, is_gemma
+from .gemma import (
+    build_gemma,
+    gemma_config,
+    gemma_parallel_context,
+    gemma_shard_tensors,
+    gemma_tensors,
+    is_gemma,
+)
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
@@ -180,12 +187,8 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
                                 "experts) run on one device per replica (tensor parallelism for them is not there "
                                 "yet)", "use tensor_parallel_size 1 (data parallelism works)")
         return ParallelContext(rank, 1, group)
-    if isinstance(cfg, GemmaConfig):
-        if size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models run on one device per "
-                                "replica (tensor parallelism for them is not there yet)",
-                                "use tensor_parallel_size 1 (data parallelism works)")
-        return ParallelContext(rank, 1, group)
+    if isinstance(cfg, GemmaConfig):  # split as the Llama family (loading.gemma)
+        return gemma_parallel_context(cfg, rank, size, group)
     grid = vocab_chunk_width(cfg.vocab_size)
     if cfg.moe is not None and size > 1:
         raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models run on one device per "
@@ -241,8 +244,9 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
     ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
-    if isinstance(cfg, GemmaConfig):  # one rank (parallel_context refused a split)
-        return load_model(spec, device, dtype)
+    if isinstance(cfg, GemmaConfig):  # this rank's heads and MLP share (loading.gemma)
+        model = build_gemma(cfg, gemma_shard_tensors(path, cfg, ctx), dev, dt, ctx)
+        return LoadedModel(model, loaded.tokenizer, loaded.info)
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
