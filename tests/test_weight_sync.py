@@ -187,7 +187,23 @@ def test_library_refusals(models):
     with pytest.raises(LogprobeError) as e:
         s.update_weights_from_distributed(["a", "b"], ["float32"], [[2, 2]])
     assert e.value.field == "shapes"
+    from logprobe.loading.collective import covers  # when held buckets are applied
+    hf = list(_load(models["b"]).items())
+    assert covers(s.loaded.model, hf) and not covers(s.loaded.model, hf[:-1])
+    assert covers(s.loaded.model, hf[:1] + [("model.no_such.weight", hf[0][1])])  # applied now: refused
+    s.engine.in_process = False  # a tensor/data-parallel scorer's engine: its workers hold the weights
+    try:
+        with pytest.raises(LogprobeError) as e:
+            s.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="gloo")
+        assert e.value.field == "tensor_parallel_size"
+    finally:
+        del s.engine.in_process
     assert s.weights_version == 0
+
+
+def _load(d):
+    from safetensors.torch import load_file
+    return load_file(str(d / "model.safetensors"))
 
 
 def test_server_update_weights_from_distributed(models):
