@@ -205,6 +205,20 @@ def decode_result(meta: str, data: bytes) -> RequestResult:
 
 # -- the database ---------------------------------------------------------------------------------
 
+def _switch_to_wal(db: sqlite3.Connection, tries: int = 200) -> None:
+    """``PRAGMA journal_mode = WAL``, retried: two processes opening a new database at once can get
+    "database is locked" from it at once, whatever the busy timeout (the switch takes an exclusive
+    lock that SQLite does not wait for)."""
+    for attempt in range(tries):
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == tries - 1:
+                raise
+            time.sleep(0.05)
+
+
 class ResultCache:
     """One cache directory (``DIR/results.sqlite``); safe to share between threads and processes."""
 
@@ -218,7 +232,7 @@ class ResultCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, timeout=60.0, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA busy_timeout = 60000")
-            self._db.execute("PRAGMA journal_mode = WAL")
+            _switch_to_wal(self._db)
             self._db.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
             with self._transaction():
                 for stmt in filter(str.strip, _SCHEMA.split(";")):
