@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,3 +64,44 @@ def hf_param_name(key: str, cfg: LlamaConfig, where: str) -> str | None:
             name = ".".join(parts)
         return name
     raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
+
+
+def check_weights_match(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every parameter of ``model`` (built on the meta device from the config) present in ``state``,
+    nothing more, each with the shape the config implies: else one error naming the tensors."""
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
+                            f"unexpected {sorted(unexpected)[:5]}")
+    for name, w in state.items():
+        want = model.get_parameter(name).shape
+        if tuple(w.shape) != tuple(want):
+            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def named_plain_tensors(path: Path, param_name, log) -> Iterator[tuple[str, torch.Tensor]]:
+    """(native name, tensor) of every safetensors tensor of ``path`` that ``param_name(key, file)``
+    maps (None: skipped; it raises for a key it refuses), float dtypes checked. Skipped decoder
+    layers (multi-token-prediction layers past ``num_hidden_layers``) are named in one warning."""
+    from safetensors import safe_open
+
+    skipped: set[int] = set()
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = param_name(key, f.name)
+                if name is None:
+                    m = _LAYER_KEY.match(key)
+                    if m is not None:
+                        skipped.add(int(m.group(1)))
+                    continue
+                value = st.get_tensor(key)
+                check_plain_dtype(key, value, f.name)
+                yield name, value
+    if skipped:
+        log.warning("%s: skipped multi-token-prediction layer%s %s (not used to score text)", path.name,
+                    "s" * (len(skipped) > 1), ", ".join(map(str, sorted(skipped))))

@@ -26,7 +26,7 @@ from ..layers.parallel_linear import held_ranges
 from ..models.gemma import LAYER_TYPES, GemmaConfig, GemmaModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_plain_dtype, safetensors_files
+from .checkpoint import check_plain_dtype, check_weights_match, safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -231,15 +231,7 @@ def build_gemma(cfg: GemmaConfig, tensors, device: torch.device, dtype: torch.dt
     state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
     with torch.device("meta"):
         model = GemmaModel(cfg, ctx)
-    expected = set(model.state_dict().keys())
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
-        raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}")
-    for name, w in state.items():
-        want = model.get_parameter(name).shape
-        if tuple(w.shape) != tuple(want):
-            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+    check_weights_match(model, state)
     model.load_state_dict(GemmaModel.interleave_rope_weights(cfg, state), assign=True, strict=True)
     model.make_rotary(device)  # non-persistent buffers were created on the meta device
     model.fuse_projections()

@@ -23,7 +23,7 @@ from ..errors import LogprobeError
 from ..layers.moe import MoeSpec
 from ..models.glm4_moe import Glm4MoeModel, PartialRotaryConfig, PartialRotaryMoeModel
 from ..models.minimax_m2 import MiniMaxM2Model
-from .checkpoint import check_plain_dtype, safetensors_files
+from .checkpoint import check_weights_match, named_plain_tensors
 from .deepseek import _int
 from .hf import stack_experts
 
@@ -161,25 +161,8 @@ def sigmoid_moe_tensors(path: Path, cfg: PartialRotaryConfig):
     yield from stack_experts(_plain(path, cfg), cfg)
 
 
-def _plain(path: Path, cfg: PartialRotaryConfig):
-    from safetensors import safe_open
-
-    skipped: set[int] = set()
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = sigmoid_moe_param_name(key, cfg, f.name)
-                if name is None:
-                    m = _LAYER.match(key)
-                    if m is not None:
-                        skipped.add(int(m.group(1)))
-                    continue
-                value = st.get_tensor(key)
-                check_plain_dtype(key, value, f.name)
-                yield name, value
-    if skipped:
-        log.warning("%s: skipped multi-token-prediction layer%s %s (not used to score text)", path.name,
-                    "s" * (len(skipped) > 1), ", ".join(map(str, sorted(skipped))))
+def _plain(path: Path, cfg):
+    return named_plain_tensors(path, lambda key, file: sigmoid_moe_param_name(key, cfg, file), log)
 
 
 def build_sigmoid_moe(cfg: PartialRotaryConfig, tensors, device: torch.device, dtype: torch.dtype
@@ -192,15 +175,7 @@ def build_sigmoid_moe(cfg: PartialRotaryConfig, tensors, device: torch.device, d
     cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg)
-    expected = set(model.state_dict().keys())
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
-        raise LogprobeError("model", f"weights do not match the config: missing {sorted(missing)[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}")
-    for name, w in state.items():
-        want = model.get_parameter(name).shape
-        if tuple(w.shape) != tuple(want):
-            raise LogprobeError("model", f"tensor {name} has shape {tuple(w.shape)}, the config implies {tuple(want)}")
+    check_weights_match(model, state)
     model.load_state_dict(cls.interleave_rope_weights(cfg, state), assign=True, strict=True)
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta).to(device)
