@@ -43,8 +43,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-CHUNK_SIZE = 64  # as layers.gated_delta.CHUNK_SIZE
-L2_EPS = 1e-6  # as layers.gated_delta.L2_EPS
+CHUNK_SIZE = 64  # the chunk length of transformers' and fla's chunked forms
+L2_EPS = 1e-6  # inside the square root of the q/k L2 norm, as transformers and fla
 MAX_GROUP_CHUNKS = 1024  # chunks (of all sequences) computed together: ~1 GiB per float32 tensor at Hv=32, D=128
 
 CuSeqlens = torch.Tensor | Sequence[int] | None
@@ -52,16 +52,18 @@ Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 # --------------------------------------------------------------------------------------------
-# Helpers (the same numerics as layers.gated_delta's)
+# Helpers (shared with the float32 reference, layers.gated_delta)
 
 
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float32, unless an input is float64 (the tests' reference precision)."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
 
 
-def _bounds(cu_seqlens: CuSeqlens, total: int) -> list[tuple[int, int]]:
+def sequence_bounds(cu_seqlens: CuSeqlens, total: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each packed sequence; ``None`` is one sequence of ``total`` tokens."""
     if cu_seqlens is None:
         return [(0, total)]
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
@@ -70,11 +72,12 @@ def _bounds(cu_seqlens: CuSeqlens, total: int) -> list[tuple[int, int]]:
     return list(zip(cu[:-1], cu[1:]))
 
 
-def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last axis (fla's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _initial_states(initial_state, n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def initial_states(initial_state, n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     if initial_state is None:
         return torch.zeros((n, *shape), dtype=dtype, device=device)
     if tuple(initial_state.shape) != (n, *shape):
@@ -153,7 +156,7 @@ def _rule_group(q, k, v, g, beta, S, starts, lengths, *, size, scale, qk_l2norm,
     idx, valid, offsets = _chunk_layout(starts, lengths, size, v.device)
     qc, kc = _gather(q, idx, valid).to(cd), _gather(k, idx, valid).to(cd)  # [NC, Hk, C, Dk]
     if qk_l2norm:  # a zero (padding) row stays zero
-        qc, kc = _l2_normalize(qc), _l2_normalize(kc)
+        qc, kc = l2_normalize(qc), l2_normalize(kc)
     qc = qc * (Dk**-0.5 if scale is None else scale)
     qc, kc = qc.repeat_interleave(group, dim=1), kc.repeat_interleave(group, dim=1)  # [NC, Hv, C, Dk]
     vc = _gather(v, idx, valid).to(cd)  # [NC, Hv, C, Dv]
@@ -207,9 +210,9 @@ def chunk_gated_delta_batched(
     Hk, Dk = k.shape[1], k.shape[2]
     if Hv % Hk:
         raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
-    cd = _compute_dtype(q, k, v, g, beta, initial_state)
-    bounds = _bounds(cu_seqlens, T)
-    finals = _initial_states(initial_state, len(bounds), (Hv, Dk, Dv), cd, v.device).clone()
+    cd = compute_dtype(q, k, v, g, beta, initial_state)
+    bounds = sequence_bounds(cu_seqlens, T)
+    finals = initial_states(initial_state, len(bounds), (Hv, Dk, Dv), cd, v.device).clone()
     out = torch.zeros((T, Hv, Dv), dtype=cd, device=v.device)
     lengths = [b - a for a, b in bounds]
     for members in _groups(lengths, chunk_size, max_group_chunks):
@@ -246,10 +249,10 @@ def causal_conv1d_batched(
         raise ValueError(f"unsupported activation {activation!r}")
     T, C = x.shape
     K = weight.shape[-1]
-    cd = _compute_dtype(x, weight)
-    bounds = _bounds(cu_seqlens, T)
+    cd = compute_dtype(x, weight)
+    bounds = sequence_bounds(cu_seqlens, T)
     N = len(bounds)
-    states = _initial_states(initial_state, N, (C, K - 1), x.dtype, x.device)
+    states = initial_states(initial_state, N, (C, K - 1), x.dtype, x.device)
     w = weight.reshape(C, K).to(cd)
     # The windows of all sequences, end to end: [state_0 ; x_0 ; state_1 ; x_1 ; ...] ([T + N (K - 1), C]),
     # so every tap of every token is a contiguous slice (token row r reads rows r - K + 1 .. r).
@@ -322,15 +325,15 @@ def chunk_gated_delta_fla(
     Hk, Dk = k.shape[1], k.shape[2]
     if Hv % Hk:
         raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
-    bounds = _bounds(cu_seqlens, T)
-    finals = _initial_states(initial_state, len(bounds), (Hv, Dk, Dv), torch.float32, v.device).clone()
+    bounds = sequence_bounds(cu_seqlens, T)
+    finals = initial_states(initial_state, len(bounds), (Hv, Dk, Dv), torch.float32, v.device).clone()
     if T == 0:
         return v.new_zeros((0, Hv, Dv)), finals
     nonempty = [i for i, (a, b) in enumerate(bounds) if b > a]
     cu = [0] + [b for a, b in bounds if b > a]
     act = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
     if qk_l2norm:
-        q, k = _l2_normalize(q.float()), _l2_normalize(k.float())
+        q, k = l2_normalize(q.float()), l2_normalize(k.float())
     h0 = finals if len(nonempty) == len(bounds) else finals[nonempty]
     o, ht = chunk_gated_delta_rule(
         q.to(act)[None], k.to(act)[None], v.to(act)[None], g.float()[None], beta[None],

@@ -128,45 +128,25 @@ takes ``cu_seqlens`` and ``initial_state`` too, but its state keeps the last ``K
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.gated_delta import (
+    CHUNK_SIZE,
+    CuSeqlens,
+    compute_dtype,
+    initial_states,
+    l2_normalize,
+    sequence_bounds,
+)
 from .activation import row_invariant
 
-CHUNK_SIZE = 64  # the chunk length of transformers' and fla's chunked forms
-L2_EPS = 1e-6  # inside the square root of the q/k L2 norm, as transformers and fla
-
-CuSeqlens = torch.Tensor | Sequence[int] | None
-
-
 # --------------------------------------------------------------------------------------------
-# Shared helpers
-
-
-def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float32, unless an input is float64 (the tests' reference precision)."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
-
-
-def sequence_bounds(cu_seqlens: CuSeqlens, total: int) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of each packed sequence; ``None`` is one sequence of ``total`` tokens."""
-    if cu_seqlens is None:
-        return [(0, total)]
-    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-    if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to {total}, got {cu}")
-    return list(zip(cu[:-1], cu[1:]))
-
-
-def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    """``x / sqrt(|x|^2 + eps)`` over the last axis (fla's and transformers' form)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+# Shared helpers live beside the batched kernels (kernels.gated_delta): compute_dtype,
+# sequence_bounds, l2_normalize, initial_states, CHUNK_SIZE, L2_EPS.
 
 
 def decay_and_beta(
@@ -200,16 +180,6 @@ def _head_major(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return x[a:b].transpose(0, 1).contiguous()
 
 
-def _initial_states(
-    initial_state: torch.Tensor | None, n: int, shape: tuple[int, ...], cd: torch.dtype, device
-) -> torch.Tensor:
-    if initial_state is None:
-        return torch.zeros((n, *shape), dtype=cd, device=device)
-    if tuple(initial_state.shape) != (n, *shape):
-        raise ValueError(f"initial_state must be {(n, *shape)}, got {tuple(initial_state.shape)}")
-    return initial_state.to(cd)
-
-
 def _run_rule(step, q, k, v, g, beta, cu_seqlens, initial_state, scale, qk_l2norm):
     """Both forms: prepare, then ``step(q, k, v, g, beta, S)`` per sequence on head-major tensors
     ``[H, L, D]``, ``[H, L]`` and ``S [H, Dk, Dv]``, returning ``(o [H, L, Dv], S)``."""
@@ -218,7 +188,7 @@ def _run_rule(step, q, k, v, g, beta, cu_seqlens, initial_state, scale, qk_l2nor
     q, k = _prepare_qk(q, k, Hv, scale, qk_l2norm, cd)
     v, g, beta = v.to(cd), g.to(cd), beta.to(cd)
     bounds = sequence_bounds(cu_seqlens, T)
-    states = _initial_states(initial_state, len(bounds), (Hv, k.shape[-1], Dv), cd, v.device)
+    states = initial_states(initial_state, len(bounds), (Hv, k.shape[-1], Dv), cd, v.device)
     out = torch.empty((T, Hv, Dv), dtype=cd, device=v.device)
     finals = []
     for i, (a, b) in enumerate(bounds):
@@ -354,7 +324,7 @@ def causal_conv1d(
     K = weight.shape[-1]
     cd = compute_dtype(x, weight)
     bounds = sequence_bounds(cu_seqlens, T)
-    states = _initial_states(initial_state, len(bounds), (C, K - 1), x.dtype, x.device)
+    states = initial_states(initial_state, len(bounds), (C, K - 1), x.dtype, x.device)
     w = weight.reshape(C, K).to(cd)
     y = torch.empty((T, C), dtype=cd, device=x.device)
     finals = []
