@@ -1,16 +1,21 @@
 """``ScoringModel``: what every native family's top module shares with the engine, whatever its
-blocks: hook checks (router points are capture-only), the numerics hand-over, and the head's
-parameters. A family's model subclasses it and sets ``embed_tokens``, ``lm_head`` (None when tied),
-``vocab_range``, ``vocab_grid``, ``ctx`` and ``config.vocab_size`` in its ``__init__``."""
+blocks: the forward pass (embed, rotary table, blocks, final norm, with the hook points ``embed``
+and ``final_norm``), hook checks (router points are capture-only), the numerics hand-over, and the
+head's parameters. A family's model subclasses it and sets ``embed_tokens``, ``layers`` (each called
+as ``layer(h, cis, meta, hooks)``), ``rotary``, ``norm``, ``lm_head`` (None when tied),
+``vocab_range``, ``vocab_grid``, ``ctx`` and ``config.vocab_size`` in its ``__init__``; a family
+whose embedding or rotary differs overrides ``forward``."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from ..config import Numerics
 from ..errors import LogprobeError
+from ..layers.attention import AttentionMeta
 from ..layers.hooks import Hooks
 from ..layers.logprob_head import HeadParams
 from ..layers.numerics import NumericsUser
@@ -52,3 +57,18 @@ class ScoringModel(NumericsUser, nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return HeadParams(weight=weight, vocab_start=self.vocab_range[0], vocab_total=self.config.vocab_size,
                           comm=self.ctx if self.ctx.parallel else None, grid=self.vocab_grid)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                hooks: Hooks | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        hooks = hooks or None  # an empty Hooks costs nothing either
+        if hooks is not None:
+            self.check_hooks(hooks)
+        h = self.embed_tokens(input_ids)  # [T, H]
+        if hooks is not None:
+            h = hooks("embed", h)
+        cis = self.rotary(positions)  # [T, rotary dims / 2] complex
+        for layer in self.layers:
+            h = layer(h, cis, meta, hooks)
+        h = self.norm(h)
+        return h if hooks is None else hooks("final_norm", h)

@@ -320,18 +320,3 @@ class DeepseekModel(ScoringModel):
         """At load: the MLPs' gate/up as one matmul (shared experts' too); the old names remain views."""
         for layer in self.layers:
             layer.mlp.fuse()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                hooks: Hooks | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H]."""
-        hooks = hooks or None
-        if hooks is not None:
-            self.check_hooks(hooks)
-        h = self.embed_tokens(input_ids)  # [T, H]
-        if hooks is not None:
-            h = hooks("embed", h)
-        cis = self.rotary(positions)  # [T, rope/2] complex
-        for layer in self.layers:
-            h = layer(h, cis, meta, hooks)
-        h = self.norm(h)
-        return h if hooks is None else hooks("final_norm", h)

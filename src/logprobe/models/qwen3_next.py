@@ -397,21 +397,6 @@ class HybridModel(ScoringModel):
             (layer.linear_attn if layer.layer_type == "linear_attention" else layer.self_attn).fuse()
             layer.mlp.fuse()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                hooks: Hooks | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H]."""
-        hooks = hooks or None
-        if hooks is not None:
-            self.check_hooks(hooks)
-        h = self.embed_tokens(input_ids)  # [T, H]
-        if hooks is not None:
-            h = hooks("embed", h)
-        cis = self.rotary(positions)  # [T, r/2] complex
-        for layer in self.layers:
-            h = layer(h, cis, meta, hooks)
-        h = self.norm(h)
-        return h if hooks is None else hooks("final_norm", h)
-
 
 def _interleave_head_rows(w: torch.Tensor, block: int, r: int) -> torch.Tensor:
     """Rows of ``w`` in heads of ``block`` rows: each head's first ``r`` rows from the rotate-half
