@@ -303,7 +303,13 @@ def gguf_tokenizer(path: Path, reader):
     if hf is None:
         if _field(reader, "tokenizer.ggml.model") is None:
             raise LogprobeError("model", f"{path.name} has no tokenizer metadata (tokenizer.ggml.*)")
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as e:  # transformers reads no config of this architecture (qwen3next, ...)
+            if "not supported" not in str(e):
+                raise
+            from transformers import PreTrainedTokenizerFast  # built from tokenizer.ggml.* alone
+            hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
         try:
             cache.mkdir(parents=True, exist_ok=True)
             hf.save_pretrained(str(cache))

@@ -33,6 +33,7 @@ from .gemma import (
     is_gemma,
 )
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
+from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
 from .hybrid import (
@@ -202,6 +203,14 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
     return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
 
 
+def _gguf_config(reader, path: Path):
+    """(architecture, native config) of a GGUF file: the hybrid Qwen families or the Llama family."""
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if arch in HYBRID_ARCHES:
+        return arch, gguf_hybrid_config(reader, path)
+    return gguf_config(reader, path)
+
+
 def describe_model(spec: str | None = None, device: str | torch.device | None = "auto",
                    dtype: str | torch.dtype | None = "auto") -> LoadedModel:
     """Tokenizer, info and config of a native model with no weights (a meta-device model): what
@@ -212,7 +221,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     name = spec or DEFAULT_MODEL
     if path.is_file():
         reader = gguf_reader(path)
-        arch, cfg = gguf_config(reader, path)
+        arch, cfg = _gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
     else:
         raw = read_config(path)
@@ -247,6 +256,9 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if isinstance(cfg, GemmaConfig):  # this rank's heads and MLP share (loading.gemma)
         model = build_gemma(cfg, gemma_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
+    if isinstance(cfg, HybridConfig) and ctx.size > 1 and path.is_file():
+        raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a GGUF file of {cfg.family}, "
+                            "which is read on one device", "use tensor_parallel_size 1, or the safetensors checkpoint")
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
@@ -289,10 +301,13 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     name = spec or DEFAULT_MODEL
     if path.is_file():
         reader = gguf_reader(path)
-        arch, cfg = gguf_config(reader, path)
+        arch, cfg = _gguf_config(reader, path)
         tokenizer = gguf_tokenizer(path, reader)
-        model = build_native(cfg, gguf_tensors(reader, arch, cfg, packed=weights == "packed"), dev, dt,
-                             rope_interleaved(arch))
+        if isinstance(cfg, HybridConfig):  # qwen3next / qwen35 / qwen35moe (loading.gguf_archs): expanded
+            model = build_hybrid(cfg, gguf_hybrid_tensors(reader, arch, cfg), dev, dt)
+        else:
+                model = build_native(cfg, gguf_tensors(reader, arch, cfg, packed=weights == "packed"), dev, dt,
+                                 rope_interleaved(arch))
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)

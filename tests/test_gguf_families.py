@@ -1,0 +1,266 @@
+"""GGUF files of the hybrid Qwen families (``loading.gguf_archs``) against float64 transformers.
+
+Each tiny random transformers model (``test_qwen3_next``'s configs: norms, A_log, dt_bias all
+random, so a missing ``- 1`` or a wrong sign shows) is written to GGUF here the way llama.cpp's
+``convert_hf_to_gguf.py`` lays these architectures out: tensor names from gguf-py's own
+``TensorNameMap``; ``-exp(A_log)``; ``1 + w`` baked into the offset norms (not the gated norm);
+``dt_bias`` as ``ssm_dt.bias``; the conv squeezed; Qwen3-Next's ``in_proj_qkvz`` cut into
+``attn_qkv`` / ``attn_gate``, ``in_proj_ba`` kept as ``ssm_ba``; Qwen3.5's value heads reordered
+from key-head-grouped to tiled; experts' ``gate_up_proj`` split. The transforms are written here
+from the converter's description, independently of the loader's inverses.
+
+Matrices whose conversion only moves whole rows are stored Q8_0 (rows quantize independently, so
+the reference holds the same values: each such HF weight is replaced by its own Q8_0 round trip,
+and the file's dequantized tensors are checked equal to the converted round-tripped weights); the
+others (ssm_out: its columns move; the router; 1-D tensors) stay F32. The float64 reference runs
+on those weights; logprobe reads the file through ``Scorer``; per-token log-probs must agree to 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import VOCAB, byte_tokenizer
+from test_qwen3_next import (
+    MIN_MARGIN,
+    TOL,
+    _randomise,
+    _reference,
+    _sequences,
+    float64_reference,  # noqa: F401  (fixture)
+    make_model,
+)
+
+from logprobe import LogprobeError, Scorer
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import quants  # noqa: E402
+
+ARCH = {"qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+SEEDS = {"qwen3_5_text": 100, "qwen3_5_moe": 111, "qwen3_next": 103}  # MoE: chosen for MIN_MARGIN
+_MODEL_ARCH = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
+               "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}
+
+
+def _quantized(name: str, w: torch.Tensor) -> bool:
+    """Matrices written Q8_0: the ones whose conversion moves whole rows only."""
+    return (w.dim() >= 2 and w.shape[-1] % 32 == 0 and not name.endswith(("out_proj.weight", "mlp.gate.weight",
+                                                                          "shared_expert_gate.weight", "conv1d.weight")))
+
+
+def _q8_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    data = quants.quantize(w.numpy().astype(np.float32), Q.Q8_0)
+    return torch.from_numpy(quants.dequantize(data, Q.Q8_0).reshape(w.shape).astype(np.float32))
+
+
+def _tile(w: torch.Tensor, hk: int, hv: int, width: int, dim: int = 0) -> torch.Tensor:
+    """The converter's value-head reorder: [Hk, r] (grouped by key head) -> [r, Hk] (tiled)."""
+    r = hv // hk
+    w = w.movedim(dim, 0)
+    rest = w.shape[1:]
+    return w.reshape(hk, r, width, *rest).transpose(0, 1).reshape(hv * width, *rest).movedim(0, dim)
+
+
+def convert(sd: dict[str, torch.Tensor], cfg, arch: str) -> dict[str, torch.Tensor]:
+    """HF state dict -> {GGUF name: tensor (outermost dim first)} as llama.cpp's converter writes it."""
+    names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], cfg.num_hidden_layers)
+    # qwen3next's list has no dense MLP tensors (the released models have none); llama.cpp's graph
+    # reads a block without a router as ffn_gate / ffn_up / ffn_down, the qwen35 names
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, cfg.num_hidden_layers)
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    out = {}
+
+    def put(hf: str, w: torch.Tensor) -> None:
+        base = hf.removesuffix(".weight").removesuffix(".bias")
+        name = names.get_name(base) or (dense.get_name(base) if ".mlp." in base else None)
+        assert name is not None, hf
+        suffix = ".weight" if hf.endswith(".weight") else ".bias" if hf.endswith(".bias") else ""
+        out[name + suffix] = w.contiguous()
+
+    for key, w in sd.items():
+        key = key.replace("model.language_model.", "model.")
+        if key.startswith(("model.visual.", "mtp.")):
+            continue
+        if key.endswith(".A_log"):
+            w = -torch.exp(w)
+        elif key.endswith(".dt_bias"):
+            key = key.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif "conv1d" in key:
+            w = w.squeeze()
+        elif key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+            w = w + 1
+        if key.endswith("shared_expert_gate.weight"):
+            w = w.reshape(-1)  # llama.cpp reads it as a vector {n_embd}
+        if arch != "qwen3next" and hk != hv and ".linear_attn." in key:
+            if key.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                w = torch.cat([w[:2 * hk * dk], _tile(w[2 * hk * dk:], hk, hv, dv)])
+            elif key.endswith("in_proj_z.weight"):
+                w = _tile(w, hk, hv, dv)
+            elif key.endswith(("in_proj_b.weight", "in_proj_a.weight", ".A_log", "dt_proj.bias")):
+                w = _tile(w, hk, hv, 1)
+            elif key.endswith("out_proj.weight"):
+                w = _tile(w, hk, hv, dv, dim=1)
+        if key.endswith("in_proj_qkvz.weight"):  # per key head [q | k | v | z] -> [q all | k all | v all], z
+            r = hv // hk
+            q, k, v, z = w.reshape(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+            base = key.removesuffix(".in_proj_qkvz.weight")
+            put(base + ".in_proj_qkv.weight", torch.cat([t.reshape(-1, w.shape[1]) for t in (q, k, v)]))
+            put(base + ".in_proj_z.weight", z.reshape(-1, w.shape[1]))
+            continue
+        if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2 I, H]: gate rows first
+            half = w.shape[1] // 2
+            base = key.removesuffix(".gate_up_proj")
+            put(base + ".gate_proj.weight", w[:, :half])
+            put(base + ".up_proj.weight", w[:, half:])
+            continue
+        if key.endswith("mlp.experts.down_proj"):
+            key += ".weight"
+        put(key, w)
+    return out
+
+
+def write_gguf(path, tensors: dict[str, torch.Tensor], cfg, arch: str, quantized: set[str]) -> None:
+    _, vocab = byte_tokenizer()
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(getattr(cfg, "intermediate_size", None) or 0)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    rot = int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25))
+    w.add_rope_dimension_count(rot)
+    if arch != "qwen3next":  # the released Qwen3.5 configs all carry mrope sections (pairs of rotary dims)
+        w.add_rope_dimension_sections(list(rope.get("mrope_section") or [rot // 2 - rot // 4, rot // 8, rot // 8]) + [0])
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    # the layer pattern as an interval (llama.cpp's default rule reproduces TEXT's layer_types)
+    w.add_full_attention_interval(2)
+    if getattr(cfg, "num_experts", 0):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    tokens = sorted(vocab, key=vocab.get) + ["Ġt"] + [f"<unused{i}>" for i in range(VOCAB - len(vocab) - 1)]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    for name, t in tensors.items():
+        arr = t.numpy().astype(np.float32)
+        if name in quantized:
+            w.add_tensor(name, quants.quantize(arr, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory, float64_reference):  # noqa: F811
+    out = {}
+    for kind, arch in ARCH.items():
+        model = make_model(kind).float().eval()
+        _randomise(model, seed=SEEDS[kind])
+        text = model.config.get_text_config()
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        fake = {k: _q8_roundtrip(v) if _quantized(k, v) else v for k, v in sd.items()}
+        tensors = convert(sd, text, arch)
+        expected = convert(fake, text, arch)  # what the Q8_0 file must decode to
+        quantized = {n for n, t in tensors.items() if t.dim() >= 2 and t.shape[-1] % 32 == 0
+                     and not torch.equal(expected[n], tensors[n])}
+        path = tmp_path_factory.mktemp(arch) / f"{arch}.gguf"
+        write_gguf(path, tensors, text, arch, quantized)
+        reader = gguf.GGUFReader(str(path))
+        for t in reader.tensors:  # the file holds the round-tripped weights, exactly
+            shape = tuple(int(x) for x in reversed(t.shape))
+            got = quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            assert np.array_equal(got, expected[t.name].numpy()), t.name
+        assert len(quantized) > 10
+        model.load_state_dict(fake)
+        out[kind] = (path, model.double())
+    return out
+
+
+@pytest.mark.parametrize("kind", list(ARCH))
+def test_gguf_logprobs_match_float64_transformers(kind, gguf_models):
+    path, ref = gguf_models[kind]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    assert scorer.info.backend == "native" and scorer.info.architecture == ARCH[kind]
+    assert type(scorer.loaded.model).__name__ == "HybridModel"
+    seqs = _sequences()
+    out = scorer.logprobs(seqs)
+    compared, worst, margin = 0, 0.0, float("inf")
+    for seq, res in zip(seqs, out):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        lp, routers = _reference(ref, ids)
+        lo, hi = len(seq["prompt_token_ids"]) - 1, len(ids) - 1
+        tgt = lp[lo:hi].gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+        worst = max(worst, (res.logprobs.double() - tgt).abs().max().item())
+        compared += len(tgt)
+        for p in routers:
+            top = p[:hi].topk(3, dim=-1).values
+            margin = min(margin, (top[:, 1] - top[:, 2]).min().item())
+    assert compared > 50
+    if kind != "qwen3_5_text":
+        assert margin > MIN_MARGIN, f"router near-tie {margin:.2e}: pick another seed"
+    print(f"{ARCH[kind]} GGUF (Q8_0 + F32): max |delta| {worst:.2e} over {compared} tokens")
+    assert worst < TOL, f"{kind}: max |delta log-prob| {worst:.2e} over {compared} tokens"
+
+
+def _copy_with(src, dst, set_kv=None, rename=None):
+    """A copy of a GGUF file with metadata keys replaced and tensors renamed."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch=arch)
+    set_kv = set_kv or {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in set_kv:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for key, value in set_kv.items():
+        w.add_key_value(key, value, gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32)
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        name = (rename or {}).get(t.name, t.name)
+        if t.tensor_type == Q.F32:
+            w.add_tensor(name, np.asarray(t.data).reshape(shape))
+        else:
+            w.add_tensor(name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_refusals_name_the_key(gguf_models, tmp_path):
+    path = gguf_models["qwen3_5_moe"][0]
+    bad = _copy_with(path, tmp_path / "yarn.gguf", set_kv={"qwen35moe.rope.scaling.type": "yarn"})
+    with pytest.raises(LogprobeError, match="qwen35moe.rope.scaling.type"):
+        Scorer(str(bad), device="cpu", dtype="float32", progress=False)
+    bad = _copy_with(path, tmp_path / "scale.gguf", set_kv={"qwen35moe.expert_weights_scale": 2.5})
+    with pytest.raises(LogprobeError, match="expert_weights_scale"):
+        Scorer(str(bad), device="cpu", dtype="float32", progress=False)
+    bad = _copy_with(path, tmp_path / "extra.gguf", rename={"blk.0.ssm_out.weight": "blk.0.ssm_x.weight"})
+    with pytest.raises(LogprobeError, match="blk.0.ssm_x.weight"):
+        Scorer(str(bad), device="cpu", dtype="float32", progress=False)
