@@ -18,6 +18,12 @@ Two kernels compute the same function:
   order, fixed-shape products. A query's result then depends only on its own query vector and
   keys, never on how many other rows, segments or context spans the call holds, nor on where
   its keys came from (prefix rows, cache, or its own rows): bitwise.
+
+Attention sinks (gpt-oss): a learned logit ``sinks[h]`` per query head joins every row's softmax
+denominator and contributes no value, ``o = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``.
+SDPA takes it as one extra all-zero key with the sink as its additive mask entry; the tiled kernel
+starts each row's online softmax from it (max = sink, sum = 1, nothing accumulated); the CUDA path
+rescales FlashAttention's output by its log-sum-exp (``attention_gpu.sink_rescale``).
 """
 
 from __future__ import annotations
@@ -141,8 +147,10 @@ def packed_attention(
     layer: int,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] of this batch -> [T, Hq, D]; Hq a multiple of Hkv (GQA)."""
+    """q [T, Hq, D], k/v [T, Hkv, D] of this batch -> [T, Hq, D]; Hq a multiple of Hkv (GQA).
+    ``sinks`` [Hq]: each head's sink logit (module docstring), None for none."""
     if meta.cache is not None:
         k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
     past = k.shape[0] - q.shape[0]
@@ -150,7 +158,7 @@ def packed_attention(
         # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py); also in
         # deterministic mode: a row's key blocks start at its sequence's first key and run in a
         # fixed order, whatever else is packed (tests/test_gpu.py checks bitwise invariance)
-        o = _gpu(q, k, v, meta, past, scale, sliding_window)
+        o = _gpu(q, k, v, meta, past, scale, sliding_window, sinks)
         if o is not None:
             return o
     out = torch.empty_like(q)
@@ -165,18 +173,19 @@ def packed_attention(
             ks, vs = k[own], v[own]
         qs = q[seg.start:seg.end]
         if meta.kv_block is None:
-            out[seg.start:seg.end] = _sdpa(qs, ks, vs, scale, sliding_window)
+            out[seg.start:seg.end] = _sdpa(qs, ks, vs, scale, sliding_window, sinks)
         else:
-            out[seg.start:seg.end] = _tiled(qs, ks, vs, scale, sliding_window, meta.kv_block)
+            out[seg.start:seg.end] = _tiled(qs, ks, vs, scale, sliding_window, meta.kv_block, sinks)
     return out
 
 
 def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, past: int, scale: float,
-         window: int | None) -> torch.Tensor | None:
+         window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The CUDA kernels (layers/attention_gpu.py): segments of ``LONG_ROWS`` rows or more on cuDNN in
-    default mode, the rest (everything in deterministic mode) in one varlen FlashAttention call."""
-    if meta.kv_block is not None or window is not None:
-        return _flash(q, k, v, meta, scale, window)
+    default mode, the rest (everything in deterministic mode, windows and sinks) in one varlen
+    FlashAttention call."""
+    if meta.kv_block is not None or window is not None or sinks is not None:
+        return _flash(q, k, v, meta, scale, window, sinks)
     if meta.split_cache is None:  # once per batch, not per layer
         meta.split_cache = _split(meta, past, q.device)
     long, short = meta.split_cache
@@ -220,7 +229,7 @@ def _segment_keys(x: torch.Tensor, seg: Segment, past: int) -> torch.Tensor:
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
-           window: int | None) -> torch.Tensor | None:
+           window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The varlen form of ``meta``: each segment's keys (context spans + own rows) gathered into
     one packed key tensor; FlashAttention aligns the causal diagonal bottom-right, as segments do."""
     if meta.varlen_cache is None:
@@ -231,7 +240,7 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     cu_q, cu_k, gather = meta.varlen_cache
     if gather is not None:
         k, v = k[gather], v[gather]  # [total keys, Hkv, D]
-    return flash_varlen_attention(q, k, v, cu_q, cu_k, scale, window)
+    return flash_varlen_attention(q, k, v, cu_q, cu_k, scale, window, sinks)
 
 
 def _visible(qi: torch.Tensor, kj: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -243,7 +252,8 @@ def _visible(qi: torch.Tensor, kj: torch.Tensor, window: int | None) -> torch.Te
     return mask
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One segment: q [n, Hq, D], k/v [c + n, Hkv, D] -> [n, Hq, D] with PyTorch SDPA."""
     n, c = q.shape[0], k.shape[0] - q.shape[0]
     gqa = q.shape[1] != k.shape[1]
@@ -251,6 +261,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, windo
     qs = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     ks = k.transpose(0, 1)[None]  # [1, Hkv, c + n, D]
     vs = v.transpose(0, 1)[None]
+    if sinks is not None:
+        return _sdpa_sinks(qs, ks, vs, c, scale, window, sinks)
     if c == 0 and (window is None or n <= window):
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
     else:  # is_causal aligns top-left; with context the diagonal is shifted by c
@@ -261,8 +273,25 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, windo
     return o[0].transpose(0, 1)  # [n, Hq, D]
 
 
+def _sdpa_sinks(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, scale: float, window: int | None,
+                sinks: torch.Tensor) -> torch.Tensor:
+    """``_sdpa`` with a sink per head: one more key, all zeros (score 0, value 0), whose additive
+    mask entry is the head's sink, so it adds exp(sink) to the denominator and nothing else.
+    qs [1, Hq, n, D], ks/vs [1, Hkv, c + n, D] -> [n, Hq, D]."""
+    Hq, n = qs.shape[1], qs.shape[2]
+    zero = ks.new_zeros(1, ks.shape[1], 1, ks.shape[3])  # [1, Hkv, 1, D]
+    ks, vs = torch.cat([ks, zero], 2), torch.cat([vs, zero], 2)  # [1, Hkv, c + n + 1, D]
+    qi = torch.arange(c, c + n, device=qs.device)[:, None]
+    kj = torch.arange(c + n, device=qs.device)[None, :]
+    bias = torch.zeros(n, c + n, dtype=qs.dtype, device=qs.device).masked_fill_(~_visible(qi, kj, window), -torch.inf)
+    sink = sinks.to(qs.dtype).view(Hq, 1, 1).expand(Hq, n, 1)  # [Hq, n, 1]
+    mask = torch.cat([bias.expand(Hq, n, c + n), sink], -1)[None]  # [1, Hq, n, c + n + 1]
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=qs.shape[1] != ks.shape[1])
+    return o[0].transpose(0, 1)  # [n, Hq, D]
+
+
 def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
-           block: int) -> torch.Tensor:
+           block: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The deterministic kernel for one segment: q [n, Hq, D], k/v [c + n, Hkv, D] -> [n, Hq, D].
 
     Query rows sit in tiles of ``block`` rows at their key index (tile t holds key indices
@@ -272,7 +301,8 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     split along D or the keys) and an online-softmax update. So a row meets the same blocks, in
     the same order, through the same shapes, whatever else is in the call. (With a sliding
     window a block fully masked for a row leaves its state bitwise unchanged: alpha = 1, zero
-    weights.)
+    weights.) With ``sinks`` [Hq] every row starts from its head's sink (running max = sink,
+    sum = 1, nothing accumulated): a row's bits still depend on nothing else in the call.
     """
     n, Hq, D = q.shape
     total, Hkv = k.shape[0], k.shape[1]
@@ -295,6 +325,9 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     m = q.new_full((n_tiles, Hq, B, 1), -torch.inf, dtype=torch.float32)
     s = q.new_zeros((n_tiles, Hq, B, 1), dtype=torch.float32)
     acc = q.new_zeros((n_tiles, Hq, B, D), dtype=torch.float32)
+    if sinks is not None:  # exp(sink - max) joins the denominator; no value
+        m = sinks.float().view(1, Hq, 1, 1).expand(n_tiles, Hq, B, 1).contiguous()
+        s = torch.ones_like(s)
     if window is None:
         _causal_blocks(qt, kb, vb, m, s, acc, first, scale)
     else:

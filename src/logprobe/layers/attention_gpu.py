@@ -40,8 +40,10 @@ def flash_varlen_attention(
     cu_k: list[int],
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """-> [T, Hq, D], or None when this path does not apply."""
+    """-> [T, Hq, D], or None when this path does not apply. ``sinks`` [Hq]: a sink logit per head
+    (gpt-oss), applied to the output through its log-sum-exp (``sink_rescale``)."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and q.shape[-1] % 8 == 0 and q.shape[1] % k.shape[1] == 0):
         return None
@@ -59,7 +61,24 @@ def flash_varlen_attention(
             scale=scale, window_size_left=left, window_size_right=0 if sliding_window is not None else -1)
     except (RuntimeError, TypeError, NotImplementedError):  # a build without flash, or an older signature
         return None
-    return out[0]  # [T, Hq, D]
+    if sinks is None:
+        return out[0]  # [T, Hq, D]
+    lse = out[1]  # varlen: [Hq, T] float32
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        return None  # a layout we do not know: the portable path (SDPA with a sink key) instead
+    return sink_rescale(out[0], lse.t(), sinks)
+
+
+def sink_rescale(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention without sinks -> with them: o [T, H, D] and its log-sum-exp lse [T, H] (float32)
+    -> o * Z / (Z + exp(sink)) = o * sigmoid(lse - sink), in float32, cast once. A row that saw
+    keys with scores summing to Z = e^0 = 1 and a sink of 0 keeps half its output:
+
+    >>> sink_rescale(torch.ones(1, 1, 2), torch.zeros(1, 1), torch.zeros(1)).tolist()
+    [[[0.5, 0.5]]]
+    """
+    w = torch.sigmoid(lse.float() - sinks.float()[None, :])  # [T, H]
+    return (o.float() * w[..., None]).to(o.dtype)
 
 
 def merge_partials(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,

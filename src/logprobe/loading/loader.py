@@ -16,6 +16,7 @@ from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekConfig, DeepseekModel
 from ..models.gemma import GemmaConfig, GemmaModel
 from ..models.glm4_moe import PartialRotaryConfig
+from ..models.gpt_oss import GptOssConfig, GptOssModel
 from ..models.hf_backend import TransformersModel
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
@@ -34,6 +35,7 @@ from .gemma import (
 )
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
+from .gpt_oss import build_gpt_oss, gpt_oss_config, gpt_oss_tensors, is_gpt_oss
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
 from .hybrid import (
@@ -182,6 +184,11 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
     """A rank's context for this model, after checking the model can be split ``size`` ways."""
     if isinstance(cfg, HybridConfig):  # dense hybrid models split by heads; MoE ones refused
         return hybrid_parallel_context(cfg, rank, size, group)
+    if isinstance(cfg, GptOssConfig):
+        if size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{size}: gpt_oss models (a mixture of experts) run on one "
+                                "device per replica", "use tensor_parallel_size 1 (data parallelism works)")
+        return ParallelContext(rank, 1, group)
     if isinstance(cfg, DeepseekConfig):
         if size > 1:
             raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models (latent attention, grouped "
@@ -227,6 +234,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
         raw = read_config(path)
         cfg, why = ((hybrid_config(raw), "") if is_hybrid(raw) else (deepseek_config(raw), "") if is_deepseek(raw)
                     else (sigmoid_moe_config(raw), "") if is_sigmoid_moe(raw)
+                    else (gpt_oss_config(raw), "") if is_gpt_oss(raw)
                     else (gemma_config(raw), "") if is_gemma(raw) else native_config(raw))
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
@@ -236,6 +244,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     with torch.device("meta"):
         model = (HybridModel(cfg) if isinstance(cfg, HybridConfig) else DeepseekModel(cfg)
                  if isinstance(cfg, DeepseekConfig) else GemmaModel(cfg) if isinstance(cfg, GemmaConfig)
+                 else GptOssModel(cfg) if isinstance(cfg, GptOssConfig)
                  else model_class(cfg)(cfg) if isinstance(cfg, PartialRotaryConfig)
                  else native_model_class(cfg)(cfg))
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
@@ -262,7 +271,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
-    if cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
+    if isinstance(cfg, GptOssConfig) or cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
         return load_model(spec, device, dtype)
     if path.is_file():
         reader = gguf_reader(path)
@@ -333,6 +342,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         model = build_sigmoid_moe(scfg, sigmoid_moe_tensors(path, scfg), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          scfg.vocab_size, scfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+    if is_gpt_oss(raw):  # gpt-oss, float or MXFP4 experts (kept packed): models.gpt_oss
+        ocfg = gpt_oss_config(raw)
+        model = build_gpt_oss(ocfg, gpt_oss_tensors(path, ocfg), dev, dt, weights)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         ocfg.vocab_size, ocfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     if is_gemma(raw):  # Gemma 3 (text models, the multimodal checkpoints' text tower): models.gemma
         gcfg = gemma_config(raw)

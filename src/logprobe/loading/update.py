@@ -50,6 +50,7 @@ from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekModel
 from ..models.gemma import GemmaModel
 from ..models.glm4_moe import PartialRotaryMoeModel
+from ..models.gpt_oss import GptOssModel
 from ..models.llama import LlamaModel
 from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridModel
@@ -107,6 +108,8 @@ def refuse_hybrid(model) -> None:
     if isinstance(model, GemmaModel):
         raise LogprobeError("model", f"{model.config.family} (Gemma 3) has no weight update yet",
                             "reload the scorer from the new checkpoint")
+    if isinstance(model, GptOssModel):
+        raise LogprobeError("model", "gpt_oss has no weight update yet", "reload the scorer from the new checkpoint")
 
 
 def full_slots(cfg, names: bool = False) -> dict[str, torch.Tensor]:

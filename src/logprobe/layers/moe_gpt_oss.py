@@ -1,0 +1,163 @@
+"""gpt-oss's mixture of experts: a biased router choosing by logits, experts with biases and a
+clamped SwiGLU, expert matrices dense or MXFP4 packed.
+
+For a token x [H] (router W_r [E, H], b_r [E]; expert e: gate/up W_e [2I, H] (gate rows, then up
+rows), b_e [2I]; down D_e [H, I], d_e [H]):
+
+    z    = W_r x + b_r                           [E]  logits, in the model dtype
+    ids  = top-k of z (largest first)            [k]
+    w    = softmax(z[ids]), rounded to the model dtype, as transformers' ``GptOssTopKRouter``
+    g, u = W_e x + b_e split into gate (first I) and up (last I)
+    y_j  = D_e((clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')) + d_e,  g' = min(g, limit),  e = ids[j]
+    out  = w_0 y_0 + ... + w_{k-1} y_{k-1}       float32, slot order (``layers.moe.combine``), then x's dtype
+
+The router point (``blocks.l.router``, capture only) offers w scattered into [T, E] (zero for the
+experts not chosen): gpt-oss's probabilities exist only over the chosen k. Replayed routing
+(``Hooks.routing``) gets the softmax of the given experts' logits.
+
+The checkpoint's gate/up rows alternate (gate 0, up 0, gate 1, ...); the loader moves them into
+the two halves (``loading.gpt_oss``). Expert matrices are ``nn.Parameter``s [E, out, in] or
+``Mxfp4Experts`` (the hub's blocks and scales kept as they are, 4.25 bits a weight). On CPU (and
+on CUDA with ``numerics.triton`` off) experts run one at a time on their rows, a packed expert
+dequantized to float32 exactly first (``kernels.mxfp4.dequantize_mxfp4``); on CUDA the Triton
+kernel ``kernels.mxfp4.gpt_oss_experts`` reads either form (packed: decoded tile by tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import triton_available
+from ..kernels.mxfp4 import dequantize_mxfp4, gpt_oss_act, gpt_oss_experts
+from .activation import row_invariant
+from .linear import Linear, tiled_linear
+from .moe import combine_to, sort_by_expert
+from .numerics import NumericsUser
+
+
+@dataclass(frozen=True, slots=True)
+class GptOssMoeSpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+class Mxfp4Experts(nn.Module):
+    """E expert matrices [E, out, in] as MXFP4: ``blocks`` [E, out, in/32, 16] uint8, ``scales``
+    [E, out, in/32] uint8 (the hub's ``*_blocks`` / ``*_scales``, rows in the native order).
+    ``expert(e)``: expert e's weight [out, in], float32 exactly, then ``compute_dtype``."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.num_experts, self.out_features, groups, _ = blocks.shape
+        self.in_features = groups * 32
+        self.compute_dtype = torch.float32
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("scales", scales)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_experts, self.out_features, self.in_features))
+
+    def expert(self, e: int) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks[e], self.scales[e]).to(self.compute_dtype)
+
+    def extra_repr(self) -> str:
+        return f"mxfp4, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
+
+
+class GptOssExperts(nn.Module):
+    """``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I] (parameters or ``Mxfp4Experts``) and
+    their biases [E, 2I], [E, H]. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H] unweighted."""
+
+    def __init__(self, spec: GptOssMoeSpec, hidden: int) -> None:
+        super().__init__()
+        E, inter = spec.num_experts, spec.intermediate_size
+        self.num_experts, self.hidden, self.intermediate = E, hidden, inter
+        self.alpha, self.limit = spec.alpha, spec.limit
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, hidden), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * inter), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, hidden, inter), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(E, hidden), requires_grad=False)
+
+    def set_packed(self, name: str, packed: Mxfp4Experts) -> None:
+        """Replace ``gate_up_proj`` or ``down_proj`` by MXFP4 blocks (at load; shapes checked there)."""
+        del self._parameters[name]
+        setattr(self, name, packed)
+
+    def weight(self, name: str, e: int) -> torch.Tensor:
+        w = getattr(self, name)
+        return w.expert(e) if isinstance(w, Mxfp4Experts) else w[e]
+
+    def operand(self, name: str):
+        """A weight as ``kernels.mxfp4.gpt_oss_experts`` takes it: dense, or (blocks, scales)."""
+        w = getattr(self, name)
+        return (w.blocks, w.scales) if isinstance(w, Mxfp4Experts) else w
+
+    def expert_mlp(self, e: int, x: torch.Tensor, row_tile: int | None) -> torch.Tensor:
+        """Expert e on rows x [n, H] -> [n, H]; ``row_tile``: fixed row tiles (deterministic mode)."""
+        def lin(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return F.linear(a, w, b) if row_tile is None else tiled_linear(a, w, b, row_tile)
+
+        gu = lin(x, self.weight("gate_up_proj", e), self.gate_up_proj_bias[e])  # [n, 2I]
+        gate, up = gu.split(self.intermediate, dim=-1)  # [n, I] each
+        # each row's bits independent of the row count on CPU (layers.activation.row_invariant)
+        act = row_invariant(lambda g, u: gpt_oss_act(g, u, self.alpha, self.limit), gate.contiguous(),
+                            up.contiguous())
+        return lin(act, self.weight("down_proj", e), self.down_proj_bias[e])
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
+                triton: bool = True) -> torch.Tensor:
+        T, k = ids.shape
+        if triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available():
+            y = gpt_oss_experts(x, ids, self.operand("gate_up_proj"), self.gate_up_proj_bias.to(x.dtype),
+                                self.operand("down_proj"), self.down_proj_bias.to(x.dtype), self.alpha, self.limit)
+            return y.view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
+        order, counts = sort_by_expert(ids, self.num_experts)
+        xs = x[order // k]  # [T*k, H]: slot s reads token s // k
+        ys = x.new_empty(T * k, self.hidden)  # expert order
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = self.expert_mlp(e, xs[start:start + n], row_tile)
+            start += n
+        y = torch.empty_like(ys)
+        y[order] = ys  # back to slot order
+        return y.view(T, k, self.hidden)
+
+
+class GptOssMoe(NumericsUser, nn.Module):
+    """Router + experts in place of a dense MLP: ``forward(x [T, H], hooks)`` -> [T, H]."""
+
+    def __init__(self, spec: GptOssMoeSpec, hidden: int, router_point: str) -> None:
+        super().__init__()
+        self.spec, self.top_k, self.router_point = spec, spec.top_k, router_point
+        self.router = Linear(hidden, spec.num_experts, bias=True)  # [E, H] + [E]
+        self.experts = GptOssExperts(spec, hidden)
+
+    def fuse(self) -> None:
+        pass
+
+    @staticmethod
+    def weigh(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Softmax of the chosen experts' logits [T, k], rounded to the logits' dtype (as transformers
+        takes it in that dtype), as float32."""
+        return torch.softmax(logits.gather(1, ids).float(), dim=-1).to(logits.dtype).float()
+
+    def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
+        logits = self.router(x)  # [T, E]
+        ids = torch.topk(logits, self.top_k, dim=-1).indices  # [T, k], largest first
+        weights = self.weigh(logits, ids)  # [T, k] float32
+        if hooks is not None:
+            hooks(self.router_point, torch.zeros_like(logits, dtype=torch.float32).scatter_(1, ids, weights))
+            forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.weigh(logits, forced_ids))
+            if forced is not None:  # replayed experts (``layers.hooks.RouteTable``)
+                weights, ids = forced
+        y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
+        return combine_to(y, weights, x.dtype)  # [T, H]

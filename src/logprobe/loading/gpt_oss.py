@@ -1,0 +1,239 @@
+"""Hugging Face directories of gpt-oss (``gpt_oss``, ``models.gpt_oss``): the hub's MXFP4
+checkpoints and float (bf16) ones as transformers writes them after dequantizing.
+
+Expert tensors, per layer (``model.layers.N.mlp.experts.``; E experts, hidden H, intermediate I):
+
+    float:  gate_up_proj [E, H, 2I] (x @ W: columns alternate gate 0, up 0, gate 1, ...),
+            down_proj [E, I, H]
+    MXFP4:  gate_up_proj_blocks [E, 2I, H/32, 16] uint8 + gate_up_proj_scales [E, 2I, H/32] uint8
+            (rows alternate gate / up), down_proj_blocks [E, H, I/32, 16] + down_proj_scales [E, H, I/32]
+            (``kernels.mxfp4`` says how a block decodes)
+    both:   gate_up_proj_bias [E, 2I] (alternating), down_proj_bias [E, H]
+
+The native experts hold [E, out, in] with the gate rows first, then the up rows
+(``layers.moe_gpt_oss``): float tensors are transposed and their gate/up columns split at load;
+MXFP4 blocks stay packed (uint8 in memory, 4.25 bits a weight) with only their rows reordered, or
+are expanded once to the model dtype with ``weights="dense"`` (the same numbers: every MXFP4 value
+is exact in bf16). Everything else (attention with biases and sinks, router, norms, embeddings,
+``lm_head``) is a float tensor read as it is.
+
+Config options the native model does not run are refused with their key named: a quantization
+other than MXFP4, a rope type other than YaRN (or the default), a null ``sliding_window`` with
+sliding blocks, layer types other than sliding/full attention.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..errors import LogprobeError
+from ..kernels.mxfp4 import check_scales, dequantize_mxfp4
+from ..layers.moe_gpt_oss import Mxfp4Experts
+from ..models.gpt_oss import GptOssConfig, GptOssModel
+from .checkpoint import check_plain_dtype, check_weights_match, safetensors_files
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPE = "gpt_oss"
+_EXPERT_KEYS = ("gate_up_proj", "down_proj")
+
+
+def is_gpt_oss(raw: dict) -> bool:
+    return raw.get("model_type") == MODEL_TYPE
+
+
+def _int(raw: dict, key: str, default=None) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        raise LogprobeError(f"config.{key}", "is missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LogprobeError(f"config.{key}", f"must be an integer, got {value!r}")
+    return value
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """(theta, YaRN parameters or None): transformers 5's ``rope_parameters`` (theta inside) or the
+    hub's ``rope_scaling`` + ``rope_theta``; transformers' gpt_oss defaults when both are absent."""
+    key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
+    params = raw.get(key)
+    if params is None and key == "rope_scaling" and "rope_scaling" in raw:
+        params = {"rope_type": "default"}
+    if params is None:
+        params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                  "original_max_position_embeddings": 4096}
+    if not isinstance(params, dict):
+        raise LogprobeError(f"config.{key}", f"must be an object, got {params!r}")
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "yarn"):
+        raise LogprobeError(f"config.{key}.rope_type", f"{kind!r} is not in the native gpt_oss model",
+                            "the released models use yarn")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 150000.0)))
+    if kind == "default":
+        return theta, None
+    return theta, {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {"rope_type": "yarn"}
+
+
+def _quantization(raw: dict) -> bool:
+    """True for an MXFP4 checkpoint; other quantizations refused."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return False
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method != "mxfp4":
+        raise LogprobeError("quantization_config.quant_method", f"{method!r}: a gpt_oss checkpoint is read natively "
+                            "as MXFP4 (the hub's) or float", "score the MXFP4 or the bf16 checkpoint")
+    return True
+
+
+def gpt_oss_config(raw: dict) -> GptOssConfig:
+    """The native config of a gpt-oss checkpoint; missing keys take transformers' ``GptOssConfig``
+    defaults; what the native model does not run is refused, key named."""
+    _quantization(raw)
+    layers = _int(raw, "num_hidden_layers", 36)
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # transformers' default: even blocks slide, odd ones are full
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if not isinstance(layer_types, list):
+        raise LogprobeError("config.layer_types", f"must be a list, got {layer_types!r}")
+    window = raw.get("sliding_window", 128)
+    if window is None:
+        if "sliding_attention" in layer_types:
+            raise LogprobeError("config.sliding_window", "is null, but layer_types has sliding_attention blocks")
+        window = 1 << 62
+    elif isinstance(window, bool) or not isinstance(window, int):
+        raise LogprobeError("config.sliding_window", f"must be an integer, got {window!r}")
+    theta, scaling = _rope(raw)
+    hidden, heads = _int(raw, "hidden_size", 2880), _int(raw, "num_attention_heads", 64)
+    head_dim = raw.get("head_dim") or hidden // heads
+    for key in ("swiglu_alpha", "swiglu_limit", "rms_norm_eps"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise LogprobeError(f"config.{key}", f"must be a number, got {value!r}")
+    return GptOssConfig(
+        vocab_size=_int(raw, "vocab_size", 201088),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size", 2880),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=_int(raw, "num_key_value_heads", 8),
+        head_dim=int(head_dim),
+        num_experts=_int(raw, "num_local_experts", 128),
+        top_k=_int(raw, "num_experts_per_tok", 4),
+        layer_types=tuple(layer_types),
+        sliding_window=window,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=bool(raw.get("attention_bias", True)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=_int(raw, "max_position_embeddings", 131072),
+    )
+
+
+def gpt_oss_param_name(key: str, cfg: GptOssConfig, where: str) -> str | None:
+    """A checkpoint key -> the native name (MXFP4 parts keep their ``_blocks`` / ``_scales``
+    suffix; None: a tensor the forward does not use)."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    if key == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else "lm_head.weight"
+    if key.startswith("model."):
+        return key[len("model."):]
+    raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
+
+
+def gpt_oss_tensors(path: Path, cfg: GptOssConfig):
+    """Yield (name, tensor) from the safetensors files: float tensors checked as such, MXFP4 blocks
+    and scales as uint8."""
+    from safetensors import safe_open
+
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = gpt_oss_param_name(key, cfg, f.name)
+                if name is None:
+                    continue
+                value = st.get_tensor(key)
+                if name.endswith(("_blocks", "_scales")) and ".mlp.experts." in name:
+                    if value.dtype != torch.uint8:
+                        raise LogprobeError("model", f"tensor {key!r} in {f.name} is {value.dtype}, MXFP4 blocks "
+                                            "and scales are uint8")
+                    if name.endswith("_scales"):
+                        check_scales(value, key)
+                else:
+                    check_plain_dtype(key, value, f.name)
+                yield name, value
+
+
+def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with rows alternating gate / up -> gate rows, then up rows."""
+    return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
+
+
+def _native_experts(cfg: GptOssConfig, raw: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Checkpoint expert tensors of every layer -> (float native tensors, {name: (blocks, scales)}),
+    in the native layout (module docstring)."""
+    dense, packed = {}, {}
+    for name in list(raw):
+        if ".mlp.experts." not in name:
+            continue
+        prefix, _, part = name.rpartition(".mlp.experts.")
+        base = f"{prefix}.mlp.experts."
+        w = raw.pop(name)
+        if part == "gate_up_proj_bias":
+            dense[name] = _gate_up_rows(w)
+        elif part == "down_proj_bias":
+            dense[name] = w
+        elif part == "gate_up_proj":
+            dense[name] = _gate_up_rows(w.transpose(1, 2))  # [E, H, 2I] -> [E, 2I, H]
+        elif part == "down_proj":
+            dense[name] = w.transpose(1, 2).contiguous()  # [E, I, H] -> [E, H, I]
+        elif part.removesuffix("_blocks") in _EXPERT_KEYS or part.removesuffix("_scales") in _EXPERT_KEYS:
+            proj = part.rsplit("_", 1)[0]
+            slot = packed.setdefault(base + proj, [None, None])
+            slot[part.endswith("_scales")] = _gate_up_rows(w) if proj == "gate_up_proj" else w
+        else:
+            raise LogprobeError("model", f"unexpected expert tensor {name!r}")
+    for name, (blocks, scales) in packed.items():
+        if blocks is None or scales is None:
+            raise LogprobeError("model", f"{name}: MXFP4 needs both {name}_blocks and {name}_scales")
+        if blocks.dim() != 4 or tuple(blocks.shape[:3]) != tuple(scales.shape) or blocks.shape[3] != 16:
+            raise LogprobeError("model", f"{name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do "
+                                "not fit [E, out, in/32, 16] and [E, out, in/32]")
+    return dense, {n: (b.contiguous(), s.contiguous()) for n, (b, s) in packed.items()}
+
+
+def build_gpt_oss(cfg: GptOssConfig, tensors, device: torch.device, dtype: torch.dtype,
+                  weights: str = "packed") -> GptOssModel:
+    """The native model from (name, tensor) pairs. MXFP4 experts stay packed (``weights="packed"``)
+    or are expanded to ``dtype`` once (``"dense"``); every parameter must be present with the shape
+    the config implies; q/k rows and biases permuted to the interleaved rotary layout."""
+    raw = dict(tensors)
+    dense, packed = _native_experts(cfg, raw)
+    if weights == "dense":
+        for name, (blocks, scales) in packed.items():
+            dense[name] = dequantize_mxfp4(blocks, scales)
+        packed = {}
+    state = {name: w.to(device=device, dtype=dtype) for name, w in (raw | dense).items()}
+    with torch.device("meta"):
+        model = GptOssModel(cfg)
+    # a packed matrix is checked as the [E, out, in] parameter it replaces
+    stand_ins = {name: torch.empty(b.shape[0], b.shape[1], b.shape[2] * 32, device="meta")
+                 for name, (b, _) in packed.items()}
+    check_weights_match(model, {**state, **stand_ins})
+    model.load_state_dict(GptOssModel.interleave_rope_weights(cfg, state), assign=True, strict=False)
+    for name, (blocks, scales) in packed.items():
+        parent, _, child = name.rpartition(".")
+        experts = Mxfp4Experts(blocks.to(device), scales.to(device))
+        experts.compute_dtype = dtype
+        model.get_submodule(parent).set_packed(child, experts)
+    model.make_rotary(device)  # non-persistent buffers were created on the meta device
+    model.fuse_projections()
+    if packed:
+        log.info("gpt_oss: %d MXFP4 expert matrices kept packed", len(packed))
+    return model.eval()
