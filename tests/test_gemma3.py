@@ -200,7 +200,7 @@ def test_config_refusals_and_keys(gemma_dirs):
     cfg = gemma_config(raw)
     assert cfg.family == "gemma3" and cfg.layer_types[1] == FULL and not cfg.tie_word_embeddings
     for key, value, field in [
-        ("final_logit_softcapping", 30.0, "config.text_config.final_logit_softcapping"),
+        ("final_logit_softcapping", -30.0, "config.text_config.final_logit_softcapping"),
         ("attn_logit_softcapping", 50.0, "config.text_config.attn_logit_softcapping"),
         ("use_bidirectional_attention", True, "config.text_config.use_bidirectional_attention"),
         ("attention_bias", True, "config.text_config.attention_bias"),

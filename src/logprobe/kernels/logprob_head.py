@@ -7,7 +7,7 @@ Same function as ``logprobe.layers.logprob_head.logprob_head`` (the pure-PyTorch
     lse_i  = log sum_v exp(z_iv)                                # online max / sum-exp
     ent_i  = lse_i - sum_v softmax(z_i)_v z_iv                  # online sum of exp(z - m) * z
     rank_i = #{v != y_i : z_iv > z_{i,y_i}}                     # z_{i,y_i} from its own dot product, as the reference
-    top-k  = the k largest z_iv (k <= 20), kept per row in registers
+    top-k  = the k largest z_iv (k <= 256), larger first, equal values by smaller id
 
 Layout of the work:
   * ``_target_logit`` computes z_{i,y_i} (one program per row: h_i . W_{y_i}, float32), first,
@@ -21,6 +21,11 @@ Layout of the work:
     their hidden rows and weight tiles in L2.
   * The online statistics run in base 2 (t = z log2(e) / T, exp2), saving a multiply per logit;
     the partials are converted back to natural-log units before they are written.
+  * Top-k, two ways. k <= 20: each row's k best sit in registers and a tile's candidates (values
+    above the row's k-th) are inserted one per step. 20 < k <= 256 ("wide"): each value and its
+    id are packed into one int64 key ordered as (value, then smaller id), and a tile with any
+    candidate is merged in bulk: the tile's KPAD best keys (one sort), joined with the row's
+    KPAD kept keys, sorted, the upper half kept. Either way ties go to the smaller id.
   * The combine over S splits is a few [S, N] tensor ops in PyTorch (tiny next to the matmul).
 
 Extra memory: O(S * N) floats (+ S * N * KPAD for top-k), never O(N * V).
@@ -35,7 +40,8 @@ import torch
 from ..errors import LogprobeError
 from . import interpreting, triton_available
 
-MAX_TOP_K = 20  # the kernel keeps top-k in registers; larger k goes to the PyTorch head
+INSERT_TOP_K = 20  # up to this k: one-at-a-time insertion into registers; above: sorted key merges
+MAX_TOP_K = 256  # the kernel's largest k; larger k goes to the PyTorch head
 
 if triton_available():
     import triton
@@ -88,7 +94,9 @@ if triton_available():
         lcols = tl.arange(0, BLOCK_N)
         todo = tl.max(best, axis=0) > float("-inf")
         while todo:
-            slot = tl.argmin(tv, axis=1)  # [BM] the slot holding the current minimum
+            # [BM] the slot to evict: the current minimum, the largest id among equal minima (the
+            # head keeps the smaller ids at a tie on the k-th value)
+            slot = tl.argmax(tl.where(tv == thr[:, None], ti, -1), axis=1)
             put = (kcols[None, :] == slot[:, None]) & (best > thr)[:, None]
             tv = tl.where(put, best[:, None], tv)
             ti = tl.where(put, (v0 + bcol).to(tl.int64)[:, None], ti)
@@ -97,6 +105,31 @@ if triton_available():
             best, bcol = tl.max(cand, axis=1, return_indices=True)
             todo = tl.max(best, axis=0) > float("-inf")
         return tv, ti
+
+    @triton.jit
+    def _encode(t, ids):
+        """(float32 value, id < 2^32) -> int64 key, ordered as the value, then the smaller id:
+        the value's bits made monotonic as a signed int32 (negative floats: magnitude bits flipped)
+        in the high half, 2^32 - 1 - id in the low half. -0.0 becomes +0.0 (they compare equal)."""
+        bits = tl.where(t == 0.0, 0.0, t).to(tl.int32, bitcast=True)
+        mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        return (mono.to(tl.int64) << 32) | (4294967295 - ids)
+
+    @triton.jit
+    def _decode(key):
+        """int64 key -> (float32 value, int64 id), the inverse of ``_encode``."""
+        mono = (key >> 32).to(tl.int32)
+        t = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        return t, 4294967295 - (key & 4294967295)
+
+    @triton.jit
+    def _merge_keys(keys, t, cols64, col_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KPAD: tl.constexpr):
+        """A row's KPAD best keys (sorted, larger first) merged with a tile's values t [BM, BN]."""
+        tk = _encode(tl.where(col_ok[None, :], t, float("-inf")), cols64[None, :])  # [BM, BN]
+        if BLOCK_N > KPAD:  # the tile's KPAD best: sorted, row j of [BN / KPAD, KPAD] holds ranks j*KPAD..
+            tk = tl.max(tl.reshape(tl.sort(tk, dim=1, descending=True), [BLOCK_M, BLOCK_N // KPAD, KPAD]), axis=1)
+        both = tl.sort(tl.reshape(tl.join(keys, tk), [BLOCK_M, 2 * KPAD]), dim=1, descending=True)
+        return tl.max(tl.reshape(both, [BLOCK_M, 2, KPAD]), axis=1)  # the upper half, still sorted
 
     @triton.jit
     def _head_partials(
@@ -110,7 +143,7 @@ if triton_available():
         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         ENTROPY: tl.constexpr, KPAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        TMA: tl.constexpr, FLATTEN: tl.constexpr, TOPK_ROWMAX: tl.constexpr,
+        TMA: tl.constexpr, FLATTEN: tl.constexpr, TOPK_ROWMAX: tl.constexpr, WIDE: tl.constexpr,
     ):
         # grouped ordering: within a group of GROUP_M row tiles, the split index varies fastest
         pid = tl.program_id(0)
@@ -136,7 +169,10 @@ if triton_available():
         s = tl.zeros([BLOCK_M], tl.float32)
         a = tl.zeros([BLOCK_M], tl.float32)
         cnt = tl.zeros([BLOCK_M], tl.int32)
-        if KPAD > 0:
+        if WIDE:  # sorted int64 keys, all -inf to begin with; kth: the value of the last one
+            keys = _encode(tl.full([BLOCK_M, KPAD], float("-inf"), tl.float32), tl.zeros([BLOCK_M, KPAD], tl.int64))
+            kth = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        elif KPAD > 0:
             kcols = tl.arange(0, KPAD)
             # slots past k hold +inf, so the least slot (the insertion threshold) is the k-th
             # best, not the KPAD-th: a quarter fewer insertion steps for k = 20 than with 32 slots
@@ -179,7 +215,7 @@ if triton_available():
             # padding columns get a huge finite negative, not -inf: exp2 still gives exactly 0 there,
             # and e * t is then 0 (not 0 * -inf = nan), so entropy needs no second mask
             t = tl.where(col_ok[None, :], t, -3.0e38)  # [BM, BN]
-            if KPAD > 0 and TOPK_ROWMAX:  # the row maximum's column too: top-k's first candidate
+            if KPAD > 0 and TOPK_ROWMAX and not WIDE:  # the row maximum's column too: top-k's first candidate
                 tmax, tcol = tl.max(t, axis=1, return_indices=True)
             else:
                 tmax = tl.max(t, axis=1)
@@ -193,7 +229,12 @@ if triton_available():
             # the target never outranks itself (its tile value may round above zy)
             above = (t > ty[:, None]) & (cols64[None, :] != y[:, None])
             cnt += tl.sum(above.to(tl.int32), axis=1)
-            if KPAD > 0:
+            if WIDE:
+                # within a split later tiles hold larger ids: only a value above the k-th enters
+                if tl.max((tmax > kth).to(tl.int32), axis=0) > 0:
+                    keys = _merge_keys(keys, t, cols64, col_ok, BLOCK_M, BLOCK_N, KPAD)
+                    kth, _ = _decode(tl.min(keys, axis=1))
+            elif KPAD > 0:
                 thr = tl.min(tv, axis=1)
                 if TOPK_ROWMAX:
                     # a row's best candidate is its tile maximum, found above with the softmax's
@@ -214,7 +255,11 @@ if triton_available():
         LN2: tl.constexpr = 0.6931471805599453
         m = m * LN2
         a = a * LN2
-        if KPAD > 0:
+        if WIDE:
+            tv, ti = _decode(keys)
+            tv = tv * LN2  # -inf stays -inf: slots a split narrower than KPAD never filled
+            kcols = tl.arange(0, KPAD)
+        elif KPAD > 0:
             tv = tl.where(kcols[None, :] < top_k, tv * LN2, float("-inf"))  # the +inf slots never win
         out = pid_s.to(tl.int64) * N + rows64
         tl.store(m_ptr + out, m, mask=row_ok)
@@ -256,6 +301,9 @@ class KernelConfig:
     # top-20 36.04 -> 35.77 ms, top-5 34.02 -> 33.13). Triton 3.6 cannot compile it inside the
     # flattened loop, so it wins over ``topk_flatten`` (which measured no faster)
     topk_rowmax: bool = True
+    # wide top-k (k > INSERT_TOP_K): fewer rows per program (the kept keys are [block_m, KPAD]
+    # int64 and each merge sorts [block_m, 2 KPAD]); tiles at least KPAD columns wide
+    wide_block_m: int = 64
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -280,7 +328,7 @@ def _check(hidden, weight, bias, targets, inv_t, top_k) -> None:
         raise LogprobeError("targets", f"must be an integer [{N}] tensor, got {targets.dtype} {tuple(targets.shape)}")
     if inv_t.shape != (N,) or inv_t.dtype != torch.float32:
         raise LogprobeError("temperature", f"must be a float32 [{N}] tensor here")
-    if not 0 <= top_k <= MAX_TOP_K:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
         raise LogprobeError("top_k", f"the fused kernel keeps at most {MAX_TOP_K}, got {top_k}",
                             "use the PyTorch head (logprob_head dispatches there by itself)")
     devs = {t.device for t in (hidden, weight, targets, inv_t) + ((bias,) if bias is not None else ())}
@@ -324,10 +372,23 @@ def combine_head_partials(zy, m, s, a, c, tv, ti, top_k: int, deterministic: boo
     if top_k:
         P, N, K = tv.shape
         vals = tv.permute(1, 0, 2).reshape(N, P * K)  # [N, P * K]
-        best, sel = vals.topk(top_k, dim=1)
-        tid = ti.permute(1, 0, 2).reshape(N, P * K).gather(1, sel)
+        best, tid = merge_topk(vals, ti.permute(1, 0, 2).reshape(N, P * K), top_k)
         tlp = best - lse[:, None]
     return zy - lse, lse, c.sum(0).to(torch.int64), ent, tid, tlp
+
+
+def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of ``vals`` [N, n] with their ``ids`` [N, n], in the head's order:
+    larger value first, equal values by smaller id (so at a tie on the k-th value the smaller ids
+    are kept). Sorts by id, then stably by value: exact whatever order the candidates come in.
+
+    >>> merge_topk(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), torch.tensor([[9, 7, 4, 5]]), 2)
+    (tensor([[3., 3.]]), tensor([[4, 7]]))
+    """
+    by_id = ids.argsort(dim=1, stable=True)  # [N, n]
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    best, sel = vals.sort(dim=1, descending=True, stable=True)
+    return best[:, :k], ids.gather(1, sel[:, :k])
 
 
 def fused_target_logits(hidden, weight, targets, inv_temperature, *, bias=None, scale: float = 1.0,
@@ -373,7 +434,10 @@ def fused_head_partials(
     flags = dict(HAS_BIAS=b is not None, HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None)
     args_t = (float(scale), float(softcap or 1.0))
     kpad = 0 if top_k == 0 else max(2, triton.next_power_of_2(top_k))
+    wide = top_k > INSERT_TOP_K
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if wide:
+        bm, bn = config.wide_block_m, max(bn, kpad)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     num_m = triton.cdiv(min(max(N, 1), config.max_rows), bm)
     waves = config.topk_waves if kpad else config.waves
@@ -411,8 +475,8 @@ def fused_head_partials(
             n, V, H, cols_per_split, S, top_k, h.stride(0), weight.stride(0), *args_t, **flags,
             ENTROPY=entropy, KPAD=kpad, EVEN_K=H % bk == 0, IEEE=hidden.dtype == torch.float32,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, TMA=tma,
-            FLATTEN=config.flatten and (kpad == 0 or (config.topk_flatten and not config.topk_rowmax))
-            and (tma or dev.type != "cuda"), TOPK_ROWMAX=config.topk_rowmax, num_warps=config.num_warps,
+            FLATTEN=config.flatten and (kpad == 0 or (config.topk_flatten and not config.topk_rowmax and not wide))
+            and (tma or dev.type != "cuda"), TOPK_ROWMAX=config.topk_rowmax, WIDE=wide, num_warps=config.num_warps,
             num_stages=config.num_stages)
         if N > n:  # several launches: copy each launch's block back into the [S, N] outputs
             m[:, r0:r1], s[:, r0:r1], c[:, r0:r1] = mo, so, co

@@ -121,7 +121,7 @@ def logprob_head(
     row goes through identically shaped products, and the vocabulary is folded per chunk of the
     fixed grid, combined in grid order (the kernel splits at the same grid).
     ``backend``: "auto" runs the fused Triton kernel (``logprobe.kernels.logprob_head``) on CUDA
-    when it applies (Triton present, top_k <= 20, hidden and weight of one dtype with contiguous
+    when it applies (Triton present, top_k <= 256, hidden and weight of one dtype with contiguous
     rows) and this chunked PyTorch loop otherwise; "torch" always runs this loop; "triton"
     requires the kernel."""
     N, H = hidden.shape
@@ -288,6 +288,24 @@ def _dots(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h.float() @ w.float().T
 
 
+def chunk_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row of z [t, v] and their columns, larger first and equal
+    values by smaller column (at a tie on the k-th value the smaller columns are kept), without
+    sorting the chunk: ``topk`` finds the k-th value, the ties at it are taken in column order.
+
+    >>> chunk_topk(torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]]), 2)
+    (tensor([[2., 2.]]), tensor([[1, 2]]))
+    """
+    kth = z.topk(k, dim=1).values[:, -1:]  # [t, 1]
+    above, tie = z > kth, z == kth  # [t, v]
+    sel = above | (tie & (tie.cumsum(1) <= k - above.sum(1, keepdim=True)))
+    if int(sel.sum()) != z.shape[0] * k:  # only NaN logits make the count differ
+        raise LogprobeError("hidden", "the logits hold NaN: top-k is undefined", "check the model's weights")
+    cols = sel.nonzero()[:, 1].view(z.shape[0], k)  # [t, k] ascending columns
+    vals, order = z.gather(1, cols).sort(dim=1, descending=True, stable=True)
+    return vals, cols.gather(1, order)
+
+
 class _Fold:
     """Running (max, sum-exp, sum-exp*z, count above target, top-k) of some rows over vocabulary chunks."""
 
@@ -314,12 +332,12 @@ class _Fold:
             above[rows, y_col[rows]] = False
         self.c += above.sum(dim=1)
         if self.top_k:
-            k = min(self.top_k, z.shape[1])
-            cz, ci = z.topk(k, dim=1)  # [t, k]
+            cz, ci = chunk_topk(z, min(self.top_k, z.shape[1]))  # [t, k]
             ci = ci + first_id
-            if self.best_z is not None:
-                cz, sel = torch.cat([self.best_z, cz], 1).topk(min(self.top_k, self.best_z.shape[1] + k), dim=1)
-                ci = torch.cat([self.best_id, ci], 1).gather(1, sel)
+            if self.best_z is not None:  # earlier chunks hold smaller ids: a stable sort keeps the tie order
+                cz, sel = torch.cat([self.best_z, cz], 1).sort(dim=1, descending=True, stable=True)
+                ci = torch.cat([self.best_id, ci], 1).gather(1, sel[:, :self.top_k])
+                cz = cz[:, :self.top_k]
             self.best_z, self.best_id = cz, ci
 
     def write(self, p: int, r0: int, r1: int, m, s, a, c, tv, ti) -> None:

@@ -10,8 +10,8 @@ refused. ``lm_head.weight`` is read only when the embeddings are untied (Gemma 3
 
 Rotary bases: ``rope_parameters`` per layer type (transformers 5: ``full_attention`` and
 ``sliding_attention``, each default or linear), or the hub's ``rope_theta`` (full blocks, with
-``rope_scaling``) and ``rope_local_base_freq`` (sliding blocks). Config options the native model
-does not run are refused with their key named.
+``rope_scaling``) and ``rope_local_base_freq`` (sliding blocks). ``final_logit_softcapping`` goes to
+the log-prob head. Config options the native model does not run are refused with their key named.
 """
 
 from __future__ import annotations
@@ -111,10 +111,13 @@ def gemma_config(raw: dict) -> GemmaConfig:
             method = (c[key] or {}).get("quant_method", "?") if isinstance(c[key], dict) else "?"
             raise LogprobeError(key, f"a quantized ({method}) {mtype} checkpoint is not read natively yet",
                                 "score the unquantized (float) checkpoint")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise LogprobeError(f"{where}{key}", f"{cfg[key]!r}: logit soft-capping is not in the native Gemma 3 "
-                                "model", "the released Gemma 3 models set it to null")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise LogprobeError(f"{where}attn_logit_softcapping", f"{cfg['attn_logit_softcapping']!r}: attention logit "
+                            "soft-capping is not in the native Gemma 3 model",
+                            "the released Gemma 3 models set it to null")
+    cap = cfg.get("final_logit_softcapping")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
+        raise LogprobeError(f"{where}final_logit_softcapping", f"must be a number or null, got {cap!r}")
     if cfg.get("use_bidirectional_attention"):
         raise LogprobeError(f"{where}use_bidirectional_attention", "true: the native Gemma 3 model is causal",
                             "score a causal language model")
@@ -158,6 +161,7 @@ def gemma_config(raw: dict) -> GemmaConfig:
             hidden_activation=str(cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))),
             tie_word_embeddings=bool(tie),
             max_position_embeddings=_int(cfg, "max_position_embeddings", where, 131_072),
+            final_logit_softcapping=float(cap) if cap is not None else None,
             family=mtype,
         )
     except LogprobeError as e:

@@ -28,7 +28,8 @@ Sliding windows under chunking and prefix sharing: ``packed_attention`` applies 
 window per query against key positions (context spans of a shared prefix or a chunk cache hold
 every earlier key, the window masks them), so a split never changes which keys a row sees.
 
-Not run (refused at load, key named, by ``loading.gemma``): attention and final logit
+Final logit soft-capping (``final_logit_softcapping``): in the log-prob head, in float32, before
+the temperature. Not run (refused at load, key named, by ``loading.gemma``): attention logit
 soft-capping, bidirectional attention, attention bias.
 
 Tensor parallelism as the Llama family (``GemmaModel``; ``loading.gemma.gemma_shard_tensors``).
@@ -36,7 +37,7 @@ Tensor parallelism as the Llama family (``GemmaModel``; ``loading.gemma.gemma_sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
+from ..layers.logprob_head import HeadParams
 from ..layers.norm import OffsetRMSNorm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
@@ -81,6 +83,7 @@ class GemmaConfig:
     hidden_activation: str = "gelu_pytorch_tanh"
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 131072
+    final_logit_softcapping: float | None = None  # the head's cap * tanh(logits / cap), float32
     family: str = "gemma3_text"
     extra: dict = field(default_factory=dict)
 
@@ -107,6 +110,9 @@ class GemmaConfig:
                                 f"{self.family} model", "the released models use gelu_pytorch_tanh")
         if not self.query_pre_attn_scalar > 0:
             raise LogprobeError("config.query_pre_attn_scalar", f"must be positive, got {self.query_pre_attn_scalar!r}")
+        cap = self.final_logit_softcapping
+        if cap is not None and not (isinstance(cap, float) and 0 < cap < float("inf")):
+            raise LogprobeError("config.final_logit_softcapping", f"must be a positive number or null, got {cap!r}")
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # rejects unknown rope types
         rope_inv_freq(self.head_dim, self.rope_local_theta, self.rope_local_scaling)
 
@@ -240,6 +246,11 @@ class GemmaModel(ScoringModel):
             if any(f".self_attn.{p}." in name for p in ("q_proj", "k_proj", "q_norm", "k_norm")):
                 out[name] = to_interleaved(w, w.shape[0] // cfg.head_dim)
         return out
+
+    def head_params(self) -> HeadParams:
+        """The LM head with the final logit soft-cap, which the log-prob head applies in float32
+        before the temperature (transformers: the model caps, generation then divides by T)."""
+        return replace(super().head_params(), softcap=self.config.final_logit_softcapping)
 
     def fuse_projections(self) -> None:
         for layer in self.layers:
