@@ -2,7 +2,7 @@
 
 One CUDA GPU: the bf16 8192^3 matmul ceiling, then the head at M = ``--head-tokens`` (16,384)
 tokens, V = 128,256, H = 4,096, bf16: the LM-head matmul alone (the floor), the plain float32
-log_softmax head, logprobe's fused kernel (+entropy, +top-20), logprobe's PyTorch chunked head, a
+log_softmax head, logprobe's fused kernel (+entropy, +top-20, +top-64, +top-256), logprobe's PyTorch chunked head, a
 packed Q6_K head (chunked, then on its resident bf16 copy), Liger-Kernel and Cut Cross-Entropy
 (``reduction="none"``, where installed): ms, ratio to the matmul, TFLOP/s, extra memory and
 max |Δ logprob| against the float32 head (float32 products of the same bf16 values); and the
@@ -120,6 +120,11 @@ def head_section(args, tflops: float) -> None:
         lambda o: o[0])
     add("logprobe fused kernel + entropy + top-20",
         lambda: fused_logprob_head(h, w, y, inv_t, top_k=20, entropy=True, **fk), lambda o: o[0])
+    for k in (64, 256):  # wide top-k (sorted key merges): distillation's top-64 / top-256
+        add(f"logprobe fused kernel + top-{k}", lambda k=k: fused_logprob_head(h, w, y, inv_t, top_k=k, **fk),
+            lambda o: o[0])
+    add("logprobe PyTorch chunked head + top-64 (before: wide top-k fell back here)",
+        lambda: logprob_head(h, HeadParams(w), y, top_k=64, backend="torch"), lambda o: o.logprobs)
     add("logprobe PyTorch chunked head (512x8192, fallback)",
         lambda: logprob_head(h, HeadParams(w), y, backend="torch"), lambda o: o.logprobs)
     packed = packed_head(V, H)  # random Q6_K blocks (not W): time only, against the matmul
