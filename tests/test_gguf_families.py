@@ -22,6 +22,11 @@ import numpy as np
 import pytest
 import torch
 from helpers import VOCAB, byte_tokenizer
+from test_deepseek import BASE, VARIANTS, _norm64, _routing_stats
+from test_deepseek import MIN_MARGIN as DS_MIN_MARGIN
+from test_deepseek import _randomise as _ds_randomise
+from test_deepseek import _reference as _ds_reference
+from test_deepseek import _sequences as _ds_sequences
 from test_qwen3_next import (
     MIN_MARGIN,
     TOL,
@@ -35,8 +40,10 @@ from test_qwen3_next import (
 from logprobe import LogprobeError, Scorer
 
 gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants  # noqa: E402
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hfds  # noqa: E402
 
 ARCH = {"qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 SEEDS = {"qwen3_5_text": 100, "qwen3_5_moe": 111, "qwen3_next": 103}  # MoE: chosen for MIN_MARGIN
@@ -238,7 +245,9 @@ def _copy_with(src, dst, set_kv=None, rename=None):
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
     for key, value in set_kv.items():
-        w.add_key_value(key, value, gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32)
+        V = gguf.GGUFValueType
+        w.add_key_value(key, value, V.STRING if isinstance(value, str) else V.UINT32 if isinstance(value, int)
+                        else V.FLOAT32)
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))
         name = (rename or {}).get(t.name, t.name)
@@ -263,4 +272,168 @@ def test_refusals_name_the_key(gguf_models, tmp_path):
         Scorer(str(bad), device="cpu", dtype="float32", progress=False)
     bad = _copy_with(path, tmp_path / "extra.gguf", rename={"blk.0.ssm_out.weight": "blk.0.ssm_x.weight"})
     with pytest.raises(LogprobeError, match="blk.0.ssm_x.weight"):
+        Scorer(str(bad), device="cpu", dtype="float32", progress=False)
+
+
+# -- deepseek2 ------------------------------------------------------------------------------------
+
+DS_KINDS = {"split_kv_b": dict(VARIANTS["qlora"]),  # newer converts: attn_k_b / attn_v_b
+            "yarn_kv_b": dict(VARIANTS["yarn"], rope_parameters=dict(  # older: attn_kv_b; llama.cpp's YaRN
+                VARIANTS["yarn"]["rope_parameters"], mscale=1.0, mscale_all_dim=1.0))}  # (cos/sin factor 1)
+DS_SEEDS = {"split_kv_b": 0, "yarn_kv_b": 2}
+
+
+def _ds_quantized(name: str, w: torch.Tensor) -> bool:
+    """Q8_0 where the conversion moves whole rows (not kv_b: its k half is stored transposed)."""
+    return w.dim() >= 2 and w.shape[-1] % 32 == 0 and not name.endswith(("mlp.gate.weight", "kv_b_proj.weight"))
+
+
+def convert_deepseek(sd: dict[str, torch.Tensor], cfg, split_kv_b: bool) -> dict[str, torch.Tensor]:
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    out = {}
+
+    def put(hf: str, w: torch.Tensor) -> None:
+        base, _, suffix = hf.rpartition(".")
+        name = names.get_name(base)
+        assert name is not None, hf
+        out[f"{name}.{suffix}"] = w.contiguous()
+
+    H, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for key, w in sd.items():
+        if key.endswith("e_score_correction_bias"):
+            key = key.replace("e_score_correction_bias", "e_score_correction.bias")
+        if key.endswith("mlp.experts.gate_up_proj"):
+            half = w.shape[1] // 2
+            base = key.removesuffix(".gate_up_proj")
+            put(base + ".gate_proj.weight", w[:, :half])
+            put(base + ".up_proj.weight", w[:, half:])
+            continue
+        if key.endswith("mlp.experts.down_proj"):
+            key += ".weight"
+        if split_kv_b and key.endswith("kv_b_proj.weight"):  # per head [k_nope | v]: k_b transposed, v_b
+            k_b, v_b = w.view(H, nope + v, -1).split([nope, v], dim=1)
+            put(key.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2))
+            put(key.replace("kv_b_proj", "v_b_proj"), v_b)
+            continue
+        put(key, w)
+    return out
+
+
+def write_deepseek_gguf(path, tensors, cfg, quantized: set[str]) -> None:
+    _, vocab = byte_tokenizer()
+    w = gguf.GGUFWriter(str(path), arch="deepseek2")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1)  # latent attention written as MQA
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    tokens = sorted(vocab, key=vocab.get) + ["Ġt"] + [f"<unused{i}>" for i in range(VOCAB - len(vocab) - 1)]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    for name, t in tensors.items():
+        arr = t.numpy().astype(np.float32)
+        if name in quantized:
+            w.add_tensor(name, quants.quantize(arr, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def deepseek_models(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setattr(hfds.DeepseekV3RMSNorm, "forward", _norm64)
+    out = {}
+    for kind, variant in DS_KINDS.items():
+        cfg = transformers.DeepseekV3Config(**BASE, **variant)
+        model = transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="eager",
+                                                                experts_implementation="eager").float().eval()
+        _ds_randomise(model, seed=DS_SEEDS[kind])
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        fake = {k: _q8_roundtrip(v) if _ds_quantized(k, v) else v for k, v in sd.items()}
+        split = kind.startswith("split")
+        tensors, expected = convert_deepseek(sd, cfg, split), convert_deepseek(fake, cfg, split)
+        quantized = {n for n, t in tensors.items() if not torch.equal(expected[n], t)}
+        path = tmp_path_factory.mktemp(kind) / f"{kind}.gguf"
+        write_deepseek_gguf(path, tensors, cfg, quantized)
+        for t in gguf.GGUFReader(str(path)).tensors:
+            got = quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+            assert np.array_equal(got, expected[t.name].numpy()), t.name
+        assert len(quantized) > 10 and split == ("blk.1.attn_k_b.weight" in tensors)
+        model.load_state_dict(fake)
+        out[kind] = (path, model.double())
+    yield out
+    mp.undo()
+
+
+@pytest.mark.parametrize("kind", list(DS_KINDS))
+def test_deepseek2_gguf_matches_float64_transformers(kind, deepseek_models):
+    path, ref = deepseek_models[kind]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    assert scorer.info.architecture == "deepseek2" and type(scorer.loaded.model).__name__ == "DeepseekModel"
+    seqs = _ds_sequences()
+    out = scorer.logprobs(seqs)
+    compared, worst, margin, changed = 0, 0.0, float("inf"), 0
+    for seq, res in zip(seqs, out):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        lp, routers = _ds_reference(ref, ids)
+        lo, hi = len(seq["prompt_token_ids"]) - 1, len(ids) - 1
+        tgt = lp[lo:hi].gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+        worst = max(worst, (res.logprobs.double() - tgt).abs().max().item())
+        compared += len(tgt)
+        for logits, bias, chosen in routers:
+            m, c = _routing_stats(logits, bias, chosen, hi)
+            margin, changed = min(margin, m), changed + c
+    assert compared > 50 and changed > 0
+    assert margin > DS_MIN_MARGIN, f"router near-tie {margin:.2e}: pick another seed"
+    print(f"deepseek2 GGUF {kind} (Q8_0 + F32): max |delta| {worst:.2e} over {compared} tokens")
+    assert worst < TOL, f"{kind}: max |delta log-prob| {worst:.2e} over {compared} tokens"
+
+
+def test_deepseek2_refusals(deepseek_models, tmp_path):
+    path = deepseek_models["split_kv_b"][0]
+    bad = _copy_with(path, tmp_path / "softmax.gguf", set_kv={"deepseek2.expert_gating_func": 1})
+    with pytest.raises(LogprobeError, match="deepseek2.expert_gating_func"):
+        Scorer(str(bad), device="cpu", dtype="float32", progress=False)
+    bad = _copy_with(path, tmp_path / "lone.gguf", rename={"blk.1.attn_v_b.weight": "blk.1.attn_v.weight"})
+    with pytest.raises(LogprobeError, match="blk.1.attn_v.weight"):
         Scorer(str(bad), device="cpu", dtype="float32", progress=False)

@@ -35,6 +35,7 @@ from .gemma import (
 )
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
+from .gguf_deepseek import gguf_deepseek_config, gguf_deepseek_tensors
 from .gpt_oss import build_gpt_oss, gpt_oss_config, gpt_oss_tensors, is_gpt_oss
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
@@ -215,6 +216,8 @@ def _gguf_config(reader, path: Path):
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     if arch in HYBRID_ARCHES:
         return arch, gguf_hybrid_config(reader, path)
+    if arch == "deepseek2":
+        return arch, gguf_deepseek_config(reader, path)
     return gguf_config(reader, path)
 
 
@@ -314,6 +317,8 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         tokenizer = gguf_tokenizer(path, reader)
         if isinstance(cfg, HybridConfig):  # qwen3next / qwen35 / qwen35moe (loading.gguf_archs): expanded
             model = build_hybrid(cfg, gguf_hybrid_tensors(reader, arch, cfg), dev, dt)
+        elif isinstance(cfg, DeepseekConfig):  # deepseek2 (loading.gguf_deepseek): expanded
+            model = build_deepseek(cfg, gguf_deepseek_tensors(reader, cfg), dev, dt)
         else:
                 model = build_native(cfg, gguf_tensors(reader, arch, cfg, packed=weights == "packed"), dev, dt,
                                  rope_interleaved(arch))
