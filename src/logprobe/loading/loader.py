@@ -15,6 +15,7 @@ from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekConfig, DeepseekModel
 from ..models.gemma import GemmaConfig, GemmaModel
+from ..models.glm4 import Glm4Config, Glm4Model
 from ..models.glm4_moe import PartialRotaryConfig
 from ..models.gpt_oss import GptOssConfig, GptOssModel
 from ..models.hf_backend import TransformersModel
@@ -36,6 +37,7 @@ from .gemma import (
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .gguf_deepseek import gguf_deepseek_config, gguf_deepseek_tensors
+from .glm4 import build_glm4, glm4_config, glm4_tensors, is_glm4
 from .gpt_oss import build_gpt_oss, gpt_oss_config, gpt_oss_tensors, is_gpt_oss
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
@@ -185,6 +187,12 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
     """A rank's context for this model, after checking the model can be split ``size`` ways."""
     if isinstance(cfg, HybridConfig):  # dense hybrid models split by heads; MoE ones refused
         return hybrid_parallel_context(cfg, rank, size, group)
+    if isinstance(cfg, Glm4Config):
+        if size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{size}: glm4 models run on one device per replica "
+                                "(tensor parallelism for them is not there yet)",
+                                "use tensor_parallel_size 1 (data parallelism works)")
+        return ParallelContext(rank, 1, group)
     if isinstance(cfg, GptOssConfig):
         if size > 1:
             raise LogprobeError("tensor_parallel_size", f"{size}: gpt_oss models (a mixture of experts) run on one "
@@ -238,7 +246,8 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
         cfg, why = ((hybrid_config(raw), "") if is_hybrid(raw) else (deepseek_config(raw), "") if is_deepseek(raw)
                     else (sigmoid_moe_config(raw), "") if is_sigmoid_moe(raw)
                     else (gpt_oss_config(raw), "") if is_gpt_oss(raw)
-                    else (gemma_config(raw), "") if is_gemma(raw) else native_config(raw))
+                    else (gemma_config(raw), "") if is_gemma(raw)
+                    else (glm4_config(raw), "") if is_glm4(raw) else native_config(raw))
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a Llama-family model, or one GPU")
@@ -248,6 +257,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
         model = (HybridModel(cfg) if isinstance(cfg, HybridConfig) else DeepseekModel(cfg)
                  if isinstance(cfg, DeepseekConfig) else GemmaModel(cfg) if isinstance(cfg, GemmaConfig)
                  else GptOssModel(cfg) if isinstance(cfg, GptOssConfig)
+                 else Glm4Model(cfg) if isinstance(cfg, Glm4Config)
                  else model_class(cfg)(cfg) if isinstance(cfg, PartialRotaryConfig)
                  else native_model_class(cfg)(cfg))
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
@@ -274,7 +284,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
-    if isinstance(cfg, GptOssConfig) or cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
+    if isinstance(cfg, (GptOssConfig, Glm4Config)) or cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
         return load_model(spec, device, dtype)
     if path.is_file():
         reader = gguf_reader(path)
@@ -359,6 +369,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         model = build_gemma(gcfg, gemma_tensors(path, gcfg), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          gcfg.vocab_size, gcfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+    if is_glm4(raw):  # GLM-4 dense (0414): models.glm4
+        lcfg = glm4_config(raw)
+        model = build_glm4(lcfg, glm4_tensors(path, lcfg), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         lcfg.vocab_size, lcfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     cfg, _why = native_config(raw)
     if cfg is not None:
