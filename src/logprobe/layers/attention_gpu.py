@@ -51,6 +51,8 @@ def flash_varlen_attention(
     max_k = max((b - a for a, b in zip(cu_k[:-1], cu_k[1:])), default=0)
     if max_q == 0:
         return torch.empty_like(q)
+    if sinks is not None and max_q == 1:
+        return None  # FlashAttention swaps query groups into rows here; its log-sum-exp layout then differs
     cq = torch.tensor(cu_q, dtype=torch.int32, device=q.device)  # [B + 1]
     ck = cq if cu_k == cu_q else torch.tensor(cu_k, dtype=torch.int32, device=q.device)
     # token i sees j with i - window < j <= i (the transformers convention): left = window - 1

@@ -1,0 +1,381 @@
+"""How fast does logprobe score the RL-group workload (W1) on a Gemma-3-4B shape and a gpt-oss-20b
+shape (MXFP4 experts, and their bf16 twin), against transformers on the same weights, in the same run?
+
+Shapes (random init, bf16; written once under ``--dir`` and reused while the config is the same):
+  gemma3-4b     Gemma-3-4B's text config (``Gemma3ForCausalLM``, ``gemma3_text``): 34 layers, 5 sliding
+                (window 1024) : 1 full, head_dim 256, vocabulary 262,208; transformers' own init,
+                ``save_pretrained``
+  gpt-oss-20b   gpt-oss-20b's config (``gpt_oss``): 24 layers alternating sliding (window 128) / full,
+                sinks, YaRN, 32 experts top-4 with MXFP4 weights written as the hub lays them out
+                (random blocks, scales 119-121: weights of about transformers' init size; the rest
+                bf16 normal(0, 0.02), sinks normal(0, 1)), about 13 GiB on disk. Its bf16 twin is
+                the same checkpoint loaded with ``weights="dense"`` (every MXFP4 value is exact in
+                bf16): the same numbers, expanded once at load.
+
+Rows per model, on the same W1 token ids (32 prompts x 8 completions, bench/common.py):
+  logprobe, default          ``Scorer(dir, device="cuda")`` (gpt-oss: MXFP4 kept packed; the twin: dense bf16)
+  logprobe, deterministic    the same scorer with ``EngineConfig(deterministic=True)``
+  transformers               padded batches sorted by length (``common.run_transformers``, ``--budget``
+                             padded tokens), its default attention / experts implementations; gpt-oss:
+                             ``GptOssForCausalLM`` in bf16 with the experts set to transformers' own
+                             dequantization of the checkpoint's blocks (``convert_moe_packed_tensors``),
+                             i.e. the numbers of the twin. ``--hf-requests N``: the first N requests
+                             only, the whole time extrapolated by needed tokens (marked ~)
+
+Printed per row: seconds (best of ``--passes`` after a warm-up), tokens/s (needed input tokens),
+speed-up against transformers, peak GPU memory above the weights, max / mean |Δ log-prob| against
+transformers on the requests both ran; then deterministic / default and MXFP4 / bf16 time ratios.
+One model's weights are on the GPU at a time (freed in between).
+
+    # one H100: both models (estimate: 9-12 minutes; split them over two commands for the 10-minute limit)
+    python bench/gpu_families.py --models gemma3-4b
+    python bench/gpu_families.py --models gpt-oss-20b --hf-requests 64
+    # CPU smoke test (tiny configs in float32, the first 2 W1 requests; seconds)
+    python bench/gpu_families.py --tiny --requests 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import byte_tokenizer, free, run_transformers, sync_time, workload  # noqa: E402
+
+from logprobe import Scorer  # noqa: E402
+from logprobe.loading import load_model  # noqa: E402
+
+GiB = 1024**3
+GEMMA3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                 sliding_window=1024, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                 bos_token_id=2, eos_token_id=1, pad_token_id=0)
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                   num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                   swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 4096},
+                   bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
+TINY = {"gemma3-4b": dict(GEMMA3_4B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+                          bos_token_id=1, eos_token_id=2),
+        "gpt-oss-20b": dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=64, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)}
+MODELS = {"gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B), "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B)}
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def progress(msg: str) -> None:
+    log(f"[{time.perf_counter() - T0:6.1f} s] {msg}")
+
+
+def one_line(e: BaseException, n: int = 400) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
+
+
+def hf_config(name: str, tiny: bool):
+    import transformers as tf
+
+    cls, kw = MODELS[name]
+    return getattr(tf, cls)(**(TINY[name] if tiny else kw))
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+
+def _fresh(path: Path, stamp: str) -> bool:
+    """True when ``path`` holds a checkpoint of this stamp; else empties it for a new one."""
+    marker = path / "WRITTEN_BY_GPU_FAMILIES"
+    if marker.exists() and marker.read_text() == stamp:
+        return True
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return False
+
+
+def write_gemma(cfg, path: Path, dev, dtype) -> str:
+    from transformers import AutoModelForCausalLM
+
+    stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
+    if _fresh(path, stamp):
+        return "reused"
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    hf.save_pretrained(str(path))
+    byte_tokenizer().save_pretrained(str(path))
+    del hf
+    free()
+    (path / "WRITTEN_BY_GPU_FAMILIES").write_text(stamp)
+    return f"written in {time.perf_counter() - t:.1f} s"
+
+
+def gpt_oss_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> shape of gpt-oss as the hub ships it (MXFP4 experts)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    shapes = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            E, inner, out = v.shape  # transformers' x @ W layout [E, in, out]
+            shapes[k + "_blocks"], shapes[k + "_scales"] = (E, out, inner // 32, 16), (E, out, inner // 32)
+        else:
+            shapes[k] = tuple(v.shape)
+    return shapes
+
+
+def write_gpt_oss(cfg, path: Path, dev, dtype) -> str:
+    """The MXFP4 hub layout, every tensor seeded by its index (module docstring), shards of <= 4 GiB."""
+    from safetensors.torch import save_file
+
+    stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
+    if _fresh(path, stamp):
+        return "reused"
+    t = time.perf_counter()
+    shards, part, size = [], {}, 0
+    for i, (k, shape) in enumerate(sorted(gpt_oss_shapes(cfg).items())):
+        g = torch.Generator(dev).manual_seed(i)
+        if k.endswith("_blocks"):
+            v = torch.randint(0, 256, shape, generator=g, device=dev, dtype=torch.uint8)
+        elif k.endswith("_scales"):
+            v = torch.randint(119, 122, shape, generator=g, device=dev, dtype=torch.uint8)
+        elif k.endswith("norm.weight"):
+            v = torch.ones(shape, device=dev, dtype=dtype)
+        else:
+            std = 1.0 if k.endswith("sinks") else 0.02
+            v = (torch.randn(shape, generator=g, device=dev) * std).to(dtype)
+        part[k] = v.cpu()
+        size += v.numel() * v.element_size()
+        if size > 4 * GiB:
+            shards.append(part)
+            part, size = {}, 0
+    shards.append(part)
+    index = {}
+    for j, p in enumerate(shards):
+        fname = f"model-{j:05d}-of-{len(shards):05d}.safetensors"
+        save_file(p, str(path / fname), metadata={"format": "pt"})
+        index.update({k: fname for k in p})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    raw = cfg.to_dict()
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(raw, default=str))
+    byte_tokenizer().save_pretrained(str(path))
+    (path / "WRITTEN_BY_GPU_FAMILIES").write_text(stamp)
+    disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return f"written in {time.perf_counter() - t:.1f} s ({disk / GiB:.1f} GiB)"
+
+
+def gpt_oss_transformers(cfg, path: Path, dev, dtype):
+    """transformers' ``GptOssForCausalLM`` (bf16) holding the checkpoint, experts dequantized by
+    transformers' own ``convert_moe_packed_tensors``."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(0)
+    with torch.device(dev):  # initialised, then overwritten: every buffer (rotary tables) made for real
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    params = dict(hf.named_parameters())
+    blocks = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device=str(dev)) as st:
+            for k in st.keys():
+                if k.endswith(("_blocks", "_scales")):
+                    blocks[k] = st.get_tensor(k)
+                else:
+                    params[k].data.copy_(st.get_tensor(k))
+    for k in [k for k in blocks if k.endswith("_blocks")]:
+        name = k.removesuffix("_blocks")
+        params[name].data.copy_(convert_moe_packed_tensors(blocks.pop(k), blocks.pop(name + "_scales"), dtype=dtype))
+    return hf
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def peak_since(dev, base: int) -> float | None:
+    return (torch.cuda.max_memory_allocated() - base) / GiB if dev.type == "cuda" else None
+
+
+def start_peak(dev) -> int:
+    if dev.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def as_sequences(reqs) -> list[dict]:
+    return [{"prompt_token_ids": r.tokens[:r.score_begin], "completion_token_ids": r.tokens[r.score_begin:]}
+            for r in reqs]
+
+
+def best(args, fn, label: str):
+    """(last result, best seconds) of ``--passes`` timed calls."""
+    secs, out = [], None
+    for _ in range(max(1, args.passes)):
+        out, sec = sync_time(fn)
+        secs.append(sec)
+    progress(f"{label}: " + ", ".join(f"{s:.2f}" for s in secs) + " s")
+    return out, min(secs)
+
+
+def logprobe_rows(args, label: str, loaded, reqs, dev, rows: dict) -> None:
+    seqs = as_sequences(reqs)
+    scorer = Scorer(loaded, progress=False)
+    weights = start_peak(dev)  # what the model holds
+    for mode in ("default", "deterministic"):
+        key = f"{label}, {mode}"
+        try:
+            scorer.config = replace(scorer.config, deterministic=mode == "deterministic")
+            sync_time(lambda: scorer.logprobs(seqs[:args.warmup]))
+            start_peak(dev)
+            res, sec = best(args, lambda: scorer.logprobs(seqs), key)
+            rows[key] = dict(sec=sec, n=len(seqs), lp=[r.logprobs.float().cpu() for r in res],
+                             peak=peak_since(dev, weights))
+        except Exception as e:  # noqa: BLE001 - report, go on
+            rows[key] = dict(error=one_line(e))
+            progress(f"{key} failed: {one_line(e, 1200)}")
+            log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-8:]) + "```")
+
+
+def transformers_row(args, hf, reqs, dev, rows: dict) -> None:
+    n = args.hf_requests if 0 < args.hf_requests < len(reqs) else len(reqs)
+    try:
+        with torch.inference_mode():
+            sync_time(lambda: run_transformers(hf, reqs[:2], args.budget, str(dev), use_cache=False))
+            base = start_peak(dev)
+            res, sec = best(args, lambda: run_transformers(hf, reqs[:n], args.budget, str(dev), use_cache=False),
+                            "transformers")
+        frac = sum(q.num_inputs for q in reqs[:n]) / sum(q.num_inputs for q in reqs)
+        rows["transformers"] = dict(sec=sec, n=n, lp=res, peak=peak_since(dev, base), whole=sec / frac,
+                                    est=n < len(reqs))
+    except Exception as e:  # noqa: BLE001
+        rows["transformers"] = dict(error=one_line(e))
+        progress(f"transformers failed: {one_line(e, 1200)}")
+
+
+def report(name: str, reqs, rows: dict) -> None:
+    needed = sum(r.num_inputs for r in reqs)
+    log(f"\n## {name}, W1: {len(reqs)} requests, {needed:,} needed tokens")
+    hf = rows.get("transformers", {})
+    base = hf.get("whole")
+    log("| row | s | tok/s | × vs transformers | peak extra GiB | max abs Δ vs transformers | mean abs Δ |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for key, r in rows.items():
+        if "sec" not in r:
+            log(f"| {key} | {r.get('error', 'not run')} | | | | | |")
+            continue
+        whole = r.get("whole", r["sec"])
+        est = "~" if r.get("est") else ""
+        s = f"{r['sec']:.2f}" + (f" ({r['n']} requests; whole ~{whole:.1f})" if r.get("est") else "")
+        vs = f"{est}{base / whole:.2f}×" if base else "—"
+        peak = f"{r['peak']:.1f}" if r.get("peak") is not None else "—"
+        d = "| — | —"
+        if key != "transformers" and "lp" in hf:
+            diff = torch.cat([(a.double() - b.double()).abs() for a, b in zip(r["lp"][:hf["n"]], hf["lp"])])
+            d = f"| {diff.max():.2e} | {diff.mean():.2e}"
+        log(f"| {key} | {s} | {needed / whole:,.0f} | {vs} | {peak} {d} |")
+    for a, b, what in [(f"{v}, deterministic", f"{v}, default", f"{v}: deterministic / default")
+                       for v in ("logprobe", "logprobe MXFP4", "logprobe bf16 twin")] + \
+                      [("logprobe MXFP4, default", "logprobe bf16 twin, default", "MXFP4 / bf16 twin, default")]:
+        if "sec" in rows.get(a, {}) and "sec" in rows.get(b, {}):
+            log(f"{what} time: {rows[a]['sec'] / rows[b]['sec']:.3f}")
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+def run_model(args, name: str, dev, dtype) -> None:
+    cfg = hf_config(name, args.tiny)
+    path = Path(args.dir) / f"{name}{'-tiny' if args.tiny else ''}-{str(dtype).removeprefix('torch.')}"
+    writer = write_gemma if name == "gemma3-4b" else write_gpt_oss
+    progress(f"{name}: checkpoint {path}: {writer(cfg, path, dev, dtype)}")
+    reqs = workload("W1", cfg.vocab_size)[:args.requests or None]
+    rows: dict = {}
+    kinds = [("logprobe", "packed")] if name == "gemma3-4b" else [("logprobe MXFP4", "packed"),
+                                                                  ("logprobe bf16 twin", "dense")]
+    for label, weights in kinds:
+        t = time.perf_counter()
+        loaded = load_model(str(path), str(dev), dtype, weights=weights)
+        progress(f"{label}: loaded in {time.perf_counter() - t:.1f} s ({type(loaded.model).__name__}, backend "
+                 f"{loaded.info.backend})")
+        logprobe_rows(args, label, loaded, reqs, dev, rows)
+        loaded = None
+        free()
+    t = time.perf_counter()
+    if name == "gemma3-4b":
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(dev).eval()
+    else:
+        hf = gpt_oss_transformers(cfg, path, dev, dtype)
+    progress(f"transformers {type(hf).__name__} ready in {time.perf_counter() - t:.1f} s (attention "
+             f"{hf.config._attn_implementation}, experts {getattr(hf.config, '_experts_implementation', '-')})")
+    transformers_row(args, hf, reqs, dev, rows)
+    hf = None
+    free()
+    report(name, reqs, rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gemma3-4b,gpt-oss-20b", help=f"of {', '.join(MODELS)}")
+    ap.add_argument("--requests", type=int, default=0, help="the first N W1 requests only (0: all 256)")
+    ap.add_argument("--hf-requests", type=int, default=0, help="transformers on the first N requests only, its "
+                    "whole time extrapolated by needed tokens (0: all)")
+    ap.add_argument("--passes", type=int, default=1, help="timed passes per row after the warm-up (best kept)")
+    ap.add_argument("--warmup", type=int, default=8, help="requests of each logprobe row's warm-up")
+    ap.add_argument("--budget", type=int, default=8192, help="transformers' padded tokens per batch")
+    ap.add_argument("--dir", default="/tmp/logprobe-bench-families", help="where checkpoints are written (reused)")
+    ap.add_argument("--tiny", action="store_true", help="tiny configs in float32 on the CPU (a smoke test)")
+    args = ap.parse_args()
+    names = args.models.split(",")
+    if not set(names) <= set(MODELS):
+        sys.exit(f"--models: of {', '.join(MODELS)}")
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --tiny for a CPU run)")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    import transformers
+
+    where = torch.cuda.get_device_name(0) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    log(f"device: {where}; torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"{str(dtype).removeprefix('torch.')}, random init")
+    for name in names:
+        try:
+            run_model(args, name, dev, dtype)
+        except Exception as e:  # noqa: BLE001
+            progress(f"**{name} failed**: {one_line(e, 1200)}")
+            log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-10:]) + "```")
+        finally:
+            free()
+    progress("done")
+
+
+if __name__ == "__main__":
+    main()
