@@ -27,6 +27,15 @@ from test_deepseek import MIN_MARGIN as DS_MIN_MARGIN
 from test_deepseek import _randomise as _ds_randomise
 from test_deepseek import _reference as _ds_reference
 from test_deepseek import _sequences as _ds_sequences
+from test_moe_sigmoid_families import GROUPS
+from test_moe_sigmoid_families import MIN_MARGIN as SG_MIN_MARGIN
+from test_moe_sigmoid_families import SEEDS as SG_SEEDS
+from test_moe_sigmoid_families import _norm64 as _sg_norm64
+from test_moe_sigmoid_families import _randomise as _sg_randomise
+from test_moe_sigmoid_families import _reference as _sg_reference
+from test_moe_sigmoid_families import _routing_stats as _sg_routing_stats
+from test_moe_sigmoid_families import _sequences as _sg_sequences
+from test_moe_sigmoid_families import make_model as _sg_make_model
 from test_qwen3_next import (
     MIN_MARGIN,
     TOL,
@@ -44,6 +53,8 @@ transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hfds  # noqa: E402
+from transformers.models.glm4_moe import modeling_glm4_moe as hfglm  # noqa: E402
+from transformers.models.minimax_m2 import modeling_minimax_m2 as hfmm  # noqa: E402
 
 ARCH = {"qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 SEEDS = {"qwen3_5_text": 100, "qwen3_5_moe": 111, "qwen3_next": 103}  # MoE: chosen for MIN_MARGIN
@@ -436,4 +447,152 @@ def test_deepseek2_refusals(deepseek_models, tmp_path):
         Scorer(str(bad), device="cpu", dtype="float32", progress=False)
     bad = _copy_with(path, tmp_path / "lone.gguf", rename={"blk.1.attn_v_b.weight": "blk.1.attn_v.weight"})
     with pytest.raises(LogprobeError, match="blk.1.attn_v.weight"):
+        Scorer(str(bad), device="cpu", dtype="float32", progress=False)
+
+
+# -- glm4moe, minimax-m2 ---------------------------------------------------------------------------
+
+SG_ARCH = {"glm4_moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE), "minimax_m2": ("minimax-m2", gguf.MODEL_ARCH.MINIMAXM2)}
+
+
+def convert_sigmoid_moe(sd: dict[str, torch.Tensor], cfg, family: str) -> dict[str, torch.Tensor]:
+    """transformers' in-memory names -> the checkpoint's (MiniMax: Mixtral's block_sparse_moe.experts.w1/w3/w2)
+    -> GGUF names, experts stacked, the correction bias as ``*.e_score_correction.bias``."""
+    names = gguf.get_tensor_name_map(SG_ARCH[family][1], cfg.num_hidden_layers)
+    mm = family == "minimax_m2"
+    gate, up, down = ("w1", "w3", "w2") if mm else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+
+    def put(hf: str, w: torch.Tensor) -> None:
+        base, _, suffix = hf.rpartition(".")
+        name = names.get_name(base)
+        assert name is not None, hf
+        out[f"{name}.{suffix}"] = w.contiguous()
+
+    for key, w in sd.items():
+        if mm:
+            key = key.replace(".mlp.", ".block_sparse_moe.")
+        key = key.replace("e_score_correction_bias", "e_score_correction.bias")
+        if key.endswith("experts.gate_up_proj"):  # [E, 2 I, H]: gate rows first
+            half = w.shape[1] // 2
+            base = key.removesuffix(".gate_up_proj")
+            put(f"{base}.{gate}.weight", w[:, :half])
+            put(f"{base}.{up}.weight", w[:, half:])
+            continue
+        if key.endswith("experts.down_proj"):
+            key = key.removesuffix("down_proj") + f"{down}.weight"
+        put(key, w)
+    return out
+
+
+def write_sigmoid_moe_gguf(path, tensors, cfg, family: str, quantized: set[str]) -> None:
+    _, vocab = byte_tokenizer()
+    glm = family == "glm4_moe"
+    w = gguf.GGUFWriter(str(path), arch=SG_ARCH[family][0])
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if glm:
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    else:
+        w.add_rope_dimension_count(cfg.rotary_dim)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    tokens = sorted(vocab, key=vocab.get) + ["Ġt"] + [f"<unused{i}>" for i in range(VOCAB - len(vocab) - 1)]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    for name, t in tensors.items():
+        arr = t.numpy().astype(np.float32)
+        if name in quantized:
+            w.add_tensor(name, quants.quantize(arr, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def sigmoid_moe_models(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setattr(hfglm.Glm4MoeRMSNorm, "forward", _sg_norm64)
+    mp.setattr(hfmm.MiniMaxM2RMSNorm, "forward", _sg_norm64)
+    out = {}
+    for family in SG_ARCH:
+        torch.manual_seed(SG_SEEDS[family])
+        model = _sg_make_model(family).float().eval()
+        _sg_randomise(model, seed=SG_SEEDS[family])
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        q8 = lambda k, v: v.dim() >= 2 and v.shape[-1] % 32 == 0 and not k.endswith("mlp.gate.weight")  # noqa: E731
+        fake = {k: _q8_roundtrip(v) if q8(k, v) else v for k, v in sd.items()}
+        tensors, expected = convert_sigmoid_moe(sd, model.config, family), convert_sigmoid_moe(fake, model.config, family)
+        quantized = {n for n, t in tensors.items() if not torch.equal(expected[n], t)}
+        path = tmp_path_factory.mktemp(family) / f"{family}.gguf"
+        write_sigmoid_moe_gguf(path, tensors, model.config, family, quantized)
+        for t in gguf.GGUFReader(str(path)).tensors:
+            got = quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+            assert np.array_equal(got, expected[t.name].numpy()), t.name
+        assert len(quantized) > 10
+        model.load_state_dict(fake)
+        out[family] = (path, model.double())
+    yield out
+    mp.undo()
+
+
+@pytest.mark.parametrize("family", list(SG_ARCH))
+def test_sigmoid_moe_gguf_matches_float64_transformers(family, sigmoid_moe_models):
+    path, ref = sigmoid_moe_models[family]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    assert scorer.info.architecture == SG_ARCH[family][0] and scorer.info.backend == "native"
+    seqs = _sg_sequences()
+    out = scorer.logprobs(seqs)
+    compared, worst, margin, changed = 0, 0.0, float("inf"), 0
+    for seq, res in zip(seqs, out):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        lp, routers = _sg_reference(ref, ids)
+        lo, hi = len(seq["prompt_token_ids"]) - 1, len(ids) - 1
+        tgt = lp[lo:hi].gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+        worst = max(worst, (res.logprobs.double() - tgt).abs().max().item())
+        compared += len(tgt)
+        for logits, bias, chosen in routers:
+            m, c = _sg_routing_stats(logits, bias, chosen, hi, GROUPS[family])
+            margin, changed = min(margin, m), changed + c
+    assert compared > 50 and (changed > 0 or family == "minimax_m2")
+    assert margin > SG_MIN_MARGIN, f"router near-tie {margin:.2e}: pick another seed"
+    print(f"{SG_ARCH[family][0]} GGUF (Q8_0 + F32): max |delta| {worst:.2e} over {compared} tokens")
+    assert worst < TOL, f"{family}: max |delta log-prob| {worst:.2e} over {compared} tokens"
+
+
+def test_sigmoid_moe_refusals(sigmoid_moe_models, tmp_path):
+    path = sigmoid_moe_models["minimax_m2"][0]
+    bad = _copy_with(path, tmp_path / "scaled.gguf", set_kv={"minimax-m2.expert_weights_scale": 2.5})
+    with pytest.raises(LogprobeError, match="minimax-m2.expert_weights_scale"):
+        Scorer(str(bad), device="cpu", dtype="float32", progress=False)
+    path = sigmoid_moe_models["glm4_moe"][0]
+    bad = _copy_with(path, tmp_path / "softmax.gguf", set_kv={"glm4moe.expert_gating_func": 1})
+    with pytest.raises(LogprobeError, match="glm4moe.expert_gating_func"):
         Scorer(str(bad), device="cpu", dtype="float32", progress=False)

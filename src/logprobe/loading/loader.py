@@ -37,6 +37,7 @@ from .gemma import (
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .gguf_deepseek import gguf_deepseek_config, gguf_deepseek_tensors
+from .gguf_sigmoid_moe import SIGMOID_ARCHES, gguf_sigmoid_moe_config, gguf_sigmoid_moe_tensors
 from .glm4 import build_glm4, glm4_config, glm4_tensors, is_glm4
 from .gpt_oss import build_gpt_oss, gpt_oss_config, gpt_oss_tensors, is_gpt_oss
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
@@ -226,6 +227,8 @@ def _gguf_config(reader, path: Path):
         return arch, gguf_hybrid_config(reader, path)
     if arch == "deepseek2":
         return arch, gguf_deepseek_config(reader, path)
+    if arch in SIGMOID_ARCHES:
+        return arch, gguf_sigmoid_moe_config(reader, path)
     return gguf_config(reader, path)
 
 
@@ -329,6 +332,8 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
             model = build_hybrid(cfg, gguf_hybrid_tensors(reader, arch, cfg), dev, dt)
         elif isinstance(cfg, DeepseekConfig):  # deepseek2 (loading.gguf_deepseek): expanded
             model = build_deepseek(cfg, gguf_deepseek_tensors(reader, cfg), dev, dt)
+        elif isinstance(cfg, PartialRotaryConfig):  # glm4moe, minimax-m2 (loading.gguf_sigmoid_moe): expanded
+            model = build_sigmoid_moe(cfg, gguf_sigmoid_moe_tensors(reader, arch, cfg), dev, dt)
         else:
                 model = build_native(cfg, gguf_tensors(reader, arch, cfg, packed=weights == "packed"), dev, dt,
                                  rope_interleaved(arch))
