@@ -115,3 +115,68 @@ def rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         _rotary[(T,)](x, cs, y, H, D // 2, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
                       BLOCK_H=triton.next_power_of_2(H), BLOCK_J=triton.next_power_of_2(D // 2))
     return y
+
+
+# --------------------------------------------------------------------------------------------
+# Row-invariant elementwise functions on CPU
+
+# PyTorch's CPU loops split a tensor of more than GRAIN_SIZE elements into one flat range per
+# thread (``at::parallel_for``: ceil(numel / tasks) elements each, tasks = min(threads,
+# ceil(numel / GRAIN_SIZE))); each range runs SIMD blocks of two vectors from its start and a
+# scalar tail, and the tail rounds transcendental functions differently.
+CPU_GRAIN_SIZE = 32768
+CPU_SIMD_SPAN = 64  # elements: two AVX-512 vectors of bfloat16, a multiple of every smaller block
+
+
+def cpu_ranges_aligned(numel: int, threads: int) -> bool:
+    """Whether every thread's range of a flat loop over ``numel`` elements (a multiple of
+    CPU_SIMD_SPAN) starts and ends on a multiple of CPU_SIMD_SPAN, so no element falls in a tail.
+
+    >>> cpu_ranges_aligned(1000 * 64, 16), cpu_ranges_aligned(1001 * 64, 16), cpu_ranges_aligned(1001 * 64, 2)
+    (True, False, False)
+    >>> cpu_ranges_aligned(300 * 64, 16)  # under the grain size: one range, on one thread
+    True
+    """
+    tasks = min(threads, -(-numel // CPU_GRAIN_SIZE))
+    return tasks <= 1 or (-(-numel // tasks)) % CPU_SIMD_SPAN == 0
+
+
+def row_invariant(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` for an elementwise ``fn`` of same-shape [..., W] tensors, each row's bits
+    independent of how many rows come with it, on CPU with any thread count.
+
+    Two things move a row's elements into a scalar tail as the row count T changes: a width W that
+    is not a multiple of the SIMD span, and a thread's range that ends mid-span. Rows are padded
+    with zeros to W' (a multiple of 64) and cut back; when the threads' ranges of T x W' elements
+    would not fall on multiples of 64, the rows run in blocks of at most GRAIN_SIZE elements,
+    each on one thread from its start. Example, W = 24 on 16 threads: W' = 64; T = 300 is 19,200
+    elements, under the grain: one range, as is; T = 1,000 (64,000 elements, 2 tasks of
+    32,000 = 500 x 64) is aligned, as is; T = 1,001 (2 tasks of 32,032, not a multiple of 64) runs
+    in blocks of 512 rows. CUDA runs ``fn`` as it is.
+
+    >>> g = torch.linspace(-30, 30, 1001 * 24).view(1001, 24)
+    >>> torch.equal(row_invariant(torch.sigmoid, g)[7:9], row_invariant(torch.sigmoid, g[7:9]))
+    True
+    """
+    x0 = xs[0]
+    width = x0.shape[-1]
+    if x0.is_cuda or x0.numel() == 0:
+        return fn(*xs)
+    pad = -width % CPU_SIMD_SPAN
+    padded = width + pad
+    flat = [x.reshape(-1, width) for x in xs]  # [T, W] each
+    rows = flat[0].shape[0]
+    if cpu_ranges_aligned(rows * padded, torch.get_num_threads()):
+        parts = [(0, rows)]
+    else:
+        step = max(1, CPU_GRAIN_SIZE // padded)
+        parts = [(i, min(i + step, rows)) for i in range(0, rows, step)]
+    out = None
+    for a, b in parts:
+        y = fn(*(F.pad(x[a:b], (0, pad)) if pad else x[a:b] for x in flat))[:, :width]  # [b - a, W]
+        if out is None:
+            if len(parts) == 1:
+                return y.reshape(*x0.shape[:-1], width)
+            out = y.new_empty(rows, width)
+        out[a:b] = y
+    return out.reshape(*x0.shape[:-1], width)

@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .elementwise import row_invariant
+
 CHUNK_SIZE = 64  # the chunk length of transformers' and fla's chunked forms
 L2_EPS = 1e-6  # inside the square root of the q/k L2 norm, as transformers and fla
 MAX_GROUP_CHUNKS = 1024  # chunks (of all sequences) computed together: ~1 GiB per float32 tensor at Hv=32, D=128
@@ -85,13 +87,6 @@ def initial_states(initial_state, n: int, shape: tuple[int, ...], dtype: torch.d
     return initial_state.to(dtype)
 
 
-def _row_invariant(fn, x: torch.Tensor) -> torch.Tensor:
-    """``layers.activation.row_invariant`` for one tensor: on CPU a width that is not a multiple of
-    64 is zero-padded to one (so no element falls in the scalar tail, whose rounding differs)."""
-    width = x.shape[-1]
-    if x.is_cuda or width % 64 == 0:
-        return fn(x)
-    return fn(F.pad(x, (0, -width % 64)))[..., :width]
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +269,7 @@ def causal_conv1d_batched(
     if bias is not None:
         acc = acc + bias.to(cd)
     if activation is not None:
-        acc = _row_invariant(F.silu, acc)
+        acc = row_invariant(F.silu, acc)
     finals = windows.index_select(0, last_rows.reshape(-1).to(x.device)).view(N, K - 1, C).transpose(1, 2)
     return acc.to(x.dtype), finals.to(x.dtype).contiguous()
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import triton_available
+from ..kernels.elementwise import row_invariant
 from ..kernels.elementwise import silu_mul as fused
 
 
@@ -20,26 +21,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torc
     expert of a mixture gets a different number of rows in every batch). PyTorch's CPU loops run
     SIMD chunks and a scalar tail that rounds SiLU differently, and with a width I that is not a
     multiple of the vector length the tail falls on different elements as T changes (I = 24: 184 of
-    300 rows differed from the same row alone). So such rows are padded with zeros to a multiple
-    of 64 columns, which puts every element in a SIMD chunk, and cut back."""
+    300 rows differed from the same row alone); so do the ends of the threads' ranges.
+    ``kernels.elementwise.row_invariant`` pads the rows and, where needed, runs them in blocks."""
     if triton and gate.is_cuda and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
         if triton_available():
             return fused(gate, up)
     return row_invariant(lambda g, u: F.silu(g) * u, gate, up)
-
-
-def row_invariant(fn, *xs: torch.Tensor) -> torch.Tensor:
-    """``fn(*xs)`` for an elementwise ``fn`` of [T, W] tensors, each row's bits independent of T on
-    CPU: a width that is not a multiple of 64 is padded with zeros to one (every element then falls
-    in a SIMD chunk, never in the scalar tail whose rounding differs) and cut back. CUDA and widths
-    that are multiples of 64 run ``fn`` as it is.
-
-    >>> g = torch.tensor([[-30.0], [0.5], [2.0]])
-    >>> torch.equal(row_invariant(torch.sigmoid, g)[1:2], row_invariant(torch.sigmoid, g[1:2]))
-    True
-    """
-    width = xs[0].shape[-1]
-    if xs[0].is_cuda or width % 64 == 0:
-        return fn(*xs)
-    pad = -width % 64
-    return fn(*(F.pad(x, (0, pad)) for x in xs))[..., :width]  # [T, W + pad] -> [T, W]
