@@ -106,8 +106,8 @@ if triton_available():
     @triton.jit
     def _w_tile(w_ptr, s_ptr, e, rn, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
                 PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Weight rows rn, columns k0 .. k0 + BLOCK_K of expert e, as a float32 [BLOCK_K, BLOCK_N]
-        tile (W_e^T): loaded as is (dense) or decoded from MXFP4 bytes and scales (packed)."""
+        """Weight rows rn, columns k0 .. k0 + BLOCK_K of expert e, a [BLOCK_K, BLOCK_N] tile (W_e^T):
+        loaded as stored (dense) or decoded from MXFP4 bytes and scales into float32 (packed)."""
         if PACKED:
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes of the rows
             mask = (rn[None, :] < N) & (kb[:, None] < K // 2)
@@ -124,7 +124,7 @@ if triton_available():
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             off = e * stride_we + rn[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BK, BN]
-            w = tl.load(w_ptr + off, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + off, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         return w
 
     @triton.jit
