@@ -64,7 +64,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         raise LogprobeError("model", f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
                             f"{tuple(scales.shape)} {scales.dtype} do not fit [..., G, 16] and [..., G] uint8")
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]: low nibble first
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).int()  # [..., G, 16, 2]: low nibble first
     values = lut[codes].flatten(-2)  # [..., G, 32]
     out = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)  # times 2^(s - 127), exact
     return out.flatten(-2)  # [..., G * 32]

@@ -175,37 +175,35 @@ def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
 
 
-def _native_experts(cfg: GptOssConfig, raw: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """Checkpoint expert tensors of every layer -> (float native tensors, {name: (blocks, scales)}),
-    in the native layout (module docstring)."""
-    dense, packed = {}, {}
-    for name in list(raw):
-        if ".mlp.experts." not in name:
-            continue
-        prefix, _, part = name.rpartition(".mlp.experts.")
-        base = f"{prefix}.mlp.experts."
-        w = raw.pop(name)
-        if part == "gate_up_proj_bias":
-            dense[name] = _gate_up_rows(w)
-        elif part == "down_proj_bias":
-            dense[name] = w
-        elif part == "gate_up_proj":
-            dense[name] = _gate_up_rows(w.transpose(1, 2))  # [E, H, 2I] -> [E, 2I, H]
-        elif part == "down_proj":
-            dense[name] = w.transpose(1, 2).contiguous()  # [E, I, H] -> [E, H, I]
-        elif part.removesuffix("_blocks") in _EXPERT_KEYS or part.removesuffix("_scales") in _EXPERT_KEYS:
-            proj = part.rsplit("_", 1)[0]
-            slot = packed.setdefault(base + proj, [None, None])
-            slot[part.endswith("_scales")] = _gate_up_rows(w) if proj == "gate_up_proj" else w
-        else:
-            raise LogprobeError("model", f"unexpected expert tensor {name!r}")
-    for name, (blocks, scales) in packed.items():
+def _expert_tensor(name: str, w: torch.Tensor, device: torch.device, dtype: torch.dtype, state: dict,
+                   halves: dict) -> None:
+    """One checkpoint expert tensor, on ``device``, into the native layout (module docstring): a
+    float one into ``state`` (model dtype), an MXFP4 part into ``halves[name] = [blocks, scales]``."""
+    prefix, _, part = name.rpartition(".mlp.experts.")
+    w = w.to(device)
+    if part in ("gate_up_proj_bias", "down_proj_bias"):
+        state[name] = (_gate_up_rows(w) if part == "gate_up_proj_bias" else w).to(dtype)
+    elif part == "gate_up_proj":
+        state[name] = _gate_up_rows(w.transpose(1, 2)).to(dtype)  # [E, H, 2I] -> [E, 2I, H]
+    elif part == "down_proj":
+        state[name] = w.transpose(1, 2).to(dtype).contiguous()  # [E, I, H] -> [E, H, I]
+    elif part.endswith(("_blocks", "_scales")) and part.rsplit("_", 1)[0] in _EXPERT_KEYS:
+        proj = part.rsplit("_", 1)[0]
+        slot = halves.setdefault(f"{prefix}.mlp.experts.{proj}", [None, None])
+        slot[part.endswith("_scales")] = (_gate_up_rows(w) if proj == "gate_up_proj" else w).contiguous()
+    else:
+        raise LogprobeError("model", f"unexpected expert tensor {name!r}")
+
+
+def _check_halves(halves: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{name: [blocks, scales]} -> {name: (blocks, scales)}, each pair complete and of fitting shapes."""
+    for name, (blocks, scales) in halves.items():
         if blocks is None or scales is None:
             raise LogprobeError("model", f"{name}: MXFP4 needs both {name}_blocks and {name}_scales")
         if blocks.dim() != 4 or tuple(blocks.shape[:3]) != tuple(scales.shape) or blocks.shape[3] != 16:
             raise LogprobeError("model", f"{name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do "
                                 "not fit [E, out, in/32, 16] and [E, out, in/32]")
-    return dense, {n: (b.contiguous(), s.contiguous()) for n, (b, s) in packed.items()}
+    return {n: (b, s) for n, (b, s) in halves.items()}
 
 
 def build_gpt_oss(cfg: GptOssConfig, tensors, device: torch.device, dtype: torch.dtype,
@@ -213,13 +211,20 @@ def build_gpt_oss(cfg: GptOssConfig, tensors, device: torch.device, dtype: torch
     """The native model from (name, tensor) pairs. MXFP4 experts stay packed (``weights="packed"``)
     or are expanded to ``dtype`` once (``"dense"``); every parameter must be present with the shape
     the config implies; q/k rows and biases permuted to the interleaved rotary layout."""
-    raw = dict(tensors)
-    dense, packed = _native_experts(cfg, raw)
-    if weights == "dense":
-        for name, (blocks, scales) in packed.items():
-            dense[name] = dequantize_mxfp4(blocks, scales)
-        packed = {}
-    state = {name: w.to(device=device, dtype=dtype) for name, w in (raw | dense).items()}
+    state, halves = {}, {}
+    for name, w in tensors:  # each moved to the device as it comes (host memory: one tensor at a time)
+        if ".mlp.experts." in name:
+            _expert_tensor(name, w, device, dtype, state, halves)
+        else:
+            state[name] = w.to(device=device, dtype=dtype)
+    packed = _check_halves(halves)
+    if weights == "dense":  # one expert at a time, on the device
+        for name in list(packed):
+            blocks, scales = packed.pop(name)
+            w = torch.empty(blocks.shape[0], blocks.shape[1], blocks.shape[2] * 32, dtype=dtype, device=device)
+            for e in range(blocks.shape[0]):
+                w[e] = dequantize_mxfp4(blocks[e], scales[e])
+            state[name] = w
     with torch.device("meta"):
         model = GptOssModel(cfg)
     # a packed matrix is checked as the [E, out, in] parameter it replaces
@@ -229,7 +234,7 @@ def build_gpt_oss(cfg: GptOssConfig, tensors, device: torch.device, dtype: torch
     model.load_state_dict(GptOssModel.interleave_rope_weights(cfg, state), assign=True, strict=False)
     for name, (blocks, scales) in packed.items():
         parent, _, child = name.rpartition(".")
-        experts = Mxfp4Experts(blocks.to(device), scales.to(device))
+        experts = Mxfp4Experts(blocks, scales)
         experts.compute_dtype = dtype
         model.get_submodule(parent).set_packed(child, experts)
     model.make_rotary(device)  # non-persistent buffers were created on the meta device
