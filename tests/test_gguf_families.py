@@ -27,6 +27,10 @@ from test_deepseek import MIN_MARGIN as DS_MIN_MARGIN
 from test_deepseek import _randomise as _ds_randomise
 from test_deepseek import _reference as _ds_reference
 from test_deepseek import _sequences as _ds_sequences
+from test_gemma3 import TEXT as G3_TEXT
+from test_gemma3 import _norm64 as _g3_norm64
+from test_gemma3 import _sequences as _g3_sequences
+from test_gemma3 import _worst as _g3_worst
 from test_moe_sigmoid_families import GROUPS
 from test_moe_sigmoid_families import MIN_MARGIN as SG_MIN_MARGIN
 from test_moe_sigmoid_families import SEEDS as SG_SEEDS
@@ -53,6 +57,7 @@ transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hfds  # noqa: E402
+from transformers.models.gemma3 import modeling_gemma3 as hfg3  # noqa: E402
 from transformers.models.glm4_moe import modeling_glm4_moe as hfglm  # noqa: E402
 from transformers.models.minimax_m2 import modeling_minimax_m2 as hfmm  # noqa: E402
 
@@ -596,3 +601,110 @@ def test_sigmoid_moe_refusals(sigmoid_moe_models, tmp_path):
     bad = _copy_with(path, tmp_path / "softmax.gguf", set_kv={"glm4moe.expert_gating_func": 1})
     with pytest.raises(LogprobeError, match="glm4moe.expert_gating_func"):
         Scorer(str(bad), device="cpu", dtype="float32", progress=False)
+
+
+# -- gemma3 ---------------------------------------------------------------------------------------
+
+GEMMA_LAYERS = 7  # llama.cpp's pattern: blocks 0-4 and 6 slide, block 5 attends fully
+
+
+def _gemma_model():
+    """test_gemma3's text model under llama.cpp's rules: query_pre_attn_scalar = head_dim, the period-6
+    pattern, final logit soft-capping set (written to the file)."""
+    types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(GEMMA_LAYERS)]
+    cfg = transformers.Gemma3TextConfig(**dict(G3_TEXT, query_pre_attn_scalar=G3_TEXT["head_dim"]),
+                                        num_hidden_layers=GEMMA_LAYERS, layer_types=types, final_logit_softcapping=5.0)
+    return transformers.Gemma3ForCausalLM._from_config(cfg, attn_implementation="eager")
+
+
+def convert_gemma(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
+    out = {}
+    for key, w in sd.items():
+        if key == "lm_head.weight":  # tied: the converter skips it
+            continue
+        if key.endswith("norm.weight"):
+            w = w + 1  # Gemma3RMSNorm's 1 + w, baked in
+        base, _, suffix = key.rpartition(".")
+        name = names.get_name(base)
+        assert name is not None, key
+        out[f"{name}.{suffix}"] = w.contiguous()
+    return out
+
+
+def write_gemma_gguf(path, tensors, cfg, quantized: set[str]) -> None:
+    _, vocab = byte_tokenizer()
+    w = gguf.GGUFWriter(str(path), arch="gemma3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(full["factor"])
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_rope_freq_base_swa(local["rope_theta"])
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    tokens = sorted(vocab, key=vocab.get) + ["Ġt"] + [f"<unused{i}>" for i in range(VOCAB - len(vocab) - 1)]
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    for name, t in tensors.items():
+        arr = t.numpy().astype(np.float32)
+        if name in quantized:
+            w.add_tensor(name, quants.quantize(arr, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setattr(hfg3.Gemma3RMSNorm, "forward", _g3_norm64)
+    torch.manual_seed(0)
+    model = _gemma_model().float().eval()
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_((0.3 if p.dim() == 1 else 0.1) * torch.randn(p.shape, generator=gen))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fake = {k: _q8_roundtrip(v) if v.dim() == 2 and v.shape[-1] % 32 == 0 else v for k, v in sd.items()}
+    tensors, expected = convert_gemma(sd, model.config), convert_gemma(fake, model.config)
+    quantized = {n for n, t in tensors.items() if not torch.equal(expected[n], t)}
+    path = tmp_path_factory.mktemp("gemma3") / "gemma3.gguf"
+    write_gemma_gguf(path, tensors, model.config, quantized)
+    for t in gguf.GGUFReader(str(path)).tensors:
+        got = quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+        assert np.array_equal(got, expected[t.name].numpy()), t.name
+    assert len(quantized) > 10
+    model.load_state_dict(fake)
+    yield path, model.double()
+    mp.undo()
+
+
+def test_gemma3_gguf_matches_float64_transformers(gemma_gguf):
+    path, ref = gemma_gguf
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    cfg = scorer.loaded.model.config
+    assert scorer.info.architecture == "gemma3" and type(scorer.loaded.model).__name__ == "GemmaModel"
+    assert cfg.layer_types == tuple(ref.config.layer_types) and cfg.query_pre_attn_scalar == cfg.head_dim
+    assert (cfg.rope_theta, cfg.rope_scaling["factor"], cfg.rope_local_theta, cfg.final_logit_softcapping) == \
+        (1e5, 4.0, 1e3, 5.0)
+    worst, n = _g3_worst(scorer, ref, _g3_sequences())
+    print(f"gemma3 GGUF (Q8_0 + F32): max |delta| {worst:.2e} over {n} tokens")
+    assert n > 200 and worst < TOL, f"gemma3: max |delta log-prob| {worst:.2e}"

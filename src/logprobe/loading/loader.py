@@ -37,6 +37,7 @@ from .gemma import (
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .gguf_deepseek import gguf_deepseek_config, gguf_deepseek_tensors
+from .gguf_gemma import gguf_gemma_config, gguf_gemma_tensors
 from .gguf_sigmoid_moe import SIGMOID_ARCHES, gguf_sigmoid_moe_config, gguf_sigmoid_moe_tensors
 from .glm4 import build_glm4, glm4_config, glm4_tensors, is_glm4
 from .gpt_oss import build_gpt_oss, gpt_oss_config, gpt_oss_tensors, is_gpt_oss
@@ -229,6 +230,8 @@ def _gguf_config(reader, path: Path):
         return arch, gguf_deepseek_config(reader, path)
     if arch in SIGMOID_ARCHES:
         return arch, gguf_sigmoid_moe_config(reader, path)
+    if arch == "gemma3":
+        return arch, gguf_gemma_config(reader, path)
     return gguf_config(reader, path)
 
 
@@ -278,6 +281,11 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
     ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
+    if isinstance(cfg, GemmaConfig) and path.is_file():  # GGUF Gemma 3: read whole, on one device
+        if ctx.size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a GGUF file of gemma3, which "
+                                "is read on one device", "use tensor_parallel_size 1, or the safetensors checkpoint")
+        return load_model(spec, device, dtype)
     if isinstance(cfg, GemmaConfig):  # this rank's heads and MLP share (loading.gemma)
         model = build_gemma(cfg, gemma_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
@@ -332,6 +340,8 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
             model = build_hybrid(cfg, gguf_hybrid_tensors(reader, arch, cfg), dev, dt)
         elif isinstance(cfg, DeepseekConfig):  # deepseek2 (loading.gguf_deepseek): expanded
             model = build_deepseek(cfg, gguf_deepseek_tensors(reader, cfg), dev, dt)
+        elif isinstance(cfg, GemmaConfig):  # gemma3 (loading.gguf_gemma): expanded
+            model = build_gemma(cfg, gguf_gemma_tensors(reader, cfg), dev, dt)
         elif isinstance(cfg, PartialRotaryConfig):  # glm4moe, minimax-m2 (loading.gguf_sigmoid_moe): expanded
             model = build_sigmoid_moe(cfg, gguf_sigmoid_moe_tensors(reader, arch, cfg), dev, dt)
         else:
