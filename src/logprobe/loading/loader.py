@@ -15,6 +15,7 @@ from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekConfig, DeepseekModel
 from ..models.gemma import GemmaConfig, GemmaModel
+from ..models.gemma4 import Gemma4Config, Gemma4Model
 from ..models.glm4 import Glm4Config, Glm4Model
 from ..models.glm4_moe import PartialRotaryConfig
 from ..models.gpt_oss import GptOssConfig, GptOssModel
@@ -34,6 +35,7 @@ from .gemma import (
     gemma_tensors,
     is_gemma,
 )
+from .gemma4 import build_gemma4, gemma4_config, gemma4_tensors, is_gemma4
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .gguf_deepseek import gguf_deepseek_config, gguf_deepseek_tensors
@@ -189,9 +191,9 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
     """A rank's context for this model, after checking the model can be split ``size`` ways."""
     if isinstance(cfg, HybridConfig):  # dense hybrid models split by heads; MoE ones refused
         return hybrid_parallel_context(cfg, rank, size, group)
-    if isinstance(cfg, Glm4Config):
+    if isinstance(cfg, (Glm4Config, Gemma4Config)):
         if size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{size}: glm4 models run on one device per replica "
+            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models run on one device per replica "
                                 "(tensor parallelism for them is not there yet)",
                                 "use tensor_parallel_size 1 (data parallelism works)")
         return ParallelContext(rank, 1, group)
@@ -253,7 +255,8 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
                     else (sigmoid_moe_config(raw), "") if is_sigmoid_moe(raw)
                     else (gpt_oss_config(raw), "") if is_gpt_oss(raw)
                     else (gemma_config(raw), "") if is_gemma(raw)
-                    else (glm4_config(raw), "") if is_glm4(raw) else native_config(raw))
+                    else (glm4_config(raw), "") if is_glm4(raw)
+                    else (gemma4_config(raw), "") if is_gemma4(raw) else native_config(raw))
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a Llama-family model, or one GPU")
@@ -264,6 +267,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
                  if isinstance(cfg, DeepseekConfig) else GemmaModel(cfg) if isinstance(cfg, GemmaConfig)
                  else GptOssModel(cfg) if isinstance(cfg, GptOssConfig)
                  else Glm4Model(cfg) if isinstance(cfg, Glm4Config)
+                 else Gemma4Model(cfg) if isinstance(cfg, Gemma4Config)
                  else model_class(cfg)(cfg) if isinstance(cfg, PartialRotaryConfig)
                  else native_model_class(cfg)(cfg))
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
@@ -295,7 +299,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
-    if isinstance(cfg, (GptOssConfig, Glm4Config)) or cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
+    if isinstance(cfg, (GptOssConfig, Glm4Config, Gemma4Config)) or cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
         return load_model(spec, device, dtype)
     if path.is_file():
         reader = gguf_reader(path)
@@ -384,6 +388,12 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         model = build_gemma(gcfg, gemma_tensors(path, gcfg), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          gcfg.vocab_size, gcfg.max_position_embeddings)
+        return LoadedModel(model, tokenizer, info)
+    if is_gemma4(raw):  # Gemma 4 (text models, the multimodal checkpoints' text tower): models.gemma4
+        g4 = gemma4_config(raw)
+        model = build_gemma4(g4, gemma4_tensors(path, g4), dev, dt)
+        info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
+                         g4.vocab_size, g4.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     if is_glm4(raw):  # GLM-4 dense (0414): models.glm4
         lcfg = glm4_config(raw)

@@ -49,6 +49,7 @@ from ..layers.parallel_linear import held_rows
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekModel
 from ..models.gemma import GemmaModel
+from ..models.gemma4 import Gemma4Model
 from ..models.glm4 import Glm4Model
 from ..models.glm4_moe import PartialRotaryMoeModel
 from ..models.gpt_oss import GptOssModel
@@ -106,6 +107,9 @@ def refuse_hybrid(model) -> None:
     if isinstance(model, PartialRotaryMoeModel):  # glm4_moe, minimax_m2 (models.glm4_moe, models.minimax_m2)
         raise LogprobeError("model", f"{model.config.family} (sigmoid-router mixture of experts) has no weight "
                             "update yet", "reload the scorer from the new checkpoint")
+    if isinstance(model, Gemma4Model):
+        raise LogprobeError("model", f"{model.config.family} (Gemma 4) has no weight update yet",
+                            "reload the scorer from the new checkpoint")
     if isinstance(model, Glm4Model):
         raise LogprobeError("model", "glm4 (fused gate_up checkpoints) has no weight update yet",
                             "reload the scorer from the new checkpoint")

@@ -1,0 +1,349 @@
+"""Gemma 4, natively: the text models (``gemma4_text``) and the text tower of the multimodal
+``gemma4`` checkpoints (``loading.gemma4``).
+
+Transformers' ``Gemma4TextModel``, block by block, with N(.) the plain RMSNorm of Gemma 4 (``Norm``:
+normalised and scaled by w in float32, one cast at the end; ``Norm0`` has no weight):
+
+    h_0     = embed(ids) * s                          # embed; s = sqrt(hidden), a tensor of the model dtype
+    a_l     = N_post_attn(Attn_l(N_in(h_l)))          # resid_pre l, attn_out l
+    h'_l    = h_l + a_l                               # resid_mid l
+    m_l     = N_post_ff(MLP_l(N_pre_ff(h'_l)))        # mlp_out l
+    h''_l   = h'_l + m_l
+    h''_l  += N_ple(P_l(act(G_l h''_l) * e_l))        # per-layer embeddings, when hidden_size_per_layer_input
+    h_{l+1} = h''_l * layer_scalar_l                  # resid_post l
+    out     = N_final(h_L)                            # final_norm; the head soft-caps (final_logit_softcapping)
+
+    Attn_l:  q = rope(N_q(x Wq)); k_raw = x Wk; k = rope(N_k(k_raw)); v = Norm0(x Wv, or k_raw where
+             attention_k_eq_v on full-attention blocks); softmax(q k^T) v (scale 1: the norms set it),
+             causal, a ``sliding_attention`` block's keys cut to its window; o_proj.
+             Full-attention blocks have their own head_dim and kv heads (``global_head_dim``,
+             ``num_global_key_value_heads``, or transformers' ``per_layer_config``).
+    RoPE:    rotate-half layout (permuted to the interleaved one at load); per layer type
+             inv_freq_i = theta^(-2i / head_dim) / factor for i < partial * head_dim / 2, else 0
+             ("proportional"; "default" is partial 1, factor 1).
+    MLP_l:   down(gelu_tanh(x Wgate) * x Wup), twice as wide on KV-shared blocks with use_double_wide_mlp.
+    PLE:     e_l = (N_proj(x_0 Wple * hidden^-1/2)[l] + E_ple[ids][l] * sqrt(ple_dim)) * 2^-1/2, x_0 = h_0.
+    KV sharing: the last ``num_kv_shared_layers`` blocks compute no keys or values: each reuses those of
+             the last earlier block of its layer type (the "producer"). Under chunking and prefix
+             sharing a consumer stores the producer's keys in its own cache slot, so every layer's
+             context is its own.
+
+With ``attention_k_eq_v`` the values are the raw key projection, whose rows were permuted with the
+keys' for the interleaved rotary: such a block's o_proj input columns take the same permutation.
+
+Not run (refused at load, key named): mixture-of-experts blocks (``enable_moe_block``), attention
+bias, bidirectional attention over all tokens. One device per replica; weight updates refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LogprobeError
+from ..layers.activation import row_invariant
+from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.embedding import VocabParallelEmbedding
+from ..layers.hooks import Hooks
+from ..layers.linear import Linear, fuse_linears
+from ..layers.logprob_head import HeadParams
+from ..layers.numerics import NumericsUser
+from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear
+from ..layers.rotary import apply_rotary, to_interleaved
+from ..parallel.context import ParallelContext
+from ..parallel.shard import vocab_chunk_width
+from .base import ScoringModel
+from .caps import ModelCaps
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+@dataclass(slots=True)
+class Gemma4Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    layer_types: tuple[str, ...]
+    layer_head_dims: tuple[int, ...]  # per block: head_dim (sliding) or the global head_dim (full)
+    layer_kv_heads: tuple[int, ...]
+    sliding_window: int
+    rope: dict = field(default_factory=dict)  # layer type -> (theta, partial_rotary_factor, factor)
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    ple_dim: int = 0  # hidden_size_per_layer_input; 0: no per-layer embeddings
+    rms_norm_eps: float = 1e-6
+    hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+    final_logit_softcapping: float | None = None
+    max_position_embeddings: int = 131072
+    family: str = "gemma4_text"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "max_position_embeddings", "sliding_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LogprobeError(f"config.{name}", f"must be a positive integer, got {value!r}")
+        for key, values in (("layer_types", self.layer_types), ("head_dim", self.layer_head_dims),
+                            ("num_key_value_heads", self.layer_kv_heads)):
+            if len(values) != self.num_layers:
+                raise LogprobeError(f"config.{key}", f"{len(values)} per-layer entries for {self.num_layers} layers")
+        for i, (t, d, kv) in enumerate(zip(self.layer_types, self.layer_head_dims, self.layer_kv_heads)):
+            if t not in LAYER_TYPES:
+                raise LogprobeError("config.layer_types", f"{t!r} is not a Gemma 4 layer type",
+                                    f"use {' or '.join(LAYER_TYPES)}")
+            if d < 2 or d % 2:
+                raise LogprobeError("config.head_dim", f"layer {i}: head_dim {d} must be even for RoPE")
+            if kv < 1 or self.num_heads % kv:
+                raise LogprobeError("config.num_key_value_heads", f"layer {i}: {kv} does not divide "
+                                    f"num_attention_heads {self.num_heads}")
+        if self.hidden_activation not in ACTIVATIONS:
+            raise LogprobeError("config.hidden_activation", f"{self.hidden_activation!r} is not in the native "
+                                f"{self.family} model", "the released models use gelu_pytorch_tanh")
+        if not 0 <= self.num_kv_shared_layers < self.num_layers:
+            raise LogprobeError("config.num_kv_shared_layers", f"{self.num_kv_shared_layers} of {self.num_layers} "
+                                "layers: some earlier layer must compute the keys they share")
+        for t in set(self.layer_types):
+            if t not in self.rope:
+                raise LogprobeError("config.rope_parameters", f"has no entry for {t}")
+        orphans = [i for i in range(self.first_shared, self.num_layers) if i not in self.producers]
+        if orphans:
+            raise LogprobeError("config.num_kv_shared_layers", f"layers {orphans} share keys of a layer type no "
+                                "earlier layer computes")
+
+    @property
+    def first_shared(self) -> int:
+        return self.num_layers - self.num_kv_shared_layers
+
+    @property
+    def producers(self) -> dict[int, int]:
+        """KV-shared block -> the block whose keys and values it reuses (the last earlier block of its type)."""
+        out = {}
+        for i in range(self.first_shared, self.num_layers):
+            earlier = [j for j in range(self.first_shared) if self.layer_types[j] == self.layer_types[i]]
+            if earlier:
+                out[i] = earlier[-1]
+        return out
+
+
+def rope_table(head_dim: int, theta: float, partial: float, factor: float) -> torch.Tensor:
+    """Gemma 4's inverse frequencies [head_dim / 2] (float32): theta^(-2i / head_dim) / factor for
+    the first int(partial * head_dim / 2) pairs, 0 (no turn) for the rest."""
+    angles = int(partial * head_dim // 2)
+    inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float64) / head_dim))
+    return (torch.cat([inv, inv.new_zeros(head_dim // 2 - angles)]) / factor).float()
+
+
+class Norm(NumericsUser, nn.Module):
+    """Gemma 4's RMSNorm: x / rms(x) in float32, times w in float32 (no weight: ``scale=False``),
+    one cast back; over the last dim, so per head when given [T, heads, D]."""
+
+    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            xf = xf * self.weight.float()
+        return xf.to(x.dtype)
+
+
+class Gemma4Attention(NumericsUser, nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer_idx: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        D, H = cfg.layer_head_dims[layer_idx], cfg.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.layer_kv_heads[layer_idx], D
+        full = cfg.layer_types[layer_idx] == "full_attention"
+        self.sliding_window = None if full else cfg.sliding_window
+        self.shared = layer_idx >= cfg.first_shared  # reuses a producer's keys and values
+        self.k_eq_v = cfg.attention_k_eq_v and full
+        self.q_proj = ColumnParallelLinear(H, self.num_heads * D, False, ctx)
+        self.q_norm = Norm(D, cfg.rms_norm_eps)
+        if not self.shared:
+            self.k_proj = ColumnParallelLinear(H, self.num_kv_heads * D, False, ctx)
+            self.v_proj = None if self.k_eq_v else ColumnParallelLinear(H, self.num_kv_heads * D, False, ctx)
+            self.k_norm = Norm(D, cfg.rms_norm_eps)
+            self.v_norm = Norm(D, cfg.rms_norm_eps, scale=False)
+        self.o_proj = GatheredRowLinear(self.num_heads * D, H, False, ctx)
+        self.qkv_proj: Linear | None = None
+
+    def fuse(self) -> None:
+        if not self.shared:
+            self.qkv_proj = fuse_linears([self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj else []))
+
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta,
+                shared: dict[int, tuple[torch.Tensor, torch.Tensor]], producer: int | None) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        if self.shared:
+            q = self.q_proj(x)
+            k, v = shared[producer]
+        else:
+            nq, nkv = self.num_heads * D, self.num_kv_heads * D
+            if self.qkv_proj is not None:
+                parts = self.qkv_proj(x).split([nq, nkv] + ([nkv] if self.v_proj else []), dim=-1)
+            else:
+                parts = [self.q_proj(x), self.k_proj(x)] + ([self.v_proj(x)] if self.v_proj else [])
+            q, k_raw = parts[0], parts[1].reshape(T, self.num_kv_heads, D)  # [T, Hkv, D]
+            v = self.v_norm(k_raw if self.k_eq_v else parts[2].reshape(T, self.num_kv_heads, D))
+            k = apply_rotary(self.k_norm(k_raw), cis, self.numerics.triton)
+            shared[self.layer_idx] = (k, v)  # a later KV-shared block of this type may read them
+        q = apply_rotary(self.q_norm(q.reshape(T, self.num_heads, D)), cis, self.numerics.triton)  # [T, Hq, D]
+        o = packed_attention(q, k, v, meta, self.layer_idx, 1.0, self.sliding_window)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+
+class Gemma4MLP(NumericsUser, nn.Module):
+    def __init__(self, hidden: int, inter: int, activation: str, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden, inter, False, ctx)
+        self.up_proj = ColumnParallelLinear(hidden, inter, False, ctx)
+        self.down_proj = GatheredRowLinear(inter, hidden, False, ctx)
+        self.approximate = ACTIVATIONS[activation]
+        self.gate_up_proj: Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(row_invariant(lambda g, u: F.gelu(g, approximate=self.approximate) * u, gate, up))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer_idx: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.producer = cfg.producers.get(layer_idx)
+        self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
+                                                                 "resid_post"))
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        wide = 2 if cfg.use_double_wide_mlp and layer_idx >= cfg.first_shared else 1
+        self.input_layernorm = Norm(H, eps)
+        self.self_attn = Gemma4Attention(cfg, layer_idx, ctx)
+        self.post_attention_layernorm = Norm(H, eps)
+        self.pre_feedforward_layernorm = Norm(H, eps)
+        self.mlp = Gemma4MLP(H, cfg.intermediate_size * wide, cfg.hidden_activation, ctx)
+        self.post_feedforward_layernorm = Norm(H, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.ple = cfg.ple_dim > 0
+        if self.ple:
+            self.approximate = ACTIVATIONS[cfg.hidden_activation]
+            self.per_layer_input_gate = ColumnParallelLinear(H, cfg.ple_dim, False, ctx)
+            self.per_layer_projection = GatheredRowLinear(cfg.ple_dim, H, False, ctx)
+            self.post_per_layer_input_norm = Norm(H, eps)
+
+    def forward(self, h: torch.Tensor, cis: dict, meta: AttentionMeta, shared: dict, ple: torch.Tensor | None,
+                hooks: Hooks | None = None) -> torch.Tensor:
+        hk = hooks if hooks is not None else (lambda _point, x: x)
+        resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
+        h = hk(resid_pre, h)
+        a = self.self_attn(self.input_layernorm(h), cis[self.layer_type], meta, shared, self.producer)
+        h = hk(resid_mid, h + hk(attn_out, self.post_attention_layernorm(a)))
+        h = h + hk(mlp_out, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        if ple is not None:
+            g = row_invariant(lambda x, e: F.gelu(x, approximate=self.approximate) * e,
+                              self.per_layer_input_gate(h), ple)
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return hk(resid_post, h * self.layer_scalar)
+
+
+class Gemma4Model(ScoringModel):
+    """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks) -> [T, H]``)."""
+
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+
+    def __init__(self, cfg: Gemma4Config, ctx: ParallelContext | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ctx = ctx = ctx or ParallelContext()
+        if ctx.size > 1:
+            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {cfg.family} runs on one device per replica",
+                                "use tensor_parallel_size 1 (data parallelism works)")
+        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
+        self.vocab_range = (0, cfg.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.ple_dim:
+            L, P = cfg.num_layers, cfg.ple_dim
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.vocab_size, L * P, ctx)
+            self.per_layer_model_projection = ColumnParallelLinear(cfg.hidden_size, L * P, False, ctx)
+            self.per_layer_projection_norm = Norm(P, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.make_rotary()
+
+    def make_rotary(self, device: torch.device | None = None) -> None:
+        """One inverse-frequency table per layer type (non-persistent buffers, made again at load)."""
+        cfg = self.config
+        for t in set(cfg.layer_types):
+            d = cfg.layer_head_dims[cfg.layer_types.index(t)]
+            self.register_buffer(f"inv_freq_{t}", rope_table(d, *cfg.rope[t]).to(device), persistent=False)
+
+    def head_params(self) -> HeadParams:
+        return replace(super().head_params(), softcap=self.config.final_logit_softcapping)
+
+    @staticmethod
+    def interleave_rope_weights(cfg: Gemma4Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint (rotate-half) q/k rows and q/k norm weights -> the interleaved layout; where the
+        values are the raw keys (k_eq_v), o_proj's input columns follow the keys' permutation."""
+        out = dict(state)
+        for name, w in state.items():
+            if ".self_attn." not in name:
+                continue
+            layer = int(name.split(".")[1])
+            D = cfg.layer_head_dims[layer]
+            if any(f".self_attn.{p}." in name for p in ("q_proj", "k_proj", "q_norm", "k_norm")):
+                out[name] = to_interleaved(w, w.shape[0] // D)
+            elif ".self_attn.o_proj." in name and cfg.attention_k_eq_v and cfg.layer_types[layer] == "full_attention":
+                out[name] = to_interleaved(w.T, w.shape[1] // D).T.contiguous()  # [H, Hq * D] columns
+        return out
+
+    def fuse_projections(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def _ple(self, ids: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+        """Per-layer inputs [T, L, P]: (norm(projection of h_0) + scaled per-layer embeddings) / sqrt(2)."""
+        cfg = self.config
+        L, P = cfg.num_layers, cfg.ple_dim
+        e = self.embed_tokens_per_layer(ids)
+        e = e * torch.tensor(P ** 0.5, dtype=torch.float32).to(e.dtype).to(e.device)  # [T, L * P]
+        proj = self.per_layer_model_projection(h0) * cfg.hidden_size ** -0.5  # [T, L * P]
+        proj = self.per_layer_projection_norm(proj.reshape(-1, L, P))  # [T, L, P]
+        return (proj + e.reshape(-1, L, P)) * 2.0 ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                hooks: Hooks | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        hooks = hooks or None
+        if hooks is not None:
+            self.check_hooks(hooks)
+        h = self.embed_tokens(input_ids)  # [T, H]
+        h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(h.dtype).to(h.device)
+        ple = self._ple(input_ids, h) if self.config.ple_dim else None
+        if hooks is not None:
+            h = hooks("embed", h)
+        cis = {}
+        for t in set(self.config.layer_types):
+            freqs = positions.float()[:, None] * getattr(self, f"inv_freq_{t}")[None, :]  # [T, D_t / 2]
+            cis[t] = torch.polar(torch.ones_like(freqs), freqs)
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cis, meta, shared, ple[:, i] if ple is not None else None, hooks)
+        h = self.norm(h)
+        return h if hooks is None else hooks("final_norm", h)
