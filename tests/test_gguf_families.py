@@ -61,8 +61,9 @@ from transformers.models.gemma3 import modeling_gemma3 as hfg3  # noqa: E402
 from transformers.models.glm4_moe import modeling_glm4_moe as hfglm  # noqa: E402
 from transformers.models.minimax_m2 import modeling_minimax_m2 as hfmm  # noqa: E402
 
-ARCH = {"qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
-SEEDS = {"qwen3_5_text": 100, "qwen3_5_moe": 111, "qwen3_next": 103}  # MoE: chosen for MIN_MARGIN
+ARCH = {"qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
+        "qwen3_next_legacy": "qwen3next"}
+SEEDS = {"qwen3_5_text": 100, "qwen3_5_moe": 111, "qwen3_next": 103, "qwen3_next_legacy": 103}  # MoE: chosen for MIN_MARGIN
 _MODEL_ARCH = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
                "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}
 
@@ -86,8 +87,9 @@ def _tile(w: torch.Tensor, hk: int, hv: int, width: int, dim: int = 0) -> torch.
     return w.reshape(hk, r, width, *rest).transpose(0, 1).reshape(hv * width, *rest).movedim(0, dim)
 
 
-def convert(sd: dict[str, torch.Tensor], cfg, arch: str) -> dict[str, torch.Tensor]:
-    """HF state dict -> {GGUF name: tensor (outermost dim first)} as llama.cpp's converter writes it."""
+def convert(sd: dict[str, torch.Tensor], cfg, arch: str, legacy: bool = False) -> dict[str, torch.Tensor]:
+    """HF state dict -> {GGUF name: tensor (outermost dim first)} as llama.cpp's converter writes it
+    (``legacy``: Qwen3-Next's fused ``in_proj_qkvz`` kept whole as ``ssm_in``, as older converts did)."""
     names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], cfg.num_hidden_layers)
     # qwen3next's list has no dense MLP tensors (the released models have none); llama.cpp's graph
     # reads a block without a router as ffn_gate / ffn_up / ffn_down, the qwen35 names
@@ -126,7 +128,7 @@ def convert(sd: dict[str, torch.Tensor], cfg, arch: str) -> dict[str, torch.Tens
                 w = _tile(w, hk, hv, 1)
             elif key.endswith("out_proj.weight"):
                 w = _tile(w, hk, hv, dv, dim=1)
-        if key.endswith("in_proj_qkvz.weight"):  # per key head [q | k | v | z] -> [q all | k all | v all], z
+        if key.endswith("in_proj_qkvz.weight") and not legacy:  # per key head [q | k | v | z] -> [q all | k all | v all], z
             r = hv // hk
             q, k, v, z = w.reshape(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
             base = key.removesuffix(".in_proj_qkvz.weight")
@@ -148,7 +150,7 @@ def convert(sd: dict[str, torch.Tensor], cfg, arch: str) -> dict[str, torch.Tens
 def write_gguf(path, tensors: dict[str, torch.Tensor], cfg, arch: str, quantized: set[str]) -> None:
     _, vocab = byte_tokenizer()
     w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + (arch == "qwen35"))  # qwen35: with its MTP block
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(getattr(cfg, "intermediate_size", None) or 0)
@@ -168,8 +170,17 @@ def write_gguf(path, tensors: dict[str, torch.Tensor], cfg, arch: str, quantized
     w.add_ssm_group_count(cfg.linear_num_key_heads)
     w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
     w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
-    # the layer pattern as an interval (llama.cpp's default rule reproduces TEXT's layer_types)
-    w.add_full_attention_interval(2)
+    types = cfg.layer_types
+    if arch == "qwen35moe":  # the per-block form
+        w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in types])
+    else:  # the interval form (llama.cpp's rule reproduces TEXT's layer_types)
+        w.add_full_attention_interval(2)
+    if arch == "qwen35":  # one multi-token-prediction block appended (skipped by the loader)
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+        last = cfg.num_hidden_layers - 1
+        tensors = dict(tensors, **{n.replace(f"blk.{last}.", f"blk.{last + 1}."): t for n, t in tensors.items()
+                                   if n.startswith(f"blk.{last}.")})
+        tensors[f"blk.{last + 1}.nextn.eh_proj.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size)
     if getattr(cfg, "num_experts", 0):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -200,19 +211,24 @@ def write_gguf(path, tensors: dict[str, torch.Tensor], cfg, arch: str, quantized
 def gguf_models(tmp_path_factory, float64_reference):  # noqa: F811
     out = {}
     for kind, arch in ARCH.items():
-        model = make_model(kind).float().eval()
+        legacy = kind == "qwen3_next_legacy"
+        model = make_model(kind.removesuffix("_legacy")).float().eval()
         _randomise(model, seed=SEEDS[kind])
         text = model.config.get_text_config()
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
         fake = {k: _q8_roundtrip(v) if _quantized(k, v) else v for k, v in sd.items()}
-        tensors = convert(sd, text, arch)
-        expected = convert(fake, text, arch)  # what the Q8_0 file must decode to
+        tensors = convert(sd, text, arch, legacy)
+        expected = convert(fake, text, arch, legacy)  # what the Q8_0 file must decode to
         quantized = {n for n, t in tensors.items() if t.dim() >= 2 and t.shape[-1] % 32 == 0
                      and not torch.equal(expected[n], tensors[n])}
-        path = tmp_path_factory.mktemp(arch) / f"{arch}.gguf"
+        assert legacy == ("blk.0.ssm_in.weight" in tensors)
+        path = tmp_path_factory.mktemp(arch) / f"{kind}.gguf"
         write_gguf(path, tensors, text, arch, quantized)
         reader = gguf.GGUFReader(str(path))
         for t in reader.tensors:  # the file holds the round-tripped weights, exactly
+            if t.name not in expected:  # qwen35's MTP block
+                assert arch == "qwen35" and t.name.startswith(f"blk.{text.num_hidden_layers}."), t.name
+                continue
             shape = tuple(int(x) for x in reversed(t.shape))
             got = quants.dequantize(t.data, t.tensor_type).reshape(shape)
             assert np.array_equal(got, expected[t.name].numpy()), t.name

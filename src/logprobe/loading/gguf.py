@@ -305,8 +305,8 @@ def gguf_tokenizer(path: Path, reader):
             raise LogprobeError("model", f"{path.name} has no tokenizer metadata (tokenizer.ggml.*)")
         try:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except ValueError as e:  # transformers reads no config of this architecture (qwen3next, ...)
-            if "not supported" not in str(e):
+        except (ValueError, KeyError) as e:  # transformers reads no config of this architecture (qwen3next),
+            if isinstance(e, ValueError) and "not supported" not in str(e):  # or misses a key it wants there
                 raise
             from transformers import PreTrainedTokenizerFast  # built from tokenizer.ggml.* alone
             hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
