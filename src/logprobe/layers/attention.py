@@ -21,7 +21,7 @@ Two kernels compute the same function:
 
 Attention sinks (gpt-oss): a learned logit ``sinks[h]`` per query head joins every row's softmax
 denominator and contributes no value, ``o = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``.
-SDPA takes it as one extra all-zero key with the sink as its additive mask entry; the tiled kernel
+SDPA takes it as one extra key whose score is the sink and whose value is zero; the tiled kernel
 starts each row's online softmax from it (max = sink, sum = 1, nothing accumulated); the CUDA path
 rescales FlashAttention's output by its log-sum-exp (``attention_gpu.sink_rescale``).
 """
@@ -275,18 +275,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, windo
 
 def _sdpa_sinks(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, scale: float, window: int | None,
                 sinks: torch.Tensor) -> torch.Tensor:
-    """``_sdpa`` with a sink per head: one more key, all zeros (score 0, value 0), whose additive
-    mask entry is the head's sink, so it adds exp(sink) to the denominator and nothing else.
+    """``_sdpa`` with a sink per head: one more key, first, whose score is the head's sink and whose
+    value is zero, so it adds exp(sink) to the denominator and nothing else. The score comes from
+    one extra dimension (1 in every query, 0 in every real key, sink / scale in the sink key; k/v
+    repeated per query head), so the mask stays one boolean [n, 1 + c + n] shared by the heads.
     qs [1, Hq, n, D], ks/vs [1, Hkv, c + n, D] -> [n, Hq, D]."""
-    Hq, n = qs.shape[1], qs.shape[2]
-    zero = ks.new_zeros(1, ks.shape[1], 1, ks.shape[3])  # [1, Hkv, 1, D]
-    ks, vs = torch.cat([ks, zero], 2), torch.cat([vs, zero], 2)  # [1, Hkv, c + n + 1, D]
+    Hq, n, D = qs.shape[1], qs.shape[2], qs.shape[3]
+    g = Hq // ks.shape[1]
+    ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)  # [1, Hq, c + n, D]
+    sink_key = torch.zeros(1, Hq, 1, D + 1, dtype=qs.dtype, device=qs.device)
+    sink_key[0, :, 0, D] = sinks.to(qs.dtype) / scale
+    q1 = F.pad(qs, (0, 1), value=1.0)  # [1, Hq, n, D + 1]
+    k1 = torch.cat([sink_key, F.pad(ks, (0, 1))], 2)  # [1, Hq, 1 + c + n, D + 1]
+    v1 = torch.cat([torch.zeros_like(vs[:, :, :1]), vs], 2)  # [1, Hq, 1 + c + n, D]
     qi = torch.arange(c, c + n, device=qs.device)[:, None]
     kj = torch.arange(c + n, device=qs.device)[None, :]
-    bias = torch.zeros(n, c + n, dtype=qs.dtype, device=qs.device).masked_fill_(~_visible(qi, kj, window), -torch.inf)
-    sink = sinks.to(qs.dtype).view(Hq, 1, 1).expand(Hq, n, 1)  # [Hq, n, 1]
-    mask = torch.cat([bias.expand(Hq, n, c + n), sink], -1)[None]  # [1, Hq, n, c + n + 1]
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=qs.shape[1] != ks.shape[1])
+    mask = torch.cat([torch.ones(n, 1, dtype=torch.bool, device=qs.device), _visible(qi, kj, window)], 1)
+    o = F.scaled_dot_product_attention(q1, k1, v1, attn_mask=mask, scale=scale)  # [1, Hq, n, D]
     return o[0].transpose(0, 1)  # [n, Hq, D]
 
 
