@@ -236,7 +236,7 @@ def llama_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("method", ["fp8", "bitsandbytes", "marlin", "bitblas", "gptq", "awq", None])
+@pytest.mark.parametrize("method", ["bitsandbytes", "marlin", "bitblas", "gptq", "awq", None])
 def test_other_quant_methods_are_refused(method, llama_dir, tmp_path):
     """GPTQ / AWQ configs over plain float tensors are refused too: no module holds their layout."""
     q = {"quant_method": method, "bits": 4, "group_size": 128} if method else {"bits": 4}

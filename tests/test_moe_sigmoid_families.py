@@ -222,7 +222,7 @@ def test_router_capture_mtp_skipped_and_refusals(family, dirs, tmp_path, caplog)
 @pytest.mark.parametrize("raw, field", [
     ({"model_type": "glm4_moe", "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "config.rope_parameters.rope_type"),
     ({"model_type": "glm4_moe", "hidden_act": "gelu"}, "config.hidden_act"),
-    ({"model_type": "glm4_moe", "quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"model_type": "glm4_moe", "quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
     ({"model_type": "minimax_m2", "scoring_func": "softmax"}, "config.scoring_func"),
     ({"model_type": "minimax_m2", "use_routing_bias": False}, "config.use_routing_bias"),
     ({"model_type": "minimax_m2", "qk_norm_type": "per_head"}, "config.qk_norm_type"),

@@ -24,6 +24,7 @@ from ..errors import LogprobeError
 from ..layers.moe import MoeSpec
 from ..models.deepseek import DeepseekConfig, DeepseekModel
 from .checkpoint import check_weights_match, named_plain_tensors
+from .fp8_block import fp8_block_tensors, fp8_scheme, install_packed, is_fp8_block, split_packed, with_shapes
 from .hf import stack_experts
 
 log = logging.getLogger(__name__)
@@ -75,11 +76,12 @@ def deepseek_config(raw: dict) -> DeepseekConfig:
     """The native config of a DeepSeek-V3-style checkpoint; refuses (naming the key) what it does not run.
     Missing keys take transformers' ``DeepseekV3Config`` defaults."""
     mtype = raw.get("model_type")
-    if raw.get("quantization_config") is not None:
-        method = (raw["quantization_config"] or {}).get("quant_method", "?")
-        raise LogprobeError("quantization_config", f"a quantized ({method}) {mtype} checkpoint is not read "
-                            "natively yet (FP8 block-quantized weights are a later step)",
-                            "score a float (bf16) checkpoint, e.g. dequantized with DeepSeek's fp8_cast_bf16.py")
+    if raw.get("quantization_config") is not None and not is_fp8_block(raw):
+        method = (raw["quantization_config"] or {}).get("quant_method", "?") if isinstance(
+            raw["quantization_config"], dict) else "?"
+        raise LogprobeError("quantization_config", f"a quantized ({method}) {mtype} checkpoint is not read natively "
+                            "(FP8 block checkpoints, quant_method 'fp8', are)",
+                            "score a float (bf16) checkpoint or the FP8 block one")
     refusals = (("topk_method", "noaux_tc", "the released models route with noaux_tc"),
                 ("scoring_func", "sigmoid", "the released models score experts with sigmoid"),
                 ("hidden_act", "silu", "the released models use silu"),
@@ -151,8 +153,14 @@ def deepseek_param_name(key: str, cfg: DeepseekConfig, where: str) -> str | None
     raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
 
 
-def deepseek_tensors(path: Path, cfg: DeepseekConfig):
-    """Yield (native parameter name, tensor) from the safetensors files, experts stacked [E, out, in]."""
+def deepseek_tensors(path: Path, cfg: DeepseekConfig, raw: dict | None = None, quantize_activations: bool = False):
+    """Yield (native parameter name, tensor or packed layer) from the safetensors files, experts
+    stacked [E, out, in]; an FP8 block checkpoint (``loading.fp8_block``) yields its FP8 layers."""
+    if raw is not None and is_fp8_block(raw):
+        scheme = fp8_scheme(raw["quantization_config"], quantize_activations)
+        yield from stack_experts(fp8_block_tensors(path, scheme, lambda key, file: deepseek_param_name(key, cfg, file),
+                                                   log), cfg)
+        return
     yield from stack_experts(_plain(path, cfg), cfg)
 
 
@@ -163,12 +171,13 @@ def _plain(path: Path, cfg):
 def build_deepseek(cfg: DeepseekConfig, tensors, device: torch.device, dtype: torch.dtype) -> DeepseekModel:
     """The native model from (name, tensor) pairs: every parameter present with the shape the config
     implies, the router in float32, rope rows permuted to the interleaved layout where needed."""
-    state = {name: w.to(device=device, dtype=torch.float32 if name.endswith(_FLOAT32) else dtype)
-             for name, w in tensors}
+    state, packed, experts = split_packed(tensors, device, dtype, _FLOAT32)  # packed: FP8 block layers
     with torch.device("meta"):
         model = DeepseekModel(cfg)
-    check_weights_match(model, state)
-    model.load_state_dict(DeepseekModel.interleave_rope_weights(cfg, state), assign=True, strict=True)
+    check_weights_match(model, with_shapes(state, packed, experts))
+    install_packed(model, state, packed, experts, lambda s: DeepseekModel.interleave_rope_weights(cfg, s))
+    model.load_state_dict(DeepseekModel.interleave_rope_weights(cfg, state), assign=True,
+                          strict=not (packed or experts))
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg).to(device)
     model.fuse_projections()

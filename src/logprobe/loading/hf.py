@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from ..errors import LogprobeError
+from ..layers.fp8_block_linear import FP8BlockExperts, FP8BlockLinear
 from ..layers.moe import ExpertStack, MoeSpec
 from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
@@ -15,11 +17,14 @@ from ..tokenizer import Tokenizer
 from .awq import awq_tensors
 from .checkpoint import _EXPERT, check_plain_dtype, hf_param_name, safetensors_files
 from .compressed import ct_tensors
+from .fp8_block import dense_fp8, fp8_block_tensors, fp8_scheme
 from .gptq import gptq_tensors
 from .phi3 import FUSED, phi3_config, split_fused
 
+log = logging.getLogger(__name__)
+
 NATIVE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-NATIVE_QUANT_METHODS = ("compressed-tensors", "gptq", "awq")  # loading.compressed, loading.gptq, loading.awq
+NATIVE_QUANT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")  # loading.compressed, gptq, awq, fp8_block
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")  # models.moe
 # config fields of other routers (DeepSeek-style grouped routing, score functions, scaling): a
 # config of one of MOE_TYPES that sets them is not the model transformers' class runs
@@ -138,8 +143,8 @@ def check_quantization(raw: dict, path: Path, native: bool) -> None:
     for sub in ("text_config", "llm_config", "language_config"):
         if isinstance(raw.get(sub), dict) and raw[sub].get("quantization_config") is not None:
             configs[f"{sub}.quantization_config"] = raw[sub]["quantization_config"]
-    supported = ("logprobe runs compressed-tensors checkpoints (W4A16, W8A16, FP8, W8A8, NVFP4), GPTQ (4/8-bit) "
-                 "and AWQ (GEMM) checkpoints of the native Llama family (llama, mistral, qwen2, qwen3) and GGUF "
+    supported = ("logprobe runs compressed-tensors checkpoints (W4A16, W8A16, FP8, W8A8, NVFP4), GPTQ (4/8-bit), "
+                 "AWQ (GEMM) and FP8 block (quant_method fp8) checkpoints of the native Llama family (llama, mistral, qwen2, qwen3) and GGUF "
                  "files; score the unquantized model otherwise")
     for field, q in configs.items():
         if q is None:
@@ -159,7 +164,8 @@ def check_quantization(raw: dict, path: Path, native: bool) -> None:
                                     "quantization_config in config.json: its tensors would be misread", supported)
 
 
-def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bool = False):
+def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bool = False,
+               quantize_activations: bool = False):
     """Yield (module parameter name, tensor) from the safetensors files of a native model.
 
     A compressed-tensors checkpoint (``quantization_config.quant_method == "compressed-tensors"``)
@@ -172,6 +178,11 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
             raise LogprobeError("quantization_config", f"{path.name}: a quantized Phi-3 checkpoint (fused "
                                 "qkv_proj / gate_up_proj) is not read natively yet", "score the unquantized model")
         yield from split_fused(_plain_tensors(path, cfg), cfg)
+        return
+    if qcfg is not None and qcfg.get("quant_method") == "fp8":  # DeepSeek-style FP8 blocks (loading.fp8_block)
+        scheme = fp8_scheme(qcfg, quantize_activations)
+        stream = fp8_block_tensors(path, scheme, lambda key, file: hf_param_name(key, cfg, file), log)
+        yield from stack_experts(stream if packed else ((n, dense_fp8(w)) for n, w in stream), cfg)
         return
     if qcfg is not None and cfg.moe is not None and qcfg.get("quant_method") != "compressed-tensors":
         raise LogprobeError("quantization_config", f"{path.name}: a quantized mixture-of-experts checkpoint "
@@ -241,6 +252,8 @@ def _stack(experts: list, name: str):
         return torch.stack(experts)  # [E, out, in]
     if all(type(w) is CTLinear for w in experts):
         return ExpertStack(experts)
+    if all(type(w) is FP8BlockLinear for w in experts):  # FP8 block experts, float activations
+        return FP8BlockExperts.stack(experts)
     kinds = sorted({type(w).__name__ for w in experts})
     raise LogprobeError("quantization_config", f"{name}: experts stored as {', '.join(kinds)} are not run natively "
                         "(weight-only integer experts are; activation-quantized ones are not yet)",

@@ -27,6 +27,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from ..tokenizer import Tokenizer
 from .deepseek import build_deepseek, deepseek_config, deepseek_tensors, is_deepseek
+from .fp8_block import is_fp8_block
 from .gemma import (
     build_gemma,
     gemma_config,
@@ -237,6 +238,11 @@ def _gguf_config(reader, path: Path):
     return gguf_config(reader, path)
 
 
+def _fp8_block_dir(spec: str | None) -> bool:
+    path = resolve_spec(spec)
+    return path.is_dir() and (path / "config.json").exists() and is_fp8_block(read_config(path))
+
+
 def describe_model(spec: str | None = None, device: str | torch.device | None = "auto",
                    dtype: str | torch.dtype | None = "auto") -> LoadedModel:
     """Tokenizer, info and config of a native model with no weights (a meta-device model): what
@@ -315,7 +321,8 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
 
 
 def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype | None = "auto", weights: str = "packed") -> LoadedModel:
+               dtype: str | torch.dtype | None = "auto", weights: str = "packed",
+               quantize_activations: bool = False) -> LoadedModel:
     """Load a model and its tokenizer.
 
     spec: ``None`` or ``"smollm2-135m"`` (the default: SmolLM2-135M-Instruct Q4_1 from the
@@ -330,8 +337,16 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     matmul (``layers.quant_linear``); "dense" expands them once at load to ``dtype``. Both give
     bitwise the same numbers on CPU; packed needs about a quarter of the memory (4-bit), dense is
     faster. Float checkpoints are the same either way.
+
+    ``quantize_activations``: FP8 block checkpoints (``quant_method: "fp8"``, DeepSeek / Kimi /
+    Qwen3-FP8, ``loading.fp8_block``) run by default with float activations on their FP8 weights
+    (the dequantized-weight model, exactly); True also rounds each dense Linear's input to FP8 per
+    token and group of 128, as DeepSeek's inference does. Other checkpoints refuse it.
     """
     _check_weights(weights)
+    if quantize_activations and not _fp8_block_dir(spec):
+        raise LogprobeError("quantize_activations", f"{spec!r} is not an FP8 block checkpoint: the option "
+                            "applies to quant_method 'fp8' only", "leave quantize_activations off")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = resolve_spec(spec)
@@ -367,13 +382,13 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         return LoadedModel(model, tokenizer, info)
     if is_deepseek(raw):  # DeepSeek-V3 / V3.1, Kimi K2, Moonlight: models.deepseek
         dcfg = deepseek_config(raw)
-        model = build_deepseek(dcfg, deepseek_tensors(path, dcfg), dev, dt)
+        model = build_deepseek(dcfg, deepseek_tensors(path, dcfg, raw, quantize_activations), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          dcfg.vocab_size, dcfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     if is_sigmoid_moe(raw):  # GLM-4.5 / 4.6, MiniMax-M2: models.glm4_moe, models.minimax_m2
         scfg = sigmoid_moe_config(raw)
-        model = build_sigmoid_moe(scfg, sigmoid_moe_tensors(path, scfg), dev, dt)
+        model = build_sigmoid_moe(scfg, sigmoid_moe_tensors(path, scfg, raw, quantize_activations), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          scfg.vocab_size, scfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
@@ -403,7 +418,8 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
         return LoadedModel(model, tokenizer, info)
     cfg, _why = native_config(raw)
     if cfg is not None:
-        model = build_native(cfg, hf_tensors(path, cfg, raw, packed=weights == "packed"), dev, dt)
+        model = build_native(cfg, hf_tensors(path, cfg, raw, packed=weights == "packed",
+                                                   quantize_activations=quantize_activations), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)

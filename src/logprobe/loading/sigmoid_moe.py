@@ -25,6 +25,7 @@ from ..models.glm4_moe import Glm4MoeModel, PartialRotaryConfig, PartialRotaryMo
 from ..models.minimax_m2 import MiniMaxM2Model
 from .checkpoint import check_weights_match, named_plain_tensors
 from .deepseek import _int
+from .fp8_block import fp8_block_tensors, fp8_scheme, install_packed, is_fp8_block, split_packed, with_shapes
 from .hf import stack_experts
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,11 @@ def sigmoid_moe_config(raw: dict) -> PartialRotaryConfig:
     """The native config of a glm4_moe / minimax_m2 checkpoint; refuses (naming the key) what it does not
     run. Missing keys take transformers' config defaults."""
     mtype = raw.get("model_type")
-    if raw.get("quantization_config") is not None:
-        method = (raw["quantization_config"] or {}).get("quant_method", "?")
+    if raw.get("quantization_config") is not None and not is_fp8_block(raw):
+        method = (raw["quantization_config"] or {}).get("quant_method", "?") if isinstance(
+            raw["quantization_config"], dict) else "?"
         raise LogprobeError("quantization_config", f"a quantized ({method}) {mtype} checkpoint is not read "
-                            "natively yet", "score a float (bf16) checkpoint")
+                            "natively (FP8 block checkpoints, quant_method 'fp8', are)", "score a float (bf16) checkpoint")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise LogprobeError("config.hidden_act", f"{raw.get('hidden_act')!r}: the native {mtype} model runs silu only")
     glm = mtype == "glm4_moe"
@@ -156,8 +158,15 @@ def sigmoid_moe_param_name(key: str, cfg: PartialRotaryConfig, where: str) -> st
     return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
 
 
-def sigmoid_moe_tensors(path: Path, cfg: PartialRotaryConfig):
-    """Yield (native parameter name, tensor), experts stacked [E, out, in]."""
+def sigmoid_moe_tensors(path: Path, cfg: PartialRotaryConfig, raw: dict | None = None,
+                        quantize_activations: bool = False):
+    """Yield (native parameter name, tensor or packed layer), experts stacked [E, out, in]; an FP8
+    block checkpoint (``loading.fp8_block``) yields its FP8 layers."""
+    if raw is not None and is_fp8_block(raw):
+        scheme = fp8_scheme(raw["quantization_config"], quantize_activations)
+        yield from stack_experts(fp8_block_tensors(path, scheme, lambda key, file: sigmoid_moe_param_name(key, cfg, file),
+                                                   log), cfg)
+        return
     yield from stack_experts(_plain(path, cfg), cfg)
 
 
@@ -170,13 +179,13 @@ def build_sigmoid_moe(cfg: PartialRotaryConfig, tensors, device: torch.device, d
     """The native model from (name, tensor) pairs: every parameter present with the shape the config
     implies, GLM's router in float32, q/k rows permuted to the interleaved layout on the rotary dims."""
     fp32 = (".mlp.gate.weight", ".mlp.e_score_correction_bias") if cfg.family == "glm4_moe" else ()
-    state = {name: w.to(device=device, dtype=torch.float32 if name.endswith(fp32) else dtype)
-             for name, w in tensors}
+    state, packed, experts = split_packed(tensors, device, dtype, fp32)  # packed: FP8 block layers
     cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg)
-    check_weights_match(model, state)
-    model.load_state_dict(cls.interleave_rope_weights(cfg, state), assign=True, strict=True)
+    check_weights_match(model, with_shapes(state, packed, experts))
+    install_packed(model, state, packed, experts, lambda s: cls.interleave_rope_weights(cfg, s))
+    model.load_state_dict(cls.interleave_rope_weights(cfg, state), assign=True, strict=not (packed or experts))
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta).to(device)
     model.fuse_projections()
