@@ -123,6 +123,11 @@ def dirs(tmp_path_factory):
 
 
 def _reference(model, ids: list[int]) -> torch.Tensor:
+    experts = model.model.layers[0].mlp.experts
+    if (experts.limit, experts.alpha) != (CONFIG["swiglu_limit"], model.config.swiglu_alpha):
+        # transformers before it read swiglu_alpha / swiglu_limit from the config (5.17 hard-codes
+        # 1.702 and 7.0) is not the reference of a checkpoint that sets them
+        pytest.skip(f"this transformers ignores the config's swiglu_limit ({experts.limit} != {CONFIG['swiglu_limit']})")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
     return torch.log_softmax(logits, dim=-1)
