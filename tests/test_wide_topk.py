@@ -133,3 +133,30 @@ def test_cuda_wide_topk_exact(k, deterministic):
                        backend="torch")
     assert (got.topk_logprobs.cpu() - ref.topk_logprobs).abs().max() < 1e-4
     assert (got.topk_ids.cpu() != ref.topk_ids).float().mean() < 0.01  # only float32 near-ties may swap
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its error classes)")
+def test_wide_topk_launch_failure_falls_back_exactly(monkeypatch):
+    """Where the wide kernel cannot launch (its sorts need more registers or shared memory than a
+    GPU has), ``logprob_head`` warns once and runs the PyTorch head: the same numbers as asking
+    for it. k <= 20 (the register path) and ``backend="triton"`` raise instead."""
+    from triton.runtime.errors import OutOfResources
+
+    import logprobe.layers.logprob_head as lh
+
+    def fail(*args, **kwargs):
+        raise OutOfResources(1 << 20, 1 << 18, "shared memory")
+
+    monkeypatch.setattr(lh, "_kernel_applies", lambda *a: True)
+    monkeypatch.setattr(lh, "_check", lambda *a: None)
+    monkeypatch.setattr(lh, "_kernel_partials", fail)
+    monkeypatch.setattr(lh, "fused_target_logits", lambda h, w, rows, inv_t, **kw: (h @ w[rows].T).diagonal() * inv_t)
+    monkeypatch.setattr(lh, "_warned", [])
+    h, p, y, temp = tied_case()
+    with pytest.warns(RuntimeWarning, match="wide top-k"):
+        out = logprob_head(h, p, y, temp, top_k=64, entropy=True)
+    want = logprob_head(h, p, y, temp, top_k=64, entropy=True, backend="torch")
+    for name in ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs"):
+        assert torch.equal(getattr(out, name), getattr(want, name)), name
+    with pytest.raises(OutOfResources):
+        logprob_head(h, p, y, temp, top_k=20)

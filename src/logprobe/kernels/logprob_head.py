@@ -44,6 +44,16 @@ INSERT_TOP_K = 20  # up to this k: one-at-a-time insertion into registers; above
 MAX_TOP_K = 256  # the kernel's largest k; larger k goes to the PyTorch head
 
 if triton_available():
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    # what a wide top-k launch may raise on a GPU whose registers / shared memory do not fit its
+    # sorts: the caller then runs the PyTorch head (exact too), once warned
+    LAUNCH_ERRORS: tuple[type[BaseException], ...] = (CompilationError, OutOfResources)
+else:
+    LAUNCH_ERRORS = ()
+
+if triton_available():
     import triton
     import triton.language as tl
 

@@ -27,6 +27,7 @@ bits are the same whatever the batch and whatever the TP size:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,6 +37,8 @@ from ..errors import LogprobeError
 from ..kernels import triton_available
 from ..kernels.logprob_head import (
     DEFAULT_CONFIG,
+    INSERT_TOP_K,
+    LAUNCH_ERRORS,
     MAX_TOP_K,
     _check,
     combine_head_partials,
@@ -144,17 +147,37 @@ def logprob_head(
     kernel = backend == "triton" or (backend == "auto" and _kernel_applies(hidden, params, top_k, deterministic))
     if kernel:
         _check(hidden, params.weight, params.bias, targets, inv_t, top_k)
-    zy = _target_logits(hidden, params, targets, inv_t, token_chunk, kernel, deterministic)
-    if params.comm is not None:
-        params.comm.all_reduce_max(zy)  # one rank owns each target: a max of one finite value and -inf
+    parts = None
     if kernel:
-        parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, deterministic)
-    else:
+        zy = _target_logits(hidden, params, targets, inv_t, token_chunk, True, deterministic)
+        if params.comm is not None:
+            params.comm.all_reduce_max(zy)  # one rank owns each target: a max of one finite value and -inf
+        try:
+            parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, deterministic)
+        except LAUNCH_ERRORS as e:
+            if backend == "triton" or top_k <= INSERT_TOP_K:
+                raise
+            _warn_wide_fallback(e)  # wide top-k's sorts do not fit this GPU: the PyTorch head, exact too
+    if parts is None:
+        zy = _target_logits(hidden, params, targets, inv_t, token_chunk, False, deterministic)
+        if params.comm is not None:
+            params.comm.all_reduce_max(zy)
         parts = _torch_partials(hidden, params, targets, zy, inv_t, top_k, entropy, token_chunk, vocab_chunk,
                                 deterministic)
     parts = _gather_partials(parts, params, deterministic)
 
     return HeadOutput(*combine_head_partials(zy, *parts, top_k=top_k, deterministic=deterministic))
+
+
+_warned: list[str] = []
+
+
+def _warn_wide_fallback(error: BaseException) -> None:
+    if not _warned:
+        _warned.append(type(error).__name__)
+        warnings.warn(f"the fused head's wide top-k did not launch on this GPU ({type(error).__name__}); "
+                      "the chunked PyTorch head computes it instead (same numbers, slower)", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _resident_head(params: HeadParams, hidden: torch.Tensor, top_k: int, backend: str) -> HeadParams:
