@@ -231,3 +231,20 @@ def test_config_refusals_and_keys(gemma4_dirs):
     scorer = Scorer(str(gemma4_dirs["gemma4"][0]), device="cpu", dtype="float32", progress=False)
     with pytest.raises(LogprobeError, match="no weight update yet"):
         scorer.update_weights({"model.norm.weight": torch.zeros(48)})
+
+
+def test_hooks_capture_and_zero_steer(gemma4_dirs):
+    """resid_post of block l is transformers' hidden_states[l + 1] (layer scalar and per-layer
+    embeddings included); a zero steer changes nothing."""
+    path, ref = gemma4_dirs["gemma4_text"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    seq = {"prompt_token_ids": list(range(10, 30)), "completion_token_ids": list(range(30, 45))}
+    tokens = seq["prompt_token_ids"] + seq["completion_token_ids"]
+    res = scorer.logprobs([seq], capture=[{"at": ["embed", "blocks.2.resid_post"], "positions": "all"}])[0]
+    got = {c.at: c.value for c in res.captures}
+    with torch.no_grad():
+        hs = ref(input_ids=torch.tensor([tokens]), use_cache=False, output_hidden_states=True).hidden_states
+    assert (got["embed"].double() - hs[0][0]).abs().max() < 1e-5
+    assert (got["blocks.2.resid_post"].double() - hs[3][0]).abs().max() < 1e-4 * hs[3].abs().max()
+    steered = scorer.logprobs([seq], steer=[{"at": "blocks.1.attn_out", "vector": [0.0] * 48}])[0]
+    assert torch.equal(steered.logprobs, scorer.logprobs([seq])[0].logprobs)
