@@ -18,6 +18,15 @@ name, shape or value leaves the old weights in force:
         checked before one tensor is read; then each tensor is read and checked for finite values,
         then read again and copied, one at a time (twice the reads, no extra memory).
 
+Families (``Family``): the Llama family (Llama, Mistral, Qwen2/3, Phi-3's fused tensors, the MoE
+ones), latent attention (``deepseek_v3``, ``kimi_k2``), the sigmoid-router MoEs (``glm4_moe``,
+``minimax_m2``), Gemma 3 and the hybrid linear-attention Qwen models (Qwen3.5 dense and MoE,
+Qwen3-Next: its fused ``in_proj_qkvz`` / ``in_proj_ba`` cut into the native projections as the
+loader cuts them, ``conv1d.weight`` [C, 1, K] squeezed). Each takes its loader's own name mapping
+(the same tensors the loader skips are ignored: multi-token-prediction layers, vision towers) and
+rotary row permutation; routers held in float32 stay float32. Gemma 4, GLM-4 and gpt-oss are
+refused, as are packed-quantized models (FP8 blocks, GGUF, compressed-tensors).
+
 Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.{e}.gate_proj.weight``,
 as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked, as transformers holds
 them in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); see ``units``.
@@ -45,7 +54,8 @@ import torch
 
 from ..errors import LogprobeError
 from ..layers.moe import ExpertMatrices
-from ..layers.parallel_linear import held_rows
+from ..layers.gated_delta import split_qwen3_next_projections
+from ..layers.parallel_linear import held_ranges
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekModel
 from ..models.gemma import GemmaModel
@@ -57,12 +67,17 @@ from ..models.llama import LlamaModel
 from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridModel
 from .checkpoint import _EXPERT, hf_param_name, safetensors_files
+from .deepseek import deepseek_param_name
+from .gemma import gemma_param_name
+from .hybrid import hybrid_param_name
 from .loader import parallel_context
 from .phi3 import fused_parts
-from .sharding import rank_model
+from .sigmoid_moe import model_class as sigmoid_model_class
+from .sigmoid_moe import sigmoid_moe_param_name
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")  # [E, out, in] parameters
+_HYBRID_FUSED = re.compile(r"(layers\.\d+\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight")
 _SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
@@ -76,6 +91,42 @@ class Incoming:
     load: Callable[[], torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class Family:
+    """How one native family's checkpoint names and tensors become its parameters, as its loader
+    does it: ``param_name(key, cfg, where)`` (None: not a weight it holds), ``interleave(cfg,
+    state)`` (q/k rows to the interleaved rotary layout), ``build(cfg, ctx)`` (a model of the
+    family, on the current device: the meta device for shapes and a rank's rows)."""
+
+    name: str
+    param_name: Callable
+    interleave: Callable
+    build: Callable
+
+
+def family(model) -> Family:
+    """The ``Family`` of a loaded native model; refuses the ones that take no weight update."""
+    refuse_unsupported(model)
+    if isinstance(model, DeepseekModel):  # latent attention (models.deepseek, loading.deepseek)
+        return Family("deepseek", deepseek_param_name, DeepseekModel.interleave_rope_weights,
+                      lambda cfg, ctx: DeepseekModel(cfg, ctx))
+    if isinstance(model, HybridModel):  # Gated DeltaNet + gated attention (models.qwen3_next, loading.hybrid)
+        return Family("hybrid", hybrid_param_name, HybridModel.interleave_rope_weights,
+                      lambda cfg, ctx: HybridModel(cfg, ctx))
+    if isinstance(model, GemmaModel):  # Gemma 3 (models.gemma, loading.gemma)
+        return Family("gemma", gemma_param_name, GemmaModel.interleave_rope_weights,
+                      lambda cfg, ctx: GemmaModel(cfg, ctx))
+    if isinstance(model, PartialRotaryMoeModel):  # glm4_moe, minimax_m2 (loading.sigmoid_moe)
+        cls = sigmoid_model_class(model.config)
+        return Family("sigmoid_moe", sigmoid_moe_param_name, cls.interleave_rope_weights,
+                      lambda cfg, ctx: cls(cfg, ctx=ctx))
+    if not isinstance(model, LlamaModel):
+        raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
+                            "use a native model (a Hugging Face directory of a native family, or a GGUF file)")
+    return Family("llama", hf_param_name, LlamaModel.interleave_rope_weights,
+                  lambda cfg, ctx: native_model_class(cfg)(cfg, ctx=ctx))
+
+
 def weight_slots(model) -> dict[str, torch.Tensor]:
     """Native parameter name -> the live parameter it is copied into (q/k/v and gate/up are views
     of their fused weight, so writing them writes the fused matmul too): exactly the names a
@@ -83,89 +134,111 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     [E, out, in] is E units ``layers.N.mlp.experts.gate_proj.{e}`` (views [out, in]). A
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
-    refuse_hybrid(model)
-    if not isinstance(model, LlamaModel):
-        raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
-                            "use a native model (a Llama-family directory or GGUF file)")
+    family(model)
     for name, m in model.named_modules():
         if isinstance(m, (PackedWeight, PackedEmbedding, ExpertMatrices)):
             raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
                                 "tensors cannot be written into quantized blocks exactly",
                                 "load the float checkpoint, or reload the scorer from the new quantized file")
-    return _slots(model, list(full_slots(model.config, names=True)))
+    return _slots(model, list(full_slots(model, names=True)))
 
 
-def refuse_hybrid(model) -> None:
-    """The hybrid linear-attention models (``models.qwen3_next``) and the DeepSeek-V3-style ones
-    (``models.deepseek``) take no weight update yet."""
-    if isinstance(model, HybridModel):
-        raise LogprobeError("model", f"{model.config.family} (hybrid linear attention) has no weight update yet",
-                            "reload the scorer from the new checkpoint")
-    if isinstance(model, DeepseekModel):
-        raise LogprobeError("model", f"{model.config.family} (latent attention) has no weight update yet",
-                            "reload the scorer from the new checkpoint")
-    if isinstance(model, PartialRotaryMoeModel):  # glm4_moe, minimax_m2 (models.glm4_moe, models.minimax_m2)
-        raise LogprobeError("model", f"{model.config.family} (sigmoid-router mixture of experts) has no weight "
-                            "update yet", "reload the scorer from the new checkpoint")
+def refuse_unsupported(model) -> None:
+    """The families that take no weight update yet (their loaders reshape tensors in ways the
+    update does not repeat): Gemma 4, GLM-4 (fused gate_up), gpt-oss."""
     if isinstance(model, Gemma4Model):
         raise LogprobeError("model", f"{model.config.family} (Gemma 4) has no weight update yet",
                             "reload the scorer from the new checkpoint")
     if isinstance(model, Glm4Model):
         raise LogprobeError("model", "glm4 (fused gate_up checkpoints) has no weight update yet",
                             "reload the scorer from the new checkpoint")
-    if isinstance(model, GemmaModel):
-        raise LogprobeError("model", f"{model.config.family} (Gemma 3) has no weight update yet",
-                            "reload the scorer from the new checkpoint")
     if isinstance(model, GptOssModel):
         raise LogprobeError("model", "gpt_oss has no weight update yet", "reload the scorer from the new checkpoint")
 
 
-def full_slots(cfg, names: bool = False) -> dict[str, torch.Tensor]:
-    """The slots of the whole (unsplit) model of ``cfg``, on the meta device: the shapes a
-    checkpoint's tensors must have (``names``: its parameter names -> meta parameters instead)."""
+def full_slots(model, names: bool = False) -> dict[str, torch.Tensor]:
+    """The slots of the whole (unsplit) model of ``model``'s family and config, on the meta device:
+    the shapes a checkpoint's tensors must have (``names``: its parameter names -> meta tensors)."""
     with torch.device("meta"):
-        model = native_model_class(cfg)(cfg)
-    return dict(model.state_dict()) if names else _slots(model, list(model.state_dict()))
+        whole = family(model).build(model.config, None)
+    return dict(whole.state_dict()) if names else _slots(whole, list(whole.state_dict()))
+
+
+def _tensor(model, name: str) -> torch.Tensor:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
 
 
 def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
     slots = {}
     for n in names:
         if _STACKED.fullmatch(n):  # [E, out, in]: one unit per expert, as checkpoints store them
-            p = model.get_parameter(n)
+            p = _tensor(model, n)
             slots.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
         else:
-            slots[n] = model.get_parameter(n)
+            slots[n] = _tensor(model, n)
     return slots
 
 
-def rank_slice(name: str, value: torch.Tensor, model: LlamaModel) -> torch.Tensor:
-    """``model``'s rank's part of slot ``name``'s whole tensor (the rows its layer holds, as the
-    loader reads them: ``loading.sharding``), as its own contiguous storage; the tensor itself
-    with one rank."""
+def rank_slice(name: str, value: torch.Tensor, model) -> torch.Tensor:
+    """``model``'s rank's part of slot ``name``'s whole tensor (the rows its layers hold, as the
+    loader reads them: ``loading.sharding``; several row ranges for a segmented layer, e.g. a
+    Gated DeltaNet's q/k/v rows and conv channels), as its own contiguous storage; the tensor
+    itself with one rank."""
     if model.ctx.size == 1:
         return value
-    cut = held_rows(model, name)
-    if cut is None:
+    ranges = held_ranges(model, name)
+    if ranges is None:
         return value
-    a, b = cut
-    return value[a:b].clone(memory_format=torch.contiguous_format)
+    return torch.cat([value[a:b] for a, b in ranges]).clone(memory_format=torch.contiguous_format)
 
 
-def native_name(hf_name: str, model: LlamaModel) -> str | None:
-    """A Hugging Face name -> the native parameter name, by the loader's own mapping
-    (``loading.hf.hf_param_name``: Mixtral's ``block_sparse_moe`` too); None: a tensor the model does
-    not hold (rotary ``inv_freq``, a tied model's ``lm_head.weight``). An unknown name comes back as
-    given and fails the slot lookup."""
+def native_name(hf_name: str, model) -> str | None:
+    """A Hugging Face name -> the native parameter name, by the family loader's own mapping
+    (``loading.hf.hf_param_name``, ``deepseek_param_name``, ...); None: a tensor the model does
+    not hold (rotary ``inv_freq``, a tied model's ``lm_head.weight``, multi-token-prediction
+    layers, a vision tower). An unknown name comes back as given and fails the slot lookup."""
     try:
-        return hf_param_name(hf_name, model.config, "update")
-    except LogprobeError:
+        return family(model).param_name(hf_name, model.config, "update")
+    except LogprobeError as e:
+        if e.field != "model":
+            raise
         return hf_name
 
 
-def units(item: Incoming, model: LlamaModel, field: str) -> list[tuple[str | None, Incoming]]:
-    """An incoming tensor as (slot name, piece) pairs: one pair, except a mixture of experts' tensors,
-    which land one expert at a time:
+def _hybrid_units(name: str, item: Incoming, model, field: str) -> list[tuple[str, Incoming]] | None:
+    """A hybrid model's tensors its loader reshapes: ``conv1d.weight`` [C, 1, K] -> ``conv_weight``
+    [C, K]; Qwen3-Next's ``in_proj_qkvz`` -> ``in_proj_qkv`` + ``in_proj_z`` and ``in_proj_ba`` ->
+    ``in_proj_b`` + ``in_proj_a`` (rows picked as ``split_qwen3_next_projections`` picks them)."""
+    if name.endswith(".linear_attn.conv_weight") and len(item.shape) == 3 and item.shape[1] == 1:
+        return [(name, Incoming(item.name, (item.shape[0], item.shape[2]), item.dtype,
+                                lambda: item.load().squeeze(1)))]
+    m = _HYBRID_FUSED.fullmatch(name)
+    if m is None:
+        return None
+    cfg = model.config
+    r, kd, vd = cfg.linear_num_value_heads // cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    want = cfg.linear_num_key_heads * ((2 * kd + 2 * r * vd) if m.group(2) == "in_proj_qkvz" else 2 * r)
+    if len(item.shape) != 2 or item.shape[0] != want:
+        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is ({want}, {cfg.hidden_size})")
+    rows = torch.arange(want)[:, None]  # [want, 1]: which incoming row each part's row is
+    qkvz, ba = (rows, torch.zeros(cfg.linear_num_key_heads * 2 * r, 1, dtype=rows.dtype)) \
+        if m.group(2) == "in_proj_qkvz" else (torch.zeros(cfg.linear_num_key_heads * (2 * kd + 2 * r * vd), 1,
+                                                          dtype=rows.dtype), rows)
+    parts = split_qwen3_next_projections(qkvz, ba, cfg.linear_num_key_heads, kd, cfg.linear_num_value_heads, vd)
+    keep = ("in_proj_qkv", "in_proj_z") if m.group(2) == "in_proj_qkvz" else ("in_proj_b", "in_proj_a")
+    return [(f"{m.group(1)}.{part}.weight",
+             Incoming(item.name, (len(parts[part]), item.shape[1]), item.dtype,
+                      lambda idx=parts[part][:, 0]: item.load()[idx]))
+            for part in keep]
+
+
+def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]]:
+    """An incoming tensor as (slot name, piece) pairs: one pair, except tensors the loader cuts or
+    reshapes (Phi-3's fused q/k/v and gate/up, a hybrid model's conv and Qwen3-Next's fused mixer
+    projections: ``_hybrid_units``) and a mixture of experts' tensors, which land one expert at a time:
 
         layers.N.mlp.experts.{e}.gate_proj.weight [I, H]   -> unit layers.N.mlp.experts.gate_proj.{e}
         layers.N.mlp.experts.gate_proj / up_proj / down_proj [E, out, in]  -> E units
@@ -173,13 +246,18 @@ def units(item: Incoming, model: LlamaModel, field: str) -> list[tuple[str | Non
                                          -> gate_proj.{e} = [e, :I], up_proj.{e} = [e, I:]
     """
     name = native_name(item.name, model)
-    if name is not None and (parts := fused_parts(name, model.config)) is not None:  # Phi-3's fused tensors
+    cfg = model.config
+    if name is not None and getattr(cfg, "extra", None) is not None \
+            and (parts := fused_parts(name, cfg)) is not None:  # Phi-3's fused tensors
         if len(item.shape) != 2 or item.shape[0] != parts[-1][2]:
             raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is "
-                                f"{(parts[-1][2], model.config.hidden_size)}")
+                                f"{(parts[-1][2], cfg.hidden_size)}")
         return [(part, Incoming(item.name, (b - a, item.shape[1]), item.dtype, lambda a=a, b=b: item.load()[a:b]))
                 for part, a, b in parts]
-    if name is None or model.config.moe is None:
+    if name is not None and isinstance(model, HybridModel) and (split := _hybrid_units(name, item, model, field)):
+        return split
+    moe = getattr(cfg, "moe", None)
+    if name is None or moe is None:
         return [(name, item)]
     if m := _EXPERT.fullmatch(name):
         return [(f"{m.group(1)}.{m.group(3)}.{m.group(2)}", item)]
@@ -187,9 +265,9 @@ def units(item: Incoming, model: LlamaModel, field: str) -> list[tuple[str | Non
         return [(name, item)]
     E, rows, cols = item.shape
     stacked = name.endswith(".experts.gate_up_proj") or _STACKED.fullmatch(name)
-    if stacked and E != model.config.moe.num_experts:
+    if stacked and E != moe.num_experts:
         raise LogprobeError(field, f"{item.name!r} has shape {item.shape}: {E} experts, the model has "
-                            f"{model.config.moe.num_experts}")
+                            f"{moe.num_experts}")
     if name.endswith(".experts.gate_up_proj") and rows % 2 == 0:
         half, base = rows // 2, name.removesuffix("gate_up_proj")
         return [(f"{base}{proj}.{e}", Incoming(item.name, (half, cols), item.dtype,
@@ -252,11 +330,11 @@ def check_complete(slots: dict[str, torch.Tensor], seen: set[str], field: str) -
                             "send every weight of the model (a partial update would mix two policies)")
 
 
-def convert(name: str, value: torch.Tensor, slot: torch.Tensor, model: LlamaModel) -> torch.Tensor:
-    """What the loader makes of checkpoint tensor ``name``: the model's dtype and device, q/k rows
-    (and q/k norms) interleaved for RoPE."""
+def convert(name: str, value: torch.Tensor, slot: torch.Tensor, model) -> torch.Tensor:
+    """What the loader makes of checkpoint tensor ``name``: the model's dtype (a float32 router
+    stays float32) and device, q/k rows (and q/k norms) interleaved for RoPE as the family does."""
     value = value.detach().to(device=slot.device, dtype=slot.dtype)
-    return LlamaModel.interleave_rope_weights(model.config, {name: value})[name]
+    return family(model).interleave(model.config, {name: value})[name]
 
 
 def incoming_tensors(named_tensors: Iterable, field: str):
@@ -279,7 +357,7 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
     once the stream ends; else check all first and convert while copying). Returns how many.
     Items are whole tensors; a tensor-parallel shard (under torchrun) takes its slice of each."""
     slots = weight_slots(model)
-    full = slots if model.ctx.size == 1 else full_slots(model.config)
+    full = slots if model.ctx.size == 1 else full_slots(model)
     seen: set[str] = set()
 
     def ready(name: str, piece: Incoming) -> torch.Tensor:
@@ -314,7 +392,11 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     error before that drops every staged slice (all or nothing across ranks)."""
     full = weight_slots(model)
     cfg, seen, n = model.config, set(), 0
-    ranks = [rank_model(cfg, parallel_context(cfg, r, engine.tp)) for r in range(engine.tp)]
+    build = family(model).build
+    ranks = []
+    for r in range(engine.tp):
+        with torch.device("meta"):
+            ranks.append(build(cfg, parallel_context(cfg, r, engine.tp)))
     try:
         for item in items:
             for unit, piece in units(item, model, field):
@@ -370,7 +452,7 @@ def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors
     ``engine``: a parallel scorer's ``ParallelEngine`` (``model`` is then the driver's meta model)."""
     if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
         raise LogprobeError(field, "must be (name, tensor) pairs: a dict, a list or an iterator")
-    refuse_hybrid(model)
+    family(model)
     items = incoming_tensors(named_tensors, field)
     if engine is not None:
         return update_workers(model, items, engine, field)
@@ -426,7 +508,7 @@ def _read(f: Path, key: str) -> torch.Tensor:
 def load_weights(model: LlamaModel, path: str | Path, field: str = "path", engine=None) -> int:
     """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
     read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
-    refuse_hybrid(model)
+    family(model)
     items = safetensors_items(path, field)
     if engine is not None:
         full, seen = weight_slots(model), set()
