@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
+from .engine.prefix_run import prefix_cache_for
 from .engine.runner import Engine
 from .errors import LogprobeError
 from .executor.cached import with_cache
@@ -51,7 +52,8 @@ class Scorer:
     def __init__(self, model: str | LoadedModel | None = None, *, device: str | None = "auto",
                  dtype: str | None = "auto", max_batch_tokens: int | None = None, progress: bool | None = None,
                  deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, cache: str | None = None) -> None:
+                 data_parallel_size: int = 1, cache: str | None = None,
+                 prefix_cache: bool | int | None = None) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
         tiles everywhere, see EngineConfig), and whatever the TP size.
@@ -65,16 +67,28 @@ class Scorer:
 
         ``cache``: a directory of stored results (``executor.cached``): a request scored before
         under the same weights, tokenizer, dtype, device kind, deterministic mode and options is
-        answered from it without a forward pass; new results are stored as they complete."""
+        answered from it without a forward pass; new results are stored as they complete.
+
+        ``prefix_cache``: keep the keys/values (and hybrid states) of token prefixes across calls
+        and resume later requests from their longest cached prefix (``engine.prefix_cache``):
+        True for the default budget (a quarter of free CUDA memory, 512 MiB on CPU), a number of
+        bytes, or None/False (off, the default). Numbers are unchanged (bitwise in deterministic
+        mode); cleared by new weights; ``prefix_cache_stats()`` reports hits and bytes held.
+        Native models in this process only (not with tensor/data parallelism)."""
         config = engine_config(config, max_batch_tokens=max_batch_tokens, progress=progress,
                                deterministic=deterministic)
         if tensor_parallel_size != 1 or data_parallel_size != 1:
+            if prefix_cache:
+                raise LogprobeError("prefix_cache", "is not available with tensor/data parallelism yet",
+                                    "turn it off, or use one process (tensor_parallel_size=1, data_parallel_size=1)")
             self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
                                                                    tensor_parallel_size, data_parallel_size)
         else:
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
             self.device = next(self.loaded.model.parameters()).device
             self.engine = Engine(self.loaded.model, config, self.device)
+            self.engine.prefix_cache = prefix_cache_for(self.loaded.model, prefix_cache, self.device)
+        self.prefix_cache = getattr(self.engine, "prefix_cache", None)
         if cache is not None:  # hits answered from the cache, misses run and stored (versions: rehashed)
             self.engine = with_cache(self.engine, self.loaded, cache, lambda: self.weights_version,
                                      tensor_parallel_size)
@@ -258,7 +272,14 @@ class Scorer:
         count as a string (``"1"``, ``"2"``, ...). A failed update leaves it unchanged."""
         return self._weight_version
 
+    def prefix_cache_stats(self) -> dict | None:
+        """The prefix cache's counters (lookups, hits, cached_tokens, hit_rate, bytes, max_bytes,
+        nodes, inserted/evicted tokens), or None when it is off."""
+        return None if self.prefix_cache is None else self.prefix_cache.stats.as_dict()
+
     def _bump(self, weight_version: str | None) -> int:
+        if self.prefix_cache is not None:  # computed under the old weights
+            self.prefix_cache.clear()
         self.weights_version += 1
         self._weight_version = str(self.weights_version) if weight_version is None else str(weight_version)
         return self.weights_version

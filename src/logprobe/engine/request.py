@@ -83,3 +83,4 @@ class RequestResult:
     topk_logprobs: torch.Tensor | None = None  # [n, k]
     captures: list[torch.Tensor] | None = None  # one per ScoreRequest.capture, float32
     routed_experts: torch.Tensor | None = None  # [tokens fed here, moe_layers, k] int64 (ScoreRequest.route)
+    cached_tokens: int = 0  # leading input tokens read from the prefix cache, not computed (engine.prefix_cache)

@@ -21,6 +21,8 @@ from ..models.caps import ModelCaps
 from .budget import budget_for, resolved_budget
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy
+from .prefix_cache import PrefixCache
+from .prefix_run import cacheable, chunk_keeper, keep_batch, resumable
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, chunk_bounds, plan_work, tree_cost
 
@@ -228,6 +230,9 @@ class Engine:
         # called as fault_hook(rows, tokens) before each forward pass (tokens: rows + cached keys);
         # tests raise torch.OutOfMemoryError from it, or count passes
         self.fault_hook: Callable[[int, int], None] | None = None
+        # across runs: the KV (and hybrid states) of token prefixes already computed
+        # (engine.prefix_cache; set by the owner: Scorer(prefix_cache=...)), None: off
+        self.prefix_cache: PrefixCache | None = None
 
     def close(self) -> None:
         """Nothing to stop (``executor.Executor``): the model lives in this process."""
@@ -267,7 +272,9 @@ class Engine:
                 return self.run(requests, on_result, progress, on_error=on_error, stop=stop, cancelled=cancelled)
         self._check_supported(requests)
         out = Delivery(requests, on_result, on_error, self._progress_bar(sum(r.num_inputs for r in requests), progress))
-        queue = self._plan(requests, range(len(requests)))
+        cache = self.prefix_cache if self._context else None
+        resumed = resumable(cache, requests, self._align) if cache is not None else []
+        queue = self._plan(requests, sorted(set(range(len(requests))) - set(resumed)))
         planned_at = self.budget
         while queue:
             if stop is not None and stop():
@@ -290,6 +297,12 @@ class Engine:
             if self.budget != planned_at:  # lowered (or raised back): plan what is left again
                 queue = self._plan(requests, _pending(queue))
                 planned_at = self.budget
+        out.settle()
+        for m in resumed:  # each from its longest cached prefix, one chunked sequence (engine.prefix_run)
+            if stop is not None and stop():
+                raise RunStopped()
+            if cancelled is None or not cancelled(m):
+                self._run_chunks(requests, m, out, stop, cancelled, resume=True)
         return out.close()
 
     def _check_supported(self, requests: list[ScoreRequest]) -> None:
@@ -311,8 +324,12 @@ class Engine:
         request failed alone)."""
         rows = sum(tree_cost(t, out.lengths) for t in unit)
         oom = None
+        cache = self.prefix_cache if self._context else None
+        # with a prefix cache, the pass's keys/values are recorded (a cache with no past changes
+        # no number) and the members' prefixes kept
+        record = KVCache.empty(len(self.model.layers)) if cache is not None else None
         try:
-            packed, launched = self._run_batch(requests, unit)
+            packed, launched = self._run_batch(requests, unit, record)
         except torch.OutOfMemoryError as e:
             oom = _first_line(e)
         except BaseException:
@@ -322,6 +339,8 @@ class Engine:
         # planned, packed and launched (config.overlap_host; bitwise the same either way)
         out.settle()
         if oom is None:
+            if record is not None:
+                keep_batch(cache, unit, requests, record)
             self._succeeded(packed.meta.num_rows)
             out.hold(launched)
             if not self.config.overlap_host:
@@ -371,22 +390,31 @@ class Engine:
         return packed, self.score(requests, packed, hidden)
 
     def _run_chunks(self, requests: list[ScoreRequest], m: int, out: Delivery,
-                    stop: Callable[[], bool] | None = None, cancelled: Callable[[int], bool] | None = None) -> None:
+                    stop: Callable[[], bool] | None = None, cancelled: Callable[[int], bool] | None = None,
+                    resume: bool = False) -> None:
         """Request ``m``'s chunks in order through one KV cache. Out of memory: the cache is cut
         back to the chunk's start and the chunk halved (down to ``MIN_OOM_CHUNK`` rows, then the
-        request fails). Cancelled between chunks: left unfinished, undelivered."""
+        request fails). Cancelled between chunks: left unfinished, undelivered. ``resume``: the
+        cache starts as the request's longest prefix in ``self.prefix_cache``.
+
+        With a prefix cache the request's prefixes are kept as it goes (``prefix_run.chunk_keeper``:
+        chunks also end at the grid points where a hybrid state is stored)."""
         r = requests[m]
         n = r.num_inputs
         cache = KVCache.empty(len(self.model.layers))
+        keeper = chunk_keeper(self.prefix_cache, r, self._align, cache, resume) \
+            if self.prefix_cache is not None and cacheable(r) else None
+        b = keeper.begin if keeper is not None else 0
         parts: list[RequestResult] = []
         size = self.budget  # this request's chunk size: only ever halved
-        b = 0
         while b < n:
             if stop is not None and stop():
                 raise RunStopped()
             if b > 0 and cancelled is not None and cancelled(m):
                 return
             e = chunk_bounds(n - b, max(1, min(size, self.budget)), self._align)[0][1] + b
+            if keeper is not None:
+                e = keeper.end(b, e)
             oom = None
             try:
                 packed, launched = self._run_batch(requests, [Chunk(m, b, e)], cache)
@@ -403,11 +431,15 @@ class Engine:
                 size = max(MIN_OOM_CHUNK, (e - b) // 2)
                 continue
             cache.commit()  # the linear-attention states after row e carry to the next chunk
+            if keeper is not None:
+                keeper.keep(e)
             self._succeeded(e)
             parts.extend(part for _, part in scored)
             out.progress(e - b)
             b = e
-        out.finish(m, concat_parts(parts, r))
+        res = concat_parts(parts, r)
+        res.cached_tokens = keeper.begin if keeper is not None else 0
+        out.finish(m, res)
 
     def _out_of_memory(self, rows: int) -> None:
         """A batch of ``rows`` rows ran out of memory: free the allocator's cache, lower the budget."""
@@ -427,6 +459,8 @@ class Engine:
         keeps the budget this engine started with (chosen once, agreed by TP ranks); a new budget
         replaces the working one, an unchanged one keeps any lowering after an out-of-memory."""
         config = resolved_budget(config, self.start_budget)
+        if self.prefix_cache is not None and config.deterministic != self._config.deterministic:
+            self.prefix_cache.clear()  # its keys were computed under the other mode's kernels
         if config.max_batch_tokens != self._config.max_batch_tokens:
             self.budget = config.max_batch_tokens
         self._config = config

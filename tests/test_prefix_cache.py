@@ -1,0 +1,296 @@
+"""The prefix cache across requests (``engine.prefix_cache``, ``engine.prefix_run``).
+
+Gold tables pin the radix tree's insert / match / evict. Then the engine: over a randomised
+sequence of calls (shared and partly shared prefixes, long chunked requests under a small budget,
+evictions under a tiny byte budget, new weights in the middle), every result with the cache equals
+the result without it: bitwise in deterministic mode, within 1e-5 otherwise; on tiny Llama-family
+models, the default GGUF model and a tiny hybrid Qwen3.5; and a float64 reference checks the
+uncached run itself."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import ref_logprobs
+from test_determinism import same
+
+from logprobe import Scorer
+from logprobe.config import EngineConfig
+from logprobe.engine.prefix_cache import PrefixCache, unit_rows
+from logprobe.engine.request import ScoreRequest
+from logprobe.errors import LogprobeError
+from logprobe.loading import load_model
+
+# -- the radix tree, pure ---------------------------------------------------------------------------
+
+# (inserts, then the layout: (depth, tokens) depth first)
+INSERT_GOLD = [
+    ([[1, 2, 3]], [(0, (1, 2, 3))]),
+    ([[1, 2, 3], [1, 2, 3]], [(0, (1, 2, 3))]),
+    ([[1, 2, 3], [1, 2]], [(0, (1, 2)), (1, (3,))]),
+    ([[1, 2, 3], [1, 2, 3, 4]], [(0, (1, 2, 3)), (1, (4,))]),
+    ([[1, 2, 3, 4], [1, 2, 5], [1, 6], [7]], [(0, (1,)), (1, (2,)), (2, (3, 4)), (2, (5,)), (1, (6,)), (0, (7,))]),
+    ([[5, 5, 5], [5, 5, 6], [5, 5, 5, 5]], [(0, (5, 5)), (1, (5,)), (2, (5,)), (1, (6,))]),
+]
+
+
+@pytest.mark.parametrize("inserts,layout", INSERT_GOLD)
+def test_insert_gold(inserts, layout):
+    t = PrefixCache(10 ** 6)
+    for seq in inserts:
+        t.insert(seq, unit_rows)
+    assert t.layout() == layout
+    # every node's rows are its tokens' positions in the sequence
+    for seq in inserts:
+        h = t.match(seq, limit=len(seq))
+        assert h.length == len(seq) and h.rows[0].flatten().tolist() == list(range(len(seq)))
+
+
+# (inserted, query, limit, grid, expected length)
+MATCH_GOLD = [
+    ([[1, 2, 3, 4]], [1, 2, 3, 4, 5], 10, 1, 4),
+    ([[1, 2, 3, 4]], [1, 2, 9], 10, 1, 2),
+    ([[1, 2, 3, 4]], [1, 2, 3, 4, 5], 3, 1, 3),  # the limit (score_begin - 1)
+    ([[1, 2, 3, 4]], [9, 2], 10, 1, 0),
+    ([[1, 2, 3, 4], [1, 2, 5]], [1, 2, 5, 6], 10, 1, 3),
+    ([[1, 2, 3, 4, 5]], [1, 2, 3, 4, 5], 10, 2, 4),  # on the grid
+    ([[1, 2, 3, 4, 5]], [1, 2, 3, 9], 10, 2, 2),
+    ([[1, 2, 3, 4, 5]], [1, 9], 10, 2, 0),
+]
+
+
+@pytest.mark.parametrize("inserted,query,limit,grid,length", MATCH_GOLD)
+def test_match_gold(inserted, query, limit, grid, length):
+    t = PrefixCache(10 ** 6, grid=grid)
+    for seq in inserted:
+        t.insert(seq, unit_rows)
+    h = t.match(query, limit)
+    assert h.length == length == t.peek(query, limit)
+    if length:
+        assert h.rows[0].flatten().tolist() == list(range(length))
+
+
+def test_match_with_states_gold():
+    """Hybrid: a match ends at a node end holding a state (grid points only)."""
+    t = PrefixCache(10 ** 6, grid=2, need_state=True)
+    t.insert([1, 2, 3, 4, 5, 6], unit_rows, state={"s": torch.ones(3)})
+    t.insert([1, 2, 3, 4], unit_rows, state={"s": torch.zeros(3)})  # splits: a state at 4 too
+    t.insert([1, 2, 7, 7], unit_rows)  # no state: splits at 2, which has none
+    assert t.layout() == [(0, (1, 2)), (1, (3, 4)), (2, (5, 6)), (1, (7, 7))]
+    assert [t.peek(q, 99) for q in ([1, 2, 3, 4, 5, 6, 0], [1, 2, 3, 4, 5, 0], [1, 2, 7, 7, 0], [1, 2, 3])] \
+        == [6, 4, 0, 0]
+    h = t.match([1, 2, 3, 4, 5, 6, 0], 5)  # limit 5: back to the state at 4
+    assert h.length == 4 and h.state["s"].sum() == 0
+    with pytest.raises(LogprobeError, match="grid"):
+        t.insert([1, 2, 3], unit_rows, state={"s": torch.ones(1)})
+
+
+# (budget in rows of 8 bytes, sequence of ("i", tokens) / ("m", tokens), final layout)
+EVICT_GOLD = [
+    (4, [("i", [1, 2, 3]), ("i", [4, 5])], [(0, (4, 5))]),  # 5 rows > 4: the older leaf goes
+    (5, [("i", [1, 2, 3]), ("i", [4, 5])], [(0, (1, 2, 3)), (0, (4, 5))]),
+    (5, [("i", [1, 2, 3]), ("i", [4, 5]), ("m", [1, 2]), ("i", [6])], [(0, (1, 2, 3)), (0, (6,))]),
+    (2, [("i", [1, 2, 3])], []),  # larger than the budget: not kept
+]
+
+
+@pytest.mark.parametrize("budget,ops,layout", EVICT_GOLD)
+def test_evict_gold(budget, ops, layout):
+    t = PrefixCache(budget * 8)
+    for op, seq in ops:
+        if op == "i":
+            t.insert(seq, unit_rows)
+        else:
+            t.match(seq, len(seq))
+    assert t.layout() == layout
+    assert t.stats.bytes == 8 * sum(len(tok) for _, tok in layout) <= budget * 8
+
+
+def test_evict_leaf_before_parent():
+    t = PrefixCache(4 * 8)
+    t.insert([1, 2, 3], unit_rows)
+    t.insert([1, 2, 4], unit_rows)  # (1, 2) -> (3,), (4,): 4 rows
+    assert t.layout() == [(0, (1, 2)), (1, (3,)), (1, (4,))]
+    t.insert([9], unit_rows)  # 5 rows: the oldest leaf (3,) goes, not its parent
+    assert t.layout() == [(0, (1, 2)), (1, (4,)), (0, (9,))]
+    t.insert([8, 8], unit_rows)  # 6 rows: (4,), then (1, 2) once a leaf, are the oldest
+    assert t.layout() == [(0, (8, 8)), (0, (9,))]
+    assert t.stats.evicted_tokens == 4 and t.stats.nodes == 2
+
+
+def test_stats_and_clear():
+    t = PrefixCache(10 ** 6)
+    t.insert([1, 2, 3, 4], unit_rows)
+    t.match([1, 2, 3, 4, 5], 4)
+    t.match([7, 7], 1)
+    s = t.stats.as_dict()
+    assert (s["lookups"], s["hits"], s["lookup_tokens"], s["cached_tokens"]) == (2, 1, 7, 4)
+    assert s["hit_rate"] == 4 / 7 and s["bytes"] == 32
+    t.clear()
+    assert t.layout() == [] and t.stats.bytes == 0 and t.match([1, 2], 2).length == 0
+
+
+# -- the engine: with and without the cache -------------------------------------------------------
+
+
+def calls(seed: int, vocab: int, long: int = 150) -> list[list[ScoreRequest]]:
+    """A sequence of engine calls: RL-style groups sent one per call or together, multiple choice
+    contexts, partly shared prefixes, exact repeats, a request that is a prefix of an earlier one,
+    long requests, score windows from 1."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(2, vocab) for _ in range(n)]  # noqa: E731
+    ctxs = [tok(rng.randint(20, 140)) for _ in range(3)]
+    out: list[list[ScoreRequest]] = []
+    for step in range(9):
+        batch = []
+        for _ in range(rng.randint(1, 3)):
+            ctx = rng.choice(ctxs)
+            kind = rng.random()
+            if kind < 0.5:  # a continuation of a shared context
+                t = ctx + tok(rng.randint(1, 25))
+                sb = len(ctx) if rng.random() < 0.8 else rng.randint(1, len(t) - 1)
+            elif kind < 0.7:  # partly shared
+                t = ctx[:rng.randint(5, len(ctx))] + tok(rng.randint(2, 20))
+                sb = rng.randint(1, len(t) - 1)
+            elif kind < 0.85:  # long
+                t = ctx + tok(long)
+                sb = rng.randint(len(ctx), len(t) - 1)
+            else:  # unrelated
+                t = tok(rng.randint(2, 60))
+                sb = rng.randint(1, len(t) - 1)
+            batch.append(ScoreRequest(t, sb, temperature=rng.choice([1.0, 0.7]), top_k=rng.choice([0, 2]),
+                                      entropy=rng.random() < 0.3))
+        if step == 4 and out:  # exact repeats and a prefix of an earlier request
+            r = out[0][0]
+            batch += [ScoreRequest(list(r.tokens), r.score_begin),
+                      ScoreRequest(r.tokens[:max(2, len(r.tokens) - 3)], max(1, min(r.score_begin, len(r.tokens) - 4)))]
+        out.append(batch)
+    return out
+
+
+def compare_runs(loaded, deterministic: bool, budget: int, cache_bytes: int, seed: int, vocab: int,
+                 weights: dict | None = None, long: int = 150, expect_hits: bool = True) -> dict:
+    """Run ``calls(seed)`` through a scorer without and one with the prefix cache (new weights
+    after the 5th call when given); every result equal. Returns the cached scorer's stats."""
+    cfg = EngineConfig(max_batch_tokens=budget, deterministic=deterministic)
+    plain = Scorer(loaded, config=cfg)
+    cached = Scorer(loaded, config=cfg, prefix_cache=cache_bytes)
+    for step, batch in enumerate(calls(seed, vocab, long)):
+        if step == 5 and weights is not None:
+            assert cached.prefix_cache.stats.bytes > 0
+            cached.update_weights(weights)  # the same model object: the plain scorer sees them too
+            assert cached.prefix_cache.stats.bytes == 0
+        want = plain.engine.run(batch)
+        got = cached.engine.run(batch)
+        for w, g in zip(want, got):
+            same(w, g, deterministic)
+            assert w.cached_tokens == 0
+    stats = cached.prefix_cache_stats()
+    if expect_hits:
+        assert stats["hits"] > 0 and stats["cached_tokens"] > 0
+    return stats
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    return {k: load_model(str(tiny_dirs[k][0]), "cpu", "float32") for k in ("llama", "mistral")}
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_tiny_models_equal_with_and_without(kind, deterministic, tiny):
+    compare_runs(tiny[kind], deterministic, budget=100, cache_bytes=1 << 26, seed=len(kind), vocab=300)
+
+
+def test_tiny_budget_evicts_and_stays_equal(tiny):
+    stats = compare_runs(tiny["llama"], True, budget=64, cache_bytes=40_000, seed=3, vocab=300,
+                         expect_hits=False)
+    assert stats["evicted_tokens"] > 0 and stats["bytes"] <= 40_000
+
+
+def test_weight_update_in_the_middle(tiny_dirs):
+    """New weights clear the cache: what follows equals the uncached run on the new weights."""
+    loaded = load_model(str(tiny_dirs["llama"][0]), "cpu", "float32")  # its own copy: the weights change
+    g = torch.Generator().manual_seed(1)
+    new = {k: (t * (1 + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype))).float()
+           for k, t in tiny_dirs["llama"][1].state_dict().items()}
+    stats = compare_runs(loaded, True, budget=100, cache_bytes=1 << 26, seed=5, vocab=300, weights=new)
+    assert stats["lookups"] > 0
+
+
+def test_cached_tokens_and_float64(tiny, tiny_dirs):
+    """A hit reports its cached tokens; the cached run agrees with the float64 reference."""
+    s = Scorer(tiny["llama"], deterministic=True, prefix_cache=True)
+    ref = tiny_dirs["llama"][1]
+    ctx = list(range(10, 90))
+    a = s.engine.run([ScoreRequest(ctx + [5, 6, 7], len(ctx))])[0]
+    b = s.engine.run([ScoreRequest(ctx + [8, 9], len(ctx))])[0]
+    assert (a.cached_tokens, b.cached_tokens) == (0, len(ctx) - 1)
+    for t, res in ((ctx + [8, 9], b), (ctx + [5, 6, 7], a)):
+        lp = ref_logprobs(ref, t)[len(ctx) - 1:-1]
+        want = lp.gather(1, torch.tensor(t[len(ctx):])[:, None])[:, 0]
+        assert (res.logprobs.double() - want).abs().max() < 1e-4
+
+
+def test_uncacheable_requests_and_refusals(tiny):
+    """Steered or captured requests never use it; a bad setting is refused, naming the key."""
+    with pytest.raises(LogprobeError, match="prefix_cache"):
+        Scorer(tiny["llama"], prefix_cache=-3)
+    s = Scorer(tiny["llama"], prefix_cache=1 << 20)
+    assert s.prefix_cache_stats()["max_bytes"] == 1 << 20
+    assert Scorer(tiny["llama"]).prefix_cache_stats() is None
+
+
+def test_default_model(default_scorer):
+    """The real default GGUF model: deterministic bits and default mode within 1e-5."""
+    compare_runs(default_scorer.loaded, True, budget=128, cache_bytes=1 << 28, seed=11, vocab=49152, long=90)
+
+
+def test_default_model_default_mode(default_scorer):
+    compare_runs(default_scorer.loaded, False, budget=128, cache_bytes=6_000_000, seed=12, vocab=49152, long=90,
+                 expect_hits=False)
+
+
+# -- the hybrid family: states on the 64-token grid ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from test_hybrid_engine import tiny_qwen35
+
+    from helpers import byte_tokenizer
+
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    path = tmp_path_factory.mktemp("pc-hybrid") / "qwen35"
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(tiny_qwen35()).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+    loaded = load_model(str(path), "cpu", "float32")
+    if loaded.info.backend != "native":
+        pytest.skip("the native hybrid model is not loaded for qwen3_5_text")
+    return loaded
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_hybrid_equal_with_and_without(hybrid, deterministic):
+    stats = compare_runs(hybrid, deterministic, budget=100, cache_bytes=1 << 26, seed=21, vocab=300)
+    assert stats["cached_tokens"] % 64 == 0
+
+
+def test_hybrid_resumes_on_the_grid(hybrid):
+    s = Scorer(hybrid, deterministic=True, prefix_cache=True)
+    ctx = [random.Random(0).randrange(2, 300) for _ in range(150)]
+    a = s.engine.run([ScoreRequest(ctx + [5, 6], 150)])[0]
+    b = s.engine.run([ScoreRequest(ctx + [7, 8, 9], 150)])[0]
+    c = s.engine.run([ScoreRequest(ctx[:100] + [7, 8, 9], 100)])[0]  # inside A's node: no state there
+    d = s.engine.run([ScoreRequest(ctx[:100] + [1], 100)])[0]  # C left a state at 64
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens, d.cached_tokens) == (0, 128, 0, 64)
