@@ -135,15 +135,15 @@ def test_stats_and_clear():
 # -- the engine: with and without the cache -------------------------------------------------------
 
 
-def calls(seed: int, vocab: int, long: int = 150) -> list[list[ScoreRequest]]:
+def calls(seed: int, vocab: int, long: int = 150, steps: int = 9, ctx_max: int = 140) -> list[list[ScoreRequest]]:
     """A sequence of engine calls: RL-style groups sent one per call or together, multiple choice
     contexts, partly shared prefixes, exact repeats, a request that is a prefix of an earlier one,
     long requests, score windows from 1."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(2, vocab) for _ in range(n)]  # noqa: E731
-    ctxs = [tok(rng.randint(20, 140)) for _ in range(3)]
+    ctxs = [tok(rng.randint(20, ctx_max)) for _ in range(3)]
     out: list[list[ScoreRequest]] = []
-    for step in range(9):
+    for step in range(steps):
         batch = []
         for _ in range(rng.randint(1, 3)):
             ctx = rng.choice(ctxs)
@@ -162,7 +162,7 @@ def calls(seed: int, vocab: int, long: int = 150) -> list[list[ScoreRequest]]:
                 sb = rng.randint(1, len(t) - 1)
             batch.append(ScoreRequest(t, sb, temperature=rng.choice([1.0, 0.7]), top_k=rng.choice([0, 2]),
                                       entropy=rng.random() < 0.3))
-        if step == 4 and out:  # exact repeats and a prefix of an earlier request
+        if step == min(4, steps - 1) and out:  # exact repeats and a prefix of an earlier request
             r = out[0][0]
             batch += [ScoreRequest(list(r.tokens), r.score_begin),
                       ScoreRequest(r.tokens[:max(2, len(r.tokens) - 3)], max(1, min(r.score_begin, len(r.tokens) - 4)))]
@@ -171,13 +171,14 @@ def calls(seed: int, vocab: int, long: int = 150) -> list[list[ScoreRequest]]:
 
 
 def compare_runs(loaded, deterministic: bool, budget: int, cache_bytes: int, seed: int, vocab: int,
-                 weights: dict | None = None, long: int = 150, expect_hits: bool = True) -> dict:
+                 weights: dict | None = None, long: int = 150, expect_hits: bool = True, steps: int = 9,
+                 ctx_max: int = 140) -> dict:
     """Run ``calls(seed)`` through a scorer without and one with the prefix cache (new weights
     after the 5th call when given); every result equal. Returns the cached scorer's stats."""
     cfg = EngineConfig(max_batch_tokens=budget, deterministic=deterministic)
     plain = Scorer(loaded, config=cfg)
     cached = Scorer(loaded, config=cfg, prefix_cache=cache_bytes)
-    for step, batch in enumerate(calls(seed, vocab, long)):
+    for step, batch in enumerate(calls(seed, vocab, long, steps, ctx_max)):
         if step == 5 and weights is not None:
             assert cached.prefix_cache.stats.bytes > 0
             cached.update_weights(weights)  # the same model object: the plain scorer sees them too
@@ -245,12 +246,13 @@ def test_uncacheable_requests_and_refusals(tiny):
 
 def test_default_model(default_scorer):
     """The real default GGUF model: deterministic bits and default mode within 1e-5."""
-    compare_runs(default_scorer.loaded, True, budget=128, cache_bytes=1 << 28, seed=11, vocab=49152, long=90)
+    compare_runs(default_scorer.loaded, True, budget=64, cache_bytes=1 << 28, seed=11, vocab=49152, long=70,
+                 steps=5, ctx_max=70)
 
 
 def test_default_model_default_mode(default_scorer):
-    compare_runs(default_scorer.loaded, False, budget=128, cache_bytes=6_000_000, seed=12, vocab=49152, long=90,
-                 expect_hits=False)
+    compare_runs(default_scorer.loaded, False, budget=64, cache_bytes=4_000_000, seed=12, vocab=49152, long=70,
+                 steps=5, ctx_max=70, expect_hits=False)
 
 
 # -- the hybrid family: states on the 64-token grid ----------------------------------------------
@@ -294,3 +296,51 @@ def test_hybrid_resumes_on_the_grid(hybrid):
     c = s.engine.run([ScoreRequest(ctx[:100] + [7, 8, 9], 100)])[0]  # inside A's node: no state there
     d = s.engine.run([ScoreRequest(ctx[:100] + [1], 100)])[0]  # C left a state at 64
     assert (a.cached_tokens, b.cached_tokens, c.cached_tokens, d.cached_tokens) == (0, 128, 0, 64)
+
+
+# -- the server: replies carry cached_tokens, /metrics the cache's counters ------------------------
+
+
+def test_server_reports_cached_tokens(tiny_dirs):
+    """The real stack (uvicorn + the app): OpenAI ``usage.prompt_tokens_details.cached_tokens`` and
+    SGLang ``meta_info.cached_tokens``; the numbers equal the library's without a cache, bitwise;
+    ``/metrics`` shows the hit rate and bytes; ``/flush_cache`` empties it."""
+    import requests
+    from server_util import serve
+
+    from logprobe.server import create_app
+
+    path = str(tiny_dirs["llama"][0])
+    lib = Scorer(path, device="cpu", dtype="float32", deterministic=True, progress=False)
+    app = create_app(Scorer(path, device="cpu", dtype="float32", deterministic=True, progress=False,
+                            prefix_cache=1 << 24))
+    ctx = list(range(20, 100))
+    with serve(app) as url:
+        def completion(ids):
+            r = requests.post(url + "/v1/completions", json={"prompt": [ids], "max_tokens": 0, "echo": True,
+                                                             "logprobs": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = completion(ctx + [5, 6])
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = completion(ctx + [5, 6])  # echo scores from token 1: nothing to resume from
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+        def generate(ids, start):
+            r = requests.post(url + "/generate", json={"input_ids": ids, "return_logprob": True,
+                                                       "logprob_start_len": start}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["meta_info"]
+
+        meta = generate(ctx + [7, 8, 9], len(ctx) - 1)  # scored from token len(ctx): resumes at len(ctx) - 1
+        assert meta["cached_tokens"] == len(ctx) - 1
+        want = lib.engine.run([ScoreRequest(ctx + [7, 8, 9], len(ctx))])[0].logprobs.tolist()
+        assert [e[0] for e in meta["input_token_logprobs"][1:]] == want
+        metrics = requests.get(url + "/metrics", timeout=30).text
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("logprobe_prefix_cache_")}
+        assert values["logprobe_prefix_cache_hits"] == 1 and values["logprobe_prefix_cache_bytes"] > 0
+        assert 0 < values["logprobe_prefix_cache_hit_rate"] < 1
+        assert requests.post(url + "/flush_cache", timeout=30).json()["success"]
+        assert generate(ctx + [7, 8, 9], len(ctx) - 1)["cached_tokens"] == 0

@@ -50,12 +50,14 @@ class ScorerOptions:
     tp_invariant: bool = True
     progress: bool | None = None  # --quiet: False; else a bar when stderr is a terminal
     cache: str | None = None  # --cache DIR: stored results (executor.cached)
+    prefix_cache: bool | int | None = None  # --prefix-cache [BYTES]: engine.prefix_cache
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ScorerOptions:
         return ScorerOptions(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
                              args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
-                             False if getattr(args, "quiet", False) else None, getattr(args, "cache", None))
+                             False if getattr(args, "quiet", False) else None, getattr(args, "cache", None),
+                             getattr(args, "prefix_cache", None))
 
     def engine_config(self) -> EngineConfig:
         """The engine's config (validated here, before any slow load)."""
@@ -67,18 +69,37 @@ class ScorerOptions:
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
                max_batch_tokens: int | None = None, deterministic: bool = False, tensor_parallel_size: int = 1,
                data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None,
-               cache: str | None = None) -> Scorer:
+               cache: str | None = None, prefix_cache: bool | int | None = None) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
     config = ScorerOptions(model, device, dtype, max_batch_tokens, deterministic, tensor_parallel_size,
                            data_parallel_size, tp_invariant, progress).engine_config()
     if tensor_parallel_size != 1 or data_parallel_size != 1:
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
-                      data_parallel_size=data_parallel_size, cache=cache)
+                      data_parallel_size=data_parallel_size, cache=cache, prefix_cache=prefix_cache)
     key = (model, device, dtype)
     if key not in _MODELS:
         _MODELS[key] = load_model(model, device, dtype)
-    return Scorer(_MODELS[key], config=config, cache=cache)
+    return Scorer(_MODELS[key], config=config, cache=cache, prefix_cache=prefix_cache)
+
+
+def prefix_cache_arg(text: str) -> bool | int:
+    """``--prefix-cache`` [BYTES]: ``auto`` (the default budget), ``off``, or bytes with an optional
+    K/M/G suffix (powers of 1024).
+
+    >>> prefix_cache_arg("auto"), prefix_cache_arg("off"), prefix_cache_arg("2G"), prefix_cache_arg("1000")
+    (True, False, 2147483648, 1000)
+    """
+    t = text.strip().lower()
+    if t in ("auto", "on"):
+        return True
+    if t in ("off", "0"):
+        return False
+    scale = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}.get(t[-1:], 1)
+    digits = t[:-1] if scale > 1 else t
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, off or a number of bytes (e.g. 2G)")
+    return int(digits) * scale
 
 
 def model_parser() -> argparse.ArgumentParser:
@@ -107,6 +128,10 @@ def model_parser() -> argparse.ArgumentParser:
                    help="a persistent result cache (SQLite in DIR): requests scored before under the same weights, "
                         "tokenizer, dtype, device kind, deterministic mode and options are answered from it "
                         "without a forward pass (see `logprobe cache stats|clear`)")
+    g.add_argument("--prefix-cache", nargs="?", const=True, default=None, type=prefix_cache_arg, metavar="BYTES",
+                   help="keep the keys/values of token prefixes across requests and resume later requests from "
+                        "their longest cached prefix (same numbers; bitwise with --deterministic). BYTES: the "
+                        "budget (e.g. 2G; default: a quarter of free CUDA memory, 512M on CPU), or off")
     g.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table/report")
     g.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bar (it shows only when stderr is a terminal anyway)")

@@ -90,7 +90,8 @@ def chat_completion_job(body: ChatCompletionRequest, scorer: Scorer, model_name:
                   "logprobs": None if content is None else {"content": content}, "finish_reason": "length"}
         out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                "model": model_name, "choices": [choice],
-               "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}}
+               "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                         "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}}
         if pk is not None:
             entries: list[dict | None] = [None]
             for j in range(1, len(ids)):

@@ -55,6 +55,19 @@ class Metrics:
         if engine is not None and hasattr(engine, "oom_count"):  # Engine (not ParallelEngine)
             Gauge("logprobe_engine_out_of_memory", "Out-of-memory errors the engine met and split around",
                   registry=r).set_function(lambda: float(engine.oom_count))
+        cache = getattr(engine, "prefix_cache", None)  # engine.prefix_cache, when on
+        if cache is not None:
+            for name, key, text in (
+                    ("bytes", "bytes", "Bytes the prefix cache holds"),
+                    ("max_bytes", "max_bytes", "The prefix cache's byte budget"),
+                    ("hit_rate", "hit_rate", "Input tokens read from the prefix cache / input tokens looked up"),
+                    ("lookups", "lookups", "Requests looked up in the prefix cache"),
+                    ("hits", "hits", "Requests resumed from a cached prefix"),
+                    ("cached_tokens", "cached_tokens", "Input tokens read from the prefix cache, not computed"),
+                    ("lookup_tokens", "lookup_tokens", "Input tokens of the requests looked up"),
+                    ("evicted_tokens", "evicted_tokens", "Tokens evicted from the prefix cache")):
+                Gauge(f"logprobe_prefix_cache_{name}", text, registry=r).set_function(
+                    lambda key=key: float(cache.stats.as_dict()[key]))
 
     def observe_step(self, s: StepStats) -> None:
         self.batch_requests.observe(s.requests)

@@ -146,10 +146,13 @@ def completion_job(body: CompletionRequest, scorer: Scorer, model_name: str, max
             if pk is not None:
                 out[-1]["prompt_logprobs"] = prompt_logprobs(c, res, pk, scorer)
         prompt_tokens = sum(len(c.ids) for c in choices)
+        cached = sum(results[c.request].cached_tokens for c in choices
+                     if c.request is not None and results[c.request] is not None)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": out,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                          "total_tokens": prompt_tokens + completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": cached}}}
 
     return Job(requests, finish)
 

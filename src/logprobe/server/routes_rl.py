@@ -61,6 +61,16 @@ def rl_router(served: Served) -> APIRouter:
         return reply([stamp(r, version, name) for r in value] if isinstance(value, list)
                      else stamp(value, version, name))
 
+    @router.api_route("/flush_cache", methods=["GET", "POST"], summary="Empty the prefix cache (SGLang's flush_cache)",
+                      responses=replies(None, (401, 503)))
+    async def flush_cache():
+        """Drops every cached prefix between engine steps (new weights do it by themselves); the
+        counters stay. ``success`` is true also with the prefix cache off (nothing to drop)."""
+        cache = scorer.prefix_cache
+        if cache is not None:
+            await asyncio.to_thread(weights.batcher.exclusive, cache.clear)
+        return {"success": True, "message": "prefix cache flushed" if cache is not None else "no prefix cache"}
+
     @router.post("/update_weights_from_disk", summary="Load new weights (same architecture) between batches",
                  responses=replies(UpdateWeightsReply, (400, 401, 503)))
     async def update_weights_from_disk(body: UpdateWeightsRequest):

@@ -282,10 +282,16 @@ class CompletionChoice(BaseModel):
         None, description="vLLM's, when asked for: null, then {token id: {logprob, rank, decoded_token}} per token")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens read from the prefix cache instead of computed "
+                                           "(0 with the prefix cache off: logprobe serve --prefix-cache)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionReply(BaseModel):

@@ -161,7 +161,7 @@ def _token_texts(items: list[_Item], results: list[RequestResult], scorer: Score
 def _reply(it: _Item, res: RequestResult | None, texts: dict[int, str] | None) -> dict:
     """One item's reply; entry j is token ``ids[start + j]``, scored by result row j - 1."""
     meta = {"id": it.rid, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(it.ids),
-            "completion_tokens": 0, "cached_tokens": 0}
+            "completion_tokens": 0, "cached_tokens": res.cached_tokens if res is not None else 0}
     if it.logprob:
         name = (lambda t: texts[t]) if texts is not None else (lambda t: None)  # noqa: E731
         scored = res.logprobs.tolist() if res is not None else []
