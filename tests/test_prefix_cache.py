@@ -228,10 +228,12 @@ def test_cached_tokens_and_float64(tiny, tiny_dirs):
     ctx = list(range(10, 90))
     a = s.engine.run([ScoreRequest(ctx + [5, 6, 7], len(ctx))])[0]
     b = s.engine.run([ScoreRequest(ctx + [8, 9], len(ctx))])[0]
-    assert (a.cached_tokens, b.cached_tokens) == (0, len(ctx) - 1)
-    for t, res in ((ctx + [8, 9], b), (ctx + [5, 6, 7], a)):
-        lp = ref_logprobs(ref, t)[len(ctx) - 1:-1]
-        want = lp.gather(1, torch.tensor(t[len(ctx):])[:, None])[:, 0]
+    c = s.engine.run([ScoreRequest(ctx + [8, 9], 3)])[0]  # scored from 3: cached rows through the head
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, len(ctx), len(ctx))  # at least one row runs
+    for t, sb, res in ((ctx + [8, 9], len(ctx), b), (ctx + [5, 6, 7], len(ctx), a), (ctx + [8, 9], 3, c)):
+        lp = ref_logprobs(ref, t)[sb - 1:-1]
+        want = lp.gather(1, torch.tensor(t[sb:])[:, None])[:, 0]
+        assert len(res.logprobs) == len(want)
         assert (res.logprobs.double() - want).abs().max() < 1e-4
 
 
@@ -324,8 +326,9 @@ def test_server_reports_cached_tokens(tiny_dirs):
 
         first = completion(ctx + [5, 6])
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        again = completion(ctx + [5, 6])  # echo scores from token 1: nothing to resume from
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = completion(ctx + [5, 6])  # all but the last input resumed; echo's rows from the kept hidden states
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ctx)
+        assert again["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
 
         def generate(ids, start):
             r = requests.post(url + "/generate", json={"input_ids": ids, "return_logprob": True,
@@ -333,14 +336,14 @@ def test_server_reports_cached_tokens(tiny_dirs):
             assert r.status_code == 200, r.text
             return r.json()["meta_info"]
 
-        meta = generate(ctx + [7, 8, 9], len(ctx) - 1)  # scored from token len(ctx): resumes at len(ctx) - 1
-        assert meta["cached_tokens"] == len(ctx) - 1
+        meta = generate(ctx + [7, 8, 9], len(ctx) - 1)  # scored from token len(ctx), resumed after ctx
+        assert meta["cached_tokens"] == len(ctx)
         want = lib.engine.run([ScoreRequest(ctx + [7, 8, 9], len(ctx))])[0].logprobs.tolist()
         assert [e[0] for e in meta["input_token_logprobs"][1:]] == want
         metrics = requests.get(url + "/metrics", timeout=30).text
         values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
                   if line.startswith("logprobe_prefix_cache_")}
-        assert values["logprobe_prefix_cache_hits"] == 1 and values["logprobe_prefix_cache_bytes"] > 0
+        assert values["logprobe_prefix_cache_hits"] == 2 and values["logprobe_prefix_cache_bytes"] > 0
         assert 0 < values["logprobe_prefix_cache_hit_rate"] < 1
         assert requests.post(url + "/flush_cache", timeout=30).json()["success"]
         assert generate(ctx + [7, 8, 9], len(ctx) - 1)["cached_tokens"] == 0

@@ -51,16 +51,16 @@ def resumable(cache: PrefixCache, requests: list[ScoreRequest], align: int) -> l
     for i, r in enumerate(requests):
         if not cacheable(r):
             continue
-        if align > 1 or cache.peek(r.inputs, r.score_begin - 1):
+        if align > 1 or cache.peek(r.inputs, r.num_inputs - 1):
             out.append(i)
         else:
             cache.record(r.num_inputs, 0)
     return sorted(out, key=lambda i: (requests[i].inputs, i))
 
 
-def _slots(kv: KVCache) -> list:
-    """The cache's tensors in the tree's slot order: keys and values of layer 0, then 1, ..."""
-    return [t for k, v in zip(kv.keys, kv.values) for t in (k, v)]
+def _slots(kv: KVCache, hidden: torch.Tensor | None) -> list:
+    """The tree's slots: keys and values of layer 0, then 1, ..., then the final hidden rows."""
+    return [t for k, v in zip(kv.keys, kv.values) for t in (k, v)] + [hidden]
 
 
 class ChunkKeeper:
@@ -71,15 +71,17 @@ class ChunkKeeper:
         self.cache, self.tokens, self.kv = cache, r.inputs, kv
         n = r.num_inputs
         self.begin = 0
+        self.hidden: list[torch.Tensor] = []  # final hidden rows 0 .. (rows run so far), in pieces
         if resume:
-            hit = cache.match(self.tokens, r.score_begin - 1)
+            hit = cache.match(self.tokens, n - 1)  # at least one row runs
             if hit.length:
-                kv.keys[:] = hit.rows[0::2]
-                kv.values[:] = hit.rows[1::2]
+                kv.keys[:] = hit.rows[0:-1:2]
+                kv.values[:] = hit.rows[1:-1:2]
                 kv.states.update(hit.state or {})
+                self.hidden.append(hit.rows[-1])
                 self.begin = hit.length
         if align > 1:
-            self.points = sorted({p for p in ((r.score_begin - 1) // align * align, n // align * align)
+            self.points = sorted({p for p in (r.score_begin // align * align, n // align * align)
                                   if p > self.begin})
         else:
             self.points = [n] if n > self.begin else []
@@ -89,11 +91,23 @@ class ChunkKeeper:
         """The end of the chunk from row ``b``: ``e``, or a keep point before it."""
         return min([e] + [p for p in self.points if b < p < e])
 
-    def keep(self, e: int) -> None:
-        """Rows up to ``e`` are in the KV cache (and its states are those after row e - 1)."""
+    def hidden_rows(self, a: int, b: int) -> torch.Tensor:
+        """The final hidden rows of inputs ``a .. b - 1`` (run or resumed so far)."""
+        return torch.cat(self.hidden)[a:b]
+
+    def keep(self, e: int, hidden: torch.Tensor | None) -> None:
+        """Rows up to ``e`` are in the KV cache (and its states are those after row e - 1);
+        ``hidden``: the final hidden rows of the chunk that ended at ``e``."""
+        if hidden is not None:
+            self.hidden.append(hidden)
         if e not in self.points:
             return
-        slots = _slots(self.kv)
+        joined = torch.cat(self.hidden)
+        self.hidden = [joined]
+        if joined.shape[0] != e:
+            raise LogprobeError("prefix_cache", f"{joined.shape[0]} hidden rows kept for {e} inputs",
+                                "report this: the prefix cache lost track of a chunk")
+        slots = _slots(self.kv, joined)
         self.cache.insert(self.tokens[:e], lambda a, b: [None if t is None else t[a:b] for t in slots],
                           dict(self.kv.states) if self.with_state else None)
 
@@ -120,9 +134,13 @@ def batch_rows(unit: list[Tree], requests: list[ScoreRequest]) -> dict[int, tupl
     return out
 
 
-def keep_batch(cache: PrefixCache, unit: list[Tree], requests: list[ScoreRequest], record: KVCache) -> None:
-    """Keep each cacheable member's inputs from a pass whose keys/values ``record`` holds."""
-    slots = _slots(record)
+def keep_batch(cache: PrefixCache, unit: list[Tree], requests: list[ScoreRequest], record: KVCache,
+               hidden: torch.Tensor | None) -> None:
+    """Keep each cacheable member's inputs from a pass whose keys/values ``record`` holds and
+    whose final hidden rows are ``hidden`` [T, H]."""
+    if hidden is None:
+        return
+    slots = _slots(record, hidden)
     device = next((t.device for t in slots if t is not None), None)
     if device is None:
         return

@@ -233,6 +233,7 @@ class Engine:
         # across runs: the KV (and hybrid states) of token prefixes already computed
         # (engine.prefix_cache; set by the owner: Scorer(prefix_cache=...)), None: off
         self.prefix_cache: PrefixCache | None = None
+        self._hidden: torch.Tensor | None = None  # the last recorded pass's final hidden rows (prefix cache)
 
     def close(self) -> None:
         """Nothing to stop (``executor.Executor``): the model lives in this process."""
@@ -340,7 +341,8 @@ class Engine:
         out.settle()
         if oom is None:
             if record is not None:
-                keep_batch(cache, unit, requests, record)
+                keep_batch(cache, unit, requests, record, self._hidden)
+                self._hidden = None
             self._succeeded(packed.meta.num_rows)
             out.hold(launched)
             if not self.config.overlap_host:
@@ -387,7 +389,22 @@ class Engine:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
         else:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
+        if cache is not None and self.prefix_cache is not None:
+            self._hidden = hidden  # its rows are kept with the keys (prefix_run)
         return packed, self.score(requests, packed, hidden)
+
+    def _score_cached(self, r: ScoreRequest, hidden: torch.Tensor, begin: int) -> RequestResult:
+        """Tokens ``score_begin .. begin`` of ``r`` from the cached final hidden rows of inputs
+        ``score_begin - 1 .. begin - 1`` (``hidden``): the head alone, as a pass would run it."""
+        js = range(r.score_begin, begin + 1)
+        dev = self.device
+        targets = torch.tensor([r.tokens[j] for j in js], dtype=torch.long, device=dev)
+        temps = torch.full((len(js),), r.temperature, dtype=torch.float32, device=dev)
+        n = self.numerics
+        out = logprob_head(hidden.to(dev), self.model.head_params(), targets, temps, top_k=r.top_k,
+                           entropy=r.entropy, token_chunk=n.head_token_chunk, vocab_chunk=n.head_vocab_chunk,
+                           deterministic=n.deterministic)
+        return _slice(start_copy(out, r.top_k, r.entropy).wait(), slice(0, len(js)), r)
 
     def _run_chunks(self, requests: list[ScoreRequest], m: int, out: Delivery,
                     stop: Callable[[], bool] | None = None, cancelled: Callable[[int], bool] | None = None,
@@ -406,6 +423,8 @@ class Engine:
             if self.prefix_cache is not None and cacheable(r) else None
         b = keeper.begin if keeper is not None else 0
         parts: list[RequestResult] = []
+        if b >= r.score_begin:  # tokens scored by cached rows: from their kept hidden states
+            parts.append(self._score_cached(r, keeper.hidden_rows(r.score_begin - 1, b), b))
         size = self.budget  # this request's chunk size: only ever halved
         while b < n:
             if stop is not None and stop():
@@ -432,7 +451,8 @@ class Engine:
                 continue
             cache.commit()  # the linear-attention states after row e carry to the next chunk
             if keeper is not None:
-                keeper.keep(e)
+                keeper.keep(e, self._hidden)
+                self._hidden = None
             self._succeeded(e)
             parts.extend(part for _, part in scored)
             out.progress(e - b)
