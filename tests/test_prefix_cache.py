@@ -246,6 +246,7 @@ def test_uncacheable_requests_and_refusals(tiny):
     assert Scorer(tiny["llama"]).prefix_cache_stats() is None
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): deterministic mode on the real model's 49k vocabulary takes minutes on CPU
 def test_default_model(default_scorer):
     """The real default GGUF model: deterministic bits and default mode within 1e-5."""
     compare_runs(default_scorer.loaded, True, budget=64, cache_bytes=1 << 28, seed=11, vocab=49152, long=70,

@@ -1,36 +1,41 @@
 """A prefix cache across requests: a radix tree of token prefixes holding what the model computed
-for them (the keys/values of the attention layers and, for the hybrid families, the recurrent and
-convolution state at a node's end), within a byte budget, least recently used leaves evicted first.
+for them (the keys/values of the attention layers, the final hidden rows and, for the hybrid
+families, the recurrent and convolution state at a node's end), within a byte budget, least
+recently used leaves evicted first.
 
 A request whose leading tokens are in the tree resumes from there: its remaining inputs run as one
 chunked sequence (``engine.runner``) over a ``KVCache`` filled from the tree, exactly as the later
-chunks of a long request see the earlier ones. So a hit computes only the tokens after it.
+chunks of a long request see the earlier ones; tokens scored by cached rows (an echoed prompt, a
+window starting inside the prefix) go through the head alone, from the kept final hidden rows. So
+a hit computes only the tokens after it.
 
 Where a request may resume (``match``):
 
-* never past ``limit``: the engine passes ``score_begin - 1``, because the row of input
-  ``score_begin - 1`` scores the first scored token and the tree keeps no hidden states;
+* never past ``limit``: the engine passes ``num_inputs - 1``, so at least one row runs;
 * only at a multiple of ``grid`` tokens from the sequence start, ``ModelCaps.state_align``: 1 for
   attention-only models (any point), 64 for the hybrid families, whose chunked linear attention
   reproduces the uncut run's bits only at multiples of its 64-token chunk; a node stores a state only
   at such a point (``insert`` refuses others), and a hybrid match ends at a node end holding one.
 
-Why deterministic mode keeps its bits: every op of that mode is batch-invariant (row-wise matmul
-tiles, attention in query tiles aligned to key 0 of the sequence, whatever the keys' origin), so
-the keys/values a request computed for its prefix are bitwise those any other pass computes for
-the same tokens, and a resumed request is a chunked run cut at the hit, a cut the engine already
-makes bit-exactly (``engine.scheduler.chunk_bounds``; on the 64-token grid for hybrids). Worked
-example, a hybrid model (grid 64), nothing cached, then two requests:
+Why deterministic mode keeps its bits, with the cache or without, whatever was cached before:
+every op of that mode is batch-invariant (row-wise matmul tiles, attention in query tiles aligned
+to key 0 of the sequence whatever the keys' origin, the head in fixed token and vocabulary chunks),
+so the keys/values and hidden rows a request computed for its prefix are bitwise those any other
+pass computes for the same tokens, and a resumed request is a chunked run cut at the hit, a cut the
+engine already makes bit-exactly (``engine.scheduler.chunk_bounds``; on the 64-token grid for
+hybrids, where the kept state is the uncut run's). Worked example, a hybrid model (grid 64),
+nothing cached, then three requests:
 
-    A = P + a, P 150 shared tokens, A scored from 150: A runs [0, 128) + [128, len A); the tree
-        gets A[:128] (keys/values of rows 0..127, the state after row 127): a state at 128 only
-    B = P + b, scored from 150: match -> 128 (limit 149, the deepest node end with a state); B runs
-        [128, len B) over the cache: its rows 128.. meet the same keys and the same state as in
-        B's uncached run, which is the chunked run [0, 128) + [128, len B): the same bits
+    A = P + a (P: 150 shared tokens, a: 10), scored from 150: A runs [0, 128) + [128, 159), its
+        chunks cut at 128 = 150 // 64 * 64; the tree gets A[:128] (keys/values and hidden rows of
+        inputs 0..127, the state after input 127)
+    B = P + b, scored from 150: match -> 128 (the deepest node end with a state); B runs
+        [128, len B - 1) over the cache: its rows meet the same keys and the same state as in
+        B's uncached run, which is the chunked run [0, 128) + [128, ...): the same bits
     C = P[:100] + c: match -> 0 (the node holding P[:100] ends at 128, past the common part): a
-        full run; nothing depends on what A or B left, only on C's own tokens
+        full run, which leaves a state at 64; nothing depends on what A or B left
 
-An attention-only model (grid 1) resumes B at 149 (the limit), with C at 100.
+An attention-only model (grid 1) resumes B at 150 (all of P) and C at 100.
 
 The tree, with unit rows (``Rows``), pinned by gold tables in ``tests/test_prefix_cache.py``:
 

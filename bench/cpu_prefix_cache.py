@@ -1,0 +1,200 @@
+"""The prefix cache across requests (``Scorer(prefix_cache=...)``, ``--prefix-cache``) on repeated work.
+
+1. RL groups (G prompts x S sampled responses, the responses scored), three ways on one engine:
+   one request per call without the cache (what a framework sending each sample alone costs),
+   all of them as one batch (the in-batch prefix trees share each prompt), and one request per call
+   with the cache. Computed tokens (rows through the model, counted per forward pass) and wall time;
+   target: singly with the cache within 1.2x of the one batch.
+2. An lm-eval-style multiple-choice set through the HTTP server (``/v1/completions`` with
+   ``echo``, ``logprobs=1``, ``max_tokens=1``, one request per choice as lm-eval sends them by
+   default): without and with the cache; computed tokens and wall time.
+
+Every number with the cache is compared with the run without it (max |diff|; 0 in deterministic
+mode). CPU on the default model:
+
+    python bench/cpu_prefix_cache.py
+    python bench/cpu_prefix_cache.py --groups 4 --samples 8 --prompt 384 --questions 10 --deterministic
+
+GPU variant (a random-init llama-8b checkpoint written once to DIR, bf16):
+
+    python bench/cpu_prefix_cache.py --gpu-shape llama-8b --checkpoint /tmp/llama8b --device cuda --groups 32 --samples 8 --prompt 1024 --response 512 --questions 200 --context 800
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+import uvicorn
+from common import git_rev, write_checkpoint
+
+from logprobe import EngineConfig, Scorer
+from logprobe.engine.request import ScoreRequest
+from logprobe.loading import load_model
+from logprobe.server import ServerConfig, create_app
+
+
+def rl_groups(groups: int, samples: int, prompt: int, response: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    reqs = []
+    for _ in range(groups):
+        p = tok(rng.randint(prompt // 2, prompt))
+        for _ in range(samples):
+            reqs.append(ScoreRequest(p + tok(rng.randint(max(1, response // 4), response)), len(p)))
+    return reqs
+
+
+def counting(scorer: Scorer) -> list[int]:
+    """[rows computed]: every forward pass of the scorer's engine adds its rows."""
+    box = [0]
+
+    def hook(rows: int, _tokens: int) -> None:
+        box[0] += rows
+
+    scorer.engine.fault_hook = hook
+    return box
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def max_diff(a, b) -> float:
+    return max(((x.logprobs - y.logprobs).abs().max().item() for x, y in zip(a, b)), default=0.0)
+
+
+def bench_rl(loaded, cfg: EngineConfig, args) -> None:
+    reqs = rl_groups(args.groups, args.samples, args.prompt, args.response, loaded.info.vocab_size)
+    fed = sum(r.num_inputs for r in reqs)
+    plain = Scorer(loaded, config=cfg)
+    cached = Scorer(loaded, config=cfg, prefix_cache=args.prefix_cache_bytes or True)
+    plain.engine.run(reqs[:1])  # warm-up (kernels, allocator)
+    rows = {}
+    results = {}
+    for label, scorer, batch in (("one request per call, no cache", plain, False),
+                                 ("all as one batch (in-batch prefix trees)", plain, True),
+                                 ("one request per call, prefix cache", cached, False)):
+        box = counting(scorer)
+        if batch:
+            out, secs = timed(lambda: scorer.engine.run(reqs))
+        else:
+            out, secs = timed(lambda: [scorer.engine.run([r])[0] for r in reqs])
+        rows[label] = (box[0], secs)
+        results[label] = out
+    base = results["all as one batch (in-batch prefix trees)"]
+    print(f"\nRL groups: {args.groups} prompts x {args.samples} responses, {fed} input tokens fed")
+    print("| way | computed tokens | wall s | vs one batch | max abs diff vs one batch |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    one = rows["all as one batch (in-batch prefix trees)"][1]
+    for label, (n, secs) in rows.items():
+        print(f"| {label} | {n} | {secs:.2f} | {secs / one:.2f}x | {max_diff(results[label], base):.2e} |")
+    stats = cached.prefix_cache_stats()
+    print(f"prefix cache: hit rate {stats['hit_rate']:.3f}, {stats['bytes'] / 2**20:.1f} MiB held")
+
+
+@contextlib.contextmanager
+def serving(scorer: Scorer):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(scorer, ServerConfig(max_top_logprobs=5)), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def mc_prompts(questions: int, choices: int, context: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    out = []
+    for _ in range(questions):
+        ctx = tok(rng.randint(context // 2, context))
+        out += [ctx + tok(rng.randint(1, 12)) for _ in range(choices)]
+    return out
+
+
+def bench_mc(loaded, cfg: EngineConfig, args) -> None:
+    prompts = mc_prompts(args.questions, args.choices, args.context, loaded.info.vocab_size)
+    rows, answers = {}, {}
+    for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
+        scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
+        box = counting(scorer)
+        with serving(scorer) as url:
+            def send(ids):
+                r = requests.post(url + "/v1/completions", json={"prompt": [ids], "max_tokens": 1, "echo": True,
+                                                                 "logprobs": 1, "temperature": 0}, timeout=600)
+                r.raise_for_status()
+                return r.json()
+
+            send(prompts[0][:8])  # warm-up
+            box[0] = 0
+            replies, secs = timed(lambda: [send(p) for p in prompts])
+        cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)
+        rows[label] = (box[0], secs, cached)
+        answers[label] = [r["choices"][0]["logprobs"]["token_logprobs"][1:] for r in replies]
+    diff = max(abs(a - b) for x, y in zip(answers["no cache"], answers["prefix cache"]) for a, b in zip(x, y))
+    fed = sum(len(p) for p in prompts)
+    print(f"\nmultiple choice through the server: {args.questions} contexts x {args.choices} choices, one "
+          f"/v1/completions request per choice (echo, logprobs=1, max_tokens=1), {fed} prompt tokens")
+    print("| server | computed tokens | reported cached_tokens | wall s |\n| --- | ---: | ---: | ---: |")
+    for label, (n, secs, cached) in rows.items():
+        print(f"| {label} | {n} | {cached} | {secs:.2f} |")
+    print(f"speed-up {rows['no cache'][1] / rows['prefix cache'][1]:.2f}x; max abs diff of the echoed "
+          f"log-probs {diff:.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="default: the default model")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--gpu-shape", default=None, choices=["llama-8b", "llama-1b"],
+                    help="write a random-init checkpoint of this shape to --checkpoint (once) and use it")
+    ap.add_argument("--checkpoint", default=None, help="directory for --gpu-shape")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=384, help="prompt length (each in [prompt/2, prompt])")
+    ap.add_argument("--response", type=int, default=64, help="response length (each in [response/4, response])")
+    ap.add_argument("--questions", type=int, default=10)
+    ap.add_argument("--choices", type=int, default=4)
+    ap.add_argument("--context", type=int, default=300, help="context length (each in [context/2, context])")
+    ap.add_argument("--prefix-cache-bytes", type=int, default=None, help="default: the library's default budget")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--skip-server", action="store_true")
+    args = ap.parse_args()
+    model = args.model
+    if args.gpu_shape:
+        if not args.checkpoint:
+            ap.error("--gpu-shape needs --checkpoint DIR")
+        write_checkpoint(args.gpu_shape, Path(args.checkpoint))
+        model = args.checkpoint
+    loaded = load_model(model, args.device, args.dtype)
+    cfg = EngineConfig(deterministic=args.deterministic, progress=False)
+    print(f"{loaded.info.name} on {args.device} ({loaded.info.dtype}), deterministic={args.deterministic}, "
+          f"commit {git_rev()}, torch threads {torch.get_num_threads()}")
+    bench_rl(loaded, cfg, args)
+    if not args.skip_server:
+        bench_mc(loaded, cfg, args)
+
+
+if __name__ == "__main__":
+    main()
