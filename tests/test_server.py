@@ -51,7 +51,8 @@ def test_completions_echo_matches_reference(server, default_scorer, default_refe
         assert tok.token_texts([ids[j]])[0] in top  # the scored token is always there
         assert len(top) in (3, 4)
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
-    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completions_one_greedy_token(server, default_scorer, default_reference):

@@ -175,7 +175,7 @@ def encode_result(res: RequestResult) -> tuple[str, bytes] | None:
     meta, parts, offset = [], [], 0
     for f in fields(res):
         v = getattr(res, f.name)
-        if v is None:
+        if v is None or f.name == "cached_tokens":  # how the prefix cache served it, not a result: not stored
             continue
         if not isinstance(v, torch.Tensor):
             return None
