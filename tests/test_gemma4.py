@@ -225,8 +225,9 @@ def test_config_refusals_and_keys(gemma4_dirs):
     assert gemma4_param_name("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight", cfg, "f") is None
     with pytest.raises(LogprobeError, match="unexpected tensor"):
         gemma4_param_name("mtp.layers.0.weight", cfg, "f")
+    assert parallel_context(cfg, 1, 2).size == 2  # tensor parallelism: tests/test_tp_families.py
     with pytest.raises(LogprobeError) as e:
-        parallel_context(cfg, 0, 2)
+        parallel_context(cfg, 0, 3)
     assert e.value.field == "tensor_parallel_size"
     scorer = Scorer(str(gemma4_dirs["gemma4"][0]), device="cpu", dtype="float32", progress=False)
     with pytest.raises(LogprobeError, match="no weight update yet"):

@@ -161,8 +161,9 @@ def test_config_refusals(glm4_dir):
     old = {k: v for k, v in raw.items() if k != "rope_parameters"}  # older configs: top-level keys, default 0.5
     old_cfg = glm4_config(dict(old, rope_theta=10000.0))
     assert old_cfg.rope_theta == 10000.0 and old_cfg.rope_scaling["partial_rotary_factor"] == 0.5
+    assert parallel_context(cfg, 1, 2).size == 2  # tensor parallelism: tests/test_tp_families.py
     with pytest.raises(LogprobeError) as e:
-        parallel_context(cfg, 0, 2)
+        parallel_context(cfg, 0, 3)
     assert e.value.field == "tensor_parallel_size"
     scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
     with pytest.raises(LogprobeError, match="no weight update yet"):

@@ -322,7 +322,7 @@ def test_config_refusals_name_the_key(dirs):
     assert gpt_oss_config(hub).rope_scaling == gpt_oss_config(raw).rope_scaling
 
 
-def test_router_capture_and_tensor_parallel_refused(dirs):
+def test_router_capture_and_indivisible_tensor_parallel_refused(dirs):
     path, _ = dirs["dense"]
     scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
     seq = {"prompt_token_ids": list(range(10, 30)), "completion_token_ids": list(range(30, 40))}
@@ -330,8 +330,9 @@ def test_router_capture_and_tensor_parallel_refused(dirs):
     p = res.captures[0].value  # [T, E]: the chosen experts' weights, zero elsewhere
     assert p.shape[1] == 4 and torch.allclose(p.sum(-1), torch.ones(p.shape[0])) and ((p > 0).sum(-1) == 2).all()
     from logprobe.loading.loader import parallel_context
+    assert parallel_context(scorer.loaded.model.config, 1, 2).size == 2  # tests/test_tp_families.py
     with pytest.raises(LogprobeError, match="tensor_parallel_size"):
-        parallel_context(scorer.loaded.model.config, 0, 2)
+        parallel_context(scorer.loaded.model.config, 0, 3)
 
 
 def test_mxfp4_kernel_interpreted():

@@ -13,6 +13,10 @@ Per-block attention shapes: ``per_layer_config`` (transformers' serialised form:
 ``num_global_key_value_heads`` (with ``attention_k_eq_v``) on full-attention blocks. Rotary:
 ``rope_parameters`` per layer type, ``default`` or ``proportional``. Config options the native model
 does not run are refused with their key named.
+
+Tensor parallelism (``gemma4_shard_tensors``): each rank reads the rows its layers hold
+(``layers.parallel_linear.held_ranges``); ``gemma4_parallel_context`` refuses a size that does not
+split every piece exactly, naming the key.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..layers.parallel_linear import held_ranges
 from ..models.gemma4 import LAYER_TYPES, Gemma4Config, Gemma4Model
+from ..parallel.context import ParallelContext
+from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, check_weights_match, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -205,12 +212,48 @@ def gemma4_tensors(path: Path, cfg: Gemma4Config):
         log.warning("%s: skipped %d tensors not used to score text (vision / audio towers)", path.name, skipped)
 
 
-def build_gemma4(cfg: Gemma4Config, tensors, device: torch.device, dtype: torch.dtype) -> Gemma4Model:
+def gemma4_parallel_context(cfg: Gemma4Config, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+    """A rank's context (``loader.parallel_context``), after checking every piece splits ``size`` ways:
+    the query heads, each block's kv heads (divided, or replicated by a multiple), the vocabulary
+    chunks, hidden_size, intermediate_size and hidden_size_per_layer_input; and that a KV-shared
+    block's producer has its kv heads and head_dim (a rank reads the producer's heads as its own)."""
+    chunks = -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size))
+    for i, kv in enumerate(cfg.layer_kv_heads):
+        try:
+            check_tp(cfg.num_heads, kv, chunks, size)
+        except LogprobeError as e:
+            raise LogprobeError(e.field, f"{e.problem} (layer {i}: num_key_value_heads {kv})", e.fix) from e
+    for key, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+                   ("hidden_size_per_layer_input", cfg.ple_dim)):
+        if n % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide {key} {n} of {cfg.family}",
+                                f"use a size that divides {key}")
+    shape = lambda i: (cfg.layer_kv_heads[i], cfg.layer_head_dims[i])  # noqa: E731
+    for i, j in cfg.producers.items():
+        if size > 1 and shape(i) != shape(j):
+            raise LogprobeError("tensor_parallel_size", f"{size}: KV-shared layer {i} has num_key_value_heads / "
+                                f"head_dim {cfg.layer_kv_heads[i]} / {cfg.layer_head_dims[i]}, its producer layer {j} "
+                                f"{cfg.layer_kv_heads[j]} / {cfg.layer_head_dims[j]}", "use tensor_parallel_size 1")
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
+
+
+def gemma4_shard_tensors(path: Path, cfg: Gemma4Config, ctx: ParallelContext):
+    """``gemma4_tensors``, each cut to the rows this rank's layers hold (whole where they hold all of it)."""
+    with torch.device("meta"):
+        model = Gemma4Model(cfg, ctx)
+    for name, w in gemma4_tensors(path, cfg):
+        ranges = held_ranges(model, name)
+        yield name, w if ranges is None else torch.cat([w[a:b] for a, b in ranges])
+
+
+def build_gemma4(cfg: Gemma4Config, tensors, device: torch.device, dtype: torch.dtype,
+                 ctx: ParallelContext | None = None) -> Gemma4Model:
     """The native model from (name, tensor) pairs, q/k rows (and their norms) permuted to the
-    interleaved rotary layout (o_proj columns too where values are the raw keys)."""
+    interleaved rotary layout (o_proj columns too where values are the raw keys). ``ctx``: this
+    rank's tensor-parallel group; ``tensors`` then yields its rows (``gemma4_shard_tensors``)."""
     state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
     with torch.device("meta"):
-        model = Gemma4Model(cfg)
+        model = Gemma4Model(cfg, ctx)
     check_weights_match(model, state)
     model.load_state_dict(Gemma4Model.interleave_rope_weights(cfg, state), assign=True, strict=True)
     model.make_rotary(device)

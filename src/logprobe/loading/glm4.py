@@ -5,6 +5,9 @@ fused ``mlp.gate_up_proj.weight`` [2 I, H] is split into ``gate_proj`` (the firs
 ``up_proj``. Rotary: ``rope_parameters`` (transformers 5: ``rope_theta``, ``partial_rotary_factor``)
 or the older top-level ``rope_theta`` / ``partial_rotary_factor``; transformers' default factor is
 0.5. Config options the native model does not run are refused with their key named.
+
+Tensor parallelism (``glm4_shard_tensors``): each rank reads the rows its layers hold
+(``layers.parallel_linear.held_ranges``), ``gate_up_proj`` split into gate and up first.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..layers.parallel_linear import held_ranges
 from ..models.glm4 import Glm4Config, Glm4Model
+from ..parallel.context import ParallelContext
+from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_weights_match, named_plain_tensors
 
 log = logging.getLogger(__name__)
@@ -121,11 +127,34 @@ def glm4_tensors(path: Path, cfg: Glm4Config):
             yield name, w
 
 
-def build_glm4(cfg: Glm4Config, tensors, device: torch.device, dtype: torch.dtype) -> Glm4Model:
-    """The native model from (name, tensor) pairs: every parameter present with the shape the config implies."""
+def glm4_parallel_context(cfg: Glm4Config, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+    """A rank's context (``loader.parallel_context``), after checking the model splits ``size`` ways
+    as the Llama family: query heads, kv heads, vocabulary chunks, hidden and intermediate sizes."""
+    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
+    for key, n in (("intermediate_size", cfg.intermediate_size), ("hidden_size", cfg.hidden_size)):
+        if n % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide {key} {n} of {cfg.family}",
+                                f"use a size that divides {key}")
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
+
+
+def glm4_shard_tensors(path: Path, cfg: Glm4Config, ctx: ParallelContext):
+    """``glm4_tensors``, each cut to the rows this rank's layers hold (whole where they hold all of it)."""
+    with torch.device("meta"):
+        model = Glm4Model(cfg, ctx=ctx)
+    for name, w in glm4_tensors(path, cfg):
+        ranges = held_ranges(model, name)
+        yield name, w if ranges is None else torch.cat([w[a:b] for a, b in ranges])
+
+
+def build_glm4(cfg: Glm4Config, tensors, device: torch.device, dtype: torch.dtype,
+               ctx: ParallelContext | None = None) -> Glm4Model:
+    """The native model from (name, tensor) pairs: every parameter present with the shape the config
+    implies. ``ctx``: this rank's tensor-parallel group; ``tensors`` then yields its rows
+    (``glm4_shard_tensors``)."""
     state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
     with torch.device("meta"):
-        model = Glm4Model(cfg)
+        model = Glm4Model(cfg, ctx=ctx)
     check_weights_match(model, state)
     model.load_state_dict(state, assign=True, strict=True)
     # non-persistent buffers were created on the meta device: make the rotary table for real

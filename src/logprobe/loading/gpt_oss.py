@@ -20,6 +20,10 @@ is exact in bf16). Everything else (attention with biases and sinks, router, nor
 Config options the native model does not run are refused with their key named: a quantization
 other than MXFP4, a rope type other than YaRN (or the default), a null ``sliding_window`` with
 sliding blocks, layer types other than sliding/full attention.
+
+Tensor parallelism (``gpt_oss_shard_tensors``): each rank reads the attention rows its layers hold
+(its heads' q/k/v rows and biases and sinks, its rows of o_proj and its bias; ``held_ranges``) and
+the router and experts whole (``models.gpt_oss``: experts are not split).
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ import torch
 from ..errors import LogprobeError
 from ..kernels.mxfp4 import check_scales, dequantize_mxfp4
 from ..layers.moe_gpt_oss import Mxfp4Experts
+from ..layers.parallel_linear import held_ranges
 from ..models.gpt_oss import GptOssConfig, GptOssModel
+from ..parallel.context import ParallelContext
+from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, check_weights_match, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -170,6 +177,26 @@ def gpt_oss_tensors(path: Path, cfg: GptOssConfig):
                 yield name, value
 
 
+def gpt_oss_parallel_context(cfg: GptOssConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+    """A rank's context (``loader.parallel_context``), after checking the attention splits ``size``
+    ways: query heads, kv heads (divided, or replicated by a multiple), vocabulary chunks, hidden size."""
+    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
+    if cfg.hidden_size % size:
+        raise LogprobeError("tensor_parallel_size", f"{size} does not divide hidden_size {cfg.hidden_size} of "
+                            f"{cfg.family}", "use a size that divides hidden_size")
+    return ParallelContext(rank, size, group, num_blocks(cfg.num_heads, cfg.hidden_size))
+
+
+def gpt_oss_shard_tensors(path: Path, cfg: GptOssConfig, ctx: ParallelContext):
+    """``gpt_oss_tensors``, each cut to the rows this rank's layers hold (whole where they hold all of
+    it: norms, router, experts, and the embeddings' rows by vocabulary)."""
+    with torch.device("meta"):
+        model = GptOssModel(cfg, ctx)
+    for name, w in gpt_oss_tensors(path, cfg):
+        ranges = held_ranges(model, name)
+        yield name, w if ranges is None else torch.cat([w[a:b] for a, b in ranges])
+
+
 def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
     """[E, 2I, ...] with rows alternating gate / up -> gate rows, then up rows."""
     return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
@@ -207,10 +234,11 @@ def _check_halves(halves: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def build_gpt_oss(cfg: GptOssConfig, tensors, device: torch.device, dtype: torch.dtype,
-                  weights: str = "packed") -> GptOssModel:
+                  weights: str = "packed", ctx: ParallelContext | None = None) -> GptOssModel:
     """The native model from (name, tensor) pairs. MXFP4 experts stay packed (``weights="packed"``)
     or are expanded to ``dtype`` once (``"dense"``); every parameter must be present with the shape
-    the config implies; q/k rows and biases permuted to the interleaved rotary layout."""
+    the config implies; q/k rows and biases permuted to the interleaved rotary layout. ``ctx``: this
+    rank's tensor-parallel group; ``tensors`` then yields its rows (``gpt_oss_shard_tensors``)."""
     state, halves = {}, {}
     for name, w in tensors:  # each moved to the device as it comes (host memory: one tensor at a time)
         if ".mlp.experts." in name:
@@ -226,7 +254,7 @@ def build_gpt_oss(cfg: GptOssConfig, tensors, device: torch.device, dtype: torch
                 w[e] = dequantize_mxfp4(blocks[e], scales[e])
             state[name] = w
     with torch.device("meta"):
-        model = GptOssModel(cfg)
+        model = GptOssModel(cfg, ctx)
     # a packed matrix is checked as the [E, out, in] parameter it replaces
     stand_ins = {name: torch.empty(b.shape[0], b.shape[1], b.shape[2] * 32, device="meta")
                  for name, (b, _) in packed.items()}

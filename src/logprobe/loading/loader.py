@@ -36,14 +36,28 @@ from .gemma import (
     gemma_tensors,
     is_gemma,
 )
-from .gemma4 import build_gemma4, gemma4_config, gemma4_tensors, is_gemma4
+from .gemma4 import (
+    build_gemma4,
+    gemma4_config,
+    gemma4_parallel_context,
+    gemma4_shard_tensors,
+    gemma4_tensors,
+    is_gemma4,
+)
 from .gguf import gguf_config, gguf_reader, gguf_tensors, gguf_tokenizer, rope_interleaved
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .gguf_deepseek import gguf_deepseek_config, gguf_deepseek_tensors
 from .gguf_gemma import gguf_gemma_config, gguf_gemma_tensors
 from .gguf_sigmoid_moe import SIGMOID_ARCHES, gguf_sigmoid_moe_config, gguf_sigmoid_moe_tensors
-from .glm4 import build_glm4, glm4_config, glm4_tensors, is_glm4
-from .gpt_oss import build_gpt_oss, gpt_oss_config, gpt_oss_tensors, is_gpt_oss
+from .glm4 import build_glm4, glm4_config, glm4_parallel_context, glm4_shard_tensors, glm4_tensors, is_glm4
+from .gpt_oss import (
+    build_gpt_oss,
+    gpt_oss_config,
+    gpt_oss_parallel_context,
+    gpt_oss_shard_tensors,
+    gpt_oss_tensors,
+    is_gpt_oss,
+)
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
 from .hybrid import (
@@ -192,17 +206,12 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None)
     """A rank's context for this model, after checking the model can be split ``size`` ways."""
     if isinstance(cfg, HybridConfig):  # dense hybrid models split by heads; MoE ones refused
         return hybrid_parallel_context(cfg, rank, size, group)
-    if isinstance(cfg, (Glm4Config, Gemma4Config)):
-        if size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models run on one device per replica "
-                                "(tensor parallelism for them is not there yet)",
-                                "use tensor_parallel_size 1 (data parallelism works)")
-        return ParallelContext(rank, 1, group)
-    if isinstance(cfg, GptOssConfig):
-        if size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{size}: gpt_oss models (a mixture of experts) run on one "
-                                "device per replica", "use tensor_parallel_size 1 (data parallelism works)")
-        return ParallelContext(rank, 1, group)
+    if isinstance(cfg, Glm4Config):  # split as the Llama family (loading.glm4)
+        return glm4_parallel_context(cfg, rank, size, group)
+    if isinstance(cfg, Gemma4Config):  # heads per block, MLP, per-layer embeddings (loading.gemma4)
+        return gemma4_parallel_context(cfg, rank, size, group)
+    if isinstance(cfg, GptOssConfig):  # attention split by heads, experts whole (loading.gpt_oss)
+        return gpt_oss_parallel_context(cfg, rank, size, group)
     if isinstance(cfg, DeepseekConfig):
         if size > 1:
             raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models (latent attention, grouped "
@@ -299,13 +308,22 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if isinstance(cfg, GemmaConfig):  # this rank's heads and MLP share (loading.gemma)
         model = build_gemma(cfg, gemma_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
+    if isinstance(cfg, Glm4Config):  # this rank's heads and MLP share (loading.glm4)
+        model = build_glm4(cfg, glm4_shard_tensors(path, cfg, ctx), dev, dt, ctx)
+        return LoadedModel(model, loaded.tokenizer, loaded.info)
+    if isinstance(cfg, Gemma4Config):  # this rank's heads, MLP and per-layer-input share (loading.gemma4)
+        model = build_gemma4(cfg, gemma4_shard_tensors(path, cfg, ctx), dev, dt, ctx)
+        return LoadedModel(model, loaded.tokenizer, loaded.info)
+    if isinstance(cfg, GptOssConfig):  # this rank's heads; router and experts whole (loading.gpt_oss)
+        model = build_gpt_oss(cfg, gpt_oss_shard_tensors(path, cfg, ctx), dev, dt, ctx=ctx)
+        return LoadedModel(model, loaded.tokenizer, loaded.info)
     if isinstance(cfg, HybridConfig) and ctx.size > 1 and path.is_file():
         raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a GGUF file of {cfg.family}, "
                             "which is read on one device", "use tensor_parallel_size 1, or the safetensors checkpoint")
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
-    if isinstance(cfg, (GptOssConfig, Glm4Config, Gemma4Config)) or cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
+    if cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
         return load_model(spec, device, dtype)
     if path.is_file():
         reader = gguf_reader(path)

@@ -32,7 +32,18 @@ With ``attention_k_eq_v`` the values are the raw key projection, whose rows were
 keys' for the interleaved rotary: such a block's o_proj input columns take the same permutation.
 
 Not run (refused at load, key named): mixture-of-experts blocks (``enable_moe_block``), attention
-bias, bidirectional attention over all tokens. One device per replica; weight updates refused.
+bias, bidirectional attention over all tokens. Weight updates refused.
+
+Tensor parallelism (``ctx``) as the Llama family (``models.llama``), per block with its own head_dim
+and kv heads: a rank holds its query heads and the kv heads they read (a KV-shared block reads its
+producer's, the same heads: ``loading.gemma4.gemma4_parallel_context`` checks the producer's kv heads
+and head_dim equal the block's), its share of the MLP, and of the per-layer embeddings' gate its
+share of the ple_dim columns (``per_layer_input_gate`` column-parallel, ``per_layer_projection``
+gathered-row), the per-layer inputs e_l cut to the same columns. The per-layer projection of h_0 is
+normed per layer over the whole ple_dim, so it is held whole on every rank; the embeddings (both
+tables) and the LM head are split by vocabulary. Worked example, 4 query heads, sliding blocks 2 kv
+heads of 16, full blocks 1 kv head of 32, ple_dim 8, TP = 2: rank 1 holds q heads 2, 3, on sliding
+blocks kv head 1 (k_proj rows 16:32), on full blocks kv head 0 (rows 0:32, replicated), ple columns 4:8.
 """
 
 from __future__ import annotations
@@ -51,10 +62,10 @@ from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
 from ..layers.numerics import NumericsUser
-from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear
+from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import apply_rotary, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import vocab_chunk_width
+from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
 from .base import ScoringModel
 from .caps import ModelCaps
 
@@ -119,6 +130,11 @@ class Gemma4Config:
                                 "earlier layer computes")
 
     @property
+    def split_widths(self) -> tuple[int, ...]:
+        """The widths tensor parallelism cuts (``parallel.shard.num_blocks``: the column block count)."""
+        return (self.num_heads, self.hidden_size, self.intermediate_size, *([self.ple_dim] if self.ple_dim else []))
+
+    @property
     def first_shared(self) -> int:
         return self.num_layers - self.num_kv_shared_layers
 
@@ -139,6 +155,33 @@ def rope_table(head_dim: int, theta: float, partial: float, factor: float) -> to
     angles = int(partial * head_dim // 2)
     inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float64) / head_dim))
     return (torch.cat([inv, inv.new_zeros(head_dim // 2 - angles)]) / factor).float()
+
+
+def keep_blocks(*layers: ColumnParallelLinear) -> None:
+    """Deterministic mode's column blocks on layers that hold a single block (one kv head on a rank,
+    or in the whole model): stated as one block of their width, so q | k | v fused keeps every
+    product block-wide at every TP size (fused without, the product spans q's columns too and its
+    width changes with the TP size, which rounds otherwise on CPU). Alone, one block is one
+    product: the same as none. Models with one block (``ctx.blocks`` 1) have none anywhere."""
+    for layer in layers:
+        if layer is not None and layer.ctx.blocks > 1 and not layer.col_blocks:
+            layer.col_blocks = [layer.out_features]
+
+
+def rotate(x: torch.Tensor, cis: torch.Tensor, triton: bool) -> torch.Tensor:
+    """``layers.rotary.apply_rotary`` (x [T, H, D] interleaved pairs, cis [T, D/2]) with each element's
+    bits independent of the head count H on CPU, so a rank holding some of the heads rotates them as
+    one process does. PyTorch's CPU complex multiply rounds its vectorised body otherwise than its
+    scalar tail, and which elements fall in the tail depends on H when D/2 is not a whole number of
+    vectors (head_dim 12: [T, 2, 6] runs per head with tails, [T, 1, 6] as one flat vector loop);
+    separate real products and sums round every element alike on either path. CUDA: apply_rotary."""
+    if x.is_cuda:
+        return apply_rotary(x, cis, triton)
+    T, H, D = x.shape
+    pairs = x.float().reshape(T, H, D // 2, 2)  # [T, H, D/2, 2]: (even, odd) dims of a pair
+    re, im = pairs[..., 0], pairs[..., 1]
+    c, s = cis.real[:, None, :], cis.imag[:, None, :]  # [T, 1, D/2]
+    return torch.stack([re * c - im * s, re * s + im * c], dim=-1).reshape(T, H, D).to(x.dtype)
 
 
 class Norm(NumericsUser, nn.Module):
@@ -162,20 +205,24 @@ class Gemma4Attention(NumericsUser, nn.Module):
     def __init__(self, cfg: Gemma4Config, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        D, H = cfg.layer_head_dims[layer_idx], cfg.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.layer_kv_heads[layer_idx], D
+        D, H, kv = cfg.layer_head_dims[layer_idx], cfg.hidden_size, cfg.layer_kv_heads[layer_idx]
+        q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)  # this rank's query heads and the kv heads they read
+        k0, k1 = kv_heads(cfg.num_heads, kv, ctx.rank, ctx.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, D
         full = cfg.layer_types[layer_idx] == "full_attention"
         self.sliding_window = None if full else cfg.sliding_window
         self.shared = layer_idx >= cfg.first_shared  # reuses a producer's keys and values
         self.k_eq_v = cfg.attention_k_eq_v and full
-        self.q_proj = ColumnParallelLinear(H, self.num_heads * D, False, ctx)
+        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * D, False, ctx, rows=(q0 * D, q1 * D), head_dim=D)
         self.q_norm = Norm(D, cfg.rms_norm_eps)
         if not self.shared:
-            self.k_proj = ColumnParallelLinear(H, self.num_kv_heads * D, False, ctx)
-            self.v_proj = None if self.k_eq_v else ColumnParallelLinear(H, self.num_kv_heads * D, False, ctx)
+            kv_rows = dict(rows=(k0 * D, k1 * D), head_dim=D)
+            self.k_proj = ColumnParallelLinear(H, kv * D, False, ctx, **kv_rows)
+            self.v_proj = None if self.k_eq_v else ColumnParallelLinear(H, kv * D, False, ctx, **kv_rows)
             self.k_norm = Norm(D, cfg.rms_norm_eps)
             self.v_norm = Norm(D, cfg.rms_norm_eps, scale=False)
-        self.o_proj = GatheredRowLinear(self.num_heads * D, H, False, ctx)
+            keep_blocks(self.q_proj, self.k_proj, self.v_proj)
+        self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, False, ctx)
         self.qkv_proj: Linear | None = None
 
     def fuse(self) -> None:
@@ -196,9 +243,9 @@ class Gemma4Attention(NumericsUser, nn.Module):
                 parts = [self.q_proj(x), self.k_proj(x)] + ([self.v_proj(x)] if self.v_proj else [])
             q, k_raw = parts[0], parts[1].reshape(T, self.num_kv_heads, D)  # [T, Hkv, D]
             v = self.v_norm(k_raw if self.k_eq_v else parts[2].reshape(T, self.num_kv_heads, D))
-            k = apply_rotary(self.k_norm(k_raw), cis, self.numerics.triton)
+            k = rotate(self.k_norm(k_raw), cis, self.numerics.triton)
             shared[self.layer_idx] = (k, v)  # a later KV-shared block of this type may read them
-        q = apply_rotary(self.q_norm(q.reshape(T, self.num_heads, D)), cis, self.numerics.triton)  # [T, Hq, D]
+        q = rotate(self.q_norm(q.reshape(T, self.num_heads, D)), cis, self.numerics.triton)  # [T, Hq, D]
         o = packed_attention(q, k, v, meta, self.layer_idx, 1.0, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
@@ -245,6 +292,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = ColumnParallelLinear(H, cfg.ple_dim, False, ctx)
             self.per_layer_projection = GatheredRowLinear(cfg.ple_dim, H, False, ctx)
             self.post_per_layer_input_norm = Norm(H, eps)
+            self.ple_cols = self.per_layer_input_gate.tp_rows  # this rank's ple_dim columns [start, end)
 
     def forward(self, h: torch.Tensor, cis: dict, meta: AttentionMeta, shared: dict, ple: torch.Tensor | None,
                 hooks: Hooks | None = None) -> torch.Tensor:
@@ -255,35 +303,35 @@ class Gemma4DecoderLayer(nn.Module):
         h = hk(resid_mid, h + hk(attn_out, self.post_attention_layernorm(a)))
         h = h + hk(mlp_out, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
         if ple is not None:
+            p0, p1 = self.ple_cols
             g = row_invariant(lambda x, e: F.gelu(x, approximate=self.approximate) * e,
-                              self.per_layer_input_gate(h), ple)
+                              self.per_layer_input_gate(h), ple[:, p0:p1].contiguous())  # [T, P / TP]
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return hk(resid_post, h * self.layer_scalar)
 
 
 class Gemma4Model(ScoringModel):
-    """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks) -> [T, H]``)."""
+    """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks) -> [T, H]``).
+    ``ctx``: this rank's tensor-parallel group (None: one rank; split as the module docstring says)."""
 
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def __init__(self, cfg: Gemma4Config, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.ctx = ctx = ctx or ParallelContext()
-        if ctx.size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {cfg.family} runs on one device per replica",
-                                "use tensor_parallel_size 1 (data parallelism works)")
+        self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
-        self.vocab_range = (0, cfg.vocab_size)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.ple_dim:
             L, P = cfg.num_layers, cfg.ple_dim
-            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.vocab_size, L * P, ctx)
-            self.per_layer_model_projection = ColumnParallelLinear(cfg.hidden_size, L * P, False, ctx)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.vocab_size, L * P, ctx, *self.vocab_range)
+            # whole on every rank (normed per layer over all of ple_dim), in the same column blocks
+            self.per_layer_model_projection = ColumnParallelLinear(cfg.hidden_size, L * P, False, ctx, rows=(0, L * P))
             self.per_layer_projection_norm = Norm(P, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
         self.make_rotary()
 
     def make_rotary(self, device: torch.device | None = None) -> None:

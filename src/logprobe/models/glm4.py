@@ -18,7 +18,10 @@ Transformers' ``Glm4ForCausalLM``, block by block (hook points as ``models.llama
     MLP_l:  down(silu(gate) * up), gate and up stored as one ``gate_up_proj`` [2 I, H] (gate first),
             split at load (``loading.glm4``)
 
-One device per replica (no tensor parallelism yet); weight updates are refused.
+Tensor parallelism as the Llama family (``LlamaModel``): a rank holds its query heads (their q/k/v
+bias rows with them) and the kv heads they read, its share of the MLP; the four norms act on the
+whole residual stream on every rank. ``loading.glm4.glm4_shard_tensors`` cuts a rank's rows after
+splitting ``gate_up_proj``. Weight updates are refused.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ..layers.hooks import Hooks
 from ..layers.norm import RMSNorm
 from ..parallel.context import ParallelContext
 from .caps import ModelCaps
+from .gemma4 import keep_blocks
 from .llama import LlamaConfig, LlamaDecoderLayer, LlamaModel
 
 
@@ -50,6 +54,8 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
         super().__init__(cfg, layer_idx, ctx)
         self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        attn = self.self_attn  # q | k | v fused block by block at every TP size
+        keep_blocks(attn.q_proj, attn.k_proj, attn.v_proj, self.mlp.gate_proj, self.mlp.up_proj)
 
     def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
                 ) -> torch.Tensor:
@@ -67,7 +73,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
 class Glm4Model(LlamaModel):
     """``LlamaModel`` with GLM-4 blocks; the rotary pairs are already interleaved in the checkpoint."""
 
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def make_layer(self, cfg: Glm4Config, layer_idx: int, ctx: ParallelContext) -> nn.Module:
         return Glm4DecoderLayer(cfg, layer_idx, ctx)

@@ -25,7 +25,12 @@ Sliding windows under chunking and prefix sharing as Gemma 3 (``models.gemma``):
 ``packed_attention`` applies each block's window per query against key positions, so a split never
 changes which keys a row sees; the sinks join each row's softmax alone, so they do not either.
 
-One rank per replica (no tensor parallelism: a mixture of experts); data parallelism works.
+Tensor parallelism (``ctx``): attention as the Llama family's (``models.llama``): a rank holds its
+query heads with their sinks and q bias rows, the kv heads they read with their k/v bias rows, and
+rows of o_proj's output with their bias rows (``GatheredRowLinear``: each output and its bias
+computed once, on one rank, then gathered). The router and the experts are whole on every rank,
+each rank computing every expert of every token: the same products as one rank, so the same bits
+(memory per rank is not reduced for the experts).
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import apply_rotary, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import num_blocks, vocab_chunk_width, vocab_shard
+from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
 from .base import ScoringModel
 from .caps import ModelCaps
 from .deepseek import rotary_parameters
+from .gemma4 import keep_blocks
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -148,16 +154,20 @@ class GptOssAttention(NumericsUser, nn.Module):
     def __init__(self, cfg: GptOssConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer of a chunk's KV cache is ours
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q0, q1 = q_heads(cfg.num_heads, ctx.rank, ctx.size)  # this rank's query heads and the kv heads they read
+        k0, k1 = kv_heads(cfg.num_heads, cfg.num_kv_heads, ctx.rank, ctx.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         sliding = cfg.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = cfg.sliding_window if sliding else None
         D, H, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
-        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * D, bias, ctx, head_dim=D)
-        self.k_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, bias, ctx, head_dim=D)
-        self.v_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, bias, ctx, head_dim=D)
-        self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, bias, ctx)
-        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False)  # [Hq] logits
+        self.q_proj = ColumnParallelLinear(H, cfg.num_heads * D, bias, ctx, rows=(q0 * D, q1 * D), head_dim=D)
+        self.k_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, bias, ctx, rows=(k0 * D, k1 * D), head_dim=D)
+        self.v_proj = ColumnParallelLinear(H, cfg.num_kv_heads * D, bias, ctx, rows=(k0 * D, k1 * D), head_dim=D)
+        self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, bias, ctx)  # bias rows with the output rows
+        self.sinks = nn.Parameter(torch.zeros(q1 - q0), requires_grad=False)  # [Hq / TP] logits, this rank's heads
+        self.tp_param_ranges = {"sinks": ((q0, q1),)}  # rows of the checkpoint's [Hq] (``held_ranges``)
+        keep_blocks(self.q_proj, self.k_proj, self.v_proj)  # q | k | v fused block by block at every TP size
         self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
 
     def fuse(self) -> None:
@@ -201,17 +211,14 @@ class GptOssDecoderLayer(nn.Module):
 
 class GptOssModel(ScoringModel):
     """Final hidden states for a packed batch (``ScoringModel.forward``); ``head_params()`` feeds
-    the log-prob head. One rank (``ctx`` None or of size 1)."""
+    the log-prob head. ``ctx``: this rank's tensor-parallel group (None: one rank)."""
 
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def __init__(self, cfg: GptOssConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(cfg.num_heads, cfg.hidden_size))
-        if ctx.size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: gpt_oss (a mixture of experts) runs on one "
-                                "device per replica", "use tensor_parallel_size 1 (data parallelism works)")
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
         self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
