@@ -283,3 +283,19 @@ def test_dense_weights_same_bits(qwen_fp8):
     assert not any(isinstance(m, FP8BlockLinear) for m in dense.model.modules())
     for a, b in zip(packed, Scorer(dense, progress=False).logprobs(seqs)):
         assert torch.equal(a.logprobs, b.logprobs)
+
+
+def test_expert_stack_expansion_is_each_expert():
+    """``FP8BlockExperts.stacked`` (what the fused expert kernel reads on CUDA) holds each expert's
+    ``expert(e)`` bitwise, in every dtype: the fused and per-expert paths see the same weights."""
+    w = torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(0))
+    layers = []
+    for e in range(3):
+        codes, scale = quantize_blocks(w[e], 32, 32)
+        layers.append(FP8BlockLinear.from_blocks(codes, scale, 32, 32))
+    experts = FP8BlockExperts.stack(layers)
+    for dtype in (torch.float32, torch.bfloat16):
+        experts.compute_dtype = dtype
+        stacked = experts.stacked(dtype)
+        assert all(torch.equal(stacked[e], experts.expert(e)) for e in range(3))
+        assert torch.equal(experts.rows().to(dtype), stacked.reshape(-1, 72))

@@ -278,11 +278,28 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
                 triton: bool = True) -> torch.Tensor:
         T, k = ids.shape
-        if triton and x.is_cuda and not self.packed and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            if triton_available():
-                y = fused_moe(x, ids, self.gate_proj, self.up_proj, self.down_proj)  # [T*k, H]
+        if triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            mats = self.dense_stacks(x.dtype)
+            if mats is not None and triton_available():
+                y = fused_moe(x, ids, *mats)  # [T*k, H]
                 return y.view(T, k, self.hidden)
         return self.reference(x, ids, row_tile)
+
+    STACK_BYTES = 4 << 30  # packed experts expanded whole for the fused kernel up to this size a layer
+
+    def dense_stacks(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The three [E, out, in] matrices for ``fused_moe``: the parameters, or packed ones
+        expanded whole in ``dtype`` where the format offers it (``stacked(dtype)``: each expert
+        bitwise its ``expert(e)``, FP8 blocks) and the layer's expansion fits ``STACK_BYTES``;
+        None: the per-expert reference path."""
+        mats = [getattr(self, n) for n in EXPERT_PROJS]
+        packed = [m for m in mats if isinstance(m, ExpertMatrices)]
+        if not packed:
+            return mats
+        size = sum(m.num_experts * m.out_features * m.in_features for m in packed) * dtype.itemsize
+        if size > self.STACK_BYTES or not all(hasattr(m, "stacked") for m in packed):
+            return None
+        return [m.stacked(dtype) if isinstance(m, ExpertMatrices) else m for m in mats]
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None) -> torch.Tensor:
         """The PyTorch path: rows sorted by expert, one product per expert segment -> [T, k, H]."""
