@@ -53,7 +53,7 @@ class Scorer:
                  dtype: str | None = "auto", max_batch_tokens: int | None = None, progress: bool | None = None,
                  deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, cache: str | None = None,
-                 prefix_cache: bool | int | None = None) -> None:
+                 prefix_cache: bool | int | None = None, expert_parallel_size: int = 1) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
         tiles everywhere, see EngineConfig), and whatever the TP size.
@@ -63,7 +63,10 @@ class Scorer:
         GPUs 0 .. N*M - 1 on CUDA, gloo processes on CPU) and this process holds no weights. Under
         ``torchrun`` (a process group already initialised with N ranks) every rank makes its
         Scorer with the same arguments and calls it with the same inputs. ``close()`` stops the
-        workers.
+        workers. ``expert_parallel_size``: a mixture of experts' experts in M groups over the N
+        ranks of a replica (M divides N and the expert count; rank r holds group r // (N / M),
+        each of its experts split N / M ways); deterministic mode gives the same bits at every
+        N and M (docs/parallel.md).
 
         ``cache``: a directory of stored results (``executor.cached``): a request scored before
         under the same weights, tokenizer, dtype, device kind, deterministic mode and options is
@@ -77,12 +80,13 @@ class Scorer:
         Native models in this process only (not with tensor/data parallelism)."""
         config = engine_config(config, max_batch_tokens=max_batch_tokens, progress=progress,
                                deterministic=deterministic)
-        if tensor_parallel_size != 1 or data_parallel_size != 1:
+        if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size != 1:
             if prefix_cache:
                 raise LogprobeError("prefix_cache", "is not available with tensor/data parallelism yet",
                                     "turn it off, or use one process (tensor_parallel_size=1, data_parallel_size=1)")
             self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
-                                                                   tensor_parallel_size, data_parallel_size)
+                                                                   tensor_parallel_size, data_parallel_size,
+                                                                   expert_parallel_size)
         else:
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
             self.device = next(self.loaded.model.parameters()).device

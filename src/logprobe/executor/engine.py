@@ -52,14 +52,15 @@ class ParallelEngine:
     per_request_errors = False  # a replica's error is reported for each of its requests
     in_process = False  # the workers hold the weights: stage_weights / end_weights update them
 
-    def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int) -> None:
-        self.tp, self.dp = tp, dp
+    def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int,
+                 ep: int = 1) -> None:
+        self.tp, self.dp, self.ep = tp, dp, ep
         self.groups: list[WorkerGroup] = []
         threads = default_threads(tp * dp) if device == "cpu" else 1
         try:
             for r in range(dp):
                 self.groups.append(WorkerGroup(LaunchSpec(model, device, dtype, config, tp, r, r * tp,
-                                                          threads=threads)))
+                                                          threads=threads, ep=ep)))
         except BaseException:
             self.close()
             raise
@@ -174,12 +175,13 @@ class ParallelEngine:
 __all__ = ["ParallelEngine", "assign_replicas", "recv"]
 
 
-def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int):
-    """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks."""
+def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int, ep: int = 1):
+    """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks, the
+    experts of each replica in ``ep`` groups (``ParallelContext.experts``)."""
     import torch
 
 
-    for name, n in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+    for name, n in (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("expert_parallel_size", ep)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise LogprobeError(name, f"must be a positive integer, got {n!r}")
     if isinstance(model, LoadedModel):
@@ -197,12 +199,12 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int)
                                 f"{dist.get_world_size()} ranks", "pass the world size")
         rank = dist.get_rank()
         local = torch.device(f"cuda:{torch.cuda.current_device()}") if dev.type == "cuda" else dev
-        loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD), local, dtype)
+        loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD, experts=ep), local, dtype)
         if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
         return loaded, Engine(loaded.model, config, local), local
     loaded = describe_model(model, device, dtype)
-    parallel_context(loaded.model.config, 0, tp)  # a size that cannot split the model fails here, before any process
+    parallel_context(loaded.model.config, 0, tp, None, ep)  # a size that cannot split the model fails here, before any process
     dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
-    engine = ParallelEngine(model, dev.type, dt, config, tp, dp)
+    engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep)
     return loaded, engine, dev

@@ -62,6 +62,7 @@ class LaunchSpec:
     first_gpu: int = 0
     port: int = 0
     threads: int = 1
+    ep: int = 1  # expert-parallel size within the replica (divides tp)
 
 
 def free_port() -> int:
@@ -93,7 +94,8 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                                 world_size=spec.tp)
         with _AnonPeak() as peak:
-            loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD), device, spec.dtype)
+            loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD, experts=spec.ep), device,
+                                spec.dtype)
         config = spec.config
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))

@@ -50,9 +50,12 @@ from ..errors import LogprobeError
 from ..kernels import triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
 from ..kernels.moe import combine_slots, fused_moe
+from ..parallel.context import ParallelContext
+from ..parallel.shard import expert_range, shard_range
 from .activation import row_invariant, silu_mul
 from .linear import Linear, tiled_linear
 from .numerics import NumericsUser
+from .parallel_linear import column_block
 from .quant_linear import PackedWeight
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -240,15 +243,41 @@ class PackedExperts(ExpertMatrices):
         return f"{self.qtype}, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
 
 
-class Experts(nn.Module):
+class Experts(NumericsUser, nn.Module):
     """E expert MLPs: ``gate_proj``, ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I], each a
-    parameter or a ``PackedExperts``. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H]."""
+    parameter or a ``PackedExperts``. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H].
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    ``ctx`` with several ranks (see ``ParallelContext.experts``): this rank holds experts
+    ``first_expert .. first_expert + num_experts - 1`` of ``total_experts`` and, of each, rows
+    ``inter_rows`` of gate/up and ``hidden_rows`` of down (whole experts where the ranks of a group
+    are one, ``expert_share`` P = 1); ``forward`` returns every slot's output on every rank
+    (``parallel_forward``)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        for name, shape in zip(EXPERT_PROJS, [(intermediate, hidden)] * 2 + [(hidden, intermediate)]):
-            setattr(self, name, nn.Parameter(torch.empty(num_experts, *shape), requires_grad=False))
+        self.ctx = ctx = ctx or ParallelContext()
+        self.total_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.first_expert, last = expert_range(num_experts, ctx.expert_group, ctx.experts)
+        self.num_experts = last - self.first_expert
+        p, P = ctx.expert_share
+        self.inter_rows, self.hidden_rows = shard_range(intermediate, p, P), shard_range(hidden, p, P)
+        n_i, n_h = self.inter_rows[1] - self.inter_rows[0], self.hidden_rows[1] - self.hidden_rows[0]
+        for name, shape in zip(EXPERT_PROJS, [(n_i, hidden)] * 2 + [(n_h, intermediate)]):
+            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape), requires_grad=False))
+        # deterministic mode's column blocks (as the dense layers': the whole width / S), so a
+        # column's product has one shape whether its rank holds the whole expert or a share
+        self.col_blocks = {"gate_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
+                           "up_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
+                           "down_proj": _expert_blocks(hidden, ctx.blocks, n_h)}
+
+    def held(self, name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(experts [start, end), rows [start, end) of each expert's ``name`` matrix) this rank holds.
+
+        >>> Experts(4, 8, 6, ParallelContext(3, 4, blocks=2, experts=2)).held("down_proj")
+        ((2, 4), (4, 8))
+        """
+        rows = self.hidden_rows if name == "down_proj" else self.inter_rows
+        return (self.first_expert, self.first_expert + self.num_experts), rows
 
     def set_packed(self, name: str, packed: ExpertMatrices) -> None:
         """Replace one of the three parameters by packed blocks (at load)."""
@@ -267,16 +296,27 @@ class Experts(nn.Module):
     def packed(self) -> bool:
         return any(isinstance(getattr(self, n), ExpertMatrices) for n in EXPERT_PROJS)
 
+    def lin(self, a: torch.Tensor, name: str, e: int, row_tile: int | None) -> torch.Tensor:
+        """a [n, in] times expert e's ``name`` matrix (held rows) -> [n, out]: one product, or
+        deterministic mode's fixed row tiles (and column blocks)."""
+        w = self.weight(name, e)
+        if row_tile is None:
+            return F.linear(a, w)
+        return tiled_linear(a, w, None, row_tile, self.col_blocks[name] if self.numerics.column_blocks else None)
+
     def expert_mlp(self, e: int, x: torch.Tensor, row_tile: int | None) -> torch.Tensor:
         """Expert e on rows x [n, H] -> [n, H]; ``row_tile``: fixed row tiles (deterministic mode)."""
-        def lin(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return F.linear(a, w) if row_tile is None else tiled_linear(a, w, None, row_tile)
-
-        gate, up = lin(x, self.weight("gate_proj", e)), lin(x, self.weight("up_proj", e))  # [n, I] each
-        return lin(silu_mul(gate, up), self.weight("down_proj", e))  # row-invariant on CPU too
+        act = silu_mul(self.lin(x, "gate_proj", e, row_tile), self.lin(x, "up_proj", e, row_tile))  # [n, I]
+        return self.lin(act, "down_proj", e, row_tile)  # silu_mul is row-invariant on CPU too
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
                 triton: bool = True) -> torch.Tensor:
+        if self.ctx.parallel:
+            return self.parallel_forward(x, ids, row_tile, triton)
+        return self.local(x, ids, row_tile, triton)
+
+    def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
+        """Whole experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
         T, k = ids.shape
         if triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
             mats = self.dense_stacks(x.dtype)
@@ -316,6 +356,76 @@ class Experts(nn.Module):
         y[order] = ys  # back to slot order
         return y.view(T, k, self.hidden)  # [T, k, H]
 
+    def parallel_forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool
+                         ) -> torch.Tensor:
+        """Every rank: x [T, H] and the same ids [T, k] -> y [T, k, H], each slot's output whole.
+
+        A rank computes the slots routed to its experts (its columns of them: ``hidden_rows``)
+        into a [T*k, H] buffer of -0.0 and the buffers are summed over the ranks. Each entry is
+        non-zero on one rank only, and -0.0 is addition's exact identity (x + -0.0 = x for every
+        x, +0.0 and -0.0 included; +0.0 would turn a -0.0 output into +0.0), so the sum is that
+        rank's bits whatever the reduction order. Worked example, E = 4, k = 2, EP = 2 (rank 0:
+        experts 0, 1; rank 1: experts 2, 3), ids = [[2, 0], [0, 3]]:
+
+            rank 0 computes slots 1 (t0, e0), 2 (t1, e0);  rank 1 slots 0 (t0, e2), 3 (t1, e3)
+            buffer rank 0: [-0, y1, y2, -0];  rank 1: [y0, -0, -0, y3];  sum: [y0, y1, y2, y3]
+
+        Each slot's row is the product one process computes (the same rows of the same expert, in
+        fixed row tiles and column blocks in deterministic mode), and every rank then combines the
+        k slots in slot order (``combine``), so the output has one process's bits."""
+        T, k = ids.shape
+        local = ids.reshape(-1) - self.first_expert  # [T*k] this rank's numbering
+        slots = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)  # [n] ascending
+        lid = local[slots]  # [n]
+        _, P = self.ctx.expert_share
+        if P > 1 and x.is_cuda and self.numerics.column_blocks:
+            raise LogprobeError("expert_parallel_size", f"deterministic mode on CUDA keeps its bits across sizes "
+                                f"with whole experts per rank; {P} ranks share each expert here",
+                                "use expert_parallel_size = tensor_parallel_size")
+        h0, h1 = self.hidden_rows
+        y = x.new_full((T * k, self.hidden), -0.0)  # [T*k, H]: -0.0, the exact identity of the sum
+        if P == 1:
+            if slots.numel():
+                y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
+        else:
+            y[slots, h0:h1] = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile)
+        return self.ctx.all_reduce_sum(y).view(T, k, self.hidden)  # [T, k, H]
+
+    def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
+                    slots: torch.Tensor, row_tile: int | None) -> torch.Tensor:
+        """Experts split P ways within a group: this rank's intermediate columns of its slots, the
+        group's columns gathered (copies: the whole intermediate row, in order), then its
+        ``hidden_rows`` outputs over the whole intermediate -> [n, H / P]."""
+        order, counts = sort_by_expert(lid[:, None], self.num_experts)
+        xs = x[tokens[order]]  # [n, H] sorted by expert
+        i0, i1 = self.inter_rows
+        act = x.new_zeros(n_slots, i1 - i0)  # [T*k, I/P]: rows of other slots stay zero (never read)
+        start, segments = 0, []
+        for e, m in enumerate(counts):
+            if m:
+                seg = xs[start:start + m]
+                act[slots[order[start:start + m]]] = silu_mul(self.lin(seg, "gate_proj", e, row_tile),
+                                                               self.lin(seg, "up_proj", e, row_tile))
+                segments.append((e, start, m))
+            start += m
+        _, P = self.ctx.expert_share
+        g = self.ctx.expert_group
+        every = self.ctx.all_gather(act)[g * P:(g + 1) * P]  # [P, T*k, I/P]: the group's shares
+        whole = every[:, slots[order]].permute(1, 0, 2).reshape(len(order), -1)  # [n, I] sorted by expert
+        out = x.new_empty(len(order), self.hidden_rows[1] - self.hidden_rows[0])  # [n, H/P]
+        for e, start, m in segments:
+            out[start:start + m] = self.lin(whole[start:start + m], "down_proj", e, row_tile)
+        result = torch.empty_like(out)
+        result[order] = out  # back to the order of ``slots``
+        return result
+
+
+def _expert_blocks(total: int, blocks: int, held: int) -> list[int] | None:
+    """Column blocks of an expert matrix ``total`` rows wide in the checkpoint, ``held`` of them
+    here: total / S each where that divides (``parallel_linear.column_block``), else one block."""
+    width = column_block(total, blocks)
+    return [width] * (held // width) if width and width < held and held % width == 0 else None
+
 
 class MoeBlock(NumericsUser, nn.Module):
     """Router + experts (+ an optional gated shared expert), in place of a dense MLP.
@@ -325,13 +435,14 @@ class MoeBlock(NumericsUser, nn.Module):
     block's ``numerics``: fixed row tiles in deterministic mode, the fused Triton kernel on CUDA
     unless ``numerics.triton`` is off."""
 
-    def __init__(self, spec: MoeSpec, hidden: int, router_point: str, shared: nn.Module | None = None) -> None:
+    def __init__(self, spec: MoeSpec, hidden: int, router_point: str, shared: nn.Module | None = None,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = spec.top_k, spec.norm_topk_prob
         self.spec = spec
         self.router_point = router_point
         self.gate = Linear(hidden, spec.num_experts)  # the router, [E, H] (float32 for "sigmoid_grouped")
-        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size)
+        self.experts = Experts(spec.num_experts, hidden, spec.intermediate_size, ctx)  # router and gates: whole
         self.shared_expert = shared
         self.grouped = spec.router == "sigmoid_grouped"
         # DeepSeek-V3: the score-correction bias [E] (float32, chooses experts only); its shared expert is ungated

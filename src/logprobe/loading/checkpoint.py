@@ -83,10 +83,15 @@ def check_weights_match(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def named_plain_tensors(path: Path, param_name, log) -> Iterator[tuple[str, torch.Tensor]]:
+SKIP = "skip"  # a ``cut`` answer: a tensor this rank does not hold (another rank's experts), not read
+
+
+def named_plain_tensors(path: Path, param_name, log, cut=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(native name, tensor) of every safetensors tensor of ``path`` that ``param_name(key, file)``
     maps (None: skipped; it raises for a key it refuses), float dtypes checked. Skipped decoder
-    layers (multi-token-prediction layers past ``num_hidden_layers``) are named in one warning."""
+    layers (multi-token-prediction layers past ``num_hidden_layers``) are named in one warning.
+    ``cut(name)``: None (read whole), ``SKIP`` (not read) or a function of the safetensors slice
+    giving a rank's part (only those bytes read; ``loading.sharding.rank_cut``)."""
     from safetensors import safe_open
 
     skipped: set[int] = set()
@@ -99,7 +104,10 @@ def named_plain_tensors(path: Path, param_name, log) -> Iterator[tuple[str, torc
                     if m is not None:
                         skipped.add(int(m.group(1)))
                     continue
-                value = st.get_tensor(key)
+                how = None if cut is None else cut(name)
+                if how is SKIP:
+                    continue
+                value = st.get_tensor(key) if how is None else how(st.get_slice(key))
                 check_plain_dtype(key, value, f.name)
                 yield name, value
     if skipped:

@@ -23,6 +23,7 @@ import torch
 from ..errors import LogprobeError
 from ..layers.moe import MoeSpec
 from ..models.deepseek import DeepseekConfig, DeepseekModel
+from ..parallel.context import ParallelContext
 from .checkpoint import check_weights_match, named_plain_tensors
 from .fp8_block import fp8_block_tensors, fp8_scheme, install_packed, is_fp8_block, split_packed, with_shapes
 from .hf import stack_experts
@@ -153,27 +154,31 @@ def deepseek_param_name(key: str, cfg: DeepseekConfig, where: str) -> str | None
     raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
 
 
-def deepseek_tensors(path: Path, cfg: DeepseekConfig, raw: dict | None = None, quantize_activations: bool = False):
+def deepseek_tensors(path: Path, cfg: DeepseekConfig, raw: dict | None = None, quantize_activations: bool = False,
+                     cut=None, held: tuple[int, int] | None = None):
     """Yield (native parameter name, tensor or packed layer) from the safetensors files, experts
-    stacked [E, out, in]; an FP8 block checkpoint (``loading.fp8_block``) yields its FP8 layers."""
+    stacked [E, out, in]; an FP8 block checkpoint (``loading.fp8_block``) yields its FP8 layers.
+    ``cut`` / ``held``: a rank's reading (``loading.sharding.rank_cut``; float checkpoints) and its
+    experts [start, end)."""
     if raw is not None and is_fp8_block(raw):
         scheme = fp8_scheme(raw["quantization_config"], quantize_activations)
         yield from stack_experts(fp8_block_tensors(path, scheme, lambda key, file: deepseek_param_name(key, cfg, file),
                                                    log), cfg)
         return
-    yield from stack_experts(_plain(path, cfg), cfg)
+    yield from stack_experts(_plain(path, cfg, cut), cfg, held)
 
 
-def _plain(path: Path, cfg):
-    return named_plain_tensors(path, lambda key, file: deepseek_param_name(key, cfg, file), log)
+def _plain(path: Path, cfg, cut=None):
+    return named_plain_tensors(path, lambda key, file: deepseek_param_name(key, cfg, file), log, cut)
 
 
-def build_deepseek(cfg: DeepseekConfig, tensors, device: torch.device, dtype: torch.dtype) -> DeepseekModel:
+def build_deepseek(cfg: DeepseekConfig, tensors, device: torch.device, dtype: torch.dtype,
+                   ctx: ParallelContext | None = None) -> DeepseekModel:
     """The native model from (name, tensor) pairs: every parameter present with the shape the config
     implies, the router in float32, rope rows permuted to the interleaved layout where needed."""
     state, packed, experts = split_packed(tensors, device, dtype, _FLOAT32)  # packed: FP8 block layers
     with torch.device("meta"):
-        model = DeepseekModel(cfg)
+        model = DeepseekModel(cfg, ctx)
     check_weights_match(model, with_shapes(state, packed, experts))
     install_packed(model, state, packed, experts, lambda s: DeepseekModel.interleave_rope_weights(cfg, s))
     model.load_state_dict(DeepseekModel.interleave_rope_weights(cfg, state), assign=True,

@@ -213,11 +213,13 @@ def _plain_tensors(path: Path, cfg: LlamaConfig):
                     yield name, value
 
 
-def stack_experts(tensors, cfg: LlamaConfig):
+def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None):
     """Per-expert matrices ``layers.N.mlp.experts.{e}.{gate,up,down}_proj.weight`` [out, in] (what
     ``save_pretrained`` writes) -> ``layers.N.mlp.experts.{gate,up,down}_proj`` [E, out, in], yielded
     once all E are read; transformers' in-memory ``experts.gate_up_proj`` [E, 2I, H] is split into
-    gate (first I rows) and up. Other tensors pass through."""
+    gate (first I rows) and up. Other tensors pass through. ``held``: the experts [start, end) this
+    rank reads (expert parallelism, ``loading.sharding``; default all of them)."""
+    want = list(range(*(held or (0, cfg.moe.num_experts if cfg.moe is not None else 0))))
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for name, value in tensors:
         m = _EXPERT.fullmatch(name)
@@ -232,14 +234,14 @@ def stack_experts(tensors, cfg: LlamaConfig):
         stacked = f"{m.group(1)}.{m.group(3)}"
         got = pending.setdefault(stacked, {})
         got[int(m.group(2))] = value
-        if len(got) == cfg.moe.num_experts:
-            if sorted(got) != list(range(cfg.moe.num_experts)):
+        if len(got) == len(want):
+            if sorted(got) != want:
                 raise LogprobeError("model", f"{stacked}: expert ids {sorted(got)[:8]}... do not match "
                                     f"num_experts {cfg.moe.num_experts}")
-            yield stacked, _stack([got[e] for e in range(cfg.moe.num_experts)], stacked)
+            yield stacked, _stack([got[e] for e in want], stacked)
             del pending[stacked]
     for stacked, got in pending.items():
-        missing = sorted(set(range(cfg.moe.num_experts)) - set(got))
+        missing = sorted(set(want) - set(got))
         raise LogprobeError("model", f"{stacked}: experts {missing[:8]} are missing from the checkpoint "
                             f"(num_experts {cfg.moe.num_experts})")
 

@@ -23,9 +23,10 @@ from ..layers.moe import MoeSpec
 from ..layers.parallel_linear import held_ranges
 from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
-from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_plain_dtype, check_weights_match, safetensors_files
+from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
+from .checkpoint import SKIP, check_plain_dtype, check_weights_match, safetensors_files
 from .hf import stack_experts
+from .sharding import held_experts, rank_cut
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +168,9 @@ def hybrid_tensors(path: Path, cfg: HybridConfig):
 
 
 def _plain(path: Path, cfg: HybridConfig, cut=None):
-    """(name, tensor) of every used key; ``cut(name)``: the row ranges to read of it (None: whole),
-    read with ``get_slice`` (only those bytes)."""
+    """(name, tensor) of every used key; ``cut(name)``: None (read whole), ``SKIP`` (not read: another
+    rank's experts) or a function of the safetensors slice (``loading.sharding.rank_cut``: only
+    those bytes are read)."""
     from safetensors import safe_open
 
     skipped: list[str] = []
@@ -180,12 +182,10 @@ def _plain(path: Path, cfg: HybridConfig, cut=None):
                     if key.startswith(_SKIPPED):
                         skipped.append(key)
                     continue
-                ranges = None if cut is None else cut(name)
-                if ranges is None:
-                    value = st.get_tensor(key)
-                else:
-                    sl = st.get_slice(key)
-                    value = torch.cat([sl[a:b] for a, b in ranges])
+                how = None if cut is None else cut(name)
+                if how is SKIP:
+                    continue
+                value = st.get_tensor(key) if how is None else how(st.get_slice(key))
                 check_plain_dtype(key, value, f.name)
                 if name.endswith(".linear_attn.conv_weight") and value.dim() == 3:
                     value = value.squeeze(1)  # [C, 1, K] -> [C, K]
@@ -218,22 +218,27 @@ def _split_fused(tensors, cfg: HybridConfig):
                             f"({'in_proj_ba' if 'in_proj_qkvz' in got else 'in_proj_qkvz'}) in the checkpoint")
 
 
-def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, group=None,
+                            experts: int = 1) -> ParallelContext:
     """A rank's context for a hybrid model (``loader.parallel_context``), after checking it splits
-    ``size`` ways: dense MLPs only, and ``size`` dividing the attention heads (or kv heads, or a
-    multiple of them), the linear-attention key and value heads, the hidden and intermediate sizes."""
-    if size > 1 and cfg.moe is not None:
-        raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models ({cfg.family}) run on one "
-                            "device per replica (tensor parallelism for experts is not there yet)",
-                            "use tensor_parallel_size 1 (data parallelism works)")
+    ``size`` ways: ``size`` dividing the attention heads (or kv heads, or a multiple of them), the
+    linear-attention key and value heads, the hidden, intermediate and shared-expert sizes; the
+    experts by ``experts`` groups (``shard.check_experts``)."""
+    if cfg.moe is not None:
+        check_experts(cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size, size, experts)
+        if cfg.moe.shared_intermediate_size % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide shared_expert_intermediate_size "
+                                f"{cfg.moe.shared_intermediate_size} of {cfg.family}", "use a size that divides it")
+    elif experts != 1:
+        raise LogprobeError("expert_parallel_size", f"{experts}: {cfg.family} has no experts", "use 1")
     check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
     for key, n in (("linear_num_value_heads", cfg.linear_num_value_heads),  # a multiple of the key heads
                    ("linear_num_key_heads", cfg.linear_num_key_heads),
                    ("intermediate_size", cfg.intermediate_size), ("hidden_size", cfg.hidden_size)):
-        if n % size:
+        if n % size and not (key == "intermediate_size" and cfg.moe is not None and not cfg.moe.dense_layers):
             raise LogprobeError("tensor_parallel_size", f"{size} does not divide {key} {n} of {cfg.family}",
                                 f"use a size that divides {key}")
-    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts)
 
 
 def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
@@ -245,9 +250,9 @@ def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
         model = HybridModel(cfg, ctx)
 
     def cut(name: str):
-        return None if _SPLIT.fullmatch(name) else held_ranges(model, name)
+        return None if _SPLIT.fullmatch(name) else rank_cut(model, name)
 
-    for name, w in _split_fused(_plain(path, cfg, cut), cfg):
+    for name, w in stack_experts(_split_fused(_plain(path, cfg, cut), cfg), cfg, held_experts(model)):
         ranges = held_ranges(model, name)
         if ranges is not None and w.shape[0] != sum(b - a for a, b in ranges):  # read whole: split from a fused one
             w = torch.cat([w[a:b] for a, b in ranges])

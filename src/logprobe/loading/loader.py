@@ -24,7 +24,7 @@ from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
-from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
+from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
 from ..tokenizer import Tokenizer
 from .deepseek import build_deepseek, deepseek_config, deepseek_tensors, is_deepseek
 from .fp8_block import is_fp8_block
@@ -68,7 +68,7 @@ from .hybrid import (
     hybrid_tensors,
     is_hybrid,
 )
-from .sharding import ShardedGGUF, hf_shard_tensors
+from .sharding import ShardedGGUF, held_experts, hf_shard_tensors, rank_cut
 from .sigmoid_moe import (
     build_sigmoid_moe,
     is_sigmoid_moe,
@@ -202,35 +202,45 @@ def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.d
     return model.eval()
 
 
-def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
-    """A rank's context for this model, after checking the model can be split ``size`` ways."""
-    if isinstance(cfg, HybridConfig):  # dense hybrid models split by heads; MoE ones refused
-        return hybrid_parallel_context(cfg, rank, size, group)
+def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None, experts: int = 1) -> ParallelContext:
+    """A rank's context for this model, after checking the model can be split ``size`` ways and
+    its experts into ``experts`` groups (expert parallelism; ``parallel.shard.check_experts``)."""
+    if isinstance(cfg, HybridConfig):  # split by heads, experts as below (loading.hybrid)
+        return hybrid_parallel_context(cfg, rank, size, group, experts)
+    if isinstance(cfg, (Glm4Config, Gemma4Config, GptOssConfig)) and experts != 1:
+        raise LogprobeError("expert_parallel_size", f"{experts}: {getattr(cfg, 'family', type(cfg).__name__)} "
+                            "splits no experts over ranks (gpt-oss keeps its experts whole on every rank)", "use 1")
     if isinstance(cfg, Glm4Config):  # split as the Llama family (loading.glm4)
         return glm4_parallel_context(cfg, rank, size, group)
     if isinstance(cfg, Gemma4Config):  # heads per block, MLP, per-layer embeddings (loading.gemma4)
         return gemma4_parallel_context(cfg, rank, size, group)
     if isinstance(cfg, GptOssConfig):  # attention split by heads, experts whole (loading.gpt_oss)
         return gpt_oss_parallel_context(cfg, rank, size, group)
-    if isinstance(cfg, DeepseekConfig):
-        if size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{size}: {cfg.family} models (latent attention, grouped "
-                                "experts) run on one device per replica (tensor parallelism for them is not there "
-                                "yet)", "use tensor_parallel_size 1 (data parallelism works)")
-        return ParallelContext(rank, 1, group)
     if isinstance(cfg, GemmaConfig):  # split as the Llama family (loading.gemma)
+        if experts != 1:
+            raise LogprobeError("expert_parallel_size", f"{experts}: {cfg.family} has no experts", "use 1")
         return gemma_parallel_context(cfg, rank, size, group)
+    moe = cfg.moe
+    if moe is None and experts != 1:
+        raise LogprobeError("expert_parallel_size", f"{experts}: this model has no experts", "use 1")
+    if moe is not None:
+        check_experts(moe.num_experts, moe.intermediate_size, cfg.hidden_size, size, experts)
     grid = vocab_chunk_width(cfg.vocab_size)
-    if cfg.moe is not None and size > 1:
-        raise LogprobeError("tensor_parallel_size", f"{size}: mixture-of-experts models run on one device per "
-                            "replica (tensor parallelism for experts is not there yet)",
-                            "use tensor_parallel_size 1 (data parallelism works)")
-    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // grid), size)
-    for what, n in (("intermediate size", cfg.intermediate_size), ("hidden size", cfg.hidden_size)):
+    if isinstance(cfg, DeepseekConfig):  # latent attention: split by heads
+        check_tp(cfg.num_heads, cfg.num_heads, -(-cfg.vocab_size // grid), size)
+    else:
+        check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // grid), size)
+        if cfg.qk_norm_full and cfg.num_kv_heads % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide the {cfg.num_kv_heads} key/value "
+                                "heads, which the whole-projection k norm needs", "use a size dividing them")
+    dense = moe is None or bool(moe.dense_layers) or getattr(cfg, "first_k_dense_replace", 0)
+    widths = [("hidden size", cfg.hidden_size)] + [("intermediate size", cfg.intermediate_size)] * bool(dense)
+    widths += [("shared expert intermediate size", moe.shared_intermediate_size)] if moe is not None else []
+    for what, n in widths:
         if n % size:
             raise LogprobeError("tensor_parallel_size", f"{size} does not divide the {what} {n}",
                                 "use a size that divides it")
-    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths))
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts)
 
 
 def _gguf_config(reader, path: Path):
@@ -299,7 +309,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     path = resolve_spec(spec)
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
-    ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group)
+    ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group, ctx.experts)
     if isinstance(cfg, GemmaConfig) and path.is_file():  # GGUF Gemma 3: read whole, on one device
         if ctx.size > 1:
             raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a GGUF file of gemma3, which "
@@ -317,13 +327,27 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if isinstance(cfg, GptOssConfig):  # this rank's heads; router and experts whole (loading.gpt_oss)
         model = build_gpt_oss(cfg, gpt_oss_shard_tensors(path, cfg, ctx), dev, dt, ctx=ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
-    if isinstance(cfg, HybridConfig) and ctx.size > 1 and path.is_file():
-        raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a GGUF file of {cfg.family}, "
-                            "which is read on one device", "use tensor_parallel_size 1, or the safetensors checkpoint")
-    if isinstance(cfg, HybridConfig) and ctx.size > 1:  # dense hybrid: this rank's heads (loading.hybrid)
+    split = isinstance(cfg, (HybridConfig, DeepseekConfig, PartialRotaryConfig)) or cfg.moe is not None
+    if split and ctx.size > 1 and path.is_file():
+        raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a GGUF file of "
+                            f"{getattr(cfg, 'family', loaded.info.architecture)}, which is read on one device",
+                            "use tensor_parallel_size 1, or the safetensors checkpoint")
+    if isinstance(cfg, HybridConfig) and ctx.size > 1:  # this rank's heads and experts (loading.hybrid)
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
-    if cfg.moe is not None or isinstance(cfg, HybridConfig):  # one rank (parallel_context refused a split)
+    if isinstance(cfg, (DeepseekConfig, PartialRotaryConfig)) and ctx.size > 1:  # MLA / GLM / MiniMax
+        if read_config(path).get("quantization_config") is not None:
+            raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor and expert "
+                                "parallelism read float safetensors", "use one GPU per replica for it")
+        with torch.device("meta"):
+            rank_model = type(loaded.model)(cfg, ctx=ctx)
+        cut, held = (lambda name: rank_cut(rank_model, name)), held_experts(rank_model)
+        if isinstance(cfg, DeepseekConfig):
+            model = build_deepseek(cfg, deepseek_tensors(path, cfg, cut=cut, held=held), dev, dt, ctx)
+        else:
+            model = build_sigmoid_moe(cfg, sigmoid_moe_tensors(path, cfg, cut=cut, held=held), dev, dt, ctx)
+        return LoadedModel(model, loaded.tokenizer, loaded.info)
+    if split and ctx.size == 1:  # one rank: the whole model
         return load_model(spec, device, dtype)
     if path.is_file():
         reader = gguf_reader(path)

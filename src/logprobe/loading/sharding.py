@@ -7,6 +7,12 @@ gathered-row = rows of the output, vocabulary-parallel = rows of the embedding a
 (no memory). Safetensors are read with ``get_slice`` (only those bytes); GGUF tensors are
 memory-mapped and cut before anything is decoded (whole rows: quantized blocks are never cut).
 Weight updates slice whole tensors the same way (``loading.update.rank_slice``).
+
+Experts (``layers.moe.Experts.held``): a rank reads only the experts of its group (the others'
+tensors are skipped unread) and, of each, its rows: per-expert matrices
+``layers.N.mlp.experts.{e}.gate_proj.weight`` [I, H] by rows, stacked ``experts.down_proj``
+[E, H, I] by experts then rows, transformers' fused ``experts.gate_up_proj`` [E, 2I, H] by experts
+and by the rank's rows of each half (``rank_cut``).
 """
 
 from __future__ import annotations
@@ -18,46 +24,51 @@ import numpy as np
 import torch
 
 from ..kernels.gguf_quants import GGML_TYPES
-from ..layers.parallel_linear import held_rows
+from ..layers.moe import Experts
+from ..layers.parallel_linear import held_ranges, held_rows
+from ..models.glm4_moe import PartialRotaryConfig
+from ..models.minimax_m2 import sigmoid_model_class
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
-from .checkpoint import hf_param_name, safetensors_files
+from .checkpoint import SKIP, hf_param_name, safetensors_files
 from .gguf import _LAYER_MAP, _TOP_MAP
-from .hf import _plain_tensors
+from .hf import _plain_tensors, stack_experts
 from .phi3 import FUSED, split_fused
 
 
 def rank_model(cfg: LlamaConfig, ctx: ParallelContext) -> LlamaModel:
     """Rank ``ctx.rank``'s model on the meta device: its layers say which rows of each tensor the
     rank holds (``held_rows``), without a byte of weights."""
+    cls = sigmoid_model_class(cfg) if isinstance(cfg, PartialRotaryConfig) else native_model_class(cfg)
     with torch.device("meta"):
-        return native_model_class(cfg)(cfg, ctx=ctx)
+        return cls(cfg, ctx=ctx)
 
 
-def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext):
-    """Yield (parameter name, this rank's slice) from a float safetensors checkpoint."""
+def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, model: LlamaModel | None = None):
+    """Yield (parameter name, this rank's slice) from a float safetensors checkpoint; experts of
+    other ranks are not read, this rank's are stacked [E / M, rows, in] (``rank_cut``).
+    ``model``: the rank's meta-device model (default ``rank_model``)."""
     from safetensors import safe_open
 
 
-    model = rank_model(cfg, ctx)
+    model = model if model is not None else rank_model(cfg, ctx)
     if cfg.extra.get(FUSED):  # Phi-3: fused qkv_proj / gate_up_proj read whole, cut apart, then sliced
         for name, w in split_fused(_plain_tensors(path, cfg), cfg):
             cut = held_rows(model, name)
             yield name, w if cut is None else w[cut[0]:cut[1]].contiguous()
         return
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = hf_param_name(key, cfg, f.name)
-                if name is None:
-                    continue
-                cut = held_rows(model, name)
-                if cut is None:
-                    yield name, st.get_tensor(key)
-                    continue
-                a, b = cut
-                yield name, st.get_slice(key)[a:b]
+
+    def read():
+        for f in safetensors_files(path):
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    name = hf_param_name(key, cfg, f.name)
+                    cut = None if name is None else rank_cut(model, name)
+                    if name is not None and cut is not SKIP:
+                        yield name, read_cut(st, key, cut)
+
+    yield from stack_experts(read(), cfg, held_experts(model))
 
 
 class ShardedGGUF:
@@ -90,3 +101,57 @@ def _gguf_param_name(name: str) -> str | None:
     if m and m.group(2) in _LAYER_MAP:
         return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
     return _TOP_MAP.get(name)
+
+
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_STACKED = re.compile(r"(.*\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)")
+
+
+def rank_cut(model: torch.nn.Module, name: str):
+    """How rank ``model`` (its meta-device model) reads checkpoint tensor ``name``: None (whole),
+    ``SKIP`` (an expert of another rank's group) or a function of the tensor, or of its
+    safetensors slice (read lazily: only those bytes), giving this rank's part.
+
+    >>> from logprobe.parallel.context import ParallelContext
+    >>> m = torch.nn.Module(); m.experts = Experts(4, 8, 6, ParallelContext(1, 2, experts=2))
+    >>> rank_cut(m, "experts.1.up_proj.weight"), rank_cut(m, "experts.2.up_proj.weight")(torch.ones(6, 8)).shape
+    ('skip', torch.Size([6, 8]))
+    """
+    m = _PER_EXPERT.fullmatch(name)
+    if m is not None:
+        (e0, e1), (a, b) = _experts(model, m.group(1)).held(m.group(3))
+        return (lambda t: t[a:b]) if e0 <= int(m.group(2)) < e1 else SKIP
+    m = _STACKED.fullmatch(name)
+    if m is not None and isinstance(_experts(model, m.group(1), None), Experts):
+        experts = _experts(model, m.group(1))
+        if m.group(2) == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            (e0, e1), (a, b) = experts.held("gate_proj")
+            inter = experts.intermediate
+            return lambda t: torch.cat([t[e0:e1, a:b], t[e0:e1, inter + a:inter + b]], dim=1)
+        (e0, e1), (a, b) = experts.held(m.group(2))
+        return lambda t: t[e0:e1, a:b]
+    ranges = held_ranges(model, name)
+    return None if ranges is None else lambda t: torch.cat([t[a:b] for a, b in ranges]) if len(ranges) > 1 \
+        else t[ranges[0][0]:ranges[0][1]]
+
+
+def _experts(model: torch.nn.Module, path: str, default=LookupError):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        if default is LookupError:
+            raise
+        return default
+
+
+def held_experts(model: torch.nn.Module) -> tuple[int, int] | None:
+    """The experts [start, end) every MoE block of rank ``model`` holds (None: no experts)."""
+    for m in model.modules():
+        if isinstance(m, Experts):
+            return m.held("gate_proj")[0]
+    return None
+
+
+def read_cut(st, key: str, cut):
+    """Tensor ``key`` of an open safetensors file as ``cut`` (``rank_cut``, not SKIP) says."""
+    return st.get_tensor(key) if cut is None else cut(st.get_slice(key))

@@ -21,8 +21,9 @@ import torch
 
 from ..errors import LogprobeError
 from ..layers.moe import MoeSpec
-from ..models.glm4_moe import Glm4MoeModel, PartialRotaryConfig, PartialRotaryMoeModel
-from ..models.minimax_m2 import MiniMaxM2Model
+from ..parallel.context import ParallelContext
+from ..models.glm4_moe import PartialRotaryConfig, PartialRotaryMoeModel
+from ..models.minimax_m2 import sigmoid_model_class
 from .checkpoint import check_weights_match, named_plain_tensors
 from .deepseek import _int
 from .fp8_block import fp8_block_tensors, fp8_scheme, install_packed, is_fp8_block, split_packed, with_shapes
@@ -41,7 +42,7 @@ def is_sigmoid_moe(raw: dict) -> bool:
 
 
 def model_class(cfg: PartialRotaryConfig) -> type[PartialRotaryMoeModel]:
-    return MiniMaxM2Model if cfg.family == "minimax_m2" else Glm4MoeModel
+    return sigmoid_model_class(cfg)
 
 
 def _rope(raw: dict, mtype: str, head_dim: int) -> tuple[float, int]:
@@ -159,30 +160,31 @@ def sigmoid_moe_param_name(key: str, cfg: PartialRotaryConfig, where: str) -> st
 
 
 def sigmoid_moe_tensors(path: Path, cfg: PartialRotaryConfig, raw: dict | None = None,
-                        quantize_activations: bool = False):
+                        quantize_activations: bool = False, cut=None, held: tuple[int, int] | None = None):
     """Yield (native parameter name, tensor or packed layer), experts stacked [E, out, in]; an FP8
-    block checkpoint (``loading.fp8_block``) yields its FP8 layers."""
+    block checkpoint (``loading.fp8_block``) yields its FP8 layers. ``cut`` / ``held``: a rank's
+    reading (``loading.sharding.rank_cut``; float checkpoints) and its experts [start, end)."""
     if raw is not None and is_fp8_block(raw):
         scheme = fp8_scheme(raw["quantization_config"], quantize_activations)
         yield from stack_experts(fp8_block_tensors(path, scheme, lambda key, file: sigmoid_moe_param_name(key, cfg, file),
                                                    log), cfg)
         return
-    yield from stack_experts(_plain(path, cfg), cfg)
+    yield from stack_experts(_plain(path, cfg, cut), cfg, held)
 
 
-def _plain(path: Path, cfg):
-    return named_plain_tensors(path, lambda key, file: sigmoid_moe_param_name(key, cfg, file), log)
+def _plain(path: Path, cfg, cut=None):
+    return named_plain_tensors(path, lambda key, file: sigmoid_moe_param_name(key, cfg, file), log, cut)
 
 
-def build_sigmoid_moe(cfg: PartialRotaryConfig, tensors, device: torch.device, dtype: torch.dtype
-                      ) -> PartialRotaryMoeModel:
+def build_sigmoid_moe(cfg: PartialRotaryConfig, tensors, device: torch.device, dtype: torch.dtype,
+                      ctx: ParallelContext | None = None) -> PartialRotaryMoeModel:
     """The native model from (name, tensor) pairs: every parameter present with the shape the config
     implies, GLM's router in float32, q/k rows permuted to the interleaved layout on the rotary dims."""
     fp32 = (".mlp.gate.weight", ".mlp.e_score_correction_bias") if cfg.family == "glm4_moe" else ()
     state, packed, experts = split_packed(tensors, device, dtype, fp32)  # packed: FP8 block layers
     cls = model_class(cfg)
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, ctx=ctx)
     check_weights_match(model, with_shapes(state, packed, experts))
     install_packed(model, state, packed, experts, lambda s: cls.interleave_rope_weights(cfg, s))
     model.load_state_dict(cls.interleave_rope_weights(cfg, state), assign=True, strict=not (packed or experts))

@@ -41,8 +41,13 @@ plus ``n_shared_experts * moe_intermediate_size`` wide shared SwiGLU added ungat
 
     h_{l+1} = h'_l + sum_j w_j Expert_{ids_j}(x) + Shared_l(x),   x = RMSNorm(h'_l)   # router: blocks.l.router
 
-The router point offers the sigmoid scores [T, E] (capture only). One rank (no tensor parallelism
-yet; data parallelism works); float checkpoints only (FP8 block-quantized ones are refused).
+The router point offers the sigmoid scores [T, E] (capture only). Float checkpoints only (FP8
+block-quantized ones are refused).
+
+Over several ranks MLA splits by heads: q_proj / q_b_proj and kv_b_proj are column-parallel (a
+rank's heads' rows), o_proj gathered-row; the low-rank q_a_proj, kv_a_proj_with_mqa and their norms
+are whole on every rank (they are shared by all heads, and small). Dense and shared MLPs split as
+Llama's, the routed experts by ``ctx.experts`` (``layers.moe.Experts``).
 """
 
 from __future__ import annotations
@@ -64,10 +69,10 @@ from ..layers.linear import Linear
 from ..layers.moe import MoeBlock, MoeSpec
 from ..layers.norm import RMSNorm
 from ..layers.numerics import NumericsUser
-from ..layers.parallel_linear import ParallelLMHead
+from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import vocab_chunk_width, vocab_shard
+from ..parallel.shard import num_blocks, q_heads, vocab_chunk_width, vocab_shard
 from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
@@ -121,6 +126,14 @@ class DeepseekConfig:
             raise LogprobeError("config.first_k_dense_replace", f"{self.first_k_dense_replace} is not in "
                                 f"0 .. num_hidden_layers ({self.num_layers})")
         rotary_parameters(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling)  # refuses what it cannot run
+
+    @property
+    def split_widths(self) -> tuple[int, ...]:
+        """The widths tensor parallelism cuts (``LlamaConfig.split_widths``): heads, hidden, the dense,
+        expert and shared-expert intermediate sizes."""
+        dense = self.intermediate_size if self.first_k_dense_replace else 0
+        return tuple(w for w in (self.num_heads, self.hidden_size, dense, self.moe.intermediate_size,
+                                 self.moe.shared_intermediate_size) if w)
 
     @property
     def qk_head_dim(self) -> int:
@@ -204,23 +217,30 @@ class DeepseekRotary(nn.Module):
 class MultiHeadLatentAttention(NumericsUser, nn.Module):
     """MLA as in the module docstring, k and v expanded per head for ``packed_attention``."""
 
-    def __init__(self, cfg: DeepseekConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: DeepseekConfig, layer_idx: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
+        ctx = ctx or ParallelContext()
         self.layer_idx = layer_idx
         H, n, bias = cfg.hidden_size, cfg.num_heads, cfg.attention_bias
-        self.num_heads, self.nope, self.rope, self.v_dim = n, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        h0, h1 = q_heads(n, ctx.rank, ctx.size)  # this rank's heads
+        self.num_heads, self.nope, self.rope, self.v_dim = h1 - h0, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.scale = cfg.kv_lora_rank, cfg.scale
+        Dq, Dkv = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+
+        def heads_of(in_features: int, width: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(in_features, n * width, False, ctx, rows=(h0 * width, h1 * width), head_dim=width)
+
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(H, n * cfg.qk_head_dim)
+            self.q_proj = heads_of(H, Dq)
         else:
-            self.q_a_proj = Linear(H, cfg.q_lora_rank, bias)
+            self.q_a_proj = Linear(H, cfg.q_lora_rank, bias)  # whole on every rank
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_EPS)
-            self.q_b_proj = Linear(cfg.q_lora_rank, n * cfg.qk_head_dim)
+            self.q_b_proj = heads_of(cfg.q_lora_rank, Dq)
         self.q_lora = cfg.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias)
+        self.kv_a_proj_with_mqa = Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias)  # whole on every rank
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_EPS)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = Linear(n * cfg.v_head_dim, H, bias)
+        self.kv_b_proj = heads_of(cfg.kv_lora_rank, Dkv)
+        self.o_proj = GatheredRowLinear(n * cfg.v_head_dim, H, bias, ctx)
 
     def fuse(self) -> None:
         """Nothing to fuse: each projection reads a different input."""
@@ -252,7 +272,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
                                                                  "resid_post"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MultiHeadLatentAttention(cfg, layer_idx)
+        self.self_attn = MultiHeadLatentAttention(cfg, layer_idx, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if layer_idx < cfg.first_k_dense_replace:
             self.mlp = LlamaMLP(cfg, ctx)
@@ -260,7 +280,7 @@ class DeepseekDecoderLayer(nn.Module):
             shared = None
             if cfg.moe.shared_intermediate_size:
                 shared = LlamaMLP(dataclasses.replace(cfg, intermediate_size=cfg.moe.shared_intermediate_size), ctx)
-            self.mlp = MoeBlock(cfg.moe, cfg.hidden_size, f"blocks.{layer_idx}.router", shared)
+            self.mlp = MoeBlock(cfg.moe, cfg.hidden_size, f"blocks.{layer_idx}.router", shared, ctx)
 
     def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
                 ) -> torch.Tensor:
@@ -275,18 +295,15 @@ class DeepseekDecoderLayer(nn.Module):
 
 class DeepseekModel(ScoringModel):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
-    -> [T, H]``); ``head_params()`` feeds the log-prob head. One rank."""
+    -> [T, H]``); ``head_params()`` feeds the log-prob head. ``ctx``: this rank's tensor-parallel
+    group (None: one rank)."""
 
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def __init__(self, cfg: DeepseekConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        if ctx is not None and ctx.size > 1:
-            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {cfg.family} models run on one device per "
-                                "replica (no tensor parallelism for them yet)",
-                                "use tensor_parallel_size 1 (data parallelism works)")
         self.config = cfg
-        self.ctx = ctx = ctx or ParallelContext()
+        self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
         self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
@@ -308,10 +325,11 @@ class DeepseekModel(ScoringModel):
         r = cfg.qk_rope_head_dim
         for name, w in state.items():
             if ".self_attn.q_proj." in name or ".self_attn.q_b_proj." in name:
-                heads = w.reshape(cfg.num_heads, cfg.qk_head_dim, *w.shape[1:])
-                rot = to_interleaved(heads[:, cfg.qk_nope_head_dim:].reshape(-1, *w.shape[1:]), cfg.num_heads)
+                n = w.shape[0] // cfg.qk_head_dim  # all heads, or a rank's
+                heads = w.reshape(n, cfg.qk_head_dim, *w.shape[1:])
+                rot = to_interleaved(heads[:, cfg.qk_nope_head_dim:].reshape(-1, *w.shape[1:]), n)
                 out[name] = torch.cat([heads[:, :cfg.qk_nope_head_dim],
-                                       rot.reshape(cfg.num_heads, r, *w.shape[1:])], dim=1).reshape(w.shape)
+                                       rot.reshape(n, r, *w.shape[1:])], dim=1).reshape(w.shape)
             elif ".self_attn.kv_a_proj_with_mqa." in name:
                 out[name] = torch.cat([w[:cfg.kv_lora_rank], to_interleaved(w[cfg.kv_lora_rank:], 1)])
         return out

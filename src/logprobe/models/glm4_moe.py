@@ -79,7 +79,7 @@ def to_interleaved_partial(w: torch.Tensor, n_head: int, rot: int) -> torch.Tens
 class PartialRotaryMoeModel(MoeModel):
     """``MoeModel`` whose rotary turns the first ``cfg.rotary_dim`` dims of each head (GLM-4.5, MiniMax-M2)."""
 
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def __init__(self, cfg: PartialRotaryConfig, rope_freq_factors=None, ctx: ParallelContext | None = None) -> None:
         super().__init__(cfg, None, ctx)

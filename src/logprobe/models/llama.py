@@ -82,8 +82,8 @@ class LlamaConfig:
     def split_widths(self) -> tuple[int, ...]:
         """The widths tensor parallelism cuts: query heads, hidden and intermediate sizes (and a
         shared expert's). ``parallel.shard.num_blocks`` of them is the model's column block count."""
-        shared = self.moe.shared_intermediate_size if self.moe is not None else 0
-        return (self.num_heads, self.hidden_size, self.intermediate_size, *([shared] if shared else []))
+        moe = () if self.moe is None else (self.moe.intermediate_size, self.moe.shared_intermediate_size)
+        return (self.num_heads, self.hidden_size, self.intermediate_size, *(w for w in moe if w))
 
 
 class LlamaAttention(NumericsUser, nn.Module):
@@ -104,10 +104,11 @@ class LlamaAttention(NumericsUser, nn.Module):
         self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, False, ctx)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        if cfg.qk_norm_full:  # over all heads at once (one rank: MoE models are not split)
-            self.q_norm = RMSNorm(self.num_heads * D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.num_kv_heads * D, cfg.rms_norm_eps)
+        if cfg.qk_norm_full:  # over all heads at once: whole on every rank (``norm_full``)
+            self.q_norm = RMSNorm(cfg.num_heads * D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.num_kv_heads * D, cfg.rms_norm_eps)
         self.qk_norm_full = cfg.qk_norm_full
+        self.ctx, self.q_cols, self.k_cols = ctx, (q0 * D, q1 * D), (k0 * D, k1 * D)
         self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
 
     def fuse(self) -> None:
@@ -121,7 +122,7 @@ class LlamaAttention(NumericsUser, nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm_full:
-            q, k = self.q_norm(q), self.k_norm(k)  # [T, Nq], [T, Nkv]
+            q, k = self.norm_full(q, self.q_norm, self.q_cols), self.norm_full(k, self.k_norm, self.k_cols)
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -130,6 +131,16 @@ class LlamaAttention(NumericsUser, nn.Module):
         q, k = apply_rotary(q, cis, self.numerics.triton), apply_rotary(k, cis, self.numerics.triton)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+
+    def norm_full(self, x: torch.Tensor, norm: RMSNorm, cols: tuple[int, int]) -> torch.Tensor:
+        """RMSNorm over the whole projection (OLMoE, MiniMax-M2): x [T, this rank's heads * D] ->
+        the same. Over several ranks the heads are gathered (copies), the whole row normalised as
+        one rank does, and this rank's columns kept (``parallel_context`` asks kv heads not be
+        replicated, so the gathered k is the whole k)."""
+        if not self.ctx.parallel:
+            return norm(x)
+        return norm(self.ctx.gather_columns(x))[:, cols[0]:cols[1]].contiguous()  # [T, N] -> [T, N / size]
 
 
 class LlamaMLP(NumericsUser, nn.Module):

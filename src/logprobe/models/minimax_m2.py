@@ -16,8 +16,13 @@ Every block is a mixture of experts; the experts are ``intermediate_size`` wide.
 
 from __future__ import annotations
 
-from .glm4_moe import PartialRotaryMoeModel
+from .glm4_moe import Glm4MoeModel, PartialRotaryConfig, PartialRotaryMoeModel
 
 
 class MiniMaxM2Model(PartialRotaryMoeModel):
     """MiniMax-M2: ``cfg.qk_norm_full``, ``cfg.moe`` with ``router="sigmoid_grouped"``, ``n_group=1``."""
+
+
+def sigmoid_model_class(cfg: PartialRotaryConfig) -> type[PartialRotaryMoeModel]:
+    """The model class of a GLM-4.5 / MiniMax-M2 config (``cfg.family``)."""
+    return MiniMaxM2Model if cfg.family == "minimax_m2" else Glm4MoeModel

@@ -15,8 +15,10 @@ Family differences, all read from the config:
     OLMoE     : q/k RMSNorm over the whole projection (``qk_norm_full``), norm_topk_prob false
     Qwen-MoE ``mlp_only_layers`` / ``decoder_sparse_step``: those blocks keep a dense MLP.
 
-Tensor parallelism is not there for MoE models yet: ``loading.loader.parallel_context`` refuses a
-split, so every layer here is whole on one rank.
+Over several ranks attention and the dense / shared MLPs split as Llama's; the routed experts
+split by ``ctx.experts`` (expert parallelism) and, within an expert group, by rows (``layers.moe``:
+every rank ends with every slot's output, bitwise one process's in deterministic mode). The
+router is whole on every rank. OLMoE's whole-projection q/k norm is not split (one rank).
 """
 
 from __future__ import annotations
@@ -34,9 +36,7 @@ from .llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP, LlamaModel
 class MoeModel(LlamaModel):
     """``LlamaModel`` whose blocks (all but ``cfg.moe.dense_layers``) route each token to experts."""
 
-    # never split (see above), so deterministic mode skips the TP-invariant slices: there is no
-    # other tensor-parallel size whose bits it could match, and they cost 1.6x on dense llama-8b
-    caps = ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
 
     def __init__(self, cfg: LlamaConfig, rope_freq_factors=None, ctx: ParallelContext | None = None) -> None:
         super().__init__(cfg, rope_freq_factors, ctx)
@@ -49,7 +49,7 @@ class MoeModel(LlamaModel):
         shared = None
         if spec.shared_intermediate_size:
             shared = LlamaMLP(dataclasses.replace(cfg, intermediate_size=spec.shared_intermediate_size), ctx)
-        mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared)
+        mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared, ctx)
         return LlamaDecoderLayer(cfg, layer_idx, ctx, mlp=mlp)
 
 

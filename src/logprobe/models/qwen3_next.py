@@ -63,7 +63,7 @@ on CPU), and every per-row norm (the (1 + w) ones and the gated output norm) red
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -162,7 +162,9 @@ class HybridConfig:
     def split_widths(self) -> tuple[int, ...]:
         """The widths tensor parallelism cuts (``LlamaConfig.split_widths``): attention heads, hidden
         and intermediate sizes, the linear-attention key and value heads."""
-        return (self.num_heads, self.hidden_size, *([self.intermediate_size] if self.intermediate_size else []),
+        moe = () if self.moe is None else (self.moe.intermediate_size, self.moe.shared_intermediate_size)
+        dense = self.intermediate_size if self.moe is None or self.moe.dense_layers else 0
+        return (self.num_heads, self.hidden_size, *(w for w in (dense, *moe) if w),
                 self.linear_num_key_heads, self.linear_num_value_heads)
 
     @property
@@ -333,7 +335,7 @@ class HybridDecoderLayer(nn.Module):
             spec = cfg.moe
             shared = _swiglu(cfg.hidden_size, spec.shared_intermediate_size, ctx) \
                 if spec.shared_intermediate_size else None
-            self.mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared)
+            self.mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared, ctx)
 
     def mix(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         if self.layer_type == "linear_attention":
@@ -354,19 +356,14 @@ class HybridDecoderLayer(nn.Module):
 class HybridModel(ScoringModel):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
     -> [T, H]``); ``head_params()`` feeds the log-prob head. ``ctx``: this rank's tensor-parallel
-    group (None: one rank); mixture-of-experts blocks run on one rank only."""
+    group (None: one rank); mixture-of-experts blocks split their experts by ``ctx.experts``
+    (``layers.moe.Experts``), the router whole on every rank."""
 
     # the chunked rule reproduces a whole run's bits only where a sequence is cut at a multiple of its chunk
     caps = ModelCaps(context=True, hooks=True, tensor_parallel=True, state_align=CHUNK_SIZE)
 
     def __init__(self, cfg: HybridConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        if ctx is not None and ctx.size > 1 and cfg.moe is not None:
-            raise LogprobeError("tensor_parallel_size", f"{ctx.size}: mixture-of-experts {cfg.family} models run "
-                                "on one device per replica (tensor parallelism for experts is not there yet)",
-                                "use tensor_parallel_size 1 (data parallelism works)")
-        if cfg.moe is not None:  # never split, as the other MoE models: no column blocks in deterministic mode
-            self.caps = replace(self.caps, tensor_parallel=False)
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
         self.vocab_grid = vocab_chunk_width(cfg.vocab_size)

@@ -14,16 +14,36 @@ import torch
 class ParallelContext:
     """rank/size within the tensor-parallel group; ``group`` is a torch.distributed process group
     (None with one rank). ``blocks``: deterministic mode's column block count (``S``,
-    ``shard.num_blocks``): a layer's output columns are computed in S blocks of one width."""
+    ``shard.num_blocks``): a layer's output columns are computed in S blocks of one width.
+    ``experts``: the expert-parallel size M (``layers.moe``): rank r holds the experts of group
+    ``r // (size / M)`` and, within it, share ``r % (size / M)`` of each of their rows.
+
+    >>> ParallelContext(3, 4, experts=2).expert_group, ParallelContext(3, 4, experts=2).expert_share
+    (1, (1, 2))
+    """
 
     rank: int = 0
     size: int = 1
     group: object | None = None
     blocks: int = 1
+    experts: int = 1  # expert parallelism: the experts in this many groups over the ranks (divides size)
 
     @property
     def parallel(self) -> bool:
         return self.size > 1
+
+    @property
+    def expert_group(self) -> int:
+        """Which of the ``experts`` groups of experts this rank holds (ranks in order, ``size /
+        experts`` consecutive ranks per group)."""
+        return self.rank // (self.size // self.experts)
+
+    @property
+    def expert_share(self) -> tuple[int, int]:
+        """(p, P): within its expert group this rank holds share p of P of each expert's rows
+        (tensor parallelism of experts; P = size / experts, 1 under pure expert parallelism)."""
+        per = self.size // self.experts
+        return self.rank % per, per
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """In place across ranks, order left to the backend: exact only where at most one rank

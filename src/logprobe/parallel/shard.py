@@ -82,3 +82,39 @@ def vocab_shard(vocab: int, chunk: int, rank: int, size: int) -> tuple[int, int]
     chunks = -(-vocab // chunk)
     c0, c1 = shard_range(chunks, rank, size)
     return min(vocab, c0 * chunk), min(vocab, c1 * chunk)
+
+
+def check_experts(num_experts: int, intermediate: int, hidden: int, size: int, experts: int) -> None:
+    """An expert-parallel size ``experts`` (M) for ``size`` ranks: M divides the ranks and the
+    experts; the ``size / M`` ranks of a group split each expert's intermediate and hidden rows,
+    so that share must divide both.
+
+    >>> check_experts(8, 32, 64, 4, 3)
+    Traceback (most recent call last):
+    ...
+    logprobe.errors.LogprobeError: expert_parallel_size: 3 does not divide the 4 ranks (tensor_parallel_size); use a divisor of 4
+    """
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise LogprobeError("expert_parallel_size", f"must be a positive integer, got {experts!r}")
+    if size % experts:
+        raise LogprobeError("expert_parallel_size", f"{experts} does not divide the {size} ranks (tensor_parallel_size)",
+                            f"use a divisor of {size}")
+    if num_experts % experts:
+        raise LogprobeError("expert_parallel_size", f"{experts} does not divide the {num_experts} experts",
+                            f"use a divisor of both {num_experts} and {size}")
+    per = size // experts
+    for what, n in (("expert intermediate size", intermediate), ("hidden size", hidden)):
+        if n % per:
+            raise LogprobeError("expert_parallel_size", f"{size} ranks in {experts} expert groups split each expert "
+                                f"{per} ways, which does not divide the {what} {n}",
+                                "use expert_parallel_size = tensor_parallel_size (whole experts per rank)")
+
+
+def expert_range(num_experts: int, group: int, groups: int) -> tuple[int, int]:
+    """The experts [start, end) of expert group ``group`` of ``groups``.
+
+    >>> expert_range(8, 1, 4)
+    (2, 4)
+    """
+    per = num_experts // groups
+    return group * per, (group + 1) * per

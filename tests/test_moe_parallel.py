@@ -1,0 +1,193 @@
+"""Mixtures of experts over several ranks: tensor parallelism of attention and experts, and expert
+parallelism (``layers.moe.Experts.parallel_forward``), gloo worker processes on CPU.
+
+Three tiny random checkpoints saved by transformers: a Qwen3-MoE (8 experts, top-2, 4 heads, 2 kv
+heads), a DeepSeek-V3 (latent attention with q_lora, grouped sigmoid routing over 4 groups of 2
+keeping 2, a dense first block, a shared expert) and a hybrid Qwen3.5-MoE (Gated DeltaNet and
+gated attention blocks, 8 experts, a gated shared expert). Each is scored at TP = 1 in one process
+and at (TP, EP) = (2, 1) (every expert split in two), (2, 2) (four whole experts per rank) and,
+where heads allow, (4, 4) and (4, 2) (two experts per group, each split in two):
+
+* deterministic mode: the raw bits of log-probs, entropy, ranks and top-k equal one process's;
+* default mode: within 1e-5 of one process (the attention's and experts' products have other
+  shapes), the same top-k ids.
+
+Routing in default mode could flip where two experts' router scores are nearer than the
+attention's rounding differences (about 1e-7 here); these seeds leave no such tie (a flip would
+show as a difference far above 1e-5, and the test would fail, not pass by luck).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import byte_tokenizer, random_sequences
+
+from logprobe import LogprobeError, Scorer
+from logprobe.config import EngineConfig
+from logprobe.layers.moe import Experts
+from logprobe.loading.loader import describe_model, parallel_context
+from logprobe.parallel.context import ParallelContext
+
+transformers = pytest.importorskip("transformers")
+
+OPTS = dict(temperature=0.7, top_k=5, entropy=True)
+FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
+SIZES = {"qwen3_moe": [(2, 1), (2, 2), (4, 4), (4, 2)], "deepseek_v3": [(2, 1), (2, 2), (4, 4)],
+         "qwen3_5_moe": [(2, 1), (2, 2)]}
+
+
+def _make(kind: str):
+    tf = transformers
+    if kind == "qwen3_moe":
+        from test_moe import moe_config
+
+        return tf.AutoModelForCausalLM.from_config(moe_config("qwen3_moe"), attn_implementation="eager",
+                                                   experts_implementation="eager")
+    if kind == "deepseek_v3":
+        from test_deepseek import make_model
+
+        return make_model("qlora")
+    from test_qwen3_next import make_model
+
+    return make_model("qwen3_5_moe")
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights near 1, everything else 0.1 N(0, 1) (the gated delta's A_log as its tests set it)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log())
+            elif name.endswith("norm.weight") and "linear_attn" not in name:
+                p.copy_((0.0 if "qwen3_5" in type(model).__name__.lower() else 1.0)
+                        + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    out = {}
+    for i, kind in enumerate(SIZES):
+        d = tmp_path_factory.mktemp(kind)
+        torch.manual_seed(i)
+        model = _make(kind).float().eval()
+        _randomise(model, seed=300 + i)
+        model.save_pretrained(str(d))
+        byte_tokenizer()[0].save_pretrained(str(d))
+        out[kind] = d
+    return out
+
+
+def _seqs() -> list[dict]:
+    shared = list(range(3, 73))  # two completions of one 70-token prompt: a shared prefix
+    return random_sequences(4, seed=11, max_prompt=30, max_completion=40) + [
+        {"prompt_token_ids": shared, "completion_token_ids": [9, 10, 11]},
+        {"prompt_token_ids": shared, "completion_token_ids": [12, 13]}]
+
+
+def _bits_equal(a, b) -> bool:
+    def eq(u, v):
+        return (u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
+
+    return len(a) == len(b) and all(eq(getattr(x, f), getattr(y, f)) for x, y in zip(a, b) for f in FIELDS)
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): 2 or 4 gloo worker processes per size (~10-20 s each)
+@pytest.mark.parametrize("kind", list(SIZES))
+def test_tp_and_ep_equal_one_process(kind, dirs):
+    path = str(dirs[kind])
+    seqs = _seqs()
+    one = Scorer(path, device="cpu", dtype="float32", progress=False)
+    want = {}
+    for det in (False, True):
+        one.config = EngineConfig(deterministic=det, progress=False)
+        want[det] = one.logprobs(seqs, **OPTS)
+    for tp, ep in SIZES[kind]:
+        with Scorer(path, device="cpu", dtype="float32", progress=False, tensor_parallel_size=tp,
+                    expert_parallel_size=ep) as s:
+            for det in (True, False):
+                s.config = EngineConfig(deterministic=det, progress=False)
+                got = s.logprobs(seqs, **OPTS)
+                if det:
+                    assert _bits_equal(got, want[det]), (kind, tp, ep)
+                    continue
+                worst = max((x.logprobs - y.logprobs).abs().max().item() for x, y in zip(got, want[det]))
+                assert worst <= 1e-5, (kind, tp, ep, worst)
+                for x, y in zip(got, want[det]):
+                    assert (x.entropy - y.entropy).abs().max() <= 1e-5
+                    assert torch.equal(x.topk_ids, y.topk_ids)
+
+
+def test_rank_holds_its_experts_and_rows(dirs):
+    """Rank 3 of 4 in 2 expert groups holds experts 4..7, of each gate/up rows 16:32 of 32 and down
+    rows 32:64 of 64 (its share of the outputs, over the whole intermediate); it reads only those."""
+    from logprobe.loading.hf import read_config, native_config
+    from logprobe.loading.sharding import hf_shard_tensors
+    from logprobe.loading.hf import hf_tensors
+
+    path = dirs["qwen3_moe"]
+    cfg, _ = native_config(read_config(path))
+    whole = dict(hf_tensors(path, cfg))
+    got = dict(hf_shard_tensors(path, cfg, parallel_context(cfg, 3, 4, None, 2)))
+    assert got.keys() == whole.keys()
+    e = "layers.1.mlp.experts."
+    assert torch.equal(got[e + "gate_proj"], whole[e + "gate_proj"][4:8, 16:32])
+    assert torch.equal(got[e + "up_proj"], whole[e + "up_proj"][4:8, 16:32])
+    assert torch.equal(got[e + "down_proj"], whole[e + "down_proj"][4:8, 32:64])
+    assert torch.equal(got["layers.1.mlp.gate.weight"], whole["layers.1.mlp.gate.weight"])  # the router: whole
+    ep = dict(hf_shard_tensors(path, cfg, parallel_context(cfg, 1, 4, None, 4)))  # experts 2, 3 whole
+    assert torch.equal(ep[e + "down_proj"], whole[e + "down_proj"][2:4])
+
+
+def test_experts_layout_and_neg_zero_identity():
+    """The layout of ``Experts`` per rank, and why the buffer is -0.0: it leaves every value's bits,
+    +0.0 would turn a -0.0 output into +0.0."""
+    x = Experts(8, 64, 32, ParallelContext(2, 4, blocks=4, experts=2))
+    assert (x.first_expert, x.num_experts, x.inter_rows, x.hidden_rows) == (4, 4, (0, 16), (0, 32))
+    assert tuple(x.gate_proj.shape) == (4, 16, 64) and tuple(x.down_proj.shape) == (4, 32, 32)
+    assert x.col_blocks["gate_proj"] == [8, 8] and x.col_blocks["down_proj"] == [16, 16]
+    v = torch.tensor([-0.0, 0.0, 1.5, float("inf"), float("nan")])
+    same = (v + torch.full_like(v, -0.0)).view(torch.int32) == v.view(torch.int32)
+    assert same.all()
+    assert torch.signbit(v[:1] + 0.0).item() is False  # +0.0 would lose the sign of -0.0
+
+
+def test_sizes_are_validated_naming_the_field(dirs):
+    cfg = describe_model(str(dirs["qwen3_moe"]), "cpu").model.config
+    assert parallel_context(cfg, 1, 2, None, 2).experts == 2
+    for tp, ep, text in ((2, 3, "does not divide the 2 ranks"), (1, 2, "does not divide the 1 ranks"),
+                         (2, 0, "positive integer")):
+        with pytest.raises(LogprobeError) as e:
+            parallel_context(cfg, 0, tp, None, ep)
+        assert e.value.field == "expert_parallel_size" and text in str(e.value), (tp, ep)
+    import dataclasses
+
+    six = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=6))
+    with pytest.raises(LogprobeError, match="does not divide the 6 experts") as e:
+        parallel_context(six, 0, 4, None, 4)
+    assert e.value.field == "expert_parallel_size"
+    with pytest.raises(LogprobeError) as e:  # before any process starts
+        Scorer(str(dirs["qwen3_moe"]), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2,
+               expert_parallel_size=4)
+    assert e.value.field == "expert_parallel_size"
+    dense = describe_model(str(dirs["qwen3_moe"]), "cpu").model.config
+    dense = dataclasses.replace(dense, moe=None)
+    with pytest.raises(LogprobeError, match="no experts"):
+        parallel_context(dense, 0, 2, None, 2)
+
+
+def test_cli_takes_expert_parallel_size():
+    import argparse
+
+    from logprobe.cli.common import ScorerOptions, model_parser
+
+    args = argparse.ArgumentParser(parents=[model_parser()]).parse_args(["--tp", "4", "--ep", "2"])
+    assert ScorerOptions.from_args(args).expert_parallel_size == 2
+    args = argparse.ArgumentParser(parents=[model_parser()]).parse_args(["--expert-parallel-size", "4"])
+    assert args.expert_parallel_size == 4
