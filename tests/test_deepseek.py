@@ -186,9 +186,10 @@ def test_config_reading(ds_dirs):
         with pytest.raises(LogprobeError) as e:
             deepseek_config(dict(raw, **{key: value}))
         assert e.value.field == field, (key, e.value)
+    assert parallel_context(cfg, 0, 2, None, 2).experts == 2  # split (tests/test_moe_parallel.py)
     with pytest.raises(LogprobeError) as e:
-        parallel_context(cfg, 0, 2)
-    assert e.value.field == "tensor_parallel_size" and "data parallelism" in str(e.value)
+        parallel_context(cfg, 0, 3)
+    assert e.value.field == "tensor_parallel_size" and "attention heads" in str(e.value)
     assert deepseek_param_name("model.layers.3.eh_proj.weight", cfg, "f") is None  # MTP layer (3 layers)
     assert deepseek_param_name("model.layers.0.mlp.shared_experts.up_proj.weight", cfg, "f") == \
         "layers.0.mlp.shared_expert.up_proj.weight"
@@ -253,7 +254,7 @@ def test_chunks_and_shared_prefixes_are_bitwise(kind, ds_dirs):
     a 64-token budget (``test_determinism.random_mix``: shared contexts, duplicates, a prefix of
     another, partial windows, mixed head options), gives the same bits."""
     loaded = load_model(str(ds_dirs[kind][0]), "cpu", "float32")
-    assert ModelCaps.of(loaded.model) == ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    assert ModelCaps.of(loaded.model) == ModelCaps(context=True, hooks=True, tensor_parallel=True)
     reqs = random_mix(seed=3, vocab=VOCAB)
     alone = [Scorer(loaded, config=EngineConfig(deterministic=True, share_prefixes=False)).engine.run([r])[0]
              for r in reqs]
@@ -265,8 +266,9 @@ def test_chunks_and_shared_prefixes_are_bitwise(kind, ds_dirs):
 
 @pytest.mark.slow  # slow tier (pytest -m slow): starts two worker processes (~10 s)
 def test_data_parallel_and_tensor_parallel_refused(ds_dirs):
-    """Two data-parallel worker processes give the single process's bits; a tensor-parallel split is
-    refused before any process starts, naming tensor_parallel_size."""
+    """Two data-parallel worker processes give the single process's bits; a tensor-parallel size that
+    does not divide the heads is refused before any process starts, naming tensor_parallel_size
+    (TP and EP = 2 and 4: tests/test_moe_parallel.py)."""
     path, _ = ds_dirs["qlora"]
     seqs = _sequences()
     # deterministic mode: each worker packs its share of the sequences differently, and without it an
@@ -277,5 +279,5 @@ def test_data_parallel_and_tensor_parallel_refused(ds_dirs):
         two = dp.logprobs(seqs)
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(one, two))
     with pytest.raises(LogprobeError) as e:
-        Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2)
-    assert e.value.field == "tensor_parallel_size" and "data parallelism works" in str(e.value)
+        Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=3)
+    assert e.value.field == "tensor_parallel_size" and "attention heads" in str(e.value)

@@ -10,7 +10,8 @@ are three ranges: q, k, v), two attention heads and one kv head.
 
 Deterministic mode: the raw bits equal TP = 1's (log-probs, entropy, ranks, top-k); default mode
 within 1e-5. Long sequences cut into chunks and shared prefixes at TP = 2 equal TP = 1 alone,
-bitwise. Sizes that do not split the linear-attention heads, and MoE variants, are refused.
+bitwise. Sizes that do not split the linear-attention heads are refused (MoE variants split:
+``tests/test_moe_parallel.py``).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _cfg(**kw) -> HybridConfig:
     return HybridConfig(**{**base, **kw})
 
 
-def test_indivisible_heads_and_moe_refused():
+def test_indivisible_heads_refused_and_moe_split():
     assert parallel_context(_cfg(), 1, 2).size == 2
     with pytest.raises(LogprobeError) as e:
         parallel_context(_cfg(), 0, 4)  # 4 attention heads, 4 value heads: the 2 key heads do not split
@@ -139,9 +140,10 @@ def test_indivisible_heads_and_moe_refused():
     from logprobe.layers.moe import MoeSpec
 
     moe = _cfg(moe=MoeSpec(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True), intermediate_size=0)
-    with pytest.raises(LogprobeError, match="mixture-of-experts"):
-        parallel_context(moe, 0, 2)
-    assert parallel_context(moe, 0, 1).size == 1
+    assert parallel_context(moe, 0, 2, None, 2).experts == 2  # experts split (tests/test_moe_parallel.py)
+    with pytest.raises(LogprobeError) as e:
+        parallel_context(moe, 0, 2, None, 3)
+    assert e.value.field == "expert_parallel_size"
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])

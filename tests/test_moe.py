@@ -298,12 +298,20 @@ def test_unsupported_fields_are_not_run_natively():
     assert spec.dense_layers == (0, 2)  # transformers: block i is sparse iff (i + 1) % step == 0
 
 
-def test_tensor_parallel_refused(moe_dirs):
+def test_tensor_parallel_sizes(moe_dirs):
+    """TP = 2 splits (tests/test_moe_parallel.py runs it); OLMoE's whole-projection k norm needs the
+    size to divide its 2 kv heads; a size not dividing the heads is refused."""
     from logprobe.loading.loader import describe_model, parallel_context
 
     cfg = describe_model(str(moe_dirs["qwen3_moe"][0]), "cpu").model.config
-    with pytest.raises(LogprobeError, match="mixture-of-experts"):
-        parallel_context(cfg, 0, 2)
+    assert parallel_context(cfg, 0, 2).size == 2
+    with pytest.raises(LogprobeError, match="attention heads"):
+        parallel_context(cfg, 0, 3)
+    olmoe = describe_model(str(moe_dirs["olmoe"][0]), "cpu").model.config
+    assert parallel_context(olmoe, 0, 2).size == 2
+    with pytest.raises(LogprobeError, match="whole-projection k norm") as e:
+        parallel_context(olmoe, 0, 4)
+    assert e.value.field == "tensor_parallel_size"
 
 
 # -- GGUF ----------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ parallelism (``layers.moe.Experts.parallel_forward``), gloo worker processes on 
 Three tiny random checkpoints saved by transformers: a Qwen3-MoE (8 experts, top-2, 4 heads, 2 kv
 heads), a DeepSeek-V3 (latent attention with q_lora, grouped sigmoid routing over 4 groups of 2
 keeping 2, a dense first block, a shared expert) and a hybrid Qwen3.5-MoE (Gated DeltaNet and
-gated attention blocks, 8 experts, a gated shared expert). Each is scored at TP = 1 in one process
+gated attention blocks, 8 experts, a gated shared expert); GLM-4.5 (grouped sigmoid routing, a
+dense block, q/k norm per head) and MiniMax-M2 (q/k norm over the whole projection: gathered over
+the ranks, normalised whole, cut back). Each is scored at TP = 1 in one process
 and at (TP, EP) = (2, 1) (every expert split in two), (2, 2) (four whole experts per rank) and,
 where heads allow, (4, 4) and (4, 2) (two experts per group, each split in two):
 
@@ -34,7 +36,7 @@ transformers = pytest.importorskip("transformers")
 OPTS = dict(temperature=0.7, top_k=5, entropy=True)
 FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
 SIZES = {"qwen3_moe": [(2, 1), (2, 2), (4, 4), (4, 2)], "deepseek_v3": [(2, 1), (2, 2), (4, 4)],
-         "qwen3_5_moe": [(2, 1), (2, 2)]}
+         "qwen3_5_moe": [(2, 1), (2, 2)], "glm4_moe": [(2, 2)], "minimax_m2": [(2, 1)]}
 
 
 def _make(kind: str):
@@ -48,6 +50,10 @@ def _make(kind: str):
         from test_deepseek import make_model
 
         return make_model("qlora")
+    if kind in ("glm4_moe", "minimax_m2"):
+        from test_moe_sigmoid_families import make_model
+
+        return make_model(kind)
     from test_qwen3_next import make_model
 
     return make_model("qwen3_5_moe")

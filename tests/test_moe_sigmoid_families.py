@@ -176,7 +176,7 @@ def test_chunks_and_shared_prefixes_are_bitwise(family, dirs):
     """Deterministic mode: each request alone, or packed with shared prefixes and cut into chunks by a
     64-token budget (``test_determinism.random_mix``), gives the same bits."""
     loaded = load_model(str(dirs[family][0]), "cpu", "float32")
-    assert ModelCaps.of(loaded.model) == ModelCaps(context=True, hooks=True, tensor_parallel=False)
+    assert ModelCaps.of(loaded.model) == ModelCaps(context=True, hooks=True, tensor_parallel=True)
     reqs = random_mix(seed=3, vocab=VOCAB)
     alone = [Scorer(loaded, config=EngineConfig(deterministic=True, share_prefixes=False)).engine.run([r])[0]
              for r in reqs]
@@ -189,7 +189,8 @@ def test_chunks_and_shared_prefixes_are_bitwise(family, dirs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_router_capture_mtp_skipped_and_refusals(family, dirs, tmp_path, caplog):
     """Router scores are the reference's sigmoid; an extra MTP layer is skipped with a note and scores
-    the same; weight updates and tensor_parallel_size 2 are refused, naming the field."""
+    the same; weight updates and tensor_parallel_size 3 (not dividing the 4 heads) are refused,
+    naming the field (TP = 2 splits: tests/test_moe_parallel.py)."""
     from safetensors.torch import save_file
 
     src, ref = dirs[family]
@@ -212,8 +213,9 @@ def test_router_capture_mtp_skipped_and_refusals(family, dirs, tmp_path, caplog)
     assert (got.double() - torch.sigmoid(routers[1 if family == "minimax_m2" else 0][0].double())).abs().max() < 1e-5
     with pytest.raises(LogprobeError, match="missing"):  # a partial update (tests/test_update_families.py)
         scorer.update_weights({"lm_head.weight": torch.zeros(VOCAB, 64)})
+    assert parallel_context(base.loaded.model.config, 0, 2, None, 2).experts == 2
     with pytest.raises(LogprobeError) as e:
-        parallel_context(base.loaded.model.config, 0, 2)
+        parallel_context(base.loaded.model.config, 0, 3)
     assert e.value.field == "tensor_parallel_size"
 
 
@@ -252,7 +254,7 @@ def test_released_config_shapes():
 def test_routed_experts_replay_and_steering(family, dirs):
     """Routed experts (R3) are the reference's choice in each MoE block and replay to the same bits;
     steering with a zero vector changes nothing; GLM's dense block 0 has no router point; a
-    tensor-parallel Scorer is refused naming tensor_parallel_size."""
+    tensor-parallel size not dividing the heads is refused naming tensor_parallel_size."""
     path, ref = dirs[family]
     scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
     seq = {"prompt_token_ids": list(range(10, 40)), "completion_token_ids": list(range(40, 60))}
@@ -270,5 +272,5 @@ def test_routed_experts_replay_and_steering(family, dirs):
         with pytest.raises(LogprobeError, match="no router"):
             scorer.logprobs([seq], capture=[{"at": "blocks.0.router"}])
     with pytest.raises(LogprobeError) as e:
-        Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2)
+        Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=3)
     assert e.value.field == "tensor_parallel_size"

@@ -222,9 +222,10 @@ def test_config_refusals(hybrid_dirs):
         assert e.value.field == field
     assert parallel_context(cfg, 0, 2).size == 2  # dense: split by heads (tests/test_hybrid_tp.py)
     moe = hybrid_config(json.loads((hybrid_dirs["qwen3_5_moe"][0] / "config.json").read_text()))
+    assert parallel_context(moe, 0, 2, None, 2).experts == 2  # experts split (tests/test_moe_parallel.py)
     with pytest.raises(LogprobeError) as e:
-        parallel_context(moe, 0, 2)
-    assert e.value.field == "tensor_parallel_size" and "data parallelism" in str(e.value)
+        parallel_context(moe, 0, 4)
+    assert e.value.field == "tensor_parallel_size" and "linear_num_key_heads 2" in str(e.value)
 
 
 def _mix(seed: int) -> list[ScoreRequest]:
@@ -301,9 +302,9 @@ def test_partial_weight_update_refused(hybrid_dirs):
 
 
 def test_data_parallel_and_moe_tensor_parallel_refused(hybrid_dirs):
-    """Two data-parallel worker processes give the single process's bits; a tensor-parallel split of
-    a mixture-of-experts model is refused before any process starts, naming tensor_parallel_size
-    (dense ones split: tests/test_hybrid_tp.py)."""
+    """Two data-parallel worker processes give the single process's bits; a tensor-parallel size
+    that does not split the mixture-of-experts model's heads is refused before any process starts,
+    naming tensor_parallel_size (sizes that split it: tests/test_moe_parallel.py)."""
     path, _ = hybrid_dirs["qwen3_5"]
     seqs = _sequences()
     one = Scorer(str(path), device="cpu", dtype="float32", progress=False).logprobs(seqs)
@@ -312,5 +313,5 @@ def test_data_parallel_and_moe_tensor_parallel_refused(hybrid_dirs):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(one, two))
     with pytest.raises(LogprobeError) as e:
         Scorer(str(hybrid_dirs["qwen3_5_moe"][0]), device="cpu", dtype="float32", progress=False,
-               tensor_parallel_size=2)
-    assert e.value.field == "tensor_parallel_size" and "data parallelism works" in str(e.value)
+               tensor_parallel_size=4)
+    assert e.value.field == "tensor_parallel_size" and "linear_num_key_heads" in str(e.value)

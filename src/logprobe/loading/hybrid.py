@@ -224,13 +224,6 @@ def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, gro
     ``size`` ways: ``size`` dividing the attention heads (or kv heads, or a multiple of them), the
     linear-attention key and value heads, the hidden, intermediate and shared-expert sizes; the
     experts by ``experts`` groups (``shard.check_experts``)."""
-    if cfg.moe is not None:
-        check_experts(cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size, size, experts)
-        if cfg.moe.shared_intermediate_size % size:
-            raise LogprobeError("tensor_parallel_size", f"{size} does not divide shared_expert_intermediate_size "
-                                f"{cfg.moe.shared_intermediate_size} of {cfg.family}", "use a size that divides it")
-    elif experts != 1:
-        raise LogprobeError("expert_parallel_size", f"{experts}: {cfg.family} has no experts", "use 1")
     check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
     for key, n in (("linear_num_value_heads", cfg.linear_num_value_heads),  # a multiple of the key heads
                    ("linear_num_key_heads", cfg.linear_num_key_heads),
@@ -238,6 +231,13 @@ def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, gro
         if n % size and not (key == "intermediate_size" and cfg.moe is not None and not cfg.moe.dense_layers):
             raise LogprobeError("tensor_parallel_size", f"{size} does not divide {key} {n} of {cfg.family}",
                                 f"use a size that divides {key}")
+    if cfg.moe is not None:
+        check_experts(cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size, size, experts)
+        if cfg.moe.shared_intermediate_size % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide shared_expert_intermediate_size "
+                                f"{cfg.moe.shared_intermediate_size} of {cfg.family}", "use a size that divides it")
+    elif experts != 1:
+        raise LogprobeError("expert_parallel_size", f"{experts}: {cfg.family} has no experts", "use 1")
     return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts)
 
 

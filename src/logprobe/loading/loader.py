@@ -223,8 +223,6 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None,
     moe = cfg.moe
     if moe is None and experts != 1:
         raise LogprobeError("expert_parallel_size", f"{experts}: this model has no experts", "use 1")
-    if moe is not None:
-        check_experts(moe.num_experts, moe.intermediate_size, cfg.hidden_size, size, experts)
     grid = vocab_chunk_width(cfg.vocab_size)
     if isinstance(cfg, DeepseekConfig):  # latent attention: split by heads
         check_tp(cfg.num_heads, cfg.num_heads, -(-cfg.vocab_size // grid), size)
@@ -233,6 +231,8 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None,
         if cfg.qk_norm_full and cfg.num_kv_heads % size:
             raise LogprobeError("tensor_parallel_size", f"{size} does not divide the {cfg.num_kv_heads} key/value "
                                 "heads, which the whole-projection k norm needs", "use a size dividing them")
+    if moe is not None:
+        check_experts(moe.num_experts, moe.intermediate_size, cfg.hidden_size, size, experts)
     dense = moe is None or bool(moe.dense_layers) or getattr(cfg, "first_k_dense_replace", 0)
     widths = [("hidden size", cfg.hidden_size)] + [("intermediate size", cfg.intermediate_size)] * bool(dense)
     widths += [("shared expert intermediate size", moe.shared_intermediate_size)] if moe is not None else []

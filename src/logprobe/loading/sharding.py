@@ -113,8 +113,9 @@ def rank_cut(model: torch.nn.Module, name: str):
     safetensors slice (read lazily: only those bytes), giving this rank's part.
 
     >>> from logprobe.parallel.context import ParallelContext
-    >>> m = torch.nn.Module(); m.experts = Experts(4, 8, 6, ParallelContext(1, 2, experts=2))
-    >>> rank_cut(m, "experts.1.up_proj.weight"), rank_cut(m, "experts.2.up_proj.weight")(torch.ones(6, 8)).shape
+    >>> m = torch.nn.Module(); m.mlp = torch.nn.Module()
+    >>> m.mlp.experts = Experts(4, 8, 6, ParallelContext(1, 2, experts=2))  # rank 1: experts 2, 3 whole
+    >>> rank_cut(m, "mlp.experts.1.up_proj.weight"), rank_cut(m, "mlp.experts.2.up_proj.weight")(torch.ones(6, 8)).shape
     ('skip', torch.Size([6, 8]))
     """
     m = _PER_EXPERT.fullmatch(name)

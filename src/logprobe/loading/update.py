@@ -135,12 +135,21 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
     family(model)
+    refuse_split_experts(model, getattr(getattr(model, "ctx", None), "size", 1))
     for name, m in model.named_modules():
         if isinstance(m, (PackedWeight, PackedEmbedding, ExpertMatrices)):
             raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
                                 "tensors cannot be written into quantized blocks exactly",
                                 "load the float checkpoint, or reload the scorer from the new quantized file")
     return _slots(model, list(full_slots(model, names=True)))
+
+
+def refuse_split_experts(model, ranks: int) -> None:
+    """A mixture of experts split over ``ranks`` > 1 takes no weight update yet (its experts' units
+    are cut by experts and rows, which ``rank_slice`` does not do)."""
+    if ranks > 1 and getattr(getattr(model, "config", None), "moe", None) is not None:
+        raise LogprobeError("model", f"a mixture of experts split over {ranks} ranks has no weight update yet",
+                            "reload the scorer from the new checkpoint")
 
 
 def refuse_unsupported(model) -> None:
@@ -390,6 +399,7 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
     error before that drops every staged slice (all or nothing across ranks)."""
+    refuse_split_experts(model, engine.tp)
     full = weight_slots(model)
     cfg, seen, n = model.config, set(), 0
     build = family(model).build

@@ -214,6 +214,27 @@ class DeepseekRotary(nn.Module):
         return row_invariant(lambda f: torch.polar(torch.full_like(f, self.attention_factor), f), freqs)
 
 
+def rotate(x: torch.Tensor, cis: torch.Tensor, triton: bool) -> torch.Tensor:
+    """``apply_rotary`` with each element's bits independent of the shape on CPU: x [T, n, rope]
+    (interleaved pairs) by cis [T, rope/2]. PyTorch's CPU complex multiply runs SIMD chunks and a
+    scalar tail that round differently, and with rope/2 = 4 complex values per head where the tail
+    falls moves with T and with the number of heads (a rank's at TP = 4: one); so on CPU the
+    product is four real multiplies and two adds, each rounded once whatever the path. CUDA runs
+    ``apply_rotary`` (no tail there).
+
+    >>> x, cis = torch.randn(5, 4, 8), torch.polar(torch.full((5, 4), 1.3), torch.randn(5, 4))
+    >>> torch.equal(rotate(x, cis, False)[:, 1:2], rotate(x[:, 1:2].contiguous(), cis, False))
+    True
+    """
+    if x.is_cuda:
+        return apply_rotary(x, cis, triton)
+    T, n, D = x.shape
+    pairs = x.float().reshape(T, n, D // 2, 2)  # [T, n, rope/2, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cis.real[:, None, :], cis.imag[:, None, :]  # [T, 1, rope/2]
+    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).reshape(T, n, D).to(x.dtype)
+
+
 class MultiHeadLatentAttention(NumericsUser, nn.Module):
     """MLA as in the module docstring, k and v expanded per head for ``packed_attention``."""
 
@@ -252,8 +273,8 @@ class MultiHeadLatentAttention(NumericsUser, nn.Module):
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, rope], dim=-1)  # [T, r_kv], [T, rope]
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(T, n, nope + dv)  # [T, n, nope + dv]
         k_nope, v = kv.split([nope, dv], dim=-1)  # [T, n, nope], [T, n, dv]
-        q_rope = apply_rotary(q[..., nope:].contiguous(), cis, self.numerics.triton)  # [T, n, rope]
-        k_rope = apply_rotary(k_rope.contiguous().view(T, 1, rope), cis, self.numerics.triton)  # [T, 1, rope]
+        q_rope = rotate(q[..., nope:].contiguous(), cis, self.numerics.triton)  # [T, n, rope]
+        k_rope = rotate(k_rope.contiguous().view(T, 1, rope), cis, self.numerics.triton)  # [T, 1, rope]
         q = torch.cat([q[..., :nope], q_rope], dim=-1)  # [T, n, D], D = nope + rope
         k = torch.cat([k_nope, k_rope.expand(T, n, rope)], dim=-1)  # [T, n, D]
         D = nope + rope
