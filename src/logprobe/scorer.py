@@ -95,7 +95,7 @@ class Scorer:
         self.prefix_cache = getattr(self.engine, "prefix_cache", None)
         if cache is not None:  # hits answered from the cache, misses run and stored (versions: rehashed)
             self.engine = with_cache(self.engine, self.loaded, cache, lambda: self.weights_version,
-                                     tensor_parallel_size)
+                                     tensor_parallel_size, expert_parallel_size)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         # what the job builders read about the model, built once (deterministic: renewed with config)

@@ -111,8 +111,10 @@ class ModelIdentity:
     ``loaded``: the LoadedModel (its ``model`` holds the weights when ``in_process``); ``version()``
     the scorer's weights version, +1 per successful update: the weights are hashed again then."""
 
-    def __init__(self, loaded: Any, in_process: bool, version: Callable[[], int], tensor_parallel_size: int = 1):
+    def __init__(self, loaded: Any, in_process: bool, version: Callable[[], int], tensor_parallel_size: int = 1,
+                 expert_parallel_size: int = 1):
         self.loaded, self.in_process, self.version, self.tp = loaded, in_process, version, tensor_parallel_size
+        self.ep = expert_parallel_size  # default mode's bits depend on it (keys without it: 1)
         self._weights: tuple[int, str | None] | None = None
         self._tokenizer: str | None = None
         self.hash_seconds = 0.0  # time the last weights hash took
@@ -144,6 +146,8 @@ class ModelIdentity:
                 "device": str(info.device).split(":")[0], "deterministic": repr(config.deterministic),
                 "tensor_parallel_size": self.tp, "weights": w, "tokenizer": self._tokenizer, "config": self._arch,
                 "schema": SCHEMA_VERSION}
+        if self.ep != 1:
+            desc["expert_parallel_size"] = self.ep
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest(), desc
 
 
@@ -430,7 +434,7 @@ class CachedExecutor:
 
 
 def with_cache(engine: Any, loaded: Any, directory: str | os.PathLike, version: Callable[[], int],
-               tensor_parallel_size: int = 1) -> CachedExecutor:
+               tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> CachedExecutor:
     """``engine`` behind the cache at ``directory`` (a Scorer's ``cache=``)."""
     if not isinstance(directory, (str, os.PathLike)) or not str(directory):
         raise LogprobeError("cache", f"must be a directory path, got {directory!r}")
@@ -440,4 +444,5 @@ def with_cache(engine: Any, loaded: Any, directory: str | os.PathLike, version: 
         raise LogprobeError("cache", "is not supported under torchrun (each rank holds a shard)",
                             "use tensor_parallel_size with library-owned workers, or no cache")
     return CachedExecutor(engine, ResultCache(directory),
-                          ModelIdentity(loaded, engine.in_process, version, tensor_parallel_size))
+                          ModelIdentity(loaded, engine.in_process, version, tensor_parallel_size,
+                                        expert_parallel_size))
