@@ -122,7 +122,10 @@ class ColumnParallelLinear(RowShard, Linear):
         self.ctx = ctx
         self.tp_rows = (r0, r1)
         block = column_block(total, ctx.blocks, head_dim)
-        if block and block < self.out_features:
+        if block and block <= self.out_features and self.out_features % block == 0 and block < total:
+            # a rank holding one block keeps it too: fused with its neighbours (gate | up) the
+            # products stay block-wide (a fused [gate 8 | up 8] as one 16-wide product rounds
+            # otherwise than the 8-wide ones of TP = 1 on CPU)
             self.col_blocks = [block] * (self.out_features // block)
 
 

@@ -1,0 +1,138 @@
+"""Mixtures of experts over several GPUs: (TP, EP) = (1, 1) against (2, 1), (2, 2) (and 4 / 8 where
+the machine has them), on a Qwen3-30B-A3B shape and a DeepSeek-V2-Lite / Moonlight MLA shape.
+
+A random-init bf16 checkpoint is written once as a Hugging Face directory with transformers'
+in-memory expert layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
+the workers read only their experts' bytes from it. Scored through the public API (``Scorer``,
+default budget) on W1 (RL groups, bench/common.py). Printed per (TP, EP) and mode: seconds,
+input tokens/s, speed-up over (1, 1), max / mean |Δ log-prob| against (1, 1) of the same mode
+and a bitwise flag. Deterministic mode on CUDA runs only where every rank holds whole experts
+(EP = TP; other splits are refused there, see docs/parallel.md).
+
+    python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --sizes 1x1,2x1,2x2      # 2 GPUs
+    python bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4    # 4 GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import byte_tokenizer, workload  # noqa: E402
+
+T0 = time.perf_counter()
+SHAPES = {  # transformers config class, its arguments
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                             intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                             num_experts_per_tok=8, norm_topk_prob=True)),
+    "mla": ("DeepseekV3Config", dict(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                                     num_key_value_heads=16, intermediate_size=10944, moe_intermediate_size=1408,
+                                     n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1,
+                                     topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
+                                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                     routed_scaling_factor=1.0, norm_topk_prob=False)),
+}
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
+
+
+def write_checkpoint(shape: str, layers: int, path: Path) -> None:
+    """Random bf16 weights (seeded per tensor, made on CUDA), config.json and a byte tokenizer."""
+    import transformers
+    from safetensors.torch import save_file
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    cls, kw = SHAPES[shape]
+    cfg = getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
+                                     max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes.update({k: tuple(v.shape) for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
+    part, files, size = {}, [], 0
+    for i, (k, s) in enumerate(sorted(shapes.items())):
+        g = torch.Generator("cuda").manual_seed(i)
+        if k.endswith("e_score_correction_bias"):
+            t = torch.zeros(s, device="cuda")
+        elif len(s) == 1:
+            t = torch.ones(s, device="cuda")
+        else:
+            t = torch.randn(s, generator=g, device="cuda") * 0.02
+        part[k] = t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16).cpu()
+        size += part[k].numel() * 2
+        if size > 4 << 30:
+            files.append(part)
+            part, size = {}, 0
+    files.append(part)
+    index = {}
+    for j, p in enumerate(files):
+        name = f"model-{j:05d}.safetensors"
+        save_file(p, str(path / name))
+        index.update({k: name for k in p})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg.save_pretrained(str(path))
+    byte_tokenizer().save_pretrained(str(path))
+
+
+def timed(scorer, reqs):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = scorer.engine.run(reqs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, torch.cat([r.logprobs.float() for r in out])
+
+
+def main() -> None:
+    from logprobe import Scorer
+    from logprobe.config import EngineConfig
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (labelled in the output)")
+    ap.add_argument("--sizes", default="1x1,2x1,2x2", help="TPxEP pairs, the first is the reference")
+    ap.add_argument("--modes", default="default,det")
+    ap.add_argument("--dir", default="/tmp/logprobe-moe-parallel")
+    args = ap.parse_args()
+    path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}"
+    write_checkpoint(args.shape, args.layers, path)
+    log(f"checkpoint {path}")
+    ref, base = {}, {}
+    for size in args.sizes.split(","):
+        tp, ep = map(int, size.split("x"))
+        t = time.perf_counter()
+        s = Scorer(str(path), device="cuda", tensor_parallel_size=tp, expert_parallel_size=ep, progress=False)
+        load = time.perf_counter() - t
+        reqs = workload("W1", s.info.vocab_size)
+        for mode in args.modes.split(","):
+            if mode == "det" and ep != tp:
+                log(json.dumps(dict(tp=tp, ep=ep, mode=mode, skipped="deterministic on CUDA needs EP = TP")))
+                continue
+            s.config = EngineConfig(progress=False, deterministic=mode == "det")
+            s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
+            secs, lp = timed(s, reqs)
+            toks = sum(r.num_inputs for r in reqs)
+            row = dict(shape=args.shape, layers=args.layers or "all", tp=tp, ep=ep, mode=mode, s=round(secs, 3),
+                       tok_s=round(toks / secs), load_s=round(load, 1))
+            if mode in ref:
+                d = (lp - ref[mode]).abs()
+                row.update(speedup=round(base[mode] / secs, 2), max_d=float(d.max()), mean_d=float(d.mean()),
+                           bitwise=bool(torch.equal(lp, ref[mode])))
+            else:
+                ref[mode], base[mode] = lp, secs
+            log(json.dumps(row))
+        s.close()
+
+
+if __name__ == "__main__":
+    main()
