@@ -130,6 +130,19 @@ def test_tp_and_ep_equal_one_process(kind, dirs):
                     assert torch.equal(x.topk_ids, y.topk_ids)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): two replicas of two gloo workers
+def test_composes_with_data_parallelism(dirs):
+    """TP = 2 x EP = 2 in each of 2 data-parallel replicas: deterministic mode's bits equal one
+    process's (each replica packs its share of the requests otherwise: batch invariance too)."""
+    path = str(dirs["qwen3_moe"])
+    seqs = _seqs()
+    cfg = EngineConfig(deterministic=True, progress=False)
+    want = Scorer(path, device="cpu", dtype="float32", config=cfg).logprobs(seqs, **OPTS)
+    with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2, expert_parallel_size=2,
+                data_parallel_size=2) as s:
+        assert _bits_equal(s.logprobs(seqs, **OPTS), want)
+
+
 def test_rank_holds_its_experts_and_rows(dirs):
     """Rank 3 of 4 in 2 expert groups holds experts 4..7, of each gate/up rows 16:32 of 32 and down
     rows 32:64 of 64 (its share of the outputs, over the whole intermediate); it reads only those."""

@@ -72,7 +72,8 @@ def test_held_rows_gold():
         assert held_rows(model, "norm.weight") is None and held_rows(model, "no.such.weight") is None
         # deterministic mode's column blocks, derived by each layer from its width and S = 4
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-        assert attn.q_proj.col_blocks == [16, 16] and attn.k_proj.col_blocks is None
+        # k_proj: one kv head of 16 here, one block (stated, so a fused q|k|v keeps block-wide products)
+        assert attn.q_proj.col_blocks == [16, 16] and attn.k_proj.col_blocks == [16]
         assert mlp.gate_proj.col_blocks == [32, 32] and mlp.down_proj.col_blocks == [16, 16]
 
 
