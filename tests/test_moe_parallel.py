@@ -210,3 +210,16 @@ def test_cli_takes_expert_parallel_size():
     assert ScorerOptions.from_args(args).expert_parallel_size == 2
     args = argparse.ArgumentParser(parents=[model_parser()]).parse_args(["--expert-parallel-size", "4"])
     assert args.expert_parallel_size == 4
+
+
+def test_weight_update_of_split_experts_refused(dirs):
+    """A split mixture of experts takes no weight update yet: refused naming the model, before any
+    tensor is staged (its expert units are cut by experts and rows, which updates do not do)."""
+    from logprobe.loading.sharding import rank_model
+    from logprobe.loading.update import weight_slots
+
+    cfg = describe_model(str(dirs["qwen3_moe"]), "cpu").model.config
+    assert weight_slots(rank_model(cfg, parallel_context(cfg, 0, 1)))  # one rank: updatable
+    with pytest.raises(LogprobeError, match="no weight update yet") as e:
+        weight_slots(rank_model(cfg, parallel_context(cfg, 0, 2, None, 2)))
+    assert e.value.field == "model"
