@@ -299,3 +299,55 @@ def test_expert_stack_expansion_is_each_expert():
         stacked = experts.stacked(dtype)
         assert all(torch.equal(stacked[e], experts.expert(e)) for e in range(3))
         assert torch.equal(experts.rows().to(dtype), stacked.reshape(-1, 72))
+
+
+MOE_KINDS = ["glm4_moe", "minimax_m2", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_families_fp8_match_dequantized_float64(kind, tmp_path):
+    """GLM-4.5 (qkv bias moved into the FP8 layers, partial rotary rows permuted), MiniMax-M2 (Mixtral's
+    w1/w2/w3 expert names) and Qwen3-MoE (the Llama-family loader, FP8 experts stacked): FP8 blocks of
+    32 x 32 against the float64 forward of the dequantized weights; routing margins asserted."""
+    import test_moe
+    import test_moe_sigmoid_families as sig
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sig.hfglm.Glm4MoeRMSNorm, "forward", sig._norm64)
+    mp.setattr(sig.hfmm.MiniMaxM2RMSNorm, "forward", sig._norm64)
+    try:
+        torch.manual_seed(0)
+        if kind == "qwen3_moe":
+            model = transformers.AutoModelForCausalLM.from_config(
+                test_moe.moe_config(kind), attn_implementation="eager", experts_implementation="eager").float()
+        else:
+            model = sig.make_model(kind).float()
+            sig._randomise(model, seed=sig.SEEDS[kind])
+        model.save_pretrained(str(tmp_path / "float"))
+        n = write_fp8(tmp_path / "float", tmp_path / "fp8", tmp_path / "ref", (32, 32), ["lm_head"],
+                      lambda key: _proj(key) or ".experts." in key)
+        ref = type(model).from_pretrained(str(tmp_path / "ref"), dtype=torch.float64, attn_implementation="eager",
+                                          experts_implementation="eager").eval()
+        scorer = Scorer(str(tmp_path / "fp8"), device="cpu", dtype="float32", progress=False)
+        held = [m for m in scorer.loaded.model.modules() if isinstance(m, (FP8BlockLinear, FP8BlockExperts))]
+        assert n > 0 and any(isinstance(m, FP8BlockExperts) for m in held)
+        assert all(m.qweight.dtype == FP8 for m in held)
+        seqs = _sequences()
+        worst, compared, margin = 0.0, 0, float("inf")
+        for seq, res in zip(seqs, scorer.logprobs(seqs)):
+            ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+            lo, hi = len(seq["prompt_token_ids"]) - 1, len(ids) - 1
+            if kind == "qwen3_moe":
+                lp = ref_logprobs(ref, ids)
+            else:
+                lp, routers = sig._reference(ref, ids)
+                for logits, bias, chosen in routers:
+                    margin = min(margin, sig._routing_stats(logits, bias, chosen, hi, sig.GROUPS[kind])[0])
+            tgt = lp[lo:hi].gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+            worst = max(worst, (res.logprobs.double() - tgt).abs().max().item())
+            compared += len(tgt)
+    finally:
+        mp.undo()
+    print(f"{kind} fp8: max |delta| {worst:.2e} over {compared} tokens, router margin {margin:.2e}")
+    assert compared > 50 and (kind == "qwen3_moe" or margin > sig.MIN_MARGIN)
+    assert worst < TOL
