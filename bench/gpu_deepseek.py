@@ -260,7 +260,7 @@ def transformers_row(args, cfg, model_cls, reqs, dev, dtype, rows):
         lp, sec, peak = timed(dev, lambda: run_transformers(hf, sub, args.budget, str(dev), use_cache=False))
     rows[4] = dict(lp=lp, sec=sec, peak=peak, w=wb, n=len(sub))
     log(f"  row 4: {sec:.2f} s on {len(sub)} requests")
-    del hf
+    hf = None  # noqa: F841 - freed before the next model is built
     free()
 
 

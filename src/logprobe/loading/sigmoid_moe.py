@@ -21,9 +21,9 @@ import torch
 
 from ..errors import LogprobeError
 from ..layers.moe import MoeSpec
-from ..parallel.context import ParallelContext
 from ..models.glm4_moe import PartialRotaryConfig, PartialRotaryMoeModel
 from ..models.minimax_m2 import sigmoid_model_class
+from ..parallel.context import ParallelContext
 from .checkpoint import check_weights_match, named_plain_tensors
 from .deepseek import _int
 from .fp8_block import fp8_block_tensors, fp8_scheme, install_packed, is_fp8_block, split_packed, with_shapes

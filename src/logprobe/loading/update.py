@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
-from ..layers.moe import ExpertMatrices
 from ..layers.gated_delta import split_qwen3_next_projections
+from ..layers.moe import ExpertMatrices
 from ..layers.parallel_linear import held_ranges
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekModel
