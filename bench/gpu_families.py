@@ -68,14 +68,45 @@ GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, 
                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                       "original_max_position_embeddings": 4096},
                    bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
+GLM4_9B = dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+               num_attention_heads=32, num_key_value_heads=2, head_dim=128, attention_bias=True,
+               partial_rotary_factor=0.5, max_position_embeddings=32768, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+               bos_token_id=None, eos_token_id=151329, pad_token_id=151329)
+PHI4_MINI = dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                 max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                 bos_token_id=199999, eos_token_id=199999, pad_token_id=199999)
+GEMMA4_E4B = dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=2560, intermediate_size=10240,
+                  num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                  global_head_dim=512, hidden_size_per_layer_input=256, num_kv_shared_layers=18,
+                  sliding_window=512, final_logit_softcapping=30.0, max_position_embeddings=131072,
+                  rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 TINY = {"gemma3-4b": dict(GEMMA3_4B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
                           bos_token_id=1, eos_token_id=2),
         "gpt-oss-20b": dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                             num_experts_per_tok=2, sliding_window=64, bos_token_id=1, eos_token_id=2,
-                            pad_token_id=0)}
-MODELS = {"gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B), "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B)}
+                            pad_token_id=0),
+        "glm4-9b": dict(GLM4_9B, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2, pad_token_id=0),
+        "phi4-mini": dict(PHI4_MINI, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                          pad_token_id=0),
+        "gemma4-e4b": dict(GEMMA4_E4B, vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                           sliding_window=64)}
+MODELS = {"gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B), "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B),
+          "glm4-9b": ("Glm4Config", GLM4_9B), "phi4-mini": ("Phi3Config", PHI4_MINI),
+          "gemma4-e4b": ("Gemma4TextConfig", GEMMA4_E4B)}
+# Layers run by default on the GPU (``--layers`` overrides): each model in well under a minute with its
+# checkpoint written; the rest are the full model's.
+DEFAULT_LAYERS = {"glm4-9b": 10, "phi4-mini": 16, "gemma4-e4b": 12}
+# transformers on the first N requests by default (``--hf-requests`` overrides), the whole extrapolated.
+DEFAULT_HF_REQUESTS = {"gpt-oss-20b": 64, "glm4-9b": 64, "phi4-mini": 64, "gemma4-e4b": 64}
 T0 = time.perf_counter()
 
 
@@ -91,11 +122,28 @@ def one_line(e: BaseException, n: int = 400) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
 
 
-def hf_config(name: str, tiny: bool):
+def layer_cut(name: str, tiny: bool, layers: str) -> tuple[dict, str]:
+    """(config keywords, label) of ``name`` cut to its first N layers: ``layers`` "" (the default cut),
+    "all", or N. Gemma 4 keeps its share of KV-shared layers (18 of 42 in E4B), rounded."""
+    kw = TINY[name] if tiny else MODELS[name][1]
+    full = kw["num_hidden_layers"]
+    n = full if tiny or layers == "all" else int(layers) if layers else DEFAULT_LAYERS.get(name, full)
+    if not 0 < n <= full:
+        sys.exit(f"--layers: {n} is not in 1 .. {full} for {name}")
+    if n == full:
+        return kw, f"all {full} layers"
+    cut = dict(kw, num_hidden_layers=n)
+    if "num_kv_shared_layers" in kw:
+        cut["num_kv_shared_layers"] = round(kw["num_kv_shared_layers"] * n / full)
+    return cut, f"{n} of {full} layers"
+
+
+def hf_config(name: str, tiny: bool, layers: str = ""):
+    """(transformers config, layer label)."""
     import transformers as tf
 
-    cls, kw = MODELS[name]
-    return getattr(tf, cls)(**(TINY[name] if tiny else kw))
+    kw, label = layer_cut(name, tiny, layers)
+    return getattr(tf, MODELS[name][0])(**kw), label
 
 
 # ------------------------------------------------------------------------------- checkpoints
@@ -112,7 +160,7 @@ def _fresh(path: Path, stamp: str) -> bool:
     return False
 
 
-def write_gemma(cfg, path: Path, dev, dtype) -> str:
+def write_hf(cfg, path: Path, dev, dtype) -> str:
     from transformers import AutoModelForCausalLM
 
     stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
@@ -263,8 +311,8 @@ def logprobe_rows(args, label: str, loaded, reqs, dev, rows: dict) -> None:
             log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-8:]) + "```")
 
 
-def transformers_row(args, hf, reqs, dev, rows: dict) -> None:
-    n = args.hf_requests if 0 < args.hf_requests < len(reqs) else len(reqs)
+def transformers_row(args, hf, reqs, dev, rows: dict, hf_requests: int) -> None:
+    n = hf_requests if 0 < hf_requests < len(reqs) else len(reqs)
     try:
         with torch.inference_mode():
             sync_time(lambda: run_transformers(hf, reqs[:2], args.budget, str(dev), use_cache=False))
@@ -311,13 +359,13 @@ def report(name: str, reqs, rows: dict) -> None:
 
 
 def run_model(args, name: str, dev, dtype) -> None:
-    cfg = hf_config(name, args.tiny)
+    cfg, cut = hf_config(name, args.tiny, args.layers)
     path = Path(args.dir) / f"{name}{'-tiny' if args.tiny else ''}-{str(dtype).removeprefix('torch.')}"
-    writer = write_gemma if name == "gemma3-4b" else write_gpt_oss
+    writer = write_gpt_oss if name == "gpt-oss-20b" else write_hf
     progress(f"{name}: checkpoint {path}: {writer(cfg, path, dev, dtype)}")
     reqs = workload("W1", cfg.vocab_size)[:args.requests or None]
     rows: dict = {}
-    kinds = [("logprobe", "packed")] if name == "gemma3-4b" else [("logprobe MXFP4", "packed"),
+    kinds = [("logprobe", "packed")] if name != "gpt-oss-20b" else [("logprobe MXFP4", "packed"),
                                                                   ("logprobe bf16 twin", "dense")]
     for label, weights in kinds:
         t = time.perf_counter()
@@ -328,7 +376,7 @@ def run_model(args, name: str, dev, dtype) -> None:
         loaded = None
         free()
     t = time.perf_counter()
-    if name == "gemma3-4b":
+    if name != "gpt-oss-20b":
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(dev).eval()
@@ -336,18 +384,21 @@ def run_model(args, name: str, dev, dtype) -> None:
         hf = gpt_oss_transformers(cfg, path, dev, dtype)
     progress(f"transformers {type(hf).__name__} ready in {time.perf_counter() - t:.1f} s (attention "
              f"{hf.config._attn_implementation}, experts {getattr(hf.config, '_experts_implementation', '-')})")
-    transformers_row(args, hf, reqs, dev, rows)
+    hf_requests = DEFAULT_HF_REQUESTS.get(name, 0) if args.hf_requests is None else args.hf_requests
+    transformers_row(args, hf, reqs, dev, rows, hf_requests)
     hf = None
     free()
-    report(name, reqs, rows)
+    report(f"{name} ({cut})", reqs, rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gemma3-4b,gpt-oss-20b", help=f"of {', '.join(MODELS)}")
     ap.add_argument("--requests", type=int, default=0, help="the first N W1 requests only (0: all 256)")
-    ap.add_argument("--hf-requests", type=int, default=0, help="transformers on the first N requests only, its "
-                    "whole time extrapolated by needed tokens (0: all)")
+    ap.add_argument("--hf-requests", type=int, default=None, help="transformers on the first N requests only, its "
+                    "whole time extrapolated by needed tokens (0: all; default 64, all for gemma3-4b)")
+    ap.add_argument("--layers", default="", help="the first N layers of every model, or 'all' (default: "
+                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_LAYERS.items()) + ", the others all)")
     ap.add_argument("--passes", type=int, default=1, help="timed passes per row after the warm-up (best kept)")
     ap.add_argument("--warmup", type=int, default=8, help="requests of each logprobe row's warm-up")
     ap.add_argument("--budget", type=int, default=8192, help="transformers' padded tokens per batch")
