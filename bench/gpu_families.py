@@ -1,5 +1,6 @@
-"""How fast does logprobe score the RL-group workload (W1) on a Gemma-3-4B shape and a gpt-oss-20b
-shape (MXFP4 experts, and their bf16 twin), against transformers on the same weights, in the same run?
+"""How fast does logprobe score the RL-group workload (W1) on a Gemma-3-4B shape, a gpt-oss-20b
+shape (MXFP4 experts, and their bf16 twin), a GLM-4-9B shape, a Phi-4-mini shape and a Gemma 4 E4B
+shape, against transformers on the same weights, in the same run?
 
 Shapes (random init, bf16; written once under ``--dir`` and reused while the config is the same):
   gemma3-4b     Gemma-3-4B's text config (``Gemma3ForCausalLM``, ``gemma3_text``): 34 layers, 5 sliding
@@ -11,6 +12,22 @@ Shapes (random init, bf16; written once under ``--dir`` and reused while the con
                 bf16 normal(0, 0.02), sinks normal(0, 1)), about 13 GiB on disk. Its bf16 twin is
                 the same checkpoint loaded with ``weights="dense"`` (every MXFP4 value is exact in
                 bf16): the same numbers, expanded once at load.
+  glm4-9b       GLM-4-9B-0414's config (``glm4``, ``Glm4ForCausalLM``; ``Glm4Config``'s defaults):
+                40 layers, 32 heads / 2 kv heads of 128, q/k/v biases, partial rotary 0.5,
+                intermediate 13,696, vocabulary 151,552, untied head. Default cut: 8 of 40 layers
+  phi4-mini     Phi-4-mini-instruct's shape (``phi3``, ``Phi3ForCausalLM``): 32 layers, 24 heads /
+                8 kv heads of 128, partial rotary 0.75, intermediate 8,192, vocabulary 200,064, tied
+                embeddings; plain rope (no LongRoPE, which refuses positions past 4,096). Default cut:
+                16 of 32 layers
+  gemma4-e4b    a Gemma 4 E4B-like text shape (``gemma4_text``, ``Gemma4ForCausalLM``): 42 layers, 5
+                sliding (window 512) : 1 full (``Gemma4TextConfig``'s pattern), 8 heads / 2 kv heads,
+                head_dim 256 (512 on full layers), per-layer embeddings of 256, the last 18 layers
+                KV-shared, softcap 30, intermediate 10,240, vocabulary 262,144 (E4B's published sizes as
+                recalled, not read from the hub; the rest ``Gemma4TextConfig``'s defaults). Dense: MoE
+                blocks are not in the native model. Default cut: 12 of 42 layers, 5 of them KV-shared
+
+A cut keeps the first N layers (``--layers N`` or ``all``; Gemma 4 keeps its share of KV-shared
+layers) and is named in each table's title ("8 of 40 layers").
 
 Rows per model, on the same W1 token ids (32 prompts x 8 completions, bench/common.py):
   logprobe, default          ``Scorer(dir, device="cuda")`` (gpt-oss: MXFP4 kept packed; the twin: dense bf16)
@@ -20,7 +37,8 @@ Rows per model, on the same W1 token ids (32 prompts x 8 completions, bench/comm
                              ``GptOssForCausalLM`` in bf16 with the experts set to transformers' own
                              dequantization of the checkpoint's blocks (``convert_moe_packed_tensors``),
                              i.e. the numbers of the twin. ``--hf-requests N``: the first N requests
-                             only, the whole time extrapolated by needed tokens (marked ~)
+                             only, the whole time extrapolated by needed tokens (marked ~); the
+                             default is 64 (all 256 for gemma3-4b)
 
 Printed per row: seconds (best of ``--passes`` after a warm-up), tokens/s (needed input tokens),
 speed-up against transformers, peak GPU memory above the weights, max / mean |Δ log-prob| against
@@ -30,8 +48,11 @@ One model's weights are on the GPU at a time (freed in between).
     # one H100: both models (estimate: 9-12 minutes; split them over two commands for the 10-minute limit)
     python bench/gpu_families.py --models gemma3-4b
     python bench/gpu_families.py --models gpt-oss-20b --hf-requests 64
+    # one H100: the three cut shapes (estimate: 40-50 s each, about 2.5 minutes with the checkpoints)
+    python bench/gpu_families.py --models glm4-9b,phi4-mini,gemma4-e4b
     # CPU smoke test (tiny configs in float32, the first 2 W1 requests; seconds)
     python bench/gpu_families.py --tiny --requests 2
+    python bench/gpu_families.py --tiny --requests 2 --models glm4-9b,phi4-mini,gemma4-e4b
 """
 
 from __future__ import annotations
@@ -104,7 +125,7 @@ MODELS = {"gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B), "gpt-oss-20b": ("GptOssC
           "gemma4-e4b": ("Gemma4TextConfig", GEMMA4_E4B)}
 # Layers run by default on the GPU (``--layers`` overrides): each model in well under a minute with its
 # checkpoint written; the rest are the full model's.
-DEFAULT_LAYERS = {"glm4-9b": 10, "phi4-mini": 16, "gemma4-e4b": 12}
+DEFAULT_LAYERS = {"glm4-9b": 8, "phi4-mini": 16, "gemma4-e4b": 12}
 # transformers on the first N requests by default (``--hf-requests`` overrides), the whole extrapolated.
 DEFAULT_HF_REQUESTS = {"gpt-oss-20b": 64, "glm4-9b": 64, "phi4-mini": 64, "gemma4-e4b": 64}
 T0 = time.perf_counter()
