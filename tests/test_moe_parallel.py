@@ -132,14 +132,15 @@ def test_tp_and_ep_equal_one_process(kind, dirs):
 
 @pytest.mark.slow  # slow tier (pytest -m slow): two replicas of two gloo workers
 def test_composes_with_data_parallelism(dirs):
-    """TP = 2 x EP = 2 in each of 2 data-parallel replicas: deterministic mode's bits equal one
-    process's (each replica packs its share of the requests otherwise: batch invariance too)."""
+    """TP = 2 x EP = 2 (the default: left out) in each of 2 data-parallel replicas: deterministic
+    mode's bits equal one process's (each replica packs its share of the requests otherwise: batch
+    invariance too)."""
     path = str(dirs["qwen3_moe"])
     seqs = _seqs()
     cfg = EngineConfig(deterministic=True, progress=False)
     want = Scorer(path, device="cpu", dtype="float32", config=cfg).logprobs(seqs, **OPTS)
-    with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2, expert_parallel_size=2,
-                data_parallel_size=2) as s:
+    with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2, data_parallel_size=2) as s:
+        assert s.engine.ep == 2
         assert _bits_equal(s.logprobs(seqs, **OPTS), want)
 
 
@@ -201,6 +202,18 @@ def test_sizes_are_validated_naming_the_field(dirs):
         parallel_context(dense, 0, 2, None, 2)
 
 
+def test_default_is_whole_experts_per_rank(dirs):
+    """Left out, the expert-parallel size is the rank count where it divides the experts (8 here),
+    else 1; models without split experts take 1."""
+    from logprobe.loading.loader import default_expert_parallel
+
+    cfg = describe_model(str(dirs["qwen3_moe"]), "cpu").model.config
+    assert [default_expert_parallel(cfg, n) for n in (1, 2, 4, 3)] == [1, 2, 4, 1]
+    import dataclasses
+
+    assert default_expert_parallel(dataclasses.replace(cfg, moe=None), 4) == 1
+
+
 def test_cli_takes_expert_parallel_size():
     import argparse
 
@@ -210,6 +223,7 @@ def test_cli_takes_expert_parallel_size():
     assert ScorerOptions.from_args(args).expert_parallel_size == 2
     args = argparse.ArgumentParser(parents=[model_parser()]).parse_args(["--expert-parallel-size", "4"])
     assert args.expert_parallel_size == 4
+    assert argparse.ArgumentParser(parents=[model_parser()]).parse_args([]).expert_parallel_size is None
 
 
 def test_weight_update_of_split_experts_refused(dirs):

@@ -53,7 +53,7 @@ class Scorer:
                  dtype: str | None = "auto", max_batch_tokens: int | None = None, progress: bool | None = None,
                  deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, cache: str | None = None,
-                 prefix_cache: bool | int | None = None, expert_parallel_size: int = 1) -> None:
+                 prefix_cache: bool | int | None = None, expert_parallel_size: int | None = None) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
         tiles everywhere, see EngineConfig), and whatever the TP size.
@@ -65,8 +65,9 @@ class Scorer:
         Scorer with the same arguments and calls it with the same inputs. ``close()`` stops the
         workers. ``expert_parallel_size``: a mixture of experts' experts in M groups over the N
         ranks of a replica (M divides N and the expert count; rank r holds group r // (N / M),
-        each of its experts split N / M ways); deterministic mode gives the same bits at every
-        N and M (docs/parallel.md).
+        each of its experts split N / M ways; None: N, whole experts per rank, where N divides
+        the expert count, else 1); deterministic mode gives the same bits at every N and M
+        (docs/parallel.md).
 
         ``cache``: a directory of stored results (``executor.cached``): a request scored before
         under the same weights, tokenizer, dtype, device kind, deterministic mode and options is
@@ -80,7 +81,7 @@ class Scorer:
         Native models in this process only (not with tensor/data parallelism)."""
         config = engine_config(config, max_batch_tokens=max_batch_tokens, progress=progress,
                                deterministic=deterministic)
-        if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size != 1:
+        if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size not in (None, 1):
             if prefix_cache:
                 raise LogprobeError("prefix_cache", "is not available with tensor/data parallelism yet",
                                     "turn it off, or use one process (tensor_parallel_size=1, data_parallel_size=1)")
@@ -95,7 +96,7 @@ class Scorer:
         self.prefix_cache = getattr(self.engine, "prefix_cache", None)
         if cache is not None:  # hits answered from the cache, misses run and stored (versions: rehashed)
             self.engine = with_cache(self.engine, self.loaded, cache, lambda: self.weights_version,
-                                     tensor_parallel_size, expert_parallel_size)
+                                     tensor_parallel_size, getattr(self.engine, "ep", expert_parallel_size or 1))
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         # what the job builders read about the model, built once (deterministic: renewed with config)

@@ -51,14 +51,14 @@ class ScorerOptions:
     progress: bool | None = None  # --quiet: False; else a bar when stderr is a terminal
     cache: str | None = None  # --cache DIR: stored results (executor.cached)
     prefix_cache: bool | int | None = None  # --prefix-cache [BYTES]: engine.prefix_cache
-    expert_parallel_size: int = 1  # --ep M: a mixture of experts' experts in M groups over the ranks
+    expert_parallel_size: int | None = None  # --ep M: experts in M groups over the ranks (None: the default)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ScorerOptions:
         return ScorerOptions(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
                              args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
                              False if getattr(args, "quiet", False) else None, getattr(args, "cache", None),
-                             getattr(args, "prefix_cache", None), getattr(args, "expert_parallel_size", 1))
+                             getattr(args, "prefix_cache", None), getattr(args, "expert_parallel_size", None))
 
     def engine_config(self) -> EngineConfig:
         """The engine's config (validated here, before any slow load)."""
@@ -71,12 +71,12 @@ def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "aut
                max_batch_tokens: int | None = None, deterministic: bool = False, tensor_parallel_size: int = 1,
                data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None,
                cache: str | None = None, prefix_cache: bool | int | None = None,
-               expert_parallel_size: int = 1) -> Scorer:
+               expert_parallel_size: int | None = None) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
     config = ScorerOptions(model, device, dtype, max_batch_tokens, deterministic, tensor_parallel_size,
                            data_parallel_size, tp_invariant, progress).engine_config()
-    if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size != 1:
+    if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size not in (None, 1):
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size, cache=cache, prefix_cache=prefix_cache,
                       expert_parallel_size=expert_parallel_size)
@@ -122,10 +122,11 @@ def model_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (GPUs, or gloo processes on CPU); worker processes are "
                         "started and owned by logprobe (default: %(default)s)")
-    g.add_argument("--expert-parallel-size", "--ep", type=int, default=1, metavar="M",
+    g.add_argument("--expert-parallel-size", "--ep", type=int, default=None, metavar="M",
                    help="mixture-of-experts models: the experts in M groups over the --tensor-parallel-size ranks "
                         "(M divides the ranks and the expert count; each rank holds 1/M of the experts, split "
-                        "further between the ranks of a group; default: %(default)s)")
+                        "further between the ranks of a group; default: N, whole experts per rank, where N "
+                        "divides the expert count, else 1)")
     g.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="M",
                    help="M replicas (each of --tensor-parallel-size ranks) sharing the requests (default: %(default)s)")
     g.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",

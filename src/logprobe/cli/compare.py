@@ -65,7 +65,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     text = read_text(args.text_file, "--text-file")
     if not text.strip():
         raise LogprobeError("--text-file", "is empty (no text to score)", "give a file with some text")
-    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1 or args.expert_parallel_size != 1:
+    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1 or args.expert_parallel_size not in (None, 1):
         raise LogprobeError("--tensor-parallel-size", "compare runs both models in this process",
                             "drop --tensor-parallel-size / --data-parallel-size / --expert-parallel-size")
     options = ScorerOptions.from_args(args)

@@ -87,7 +87,7 @@ def _check(args: argparse.Namespace) -> None:
             raise LogprobeError(option, f"must be a positive integer, got {value}")
     if args.gpus_per_replica < 0 or args.cpus_per_replica < 0:
         raise LogprobeError("--gpus-per-replica", "must not be negative")
-    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1 or args.expert_parallel_size != 1:
+    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1 or args.expert_parallel_size not in (None, 1):
         raise LogprobeError("--tensor-parallel-size", "is set per replica by --gpus-per-replica here",
                             "use --gpus-per-replica G (and --replicas N for data parallelism)")
     if getattr(args, "cache", None):

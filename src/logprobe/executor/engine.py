@@ -18,7 +18,7 @@ from ..engine.budget import agreed_budget, resolved_budget
 from ..engine.request import RequestResult, ScoreRequest
 from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
-from ..loading.loader import LoadedModel, describe_model, load_shard, parallel_context
+from ..loading.loader import LoadedModel, default_expert_parallel, describe_model, load_shard, parallel_context
 from ..parallel.context import ParallelContext
 from .messages import EndWeights, StageWeights
 from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
@@ -175,13 +175,14 @@ class ParallelEngine:
 __all__ = ["ParallelEngine", "assign_replicas", "recv"]
 
 
-def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int, ep: int = 1):
+def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int, ep: int | None = None):
     """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks, the
-    experts of each replica in ``ep`` groups (``ParallelContext.experts``)."""
+    experts of each replica in ``ep`` groups (``ParallelContext.experts``; None: the model's
+    default, ``loader.default_expert_parallel``)."""
     import torch
 
 
-    for name, n in (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("expert_parallel_size", ep)):
+    for name, n in (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("expert_parallel_size", ep or 1)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise LogprobeError(name, f"must be a positive integer, got {n!r}")
     if isinstance(model, LoadedModel):
@@ -198,12 +199,15 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
             raise LogprobeError("tensor_parallel_size", f"{tp} does not match the initialised process group's "
                                 f"{dist.get_world_size()} ranks", "pass the world size")
         rank = dist.get_rank()
+        if ep is None:
+            ep = default_expert_parallel(describe_model(model, device, dtype).model.config, tp)
         local = torch.device(f"cuda:{torch.cuda.current_device()}") if dev.type == "cuda" else dev
         loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD, experts=ep), local, dtype)
         if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
         return loaded, Engine(loaded.model, config, local), local
     loaded = describe_model(model, device, dtype)
+    ep = default_expert_parallel(loaded.model.config, tp) if ep is None else ep
     parallel_context(loaded.model.config, 0, tp, None, ep)  # a size that cannot split the model fails here, before any process
     dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
     engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep)
