@@ -10,7 +10,8 @@ TP = 2 against TP = 1, on the tiny random checkpoints of ``test_glm4``, ``test_g
   float and MXFP4 experts.
 
 Deterministic mode: the raw bits equal TP = 1's (log-probs, entropy, ranks, top-k); default mode
-within 1e-5, and TP = 2 within 1e-4 of the float64 transformers forward. A rank reads only its
+within 1e-5, and TP = 2 within 1e-4 of the float64 transformers forward; chunks and shared
+prefixes at TP = 2 bitwise each request alone at TP = 1. A rank reads only its
 rows (sinks and biases with their heads, ple columns, kv heads replicated where fewer than the
 ranks). Sizes that do not split a piece are refused, naming it.
 """
@@ -106,6 +107,35 @@ def test_tp2_equals_tp1(kind, request):
     worst = _worst_vs_float64(plain, seqs, ref, reference)
     print(f"{kind}: TP = 2 max |delta| vs float64 {worst:.2e}")
     assert worst < 1e-4, kind
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per checkpoint
+@pytest.mark.parametrize("kind", ["gemma4_text", "gpt_oss_mxfp4"])
+def test_tp2_chunks_and_shared_prefixes_are_bitwise(kind, request):
+    """Deterministic mode at TP = 2: requests sharing a 40-token context and long ones cut into
+    chunks by small budgets (windows of 12 and KV-shared blocks crossing the cuts) equal each
+    request alone at TP = 1, bitwise; a capture is the whole hidden width on every rank."""
+    import random
+
+    path = str(_checkpoint(kind, request)[0])
+    rng = random.Random(11)
+    tok = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+    ctx = tok(40)
+    seqs = [{"prompt_token_ids": ctx, "completion_token_ids": tok(rng.randint(1, 20))} for _ in range(3)]
+    seqs += [{"prompt_token_ids": tok(4), "completion_token_ids": tok(3)},
+             {"prompt_token_ids": tok(30), "completion_token_ids": tok(110)}]
+    capture = [{"at": "blocks.2.resid_post", "positions": "last"}]
+    one = Scorer(path, device="cpu", dtype="float32", config=EngineConfig(deterministic=True, share_prefixes=False,
+                                                                            progress=False))
+    alone = [one.logprobs([q], capture=capture)[0] for q in seqs]
+    for budget in (48, 100):
+        cfg = EngineConfig(deterministic=True, share_prefixes=True, max_batch_tokens=budget, progress=False)
+        with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2) as s:
+            got = s.logprobs(seqs, capture=capture)
+        for a, b in zip(alone, got):
+            assert torch.equal(a.logprobs, b.logprobs), budget
+            assert b.captures[0].value.shape == a.captures[0].value.shape
+            assert torch.equal(a.captures[0].value, b.captures[0].value)
 
 
 def _shard(kind, path, rank):
