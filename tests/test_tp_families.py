@@ -6,8 +6,8 @@ TP = 2 against TP = 1, on the tiny random checkpoints of ``test_glm4``, ``test_g
 * Gemma 4 text: sliding blocks (head_dim 12, 2 kv heads) beside full blocks (head_dim 16, one kv
   head: replicated at TP = 2) with keys as values, per-layer embeddings (ple_dim 8: 4 columns a
   rank), two KV-shared blocks with double-wide MLPs; the multimodal checkpoint's text tower.
-* gpt-oss: 4 query heads with their sinks, biases on q/k/v and o_proj, experts whole on every rank;
-  float and MXFP4 experts.
+* gpt-oss: 4 query heads with their sinks, biases on q/k/v and o_proj; experts whole on every rank,
+  or two of the four a rank (expert_parallel_size 2); float and MXFP4 experts.
 
 Deterministic mode: the raw bits equal TP = 1's (log-probs, entropy, ranks, top-k); default mode
 within 1e-5, and TP = 2 within 1e-4 of the float64 transformers forward; chunks and shared
@@ -38,7 +38,7 @@ from logprobe.models.gpt_oss import GptOssConfig
 
 OPTS = dict(temperature=0.7, top_k=5, entropy=True)
 FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
-KINDS = ["glm4", "gemma4_text", "gemma4", "gpt_oss", "gpt_oss_mxfp4"]
+KINDS = ["glm4", "gemma4_text", "gemma4", "gpt_oss", "gpt_oss_mxfp4", "gpt_oss_ep", "gpt_oss_mxfp4_ep"]
 
 
 def _checkpoint(kind, request):
@@ -49,7 +49,7 @@ def _checkpoint(kind, request):
     if kind.startswith("gemma4"):
         path, ref = request.getfixturevalue("gemma4_dirs")[kind]
         return path, ref, gemma4_reference
-    path, ref = request.getfixturevalue("dirs")["mxfp4" if kind.endswith("mxfp4") else "dense"]
+    path, ref = request.getfixturevalue("dirs")["mxfp4" if "mxfp4" in kind else "dense"]
     return path, ref, gpt_oss_reference
 
 
@@ -85,6 +85,8 @@ def _worst_vs_float64(got, seqs, ref, reference) -> float:
 @pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per checkpoint (~15 s each)
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp2_equals_tp1(kind, request):
+    """``*_ep``: gpt-oss with expert_parallel_size 2 (two experts a rank) instead of every expert on
+    both ranks."""
     path, ref, reference = _checkpoint(kind, request)
     seqs = _seqs()
     one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
@@ -92,7 +94,9 @@ def test_tp2_equals_tp1(kind, request):
     for det in (False, True):
         one.config = EngineConfig(deterministic=det)
         want[det] = one.logprobs(seqs, **OPTS)
-    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as s:
+    ep = 2 if kind.endswith("_ep") else 1
+    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2,
+                expert_parallel_size=ep) as s:
         plain = s.logprobs(seqs)
         for det in (True, False):
             s.config = EngineConfig(deterministic=det)
@@ -110,11 +114,12 @@ def test_tp2_equals_tp1(kind, request):
 
 
 @pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per checkpoint
-@pytest.mark.parametrize("kind", ["gemma4_text", "gpt_oss_mxfp4"])
+@pytest.mark.parametrize("kind", ["gemma4_text", "gpt_oss_mxfp4_ep"])
 def test_tp2_chunks_and_shared_prefixes_are_bitwise(kind, request):
     """Deterministic mode at TP = 2: requests sharing a 40-token context and long ones cut into
-    chunks by small budgets (windows of 12 and KV-shared blocks crossing the cuts) equal each
-    request alone at TP = 1, bitwise; a capture is the whole hidden width on every rank."""
+    chunks by small budgets (windows of 12 and KV-shared blocks crossing the cuts; gpt-oss with two
+    experts a rank) equal each request alone at TP = 1, bitwise; a capture is the whole hidden width
+    on every rank."""
     import random
 
     path = str(_checkpoint(kind, request)[0])
@@ -130,7 +135,8 @@ def test_tp2_chunks_and_shared_prefixes_are_bitwise(kind, request):
     alone = [one.logprobs([q], capture=capture)[0] for q in seqs]
     for budget in (48, 100):
         cfg = EngineConfig(deterministic=True, share_prefixes=True, max_batch_tokens=budget, progress=False)
-        with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2) as s:
+        with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2,
+                    expert_parallel_size=2 if kind.endswith("_ep") else 1) as s:
             got = s.logprobs(seqs, capture=capture)
         for a, b in zip(alone, got):
             assert torch.equal(a.logprobs, b.logprobs), budget
@@ -138,14 +144,14 @@ def test_tp2_chunks_and_shared_prefixes_are_bitwise(kind, request):
             assert torch.equal(a.captures[0].value, b.captures[0].value)
 
 
-def _shard(kind, path, rank):
+def _shard(kind, path, rank, experts: int = 1):
     """(whole tensors, rank ``rank`` of 2's tensors) as the loaders read them."""
     from logprobe.loading import gemma4, glm4, gpt_oss
 
     mod, prefix = {"glm4": (glm4, "glm4"), "gemma4_text": (gemma4, "gemma4"), "gpt_oss": (gpt_oss, "gpt_oss")}[kind]
     cfg = getattr(mod, f"{prefix}_config")(read_config(path))
     whole = dict(getattr(mod, f"{prefix}_tensors")(path, cfg))
-    got = dict(getattr(mod, f"{prefix}_shard_tensors")(path, cfg, parallel_context(cfg, rank, 2)))
+    got = dict(getattr(mod, f"{prefix}_shard_tensors")(path, cfg, parallel_context(cfg, rank, 2, experts=experts)))
     assert got.keys() == whole.keys()
     return whole, got
 
@@ -179,6 +185,13 @@ def test_rank_reads_its_rows(glm4_dir, gemma4_dirs, dirs):  # noqa: F811
         assert torch.equal(got[a + name], whole[a + name][slice(*rows)]), name
     for name in ("layers.1.mlp.router.weight", "layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"):
         assert torch.equal(got[name], whole[name]), name
+    for kind in ("dense", "mxfp4"):  # expert parallelism: rank 1 holds experts 2, 3 of 4, every tensor of them
+        whole, got = _shard("gpt_oss", dirs[kind][0], 1, experts=2)
+        experts = [n for n in whole if ".mlp.experts." in n]
+        assert len(experts) == 3 * 4 if kind == "dense" else 3 * 6
+        for name in experts:
+            assert torch.equal(got[name], whole[name][2:4]), name
+        assert torch.equal(got["layers.1.mlp.router.weight"], whole["layers.1.mlp.router.weight"])
 
 
 def _gemma4(**kw) -> Gemma4Config:
@@ -222,5 +235,12 @@ def test_sizes_that_do_not_split_are_refused():
                        layer_types=("sliding_attention", "full_attention"), sliding_window=8)
     assert parallel_context(oss, 1, 2).size == 2
     _refused(oss, 3, "attention heads")
+    assert parallel_context(oss, 1, 2, experts=2).experts == 2 and parallel_context(oss, 1, 4, experts=4).size == 4
+    for size, experts in ((2, 3), (4, 2)):  # an expert is never split over ranks: 1 or the TP size
+        with pytest.raises(LogprobeError) as e:
+            parallel_context(oss, 0, size, experts=experts)
+        assert e.value.field == "expert_parallel_size" and "whole" in str(e.value)
+    with pytest.raises(LogprobeError, match="no experts"):
+        parallel_context(glm, 0, 2, experts=2)
     oss.num_heads, oss.num_kv_heads = 6, 3
     _refused(oss, 2, "key/value heads")

@@ -21,6 +21,12 @@ the two halves (``loading.gpt_oss``). Expert matrices are ``nn.Parameter``s [E, 
 on CUDA with ``numerics.triton`` off) experts run one at a time on their rows, a packed expert
 dequantized to float32 exactly first (``kernels.mxfp4.dequantize_mxfp4``); on CUDA the Triton
 kernel ``kernels.mxfp4.gpt_oss_experts`` reads either form (packed: decoded tile by tile).
+
+Expert parallelism (``ctx.experts`` = M > 1, one rank per group: M = the TP size): rank r holds
+whole experts r * E / M .. (r + 1) * E / M - 1; the router is whole on every rank, every rank
+computes the slots routed to its experts into a [T*k, H] buffer of -0.0 and the buffers are summed
+over the ranks (``GptOssExperts.parallel_forward``: each entry non-zero on one rank, -0.0 the exact
+identity of the sum, so one process's bits). M = 1: every rank holds every expert.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from torch import nn
 
 from ..kernels import triton_available
 from ..kernels.mxfp4 import dequantize_mxfp4, gpt_oss_act, gpt_oss_experts
+from ..parallel.context import ParallelContext
+from ..parallel.shard import expert_range
 from .activation import row_invariant
 from .linear import Linear, tiled_linear
 from .moe import combine_to, sort_by_expert
@@ -74,11 +82,16 @@ class Mxfp4Experts(nn.Module):
 
 class GptOssExperts(nn.Module):
     """``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I] (parameters or ``Mxfp4Experts``) and
-    their biases [E, 2I], [E, H]. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H] unweighted."""
+    their biases [E, 2I], [E, H]. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H] unweighted.
+    ``ctx`` with ``experts`` M > 1: this rank holds experts ``first_expert`` .. ``first_expert +
+    num_experts - 1`` of ``total_experts`` (E / M of them, whole)."""
 
-    def __init__(self, spec: GptOssMoeSpec, hidden: int) -> None:
+    def __init__(self, spec: GptOssMoeSpec, hidden: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        E, inter = spec.num_experts, spec.intermediate_size
+        self.ctx = ctx = ctx or ParallelContext()
+        self.total_experts = spec.num_experts
+        self.first_expert, last = expert_range(spec.num_experts, ctx.expert_group, ctx.experts)
+        E, inter = last - self.first_expert, spec.intermediate_size
         self.num_experts, self.hidden, self.intermediate = E, hidden, inter
         self.alpha, self.limit = spec.alpha, spec.limit
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, hidden), requires_grad=False)
@@ -114,6 +127,28 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
                 triton: bool = True) -> torch.Tensor:
+        if self.ctx.parallel and self.ctx.experts > 1:
+            return self.parallel_forward(x, ids, row_tile, triton)
+        return self.local(x, ids, row_tile, triton)
+
+    def parallel_forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool
+                         ) -> torch.Tensor:
+        """Every rank: x [T, H] and the same ids [T, k] (numbered over all experts) -> y [T, k, H],
+        every slot's output whole. Worked example, E = 4, k = 2, two ranks (experts 0, 1 | 2, 3),
+        ids = [[2, 0], [0, 3]]: rank 0 computes slots 1, 2, rank 1 slots 0, 3; buffers [-0, y1, y2,
+        -0] and [y0, -0, -0, y3] sum to [y0, y1, y2, y3]. A rank's slots of one expert are the rows
+        one process gives that expert, in the same order (``sort_by_expert`` is stable): the same
+        products, the same bits."""
+        T, k = ids.shape
+        local = ids.reshape(-1) - self.first_expert  # [T*k] this rank's numbering
+        slots = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)  # [n] ascending
+        y = x.new_full((T * k, self.hidden), -0.0)  # [T*k, H]: -0.0, the exact identity of the sum
+        if slots.numel():
+            y[slots] = self.local(x[slots // k], local[slots][:, None], row_tile, triton).view(-1, self.hidden)
+        return self.ctx.all_reduce_sum(y).view(T, k, self.hidden)
+
+    def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
+        """The experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
         T, k = ids.shape
         if triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available():
             y = gpt_oss_experts(x, ids, self.operand("gate_up_proj"), self.gate_up_proj_bias.to(x.dtype),
@@ -135,11 +170,12 @@ class GptOssExperts(nn.Module):
 class GptOssMoe(NumericsUser, nn.Module):
     """Router + experts in place of a dense MLP: ``forward(x [T, H], hooks)`` -> [T, H]."""
 
-    def __init__(self, spec: GptOssMoeSpec, hidden: int, router_point: str) -> None:
+    def __init__(self, spec: GptOssMoeSpec, hidden: int, router_point: str, ctx: ParallelContext | None = None
+                 ) -> None:
         super().__init__()
         self.spec, self.top_k, self.router_point = spec, spec.top_k, router_point
-        self.router = Linear(hidden, spec.num_experts, bias=True)  # [E, H] + [E]
-        self.experts = GptOssExperts(spec, hidden)
+        self.router = Linear(hidden, spec.num_experts, bias=True)  # [E, H] + [E]: whole on every rank
+        self.experts = GptOssExperts(spec, hidden, ctx)
 
     def fuse(self) -> None:
         pass

@@ -22,8 +22,8 @@ other than MXFP4, a rope type other than YaRN (or the default), a null ``sliding
 sliding blocks, layer types other than sliding/full attention.
 
 Tensor parallelism (``gpt_oss_shard_tensors``): each rank reads the attention rows its layers hold
-(its heads' q/k/v rows and biases and sinks, its rows of o_proj and its bias; ``held_ranges``) and
-the router and experts whole (``models.gpt_oss``: experts are not split).
+(its heads' q/k/v rows and biases and sinks, its rows of o_proj and its bias; ``held_ranges``), the
+router whole, and every expert or, under expert parallelism, its E / TP experts (``models.gpt_oss``).
 """
 
 from __future__ import annotations
@@ -177,22 +177,37 @@ def gpt_oss_tensors(path: Path, cfg: GptOssConfig):
                 yield name, value
 
 
-def gpt_oss_parallel_context(cfg: GptOssConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
+def gpt_oss_parallel_context(cfg: GptOssConfig, rank: int = 0, size: int = 1, group=None,
+                             experts: int = 1) -> ParallelContext:
     """A rank's context (``loader.parallel_context``), after checking the attention splits ``size``
-    ways: query heads, kv heads (divided, or replicated by a multiple), vocabulary chunks, hidden size."""
+    ways (query heads, kv heads divided or replicated by a multiple, vocabulary chunks, hidden size)
+    and the experts ``experts`` ways: 1 (whole on every rank) or the TP size (E / TP whole experts a
+    rank; gpt-oss does not split an expert's rows)."""
     check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
     if cfg.hidden_size % size:
         raise LogprobeError("tensor_parallel_size", f"{size} does not divide hidden_size {cfg.hidden_size} of "
                             f"{cfg.family}", "use a size that divides hidden_size")
-    return ParallelContext(rank, size, group, num_blocks(cfg.num_heads, cfg.hidden_size))
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts not in (1, size):
+        raise LogprobeError("expert_parallel_size", f"{experts!r}: {cfg.family} keeps each expert whole on a rank",
+                            f"use 1 (every expert on every rank) or the tensor_parallel_size {size} (E / {size} "
+                            "experts a rank)")
+    if cfg.num_experts % experts:
+        raise LogprobeError("expert_parallel_size", f"{experts} does not divide num_local_experts {cfg.num_experts}",
+                            "use 1, or a tensor_parallel_size dividing the experts")
+    return ParallelContext(rank, size, group, num_blocks(cfg.num_heads, cfg.hidden_size), experts)
 
 
 def gpt_oss_shard_tensors(path: Path, cfg: GptOssConfig, ctx: ParallelContext):
-    """``gpt_oss_tensors``, each cut to the rows this rank's layers hold (whole where they hold all of
-    it: norms, router, experts, and the embeddings' rows by vocabulary)."""
+    """``gpt_oss_tensors``, each cut to what this rank's layers hold: attention rows (``held_ranges``),
+    the experts it holds (every expert tensor is [E, ...]: float, MXFP4 blocks and scales, biases),
+    the rest whole (norms, router) or by vocabulary (embeddings, head)."""
     with torch.device("meta"):
         model = GptOssModel(cfg, ctx)
     for name, w in gpt_oss_tensors(path, cfg):
+        if ".mlp.experts." in name:
+            experts = model.get_submodule(name.partition(".mlp.experts.")[0] + ".mlp.experts")
+            yield name, w[experts.first_expert:experts.first_expert + experts.num_experts]
+            continue
         ranges = held_ranges(model, name)
         yield name, w if ranges is None else torch.cat([w[a:b] for a, b in ranges])
 

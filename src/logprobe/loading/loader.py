@@ -218,15 +218,14 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None,
     its experts into ``experts`` groups (expert parallelism; ``parallel.shard.check_experts``)."""
     if isinstance(cfg, HybridConfig):  # split by heads, experts as below (loading.hybrid)
         return hybrid_parallel_context(cfg, rank, size, group, experts)
-    if isinstance(cfg, (Glm4Config, Gemma4Config, GptOssConfig)) and experts != 1:
-        raise LogprobeError("expert_parallel_size", f"{experts}: {getattr(cfg, 'family', type(cfg).__name__)} "
-                            "splits no experts over ranks (gpt-oss keeps its experts whole on every rank)", "use 1")
+    if isinstance(cfg, (Glm4Config, Gemma4Config)) and experts != 1:
+        raise LogprobeError("expert_parallel_size", f"{experts}: {cfg.family} has no experts", "use 1")
     if isinstance(cfg, Glm4Config):  # split as the Llama family (loading.glm4)
         return glm4_parallel_context(cfg, rank, size, group)
     if isinstance(cfg, Gemma4Config):  # heads per block, MLP, per-layer embeddings (loading.gemma4)
         return gemma4_parallel_context(cfg, rank, size, group)
-    if isinstance(cfg, GptOssConfig):  # attention split by heads, experts whole (loading.gpt_oss)
-        return gpt_oss_parallel_context(cfg, rank, size, group)
+    if isinstance(cfg, GptOssConfig):  # heads split, experts whole or E / TP a rank (loading.gpt_oss)
+        return gpt_oss_parallel_context(cfg, rank, size, group, experts)
     if isinstance(cfg, GemmaConfig):  # split as the Llama family (loading.gemma)
         if experts != 1:
             raise LogprobeError("expert_parallel_size", f"{experts}: {cfg.family} has no experts", "use 1")
@@ -335,7 +334,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     if isinstance(cfg, Gemma4Config):  # this rank's heads, MLP and per-layer-input share (loading.gemma4)
         model = build_gemma4(cfg, gemma4_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
-    if isinstance(cfg, GptOssConfig):  # this rank's heads; router and experts whole (loading.gpt_oss)
+    if isinstance(cfg, GptOssConfig):  # this rank's heads and experts; router whole (loading.gpt_oss)
         model = build_gpt_oss(cfg, gpt_oss_shard_tensors(path, cfg, ctx), dev, dt, ctx=ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
     split = isinstance(cfg, (HybridConfig, DeepseekConfig, PartialRotaryConfig)) or cfg.moe is not None

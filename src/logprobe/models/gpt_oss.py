@@ -28,9 +28,11 @@ changes which keys a row sees; the sinks join each row's softmax alone, so they 
 Tensor parallelism (``ctx``): attention as the Llama family's (``models.llama``): a rank holds its
 query heads with their sinks and q bias rows, the kv heads they read with their k/v bias rows, and
 rows of o_proj's output with their bias rows (``GatheredRowLinear``: each output and its bias
-computed once, on one rank, then gathered). The router and the experts are whole on every rank,
-each rank computing every expert of every token: the same products as one rank, so the same bits
-(memory per rank is not reduced for the experts).
+computed once, on one rank, then gathered). The router is whole on every rank. Experts: with
+``ctx.experts`` 1 (``expert_parallel_size``) whole on every rank, each rank computing every expert
+of every token; with ``ctx.experts`` = the TP size each rank holds E / TP whole experts and computes
+the slots routed to them (``layers.moe_gpt_oss``: outputs summed over -0.0). Either way the same
+products as one rank, so the same bits.
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = GainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = GptOssAttention(cfg, layer_idx, ctx)
         self.post_attention_layernorm = GainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GptOssMoe(cfg.moe, cfg.hidden_size, f"blocks.{layer_idx}.router")
+        self.mlp = GptOssMoe(cfg.moe, cfg.hidden_size, f"blocks.{layer_idx}.router", ctx)
 
     def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
                 ) -> torch.Tensor:
