@@ -31,7 +31,7 @@ from test_gpt_oss import dirs  # noqa: F401  (a fixture)
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
 from logprobe.loading.hf import read_config
-from logprobe.loading.loader import parallel_context
+from logprobe.loading.loader import default_expert_parallel, parallel_context
 from logprobe.models.gemma4 import Gemma4Config
 from logprobe.models.glm4 import Glm4Config
 from logprobe.models.gpt_oss import GptOssConfig
@@ -85,8 +85,8 @@ def _worst_vs_float64(got, seqs, ref, reference) -> float:
 @pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per checkpoint (~15 s each)
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp2_equals_tp1(kind, request):
-    """``*_ep``: gpt-oss with expert_parallel_size 2 (two experts a rank) instead of every expert on
-    both ranks."""
+    """gpt-oss with expert_parallel_size 1 (every expert on both ranks) and ``*_ep`` with the default,
+    2 (two experts a rank)."""
     path, ref, reference = _checkpoint(kind, request)
     seqs = _seqs()
     one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
@@ -94,9 +94,8 @@ def test_tp2_equals_tp1(kind, request):
     for det in (False, True):
         one.config = EngineConfig(deterministic=det)
         want[det] = one.logprobs(seqs, **OPTS)
-    ep = 2 if kind.endswith("_ep") else 1
-    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2,
-                expert_parallel_size=ep) as s:
+    ep = {} if kind.endswith("_ep") else dict(expert_parallel_size=1)  # the default: two experts a rank
+    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2, **ep) as s:
         plain = s.logprobs(seqs)
         for det in (True, False):
             s.config = EngineConfig(deterministic=det)
@@ -236,6 +235,7 @@ def test_sizes_that_do_not_split_are_refused():
     assert parallel_context(oss, 1, 2).size == 2
     _refused(oss, 3, "attention heads")
     assert parallel_context(oss, 1, 2, experts=2).experts == 2 and parallel_context(oss, 1, 4, experts=4).size == 4
+    assert [default_expert_parallel(oss, n) for n in (1, 2, 4, 8)] == [1, 2, 4, 1]  # whole experts a rank
     for size, experts in ((2, 3), (4, 2)):  # an expert is never split over ranks: 1 or the TP size
         with pytest.raises(LogprobeError) as e:
             parallel_context(oss, 0, size, experts=experts)

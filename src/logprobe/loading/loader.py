@@ -206,9 +206,9 @@ def default_expert_parallel(cfg, size: int) -> int:
     """The expert-parallel size a split over ``size`` ranks takes when none is given: whole experts
     per rank (``size``) for a mixture of experts whose expert count it divides (no gather of the
     intermediate, the fused kernel on each rank's rows, the same bits at every size on CUDA too),
-    else 1 (every expert split ``size`` ways); 1 for models without split experts (gpt-oss keeps
-    its experts whole on every rank)."""
-    if isinstance(cfg, (Glm4Config, Gemma4Config, GptOssConfig, GemmaConfig)) or getattr(cfg, "moe", None) is None:
+    else 1 (every expert split ``size`` ways); 1 for models without experts. gpt-oss alike (its
+    experts are never split by rows: 1 keeps every expert on every rank)."""
+    if isinstance(cfg, (Glm4Config, Gemma4Config, GemmaConfig)) or getattr(cfg, "moe", None) is None:
         return 1
     return size if cfg.moe.num_experts % size == 0 else 1
 
