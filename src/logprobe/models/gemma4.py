@@ -174,7 +174,13 @@ def rotate(x: torch.Tensor, cis: torch.Tensor, triton: bool) -> torch.Tensor:
     one process does. PyTorch's CPU complex multiply rounds its vectorised body otherwise than its
     scalar tail, and which elements fall in the tail depends on H when D/2 is not a whole number of
     vectors (head_dim 12: [T, 2, 6] runs per head with tails, [T, 1, 6] as one flat vector loop);
-    separate real products and sums round every element alike on either path. CUDA: apply_rotary."""
+    separate real products and sums round every element alike on either path. CUDA: apply_rotary.
+
+    >>> x, f = torch.randn(5, 2, 12), torch.randn(5, 6)
+    >>> cis = torch.polar(torch.ones_like(f), f)
+    >>> torch.equal(rotate(x, cis, False)[:, 1:], rotate(x[:, 1:].contiguous(), cis, False))  # head 1 alone
+    True
+    """
     if x.is_cuda:
         return apply_rotary(x, cis, triton)
     T, H, D = x.shape
