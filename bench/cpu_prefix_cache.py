@@ -13,6 +13,7 @@ Every number with the cache is compared with the run without it (max |diff|; 0 i
 mode). CPU on the default model:
 
     python bench/cpu_prefix_cache.py
+    python bench/cpu_prefix_cache.py --weights dense --threads 1 --groups 2 --samples 8 --questions 5
     python bench/cpu_prefix_cache.py --groups 4 --samples 8 --prompt 384 --questions 10 --deterministic
 
 GPU variant (a random-init llama-8b checkpoint written once to DIR, bf16):
@@ -167,6 +168,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the default model")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="packed", choices=["packed", "dense"],
+                    help="packed (the default model's default: Q4_1 expanded inside every pass, a fixed cost "
+                         "per pass on CPU) or dense (expanded once at load)")
     ap.add_argument("--gpu-shape", default=None, choices=["llama-8b", "llama-1b"],
                     help="write a random-init checkpoint of this shape to --checkpoint (once) and use it")
     ap.add_argument("--checkpoint", default=None, help="directory for --gpu-shape")
@@ -179,17 +183,22 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300, help="context length (each in [context/2, context])")
     ap.add_argument("--prefix-cache-bytes", type=int, default=None, help="default: the library's default budget")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 keeps small passes steady on a CPU shared with other work)")
     ap.add_argument("--skip-server", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = args.model
     if args.gpu_shape:
         if not args.checkpoint:
             ap.error("--gpu-shape needs --checkpoint DIR")
         write_checkpoint(args.gpu_shape, Path(args.checkpoint))
         model = args.checkpoint
-    loaded = load_model(model, args.device, args.dtype)
+    loaded = load_model(model, args.device, args.dtype, weights=args.weights)
     cfg = EngineConfig(deterministic=args.deterministic, progress=False)
-    print(f"{loaded.info.name} on {args.device} ({loaded.info.dtype}), deterministic={args.deterministic}, "
+    print(f"{loaded.info.name} on {args.device} ({loaded.info.dtype}, {args.weights} weights), "
+          f"deterministic={args.deterministic}, "
           f"commit {git_rev()}, torch threads {torch.get_num_threads()}")
     bench_rl(loaded, cfg, args)
     if not args.skip_server:
