@@ -151,10 +151,12 @@ class Gemma4Config:
 
 def rope_table(head_dim: int, theta: float, partial: float, factor: float) -> torch.Tensor:
     """Gemma 4's inverse frequencies [head_dim / 2] (float32): theta^(-2i / head_dim) / factor for
-    the first int(partial * head_dim / 2) pairs, 0 (no turn) for the rest."""
+    the first int(partial * head_dim / 2) pairs, 0 (no turn) for the rest. Computed in float32 as
+    transformers computes them (its float64 forward keeps these float32 values too): the float64
+    powers rounded once differ by an ulp, 3e-4 radians by position 5,000."""
     angles = int(partial * head_dim // 2)
-    inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float64) / head_dim))
-    return (torch.cat([inv, inv.new_zeros(head_dim // 2 - angles)]) / factor).float()
+    inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))  # float32
+    return torch.cat([inv, inv.new_zeros(head_dim // 2 - angles)]) / factor
 
 
 def keep_blocks(*layers: ColumnParallelLinear) -> None:
