@@ -61,8 +61,10 @@ def rl_router(served: Served) -> APIRouter:
         return reply([stamp(r, version, name) for r in value] if isinstance(value, list)
                      else stamp(value, version, name))
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"], summary="Empty the prefix cache (SGLang's flush_cache)",
-                      responses=replies(None, (401, 503)))
+    @router.post("/flush_cache", summary="Empty the prefix cache (SGLang's flush_cache)", operation_id="flush_cache_post",
+                 responses=replies(None, (401, 503)))
+    @router.get("/flush_cache", summary="Empty the prefix cache (SGLang's flush_cache)", operation_id="flush_cache_get",
+                responses=replies(None, (401, 503)))
     async def flush_cache():
         """Drops every cached prefix between engine steps (new weights do it by themselves); the
         counters stay. ``success`` is true also with the prefix cache off (nothing to drop)."""
