@@ -50,6 +50,8 @@ One model's weights are on the GPU at a time (freed in between).
     python bench/gpu_families.py --models gpt-oss-20b --hf-requests 64
     # one H100: the three cut shapes (estimate: 40-50 s each, about 2.5 minutes with the checkpoints)
     python bench/gpu_families.py --models glm4-9b,phi4-mini,gemma4-e4b
+    # one H100: the Gemma 4 shape in float32 on both sides (|delta| of a correct path ~1e-5; ~2 minutes)
+    python bench/gpu_families.py --models gemma4-e4b --dtype float32 --hf-requests 16
     # CPU smoke test (tiny configs in float32, the first 2 W1 requests; seconds)
     python bench/gpu_families.py --tiny --requests 2
     python bench/gpu_families.py --tiny --requests 2 --models glm4-9b,phi4-mini,gemma4-e4b
@@ -425,6 +427,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192, help="transformers' padded tokens per batch")
     ap.add_argument("--dir", default="/tmp/logprobe-bench-families", help="where checkpoints are written (reused)")
     ap.add_argument("--tiny", action="store_true", help="tiny configs in float32 on the CPU (a smoke test)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="weights and compute of both "
+                    "logprobe and transformers (default bfloat16 on the GPU, float32 with --tiny); float32 reads "
+                    "the |delta| where rounding noise is ~1e-5")
     args = ap.parse_args()
     names = args.models.split(",")
     if not set(names) <= set(MODELS):
@@ -432,7 +437,7 @@ def main() -> None:
     dev = torch.device("cpu" if args.tiny else "cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --tiny for a CPU run)")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32 if args.tiny else torch.bfloat16
     import transformers
 
     where = torch.cuda.get_device_name(0) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

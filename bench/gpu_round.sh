@@ -25,6 +25,8 @@
 #   head     the head alone at M = 16k, V = 128k: fused (+entropy, +top-20), chunked, packed Q6_K head ... ~3
 #   hybridtests  the hybrid GPU tests (fla-core from .whl) and the gated delta kernels alone ........... ~5
 #   hybrid   Qwen3.5 hybrids' W1 against transformers with and without fla-core (a call of its own) ... ~9
+#   families the Gemma 4 / Gemma 3 / GLM-4 / DeepSeek-V3 / GLM-4.5 CUDA tests, then the Gemma 4 E4B-like
+#            cut against transformers with float32 weights on both sides (|delta| ~1e-5 if exact) ....... ~5
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
@@ -76,6 +78,10 @@ for s in "$@"; do
         hybrid)  # a call of its own: W1 against transformers with and without fla-core (~9 minutes)
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step hybrid 580 "$py" bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b ;;
+        families)  # installs nothing: the CUDA family tests, then the Gemma 4 shape at float32
+            step families_tests 300 "$py" -m pytest -q -p no:cacheprovider tests/test_families_gpu.py
+            step families_gemma4_f32 280 "$py" bench/gpu_families.py --models gemma4-e4b --dtype float32 \
+                --hf-requests 16 ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
