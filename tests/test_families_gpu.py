@@ -26,7 +26,7 @@ import torch
 from helpers import VOCAB, byte_tokenizer
 from test_deepseek import ds_dirs as ds_dirs  # noqa: F401 (fixtures used by name)
 from test_gemma3 import gemma_dirs as gemma_dirs  # noqa: F401
-from test_gemma4 import F, ROPE, S, _norm64
+from test_gemma4 import ROPE, F, S, _norm64
 from test_gemma4 import gemma4_dirs as gemma4_dirs  # noqa: F401
 from test_glm4 import glm4_dir as glm4_dir  # noqa: F401
 from test_moe_sigmoid_families import dirs as sigmoid_dirs  # noqa: F401
