@@ -36,6 +36,7 @@ from .responses import SafeJSONResponse, error_response, replies
 from .routes_chat import chat_router
 from .routes_native import native_router
 from .routes_openai import openai_router
+from .routes_pause import Pause, pause_router
 from .routes_rl import rl_router
 from .schemas import HealthReply, WeightVersionReply
 from .served import Served
@@ -193,6 +194,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     install_error_handlers(app)
     served = Served(scorer, config, name, batcher, weights)
+    pause = Pause()  # SGLang's pause_generation: /generate waits while it is closed
     ops = APIRouter()
 
     # -- operations ------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
         metrics.queue_tokens.set(tokens)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    routers = [openai_router(served), chat_router(served), native_router(served), rl_router(served), ops]
+    routers = [openai_router(served), chat_router(served), native_router(served), rl_router(served, pause.wait), pause_router(served, pause), ops]
     for router in routers:
         app.include_router(router)
     routes = {getattr(r, "path", "") for r in [*app.routes, *(r for x in routers for r in x.routes)]} - {""}

@@ -36,13 +36,16 @@ def stamp(reply: dict, version: int, name: str | None = None) -> dict:
     return reply
 
 
-def rl_router(served: Served) -> APIRouter:
+def rl_router(served: Served, paused=None) -> APIRouter:
+    """``paused``: an awaitable gate (``/pause_generation``) each ``/generate`` passes first."""
     scorer, config, run, weights = served.scorer, served.config, served.run, served.weights
     router = APIRouter()
 
     @router.post("/generate", summary="SGLang /generate for scoring: input_token_logprobs (max_new_tokens 0)",
                  responses=replies(GenerateReply | list[GenerateReply]))
     async def generate(body: GenerateRequest, request: Request):
+        if paused is not None:
+            await paused()
         if body.input_ids is not None and batched(body):
             served.check_items(len(body.input_ids), "input_ids")
         elif isinstance(body.text, list):
