@@ -86,9 +86,10 @@ def operations() -> list[tuple[str, str]]:
     return [("POST", p) for p in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/score", "/v1/logprobs",
                                   "/v1/perplexity", "/generate", "/update_weights_from_disk",
                                   "/init_weights_update_group", "/update_weights_from_distributed",
-                                  "/destroy_weights_update_group", "/flush_cache")] + \
+                                  "/destroy_weights_update_group", "/flush_cache", "/pause_generation",
+                                  "/continue_generation")] + \
         [("GET", p) for p in ("/v1/models", "/v1/models/{model}", "/tokenizer_info", "/health", "/metrics",
-                                 "/get_weight_version", "/flush_cache")]
+                                 "/get_weight_version", "/flush_cache", "/get_load")]
 
 
 def test_document_lists_every_operation(api):
