@@ -16,9 +16,30 @@ from torch import nn
 from ..config import Numerics
 from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta
+from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
+from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
 from ..layers.numerics import NumericsUser
+from ..parallel.context import ParallelContext
+from ..parallel.shard import vocab_chunk_width, vocab_shard
+
+
+class FusedQKV:
+    """q, k, v projections (``q_proj``, ``k_proj``, ``v_proj`` and the head counts set by the
+    attention module) run as one matmul once ``fuse()`` has joined them (the loader calls it).
+    ``qkv_proj`` exists only once fused (a submodule: a class-level default would shadow it)."""
+
+    def fuse(self) -> None:
+        self.qkv_proj: Linear = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, Hq * D], k and v [T, Hkv * D]."""
+        fused = getattr(self, "qkv_proj", None)
+        if fused is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return fused(x).split([nq, nkv, nkv], dim=-1)
 
 
 class ScoringModel(NumericsUser, nn.Module):
@@ -52,6 +73,13 @@ class ScoringModel(NumericsUser, nn.Module):
         """Every layer computes under ``numerics`` from now on (``layers.numerics``), its
         ``triton`` as ``use_triton_elementwise`` last said; a no-op when they already do."""
         super().set_numerics(replace(numerics, triton=numerics.triton and self.triton_elementwise))
+
+    def shard_vocab(self, cfg, ctx: ParallelContext) -> None:
+        """The vocabulary's chunk grid, this rank's shard of it (``vocab_range``) and the
+        vocabulary-parallel ``embed_tokens`` over that shard."""
+        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
+        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
 
     def head_params(self) -> HeadParams:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

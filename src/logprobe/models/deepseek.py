@@ -63,7 +63,6 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
-from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear
 from ..layers.moe import MoeBlock, MoeSpec
@@ -72,7 +71,7 @@ from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import num_blocks, q_heads, vocab_chunk_width, vocab_shard
+from ..parallel.shard import num_blocks, q_heads
 from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
@@ -325,9 +324,7 @@ class DeepseekModel(ScoringModel):
         super().__init__()
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
-        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
-        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.shard_vocab(cfg, ctx)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = DeepseekRotary(cfg)

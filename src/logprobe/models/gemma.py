@@ -46,7 +46,6 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
-from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
@@ -55,8 +54,8 @@ from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
-from .base import ScoringModel
+from ..parallel.shard import kv_heads, num_blocks, q_heads
+from .base import FusedQKV, ScoringModel
 from .caps import ModelCaps
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -121,7 +120,7 @@ class GemmaConfig:
         return (self.num_heads, self.hidden_size, self.intermediate_size)
 
 
-class GemmaAttention(NumericsUser, nn.Module):
+class GemmaAttention(FusedQKV, NumericsUser, nn.Module):
     def __init__(self, cfg: GemmaConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer of a chunk's KV cache is ours
@@ -138,18 +137,10 @@ class GemmaAttention(NumericsUser, nn.Module):
         self.o_proj = GatheredRowLinear(cfg.num_heads * D, H, False, ctx)
         self.q_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(D, cfg.rms_norm_eps)
-        self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
-
-    def fuse(self) -> None:
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
-        if self.qkv_proj is not None:
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)  # [T, Nq], [T, Nkv], [T, Nkv]
         q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, Hq, D]
         k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -223,9 +214,7 @@ class GemmaModel(ScoringModel):
         super().__init__()
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
-        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
-        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.shard_vocab(cfg, ctx)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.make_rotary()

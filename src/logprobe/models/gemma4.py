@@ -65,7 +65,7 @@ from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import apply_rotary, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
+from ..parallel.shard import kv_heads, num_blocks, q_heads
 from .base import ScoringModel
 from .caps import ModelCaps
 
@@ -328,9 +328,7 @@ class Gemma4Model(ScoringModel):
         super().__init__()
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
-        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
-        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.shard_vocab(cfg, ctx)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.ple_dim:

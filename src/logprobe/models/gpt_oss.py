@@ -47,17 +47,15 @@ from ..kernels import triton_available
 from ..kernels.rmsnorm import invariant_rmsnorm
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
-from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
-from ..layers.linear import Linear, fuse_linears
 from ..layers.moe_gpt_oss import GptOssMoe, GptOssMoeSpec
 from ..layers.norm import RMSNorm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import apply_rotary, to_interleaved
 from ..parallel.context import ParallelContext
-from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
-from .base import ScoringModel
+from ..parallel.shard import kv_heads, num_blocks, q_heads
+from .base import FusedQKV, ScoringModel
 from .caps import ModelCaps
 from .deepseek import rotary_parameters
 from .gemma4 import keep_blocks
@@ -152,7 +150,7 @@ class YarnRotary(nn.Module):
         return row_invariant(lambda f: torch.polar(torch.full_like(f, self.attention_factor), f), freqs)
 
 
-class GptOssAttention(NumericsUser, nn.Module):
+class GptOssAttention(FusedQKV, NumericsUser, nn.Module):
     def __init__(self, cfg: GptOssConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which layer of a chunk's KV cache is ours
@@ -170,18 +168,10 @@ class GptOssAttention(NumericsUser, nn.Module):
         self.sinks = nn.Parameter(torch.zeros(q1 - q0), requires_grad=False)  # [Hq / TP] logits, this rank's heads
         self.tp_param_ranges = {"sinks": ((q0, q1),)}  # rows of the checkpoint's [Hq] (``held_ranges``)
         keep_blocks(self.q_proj, self.k_proj, self.v_proj)  # q | k | v fused block by block at every TP size
-        self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
-
-    def fuse(self) -> None:
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
-        if self.qkv_proj is not None:
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)  # [T, Nq], [T, Nkv], [T, Nkv]
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -221,9 +211,7 @@ class GptOssModel(ScoringModel):
         super().__init__()
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(cfg.num_heads, cfg.hidden_size))
-        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
-        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.shard_vocab(cfg, ctx)
         self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = GainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = YarnRotary(cfg)

@@ -37,7 +37,7 @@ from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, Pa
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotary_dim, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
-from .base import ScoringModel
+from .base import FusedQKV, ScoringModel
 from .caps import ModelCaps
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class LlamaConfig:
         return (self.num_heads, self.hidden_size, self.intermediate_size, *(w for w in moe if w))
 
 
-class LlamaAttention(NumericsUser, nn.Module):
+class LlamaAttention(FusedQKV, NumericsUser, nn.Module):
     """This rank's query heads and the kv heads they read (all of them with one rank)."""
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> None:
@@ -109,18 +109,10 @@ class LlamaAttention(NumericsUser, nn.Module):
             self.k_norm = RMSNorm(cfg.num_kv_heads * D, cfg.rms_norm_eps)
         self.qk_norm_full = cfg.qk_norm_full
         self.ctx, self.q_cols, self.k_cols = ctx, (q0 * D, q1 * D), (k0 * D, k1 * D)
-        self.qkv_proj: Linear | None = None  # set by fuse(): q, k, v in one matmul
-
-    def fuse(self) -> None:
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
-        if self.qkv_proj is not None:
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)  # [T, Nq], [T, Nkv], [T, Nkv]
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)  # [T, Nq], [T, Nkv], [T, Nkv]
         if self.qk_norm_full:
             q, k = self.norm_full(q, self.q_norm, self.q_cols), self.norm_full(k, self.k_norm, self.k_cols)
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]

@@ -74,7 +74,6 @@ from ..kernels.gated_delta import gated_delta_kernels
 from ..kernels.rmsnorm import invariant_rmsnorm
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
-from ..layers.embedding import VocabParallelEmbedding
 from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm, gated_rms_norm
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
@@ -90,7 +89,7 @@ from ..layers.parallel_linear import (
 )
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from ..parallel.context import ParallelContext
-from ..parallel.shard import kv_heads, num_blocks, q_heads, shard_range, vocab_chunk_width, vocab_shard
+from ..parallel.shard import kv_heads, num_blocks, q_heads, shard_range
 from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
@@ -366,9 +365,7 @@ class HybridModel(ScoringModel):
         super().__init__()
         self.config = cfg
         self.ctx = ctx = ctx or ParallelContext(blocks=num_blocks(*cfg.split_widths))
-        self.vocab_grid = vocab_chunk_width(cfg.vocab_size)
-        self.vocab_range = vocab_shard(cfg.vocab_size, self.vocab_grid, ctx.rank, ctx.size)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
+        self.shard_vocab(cfg, ctx)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
