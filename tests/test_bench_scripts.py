@@ -237,3 +237,19 @@ def test_hybrid_tiny_cpu_run(tmp_path):
             continue
         else:
             assert float(c[4].split()[0]) > 0 and float(c[9]) < 1e-4 and float(c[10]) < 1e-5, c
+
+
+def test_weight_sync_tiny_cpu_run(tmp_path):
+    """gpu_weight_sync.py's CPU run (about 20 s): the real ``logprobe serve`` in a subprocess, this
+    script as the trainer over gloo (buckets of 50 KiB, three full updates), then its table: every
+    update timed under its own weight_version, every request's scores bitwise a fresh Scorer's on
+    the new weights and different from the old ones."""
+    out = run(["gpu_weight_sync.py", "--tiny", "--dir", str(tmp_path)], timeout=600,
+              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "failed" not in out.stdout, out.stdout[-3000:]
+    updates = re.findall(r"^\| (\d) \| ([\d.]+) \| [\d.]+ \| (step-\d) \|$", out.stdout, re.M)
+    assert [(u[0], u[2]) for u in updates] == [("1", "step-1"), ("2", "step-2"), ("3", "step-3")], out.stdout
+    rows = re.findall(r"^\| \d \| \d+ \| yes \| 0 \| ([\d.e+-]+) \|$", out.stdout, re.M)
+    assert len(rows) == 4 and all(float(d) > 0 for d in rows), out.stdout
+    assert "bitwise: yes; they differ from the ones before: yes" in out.stdout

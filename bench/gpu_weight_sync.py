@@ -1,0 +1,358 @@
+"""Weights pushed over NCCL from a trainer process to ``logprobe serve`` (SGLang's protocol:
+``/init_weights_update_group`` then ``/update_weights_from_distributed`` per bucket, the tensors
+broadcast from rank 0), timed, then checked: the served scores equal a fresh Scorer's on the
+new weights, bitwise (deterministic mode).
+
+    GPU 1: logprobe serve (checkpoint A, seed 0)    <- HTTP + NCCL broadcast --  GPU 0: this process,
+                                                                                  the trainer (weights B, seed 1)
+
+Two random-init checkpoints of one shape are written (Llama-3-8B by default, bf16, Hugging Face
+names; ``--layers`` cuts the decoder). The server is the real CLI in a subprocess on GPU 1
+(``CUDA_VISIBLE_DEVICES=1,0``: it sees GPU 0 too, so NCCL may use peer-to-peer copies; its own
+device is the first). This process loads B on GPU 0, joins the group as rank 0 (the store host,
+built as SGLang's / OpenRLHF's ``init_custom_process_group``) and sends B in buckets of about
+``--bucket-mb`` (a request naming the bucket's tensors, then one broadcast per tensor, as SGLang
+trainers do); the last bucket's reply comes once the server applied every weight. Each full
+update is timed (the first includes NCCL's connection set-up). Then a few requests are scored
+over HTTP, the server is stopped and a fresh ``Scorer`` loads B on the same GPU in a child
+process: the numbers must be equal bit for bit (and differ from the ones before the update).
+``--nccl-socket`` sets ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`` on both sides, as torchrl's
+SGLang scheme does in the trainer (the transfer then goes through sockets).
+
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py                      # 2 GPUs, llama-8b, ~16 GB
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py --layers 4 --repeats 2
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py --nccl-socket
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py --tiny               # CPU, gloo, a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MODELS, byte_tokenizer  # noqa: E402
+
+T0 = time.perf_counter()
+REPO = Path(__file__).resolve().parent.parent
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-5)
+GROUP = "weight_update_group"
+
+# the fresh reference, in a child process (on the GPU the server used): argv dir, device, dtype, requests
+REFERENCE = r'''
+import json, sys
+from logprobe import Scorer
+path, device, dtype, reqs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+s = Scorer(path, device=device, dtype=dtype, progress=False, deterministic=True)
+out = s.logprobs([{"prompt_token_ids": ids[:1], "completion_token_ids": ids[1:]} for ids in reqs])
+print(json.dumps([r.logprobs.tolist() for r in out]))
+'''
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
+
+
+def config(tiny: bool, layers: int):
+    import transformers as tf
+
+    kw = dict(TINY if tiny else MODELS["llama-8b"])
+    if layers:
+        kw["num_hidden_layers"] = layers
+    return tf.LlamaConfig(**kw, bos_token_id=1, eos_token_id=2)
+
+
+def write_checkpoint(cfg, seed: int, dtype: torch.dtype, path: Path, device: str) -> None:
+    """Random weights under transformers' Llama names (seeded per tensor from ``seed``): norms near
+    1, matrices N(0, 0.02); files of at most 4 GiB, config.json (written last) and a byte tokenizer."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in tf.LlamaForCausalLM(cfg).state_dict().items()}
+    files, part, size = [], {}, 0
+    for i, (k, shape) in enumerate(sorted(shapes.items())):
+        g = torch.Generator(device).manual_seed(seed * 100_003 + i)
+        t = torch.randn(shape, generator=g, device=device)
+        part[k] = (1 + 0.1 * t if len(shape) == 1 else 0.02 * t).to(dtype).cpu()
+        size += part[k].numel() * part[k].element_size()
+        if size > 4 << 30:
+            files.append(part)
+            part, size = {}, 0
+    files.append(part)
+    index = {}
+    for j, p in enumerate(files):
+        name = f"model-{j:05d}.safetensors"
+        save_file(p, str(path / name))
+        index.update({k: name for k in p})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    byte_tokenizer().save_pretrained(str(path))
+    cfg.save_pretrained(str(path))
+
+
+def load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("model-*.safetensors")):
+        out.update(load_file(str(f), device=device))
+    return out
+
+
+def buckets(weights: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """The names in order, cut into runs of at most ``limit`` bytes (a tensor larger goes alone)."""
+    out, cur, size = [], [], 0
+    for name in sorted(weights):
+        n = weights[name].numel() * weights[name].element_size()
+        if cur and size + n > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += n
+    return out + ([cur] if cur else [])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 600.0) -> tuple[int, dict]:
+    """POST ``body`` as JSON (GET when None); -> (status, decoded reply)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Call(threading.Thread):
+    """An HTTP request beside the collective (the server answers only once the broadcasts are done)."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body, self.reply = url, body, None
+
+    def run(self):
+        try:
+            self.reply = http(self.url, self.body)
+        except Exception as e:  # noqa: BLE001 - reported by result()
+            self.reply = (0, {"message": f"{type(e).__name__}: {e}"})
+
+    def result(self) -> dict:
+        self.join()
+        status, reply = self.reply
+        if status != 200 or not reply.get("success"):
+            raise SystemExit(f"{self.url} failed: {status} {json.dumps(reply)[:2000]}")
+        return reply
+
+
+def trainer_group(port: int, world_size: int, backend: str, timeout: float = 600.0):
+    """Rank 0 of the weight update group, built as SGLang's / OpenRLHF's trainers build it: the
+    trainer hosts the TCP store, a PrefixStore of the group name, no default process group."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    t = timedelta(seconds=timeout)
+    store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=t))
+    store.set_timeout(t)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(GROUP, store),
+                                      group_name=GROUP, timeout=t)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def update(url: str, pg, weights: dict[str, torch.Tensor], parts: list[list[str]], version: str) -> dict:
+    """One full update: per bucket, the request, then each tensor broadcast from rank 0."""
+    import torch.distributed as dist
+
+    reply = None
+    for j, names in enumerate(parts):
+        call = Call(url + "/update_weights_from_distributed", {
+            "names": names, "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(weights[n].shape) for n in names], "group_name": GROUP,
+            **({"weight_version": version} if j == len(parts) - 1 else {})})
+        call.start()
+        for n in names:
+            dist.broadcast(weights[n], src=0, group=pg)
+        if weights[names[0]].is_cuda:
+            torch.cuda.synchronize()
+        reply = call.result()
+    return reply
+
+
+def start_server(path: Path, port: int, args, env: dict) -> tuple[subprocess.Popen, Path]:
+    device, dtype = ("cpu", "float32") if args.tiny else ("cuda:0", "bfloat16")
+    logfile = Path(args.dir) / "server.log"
+    cmd = [sys.executable, "-m", "logprobe.cli.main", "serve", "--model", str(path), "--device", device,
+           "--dtype", dtype, "--deterministic", "--port", str(port), "--log-level", "warning", "--quiet"]
+    log("server:", " ".join(cmd))
+    with open(logfile, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit("the server exited:\n" + logfile.read_text()[-4000:])
+        try:
+            if http(url + "/health", timeout=2)[0] == 200:
+                return proc, logfile
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not come up:\n" + logfile.read_text()[-4000:])
+
+
+def score(url: str, reqs: list[list[int]]) -> tuple[list[list[float]], str]:
+    out, version = [], None
+    for ids in reqs:
+        status, reply = http(url + "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0})
+        if status != 200:
+            raise SystemExit(f"/generate failed: {status} {json.dumps(reply)[:2000]}")
+        out.append([e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]])
+        version = reply["meta_info"]["weight_version"]
+    return out, version
+
+
+def reference(path: Path, reqs: list[list[int]], args, env: dict) -> list[list[float]]:
+    device, dtype = ("cpu", "float32") if args.tiny else ("cuda:0", "bfloat16")
+    p = subprocess.run([sys.executable, "-c", REFERENCE, str(path), device, dtype, json.dumps(reqs)], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise SystemExit("the reference Scorer failed:\n" + p.stderr[-4000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(float((torch.tensor(x, dtype=torch.float64) - torch.tensor(y, dtype=torch.float64)).abs().max())
+               for x, y in zip(a, b))
+
+
+def environments(args) -> tuple[dict, dict]:
+    """(the server's, the reference child's) environment; this process's NCCL settings are set here."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)}
+    if args.nccl_socket:
+        for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
+            os.environ[k] = env[k] = "1"
+    if args.tiny:
+        return env, env
+    return {**env, "CUDA_VISIBLE_DEVICES": args.server_gpus}, {**env, "CUDA_VISIBLE_DEVICES": args.server_gpus[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU, gloo, a tiny float32 Llama (a smoke run)")
+    ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (default: all 32)")
+    ap.add_argument("--bucket-mb", type=float, default=0, help="bucket size in MiB (default 1024; 0.05 with --tiny)")
+    ap.add_argument("--repeats", type=int, default=3, help="full updates timed")
+    ap.add_argument("--requests", type=int, default=4, help="sequences scored after the updates")
+    ap.add_argument("--server-gpus", default="1,0", help="the server's CUDA_VISIBLE_DEVICES (it runs on the first)")
+    ap.add_argument("--nccl-socket", action="store_true", help="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (torchrl's)")
+    ap.add_argument("--dir", default="/tmp/logprobe-weight-sync")
+    args = ap.parse_args()
+    if not args.tiny and torch.cuda.device_count() < 2:
+        raise SystemExit(f"needs 2 CUDA devices (this machine has {torch.cuda.device_count()}); or pass --tiny")
+    server_env, ref_env = environments(args)
+    cfg = config(args.tiny, args.layers)
+    dtype, dev = (torch.float32, "cpu") if args.tiny else (torch.bfloat16, "cuda:0")
+    label = f"{'tiny' if args.tiny else 'llama-8b'}-{args.layers or 'all'}"
+    paths = {s: Path(args.dir) / f"{label}-seed{s}" for s in (0, 1)}
+    for s, p in paths.items():
+        t = time.perf_counter()
+        write_checkpoint(cfg, s, dtype, p, dev)
+        log(f"checkpoint {p} ({time.perf_counter() - t:.1f} s)")
+    rng = random.Random(0)
+    lengths = [16, 40, 9, 64] if args.tiny else [128, 1024, 37, 2048, 512, 3000]
+    reqs = [[rng.randrange(3, cfg.vocab_size) for _ in range(lengths[i % len(lengths)])] for i in range(args.requests)]
+
+    port = free_port()
+    proc, logfile = start_server(paths[0], port, args, server_env)
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        log("server up")
+        before, v0 = score(url, reqs)
+        weights = load_weights(paths[1], dev)
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        limit = int((args.bucket_mb or (0.05 if args.tiny else 1024)) * 2**20)
+        parts = buckets(weights, limit)
+        log(f"trainer: {len(weights)} tensors, {nbytes / 2**30:.2f} GiB, {len(parts)} buckets")
+        mport, backend = free_port(), ("gloo" if args.tiny else "nccl")
+        init = Call(url + "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": mport, "rank_offset": 1, "world_size": 2,
+            "group_name": GROUP, "backend": backend})
+        init.start()
+        t = time.perf_counter()
+        pg = trainer_group(mport, 2, backend)
+        log(f"group joined ({backend}): {init.result()['message']} ({time.perf_counter() - t:.2f} s)")
+        for r in range(args.repeats):
+            t = time.perf_counter()
+            reply = update(url, pg, weights, parts, f"step-{r + 1}")
+            secs = time.perf_counter() - t
+            rows.append((r + 1, secs, nbytes / secs / 1e9, reply["weight_version"]))
+            log(f"update {r + 1}: {secs:.3f} s ({nbytes / 1e9:.2f} GB, {nbytes / secs / 1e9:.1f} GB/s): {reply['message']}")
+        after, v1 = score(url, reqs)
+        _, version = http(url + "/get_weight_version", timeout=30)
+        http(url + "/destroy_weights_update_group", {"group_name": GROUP}, timeout=60)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    import torch.distributed as dist
+
+    dist.destroy_process_group(pg)
+    del weights
+    if not args.tiny:
+        torch.cuda.empty_cache()
+    log("server stopped; a fresh Scorer loads the new weights")
+    fresh = reference(paths[1], reqs, args, ref_env)
+    report(args, label, nbytes, parts, rows, reqs, before, after, fresh, (v0, v1, version))
+
+
+def report(args, label, nbytes, parts, rows, reqs, before, after, fresh, versions) -> None:
+    v0, v1, version = versions
+    print(f"\n## weight sync ({'gloo, CPU' if args.tiny else 'NCCL'}{', sockets' if args.nccl_socket else ''}): "
+          f"{label}, {nbytes / 1e9:.2f} GB in {len(parts)} buckets\n")
+    print("| update | seconds | GB/s | weight_version |\n|---|---|---|---|")
+    for r, secs, rate, name in rows:
+        print(f"| {r} | {secs:.3f} | {rate:.1f} | {name} |")
+    ok_version = v0 == "0" and v1 == version["weight_version"] == f"step-{args.repeats}"
+    print(f"\nweight_version: {v0} before, {v1} after ({'ok' if ok_version else 'failed'})\n")
+    print("| request | tokens scored | bitwise vs fresh Scorer | max |Δ| vs fresh | max |Δ| vs before |\n|---|---|---|---|---|")
+    same = []
+    for i, ids in enumerate(reqs):
+        same.append(after[i] == fresh[i])
+        print(f"| {i} | {len(ids) - 1} | {'yes' if same[-1] else 'failed'} | {max_diff([after[i]], [fresh[i]]):.3g} | "
+              f"{max_diff([after[i]], [before[i]]):.3g} |")
+    changed = after != before
+    print(f"\nscores after the update equal a fresh Scorer's bitwise: {'yes' if all(same) else 'failed'}; "
+          f"they differ from the ones before: {'yes' if changed else 'failed'}")
+    if not (all(same) and changed and ok_version):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
