@@ -103,10 +103,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="1x1,2x1,2x2", help="TPxEP pairs, the first is the reference")
     ap.add_argument("--modes", default="default,det")
     ap.add_argument("--dir", default="/tmp/logprobe-moe-parallel")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="deterministic mode only: capture every block's attn_out / mlp_out / resid_post of "
+                         "two texts at each size and print where the bits first leave (1, 1)'s")
     args = ap.parse_args()
     path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}"
     write_checkpoint(args.shape, args.layers, path)
     log(f"checkpoint {path}")
+    if args.diagnose:
+        return diagnose(path, args.sizes.split(","))
     ref, base = {}, {}
     for size in args.sizes.split(","):
         tp, ep = map(int, size.split("x"))
@@ -132,6 +137,45 @@ def main() -> None:
                 ref[mode], base[mode] = lp, secs
             log(json.dumps(row))
         s.close()
+
+
+def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
+    """Per hook point, max |Δ| of each size against the first, deterministic mode: the first point
+    that is not bitwise names the layer part (attention, MoE) whose bits depend on the size."""
+    from logprobe import Scorer
+    from logprobe.config import EngineConfig
+
+    points = [{"at": f"blocks.*.{p}", "positions": "all"} for p in ("attn_out", "mlp_out", "resid_post")]
+    texts = [("The quick brown fox jumps over the lazy dog. " * 6, " And then it ran away."),
+             ("Once upon a time, in a land far away, " * 5, " there lived a king.")]
+    ref = None
+    for size in sizes:
+        tp, ep = map(int, size.split("x"))
+        with Scorer(str(path), device=device, tensor_parallel_size=tp, expert_parallel_size=ep,
+                    config=EngineConfig(progress=False, deterministic=True)) as s:
+            got = {}
+            for i, (prompt, cont) in enumerate(texts):
+                r = s.score(prompt, [cont], capture=points)[0]
+                got[f"lp{i}"] = torch.tensor(r.token_logprobs, dtype=torch.float64)
+                for c in r.captures:
+                    got[f"{c.at}#{i}"] = c.value.double().cpu()
+        if ref is None:
+            ref = got
+            log(f"{size}: reference, {len(got)} captures")
+            continue
+        def order(k):
+            name = k.split("#")[0]
+            parts = name.split(".")
+            return (int(parts[1]) if parts[0] == "blocks" else 10**6,
+                    ["attn_out", "mlp_out", "resid_post"].index(parts[2]) if parts[0] == "blocks" else 0, k)
+        first = None
+        for k in sorted(got, key=order):
+            d = (got[k] - ref[k]).abs().max().item()
+            if d != 0 and first is None:
+                first = k
+            if d != 0 or k.startswith("lp"):
+                log(f"{size} {k}: max |d| {d:.3e}")
+        log(f"{size}: first point not bitwise: {first}")
 
 
 if __name__ == "__main__":
