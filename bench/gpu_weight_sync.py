@@ -17,11 +17,14 @@ update is timed (the first includes NCCL's connection set-up). Then a few reques
 over HTTP, the server is stopped and a fresh ``Scorer`` loads B on the same GPU in a child
 process: the numbers must be equal bit for bit (and differ from the ones before the update).
 ``--nccl-socket`` sets ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`` on both sides, as torchrl's
-SGLang scheme does in the trainer (the transfer then goes through sockets).
+SGLang scheme does in the trainer (the transfer then goes through sockets). ``--client torchrl``
+makes the trainer torchrl's ``SGLangWeightSyncScheme``, unchanged (one request naming every
+tensor per update, generation paused around it; the server gets the scheme's NCCL settings).
 
     PYTHONPATH=src python3 bench/gpu_weight_sync.py                      # 2 GPUs, llama-8b, ~16 GB
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --layers 4 --repeats 2
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --nccl-socket
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py --client torchrl     # torchrl's scheme as the trainer
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --tiny               # CPU, gloo, a tiny model
 """
 
@@ -87,21 +90,23 @@ def write_checkpoint(cfg, seed: int, dtype: torch.dtype, path: Path, device: str
     path.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in tf.LlamaForCausalLM(cfg).state_dict().items()}
-    files, part, size = [], {}, 0
+    index, part, size = {}, {}, 0
+
+    def flush():
+        name = f"model-{len(set(index.values())):05d}.safetensors"
+        save_file(part, str(path / name))
+        index.update({k: name for k in part})
+
     for i, (k, shape) in enumerate(sorted(shapes.items())):
         g = torch.Generator(device).manual_seed(seed * 100_003 + i)
         t = torch.randn(shape, generator=g, device=device)
         part[k] = (1 + 0.1 * t if len(shape) == 1 else 0.02 * t).to(dtype).cpu()
         size += part[k].numel() * part[k].element_size()
         if size > 4 << 30:
-            files.append(part)
+            flush()
             part, size = {}, 0
-    files.append(part)
-    index = {}
-    for j, p in enumerate(files):
-        name = f"model-{j:05d}.safetensors"
-        save_file(p, str(path / name))
-        index.update({k: name for k in p})
+    if part:
+        flush()
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     byte_tokenizer().save_pretrained(str(path))
     cfg.save_pretrained(str(path))
@@ -113,7 +118,7 @@ def load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(path.glob("model-*.safetensors")):
         out.update(load_file(str(f), device=device))
-    return out
+    return dict(sorted(out.items()))
 
 
 def buckets(weights: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
@@ -200,6 +205,65 @@ def update(url: str, pg, weights: dict[str, torch.Tensor], parts: list[list[str]
     return reply
 
 
+def leave(url: str, pg) -> None:
+    """Both sides leave the group (the server first, as SGLang trainers do); a hang is reported, not waited on."""
+    import torch.distributed as dist
+
+    try:
+        status, reply = http(url + "/destroy_weights_update_group", {"group_name": GROUP}, timeout=120)
+        log(f"server left the group: {status} {reply.get('message')}")
+    except OSError as e:
+        log(f"destroy_weights_update_group: no answer ({e})")
+    t = threading.Thread(target=dist.destroy_process_group, args=(pg,), daemon=True)
+    t.start()
+    t.join(timeout=60)
+    log("trainer left the group" if not t.is_alive() else "trainer: destroy_process_group still running after 60 s")
+
+
+def push_buckets(url: str, weights: dict[str, torch.Tensor], nbytes: int, parts: list[list[str]], args) -> list:
+    """This process as an SGLang-style trainer: its own group, one request per bucket; -> table rows."""
+    mport, backend, rows = free_port(), ("gloo" if args.tiny else "nccl"), []
+    init = Call(url + "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": mport, "rank_offset": 1, "world_size": 2,
+        "group_name": GROUP, "backend": backend})
+    init.start()
+    t = time.perf_counter()
+    pg = trainer_group(mport, 2, backend)
+    log(f"group joined ({backend}): {init.result()['message']} ({time.perf_counter() - t:.2f} s)")
+    for r in range(args.repeats):
+        t = time.perf_counter()
+        reply = update(url, pg, weights, parts, f"step-{r + 1}")
+        secs = time.perf_counter() - t
+        rows.append((r + 1, secs, nbytes / secs / 1e9, reply["weight_version"]))
+        log(f"update {r + 1}: {secs:.3f} s ({nbytes / 1e9:.2f} GB, {nbytes / secs / 1e9:.1f} GB/s): {reply['message']}")
+    leave(url, pg)
+    return rows
+
+
+def push_torchrl(url: str, weights: dict[str, torch.Tensor], nbytes: int, repeats: int) -> list:
+    """torchrl's SGLangWeightSyncScheme, as released: one request naming every tensor per update,
+    generation paused around it; it sets NCCL_P2P_DISABLE / NCCL_SHM_DISABLE here (the server was
+    started with the same). -> table rows (the scheme names no version: the server counts)."""
+    from torchrl.weight_update.llm import SGLangWeightSyncScheme
+
+    scheme = SGLangWeightSyncScheme(server_url=url, master_address="127.0.0.1", num_gpus=1, strategy="state_dict",
+                                    device=0)
+    sender = scheme.create_sender()
+    t = time.perf_counter()
+    sender.init_all_workers_group({k: (v.dtype, v.shape) for k, v in weights.items()})
+    log(f"group joined (torchrl, nccl) ({time.perf_counter() - t:.2f} s)")
+    rows = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        sender.update_weights(weights=weights)
+        secs = time.perf_counter() - t
+        _, version = http(url + "/get_weight_version", timeout=30)
+        rows.append((r + 1, secs, nbytes / secs / 1e9, version["weight_version"]))
+        log(f"update {r + 1} (torchrl): {secs:.3f} s ({nbytes / 1e9:.2f} GB, {nbytes / secs / 1e9:.1f} GB/s)")
+    sender.shutdown()
+    return rows
+
+
 def start_server(path: Path, port: int, args, env: dict) -> tuple[subprocess.Popen, Path]:
     device, dtype = ("cpu", "float32") if args.tiny else ("cuda:0", "bfloat16")
     logfile = Path(args.dir) / "server.log"
@@ -257,7 +321,8 @@ def environments(args) -> tuple[dict, dict]:
             os.environ[k] = env[k] = "1"
     if args.tiny:
         return env, env
-    return {**env, "CUDA_VISIBLE_DEVICES": args.server_gpus}, {**env, "CUDA_VISIBLE_DEVICES": args.server_gpus[0]}
+    return ({**env, "CUDA_VISIBLE_DEVICES": args.server_gpus},
+            {**env, "CUDA_VISIBLE_DEVICES": args.server_gpus.split(",")[0]})
 
 
 def main() -> None:
@@ -269,11 +334,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="sequences scored after the updates")
     ap.add_argument("--server-gpus", default="1,0", help="the server's CUDA_VISIBLE_DEVICES (it runs on the first)")
     ap.add_argument("--nccl-socket", action="store_true", help="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (torchrl's)")
+    ap.add_argument("--client", default="buckets", choices=["buckets", "torchrl"],
+                    help="the trainer: this script's SGLang-style buckets, or torchrl's SGLangWeightSyncScheme "
+                         "unchanged (CUDA only; implies --nccl-socket, which the scheme sets)")
     ap.add_argument("--dir", default="/tmp/logprobe-weight-sync")
     args = ap.parse_args()
+    if args.client == "torchrl":
+        if args.tiny:
+            raise SystemExit("--client torchrl needs CUDA and NCCL (the scheme hard-codes them): drop --tiny")
+        args.nccl_socket = True
     if not args.tiny and torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 CUDA devices (this machine has {torch.cuda.device_count()}); or pass --tiny")
     server_env, ref_env = environments(args)
+    if not args.tiny:
+        torch.cuda.set_device(0)  # the trainer's GPU (NCCL binds its communicator to the current device)
     cfg = config(args.tiny, args.layers)
     dtype, dev = (torch.float32, "cpu") if args.tiny else (torch.bfloat16, "cuda:0")
     label = f"{'tiny' if args.tiny else 'llama-8b'}-{args.layers or 'all'}"
@@ -298,32 +372,18 @@ def main() -> None:
         limit = int((args.bucket_mb or (0.05 if args.tiny else 1024)) * 2**20)
         parts = buckets(weights, limit)
         log(f"trainer: {len(weights)} tensors, {nbytes / 2**30:.2f} GiB, {len(parts)} buckets")
-        mport, backend = free_port(), ("gloo" if args.tiny else "nccl")
-        init = Call(url + "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": mport, "rank_offset": 1, "world_size": 2,
-            "group_name": GROUP, "backend": backend})
-        init.start()
-        t = time.perf_counter()
-        pg = trainer_group(mport, 2, backend)
-        log(f"group joined ({backend}): {init.result()['message']} ({time.perf_counter() - t:.2f} s)")
-        for r in range(args.repeats):
-            t = time.perf_counter()
-            reply = update(url, pg, weights, parts, f"step-{r + 1}")
-            secs = time.perf_counter() - t
-            rows.append((r + 1, secs, nbytes / secs / 1e9, reply["weight_version"]))
-            log(f"update {r + 1}: {secs:.3f} s ({nbytes / 1e9:.2f} GB, {nbytes / secs / 1e9:.1f} GB/s): {reply['message']}")
+        if args.client == "torchrl":
+            rows = push_torchrl(url, weights, nbytes, args.repeats)
+        else:
+            rows = push_buckets(url, weights, nbytes, parts, args)
         after, v1 = score(url, reqs)
         _, version = http(url + "/get_weight_version", timeout=30)
-        http(url + "/destroy_weights_update_group", {"group_name": GROUP}, timeout=60)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    import torch.distributed as dist
-
-    dist.destroy_process_group(pg)
     del weights
     if not args.tiny:
         torch.cuda.empty_cache()
@@ -334,12 +394,14 @@ def main() -> None:
 
 def report(args, label, nbytes, parts, rows, reqs, before, after, fresh, versions) -> None:
     v0, v1, version = versions
+    how = "torchrl's SGLangWeightSyncScheme, one request" if args.client == "torchrl" else f"{len(parts)} buckets"
     print(f"\n## weight sync ({'gloo, CPU' if args.tiny else 'NCCL'}{', sockets' if args.nccl_socket else ''}): "
-          f"{label}, {nbytes / 1e9:.2f} GB in {len(parts)} buckets\n")
+          f"{label}, {nbytes / 1e9:.2f} GB, {how}\n")
     print("| update | seconds | GB/s | weight_version |\n|---|---|---|---|")
     for r, secs, rate, name in rows:
         print(f"| {r} | {secs:.3f} | {rate:.1f} | {name} |")
-    ok_version = v0 == "0" and v1 == version["weight_version"] == f"step-{args.repeats}"
+    last = str(args.repeats) if args.client == "torchrl" else f"step-{args.repeats}"
+    ok_version = v0 == "0" and v1 == version["weight_version"] == last
     print(f"\nweight_version: {v0} before, {v1} after ({'ok' if ok_version else 'failed'})\n")
     print("| request | tokens scored | bitwise vs fresh Scorer | max |Δ| vs fresh | max |Δ| vs before |\n|---|---|---|---|---|")
     same = []
