@@ -378,6 +378,9 @@ def main() -> None:
             rows = push_buckets(url, weights, nbytes, parts, args)
         after, v1 = score(url, reqs)
         _, version = http(url + "/get_weight_version", timeout=30)
+    except BaseException:
+        log("failed; the server's log ends:\n" + logfile.read_text()[-4000:])
+        raise
     finally:
         proc.terminate()
         try:
