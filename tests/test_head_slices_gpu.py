@@ -1,0 +1,71 @@
+"""Deterministic mode's CUDA ops give a head's (or a column's) bits whatever else the call holds:
+the other heads a tensor-parallel rank does not hold, the other sequences of the batch. One GPU
+stands in for TP = 2 by running the first half of the heads (and of the kv heads) alone; these
+are the ops between a block's input and its ``attn_out`` on a Qwen3-MoE shape (32 query heads,
+4 kv heads, head_dim 128, hidden 2048, q/k norms), where two GPUs once found ``attn_out`` not
+bitwise TP = 1 on a single 292-token request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logprobe.kernels import triton_available
+from logprobe.kernels.matmul import invariant_linear
+from logprobe.kernels.rmsnorm import invariant_rmsnorm
+from logprobe.layers.attention_gpu import flash_varlen_attention
+from logprobe.layers.rotary import apply_rotary
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA")]
+
+HQ, HKV, D, HID = 32, 4, 128, 2048
+
+
+def _qkv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator("cuda").manual_seed(seed)
+    make = lambda h: torch.randn(n, h, D, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
+    return make(HQ), make(HKV), make(HKV)
+
+
+@pytest.mark.parametrize("n", [1, 17, 210, 292, 1000])
+def test_attention_head_half_is_bitwise(n):
+    q, k, v = _qkv(n, n)
+    cu = [0, n]
+    whole = flash_varlen_attention(q, k, v, cu, cu, D ** -0.5)
+    half = flash_varlen_attention(q[:, :HQ // 2].contiguous(), k[:, :HKV // 2].contiguous(),
+                                  v[:, :HKV // 2].contiguous(), cu, cu, D ** -0.5)
+    assert whole is not None and half is not None
+    d = (whole[:, :HQ // 2].float() - half.float()).abs().max().item()
+    assert torch.equal(whole[:, :HQ // 2], half), f"{n} tokens: max |d| {d:.3e}"
+
+
+@pytest.mark.parametrize("n", [17, 292])
+def test_attention_alone_equals_in_a_batch(n):
+    q, k, v = _qkv(n, 7)
+    others = _qkv(3000, 8)
+    alone = flash_varlen_attention(q, k, v, [0, n], [0, n], D ** -0.5)
+    qb, kb, vb = (torch.cat([a, b]) for a, b in zip((q, k, v), others))
+    cu = [0, n, n + 3000]
+    batch = flash_varlen_attention(qb, kb, vb, cu, cu, D ** -0.5)
+    d = (alone.float() - batch[:n].float()).abs().max().item()
+    assert torch.equal(alone, batch[:n]), f"max |d| {d:.3e}"
+
+
+def test_norm_rotary_and_matmul_head_half_are_bitwise():
+    g = torch.Generator("cuda").manual_seed(3)
+    x = torch.randn(292, HID, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(HQ * D, HID, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    q = invariant_linear(x, w)  # [T, HQ * D]
+    q_half = invariant_linear(x, w[: HQ * D // 2].contiguous())
+    assert torch.equal(q[:, : HQ * D // 2], q_half)
+    qh = q.view(292, HQ, D)
+    nw = torch.rand(D, generator=g, device="cuda").to(torch.bfloat16) + 0.5
+    normed = invariant_rmsnorm(qh, nw, 1e-6)
+    assert torch.equal(normed[:, : HQ // 2], invariant_rmsnorm(qh[:, : HQ // 2], nw, 1e-6))
+    cis = torch.polar(torch.ones(292, D // 2, device="cuda"), torch.rand(292, D // 2, generator=g, device="cuda"))
+    rot = apply_rotary(normed, cis, True)
+    assert torch.equal(rot[:, : HQ // 2], apply_rotary(normed[:, : HQ // 2], cis, True))
+    o = (torch.randn(HID, HQ * D, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    y = invariant_linear(rot.reshape(292, -1), o)
+    assert torch.equal(y[:, : HID // 2], invariant_linear(rot.reshape(292, -1), o[: HID // 2].contiguous()))
