@@ -175,7 +175,13 @@ class Call(threading.Thread):
 def trainer_group(port: int, world_size: int, backend: str, timeout: float = 600.0):
     """Rank 0 of the weight update group, built as SGLang's / OpenRLHF's trainers build it: the
     trainer hosts the TCP store, a PrefixStore of the group name, no default process group."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     t = timedelta(seconds=timeout)
     store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=t))
