@@ -99,6 +99,15 @@ class GptOssExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, hidden, inter), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(E, hidden), requires_grad=False)
 
+    @property
+    def tp_param_ranges(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        """The experts of each whole [E, ...] tensor this rank holds (``parallel_linear.held_ranges``:
+        its first dimension is the experts'); empty when it holds all of them."""
+        if self.num_experts == self.total_experts:
+            return {}
+        held = ((self.first_expert, self.first_expert + self.num_experts),)
+        return {name: held for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+
     def set_packed(self, name: str, packed: Mxfp4Experts) -> None:
         """Replace ``gate_up_proj`` or ``down_proj`` by MXFP4 blocks (at load; shapes checked there)."""
         del self._parameters[name]

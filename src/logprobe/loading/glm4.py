@@ -2,7 +2,7 @@
 
 Checkpoint keys as transformers writes them (``model.layers.*``, ``lm_head.weight``); each block's
 fused ``mlp.gate_up_proj.weight`` [2 I, H] is split into ``gate_proj`` (the first I rows) and
-``up_proj``. Rotary: ``rope_parameters`` (transformers 5: ``rope_theta``, ``partial_rotary_factor``)
+``up_proj`` (weight updates cut it the same way: ``glm4_fused_parts``). Rotary: ``rope_parameters`` (transformers 5: ``rope_theta``, ``partial_rotary_factor``)
 or the older top-level ``rope_theta`` / ``partial_rotary_factor``; transformers' default factor is
 0.5. Config options the native model does not run are refused with their key named.
 
@@ -110,6 +110,24 @@ def glm4_param_name(key: str, cfg: Glm4Config, where: str) -> str | None:
     if key.startswith("model."):
         return key.removeprefix("model.")
     raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
+
+
+def glm4_fused_parts(name: str, cfg: Glm4Config) -> list[tuple[str, int, int]] | None:
+    """A native name of the fused ``layers.N.mlp.gate_up_proj.weight`` [2 I, H] -> its parts as
+    (native name, first row, end row), gate first as ``Glm4MLP`` chunks it; None for any other
+    name. Weight updates (``loading.update.units``) cut incoming tensors with it, as loading does.
+
+    >>> from logprobe.models.glm4 import Glm4Config
+    >>> cfg = Glm4Config(vocab_size=8, hidden_size=4, intermediate_size=6, num_layers=1, num_heads=1,
+    ...                  num_kv_heads=1, head_dim=4)
+    >>> glm4_fused_parts("layers.0.mlp.gate_up_proj.weight", cfg)
+    [('layers.0.mlp.gate_proj.weight', 0, 6), ('layers.0.mlp.up_proj.weight', 6, 12)]
+    """
+    if not name.endswith(".mlp.gate_up_proj.weight"):
+        return None
+    inter = cfg.intermediate_size
+    return [(name.replace("gate_up_proj", "gate_proj"), 0, inter), (name.replace("gate_up_proj", "up_proj"), inter,
+                                                                      2 * inter)]
 
 
 def glm4_tensors(path: Path, cfg: Glm4Config):

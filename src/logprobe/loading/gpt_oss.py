@@ -46,10 +46,16 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPE = "gpt_oss"
 _EXPERT_KEYS = ("gate_up_proj", "down_proj")
+FLOAT_EXPERT_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 def is_gpt_oss(raw: dict) -> bool:
     return raw.get("model_type") == MODEL_TYPE
+
+
+def is_mxfp4(raw: dict) -> bool:
+    """A gpt-oss checkpoint whose experts are MXFP4 (kept packed at load by default)."""
+    return _quantization(raw)
 
 
 def _int(raw: dict, key: str, default=None) -> int:
@@ -217,18 +223,50 @@ def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
 
 
+def native_expert_layout(part: str, w: torch.Tensor) -> torch.Tensor:
+    """A float expert tensor of the checkpoint (``part``: its name after ``.mlp.experts.``) in the
+    native layout (module docstring): gate_up_proj [E, H, 2I] -> [E, 2I, H] gate rows then up
+    rows, down_proj [E, I, H] -> [E, H, I], gate_up_proj_bias [E, 2I] -> gate then up; down_proj_bias
+    as it is. Only rows move: the values are the checkpoint's, bit for bit (loading and weight
+    updates both use it; on a meta tensor it gives the native shape).
+
+    >>> native_expert_layout("gate_up_proj_bias", torch.tensor([[0., 10., 1., 11.]]))
+    tensor([[ 0.,  1., 10., 11.]])
+    >>> tuple(native_expert_layout("gate_up_proj", torch.empty(4, 64, 32, device="meta")).shape)
+    (4, 32, 64)
+    """
+    if part == "gate_up_proj_bias":
+        return _gate_up_rows(w)
+    if part == "gate_up_proj":
+        return _gate_up_rows(w.transpose(1, 2))  # [E, H, 2I] -> [E, 2I, H]
+    if part == "down_proj":
+        return w.transpose(1, 2)  # [E, I, H] -> [E, H, I]
+    if part == "down_proj_bias":
+        return w
+    raise LogprobeError("model", f"unexpected expert tensor {part!r}")
+
+
+def mark_packed(model: GptOssModel) -> None:
+    """Mark ``model`` (on the meta device, a driver's weightless model) as holding MXFP4 experts,
+    as its workers do after loading an MXFP4 checkpoint: what a weight update checks before it
+    sends anything."""
+    for layer in model.layers:
+        experts = layer.mlp.experts
+        for name in _EXPERT_KEYS:
+            E, rows, cols = getattr(experts, name).shape
+            experts.set_packed(name, Mxfp4Experts(torch.empty(E, rows, cols // 32, 16, dtype=torch.uint8,
+                                                              device="meta"),
+                                                  torch.empty(E, rows, cols // 32, dtype=torch.uint8, device="meta")))
+
+
 def _expert_tensor(name: str, w: torch.Tensor, device: torch.device, dtype: torch.dtype, state: dict,
                    halves: dict) -> None:
     """One checkpoint expert tensor, on ``device``, into the native layout (module docstring): a
     float one into ``state`` (model dtype), an MXFP4 part into ``halves[name] = [blocks, scales]``."""
     prefix, _, part = name.rpartition(".mlp.experts.")
     w = w.to(device)
-    if part in ("gate_up_proj_bias", "down_proj_bias"):
-        state[name] = (_gate_up_rows(w) if part == "gate_up_proj_bias" else w).to(dtype)
-    elif part == "gate_up_proj":
-        state[name] = _gate_up_rows(w.transpose(1, 2)).to(dtype)  # [E, H, 2I] -> [E, 2I, H]
-    elif part == "down_proj":
-        state[name] = w.transpose(1, 2).to(dtype).contiguous()  # [E, I, H] -> [E, H, I]
+    if part in FLOAT_EXPERT_PARTS:
+        state[name] = native_expert_layout(part, w).to(dtype).contiguous()
     elif part.endswith(("_blocks", "_scales")) and part.rsplit("_", 1)[0] in _EXPERT_KEYS:
         proj = part.rsplit("_", 1)[0]
         slot = halves.setdefault(f"{prefix}.mlp.experts.{proj}", [None, None])

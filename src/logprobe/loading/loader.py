@@ -57,6 +57,8 @@ from .gpt_oss import (
     gpt_oss_shard_tensors,
     gpt_oss_tensors,
     is_gpt_oss,
+    is_mxfp4,
+    mark_packed,
 )
 from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
@@ -305,6 +307,8 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
                  else Gemma4Model(cfg) if isinstance(cfg, Gemma4Config)
                  else model_class(cfg)(cfg) if isinstance(cfg, PartialRotaryConfig)
                  else native_model_class(cfg)(cfg))
+    if isinstance(cfg, GptOssConfig) and not path.is_file() and is_mxfp4(raw):
+        mark_packed(model)  # as the workers hold the experts: what a weight update checks first
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
     return LoadedModel(model, tokenizer, info)

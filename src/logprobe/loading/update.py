@@ -20,12 +20,19 @@ name, shape or value leaves the old weights in force:
 
 Families (``Family``): the Llama family (Llama, Mistral, Qwen2/3, Phi-3's fused tensors, the MoE
 ones), latent attention (``deepseek_v3``, ``kimi_k2``), the sigmoid-router MoEs (``glm4_moe``,
-``minimax_m2``), Gemma 3 and the hybrid linear-attention Qwen models (Qwen3.5 dense and MoE,
-Qwen3-Next: its fused ``in_proj_qkvz`` / ``in_proj_ba`` cut into the native projections as the
-loader cuts them, ``conv1d.weight`` [C, 1, K] squeezed). Each takes its loader's own name mapping
-(the same tensors the loader skips are ignored: multi-token-prediction layers, vision towers) and
-rotary row permutation; routers held in float32 stay float32. Gemma 4, GLM-4 and gpt-oss are
-refused, as are packed-quantized models (FP8 blocks, GGUF, compressed-tensors).
+``minimax_m2``), Gemma 3, Gemma 4 (text and multimodal names; a KV-shared block's key/value
+tensors ignored, as the loader ignores them), GLM-4 dense (its fused ``gate_up_proj`` cut in two),
+gpt-oss (float experts in transformers' layout moved into the native one, whole [E, ...] tensors)
+and the hybrid linear-attention Qwen models (Qwen3.5 dense and MoE, Qwen3-Next: its fused
+``in_proj_qkvz`` / ``in_proj_ba`` cut into the native projections as the loader cuts them,
+``conv1d.weight`` [C, 1, K] squeezed). Each takes its loader's own name mapping (the same tensors
+the loader skips are ignored: multi-token-prediction layers, vision towers) and rotary row
+permutation; routers held in float32 stay float32. Packed-quantized models are refused (FP8
+blocks, GGUF, compressed-tensors), and so is a gpt-oss model holding MXFP4-packed experts: a
+trainer sends float (bf16) weights, and writing them into MXFP4 blocks would mean requantizing,
+which scores other weights than the trainer's; the error names the tensor and the fix (load with
+``weights="dense"``: MXFP4 values are exact in the model dtype, so the scores do not change, and
+updates then take float weights exactly).
 
 Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.{e}.gate_proj.weight``,
 as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked, as transformers holds
@@ -55,6 +62,7 @@ import torch
 from ..errors import LogprobeError
 from ..layers.gated_delta import split_qwen3_next_projections
 from ..layers.moe import ExpertMatrices
+from ..layers.moe_gpt_oss import Mxfp4Experts
 from ..layers.parallel_linear import held_ranges
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.deepseek import DeepseekModel
@@ -69,6 +77,9 @@ from ..models.qwen3_next import HybridModel
 from .checkpoint import _EXPERT, hf_param_name, safetensors_files
 from .deepseek import deepseek_param_name
 from .gemma import gemma_param_name
+from .gemma4 import gemma4_param_name
+from .glm4 import glm4_fused_parts, glm4_param_name
+from .gpt_oss import FLOAT_EXPERT_PARTS, gpt_oss_param_name, native_expert_layout
 from .hybrid import hybrid_param_name
 from .loader import parallel_context
 from .phi3 import fused_parts
@@ -96,17 +107,18 @@ class Family:
     """How one native family's checkpoint names and tensors become its parameters, as its loader
     does it: ``param_name(key, cfg, where)`` (None: not a weight it holds), ``interleave(cfg,
     state)`` (q/k rows to the interleaved rotary layout), ``build(cfg, ctx)`` (a model of the
-    family, on the current device: the meta device for shapes and a rank's rows)."""
+    family, on the current device: the meta device for shapes and a rank's rows), ``fused(name,
+    cfg)`` (a fused tensor the loader cuts by rows: its parts)."""
 
     name: str
     param_name: Callable
     interleave: Callable
     build: Callable
+    fused: Callable = lambda name, cfg: None  # (native name, cfg) -> [(part, first row, end row)] or None
 
 
 def family(model) -> Family:
-    """The ``Family`` of a loaded native model; refuses the ones that take no weight update."""
-    refuse_unsupported(model)
+    """The ``Family`` of a loaded native model; refuses the transformers backend."""
     if isinstance(model, DeepseekModel):  # latent attention (models.deepseek, loading.deepseek)
         return Family("deepseek", deepseek_param_name, DeepseekModel.interleave_rope_weights,
                       lambda cfg, ctx: DeepseekModel(cfg, ctx))
@@ -116,6 +128,15 @@ def family(model) -> Family:
     if isinstance(model, GemmaModel):  # Gemma 3 (models.gemma, loading.gemma)
         return Family("gemma", gemma_param_name, GemmaModel.interleave_rope_weights,
                       lambda cfg, ctx: GemmaModel(cfg, ctx))
+    if isinstance(model, Gemma4Model):  # Gemma 4 (models.gemma4, loading.gemma4)
+        return Family("gemma4", gemma4_param_name, Gemma4Model.interleave_rope_weights,
+                      lambda cfg, ctx: Gemma4Model(cfg, ctx))
+    if isinstance(model, GptOssModel):  # gpt-oss (models.gpt_oss, loading.gpt_oss): experts see _gpt_oss_units
+        return Family("gpt_oss", gpt_oss_param_name, GptOssModel.interleave_rope_weights,
+                      lambda cfg, ctx: GptOssModel(cfg, ctx))
+    if isinstance(model, Glm4Model):  # GLM-4 dense (models.glm4, loading.glm4): gate_up_proj cut in two
+        return Family("glm4", glm4_param_name, Glm4Model.interleave_rope_weights,
+                      lambda cfg, ctx: Glm4Model(cfg, ctx=ctx), glm4_fused_parts)
     if isinstance(model, PartialRotaryMoeModel):  # glm4_moe, minimax_m2 (loading.sigmoid_moe)
         cls = sigmoid_model_class(model.config)
         return Family("sigmoid_moe", sigmoid_moe_param_name, cls.interleave_rope_weights,
@@ -124,7 +145,7 @@ def family(model) -> Family:
         raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
                             "use a native model (a Hugging Face directory of a native family, or a GGUF file)")
     return Family("llama", hf_param_name, LlamaModel.interleave_rope_weights,
-                  lambda cfg, ctx: native_model_class(cfg)(cfg, ctx=ctx))
+                  lambda cfg, ctx: native_model_class(cfg)(cfg, ctx=ctx), fused_parts)
 
 
 def weight_slots(model) -> dict[str, torch.Tensor]:
@@ -141,28 +162,26 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
             raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
                                 "tensors cannot be written into quantized blocks exactly",
                                 "load the float checkpoint, or reload the scorer from the new quantized file")
+        if isinstance(m, Mxfp4Experts):
+            raise LogprobeError("model", f"model.{name} is held MXFP4-packed (an MXFP4 checkpoint loaded packed): "
+                                "float weights from a trainer cannot be written into its blocks without "
+                                "requantizing them, which would score other weights than the trainer's",
+                                "load the checkpoint with load_model(path, weights='dense') and give that to "
+                                "Scorer (the experts expanded to the model dtype: every MXFP4 value is exact "
+                                "there, the scores unchanged), or serve the bf16 checkpoint; updates then take "
+                                "the trainer's float weights exactly")
     return _slots(model, list(full_slots(model, names=True)))
 
 
 def refuse_split_experts(model, ranks: int) -> None:
     """A mixture of experts split over ``ranks`` > 1 takes no weight update yet (its experts' units
-    are cut by experts and rows, which ``rank_slice`` does not do)."""
+    are cut by experts and rows, which ``rank_slice`` does not do); gpt-oss does (whole experts
+    per rank, cut by ``rank_slice`` along the expert dimension: ``GptOssExperts.tp_param_ranges``)."""
+    if isinstance(model, GptOssModel):
+        return
     if ranks > 1 and getattr(getattr(model, "config", None), "moe", None) is not None:
         raise LogprobeError("model", f"a mixture of experts split over {ranks} ranks has no weight update yet",
                             "reload the scorer from the new checkpoint")
-
-
-def refuse_unsupported(model) -> None:
-    """The families that take no weight update yet (their loaders reshape tensors in ways the
-    update does not repeat): Gemma 4, GLM-4 (fused gate_up), gpt-oss."""
-    if isinstance(model, Gemma4Model):
-        raise LogprobeError("model", f"{model.config.family} (Gemma 4) has no weight update yet",
-                            "reload the scorer from the new checkpoint")
-    if isinstance(model, Glm4Model):
-        raise LogprobeError("model", "glm4 (fused gate_up checkpoints) has no weight update yet",
-                            "reload the scorer from the new checkpoint")
-    if isinstance(model, GptOssModel):
-        raise LogprobeError("model", "gpt_oss has no weight update yet", "reload the scorer from the new checkpoint")
 
 
 def full_slots(model, names: bool = False) -> dict[str, torch.Tensor]:
@@ -183,7 +202,7 @@ def _tensor(model, name: str) -> torch.Tensor:
 def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
     slots = {}
     for n in names:
-        if _STACKED.fullmatch(n):  # [E, out, in]: one unit per expert, as checkpoints store them
+        if _STACKED.fullmatch(n) and not isinstance(model, GptOssModel):  # [E, out, in]: one unit per expert
             p = _tensor(model, n)
             slots.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
         else:
@@ -244,10 +263,36 @@ def _hybrid_units(name: str, item: Incoming, model, field: str) -> list[tuple[st
             for part in keep]
 
 
+def _gpt_oss_unit(name: str, item: Incoming, cfg, field: str) -> Incoming:
+    """A gpt-oss tensor as its loader makes it: a float expert tensor in transformers' layout
+    (``gate_up_proj`` [E, H, 2I] with gate / up columns alternating, ``down_proj`` [E, I, H], their
+    biases) moved into the native one (``loading.gpt_oss.native_expert_layout``: whole [E, ...]
+    units, rows only moved); MXFP4 parts refused (updates take the trainer's float weights); any
+    other tensor as it is."""
+    part = name.rpartition(".mlp.experts.")[2] if ".mlp.experts." in name else None
+    if part is None:
+        return item
+    if part.endswith(("_blocks", "_scales")):
+        raise LogprobeError(field, f"{item.name!r} is an MXFP4 part: weight updates take float expert tensors",
+                            "send the float (bf16) expert weights as transformers holds them (experts.gate_up_proj "
+                            "[E, H, 2I], experts.down_proj [E, I, H])")
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    want = {"gate_up_proj": (E, H, 2 * inter), "down_proj": (E, inter, H), "gate_up_proj_bias": (E, 2 * inter),
+            "down_proj_bias": (E, H)}.get(part)
+    if want is None or part not in FLOAT_EXPERT_PARTS:
+        return item  # not a weight of the model: refused by name in ``check``
+    if item.shape != want:
+        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is {want} (transformers' "
+                            "layout)")
+    shape = tuple(native_expert_layout(part, torch.empty(want, device="meta")).shape)
+    return Incoming(item.name, shape, item.dtype, lambda: native_expert_layout(part, item.load()))
+
+
 def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]]:
     """An incoming tensor as (slot name, piece) pairs: one pair, except tensors the loader cuts or
     reshapes (Phi-3's fused q/k/v and gate/up, a hybrid model's conv and Qwen3-Next's fused mixer
-    projections: ``_hybrid_units``) and a mixture of experts' tensors, which land one expert at a time:
+    projections: ``_hybrid_units``; GLM-4's gate_up_proj; gpt-oss's experts: ``_gpt_oss_unit``, whole)
+    and a mixture of experts' tensors, which land one expert at a time:
 
         layers.N.mlp.experts.{e}.gate_proj.weight [I, H]   -> unit layers.N.mlp.experts.gate_proj.{e}
         layers.N.mlp.experts.gate_proj / up_proj / down_proj [E, out, in]  -> E units
@@ -256,8 +301,7 @@ def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]
     """
     name = native_name(item.name, model)
     cfg = model.config
-    if name is not None and getattr(cfg, "extra", None) is not None \
-            and (parts := fused_parts(name, cfg)) is not None:  # Phi-3's fused tensors
+    if name is not None and (parts := family(model).fused(name, cfg)) is not None:  # Phi-3's, GLM-4's fused tensors
         if len(item.shape) != 2 or item.shape[0] != parts[-1][2]:
             raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is "
                                 f"{(parts[-1][2], cfg.hidden_size)}")
@@ -265,6 +309,8 @@ def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]
                 for part, a, b in parts]
     if name is not None and isinstance(model, HybridModel) and (split := _hybrid_units(name, item, model, field)):
         return split
+    if isinstance(model, GptOssModel):
+        return [(name, _gpt_oss_unit(name, item, cfg, field) if name is not None else item)]
     moe = getattr(cfg, "moe", None)
     if name is None or moe is None:
         return [(name, item)]
@@ -406,7 +452,7 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     ranks = []
     for r in range(engine.tp):
         with torch.device("meta"):
-            ranks.append(build(cfg, parallel_context(cfg, r, engine.tp)))
+            ranks.append(build(cfg, parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1))))
     try:
         for item in items:
             for unit, piece in units(item, model, field):
@@ -430,14 +476,20 @@ class StagedWeights:
     kept for ``prepare``), copied into the shard at ``commit``."""
 
     def __init__(self, model: LlamaModel) -> None:
-        self.model, self.slots = model, weight_slots(model)
+        self.model, self.slots = model, {}
         self.values: dict[str, torch.Tensor] = {}
         self.error: BaseException | None = None
+        try:  # staging answers nothing: a refusal waits for ``prepare``
+            self.slots = weight_slots(model)
+        except LogprobeError as e:
+            self.error = e
 
     def add(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         try:
             for name, value in pairs:
-                slot = self.slots[name]
+                slot = self.slots.get(name)
+                if slot is None:
+                    raise LogprobeError("named_tensors", f"{name}: rank {self.model.ctx.rank} holds no such weight")
                 if tuple(value.shape) != tuple(slot.shape):
                     raise LogprobeError("named_tensors", f"{name}: a slice of shape {tuple(value.shape)} reached "
                                         f"rank {self.model.ctx.rank}, which holds {tuple(slot.shape)}")

@@ -32,7 +32,7 @@ With ``attention_k_eq_v`` the values are the raw key projection, whose rows were
 keys' for the interleaved rotary: such a block's o_proj input columns take the same permutation.
 
 Not run (refused at load, key named): mixture-of-experts blocks (``enable_moe_block``), attention
-bias, bidirectional attention over all tokens. Weight updates refused.
+bias, bidirectional attention over all tokens.
 
 Tensor parallelism (``ctx``) as the Llama family (``models.llama``), per block with its own head_dim
 and kv heads: a rank holds its query heads and the kv heads they read (a KV-shared block reads its

@@ -21,7 +21,8 @@ Transformers' ``Glm4ForCausalLM``, block by block (hook points as ``models.llama
 Tensor parallelism as the Llama family (``LlamaModel``): a rank holds its query heads (their q/k/v
 bias rows with them) and the kv heads they read, its share of the MLP; the four norms act on the
 whole residual stream on every rank. ``loading.glm4.glm4_shard_tensors`` cuts a rank's rows after
-splitting ``gate_up_proj``. Weight updates are refused.
+splitting ``gate_up_proj``. Weight updates (``loading.update``) cut an incoming ``gate_up_proj``
+the same way.
 """
 
 from __future__ import annotations
