@@ -27,6 +27,8 @@
 #   hybrid   Qwen3.5 hybrids' W1 against transformers with and without fla-core (a call of its own) ... ~9
 #   families the Gemma 4 / Gemma 3 / GLM-4 / DeepSeek-V3 / GLM-4.5 CUDA tests, then the Gemma 4 E4B-like
 #            cut against transformers with float32 weights on both sides (|delta| ~1e-5 if exact) ....... ~5
+#   weightsync  2 GPUs: torchrl from .whl; the NCCL weight-sync tests (torchrl's SGLang scheme included), then
+#            llama-8b pushed over NCCL by SGLang-style buckets and by torchrl's scheme (sockets) ............. ~10
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
@@ -82,6 +84,12 @@ for s in "$@"; do
             step families_tests 300 "$py" -m pytest -q -p no:cacheprovider tests/test_families_gpu.py
             step families_gemma4_f32 280 "$py" bench/gpu_families.py --models gemma4-e4b --dtype float32 \
                 --hf-requests 16 ;;
+        weightsync)  # 2 GPUs: torchrl + tensordict (+ requests) from the carried wheels
+            "$py" -m pip install -q --no-index --find-links .whl torchrl==0.14.1 tensordict==0.14.3 requests >/dev/null 2>&1
+            step weightsync_tests 420 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_torchrl.py \
+                tests/test_weight_sync_nccl.py
+            step weightsync 580 "$py" bench/gpu_weight_sync.py
+            step weightsync_torchrl 480 "$py" bench/gpu_weight_sync.py --client torchrl ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
