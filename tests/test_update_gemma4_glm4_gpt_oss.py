@@ -198,6 +198,19 @@ def test_mxfp4_packed_refused_dense_takes_float_weights(mxfp4):
     assert _same(dense, _scorer(str(b)), seqs)
 
 
+def test_mxfp4_dense_bfloat16_takes_bfloat16_weights(mxfp4):
+    """The RL case: a bf16 scorer of the MXFP4 checkpoint (loaded dense) given the trainer's bf16
+    tensors scores as a fresh bf16 load of them, bitwise."""
+    a_mx, b = mxfp4
+    seqs = _sequences()[:2]
+    dense = Scorer(load_model(str(a_mx), "cpu", "bfloat16", weights="dense"), config=DET)
+    assert dense.loaded.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    fresh = Scorer(str(b), device="cpu", dtype="bfloat16", config=DET)
+    assert not _same(dense, fresh, seqs)
+    dense.update_weights(iter([(k, v.to(torch.bfloat16)) for k, v in _checkpoint(b).items()]))
+    assert _same(dense, fresh, seqs)
+
+
 @pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per case
 @pytest.mark.parametrize("kind,ep", [("glm4", None), ("gemma4_text", None), ("gpt_oss", None), ("gpt_oss", 1)])
 def test_tensor_parallel_update_equals_fresh_load(kind, ep, tmp_path):

@@ -14,7 +14,8 @@ The native experts hold [E, out, in] with the gate rows first, then the up rows
 (``layers.moe_gpt_oss``): float tensors are transposed and their gate/up columns split at load;
 MXFP4 blocks stay packed (uint8 in memory, 4.25 bits a weight) with only their rows reordered, or
 are expanded once to the model dtype with ``weights="dense"`` (the same numbers: every MXFP4 value
-is exact in bf16). Everything else (attention with biases and sinks, router, norms, embeddings,
+is exact in bf16). Weight updates move a trainer's float expert tensors with the same function
+(``native_expert_layout``) and refuse a model whose experts are packed. Everything else (attention with biases and sinks, router, norms, embeddings,
 ``lm_head``) is a float tensor read as it is.
 
 Config options the native model does not run are refused with their key named: a quantization

@@ -168,8 +168,9 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
                                 "requantizing them, which would score other weights than the trainer's",
                                 "load the checkpoint with load_model(path, weights='dense') and give that to "
                                 "Scorer (the experts expanded to the model dtype: every MXFP4 value is exact "
-                                "there, the scores unchanged), or serve the bf16 checkpoint; updates then take "
-                                "the trainer's float weights exactly")
+                                "there, the scores unchanged), or load the bf16 checkpoint (the way under tensor "
+                                "parallelism and for the server); updates then take the trainer's float weights "
+                                "exactly")
     return _slots(model, list(full_slots(model, names=True)))
 
 
