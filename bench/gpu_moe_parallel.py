@@ -141,41 +141,51 @@ def main() -> None:
 
 def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
     """Per hook point, max |Δ| of each size against the first, deterministic mode: the first point
-    that is not bitwise names the layer part (attention, MoE) whose bits depend on the size."""
+    that is not bitwise names the layer part (attention, MoE) whose bits depend on the size. Texts
+    of several lengths, each scored alone and twice (the second pass against the first: a size
+    that is not even repeatable shows there)."""
     from logprobe import Scorer
     from logprobe.config import EngineConfig
 
-    points = [{"at": f"blocks.*.{p}", "positions": "all"} for p in ("attn_out", "mlp_out", "resid_post")]
-    texts = [("The quick brown fox jumps over the lazy dog. " * 6, " And then it ran away."),
-             ("Once upon a time, in a land far away, " * 5, " there lived a king.")]
+    parts = ("attn_out", "mlp_out", "resid_post")
+    points = [{"at": "embed", "positions": "all"}] + [{"at": f"blocks.*.{p}", "positions": "all"} for p in parts]
+    base = "The quick brown fox jumps over the lazy dog; once upon a time, in a land far away, a king. "
+    texts = [((base * 8)[:n], " And then it ran away.") for n in (100, 230, 250, 270, 300, 480)]
+
+    def order(k):
+        name = k.split("#")[0].split(".")
+        return (int(name[1]) if name[0] == "blocks" else -1, parts.index(name[2]) if name[0] == "blocks" else 0, k)
+
+    def first_diff(a, b):
+        for k in sorted(a, key=order):
+            if not torch.equal(a[k], b[k]):
+                return f"{k} (max |d| {(a[k] - b[k]).abs().max().item():.2e})"
+        return None
+
     ref = None
     for size in sizes:
         tp, ep = map(int, size.split("x"))
         with Scorer(str(path), device=device, tensor_parallel_size=tp, expert_parallel_size=ep,
                     config=EngineConfig(progress=False, deterministic=True)) as s:
-            got = {}
-            for i, (prompt, cont) in enumerate(texts):
-                r = s.score(prompt, [cont], capture=points)[0]
-                got[f"lp{i}"] = torch.tensor(r.token_logprobs, dtype=torch.float64)
-                for c in r.captures:
-                    got[f"{c.at}#{i}"] = c.value.double().cpu()
+            log(f"{size}: budget {s.config.max_batch_tokens}")
+            runs = []
+            for _ in range(2):
+                got = {}
+                for i, (prompt, cont) in enumerate(texts):
+                    r = s.score(prompt, [cont], capture=points)[0]
+                    got[f"lp#{i}"] = torch.tensor(r.token_logprobs, dtype=torch.float64)
+                    for c in r.captures:
+                        got[f"{c.at}#{i}"] = c.value.double().cpu()
+                runs.append(got)
+        log(f"{size}: second pass vs first: first difference {first_diff(runs[0], runs[1])}")
         if ref is None:
-            ref = got
-            log(f"{size}: reference, {len(got)} captures")
+            ref = runs[0]
             continue
-        def order(k):
-            name = k.split("#")[0]
-            parts = name.split(".")
-            return (int(parts[1]) if parts[0] == "blocks" else 10**6,
-                    ["attn_out", "mlp_out", "resid_post"].index(parts[2]) if parts[0] == "blocks" else 0, k)
-        first = None
-        for k in sorted(got, key=order):
-            d = (got[k] - ref[k]).abs().max().item()
-            if d != 0 and first is None:
-                first = k
-            if d != 0 or k.startswith("lp"):
-                log(f"{size} {k}: max |d| {d:.3e}")
-        log(f"{size}: first point not bitwise: {first}")
+        for i, (prompt, _) in enumerate(texts):
+            one = {k: v for k, v in runs[0].items() if k.endswith(f"#{i}")}
+            log(f"{size} text {i} ({len(prompt)} chars): first point not bitwise: "
+                f"{first_diff({k: ref[k] for k in one}, one)}; log-probs max |d| "
+                f"{(one[f'lp#{i}'] - ref[f'lp#{i}']).abs().max().item():.2e}")
 
 
 if __name__ == "__main__":
