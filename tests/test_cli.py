@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,28 @@ def test_module_entry_point_version():
     p = subprocess.run([sys.executable, "-m", "logprobe.cli.main", "--version"], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and p.stdout.startswith("logprobe ") and p.stderr == ""
+
+
+def test_cli_runs_without_lm_eval(tmp_path):
+    """lm-eval is optional: with it absent every command but ``eval`` works, and ``eval`` says
+    how to install it in one line (exit 2). A meta-path hook hides the installed package."""
+    code = textwrap.dedent('''
+        import sys
+        class Hide:
+            def find_spec(self, name, path=None, target=None):
+                if name == "lm_eval" or name.startswith("lm_eval."):
+                    raise ImportError(f"No module named {name!r} (hidden)")
+        sys.meta_path.insert(0, Hide())
+        from logprobe.cli.main import main
+        try:
+            print("exit", main(["eval", "--tasks", "hellaswag"]))
+        except SystemExit as e:
+            print("exit", e.code)
+        try:
+            main(["serve", "--help"])
+        except SystemExit:
+            pass
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "needs lm-evaluation-harness" in r.stderr and "exit 2" in r.stdout, (r.stdout, r.stderr)
+    assert "usage: logprobe serve" in r.stdout, r.stdout

@@ -76,6 +76,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise LogprobeError("--max-length", f"must be a positive integer, got {args.max_length}")
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         raise LogprobeError("--max-batch-tokens", f"must be a positive integer, got {args.max_batch_tokens}")
+    if _registers.MISSING is not None:
+        raise LogprobeError("eval", f"needs lm-evaluation-harness ({_registers.MISSING})", "pip install 'lm-eval==0.4.13'")
     try:
         from lm_eval.__main__ import cli_evaluate
 

@@ -37,9 +37,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import lm_eval.models  # noqa: F401  (lm-eval's built-in models: its registry imports them only while empty,
-from lm_eval.api.model import LM  # so registering "logprobe" first would hide local-completions & co.)
-from lm_eval.api.registry import register_model
+try:  # lm-eval is optional: without it the rest of logprobe (the CLI, the server) runs, ``eval`` says how to get it
+    import lm_eval.models  # noqa: F401  (lm-eval's built-in models: its registry imports them only while empty,
+    from lm_eval.api.model import LM  # so registering "logprobe" first would hide local-completions & co.)
+    from lm_eval.api.registry import register_model
+
+    MISSING: ImportError | None = None
+except ImportError as e:
+    LM, MISSING = object, e
+
+    def register_model(*names):
+        return lambda cls: cls
 
 from ..errors import LogprobeError
 from ..scorer import Scorer
