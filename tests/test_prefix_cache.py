@@ -258,6 +258,141 @@ def test_default_model_default_mode(default_scorer):
                  steps=5, ctx_max=70, expect_hits=False)
 
 
+# -- several resumed requests in one pass (engine.prefix_run.ResumePack) ----------------------------
+
+
+def test_take_pack_and_layout_gold():
+    """Three prefixes: A's 6 tokens, B's leading 4 of them (read from A's rows), C's own 3; the
+    pass's segments, context spans and scored rows ([past + T] = the prefixes' rows, then the pass's)."""
+    from collections import deque
+
+    from logprobe.engine.prefix_run import ResumePack, take_pack
+
+    t = PrefixCache(10 ** 6)
+    t.insert([1, 2, 3, 4, 5, 6, 7], unit_rows)
+    t.insert([8, 9, 10, 11], unit_rows)
+    rs = [ScoreRequest([1, 2, 3, 4, 5, 6, 20, 21], 7),  # resumes at 6 (the limit: 7 inputs - 1)
+          ScoreRequest([1, 2, 3, 4, 30, 31], 2),  # at 4, scored from 2: two tokens from cached rows
+          ScoreRequest([8, 9, 10, 40, 41], 3)]  # at 3
+    q = deque([0, 1, 2])
+    assert take_pack(t, rs, q, budget=100, align=1) == ([0, 1, 2], None) and not q
+    assert take_pack(t, rs, deque([0, 1, 2]), budget=9, align=1)[0] == [0, 1]  # 6 keys + 1 + 1 row; C: 3 + 1 more
+    assert take_pack(t, rs, deque([0]), budget=100, align=64) == ([], 0)  # hybrids: alone
+    rp = ResumePack(t, rs, [0, 1, 2], num_layers=0)
+    assert rp.begin == {0: 6, 1: 4, 2: 3} and rp.at == {0: 0, 1: 0, 2: 6} and rp.past == 9
+    assert rp.context_hidden.flatten().tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    ids, pos, segs, rows, targets, _, owners = rp.layout()
+    assert ids == [20, 30, 40] and pos == [6, 4, 3]
+    assert [(g.start, g.end, g.context) for g in segs] == [(0, 1, ((0, 6),)), (1, 2, ((0, 4),)), (2, 3, ((6, 9),))]
+    # A: token 7 from pass row 0 (9 + 0); B: tokens 2, 3 from cached rows 1, 2, token 4 from row 3,
+    # token 5 from its pass row (9 + 1); C: token 3 from cached row 6 + 2, token 4 from pass row 9 + 2
+    assert rows == [9, 1, 2, 3, 10, 8, 11] and targets == [21, 3, 4, 30, 31, 40, 41]
+    assert owners == [(0, 1), (1, 4), (2, 2)]
+    assert t.stats.lookups == 3 and t.stats.cached_tokens == 13
+
+
+def passes(scorer: Scorer) -> list[int]:
+    """Rows of every forward pass the scorer's engine runs from now on."""
+    box: list[int] = []
+    scorer.engine.fault_hook = lambda rows, _tokens: box.append(rows)
+    return box
+
+
+def resumed_calls(seed: int, vocab: int = 300) -> tuple[list[ScoreRequest], list[ScoreRequest]]:
+    """A first call caching three contexts (one a leading part of another), then one call whose
+    requests resume from prefixes of different lengths (shared, nested, partly shared, scored
+    from inside the cached part, an exact repeat)."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(2, vocab) for _ in range(n)]  # noqa: E731
+    c1, c2, c3 = tok(70), tok(25), tok(40)
+    first = [ScoreRequest(c1 + tok(9), 70), ScoreRequest(c2 + tok(4), 3), ScoreRequest(c1[:30] + c3, 30)]
+    second = [ScoreRequest(c1 + tok(12), 70, top_k=2),  # at 70 (or more: a token shared by chance)
+              ScoreRequest(c1 + tok(5), 70, entropy=True, temperature=0.7),
+              ScoreRequest(c1[:50] + tok(8), 20),  # at 50, tokens 20..50 from cached rows
+              ScoreRequest(c2 + tok(6), 25),  # at 25
+              ScoreRequest(c1[:30] + c3[:10] + tok(7), 35),  # at 40, in the third request's branch
+              ScoreRequest(list(first[1].tokens), 3)]  # an exact repeat: all but the last input
+    return first, second
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_packed_resume_one_pass_equal(kind, deterministic, tiny):
+    """Resumed requests of different prefix lengths run in one pass, each equal to its uncached
+    result (bitwise in deterministic mode); each reports its own cached tokens; a second round
+    resumes from what the pack kept."""
+    first, second = resumed_calls(seed=len(kind) + deterministic)
+    cfg = EngineConfig(max_batch_tokens=1024, deterministic=deterministic)
+    plain = Scorer(tiny[kind], config=cfg)
+    cached = Scorer(tiny[kind], config=cfg, prefix_cache=1 << 26)
+    cached.engine.run(first)
+    rows = passes(cached)
+    want = plain.engine.run(second)
+    got = cached.engine.run(second)
+    news = [r.num_inputs - g.cached_tokens for r, g in zip(second, got)]
+    assert rows == [sum(news)]  # one pass, only the rows after each prefix
+    assert [g.cached_tokens for g in got][2:] == [50, 25, 40, first[1].num_inputs - 1]
+    assert min(g.cached_tokens for g in got[:2]) >= 70
+    for w, g in zip(want, got):
+        same(w, g, deterministic)
+    rows.clear()
+    again = cached.engine.run(second)  # now each resumes from its own kept inputs: one row each
+    assert rows == [len(second)] and [g.cached_tokens for g in again] == [r.num_inputs - 1 for r in second]
+    for w, g in zip(want, again):
+        same(w, g, deterministic)
+
+
+ROW_BYTES = 2 * (2 * 2 * 16) * 4 + 64 * 4  # tiny llama, a cached row: 2 layers x (k, v) x 2 kv heads x 16 dims, hidden 64; fp32
+
+
+def test_packed_resume_evicts_a_members_prefix(tiny):
+    """Keeping the first request of a pack evicts the prefix the second one resumed from (a byte
+    budget of 64 rows): the second's inputs are kept again from the pack's own KV cache, and a
+    third call resuming from them is still bitwise equal."""
+    rng = random.Random(9)
+    tok = lambda n: [rng.randrange(2, 300) for _ in range(n)]  # noqa: E731
+    ca, cb = [2] + tok(29), [3] + tok(24)  # ca sorts first: its request is kept first
+    first = [ScoreRequest(ca + tok(4), 30), ScoreRequest(cb + tok(4), 25)]
+    second = [ScoreRequest(ca + tok(11), 30), ScoreRequest(cb + tok(11), 25)]
+    cfg = EngineConfig(max_batch_tokens=256, deterministic=True)
+    plain = Scorer(tiny["llama"], config=cfg)
+    cached = Scorer(tiny["llama"], config=cfg, prefix_cache=64 * ROW_BYTES)
+    cache = cached.prefix_cache
+    for batch in (first, second):
+        rows = passes(cached)
+        for w, g in zip(plain.engine.run(batch), cached.engine.run(batch)):
+            same(w, g, True)
+    assert rows == [20] and cache.stats.evicted_tokens > 0  # 10 + 10 rows after the prefixes
+    b = second[1].inputs
+    assert cache.peek(b, len(b)) == len(b) and cache.peek(first[1].inputs, 99) == 25  # kept whole again
+    rows = passes(cached)
+    got = cached.engine.run([second[1]])[0]
+    assert rows == [1] and got.cached_tokens == len(b) - 1
+    same(plain.engine.run([second[1]])[0], got, True)
+
+
+def test_packed_resume_under_budget_and_evictions(tiny):
+    """A small row budget: the resumed requests split over several packs, one over the budget runs
+    alone in chunks; a byte budget so small that keeping a pack's requests evicts other prefixes.
+    Bitwise equal throughout, over several rounds."""
+    first, second = resumed_calls(seed=7)
+    rng = random.Random(8)
+    long = ScoreRequest(first[0].tokens[:70] + [rng.randrange(2, 300) for _ in range(90)], 75)
+    cfg = EngineConfig(max_batch_tokens=64, deterministic=True)
+    plain = Scorer(tiny["llama"], config=cfg)
+    cached = Scorer(tiny["llama"], config=cfg, prefix_cache=150 * ROW_BYTES)
+    for step in range(3):
+        batch = first if step == 0 else second + [long]
+        rows = passes(cached)
+        want, got = plain.engine.run(batch), cached.engine.run(batch)
+        for w, g in zip(want, got):
+            same(w, g, True)
+        if step == 1:
+            assert len(rows) > 2 and max(rows) <= 64
+    stats = cached.prefix_cache_stats()
+    assert stats["evicted_tokens"] > 0 and stats["bytes"] <= 150 * ROW_BYTES and stats["hits"] > 0
+
+
 # -- the hybrid family: states on the 64-token grid ----------------------------------------------
 
 

@@ -3,11 +3,12 @@ for them (the keys/values of the attention layers, the final hidden rows and, fo
 families, the recurrent and convolution state at a node's end), within a byte budget, least
 recently used leaves evicted first.
 
-A request whose leading tokens are in the tree resumes from there: its remaining inputs run as one
-chunked sequence (``engine.runner``) over a ``KVCache`` filled from the tree, exactly as the later
-chunks of a long request see the earlier ones; tokens scored by cached rows (an echoed prompt, a
-window starting inside the prefix) go through the head alone, from the kept final hidden rows. So
-a hit computes only the tokens after it.
+A request whose leading tokens are in the tree resumes from there: its remaining inputs run over a
+``KVCache`` filled from the tree, exactly as the later chunks of a long request see the earlier
+ones; several such requests share one pass, one cache holding each one's prefix rows
+(``engine.prefix_run.ResumePack``; the hybrid families: one by one); tokens scored by cached rows
+(an echoed prompt, a window starting inside the prefix) go through the head from the kept final
+hidden rows. So a hit computes only the tokens after it.
 
 Where a request may resume (``match``):
 
@@ -127,16 +128,37 @@ class PrefixCache:
 
     # -- lookups ----------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], limit: int, record: bool = True) -> Hit:
+    def match(self, tokens: Sequence[int], limit: int, record: bool = True, rows: bool = True) -> Hit:
         """The longest usable cached prefix of ``tokens``, at most ``limit`` tokens, on the grid
-        (see the module docstring). ``record``: count it in ``stats`` and mark its nodes used."""
+        (see the module docstring). ``record``: count it in ``stats`` and mark its nodes used;
+        ``rows``: join its rows (False: ``Hit.rows`` is empty, ``pieces`` reads them later)."""
         path, length, state = self._find(tokens, limit)
         if record:
             self._tick += 1
             for nd, _ in path:
                 nd.used = self._tick
             self.record(len(tokens), length)
-        return Hit(length, _join(path, length), state) if length else Hit(0)
+        if not length:
+            return Hit(0)
+        return Hit(length, _join(path, length) if rows else [], state)
+
+    def pieces(self, tokens: Sequence[int], length: int) -> list[list]:
+        """Each slot's rows of ``tokens[:length]`` as the tree holds them: a list of views per slot
+        (None for a slot without rows), in token order, to be joined once with other prefixes'
+        pieces (``engine.prefix_run.ResumePack``). The tokens must be cached that far.
+
+        >>> t = PrefixCache(max_bytes=10 ** 6)
+        >>> t.insert([1, 2, 3], unit_rows), t.insert([1, 2, 4], unit_rows)
+        (3, 1)
+        >>> [p.flatten().tolist() for p in t.pieces([1, 2, 4, 7], 3)[0]]
+        [[0, 1], [2]]
+        """
+        path, _, _ = self._find(tokens, length)
+        found = sum(n for _, n in path)
+        if found < length:
+            raise LogprobeError("prefix_cache", f"{length} tokens asked, {found} cached",
+                                "report this: rows were read from the prefix cache past what it holds")
+        return _pieces(path, length)
 
     def peek(self, tokens: Sequence[int], limit: int) -> int:
         """``match(tokens, limit).length``, without counting it, marking nodes or joining rows."""
@@ -280,8 +302,9 @@ def _common(node_tokens: tuple, tokens: Sequence[int], at: int, end: int) -> int
     return n
 
 
-def _join(path: list[tuple[_Node, int]], length: int) -> list:
-    """Each slot's rows of the first ``length`` tokens along ``path``, concatenated."""
+def _pieces(path: list[tuple[_Node, int]], length: int) -> list[list]:
+    """Each slot's rows of the first ``length`` tokens along ``path``: a list of views per slot
+    (None for a slot the nodes hold no rows of)."""
     pieces: list[list] = []
     left = length
     for nd, n in path:
@@ -290,8 +313,12 @@ def _join(path: list[tuple[_Node, int]], length: int) -> list:
             break
         pieces.append([None if r is None else r[:take] for r in nd.rows])
         left -= take
-    slots = len(pieces[0])
-    return [None if pieces[0][s] is None else torch.cat([p[s] for p in pieces]) for s in range(slots)]
+    return [None if pieces[0][s] is None else [p[s] for p in pieces] for s in range(len(pieces[0]))]
+
+
+def _join(path: list[tuple[_Node, int]], length: int) -> list:
+    """Each slot's rows of the first ``length`` tokens along ``path``, concatenated."""
+    return [None if p is None else torch.cat(p) for p in _pieces(path, length)]
 
 
 def _nbytes(obj) -> int:

@@ -2,9 +2,11 @@
 
 * A request that steers, captures or reads/forces routed experts is never cached (its rows differ
   from a plain pass's, or it needs every row): ``cacheable``.
-* Attention-only models: a request with a cached prefix now runs alone, resumed from it
-  (``resumable``); the others run in the usual batches of prefix trees, their keys/values recorded
-  (``keep_batch``), so the next run finds them.
+* Attention-only models: the requests with a cached prefix (``resumable``) run after the others,
+  packed several to a pass (``take_pack``, ``ResumePack``: one KV cache holding each distinct
+  cached prefix once, each request's segment seeing its own prefix as its context span), a request
+  whose new rows exceed the budget alone in chunks; the others run in the usual batches of prefix
+  trees, their keys/values recorded (``keep_batch``), so the next run finds them.
 * Hybrid models (``ModelCaps.state_align`` > 1): every cacheable request runs alone, resumed from
   its longest prefix ending at a stored state, its chunks ending also at the grid points where the
   states are stored (``ChunkKeeper``): only there does the state exist and match the uncut run.
@@ -16,10 +18,13 @@ of the inputs (what a longer conversation repeating this one can resume from).
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+
 import torch
 
 from ..errors import LogprobeError
-from ..layers.attention import KVCache
+from ..layers.attention import KVCache, Segment
 from ..models.caps import ModelCaps
 from .prefix_cache import PrefixCache, resolve_budget
 from .request import ScoreRequest
@@ -67,13 +72,14 @@ class ChunkKeeper:
     """One chunked request's part in the cache: ``begin`` (rows resumed from it), where chunks must
     end (``end``) and what is kept after each (``keep``)."""
 
-    def __init__(self, cache: PrefixCache, r: ScoreRequest, align: int, kv: KVCache, resume: bool) -> None:
+    def __init__(self, cache: PrefixCache, r: ScoreRequest, align: int, kv: KVCache, resume: bool,
+                 record: bool = True) -> None:
         self.cache, self.tokens, self.kv = cache, r.inputs, kv
         n = r.num_inputs
         self.begin = 0
         self.hidden: list[torch.Tensor] = []  # final hidden rows 0 .. (rows run so far), in pieces
         if resume:
-            hit = cache.match(self.tokens, n - 1)  # at least one row runs
+            hit = cache.match(self.tokens, n - 1, record)  # at least one row runs
             if hit.length:
                 kv.keys[:] = hit.rows[0:-1:2]
                 kv.values[:] = hit.rows[1:-1:2]
@@ -112,8 +118,10 @@ class ChunkKeeper:
                           dict(self.kv.states) if self.with_state else None)
 
 
-def chunk_keeper(cache: PrefixCache, r: ScoreRequest, align: int, kv: KVCache, resume: bool) -> ChunkKeeper:
-    return ChunkKeeper(cache, r, align, kv, resume)
+def chunk_keeper(cache: PrefixCache, r: ScoreRequest, align: int, kv: KVCache, resume: bool,
+                 record: bool = True) -> ChunkKeeper:
+    """``record``: count the lookup in the cache's stats (False: a pack that counted it failed)."""
+    return ChunkKeeper(cache, r, align, kv, resume, record)
 
 
 def batch_rows(unit: list[Tree], requests: list[ScoreRequest]) -> dict[int, tuple[int, int, int]]:
@@ -141,17 +149,143 @@ def keep_batch(cache: PrefixCache, unit: list[Tree], requests: list[ScoreRequest
     if hidden is None:
         return
     slots = _slots(record, hidden)
-    device = next((t.device for t in slots if t is not None), None)
-    if device is None:
-        return
     for m, (prefix, shared, branch) in batch_rows(unit, requests).items():
-        r = requests[m]
-        if not cacheable(r):
-            continue
+        if cacheable(requests[m]):
+            row_of = lambda j, prefix=prefix, shared=shared, branch=branch: (  # noqa: E731
+                prefix + j if j < shared else branch + j - shared)
+            cache.insert(requests[m].inputs, _fetcher(slots, row_of))
 
-        def fetch(a: int, b: int, prefix=prefix, shared=shared, branch=branch) -> list:
-            rows = [prefix + j if j < shared else branch + j - shared for j in range(a, b)]
-            idx = torch.tensor(rows, dtype=torch.long, device=device)
-            return [None if t is None else t.index_select(0, idx) for t in slots]
 
-        cache.insert(r.inputs, fetch)
+def _fetcher(slots: list, row_of: Callable[[int], int]) -> Callable[[int, int], list]:
+    """``PrefixCache.insert``'s fetch for a sequence whose input j lies at row ``row_of(j)`` of
+    every slot (keys and values per layer, then the final hidden rows)."""
+    device = next(t.device for t in slots if t is not None)
+
+    def fetch(a: int, b: int) -> list:
+        idx = torch.tensor([row_of(j) for j in range(a, b)], dtype=torch.long, device=device)
+        return [None if t is None else t.index_select(0, idx) for t in slots]
+
+    return fetch
+
+
+def take_pack(cache: PrefixCache, requests: list[ScoreRequest], queue: deque[int], budget: int,
+              align: int) -> tuple[list[int], int | None]:
+    """The next unit of the resumed requests in ``queue`` (taken from its front): request indices
+    to run together in one pass (``ResumePack``), or one request to run alone (its rows over
+    ``budget``, or a hybrid model: ``align`` > 1), as ``([], index)``.
+
+    A pack holds at most ``budget`` rows and cached context keys together (each distinct cached
+    prefix counted once), and at least one request.
+
+    >>> from .prefix_cache import unit_rows
+    >>> from .request import ScoreRequest as R
+    >>> c = PrefixCache(10 ** 6)
+    >>> _ = c.insert([1, 2, 3, 4, 5, 6], unit_rows)
+    >>> rs = [R([1, 2, 3, 4, 5, 6, 7, 8], 6), R([1, 2, 3, 4, 5, 6, 9, 9], 6), R([1, 2, 3, 9] + [5] * 20, 3)]
+    >>> q = deque([0, 1, 2])
+    >>> take_pack(c, rs, q, budget=12, align=1), q    # 6 keys + 1 row + 1 row; then 3 keys + 21 rows
+    (([0, 1], None), deque([2]))
+    >>> take_pack(c, rs, q, budget=12, align=1)      # 21 rows over 12: alone, in chunks
+    ([], 2)
+    """
+    members: list[int] = []
+    cost = 0
+    seen: list[list[int]] = []  # the distinct cached prefixes taken so far
+    while queue:
+        r = requests[queue[0]]
+        h = cache.peek(r.inputs, r.num_inputs - 1)
+        rows = r.num_inputs - h
+        if not members and (align > 1 or rows > budget):
+            return [], queue.popleft()
+        prefix = r.inputs[:h]
+        shared = any(len(p) >= h and p[:h] == prefix for p in seen)
+        extra = rows + (0 if shared else h)
+        if members and (cost + extra > budget or rows > budget):
+            break
+        members.append(queue.popleft())
+        cost += extra
+        if not shared and h:
+            seen.append(prefix)
+    return members, None
+
+
+class ResumePack:
+    """Requests resumed from their cached prefixes, run together in one forward pass (attention-only
+    models). One ``KVCache`` (``kv``) holds each distinct cached prefix once, one after another:
+    prefix p at key-source rows ``at .. at + len(p) - 1``; request m's segment (its inputs from
+    ``begin[m]`` on) sees rows ``at[m] .. at[m] + begin[m] - 1`` as its context span, then its own
+    rows (``layers.attention``: a context span is any key-source rows, so several sequences' caches
+    can share one key source). ``context_hidden`` [past, H]: the final hidden rows of those prefixes
+    (tokens scored by a cached row go through the same head call as the pass's rows).
+
+    A prefix that is a leading part of a longer one taken here is read from it (prefixes are laid
+    out longest first). Each request's bits are those of its chunked run resumed alone from the
+    same prefix (deterministic mode: every op is row-wise batch-invariant, and attention sees only
+    a segment's own keys), hence those of its uncached run (``engine.prefix_cache``).
+
+    Worked example: prompt P (300 tokens) cached with sample A's 40 tokens; samples B = P + b (30)
+    and C = P + c (50) resumed: ``begin`` = {B: 300, C: 300}, ``at`` = {B: 0, C: 0}, ``past`` =
+    300; the pass runs 80 rows, segments (0, 30, ((0, 300),)) and (30, 80, ((0, 300),)); rows of B
+    score from key-source row 299 (the prompt's last hidden row) then 300 .. 329.
+    """
+
+    def __init__(self, cache: PrefixCache, requests: list[ScoreRequest], members: list[int], num_layers: int) -> None:
+        self.cache, self.requests, self.members = cache, requests, members
+        # one lookup each, counted; rows read once per distinct prefix below
+        self.begin = {m: cache.match(requests[m].inputs, requests[m].num_inputs - 1, rows=False).length
+                      for m in members}
+        self.at: dict[int, int] = {}
+        laid: list[tuple[list[int], int]] = []  # (prefix tokens, first key-source row)
+        pieces: list[list | None] | None = None  # per slot, the rows of every prefix laid out
+        past = 0
+        for m in sorted(members, key=lambda m: -self.begin[m]):  # longest first: shorter ones reuse them
+            h, tokens = self.begin[m], requests[m].inputs
+            where = next((a for p, a in laid if len(p) >= h and p[:h] == tokens[:h]), None) if h else 0
+            if where is None:
+                where = past
+                laid.append((tokens[:h], past))
+                got = cache.pieces(tokens, h)
+                pieces = got if pieces is None else [None if a is None else a + b for a, b in zip(pieces, got)]
+                past += h
+            self.at[m] = where
+        self.past = past
+        if pieces is None:
+            self.kv, self.context_hidden = KVCache.empty(num_layers), None
+        else:
+            slots = [None if p is None else torch.cat(p) for p in pieces]
+            self.kv = KVCache(slots[0:-1:2], slots[1:-1:2])
+            self.context_hidden = slots[-1]  # [past, H]
+
+    def layout(self) -> tuple[list[int], list[int], list[Segment], list[int], list[int], list[float],
+                              list[tuple[int, int]]]:
+        """The pass: input ids, positions, segments, and per scored token (request by request) its
+        row in ``context_hidden`` + the pass's hidden rows ([past + T, H]), target and temperature;
+        owners (request, scored tokens)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        rows: list[int] = []
+        targets: list[int] = []
+        temps: list[float] = []
+        owners: list[tuple[int, int]] = []
+        for m in self.members:
+            r, h, at = self.requests[m], self.begin[m], self.at[m]
+            start = len(ids)
+            ids.extend(r.inputs[h:])
+            positions.extend(range(h, r.num_inputs))
+            segments.append(Segment(start, len(ids), ((at, at + h),) if h else ()))
+            js = range(r.score_begin, r.num_inputs + 1)  # token j: predicted by input j - 1
+            rows.extend(at + j - 1 if j - 1 < h else self.past + start + j - 1 - h for j in js)
+            targets.extend(r.tokens[j] for j in js)
+            temps.extend([r.temperature] * len(js))
+            owners.append((m, len(js)))
+        return ids, positions, segments, rows, targets, temps, owners
+
+    def keep(self, segments: list[Segment], hidden: torch.Tensor) -> None:
+        """After the pass (``kv`` holds the prefixes' then the pass's keys/values, ``hidden`` the
+        matching final hidden rows [past + T, H]): keep each request's inputs in the cache."""
+        slots = _slots(self.kv, hidden)
+        for m, seg in zip(self.members, segments):
+            h, at, own = self.begin[m], self.at[m], self.past + seg.start
+            fetch = _fetcher(slots, lambda j, h=h, at=at, own=own: at + j if j < h else own + j - h)
+            self.cache.insert(self.requests[m].inputs, fetch)

@@ -22,7 +22,7 @@ from .budget import budget_for, resolved_budget
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy
 from .prefix_cache import PrefixCache
-from .prefix_run import cacheable, chunk_keeper, keep_batch, resumable
+from .prefix_run import ResumePack, cacheable, chunk_keeper, keep_batch, resumable, take_pack
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, chunk_bounds, plan_work, tree_cost
 
@@ -299,12 +299,57 @@ class Engine:
                 queue = self._plan(requests, _pending(queue))
                 planned_at = self.budget
         out.settle()
-        for m in resumed:  # each from its longest cached prefix, one chunked sequence (engine.prefix_run)
+        self._run_resumed(requests, deque(resumed), out, stop, cancelled)
+        return out.close()
+
+    def _run_resumed(self, requests: list[ScoreRequest], queue: deque[int], out: Delivery,
+                     stop: Callable[[], bool] | None, cancelled: Callable[[int], bool] | None) -> None:
+        """The requests with a cached prefix (``engine.prefix_run``), each from its longest one:
+        several to a pass (``take_pack``), or alone in chunks (over the budget; hybrid models)."""
+        while queue:
             if stop is not None and stop():
                 raise RunStopped()
-            if cancelled is None or not cancelled(m):
-                self._run_chunks(requests, m, out, stop, cancelled, resume=True)
-        return out.close()
+            if cancelled is not None:
+                queue = deque(m for m in queue if not cancelled(m))
+                if not queue:
+                    return
+            members, alone = take_pack(self.prefix_cache, requests, queue, self.budget, self._align)
+            if alone is not None:
+                self._run_chunks(requests, alone, out, stop, cancelled, resume=True)
+            else:
+                self._run_pack(requests, members, out, stop, cancelled)
+
+    def _run_pack(self, requests: list[ScoreRequest], members: list[int], out: Delivery,
+                  stop: Callable[[], bool] | None, cancelled: Callable[[int], bool] | None) -> None:
+        """One pass over resumed requests (``prefix_run.ResumePack``); tokens scored by cached rows
+        share its head call. Out of memory: the budget lowered, each request alone in chunks."""
+        rp = ResumePack(self.prefix_cache, requests, members, len(self.model.layers))
+        ids, positions, segments, rows, targets, temps, owners = rp.layout()
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttentionMeta(segments, cache=rp.kv, kv_block=self.numerics.attention_block, past=rp.past)
+        packed = PackedBatch(as_long(ids), as_long(positions), meta, as_long(rows), as_long(targets),
+                             torch.tensor(temps, dtype=torch.float32, device=self.device), owners)
+        oom = False
+        try:
+            hidden = self._forward(packed)  # [T, H]
+            if rp.context_hidden is not None:  # score_rows index the prefixes' rows, then the pass's
+                hidden = torch.cat([rp.context_hidden, hidden])  # [past + T, H]
+            scored = self.score(requests, packed, hidden).results()
+        except torch.OutOfMemoryError:
+            oom = True
+        if oom:
+            del rp, packed, meta
+            self._out_of_memory(len(ids))
+            for m in members:  # their lookups were counted by the pack
+                self._run_chunks(requests, m, out, stop, cancelled, resume=True, record=False)
+            return
+        rp.keep(segments, hidden)
+        self._succeeded(meta.num_rows + meta.past)
+        for m, part in scored:
+            res = concat_parts([part], requests[m])
+            res.cached_tokens = rp.begin[m]
+            out.progress(requests[m].num_inputs - rp.begin[m])
+            out.finish(m, res)
 
     def _check_supported(self, requests: list[ScoreRequest]) -> None:
         if self.config.deterministic and not (self._context or ModelCaps.of(self.model).deterministic):
@@ -378,20 +423,22 @@ class Engine:
 
     def _run_batch(self, requests: list[ScoreRequest], batch: list, cache: KVCache | None = None):
         """One forward pass and its head, queued: (packed batch, ``Launched``)."""
-        numerics = self.numerics
-        packed = pack(batch, requests, self.device, numerics.attention_block, self.route_layers)
+        packed = pack(batch, requests, self.device, self.numerics.attention_block, self.route_layers)
         packed.meta.cache = cache
-        if self.fault_hook is not None:
-            self.fault_hook(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
-        if isinstance(self.model, NumericsUser):
-            self.model.set_numerics(numerics)  # a no-op unless another engine's ran last
-        if packed.hooks is None:
-            hidden = self.model(packed.input_ids, packed.positions, packed.meta)  # [T, H]
-        else:
-            hidden = self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
+        hidden = self._forward(packed)  # [T, H]
         if cache is not None and self.prefix_cache is not None:
             self._hidden = hidden  # its rows are kept with the keys (prefix_run)
         return packed, self.score(requests, packed, hidden)
+
+    def _forward(self, packed: PackedBatch) -> torch.Tensor:
+        """The model on a packed batch -> its final hidden rows [T, H] (``fault_hook`` asked first)."""
+        if self.fault_hook is not None:
+            self.fault_hook(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
+        if isinstance(self.model, NumericsUser):
+            self.model.set_numerics(self.numerics)  # a no-op unless another engine's ran last
+        if packed.hooks is None:
+            return self.model(packed.input_ids, packed.positions, packed.meta)
+        return self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
 
     def _score_cached(self, r: ScoreRequest, hidden: torch.Tensor, begin: int) -> RequestResult:
         """Tokens ``score_begin .. begin`` of ``r`` from the cached final hidden rows of inputs
@@ -408,18 +455,19 @@ class Engine:
 
     def _run_chunks(self, requests: list[ScoreRequest], m: int, out: Delivery,
                     stop: Callable[[], bool] | None = None, cancelled: Callable[[int], bool] | None = None,
-                    resume: bool = False) -> None:
+                    resume: bool = False, record: bool = True) -> None:
         """Request ``m``'s chunks in order through one KV cache. Out of memory: the cache is cut
         back to the chunk's start and the chunk halved (down to ``MIN_OOM_CHUNK`` rows, then the
         request fails). Cancelled between chunks: left unfinished, undelivered. ``resume``: the
-        cache starts as the request's longest prefix in ``self.prefix_cache``.
+        cache starts as the request's longest prefix in ``self.prefix_cache`` (``record``: its
+        lookup counted in the cache's stats).
 
         With a prefix cache the request's prefixes are kept as it goes (``prefix_run.chunk_keeper``:
         chunks also end at the grid points where a hybrid state is stored)."""
         r = requests[m]
         n = r.num_inputs
         cache = KVCache.empty(len(self.model.layers))
-        keeper = chunk_keeper(self.prefix_cache, r, self._align, cache, resume) \
+        keeper = chunk_keeper(self.prefix_cache, r, self._align, cache, resume, record) \
             if self.prefix_cache is not None and cacheable(r) else None
         b = keeper.begin if keeper is not None else 0
         parts: list[RequestResult] = []

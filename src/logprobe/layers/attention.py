@@ -9,7 +9,16 @@ keys ``0 .. c + i`` (causal aligned bottom-right, as varlen flash attention does
 
 Keys are indexed in one *key source*: the cached keys of earlier chunks (``cache``, rows
 ``0 .. past - 1``) followed by this batch's keys (rows ``past .. past + T - 1``). Context spans are
-rows of the key source, so one kind of span serves both a shared prefix and a chunk cache.
+rows of the key source, so one kind of span serves both a shared prefix and a chunk cache. The
+cache may hold the cached rows of several sequences one after another, each segment naming its
+own span: several sequences resumed from their own cached prefixes share one pass. Worked
+example: sequence a (3 rows cached) and b (2 rows cached) laid in one cache, ``past = 5``, then
+two new rows of a and one of b; a's keys are cache rows 0..2 and its own rows 5, 6, b's are cache
+rows 3, 4 and its row 7:
+
+    >>> segs = [Segment(0, 2, ((0, 3),)), Segment(2, 3, ((3, 5),))]
+    >>> varlen_index(segs, past=5)
+    ([0, 2, 3], [0, 5, 8], [0, 1, 2, 5, 6, 3, 4, 7])
 
 Two kernels compute the same function:
 * ``kv_block=None``: PyTorch SDPA per segment (its fused CPU kernel; the fastest here).
@@ -88,9 +97,10 @@ class Segment:
 class AttentionMeta:
     """Who attends to what in one forward pass (see the module docstring).
 
-    segments: tile the batch rows in order. cache: earlier chunks' keys/values, which precede this
-    batch's in the key source; this batch's keys/values are appended to it (so a batch with a
-    cache holds one chunked sequence). kv_block: None = fastest kernel; an int = the
+    segments: tile the batch rows in order. cache: cached keys/values, which precede this batch's
+    in the key source; this batch's keys/values are appended to it. It holds one chunked sequence's
+    earlier chunks, or several sequences' cached prefixes one after another (``engine.prefix_run``),
+    each segment's context span naming its own rows. kv_block: None = fastest kernel; an int = the
     deterministic tiled kernel with that query tile / KV split size.
     """
 
