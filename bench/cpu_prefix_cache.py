@@ -1,10 +1,13 @@
 """The prefix cache across requests (``Scorer(prefix_cache=...)``, ``--prefix-cache``) on repeated work.
 
-1. RL groups (G prompts x S sampled responses, the responses scored), three ways on one engine:
+1. RL groups (G prompts x S sampled responses, the responses scored), four ways on one engine:
    one request per call without the cache (what a framework sending each sample alone costs),
-   all of them as one batch (the in-batch prefix trees share each prompt), and one request per call
-   with the cache. Computed tokens (rows through the model, counted per forward pass) and wall time;
-   target: singly with the cache within 1.2x of the one batch.
+   all of them as one batch (the in-batch prefix trees share each prompt), one request per call
+   with the cache, and the single requests arriving in a random order, ``--per-call`` of them per
+   engine call (what a batching server takes from its queue), with the cache: there the requests of
+   a call resumed from cached prompts run packed in one pass. Computed tokens (rows through the
+   model, counted per forward pass), forward passes and wall time; target: singly with the cache
+   within 1.2x of the one batch.
 2. An lm-eval-style multiple-choice set through the HTTP server (``/v1/completions`` with
    ``echo``, ``logprobs=1``, ``max_tokens=1``, one request per choice as lm-eval sends them by
    default): without and with the cache; computed tokens and wall time.
@@ -54,11 +57,12 @@ def rl_groups(groups: int, samples: int, prompt: int, response: int, vocab: int,
 
 
 def counting(scorer: Scorer) -> list[int]:
-    """[rows computed]: every forward pass of the scorer's engine adds its rows."""
-    box = [0]
+    """[rows computed, forward passes]: every forward pass of the scorer's engine adds its rows and one."""
+    box = [0, 0]
 
     def hook(rows: int, _tokens: int) -> None:
         box[0] += rows
+        box[1] += 1
 
     scorer.engine.fault_hook = hook
     return box
@@ -76,33 +80,51 @@ def max_diff(a, b) -> float:
     return max(((x.logprobs - y.logprobs).abs().max().item() for x, y in zip(a, b)), default=0.0)
 
 
+def in_calls(scorer: Scorer, reqs: list, per_call: int, seed: int = 2) -> list:
+    """The requests in a random order, ``per_call`` per engine call; results in input order."""
+    order = list(range(len(reqs)))
+    random.Random(seed).shuffle(order)
+    out = [None] * len(reqs)
+    for k in range(0, len(order), per_call):
+        part = order[k:k + per_call]
+        for i, res in zip(part, scorer.engine.run([reqs[i] for i in part])):
+            out[i] = res
+    return out
+
+
 def bench_rl(loaded, cfg: EngineConfig, args) -> None:
     reqs = rl_groups(args.groups, args.samples, args.prompt, args.response, loaded.info.vocab_size)
     fed = sum(r.num_inputs for r in reqs)
     plain = Scorer(loaded, config=cfg)
-    cached = Scorer(loaded, config=cfg, prefix_cache=args.prefix_cache_bytes or True)
+    setting = args.prefix_cache_bytes or True
     plain.engine.run(reqs[:1])  # warm-up (kernels, allocator)
-    rows = {}
-    results = {}
-    for label, scorer, batch in (("one request per call, no cache", plain, False),
-                                 ("all as one batch (in-batch prefix trees)", plain, True),
-                                 ("one request per call, prefix cache", cached, False)):
+    rows, results, stats = {}, {}, {}
+    arriving = f"arriving singly in a random order, {args.per_call} per call, prefix cache"
+    for label, scorer, way in (("one request per call, no cache", plain, "single"),
+                               ("all as one batch (in-batch prefix trees)", plain, "batch"),
+                               ("one request per call, prefix cache", Scorer(loaded, config=cfg, prefix_cache=setting),
+                                "single"),
+                               (arriving, Scorer(loaded, config=cfg, prefix_cache=setting), "calls")):
         box = counting(scorer)
-        if batch:
+        if way == "batch":
             out, secs = timed(lambda: scorer.engine.run(reqs))
-        else:
+        elif way == "single":
             out, secs = timed(lambda: [scorer.engine.run([r])[0] for r in reqs])
-        rows[label] = (box[0], secs)
+        else:
+            out, secs = timed(lambda: in_calls(scorer, reqs, args.per_call))
+        rows[label] = (box[0], box[1], secs)
         results[label] = out
+        stats[label] = scorer.prefix_cache_stats()
     base = results["all as one batch (in-batch prefix trees)"]
     print(f"\nRL groups: {args.groups} prompts x {args.samples} responses, {fed} input tokens fed")
-    print("| way | computed tokens | wall s | vs one batch | max abs diff vs one batch |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    one = rows["all as one batch (in-batch prefix trees)"][1]
-    for label, (n, secs) in rows.items():
-        print(f"| {label} | {n} | {secs:.2f} | {secs / one:.2f}x | {max_diff(results[label], base):.2e} |")
-    stats = cached.prefix_cache_stats()
-    print(f"prefix cache: hit rate {stats['hit_rate']:.3f}, {stats['bytes'] / 2**20:.1f} MiB held")
+    print("| way | computed tokens | forward passes | wall s | vs one batch | max abs diff vs one batch |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    one = rows["all as one batch (in-batch prefix trees)"][2]
+    for label, (n, passes, secs) in rows.items():
+        print(f"| {label} | {n} | {passes} | {secs:.2f} | {secs / one:.2f}x | {max_diff(results[label], base):.2e} |")
+    for label, st in stats.items():
+        if st is not None:
+            print(f"{label}: hit rate {st['hit_rate']:.3f}, {st['bytes'] / 2**20:.1f} MiB held")
 
 
 @contextlib.contextmanager
@@ -178,6 +200,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=384, help="prompt length (each in [prompt/2, prompt])")
     ap.add_argument("--response", type=int, default=64, help="response length (each in [response/4, response])")
+    ap.add_argument("--per-call", type=int, default=4,
+                    help="RL requests per engine call in the random-arrival way (a batching server's step)")
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--context", type=int, default=300, help="context length (each in [context/2, context])")
