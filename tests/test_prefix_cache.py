@@ -371,6 +371,31 @@ def test_packed_resume_evicts_a_members_prefix(tiny):
     same(plain.engine.run([second[1]])[0], got, True)
 
 
+def test_packed_resume_out_of_memory(tiny):
+    """A pack that runs out of memory: each of its requests runs again alone (in chunks under the
+    lowered budget), bitwise the same, each lookup counted once."""
+    first, second = resumed_calls(seed=4)
+    cfg = EngineConfig(max_batch_tokens=1024, deterministic=True)
+    plain = Scorer(tiny["llama"], config=cfg)
+    cached = Scorer(tiny["llama"], config=cfg, prefix_cache=1 << 26)
+    cached.engine.run(first)
+    lookups = cached.prefix_cache.stats.lookups
+    seen: list[int] = []
+
+    def hook(rows: int, _tokens: int) -> None:
+        seen.append(rows)
+        if len(seen) == 1:
+            raise torch.OutOfMemoryError("no room for the pack")
+
+    cached.engine.fault_hook = hook
+    got = cached.engine.run(second)
+    assert len(seen) > len(second) and seen[0] == sum(seen[1:]) and cached.engine.oom_count == 1
+    assert cached.prefix_cache.stats.lookups == lookups + len(second)
+    for w, g in zip(plain.engine.run(second), got):
+        same(w, g, True)
+        assert g.cached_tokens > 0
+
+
 def test_packed_resume_under_budget_and_evictions(tiny):
     """A small row budget: the resumed requests split over several packs, one over the budget runs
     alone in chunks; a byte budget so small that keeping a pack's requests evicts other prefixes.
