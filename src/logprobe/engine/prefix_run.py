@@ -49,8 +49,9 @@ def prefix_cache_for(model, setting: bool | int | None, device: torch.device) ->
 
 
 def resumable(cache: PrefixCache, requests: list[ScoreRequest], align: int) -> list[int]:
-    """The requests to run alone from the cache (see the module docstring), neighbours by token ids
-    (so one that shares a prompt with the one before it finds it cached). The others are counted
+    """The requests to resume from the cache (see the module docstring), neighbours by token ids
+    (so requests sharing a cached prompt land in one pack, which holds the prompt's rows once; one
+    run alone after its neighbour also finds the neighbour's inputs cached). The others are counted
     as lookups that found nothing."""
     out = []
     for i, r in enumerate(requests):
