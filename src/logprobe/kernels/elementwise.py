@@ -120,25 +120,55 @@ def rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Row-invariant elementwise functions on CPU
 
-# PyTorch's CPU loops split a tensor of more than GRAIN_SIZE elements into one flat range per
-# thread (``at::parallel_for``: ceil(numel / tasks) elements each, tasks = min(threads,
-# ceil(numel / GRAIN_SIZE))); each range runs SIMD blocks of two vectors from its start and a
-# scalar tail, and the tail rounds transcendental functions differently.
+# PyTorch's CPU loops split a tensor into one flat range per thread (``at::parallel_for`` with a
+# grain size g: tasks = min(threads, ceil(numel / g)), ceil(numel / tasks) elements each); each
+# range runs SIMD blocks of two vectors from its start and a scalar tail, and the tail rounds some
+# functions otherwise (SiLU, sigmoid, softplus, GELU-tanh: the scalar formula is another one).
+# Most loops take g = GRAIN_SIZE; GELU's kernel (both approximations) splits evenly over the
+# threads once it has more than CPU_EVEN_SPLIT_ABOVE elements (g = numel // threads).
 CPU_GRAIN_SIZE = 32768
+CPU_EVEN_SPLIT_ABOVE = 16384
 CPU_SIMD_SPAN = 64  # elements: two AVX-512 vectors of bfloat16, a multiple of every smaller block
 
 
-def cpu_ranges_aligned(numel: int, threads: int) -> bool:
+def cpu_ranges_aligned(numel: int, threads: int, grain: int = CPU_GRAIN_SIZE) -> bool:
     """Whether every thread's range of a flat loop over ``numel`` elements (a multiple of
-    CPU_SIMD_SPAN) starts and ends on a multiple of CPU_SIMD_SPAN, so no element falls in a tail.
+    CPU_SIMD_SPAN) with this grain size starts and ends on a multiple of CPU_SIMD_SPAN, so no
+    element falls in a tail.
 
     >>> cpu_ranges_aligned(1000 * 64, 16), cpu_ranges_aligned(1001 * 64, 16), cpu_ranges_aligned(1001 * 64, 2)
     (True, False, False)
     >>> cpu_ranges_aligned(300 * 64, 16)  # under the grain size: one range, on one thread
     True
     """
-    tasks = min(threads, -(-numel // CPU_GRAIN_SIZE))
+    tasks = min(threads, -(-numel // grain))
     return tasks <= 1 or (-(-numel // tasks)) % CPU_SIMD_SPAN == 0
+
+
+def cpu_loops_aligned(numel: int, threads: int) -> bool:
+    """``cpu_ranges_aligned`` under both splits: the grain-size one and GELU's even one.
+
+    >>> cpu_loops_aligned(330 * 128, 2), cpu_loops_aligned(330 * 128, 16)  # 16 x 2,640 elements: 41.25 spans
+    (True, False)
+    >>> cpu_loops_aligned(336 * 128, 16), cpu_loops_aligned(1000 * 64, 16)  # 16 x 2,688 = 42 spans; 16 x 4,000
+    (True, False)
+    """
+    even = max(1, numel // threads) if numel > CPU_EVEN_SPLIT_ABOVE else CPU_GRAIN_SIZE
+    return cpu_ranges_aligned(numel, threads) and cpu_ranges_aligned(numel, threads, even)
+
+
+def cpu_aligned_rows(rows: int, width: int, threads: int) -> int | None:
+    """The fewest rows >= ``rows`` of ``width`` (a multiple of CPU_SIMD_SPAN) whose flat loops
+    are aligned under both splits, within threads² extra rows (enough for every row count up to
+    20,000 of widths 64, 128 and 1,536 on 12, 16 or 32 threads); None if there are none.
+
+    >>> cpu_aligned_rows(330, 128, 16), cpu_aligned_rows(330, 128, 2), cpu_aligned_rows(1000, 64, 16)
+    (336, 330, 1008)
+    """
+    for r in range(rows, rows + threads * threads + 1):
+        if cpu_loops_aligned(r * width, threads):
+            return r
+    return None
 
 
 def row_invariant(fn, *xs: torch.Tensor) -> torch.Tensor:
@@ -147,12 +177,13 @@ def row_invariant(fn, *xs: torch.Tensor) -> torch.Tensor:
 
     Two things move a row's elements into a scalar tail as the row count T changes: a width W that
     is not a multiple of the SIMD span, and a thread's range that ends mid-span. Rows are padded
-    with zeros to W' (a multiple of 64) and cut back; when the threads' ranges of T x W' elements
-    would not fall on multiples of 64, the rows run in blocks of at most GRAIN_SIZE elements,
-    each on one thread from its start. Example, W = 24 on 16 threads: W' = 64; T = 300 is 19,200
-    elements, under the grain: one range, as is; T = 1,000 (64,000 elements, 2 tasks of
-    32,000 = 500 x 64) is aligned, as is; T = 1,001 (2 tasks of 32,032, not a multiple of 64) runs
-    in blocks of 512 rows. CUDA runs ``fn`` as it is.
+    with zeros to W' (a multiple of 64), and with zero rows to the fewest T' >= T whose ranges fall
+    on multiples of 64 under both of PyTorch's splits (``cpu_aligned_rows``); the padding is cut
+    off the result. Where no T' close enough is aligned, ``fn`` runs in tiles of at most
+    CPU_EVEN_SPLIT_ABOVE elements (whole rows, or 16,384-wide pieces of wider ones), each on one
+    thread from its start. Example, GeGLU of width 96 on 16 threads: W' = 128; T = 330 (42,240
+    elements) is split into 2 ranges of 21,120 by the grain, aligned, but GELU splits it into 16
+    of 2,640 (41.25 spans): T' = 336 (16 x 2,688). CUDA runs ``fn`` as it is.
 
     >>> g = torch.linspace(-30, 30, 1001 * 24).view(1001, 24)
     >>> torch.equal(row_invariant(torch.sigmoid, g)[7:9], row_invariant(torch.sigmoid, g[7:9]))
@@ -166,17 +197,31 @@ def row_invariant(fn, *xs: torch.Tensor) -> torch.Tensor:
     padded = width + pad
     flat = [x.reshape(-1, width) for x in xs]  # [T, W] each
     rows = flat[0].shape[0]
-    if cpu_ranges_aligned(rows * padded, torch.get_num_threads()):
-        parts = [(0, rows)]
+    whole = cpu_aligned_rows(rows, padded, torch.get_num_threads())
+    if whole is None:
+        out = _tiles(fn, flat, padded)
+    elif pad or whole > rows:
+        out = fn(*(F.pad(x, (0, pad, 0, whole - rows)) for x in flat))[:rows, :width]  # [T' -> T, W' -> W]
     else:
-        step = max(1, CPU_GRAIN_SIZE // padded)
-        parts = [(i, min(i + step, rows)) for i in range(0, rows, step)]
-    out = None
-    for a, b in parts:
-        y = fn(*(F.pad(x[a:b], (0, pad)) if pad else x[a:b] for x in flat))[:, :width]  # [b - a, W]
-        if out is None:
-            if len(parts) == 1:
-                return y.reshape(*x0.shape[:-1], width)
-            out = y.new_empty(rows, width)
-        out[a:b] = y
+        out = fn(*flat)
     return out.reshape(*x0.shape[:-1], width)
+
+
+def _tiles(fn, flat: list[torch.Tensor], padded: int) -> torch.Tensor:
+    """``row_invariant``'s fallback: ``fn`` over [T, W] inputs in tiles of at most
+    CPU_EVEN_SPLIT_ABOVE elements (one thread each: under both splits' thresholds), every tile's
+    rows padded to W' and its width a multiple of CPU_SIMD_SPAN, so no element meets a tail."""
+    rows, width = flat[0].shape
+    step_c = min(padded, CPU_EVEN_SPLIT_ABOVE)
+    step_r = max(1, CPU_EVEN_SPLIT_ABOVE // padded)
+    out = None
+    for a in range(0, rows, step_r):
+        b = min(a + step_r, rows)
+        ins = [F.pad(x[a:b], (0, padded - width)) if padded > width else x[a:b] for x in flat]  # [b - a, W']
+        for c in range(0, width, step_c):
+            e = min(c + step_c, width)
+            y = fn(*(x[:, c:c + step_c] for x in ins))  # [b - a, step_c]
+            if out is None:
+                out = y.new_empty(rows, width)
+            out[a:b, c:e] = y[:, :e - c]
+    return out
