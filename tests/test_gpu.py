@@ -91,3 +91,40 @@ def test_cuda_deterministic_is_bitwise_batch_invariant(dtype, matmul, tmp_path):
     worst = max(float((a.logprobs - p.logprobs).abs().max()) for a, p in zip(alone, plain))
     print(f"{dtype}: deterministic vs default max |Δ logprob| = {worst:.2e}")
     assert worst < (0.1 if dtype == "bfloat16" else 1e-3)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_packed_resumes_match_uncached(dtype, deterministic, tmp_path):
+    """The prefix cache on CUDA: requests resumed from cached prefixes of different lengths run in
+    one pass (one KV cache holding every prefix; varlen FlashAttention, and cuDNN for a segment of
+    ``LONG_ROWS`` rows or more in default mode, reading each segment's own context span); bitwise
+    their uncached selves in deterministic mode, within rounding otherwise."""
+    import random
+
+    from test_determinism import same
+    from test_prefix_cache import resumed_calls
+
+    from logprobe.config import EngineConfig
+    from logprobe.engine.request import ScoreRequest
+    from logprobe.layers.attention_gpu import LONG_ROWS
+
+    make_hf_dir(tmp_path, "llama", seed=3)
+    cfg = EngineConfig(max_batch_tokens=1 << 14, deterministic=deterministic)
+    plain = Scorer(str(tmp_path), device="cuda", dtype=dtype, config=cfg)
+    cached = Scorer(plain.loaded, config=cfg, prefix_cache=1 << 28)
+    first, second = resumed_calls(seed=1)
+    rng = random.Random(5)
+    if not deterministic:  # a long segment after a cached prefix: the cuDNN path
+        second = second + [ScoreRequest(first[0].tokens[:70] + [rng.randrange(2, 300) for _ in range(LONG_ROWS + 8)], 70)]
+    cached.engine.run(first)
+    rows: list[int] = []
+    cached.engine.fault_hook = lambda n, _t: rows.append(n)
+    want, got = plain.engine.run(second), cached.engine.run(second)
+    assert len(rows) == 1 and all(g.cached_tokens > 0 for g in got)
+    tol = 0.0 if deterministic else (0.05 if dtype == "bfloat16" else 1e-4)
+    for w, g in zip(want, got):
+        if deterministic:
+            same(w, g, True)
+        else:
+            assert float((w.logprobs - g.logprobs).abs().max()) <= tol
