@@ -190,11 +190,20 @@ class WeightGroup:
             self.held, self.held_version = [], None
             return out, version
 
+    TEARDOWN_WAIT = 10.0  # seconds ``destroy`` waits for the group's teardown before it returns anyway
+
     def destroy(self) -> None:
+        """Leave the group. NCCL's teardown (``ncclCommFinalize``) waits until every member leaves,
+        and SGLang-style trainers leave only after the server's reply (seen on two H200s: the
+        reply never came, the trainer waited for it). So the teardown runs in a thread: gloo's
+        finishes within the wait, NCCL's when the trainer leaves too; the reply does not wait."""
         import torch.distributed as dist
         with self.lock:
-            dist.destroy_process_group(self.pg)
-        self.held = []
+            self.held = []
+            t = threading.Thread(target=dist.destroy_process_group, args=(self.pg,), daemon=True,
+                                 name="logprobe-weight-group-teardown")
+            t.start()
+            t.join(self.TEARDOWN_WAIT)
 
 
 class WeightGroups:
