@@ -279,7 +279,8 @@ def test_take_pack_and_layout_gold():
     assert take_pack(t, rs, deque([0, 1, 2]), budget=9, align=1)[0] == [0, 1]  # 6 keys + 1 + 1 row; C: 3 + 1 more
     assert take_pack(t, rs, deque([0]), budget=100, align=64) == ([], 0)  # hybrids: alone
     rp = ResumePack(t, rs, [0, 1, 2], num_layers=0)
-    assert rp.begin == {0: 6, 1: 4, 2: 3} and rp.at == {0: 0, 1: 0, 2: 6} and rp.past == 9
+    assert rp.begin == rp.first == {0: 6, 1: 4, 2: 3} and rp.past == 9
+    assert rp.spans == {0: [(0, 6, 0), (6, 7, 9)], 1: [(0, 4, 0), (4, 5, 10)], 2: [(0, 3, 6), (3, 4, 11)]}
     assert rp.context_hidden.flatten().tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     ids, pos, segs, rows, targets, _, owners = rp.layout()
     assert ids == [20, 30, 40] and pos == [6, 4, 3]
@@ -289,6 +290,32 @@ def test_take_pack_and_layout_gold():
     assert rows == [9, 1, 2, 3, 10, 8, 11] and targets == [21, 3, 4, 30, 31, 40, 41]
     assert owners == [(0, 1), (1, 4), (2, 2)]
     assert t.stats.lookups == 3 and t.stats.cached_tokens == 13
+
+
+def test_pack_shares_rows_between_members():
+    """Members sharing leading tokens beyond the cache read each other's rows: a conversation's
+    turns (each the one before plus more) and two siblings; what each computes and where each
+    input's row lies."""
+    from logprobe.engine.prefix_run import ResumePack, take_pack
+
+    t = PrefixCache(10 ** 6)
+    t.insert([1, 2, 3, 4], unit_rows)
+    turn2, turn3 = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    rs = [ScoreRequest(turn2 + [0], 4), ScoreRequest(turn3 + [0], 7), ScoreRequest(turn3 + [10, 11, 0], 9),
+          ScoreRequest([1, 2, 3, 4, 5, 20, 0], 6)]
+    from collections import deque
+
+    # rows after the cache's 4 tokens: 3, then 2, 2 and 1 past what earlier members share; 4 keys
+    assert take_pack(t, rs, deque([0, 1, 2, 3]), budget=12, align=1) == ([0, 1, 2, 3], None)
+    assert take_pack(t, rs, deque([0, 1, 2, 3]), budget=11, align=1) == ([0, 1, 2], None)
+    rp = ResumePack(t, rs, [0, 1, 2, 3], num_layers=0)
+    assert rp.begin == {0: 4, 1: 4, 2: 4, 3: 4} and rp.first == {0: 4, 1: 7, 2: 9, 3: 5} and rp.past == 4
+    assert rp.spans[2] == [(0, 4, 0), (4, 7, 4), (7, 9, 7), (9, 11, 9)]
+    assert rp.spans[3] == [(0, 4, 0), (4, 5, 4), (5, 6, 11)]
+    ids, pos, segs, rows, targets, _, _ = rp.layout()
+    assert ids == [5, 6, 7, 8, 9, 10, 11, 20] and pos == [4, 5, 6, 7, 8, 9, 10, 5]
+    assert [g.context for g in segs] == [((0, 4),), ((0, 4), (4, 7)), ((0, 4), (4, 7), (7, 9)), ((0, 4), (4, 5))]
+    assert rows == [3, 4, 5, 6, 6, 7, 8, 8, 9, 10, 11]
 
 
 def passes(scorer: Scorer) -> list[int]:
@@ -343,6 +370,35 @@ def test_packed_resume_one_pass_equal(kind, deterministic, tiny):
 
 
 ROW_BYTES = 2 * (2 * 2 * 16) * 4 + 64 * 4  # tiny llama, a cached row: 2 layers x (k, v) x 2 kv heads x 16 dims, hidden 64; fp32
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_packed_resume_shares_rows_in_the_pass(kind, deterministic, tiny):
+    """A conversation's turns and siblings resumed together: each input after the cached prefix is
+    computed once in the pass (rows = the distinct uncached prefixes of the inputs), each request
+    reads its shared rows from the member that computes them; equal to the uncached results
+    (bitwise in deterministic mode), scored from inside the shared rows too."""
+    rng = random.Random(11 + deterministic)
+    tok = lambda n: [rng.randrange(2, 300) for _ in range(n)]  # noqa: E731
+    ctx = tok(60)
+    turn2 = ctx + tok(20)
+    turn3 = turn2 + tok(15)
+    turn4 = turn3 + tok(10)
+    batch = [ScoreRequest(turn4 + [7], 62, top_k=2), ScoreRequest(turn2 + [7], 60), ScoreRequest(turn3 + [7], 81),
+             ScoreRequest(turn2[:70] + tok(8), 65, entropy=True), ScoreRequest(ctx[:30] + tok(12), 20)]
+    cfg = EngineConfig(max_batch_tokens=1024, deterministic=deterministic)
+    plain = Scorer(tiny[kind], config=cfg)
+    cached = Scorer(tiny[kind], config=cfg, prefix_cache=1 << 26)
+    cached.engine.run([ScoreRequest(ctx + [3, 3], 60)])
+    held = {tuple((ctx + [3])[:i]) for i in range(1, 62)}
+    fresh = {tuple(r.inputs[:i]) for r in batch for i in range(1, r.num_inputs + 1)} - held
+    rows = passes(cached)
+    got = cached.engine.run(batch)
+    assert rows == [len(fresh)]  # 35 + 8 + 12 + 0 + ... : each uncached prefix once
+    assert [g.cached_tokens for g in got] == [60, 60, 60, 60, 30]
+    for w, g in zip(plain.engine.run(batch), got):
+        same(w, g, deterministic)
 
 
 def test_packed_resume_evicts_a_members_prefix(tiny):

@@ -4,7 +4,8 @@
   from a plain pass's, or it needs every row): ``cacheable``.
 * Attention-only models: the requests with a cached prefix (``resumable``) run after the others,
   packed several to a pass (``take_pack``, ``ResumePack``: one KV cache holding each distinct
-  cached prefix once, each request's segment seeing its own prefix as its context span), a request
+  cached prefix once, each request's segment seeing its own prefix as its context span, and the
+  rows of an earlier member where it shares more with that member than with the cache), a request
   whose new rows exceed the budget alone in chunks; the others run in the usual batches of prefix
   trees, their keys/values recorded (``keep_batch``), so the next run finds them.
 * Hybrid models (``ModelCaps.state_align`` > 1): every cacheable request runs alone, resumed from
@@ -169,6 +170,28 @@ def _fetcher(slots: list, row_of: Callable[[int], int]) -> Callable[[int, int], 
     return fetch
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _shared_with(inputs: list[int], begin: int, earlier: list[list[int]]) -> tuple[int, int | None]:
+    """Where a request joining a pack starts computing: past its cached ``begin`` tokens, or past
+    what it shares with the inputs of an earlier member (whose rows the pass computes anyway),
+    leaving at least one row; and that member's position in ``earlier`` (None: none)."""
+    first, source = begin, None
+    for k, other in enumerate(earlier):
+        c = min(_common(inputs, other), len(inputs) - 1)
+        if c > first:
+            first, source = c, k
+    return first, source
+
+
 def take_pack(cache: PrefixCache, requests: list[ScoreRequest], queue: deque[int], budget: int,
               align: int) -> tuple[list[int], int | None]:
     """The next unit of the resumed requests in ``queue`` (taken from its front): request indices
@@ -176,7 +199,8 @@ def take_pack(cache: PrefixCache, requests: list[ScoreRequest], queue: deque[int
     ``budget``, or a hybrid model: ``align`` > 1), as ``([], index)``.
 
     A pack holds at most ``budget`` rows and cached context keys together (each distinct cached
-    prefix counted once), and at least one request.
+    prefix counted once; a request counts only the rows past what it shares with the cache or
+    with an earlier member), and at least one request.
 
     >>> from .prefix_cache import unit_rows
     >>> from .request import ScoreRequest as R
@@ -195,39 +219,43 @@ def take_pack(cache: PrefixCache, requests: list[ScoreRequest], queue: deque[int
     while queue:
         r = requests[queue[0]]
         h = cache.peek(r.inputs, r.num_inputs - 1)
-        rows = r.num_inputs - h
-        if not members and (align > 1 or rows > budget):
+        if not members and (align > 1 or r.num_inputs - h > budget):
             return [], queue.popleft()
+        first, source = _shared_with(r.inputs, h, [requests[m].inputs for m in members])
         prefix = r.inputs[:h]
-        shared = any(len(p) >= h and p[:h] == prefix for p in seen)
-        extra = rows + (0 if shared else h)
-        if members and (cost + extra > budget or rows > budget):
+        laid = source is not None or any(len(p) >= h and p[:h] == prefix for p in seen)
+        extra = r.num_inputs - first + (0 if laid else h)
+        if members and cost + extra > budget:
             break
         members.append(queue.popleft())
         cost += extra
-        if not shared and h:
+        if not laid and h:
             seen.append(prefix)
     return members, None
 
 
 class ResumePack:
     """Requests resumed from their cached prefixes, run together in one forward pass (attention-only
-    models). One ``KVCache`` (``kv``) holds each distinct cached prefix once, one after another:
-    prefix p at key-source rows ``at .. at + len(p) - 1``; request m's segment (its inputs from
-    ``begin[m]`` on) sees rows ``at[m] .. at[m] + begin[m] - 1`` as its context span, then its own
-    rows (``layers.attention``: a context span is any key-source rows, so several sequences' caches
-    can share one key source). ``context_hidden`` [past, H]: the final hidden rows of those prefixes
-    (tokens scored by a cached row go through the same head call as the pass's rows).
+    models). One ``KVCache`` (``kv``) holds each distinct cached prefix once, one after another
+    (``past`` rows), and this pass's keys after them. Each request computes its inputs from
+    ``first[m]`` on (rows ``past + start[m]`` ..) and reads those before it from ``spans[m]``:
+    (first token, end token, key-source row of the first) pieces, in token order, which its
+    segment sees as its context spans (``layers.attention``: a context span is any key-source rows,
+    so several sequences share one key source). A piece is a cached prefix, or the rows of an
+    earlier member of the pack sharing its leading tokens beyond what the cache holds (its rows
+    of the same tokens, computed in this pass: a shared prefix, as in a batch's prefix trees).
+    ``context_hidden`` [past, H]: the final hidden rows of the cached prefixes; the pass's hidden
+    rows follow them in the rows that ``layout``'s scored rows and ``keep`` index ([past + T, H]).
 
-    A prefix that is a leading part of a longer one taken here is read from it (prefixes are laid
-    out longest first). Each request's bits are those of its chunked run resumed alone from the
-    same prefix (deterministic mode: every op is row-wise batch-invariant, and attention sees only
-    a segment's own keys), hence those of its uncached run (``engine.prefix_cache``).
+    Each request's bits are those of its own uncached run in deterministic mode: every op is
+    row-wise batch-invariant, and attention sees exactly the keys of its own tokens, whichever
+    pass or cache computed them (``engine.prefix_cache``).
 
     Worked example: prompt P (300 tokens) cached with sample A's 40 tokens; samples B = P + b (30)
-    and C = P + c (50) resumed: ``begin`` = {B: 300, C: 300}, ``at`` = {B: 0, C: 0}, ``past`` =
-    300; the pass runs 80 rows, segments (0, 30, ((0, 300),)) and (30, 80, ((0, 300),)); rows of B
-    score from key-source row 299 (the prompt's last hidden row) then 300 .. 329.
+    and C = P + c (50) resumed: ``begin`` (cached tokens) = {B: 300, C: 300}, ``past`` = 300; the
+    pass runs 80 rows, segments (0, 30, ((0, 300),)) and (30, 80, ((0, 300),)); B's scores come
+    from key-source row 299 (the prompt's last hidden row) then 300 .. 329. Had C been B + c, C
+    would run from B's end: spans [(0, 300, 0), (300, 330, 300)], its own rows from 330.
     """
 
     def __init__(self, cache: PrefixCache, requests: list[ScoreRequest], members: list[int], num_layers: int) -> None:
@@ -235,27 +263,55 @@ class ResumePack:
         # one lookup each, counted; rows read once per distinct prefix below
         self.begin = {m: cache.match(requests[m].inputs, requests[m].num_inputs - 1, rows=False).length
                       for m in members}
-        self.at: dict[int, int] = {}
-        laid: list[tuple[list[int], int]] = []  # (prefix tokens, first key-source row)
-        pieces: list[list | None] | None = None  # per slot, the rows of every prefix laid out
-        past = 0
-        for m in sorted(members, key=lambda m: -self.begin[m]):  # longest first: shorter ones reuse them
-            h, tokens = self.begin[m], requests[m].inputs
-            where = next((a for p, a in laid if len(p) >= h and p[:h] == tokens[:h]), None) if h else 0
-            if where is None:
-                where = past
-                laid.append((tokens[:h], past))
-                got = cache.pieces(tokens, h)
-                pieces = got if pieces is None else [None if a is None else a + b for a, b in zip(pieces, got)]
-                past += h
-            self.at[m] = where
-        self.past = past
+        self.first: dict[int, int] = {}
+        source: dict[int, int] = {}  # member -> the earlier member whose rows it reads
+        for k, m in enumerate(members):
+            self.first[m], j = _shared_with(requests[m].inputs, self.begin[m], [requests[o].inputs for o in members[:k]])
+            if j is not None:
+                source[m] = members[j]
+        at, pieces = self._lay_prefixes([m for m in members if m not in source])
+        start, self.spans = 0, {}
+        for m in members:
+            if m in source:
+                spans = [(a, min(b, self.first[m]), row) for a, b, row in self.spans[source[m]] if a < self.first[m]]
+            else:
+                spans = [(0, self.begin[m], at[m])] if self.begin[m] else []
+            self.spans[m] = spans + [(self.first[m], requests[m].num_inputs, self.past + start)]
+            start += requests[m].num_inputs - self.first[m]
         if pieces is None:
             self.kv, self.context_hidden = KVCache.empty(num_layers), None
         else:
             slots = [None if p is None else torch.cat(p) for p in pieces]
             self.kv = KVCache(slots[0:-1:2], slots[1:-1:2])
             self.context_hidden = slots[-1]  # [past, H]
+
+    def _lay_prefixes(self, members: list[int]) -> tuple[dict[int, int], list | None]:
+        """Each member's cached prefix in the key source (its first row), longest first: a prefix
+        that is a leading part of one laid out reads its rows; sets ``past``. Returns the rows per
+        slot (pieces to join; None: no prefix)."""
+        at: dict[int, int] = {}
+        laid: list[tuple[list[int], int]] = []  # (prefix tokens, first key-source row)
+        pieces: list | None = None
+        self.past = 0
+        for m in sorted(members, key=lambda m: -self.begin[m]):
+            h, tokens = self.begin[m], self.requests[m].inputs
+            where = next((a for p, a in laid if len(p) >= h and p[:h] == tokens[:h]), None) if h else 0
+            if where is None:
+                where = self.past
+                laid.append((tokens[:h], where))
+                got = self.cache.pieces(tokens, h)
+                pieces = got if pieces is None else [None if a is None else a + b for a, b in zip(pieces, got)]
+                self.past += h
+            at[m] = where
+        return at, pieces
+
+    def row(self, m: int, i: int) -> int:
+        """The key-source (and hidden) row of member ``m``'s input ``i``."""
+        for a, b, row in self.spans[m]:
+            if a <= i < b:
+                return row + i - a
+        raise LogprobeError("prefix_cache", f"input {i} of request {m} has no row in its pack",
+                            "report this: a resumed pack lost track of its rows")
 
     def layout(self) -> tuple[list[int], list[int], list[Segment], list[int], list[int], list[float],
                               list[tuple[int, int]]]:
@@ -270,23 +326,21 @@ class ResumePack:
         temps: list[float] = []
         owners: list[tuple[int, int]] = []
         for m in self.members:
-            r, h, at = self.requests[m], self.begin[m], self.at[m]
+            r, f = self.requests[m], self.first[m]
             start = len(ids)
-            ids.extend(r.inputs[h:])
-            positions.extend(range(h, r.num_inputs))
-            segments.append(Segment(start, len(ids), ((at, at + h),) if h else ()))
+            ids.extend(r.inputs[f:])
+            positions.extend(range(f, r.num_inputs))
+            segments.append(Segment(start, len(ids), tuple((row, row + b - a) for a, b, row in self.spans[m][:-1])))
             js = range(r.score_begin, r.num_inputs + 1)  # token j: predicted by input j - 1
-            rows.extend(at + j - 1 if j - 1 < h else self.past + start + j - 1 - h for j in js)
+            rows.extend(self.row(m, j - 1) for j in js)
             targets.extend(r.tokens[j] for j in js)
             temps.extend([r.temperature] * len(js))
             owners.append((m, len(js)))
         return ids, positions, segments, rows, targets, temps, owners
 
-    def keep(self, segments: list[Segment], hidden: torch.Tensor) -> None:
+    def keep(self, hidden: torch.Tensor) -> None:
         """After the pass (``kv`` holds the prefixes' then the pass's keys/values, ``hidden`` the
         matching final hidden rows [past + T, H]): keep each request's inputs in the cache."""
         slots = _slots(self.kv, hidden)
-        for m, seg in zip(self.members, segments):
-            h, at, own = self.begin[m], self.at[m], self.past + seg.start
-            fetch = _fetcher(slots, lambda j, h=h, at=at, own=own: at + j if j < h else own + j - h)
-            self.cache.insert(self.requests[m].inputs, fetch)
+        for m in self.members:
+            self.cache.insert(self.requests[m].inputs, _fetcher(slots, lambda i, m=m: self.row(m, i)))

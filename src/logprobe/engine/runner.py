@@ -343,12 +343,12 @@ class Engine:
             for m in members:  # their lookups were counted by the pack
                 self._run_chunks(requests, m, out, stop, cancelled, resume=True, record=False)
             return
-        rp.keep(segments, hidden)
+        rp.keep(hidden)
         self._succeeded(meta.num_rows + meta.past)
         for m, part in scored:
             res = concat_parts([part], requests[m])
             res.cached_tokens = rp.begin[m]
-            out.progress(requests[m].num_inputs - rp.begin[m])
+            out.progress(requests[m].num_inputs - rp.first[m])
             out.finish(m, res)
 
     def _check_supported(self, requests: list[ScoreRequest]) -> None:
