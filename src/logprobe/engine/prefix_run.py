@@ -180,16 +180,13 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _shared_with(inputs: list[int], begin: int, earlier: list[list[int]]) -> tuple[int, int | None]:
+def _shared_with(inputs: list[int], begin: int, before: list[int] | None) -> tuple[int, bool]:
     """Where a request joining a pack starts computing: past its cached ``begin`` tokens, or past
-    what it shares with the inputs of an earlier member (whose rows the pass computes anyway),
-    leaving at least one row; and that member's position in ``earlier`` (None: none)."""
-    first, source = begin, None
-    for k, other in enumerate(earlier):
-        c = min(_common(inputs, other), len(inputs) - 1)
-        if c > first:
-            first, source = c, k
-    return first, source
+    what it shares with the inputs of the member before it (whose rows the pass computes anyway),
+    leaving at least one row; and whether it reads that member's rows. Members come in token order
+    (``resumable`` sorts them), so of the earlier members the one before shares the most."""
+    c = min(_common(inputs, before), len(inputs) - 1) if before is not None else 0
+    return (c, True) if c > begin else (begin, False)
 
 
 def take_pack(cache: PrefixCache, requests: list[ScoreRequest], queue: deque[int], budget: int,
@@ -221,9 +218,9 @@ def take_pack(cache: PrefixCache, requests: list[ScoreRequest], queue: deque[int
         h = cache.peek(r.inputs, r.num_inputs - 1)
         if not members and (align > 1 or r.num_inputs - h > budget):
             return [], queue.popleft()
-        first, source = _shared_with(r.inputs, h, [requests[m].inputs for m in members])
+        first, chained = _shared_with(r.inputs, h, requests[members[-1]].inputs if members else None)
         prefix = r.inputs[:h]
-        laid = source is not None or any(len(p) >= h and p[:h] == prefix for p in seen)
+        laid = chained or any(len(p) >= h and p[:h] == prefix for p in seen)
         extra = r.num_inputs - first + (0 if laid else h)
         if members and cost + extra > budget:
             break
@@ -241,9 +238,10 @@ class ResumePack:
     ``first[m]`` on (rows ``past + start[m]`` ..) and reads those before it from ``spans[m]``:
     (first token, end token, key-source row of the first) pieces, in token order, which its
     segment sees as its context spans (``layers.attention``: a context span is any key-source rows,
-    so several sequences share one key source). A piece is a cached prefix, or the rows of an
-    earlier member of the pack sharing its leading tokens beyond what the cache holds (its rows
-    of the same tokens, computed in this pass: a shared prefix, as in a batch's prefix trees).
+    so several sequences share one key source). A piece is a cached prefix, or the rows of the
+    member before it (members in token order) where they share leading tokens beyond what the
+    cache holds (its rows of the same tokens, computed in this pass or read by it: a shared
+    prefix, as in a batch's prefix trees).
     ``context_hidden`` [past, H]: the final hidden rows of the cached prefixes; the pass's hidden
     rows follow them in the rows that ``layout``'s scored rows and ``keep`` index ([past + T, H]).
 
@@ -266,9 +264,10 @@ class ResumePack:
         self.first: dict[int, int] = {}
         source: dict[int, int] = {}  # member -> the earlier member whose rows it reads
         for k, m in enumerate(members):
-            self.first[m], j = _shared_with(requests[m].inputs, self.begin[m], [requests[o].inputs for o in members[:k]])
-            if j is not None:
-                source[m] = members[j]
+            before = requests[members[k - 1]].inputs if k else None
+            self.first[m], chained = _shared_with(requests[m].inputs, self.begin[m], before)
+            if chained:
+                source[m] = members[k - 1]
         at, pieces = self._lay_prefixes([m for m in members if m not in source])
         start, self.spans = 0, {}
         for m in members:
