@@ -401,6 +401,50 @@ def test_packed_resume_shares_rows_in_the_pass(kind, deterministic, tiny):
         same(w, g, deterministic)
 
 
+def pack_calls(seed: int, vocab: int = 300, steps: int = 6) -> list[list[ScoreRequest]]:
+    """Calls of 4 to 8 requests drawn from a few contexts: RL-style samples, a conversation's
+    turns, siblings, partly shared prefixes, repeats; most of them resume after the first call."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(2, vocab) for _ in range(n)]  # noqa: E731
+    roots = [tok(rng.randint(10, 60)) for _ in range(3)]
+    pool: list[list[int]] = []
+    out = []
+    for _ in range(steps):
+        batch = []
+        for _ in range(rng.randint(4, 8)):
+            kind = rng.random()
+            if pool and kind < 0.35:  # a later turn, or a sibling, of an earlier request
+                base = rng.choice(pool)
+                t = base[:rng.randint(2, len(base))] + tok(rng.randint(1, 30))
+            elif pool and kind < 0.45:  # an exact repeat
+                t = list(rng.choice(pool))
+            else:
+                t = rng.choice(roots) + tok(rng.randint(1, 40))
+            sb = rng.randint(1, len(t) - 1)
+            pool.append(t)
+            batch.append(ScoreRequest(t, sb, temperature=rng.choice([1.0, 0.8]), top_k=rng.choice([0, 3]),
+                                      entropy=rng.random() < 0.3))
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("budget, cache_rows", [(1024, 4000), (48, 4000), (200, 90)])
+def test_packed_resume_random_calls_bitwise(budget, cache_rows, tiny):
+    """Random calls of several requests each, most resumed: packs of many members (shared and
+    chained rows, scores from inside cached rows), a budget that splits packs and chunks long
+    requests, a byte budget that evicts inside packs. Bitwise equal to the uncached runs."""
+    cfg = EngineConfig(max_batch_tokens=budget, deterministic=True)
+    plain = Scorer(tiny["llama"], config=cfg)
+    cached = Scorer(tiny["llama"], config=cfg, prefix_cache=cache_rows * ROW_BYTES)
+    for batch in pack_calls(seed=budget + cache_rows):
+        for w, g in zip(plain.engine.run(batch), cached.engine.run(batch)):
+            same(w, g, True)
+    stats = cached.prefix_cache_stats()
+    assert stats["hits"] > (10 if cache_rows > 100 else 2) and stats["bytes"] <= cache_rows * ROW_BYTES
+    if cache_rows < 100:
+        assert stats["evicted_tokens"] > 0
+
+
 def test_packed_resume_evicts_a_members_prefix(tiny):
     """Keeping the first request of a pack evicts the prefix the second one resumed from (a byte
     budget of 64 rows): the second's inputs are kept again from the pack's own KV cache, and a
