@@ -69,3 +69,30 @@ def test_norm_rotary_and_matmul_head_half_are_bitwise():
     o = (torch.randn(HID, HQ * D, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
     y = invariant_linear(rot.reshape(292, -1), o)
     assert torch.equal(y[:, : HID // 2], invariant_linear(rot.reshape(292, -1), o[: HID // 2].contiguous()))
+
+
+@pytest.mark.parametrize("vocab", [151936, 128256, 102400])
+def test_head_two_shards_combine_to_one_rank_bitwise(vocab):
+    """The deterministic head as two TP ranks run it (each its vocabulary shard of the fixed grid,
+    the target logit's max across ranks, the partials side by side in rank order) against one
+    rank: bitwise. Vocabularies of Qwen3 (19 grid chunks), Llama 3 (16) and DeepSeek-V2 (13)."""
+    from logprobe.layers.logprob_head import (HeadParams, _kernel_partials, _target_logits, combine_head_partials,
+                                              logprob_head)
+    from logprobe.parallel.shard import vocab_chunk_width, vocab_shard
+
+    g = torch.Generator("cuda").manual_seed(vocab)
+    N = 300
+    w = (torch.randn(vocab, HID, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    h = torch.randn(N, HID, generator=g, device="cuda").to(torch.bfloat16)
+    y = torch.randint(0, vocab, (N,), generator=g, device="cuda")
+    one = logprob_head(h, HeadParams(w), y, deterministic=True).logprobs
+    inv_t = torch.ones(N, device="cuda")
+    grid = vocab_chunk_width(vocab)
+    shards = [HeadParams(w[a:b].contiguous(), vocab_start=a, vocab_total=vocab)
+              for a, b in (vocab_shard(vocab, grid, r, 2) for r in range(2))]
+    zy = torch.maximum(*[_target_logits(h, p, y, inv_t, 512, True, True) for p in shards])
+    parts = [_kernel_partials(h, p, y, zy, inv_t, 0, False, True) for p in shards]
+    joined = [None if a is None else torch.cat([a, b]) for a, b in zip(*parts)]
+    two = combine_head_partials(zy, *joined, top_k=0, deterministic=True)[0]
+    d = (one - two).abs().max().item()
+    assert torch.equal(one, two), f"vocab {vocab}: max |d| {d:.3e}"
