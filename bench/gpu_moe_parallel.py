@@ -139,6 +139,21 @@ def main() -> None:
         s.close()
 
 
+def point_order(key: str, parts: tuple[str, ...]) -> tuple:
+    """Sort key of a diagnose entry ``point#text``: embed, then each block's points in forward
+    order, then the log-probs ``lp`` last (they read every block, so a difference there says
+    nothing about where it began).
+
+    >>> keys = ["lp#0", "blocks.1.attn_out#0", "blocks.0.mlp_out#0", "embed#0", "blocks.0.attn_out#0"]
+    >>> sorted(keys, key=lambda k: point_order(k, ("attn_out", "mlp_out", "resid_post")))
+    ['embed#0', 'blocks.0.attn_out#0', 'blocks.0.mlp_out#0', 'blocks.1.attn_out#0', 'lp#0']
+    """
+    name = key.split("#")[0].split(".")
+    if name[0] == "blocks":
+        return (int(name[1]), parts.index(name[2]), key)
+    return (-1, 0, key) if name[0] == "embed" else (1 << 30, 0, key)
+
+
 def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
     """Per hook point, max |Δ| of each size against the first, deterministic mode: the first point
     that is not bitwise names the layer part (attention, MoE) whose bits depend on the size. Texts
@@ -152,12 +167,8 @@ def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
     base = "The quick brown fox jumps over the lazy dog; once upon a time, in a land far away, a king. "
     texts = [((base * 8)[:n], " And then it ran away.") for n in (100, 230, 250, 270, 300, 480)]
 
-    def order(k):
-        name = k.split("#")[0].split(".")
-        return (int(name[1]) if name[0] == "blocks" else -1, parts.index(name[2]) if name[0] == "blocks" else 0, k)
-
     def first_diff(a, b):
-        for k in sorted(a, key=order):
+        for k in sorted(a, key=lambda k: point_order(k, parts)):
             if not torch.equal(a[k], b[k]):
                 return f"{k} (max |d| {(a[k] - b[k]).abs().max().item():.2e})"
         return None
