@@ -82,9 +82,20 @@ def deterministic_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     ``col_blocks``) a column's bits independent of the other columns. On CUDA the Triton
     fixed-tile matmul gives both by construction (every output tile is one program with the same
     K loop), so many narrow column blocks run there instead of as narrow cuBLAS products."""
-    if x.is_cuda and x.dim() == 2 and (kernel == "triton" or col_blocks) and _triton():
+    if x.is_cuda and x.dim() == 2 and cuda_product(kernel, col_blocks) == "triton" and _triton():
         return invariant_linear(x, weight, bias)
     return tiled_linear(x, weight, bias, row_tile, col_blocks)
+
+
+def cuda_product(kernel: str, col_blocks: list[int] | None) -> str:
+    """Which product ``deterministic_product`` runs on CUDA: "triton" (the fixed-tile matmul, the
+    same bits for any subset of columns) or "cublas" (fixed row tiles of cuBLAS, each column block
+    one product). A layer must take the same one at every TP size, or its columns round otherwise.
+
+    >>> cuda_product("cublas", [64, 64]), cuda_product("cublas", None), cuda_product("triton", None)
+    ('triton', 'cublas', 'triton')
+    """
+    return "triton" if kernel == "triton" or col_blocks else "cublas"
 
 
 def _triton() -> bool:
