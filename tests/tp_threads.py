@@ -1,0 +1,124 @@
+"""Tensor parallelism emulated in one process: each rank's model (the real layers, loader cuts and
+engine) runs in its own thread on one device, and the collectives are exchanged through memory
+(``ThreadContext``) instead of NCCL or gloo. What differs from a worker run is only the transport,
+which copies (gathers) or adds exact zeros (sums of one non-zero), so a rank's bits are the bits
+its worker would compute: one GPU can then show whether (and where) deterministic mode leaves
+TP = 1's bits, without two GPUs.
+
+    models = rank_models(cfg, state, size=2, experts=2, device="cuda", dtype=torch.bfloat16)
+    results = run_ranks(models, requests, config)  # rank 0's results
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from logprobe.engine.runner import Engine
+from logprobe.loading.checkpoint import SKIP
+from logprobe.loading.loader import build_native, parallel_context
+from logprobe.loading.sharding import rank_cut, rank_model
+from logprobe.models.moe import native_model_class
+from logprobe.parallel.context import ParallelContext
+
+
+class Hub:
+    """The ranks' meeting point: each collective is one ``exchange``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=600)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor, in rank order (copies: a rank may overwrite its own afterwards)."""
+        self.slots[rank] = x
+        self.barrier.wait()
+        got = [t.clone() for t in self.slots]
+        self.barrier.wait()
+        return got
+
+
+class ThreadContext(ParallelContext):
+    """``ParallelContext`` whose collectives go through a ``Hub`` (same results as NCCL's here:
+    gathers copy; the sums and maxima the layers ask for have one rank's value per element)."""
+
+    hub: Hub
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        xs = self.hub.exchange(self.rank, x)
+        total = xs[0]
+        for y in xs[1:]:
+            total = total + y
+        return x.copy_(total)
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x.copy_(torch.stack(self.hub.exchange(self.rank, x)).amax(0))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.hub.exchange(self.rank, x.contiguous()))  # [size, *]
+
+
+def random_state(cfg, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Whole float32 weights by parameter name (norm gains near 1, the rest 0.02 N(0, 1)), made on
+    ``device`` from one seed, in the layout the model computes with (rope rows as they are)."""
+    with torch.device("meta"):
+        names = {n: tuple(p.shape) for n, p in native_model_class(cfg)(cfg).state_dict().items()}
+    gen = torch.Generator(device).manual_seed(seed)
+    state = {}
+    for name, shape in names.items():
+        w = torch.randn(shape, generator=gen, device=device)
+        state[name] = 1.0 + 0.3 * w if name.endswith("norm.weight") else 0.02 * w
+    return state
+
+
+def rank_models(cfg, state: dict[str, torch.Tensor], size: int, experts: int, device: str,
+                dtype: torch.dtype) -> list[torch.nn.Module]:
+    """Each rank's model of ``size`` (experts in ``experts`` groups), cut from ``state`` by the
+    loaders' own rules (``rank_cut``); size 1: the whole model, as one process loads it."""
+    if size == 1:
+        return [build_native(cfg, iter(state.items()), torch.device(device), dtype, rope_interleaved=True)]
+    hub, models = Hub(size), []
+    for rank in range(size):
+        pc = parallel_context(cfg, rank, size, None, experts)
+        ctx = ThreadContext(rank, size, None, pc.blocks, pc.experts)
+        ctx.hub = hub
+        meta = rank_model(cfg, ctx)
+
+        def cut(items, meta=meta):
+            for name, t in items:
+                how = rank_cut(meta, name)
+                if how is not SKIP:
+                    yield name, t if how is None else how(t).contiguous()
+
+        models.append(build_native(cfg, cut(state.items()), torch.device(device), dtype, rope_interleaved=True,
+                                   ctx=ctx))
+    return models
+
+
+def run_ranks(models: list[torch.nn.Module], requests, config) -> list:
+    """``requests`` through one engine per rank, each rank in its own thread -> rank 0's results
+    (a rank's failure is raised here)."""
+    device = next(models[0].parameters()).device
+    out: list = [None] * len(models)
+    errors: list[BaseException] = []
+
+    def work(r: int) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        try:
+            out[r] = Engine(models[r], config, device).run(requests, progress=False)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
+            errors.append(e)
+            if len(models) > 1:
+                models[r].ctx.hub.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out[0]
