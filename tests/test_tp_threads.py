@@ -2,7 +2,9 @@
 (``tp_threads``: the real rank models, loader cuts and engines; collectives through memory):
 every hook point of every block and the log-probs of rank 0 at (TP, EP) = (2, 1), (2, 2), (4, 4) are
 TP = 1's bits, and a difference is reported at the first point it reaches (embed, then each
-block's attn_out, mlp_out, resid_post, then the log-probs).
+block's attn_out, mlp_out, resid_post, then the log-probs), and at the first step inside
+attention where the ranks' heads side by side leave TP = 1's (q / k into and out of their
+per-head norms, rotated q / k, the attention output: ``tp_threads.trace_attention``).
 
 On CPU (float32, tiny Qwen3-MoE and Llama configs) this checks the emulation against what the
 gloo workers already guarantee; on one GPU (``-m gpu``, bf16, the Qwen3-30B-A3B shape with two
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_threads import random_state, rank_models, run_ranks
+from tp_threads import first_head_step, random_state, rank_models, run_ranks, trace_attention
 
 from logprobe.config import EngineConfig
 from logprobe.engine.request import CaptureAt, ScoreRequest
@@ -67,11 +69,19 @@ def _check(raw: dict, device: str, dtype: torch.dtype, lengths: list[int], sizes
     state = random_state(cfg, device)
     config = EngineConfig(deterministic=True, max_batch_tokens=4096, progress=False)
     requests = _requests(cfg, lengths)
-    want = run_ranks(rank_models(cfg, state, 1, 1, device, dtype), requests, config)
+    one = rank_models(cfg, state, 1, 1, device, dtype)
+    with trace_attention(one) as steps:
+        want = run_ranks(one, requests, config)
+        one_steps = steps(0)
     for size, experts in sizes:
-        got = run_ranks(rank_models(cfg, state, size, experts, device, dtype), requests, config)
+        models = rank_models(cfg, state, size, experts, device, dtype)
+        with trace_attention(models) as steps:
+            got = run_ranks(models, requests, config)
+            inside = first_head_step(one_steps, [steps(r) for r in range(size)])
         where = first_difference(want, got, requests)
-        assert where is None, f"TP={size} EP={experts}: first not bitwise at {where}"
+        assert where is None and inside is None, \
+            f"TP={size} EP={experts}: first not bitwise at {where}; inside attention: {inside}"
+        del models
 
 
 @pytest.mark.parametrize("family", list(TINY))
@@ -92,6 +102,27 @@ def test_first_difference_names_the_first_point():
     b = RequestResult(torch.ones(2), torch.zeros(2, dtype=torch.long), captures=[same, same + 1e-3])
     assert first_difference([a], [a], [req]) is None
     assert "blocks.1.attn_out" in first_difference([a], [b], [req])
+
+
+def test_trace_sets_each_rank_heads_beside_one_process():
+    """The attention trace records every step per head (a Qwen3 block: q / k norms in and out,
+    rotated q / k, attention) and names a step where one rank's heads change."""
+    cfg, _ = native_config(TINY["qwen3_moe"])
+    state, requests = random_state(cfg, "cpu"), _requests(cfg, [37])
+    config = EngineConfig(deterministic=True, max_batch_tokens=4096, progress=False)
+    traced = []
+    for size in (1, 2):
+        models = rank_models(cfg, state, size, size, "cpu", torch.float32)
+        with trace_attention(models) as steps:
+            run_ranks(models, requests, config)
+            traced.append([steps(r) for r in range(size)])
+    (one,), ranks = traced
+    assert [n for n, _ in one[:7]] == ["q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out", "q_rotated",
+                                       "k_rotated", "attention"]
+    assert len(one) == 7 * cfg.num_layers and ranks[1][3][1].shape == (37, 2, 16)
+    assert first_head_step(one, ranks) is None
+    ranks[1][3] = ("k_norm_out", ranks[1][3][1] + 1e-3)
+    assert first_head_step(one, ranks) == "call 3: k_norm_out (max |d| 1.00e-03)"
 
 
 @pytest.mark.gpu

@@ -12,9 +12,11 @@ TP = 1's bits, without two GPUs.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import torch
 
+import logprobe.models.llama as llama
 from logprobe.engine.runner import Engine
 from logprobe.loading.checkpoint import SKIP
 from logprobe.loading.loader import build_native, parallel_context
@@ -97,6 +99,9 @@ def rank_models(cfg, state: dict[str, torch.Tensor], size: int, experts: int, de
     return models
 
 
+_THREAD = threading.local()  # .rank: the rank this thread runs (tracing)
+
+
 def run_ranks(models: list[torch.nn.Module], requests, config) -> list:
     """``requests`` through one engine per rank, each rank in its own thread -> rank 0's results
     (a rank's failure is raised here)."""
@@ -105,6 +110,7 @@ def run_ranks(models: list[torch.nn.Module], requests, config) -> list:
     errors: list[BaseException] = []
 
     def work(r: int) -> None:
+        _THREAD.rank = r
         if device.type == "cuda":
             torch.cuda.set_device(device)
         try:
@@ -122,3 +128,61 @@ def run_ranks(models: list[torch.nn.Module], requests, config) -> list:
     if errors:
         raise errors[0]
     return out[0]
+
+
+@contextmanager
+def trace_attention(models: list[torch.nn.Module]):
+    """While active, record each rank's Llama-family attention steps per head, in call order: the
+    q and k entering and leaving their per-head norms (Qwen3), the rotated q and k, the attention
+    output (each [T, heads, D]). Yields ``steps(rank)`` -> [(name, tensor)]; ``first_head_step``
+    sets the ranks' heads beside one process's."""
+    records: list[list[tuple[str, torch.Tensor]]] = [[] for _ in models]
+
+    def put(name: str, t: torch.Tensor) -> None:
+        records[getattr(_THREAD, "rank", 0)].append((name, t.detach().clone()))
+
+    rotary, attention = llama.apply_rotary, llama.packed_attention
+    turns = [0] * len(models)
+
+    def traced_rotary(x, cis, triton=False):
+        y = rotary(x, cis, triton)
+        r = getattr(_THREAD, "rank", 0)
+        put("k_rotated" if turns[r] % 2 else "q_rotated", y)  # the model rotates q, then k
+        turns[r] += 1
+        return y
+
+    def traced_attention(*args, **kw):
+        o = attention(*args, **kw)
+        put("attention", o)
+        return o
+
+    def norm_hook(name: str):
+        def hook(module, inputs, output):
+            put(f"{name}_in", inputs[0])
+            put(f"{name}_out", output)
+        return hook
+
+    hooks = [m.register_forward_hook(norm_hook(kind)) for model in models for a in model.modules()
+             if isinstance(a, llama.LlamaAttention) and a.q_norm is not None and not a.qk_norm_full
+             for kind, m in (("q_norm", a.q_norm), ("k_norm", a.k_norm))]
+    llama.apply_rotary, llama.packed_attention = traced_rotary, traced_attention
+    try:
+        yield lambda rank: records[rank]
+    finally:
+        llama.apply_rotary, llama.packed_attention = rotary, attention
+        for h in hooks:
+            h.remove()
+
+
+def first_head_step(one: list[tuple[str, torch.Tensor]], ranks: list[list[tuple[str, torch.Tensor]]]) -> str | None:
+    """The first traced step (``trace_attention``) where the ranks' heads side by side leave one
+    process's bits: "call i: name (max |d|)"; None if every step is bitwise."""
+    for i, (name, want) in enumerate(one):
+        parts = [r[i] for r in ranks]
+        if any(n != name for n, _ in parts):
+            return f"call {i}: {name} has no counterpart in every rank ({[n for n, _ in parts]})"
+        got = torch.cat([t for _, t in parts], dim=1)  # [T, heads, D]: the ranks' heads in order
+        if got.shape != want.shape or not torch.equal(got, want):
+            d = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("nan")
+            return f"call {i}: {name} (max |d| {d:.2e})"
+    return None
