@@ -237,3 +237,104 @@ def test_weight_update_of_split_experts_refused(dirs):
     with pytest.raises(LogprobeError, match="no weight update yet") as e:
         weight_slots(rank_model(cfg, parallel_context(cfg, 0, 2, None, 2)))
     assert e.value.field == "model"
+
+
+# ---- one MoE block over gloo ranks: the default mode's sum over ranks against float64 ----
+
+LAYER = dict(E=8, k=4, H=64, I=32, T=37)  # T = 37: not a multiple of the rank count (the padded row blocks)
+
+
+def _layer_weights() -> dict[str, torch.Tensor]:
+    """The block's whole float32 weights and input, the same in every process (a fixed seed)."""
+    g = torch.Generator().manual_seed(5)
+    E, H, inter, T = LAYER["E"], LAYER["H"], LAYER["I"], LAYER["T"]
+    def rnd(*shape, scale=0.2):
+        return scale * torch.randn(*shape, generator=g)
+    return {"router": rnd(E, H, scale=1.0), "gate_proj": rnd(E, inter, H), "up_proj": rnd(E, inter, H),
+            "down_proj": rnd(E, H, inter), "x": rnd(T, H, scale=1.0)}
+
+
+def _layer_block(ctx: ParallelContext, dtype: torch.dtype):
+    from logprobe.layers.moe import MoeBlock, MoeSpec
+
+    w = _layer_weights()
+    block = MoeBlock(MoeSpec(LAYER["E"], LAYER["k"], LAYER["I"], norm_topk_prob=True), LAYER["H"], "r", ctx=ctx)
+    with torch.no_grad():
+        block.gate.weight.copy_(w["router"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            (e0, e1), (r0, r1) = block.experts.held(name)
+            getattr(block.experts, name).copy_(w[name][e0:e1, r0:r1])
+    return block.to(dtype), w["x"].to(dtype)
+
+
+def _numerics(det: bool, size: int):
+    from logprobe.config import numerics_for
+
+    return numerics_for(EngineConfig(deterministic=det, progress=False), "cpu", tp_size=size, tp_blocks=8)
+
+
+class _Recording(ParallelContext):
+    """A rank's context that notes each collective's (name, input shape): the traffic of a mode."""
+
+    calls: list
+
+    def all_reduce_sum(self, x):
+        self.calls.append(("all_reduce_sum", tuple(x.shape)))
+        return super().all_reduce_sum(x)
+
+    def sum_rows(self, x, dtype):
+        self.calls.append(("sum_rows", tuple(x.shape)))
+        return super().sum_rows(x, dtype)
+
+    def all_gather(self, x):
+        self.calls.append(("all_gather", tuple(x.shape)))
+        return super().all_gather(x)
+
+
+def _layer_worker(rank: int, size: int, experts: int, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
+    ctx = _Recording(rank, size, None, blocks=8, experts=experts)
+    block, x = _layer_block(ctx, torch.float32)
+    got = {}
+    for det in (False, True):
+        block.set_numerics(_numerics(det, size))
+        ctx.calls = []
+        got[det] = (block(x), ctx.calls)
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 4), (4, 2)])
+def test_block_default_mode_one_sum_of_tokens(tp, ep, tmp_path):
+    """One MoE block (8 experts, top-4) over ``tp`` gloo ranks in ``ep`` expert groups. Default mode:
+    each rank combines its slots and the ranks sum one float32 [T, H] (no [T*k, H] buffer crosses),
+    within 1e-5 of one float32 process and of the float64 block; deterministic mode: the [T*k, H]
+    -0.0 buffer, one process's bits."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "got.pt"
+    mp.spawn(_layer_worker, args=(tp, ep, str(tmp_path / "rdv"), str(out)), nprocs=tp)
+    got = torch.load(out)
+    T, k, H = LAYER["T"], LAYER["k"], LAYER["H"]
+    one, x = _layer_block(ParallelContext(blocks=8), torch.float32)
+    ref64, x64 = _layer_block(ParallelContext(blocks=8), torch.float64)
+    want64 = ref64(x64)
+    one.set_numerics(_numerics(False, 1))
+    want = one(x)
+    default, calls = got[False]
+    assert default.dtype == torch.float32 and default.shape == (T, H)
+    d_one, d_64 = (default - want).abs().max().item(), (default.double() - want64).abs().max().item()
+    one_64 = (want.double() - want64).abs().max().item()
+    print(f"TP={tp} EP={ep}: default vs one process {d_one:.2e}, vs float64 {d_64:.2e} (one process {one_64:.2e})")
+    assert 0 < d_64 <= 1e-5 and d_one <= 1e-5
+    share = [("all_gather", (T * k, LAYER["I"] * ep // tp))] if tp > ep else []  # P > 1: the intermediate
+    # one [T, H] float32 sum: its reduce-scatter, then its row blocks (T / tp rounded up) gathered
+    assert calls == share + [("sum_rows", (T, H)), ("all_gather", (-(-T // tp), H))], calls
+    det, calls = got[True]
+    one.set_numerics(_numerics(True, 1))
+    assert torch.equal(det, one(x))
+    assert ("all_reduce_sum", (T * k, H)) in calls

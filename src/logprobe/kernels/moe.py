@@ -20,6 +20,10 @@ BLOCK_M = 2, ids = [[2, 0], [0, 3], [2, 1]]:
   order, each product and each sum rounded as ``layers.moe.combine`` rounds them (FMA contraction
   off), then rounds once to the output dtype: bitwise the PyTorch definition's ``combine(y,
   w).to(dtype)``, in one pass over y instead of 3k float32 temporaries of [T, H].
+* ``_combine_rows_kernel`` (``combine_rows``): the same sum over only the slots a rank computed
+  (expert parallelism, default mode): rows y [n, H] in ascending slot order, their weights [n],
+  token t's rows ``start[t] .. start[t+1] - 1``; ``out[t] = 0 + w y + w y ...`` in float32, kept
+  in float32 (the partial each rank adds to the sum over ranks), 0 for a token with no row here.
 
 Fixed tiles per expert, each K loop in order, no split-K: a row's numbers depend only on its own
 row and its expert's weights, never on how many rows share the expert, so the kernel is
@@ -112,6 +116,18 @@ if triton_available():
         for j in tl.static_range(1, TOP_K):
             acc = acc + tl.load(row + j * stride_y, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + t * TOP_K + j)
         tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _combine_rows_kernel(y_ptr, w_ptr, start_ptr, out_ptr, H, stride_y, stride_o, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        r0 = tl.load(start_ptr + t)
+        r1 = tl.load(start_ptr + t + 1)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for r in range(r0, r1):  # token t's rows, in slot order (int64: ``start`` is)
+            acc = acc + tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + r)
+        tl.store(out_ptr + t * stride_o + cols, acc, mask=ok)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,3 +249,26 @@ def moe_reference(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: to
         h = F.silu(F.linear(xs[rows], gate[e])) * F.linear(xs[rows], up[e])  # [n, I]
         y[rows] = F.linear(h, down[e])
     return y
+
+
+def combine_rows(y: torch.Tensor, row_weights: torch.Tensor, slots: torch.Tensor, top_k: int, tokens: int
+                 ) -> torch.Tensor:
+    """Rows y [n, H] of slots ``slots`` [n] (ascending, ``t * top_k + j``) and their router weights
+    [n] float32 -> float32 [tokens, H]: ``out[t] = 0 + w y + ...`` over token t's rows in slot
+    order (zero where a token has none), each product and sum rounded on its own: bitwise
+    ``layers.moe.combine_local``, in one pass over y."""
+    n, H = y.shape
+    if row_weights.shape != (n,) or slots.shape != (n,) or row_weights.dtype != torch.float32:
+        raise LogprobeError("weights", f"y {tuple(y.shape)}, weights {tuple(row_weights.shape)} {row_weights.dtype} "
+                            f"and slots {tuple(slots.shape)} do not fit [n, H], [n] float32, [n]")
+    y, row_weights = y.contiguous(), row_weights.contiguous()
+    counts = torch.bincount(slots // top_k, minlength=tokens)  # [tokens]: rows per token
+    start = torch.zeros(tokens + 1, dtype=torch.int64, device=y.device)  # [tokens + 1]
+    start[1:] = torch.cumsum(counts, 0)
+    out = torch.empty(tokens, H, dtype=torch.float32, device=y.device)  # [tokens, H]
+    if tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(H))
+    _combine_rows_kernel[(tokens, triton.cdiv(H, block))](y, row_weights, start, out, H, y.stride(0), out.stride(0),
+                                                          BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
+    return out

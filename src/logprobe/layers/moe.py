@@ -49,7 +49,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..kernels import triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
-from ..kernels.moe import combine_slots, fused_moe
+from ..kernels.moe import combine_rows, combine_slots, fused_moe
 from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range, shard_range
 from .activation import row_invariant, silu_mul
@@ -173,6 +173,46 @@ def combine_to(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> to
         if triton_available():
             return combine_slots(y.reshape(-1, y.shape[-1]), weights, dtype)  # [T, k, H] -> [T*k, H]
     return combine(y, weights).to(dtype)
+
+
+def combine_local(y: torch.Tensor, row_weights: torch.Tensor, slots: torch.Tensor, top_k: int, tokens: int
+                  ) -> torch.Tensor:
+    """The part of ``combine`` one rank holds (expert parallelism, default mode): rows y [n, H'] of
+    slots ``slots`` [n] (ascending ``t * top_k + j``) and their weights [n] float32 -> float32
+    [tokens, H'], ``out[t] = 0 + w y + ...`` over token t's rows in slot order, zero where it has
+    none. Each slot index j adds its rows at once (its tokens are distinct: the same sum on CUDA).
+
+    >>> y = torch.tensor([[1.0], [2.0], [4.0]])   # slots 1 (t0, j1), 2 (t1, j0), 3 (t1, j1)
+    >>> combine_local(y, torch.tensor([0.5, 0.25, 1.0]), torch.tensor([1, 2, 3]), 2, 3).tolist()
+    [[0.5], [4.5], [0.0]]
+    """
+    out = y.new_zeros(tokens, y.shape[1], dtype=torch.float32)  # [tokens, H']
+    j_of = slots % top_k
+    for j in range(top_k):
+        sel = (j_of == j).nonzero().squeeze(1)  # [m]: the rows of slot index j
+        if sel.numel():
+            out.index_add_(0, slots[sel] // top_k, y[sel].float() * row_weights[sel, None])
+    return out
+
+
+def combine_partial(y: torch.Tensor, row_weights: torch.Tensor, slots: torch.Tensor, top_k: int, tokens: int,
+                    triton: bool = True) -> torch.Tensor:
+    """``combine_local``; on CUDA one Triton pass (``kernels.moe.combine_rows``, the same bits)."""
+    if triton and y.is_cuda and triton_available():
+        return combine_rows(y, row_weights, slots, top_k, tokens)
+    return combine_local(y, row_weights, slots, top_k, tokens)
+
+
+def local_slots(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of ``ids`` [T, k] routed to experts ``first .. first + count - 1``: their flat
+    indices [n] (ascending) and their experts numbered from 0 [n].
+
+    >>> local_slots(torch.tensor([[2, 0], [0, 3]]), 2, 2)
+    (tensor([0, 3]), tensor([0, 1]))
+    """
+    local = ids.reshape(-1) - first  # [T*k] this rank's numbering
+    slots = ((local >= 0) & (local < count)).nonzero().squeeze(1)  # [n] ascending
+    return slots, local[slots]
 
 
 class ExpertMatrices(PackedWeight):
@@ -374,9 +414,7 @@ class Experts(NumericsUser, nn.Module):
         fixed row tiles and column blocks in deterministic mode), and every rank then combines the
         k slots in slot order (``combine``), so the output has one process's bits."""
         T, k = ids.shape
-        local = ids.reshape(-1) - self.first_expert  # [T*k] this rank's numbering
-        slots = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)  # [n] ascending
-        lid = local[slots]  # [n]
+        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
         _, P = self.ctx.expert_share
         if P > 1 and x.is_cuda and self.numerics.column_blocks:
             raise LogprobeError("expert_parallel_size", f"deterministic mode on CUDA keeps its bits across sizes "
@@ -390,6 +428,38 @@ class Experts(NumericsUser, nn.Module):
         else:
             y[slots, h0:h1] = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile)
         return self.ctx.all_reduce_sum(y).view(T, k, self.hidden)  # [T, k, H]
+
+    def combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None = None,
+                 triton: bool = True) -> torch.Tensor:
+        """Default mode over ranks: x [T, H], the same ids [T, k] and weights [T, k] float32 on
+        every rank -> the routed output [T, H] in x's dtype on every rank (what ``combine_to``
+        gives one process, summed in another order). A rank computes its slots (as
+        ``parallel_forward``: its whole experts, or its ``hidden_rows`` columns of them with P > 1),
+        combines them at once into a float32 [T, H] partial (zero where it computed nothing) and
+        the partials are summed over the ranks (``ParallelContext.sum_rows``: float32, rounded
+        once). Worked example, E = 4, k = 2, EP = 2, ids = [[2, 0], [0, 3]]:
+
+            rank 0 (e0, e1): partial [w01 y1, w10 y2];  rank 1 (e2, e3): [w00 y0, w11 y3]
+            sum over ranks: [w01 y1 + w00 y0, w10 y2 + w11 y3]   (one process: w00 y0 + w01 y1, ...)
+
+        The traffic is one [T, H] sum instead of ``parallel_forward``'s [T*k, H] (k times less
+        rows); the bits are not those of one process (the order of the sum moves with the ranks):
+        deterministic mode keeps ``parallel_forward``."""
+        T, k = ids.shape
+        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
+        w = weights.float().reshape(-1)[slots]  # [n]: each computed slot's router weight
+        _, P = self.ctx.expert_share
+        if P == 1:
+            ys = x.new_empty(0, self.hidden)  # [n, H]
+            if slots.numel():
+                ys = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
+            partial = combine_partial(ys, w, slots, k, T, triton)  # [T, H] float32
+        else:
+            h0, h1 = self.hidden_rows
+            ys = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile)  # [n, H/P]
+            partial = x.new_zeros(T, self.hidden, dtype=torch.float32)  # [T, H]: its columns only
+            partial[:, h0:h1] = combine_partial(ys, w, slots, k, T, triton)
+        return self.ctx.sum_rows(partial, x.dtype)
 
     def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
                     slots: torch.Tensor, row_tile: int | None) -> torch.Tensor:
@@ -478,8 +548,13 @@ class MoeBlock(NumericsUser, nn.Module):
             forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.reweigh(probs, forced_ids))
             if forced is not None:  # replayed experts (``layers.hooks.RouteTable``)
                 weights, ids = forced
-        y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
-        out = combine_to(y, weights, x.dtype)  # [T, H]
+        if self.experts.ctx.parallel and not self.numerics.deterministic:
+            # default mode over ranks: each rank's slots combined there, one [T, H] sum over ranks
+            out = self.experts.combined(x, ids, weights, self.numerics.row_tile, self.numerics.triton)  # [T, H]
+        else:  # every slot whole on every rank (deterministic: one process's bits at every size)
+            y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
+            out = combine_to(y, weights, x.dtype)  # [T, H]
+        # the shared expert after the routed sum is rounded to x's dtype, in both paths as in one process
         if self.shared_expert is not None and self.shared_expert_gate is None:
             out = out + self.shared_expert(x)
         elif self.shared_expert is not None:
