@@ -577,6 +577,57 @@ def test_combine_kernel_cuda_is_bitwise_the_pytorch_definition():
         assert torch.equal(combine_slots(y, w, dt), combine(y.view(T, k, H), w).to(dt))
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
+def test_combine_rows_kernel_interpreted_is_bitwise_the_pytorch_definition():
+    """``combine_rows`` (a rank's own slots combined into a float32 partial, expert parallelism in
+    default mode) against ``layers.moe.combine_local``: the same bits, for the slots of two experts
+    of six (tokens with 0, 1 or more rows here), k = 1, 3, 8, float32 / bf16 rows, a partial column
+    block, no rows at all; with every slot local, the one-process ``combine``'s bits; a gold row."""
+    code = textwrap.dedent("""
+        import json, torch
+        from logprobe.kernels.moe import combine_rows
+        from logprobe.layers.moe import combine, combine_local, local_slots
+        out = {"equal": [], "whole": []}
+        g = torch.Generator().manual_seed(4)
+        for T, k, H, dt in [(9, 1, 40, torch.float32), (11, 3, 1100, torch.bfloat16), (6, 8, 64, torch.float32)]:
+            ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(T)])
+            y = torch.randn(T * k, H, generator=g).to(dt)
+            w = torch.softmax(torch.randn(T, k, generator=g), -1)
+            slots, _ = local_slots(ids, 2, 2)
+            rows, rw = y[slots], w.reshape(-1)[slots]
+            out["equal"].append(bool(torch.equal(combine_rows(rows, rw, slots, k, T), combine_local(rows, rw, slots, k, T))))
+            every = torch.arange(T * k)
+            out["whole"].append(bool(torch.equal(combine_rows(y, w.reshape(-1), every, k, T),
+                                                 combine(y.view(T, k, H), w))))
+        none = combine_rows(torch.empty(0, 8), torch.empty(0), torch.empty(0, dtype=torch.long), 2, 3)
+        out["none"] = none.tolist()
+        y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # slots 1 (t0, j1), 2 (t1, j0), 3 (t1, j1)
+        out["gold"] = combine_rows(y, torch.tensor([0.5, 0.25, 2.0]), torch.tensor([1, 2, 3]), 2, 3).tolist()
+        print(json.dumps(out))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["equal"] == [True] * 3 and out["whole"] == [True] * 3
+    assert out["none"] == [[0.0] * 8] * 3
+    assert out["gold"] == [[0.5, 1.0], [0.25 * 3 + 2.0 * 5, 0.25 * 4 + 2.0 * 6], [0.0, 0.0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA")
+def test_combine_rows_kernel_cuda_is_bitwise_the_pytorch_definition():
+    from logprobe.kernels.moe import combine_rows
+    from logprobe.layers.moe import combine_local, local_slots
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, k, H, dt in [(4096, 8, 2048, torch.bfloat16), (333, 4, 1000, torch.float32)]:
+        ids = torch.stack([torch.randperm(128, device="cuda", generator=g)[:k] for _ in range(T)])
+        y = torch.randn(T * k, H, generator=g, device="cuda").to(dt)
+        w = torch.softmax(torch.randn(T, k, generator=g, device="cuda"), -1)
+        slots, _ = local_slots(ids, 64, 64)
+        rows, rw = y[slots], w.reshape(-1)[slots]
+        assert torch.equal(combine_rows(rows, rw, slots, k, T), combine_local(rows, rw, slots, k, T))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_block_cuda_kernel_matches_reference_path(dtype, moe_dirs):

@@ -124,6 +124,7 @@ def test_tp_and_ep_equal_one_process(kind, dirs):
                     assert _bits_equal(got, want[det]), (kind, tp, ep)
                     continue
                 worst = max((x.logprobs - y.logprobs).abs().max().item() for x, y in zip(got, want[det]))
+                print(f"{kind} TP={tp} EP={ep} default mode: max |log-prob diff| vs one process {worst:.2e}")
                 assert worst <= 1e-5, (kind, tp, ep, worst)
                 for x, y in zip(got, want[det]):
                     assert (x.entropy - y.entropy).abs().max() <= 1e-5

@@ -26,7 +26,9 @@ Expert parallelism (``ctx.experts`` = M > 1, one rank per group: M = the TP size
 whole experts r * E / M .. (r + 1) * E / M - 1; the router is whole on every rank, every rank
 computes the slots routed to its experts into a [T*k, H] buffer of -0.0 and the buffers are summed
 over the ranks (``GptOssExperts.parallel_forward``: each entry non-zero on one rank, -0.0 the exact
-identity of the sum, so one process's bits). M = 1: every rank holds every expert.
+identity of the sum, so one process's bits). In default mode each rank combines its own slots
+instead and the ranks sum one float32 [T, H] (``GptOssExperts.combined``: k times less traffic,
+not one process's bits). M = 1: every rank holds every expert.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range
 from .activation import row_invariant
 from .linear import Linear, tiled_linear
-from .moe import combine_to, sort_by_expert
+from .moe import combine_partial, combine_to, local_slots, sort_by_expert
 from .numerics import NumericsUser
 
 
@@ -149,12 +151,25 @@ class GptOssExperts(nn.Module):
         one process gives that expert, in the same order (``sort_by_expert`` is stable): the same
         products, the same bits."""
         T, k = ids.shape
-        local = ids.reshape(-1) - self.first_expert  # [T*k] this rank's numbering
-        slots = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)  # [n] ascending
+        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
         y = x.new_full((T * k, self.hidden), -0.0)  # [T*k, H]: -0.0, the exact identity of the sum
         if slots.numel():
-            y[slots] = self.local(x[slots // k], local[slots][:, None], row_tile, triton).view(-1, self.hidden)
+            y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
         return self.ctx.all_reduce_sum(y).view(T, k, self.hidden)
+
+    def combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None,
+                 triton: bool) -> torch.Tensor:
+        """Default mode with M > 1 (as ``layers.moe.Experts.combined``): this rank's slots combined
+        here into a float32 [T, H] partial, the partials summed over the ranks once -> [T, H] in
+        x's dtype, every rank the same bits (not one process's: deterministic mode keeps
+        ``parallel_forward``)."""
+        T, k = ids.shape
+        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
+        ys = x.new_empty(0, self.hidden)  # [n, H]
+        if slots.numel():
+            ys = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
+        partial = combine_partial(ys, weights.float().reshape(-1)[slots], slots, k, T, triton)  # [T, H] float32
+        return self.ctx.sum_rows(partial, x.dtype)
 
     def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
         """The experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
@@ -204,5 +219,8 @@ class GptOssMoe(NumericsUser, nn.Module):
             forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.weigh(logits, forced_ids))
             if forced is not None:  # replayed experts (``layers.hooks.RouteTable``)
                 weights, ids = forced
+        ctx = self.experts.ctx
+        if ctx.parallel and ctx.experts > 1 and not self.numerics.deterministic:  # one [T, H] sum over ranks
+            return self.experts.combined(x, ids, weights, self.numerics.row_tile, self.numerics.triton)
         y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
         return combine_to(y, weights, x.dtype)  # [T, H]
