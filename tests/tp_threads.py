@@ -61,6 +61,13 @@ class ThreadContext(ParallelContext):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self.hub.exchange(self.rank, x.contiguous()))  # [size, *]
 
+    def reduce_scatter_sum(self, x: torch.Tensor) -> torch.Tensor:  # default mode's MoE sum (sum_rows)
+        xs = self.hub.exchange(self.rank, x.contiguous())
+        total = xs[0]
+        for y in xs[1:]:
+            total = total + y
+        return total.chunk(self.size)[self.rank].clone()
+
 
 def random_state(cfg, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Whole float32 weights by parameter name (norm gains near 1, the rest 0.02 N(0, 1)), made on

@@ -63,16 +63,23 @@ class ParallelContext:
         The order of the float32 sum is the backend's: default mode only."""
         if self.size == 1:
             return partial.to(dtype)
-        import torch.distributed as dist
-
         T, H = partial.shape
         per = -(-T // self.size)  # rows per rank's block
         if per * self.size != T:
             partial = torch.cat([partial, partial.new_zeros(per * self.size - T, H)])  # [size * per, H]
-        block = partial.new_empty(per, H)  # [per, H] float32: this rank's rows, summed
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
-        scatter(block, partial.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
+        block = self.reduce_scatter_sum(partial)  # [per, H] float32: this rank's rows, summed
         return self.all_gather(block.to(dtype)).view(per * self.size, H)[:T]  # [T, H]
+
+    def reduce_scatter_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x [size * n, *] on every rank -> block ``rank`` [n, *] of their sum (order: the backend's)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        block = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
+        scatter(block, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
+        return block
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """Exact in any order (a max never rounds)."""
