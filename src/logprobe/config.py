@@ -62,8 +62,8 @@ class Deterministic:
         row layers gather their input and compute each output over the whole inner dimension
         (``layers.parallel_linear``), so no sum is split by the TP size. Costs the Triton
         matmul's speed against cuBLAS at every TP size, TP = 1 included (docs/perf.md); False
-        keeps the mode batch-invariant at the TP size in use only, on cuBLAS row tiles. Models
-        that are never split (mixture-of-experts today) skip it: there is no other TP size to match.
+        keeps the mode batch-invariant at the TP size in use only, on cuBLAS row tiles. Every
+        native family, mixtures of experts included, computes its products this way.
 
         >>> EngineConfig(deterministic=True).deterministic
         Deterministic(tile=128, cuda_tile=2048, matmul='cublas', attention_block=64, tp_invariant=True)
