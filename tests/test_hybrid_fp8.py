@@ -1,0 +1,290 @@
+"""FP8 block checkpoints of the hybrid Qwen families (``loading.hybrid`` with ``loading.fp8_block``)
+against the float64 transformers forward of their dequantized weights.
+
+Three tiny random checkpoints saved by transformers' own classes (``test_qwen3_next``'s): Qwen3.5
+multimodal dense (text under ``model.language_model.``, a vision tower to skip), Qwen3.5 MoE
+multimodal and Qwen3-Next (fused ``in_proj_qkvz`` / ``in_proj_ba``, block 2 dense). They are
+rewritten the way Qwen's FP8 releases are laid out: each quantized Linear ``<m>.weight`` as
+float8_e4m3fn codes with ``<m>.weight_scale_inv`` float32 [ceil(out/bh), ceil(in/bw)] (scale = block
+absmax / 448), ``quantization_config`` ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+"dynamic", "weight_block_size": [48, 32], "modules_to_not_convert": [...]}``. Quantized: attention
+q/k/v/o, the Gated DeltaNet projections and out_proj, the dense MLP, the experts, the shared expert,
+and the vision tower's matrices (skipped unread). Float: embeddings, lm_head, norms, conv1d, A_log,
+dt_bias, routers, the shared-expert gate, and what ``modules_to_not_convert`` names: as Qwen does,
+block 0's ``in_proj_ba`` (Qwen3-Next) or ``in_proj_b`` / ``in_proj_a`` (Qwen3.5); block 2's are FP8.
+Blocks of 48 rows x 32 columns: no row count here (4 .. 256) is a multiple of 48 and the shared
+expert reads 48 columns, so the last blocks are partial; one scale sits in another shard than its codes.
+
+The reference: the same checkpoint with each FP8 weight replaced by code * scale in float64 (exact),
+loaded by transformers in float64 (its float32 casts read as float64, ``test_qwen3_next``'s fixture).
+Ours runs in float32 through ``Scorer``, the weights held as FP8 codes: per-token log-probs within
+1e-4 of float64 (float32 rounding, as the float checkpoints); every FP8 layer's expansion is
+bitwise the float32 weight logprobe reads from the dequantized float checkpoint, and the two
+float32 forwards agree to float32 rounding (their matmuls are grouped differently). MoE router near-ties are kept out as in ``test_qwen3_next`` (margins asserted).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import byte_tokenizer
+from test_fp8_block import dequant64, quantize_blocks
+from test_qwen3_next import (  # noqa: F401  (float64_reference: a fixture used by name)
+    MIN_MARGIN,
+    _randomise,
+    _reference,
+    _sequences,
+    float64_reference,
+    make_model,
+)
+
+from logprobe import LogprobeError, Scorer
+from logprobe.layers.act_quant_linear import ActQuantLinear
+from logprobe.layers.fp8_block_linear import FP8BlockExperts, FP8BlockLinear
+from logprobe.loading import load_model
+from logprobe.loading.hybrid import hybrid_config, hybrid_parallel_context, hybrid_shard_tensors
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+TOL = 1e-4  # float32 against float64, as the float checkpoints (test_qwen3_next)
+# against the float checkpoint of the same (dequantized) weights, both float32: bitwise the same
+# weights (asserted), products grouped differently (the float model fuses q/k/v, gate/up and the
+# mixer's input projections into one matmul each; FP8 layers multiply apart)
+SAME = 5e-5
+FP8 = torch.float8_e4m3fn
+BLOCK = (48, 32)
+KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+SEEDS = {"qwen3_5": 101, "qwen3_5_moe": 116, "qwen3_next": 103}  # MoE: chosen for MIN_MARGIN after quantization
+_FLOAT = ("embed_tokens", "lm_head", "norm", "conv1d", "A_log", "dt_bias", "mlp.gate.weight", "shared_expert_gate")
+
+
+def _not_convert(kind: str) -> list[str]:
+    """Qwen's list (lm_head, routers, gates, block 0's small projections); block 2's are quantized."""
+    if kind == "qwen3_next":
+        small = ["model.layers.0.linear_attn.in_proj_ba"]
+    else:
+        small = [f"model.language_model.layers.0.linear_attn.in_proj_{x}" for x in "ab"]
+    return ["lm_head", "mlp.gate", "shared_expert_gate", *small]
+
+
+def _quantized(key: str, w: torch.Tensor, not_convert: list[str]) -> bool:
+    module = key.removesuffix(".weight")
+    return (key.endswith(".weight") and w.dim() == 2 and w.is_floating_point() and not any(f in key for f in _FLOAT)
+            and not any(module == p or module.endswith("." + p) or module.endswith(p) for p in not_convert))
+
+
+def write_hybrid_fp8(src, fp8_dir, ref_dir, kind: str) -> list[str]:
+    """Rewrite the float checkpoint ``src`` as an FP8 block one (two shards) and as its float64
+    dequantization; returns the quantized modules."""
+    bh, bw = BLOCK
+    not_convert = _not_convert(kind)
+    fp8, ref, modules = {}, {}, []
+    for key, w in load_file(str(src / "model.safetensors")).items():
+        if _quantized(key, w, not_convert):
+            module = key.removesuffix(".weight")
+            codes, scale = quantize_blocks(w, bh, bw)
+            fp8[key], fp8[module + ".weight_scale_inv"] = codes, scale
+            ref[key] = dequant64(codes, scale, bh, bw)
+            modules.append(module)
+        else:
+            fp8[key], ref[key] = w, w.double()
+    cfg = json.loads((src / "config.json").read_text())
+    for d in (fp8_dir, ref_dir):
+        d.mkdir()
+        byte_tokenizer()[0].save_pretrained(str(d))
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(BLOCK), "modules_to_not_convert": not_convert}
+    (fp8_dir / "config.json").write_text(json.dumps(cfg))
+    moved = next(m for m in modules if "linear_attn.out_proj" in m) + ".weight_scale_inv"
+    shards = {"model-00002-of-00002.safetensors": {moved: fp8.pop(moved)}, "model-00001-of-00002.safetensors": fp8}
+    for name, part in shards.items():
+        save_file(part, str(fp8_dir / name))
+    index = {"metadata": {}, "weight_map": {k: f for f, part in shards.items() for k in part}}
+    (fp8_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    return modules
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory, float64_reference):  # noqa: F811
+    out = {}
+    for i, kind in enumerate(KINDS):
+        root = tmp_path_factory.mktemp(f"{kind}_fp8")
+        torch.manual_seed(i)
+        model = make_model(kind).float().eval()
+        _randomise(model, seed=SEEDS[kind])
+        model.save_pretrained(str(root / "float"))
+        modules = write_hybrid_fp8(root / "float", root / "fp8", root / "ref", kind)
+        ref = type(model).from_pretrained(str(root / "ref"), dtype=torch.float64, attn_implementation="eager",
+                                          experts_implementation="eager").eval()
+        out[kind] = (root, ref, modules)
+    return out
+
+
+def _worst(scorer, ref, seqs) -> tuple[float, int, float]:
+    worst, compared, margin = 0.0, 0, float("inf")
+    for seq, res in zip(seqs, scorer.logprobs(seqs)):
+        ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
+        lo, hi = len(seq["prompt_token_ids"]) - 1, len(ids) - 1
+        lp, routers = _reference(ref, ids)
+        tgt = lp[lo:hi].gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
+        worst = max(worst, (res.logprobs.double() - tgt).abs().max().item())
+        compared += len(tgt)
+        for p in routers:  # rows 0..hi-1 feed the scored rows (causal)
+            top = p[:hi].topk(3, dim=-1).values
+            margin = min(margin, (top[:, 1] - top[:, 2]).min().item())
+    return worst, compared, margin
+
+
+def _assert_same_weights(fp8_model, flat_model) -> None:
+    """Every FP8 layer's expansion is bitwise the float32 weight logprobe reads from the dequantized
+    float checkpoint (rotary row order and Qwen3-Next's row split included): the same model."""
+    flat = flat_model.state_dict()
+    checked = 0
+    for name, m in fp8_model.named_modules():
+        if isinstance(m, FP8BlockLinear):
+            assert torch.equal(m.rows(), flat[name + ".weight"]), name
+        elif isinstance(m, FP8BlockExperts):
+            owner, _, child = name.rpartition(".")
+            assert torch.equal(m.stacked(torch.float32), flat[f"{owner}.{child}"]), name
+        else:
+            continue
+        checked += 1
+    assert checked > 0
+
+
+def _held(model) -> tuple[list, list]:
+    return ([m for m in model.modules() if isinstance(m, FP8BlockLinear)],
+            [m for m in model.modules() if isinstance(m, FP8BlockExperts)])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_matches_dequantized_float64(kind, fp8_dirs):
+    root, ref, modules = fp8_dirs[kind]
+    scorer = Scorer(str(root / "fp8"), device="cpu", dtype="float32", progress=False)
+    model = scorer.loaded.model
+    assert scorer.info.backend == "native" and type(model).__name__ == "HybridModel"
+    layers, experts = _held(model)
+    assert all(m.qweight.dtype == FP8 for m in layers + experts)
+    text = [m for m in modules if ".visual." not in m]
+    if kind == "qwen3_next":  # in_proj_qkvz -> qkv and z; block 2's in_proj_ba -> b and a
+        assert len(layers) + 8 * len(experts) == len(text) + 3
+    else:
+        assert len(layers) + 8 * len(experts) == len(text)
+    assert bool(experts) == (kind != "qwen3_5")
+    l0, l1, l2 = model.layers[0], model.layers[1], model.layers[2]
+    for mixer, small_fp8 in ((l0.linear_attn, False), (l2.linear_attn, True)):
+        assert isinstance(mixer.in_proj_qkv, FP8BlockLinear) and isinstance(mixer.in_proj_z, FP8BlockLinear)
+        assert isinstance(mixer.out_proj, FP8BlockLinear)
+        assert isinstance(mixer.in_proj_b, FP8BlockLinear) == small_fp8  # modules_to_not_convert: float
+        assert isinstance(mixer.in_proj_a, FP8BlockLinear) == small_fp8
+        assert mixer.conv_weight.dtype == torch.float32
+    attn = l1.self_attn
+    assert all(isinstance(getattr(attn, p), FP8BlockLinear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if kind != "qwen3_5":
+        assert isinstance(l1.mlp.shared_expert.down_proj, FP8BlockLinear) and l1.mlp.shared_expert.down_proj.in_features == 48
+    seqs = _sequences()
+    worst, compared, margin = _worst(scorer, ref, seqs)
+    # the float checkpoint of the dequantized weights, read by logprobe in float32: the same weights
+    # (code * scale rounded once to float32 either way), so the same numbers to float32 rounding
+    flat = Scorer(str(root / "ref"), device="cpu", dtype="float32", progress=False)
+    same = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(scorer.logprobs(seqs), flat.logprobs(seqs)))
+    _assert_same_weights(model, flat.loaded.model)
+    print(f"{kind} fp8: max |delta| {worst:.2e} vs float64, {same:.2e} vs the float32 dequantized checkpoint, "
+          f"over {compared} tokens, router margin {margin:.2e}")
+    assert compared > 50 and (kind == "qwen3_5" or margin > MIN_MARGIN)
+    assert worst < TOL and same < SAME
+
+
+def test_dense_weights(fp8_dirs):
+    """``weights="dense"`` expands the FP8 weights (experts too) at load: bitwise the packed layers'
+    expansion, the same numbers to float32 rounding (dense projections are fused into one matmul)."""
+    root, _, _ = fp8_dirs["qwen3_next"]
+    seqs = _sequences()[:2]
+    packed = Scorer(str(root / "fp8"), device="cpu", dtype="float32", progress=False)
+    dense = load_model(str(root / "fp8"), device="cpu", dtype="float32", weights="dense")
+    assert _held(dense.model) == ([], [])
+    _assert_same_weights(packed.loaded.model, dense.model)
+    for a, b in zip(packed.logprobs(seqs), Scorer(dense, progress=False).logprobs(seqs)):
+        assert (a.logprobs - b.logprobs).abs().max().item() < SAME
+
+
+def test_quantize_activations(fp8_dirs):
+    """Qwen3.5 dense with FP8 activations (opt-in): ActQuantLinear layers, numbers a little off the
+    weight-only ones; Qwen3-Next (FP8 experts) refuses them naming the key."""
+    root, _, _ = fp8_dirs["qwen3_5"]
+    loaded = load_model(str(root / "fp8"), device="cpu", dtype="float32", quantize_activations=True)
+    assert isinstance(loaded.model.layers[0].linear_attn.in_proj_qkv, ActQuantLinear)
+    seqs = _sequences()[:2]
+    quant = Scorer(loaded, progress=False).logprobs(seqs)
+    plain = Scorer(str(root / "fp8"), device="cpu", dtype="float32", progress=False).logprobs(seqs)
+    delta = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(quant, plain))
+    assert 0 < delta < 0.5
+    with pytest.raises(LogprobeError, match="quantize_activations|experts"):
+        load_model(str(fp8_dirs["qwen3_next"][0] / "fp8"), device="cpu", dtype="float32", quantize_activations=True)
+
+
+def _copy(src, dst, edit_config=None, edit_tensors=None):
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        f = dst / "model-00001-of-00002.safetensors"
+        tensors = load_file(str(f))
+        edit_tensors(tensors)
+        save_file(tensors, str(f))
+    return dst
+
+
+def _set(**change):
+    def edit(cfg):
+        cfg["quantization_config"].update(change)
+    return edit
+
+
+def test_refusals(fp8_dirs, tmp_path):
+    """Schemes not run, and tensors that do not fit the scheme, are refused naming the key."""
+    src = fp8_dirs["qwen3_next"][0] / "fp8"
+    qkvz = "model.layers.0.linear_attn.in_proj_qkvz"
+
+    def kept_float(cfg):
+        cfg["quantization_config"]["modules_to_not_convert"].append(qkvz)
+
+    def gptq(cfg):
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+
+    def fp8_conv(t):
+        t["model.layers.0.linear_attn.conv1d.weight"] = t["model.layers.0.linear_attn.conv1d.weight"].to(FP8)
+
+    cases = [
+        (dict(edit_config=_set(activation_scheme="static")), "quantization_config", "activation_scheme 'static'"),
+        (dict(edit_config=_set(fmt="e5m2")), "quantization_config", "fmt 'e5m2'"),
+        (dict(edit_config=_set(weight_block_size=[48])), "quantization_config", "weight_block_size"),
+        (dict(edit_config=gptq), "quantization_config", "gptq"),
+        (dict(edit_config=kept_float), "quantization_config", "modules_to_not_convert names"),
+        (dict(edit_tensors=lambda t: t.pop(qkvz + ".weight_scale_inv")), "quantization_config",
+         "weight_scale_inv is missing"),
+        (dict(edit_tensors=fp8_conv), "quantization_config", "conv1d.weight"),
+    ]
+    for i, (edit, field, words) in enumerate(cases):
+        d = _copy(src, tmp_path / f"case{i}", **edit)
+        with pytest.raises(LogprobeError, match=words) as e:
+            load_model(str(d), device="cpu", dtype="float32")
+        assert e.value.field == field
+
+
+def test_tensor_parallel_refused(fp8_dirs):
+    """Tensor parallelism reads float hybrid checkpoints: an FP8 one is refused, not cast."""
+    path = fp8_dirs["qwen3_5"][0] / "fp8"
+    cfg = hybrid_config(json.loads((path / "config.json").read_text()))
+    ctx = hybrid_parallel_context(cfg, 0, 2)
+    with pytest.raises(LogprobeError, match="quantized") as e:
+        next(iter(hybrid_shard_tensors(path, cfg, ctx)))
+    assert e.value.field == "tensor_parallel_size"
