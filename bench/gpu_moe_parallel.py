@@ -158,7 +158,8 @@ def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
     """Per hook point, max |Δ| of each size against the first, deterministic mode: the first point
     that is not bitwise names the layer part (attention, MoE) whose bits depend on the size. Texts
     of several lengths, each scored alone and twice (the second pass against the first: a size
-    that is not even repeatable shows there)."""
+    that is not even repeatable shows there). One GPU runs the same comparison with the ranks as
+    threads (``tests/test_tp_threads.py -m gpu``), which also names the step inside attention."""
     from logprobe import Scorer
     from logprobe.config import EngineConfig
 
