@@ -154,6 +154,17 @@ def point_order(key: str, parts: tuple[str, ...]) -> tuple:
     return (-1, 0, key) if name[0] == "embed" else (1 << 30, 0, key)
 
 
+def rows_differing(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Which token rows of two captures [T, H] (or log-probs [T]) differ: a few rows (a rounding
+    flip), rows from some index on (a tile or a length), or all of them (a different product).
+
+    >>> rows_differing(torch.zeros(5, 2), torch.tensor([[0.0, 0], [0, 1], [0, 0], [2, 0], [0, 0]]))
+    'rows 2 of 5: [1, 3]'
+    """
+    rows = (a != b).reshape(a.shape[0], -1).any(-1).nonzero().flatten().tolist()
+    return f"rows {len(rows)} of {a.shape[0]}: {rows[:8]}{' ...' if len(rows) > 8 else ''}"
+
+
 def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
     """Per hook point, max |Δ| of each size against the first, deterministic mode: the first point
     that is not bitwise names the layer part (attention, MoE) whose bits depend on the size. Texts
@@ -171,7 +182,7 @@ def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
     def first_diff(a, b):
         for k in sorted(a, key=lambda k: point_order(k, parts)):
             if not torch.equal(a[k], b[k]):
-                return f"{k} (max |d| {(a[k] - b[k]).abs().max().item():.2e})"
+                return f"{k} (max |d| {(a[k] - b[k]).abs().max().item():.2e}; {rows_differing(a[k], b[k])})"
         return None
 
     ref = None

@@ -57,7 +57,9 @@ def first_difference(want, got, requests) -> str | None:
     for i, (a, b, r) in enumerate(zip(want, got, requests)):
         for c, x, y in zip(r.capture, a.captures, b.captures):
             if not torch.equal(x, y):
-                return f"request {i} ({len(r.tokens)} tokens): {c.point} (max |d| {(x - y).abs().max().item():.2e})"
+                rows = (x != y).any(-1).nonzero().flatten().tolist()
+                return (f"request {i} ({len(r.tokens)} tokens): {c.point} (max |d| {(x - y).abs().max().item():.2e}, "
+                        f"{len(rows)} rows: {rows[:8]})")
         if not torch.equal(a.logprobs, b.logprobs):
             return f"request {i}: log-probs (max |d| {(a.logprobs - b.logprobs).abs().max().item():.2e})"
     return None
@@ -122,7 +124,8 @@ def test_trace_sets_each_rank_heads_beside_one_process():
     assert len(one) == 7 * cfg.num_layers and ranks[1][3][1].shape == (37, 2, 16)
     assert first_head_step(one, ranks) is None
     ranks[1][3] = ("k_norm_out", ranks[1][3][1] + 1e-3)
-    assert first_head_step(one, ranks) == "call 3: k_norm_out (max |d| 1.00e-03)"
+    assert first_head_step(one, ranks).startswith("call 3: k_norm_out (max |d| 1.00e-03, 74 (row, head) pairs: "
+                                                  "[[0, 2], [0, 3], [1, 2], [1, 3]]")
 
 
 @pytest.mark.gpu

@@ -190,6 +190,9 @@ def first_head_step(one: list[tuple[str, torch.Tensor]], ranks: list[list[tuple[
             return f"call {i}: {name} has no counterpart in every rank ({[n for n, _ in parts]})"
         got = torch.cat([t for _, t in parts], dim=1)  # [T, heads, D]: the ranks' heads in order
         if got.shape != want.shape or not torch.equal(got, want):
-            d = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("nan")
-            return f"call {i}: {name} (max |d| {d:.2e})"
+            if got.shape != want.shape:
+                return f"call {i}: {name} (shapes {tuple(got.shape)} and {tuple(want.shape)})"
+            where = (got != want).any(-1).nonzero()  # [n, 2]: (row, head) pairs that differ
+            d = (got.float() - want.float()).abs().max().item()
+            return f"call {i}: {name} (max |d| {d:.2e}, {len(where)} (row, head) pairs: {where[:4].tolist()})"
     return None
