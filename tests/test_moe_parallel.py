@@ -295,9 +295,16 @@ class _Recording(ParallelContext):
 def _layer_worker(rank: int, size: int, experts: int, rdv: str, out: str) -> None:
     import torch.distributed as dist
 
+    from logprobe.layers.moe import Experts
+
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
     ctx = _Recording(rank, size, None, blocks=8, experts=experts)
     block, x = _layer_block(ctx, torch.float32)
+    fused = Experts.fused_shared_rows
+    def noted(self, *a):  # noqa: E306 - the fused halves ran (under TRITON_INTERPRET=1 only)
+        ctx.calls.append(("fused_shared_rows", ()))
+        return fused(self, *a)
+    Experts.fused_shared_rows = noted
     got = {}
     for det in (False, True):
         block.set_numerics(_numerics(det, size))
@@ -309,13 +316,19 @@ def _layer_worker(rank: int, size: int, experts: int, rdv: str, out: str) -> Non
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 4), (4, 2)])
-def test_block_default_mode_one_sum_of_tokens(tp, ep, tmp_path):
+@pytest.mark.parametrize("tp,ep,interpret", [(2, 1, False), (2, 2, False), (4, 4, False), (4, 2, False),
+                                            (2, 1, True), (4, 2, True)])
+def test_block_default_mode_one_sum_of_tokens(tp, ep, interpret, tmp_path, monkeypatch):
     """One MoE block (8 experts, top-4) over ``tp`` gloo ranks in ``ep`` expert groups. Default mode:
     each rank combines its slots and the ranks sum one float32 [T, H] (no [T*k, H] buffer crosses),
     within 1e-5 of one float32 process and of the float64 block; deterministic mode: the [T*k, H]
-    -0.0 buffer, one process's bits."""
+    -0.0 buffer, one process's bits. ``interpret``: the workers run Triton's CPU interpreter, so an
+    expert split P ways (P > 1) takes the fused kernel's two halves in default mode (as on CUDA)."""
     import torch.multiprocessing as mp
+
+    if interpret:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned workers at import
 
     out = tmp_path / "got.pt"
     mp.spawn(_layer_worker, args=(tp, ep, str(tmp_path / "rdv"), str(out)), nprocs=tp)
@@ -330,9 +343,10 @@ def test_block_default_mode_one_sum_of_tokens(tp, ep, tmp_path):
     assert default.dtype == torch.float32 and default.shape == (T, H)
     d_one, d_64 = (default - want).abs().max().item(), (default.double() - want64).abs().max().item()
     one_64 = (want.double() - want64).abs().max().item()
-    print(f"TP={tp} EP={ep}: default vs one process {d_one:.2e}, vs float64 {d_64:.2e} (one process {one_64:.2e})")
+    print(f"TP={tp} EP={ep}{' (Triton interpreted)' * interpret}: default vs one process {d_one:.2e}, vs float64 {d_64:.2e} (one process {one_64:.2e})")
     assert 0 < d_64 <= 1e-5 and d_one <= 1e-5
-    share = [("all_gather", (T * k, LAYER["I"] * ep // tp))] if tp > ep else []  # P > 1: the intermediate
+    share = [("fused_shared_rows", ())] if interpret else []
+    share += [("all_gather", (T * k, LAYER["I"] * ep // tp))] if tp > ep else []  # P > 1: the intermediate
     # one [T, H] float32 sum: its reduce-scatter, then its row blocks (T / tp rounded up) gathered
     assert calls == share + [("sum_rows", (T, H)), ("all_gather", (-(-T // tp), H))], calls
     det, calls = got[True]

@@ -196,25 +196,46 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.
     ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted). ``config`` None:
     ``default_config(x.dtype)``."""
     _check(x, ids, gate, up, down)
-    E, inter, H = gate.shape
     T, k = ids.shape
-    x, gate, up, down = (t.contiguous() for t in (x, gate, up, down))
     c = config or default_config(x.dtype)
-    sorted_slots, tile_expert = align_by_expert(ids, E, c.block_m)
-    act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
-    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [T*k, H]
+    sorted_slots, tile_expert = align_by_expert(ids, gate.shape[0], c.block_m)
+    act = moe_gate_up(x, sorted_slots, tile_expert, T * k, k, gate, up, c)  # [T*k, I]
+    return moe_down(act, sorted_slots, tile_expert, down, c)  # [T*k, H]
+
+
+def moe_gate_up(x: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.Tensor, num_slots: int, top_k: int,
+                gate: torch.Tensor, up: torch.Tensor, config: MoeKernelConfig | None = None) -> torch.Tensor:
+    """The first half of ``fused_moe``: act [num_slots, I'] with row s = SiLU(gate_e x_t) * up_e x_t
+    (t = s // top_k, e its tile's expert) for the slots of ``sorted_slots``; other rows are left
+    unwritten. gate/up [E, I', H] may be a rank's share of the intermediate columns."""
+    c = config or default_config(x.dtype)
+    E, inter, H = gate.shape
+    x, gate, up = x.contiguous(), gate.contiguous(), up.contiguous()
+    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)  # [num_slots, I']
     tiles = tile_expert.numel()
-    if tiles == 0:
-        return y
-    ieee = x.dtype == torch.float32
-    _gate_up_kernel[(tiles, triton.cdiv(inter, c.block_n))](
-        x, gate, up, act, sorted_slots, tile_expert, T * k, k, inter, H, x.stride(0), gate.stride(0), gate.stride(1),
-        act.stride(0), IEEE=ieee, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        num_warps=c.num_warps, num_stages=c.num_stages)
-    _down_kernel[(tiles, triton.cdiv(H, c.block_n))](
-        act, down, y, sorted_slots, tile_expert, T * k, H, inter, act.stride(0), down.stride(0), down.stride(1),
-        y.stride(0), IEEE=ieee, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+    if tiles:
+        _gate_up_kernel[(tiles, triton.cdiv(inter, c.block_n))](
+            x, gate, up, act, sorted_slots, tile_expert, num_slots, top_k, inter, H, x.stride(0), gate.stride(0),
+            gate.stride(1), act.stride(0), IEEE=x.dtype == torch.float32, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    return act
+
+
+def moe_down(act: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.Tensor, down: torch.Tensor,
+             config: MoeKernelConfig | None = None) -> torch.Tensor:
+    """The second half of ``fused_moe``: act [S, I] (whole intermediate rows) and down [E, H', I]
+    -> y [S, H'] for the slots of ``sorted_slots`` (other rows unwritten). down may be a rank's
+    share of the output rows."""
+    c = config or default_config(act.dtype)
+    E, H, inter = down.shape
+    act, down = act.contiguous(), down.contiguous()
+    y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device)  # [S, H']
+    tiles = tile_expert.numel()
+    if tiles:
+        _down_kernel[(tiles, triton.cdiv(H, c.block_n))](
+            act, down, y, sorted_slots, tile_expert, act.shape[0], H, inter, act.stride(0), down.stride(0),
+            down.stride(1), y.stride(0), IEEE=act.dtype == torch.float32, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return y
 
 

@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..kernels import triton_available
+from ..kernels import interpreting, triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
-from ..kernels.moe import combine_rows, combine_slots, fused_moe
+from ..kernels.moe import align_by_expert, combine_rows, combine_slots, default_config, fused_moe, moe_down, moe_gate_up
 from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range, shard_range
 from .activation import row_invariant, silu_mul
@@ -426,7 +426,7 @@ class Experts(NumericsUser, nn.Module):
             if slots.numel():
                 y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
         else:
-            y[slots, h0:h1] = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile)
+            y[slots, h0:h1] = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile, triton)
         return self.ctx.all_reduce_sum(y).view(T, k, self.hidden)  # [T, k, H]
 
     def combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None = None,
@@ -456,16 +456,23 @@ class Experts(NumericsUser, nn.Module):
             partial = combine_partial(ys, w, slots, k, T, triton)  # [T, H] float32
         else:
             h0, h1 = self.hidden_rows
-            ys = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile)  # [n, H/P]
+            ys = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile, triton)  # [n, H/P]
             partial = x.new_zeros(T, self.hidden, dtype=torch.float32)  # [T, H]: its columns only
             partial[:, h0:h1] = combine_partial(ys, w, slots, k, T, triton)
         return self.ctx.sum_rows(partial, x.dtype)
 
     def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
-                    slots: torch.Tensor, row_tile: int | None) -> torch.Tensor:
+                    slots: torch.Tensor, row_tile: int | None, triton: bool = True) -> torch.Tensor:
         """Experts split P ways within a group: this rank's intermediate columns of its slots, the
         group's columns gathered (copies: the whole intermediate row, in order), then its
-        ``hidden_rows`` outputs over the whole intermediate -> [n, H / P]."""
+        ``hidden_rows`` outputs over the whole intermediate -> [n, H / P]. Without row tiles (default
+        mode) on CUDA: the fused kernel's two halves (``fused_shared_rows``); else one product per
+        expert segment."""
+        if row_tile is None and triton and (x.is_cuda or interpreting()) and triton_available() \
+                and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            mats = self.dense_stacks(x.dtype)
+            if mats is not None:
+                return self.fused_shared_rows(x, slots, lid, n_slots, *mats)
         order, counts = sort_by_expert(lid[:, None], self.num_experts)
         xs = x[tokens[order]]  # [n, H] sorted by expert
         i0, i1 = self.inter_rows
@@ -478,16 +485,35 @@ class Experts(NumericsUser, nn.Module):
                                                                self.lin(seg, "up_proj", e, row_tile))
                 segments.append((e, start, m))
             start += m
-        _, P = self.ctx.expert_share
-        g = self.ctx.expert_group
-        every = self.ctx.all_gather(act)[g * P:(g + 1) * P]  # [P, T*k, I/P]: the group's shares
-        whole = every[:, slots[order]].permute(1, 0, 2).reshape(len(order), -1)  # [n, I] sorted by expert
+        whole = self.group_columns(act, slots[order])  # [n, I] sorted by expert
         out = x.new_empty(len(order), self.hidden_rows[1] - self.hidden_rows[0])  # [n, H/P]
         for e, start, m in segments:
             out[start:start + m] = self.lin(whole[start:start + m], "down_proj", e, row_tile)
         result = torch.empty_like(out)
         result[order] = out  # back to the order of ``slots``
         return result
+
+    def group_columns(self, act: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """act [T*k, I/P] (this rank's intermediate columns, by slot) -> [len(rows), I]: the whole
+        intermediate rows of slots ``rows``, the group's P shares side by side (a copy)."""
+        _, P = self.ctx.expert_share
+        g = self.ctx.expert_group
+        every = self.ctx.all_gather(act)[g * P:(g + 1) * P]  # [P, T*k, I/P]: the group's shares
+        return every[:, rows].permute(1, 0, 2).reshape(len(rows), -1)  # [n, I]
+
+    def fused_shared_rows(self, x: torch.Tensor, slots: torch.Tensor, lid: torch.Tensor, n_slots: int,
+                          gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """``shared_rows`` through the fused kernel's halves: ``moe_gate_up`` on this rank's
+        intermediate columns (rows read straight from x, written by slot into [T*k, I/P]), the
+        group's columns gathered, ``moe_down`` on its output rows over the whole intermediate,
+        compact in the order of ``slots`` -> [n, H/P]. The tiles of both halves are this rank's
+        slots by expert (``align_by_expert`` of their experts: positions 0 .. n - 1, n the pad)."""
+        c = default_config(x.dtype)
+        k = n_slots // max(x.shape[0], 1)  # n_slots = T * k
+        pos, tile_expert = align_by_expert(lid[:, None], self.num_experts, c.block_m)  # [Pd], [Pd / block_m]
+        by_slot = torch.cat([slots, slots.new_full((1,), n_slots)]).to(torch.int32)[pos.long()]  # [Pd]: pad n_slots
+        act = moe_gate_up(x, by_slot, tile_expert, n_slots, k, gate, up, c)  # [T*k, I/P]: other slots unwritten
+        return moe_down(self.group_columns(act, slots), pos, tile_expert, down, c)  # [n, I] -> [n, H/P]
 
 
 def _expert_blocks(total: int, blocks: int, held: int) -> list[int] | None:
