@@ -176,6 +176,7 @@ class GatheredRowLinear(ColumnParallelLinear):
     width (the ranks' shares together); ``out_features``: the whole output."""
 
     fusable = False  # its input is gathered first: never fused with other layers
+    gathered = True  # a packed layer replacing it gathers as it does (``quant_linear._PackedLinearMixin.adopt``)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext) -> None:
         super().__init__(in_features, out_features, bias, ctx)

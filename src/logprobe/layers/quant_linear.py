@@ -131,8 +131,17 @@ class PackedWeight(nn.Module):
 
 class _PackedLinearMixin(PackedWeight):
     fusable = False  # packed blocks are expanded inside forward: never concatenated
+    # the ParallelContext of the gathered-row layer this one replaced (``adopt``): its input and
+    # output are gathered over the ranks as that layer's are (None: no communication)
+    tp_gather = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.tp_gather
+        if ctx is not None:  # x [T, in / size] -> the whole input; this rank's outputs -> [T, out]
+            return ctx.gather_columns(self._local_forward(ctx.gather_columns(x)))
+        return self._local_forward(x)
+
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.numerics.row_tile is None:  # deterministic mode: the fixed-tile product
             y = self._cuda_forward(x)
             if y is not None:
@@ -145,6 +154,11 @@ class _PackedLinearMixin(PackedWeight):
         blocks and numerics), so packed and dense weights give the same bits."""
         self.col_blocks = getattr(layer, "col_blocks", None)
         self.numerics = getattr(layer, "numerics", self.numerics)
+        if getattr(layer, "gathered", False) and layer.ctx.size > 1:  # a row layer split over ranks: gather too
+            if type(self).forward is not _PackedLinearMixin.forward:
+                raise LogprobeError("tensor_parallel_size", f"{type(self).__name__} has a forward of its own, which "
+                                    "does not gather a row-parallel layer's input", "use tensor_parallel_size 1")
+            self.tp_gather = layer.ctx
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return None

@@ -158,12 +158,12 @@ def deepseek_tensors(path: Path, cfg: DeepseekConfig, raw: dict | None = None, q
                      cut=None, held: tuple[int, int] | None = None):
     """Yield (native parameter name, tensor or packed layer) from the safetensors files, experts
     stacked [E, out, in]; an FP8 block checkpoint (``loading.fp8_block``) yields its FP8 layers.
-    ``cut`` / ``held``: a rank's reading (``loading.sharding.rank_cut``; float checkpoints) and its
+    ``cut`` / ``held``: a rank's reading (``loading.sharding.rank_cut``; FP8 weights by whole rows, ``fp8_block.fp8_rows``) and its
     experts [start, end)."""
     if raw is not None and is_fp8_block(raw):
         scheme = fp8_scheme(raw["quantization_config"], quantize_activations)
         yield from stack_experts(fp8_block_tensors(path, scheme, lambda key, file: deepseek_param_name(key, cfg, file),
-                                                   log), cfg)
+                                                   log, cut), cfg, held)
         return
     yield from stack_experts(_plain(path, cfg, cut), cfg, held)
 

@@ -46,7 +46,7 @@ from ..layers.act_quant_linear import ActQuantLinear
 from ..layers.fp8_block_linear import FP8, FP8BlockLinear, block_rows
 from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedWeight
-from .checkpoint import check_plain_dtype, safetensors_files
+from .checkpoint import SKIP, check_plain_dtype, safetensors_files
 
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert", "ignored_layers",
          "scale_fmt", "dequantize", "modules_to_convert", "expert_dtype"}
@@ -123,19 +123,24 @@ def kept_float(module: str, patterns: tuple[str, ...]) -> bool:
     return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
 
 
-def fp8_layer(module: str, codes: torch.Tensor, scale_inv: torch.Tensor, scheme: FP8BlockScheme):
+def fp8_layer(module: str, codes: torch.Tensor, scale_inv: torch.Tensor, scheme: FP8BlockScheme,
+              held: torch.Tensor | None = None, shape: tuple[int, int] | None = None):
     """One module's ``weight`` and ``weight_scale_inv`` -> ``FP8BlockLinear`` (float activations) or
-    ``ActQuantLinear`` (FP8 activations per token and group of ``bw``); shapes checked."""
+    ``ActQuantLinear`` (FP8 activations per token and group of ``bw``); shapes checked. ``held``:
+    the rows (indices into the whole ``shape`` weight) that ``codes`` holds, a tensor-parallel
+    rank's (``fp8_block_tensors``' ``cut``); each takes the scales of its block row, so a rank's
+    range may start or end inside a block and stay exact."""
     if codes.ndim != 2:
         _refuse(f"{module}.weight {tuple(codes.shape)} is not a 2-D matrix")
     if scale_inv.dtype not in _SCALE_DTYPES:
         _refuse(f"{module}.weight_scale_inv is {str(scale_inv.dtype).removeprefix('torch.')}, not a float scale")
-    (bh, bw), (out, cols) = scheme.block, codes.shape
+    (bh, bw), (out, cols) = scheme.block, shape or codes.shape
     want = (-(-out // bh), -(-cols // bw))
     if tuple(scale_inv.shape) != want:
         _refuse(f"{module}.weight_scale_inv {tuple(scale_inv.shape)} is not one scale per {bh}x{bw} block of a "
                 f"[{out}, {cols}] weight {want}")
-    rows = block_rows(scale_inv, bh, out)  # [out, G]
+    # [rows held, G]: each weight row's block-row scales
+    rows = block_rows(scale_inv, bh, out) if held is None else scale_inv.float()[held // bh].contiguous()
     if not scheme.quantize_activations:
         return FP8BlockLinear(codes.contiguous(), rows, bw)
     if cols % bw:
@@ -144,14 +149,16 @@ def fp8_layer(module: str, codes: torch.Tensor, scale_inv: torch.Tensor, scheme:
     return ActQuantLinear(codes.contiguous(), rows, bw, "float", None, bw)
 
 
-def fp8_block_tensors(path: Path, scheme: FP8BlockScheme, param_name: Callable[[str, str], str | None], log
-                      ) -> Iterator[tuple[str, object]]:
+def fp8_block_tensors(path: Path, scheme: FP8BlockScheme, param_name: Callable[[str, str], str | None], log,
+                      cut=None) -> Iterator[tuple[str, object]]:
     """(native name, tensor or FP8 layer) of every tensor of ``path`` that ``param_name(key, file)``
     maps (None: skipped, e.g. multi-token-prediction layers). A module's FP8 layer is yielded under
-    its ``.weight`` name once its codes and scale are both read (they may sit in different shards)."""
+    its ``.weight`` name once its codes and scale are both read (they may sit in different shards).
+    ``cut(name)``: a tensor-parallel rank's reading (``loading.sharding.rank_cut``; the scale is cut
+    as its weight, ``fp8_rows``)."""
     from safetensors import safe_open
 
-    codes: dict[str, tuple[torch.Tensor, str]] = {}
+    codes: dict[str, tuple[object, str]] = {}
     scales: dict[str, tuple[torch.Tensor, str]] = {}
     skipped: set[int] = set()
     for f in safetensors_files(path):
@@ -167,14 +174,19 @@ def fp8_block_tensors(path: Path, scheme: FP8BlockScheme, param_name: Callable[[
                 if leaf in _OTHER_LAYOUTS:
                     _refuse(f"{key} in {f.name}: {leaf} belongs to another FP8 layout (static or per-tensor scales), "
                             "not DeepSeek's block scales (weight_scale_inv)")
-                value = st.get_tensor(key)
-                if leaf == "weight_scale_inv" or (leaf == "weight" and value.dtype == FP8):
+                how = None if cut is None else cut(name)
+                if how is SKIP:  # another rank's expert: not read
+                    continue
+                coded = leaf == "weight" and st.get_slice(key).get_dtype() == "F8_E4M3"
+                value = fp8_rows(st, key, how) if coded and how is not None else \
+                    st.get_tensor(key) if how is None or leaf == "weight_scale_inv" else how(st.get_slice(key))
+                if leaf == "weight_scale_inv" or coded or (leaf == "weight" and value.dtype == FP8):
                     if kept_float(module, scheme.not_convert):
                         _refuse(f"{key} in {f.name} is FP8 data, but modules_to_not_convert names {module}: "
                                 "transformers would read its codes without their scale")
                     (scales if leaf == "weight_scale_inv" else codes)[module] = (value, f.name)
                     if module in codes and module in scales:
-                        layer = fp8_layer(module, codes.pop(module)[0], scales.pop(module)[0], scheme)
+                        layer = _paired(module, codes.pop(module)[0], scales.pop(module)[0], scheme)
                         yield name if leaf == "weight" else param_name(module + ".weight", f.name), layer
                     continue
                 check_plain_dtype(key, value, f.name)
@@ -186,6 +198,32 @@ def fp8_block_tensors(path: Path, scheme: FP8BlockScheme, param_name: Callable[[
     if skipped:
         log.warning("%s: skipped multi-token-prediction layer%s %s (not used to score text)", path.name,
                     "s" * (len(skipped) > 1), ", ".join(map(str, sorted(skipped))))
+
+
+def fp8_rows(st, key: str, how) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """A rank's part of FP8 weight ``key`` of an open safetensors file: (its codes [n, in], read
+    alone; the indices of those rows in the whole weight [n]; the whole shape). ``how``: the
+    rank's cut (``loading.sharding.rank_cut``), which takes whole rows; a cut that is not whole
+    rows of the weight is refused (its column blocks would need scales of their own)."""
+    part = st.get_slice(key)
+    shape = tuple(int(n) for n in part.get_shape())
+    if len(shape) != 2:
+        _refuse(f"{key} {shape} is not a 2-D matrix")
+    codes = how(part)
+    held = how(torch.arange(shape[0])[:, None])  # [n, 1]: the rows the cut takes, in its order
+    if codes.ndim != 2 or codes.shape[1] != shape[1] or held.shape != (codes.shape[0], 1):
+        _refuse(f"{key}: this rank's part {tuple(codes.shape)} of the [{shape[0]}, {shape[1]}] FP8 weight is not "
+                "whole rows of it, so its 128-column scale blocks would be cut",
+                "use a tensor_parallel_size whose split keeps whole rows (or the bf16 checkpoint)")
+    return codes, held[:, 0], shape
+
+
+def _paired(module: str, codes, scale_inv: torch.Tensor, scheme: FP8BlockScheme):
+    """``fp8_layer`` of whole codes, or of a rank's rows (``fp8_rows``' triple)."""
+    if isinstance(codes, tuple):
+        codes, held, shape = codes
+        return fp8_layer(module, codes, scale_inv, scheme, held, shape)
+    return fp8_layer(module, codes, scale_inv, scheme)
 
 
 def dense_fp8(w):

@@ -60,7 +60,7 @@ from .gpt_oss import (
     is_mxfp4,
     mark_packed,
 )
-from .hf import hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
+from .hf import check_quantization, hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
 from .hub import hub_path
 from .hybrid import (
     build_hybrid,
@@ -70,7 +70,7 @@ from .hybrid import (
     hybrid_tensors,
     is_hybrid,
 )
-from .sharding import ShardedGGUF, held_experts, hf_shard_tensors, rank_cut
+from .sharding import ShardedGGUF, fp8_shard_tensors, held_experts, hf_shard_tensors, rank_cut
 from .sigmoid_moe import (
     build_sigmoid_moe,
     is_sigmoid_moe,
@@ -350,16 +350,14 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
         model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
     if isinstance(cfg, (DeepseekConfig, PartialRotaryConfig)) and ctx.size > 1:  # MLA / GLM / MiniMax
-        if read_config(path).get("quantization_config") is not None:
-            raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor and expert "
-                                "parallelism read float safetensors", "use one GPU per replica for it")
+        raw = read_config(path)  # float or FP8 block (the configs refuse other quantization)
         with torch.device("meta"):
             rank_model = type(loaded.model)(cfg, ctx=ctx)
         cut, held = (lambda name: rank_cut(rank_model, name)), held_experts(rank_model)
         if isinstance(cfg, DeepseekConfig):
-            model = build_deepseek(cfg, deepseek_tensors(path, cfg, cut=cut, held=held), dev, dt, ctx)
+            model = build_deepseek(cfg, deepseek_tensors(path, cfg, raw, cut=cut, held=held), dev, dt, ctx)
         else:
-            model = build_sigmoid_moe(cfg, sigmoid_moe_tensors(path, cfg, cut=cut, held=held), dev, dt, ctx)
+            model = build_sigmoid_moe(cfg, sigmoid_moe_tensors(path, cfg, raw, cut=cut, held=held), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
     if split and ctx.size == 1:  # one rank: the whole model
         return load_model(spec, device, dtype)
@@ -369,10 +367,13 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
         tensors = gguf_tensors(ShardedGGUF(reader, cfg, ctx), arch, cfg, packed=False)
         model = build_native(cfg, tensors, dev, dt, rope_interleaved(arch), ctx=ctx)
     else:
-        if read_config(path).get("quantization_config") is not None:
-            raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor "
-                                "parallelism reads float safetensors and GGUF files", "use one GPU for it")
-        model = build_native(cfg, hf_shard_tensors(path, cfg, ctx), dev, dt, ctx=ctx)
+        raw = read_config(path)
+        if raw.get("quantization_config") is not None and not is_fp8_block(raw):
+            raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor parallelism "
+                                "reads float and FP8 block safetensors and GGUF files", "use one GPU for it")
+        check_quantization(raw, path, native=True)
+        tensors = fp8_shard_tensors(path, cfg, ctx, raw) if is_fp8_block(raw) else hf_shard_tensors(path, cfg, ctx)
+        model = build_native(cfg, tensors, dev, dt, ctx=ctx)
     return LoadedModel(model, loaded.tokenizer, loaded.info)
 
 

@@ -17,12 +17,14 @@ and by the rank's rows of each half (``rank_cut``).
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..errors import LogprobeError
 from ..kernels.gguf_quants import GGML_TYPES
 from ..layers.moe import Experts
 from ..layers.parallel_linear import held_ranges, held_rows
@@ -32,9 +34,12 @@ from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
 from .checkpoint import SKIP, hf_param_name, safetensors_files
+from .fp8_block import fp8_block_tensors, fp8_scheme
 from .gguf import _LAYER_MAP, _TOP_MAP
 from .hf import _plain_tensors, stack_experts
 from .phi3 import FUSED, split_fused
+
+log = logging.getLogger(__name__)
 
 
 def rank_model(cfg: LlamaConfig, ctx: ParallelContext) -> LlamaModel:
@@ -69,6 +74,21 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, model: 
                         yield name, read_cut(st, key, cut)
 
     yield from stack_experts(read(), cfg, held_experts(model))
+
+
+def fp8_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, raw: dict, model: LlamaModel | None = None):
+    """``hf_shard_tensors`` of an FP8 block checkpoint (``loading.fp8_block``): this rank's rows of
+    each FP8 weight read alone and kept FP8, each row with its block row's scales (a range may
+    start inside a block: exact), float tensors cut as in a float checkpoint, other ranks'
+    experts not read, this rank's stacked as ``FP8BlockExperts`` [E / M, rows, in]."""
+    if cfg.extra.get(FUSED):
+        raise LogprobeError("quantization_config", f"{path.name}: a quantized Phi-3 checkpoint (fused qkv_proj / "
+                            "gate_up_proj) is not read natively", "score the unquantized model")
+    model = model if model is not None else rank_model(cfg, ctx)
+    scheme = fp8_scheme(raw["quantization_config"])
+    stream = fp8_block_tensors(path, scheme, lambda key, file: hf_param_name(key, cfg, file), log,
+                               lambda name: rank_cut(model, name))
+    yield from stack_experts(stream, cfg, held_experts(model))
 
 
 class ShardedGGUF:
