@@ -44,8 +44,9 @@ from test_qwen3_next import (  # noqa: F401  (float64_reference: a fixture used 
 from logprobe import LogprobeError, Scorer
 from logprobe.layers.act_quant_linear import ActQuantLinear
 from logprobe.layers.fp8_block_linear import FP8BlockExperts, FP8BlockLinear
+from logprobe.layers.gated_delta import split_qwen3_next_projections
 from logprobe.loading import load_model
-from logprobe.loading.hybrid import hybrid_config, hybrid_parallel_context, hybrid_shard_tensors
+from logprobe.loading.hybrid import _split_rows, hybrid_config, hybrid_parallel_context, hybrid_shard_tensors
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -216,7 +217,7 @@ def test_dense_weights(fp8_dirs):
 
 def test_quantize_activations(fp8_dirs):
     """Qwen3.5 dense with FP8 activations (opt-in): ActQuantLinear layers, numbers a little off the
-    weight-only ones; Qwen3-Next (FP8 experts) refuses them naming the key."""
+    weight-only ones; Qwen3-Next's fused projections and the FP8 experts refuse them, naming the key."""
     root, _, _ = fp8_dirs["qwen3_5"]
     loaded = load_model(str(root / "fp8"), device="cpu", dtype="float32", quantize_activations=True)
     assert isinstance(loaded.model.layers[0].linear_attn.in_proj_qkv, ActQuantLinear)
@@ -225,8 +226,9 @@ def test_quantize_activations(fp8_dirs):
     plain = Scorer(str(root / "fp8"), device="cpu", dtype="float32", progress=False).logprobs(seqs)
     delta = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(quant, plain))
     assert 0 < delta < 0.5
-    with pytest.raises(LogprobeError, match="quantize_activations|experts"):
-        load_model(str(fp8_dirs["qwen3_next"][0] / "fp8"), device="cpu", dtype="float32", quantize_activations=True)
+    for kind, words in (("qwen3_next", "fused in_proj_qkvz"), ("qwen3_5_moe", "experts stored as ActQuantLinear")):
+        with pytest.raises(LogprobeError, match=words) as e:
+            load_model(str(fp8_dirs[kind][0] / "fp8"), device="cpu", dtype="float32", quantize_activations=True)
 
 
 def _copy(src, dst, edit_config=None, edit_tensors=None):
@@ -288,3 +290,25 @@ def test_tensor_parallel_refused(fp8_dirs):
     with pytest.raises(LogprobeError, match="quantized") as e:
         next(iter(hybrid_shard_tensors(path, cfg, ctx)))
     assert e.value.field == "tensor_parallel_size"
+
+
+def test_fused_split_keeps_row_scales():
+    """Qwen3-Next's FP8 ``in_proj_qkvz`` / ``in_proj_ba`` cut into Qwen3.5's four projections: each
+    part expands bitwise to the same cut of the dequantized fused weight (rows regrouped across
+    partial 48-row blocks), float ``in_proj_ba`` beside FP8 ``in_proj_qkvz`` too."""
+    cfg = hybrid_config({"model_type": "qwen3_next", "vocab_size": 64, "hidden_size": 72, "num_hidden_layers": 1,
+                         "layer_types": ["linear_attention"], "num_attention_heads": 2, "num_key_value_heads": 1,
+                         "head_dim": 16, "intermediate_size": 32, "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 6, "linear_key_head_dim": 8, "linear_value_head_dim": 4})
+    gen = torch.Generator().manual_seed(0)
+    qkvz = torch.randn(2 * (2 * 8 + 2 * 3 * 4), 72, generator=gen)  # [Hk (2 Dk + 2 r Dv), H]: 80 rows
+    ba = torch.randn(2 * 2 * 3, 72, generator=gen)  # [Hk 2 r, H]: 12 rows
+    layers = [FP8BlockLinear.from_blocks(*quantize_blocks(w, *BLOCK), *BLOCK) for w in (qkvz, ba)]
+    want = split_qwen3_next_projections(layers[0].rows(), layers[1].rows(), 2, 8, 6, 4)
+    for ba_w, ba_fp8 in ((layers[1], True), (layers[1].rows(), False)):
+        got = _split_rows(layers[0], ba_w, cfg)
+        for part, w in want.items():
+            fp8 = part in ("in_proj_qkv", "in_proj_z") or ba_fp8
+            assert isinstance(got[part], FP8BlockLinear) == fp8
+            assert torch.equal(got[part].rows() if fp8 else got[part], w), part
+    assert not torch.equal(want["in_proj_z"], layers[0].rows()[-24:])  # per key head, not the last rows
