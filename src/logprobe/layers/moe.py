@@ -49,7 +49,15 @@ from torch import nn
 from ..errors import LogprobeError
 from ..kernels import interpreting, triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
-from ..kernels.moe import align_by_expert, combine_rows, combine_slots, default_config, fused_moe, moe_down, moe_gate_up
+from ..kernels.moe import (
+    align_by_expert,
+    combine_rows,
+    combine_slots,
+    default_config,
+    fused_moe,
+    moe_down,
+    moe_gate_up,
+)
 from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range, shard_range
 from .activation import row_invariant, silu_mul
