@@ -42,11 +42,16 @@ from test_qwen3_next import (  # noqa: F401  (float64_reference: a fixture used 
 )
 
 from logprobe import LogprobeError, Scorer
+from logprobe.config import EngineConfig
 from logprobe.layers.act_quant_linear import ActQuantLinear
 from logprobe.layers.fp8_block_linear import FP8BlockExperts, FP8BlockLinear
 from logprobe.layers.gated_delta import split_qwen3_next_projections
+from logprobe.layers.parallel_linear import held_ranges
 from logprobe.loading import load_model
-from logprobe.loading.hybrid import _split_rows, hybrid_config, hybrid_parallel_context, hybrid_shard_tensors
+from logprobe.loading.hybrid import _split_rows, hybrid_config, hybrid_shard_tensors, hybrid_tensors
+from logprobe.loading.loader import parallel_context
+from logprobe.loading.sharding import held_experts
+from logprobe.models.qwen3_next import HybridModel
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -227,7 +232,7 @@ def test_quantize_activations(fp8_dirs):
     delta = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(quant, plain))
     assert 0 < delta < 0.5
     for kind, words in (("qwen3_next", "fused in_proj_qkvz"), ("qwen3_5_moe", "experts stored as ActQuantLinear")):
-        with pytest.raises(LogprobeError, match=words) as e:
+        with pytest.raises(LogprobeError, match=words):
             load_model(str(fp8_dirs[kind][0] / "fp8"), device="cpu", dtype="float32", quantize_activations=True)
 
 
@@ -282,14 +287,58 @@ def test_refusals(fp8_dirs, tmp_path):
         assert e.value.field == field
 
 
-def test_tensor_parallel_refused(fp8_dirs):
-    """Tensor parallelism reads float hybrid checkpoints: an FP8 one is refused, not cast."""
-    path = fp8_dirs["qwen3_5"][0] / "fp8"
-    cfg = hybrid_config(json.loads((path / "config.json").read_text()))
-    ctx = hybrid_parallel_context(cfg, 0, 2)
-    with pytest.raises(LogprobeError, match="quantized") as e:
-        next(iter(hybrid_shard_tensors(path, cfg, ctx)))
-    assert e.value.field == "tensor_parallel_size"
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_rank_reads_its_fp8_rows(kind, fp8_dirs):
+    """Rank 1 of 2 (``hybrid_shard_tensors``): every FP8 layer holds the rows its layer states
+    (``held_ranges``: q/k/v heads, the mixer's three q/k/v ranges, value heads, output rows), kept
+    FP8 and bitwise those rows of the whole layer; Qwen3-Next's fused projections split, then cut;
+    FP8 experts: the rank's half (expert parallelism 2), float tensors as before."""
+    path = fp8_dirs[kind][0] / "fp8"
+    raw = json.loads((path / "config.json").read_text())
+    cfg = hybrid_config(raw)
+    whole = dict(hybrid_tensors(path, cfg, raw))
+    ctx = parallel_context(cfg, 1, 2, None, 2 if cfg.moe is not None else 1)
+    got = dict(hybrid_shard_tensors(path, cfg, ctx))
+    assert got.keys() == whole.keys()
+    with torch.device("meta"):
+        model = HybridModel(cfg, ctx)
+    cut = 0
+    for name, w in got.items():
+        if isinstance(w, FP8BlockLinear):
+            assert w.qweight.dtype == FP8
+            full, ranges = whole[name].rows(), held_ranges(model, name)
+            want = full if ranges is None else torch.cat([full[a:b] for a, b in ranges])
+            cut += want.shape[0] < full.shape[0]
+            assert torch.equal(w.rows(), want), name
+        elif isinstance(w, FP8BlockExperts):
+            start, end = held_experts(model)
+            assert end - start == 4 and torch.equal(w.stacked(torch.float32),
+                                                    whole[name].stacked(torch.float32)[start:end]), name
+        else:
+            assert not isinstance(whole[name], (FP8BlockLinear, FP8BlockExperts)), name
+    assert cut >= 8  # q/k/v, in_proj_qkv/z, out_proj, o_proj, ... are this rank's rows only
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per model
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_fp8_tp2_equals_tp1(kind, fp8_dirs):
+    """FP8 checkpoints at TP = 2 (Qwen3-Next: experts split over the two ranks): bitwise TP = 1 in
+    deterministic mode; in default mode products of other shapes, so float32 rounding (``SAME``)."""
+    path = str(fp8_dirs[kind][0] / "fp8")
+    seqs = _sequences()
+    one = Scorer(path, device="cpu", dtype="float32", progress=False)
+    want = {}
+    for det in (True, False):
+        one.config = EngineConfig(deterministic=det)
+        want[det] = one.logprobs(seqs)
+    with Scorer(path, device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as s:
+        for det in (True, False):
+            s.config = EngineConfig(deterministic=det)
+            for x, y in zip(s.logprobs(seqs), want[det]):
+                if det:
+                    assert torch.equal(x.logprobs, y.logprobs), kind
+                else:
+                    assert (x.logprobs - y.logprobs).abs().max() <= SAME
 
 
 def test_fused_split_keeps_row_scales():

@@ -16,7 +16,7 @@ checkpoint stores (Qwen keeps ``in_proj_ba`` / ``in_proj_b`` / ``in_proj_a``, ro
 lm_head float through ``modules_to_not_convert``; the conv, A_log, dt_bias and norms are float).
 Qwen3-Next's fused FP8 ``in_proj_qkvz`` / ``in_proj_ba`` are cut by rows like the float ones: each
 row keeps the scales of its block row (``FP8BlockLinear`` holds one row of scales per weight row).
-Tensor parallelism reads float checkpoints only.
+Under tensor parallelism a rank reads its rows of each FP8 weight alone, kept FP8 the same way.
 """
 
 from __future__ import annotations
@@ -209,8 +209,9 @@ def hybrid_tensors(path: Path, cfg: HybridConfig, raw: dict | None = None, quant
     yield from stack_experts(_split_fused(tensors, cfg), cfg)
 
 
-def _fp8(path: Path, cfg: HybridConfig, scheme):
-    """(name, tensor or FP8 layer) of every used key of an FP8 block checkpoint (``_plain``'s names)."""
+def _fp8(path: Path, cfg: HybridConfig, scheme, cut=None):
+    """(name, tensor or FP8 layer) of every used key of an FP8 block checkpoint (``_plain``'s names;
+    ``cut``: a rank's reading, as ``_plain``'s)."""
     skipped: list[str] = []
 
     def name(key: str, file: str) -> str | None:
@@ -219,7 +220,7 @@ def _fp8(path: Path, cfg: HybridConfig, scheme):
             skipped.append(key)
         return out
 
-    for n, value in fp8_block_tensors(path, scheme, name, log):
+    for n, value in fp8_block_tensors(path, scheme, name, log, cut):
         yield n, _squeeze_conv(n, value)
     _note_skipped(path, skipped)
 
@@ -333,20 +334,23 @@ def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
     """``hybrid_tensors``, each cut to this rank's rows as its layers state them (``held_ranges`` of
     the rank's model on the meta device; the mixer's q/k/v rows and conv channels are three ranges):
     only those rows are read (``get_slice``), except Qwen3-Next's fused ``in_proj_qkvz`` /
-    ``in_proj_ba``, read whole, split into Qwen3.5's layout, then cut (one layer at a time)."""
-    if read_config(path).get("quantization_config") is not None:
-        raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a quantized {cfg.family} "
-                            "checkpoint; tensor parallelism reads float safetensors", "use one GPU for it")
+    ``in_proj_ba``, read whole, split into Qwen3.5's layout, then cut (one layer at a time). An FP8
+    block checkpoint: this rank's rows of each FP8 weight, kept FP8, each row with its block row's
+    scales (``fp8_block.fp8_rows``), the fused ones cut as FP8 layers (``_take_rows``)."""
+    raw = read_config(path)
     with torch.device("meta"):
         model = HybridModel(cfg, ctx)
 
     def cut(name: str):
         return None if _SPLIT.fullmatch(name) else rank_cut(model, name)
 
-    for name, w in stack_experts(_split_fused(_plain(path, cfg, cut), cfg), cfg, held_experts(model)):
+    fp8 = is_fp8_block(raw)
+    stream = _fp8(path, cfg, fp8_scheme(raw["quantization_config"]), cut) if fp8 else _plain(path, cfg, cut)
+    for name, w in stack_experts(_split_fused(stream, cfg), cfg, held_experts(model)):
         ranges = held_ranges(model, name)
-        if ranges is not None and w.shape[0] != sum(b - a for a, b in ranges):  # read whole: split from a fused one
-            w = torch.cat([w[a:b] for a, b in ranges])
+        rows = w.out_features if isinstance(w, FP8BlockLinear) else w.shape[0]
+        if ranges is not None and rows != sum(b - a for a, b in ranges):  # read whole: split from a fused one
+            w = _take_rows(w, torch.cat([torch.arange(a, b) for a, b in ranges]))
         yield name, w
 
 
