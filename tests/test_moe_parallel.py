@@ -347,8 +347,9 @@ def test_block_default_mode_one_sum_of_tokens(tp, ep, interpret, tmp_path, monke
     assert 0 < d_64 <= 1e-5 and d_one <= 1e-5
     share = [("fused_shared_rows", ())] if interpret else []
     share += [("all_gather", (T * k, LAYER["I"] * ep // tp))] if tp > ep else []  # P > 1: the intermediate
-    # one [T, H] float32 sum: its reduce-scatter, then its row blocks (T / tp rounded up) gathered
-    assert calls == share + [("sum_rows", (T, H)), ("all_gather", (-(-T // tp), H))], calls
+    # one [T, H] float32 sum (T padded to whole row blocks): its reduce-scatter, then the blocks gathered
+    per = -(-T // tp)
+    assert calls == share + [("sum_rows", (per * tp, H)), ("all_gather", (per, H))], calls
     det, calls = got[True]
     one.set_numerics(_numerics(True, 1))
     assert torch.equal(det, one(x))

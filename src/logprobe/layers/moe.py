@@ -456,18 +456,19 @@ class Experts(NumericsUser, nn.Module):
         T, k = ids.shape
         slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
         w = weights.float().reshape(-1)[slots]  # [n]: each computed slot's router weight
+        rows = -(-T // self.ctx.size) * self.ctx.size  # T padded to whole row blocks (zero rows)
         _, P = self.ctx.expert_share
         if P == 1:
             ys = x.new_empty(0, self.hidden)  # [n, H]
             if slots.numel():
                 ys = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
-            partial = combine_partial(ys, w, slots, k, T, triton)  # [T, H] float32
+            partial = combine_partial(ys, w, slots, k, rows, triton)  # [rows, H] float32
         else:
             h0, h1 = self.hidden_rows
             ys = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile, triton)  # [n, H/P]
-            partial = x.new_zeros(T, self.hidden, dtype=torch.float32)  # [T, H]: its columns only
-            partial[:, h0:h1] = combine_partial(ys, w, slots, k, T, triton)
-        return self.ctx.sum_rows(partial, x.dtype)
+            partial = x.new_zeros(rows, self.hidden, dtype=torch.float32)  # [rows, H]: its columns only
+            partial[:, h0:h1] = combine_partial(ys, w, slots, k, rows, triton)
+        return self.ctx.sum_rows(partial, x.dtype)[:T]  # [T, H]
 
     def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
                     slots: torch.Tensor, row_tile: int | None, triton: bool = True) -> torch.Tensor:

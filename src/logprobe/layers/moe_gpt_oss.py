@@ -168,8 +168,9 @@ class GptOssExperts(nn.Module):
         ys = x.new_empty(0, self.hidden)  # [n, H]
         if slots.numel():
             ys = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
-        partial = combine_partial(ys, weights.float().reshape(-1)[slots], slots, k, T, triton)  # [T, H] float32
-        return self.ctx.sum_rows(partial, x.dtype)
+        rows = -(-T // self.ctx.size) * self.ctx.size  # T padded to whole row blocks (zero rows)
+        partial = combine_partial(ys, weights.float().reshape(-1)[slots], slots, k, rows, triton)  # [rows, H] float32
+        return self.ctx.sum_rows(partial, x.dtype)[:T]  # [T, H]
 
     def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
         """The experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""

@@ -57,7 +57,8 @@ class ParallelContext:
     def sum_rows(self, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """float32 partials [T, H], one per rank -> their sum [T, H] rounded once to ``dtype``, the
         same bits on every rank: a reduce-scatter of row blocks in float32 (rank r sums rows block
-        r, T padded to a multiple of the size), each rank rounds its block, then an all-gather in
+        r; T padded to a multiple of the size here unless the caller made it one, which saves the
+        copy), each rank rounds its block, then an all-gather in
         ``dtype``. Traffic per rank (N ranks): (N-1)/N of T·H float32 plus (N-1)/N of T·H in
         ``dtype``, against (N-1)/N · 2 of T·H float32 for an all-reduce, and with one rounding.
         The order of the float32 sum is the backend's: default mode only."""
