@@ -538,7 +538,10 @@ class MoeBlock(NumericsUser, nn.Module):
     ``forward(x [T, H], hooks)`` -> [T, H] (the block's ``mlp_out``); the router probabilities
     [T, E] are offered to ``hooks`` at ``router_point`` (capture only). The experts run under the
     block's ``numerics``: fixed row tiles in deterministic mode, the fused Triton kernel on CUDA
-    unless ``numerics.triton`` is off."""
+    unless ``numerics.triton`` is off. Over several ranks, deterministic mode gathers every slot
+    whole on every rank (``Experts.parallel_forward``, one process's bits); default mode sums
+    the ranks' combined slots once (``Experts.combined``, a [T, H] float32 sum). In both the
+    routed sum is rounded to x's dtype before the shared expert is added, as in one process."""
 
     def __init__(self, spec: MoeSpec, hidden: int, router_point: str, shared: nn.Module | None = None,
                  ctx: ParallelContext | None = None) -> None:
