@@ -20,17 +20,20 @@ loaded by transformers in float64 (its float32 casts read as float64, ``test_qwe
 Ours runs in float32 through ``Scorer``, the weights held as FP8 codes: per-token log-probs within
 1e-4 of float64 (float32 rounding, as the float checkpoints); every FP8 layer's expansion is
 bitwise the float32 weight logprobe reads from the dequantized float checkpoint, and the two
-float32 forwards agree to float32 rounding (their matmuls are grouped differently). MoE router near-ties are kept out as in ``test_qwen3_next`` (margins asserted).
+float32 forwards agree to float32 rounding (their matmuls are grouped differently).
+Also: deterministic mode's batch invariance on FP8 weights (companions, chunks, shared prefixes),
+a tensor-parallel rank's FP8 rows, and TP = 2 bitwise TP = 1 (gloo workers, slow tier). MoE router near-ties are kept out as in ``test_qwen3_next`` (margins asserted).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import pytest
 import torch
-from helpers import byte_tokenizer
+from helpers import VOCAB, byte_tokenizer
 from test_fp8_block import dequant64, quantize_blocks
 from test_qwen3_next import (  # noqa: F401  (float64_reference: a fixture used by name)
     MIN_MARGIN,
@@ -361,3 +364,23 @@ def test_fused_split_keeps_row_scales():
             assert isinstance(got[part], FP8BlockLinear) == fp8
             assert torch.equal(got[part].rows() if fp8 else got[part], w), part
     assert not torch.equal(want["in_proj_z"], layers[0].rows()[-24:])  # per key head, not the last rows
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_fp8_deterministic_batch_invariance(kind, fp8_dirs):
+    """Deterministic mode on FP8 weights: a request's bits do not depend on its companions, on a
+    small budget cutting it into chunks, or on a shared 70-token context (shared up to 64)."""
+    path = str(fp8_dirs[kind][0] / "fp8")
+    rng = random.Random(3)
+    tok = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
+    ctx = tok(70)
+    seqs = [{"prompt_token_ids": ctx, "completion_token_ids": tok(rng.randint(1, 20))} for _ in range(3)]
+    seqs += [{"prompt_token_ids": tok(5), "completion_token_ids": tok(4)},
+             {"prompt_token_ids": tok(20), "completion_token_ids": tok(140)}]
+    one = Scorer(path, device="cpu", dtype="float32", config=EngineConfig(deterministic=True, share_prefixes=False,
+                                                                            progress=False))
+    alone = [one.logprobs([q])[0] for q in seqs]
+    for budget in (64, 4096):
+        one.config = EngineConfig(deterministic=True, share_prefixes=True, max_batch_tokens=budget, progress=False)
+        for a, b in zip(alone, one.logprobs(seqs)):
+            assert torch.equal(a.logprobs, b.logprobs), budget
