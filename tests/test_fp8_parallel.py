@@ -13,8 +13,10 @@ columns, so that rank ranges start and end inside blocks: q_proj's 128 rows spli
 * TP = 2 (EP = 1: every expert's rows split; EP = 2: whole experts per rank) in deterministic mode:
   the raw bits of one process's log-probs, entropy, ranks and top-k; default mode within 1e-5;
 * every rank's log-probs against the float64 forward of the dequantized weights (transformers,
-  float64, its RMSNorm in float64): within ``TOL``; router margins of the MoE families are those
-  ``test_fp8_block`` asserts for the same seeds (near-ties kept out, not met by luck);
+  float64, its RMSNorm in float64): within ``TOL`` = 1e-5, at the options' temperature; the
+  sigmoid routers' selection margins (the gap between the last expert or group kept and the
+  first dropped, float64) asserted above 1e-5, so no near-tie decides a choice (the softmax
+  router of Qwen3-MoE: a flipped choice would show far above 1e-5 against float64);
 * a cut that is not whole rows of an FP8 weight is refused naming the tensor and the fix, and
   other quantized checkpoints are still refused under tensor parallelism.
 """
@@ -40,6 +42,7 @@ from test_moe_parallel import FIELDS, OPTS, _bits_equal  # noqa: E402
 FP8 = torch.float8_e4m3fn
 BLOCK = (24, 16)
 TOL = 1e-5
+MIN_MARGIN = 1e-5  # router selection gaps kept above this (float32 rounding of the scores is ~1e-7)
 SIZES = {"qwen3": [(2, 1)], "qwen3_moe": [(2, 1), (2, 2)], "deepseek_v3": [(2, 1), (2, 2)],
          "glm4_moe": [(2, 1), (2, 2)], "minimax_m2": [(2, 1), (2, 2)]}
 
@@ -92,15 +95,34 @@ def fp8_dirs(tmp_path_factory):
     mp.undo()
 
 
-def _float64_worst(results, ref, seqs) -> float:
-    worst = 0.0
+def _float64(kind: str, ref, ids: list[int]) -> tuple[torch.Tensor, float]:
+    """(float64 log-probs [L, V] at the options' temperature, the smallest router selection margin
+    over the scored rows: inf for the softmax router)."""
+    import test_deepseek
+    import test_moe_sigmoid_families as sig
+
+    margin, hi = float("inf"), len(ids) - 1
+    if kind == "deepseek_v3":
+        lp, routers = test_deepseek._reference(ref, ids)
+        margin = min(test_deepseek._routing_stats(lg, b, c, hi)[0] for lg, b, c in routers)
+    elif kind in sig.GROUPS:
+        lp, routers = sig._reference(ref, ids)
+        margin = min(sig._routing_stats(lg, b, c, hi, sig.GROUPS[kind])[0] for lg, b, c in routers)
+    else:
+        lp = ref_logprobs(ref, ids)
+    return torch.log_softmax(lp / OPTS["temperature"], dim=-1), margin  # log_softmax(logits / T)
+
+
+def _float64_worst(kind: str, results, ref, seqs) -> tuple[float, float]:
+    """(max |log-prob - float64| over the completions, the smallest router margin met)."""
+    worst, margin = 0.0, float("inf")
     for seq, res in zip(seqs, results):
         ids = seq["prompt_token_ids"] + seq["completion_token_ids"]
         lo, hi = len(seq["prompt_token_ids"]) - 1, len(ids) - 1
-        lp = torch.log_softmax(ref_logprobs(ref, ids) / OPTS["temperature"], dim=-1)  # [L, V] at the temperature
+        lp, m = _float64(kind, ref, ids)
         tgt = lp[lo:hi].gather(1, torch.tensor(seq["completion_token_ids"])[:, None])[:, 0]
-        worst = max(worst, (res.logprobs.double() - tgt).abs().max().item())
-    return worst
+        worst, margin = max(worst, (res.logprobs.double() - tgt).abs().max().item()), min(margin, m)
+    return worst, margin
 
 
 @pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per size (~10-20 s each)
@@ -119,9 +141,10 @@ def test_fp8_tp_and_ep_equal_one_process(kind, fp8_dirs):
             for det in (True, False):
                 s.config = EngineConfig(deterministic=det, progress=False)
                 got = s.logprobs(seqs, **OPTS)
-                worst = _float64_worst(got, ref, seqs)
-                print(f"{kind} fp8 TP={tp} EP={ep} deterministic={det}: max |delta| vs float64 {worst:.2e}")
-                assert worst <= TOL, (kind, tp, ep, det, worst)
+                worst, margin = _float64_worst(kind, got, ref, seqs)
+                print(f"{kind} fp8 TP={tp} EP={ep} deterministic={det}: max |delta| vs float64 {worst:.2e}, "
+                      f"router margin {margin:.2e}")
+                assert worst <= TOL and margin > MIN_MARGIN, (kind, tp, ep, det, worst, margin)
                 if det:
                     assert _bits_equal(got, want[det]), (kind, tp, ep)
                     continue
@@ -196,16 +219,20 @@ def test_cut_not_whole_rows_refused(fp8_dirs):
     refused naming the tensor and the fix, not read with the wrong scales."""
     from safetensors import safe_open
 
-    from logprobe.loading.fp8_block import fp8_rows
+    from logprobe.loading.fp8_block import fp8_rows, fp8_scheme, scale_rows
 
     path, _ = fp8_dirs["qwen3"]
+    scheme = fp8_scheme(read_config(path)["quantization_config"])
     key = "model.layers.0.self_attn.q_proj.weight"
     f = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][key]
     with safe_open(str(path / f), framework="pt") as st:
-        codes, held, shape = fp8_rows(st, key, lambda t: t[40:88])  # rows 40:88 cut blocks 24:48, 72:96: fine
-        assert codes.shape == (48, 64) and held.tolist() == list(range(40, 88)) and shape == (128, 64)
+        codes, part = fp8_rows(st, key, lambda t: t[40:88], scheme)  # rows 40:88 cut blocks 24:48, 72:96: fine
+        assert codes.shape == (48, 64) and part.rows.tolist() == list(range(40, 88)) and part.shape == (128, 64)
+        scale, blocks = scale_rows(st, key + "_scale_inv", lambda t: t[40:88], scheme)
+        assert (blocks.first_block, blocks.scale_shape, scale.shape) == (1, (6, 4), (3, 4))  # block rows 1..3 of 6
+        assert torch.equal(scale, st.get_tensor(key + "_scale_inv")[1:4])
         with pytest.raises(LogprobeError, match="q_proj.weight.*not whole rows") as e:
-            fp8_rows(st, key, lambda t: t[:, :32])
+            fp8_rows(st, key, lambda t: t[:, :32], scheme)
     assert e.value.field == "quantization_config" and "tensor_parallel_size" in str(e.value)
 
 

@@ -124,23 +124,24 @@ def kept_float(module: str, patterns: tuple[str, ...]) -> bool:
 
 
 def fp8_layer(module: str, codes: torch.Tensor, scale_inv: torch.Tensor, scheme: FP8BlockScheme,
-              held: torch.Tensor | None = None, shape: tuple[int, int] | None = None):
+              part: RankPart | None = None):
     """One module's ``weight`` and ``weight_scale_inv`` -> ``FP8BlockLinear`` (float activations) or
-    ``ActQuantLinear`` (FP8 activations per token and group of ``bw``); shapes checked. ``held``:
-    the rows (indices into the whole ``shape`` weight) that ``codes`` holds, a tensor-parallel
-    rank's (``fp8_block_tensors``' ``cut``); each takes the scales of its block row, so a rank's
-    range may start or end inside a block and stay exact."""
+    ``ActQuantLinear`` (FP8 activations per token and group of ``bw``); shapes checked. ``part``:
+    a tensor-parallel rank's rows (``codes`` and ``scale_inv`` its parts, ``fp8_block_tensors``'
+    ``cut``); each row takes the scales of its block row, so a rank's range may start or end
+    inside a block and stay exact."""
     if codes.ndim != 2:
         _refuse(f"{module}.weight {tuple(codes.shape)} is not a 2-D matrix")
     if scale_inv.dtype not in _SCALE_DTYPES:
         _refuse(f"{module}.weight_scale_inv is {str(scale_inv.dtype).removeprefix('torch.')}, not a float scale")
-    (bh, bw), (out, cols) = scheme.block, shape or codes.shape
+    (bh, bw), (out, cols) = scheme.block, part.shape if part else codes.shape
     want = (-(-out // bh), -(-cols // bw))
-    if tuple(scale_inv.shape) != want:
-        _refuse(f"{module}.weight_scale_inv {tuple(scale_inv.shape)} is not one scale per {bh}x{bw} block of a "
-                f"[{out}, {cols}] weight {want}")
+    if (part.scale_shape if part else tuple(scale_inv.shape)) != want:
+        _refuse(f"{module}.weight_scale_inv {part.scale_shape if part else tuple(scale_inv.shape)} is not one "
+                f"scale per {bh}x{bw} block of a [{out}, {cols}] weight {want}")
     # [rows held, G]: each weight row's block-row scales
-    rows = block_rows(scale_inv, bh, out) if held is None else scale_inv.float()[held // bh].contiguous()
+    rows = block_rows(scale_inv, bh, out) if part is None else \
+        scale_inv.float()[part.rows // bh - part.first_block].contiguous()
     if not scheme.quantize_activations:
         return FP8BlockLinear(codes.contiguous(), rows, bw)
     if cols % bw:
@@ -178,8 +179,8 @@ def fp8_block_tensors(path: Path, scheme: FP8BlockScheme, param_name: Callable[[
                 if how is SKIP:  # another rank's expert: not read
                     continue
                 coded = leaf == "weight" and st.get_slice(key).get_dtype() == "F8_E4M3"
-                value = fp8_rows(st, key, how) if coded and how is not None else \
-                    st.get_tensor(key) if how is None or leaf == "weight_scale_inv" else how(st.get_slice(key))
+                value = st.get_tensor(key) if how is None else fp8_rows(st, key, how, scheme) if coded else \
+                    scale_rows(st, key, how, scheme) if leaf == "weight_scale_inv" else how(st.get_slice(key))
                 if leaf == "weight_scale_inv" or coded or (leaf == "weight" and value.dtype == FP8):
                     if kept_float(module, scheme.not_convert):
                         _refuse(f"{key} in {f.name} is FP8 data, but modules_to_not_convert names {module}: "
@@ -200,29 +201,58 @@ def fp8_block_tensors(path: Path, scheme: FP8BlockScheme, param_name: Callable[[
                     "s" * (len(skipped) > 1), ", ".join(map(str, sorted(skipped))))
 
 
-def fp8_rows(st, key: str, how) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """A rank's part of FP8 weight ``key`` of an open safetensors file: (its codes [n, in], read
-    alone; the indices of those rows in the whole weight [n]; the whole shape). ``how``: the
-    rank's cut (``loading.sharding.rank_cut``), which takes whole rows; a cut that is not whole
-    rows of the weight is refused (its column blocks would need scales of their own)."""
+@dataclass(slots=True, frozen=True)
+class RankPart:
+    """What a tensor-parallel rank read of one FP8 weight: ``rows`` [n], the indices of its rows in
+    the whole ``shape`` weight (in the order held); of the scales, block rows from ``first_block``
+    of the whole ``scale_shape`` ones."""
+
+    rows: torch.Tensor
+    shape: tuple[int, int]
+    first_block: int
+    scale_shape: tuple[int, ...]
+
+
+def _held_rows(how, n: int) -> torch.Tensor:
+    """The rows, in order, that cut ``how`` (``loading.sharding.rank_cut``) takes of a tensor of ``n`` rows."""
+    return how(torch.arange(n)[:, None])[:, 0]  # [n, 1] indices cut as the tensor is
+
+
+def fp8_rows(st, key: str, how, scheme: FP8BlockScheme) -> tuple[torch.Tensor, RankPart]:
+    """A rank's part of FP8 weight ``key`` of an open safetensors file: its codes [n, in], read
+    alone, and where they sit (``RankPart``, scale fields filled by ``scale_rows``). ``how``: the
+    rank's cut, which takes whole rows; a cut that is not whole rows of the weight is refused
+    (its column blocks would need scales of their own)."""
     part = st.get_slice(key)
     shape = tuple(int(n) for n in part.get_shape())
     if len(shape) != 2:
         _refuse(f"{key} {shape} is not a 2-D matrix")
-    codes = how(part)
-    held = how(torch.arange(shape[0])[:, None])  # [n, 1]: the rows the cut takes, in its order
-    if codes.ndim != 2 or codes.shape[1] != shape[1] or held.shape != (codes.shape[0], 1):
+    codes, rows = how(part), _held_rows(how, shape[0])
+    if codes.ndim != 2 or codes.shape[1] != shape[1] or rows.shape != (codes.shape[0],):
         _refuse(f"{key}: this rank's part {tuple(codes.shape)} of the [{shape[0]}, {shape[1]}] FP8 weight is not "
-                "whole rows of it, so its 128-column scale blocks would be cut",
+                f"whole rows of it, so its {scheme.block[1]}-column scale blocks would be cut",
                 "use a tensor_parallel_size whose split keeps whole rows (or the bf16 checkpoint)")
-    return codes, held[:, 0], shape
+    return codes, RankPart(rows, shape, 0, ())
 
 
-def _paired(module: str, codes, scale_inv: torch.Tensor, scheme: FP8BlockScheme):
-    """``fp8_layer`` of whole codes, or of a rank's rows (``fp8_rows``' triple)."""
+def scale_rows(st, key: str, how, scheme: FP8BlockScheme) -> tuple[torch.Tensor, RankPart]:
+    """A rank's block rows of ``weight_scale_inv`` ``key``: those its weight rows (cut ``how``)
+    fall in, first to last (read alone), and the whole scale's shape."""
+    part = st.get_slice(key)
+    shape = tuple(int(n) for n in part.get_shape())
+    if len(shape) != 2 or shape[0] == 0:
+        return part[:], RankPart(torch.zeros(0, dtype=torch.long), (0, 0), 0, shape)  # refused by fp8_layer
+    blocks = _held_rows(how, shape[0] * scheme.block[0]) // scheme.block[0]  # block row of each held row
+    lo, hi = int(blocks.min()), int(blocks.max()) + 1
+    return part[lo:hi], RankPart(blocks, (0, 0), lo, shape)
+
+
+def _paired(module: str, codes, scale_inv, scheme: FP8BlockScheme):
+    """``fp8_layer`` of whole codes and scales, or of a rank's parts (``fp8_rows``, ``scale_rows``)."""
     if isinstance(codes, tuple):
-        codes, held, shape = codes
-        return fp8_layer(module, codes, scale_inv, scheme, held, shape)
+        (codes, rows), (scale_inv, blocks) = codes, scale_inv
+        part = RankPart(rows.rows, rows.shape, blocks.first_block, blocks.scale_shape)
+        return fp8_layer(module, codes, scale_inv, scheme, part)
     return fp8_layer(module, codes, scale_inv, scheme)
 
 
