@@ -25,6 +25,11 @@ format's fake-quantization: scale = group absmax / 448 (compressed-tensors' rule
 kernel divides the same way), codes rounded to e4m3. It needs input widths that are multiples of
 ``bw`` and dense (non-expert) matrices; experts with quantized activations are refused.
 
+Under tensor and expert parallelism (``cut``: ``loading.sharding.rank_cut``) a rank reads its rows
+of each FP8 weight and the block rows of its scales those rows fall in (``fp8_rows``,
+``scale_rows``), other ranks' experts not at all; every split is by whole rows, and each row keeps
+its block row's scales, so a rank's range may start or end inside a block exactly.
+
 Refused, with the key named: ``activation_scheme`` "static", ``fmt`` other than "e4m3", keys this
 reader does not know, ``modules_to_convert`` (quantized embeddings), ``expert_dtype`` other than
 "fp8", ``scale_fmt`` "ue8m0" with quantized activations (power-of-two activation scales: not run),

@@ -317,7 +317,8 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
 def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.device | None = "auto",
                dtype: str | torch.dtype | None = "auto") -> LoadedModel:
     """This rank's slices of a native model (``loading.sharding``): GGUF blocks and safetensors
-    slices are read for this rank only; quantized GGUF weights are expanded per rank (dense)."""
+    slices are read for this rank only; quantized GGUF weights are expanded per rank (dense), FP8
+    block checkpoints keep their rows FP8 with their block rows' scales (``loading.fp8_block``)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = resolve_spec(spec)

@@ -6,7 +6,9 @@ gathered-row = rows of the output, vocabulary-parallel = rows of the embedding a
 ``held_rows(rank_model(cfg, ctx), name)`` reads it off the rank's model built on the meta device
 (no memory). Safetensors are read with ``get_slice`` (only those bytes); GGUF tensors are
 memory-mapped and cut before anything is decoded (whole rows: quantized blocks are never cut).
-Weight updates slice whole tensors the same way (``loading.update.rank_slice``).
+Weight updates slice whole tensors the same way (``loading.update.rank_slice``). FP8 block
+checkpoints are cut the same way, codes by rows and scales by the block rows those rows fall in
+(``fp8_shard_tensors``, ``fp8_block.fp8_rows``).
 
 Experts (``layers.moe.Experts.held``): a rank reads only the experts of its group (the others'
 tensors are skipped unread) and, of each, its rows: per-expert matrices
