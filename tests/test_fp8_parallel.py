@@ -10,15 +10,17 @@ columns, so that rank ranges start and end inside blocks: q_proj's 128 rows spli
 
 * a rank reads its rows of each FP8 weight (and its experts only) and holds them as FP8 codes,
   equal to those rows of the one-process layer, codes and scales;
-* TP = 2 (EP = 1: every expert's rows split; EP = 2: whole experts per rank) in deterministic mode:
+* TP = 2 (EP = 1: every expert's rows split; EP = 2: whole experts per rank; DeepSeek-V3 also
+  TP = EP = 4: a head and two experts a rank) in deterministic mode:
   the raw bits of one process's log-probs, entropy, ranks and top-k; default mode within 1e-5;
 * every rank's log-probs against the float64 forward of the dequantized weights (transformers,
   float64, its RMSNorm in float64): within ``TOL`` = 1e-5, at the options' temperature; the
   sigmoid routers' selection margins (the gap between the last expert or group kept and the
   first dropped, float64) asserted above 1e-5, so no near-tie decides a choice (the softmax
   router of Qwen3-MoE: a flipped choice would show far above 1e-5 against float64);
-* a cut that is not whole rows of an FP8 weight is refused naming the tensor and the fix, and
-  other quantized checkpoints are still refused under tensor parallelism.
+* a cut that is not whole rows of an FP8 weight is refused naming the tensor and the fix, other
+  quantized checkpoints are still refused under tensor parallelism, and a weight update of a
+  split FP8 model is refused (float tensors cannot be written into FP8 rows exactly).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from logprobe.loading.hf import native_config, read_config
 from logprobe.loading.loader import describe_model, parallel_context
 
 transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
 from test_fp8_block import _proj, _sequences, write_fp8  # noqa: E402
 from test_moe_parallel import FIELDS, OPTS, _bits_equal  # noqa: E402
 
@@ -43,7 +46,7 @@ FP8 = torch.float8_e4m3fn
 BLOCK = (24, 16)
 TOL = 1e-5
 MIN_MARGIN = 1e-5  # router selection gaps kept above this (float32 rounding of the scores is ~1e-7)
-SIZES = {"qwen3": [(2, 1)], "qwen3_moe": [(2, 1), (2, 2)], "deepseek_v3": [(2, 1), (2, 2)],
+SIZES = {"qwen3": [(2, 1)], "qwen3_moe": [(2, 1), (2, 2)], "deepseek_v3": [(2, 1), (2, 2), (4, 4)],
          "glm4_moe": [(2, 1), (2, 2)], "minimax_m2": [(2, 1), (2, 2)]}
 
 
@@ -151,6 +154,9 @@ def test_fp8_tp_and_ep_equal_one_process(kind, fp8_dirs):
                 delta = max((x.logprobs - y.logprobs).abs().max().item() for x, y in zip(got, want[det]))
                 assert delta <= 1e-5, (kind, tp, ep, delta)
                 assert all(torch.equal(x.topk_ids, y.topk_ids) for x, y in zip(got, want[det]))
+            if kind == "qwen3":  # float tensors cannot land in a rank's FP8 rows: refused, not written
+                with pytest.raises(LogprobeError, match="packed-quantized"):
+                    s.update_weights(load_file(str(path.parent / "ref" / "model.safetensors")))
 
 
 def _stream(kind, path, cfg, raw, model=None):
