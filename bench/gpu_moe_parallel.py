@@ -11,6 +11,14 @@ and a bitwise flag. Deterministic mode on CUDA runs only where every rank holds 
 
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --sizes 1x1,2x1,2x2      # 2 GPUs
     python bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4    # 4 GPUs
+    python bench/gpu_moe_parallel.py --shape mla --fp8 --sizes 1x1,2x1,2x2          # FP8 blocks, 2 GPUs
+
+``--fp8`` writes the same weights as an FP8 block checkpoint laid out as DeepSeek's (every
+``*_proj`` matrix, experts one per expert, as float8_e4m3fn with ``weight_scale_inv`` per 128 x 128
+block; norms, embeddings, routers and lm_head bf16; ``quantization_config`` quant_method "fp8"):
+each rank then reads its rows of the FP8 weights and keeps them FP8 (docs/parallel.md, FP8 block
+checkpoints). Its rows compare FP8 sizes against FP8 (1, 1); against the bf16 run of the same
+shape they differ by the quantization, not by an error.
 """
 
 from __future__ import annotations
@@ -45,8 +53,48 @@ def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
 
 
-def write_checkpoint(shape: str, layers: int, path: Path) -> None:
-    """Random bf16 weights (seeded per tensor, made on CUDA), config.json and a byte tokenizer."""
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (e4m3 codes, float32 scale_inv [ceil(out/b), ceil(in/b)]): absmax / 448 per block."""
+    out, k = w.shape
+    R, C = -(-out // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, C * block - k, 0, R * block - out))  # [R*b, C*b]
+    scale = (padded.view(R, block, C, block).abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)  # [R, C]
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (padded / full).to(torch.float8_e4m3fn)[:out, :k].contiguous(), scale
+
+
+def fp8_entries(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor of the bf16 checkpoint -> what DeepSeek's FP8 checkpoints store for it: each
+    projection ``<m>.weight`` as codes and ``<m>.weight_scale_inv``; transformers' stacked experts
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) first split into one
+    matrix per expert; anything else (norms, embeddings, routers) as it is.
+
+    >>> sorted(fp8_entries("layers.1.mlp.experts.down_proj", torch.ones(2, 4, 3)))[:2]
+    ['layers.1.mlp.experts.0.down_proj.weight', 'layers.1.mlp.experts.0.down_proj.weight_scale_inv']
+    """
+    base = key.rpartition(".")[0] + "."
+    if key.endswith("experts.gate_up_proj"):
+        inter = t.shape[1] // 2
+        mats = {f"{base}{e}.{p}.weight": t[e, i * inter:(i + 1) * inter]
+                for e in range(t.shape[0]) for i, p in enumerate(("gate_proj", "up_proj"))}
+    elif key.endswith("experts.down_proj"):
+        mats = {f"{base}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+    elif t.dim() == 2 and "_proj" in key:
+        mats = {key: t}
+    else:
+        return {key: t}
+    out = {}
+    for k, w in mats.items():
+        out[k], out[k.removesuffix(".weight") + ".weight_scale_inv"] = fp8_blocks(w)
+    return out
+
+
+def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, device: str = "cuda") -> None:
+    """Random bf16 weights (seeded per tensor, made on ``device``), config.json and a byte tokenizer;
+    ``fp8``: the same weights as an FP8 block checkpoint (``fp8_entries``)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -62,15 +110,17 @@ def write_checkpoint(shape: str, layers: int, path: Path) -> None:
     shapes.update({k: tuple(v.shape) for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
     part, files, size = {}, [], 0
     for i, (k, s) in enumerate(sorted(shapes.items())):
-        g = torch.Generator("cuda").manual_seed(i)
+        g = torch.Generator(device).manual_seed(i)
         if k.endswith("e_score_correction_bias"):
-            t = torch.zeros(s, device="cuda")
+            t = torch.zeros(s, device=device)
         elif len(s) == 1:
-            t = torch.ones(s, device="cuda")
+            t = torch.ones(s, device=device)
         else:
-            t = torch.randn(s, generator=g, device="cuda") * 0.02
-        part[k] = t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16).cpu()
-        size += part[k].numel() * 2
+            t = torch.randn(s, generator=g, device=device) * 0.02
+        t = t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
+        for name, v in (fp8_entries(k, t) if fp8 else {k: t}).items():
+            part[name] = v.cpu()
+            size += v.numel() * v.element_size()
         if size > 4 << 30:
             files.append(part)
             part, size = {}, 0
@@ -82,6 +132,9 @@ def write_checkpoint(shape: str, layers: int, path: Path) -> None:
         index.update({k: name for k in p})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     cfg.save_pretrained(str(path))
+    if fp8:
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, "quantization_config": FP8_CONFIG}, indent=2))
     byte_tokenizer().save_pretrained(str(path))
 
 
@@ -103,12 +156,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="1x1,2x1,2x2", help="TPxEP pairs, the first is the reference")
     ap.add_argument("--modes", default="default,det")
     ap.add_argument("--dir", default="/tmp/logprobe-moe-parallel")
+    ap.add_argument("--fp8", action="store_true", help="an FP8 block checkpoint of the same weights (DeepSeek's layout)")
     ap.add_argument("--diagnose", action="store_true",
                     help="deterministic mode only: capture every block's attn_out / mlp_out / resid_post of "
                          "two texts at each size and print where the bits first leave (1, 1)'s")
     args = ap.parse_args()
-    path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}"
-    write_checkpoint(args.shape, args.layers, path)
+    path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}{'-fp8' * args.fp8}"
+    write_checkpoint(args.shape, args.layers, path, args.fp8)
     log(f"checkpoint {path}")
     if args.diagnose:
         return diagnose(path, args.sizes.split(","))
@@ -127,7 +181,7 @@ def main() -> None:
             s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
             secs, lp = timed(s, reqs)
             toks = sum(r.num_inputs for r in reqs)
-            row = dict(shape=args.shape, layers=args.layers or "all", tp=tp, ep=ep, mode=mode, s=round(secs, 3),
+            row = dict(shape=args.shape, layers=args.layers or "all", fp8=args.fp8, tp=tp, ep=ep, mode=mode, s=round(secs, 3),
                        tok_s=round(toks / secs), load_s=round(load, 1))
             if mode in ref:
                 d = (lp - ref[mode]).abs()
