@@ -37,11 +37,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HYBRID_MODELS, byte_tokenizer, free, workload  # noqa: E402
-from gpu_hybrid import (  # noqa: E402
+from common import (  # noqa: E402  (the hybrid benchmarks' shared parts)
+    HYBRID_MODELS,
     GiB,
     as_sequences,
+    byte_tokenizer,
     delta,
+    free,
     hf_config,
     log,
     mem_base,
@@ -50,7 +52,8 @@ from gpu_hybrid import (  # noqa: E402
     progress,
     step,
     timed,
-    write_checkpoint,
+    workload,
+    write_hybrid_checkpoint,
 )
 
 from logprobe import Scorer  # noqa: E402
@@ -174,7 +177,7 @@ def main() -> None:
             log(f"\n# {name}: {label}{' (tiny)' if args.tiny else ''}, FP8 blocks {block} x {block}")
             dname = str(dtype).removeprefix("torch.")
             path = root / f"{name}{'-tiny' if args.tiny else ''}-{layers}L-{dname}"
-            progress(f"bf16 checkpoint {path}: {write_checkpoint(cfg, path, dev, dtype)}")
+            progress(f"bf16 checkpoint {path}: {write_hybrid_checkpoint(cfg, path, dev, dtype)}")
             fp8 = path.with_name(path.name + f"-fp8-{block}")
             progress(f"FP8 checkpoint {fp8}: {write_fp8(path, fp8, block, dev)}")
             reqs = workload(args.workload, cfg.vocab_size)[:args.requests or None]
