@@ -239,6 +239,7 @@ def test_hybrid_tiny_cpu_run(tmp_path):
             assert float(c[4].split()[0]) > 0 and float(c[9]) < 1e-4 and float(c[10]) < 1e-5, c
 
 
+@pytest.mark.slow  # two processes and a server, ~11 s
 def test_weight_sync_tiny_cpu_run(tmp_path):
     """gpu_weight_sync.py's CPU run (about 20 s): the real ``logprobe serve`` in a subprocess, this
     script as the trainer over gloo (buckets of 50 KiB, three full updates), then its table: every

@@ -316,8 +316,10 @@ def _layer_worker(rank: int, size: int, experts: int, rdv: str, out: str) -> Non
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp,ep,interpret", [(2, 1, False), (2, 2, False), (4, 4, False), (4, 2, False),
-                                            (2, 1, True), (4, 2, True)])
+@pytest.mark.parametrize("tp,ep,interpret", [(2, 1, False), (2, 2, False),
+                                            pytest.param(4, 4, False, marks=pytest.mark.slow),
+                                            pytest.param(4, 2, False, marks=pytest.mark.slow),
+                                            (2, 1, True), pytest.param(4, 2, True, marks=pytest.mark.slow)])
 def test_block_default_mode_one_sum_of_tokens(tp, ep, interpret, tmp_path, monkeypatch):
     """One MoE block (8 experts, top-4) over ``tp`` gloo ranks in ``ep`` expert groups. Default mode:
     each rank combines its slots and the ranks sum one float32 [T, H] (no [T*k, H] buffer crosses),

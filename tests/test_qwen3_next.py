@@ -301,6 +301,7 @@ def test_partial_weight_update_refused(hybrid_dirs):
         scorer.update_weights({"lm_head.weight": torch.zeros(VOCAB, 64)})
 
 
+@pytest.mark.slow  # starts gloo workers, ~7 s
 def test_data_parallel_and_moe_tensor_parallel_refused(hybrid_dirs):
     """Two data-parallel worker processes give the single process's bits; a tensor-parallel size
     that does not split the mixture-of-experts model's heads is refused before any process starts,

@@ -78,6 +78,7 @@ def test_topk_helpers():
     assert MAX_TOP_K == 256
 
 
+@pytest.mark.slow  # the interpreter over k = 256 takes ~35 s on two cores
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
 def test_fused_kernel_wide_topk_exact():
     code = textwrap.dedent("""
