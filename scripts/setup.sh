@@ -24,9 +24,10 @@ TORCH_PIN=$(mktemp)
 "$VPY" -c "import torch; print('torch==' + torch.__version__)" > "$TORCH_PIN"
 "$VPY" -m pip install -q -c "$TORCH_PIN" -e ".[test]"
 # verl, for tests/test_rl_adapters.py: its requirements pin an older transformers, so it goes in without
-# them, beside the packages its imported modules need (OpenRLHF needs flash-attn and deepspeed: not here)
+# them, beside the packages its imported modules need (OpenRLHF needs flash-attn and deepspeed: not here);
+# tensordict 0.14.3, which torchrl 0.14.1 needs, is above verl's pin (<= 0.10) and runs its imported modules
 "$VPY" -c "import transformers; print('transformers==' + transformers.__version__)" >> "$TORCH_PIN"
-"$VPY" -m pip install -q -c "$TORCH_PIN" tensordict==0.10.0 torchdata==0.11.0 codetiming omegaconf hydra-core dill \
+"$VPY" -m pip install -q -c "$TORCH_PIN" tensordict==0.14.3 torchdata==0.11.0 codetiming omegaconf hydra-core dill \
   peft einops cachetools pillow
 "$VPY" -m pip install -q --no-deps verl==0.9.1
 rm -f "$TORCH_PIN"
