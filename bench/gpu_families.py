@@ -60,7 +60,6 @@ One model's weights are on the GPU at a time (freed in between).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import sys
@@ -72,7 +71,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import byte_tokenizer, free, run_transformers, sync_time, workload  # noqa: E402
+from common import byte_tokenizer, free, mem_base, run_transformers, sync_time, workload  # noqa: E402
 
 from logprobe import Scorer  # noqa: E402
 from logprobe.loading import load_model  # noqa: E402
@@ -291,15 +290,6 @@ def peak_since(dev, base: int) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / GiB if dev.type == "cuda" else None
 
 
-def start_peak(dev) -> int:
-    if dev.type != "cuda":
-        return 0
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
-
-
 def as_sequences(reqs) -> list[dict]:
     return [{"prompt_token_ids": r.tokens[:r.score_begin], "completion_token_ids": r.tokens[r.score_begin:]}
             for r in reqs]
@@ -318,13 +308,13 @@ def best(args, fn, label: str):
 def logprobe_rows(args, label: str, loaded, reqs, dev, rows: dict) -> None:
     seqs = as_sequences(reqs)
     scorer = Scorer(loaded, progress=False)
-    weights = start_peak(dev)  # what the model holds
+    weights = mem_base(dev)  # what the model holds
     for mode in ("default", "deterministic"):
         key = f"{label}, {mode}"
         try:
             scorer.config = replace(scorer.config, deterministic=mode == "deterministic")
             sync_time(lambda: scorer.logprobs(seqs[:args.warmup]))
-            start_peak(dev)
+            mem_base(dev)
             res, sec = best(args, lambda: scorer.logprobs(seqs), key)
             rows[key] = dict(sec=sec, n=len(seqs), lp=[r.logprobs.float().cpu() for r in res],
                              peak=peak_since(dev, weights))
@@ -339,7 +329,7 @@ def transformers_row(args, hf, reqs, dev, rows: dict, hf_requests: int) -> None:
     try:
         with torch.inference_mode():
             sync_time(lambda: run_transformers(hf, reqs[:2], args.budget, str(dev), use_cache=False))
-            base = start_peak(dev)
+            base = mem_base(dev)
             res, sec = best(args, lambda: run_transformers(hf, reqs[:n], args.budget, str(dev), use_cache=False),
                             "transformers")
         frac = sum(q.num_inputs for q in reqs[:n]) / sum(q.num_inputs for q in reqs)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 VOCAB = 300  # model vocabulary; the byte tokenizer uses the first 258 ids
 SPECIALS = ["<|endoftext|>", "<s>"]
@@ -205,3 +208,19 @@ def run_interpreted(code: str):
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + sys.path))
     return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
                           env=env, timeout=600)
+
+
+def copy_checkpoint(src: Path, dst: Path, edit_config=None, edit_tensors=None) -> Path:
+    """A copy of checkpoint directory ``src`` at ``dst``, its config.json and first safetensors shard
+    of two passed through the editing callbacks (in place)."""
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        f = dst / "model-00001-of-00002.safetensors"
+        tensors = load_file(str(f))
+        edit_tensors(tensors)
+        save_file(tensors, str(f))
+    return dst

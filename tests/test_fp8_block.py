@@ -18,12 +18,11 @@ are kept out as in ``test_deepseek`` (margins asserted).
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import byte_tokenizer, random_sequences, ref_logprobs, tiny_config
+from helpers import byte_tokenizer, copy_checkpoint, random_sequences, ref_logprobs, tiny_config
 
 from logprobe import LogprobeError, Scorer
 from logprobe.layers.act_quant_linear import ActQuantLinear
@@ -239,20 +238,6 @@ def test_config_refusals(change, words):
     assert fp8_scheme({**BASE_Q, "scale_fmt": "ue8m0", "ignored_layers": ["gate"]}).not_convert == ("gate",)
 
 
-def _copy(src, dst, edit_config=None, edit_tensors=None):
-    shutil.copytree(src, dst)
-    if edit_config:
-        cfg = json.loads((dst / "config.json").read_text())
-        edit_config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if edit_tensors:
-        f = dst / "model-00001-of-00002.safetensors"
-        tensors = load_file(str(f))
-        edit_tensors(tensors)
-        save_file(tensors, str(f))
-    return dst
-
-
 def test_tensor_refusals(qwen_fp8, tmp_path):
     root, _ = qwen_fp8
     src = root / "fp8"
@@ -272,7 +257,7 @@ def test_tensor_refusals(qwen_fp8, tmp_path):
          "has no float8"),
     ]
     for i, (edit, words) in enumerate(cases):
-        d = _copy(src, tmp_path / f"case{i}", **edit)
+        d = copy_checkpoint(src, tmp_path / f"case{i}", **edit)
         with pytest.raises(LogprobeError, match=words):
             load_model(str(d), device="cpu", dtype="float32")
 

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
-from helpers import VOCAB, byte_tokenizer
+from helpers import VOCAB, byte_tokenizer, copy_checkpoint
 from test_fp8_block import dequant64, quantize_blocks
 from test_qwen3_next import (  # noqa: F401  (float64_reference: a fixture used by name)
     MIN_MARGIN,
@@ -239,20 +238,6 @@ def test_quantize_activations(fp8_dirs):
             load_model(str(fp8_dirs[kind][0] / "fp8"), device="cpu", dtype="float32", quantize_activations=True)
 
 
-def _copy(src, dst, edit_config=None, edit_tensors=None):
-    shutil.copytree(src, dst)
-    if edit_config:
-        cfg = json.loads((dst / "config.json").read_text())
-        edit_config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if edit_tensors:
-        f = dst / "model-00001-of-00002.safetensors"
-        tensors = load_file(str(f))
-        edit_tensors(tensors)
-        save_file(tensors, str(f))
-    return dst
-
-
 def _set(**change):
     def edit(cfg):
         cfg["quantization_config"].update(change)
@@ -284,7 +269,7 @@ def test_refusals(fp8_dirs, tmp_path):
         (dict(edit_tensors=fp8_conv), "quantization_config", "conv1d.weight"),
     ]
     for i, (edit, field, words) in enumerate(cases):
-        d = _copy(src, tmp_path / f"case{i}", **edit)
+        d = copy_checkpoint(src, tmp_path / f"case{i}", **edit)
         with pytest.raises(LogprobeError, match=words) as e:
             load_model(str(d), device="cpu", dtype="float32")
         assert e.value.field == field

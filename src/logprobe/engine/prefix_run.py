@@ -29,7 +29,7 @@ from ..layers.attention import KVCache, Segment
 from ..models.caps import ModelCaps
 from .prefix_cache import PrefixCache, resolve_budget
 from .request import ScoreRequest
-from .scheduler import Tree
+from .scheduler import Tree, common_prefix
 
 
 def cacheable(r: ScoreRequest) -> bool:
@@ -170,22 +170,12 @@ def _fetcher(slots: list, row_of: Callable[[int], int]) -> Callable[[int, int], 
     return fetch
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _shared_with(inputs: list[int], begin: int, before: list[int] | None) -> tuple[int, bool]:
     """Where a request joining a pack starts computing: past its cached ``begin`` tokens, or past
     what it shares with the inputs of the member before it (whose rows the pass computes anyway),
     leaving at least one row; and whether it reads that member's rows. Members come in token order
     (``resumable`` sorts them), so of the earlier members the one before shares the most."""
-    c = min(_common(inputs, before), len(inputs) - 1) if before is not None else 0
+    c = min(common_prefix(inputs, before), len(inputs) - 1) if before is not None else 0
     return (c, True) if c > begin else (begin, False)
 
 
