@@ -43,6 +43,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ..parallel.rows import RowSplit
 from .attention_gpu import LONG_ROWS, causal_tail_attention, cudnn_dense, flash_varlen_attention
 
 
@@ -111,6 +112,9 @@ class AttentionMeta:
     varlen_cache: tuple | None = field(default=None, repr=False)  # varlen() for the GPU path, built once
     split_cache: tuple | None = field(default=None, repr=False)  # _gpu's long / short split, built once
     state_route: object = field(default=None, repr=False)  # layers.linear_state.route_states, built once
+    # data-parallel attention (``parallel.rows``): this meta is rank ``rows.rank``'s share of a batch
+    # split by sequences over the group, its segments re-based to its own first row; None: every row
+    rows: RowSplit | None = None
 
     @classmethod
     def packed(cls, lengths: list[int], kv_block: int | None = None) -> AttentionMeta:
@@ -124,6 +128,38 @@ class AttentionMeta:
     @property
     def num_rows(self) -> int:
         return self.segments[-1].end if self.segments else 0
+
+    def cuts(self) -> list[int]:
+        """The rows at which the batch may be cut between ranks (``parallel.rows.assign_rows``):
+        0, the row count, and each segment's start unless a segment from there on reads keys
+        before it (a shared prefix stays with its branches). Only for a batch with no cache.
+
+        >>> AttentionMeta([Segment(0, 4), Segment(4, 6, ((0, 4),)), Segment(6, 9, ((0, 4),)), Segment(9, 12)]).cuts()
+        [0, 9, 12]
+        """
+        if self.cache is not None or self.past:
+            raise ValueError("a batch over cached keys is not cut between ranks")
+        cuts, low = [self.num_rows], self.num_rows
+        for seg in reversed(self.segments):  # low: the first row any segment from here on reads
+            low = min([low, seg.start, *(a for a, _ in seg.context)])
+            if low == seg.start and 0 < seg.start < cuts[-1]:
+                cuts.append(seg.start)
+        if cuts[-1] != 0:
+            cuts.append(0)
+        return cuts[::-1]
+
+    def share(self, split: RowSplit) -> AttentionMeta:
+        """Rank ``split.rank``'s rows of this batch (``split.own``, cut at ``cuts``) as a batch of
+        their own: the segments inside them, shifted to start at row 0 (context spans too).
+
+        >>> meta = AttentionMeta([Segment(0, 4), Segment(4, 6, ((0, 4),)), Segment(6, 9)], kv_block=2)
+        >>> meta.share(RowSplit((0, 6, 9), rank=1)).segments, meta.share(RowSplit((0, 6, 9), rank=1)).kv_block
+        ([Segment(start=0, end=3, context=())], 2)
+        """
+        a, b = split.own
+        segs = [Segment(s.start - a, s.end - a, tuple((c0 - a, c1 - a) for c0, c1 in s.context))
+                for s in self.segments if a <= s.start and s.end <= b and s.end > s.start]
+        return AttentionMeta(segs, kv_block=self.kv_block, rows=split)
 
     def varlen(self) -> tuple[list[int], list[int], list[int]]:
         """The same mask for a varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` and the key-source
@@ -161,6 +197,8 @@ def packed_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this batch -> [T, Hq, D]; Hq a multiple of Hkv (GQA).
     ``sinks`` [Hq]: each head's sink logit (module docstring), None for none."""
+    if q.shape[0] == 0 and meta.cache is None:  # a rank with no rows of a split batch (``AttentionMeta.rows``)
+        return torch.empty_like(q)
     if meta.cache is not None:
         k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
     past = k.shape[0] - q.shape[0]

@@ -59,6 +59,7 @@ from ..kernels.moe import (
     moe_gate_up,
 )
 from ..parallel.context import ParallelContext
+from ..parallel.rows import RowSplit
 from ..parallel.shard import expert_range, shard_range
 from .activation import row_invariant, silu_mul
 from .linear import Linear, tiled_linear
@@ -470,6 +471,53 @@ class Experts(NumericsUser, nn.Module):
             partial[:, h0:h1] = combine_partial(ys, w, slots, k, rows, triton)
         return self.ctx.sum_rows(partial, x.dtype)[:T]  # [T, H]
 
+    def split_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: RowSplit,
+                      deterministic: bool, row_tile: int | None, triton: bool = True) -> torch.Tensor:
+        """Data-parallel attention (whole experts per rank): x [T, H], ids [T, k] and weights [T, k]
+        of this rank's own rows (``rows.own``) -> the routed output [T, H] of those rows in x's dtype.
+
+        Every rank's x, ids and weights are gathered (each padded to ``rows.max_rows`` = m; padded
+        ids are -1, no expert's), the rank computes its experts' slots of all P * m rows, then
+
+        * default mode: combines them at once into a float32 [P * m, H] partial and the partials
+          are reduce-scattered: rank r receives the sum over ranks of its own rows, rounded once;
+        * deterministic mode: writes them into a [P * m * k, H] buffer of -0.0 that is
+          reduce-scattered (each entry non-zero on one rank only: exact in any order, as in
+          ``parallel_forward``), so each rank receives its own rows' k slots whole, then combines
+          them in slot order (``combine_to``): one process's bits at every size.
+
+        Worked example, P = 2, E = 4 (rank 0: experts 0, 1; rank 1: 2, 3), k = 1, rank 0 owns token
+        a routed to e3, rank 1 tokens b, c routed to e0, e2 (m = 2; rank 0's pad row p):
+
+            gathered rows [a, p | b, c]:  rank 0 computes slot of b (e0), rank 1 those of a, c
+            reduce-scatter: rank 0 receives [y_a, -0.0], rank 1 [y_b, y_c]
+
+        Traffic per layer and rank: the gather of (P - 1) m rows of x (and m x 2k float32 of
+        routing), and a reduce-scatter of (P - 1) m rows, float32 of H (default) or k x H in x's
+        dtype (deterministic)."""
+        T, k = ids.shape
+        _, P = self.ctx.expert_share
+        if P != 1:
+            raise LogprobeError("attention_parallel", "data-parallel attention needs whole experts per rank, "
+                                f"each expert is split {P} ways here", "use expert_parallel_size = tensor_parallel_size")
+        m, size = rows.max_rows, self.ctx.size
+        xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
+        routing = rows.pad(torch.cat([ids.float(), weights.float()], 1), -1.0)  # [m, 2k]: ids exact in float32
+        routing = self.ctx.all_gather(routing).view(size * m, 2 * k)  # [P*m, 2k]
+        every_ids = routing[:, :k].long()  # [P*m, k]; -1 on pad rows
+        slots, lid = local_slots(every_ids, self.first_expert, self.num_experts)  # [n], [n]
+        ys = x.new_empty(0, self.hidden)  # [n, H]
+        if slots.numel():
+            ys = self.local(xs[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
+        if not deterministic:
+            w = routing[:, k:].reshape(-1)[slots]  # [n]: each computed slot's router weight
+            partial = combine_partial(ys, w, slots, k, size * m, triton)  # [P*m, H] float32
+            return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
+        y = x.new_full((size * m * k, self.hidden), -0.0)  # [P*m*k, H]: -0.0, the exact identity of the sum
+        y[slots] = ys
+        own = self.ctx.reduce_scatter_sum(y).view(m, k, self.hidden)[:T]  # [T, k, H]: own rows' slots, whole
+        return combine_to(own, weights, x.dtype)
+
     def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
                     slots: torch.Tensor, row_tile: int | None, triton: bool = True) -> torch.Tensor:
         """Experts split P ways within a group: this rank's intermediate columns of its slots, the
@@ -573,7 +621,9 @@ class MoeBlock(NumericsUser, nn.Module):
             return weights * self.spec.routed_scaling_factor
         return weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
 
-    def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hooks=None, rows: RowSplit | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. ``rows``: x is this rank's share of a batch split by sequences over
+        the ranks (data-parallel attention, ``Experts.split_forward``); no hooks then."""
         if self.grouped:  # float32 router weight and input, as transformers keeps it
             s = self.spec
             probs, weights, ids = route_grouped(self.gate(x.to(self.gate.weight.dtype)), self.e_score_correction_bias,
@@ -586,7 +636,10 @@ class MoeBlock(NumericsUser, nn.Module):
             forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.reweigh(probs, forced_ids))
             if forced is not None:  # replayed experts (``layers.hooks.RouteTable``)
                 weights, ids = forced
-        if self.experts.ctx.parallel and not self.numerics.deterministic:
+        if rows is not None and self.experts.ctx.parallel:  # own rows routed; every rank's gathered
+            out = self.experts.split_forward(x, ids, weights, rows, self.numerics.deterministic,
+                                             self.numerics.row_tile, self.numerics.triton)  # [T, H]
+        elif self.experts.ctx.parallel and not self.numerics.deterministic:
             # default mode over ranks: each rank's slots combined there, one [T, H] sum over ranks
             out = self.experts.combined(x, ids, weights, self.numerics.row_tile, self.numerics.triton)  # [T, H]
         else:  # every slot whole on every rank (deterministic: one process's bits at every size)

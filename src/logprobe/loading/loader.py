@@ -215,9 +215,52 @@ def default_expert_parallel(cfg, size: int) -> int:
     return size if cfg.moe.num_experts % size == 0 else 1
 
 
-def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None, experts: int = 1) -> ParallelContext:
+ATTENTION_LAYOUTS = ("data", "tensor")
+
+
+def data_attention_family(cfg) -> bool:
+    """Whether the model's blocks can run data-parallel attention (``ParallelContext.attention``):
+    the Llama-family mixtures of experts (Qwen2/Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2) and
+    the DeepSeek-style ones, whose attention and dense layers are built whole under it and whose
+    forward is ``ScoringModel.forward``; not the hybrid, gpt-oss or Gemma families."""
+    return (isinstance(cfg, DeepseekConfig) or (isinstance(cfg, LlamaConfig) and not isinstance(cfg, Glm4Config))) \
+        and getattr(cfg, "moe", None) is not None
+
+
+def attention_layout(cfg, size: int, experts: int, attention: str | None) -> str:
+    """The attention layout of a split: ``attention`` ("data" or "tensor") checked against the
+    model and the split, or by default "data" where the model has it and the experts are whole
+    per rank (``experts == size > 1``), else "tensor".
+
+    >>> from logprobe.layers.moe import MoeSpec
+    >>> cfg = LlamaConfig(64, 16, 32, 1, 2, 2, 8, moe=MoeSpec(4, 2, 8, True))
+    >>> attention_layout(cfg, 2, 2, None), attention_layout(cfg, 2, 1, None), attention_layout(cfg, 1, 1, None)
+    ('data', 'tensor', 'tensor')
+    """
+    if attention is not None and attention not in ATTENTION_LAYOUTS:
+        raise LogprobeError("attention_parallel", f"{attention!r} is not a layout", 'use "data" or "tensor"')
+    able = data_attention_family(cfg)
+    if attention is None:
+        return "data" if able and size > 1 and experts == size else "tensor"
+    if attention == "data" and not able:
+        raise LogprobeError("attention_parallel", f'"data": {getattr(cfg, "family", type(cfg).__name__)} runs '
+                            "attention split by heads only (data-parallel attention is for mixtures of experts "
+                            "of the Llama and DeepSeek families)", 'use "tensor", or leave it out')
+    if attention == "data" and experts != size:
+        raise LogprobeError("attention_parallel", f'"data" needs whole experts per rank; expert_parallel_size '
+                            f"{experts} splits each expert {size // experts} ways over {size} ranks",
+                            f'use expert_parallel_size = tensor_parallel_size ({size}), or attention_parallel "tensor"')
+    return attention
+
+
+def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None, experts: int = 1,
+                     attention: str | None = None) -> ParallelContext:
     """A rank's context for this model, after checking the model can be split ``size`` ways and
-    its experts into ``experts`` groups (expert parallelism; ``parallel.shard.check_experts``)."""
+    its experts into ``experts`` groups (expert parallelism; ``parallel.shard.check_experts``);
+    ``attention``: the layout of attention and the dense layers (``attention_layout``; None: the
+    model's default)."""
+    if not isinstance(cfg, (LlamaConfig, DeepseekConfig)) or isinstance(cfg, Glm4Config):
+        attention_layout(cfg, size, experts, attention)  # these split attention by heads: refuses "data"
     if isinstance(cfg, HybridConfig):  # split by heads, experts as below (loading.hybrid)
         return hybrid_parallel_context(cfg, rank, size, group, experts)
     if isinstance(cfg, (Glm4Config, Gemma4Config)) and experts != 1:
@@ -236,6 +279,11 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None,
     if moe is None and experts != 1:
         raise LogprobeError("expert_parallel_size", f"{experts}: this model has no experts", "use 1")
     grid = vocab_chunk_width(cfg.vocab_size)
+    layout = attention_layout(cfg, size, experts, attention)
+    if layout == "data":  # attention and dense layers whole: only the vocabulary and the experts split
+        check_tp(size, size, -(-cfg.vocab_size // grid), size)  # (heads whole: only the vocabulary checked)
+        check_experts(moe.num_experts, moe.intermediate_size, cfg.hidden_size, size, experts)
+        return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts, layout)
     if isinstance(cfg, DeepseekConfig):  # latent attention: split by heads
         check_tp(cfg.num_heads, cfg.num_heads, -(-cfg.vocab_size // grid), size)
     else:
@@ -252,7 +300,7 @@ def parallel_context(cfg: LlamaConfig, rank: int = 0, size: int = 1, group=None,
         if n % size:
             raise LogprobeError("tensor_parallel_size", f"{size} does not divide the {what} {n}",
                                 "use a size that divides it")
-    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts)
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts, layout)
 
 
 def _gguf_config(reader, path: Path):
@@ -324,7 +372,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     path = resolve_spec(spec)
     loaded = describe_model(spec, device, dtype)
     cfg = loaded.model.config
-    ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group, ctx.experts)
+    ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group, ctx.experts, ctx.attention)
     if isinstance(cfg, GemmaConfig) and path.is_file():  # GGUF Gemma 3: read whole, on one device
         if ctx.size > 1:
             raise LogprobeError("tensor_parallel_size", f"{ctx.size}: {path.name} is a GGUF file of gemma3, which "

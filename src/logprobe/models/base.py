@@ -4,7 +4,11 @@ and ``final_norm``), hook checks (router points are capture-only), the numerics 
 head's parameters. A family's model subclasses it and sets ``embed_tokens``, ``layers`` (each called
 as ``layer(h, cis, meta, hooks)``), ``rotary``, ``norm``, ``lm_head`` (None when tied),
 ``vocab_range``, ``vocab_grid``, ``ctx`` and ``config.vocab_size`` in its ``__init__``; a family
-whose embedding or rotary differs overrides ``forward``."""
+whose embedding or rotary differs overrides ``forward``.
+
+Under data-parallel attention (``ParallelContext.attention == "data"``: mixtures of experts with
+whole experts per rank) every rank embeds every row, keeps its share of the batch's sequences
+(``parallel.rows``) for the blocks, and gathers the final rows back for the head."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
 from ..layers.numerics import NumericsUser
 from ..parallel.context import ParallelContext
+from ..parallel.rows import RowSplit, assign_rows
 from ..parallel.shard import vocab_chunk_width, vocab_shard
 
 
@@ -92,11 +97,28 @@ class ScoringModel(NumericsUser, nn.Module):
         hooks = hooks or None  # an empty Hooks costs nothing either
         if hooks is not None:
             self.check_hooks(hooks)
-        h = self.embed_tokens(input_ids)  # [T, H]
+        h = self.embed_tokens(input_ids)  # [T, H]: every row (the vocabulary-parallel sum is the group's)
         if hooks is not None:
             h = hooks("embed", h)
+        split = self.row_split(meta, hooks)
+        if split is not None:  # data-parallel attention: this rank's sequences only
+            a, b = split.own
+            h, positions, meta = h[a:b], positions[a:b], meta.share(split)  # [n, H], [n]
         cis = self.rotary(positions)  # [T, rotary dims / 2] complex
         for layer in self.layers:
             h = layer(h, cis, meta, hooks)
         h = self.norm(h)
+        if split is not None:
+            h = split.gather(self.ctx, h)  # [T, H]: every rank's rows, for the vocabulary-parallel head
         return h if hooks is None else hooks("final_norm", h)
+
+    def row_split(self, meta: AttentionMeta, hooks: Hooks | None) -> RowSplit | None:
+        """How this batch's rows split over the ranks under data-parallel attention
+        (``ctx.attention == "data"``, ``parallel.rows``), or None: every rank runs every row. A
+        batch with hooks (captures, steering and routing replay read and write every row) or
+        over cached keys (chunks, cached prefixes) runs whole on every rank, as with tensor-parallel
+        attention; so does an empty one."""
+        if not self.ctx.data_attention or hooks is not None or meta.cache is not None or meta.past \
+                or meta.num_rows == 0:
+            return None
+        return RowSplit(assign_rows(meta.cuts(), self.ctx.size), self.ctx.rank)

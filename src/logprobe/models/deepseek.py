@@ -291,21 +291,24 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
                                                                  "resid_post"))
+        dense = ctx.attention_ctx  # whole on every rank under data-parallel attention
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MultiHeadLatentAttention(cfg, layer_idx, ctx)
+        self.self_attn = MultiHeadLatentAttention(cfg, layer_idx, dense)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if layer_idx < cfg.first_k_dense_replace:
-            self.mlp = LlamaMLP(cfg, ctx)
+            self.mlp = LlamaMLP(cfg, dense)
         else:
             shared = None
             if cfg.moe.shared_intermediate_size:
-                shared = LlamaMLP(dataclasses.replace(cfg, intermediate_size=cfg.moe.shared_intermediate_size), ctx)
+                shared = LlamaMLP(dataclasses.replace(cfg, intermediate_size=cfg.moe.shared_intermediate_size), dense)
             self.mlp = MoeBlock(cfg.moe, cfg.hidden_size, f"blocks.{layer_idx}.router", shared, ctx)
 
     def forward(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta, hooks: Hooks | None = None
                 ) -> torch.Tensor:
         if hooks is None:
             h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
+            if meta.rows is not None:  # this rank's rows of a split batch: the experts gather them
+                return h + self.mlp(self.post_attention_layernorm(h), None, meta.rows)
             return h + self.mlp(self.post_attention_layernorm(h))  # resid_post
         resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
         h = hooks(resid_pre, h)

@@ -147,7 +147,8 @@ class LlamaMLP(NumericsUser, nn.Module):
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor, hooks: Hooks | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hooks: Hooks | None = None, rows=None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; ``rows`` (a split batch's ``RowSplit``) changes nothing: row by row."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         else:
@@ -156,7 +157,8 @@ class LlamaMLP(NumericsUser, nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """``mlp``: what replaces the dense MLP (a ``layers.moe.MoeBlock``); it is called as ``mlp(x, hooks)``."""
+    """``mlp``: what replaces the dense MLP (a ``layers.moe.MoeBlock``); it is called as ``mlp(x, hooks)``,
+    or ``mlp(x, None, rows)`` on this rank's rows of a batch split by sequences (``meta.rows``)."""
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext, mlp: nn.Module | None = None) -> None:
         super().__init__()
@@ -171,6 +173,8 @@ class LlamaDecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         if hooks is None:
             h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
+            if meta.rows is not None:  # this rank's rows of a split batch: the experts gather them
+                return h + self.mlp(self.post_attention_layernorm(h), None, meta.rows)
             return h + self.mlp(self.post_attention_layernorm(h))  # resid_post
         resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
         h = hooks(resid_pre, h)

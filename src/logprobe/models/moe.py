@@ -15,10 +15,12 @@ Family differences, all read from the config:
     OLMoE     : q/k RMSNorm over the whole projection (``qk_norm_full``), norm_topk_prob false
     Qwen-MoE ``mlp_only_layers`` / ``decoder_sparse_step``: those blocks keep a dense MLP.
 
-Over several ranks attention and the dense / shared MLPs split as Llama's; the routed experts
-split by ``ctx.experts`` (expert parallelism) and, within an expert group, by rows (``layers.moe``:
-every rank ends with every slot's output, bitwise one process's in deterministic mode). The
-router is whole on every rank. OLMoE's whole-projection q/k norm is not split (one rank).
+Over several ranks the routed experts split by ``ctx.experts`` (expert parallelism) and, within an
+expert group, by rows (``layers.moe``); the router is whole on every rank. Attention and the dense
+/ shared MLPs either split as Llama's (``ctx.attention == "tensor"``: every rank ends with every
+slot's output, bitwise one process's in deterministic mode) or, with whole experts per rank, stay
+whole on every rank, each rank running them on its share of the batch's sequences
+(``"data"``: ``ScoringModel.forward``, ``parallel.rows``, ``MoeBlock`` with ``rows``).
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ class MoeModel(LlamaModel):
         self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
 
     def make_layer(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> nn.Module:
-        spec = cfg.moe
+        spec, dense = cfg.moe, ctx.attention_ctx  # dense: whole layers under data-parallel attention
         if layer_idx in spec.dense_layers:
-            return LlamaDecoderLayer(cfg, layer_idx, ctx)
+            return LlamaDecoderLayer(cfg, layer_idx, dense)
         shared = None
         if spec.shared_intermediate_size:
-            shared = LlamaMLP(dataclasses.replace(cfg, intermediate_size=spec.shared_intermediate_size), ctx)
+            shared = LlamaMLP(dataclasses.replace(cfg, intermediate_size=spec.shared_intermediate_size), dense)
         mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared, ctx)
-        return LlamaDecoderLayer(cfg, layer_idx, ctx, mlp=mlp)
+        return LlamaDecoderLayer(cfg, layer_idx, dense, mlp=mlp)
 
 
 def native_model_class(cfg: LlamaConfig) -> type[LlamaModel]:

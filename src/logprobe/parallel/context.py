@@ -17,6 +17,10 @@ class ParallelContext:
     ``shard.num_blocks``): a layer's output columns are computed in S blocks of one width.
     ``experts``: the expert-parallel size M (``layers.moe``): rank r holds the experts of group
     ``r // (size / M)`` and, within it, share ``r % (size / M)`` of each of their rows.
+    ``attention``: how attention, norms and dense MLPs split over the group: ``"tensor"`` (by
+    heads and columns, every row on every rank) or ``"data"`` (whole on every rank, each rank
+    running its share of the batch's sequences: ``parallel.rows``; mixtures of experts with whole
+    experts per rank).
 
     >>> ParallelContext(3, 4, experts=2).expert_group, ParallelContext(3, 4, experts=2).expert_share
     (1, (1, 2))
@@ -27,6 +31,20 @@ class ParallelContext:
     group: object | None = None
     blocks: int = 1
     experts: int = 1  # expert parallelism: the experts in this many groups over the ranks (divides size)
+    attention: str | None = None  # "tensor" or "data" (see above); None: the model's default, which
+    # ``loading.loader.parallel_context`` resolves (a context built without it splits by heads)
+
+    @property
+    def data_attention(self) -> bool:
+        """Attention and dense layers whole on every rank, each rank on its share of the rows."""
+        return self.attention == "data" and self.size > 1
+
+    @property
+    def attention_ctx(self) -> ParallelContext:
+        """The context attention, norms, dense MLPs and shared experts are built with: this one, or
+        under data-parallel attention one rank with this model's column blocks (whole layers whose
+        deterministic products keep one process's shapes)."""
+        return ParallelContext(blocks=self.blocks) if self.data_attention else self
 
     @property
     def parallel(self) -> bool:

@@ -1,0 +1,92 @@
+"""Data-parallel attention: a packed batch's rows split by sequences over the ranks of a group.
+
+Every rank of the group receives the same packed batch. Under data-parallel attention (mixtures of
+experts with whole experts per rank, ``layers.moe``) rank r runs attention, norms and dense MLPs
+on rows ``bounds[r] .. bounds[r + 1]`` only: contiguous runs cut at allowed row boundaries
+(between sequences, never inside a shared prefix and the branches that read it), balanced by
+token count. Pure functions of integers, pinned by a gold table in ``tests/test_parallel_rows.py``.
+
+Worked example: segments of 5, 3, 6 and 2 rows (cuts 0, 5, 8, 14, 16) over 2 ranks; the ideal cut
+is at row 8 (16 / 2), which is a boundary, so rank 0 owns rows 0:8 (two sequences) and rank 1 rows
+8:16. Over 4 ranks the ideal cuts are 4, 8, 12: the nearest boundaries are 5, 8 and 14:
+
+    >>> assign_rows([0, 5, 8, 14, 16], 4)
+    (0, 5, 8, 14, 16)
+
+One sequence of 10 rows over 2 ranks: no boundary but 0 and 10, both 5 rows from the ideal cut;
+the tie goes to the smaller, so rank 0 owns no rows (it still joins every collective of the
+experts) and rank 1 owns them all:
+
+    >>> RowSplit(assign_rows([0, 10], 2), rank=0).counts, RowSplit(assign_rows([0, 10], 2), rank=0).own
+    ((0, 10), (0, 0))
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LogprobeError
+from .context import ParallelContext
+
+
+def assign_rows(cuts: list[int], size: int) -> tuple[int, ...]:
+    """Row bounds (``size + 1`` of them, from 0 to the total) of a batch whose rows may be cut only
+    at ``cuts`` (ascending, first 0, last the row count): bound r (0 < r < size) is the cut nearest
+    to r * total / size (the smaller on a tie), never before bound r - 1. Rank r owns rows
+    ``bounds[r] .. bounds[r + 1]``; equal bounds: a rank with no rows.
+
+    >>> assign_rows([0, 60, 100, 160], 2), assign_rows([0, 1, 101], 2), assign_rows([0, 3], 3)
+    ((0, 60, 160), (0, 1, 101), (0, 0, 3, 3))
+    """
+    if size < 1 or not cuts or cuts[0] != 0 or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise LogprobeError("rows", f"cuts must ascend from 0 and the size be >= 1, got {cuts!r} over {size}")
+    total = cuts[-1]
+    bounds = [0]
+    for r in range(1, size):
+        i = bisect_left(cuts, r * total / size)  # cuts[i - 1] < ideal <= cuts[i]
+        below, above = cuts[max(i - 1, 0)], cuts[min(i, len(cuts) - 1)]
+        ideal2 = 2 * r * total  # compare 2 * size * distances: integers, no rounding
+        near = below if ideal2 - 2 * size * below <= 2 * size * above - ideal2 else above
+        bounds.append(max(near, bounds[-1]))
+    bounds.append(total)
+    return tuple(bounds)
+
+
+@dataclass(frozen=True, slots=True)
+class RowSplit:
+    """A batch's rows over the ranks: rank r owns rows ``bounds[r] .. bounds[r + 1]`` (``assign_rows``);
+    ``rank`` is this process's. Every rank knows every rank's count, so gathers need no exchange of
+    sizes: each rank's rows travel padded to ``max_rows``.
+
+    >>> s = RowSplit((0, 5, 8, 14, 16), rank=2)
+    >>> s.own, s.counts, s.max_rows
+    ((8, 14), (5, 3, 6, 2), 6)
+    """
+
+    bounds: tuple[int, ...]
+    rank: int
+
+    @property
+    def own(self) -> tuple[int, int]:
+        return self.bounds[self.rank], self.bounds[self.rank + 1]
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.counts)
+
+    def pad(self, x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        """This rank's rows x [n, *] -> [max_rows, *], ``value`` below them."""
+        extra = self.max_rows - x.shape[0]
+        return x if extra == 0 else torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
+
+    def gather(self, ctx: ParallelContext, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows x [n, *] -> every rank's rows in rank order [total, *] (a copy: exact)."""
+        every = ctx.all_gather(self.pad(x))  # [size, max_rows, *]
+        return torch.cat([every[r, :n] for r, n in enumerate(self.counts)])  # [total, *]

@@ -1,0 +1,231 @@
+"""Data-parallel attention for mixtures of experts over several ranks (``parallel.rows``,
+``ScoringModel.forward``, ``Experts.split_forward``).
+
+With whole experts per rank (expert_parallel_size = tensor_parallel_size) attention, norms, dense
+MLP blocks and shared experts are whole on every rank and each rank runs them on its share of the
+batch's sequences; the experts gather every rank's rows. Checked on two gloo processes against
+one process on the same checkpoint: a Qwen3-MoE with a dense block (``mlp_only_layers``) and a
+DeepSeek-V3 (latent attention, a dense first block, a shared expert), on batches of several
+sequences, of one sequence (one rank owns no rows), of a shared prefix with its branches (never
+cut apart), and with hooks (run whole on every rank, as tensor-parallel attention does):
+
+* deterministic mode: the final hidden rows bitwise one process's;
+* default mode: within 1e-5 of one float32 process and 1e-4 of the float64 model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import byte_tokenizer
+
+from logprobe import LogprobeError
+from logprobe.config import EngineConfig, numerics_for
+from logprobe.layers.attention import AttentionMeta, Segment
+from logprobe.layers.hooks import CaptureTable, Hooks
+from logprobe.loading.loader import attention_layout, describe_model, load_model, load_shard, parallel_context
+from logprobe.parallel.context import ParallelContext
+from logprobe.parallel.rows import RowSplit, assign_rows
+
+transformers = pytest.importorskip("transformers")
+
+
+# ---- the assignment: a literal gold table ----
+
+def test_assign_rows_gold():
+    # (cuts, size) -> bounds: the cut nearest each ideal r * total / size, ties to the smaller
+    gold = {
+        ((0, 5, 8, 14, 16), 2): (0, 8, 16),
+        ((0, 5, 8, 14, 16), 4): (0, 5, 8, 14, 16),
+        ((0, 5, 8, 14, 16), 3): (0, 5, 8, 16),
+        ((0, 60, 100, 160), 2): (0, 60, 160),
+        ((0, 1, 101), 2): (0, 1, 101),
+        ((0, 10), 2): (0, 0, 10),
+        ((0, 3), 4): (0, 0, 0, 3, 3),
+        ((0, 2, 4, 6, 8), 1): (0, 8),
+        ((0, 1, 2, 3, 40), 4): (0, 3, 3, 40, 40),
+    }
+    for (cuts, size), want in gold.items():
+        assert assign_rows(list(cuts), size) == want, (cuts, size)
+    assert RowSplit((0, 0, 10), rank=0).own == (0, 0) and RowSplit((0, 0, 10), rank=1).counts == (0, 10)
+    for bad in ([], [1, 4], [0, 4, 4]):
+        with pytest.raises(LogprobeError):
+            assign_rows(bad, 2)
+
+
+def test_cuts_keep_a_prefix_with_its_branches_and_share_rebases():
+    meta = AttentionMeta([Segment(0, 3), Segment(3, 13), Segment(13, 17, ((3, 13),)), Segment(17, 19, ((3, 13),)),
+                          Segment(19, 25)], kv_block=4)
+    assert meta.cuts() == [0, 3, 19, 25]
+    split = RowSplit(assign_rows(meta.cuts(), 2), rank=1)
+    assert split.bounds == (0, 19, 25)
+    assert RowSplit(split.bounds, 0).own == (0, 19)
+    share = meta.share(RowSplit(split.bounds, 0))
+    assert [(s.start, s.end, s.context) for s in share.segments] == [(0, 3, ()), (3, 13, ()), (13, 17, ((3, 13),)),
+                                                                      (17, 19, ((3, 13),))]
+    assert share.kv_block == 4 and share.rows.rank == 0
+    three = meta.share(RowSplit((0, 3, 19, 25), 2))
+    assert [(s.start, s.end) for s in three.segments] == [(0, 6)] and three.num_rows == 6
+    assert AttentionMeta([]).cuts() == [0]
+
+
+# ---- the option ----
+
+def _qwen3_moe_config(dense_layers: bool = True):
+    from test_moe import moe_config
+
+    cfg = moe_config("qwen3_moe")
+    if dense_layers:
+        cfg.num_hidden_layers, cfg.mlp_only_layers = 3, [1]
+    return cfg
+
+
+def _save(model, path, seed: int):
+    from test_moe_parallel import _randomise
+
+    model = model.float().eval()
+    _randomise(model, seed)
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from test_deepseek import make_model
+
+    out = {}
+    torch.manual_seed(0)
+    out["qwen3_moe"] = tmp_path_factory.mktemp("qwen3_moe_dense")
+    _save(transformers.AutoModelForCausalLM.from_config(_qwen3_moe_config(), attn_implementation="eager",
+                                                        experts_implementation="eager"), out["qwen3_moe"], 400)
+    torch.manual_seed(1)
+    out["deepseek_v3"] = tmp_path_factory.mktemp("deepseek_v3")
+    _save(make_model("qlora"), out["deepseek_v3"], 401)
+    return out
+
+
+def test_layout_default_and_refusals(dirs):
+    cfg = describe_model(str(dirs["qwen3_moe"]), "cpu").model.config
+    assert cfg.moe.dense_layers == (1,)
+    assert parallel_context(cfg, 0, 2, None, 2).attention == "data"  # whole experts per rank: the default
+    assert parallel_context(cfg, 0, 2, None, 1).attention == "tensor"  # experts split by rows
+    assert parallel_context(cfg, 0, 2, None, 2, "tensor").attention == "tensor"
+    assert parallel_context(cfg, 0, 1).data_attention is False
+    ds = describe_model(str(dirs["deepseek_v3"]), "cpu").model.config
+    assert parallel_context(ds, 1, 2, None, 2).attention == "data"
+    for args, text in (((cfg, 2, 1, "data"), "whole experts per rank"), ((cfg, 2, 2, "rows"), "not a layout")):
+        with pytest.raises(LogprobeError, match=text) as e:
+            attention_layout(*args)
+        assert e.value.field == "attention_parallel"
+    import dataclasses
+
+    dense = dataclasses.replace(cfg, moe=None)
+    with pytest.raises(LogprobeError, match="split by heads only") as e:
+        parallel_context(dense, 0, 2, None, 1, "data")
+    assert e.value.field == "attention_parallel"
+    assert parallel_context(dense, 0, 2).attention == "tensor"
+
+
+def test_rank_reads_whole_attention_and_dense_layers(dirs):
+    """Under data-parallel attention a rank's model holds attention, the dense block and the norms
+    whole (the loader reads them whole), its experts only (whole), the vocabulary split."""
+    from logprobe.loading.hf import hf_tensors, native_config, read_config
+    from logprobe.loading.sharding import hf_shard_tensors, rank_model
+
+    path = dirs["qwen3_moe"]
+    cfg, _ = native_config(read_config(path))
+    whole = dict(hf_tensors(path, cfg))
+    ctx = parallel_context(cfg, 1, 2, None, 2)
+    got = dict(hf_shard_tensors(path, cfg, ctx))
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.o_proj.weight",
+                 "layers.1.mlp.down_proj.weight", "layers.2.self_attn.k_norm.weight"):
+        assert torch.equal(got[name], whole[name]), name
+    assert torch.equal(got["layers.0.mlp.experts.down_proj"], whole["layers.0.mlp.experts.down_proj"][4:8])
+    model = rank_model(cfg, ctx)
+    assert model.layers[0].self_attn.num_heads == cfg.num_heads and not model.layers[0].self_attn.ctx.parallel
+    assert model.layers[0].mlp.experts.ctx is model.ctx and model.ctx.data_attention
+
+
+# ---- two gloo ranks against one process ----
+
+def _batches() -> list[tuple[list[int], AttentionMeta, list[int], bool]]:
+    """(token ids, meta, positions, with hooks) of each batch."""
+    g = torch.Generator().manual_seed(7)
+
+    def ids(n):
+        return torch.randint(3, 250, (n,), generator=g).tolist()
+
+    out = []
+    for lengths in ([5, 9, 3, 12, 7], [23], [1, 2], [16, 4, 4]):
+        tok = ids(sum(lengths))
+        pos = [p for n in lengths for p in range(n)]
+        out.append((tok, AttentionMeta.packed(lengths), pos, False))
+    # a 10-row prefix and two branches, then a lone sequence: the prefix stays with its branches
+    segs = [Segment(0, 10), Segment(10, 14, ((0, 10),)), Segment(14, 17, ((0, 10),)), Segment(17, 30)]
+    out.append((ids(30), AttentionMeta(segs), list(range(10)) + list(range(10, 14)) + list(range(10, 13))
+                + list(range(13)), False))
+    out.append((ids(20), AttentionMeta.packed([8, 12]), list(range(8)) + list(range(12)), True))  # hooks: whole
+    return out
+
+
+def _run(model, batches, det: bool, size: int):
+    model.set_numerics(numerics_for(EngineConfig(deterministic=det, progress=False), "cpu", tp_size=size,
+                                    tp_blocks=model.ctx.blocks))
+    outs = []
+    for tok, meta, pos, hooked in batches:
+        meta = AttentionMeta(meta.segments, kv_block=model.numerics.attention_block if det else None)
+        hooks = None
+        if hooked:
+            table = CaptureTable("rows", torch.arange(len(tok)))
+            hooks = Hooks(capture={"blocks.0.mlp_out": [table]})
+        split = model.row_split(meta, hooks)
+        with torch.no_grad():
+            h = model(torch.tensor(tok), torch.tensor(pos), meta, hooks)
+        outs.append((h, None if split is None else split.bounds, None if hooks is None else table.out))
+    return outs
+
+
+def _worker(rank: int, size: int, paths: dict, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
+    got = {}
+    for kind, path in paths.items():
+        model = load_shard(path, ParallelContext(rank, size, dist.group.WORLD, experts=size), "cpu", "float32").model
+        assert model.ctx.data_attention
+        got[kind] = {det: _run(model, _batches(), det, size) for det in (True, False)}
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # slow tier: two gloo processes loading two models (~15 s)
+def test_two_ranks_equal_one_process(dirs, tmp_path):
+    import torch.multiprocessing as mp
+
+    paths = {k: str(v) for k, v in dirs.items()}
+    out = tmp_path / "got.pt"
+    mp.spawn(_worker, args=(2, paths, str(tmp_path / "rdv"), str(out)), nprocs=2)
+    got = torch.load(out)
+    for kind, path in paths.items():
+        one = load_model(path, "cpu", "float32").model
+        ref64 = load_model(path, "cpu", "float32").model.double()  # the same code in float64
+        ref64.set_numerics(numerics_for(EngineConfig(progress=False), "cpu"))
+        splits = [s for _, s, _ in got[kind][True]]
+        assert splits == [(0, 17, 36), (0, 0, 23), (0, 1, 3), (0, 16, 24), (0, 17, 30), None], splits
+        for det in (True, False):
+            want = _run(one, _batches(), det, 1)
+            for i, ((h, _, cap), (w, _, wcap), (tok, meta, pos, _)) in enumerate(zip(got[kind][det], want,
+                                                                                    _batches())):
+                assert h.shape == w.shape
+                if det:
+                    assert torch.equal(h, w), (kind, i)
+                    assert cap is None or torch.equal(cap, wcap), (kind, i)
+                    continue
+                with torch.no_grad():
+                    h64 = ref64(torch.tensor(tok), torch.tensor(pos), AttentionMeta(meta.segments))
+                d_one, d_64 = (h - w).abs().max().item(), (h.double() - h64).abs().max().item()
+                print(f"{kind} batch {i} default mode: vs one process {d_one:.2e}, vs float64 {d_64:.2e}")
+                assert d_one <= 1e-5 and d_64 <= 1e-4, (kind, i, d_one, d_64)
