@@ -49,6 +49,13 @@ MODELS = {
                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192}),
+    # Llama-3.1-70B's shape (80 layers, 64 query / 8 key-value heads): 141 GB in bf16, 71 GB as FP8 blocks
+    "llama-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
+                      max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
                          max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -409,9 +416,24 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def write_checkpoint(name: str, path: Path) -> None:
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (e4m3 codes, float32 scale_inv [ceil(out/b), ceil(in/b)]): absmax / 448 per block."""
+    out, k = w.shape
+    R, C = -(-out // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, C * block - k, 0, R * block - out))  # [R*b, C*b]
+    scale = (padded.view(R, block, C, block).abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)  # [R, C]
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (padded / full).to(torch.float8_e4m3fn)[:out, :k].contiguous(), scale
+
+
+def write_checkpoint(name: str, path: Path, fp8: bool = False) -> None:
     """``MODELS[name]`` as a Hugging Face directory: random bf16 weights (seeded per tensor, made
-    on CUDA), config.json and a byte-level tokenizer. Nothing is done if ``path`` has a config."""
+    on CUDA), config.json and a byte-level tokenizer; ``fp8``: every projection as DeepSeek-style
+    FP8 blocks (``fp8_blocks``: codes + ``weight_scale_inv``, ``FP8_CONFIG``), embeddings, head and
+    norms in bf16. Nothing is done if ``path`` has a config."""
     from safetensors.torch import save_file
 
     from logprobe.loading.hf import native_config
@@ -428,8 +450,12 @@ def write_checkpoint(name: str, path: Path) -> None:
         g = torch.Generator("cuda").manual_seed(i)
         t = torch.ones(shape, device="cuda") if len(shape) == 1 else torch.randn(shape, generator=g, device="cuda") * 0.02
         key = "lm_head.weight" if k == "lm_head.weight" else "model." + k
-        part[key] = t.to(torch.bfloat16).cpu()
-        size += part[key].numel() * 2
+        if fp8 and len(shape) == 2 and "_proj" in k:
+            codes, scale = fp8_blocks(t)
+            part[key], part[key.removesuffix(".weight") + ".weight_scale_inv"] = codes.cpu(), scale.cpu()
+        else:
+            part[key] = t.to(torch.bfloat16).cpu()
+        size += part[key].numel() * part[key].element_size()
         if size > 4 << 30:
             files.append(part)
             part, size = {}, 0
@@ -440,6 +466,8 @@ def write_checkpoint(name: str, path: Path) -> None:
         save_file(p, str(path / fname))
         index.update({k: fname for k in p})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    if fp8:
+        cfg.quantization_config = FP8_CONFIG
     cfg.save_pretrained(str(path))
     byte_tokenizer().save_pretrained(str(path))
 

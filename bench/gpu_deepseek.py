@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free, log, matmul_ceiling, run_transformers, sync_time, workload  # noqa: E402
+from common import fp8_blocks, free, log, matmul_ceiling, run_transformers, sync_time, workload  # noqa: E402
 
 from logprobe.config import EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
@@ -114,16 +114,6 @@ def hf_names(cfg, model_cls) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         m = model_cls._from_config(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items() if "rotary" not in k and "inv_freq" not in k}
-
-
-def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (e4m3 codes, float32 scale_inv [ceil(out/b), ceil(in/b)]): absmax / 448 per block."""
-    out, k = w.shape
-    R, C = -(-out // block), -(-k // block)
-    padded = torch.nn.functional.pad(w.float(), (0, C * block - k, 0, R * block - out))
-    scale = (padded.view(R, block, C, block).abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)
-    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return (padded / full).to(torch.float8_e4m3fn)[:out, :k].contiguous(), scale
 
 
 def to_fp8(name: str, w: torch.Tensor):

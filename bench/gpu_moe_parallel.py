@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import byte_tokenizer, workload  # noqa: E402
+from common import FP8_CONFIG, byte_tokenizer, fp8_blocks, workload  # noqa: E402
 
 T0 = time.perf_counter()
 SHAPES = {  # transformers config class, its arguments
@@ -51,19 +51,6 @@ SHAPES = {  # transformers config class, its arguments
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
-
-
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-
-
-def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (e4m3 codes, float32 scale_inv [ceil(out/b), ceil(in/b)]): absmax / 448 per block."""
-    out, k = w.shape
-    R, C = -(-out // block), -(-k // block)
-    padded = torch.nn.functional.pad(w.float(), (0, C * block - k, 0, R * block - out))  # [R*b, C*b]
-    scale = (padded.view(R, block, C, block).abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)  # [R, C]
-    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return (padded / full).to(torch.float8_e4m3fn)[:out, :k].contiguous(), scale
 
 
 def fp8_entries(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:

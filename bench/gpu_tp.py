@@ -11,6 +11,8 @@ unique-token FLOPs against the summed matmul ceiling of the GPUs used, per-token
 
     python bench/gpu_tp.py --workloads W1,W3                    # needs 2 GPUs for TP / DP rows
     python bench/gpu_tp.py --old-src old_src --skip-parallel    # TP = 1 today vs an older src/ tree
+    python bench/gpu_tp.py --model llama-70b --fp8 --configs TP=2 --workloads W1 --modes default --requests 64
+        # a 70B shape as FP8 blocks (71 GB: more than one H100 holds) at TP = 2, the first 64 of W1
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_ms, matmul_ceiling, unique_flops, workload, write_checkpoint  # noqa: E402
 
 from logprobe.config import Deterministic  # noqa: E402
+from logprobe.loading.hf import native_config  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -169,6 +172,9 @@ def main() -> None:
     ap.add_argument("--layers", action="store_true", help="the deterministic products alone at llama-8b shapes")
     ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="with --old-src: W1's forward vs head time per tree")
+    ap.add_argument("--fp8", action="store_true", help="the checkpoint's projections as FP8 blocks (128 x 128)")
+    ap.add_argument("--configs", default="TP=1,TP=2,DP=2", help="which of TP=1, TP=2, DP=2 to run")
+    ap.add_argument("--requests", type=int, default=0, help="the first N requests of each workload (0: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.time_only:
@@ -176,9 +182,9 @@ def main() -> None:
     from logprobe import Scorer
     from logprobe.config import EngineConfig
 
-    path = Path(args.model_dir or f"/tmp/logprobe-bench/{args.model}")
+    path = Path(args.model_dir or f"/tmp/logprobe-bench/{args.model}{'-fp8' if args.fp8 else ''}")
     t = time.perf_counter()
-    write_checkpoint(args.model, path)
+    write_checkpoint(args.model, path, fp8=args.fp8)
     log(f"checkpoint {path}: {time.perf_counter() - t:.1f} s; GPUs: {torch.cuda.device_count()} x "
         f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}")
     ceiling = matmul_ceiling()
@@ -190,19 +196,24 @@ def main() -> None:
     if args.skip_parallel:
         return
     rows, ref = [], {}
-    t = time.perf_counter()
-    one = Scorer(str(path), device="cuda", config=EngineConfig(progress=False))
-    lc = one.loaded.model.config
-    log(f"TP=1: loaded in {time.perf_counter() - t:.1f} s, budget {one.config.max_batch_tokens}")
-    reqs = {w: workload(w, lc.vocab_size) for w in args.workloads.split(",")}
+    configs = args.configs.split(",")
+    lc, _ = native_config(json.loads((path / "config.json").read_text()))
+    n = args.requests or None
+    reqs = {w: workload(w, lc.vocab_size)[:n] for w in args.workloads.split(",")}
     modes = args.modes.split(",")
-    run_config("TP=1", one, time.perf_counter() - t, reqs, modes, ref, rows, 1, ceiling, lc)
-    del one  # GPU 0 free again for the workers of the next configurations
-    import gc
+    if "TP=1" in configs:
+        t = time.perf_counter()
+        one = Scorer(str(path), device="cuda", config=EngineConfig(progress=False))
+        log(f"TP=1: loaded in {time.perf_counter() - t:.1f} s, budget {one.config.max_batch_tokens}")
+        run_config("TP=1", one, time.perf_counter() - t, reqs, modes, ref, rows, 1, ceiling, lc)
+        del one  # GPU 0 free again for the workers of the next configurations
+        import gc
 
-    gc.collect()
-    torch.cuda.empty_cache()
+        gc.collect()
+        torch.cuda.empty_cache()
     for label, kw, gpus in (("TP=2", dict(tensor_parallel_size=2), 2), ("DP=2", dict(data_parallel_size=2), 2)):
+        if label not in configs:
+            continue
         if torch.cuda.device_count() < 2:
             log(f"{label}: skipped, one GPU")
             continue
