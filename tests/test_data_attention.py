@@ -229,3 +229,42 @@ def test_two_ranks_equal_one_process(dirs, tmp_path):
                 d_one, d_64 = (h - w).abs().max().item(), (h.double() - h64).abs().max().item()
                 print(f"{kind} batch {i} default mode: vs one process {d_one:.2e}, vs float64 {d_64:.2e}")
                 assert d_one <= 1e-5 and d_64 <= 1e-4, (kind, i, d_one, d_64)
+
+
+def test_cli_and_scorer_take_the_option(dirs):
+    import argparse
+
+    from logprobe import Scorer
+    from logprobe.cli.common import ScorerOptions, model_parser
+
+    parser = argparse.ArgumentParser(parents=[model_parser()])
+    assert ScorerOptions.from_args(parser.parse_args(["--tp", "2", "--attention-parallel", "tensor"])
+                                   ).attention_parallel == "tensor"
+    assert parser.parse_args([]).attention_parallel is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-parallel", "rows"])
+    with pytest.raises(LogprobeError) as e:  # before any process starts
+        Scorer(str(dirs["qwen3_moe"]), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2,
+               expert_parallel_size=1, attention_parallel="data")
+    assert e.value.field == "attention_parallel"
+
+
+@pytest.mark.slow  # slow tier: two Scorers of two gloo workers each
+def test_scorer_layouts_equal_one_process(dirs):
+    """Through the Scorer: left out, TP = 2 runs data-parallel attention (whole experts per rank);
+    "tensor" asks for heads split; deterministic mode gives one process's bits in both."""
+    from test_moe_parallel import OPTS, _bits_equal, _seqs
+
+    from logprobe import Scorer
+
+    path, seqs = str(dirs["qwen3_moe"]), _seqs()
+    cfg = EngineConfig(deterministic=True, progress=False)
+    want = Scorer(path, device="cpu", dtype="float32", config=cfg).logprobs(seqs, **OPTS)
+    held = {}
+    for layout in (None, "tensor"):
+        with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2,
+                    attention_parallel=layout) as s:
+            assert s.attention_parallel == (layout or "data")
+            assert _bits_equal(s.logprobs(seqs, **OPTS), want), layout
+            held[layout] = s.engine.param_bytes[0][0]
+    assert held[None] > held["tensor"]  # the workers hold attention whole under "data"

@@ -24,6 +24,7 @@ from .executor.interface import Executor
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
 from .loading.collective import DEFAULT_GROUP, WeightGroups, check_metadata
+from .loading.loader import attention_layout
 from .loading.update import load_weights, update_weights
 from .scoring import chat as chat_scoring
 from .scoring import continuations as text_scoring
@@ -53,7 +54,8 @@ class Scorer:
                  dtype: str | None = "auto", max_batch_tokens: int | None = None, progress: bool | None = None,
                  deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, cache: str | None = None,
-                 prefix_cache: bool | int | None = None, expert_parallel_size: int | None = None) -> None:
+                 prefix_cache: bool | int | None = None, expert_parallel_size: int | None = None,
+                 attention_parallel: str | None = None) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
         tiles everywhere, see EngineConfig), and whatever the TP size.
@@ -67,7 +69,11 @@ class Scorer:
         ranks of a replica (M divides N and the expert count; rank r holds group r // (N / M),
         each of its experts split N / M ways; None: N, whole experts per rank, where N divides
         the expert count, else 1); deterministic mode gives the same bits at every N and M
-        (docs/parallel.md).
+        (docs/parallel.md). ``attention_parallel``: how a mixture of experts' attention, norms
+        and dense blocks split over the N ranks: ``"data"`` (whole on every rank, each rank
+        running its share of the batch's sequences; the default where the experts are whole per
+        rank, M = N > 1, for the Llama-family and DeepSeek-style mixtures of experts) or
+        ``"tensor"`` (split by heads and columns, every rank running every row).
 
         ``cache``: a directory of stored results (``executor.cached``): a request scored before
         under the same weights, tokenizer, dtype, device kind, deterministic mode and options is
@@ -87,22 +93,31 @@ class Scorer:
                                     "turn it off, or use one process (tensor_parallel_size=1, data_parallel_size=1)")
             self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
                                                                    tensor_parallel_size, data_parallel_size,
-                                                                   expert_parallel_size)
+                                                                   expert_parallel_size, attention_parallel)
         else:
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+            attention_layout(getattr(self.loaded.model, "config", None), 1, 1, attention_parallel)  # refuses a bad value
             self.device = next(self.loaded.model.parameters()).device
             self.engine = Engine(self.loaded.model, config, self.device)
             self.engine.prefix_cache = prefix_cache_for(self.loaded.model, prefix_cache, self.device)
         self.prefix_cache = getattr(self.engine, "prefix_cache", None)
         if cache is not None:  # hits answered from the cache, misses run and stored (versions: rehashed)
             self.engine = with_cache(self.engine, self.loaded, cache, lambda: self.weights_version,
-                                     tensor_parallel_size, getattr(self.engine, "ep", expert_parallel_size or 1))
+                                     tensor_parallel_size, getattr(self.engine, "ep", expert_parallel_size or 1),
+                                     self.attention_parallel)
         self.tokenizer = self.loaded.tokenizer
         self.info = self.loaded.info
         # what the job builders read about the model, built once (deterministic: renewed with config)
         self.context = ScoringContext.of(self.loaded, self.engine.config.deterministic)
         self.weights_version = 0  # +1 per successful update_weights / load_weights
         self._weight_version = "0"  # the caller's name for the weights (weight_version=), else str(weights_version)
+
+    @property
+    def attention_parallel(self) -> str:
+        """The layout attention runs in over the ranks: "data" (each rank its share of the batch's
+        sequences, attention whole) or "tensor" (split by heads; also with one rank)."""
+        ctx = getattr(getattr(self.loaded, "model", None), "ctx", None)  # torchrun: this rank's model
+        return getattr(self.engine, "attention", None) or getattr(ctx, "attention", None) or "tensor"
 
     @property
     def config(self) -> EngineConfig:

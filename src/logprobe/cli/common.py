@@ -52,13 +52,15 @@ class ScorerOptions:
     cache: str | None = None  # --cache DIR: stored results (executor.cached)
     prefix_cache: bool | int | None = None  # --prefix-cache [BYTES]: engine.prefix_cache
     expert_parallel_size: int | None = None  # --ep M: experts in M groups over the ranks (None: the default)
+    attention_parallel: str | None = None  # --attention-parallel data|tensor (None: the model's default)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ScorerOptions:
         return ScorerOptions(args.model, args.device, args.dtype, args.max_batch_tokens, args.deterministic,
                              args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
                              False if getattr(args, "quiet", False) else None, getattr(args, "cache", None),
-                             getattr(args, "prefix_cache", None), getattr(args, "expert_parallel_size", None))
+                             getattr(args, "prefix_cache", None), getattr(args, "expert_parallel_size", None),
+                             getattr(args, "attention_parallel", None))
 
     def engine_config(self) -> EngineConfig:
         """The engine's config (validated here, before any slow load)."""
@@ -71,7 +73,7 @@ def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "aut
                max_batch_tokens: int | None = None, deterministic: bool = False, tensor_parallel_size: int = 1,
                data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None,
                cache: str | None = None, prefix_cache: bool | int | None = None,
-               expert_parallel_size: int | None = None) -> Scorer:
+               expert_parallel_size: int | None = None, attention_parallel: str | None = None) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
     config = ScorerOptions(model, device, dtype, max_batch_tokens, deterministic, tensor_parallel_size,
@@ -79,11 +81,12 @@ def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "aut
     if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size not in (None, 1):
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size, cache=cache, prefix_cache=prefix_cache,
-                      expert_parallel_size=expert_parallel_size)
+                      expert_parallel_size=expert_parallel_size, attention_parallel=attention_parallel)
     key = (model, device, dtype)
     if key not in _MODELS:
         _MODELS[key] = load_model(model, device, dtype)
-    return Scorer(_MODELS[key], config=config, cache=cache, prefix_cache=prefix_cache)
+    return Scorer(_MODELS[key], config=config, cache=cache, prefix_cache=prefix_cache,
+                  attention_parallel=attention_parallel)
 
 
 def prefix_cache_arg(text: str) -> bool | int:
@@ -127,6 +130,11 @@ def model_parser() -> argparse.ArgumentParser:
                         "(M divides the ranks and the expert count; each rank holds 1/M of the experts, split "
                         "further between the ranks of a group; default: N, whole experts per rank, where N "
                         "divides the expert count, else 1)")
+    g.add_argument("--attention-parallel", choices=("data", "tensor"), default=None,
+                   help="mixture-of-experts models over several ranks: attention, norms and dense blocks whole on "
+                        "every rank, each rank running its share of the batch's sequences (data), or split by "
+                        "heads with every rank running every row (tensor); default: data where the experts are "
+                        "whole per rank (--ep = --tp) and the family has it, else tensor")
     g.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="M",
                    help="M replicas (each of --tensor-parallel-size ranks) sharing the requests (default: %(default)s)")
     g.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",

@@ -116,7 +116,7 @@ def _scorer(args: argparse.Namespace):
     o = ScorerOptions.from_args(args)
     return get_scorer(o.model, o.device, o.dtype, o.max_batch_tokens, o.deterministic, o.tensor_parallel_size,
                       o.data_parallel_size, o.tp_invariant, o.progress, o.cache, o.prefix_cache,
-                      o.expert_parallel_size)
+                      o.expert_parallel_size, o.attention_parallel)
 
 if __name__ == "__main__":
     sys.exit(main())

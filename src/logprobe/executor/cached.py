@@ -112,9 +112,10 @@ class ModelIdentity:
     the scorer's weights version, +1 per successful update: the weights are hashed again then."""
 
     def __init__(self, loaded: Any, in_process: bool, version: Callable[[], int], tensor_parallel_size: int = 1,
-                 expert_parallel_size: int = 1):
+                 expert_parallel_size: int = 1, attention: str = "tensor"):
         self.loaded, self.in_process, self.version, self.tp = loaded, in_process, version, tensor_parallel_size
         self.ep = expert_parallel_size  # default mode's bits depend on it (keys without it: 1)
+        self.attention = attention  # and on the attention layout (keys without it: "tensor")
         self._weights: tuple[int, str | None] | None = None
         self._tokenizer: str | None = None
         self.hash_seconds = 0.0  # time the last weights hash took
@@ -148,6 +149,8 @@ class ModelIdentity:
                 "schema": SCHEMA_VERSION}
         if self.ep != 1:
             desc["expert_parallel_size"] = self.ep
+        if self.attention != "tensor":
+            desc["attention_parallel"] = self.attention
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest(), desc
 
 
@@ -434,7 +437,8 @@ class CachedExecutor:
 
 
 def with_cache(engine: Any, loaded: Any, directory: str | os.PathLike, version: Callable[[], int],
-               tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> CachedExecutor:
+               tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+               attention: str = "tensor") -> CachedExecutor:
     """``engine`` behind the cache at ``directory`` (a Scorer's ``cache=``)."""
     if not isinstance(directory, (str, os.PathLike)) or not str(directory):
         raise LogprobeError("cache", f"must be a directory path, got {directory!r}")
@@ -445,4 +449,4 @@ def with_cache(engine: Any, loaded: Any, directory: str | os.PathLike, version: 
                             "use tensor_parallel_size with library-owned workers, or no cache")
     return CachedExecutor(engine, ResultCache(directory),
                           ModelIdentity(loaded, engine.in_process, version, tensor_parallel_size,
-                                        expert_parallel_size))
+                                        expert_parallel_size, attention))

@@ -53,14 +53,15 @@ class ParallelEngine:
     in_process = False  # the workers hold the weights: stage_weights / end_weights update them
 
     def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int,
-                 ep: int = 1) -> None:
+                 ep: int = 1, attention: str = "tensor") -> None:
         self.tp, self.dp, self.ep = tp, dp, ep
+        self.attention = attention  # the layout of attention and dense layers (ParallelContext.attention)
         self.groups: list[WorkerGroup] = []
         threads = default_threads(tp * dp) if device == "cpu" else 1
         try:
             for r in range(dp):
                 self.groups.append(WorkerGroup(LaunchSpec(model, device, dtype, config, tp, r, r * tp,
-                                                          threads=threads, ep=ep)))
+                                                          threads=threads, ep=ep, attention=attention)))
         except BaseException:
             self.close()
             raise
@@ -175,10 +176,12 @@ class ParallelEngine:
 __all__ = ["ParallelEngine", "assign_replicas", "recv"]
 
 
-def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int, ep: int | None = None):
+def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int, ep: int | None = None,
+                   attention: str | None = None):
     """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks, the
     experts of each replica in ``ep`` groups (``ParallelContext.experts``; None: the model's
-    default, ``loader.default_expert_parallel``)."""
+    default, ``loader.default_expert_parallel``), attention laid out as ``attention`` says
+    ("data" or "tensor", ``loader.attention_layout``; None: the model's default)."""
     import torch
 
 
@@ -202,13 +205,15 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
         if ep is None:
             ep = default_expert_parallel(describe_model(model, device, dtype).model.config, tp)
         local = torch.device(f"cuda:{torch.cuda.current_device()}") if dev.type == "cuda" else dev
-        loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD, experts=ep), local, dtype)
+        loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD, experts=ep, attention=attention),
+                            local, dtype)
         if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
         return loaded, Engine(loaded.model, config, local), local
     loaded = describe_model(model, device, dtype)
     ep = default_expert_parallel(loaded.model.config, tp) if ep is None else ep
-    parallel_context(loaded.model.config, 0, tp, None, ep)  # a size that cannot split the model fails here, before any process
+    # a size that cannot split the model fails here, before any process; the layout resolved
+    ctx = parallel_context(loaded.model.config, 0, tp, None, ep, attention)
     dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
-    engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep)
+    engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep, ctx.attention or "tensor")
     return loaded, engine, dev

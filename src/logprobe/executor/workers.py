@@ -63,6 +63,7 @@ class LaunchSpec:
     port: int = 0
     threads: int = 1
     ep: int = 1  # expert-parallel size within the replica (divides tp)
+    attention: str | None = None  # "data" or "tensor" (ParallelContext.attention; None: the model's default)
 
 
 def free_port() -> int:
@@ -94,7 +95,8 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                                 world_size=spec.tp)
         with _AnonPeak() as peak:
-            loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD, experts=spec.ep), device,
+            loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD, experts=spec.ep,
+                                                   attention=spec.attention), device,
                                 spec.dtype)
         config = spec.config
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver

@@ -453,7 +453,8 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     ranks = []
     for r in range(engine.tp):
         with torch.device("meta"):
-            ranks.append(build(cfg, parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1))))
+            ranks.append(build(cfg, parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1),
+                                                     attention=getattr(engine, "attention", None))))
     try:
         for item in items:
             for unit, piece in units(item, model, field):
