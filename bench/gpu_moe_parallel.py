@@ -6,10 +6,14 @@ in-memory expert layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_pro
 the workers read only their experts' bytes from it. Scored through the public API (``Scorer``,
 default budget) on W1 (RL groups, bench/common.py). Printed per (TP, EP) and mode: seconds,
 input tokens/s, speed-up over (1, 1), max / mean |Δ log-prob| against (1, 1) of the same mode
-and a bitwise flag. Deterministic mode on CUDA runs only where every rank holds whole experts
+and a bitwise flag, and the attention layout the row ran (``Scorer.attention_parallel``: "data",
+each rank its share of the batch's sequences, the default where EP = TP; "tensor", heads split).
+``--attention data,tensor`` times both layouts at each size above one GPU (``auto``, the default:
+the model's). Deterministic mode on CUDA runs only where every rank holds whole experts
 (EP = TP; other splits are refused there, see docs/parallel.md).
 
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --sizes 1x1,2x1,2x2      # 2 GPUs
+    python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 --attention data,tensor
     python bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4    # 4 GPUs
     python bench/gpu_moe_parallel.py --shape mla --fp8 --sizes 1x1,2x1,2x2          # FP8 blocks, 2 GPUs
 
@@ -134,14 +138,13 @@ def timed(scorer, reqs):
 
 
 def main() -> None:
-    from logprobe import Scorer
-    from logprobe.config import EngineConfig
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (labelled in the output)")
     ap.add_argument("--sizes", default="1x1,2x1,2x2", help="TPxEP pairs, the first is the reference")
     ap.add_argument("--modes", default="default,det")
+    ap.add_argument("--attention", default="auto",
+                    help="attention layouts to time above one GPU, comma-separated: data, tensor, auto (the model's)")
     ap.add_argument("--dir", default="/tmp/logprobe-moe-parallel")
     ap.add_argument("--fp8", action="store_true", help="an FP8 block checkpoint of the same weights (DeepSeek's layout)")
     ap.add_argument("--diagnose", action="store_true",
@@ -156,28 +159,42 @@ def main() -> None:
     ref, base = {}, {}
     for size in args.sizes.split(","):
         tp, ep = map(int, size.split("x"))
-        t = time.perf_counter()
-        s = Scorer(str(path), device="cuda", tensor_parallel_size=tp, expert_parallel_size=ep, progress=False)
-        load = time.perf_counter() - t
-        reqs = workload("W1", s.info.vocab_size)
-        for mode in args.modes.split(","):
-            if mode == "det" and ep != tp:
-                log(json.dumps(dict(tp=tp, ep=ep, mode=mode, skipped="deterministic on CUDA needs EP = TP")))
+        for layout in ["auto"] if tp == 1 else args.attention.split(","):
+            if layout == "data" and ep != tp:
+                log(json.dumps(dict(tp=tp, ep=ep, attention=layout, skipped="data-parallel attention needs EP = TP")))
                 continue
-            s.config = EngineConfig(progress=False, deterministic=mode == "det")
-            s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
-            secs, lp = timed(s, reqs)
-            toks = sum(r.num_inputs for r in reqs)
-            row = dict(shape=args.shape, layers=args.layers or "all", fp8=args.fp8, tp=tp, ep=ep, mode=mode, s=round(secs, 3),
-                       tok_s=round(toks / secs), load_s=round(load, 1))
-            if mode in ref:
-                d = (lp - ref[mode]).abs()
-                row.update(speedup=round(base[mode] / secs, 2), max_d=float(d.max()), mean_d=float(d.mean()),
-                           bitwise=bool(torch.equal(lp, ref[mode])))
-            else:
-                ref[mode], base[mode] = lp, secs
-            log(json.dumps(row))
-        s.close()
+            run_size(args, path, tp, ep, None if layout == "auto" else layout, ref, base)
+
+
+def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, base: dict) -> None:
+    """One (TP, EP, attention layout): each mode timed on W1; the first run of a mode is the reference."""
+    from logprobe import Scorer
+    from logprobe.config import EngineConfig
+
+    t = time.perf_counter()
+    s = Scorer(str(path), device="cuda", tensor_parallel_size=tp, expert_parallel_size=ep, progress=False,
+               attention_parallel=layout)
+    load = time.perf_counter() - t
+    reqs = workload("W1", s.info.vocab_size)
+    for mode in args.modes.split(","):
+        if mode == "det" and ep != tp:
+            log(json.dumps(dict(tp=tp, ep=ep, mode=mode, skipped="deterministic on CUDA needs EP = TP")))
+            continue
+        s.config = EngineConfig(progress=False, deterministic=mode == "det")
+        s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
+        secs, lp = timed(s, reqs)
+        toks = sum(r.num_inputs for r in reqs)
+        row = dict(shape=args.shape, layers=args.layers or "all", fp8=args.fp8, tp=tp, ep=ep,
+                   attention=s.attention_parallel, mode=mode, s=round(secs, 3), tok_s=round(toks / secs),
+                   load_s=round(load, 1))
+        if mode in ref:
+            d = (lp - ref[mode]).abs()
+            row.update(speedup=round(base[mode] / secs, 2), max_d=float(d.max()), mean_d=float(d.mean()),
+                       bitwise=bool(torch.equal(lp, ref[mode])))
+        else:
+            ref[mode], base[mode] = lp, secs
+        log(json.dumps(row))
+    s.close()
 
 
 def point_order(key: str, parts: tuple[str, ...]) -> tuple:
