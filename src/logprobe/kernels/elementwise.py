@@ -52,8 +52,10 @@ if triton_available():
         xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, BLOCK_J, 2)))  # [BH, BJ] each
         cs = tl.load(cs_ptr + t * 2 * half + d, mask=d < 2 * half, other=0.0)  # cis as real [T, D/2, 2]
         c, s = tl.split(tl.reshape(cs, (BLOCK_J, 2)))  # [BJ] each
-        ye = xe * c[None, :] - xo * s[None, :]
-        yo = xe * s[None, :] + xo * c[None, :]
+        # explicit FMAs: left to the compiler, which product is fused into the add changed with
+        # BLOCK_H (a [T, 4, D] k and its [T, 2, D] half rotated some pairs 1 ulp apart on an H200)
+        ye = tl.fma(xe, c[None, :], -(xo * s[None, :]))
+        yo = tl.fma(xe, s[None, :], xo * c[None, :])
         y = tl.reshape(tl.join(ye, yo), (BLOCK_H, 2 * BLOCK_J))  # pairs interleaved back
         tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + d[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=ok)
