@@ -268,3 +268,68 @@ def test_scorer_layouts_equal_one_process(dirs):
             assert _bits_equal(s.logprobs(seqs, **OPTS), want), layout
             held[layout] = s.engine.param_bytes[0][0]
     assert held[None] > held["tensor"]  # the workers hold attention whole under "data"
+
+
+# ---- one MoE block over two gloo ranks, rows split: its collectives and its numbers ----
+
+def _block_worker(rank: int, size: int, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+    from test_moe_parallel import _layer_block, _numerics, _Recording
+
+    class Recording(_Recording):
+        def reduce_scatter_sum(self, x):
+            self.calls.append(("reduce_scatter_sum", tuple(x.shape)))
+            return super().reduce_scatter_sum(x)
+
+        def all_to_all(self, x, send, recv):
+            self.calls.append(("all_to_all", tuple(x.shape), sum(recv)))
+            return super().all_to_all(x, send, recv)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
+    ctx = Recording(rank, size, None, blocks=8, experts=size, attention="data")
+    block, x = _layer_block(ctx, torch.float32)
+    got = {}
+    for bounds in ((0, 20, 37), (0, 0, 37)):
+        split = RowSplit(bounds, rank)
+        a, b = split.own
+        for det in (False, True):
+            block.set_numerics(_numerics(det, size))
+            ctx.calls = []
+            y = block(x[a:b], None, split)
+            got[bounds, det] = (split.gather(ctx, y), ctx.calls[:-1])  # the last call: this gather
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_block_rows_split_collectives_and_numbers(tmp_path):
+    """One MoE block (8 experts, top-4, T = 37) over 2 gloo ranks owning rows 0:20 | 20:37 and 0:0 |
+    0:37. Each rank all-gathers x [m, H] and the routing [m, 2k]; default mode reduce-scatters one
+    float32 [2m, H] (within 1e-5 of one process and of float64), deterministic mode sends its slots
+    to their rows' ranks (all-to-all) and is one process's bits."""
+    import torch.multiprocessing as mp
+    from test_moe_parallel import LAYER, _layer_block, _numerics
+
+    out = tmp_path / "got.pt"
+    mp.spawn(_block_worker, args=(2, str(tmp_path / "rdv"), str(out)), nprocs=2)
+    got = torch.load(out)
+    H, k = LAYER["H"], LAYER["k"]
+    one, x = _layer_block(ParallelContext(blocks=8), torch.float32)
+    ref64, x64 = _layer_block(ParallelContext(blocks=8), torch.float64)
+    want64 = ref64(x64)
+    for bounds, m in (((0, 20, 37), 20), ((0, 0, 37), 37)):
+        for det in (False, True):
+            one.set_numerics(_numerics(det, 1))
+            want = one(x)
+            y, calls = got[bounds, det]
+            assert calls[:2] == [("all_gather", (m, H)), ("all_gather", (m, 2 * k))], calls
+            if det:
+                assert torch.equal(y, want), bounds
+                assert len(calls) == 3 and calls[2][0] == "all_to_all", calls
+                continue
+            assert calls[2:] == [("reduce_scatter_sum", (2 * m, H))], calls
+            d_one, d_64 = (y - want).abs().max().item(), (y.double() - want64).abs().max().item()
+            print(f"rows {bounds} default mode: vs one process {d_one:.2e}, vs float64 {d_64:.2e}")
+            assert d_one <= 1e-5 and 0 < d_64 <= 1e-5, (bounds, d_one, d_64)

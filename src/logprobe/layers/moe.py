@@ -481,20 +481,20 @@ class Experts(NumericsUser, nn.Module):
 
         * default mode: combines them at once into a float32 [P * m, H] partial and the partials
           are reduce-scattered: rank r receives the sum over ranks of its own rows, rounded once;
-        * deterministic mode: writes them into a [P * m * k, H] buffer of -0.0 that is
-          reduce-scattered (each entry non-zero on one rank only: exact in any order, as in
-          ``parallel_forward``), so each rank receives its own rows' k slots whole, then combines
-          them in slot order (``combine_to``): one process's bits at every size.
+        * deterministic mode: sends each computed slot whole to the rank owning its row
+          (``return_slots``: an all-to-all of copies), which combines its rows' k slots in slot
+          order (``combine_to``): one process's bits at every size.
 
         Worked example, P = 2, E = 4 (rank 0: experts 0, 1; rank 1: 2, 3), k = 1, rank 0 owns token
         a routed to e3, rank 1 tokens b, c routed to e0, e2 (m = 2; rank 0's pad row p):
 
             gathered rows [a, p | b, c]:  rank 0 computes slot of b (e0), rank 1 those of a, c
-            reduce-scatter: rank 0 receives [y_a, -0.0], rank 1 [y_b, y_c]
+            default: partials reduce-scattered, rank 0 receives row a's sum, rank 1 rows b, c
+            deterministic: rank 0 sends y_b to rank 1; rank 1 sends y_a to rank 0, keeps y_c
 
         Traffic per layer and rank: the gather of (P - 1) m rows of x (and m x 2k float32 of
-        routing), and a reduce-scatter of (P - 1) m rows, float32 of H (default) or k x H in x's
-        dtype (deterministic)."""
+        routing), then a reduce-scatter of (P - 1) m rows of H float32 (default) or the slots it
+        computed for other ranks' rows, about (P - 1) / P of m k rows of H (deterministic)."""
         T, k = ids.shape
         _, P = self.ctx.expert_share
         if P != 1:
@@ -513,10 +513,27 @@ class Experts(NumericsUser, nn.Module):
             w = routing[:, k:].reshape(-1)[slots]  # [n]: each computed slot's router weight
             partial = combine_partial(ys, w, slots, k, size * m, triton)  # [P*m, H] float32
             return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
-        y = x.new_full((size * m * k, self.hidden), -0.0)  # [P*m*k, H]: -0.0, the exact identity of the sum
-        y[slots] = ys
-        own = self.ctx.reduce_scatter_sum(y).view(m, k, self.hidden)[:T]  # [T, k, H]: own rows' slots, whole
+        own = self.return_slots(ys, slots, every_ids, m).view(m, k, self.hidden)[:T]  # [T, k, H], whole
         return combine_to(own, weights, x.dtype)
+
+    def return_slots(self, ys: torch.Tensor, slots: torch.Tensor, every_ids: torch.Tensor, m: int) -> torch.Tensor:
+        """Whole experts per rank: the outputs ys [n, H] of this rank's slots ``slots`` [n] (flat
+        indices, ascending, into every rank's m rows of k slots) each sent to the rank owning its
+        row -> this rank's [m * k, H] slots (rows of pad slots unwritten). Every rank knows from the
+        gathered ids [P*m, k] which rank computes each slot (its expert's), so what each rank sends
+        and receives is known without asking. Worked example, P = 2, E = 4, k = 2, m = 1, rank 1's
+        token routed to (e2, e0): rank 0 computes its slot 1 (e0) and sends it; rank 1 keeps slot 0
+        (e2), receives slot 1 from rank 0, and writes them to its slots [0 | 1] (copies: exact)."""
+        size, rank, k = self.ctx.size, self.ctx.rank, every_ids.shape[1]
+        per = self.total_experts // size  # experts a rank holds: rank = expert // per
+        send = torch.bincount(slots // (m * k), minlength=size).tolist()  # ascending: grouped by owner
+        mine = every_ids[rank * m:(rank + 1) * m].reshape(-1)  # [m*k]: this rank's slots
+        src = torch.where(mine >= 0, mine // per, size)  # [m*k]: the rank computing each, size for pad slots
+        recv = torch.bincount(src, minlength=size + 1)[:size].tolist()
+        at = torch.sort(src, stable=True).indices[:sum(recv)]  # own slots by computing rank, then ascending
+        y = ys.new_empty(m * k, self.hidden)  # [m*k, H]
+        y[at] = self.ctx.all_to_all(ys, send, recv)
+        return y
 
     def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
                     slots: torch.Tensor, row_tile: int | None, triton: bool = True) -> torch.Tensor:

@@ -120,6 +120,18 @@ class ParallelContext:
         gather(out, x, group=self.group)
         return out.view(self.size, *x.shape)
 
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """x [sum(send), *], its first send[0] rows for rank 0, the next send[1] for rank 1, ... ->
+        [sum(recv), *]: recv[q] rows from rank q, in rank order (copies: exact). Every rank must
+        know what it receives (``recv``) without asking."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        return out
+
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, n], this rank's columns -> [T, size * n], the ranks' columns side by side in rank
         order (an exact copy: no arithmetic, hence the same bits at every TP size)."""
