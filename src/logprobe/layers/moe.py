@@ -605,7 +605,9 @@ class MoeBlock(NumericsUser, nn.Module):
     block's ``numerics``: fixed row tiles in deterministic mode, the fused Triton kernel on CUDA
     unless ``numerics.triton`` is off. Over several ranks, deterministic mode gathers every slot
     whole on every rank (``Experts.parallel_forward``, one process's bits); default mode sums
-    the ranks' combined slots once (``Experts.combined``, a [T, H] float32 sum). In both the
+    the ranks' combined slots once (``Experts.combined``, a [T, H] float32 sum). Under
+    data-parallel attention (``rows``: x holds this rank's rows only) the ranks' rows are gathered
+    and each rank gets its own rows' outputs back (``Experts.split_forward``). In every path the
     routed sum is rounded to x's dtype before the shared expert is added, as in one process."""
 
     def __init__(self, spec: MoeSpec, hidden: int, router_point: str, shared: nn.Module | None = None,
