@@ -228,7 +228,9 @@ def diagnose(path: Path, sizes: list[str], device: str = "cuda") -> None:
     that is not bitwise names the layer part (attention, MoE) whose bits depend on the size. Texts
     of several lengths, each scored alone and twice (the second pass against the first: a size
     that is not even repeatable shows there). One GPU runs the same comparison with the ranks as
-    threads (``tests/test_tp_threads.py -m gpu``), which also names the step inside attention."""
+    threads (``tests/test_tp_threads.py -m gpu``), which also names the step inside attention.
+    Captures run every row on every rank, so under data-parallel attention this compares the
+    unsplit path (attention whole on every GPU); the timed rows compare the split one."""
     from logprobe import Scorer
     from logprobe.config import EngineConfig
 

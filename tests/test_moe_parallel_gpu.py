@@ -8,6 +8,9 @@ only: split experts are refused there on CUDA). Compared with the same block on 
 a float64 forward on the same routing: default mode within bf16 rounding (no further from float64
 than one GPU is, plus one bf16 ulp; within two ulps of one GPU), deterministic mode bitwise one GPU.
 
+The same block with rows split between the GPUs (data-parallel attention: each GPU routes its
+own rows, gathers every GPU's, returns each row's output to its GPU) against one GPU too.
+
     pytest -m gpu tests/test_moe_parallel_gpu.py -s        # prints the measured distances"""
 
 from __future__ import annotations
@@ -87,3 +90,48 @@ def test_block_on_two_gpus(experts, tmp_path):
         one.set_numerics(_numerics(True, 1))
         with torch.no_grad():
             assert torch.equal(got[True], one(x).cpu())
+
+
+def _rows_worker(rank: int, bounds: tuple[int, ...], rdv: str, out: str) -> None:
+    """Data-parallel attention's MoE layer: rank r holds rows bounds[r]:bounds[r + 1] of x."""
+    import torch.distributed as dist
+
+    from logprobe.parallel.rows import RowSplit
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{rdv}", rank=rank, world_size=2)
+    ctx = ParallelContext(rank, 2, None, blocks=8, experts=2, attention="data")
+    block, x = _block(ctx, f"cuda:{rank}", torch.bfloat16)
+    split = RowSplit(bounds, rank)
+    a, b = split.own
+    got = {}
+    for det in (False, True):
+        block.set_numerics(_numerics(det, 2))
+        with torch.no_grad():
+            got[det] = split.gather(ctx, block(x[a:b], None, split)).cpu()
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bounds", [(0, 1400, T), (0, 0, T)])
+def test_block_rows_split_on_two_gpus(bounds, tmp_path):
+    """Each GPU owns its rows (``bounds``; one GPU none): default mode within two bf16 ulps of one
+    GPU, deterministic mode (its slots sent whole to their rows' GPU) bitwise one GPU."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "got.pt"
+    mp.spawn(_rows_worker, args=(bounds, str(tmp_path / "rdv"), str(out)), nprocs=2)
+    got = torch.load(out)
+    one, x = _block(ParallelContext(blocks=8), "cuda:0", torch.bfloat16)
+    with torch.no_grad():
+        one.set_numerics(_numerics(False, 1))
+        want = one(x).cpu().float()
+        one.set_numerics(_numerics(True, 1))
+        det = one(x).cpu()
+    ulp = want.abs().max().item() * 2.0**-7
+    d_one = (got[False].float() - want).abs().max().item()
+    print(f"rows {bounds}: default vs one GPU {d_one:.3e}")
+    assert d_one <= 2 * ulp
+    assert torch.equal(got[True], det)
