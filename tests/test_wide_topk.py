@@ -161,3 +161,40 @@ def test_wide_topk_launch_failure_falls_back_exactly(monkeypatch):
         assert torch.equal(getattr(out, name), getattr(want, name)), name
     with pytest.raises(OutOfResources):
         logprob_head(h, p, y, temp, top_k=20)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its launch errors)")
+def test_wide_topk_halves_its_rows_until_the_launch_fits(monkeypatch):
+    """A wide top-k launch that raises OutOfResources (top-256 at 64 rows per program on an H200)
+    is retried at half the rows down to MIN_WIDE_BLOCK_M; the rows that fitted are kept for the
+    next call (one tile shape per process, whatever the batch); below the floor the error reaches
+    the caller (which runs the PyTorch head). The launch is replaced by one that records the rows
+    it was asked for: what is tested is the retry, not the kernel (the interpreter test above runs
+    the kernel itself at 8 rows per program)."""
+    from triton.runtime.errors import OutOfResources
+
+    import logprobe.kernels.logprob_head as kh
+
+    asked, fits = [], {"rows": 16}
+
+    def launch(*args, config, **kw):
+        asked.append(config.wide_block_m)
+        if kw["top_k"] > kh.INSERT_TOP_K and config.wide_block_m > fits["rows"]:
+            raise OutOfResources(262144, 232448, "shared memory")
+        return ("launched", config.wide_block_m, kw["top_k"])
+
+    monkeypatch.setattr(kh, "_head_partials_launch", launch)
+    monkeypatch.setattr(kh, "_WIDE_ROWS", {})
+    h, w, y = torch.zeros(4, 32), torch.zeros(50, 32), torch.zeros(4, dtype=torch.long)
+    zy, it = torch.zeros(4), torch.ones(4)
+    cfg = kh.KernelConfig(wide_block_m=64)
+    assert kh.fused_head_partials(h, w, y, zy, it, top_k=256, config=cfg) == ("launched", 16, 256)
+    assert asked == [64, 32, 16]
+    assert kh.fused_head_partials(h[:2], w, y[:2], zy[:2], it[:2], top_k=256, config=cfg) == ("launched", 16, 256)
+    assert asked == [64, 32, 16, 16]  # kept: no failed compile again, whatever the batch
+    assert kh.fused_head_partials(h, w, y, zy, it, top_k=20, config=cfg)[1] == 64  # narrow top-k: no retries
+    fits["rows"] = 8  # nothing at or above the floor fits: the caller gets the error
+    monkeypatch.setattr(kh, "_WIDE_ROWS", {})
+    with pytest.raises(OutOfResources):
+        kh.fused_head_partials(h, w, y, zy, it, top_k=64, config=cfg)
+    assert asked[-3:] == [64, 32, 16]
