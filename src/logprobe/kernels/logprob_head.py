@@ -33,8 +33,7 @@ Extra memory: O(S * N) floats (+ S * N * KPAD for top-k), never O(N * V).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
@@ -418,7 +417,7 @@ def fused_target_logits(hidden, weight, targets, inv_temperature, *, bias=None, 
     return zy
 
 
-def _head_partials_launch(
+def fused_head_partials(
     hidden: torch.Tensor,  # [N, H] bf16 / fp16 / fp32
     weight: torch.Tensor,  # [V, H], same dtype (a vocabulary shard: ids vocab_start + row)
     targets: torch.Tensor,  # [N] int, in this weight's row numbering (may fall outside it)
@@ -502,39 +501,6 @@ def _head_partials_launch(
     if ti is not None and vocab_start:
         ti += vocab_start
     return m, s, a, c, tv, ti
-
-
-# the rows per program a wide top-k launched with on a device, by (device, KPAD, dtype, H):
-# wide_block_m halved until the sorts fit (each failed compile costs seconds, so it is kept)
-_WIDE_ROWS: dict[tuple, int] = {}
-MIN_WIDE_BLOCK_M = 16  # tl.dot's smallest M
-
-
-def fused_head_partials(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, zy: torch.Tensor,
-                        inv_temperature: torch.Tensor, *, top_k: int = 0, config: KernelConfig = DEFAULT_CONFIG,
-                        **kw):
-    """``_head_partials_launch`` (its arguments and outputs); a wide top-k (k > INSERT_TOP_K) whose
-    sorts do not fit the GPU at ``config.wide_block_m`` rows per program (each merge sorts
-    [rows, 2 KPAD] int64 keys: top-256 at 64 rows raised OutOfResources on an H200) runs again at
-    half the rows, down to MIN_WIDE_BLOCK_M, before the error reaches the caller. The rows chosen
-    are kept per device, k, dtype and width (never per batch), so a process's wide top-k runs one
-    tile shape whatever the batch: deterministic mode stays batch-invariant and repeatable."""
-    run = partial(_head_partials_launch, hidden, weight, targets, zy, inv_temperature, top_k=top_k, **kw)
-    if top_k <= INSERT_TOP_K or not LAUNCH_ERRORS:
-        return run(config=config)
-    kpad = triton.next_power_of_2(top_k)
-    key = (str(hidden.device), kpad, hidden.dtype, hidden.shape[1], config)
-    bm = _WIDE_ROWS.get(key, config.wide_block_m)
-    while True:
-        try:
-            out = run(config=replace(config, wide_block_m=bm))
-        except LAUNCH_ERRORS:
-            if bm // 2 < MIN_WIDE_BLOCK_M:
-                raise
-            bm //= 2
-            continue
-        _WIDE_ROWS[key] = bm
-        return out
 
 
 def fused_logprob_head(
