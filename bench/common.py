@@ -35,14 +35,14 @@ from logprobe.models.llama import LlamaModel
 from logprobe.scoring.windows import sliding_windows
 
 GiB = 1024**3
+_LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama 3.1's
 MODELS = {
     # Llama-3.1-8B, Llama-3.2-1B and SmolLM2-135M shapes (random weights)
     "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
                      max_position_embeddings=131072, rms_norm_eps=1e-5,
-                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 8192}),
+                     rope_parameters=dict(_LLAMA31_ROPE)),
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
                      max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -53,9 +53,7 @@ MODELS = {
     "llama-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                       num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
                       max_position_embeddings=131072, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192}),
+                      rope_parameters=dict(_LLAMA31_ROPE)),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
                          max_position_embeddings=8192, rms_norm_eps=1e-5,
