@@ -4,7 +4,9 @@ the machine has them), on a Qwen3-30B-A3B shape and a DeepSeek-V2-Lite / Moonlig
 A random-init bf16 checkpoint is written once as a Hugging Face directory with transformers'
 in-memory expert layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
 the workers read only their experts' bytes from it. Scored through the public API (``Scorer``,
-default budget) on W1 (RL groups, bench/common.py). Printed per (TP, EP) and mode: seconds,
+default budget: never passed here, so each size runs the budget the engine picks, printed as
+``budget``; under data-parallel attention that is the rows of every rank together) on W1 (RL
+groups, bench/common.py). Printed per (TP, EP) and mode: seconds,
 input tokens/s, speed-up over (1, 1), max / mean |Δ log-prob| against (1, 1) of the same mode
 and a bitwise flag, and the attention layout the row ran (``Scorer.attention_parallel``: "data",
 each rank its share of the batch's sequences, the default where EP = TP; "tensor", heads split).
@@ -185,7 +187,8 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
         secs, lp = timed(s, reqs)
         toks = sum(r.num_inputs for r in reqs)
         row = dict(shape=args.shape, layers=args.layers or "all", fp8=args.fp8, tp=tp, ep=ep,
-                   attention=s.attention_parallel, mode=mode, s=round(secs, 3), tok_s=round(toks / secs),
+                   attention=s.attention_parallel, budget=s.config.max_batch_tokens, mode=mode, s=round(secs, 3),
+                   tok_s=round(toks / secs),
                    load_s=round(load, 1))
         if mode in ref:
             d = (lp - ref[mode]).abs()

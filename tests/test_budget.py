@@ -15,6 +15,8 @@ from logprobe.engine.budget import (
     activation_bytes_per_token,
     auto_budget,
     budget_for,
+    gathered_bytes_per_token,
+    ranks_budget,
 )
 from logprobe.errors import LogprobeError
 from logprobe.layers.moe import MoeSpec
@@ -69,6 +71,23 @@ def test_moe_cap_gold(free, want):
     assert per_token == 71680
     assert auto_budget("cuda", free, per_token, cap=MAX_AUTO_MOE) == want
     assert auto_budget("cuda", free, per_token) == min(want, 32768)  # the dense cap
+
+
+@pytest.mark.parametrize("free,ranks,want", [
+    # data-parallel attention over N ranks: an own row costs 71,680 + N * 12,352 gathered bytes
+    # (x bf16 + the float32 partial of H = 2048, the routing 8 * 8); the share per rank x N
+    (100 * GiB, 1, 65536),
+    (100 * GiB, 2, 131072),  # 278,506 rows per rank -> the MoE cap
+    (100 * GiB, 4, 262144),
+    (12 * GiB, 2, 65536),  # 33,420 -> 32768 per rank
+    (4 * GiB, 2, 16384),  # 11,140 -> 8192 per rank
+    (4 * GiB, 8, 32768),  # 6,297 (8 gathered rows per own row) -> 4096 per rank
+])
+def test_data_attention_budget_gold(free, ranks, want):
+    assert gathered_bytes_per_token(QWEN3_30B_A3B, 2) == 12352 and gathered_bytes_per_token(LLAMA_8B, 2) == 0
+    assert ranks_budget("cuda", free, QWEN3_30B_A3B, 2, ranks) == want
+    assert ranks_budget("cpu", free, QWEN3_30B_A3B, 2, ranks) == ranks * CPU_BUDGET
+    assert ranks_budget("cuda", 60 * GiB, LLAMA_8B, 2) == 32768  # dense: the dense cap, one rank
 
 
 def test_config_default_is_none_and_validated():

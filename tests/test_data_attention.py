@@ -25,7 +25,9 @@ from logprobe.layers.attention import AttentionMeta, Segment
 from logprobe.layers.hooks import CaptureTable, Hooks
 from logprobe.loading.loader import attention_layout, describe_model, load_model, load_shard, parallel_context
 from logprobe.parallel.context import ParallelContext
-from logprobe.parallel.rows import RowSplit, assign_rows
+from logprobe.engine.budget import CPU_BUDGET, budget_for, row_ranks
+from logprobe.engine.scheduler import Tree, plan_work
+from logprobe.parallel.rows import RowSplit, assign_rows, balanced_order, max_share
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,6 +69,52 @@ def test_cuts_keep_a_prefix_with_its_branches_and_share_rebases():
     three = meta.share(RowSplit((0, 3, 19, 25), 2))
     assert [(s.start, s.end) for s in three.segments] == [(0, 6)] and three.num_rows == 6
     assert AttentionMeta([]).cuts() == [0]
+
+
+def test_balanced_order_gold():
+    # (unit rows, ranks) -> the order the engine lays a batch out in, and its busiest rank's rows
+    gold = {
+        ((9000, 7000, 6000, 5000), 2): ([0, 3, 1, 2], 14000),  # given: 16000 | 11000
+        ((10, 10, 10, 10), 2): ([0, 1, 2, 3], 20),  # already even: kept
+        ((20, 9, 8, 3), 2): ([0, 1, 2, 3], 20),  # the largest alone: even already, kept
+        ((7, 6, 2, 2, 1), 2): ([0, 3, 1, 2, 4], 9),  # given: cut at 7 (nearest 9): 7 | 11; greedy 7 + 2 | 6 + 2 + 1
+        ((6, 5, 4, 3, 2), 2): ([0, 1, 2, 3, 4], 11),  # given 11 | 9; greedy 6 + 3 + 2 | 5 + 4 cuts at 9: 9 | 11, no better
+        ((8, 7, 6, 5, 4, 3), 3): ([0, 5, 1, 4, 2, 3], 11),
+        ((5, 4), 1): ([0, 1], 9),
+        ((7,), 2): ([0], 7),
+        ((5, 0, 5), 2): ([0, 1, 2], 5),  # an empty unit (no cut of its own)
+    }
+    for (sizes, n), (order, busiest) in gold.items():
+        got = balanced_order(list(sizes), n)
+        assert got == order, (sizes, n, got)
+        assert sorted(got) == list(range(len(sizes)))
+        assert max_share([sizes[i] for i in got], n) == busiest <= max_share(list(sizes), n), (sizes, n)
+
+
+def test_plan_lays_trees_out_for_the_ranks():
+    """``plan_work(ranks=N)``: the same batches of the same trees, each batch in ``balanced_order``;
+    ranks=1 keeps the planner's order (longest first)."""
+    inputs = [[1] * 9, [2] * 7, [3] * 6, [4, 4, 4, 5, 5], [4, 4, 4, 6]]
+    one = plan_work(inputs, 100, min_shared=2)
+    assert one == [[Tree((0,)), Tree((1,)), Tree((2,)), Tree((3, 4), 3)]]  # 9, 7, 6, 6 rows (the tree: 3 + 2 + 1)
+    two = plan_work(inputs, 100, min_shared=2, ranks=2)
+    assert two == [[Tree((0,)), Tree((3, 4), 3), Tree((1,)), Tree((2,))]]  # 9 + 6 | 7 + 6 (given: 16 | 12)
+    assert plan_work(inputs, 16, min_shared=2, ranks=2) == plan_work(inputs, 16, min_shared=2) == [
+        [Tree((0,)), Tree((1,))], [Tree((2,)), Tree((3, 4), 3)]]  # 9 | 7 and 6 | 6: kept
+
+
+def test_default_budget_counts_every_rank():
+    """Under data-parallel attention the default budget of a pass is the ranks' rows together:
+    N x the one-rank budget on CPU (the CUDA rule: ``engine.budget.ranks_budget``, its doctest and
+    tests/test_budget.py); heads split or one rank: the one-rank budget."""
+    from types import SimpleNamespace
+
+    cpu = torch.device("cpu")
+    for ctx, n in ((ParallelContext(0, 2, experts=2, attention="data"), 2),
+                   (ParallelContext(1, 4, experts=4, attention="data"), 4),
+                   (ParallelContext(0, 2, experts=2, attention="tensor"), 1), (ParallelContext(), 1), (None, 1)):
+        model = SimpleNamespace(ctx=ctx)
+        assert row_ranks(model) == n and budget_for(model, cpu) == n * CPU_BUDGET, ctx
 
 
 # ---- the option ----
@@ -251,20 +299,27 @@ def test_cli_and_scorer_take_the_option(dirs):
 
 @pytest.mark.slow  # slow tier: two Scorers of two gloo workers each
 def test_scorer_layouts_equal_one_process(dirs):
-    """Through the Scorer: left out, TP = 2 runs data-parallel attention (whole experts per rank);
-    "tensor" asks for heads split; deterministic mode gives one process's bits in both."""
+    """Through the Scorer: left out, TP = 2 runs data-parallel attention (whole experts per rank)
+    under the default budget of both ranks' rows, its batches laid out for the ranks
+    (``plan_work(ranks=2)``); "tensor" asks for heads split; deterministic mode gives one
+    process's bits in both."""
     from test_moe_parallel import OPTS, _bits_equal, _seqs
 
     from logprobe import Scorer
 
-    path, seqs = str(dirs["qwen3_moe"]), _seqs()
+    path = str(dirs["qwen3_moe"])
+    seqs = _seqs() + [{"prompt_token_ids": list(range(200, 220)), "completion_token_ids": list(range(220, 241))}]
     cfg = EngineConfig(deterministic=True, progress=False)
     want = Scorer(path, device="cpu", dtype="float32", config=cfg).logprobs(seqs, **OPTS)
     held = {}
+    inputs = [(q["prompt_token_ids"] + q["completion_token_ids"])[:-1] for q in seqs]
+    # the ranks' layout moves trees here (rows 73, 40, 31, 19, 18, 7: 113 | 75 -> 97 | 91)
+    assert plan_work(inputs, 10**6, ranks=2) != plan_work(inputs, 10**6)
     for layout in (None, "tensor"):
         with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2,
                     attention_parallel=layout) as s:
             assert s.attention_parallel == (layout or "data")
+            assert s.config.max_batch_tokens == (2 if layout is None else 1) * CPU_BUDGET  # both ranks' rows
             assert _bits_equal(s.logprobs(seqs, **OPTS), want), layout
             held[layout] = s.engine.param_bytes[0][0]
     assert held[None] > held["tensor"]  # the workers hold attention whole under "data"

@@ -97,7 +97,9 @@ class EngineConfig:
         exceed it is split into chunks of that many rows that see the earlier chunks through a
         KV cache (native models; others run such a request whole, alone). None (default): chosen
         when the engine starts, from the device and the memory the weights left free
-        (``engine.budget``: 8192 on CPU, up to 32768 on CUDA); ``Scorer.config`` shows the value.
+        (``engine.budget``: 8192 on CPU, up to 32768 on CUDA, 65536 for mixtures of experts; under
+        data-parallel attention over N ranks N times a rank's share); ``Scorer.config`` shows the
+        value. Given or chosen, it counts the rows of one pass, all ranks together.
     head_token_chunk / head_vocab_chunk: tile of the log-prob head; peak extra memory of the head is
         about 4 * head_token_chunk * head_vocab_chunk * 4 bytes, whatever T and V are.
     progress: None = a progress bar on long jobs when stderr is a terminal; True/False force it.

@@ -1,7 +1,8 @@
 """The default token budget of one forward pass (``EngineConfig.max_batch_tokens=None``), chosen
 from the device and the memory left once the weights are loaded.
 
-* CPU: ``CPU_BUDGET`` (8192; larger buys nothing on CPU, bench/cpu_engine_budget.py).
+* CPU: ``CPU_BUDGET`` (8192; larger buys nothing on CPU, bench/cpu_engine_budget.py); N times it
+  under data-parallel attention over N ranks (the same rows per rank).
 * CUDA: the largest power of two whose activations take at most ``MEMORY_SHARE`` of the free
   memory, clamped to [``MIN_AUTO``, ``MAX_AUTO``]. 32768 ran RL groups 7% (llama-8b) and 14% (llama-1b)
   faster than 8192 on an H100 (issue 19's table); the rest of the free memory is the
@@ -11,6 +12,12 @@ from the device and the memory left once the weights are loaded.
   an H200: W1 5.76 s at 32768, 5.52 s at 65536, ``bench/gpu_moe.py --batch-tokens``). A pass that
   still runs out is split and retried (``Engine.run``), so the estimate only has to be right most
   of the time.
+
+Data-parallel attention over N ranks (``parallel.rows``: each rank runs attention and dense
+layers on its share of the batch's rows, the experts gather every rank's rows) holds per rank
+the activations of its own rows and, in the MoE layer, ``gathered_bytes_per_token`` for every
+rank's rows: N of them per own row. The rule then picks a share per rank and the budget of a
+pass (the rows of every rank together) is N times it: each rank's GEMMs as large as one GPU's.
 
 Activations per token of one block, in the model's dtype (the widest moment of each half):
 attention ``6 H + (heads + 2 kv_heads) * head_dim`` (residual, norm, q/k/v, output and its
@@ -30,6 +37,17 @@ plus a shared expert's ``3 I_s``.
 (32768, 8192, 8192)
 >>> auto_budget("cuda", 60 * 2**30, 147456, cap=MAX_AUTO_MOE)
 65536
+
+Qwen3-30B-A3B (H 2048, 32 + 2 * 4 heads of 128, top-8 of 768), bf16, over 2 ranks with 100 GiB
+free each: 71,680 bytes an own row plus 2 * 12,352 gathered = 96,384; a quarter of 100 GiB holds
+278,506 rows -> the MoE cap 65536 per rank -> 131072 a pass:
+
+>>> q = C(hidden_size=2048, intermediate_size=6144, num_heads=32, num_kv_heads=4, head_dim=128,
+...       moe=C(top_k=8, intermediate_size=768, shared_intermediate_size=0, dense_layers=()))
+>>> activation_bytes_per_token(q, 2), gathered_bytes_per_token(q, 2)
+(71680, 12352)
+>>> ranks_budget("cuda", 100 * 2**30, q, 2, ranks=2), ranks_budget("cuda", 100 * 2**30, q, 2)
+(131072, 65536)
 """
 
 from __future__ import annotations
@@ -60,6 +78,35 @@ def activation_bytes_per_token(cfg, element_size: int) -> int:
     return element_size * (attn + mlp)
 
 
+def gathered_bytes_per_token(cfg, element_size: int) -> int:
+    """Bytes a rank's MoE layer holds for each row of the pass under data-parallel attention
+    (``Experts.split_forward``): the gathered x (H in the model's dtype), the float32 [rows, H]
+    partial reduce-scattered in default mode, and the gathered routing (k ids and k weights,
+    float32). 0 for a dense model (nothing is gathered before the final norm)."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None:
+        return 0
+    return (element_size + 4) * cfg.hidden_size + 8 * moe.top_k
+
+
+def ranks_budget(device_type: str, free_bytes: int | None, cfg, element_size: int, ranks: int = 1) -> int:
+    """The budget of a pass whose rows split over ``ranks`` ranks (data-parallel attention; 1:
+    every rank runs every row): ``ranks`` x the rule's share per rank, each own row counting its
+    activations plus ``ranks`` gathered rows (the module docstring)."""
+    per_token = activation_bytes_per_token(cfg, element_size)
+    if ranks > 1:
+        per_token += ranks * gathered_bytes_per_token(cfg, element_size)
+    cap = MAX_AUTO_MOE if getattr(cfg, "moe", None) is not None else MAX_AUTO
+    return ranks * auto_budget(device_type, free_bytes, per_token, cap)
+
+
+def row_ranks(model: torch.nn.Module) -> int:
+    """How many ranks share a pass's rows: the group size under data-parallel attention
+    (``ParallelContext.data_attention``), else 1."""
+    ctx = getattr(model, "ctx", None)
+    return ctx.size if getattr(ctx, "data_attention", False) else 1
+
+
 def auto_budget(device_type: str, free_bytes: int | None = None, per_token: int | None = None,
                 cap: int = MAX_AUTO) -> int:
     """The budget for a device (the module docstring's rule, clamped at ``cap``); CUDA without a
@@ -84,16 +131,17 @@ def agreed_budget(model: torch.nn.Module, device: torch.device, group=None) -> i
 
 
 def budget_for(model: torch.nn.Module, device: torch.device) -> int:
-    """The budget for ``model`` (loaded) on ``device``, from the memory free now."""
+    """The budget for ``model`` (loaded) on ``device``, from the memory free now; under
+    data-parallel attention the rows of all ranks together (``ranks_budget``)."""
+    ranks = row_ranks(model)
     if device.type != "cuda":
-        return CPU_BUDGET
+        return ranks * CPU_BUDGET
     cfg = getattr(model, "config", None)
     try:
-        per_token = activation_bytes_per_token(cfg, next(model.parameters()).element_size())
+        return ranks_budget("cuda", torch.cuda.mem_get_info(device)[0], cfg,
+                            next(model.parameters()).element_size(), ranks)
     except (AttributeError, StopIteration, TypeError):
         return CUDA_UNKNOWN
-    cap = MAX_AUTO_MOE if getattr(cfg, "moe", None) is not None else MAX_AUTO
-    return auto_budget("cuda", torch.cuda.mem_get_info(device)[0], per_token, cap)
 
 
 def resolved_budget(config: EngineConfig, start_budget: int) -> EngineConfig:

@@ -18,7 +18,7 @@ from ..layers.logprob_head import logprob_head
 from ..layers.moe import MoeBlock
 from ..layers.numerics import NumericsUser
 from ..models.caps import ModelCaps
-from .budget import budget_for, resolved_budget
+from .budget import budget_for, resolved_budget, row_ranks
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy
 from .prefix_cache import PrefixCache
@@ -221,6 +221,7 @@ class Engine:
         self._splittable = ModelCaps.of(model).tensor_parallel  # column blocks mean something
         self._context = ModelCaps.of(model).context
         self._align = ModelCaps.of(model).state_align  # where a sequence may be cut (scheduler.plan_work)
+        self._ranks = row_ranks(model)  # ranks sharing a pass's rows (data-parallel attention)
         # out of memory: the working budget (<= config.max_batch_tokens), see ``run``
         self.budget = config.max_batch_tokens
         self.restore_after = OOM_RESTORE_AFTER
@@ -410,7 +411,7 @@ class Engine:
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
                          # steered rows or forced experts differ: no sharing
                          unshared={k for k, r in enumerate(sub) if r.steer or r.force_experts is not None},
-                         align=self._align)
+                         align=self._align, ranks=self._ranks)
         units: deque[list[Tree] | int] = deque()
         for batch in plan:
             item = batch[0]

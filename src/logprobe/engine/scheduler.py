@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.rows import balanced_order
+
 
 def plan_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
     """Group request indices into batches whose summed lengths fit ``max_batch_tokens``.
@@ -138,7 +140,7 @@ def chunk_bounds(length: int, size: int, align: int = 1) -> list[tuple[int, int]
 
 def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True, min_shared: int = 16,
               chunk: bool = True, unshared: set[int] | frozenset[int] = frozenset(),
-              align: int = 1) -> list[list[Tree | Chunk]]:
+              align: int = 1, ranks: int = 1) -> list[list[Tree | Chunk]]:
     """The engine's plan: batches of prefix trees (each under ``max_batch_tokens`` rows), then the
     chunks of requests whose inputs exceed it, one chunk per batch. Requests in ``unshared``
     (steered ones) join no tree.
@@ -150,6 +152,11 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
     ``align``: the model's cut granularity (``ModelCaps.state_align``; 64 for the chunked linear
     attention of the hybrid families): shared prefixes and chunk boundaries fall on multiples of
     it from the sequence start, so a cut changes no bit (``layers.linear_state``).
+
+    ``ranks``: the ranks of data-parallel attention (``parallel.rows``), each running a share of a
+    batch's rows cut between its trees: each batch's trees in ``balanced_order`` of their rows
+    (the same trees in another order: deterministic mode keeps its bits; the busiest rank's
+    share is smaller).
 
     >>> plan_work([[1, 2, 3], [1, 2, 4], [5] * 7], 6, min_shared=2)
     [[Tree(members=(0, 1), shared=2)], [Chunk(request=2, begin=0, end=6)], [Chunk(request=2, begin=6, end=7)]]
@@ -186,8 +193,10 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
             group.append(m)
         if group:
             units.append(Tree(tuple(group), t.shared) if len(group) > 1 else Tree((group[0],)))
-    batches: list[list[Tree | Chunk]] = [
-        [units[i] for i in b] for b in plan_batches([tree_cost(u, lengths) for u in units], max_batch_tokens)]
+    costs = [tree_cost(u, lengths) for u in units]
+    batches: list[list[Tree | Chunk]] = []
+    for b in plan_batches(costs, max_batch_tokens):
+        batches.append([units[b[j]] for j in balanced_order([costs[i] for i in b], ranks)])
     for m in sorted(long):
         batches.extend([Chunk(m, b, e)] for b, e in chunk_bounds(lengths[m], max_batch_tokens, align))
     return batches

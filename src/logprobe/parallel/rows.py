@@ -4,7 +4,9 @@ Every rank of the group receives the same packed batch. Under data-parallel atte
 experts with whole experts per rank, ``layers.moe``) rank r runs attention, norms and dense MLPs
 on rows ``bounds[r] .. bounds[r + 1]`` only: contiguous runs cut at allowed row boundaries
 (between sequences, never inside a shared prefix and the branches that read it), balanced by
-token count. Pure functions of integers, pinned by a gold table in ``tests/test_parallel_rows.py``.
+token count. The engine lays out each batch's units (prefix trees, lone requests) in the order
+``balanced_order`` picks, so that a cut falls near each rank's share. Pure functions of integers,
+pinned by gold tables in ``tests/test_data_attention.py``.
 
 Worked example: segments of 5, 3, 6 and 2 rows (cuts 0, 5, 8, 14, 16) over 2 ranks; the ideal cut
 is at row 8 (16 / 2), which is a boundary, so rank 0 owns rows 0:8 (two sequences) and rank 1 rows
@@ -53,6 +55,49 @@ def assign_rows(cuts: list[int], size: int) -> tuple[int, ...]:
         bounds.append(max(near, bounds[-1]))
     bounds.append(total)
     return tuple(bounds)
+
+
+def max_share(sizes: list[int], size: int) -> int:
+    """The most rows a rank owns when units of ``sizes`` rows (uncuttable, laid out in this order)
+    are cut by ``assign_rows`` over ``size`` ranks.
+
+    >>> max_share([9000, 7000, 6000, 5000], 2), max_share([9000, 5000, 6000, 7000], 2)
+    (16000, 14000)
+    """
+    cuts = [0]
+    for n in sizes:
+        if n > 0:
+            cuts.append(cuts[-1] + n)
+    bounds = assign_rows(cuts, size)
+    return max(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def balanced_order(sizes: list[int], size: int) -> list[int]:
+    """An order of a batch's units (``sizes`` rows each, none cut inside) for ``size`` ranks: the
+    given order, unless the longest-first greedy grouping (each unit, largest first, to the rank
+    with the fewest rows so far; ties to the lower rank and the earlier unit; then rank 0's units,
+    rank 1's, ...) leaves the busiest rank fewer rows (``max_share``). The speed of a pass under
+    data-parallel attention is bounded by its busiest rank.
+
+    Worked example: 9000, 7000, 6000, 5000 rows over 2 ranks (27000 rows, ideal 13500 each): in
+    the given order the cut nearest 13500 is 16000 (rank 0: 9000 + 7000); greedily rank 0 takes
+    9000 then 5000, rank 1 7000 then 6000: 14000 | 13000.
+
+    >>> balanced_order([9000, 7000, 6000, 5000], 2), balanced_order([5, 5], 2), balanced_order([7, 1, 1], 1)
+    ([0, 3, 1, 2], [0, 1], [0, 1, 2])
+    """
+    given = list(range(len(sizes)))
+    if size < 2 or len(sizes) < 2:
+        return given
+    loads, groups = [0] * size, [[] for _ in range(size)]
+    for i in sorted(given, key=lambda i: (-sizes[i], i)):
+        r = loads.index(min(loads))
+        groups[r].append(i)
+        loads[r] += sizes[i]
+    greedy = [i for g in groups for i in g]
+    if max_share([sizes[i] for i in greedy], size) < max_share(sizes, size):
+        return greedy
+    return given
 
 
 @dataclass(frozen=True, slots=True)
