@@ -101,6 +101,39 @@ def test_segment_keys_slices_a_chunk_and_gathers_a_branch():
     assert branch.flatten().tolist() == [0, 1, 2, 7, 8]
 
 
+def test_flash_plan_once_per_batch_and_key_source_uncopied(monkeypatch):
+    """``_flash`` (run here on CPU tensors, the kernel replaced by a recorder): cu_q / cu_k reach the
+    device once per batch (each build is a host-to-device copy that waits for the stream), not once
+    per layer; a sequence over its cached rows (a chunk, a resumed request) passes the key source
+    as it is, no gather; keys that do not follow each other are gathered."""
+    seen = []
+    monkeypatch.setattr(attention, "flash_varlen_attention",
+                        lambda q, k, v, cu_q, cu_k, *a, cu=None, **kw: seen.append((k, cu_q, cu_k, cu)) or q)
+    q, k = torch.randn(3, 2, 8), torch.randn(8, 2, 8)  # 5 cached rows, then 3 new
+    meta = AttentionMeta([Segment(0, 3, ((0, 5),))], past=5)
+    for _layer in range(2):
+        attention._flash(q, k, k, meta, 0.5, None)
+    (k0, cq, ck, cu0), (k1, _, _, cu1) = seen
+    assert k0 is k and k1 is k and cq == [0, 3] and ck == [0, 8]
+    assert cu0 is cu1 and [c.tolist() for c in cu0] == [[0, 3], [0, 8]]
+    seen.clear()
+    tree = AttentionMeta([Segment(0, 3), Segment(3, 5, ((0, 3),)), Segment(5, 8, ((0, 3),))])  # a prefix, 2 branches
+    attention._flash(k, k, k, tree, 0.5, None)
+    assert seen[0][0][:, 0, 0].tolist() == k[[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7], 0, 0].tolist()
+
+
+def test_portable_path_reads_a_resumed_segments_keys_uncopied(monkeypatch):
+    """The portable path hands SDPA the key source's rows as they are when a segment's context and
+    own rows follow each other there (a chunk or a resumed request over its cache)."""
+    seen = []
+    real = attention._sdpa
+    monkeypatch.setattr(attention, "_sdpa", lambda q, k, v, *a: seen.append(k) or real(q, k, v, *a))
+    cache = KVCache([torch.randn(5, 2, 8)], [torch.randn(5, 2, 8)])
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    attention.packed_attention(q, k, k, AttentionMeta([Segment(0, 3, ((0, 5),))], cache=cache, past=5), 0, 0.5)
+    assert seen[0].data_ptr() == cache.keys[0].data_ptr() and seen[0].shape[0] == 8
+
+
 @cuda
 @pytest.mark.parametrize("long_rows", [None, 64])
 def test_long_segments_on_cudnn_match_portable(monkeypatch, long_rows):

@@ -608,3 +608,101 @@ def test_server_reports_cached_tokens(tiny_dirs):
         assert 0 < values["logprobe_prefix_cache_hit_rate"] < 1
         assert requests.post(url + "/flush_cache", timeout=30).json()["success"]
         assert generate(ctx + [7, 8, 9], len(ctx) - 1)["cached_tokens"] == 0
+
+
+# -- what a resumed request copies -------------------------------------------------------------------
+
+
+class Written(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the non-view tensors the ops produce (copies, concatenations, gathers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and not func.is_view:
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def fake_slots(n: int, layers: int = 2) -> list[torch.Tensor]:
+    """A pass's slots for n rows: keys, values per layer [n, 2, 4], then hidden rows [n, 8] (row i holds i)."""
+    kv = [torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, 2, 4).contiguous() for _ in range(2 * layers)]
+    return kv + [torch.arange(n, dtype=torch.float32)[:, None].expand(n, 8).contiguous()]
+
+
+def test_tree_keeps_fetched_rows_and_reads_one_node_uncopied():
+    """``insert`` keeps the fresh tensors ``fetch`` made (no second copy); a match within one node
+    reads its rows as they are (a view, no concatenation); across two nodes it joins them."""
+    t = PrefixCache(10 ** 6)
+    made = []
+
+    def fetch(a, b):
+        made.append(unit_rows(a, b))
+        return made[-1]
+
+    t.insert([1, 2, 3, 4], fetch)
+    stored = t.root.children[1].rows[0]
+    assert stored is made[0][0]
+    hit = t.match([1, 2, 3, 9], limit=10)
+    assert hit.rows[0].data_ptr() == stored.data_ptr() and hit.rows[0].flatten().tolist() == [0, 1, 2]
+    t.insert([1, 2, 5], unit_rows)  # splits (1, 2) off: two nodes on the path of [1, 2, 3]
+    joined = t.match([1, 2, 3, 9], limit=10).rows[0]
+    assert joined.flatten().tolist() == [0, 1, 2]
+
+
+def resume_one(t: PrefixCache, r: ScoreRequest, layers: int = 2):
+    """``r`` run alone as the engine runs a resumed request, the pass faked (row i holds i):
+    (its ResumePack, the bytes ``keep`` wrote)."""
+    from logprobe.engine.prefix_run import ResumePack
+
+    rp = ResumePack(t, [r], [0], num_layers=layers)
+    rows = rp.past + len(rp.layout()[0])  # the key source after the pass
+    fresh = fake_slots(rows, layers)
+    for layer in range(layers):
+        rp.kv.extend(layer, fresh[2 * layer][rp.past:], fresh[2 * layer + 1][rp.past:])
+    with Written() as w:
+        rp.keep(fresh[-1])
+    return rp, w.bytes
+
+
+def test_resumed_request_copies_only_its_new_rows():
+    """A request resumed from a one-node cached prefix: its pack's KV cache reads the tree's
+    tensors (no copy), and keeping it writes exactly its new rows once per slot (a slice copied,
+    no row index built, no second copy). Splitting a node (the first sibling) copies the node."""
+    from logprobe.engine.prefix_run import keep_batch
+    from logprobe.engine.scheduler import Tree
+    from logprobe.layers.attention import KVCache
+
+    t = PrefixCache(10 ** 9)
+    first = ScoreRequest(list(range(1, 11)), 5)  # 9 inputs
+    slots = fake_slots(first.num_inputs)
+    per_row = sum(s[0].numel() * s.element_size() for s in slots)
+    with Written() as w:
+        keep_batch(t, [Tree((0,), 0)], [first], KVCache(slots[0:-1:2], slots[1:-1:2]), slots[-1])
+    assert w.bytes == 9 * per_row  # one copy of the request's rows
+    _, written = resume_one(t, ScoreRequest(list(range(1, 8)) + [60, 61, 62], 7))  # 7 cached, 2 new inputs
+    assert written == (9 + 2) * per_row  # the node split at 7 (both halves copied), then the 2 new rows
+    node = t.root.children[1]
+    assert node.tokens == tuple(range(1, 8))
+    third = ScoreRequest(list(range(1, 8)) + [50, 51, 52, 53], 7)  # 7 cached, 3 new inputs
+    rp, written = resume_one(t, third)
+    assert rp.past == 7 and rp.begin == {0: 7}
+    assert written == 3 * per_row  # its 3 new rows, once
+    # the pass read the node's tensors as they are: the key source's first 7 rows were those
+    kept = t.match(third.inputs + [0], limit=100).rows
+    assert kept[0][:, 0, 0].tolist() == list(range(10)) and kept[-1][:, 0].tolist() == list(range(10))
+
+
+def test_resumed_pack_reads_the_tree_uncopied():
+    from logprobe.engine.prefix_run import ResumePack
+
+    t = PrefixCache(10 ** 9)
+    t.insert(list(range(1, 10)), lambda a, b: fake_slots(b)[:])
+    node = t.root.children[1]
+    rp = ResumePack(t, [ScoreRequest(list(range(1, 8)) + [50, 51], 7)], [0], num_layers=2)
+    assert rp.kv.keys[0].data_ptr() == node.rows[0].data_ptr() and rp.kv.keys[0].shape[0] == 7
+    assert rp.kv.values[1].data_ptr() == node.rows[3].data_ptr()
+    assert rp.context_hidden.data_ptr() == node.rows[-1].data_ptr()

@@ -61,7 +61,8 @@ import torch
 from ..errors import LogprobeError
 
 # rows of a token range [a, b) of the sequence being inserted: one tensor [b - a, ...] per slot
-# (per layer keys, values; None for a layer that keeps no keys), storage of its own
+# (per layer keys, values; None for a layer that keeps no keys), made for the tree: storage of its
+# own, never written again by anyone; the tree keeps it as it is (no second copy)
 Fetch = Callable[[int, int], list]
 
 
@@ -207,7 +208,7 @@ class PrefixCache:
         while at < n:
             child = node.children.get(tokens[at])
             if child is None:
-                rows = [None if r is None else r.clone() for r in fetch(at, n)]
+                rows = fetch(at, n)  # fresh tensors: kept as they are
                 child = _Node(tuple(tokens[at:]), rows, None, node)
                 node.children[tokens[at]] = child
                 added, at = n - at, n
@@ -317,8 +318,9 @@ def _pieces(path: list[tuple[_Node, int]], length: int) -> list[list]:
 
 
 def _join(path: list[tuple[_Node, int]], length: int) -> list:
-    """Each slot's rows of the first ``length`` tokens along ``path``, concatenated."""
-    return [None if p is None else torch.cat(p) for p in _pieces(path, length)]
+    """Each slot's rows of the first ``length`` tokens along ``path``, concatenated (one node: its
+    rows as they are, a view; readers never write to them)."""
+    return [None if p is None else p[0] if len(p) == 1 else torch.cat(p) for p in _pieces(path, length)]
 
 
 def _nbytes(obj) -> int:

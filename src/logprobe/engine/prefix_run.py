@@ -116,7 +116,7 @@ class ChunkKeeper:
             raise LogprobeError("prefix_cache", f"{joined.shape[0]} hidden rows kept for {e} inputs",
                                 "report this: the prefix cache lost track of a chunk")
         slots = _slots(self.kv, joined)
-        self.cache.insert(self.tokens[:e], lambda a, b: [None if t is None else t[a:b] for t in slots],
+        self.cache.insert(self.tokens[:e], _fetcher(slots, lambda a, b: [(a, b - a)]),
                           dict(self.kv.states) if self.with_state else None)
 
 
@@ -153,19 +153,48 @@ def keep_batch(cache: PrefixCache, unit: list[Tree], requests: list[ScoreRequest
     slots = _slots(record, hidden)
     for m, (prefix, shared, branch) in batch_rows(unit, requests).items():
         if cacheable(requests[m]):
-            row_of = lambda j, prefix=prefix, shared=shared, branch=branch: (  # noqa: E731
-                prefix + j if j < shared else branch + j - shared)
-            cache.insert(requests[m].inputs, _fetcher(slots, row_of))
+            spans = [(0, shared, prefix), (shared, requests[m].num_inputs, branch)]
+            cache.insert(requests[m].inputs, _fetcher(slots, lambda a, b, spans=spans: _runs(spans, a, b)))
 
 
-def _fetcher(slots: list, row_of: Callable[[int], int]) -> Callable[[int, int], list]:
-    """``PrefixCache.insert``'s fetch for a sequence whose input j lies at row ``row_of(j)`` of
-    every slot (keys and values per layer, then the final hidden rows)."""
-    device = next(t.device for t in slots if t is not None)
+Runs = Callable[[int, int], list[tuple[int, int]]]  # inputs [a, b) -> (first row, rows) runs, in order
+
+
+def _runs(spans: list[tuple[int, int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """Inputs ``a .. b - 1`` of a sequence laid in (first input, end input, first row) spans, as
+    runs of consecutive rows (first row, rows); runs that follow each other are merged.
+
+    >>> _runs([(0, 3, 10), (3, 6, 13), (6, 9, 40)], 1, 8)
+    [(11, 5), (40, 2)]
+    """
+    out: list[tuple[int, int]] = []
+    for s, e, row in spans:
+        lo, hi = max(a, s), min(b, e)
+        if lo >= hi:
+            continue
+        first = row + lo - s
+        if out and out[-1][0] + out[-1][1] == first:
+            out[-1] = (out[-1][0], out[-1][1] + hi - lo)
+        else:
+            out.append((first, hi - lo))
+    return out
+
+
+def _fetcher(slots: list, runs: Runs) -> Callable[[int, int], list]:
+    """``PrefixCache.insert``'s fetch for a sequence whose inputs ``a .. b - 1`` lie in the rows
+    ``runs(a, b)`` of every slot (keys and values per layer, then the final hidden rows): per slot
+    one copy of those rows, the tree's own (slices, so no row index is built on the host or sent
+    to the device)."""
 
     def fetch(a: int, b: int) -> list:
-        idx = torch.tensor([row_of(j) for j in range(a, b)], dtype=torch.long, device=device)
-        return [None if t is None else t.index_select(0, idx) for t in slots]
+        rr = runs(a, b)
+        if sum(n for _, n in rr) != b - a:
+            raise LogprobeError("prefix_cache", f"inputs {a}..{b - 1} have no rows in the pass",
+                                "report this: the prefix cache lost track of a pass's rows")
+        if len(rr) == 1:
+            (r0, n), = rr
+            return [None if t is None else t[r0:r0 + n].clone() for t in slots]
+        return [None if t is None else torch.cat([t[r0:r0 + n] for r0, n in rr]) for t in slots]
 
     return fetch
 
@@ -270,7 +299,9 @@ class ResumePack:
         if pieces is None:
             self.kv, self.context_hidden = KVCache.empty(num_layers), None
         else:
-            slots = [None if p is None else torch.cat(p) for p in pieces]
+            # one piece (one prefix, one node): the tree's rows read as they are, not copied;
+            # ``KVCache.extend`` builds a new key source from them, so nothing writes to them
+            slots = [None if p is None else p[0] if len(p) == 1 else torch.cat(p) for p in pieces]
             self.kv = KVCache(slots[0:-1:2], slots[1:-1:2])
             self.context_hidden = slots[-1]  # [past, H]
 
@@ -332,4 +363,4 @@ class ResumePack:
         matching final hidden rows [past + T, H]): keep each request's inputs in the cache."""
         slots = _slots(self.kv, hidden)
         for m in self.members:
-            self.cache.insert(self.requests[m].inputs, _fetcher(slots, lambda i, m=m: self.row(m, i)))
+            self.cache.insert(self.requests[m].inputs, _fetcher(slots, lambda a, b, m=m: _runs(self.spans[m], a, b)))

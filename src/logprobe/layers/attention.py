@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.rows import RowSplit
-from .attention_gpu import LONG_ROWS, causal_tail_attention, cudnn_dense, flash_varlen_attention
+from .attention_gpu import LONG_ROWS, causal_tail_attention, cu_tensors, cudnn_dense, flash_varlen_attention
 
 
 @dataclass(slots=True)
@@ -213,12 +213,7 @@ def packed_attention(
     for seg in meta.segments:
         if seg.end == seg.start:
             continue
-        own = slice(past + seg.start, past + seg.end)
-        if seg.context:
-            ks = torch.cat([k[a:b] for a, b in seg.context] + [k[own]])  # [c + n, Hkv, D]
-            vs = torch.cat([v[a:b] for a, b in seg.context] + [v[own]])
-        else:
-            ks, vs = k[own], v[own]
+        ks, vs = _segment_keys(k, seg, past), _segment_keys(v, seg, past)  # [c + n, Hkv, D]
         qs = q[seg.start:seg.end]
         if meta.kv_block is None:
             out[seg.start:seg.end] = _sdpa(qs, ks, vs, scale, sliding_window, sinks)
@@ -247,8 +242,8 @@ def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
             return _flash(q, k, v, meta, scale, window)
         out[seg.start:seg.end] = o
     if short is not None:
-        rows, keys, cu_q, cu_k = short
-        o = flash_varlen_attention(q[rows], k[keys], v[keys], cu_q, cu_k, scale, window)
+        rows, keys, cu_q, cu_k, cu = short
+        o = flash_varlen_attention(q[rows], k[keys], v[keys], cu_q, cu_k, scale, window, cu=cu)
         if o is None:
             return _flash(q, k, v, meta, scale, window)
         out[rows] = o
@@ -264,7 +259,7 @@ def _split(meta: AttentionMeta, past: int, device: torch.device) -> tuple[list[S
         return long, None
     cu_q, cu_k, index = varlen_index(short, past)
     rows = torch.cat([torch.arange(s.start, s.end) for s in short]).to(device)  # [T short]
-    return long, (rows, torch.tensor(index, dtype=torch.long).to(device), cu_q, cu_k)
+    return long, (rows, torch.tensor(index, dtype=torch.long).to(device), cu_q, cu_k, cu_tensors(cu_q, cu_k, device))
 
 
 def _segment_keys(x: torch.Tensor, seg: Segment, past: int) -> torch.Tensor:
@@ -280,15 +275,35 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
            window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The varlen form of ``meta``: each segment's keys (context spans + own rows) gathered into
     one packed key tensor; FlashAttention aligns the causal diagonal bottom-right, as segments do."""
-    if meta.varlen_cache is None:
-        cu_q, cu_k, index = meta.varlen()
-        identity = cu_q == cu_k and len(index) == k.shape[0] and index == list(range(len(index)))
-        gather = None if identity else torch.tensor(index, dtype=torch.long, device=q.device)
-        meta.varlen_cache = (cu_q, cu_k, gather)
-    cu_q, cu_k, gather = meta.varlen_cache
-    if gather is not None:
-        k, v = k[gather], v[gather]  # [total keys, Hkv, D]
-    return flash_varlen_attention(q, k, v, cu_q, cu_k, scale, window, sinks)
+    if meta.varlen_cache is None:  # once per batch, not per layer (``varlen_plan``)
+        meta.varlen_cache = varlen_plan(meta, k.shape[0], q.device)
+    cu_q, cu_k, keys, cu = meta.varlen_cache
+    if isinstance(keys, torch.Tensor):
+        k, v = k[keys], v[keys]  # [total keys, Hkv, D]
+    elif keys != (0, k.shape[0]):
+        k, v = k[keys[0]:keys[1]], v[keys[0]:keys[1]]
+    return flash_varlen_attention(q, k, v, cu_q, cu_k, scale, window, sinks, cu=cu)
+
+
+def varlen_plan(meta: AttentionMeta, num_keys: int, device: torch.device) -> tuple:
+    """What ``_flash`` needs of ``meta`` for every layer: cu_q, cu_k (lists), the keys to pass, and
+    cu_q, cu_k on ``device``. The keys: the key-source rows ``(a, b)`` when the segments' keys
+    follow each other there (a slice: one sequence over its cached rows, a resumed request over its
+    cached prefix, independent sequences), else a row index [total keys] to gather them.
+
+    >>> plan = varlen_plan(AttentionMeta([Segment(0, 2, ((0, 5),))], past=5), 7, torch.device("cpu"))
+    >>> plan[:3]    # a request resumed over its 5 cached rows reads the key source as it is
+    ([0, 2], [0, 7], (0, 7))
+    >>> varlen_plan(AttentionMeta([Segment(0, 3), Segment(3, 5, ((0, 3),))]), 5, torch.device("cpu"))[2]
+    tensor([0, 1, 2, 0, 1, 2, 3, 4])
+    """
+    cu_q, cu_k, index = meta.varlen()
+    first = index[0] if index else 0
+    if index == list(range(first, first + len(index))):
+        keys: tuple[int, int] | torch.Tensor = (first, first + len(index))
+    else:
+        keys = torch.tensor(index, dtype=torch.long).to(device)
+    return cu_q, cu_k, keys, cu_tensors(cu_q, cu_k, device)
 
 
 def _visible(qi: torch.Tensor, kj: torch.Tensor, window: int | None) -> torch.Tensor:

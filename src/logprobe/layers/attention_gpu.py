@@ -41,9 +41,12 @@ def flash_varlen_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    cu: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """-> [T, Hq, D], or None when this path does not apply. ``sinks`` [Hq]: a sink logit per head
-    (gpt-oss), applied to the output through its log-sum-exp (``sink_rescale``)."""
+    (gpt-oss), applied to the output through its log-sum-exp (``sink_rescale``). ``cu``: cu_q and
+    cu_k already on the device (``cu_tensors``, built once per batch: each build is a host-to-device
+    copy, which waits for the stream), else built here."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and q.shape[-1] % 8 == 0 and q.shape[1] % k.shape[1] == 0):
         return None
@@ -53,8 +56,7 @@ def flash_varlen_attention(
         return torch.empty_like(q)
     if sinks is not None and max_q == 1:
         return None  # FlashAttention swaps query groups into rows here; its log-sum-exp layout then differs
-    cq = torch.tensor(cu_q, dtype=torch.int32, device=q.device)  # [B + 1]
-    ck = cq if cu_k == cu_q else torch.tensor(cu_k, dtype=torch.int32, device=q.device)
+    cq, ck = cu if cu is not None else cu_tensors(cu_q, cu_k, q.device)
     # token i sees j with i - window < j <= i (the transformers convention): left = window - 1
     left = -1 if sliding_window is None else sliding_window - 1
     try:
@@ -69,6 +71,17 @@ def flash_varlen_attention(
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         return None  # a layout we do not know: the portable path (SDPA with a sink key) instead
     return sink_rescale(out[0], lse.t(), sinks)
+
+
+def cu_tensors(cu_q: list[int], cu_k: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_q and cu_k as FlashAttention takes them: int32 [B + 1] on ``device`` (one tensor when equal).
+
+    >>> cq, ck = cu_tensors([0, 2, 3], [0, 2, 3], torch.device("cpu"))
+    >>> cq is ck, cq.tolist()
+    (True, [0, 2, 3])
+    """
+    cq = torch.tensor(cu_q, dtype=torch.int32).to(device)  # [B + 1]
+    return cq, cq if cu_k == cu_q else torch.tensor(cu_k, dtype=torch.int32).to(device)
 
 
 def sink_rescale(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
