@@ -36,11 +36,22 @@ QWEN3_30B_A3B = SimpleNamespace(hidden_size=2048, intermediate_size=6144, num_he
                                 moe=MoeSpec(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True))
 
 
+# the Moonlight / DeepSeek-V2-Lite-like MLA shape of bench/gpu_moe_parallel.py (no q latent)
+MLA = SimpleNamespace(hidden_size=2048, intermediate_size=10944, num_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
+                      moe=MoeSpec(num_experts=64, top_k=6, intermediate_size=1408, norm_topk_prob=False,
+                                  shared_intermediate_size=2816, dense_layers=(0,)))
+
+
 @pytest.mark.parametrize("cfg,size,want", [
     (LLAMA_8B, 2, 2 * (6 * 4096 + 48 * 128 + 3 * 14336)),  # 147,456
     (LLAMA_1B, 2, 2 * (6 * 2048 + 48 * 64 + 3 * 8192)),  # 79,872
     (LLAMA_8B, 4, 294912),
     (QWEN3_30B_A3B, 2, 2 * (6 * 2048 + 40 * 128 + 3 * 8 * 768)),  # experts: 8 of 768 each
+    # latent attention: 16 heads x (q, k, v padded to 192 + the expanded nope 128 | v 128) + the
+    # latent 512 + its rope 64; MLP: routed 3 * 6 * 1408 + shared 3 * 2816 (> the dense 3 * 10944)
+    (MLA, 2, 2 * (6 * 2048 + 16 * (3 * 192 + 256) + 512 + 64 + 3 * 6 * 1408 + 3 * 2816)),  # 119,936
+    (SimpleNamespace(**{**vars(MLA), "q_lora_rank": 1536}), 2, 119936 + 2 * 1536),
 ])
 def test_bytes_per_token_gold(cfg, size, want):
     assert activation_bytes_per_token(cfg, size) == want
@@ -88,6 +99,10 @@ def test_data_attention_budget_gold(free, ranks, want):
     assert ranks_budget("cuda", free, QWEN3_30B_A3B, 2, ranks) == want
     assert ranks_budget("cpu", free, QWEN3_30B_A3B, 2, ranks) == ranks * CPU_BUDGET
     assert ranks_budget("cuda", 60 * GiB, LLAMA_8B, 2) == 32768  # dense: the dense cap, one rank
+    # latent attention has a rule too (it fell back to 8192 before): 119,936 + 2 * 12,336 a row
+    assert gathered_bytes_per_token(MLA, 2) == 12336
+    assert ranks_budget("cuda", 40 * GiB, MLA, 2) == 65536 and ranks_budget("cuda", 40 * GiB, MLA, 2, 2) == 131072
+    assert ranks_budget("cuda", 8 * GiB, MLA, 2, 2) == 2 * 8192  # 14,850 per rank -> 8192
 
 
 def test_config_default_is_none_and_validated():

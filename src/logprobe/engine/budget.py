@@ -21,8 +21,8 @@ pass (the rows of every rank together) is N times it: each rank's GEMMs as large
 
 Activations per token of one block, in the model's dtype (the widest moment of each half):
 attention ``6 H + (heads + 2 kv_heads) * head_dim`` (residual, norm, q/k/v, output and its
-projection, with slack), MLP ``3 I`` (gate and up, then their product), for MoE ``3 * top_k * I_e``
-plus a shared expert's ``3 I_s``.
+projection, with slack; latent attention: ``attention_width``), MLP ``3 I`` (gate and up, then
+their product), for MoE ``3 * top_k * I_e`` plus a shared expert's ``3 I_s``.
 
     llama-8b (H 4096, I 14336, 32 + 2 * 8 heads of 128), bf16:
         2 * (6 * 4096 + 48 * 128 + 3 * 14336) = 2 * 73,728 = 147,456 bytes per token
@@ -66,14 +66,26 @@ MEMORY_SHARE = 0.25
 CUDA_UNKNOWN = 8192  # a CUDA model whose shapes logprobe does not know (the transformers fallback)
 
 
+def attention_width(cfg) -> int:
+    """Elements per token of attention's projected heads: q, k, v (``(heads + 2 kv_heads) * head_dim``);
+    for multi-head latent attention (``models.deepseek``, ``kv_lora_rank``) q, k and v each padded
+    to one head width, the expanded ``[nope | v]`` of every head, and the latents."""
+    if getattr(cfg, "kv_lora_rank", None) is None:
+        return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    width = max(nope + rope, dv)
+    return cfg.num_heads * (3 * width + nope + dv) + cfg.kv_lora_rank + rope + (cfg.q_lora_rank or 0)
+
+
 def activation_bytes_per_token(cfg, element_size: int) -> int:
     """Bytes of activations one token needs in a block (see the module docstring)."""
-    attn = 6 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    attn = 6 * cfg.hidden_size + attention_width(cfg)
     moe = getattr(cfg, "moe", None)
     if moe is None:
         mlp = 3 * cfg.intermediate_size
     else:  # the widest of a dense block and an expert block
-        mlp = max(3 * cfg.intermediate_size if moe.dense_layers else 0,
+        dense = moe.dense_layers or getattr(cfg, "first_k_dense_replace", 0)
+        mlp = max(3 * cfg.intermediate_size if dense else 0,
                   3 * moe.top_k * moe.intermediate_size + 3 * moe.shared_intermediate_size)
     return element_size * (attn + mlp)
 
