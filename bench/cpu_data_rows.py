@@ -4,8 +4,9 @@ as the model cuts it (``assign_rows(meta.cuts(), N)``: never inside a prefix tre
 budget and layout (``given``: the trees in the planner's order; ``balanced``: as the engine lays
 them out under data-parallel attention, ``plan_work(ranks=N)``): the batches, their rows, the
 busiest rank's rows over the even share per batch (max / (T / N): 1.00 is perfect), and over the
-whole run (sum of max / sum of T / N); N / that is the bound on the speed-up of the attention and
-dense layers from the cuts alone.
+whole run (sum of max / sum of T / N); the bound on the speed-up of the attention and dense
+layers from the cuts alone is the rows of the one-rank plan over the busiest ranks' rows summed
+(laid out for the ranks, a tree over a rank's share is split and repeats its prefix: more rows).
 
     python bench/cpu_data_rows.py
     python bench/cpu_data_rows.py --budgets 32768,65536,131072 --ranks 2,4
@@ -30,6 +31,7 @@ from logprobe.parallel.rows import assign_rows  # noqa: E402
 def balance(reqs, budget: int, ranks: int, balanced: bool) -> dict:
     """One plan of ``reqs`` at ``budget``: per batch (rows, trees, busiest / even share) and the totals."""
     plan = plan_work([r.inputs for r in reqs], budget, ranks=ranks if balanced else 1)
+    one = sum(pack(b, reqs, torch.device("cpu")).meta.num_rows for b in plan_work([r.inputs for r in reqs], budget))
     batches, rows, busiest = [], 0, 0
     for batch in plan:
         meta = pack(batch, reqs, torch.device("cpu")).meta
@@ -38,7 +40,7 @@ def balance(reqs, budget: int, ranks: int, balanced: bool) -> dict:
         batches.append((meta.num_rows, len(batch), round(top * ranks / meta.num_rows, 2)))
         rows, busiest = rows + meta.num_rows, busiest + top
     return dict(budget=budget, ranks=ranks, layout="balanced" if balanced else "given", batches=len(plan),
-                rows=rows, imbalance=round(busiest * ranks / rows, 3), bound=round(rows / busiest, 2),
+                rows=rows, imbalance=round(busiest * ranks / rows, 3), bound=round(one / busiest, 2),
                 per_batch=batches)
 
 

@@ -26,7 +26,7 @@ from logprobe.layers.hooks import CaptureTable, Hooks
 from logprobe.loading.loader import attention_layout, describe_model, load_model, load_shard, parallel_context
 from logprobe.parallel.context import ParallelContext
 from logprobe.engine.budget import CPU_BUDGET, budget_for, row_ranks
-from logprobe.engine.scheduler import Tree, plan_work
+from logprobe.engine.scheduler import Chunk, Tree, plan_work
 from logprobe.parallel.rows import RowSplit, assign_rows, balanced_order, max_share
 
 transformers = pytest.importorskip("transformers")
@@ -99,8 +99,16 @@ def test_plan_lays_trees_out_for_the_ranks():
     assert one == [[Tree((0,)), Tree((1,)), Tree((2,)), Tree((3, 4), 3)]]  # 9, 7, 6, 6 rows (the tree: 3 + 2 + 1)
     two = plan_work(inputs, 100, min_shared=2, ranks=2)
     assert two == [[Tree((0,)), Tree((3, 4), 3), Tree((1,)), Tree((2,))]]  # 9 + 6 | 7 + 6 (given: 16 | 12)
-    assert plan_work(inputs, 16, min_shared=2, ranks=2) == plan_work(inputs, 16, min_shared=2) == [
+    assert plan_work(inputs, 20, min_shared=2, ranks=2) == plan_work(inputs, 20, min_shared=2) == [
         [Tree((0,)), Tree((1,))], [Tree((2,)), Tree((3, 4), 3)]]  # 9 | 7 and 6 | 6: kept
+    # a tree or a request over a rank's share (16 // 2): the tree split, the request in chunks of
+    # 8 rows (a tree is never cut between ranks; a chunk runs whole on every rank)
+    assert plan_work(inputs, 16, min_shared=2) == [[Tree((0,)), Tree((1,))], [Tree((2,)), Tree((3, 4), 3)]]
+    assert plan_work(inputs, 16, min_shared=2, ranks=2) == [
+        [Tree((1,)), Tree((2,))], [Tree((3, 4), 3)], [Chunk(0, 0, 8)], [Chunk(0, 8, 9)]]
+    group = [[4] * 3 + [5] * 4, [4] * 3 + [6] * 4, [4] * 3 + [7] * 4]  # 3 + 3 x 4 = 15 rows shared
+    assert plan_work(group, 20, min_shared=2) == [[Tree((0, 1, 2), 3)]]
+    assert plan_work(group, 20, min_shared=2, ranks=2) == [[Tree((0,)), Tree((1,))], [Tree((2,))]]  # 11 > 10
 
 
 def test_default_budget_counts_every_rank():
@@ -115,6 +123,44 @@ def test_default_budget_counts_every_rank():
                    (ParallelContext(0, 2, experts=2, attention="tensor"), 1), (ParallelContext(), 1), (None, 1)):
         model = SimpleNamespace(ctx=ctx)
         assert row_ranks(model) == n and budget_for(model, cpu) == n * CPU_BUDGET, ctx
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_passes_run_whole_hold_a_rank_share(dirs):
+    """Under data-parallel attention (budget 64 over 2 ranks) a pass that runs whole on every rank
+    holds at most a rank's share, 32 rows: a long request's chunks, a batch with hooks (routing
+    read here); a batch without hooks fills the budget (its rows are split). The rows of each
+    engine's first pass, read by ``fault_hook`` before any collective would run."""
+    from logprobe.engine.request import ScoreRequest
+    from logprobe.engine.runner import Engine
+
+    model = load_model(str(dirs["qwen3_moe"]), "cpu", "float32").model
+    model.ctx = ParallelContext(0, 2, experts=2, attention="data")
+    engine = Engine(model, EngineConfig(max_batch_tokens=64, progress=False), torch.device("cpu"))
+    assert engine.budget == 64 and engine.whole_budget == 32
+
+    def first_pass(reqs):
+        seen = []
+
+        def hook(rows, tokens):
+            seen.append(rows)
+            raise _Stop
+
+        engine.fault_hook = hook
+        with pytest.raises(_Stop):
+            engine.run(reqs)
+        return seen[0]
+
+    three = [list(range(5 + i, 26 + i)) for i in range(3)]  # 3 x 20 inputs, no shared prefix
+    assert first_pass([ScoreRequest(list(range(3, 104)), 1)]) == 32  # 100 inputs: chunks of the share
+    assert first_pass([ScoreRequest(t, 1) for t in three]) == 60
+    assert first_pass([ScoreRequest(t, 1, route=i == 0) for i, t in enumerate(three)]) <= 32  # one at a time
+    one = Engine(load_model(str(dirs["qwen3_moe"]), "cpu", "float32").model,
+                 EngineConfig(max_batch_tokens=64, progress=False), torch.device("cpu"))
+    assert one.whole_budget == 64
 
 
 # ---- the option ----

@@ -314,7 +314,7 @@ class Engine:
                 queue = deque(m for m in queue if not cancelled(m))
                 if not queue:
                     return
-            members, alone = take_pack(self.prefix_cache, requests, queue, self.budget, self._align)
+            members, alone = take_pack(self.prefix_cache, requests, queue, self.whole_budget, self._align)
             if alone is not None:
                 self._run_chunks(requests, alone, out, stop, cancelled, resume=True)
             else:
@@ -407,11 +407,14 @@ class Engine:
         idx = sorted(indices)
         sub = [requests[i] for i in idx]
         cfg = self.config
-        plan = plan_work([r.inputs for r in sub], self.budget, share=cfg.share_prefixes and self._context,
+        # under data-parallel attention a batch with hooks runs whole on every rank: a rank's share
+        whole = self._ranks > 1 and any(r.steer or r.capture or r.route or r.force_experts is not None for r in sub)
+        plan = plan_work([r.inputs for r in sub], self.whole_budget if whole else self.budget,
+                         share=cfg.share_prefixes and self._context,
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
                          # steered rows or forced experts differ: no sharing
                          unshared={k for k, r in enumerate(sub) if r.steer or r.force_experts is not None},
-                         align=self._align, ranks=self._ranks)
+                         align=self._align, ranks=1 if whole else self._ranks)
         units: deque[list[Tree] | int] = deque()
         for batch in plan:
             item = batch[0]
@@ -421,6 +424,13 @@ class Engine:
             else:
                 units.append([Tree(tuple(idx[m] for m in t.members), t.shared) for t in batch])  # type: ignore[union-attr]
         return units
+
+    @property
+    def whole_budget(self) -> int:
+        """The rows of a pass that runs whole on every rank (chunks over a KV cache, resumed cached
+        prefixes, batches with hooks): under data-parallel attention a rank's share of the working
+        budget (each rank's memory was sized for its share), else the budget."""
+        return max(1, self.budget // self._ranks)
 
     def _run_batch(self, requests: list[ScoreRequest], batch: list, cache: KVCache | None = None):
         """One forward pass and its head, queued: (packed batch, ``Launched``)."""
@@ -474,13 +484,13 @@ class Engine:
         parts: list[RequestResult] = []
         if b >= r.score_begin:  # tokens scored by cached rows: from their kept hidden states
             parts.append(self._score_cached(r, keeper.hidden_rows(r.score_begin - 1, b), b))
-        size = self.budget  # this request's chunk size: only ever halved
+        size = self.whole_budget  # this request's chunk size: only ever halved
         while b < n:
             if stop is not None and stop():
                 raise RunStopped()
             if b > 0 and cancelled is not None and cancelled(m):
                 return
-            e = chunk_bounds(n - b, max(1, min(size, self.budget)), self._align)[0][1] + b
+            e = chunk_bounds(n - b, max(1, min(size, self.whole_budget)), self._align)[0][1] + b
             if keeper is not None:
                 e = keeper.end(b, e)
             oom = None

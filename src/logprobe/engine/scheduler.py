@@ -156,7 +156,9 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
     ``ranks``: the ranks of data-parallel attention (``parallel.rows``), each running a share of a
     batch's rows cut between its trees: each batch's trees in ``balanced_order`` of their rows
     (the same trees in another order: deterministic mode keeps its bits; the busiest rank's
-    share is smaller).
+    share is smaller), and a tree or a chunk holds at most ``max_batch_tokens // ranks`` rows (a
+    tree is never cut between ranks and a chunk runs whole on every rank: neither may hold more
+    rows than a rank's share).
 
     >>> plan_work([[1, 2, 3], [1, 2, 4], [5] * 7], 6, min_shared=2)
     [[Tree(members=(0, 1), shared=2)], [Chunk(request=2, begin=0, end=6)], [Chunk(request=2, begin=6, end=7)]]
@@ -173,30 +175,43 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
         trees = sorted(trees + [Tree((i,)) for i in sorted(unshared)], key=lambda t: t.members[0])
     else:
         trees = [Tree((i,)) for i in range(len(inputs))]
-    units: list[Tree] = []
-    long: list[int] = []
-    for t in trees:
-        if tree_cost(t, lengths) <= max_batch_tokens:
-            units.append(t)
-            continue
-        group: list[int] = []
-        for m in t.members:
-            if t.shared == 0 or lengths[m] > max_batch_tokens:  # does not fit even with the prefix alone
-                if lengths[m] > max_batch_tokens and chunk:
-                    long.append(m)
-                else:
-                    units.append(Tree((m,)))
-                continue
-            if group and tree_cost(Tree(tuple(group + [m]), t.shared), lengths) > max_batch_tokens:
-                units.append(Tree(tuple(group), t.shared) if len(group) > 1 else Tree((group[0],)))
-                group = []
-            group.append(m)
-        if group:
-            units.append(Tree(tuple(group), t.shared) if len(group) > 1 else Tree((group[0],)))
+    limit = max(1, max_batch_tokens // ranks)  # a tree's rows or a chunk: at most a rank's share
+    units, long = fitted_units(trees, lengths, limit, chunk)
     costs = [tree_cost(u, lengths) for u in units]
     batches: list[list[Tree | Chunk]] = []
     for b in plan_batches(costs, max_batch_tokens):
         batches.append([units[b[j]] for j in balanced_order([costs[i] for i in b], ranks)])
     for m in sorted(long):
-        batches.extend([Chunk(m, b, e)] for b, e in chunk_bounds(lengths[m], max_batch_tokens, align))
+        batches.extend([Chunk(m, b, e)] for b, e in chunk_bounds(lengths[m], limit, align))
     return batches
+
+
+def fitted_units(trees: list[Tree], lengths: list[int], limit: int, chunk: bool) -> tuple[list[Tree], list[int]]:
+    """(units of at most ``limit`` rows, requests to run in chunks): a tree over the limit split
+    into sub-trees that fit (members in order, each repeating the prefix); a member that does not
+    fit even with the prefix alone runs unshared, or in chunks (``chunk``) if it exceeds the limit.
+
+    >>> fitted_units([Tree((0, 1, 2), 4), Tree((3,))], [9, 8, 7, 20], 14, True)
+    ([Tree(members=(0, 1), shared=4), Tree(members=(2,), shared=0)], [3])
+    """
+    units: list[Tree] = []
+    long: list[int] = []
+    for t in trees:
+        if tree_cost(t, lengths) <= limit:
+            units.append(t)
+            continue
+        group: list[int] = []
+        for m in t.members:
+            if t.shared == 0 or lengths[m] > limit:  # does not fit even with the prefix alone
+                if lengths[m] > limit and chunk:
+                    long.append(m)
+                else:
+                    units.append(Tree((m,)))
+                continue
+            if group and tree_cost(Tree(tuple(group + [m]), t.shared), lengths) > limit:
+                units.append(Tree(tuple(group), t.shared) if len(group) > 1 else Tree((group[0],)))
+                group = []
+            group.append(m)
+        if group:
+            units.append(Tree(tuple(group), t.shared) if len(group) > 1 else Tree((group[0],)))
+    return units, long
