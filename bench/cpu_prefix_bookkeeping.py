@@ -97,9 +97,7 @@ def one_call(cache: PrefixCache, r: ScoreRequest, fake: Fake) -> bool:
     rp = ResumePack(cache, [r], members, fake.layers)
     ids = rp.layout()[0]
     hidden = fake.forward(rp.kv, len(ids))
-    if rp.context_hidden is not None:
-        hidden = torch.cat([rp.context_hidden, hidden])  # [past + T, H], as the engine scores them
-    rp.keep(hidden)
+    rp.keep(rp.with_context(hidden))  # [past + T, H], as the engine scores them
     return True
 
 

@@ -706,3 +706,27 @@ def test_resumed_pack_reads_the_tree_uncopied():
     assert rp.kv.keys[0].data_ptr() == node.rows[0].data_ptr() and rp.kv.keys[0].shape[0] == 7
     assert rp.kv.values[1].data_ptr() == node.rows[3].data_ptr()
     assert rp.context_hidden.data_ptr() == node.rows[-1].data_ptr()
+
+
+def test_pack_of_two_prefixes_joins_them_once():
+    """Two requests resumed from two cached prompts in one pack: building the pack copies nothing;
+    each layer's first ``extend`` writes the key source (both prefixes and the pass's rows) once;
+    ``with_context`` writes the hidden rows once; the rows are the right ones."""
+    from logprobe.engine.prefix_run import ResumePack
+
+    t = PrefixCache(10 ** 9)
+    t.insert([1, 2, 3, 4, 5], lambda a, b: fake_slots(b))  # rows 0..4
+    t.insert([7, 8, 9], lambda a, b: [x + 100 for x in fake_slots(b)])  # rows 100..102
+    rs = [ScoreRequest([1, 2, 3, 4, 5, 6, 6], 5), ScoreRequest([7, 8, 9, 6, 6], 3)]
+    with Written() as w:
+        rp = ResumePack(t, rs, [0, 1], num_layers=2)
+    assert w.bytes == 0 and rp.past == 8
+    new = len(rp.layout()[0])  # 1 + 1 rows
+    rows, hid = torch.full((new, 2, 4), -1.0), torch.full((new, 8), -1.0)
+    with Written() as w:
+        k, _ = rp.kv.extend(0, rows, rows)
+    assert w.bytes == 2 * (rp.past + new) * 2 * 4 * 4  # keys and values, each written once
+    assert k[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 100, 101, 102, -1, -1]
+    with Written() as w:
+        hidden = rp.with_context(hid)
+    assert w.bytes == (rp.past + new) * 8 * 4 and hidden[:, 0].tolist() == k[:, 0, 0].tolist()

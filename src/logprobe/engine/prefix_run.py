@@ -262,7 +262,9 @@ class ResumePack:
     cache holds (its rows of the same tokens, computed in this pass or read by it: a shared
     prefix, as in a batch's prefix trees).
     ``context_hidden`` [past, H]: the final hidden rows of the cached prefixes; the pass's hidden
-    rows follow them in the rows that ``layout``'s scored rows and ``keep`` index ([past + T, H]).
+    rows follow them in the rows that ``layout``'s scored rows and ``keep`` index ([past + T, H],
+    ``with_context``). The cached rows are read where the tree holds them: ``kv`` starts as each
+    layer's pieces, which the pass's first ``KVCache.extend`` joins with its own keys in one copy.
 
     Each request's bits are those of its own uncached run in deterministic mode: every op is
     row-wise batch-invariant, and attention sees exactly the keys of its own tokens, whichever
@@ -297,13 +299,24 @@ class ResumePack:
             self.spans[m] = spans + [(self.first[m], requests[m].num_inputs, self.past + start)]
             start += requests[m].num_inputs - self.first[m]
         if pieces is None:
-            self.kv, self.context_hidden = KVCache.empty(num_layers), None
+            self.kv, self._hidden_parts = KVCache.empty(num_layers), []
         else:
-            # one piece (one prefix, one node): the tree's rows read as they are, not copied;
-            # ``KVCache.extend`` builds a new key source from them, so nothing writes to them
-            slots = [None if p is None else p[0] if len(p) == 1 else torch.cat(p) for p in pieces]
+            # the tree's rows as they are, not copied: ``KVCache.extend`` reads them into a new key
+            # source (one copy for the prefixes and the pass's rows), so nothing writes to them
+            slots = [None if p is None else p[0] if len(p) == 1 else list(p) for p in pieces]
             self.kv = KVCache(slots[0:-1:2], slots[1:-1:2])
-            self.context_hidden = slots[-1]  # [past, H]
+            self._hidden_parts = pieces[-1]
+
+    @property
+    def context_hidden(self) -> torch.Tensor | None:
+        """The cached prefixes' final hidden rows [past, H] (None: no prefix)."""
+        p = self._hidden_parts
+        return None if not p else p[0] if len(p) == 1 else torch.cat(p)
+
+    def with_context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The pass's final hidden rows [T, H] -> the rows ``layout`` and ``keep`` index: the cached
+        prefixes' then the pass's [past + T, H] (one copy)."""
+        return torch.cat([*self._hidden_parts, hidden]) if self._hidden_parts else hidden
 
     def _lay_prefixes(self, members: list[int]) -> tuple[dict[int, int], list | None]:
         """Each member's cached prefix in the key source (its first row), longest first: a prefix

@@ -333,8 +333,7 @@ class Engine:
         oom = False
         try:
             hidden = self._forward(packed)  # [T, H]
-            if rp.context_hidden is not None:  # score_rows index the prefixes' rows, then the pass's
-                hidden = torch.cat([rp.context_hidden, hidden])  # [past + T, H]
+            hidden = rp.with_context(hidden)  # [past + T, H]: score_rows index the prefixes' rows, then the pass's
             scored = self.score(requests, packed, hidden).results()
         except torch.OutOfMemoryError:
             oom = True

@@ -49,10 +49,12 @@ from .attention_gpu import LONG_ROWS, causal_tail_attention, cu_tensors, cudnn_d
 
 @dataclass(slots=True)
 class KVCache:
-    """Keys/values of the rows already run for one chunked sequence, per layer ([past, Hkv, D])."""
+    """Keys/values of the rows already run for one chunked sequence, per layer ([past, Hkv, D]).
+    A layer's entry may also be a list of such tensors, in row order (several cached prefixes,
+    ``engine.prefix_run.ResumePack``): the first ``extend`` joins them with the new rows in one copy."""
 
-    keys: list[torch.Tensor | None]
-    values: list[torch.Tensor | None]
+    keys: list[torch.Tensor | list[torch.Tensor] | None]
+    values: list[torch.Tensor | list[torch.Tensor] | None]
     # linear-attention layers (layers.linear_state): each layer's state after the rows committed so
     # far, and the state a pass in flight has reached (``commit`` makes it the carried one)
     states: dict[int, object] = field(default_factory=dict)
@@ -72,12 +74,22 @@ class KVCache:
         self.pending.clear()
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this batch's k/v [T, Hkv, D]; return the key source [past + T, Hkv, D] of the layer."""
+        """Append this batch's k/v [T, Hkv, D]; return the key source [past + T, Hkv, D] of the layer
+        (a new tensor: the cached rows are read, never written).
+
+        >>> c = KVCache([[torch.zeros(2, 1, 1), torch.ones(1, 1, 1)]], [[torch.zeros(2, 1, 1), torch.ones(1, 1, 1)]])
+        >>> c.extend(0, torch.full((1, 1, 1), 2.0), torch.full((1, 1, 1), 2.0))[0].flatten().tolist()
+        [0.0, 0.0, 1.0, 2.0]
+        """
         if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k])
-            v = torch.cat([self.values[layer], v])
+            k = torch.cat([*_parts(self.keys[layer]), k])
+            v = torch.cat([*_parts(self.values[layer]), v])
         self.keys[layer], self.values[layer] = k, v
         return k, v
+
+
+def _parts(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    return x if isinstance(x, list) else [x]
 
 
 @dataclass(frozen=True, slots=True)
