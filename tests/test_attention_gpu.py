@@ -122,6 +122,28 @@ def test_flash_plan_once_per_batch_and_key_source_uncopied(monkeypatch):
     assert seen[0][0][:, 0, 0].tolist() == k[[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7], 0, 0].tolist()
 
 
+def test_varlen_plan_agrees_with_varlen_index():
+    """``varlen_plan`` (runs of key-source rows, a slice when one) gives the keys ``varlen_index``
+    lists, on random segments and context spans (empty segments and spans included)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        past, at, segs = rng.randint(0, 20), 0, []
+        for _ in range(rng.randint(1, 4)):
+            n = rng.randint(0, 5)
+            ctx = []
+            for _ in range(rng.randint(0, 3)):
+                a = rng.randint(0, past + at + 3)
+                ctx.append((a, a + rng.randint(0, 4)))
+            segs.append(Segment(at, at + n, tuple(ctx)))
+            at += n
+        meta = AttentionMeta(segs, past=past)
+        cu_q, cu_k, keys, _ = attention.varlen_plan(meta, past + at, torch.device("cpu"))
+        got = keys.tolist() if isinstance(keys, torch.Tensor) else list(range(*keys))
+        assert (cu_q, cu_k, got) == meta.varlen()
+
+
 def test_portable_path_reads_a_resumed_segments_keys_uncopied(monkeypatch):
     """The portable path hands SDPA the key source's rows as they are when a segment's context and
     own rows follow each other there (a chunk or a resumed request over its cache)."""

@@ -309,12 +309,19 @@ def varlen_plan(meta: AttentionMeta, num_keys: int, device: torch.device) -> tup
     >>> varlen_plan(AttentionMeta([Segment(0, 3), Segment(3, 5, ((0, 3),))]), 5, torch.device("cpu"))[2]
     tensor([0, 1, 2, 0, 1, 2, 3, 4])
     """
-    cu_q, cu_k, index = meta.varlen()
-    first = index[0] if index else 0
-    if index == list(range(first, first + len(index))):
-        keys: tuple[int, int] | torch.Tensor = (first, first + len(index))
-    else:
-        keys = torch.tensor(index, dtype=torch.long).to(device)
+    cu_q, cu_k, runs = [0], [0], []  # runs: [a, b) key-source rows, in key order, merged
+    for s in meta.segments:
+        for a, b in [*s.context, (meta.past + s.start, meta.past + s.end)]:
+            if runs and runs[-1][1] == a:
+                runs[-1][1] = b
+            elif b > a:
+                runs.append([a, b])
+        cu_q.append(cu_q[-1] + s.end - s.start)
+        cu_k.append(cu_k[-1] + s.num_context + s.end - s.start)
+    if len(runs) <= 1:
+        keys: tuple[int, int] | torch.Tensor = tuple(runs[0]) if runs else (0, 0)
+    else:  # the row index built from ranges, not from a host list of every key
+        keys = torch.cat([torch.arange(a, b) for a, b in runs]).to(device)  # [total keys]
     return cu_q, cu_k, keys, cu_tensors(cu_q, cu_k, device)
 
 
