@@ -730,3 +730,25 @@ def test_pack_of_two_prefixes_joins_them_once():
     with Written() as w:
         hidden = rp.with_context(hid)
     assert w.bytes == (rp.past + new) * 8 * 4 and hidden[:, 0].tolist() == k[:, 0, 0].tolist()
+
+
+def test_chunked_request_resumes_from_the_trees_pieces():
+    """A request resumed alone (chunks; hybrids, or over the budget) starts its KV cache as the
+    tree's rows along its path, uncopied (two nodes: two pieces), which its first chunk's
+    ``extend`` joins with its own keys in one copy; its kept hidden rows likewise."""
+    from logprobe.engine.prefix_run import chunk_keeper
+    from logprobe.layers.attention import KVCache
+
+    t = PrefixCache(10 ** 9)
+    t.insert([1, 2, 3, 4, 5], lambda a, b: fake_slots(b))
+    t.insert([1, 2, 3, 9], lambda a, b: [x[a:b].clone() for x in fake_slots(b)])  # splits after 3
+    head, tail = t.root.children[1], t.root.children[1].children[4]
+    kv = KVCache.empty(2)
+    keeper = chunk_keeper(t, ScoreRequest([1, 2, 3, 4, 5, 6, 7], 6), 1, kv, resume=True)
+    assert keeper.begin == 5 and isinstance(kv.keys[0], list)
+    assert [p.data_ptr() for p in kv.keys[0]] == [head.rows[0].data_ptr(), tail.rows[0].data_ptr()]
+    assert [p.data_ptr() for p in keeper.hidden] == [head.rows[-1].data_ptr(), tail.rows[-1].data_ptr()]
+    new = torch.full((1, 2, 4), -1.0)
+    with Written() as w:
+        k, _ = kv.extend(0, new, new)
+    assert w.bytes == 2 * 6 * 2 * 4 * 4 and k[:, 0, 0].tolist() == [0, 1, 2, 3, 4, -1]

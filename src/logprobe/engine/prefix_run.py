@@ -81,12 +81,16 @@ class ChunkKeeper:
         self.begin = 0
         self.hidden: list[torch.Tensor] = []  # final hidden rows 0 .. (rows run so far), in pieces
         if resume:
-            hit = cache.match(self.tokens, n - 1, record)  # at least one row runs
+            hit = cache.match(self.tokens, n - 1, record, rows=False)  # at least one row runs
             if hit.length:
-                kv.keys[:] = hit.rows[0:-1:2]
-                kv.values[:] = hit.rows[1:-1:2]
+                # the tree's rows as they are (pieces along the path): the first chunk's
+                # ``KVCache.extend`` joins them with its own keys in one copy
+                pieces = cache.pieces(self.tokens, hit.length)
+                slots = [None if p is None else p[0] if len(p) == 1 else list(p) for p in pieces]
+                kv.keys[:] = slots[0:-1:2]
+                kv.values[:] = slots[1:-1:2]
                 kv.states.update(hit.state or {})
-                self.hidden.append(hit.rows[-1])
+                self.hidden.extend(pieces[-1])
                 self.begin = hit.length
         if align > 1:
             self.points = sorted({p for p in (r.score_begin // align * align, n // align * align)

@@ -683,6 +683,7 @@ def _pending(queue) -> list[int]:
 def _truncate(cache: KVCache, n: int) -> None:
     """Cut a KV cache back to its first ``n`` rows (a pass that failed part-way may have appended)."""
     for layer, k in enumerate(cache.keys):
-        if k is not None and k.shape[0] > n:
+        # a list: cached pieces no pass has joined yet (``KVCache``), nothing appended to them
+        if k is not None and not isinstance(k, list) and k.shape[0] > n:
             cache.keys[layer] = k[:n] if n else None
             cache.values[layer] = cache.values[layer][:n] if n else None
