@@ -13,6 +13,7 @@ hidden row = 139,264 bytes). Prints milliseconds per call (median over the resum
 bytes the calls allocated, per call.
 
     python bench/cpu_prefix_bookkeeping.py --layers 32 --groups 4 --samples 8 --prompt 1024 --response 512
+    python bench/cpu_prefix_bookkeeping.py --evict-nodes 2000 20000
 """
 
 from __future__ import annotations
@@ -101,6 +102,21 @@ def one_call(cache: PrefixCache, r: ScoreRequest, fake: Fake) -> bool:
     return True
 
 
+def eviction(nodes: int, inserts: int = 200, seed: int = 0) -> float:
+    """Milliseconds per insert into a full tree of about ``nodes`` nodes (8-token prompts, 8-token
+    branches, one 4-byte row each token), every insert evicting."""
+    rng = random.Random(seed)
+    rows = lambda a, b: [torch.zeros(b - a, 1)]  # noqa: E731
+    tree = PrefixCache(nodes * 2 * 4 * 8)
+    prompts = [[rng.randrange(1000) for _ in range(8)] for _ in range(max(1, nodes // 8))]
+    for _ in range(2 * nodes):
+        tree.insert(rng.choice(prompts) + [rng.randrange(10 ** 6) for _ in range(8)], rows)
+    t = time.perf_counter()
+    for _ in range(inserts):
+        tree.insert(rng.choice(prompts) + [rng.randrange(10 ** 6) for _ in range(8)], rows)
+    return (time.perf_counter() - t) / inserts * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -112,8 +128,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024, help="prompt length (each in [prompt/2, prompt])")
     ap.add_argument("--response", type=int, default=512, help="response length (each in [response/4, response])")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--evict-nodes", type=int, nargs="*", default=None,
+                    help="instead: milliseconds per insert into a full tree of about these many nodes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.evict_nodes:
+        for n in args.evict_nodes:
+            print(f"full tree of about {n} nodes: {eviction(n):.3f} ms per insert (each evicting)")
+        return
     fake = Fake(args.layers, args.kv_heads, args.head_dim, args.hidden, torch.bfloat16)
     reqs = rl_requests(args.groups, args.samples, args.prompt, args.response)
     per_token = 2 * args.layers * args.kv_heads * args.head_dim * 2 + args.hidden * 2

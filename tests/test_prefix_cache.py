@@ -120,6 +120,69 @@ def test_evict_leaf_before_parent():
     assert t.stats.evicted_tokens == 4 and t.stats.nodes == 2
 
 
+class SnapshotEviction(PrefixCache):
+    """The reference order: every leaf of the tree in a heap by (last use, id) at each eviction,
+    a parent joining it once its last child goes."""
+
+    def evict(self, target: int) -> int:
+        import heapq
+
+        freed = 0
+        heap = [(nd.used, id(nd), nd) for nd in self._nodes() if not nd.children]
+        heapq.heapify(heap)
+        while heap and self.stats.bytes > target:
+            _, _, nd = heapq.heappop(heap)
+            del nd.parent.children[nd.tokens[0]]
+            self.stats.bytes -= nd.nbytes
+            self.stats.nodes -= 1
+            self.stats.evicted_tokens += len(nd.tokens)
+            freed += nd.nbytes
+            if nd.parent is not self.root and not nd.parent.children:
+                heapq.heappush(heap, (nd.parent.used, id(nd.parent), nd.parent))
+        return freed
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_kept_across_calls_matches_the_snapshot_order(seed):
+    """The eviction heap kept across calls evicts what a heap of every leaf built at each eviction
+    evicts, over random inserts and lookups (shared prefixes, splits, a small budget), and looks
+    at the tree's nodes only to drop outdated entries now and then (not at every eviction)."""
+    rng = random.Random(seed)
+    budget = rng.choice([6, 12, 30]) * 8
+    fast, ref = PrefixCache(budget), SnapshotEviction(budget)
+    walks = []
+    real = fast._nodes
+    fast._nodes = lambda: walks.append(1) or real()  # type: ignore[method-assign]
+    prompts = [[rng.randrange(5) for _ in range(rng.randint(1, 4))] for _ in range(4)]
+    for _ in range(300):
+        seq = rng.choice(prompts) + [rng.randrange(6) for _ in range(rng.randint(0, 4))]
+        if not seq:
+            continue
+        if rng.random() < 0.7:
+            assert fast.insert(seq, unit_rows) == ref.insert(seq, unit_rows)
+        else:
+            assert fast.match(seq, len(seq)).length == ref.match(seq, len(seq)).length
+        assert fast.layout() == ref.layout() and fast.stats == ref.stats
+    assert fast.stats.evicted_tokens > 100 and len(walks) < 30
+
+
+def test_eviction_heap_stays_bounded_by_the_tree():
+    """Lookups without evictions add entries; outdated ones are dropped once they outnumber the
+    tree's nodes, and the evictions after that still follow the reference order."""
+    fast, ref = PrefixCache(10 ** 6), SnapshotEviction(10 ** 6)
+    rng = random.Random(3)
+    seqs = [[rng.randrange(4) for _ in range(rng.randint(1, 5))] for _ in range(12)]
+    for q in seqs:
+        fast.insert(q, unit_rows), ref.insert(q, unit_rows)
+    for _ in range(400):
+        q = rng.choice(seqs)
+        fast.match(q, len(q)), ref.match(q, len(q))
+        assert len(fast._heap) <= 4 * fast.stats.nodes + 65
+    for budget in (20, 9, 3, 0):
+        assert fast.evict(budget * 8) == ref.evict(budget * 8)
+        assert fast.layout() == ref.layout() and fast.stats == ref.stats
+
+
 def test_stats_and_clear():
     t = PrefixCache(10 ** 6)
     t.insert([1, 2, 3, 4], unit_rows)

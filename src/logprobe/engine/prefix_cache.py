@@ -126,6 +126,10 @@ class PrefixCache:
         self.root = _Node((), [], None, None)
         self.stats = CacheStats(max_bytes=max_bytes)
         self._tick = 0
+        # eviction candidates, kept across calls (not rebuilt from every node per eviction):
+        # (used, id, node) pushed whenever a node is marked used or becomes a leaf; an entry is
+        # current while its node is in the tree, a leaf, and still marked ``used`` then
+        self._heap: list[tuple[int, int, _Node]] = []
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -137,7 +141,7 @@ class PrefixCache:
         if record:
             self._tick += 1
             for nd, _ in path:
-                nd.used = self._tick
+                self._mark(nd)
             self.record(len(tokens), length)
         if not length:
             return Hit(0)
@@ -219,7 +223,7 @@ class PrefixCache:
                 if common < len(child.tokens):
                     child = self._split(child, common)
                 at += common
-            child.used = self._tick
+            self._mark(child)
             node = child
         if state is not None and node is not self.root and node.state is None:
             node.state = state
@@ -245,17 +249,25 @@ class PrefixCache:
         self.stats.bytes += head.nbytes + node.nbytes - before
         return head
 
+    def _mark(self, nd: _Node) -> None:
+        nd.used = self._tick
+        heapq.heappush(self._heap, (nd.used, id(nd), nd))
+        if len(self._heap) > 4 * self.stats.nodes + 64:  # mostly outdated entries: keep the leaves'
+            self._heap = [(n.used, id(n), n) for n in self._nodes() if not n.children]
+            heapq.heapify(self._heap)
+
     def evict(self, target: int) -> int:
-        """Drop least recently used leaves until at most ``target`` bytes are held; returns bytes freed."""
-        if self.stats.bytes <= target:
-            return 0
+        """Drop least recently used leaves until at most ``target`` bytes are held; returns bytes
+        freed. Work per call: the entries popped, not every node of the tree."""
         freed = 0
-        heap = [(nd.used, id(nd), nd) for nd in self._nodes() if not nd.children]
-        heapq.heapify(heap)
+        heap = self._heap
         while heap and self.stats.bytes > target:
-            _, _, nd = heapq.heappop(heap)
+            used, _, nd = heapq.heappop(heap)
+            if nd.parent is None or nd.children or nd.used != used:
+                continue  # evicted already, not a leaf now, or marked used since
             parent = nd.parent
             del parent.children[nd.tokens[0]]
+            nd.parent, nd.rows, nd.state = None, [], None  # its tensors freed whatever entries remain
             self.stats.bytes -= nd.nbytes
             self.stats.nodes -= 1
             self.stats.evicted_tokens += len(nd.tokens)
@@ -267,6 +279,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget everything (new weights): every byte freed, the counters kept."""
         self.root = _Node((), [], None, None)
+        self._heap = []
         self.stats.bytes = 0
         self.stats.nodes = 0
 
