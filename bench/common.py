@@ -70,6 +70,13 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
 QWEN3_MOE_TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+# GLM-4.5-Air's shape (``glm4_moe``: 128 experts top-8 + 1 shared, 96 query heads, half-rotary, q/k/v
+# bias; 106B parameters in all), the transformers ``Glm4MoeConfig`` arguments
+GLM45_AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                 num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_shared_experts=1,
+                 n_routed_experts=128, num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                 routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True,
+                 use_qk_norm=False, tie_word_embeddings=False)
 # Qwen3.5 hybrids (Gated DeltaNet linear attention, 3 linear : 1 full layers): the text configs of
 # Qwen3.5-9B and Qwen3.5-35B-A3B (transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig, whose
 # defaults are these two models), and tiny ones for CPU runs; bench/gpu_hybrid.py writes them

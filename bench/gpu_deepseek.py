@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fp8_blocks, free, log, matmul_ceiling, run_transformers, sync_time, workload  # noqa: E402
+from common import GLM45_AIR, fp8_blocks, free, log, matmul_ceiling, run_transformers, sync_time, workload  # noqa: E402
 
 from logprobe.config import EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
@@ -69,12 +69,7 @@ MODELS = {
         routed_scaling_factor=2.446, norm_topk_prob=True, q_lora_rank=None, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
         max_position_embeddings=8192, tie_word_embeddings=False)),
-    "glm-air": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
-        vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_shared_experts=1,
-        n_routed_experts=128, num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
-        routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True,
-        use_qk_norm=False, max_position_embeddings=8192, tie_word_embeddings=False)),
+    "glm-air": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(GLM45_AIR, max_position_embeddings=8192)),
 }
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             n_routed_experts=8, num_experts_per_tok=2)

@@ -1,5 +1,6 @@
 """Mixtures of experts over several GPUs: (TP, EP) = (1, 1) against (2, 1), (2, 2) (and 4 / 8 where
-the machine has them), on a Qwen3-30B-A3B shape and a DeepSeek-V2-Lite / Moonlight MLA shape.
+the machine has them), on a Qwen3-30B-A3B shape, a DeepSeek-V2-Lite / Moonlight MLA shape and
+GLM-4.5-Air's shape.
 
 A random-init bf16 checkpoint is written once as a Hugging Face directory with transformers'
 in-memory expert layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
@@ -18,6 +19,8 @@ the model's). Deterministic mode on CUDA runs only where every rank holds whole 
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 --attention data,tensor
     python bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4    # 4 GPUs
     python bench/gpu_moe_parallel.py --shape mla --fp8 --sizes 1x1,2x1,2x2          # FP8 blocks, 2 GPUs
+    python bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe  # the largest
+        # GLM-4.5-Air whole as FP8 blocks (106 GB: more than a two-GPU machine's free disk, so in memory)
 
 ``--fp8`` writes the same weights as an FP8 block checkpoint laid out as DeepSeek's (every
 ``*_proj`` matrix, experts one per expert, as float8_e4m3fn with ``weight_scale_inv`` per 128 x 128
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FP8_CONFIG, byte_tokenizer, fp8_blocks, workload  # noqa: E402
+from common import FP8_CONFIG, GLM45_AIR, byte_tokenizer, fp8_blocks, workload  # noqa: E402
 
 T0 = time.perf_counter()
 SHAPES = {  # transformers config class, its arguments
@@ -52,6 +55,8 @@ SHAPES = {  # transformers config class, its arguments
                                      topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
                                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                      routed_scaling_factor=1.0, norm_topk_prob=False)),
+    # the largest of these: GLM-4.5-Air (106B; 106 GB as FP8 blocks) spans two GPUs of 80 GB
+    "glm-air": ("Glm4MoeConfig", GLM45_AIR),
 }
 
 
@@ -101,7 +106,13 @@ def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, dev
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shapes.update({k: tuple(v.shape) for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
-    part, files, size = {}, [], 0
+    part, size, index = {}, 0, {}
+
+    def save(part: dict) -> None:  # each file written as it fills: a 106B model is never held whole
+        name = f"model-{len(set(index.values())):05d}.safetensors"
+        save_file(part, str(path / name))
+        index.update({k: name for k in part})
+
     for i, (k, s) in enumerate(sorted(shapes.items())):
         g = torch.Generator(device).manual_seed(i)
         if k.endswith("e_score_correction_bias"):
@@ -115,14 +126,10 @@ def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, dev
             part[name] = v.cpu()
             size += v.numel() * v.element_size()
         if size > 4 << 30:
-            files.append(part)
+            save(part)
             part, size = {}, 0
-    files.append(part)
-    index = {}
-    for j, p in enumerate(files):
-        name = f"model-{j:05d}.safetensors"
-        save_file(p, str(path / name))
-        index.update({k: name for k in p})
+    if part:
+        save(part)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     cfg.save_pretrained(str(path))
     if fp8:
