@@ -29,6 +29,11 @@
 #            cut against transformers with float32 weights on both sides (|delta| ~1e-5 if exact) ....... ~5
 #   weightsync  2 GPUs: torchrl from .whl; the NCCL weight-sync tests (torchrl's SGLang scheme included), then
 #            llama-8b pushed over NCCL by SGLang-style buckets and by torchrl's scheme (sockets) ............. ~10
+#   prefix   the CUDA attention tests (keys read as slices, cu tensors once a pass) and the prefix cache on
+#            llama-8b: RL groups one request per call / as one batch / 16 per call, multiple choice ........ ~5
+#   moe2     2 GPUs: Qwen3-30B-A3B (16 layers) and MLA (12 layers) shapes at TP = EP = 1 vs 2, data- and
+#            heads-split attention, default and deterministic ........................................ ~10
+#   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
@@ -90,6 +95,17 @@ for s in "$@"; do
                 tests/test_weight_sync_nccl.py
             step weightsync 580 "$py" bench/gpu_weight_sync.py
             step weightsync_torchrl 480 "$py" bench/gpu_weight_sync.py --client torchrl ;;
+        prefix)  # the server wheels (uvicorn, fastapi) from .whl; then the tests, then the bench
+            "$py" -m pip install -q --no-index --find-links .whl fastapi uvicorn click annotated-doc anyio requests >/dev/null 2>&1
+            step prefix_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py tests/test_gpu.py
+            step prefix 400 env PYTHONPATH="${PYTHONPATH:-}:bench" "$py" bench/cpu_prefix_cache.py --gpu-shape llama-8b \
+                --checkpoint /tmp/llama8b --device cuda --groups 32 --samples 8 --prompt 1024 --response 512 \
+                --questions 100 --context 800 --per-call 16 ;;
+        moe2)
+            step moe2_qwen3 400 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 \
+                --attention data,tensor
+            step moe2_mla 400 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2 --attention data,tensor ;;
+        largest) step largest 580 "$py" bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
