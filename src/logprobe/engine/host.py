@@ -85,6 +85,20 @@ def start_copy(out: HeadOutput, top_k: int, entropy: bool) -> HostCopy:
     return HostCopy(host, n, top_k, entropy, event)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``. On CUDA through pinned memory without blocking:
+    ``torch.tensor(values, device=...)`` copies from pageable memory and waits for the GPU to
+    drain first, a synchronisation per call that exposes every kernel launch after it (the
+    pinned block stays reserved until the copy is done: PyTorch records the copy's stream on it).
+
+    >>> to_device([3, 1, 4], torch.long, torch.device("cpu")).tolist()
+    [3, 1, 4]
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """A float32 tensor's bits as int32, flattened (no conversion: the numbers come back whole)."""
     return t.contiguous().view(torch.int32).reshape(-1)

@@ -116,6 +116,7 @@ def logprob_head(
     vocab_chunk: int = 8192,
     deterministic: bool = False,
     backend: str = "auto",
+    checked: bool = False,
 ) -> HeadOutput:
     """hidden [N, H], targets [N] -> HeadOutput. ``temperature`` is a float or a [N] tensor.
 
@@ -126,19 +127,21 @@ def logprob_head(
     ``backend``: "auto" runs the fused Triton kernel (``logprobe.kernels.logprob_head``) on CUDA
     when it applies (Triton present, top_k <= 256, hidden and weight of one dtype with contiguous
     rows) and this chunked PyTorch loop otherwise; "torch" always runs this loop; "triton"
-    requires the kernel."""
+    requires the kernel. ``checked``: the caller has checked on the host that the targets are in
+    [0, V) and the temperatures finite and > 0 (the engine does, from the requests' lists), so
+    their reads from the tensors, each a host/device synchronisation on CUDA, are skipped."""
     N, H = hidden.shape
     V = params.vocab_size
     if params.weight.shape[1] != H:
         raise LogprobeError("hidden", f"width {H} does not match the LM head's {params.weight.shape[1]}")
     if targets.shape != (N,):
         raise LogprobeError("targets", f"shape {tuple(targets.shape)} does not match hidden rows {N}")
-    if N and (int(targets.min()) < 0 or int(targets.max()) >= V):
+    if N and not checked and (int(targets.min()) < 0 or int(targets.max()) >= V):
         raise LogprobeError("targets", f"ids must be in [0, {V})")
     if top_k < 0 or top_k > V:
         raise LogprobeError("top_k", f"must be in [0, {V}], got {top_k}")
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device).expand(N).contiguous()
-    if N and not bool(torch.isfinite(temp).all() and (temp > 0).all()):
+    if N and not checked and not bool(torch.isfinite(temp).all() and (temp > 0).all()):
         raise LogprobeError("temperature", "must be finite and > 0")
     if backend not in ("auto", "torch", "triton"):
         raise LogprobeError("backend", f"must be auto, torch or triton, got {backend!r}")
@@ -350,9 +353,11 @@ class _Fold:
             self.a = self.a * alpha + (e * z).sum(dim=1)
         self.m = m_new
         above = z > zy[:, None]  # [t, v]
-        rows = ((y_col >= 0) & (y_col < z.shape[1])).nonzero().squeeze(1)
-        if len(rows):  # the target never outranks itself
-            above[rows, y_col[rows]] = False
+        # the target never outranks itself: its column cleared where it lies in this chunk, by a
+        # scatter over every row (a nonzero() of the rows would synchronise with the GPU per chunk)
+        inside = (y_col >= 0) & (y_col < z.shape[1])  # [t]
+        col = y_col.clamp(0, z.shape[1] - 1)[:, None]  # [t, 1]
+        above.scatter_(1, col, above.gather(1, col) & ~inside[:, None])
         self.c += above.sum(dim=1)
         if self.top_k:
             cz, ci = chunk_topk(z, min(self.top_k, z.shape[1]))  # [t, k]
