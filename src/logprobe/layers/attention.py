@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.rows import RowSplit
-from .attention_gpu import LONG_ROWS, causal_tail_attention, cu_tensors, cudnn_dense, flash_varlen_attention
+from .attention_gpu import (LONG_ROWS, causal_tail_attention, cu_tensors, cudnn_dense, flash_varlen_attention,
+                            host_to)
 
 
 @dataclass(slots=True)
@@ -270,8 +271,9 @@ def _split(meta: AttentionMeta, past: int, device: torch.device) -> tuple[list[S
     if not long or not short:
         return long, None
     cu_q, cu_k, index = varlen_index(short, past)
-    rows = torch.cat([torch.arange(s.start, s.end) for s in short]).to(device)  # [T short]
-    return long, (rows, torch.tensor(index, dtype=torch.long).to(device), cu_q, cu_k, cu_tensors(cu_q, cu_k, device))
+    rows = host_to(torch.cat([torch.arange(s.start, s.end) for s in short]), device)  # [T short]
+    keys = host_to(torch.tensor(index, dtype=torch.long), device)
+    return long, (rows, keys, cu_q, cu_k, cu_tensors(cu_q, cu_k, device))
 
 
 def _segment_keys(x: torch.Tensor, seg: Segment, past: int) -> torch.Tensor:
@@ -321,7 +323,7 @@ def varlen_plan(meta: AttentionMeta, num_keys: int, device: torch.device) -> tup
     if len(runs) <= 1:
         keys: tuple[int, int] | torch.Tensor = tuple(runs[0]) if runs else (0, 0)
     else:  # the row index built from ranges, not from a host list of every key
-        keys = torch.cat([torch.arange(a, b) for a, b in runs]).to(device)  # [total keys]
+        keys = host_to(torch.cat([torch.arange(a, b) for a, b in runs]), device)  # [total keys]
     return cu_q, cu_k, keys, cu_tensors(cu_q, cu_k, device)
 
 

@@ -73,6 +73,18 @@ def flash_varlen_attention(
     return sink_rescale(out[0], lse.t(), sinks)
 
 
+def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA through pinned memory without blocking (a copy from
+    pageable memory waits for the GPU to drain first: once per batch, inside the first layer).
+
+    >>> host_to(torch.tensor([0, 2, 3]), torch.device("cpu")).tolist()
+    [0, 2, 3]
+    """
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def cu_tensors(cu_q: list[int], cu_k: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_q and cu_k as FlashAttention takes them: int32 [B + 1] on ``device`` (one tensor when equal).
 
@@ -80,8 +92,8 @@ def cu_tensors(cu_q: list[int], cu_k: list[int], device: torch.device) -> tuple[
     >>> cq is ck, cq.tolist()
     (True, [0, 2, 3])
     """
-    cq = torch.tensor(cu_q, dtype=torch.int32).to(device)  # [B + 1]
-    return cq, cq if cu_k == cu_q else torch.tensor(cu_k, dtype=torch.int32).to(device)
+    cq = host_to(torch.tensor(cu_q, dtype=torch.int32), device)  # [B + 1]
+    return cq, cq if cu_k == cu_q else host_to(torch.tensor(cu_k, dtype=torch.int32), device)
 
 
 def sink_rescale(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
