@@ -62,3 +62,26 @@ def test_head_still_checks_unless_told():
     assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.ranks, b.ranks)
     z = (h.double() @ p.weight.double().T) / 0.5
     assert torch.equal(a.ranks, (z > z.gather(1, y[:, None])).sum(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kw", [{}, {"prefix_cache": True}])
+def test_cuda_call_syncs_only_for_results(tiny_dirs, kw):
+    """On CUDA, PyTorch's sync debug mode names every synchronising call: between the plan and the
+    results' copy a call without top-k has none (the results' event is waited on outside it)."""
+    import warnings
+
+    s = Scorer(str(tiny_dirs["llama"][0]), device="cuda", dtype="bfloat16", progress=False, **kw)
+    prompt = list(range(10, 30))
+    s.engine.run([ScoreRequest(prompt + [5, 6, 7], len(prompt))])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            s.engine.run([ScoreRequest(prompt + [8, 9, 4, 3], len(prompt), temperature=0.7)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message).lower()]
+    assert [x for x in syncs if "engine/host.py" not in x] == [], syncs  # host.py: the results' wait
