@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers.attention_gpu import host_to
 from ..layers.logprob_head import HeadOutput
 
 
@@ -94,9 +95,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     >>> to_device([3, 1, 4], torch.long, torch.device("cpu")).tolist()
     [3, 1, 4]
     """
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return host_to(torch.tensor(values, dtype=dtype), device)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
