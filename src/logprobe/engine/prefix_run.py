@@ -33,7 +33,7 @@ from .scheduler import Tree, common_prefix
 
 
 def cacheable(r: ScoreRequest) -> bool:
-    return not (r.steer or r.capture or r.route or r.force_experts is not None)
+    return not r.hooked
 
 
 def prefix_cache_for(model, setting: bool | int | None, device: torch.device) -> PrefixCache | None:

@@ -57,6 +57,11 @@ class ScoreRequest:
             raise ValueError(f"score_begin {self.score_begin} outside [1, {len(self.tokens)})")
 
     @property
+    def hooked(self) -> bool:
+        """Whether it steers, captures, or reads or forces routed experts (its pass needs hooks)."""
+        return bool(self.steer or self.capture or self.route or self.force_experts is not None)
+
+    @property
     def feeds_last(self) -> bool:
         last = len(self.tokens) - 1
         return any(c.positions and c.positions[-1] == last for c in self.capture)

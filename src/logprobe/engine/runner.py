@@ -178,7 +178,7 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
         targets.extend(r.tokens[j] for j in js)
         temps.extend([r.temperature] * len(js))
         owners.append((i, len(js)))
-        if r.steer or r.capture or r.route or r.force_experts is not None:
+        if r.hooked:
             hooks.add(i, r, input_rows)
 
     for item in batch:
@@ -421,7 +421,7 @@ class Engine:
         sub = [requests[i] for i in idx]
         cfg = self.config
         # under data-parallel attention a batch with hooks runs whole on every rank: a rank's share
-        whole = self._ranks > 1 and any(r.steer or r.capture or r.route or r.force_experts is not None for r in sub)
+        whole = self._ranks > 1 and any(r.hooked for r in sub)
         plan = plan_work([r.inputs for r in sub], self.whole_budget if whole else self.budget,
                          share=cfg.share_prefixes and self._context,
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
