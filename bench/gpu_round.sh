@@ -33,6 +33,7 @@
 #            llama-8b: RL groups one request per call / as one batch / 16 per call, multiple choice ........ ~5
 #   moe2     2 GPUs: Qwen3-30B-A3B (16 layers) and MLA (12 layers) shapes at TP = EP = 1 vs 2, data- and
 #            heads-split attention, default and deterministic ........................................ ~10
+#   deepseek the MLA shape (bf16 / deterministic / FP8 blocks, 3 alternating passes) and the GLM-4.5-Air cut ... ~5
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
@@ -97,7 +98,8 @@ for s in "$@"; do
             step weightsync_torchrl 480 "$py" bench/gpu_weight_sync.py --client torchrl ;;
         prefix)  # the server wheels (uvicorn, fastapi) from .whl; then the tests, then the bench
             "$py" -m pip install -q --no-index --find-links .whl fastapi uvicorn click annotated-doc anyio requests >/dev/null 2>&1
-            step prefix_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py tests/test_gpu.py
+            step prefix_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py tests/test_gpu.py \
+                tests/test_call_syncs.py tests/test_short_conv_triton.py
             step prefix 400 env PYTHONPATH="${PYTHONPATH:-}:bench" "$py" bench/cpu_prefix_cache.py --gpu-shape llama-8b \
                 --checkpoint /tmp/llama8b --device cuda --groups 32 --samples 8 --prompt 1024 --response 512 \
                 --questions 100 --context 800 --per-call 16 ;;
@@ -105,6 +107,8 @@ for s in "$@"; do
             step moe2_qwen3 400 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 \
                 --attention data,tensor
             step moe2_mla 400 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2 --attention data,tensor ;;
+        deepseek)  # one GPU: the MLA shape's rows (bf16, deterministic, FP8) in 3 alternating passes, GLM-4.5-Air cut
+            step deepseek 540 "$py" bench/gpu_deepseek.py --models mla16b,glm-air --rows 1,2,3 --passes 3 ;;
         largest) step largest 580 "$py" bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe ;;
         *) echo "unknown step $s" >&2 ;;
     esac
