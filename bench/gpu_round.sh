@@ -34,6 +34,7 @@
 #   moe2     2 GPUs: Qwen3-30B-A3B (16 layers) and MLA (12 layers) shapes at TP = EP = 1 vs 2, data- and
 #            heads-split attention, default and deterministic ........................................ ~10
 #   deepseek the MLA shape (bf16 / deterministic / FP8 blocks, 3 alternating passes) and the GLM-4.5-Air cut ... ~5
+#   moe4     4 GPUs: the same two shapes at TP = EP = 1, 2 and 4, data-split attention ................... ~10
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
@@ -109,7 +110,11 @@ for s in "$@"; do
             step moe2_mla 400 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2 --attention data,tensor ;;
         deepseek)  # one GPU: the MLA shape's rows (bf16, deterministic, FP8) in 3 alternating passes, GLM-4.5-Air cut
             step deepseek 540 "$py" bench/gpu_deepseek.py --models mla16b,glm-air --rows 1,2,3 --passes 3 ;;
-        largest) step largest 580 "$py" bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe ;;
+        moe4)  # 4 GPUs: both shapes at 1, 2 and 4 GPUs, the default attention layout (data)
+            step moe4_qwen3 290 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2,4x4
+            step moe4_mla 290 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4 ;;
+        largest) step largest 580 "$py" bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes ${LARGEST_SIZES:-2x2} \
+            --dir /dev/shm/moe ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
