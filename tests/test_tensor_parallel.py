@@ -59,7 +59,7 @@ def _max_diff(a, b) -> float:
 @pytest.mark.parametrize("kind, sizes", [pytest.param("llama", (2, 4), marks=pytest.mark.slow),
                                          pytest.param("qwen2", (2, 4), marks=pytest.mark.slow),
                                          pytest.param("qwen3", (2, 4), marks=pytest.mark.slow), ("mistral", (2,))])
-def test_tp_equals_tp1(kind, sizes, hf_models):
+def test_tp_equals_tp1(kind, sizes, hf_models, capfd):
     path, ref_model = hf_models[kind]
     seqs = _sequences()
     one = Scorer(str(path), device="cpu")
@@ -91,6 +91,9 @@ def test_tp_equals_tp1(kind, sizes, hf_models):
                     for x, y in zip(got, want[det]):
                         assert (x.entropy - y.entropy).abs().max() <= 1e-5
                         assert torch.equal(x.topk_ids, y.topk_ids)
+    # the workers write to this process's stderr: their start-up (runpy warned of a module run
+    # twice when they were started with -m) says nothing
+    assert "Warning" not in capfd.readouterr().err
 
 
 @pytest.mark.slow  # slow tier (pytest -m slow): worker processes, several configurations

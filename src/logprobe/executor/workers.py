@@ -8,7 +8,7 @@ them), so the ranks meet at the same collectives without any per-batch messages;
 each request's ``Result`` back as it completes, every rank sends ``Done`` at the end (the
 messages are the small records of ``executor.messages``, read with ``match``).
 
-Workers are fresh interpreters (``python -m logprobe.executor.workers``), not forks or
+Workers are fresh interpreters (``python -c`` calling ``executor.workers._main``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
 needs no ``if __name__ == "__main__"`` guard. They connect back over a local authenticated
 socket. Messages are pickled with the plain pickler (tensors inline: no shared-memory handles to
@@ -241,7 +241,7 @@ class WorkerGroup:
         self.conns: list = [None] * spec.tp
         try:
             for rank in range(spec.tp):
-                cmd = [sys.executable, "-m", "logprobe.executor.workers", host, str(port), key.hex(), str(rank)]
+                cmd = [sys.executable, "-c", _ENTRY, host, str(port), key.hex(), str(rank)]
                 self.procs.append(_Proc(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=_worker_env())))
             for _ in range(spec.tp):
                 self._accept(listener, key)
@@ -383,6 +383,11 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+# `python -m logprobe.executor.workers` would import this module twice (the package's own imports
+# reach it before runpy runs it as __main__, and runpy warns): the worker imports it once instead
+_ENTRY = "import sys; from logprobe.executor.workers import _main; _main(sys.argv[1:])"
+
+
 def _main(argv: list[str]) -> None:
     host, port, key, rank = argv
     conn = connection.Connection(socket.create_connection((host, int(port))).detach())
@@ -393,6 +398,3 @@ def _main(argv: list[str]) -> None:
 def default_threads(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
