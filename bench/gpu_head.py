@@ -89,6 +89,7 @@ def head_section(args, tflops: float) -> None:
                 except Exception as e:
                     cells += [f"failed: {type(e).__name__}: {' '.join(str(e).split())[:100]}", ""]
             log(f"| {c.topk_waves} | {c.topk_flatten} | {c.topk_rowmax} | {' | '.join(cells)} |")
+        wide_topk_table(h, w, y, inv_t, mm, args.rep)
 
     rows = []
 
@@ -165,6 +166,30 @@ def head_section(args, tflops: float) -> None:
             continue
         ds = f"{d:.2e}" if d is not None else "—"
         log(f"| {name} | {ms:.2f} | {ms / mm:.3f} | {matmul_flops / ms / 1e9:.0f} | {mem / GiB:.2f} | {ds} |")
+
+
+def wide_topk_table(h, w, y, inv_t, mm: float, rep: int) -> None:
+    """k = 32 / 64 / 128 on the insertion path (``insert_top_k`` >= k; above k = 32 at
+    ``wide_block_m`` rows per program: 64, 128, 32) against the sorted key merges: ms, × matmul, and whether the
+    ids and values equal the sorted path's (both are exact, so they must)."""
+    log("\nwide top-k: insertion into registers vs sorted key merges (entropy off):")
+    log("| k | path | block_m | warps | ms | × matmul | same as sorted merges |")
+    log("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for k in (32, 64, 128):
+        ref = fused_logprob_head(h, w, y, inv_t, top_k=k, config=KernelConfig(insert_top_k=20))
+        for c in (KernelConfig(insert_top_k=20), KernelConfig(insert_top_k=128),
+                  KernelConfig(insert_top_k=128, wide_block_m=128), KernelConfig(insert_top_k=128, wide_block_m=32),
+                  KernelConfig(insert_top_k=128, num_warps=4)):
+            path = "insertion" if k <= c.insert_top_k else "sorted merges"
+            try:
+                out = fused_logprob_head(h, w, y, inv_t, top_k=k, config=c)
+                same = torch.equal(out[4], ref[4]) and torch.equal(out[5], ref[5])
+                ms = bench_ms(lambda c=c, k=k: fused_logprob_head(h, w, y, inv_t, top_k=k, config=c), rep=rep)
+                cells = f"{ms:.2f} | {ms / mm:.3f} | {same}"
+            except Exception as e:  # noqa: BLE001 - a config that does not launch is a row, not an end
+                cells = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:80]} | | "
+            bm = c.wide_block_m if path == "sorted merges" or k > 32 else c.block_m
+            log(f"| {k} | {path} | {bm} | {c.num_warps} | {cells} |")
 
 
 def triton_matmul(a, b, out, cfg):

@@ -35,6 +35,8 @@
 #            heads-split attention, default and deterministic ........................................ ~10
 #   deepseek the MLA shape (bf16 / deterministic / FP8 blocks, 3 alternating passes) and the GLM-4.5-Air cut ... ~5
 #   moe4     4 GPUs: the same two shapes at TP = EP = 1, 2 and 4, data-split attention ................... ~10
+#   wide     top-k on the insertion path vs sorted merges: CUDA tests, the head alone, llama-8b W1 ........ ~6
+#   deepseek_hf  the MLA shape and the GLM-4.5-Air cut against transformers (32 requests) ............. ~3
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
@@ -113,6 +115,12 @@ for s in "$@"; do
         moe4)  # 4 GPUs: both shapes at 1, 2 and 4 GPUs, the default attention layout (data)
             step moe4_qwen3 290 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2,4x4
             step moe4_mla 290 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4 ;;
+        wide)  # one GPU: top-k on the insertion path vs sorted merges (tests, the head alone, the RL workload)
+            step wide_tests 180 "$py" -m pytest -q -p no:cacheprovider tests/test_wide_topk.py
+            step wide_head 240 "$py" bench/gpu_head.py --tune-topk --rep 100
+            step wide_options 300 "$py" bench/gpu_options.py --models llama-8b --top-ks 64,256 ;;
+        deepseek_hf)  # one GPU: the MLA shape and the GLM-4.5-Air cut against transformers on 32 requests
+            step deepseek_hf 400 "$py" bench/gpu_deepseek.py --models mla16b,glm-air --rows 1,4 --hf-requests 32 ;;
         largest) step largest 580 "$py" bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes ${LARGEST_SIZES:-2x2} \
             --dir /dev/shm/moe ;;
         *) echo "unknown step $s" >&2 ;;

@@ -88,15 +88,19 @@ def test_fused_kernel_wide_topk_exact():
         from logprobe.layers.logprob_head import logprob_head
         # 32-column tiles (64 / 256 for k = 64 / 256), 3 splits per row: ties across tiles and splits
         cfg = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, waves=3, topk_waves=3, wide_block_m=8)
+        # the same cases with every k on the insertion path (KernelConfig.insert_top_k)
+        ins = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, waves=3, topk_waves=3, insert_top_k=256)
         res = {}
-        for k, V, softcap, det in ((7, 300, None, False), (21, 300, 20.0, False), (64, 400, None, False),
-                                   (64, 256, None, True), (256, 600, None, False)):
+        for k, V, softcap, det, c in ((7, 300, None, False, cfg), (21, 300, 20.0, False, cfg),
+                                      (64, 400, None, False, cfg), (64, 256, None, True, cfg),
+                                      (256, 600, None, False, cfg), (21, 300, 20.0, False, ins),
+                                      (64, 400, None, False, ins), (64, 256, None, True, ins)):
             h, p, y, temp = tied_case(N=10, V=V, seed=k, softcap=softcap)
             out = fused_logprob_head(h, p.weight, y, 1.0 / temp, softcap=softcap, top_k=k, entropy=True,
-                                     config=cfg, deterministic=det)
+                                     config=c, deterministic=det)
             vals, ids, lp = float64_order(h, p, temp, k)
             torch_head = logprob_head(h, p, y, temp, top_k=k, entropy=True, backend="torch")
-            res[f"k{k}-V{V}-det{int(det)}"] = {
+            res[f"k{k}-V{V}-det{int(det)}-insert{c.insert_top_k}"] = {
                 "ids": torch.equal(out[4], ids), "same_as_torch_head": torch.equal(out[4], torch_head.topk_ids),
                 "topk": (out[5].double() - vals).abs().max().item(),
                 "logprobs": (out[0].double() - lp.gather(1, y[:, None])[:, 0]).abs().max().item()}
@@ -105,7 +109,7 @@ def test_fused_kernel_wide_topk_exact():
     r = run_interpreted(code)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(res) == 5
+    assert len(res) == 8
     for name, d in res.items():
         assert d["ids"] and d["same_as_torch_head"], (name, d)
         assert d["topk"] < 1e-5 and d["logprobs"] < 1e-5, (name, d)
@@ -134,6 +138,24 @@ def test_cuda_wide_topk_exact(k, deterministic):
                        backend="torch")
     assert (got.topk_logprobs.cpu() - ref.topk_logprobs).abs().max() < 1e-4
     assert (got.topk_ids.cpu() != ref.topk_ids).float().mean() < 0.01  # only float32 near-ties may swap
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA GPU and Triton")
+@pytest.mark.parametrize("k", [32, 64, 128])
+@pytest.mark.parametrize("insert_top_k", [20, 128])
+def test_cuda_topk_both_paths_exact(k, insert_top_k):
+    """The kernel at its full tile sizes with k on the insertion path (``insert_top_k`` >= k) or
+    the sorted merges: the float64 order on exact ties, bf16 inputs."""
+    from logprobe.kernels.logprob_head import KernelConfig, fused_logprob_head
+
+    h, p, y, temp = tied_case(N=300, H=64, V=5000, seed=k)
+    dev = torch.device("cuda")
+    out = fused_logprob_head(h.to(dev, torch.bfloat16), p.weight.to(dev, torch.bfloat16), y.to(dev),
+                             (1.0 / temp).to(dev), top_k=k, config=KernelConfig(insert_top_k=insert_top_k))
+    vals, ids, _ = float64_order(h, p, temp, k)
+    assert torch.equal(out[4].cpu(), ids)
+    assert (out[5].double().cpu() - vals).abs().max() < 1e-4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its error classes)")

@@ -21,8 +21,8 @@ Layout of the work:
     their hidden rows and weight tiles in L2.
   * The online statistics run in base 2 (t = z log2(e) / T, exp2), saving a multiply per logit;
     the partials are converted back to natural-log units before they are written.
-  * Top-k, two ways. k <= 20: each row's k best sit in registers and a tile's candidates (values
-    above the row's k-th) are inserted one per step. 20 < k <= 256 ("wide"): each value and its
+  * Top-k, two ways. k <= ``insert_top_k``: each row's k best sit in registers and a tile's candidates (values
+    above the row's k-th) are inserted one per step. Wider k (up to 256): each value and its
     id are packed into one int64 key ordered as (value, then smaller id), and a tile with any
     candidate is merged in bulk: the tile's KPAD best keys (one sort), joined with the row's
     KPAD kept keys, sorted, the upper half kept. Either way ties go to the smaller id.
@@ -40,7 +40,10 @@ import torch
 from ..errors import LogprobeError
 from . import interpreting, triton_available
 
-INSERT_TOP_K = 20  # up to this k: one-at-a-time insertion into registers; above: sorted key merges
+INSERT_TOP_K = 64  # the default config's widest insertion (``KernelConfig.insert_top_k``)
+# k up to this launches on every GPU the kernel was measured on; where a wider k's registers or
+# shared memory do not fit, the caller falls back to the PyTorch head (exact too), once warned
+ALWAYS_LAUNCHES_TOP_K = 20
 MAX_TOP_K = 256  # the kernel's largest k; larger k goes to the PyTorch head
 
 if triton_available():
@@ -109,7 +112,7 @@ if triton_available():
             slot = tl.argmax(tl.where(tv == thr[:, None], ti, -1), axis=1)
             put = (kcols[None, :] == slot[:, None]) & (best > thr)[:, None]
             tv = tl.where(put, best[:, None], tv)
-            ti = tl.where(put, (v0 + bcol).to(tl.int64)[:, None], ti)
+            ti = tl.where(put, (v0 + bcol).to(tl.int32)[:, None], ti)
             thr = tl.min(tv, axis=1)
             cand = tl.where((lcols[None, :] == bcol[:, None]) | (cand <= thr[:, None]), float("-inf"), cand)
             best, bcol = tl.max(cand, axis=1, return_indices=True)
@@ -187,7 +190,7 @@ if triton_available():
             # slots past k hold +inf, so the least slot (the insertion threshold) is the k-th
             # best, not the KPAD-th: a quarter fewer insertion steps for k = 20 than with 32 slots
             tv = tl.where(kcols[None, :] < top_k, float("-inf"), float("inf")) + tl.zeros([BLOCK_M, KPAD], tl.float32)
-            ti = tl.zeros([BLOCK_M, KPAD], tl.int64)
+            ti = tl.zeros([BLOCK_M, KPAD], tl.int32)  # ids < 2^31; int64 only when stored (registers)
 
         v_begin = pid_s * cols_per_split
         v_end = tl.minimum(v_begin + cols_per_split, V)
@@ -271,6 +274,7 @@ if triton_available():
             kcols = tl.arange(0, KPAD)
         elif KPAD > 0:
             tv = tl.where(kcols[None, :] < top_k, tv * LN2, float("-inf"))  # the +inf slots never win
+            ti = ti.to(tl.int64)
         out = pid_s.to(tl.int64) * N + rows64
         tl.store(m_ptr + out, m, mask=row_ok)
         tl.store(s_ptr + out, s, mask=row_ok)
@@ -311,8 +315,11 @@ class KernelConfig:
     # top-20 36.04 -> 35.77 ms, top-5 34.02 -> 33.13). Triton 3.6 cannot compile it inside the
     # flattened loop, so it wins over ``topk_flatten`` (which measured no faster)
     topk_rowmax: bool = True
-    # wide top-k (k > INSERT_TOP_K): fewer rows per program (the kept keys are [block_m, KPAD]
-    # int64 and each merge sorts [block_m, 2 KPAD]); tiles at least KPAD columns wide
+    # top-k up to this k: one-at-a-time insertion into registers; above ("wide"): sorted key merges
+    insert_top_k: int = INSERT_TOP_K
+    # wide top-k (k > insert_top_k, and insertion at k > 32): fewer rows per program (the kept
+    # keys are [block_m, KPAD] int64 and each merge sorts [block_m, 2 KPAD]; the insertion path
+    # keeps [block_m, KPAD] values and ids); sorted merges take tiles at least KPAD columns wide
     wide_block_m: int = 64
 
 
@@ -444,10 +451,12 @@ def fused_head_partials(
     flags = dict(HAS_BIAS=b is not None, HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None)
     args_t = (float(scale), float(softcap or 1.0))
     kpad = 0 if top_k == 0 else max(2, triton.next_power_of_2(top_k))
-    wide = top_k > INSERT_TOP_K
+    wide = top_k > config.insert_top_k
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if wide:
         bm, bn = config.wide_block_m, max(bn, kpad)
+    elif kpad >= 64:  # [block_m, KPAD] kept values and ids in registers beside the [block_m, block_n] tile
+        bm = config.wide_block_m
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     num_m = triton.cdiv(min(max(N, 1), config.max_rows), bm)
     waves = config.topk_waves if kpad else config.waves

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from ..errors import LogprobeError
 from ..kernels import triton_available
 from ..kernels.logprob_head import (
+    ALWAYS_LAUNCHES_TOP_K,
     DEFAULT_CONFIG,
-    INSERT_TOP_K,
     LAUNCH_ERRORS,
     MAX_TOP_K,
     _check,
@@ -158,7 +158,7 @@ def logprob_head(
         try:
             parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, deterministic)
         except LAUNCH_ERRORS as e:
-            if backend == "triton" or top_k <= INSERT_TOP_K:
+            if backend == "triton" or top_k <= ALWAYS_LAUNCHES_TOP_K:
                 raise
             _warn_wide_fallback(e)  # wide top-k's sorts do not fit this GPU: the PyTorch head, exact too
     if parts is None:
