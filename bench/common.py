@@ -239,21 +239,172 @@ def gpu_banner() -> float:
     return tflops
 
 
-def kernel_profile(run, label: str) -> None:
-    """The CUDA kernels of one ``run()`` under torch.profiler, by total time (top 25; the share a
-    kernel family would free). ``run`` is called once before, so shapes are compiled."""
-    from torch.profiler import ProfilerActivity, profile
+# the family-grouped table's rows, in this order: family -> what it holds
+FAMILIES = {
+    "matmul": "matmul / GEMM (cuBLAS, CUTLASS, Triton matmuls, weight expansion)",
+    "attention": "attention (flash, cuDNN SDPA)",
+    "gated-delta": "gated delta rule (fla chunk kernels)",
+    "conv": "short / causal conv",
+    "moe": "MoE fused expert kernels",
+    "routing": "routing (softmax, top-k, sort)",
+    "head": "log-prob head kernel",
+    "elementwise": "elementwise / norm / rotary / reductions",
+    "copy": "copies / memcpy / cat / index",
+    "nccl": "NCCL",
+    "other": "other",
+}
+# (family, lower-case substrings): the first family with a substring in the kernel's name wins, so
+# the specific names come before the generic ones (a flash kernel says "softmax", a cuDNN attention
+# kernel "wgmma", a copy is an "elementwise_kernel" of a copy functor, fla's top-k-free l2norm says "norm")
+_FAMILY_MARKS = (
+    ("nccl", ("nccl",)),
+    ("head", ("_head_partials", "_target_logit", "logprob_head")),
+    ("gated-delta", ("gated_delta", "chunk_fwd", "chunk_local", "chunk_scaled_dot", "kkt", "solve_tril",
+                     "merge_16x16", "recompute_w_u", "wy_fast", "l2norm", "fused_recurrent")),
+    ("conv", ("conv1d", "_conv_kernel", "_final_kernel", "convolution")),
+    ("moe", ("_gate_up_kernel", "_down_kernel", "_combine_kernel", "_combine_rows_kernel", "fused_moe")),
+    ("attention", ("flash", "fmha", "attn", "attention", "sdpa")),
+    ("routing", ("topk", "sort", "softmax", "bincount", "histogram")),  # the router's softmax: the head is fused
+    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "splitk", "matmul", "_scaled_mm",
+                "_w4a16", "_expand")),  # _expand*: GGUF / W4 weights expanded for a GEMM
+    ("copy", ("memcpy", "memset", "copy", "catarray", "chunk_cat", "concat", "index", "gather", "scatter")),
+    ("elementwise", ("elementwise", "norm", "rotary", "rope", "silu", "gelu", "sigmoid", "softplus", "reduce", "fill",
+                     "quantize", "functor", "triton_")),
+)
 
-    run()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
+
+def kernel_family(name: str) -> str:
+    """The family (a key of ``FAMILIES``) of a CUDA kernel's profiler name.
+
+    >>> [kernel_family(n) for n in ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
+    ...     "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN", "flash_fwd_kernel", "chunk_gated_delta_rule_fwd_kernel_h",
+    ...     "_head_partials", "ncclDevKernel_AllGather_RING_LL", "void at::native::elementwise_kernel<128, 2, ...>",
+    ...     "_gate_up_kernel", "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)",
+    ...     "causal_conv1d_fwd_kernel", "Memcpy HtoD (Pinned -> Device)", "_rmsnorm", "some_new_kernel")]
+    ['matmul', 'matmul', 'attention', 'gated-delta', 'head', 'nccl', 'elementwise', 'moe', 'routing', 'conv', 'copy', 'elementwise', 'other']
+    """
+    low = name.lower()
+    for family, marks in _FAMILY_MARKS:
+        if any(m in low for m in marks):
+            return family
+    return "other"
+
+
+def family_times(kernels) -> dict[str, float]:
+    """(kernel name, time) pairs summed by ``kernel_family``, in ``FAMILIES`` order, families with none left out.
+
+    >>> family_times([("flash_fwd_kernel", 3.0), ("nvjet_tst_x", 5.0), ("ampere_bf16_s16816gemm", 1.0)])
+    {'matmul': 6.0, 'attention': 3.0}
+    """
+    out = dict.fromkeys(FAMILIES, 0.0)
+    for name, t in kernels:
+        out[kernel_family(name)] += t
+    return {f: t for f, t in out.items() if t}
+
+
+def busy_union(intervals) -> float:
+    """The length of the union of (start, end) intervals: the time at least one kernel ran.
+
+    >>> busy_union([(0, 4), (2, 6), (10, 11)])
+    7
+    """
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total
+
+
+_PROFILER_OWN = ("torch/profiler", "torch/autograd/profiler", "ProfilerStep", "profiler.py")
+
+
+def cpu_table(prof, top: int, calls: int = 1) -> None:
+    """The ``top`` CPU ops (and Python functions, when traced with ``with_stack``) by self CPU time,
+    per call; the profiler's own frames left out."""
+    events = [e for e in prof.key_averages() if e.device_type.name == "CPU"
+              and not any(p in e.key for p in _PROFILER_OWN)]
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    log(f"CPU self time, all ops and functions: {total / 1e3 / calls:.2f} ms per call"
+        + (f" ({calls} calls)" if calls > 1 else ""))
+    log("| CPU op / function | count per call | self ms per call | share |\n| --- | ---: | ---: | ---: |")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        key = " ".join(e.key.split())[:90].replace("|", "/")
+        log(f"| {key} | {e.count / calls:.1f} | {e.self_cpu_time_total / 1e3 / calls:.3f} | "
+            f"{e.self_cpu_time_total / total:.1%} |")
+    threads: dict[int, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CPU" and not any(p in e.key for p in _PROFILER_OWN):
+            threads[e.thread] = threads.get(e.thread, 0.0) + e.self_cpu_time_total
+    log("self time by thread (a wait counts as time): " + ", ".join(
+        f"{t / 1e3 / calls:.2f} ms per call" for t in sorted(threads.values(), reverse=True)))
+    waits = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key == "cudaMemcpy")
+    if waits:
+        log(f"host waiting on the GPU (cuda*Synchronize, blocking cudaMemcpy): {waits / 1e3 / calls:.2f} ms per call")
+
+
+def kernel_tables(prof, wall: float, top: int, grouped: bool, calls: int = 1) -> dict:
+    """The top ``top`` CUDA kernels by total time; ``grouped``: the family table and the GPU busy
+    fraction against ``wall`` seconds of the same pass. Returns {'kernel_ms', 'busy_ms', 'wall_ms', 'families'}."""
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events) or 1
-    log(f"\n## Profile: {label}, {total / 1e3:.1f} ms of kernels")
-    log("| kernel | calls | ms | share |\n| --- | ---: | ---: | ---: |")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        log(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | {e.self_device_time_total / total:.1%} |")
+    per = f" per call ({calls} calls)" if calls > 1 else ""
+    log(f"{total / 1e3 / calls:.2f} ms of kernels{per}, wall {wall * 1e3 / calls:.2f} ms{per}")
+    log(f"| kernel | launches{per} | ms{per} | share | family |\n| --- | ---: | ---: | ---: | --- |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        log(f"| {' '.join(e.key.split())[:90].replace('|', '/')} | {e.count / calls:g} | "
+            f"{e.self_device_time_total / 1e3 / calls:.2f} | {e.self_device_time_total / total:.1%} | {kernel_family(e.key)} |")
+    fams = family_times((e.key, e.self_device_time_total) for e in events)
+    busy = busy_union((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    out = dict(kernel_ms=total / 1e3, busy_ms=busy / 1e3, wall_ms=wall * 1e3,
+               families={f: t / 1e3 for f, t in fams.items()})
+    if grouped:
+        log(f"\n| family | ms{per} | share of kernel time |\n| --- | ---: | ---: |")
+        for f, t in fams.items():
+            log(f"| {FAMILIES[f]} | {t / 1e3 / calls:.2f} | {t / total:.1%} |")
+        log(f"| **all kernels** | {total / 1e3 / calls:.2f} | 100% |")
+        log(f"GPU busy: kernel time {total / 1e3 / calls:.2f} ms / wall {wall * 1e3 / calls:.2f} ms = "
+            f"{total / 1e3 / (wall * 1e3):.1%} (an upper bound: kernels may overlap); union of kernel intervals "
+            f"{busy / 1e3 / calls:.2f} ms = {busy / 1e3 / (wall * 1e3):.1%}; GPU idle "
+            f"{max(0.0, wall * 1e3 - busy / 1e3) / calls:.2f} ms{per}")
+    return out
+
+
+def profiled(run, cuda: bool, cpu: bool, stack: bool = False):
+    """``run()`` once under torch.profiler (CUDA kernels when ``cuda``, CPU ops when ``cpu``,
+    Python functions too when ``stack``): (profiler, wall seconds of the run, synchronised)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = ([ProfilerActivity.CUDA] if cuda else []) + ([ProfilerActivity.CPU] if cpu or not cuda else [])
+    with profile(activities=acts, with_stack=stack) as prof:
+        _, wall = sync_time(run)
+    return prof, wall
+
+
+def kernel_profile(run, label: str, *, grouped: bool = False, cuda: bool | None = None, top: int = 25,
+                   cpu_top: int = 0, calls: int = 1, warm: bool = True) -> dict | None:
+    """The CUDA kernels of one ``run()`` under torch.profiler, by total time (top ``top``; the share
+    a kernel family would free); ``grouped``: also summed by family (``kernel_family``) with the GPU
+    busy fraction (kernel time / wall of the same pass). ``run`` is called once before (``warm``),
+    so shapes are compiled. Without CUDA (``cuda`` False; default: whether CUDA is available) or
+    with ``cpu_top``: the top CPU ops (with ``cpu_top``, Python functions too) of a pass of their
+    own (CPU tracing slows the host, so the kernel pass does not trace it). ``calls``: the engine calls one ``run()`` makes (tables per call).
+    Returns the kernel pass's numbers (``kernel_tables``), None without CUDA."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if warm:
+        run()
+    log(f"\n## Profile: {label}")
+    out = None
+    if cuda:
+        prof, wall = profiled(run, cuda=True, cpu=False)
+        out = kernel_tables(prof, wall, top, grouped, calls)
+    if cpu_top or not cuda:
+        prof, wall = profiled(run, cuda=cuda, cpu=True, stack=cpu_top > 0)
+        log(f"\nCPU pass{' (Python functions traced)' if cpu_top else ''}: wall {wall * 1e3 / calls:.2f} ms"
+            + (" per call" if calls > 1 else ""))
+        cpu_table(prof, cpu_top or 25, calls)
+    return out
 
 
 # ------------------------------------------------------------------------------------ workloads
@@ -345,6 +496,33 @@ def time_workload(model, lc, mname: str, wname: str, reqs, batch_tokens, passes:
                mfu_unique=unique_flops(lc, reqs) / sec / (tflops * 1e12))
     return row, torch.cat([r.logprobs for r in res])
 
+
+
+def rl_groups(groups: int, samples: int, prompt: int, response: int, vocab: int, seed: int = 0) -> list[ScoreRequest]:
+    """RL groups for the prefix cache: ``groups`` prompts of [prompt/2, prompt] ids, each followed by
+    ``samples`` responses of [response/4, response] ids (scored), group by group."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    reqs = []
+    for _ in range(groups):
+        p = tok(rng.randint(prompt // 2, prompt))
+        for _ in range(samples):
+            reqs.append(ScoreRequest(p + tok(rng.randint(max(1, response // 4), response)), len(p)))
+    return reqs
+
+
+def pass_flops(lc, rows: int, past: int, scored: int) -> float:
+    """Forward FLOPs of one sequence's pass over ``rows`` new tokens after ``past`` cached ones
+    (Llama shapes: matmuls, causal attention over past + new keys, the head on ``scored`` rows).
+
+    >>> from types import SimpleNamespace as N
+    >>> lc = N(hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, vocab_size=10)
+    >>> pass_flops(lc, 3, 0, 3) == flops(lc, [(3, 3)])
+    True
+    """
+    qd, L = lc.num_heads * lc.head_dim, lc.num_layers
+    n = past + rows
+    return _per_token(lc) * rows + 2 * L * qd * (n * n - past * past) + 2 * lc.hidden_size * lc.vocab_size * scored
 
 # --------------------------------------------------------------------------------------- models
 

@@ -37,23 +37,11 @@ from pathlib import Path
 import requests
 import torch
 import uvicorn
-from common import git_rev, write_checkpoint
+from common import git_rev, rl_groups, write_checkpoint
 
 from logprobe import EngineConfig, Scorer
-from logprobe.engine.request import ScoreRequest
 from logprobe.loading import load_model
 from logprobe.server import ServerConfig, create_app
-
-
-def rl_groups(groups: int, samples: int, prompt: int, response: int, vocab: int, seed: int = 0):
-    rng = random.Random(seed)
-    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
-    reqs = []
-    for _ in range(groups):
-        p = tok(rng.randint(prompt // 2, prompt))
-        for _ in range(samples):
-            reqs.append(ScoreRequest(p + tok(rng.randint(max(1, response // 4), response)), len(p)))
-    return reqs
 
 
 def counting(scorer: Scorer) -> list[int]:

@@ -1,47 +1,324 @@
-"""Where does logprobe's GPU time go on W1: which CUDA kernels, by total time?
+"""Where does logprobe's GPU time go: which CUDA kernels, which kernel families, how busy is the GPU?
 
-Random-init bf16 Llama shapes (common.MODELS) on one CUDA GPU, the default budget: the first
-``--profile-requests`` W1 requests run once (compiles), then once under torch.profiler; printed
-per model: the top 25 CUDA kernels by total time (calls, ms, share).
+Three scenarios (``--scenario``, several comma-separated run one after the other), random-init
+weights, bf16 on one CUDA GPU, the default ``EngineConfig``:
 
-    python bench/gpu_profile.py --models llama-8b --profile-requests 64
+  llama    Llama shapes (bench/common.py MODELS, ``--models``, default llama-1b,llama-8b): the first
+           ``--profile-requests`` W1 requests in one engine call; the top kernels
+  hybrid   Qwen3.5 hybrid shapes (common.HYBRID_MODELS, ``--models``, default qwen35-35b-a3b; the
+           checkpoint written under ``--dir`` as bench/gpu_hybrid.py writes it, and reused from
+           there; ``--layers N``, else gpu_hybrid's choice: all layers or the multiple of 4 whose
+           weights fit 30 GiB, 16 of 40 for the MoE), loaded by ``Scorer(dir)``: the first
+           ``--profile-requests`` W1 requests, default and deterministic mode (``--modes``)
+  prefix   the prefix cache with one request per call (bench/cpu_prefix_cache.py's RL groups and
+           checkpoint: ``--gpu-shape`` written once to ``--checkpoint``, ``Scorer(prefix_cache=True)``,
+           ``scorer.engine.run([request])`` per call): the first ``--calls`` requests of
+           ``--groups`` x ``--samples`` (the first of each group computes its prompt, the others
+           resume from it). The calls run once to warm, then with the cache cleared before each pass:
+           timed per call without the profiler (wall ms, computed tokens, FLOPs against the bf16
+           matmul ceiling), under the CUDA profiler (kernels per call, GPU busy fraction), and under
+           the CPU profiler with Python functions traced (the top ``--cpu-top`` ops and functions by
+           self CPU time per call, the host's waits on the GPU)
+
+Each profile runs its engine call once first (compiles, autotunes), then once under torch.profiler
+(CUDA activity only: the wall of that pass is the busy fraction's denominator), and prints the top
+``--top`` kernels (launches, ms, share, family) and the kernels summed by family (bench/common.py
+``kernel_family``: matmul, attention, gated delta, conv, MoE experts, routing, head, elementwise,
+copies, NCCL, other) with kernel time / wall (an upper bound of the GPU's busy fraction: kernels
+may overlap) and the union of the kernel intervals (the time at least one ran; wall minus it: the
+GPU idle). The prefix question: a call computing ~415 new tokens of an 8B model takes ~27 ms on an
+H200 where its FLOPs take ~10 ms; GPU idle (host-bound) or slow kernels (which)?
+
+    # one H100 or H200 (rough minutes, checkpoints written included)
+    python bench/gpu_profile.py --models llama-8b --profile-requests 64                             # ~2
+    pip install --no-index --find-links .whl fla-core einops
+    python bench/gpu_profile.py --scenario hybrid --models qwen35-35b-a3b --layers 16 --profile-requests 64  # ~4
+    python bench/gpu_profile.py --scenario prefix --gpu-shape llama-8b --checkpoint /tmp/llama8b --calls 32  # ~3
+    # CPU smoke run: tiny configs in float32, CPU ops only
+    python bench/gpu_profile.py --scenario llama,hybrid,prefix --tiny --profile-requests 2 --calls 4
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from functools import partial
+import tempfile
+import time
+import traceback
+from dataclasses import replace
 from pathlib import Path
+from statistics import median
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_models, gpu_banner, kernel_profile, workload  # noqa: E402
+from common import (  # noqa: E402
+    HYBRID_MODELS,
+    MODELS,
+    GiB,
+    build_models,
+    cpu_table,
+    free,
+    gpu_banner,
+    hf_config,
+    kernel_profile,
+    kernel_tables,
+    log,
+    make_room,
+    one_line,
+    param_bytes,
+    pass_flops,
+    pick_layers,
+    profiled,
+    progress,
+    rl_groups,
+    save_model,
+    sync,
+    sync_time,
+    workload,
+    write_checkpoint,
+    write_hybrid_checkpoint,
+)
 
-from logprobe import EngineConfig  # noqa: E402
+from logprobe import EngineConfig, Scorer  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
+from logprobe.errors import LogprobeError  # noqa: E402
+from logprobe.loading import load_model  # noqa: E402
+
+SCENARIOS = {"llama": ("llama-1b,llama-8b", "default"), "hybrid": ("qwen35-35b-a3b", "default,deterministic"),
+             "prefix": ("", "default")}  # scenario: (default --models, default --modes)
 
 
-def profile_section(args) -> None:
-    """Where logprobe's time goes on W1 (first ``--profile-requests`` requests, default budget), per model."""
-    for name in args.models.split(","):
+def names_for(args, scenario: str) -> list[str]:
+    """The shapes ``--models`` names for ``scenario`` (its default when not given); one it has not exits."""
+    table = MODELS if scenario == "llama" else HYBRID_MODELS
+    names = (args.models or SCENARIOS[scenario][0]).split(",")
+    bad = [n for n in names if n not in table]
+    if bad:
+        sys.exit(f"--models: {', '.join(bad)} is not a {scenario} shape (of {', '.join(table)})")
+    return names
+
+
+def modes_for(args, scenario: str) -> list[bool]:
+    """``--modes`` (default per scenario) as the ``deterministic`` flags to run."""
+    modes = (args.modes or SCENARIOS[scenario][1]).split(",")
+    if not set(modes) <= {"default", "deterministic"}:
+        sys.exit("--modes: of default, deterministic")
+    return [m == "deterministic" for m in modes]
+
+
+def profile_modes(args, engine, reqs, label: str, scenario: str) -> None:
+    """``engine.run(reqs)`` profiled once per mode of ``--modes``; a refused mode is said so."""
+    default = engine.config
+    for det in modes_for(args, scenario):
+        mode = "deterministic" if det else "default"
+        try:
+            engine.config = replace(default, deterministic=det)
+            with torch.inference_mode():
+                kernel_profile(lambda: engine.run(reqs), f"{label}, {mode}", grouped=True,
+                               cuda=args.dev.type == "cuda", top=args.top)
+        except LogprobeError as e:
+            log(f"\n## Profile: {label}, {mode}: refused: {one_line(e)}")
+        except Exception as e:  # noqa: BLE001 - report it, the other modes and models go on
+            log(f"\n## Profile: {label}, {mode}: failed: {one_line(e, 1200)}")
+            log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-8:]) + "```")
+        finally:
+            engine.config = default
+
+
+# ----------------------------------------------------------------------------------- scenarios
+
+
+def llama_scenario(args) -> None:
+    """The Llama shapes on W1's first requests (``--tiny``: save_model's tiny Llama in float32)."""
+    if args.tiny:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_model("tiny", tmp, "cpu")
+            scorer = Scorer(tmp, device=str(args.dev), dtype="float32", progress=False)
+            reqs = workload("W1", scorer.info.vocab_size)[:args.profile_requests]
+            profile_modes(args, scorer.engine, reqs, f"tiny Llama W1, first {len(reqs)} requests", "llama")
+        return
+    for name in names_for(args, "llama"):
         _, ours, lc = build_models(name, baseline=False)
         reqs = workload("W1", lc.vocab_size)[:args.profile_requests]
-        run = partial(Engine(ours, EngineConfig(progress=False), torch.device("cuda")).run, reqs)
+        engine = Engine(ours, EngineConfig(progress=False), args.dev)
+        profile_modes(args, engine, reqs, f"{name} W1, first {len(reqs)} requests", "llama")
+        del ours, engine
+        free()
+
+
+def hybrid_scorer(args, name: str) -> tuple[Scorer, str]:
+    """``Scorer(dir)`` of ``name``'s random checkpoint as bench/gpu_hybrid.py writes it (same
+    directory names under ``--dir``, so one written there is reused) and the layers' label."""
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    layers, label = pick_layers(args, name, dtype.itemsize)
+    _, cfg = hf_config(name, args.tiny, layers)
+    dname = str(dtype).removeprefix("torch.")
+    path = Path(args.dir) / f"{name}{'-tiny' if args.tiny else ''}-{layers}L-{dname}"
+    make_room(Path(args.dir), path, param_bytes(name, args.tiny, layers, dtype.itemsize) + 4 * GiB)
+    progress(f"{name}: checkpoint {path}: {write_hybrid_checkpoint(cfg, path, args.dev, dtype)}")
+    kw = {"dtype": "float32"} if args.tiny else {}
+    scorer = Scorer(str(path), device=str(args.dev), progress=False, **kw)
+    progress(f"{name}: loaded, backend {scorer.info.backend} ({type(scorer.loaded.model).__name__})")
+    return scorer, label
+
+
+def hybrid_scenario(args) -> None:
+    """The Qwen3.5 hybrids on W1's first requests, default and deterministic."""
+    for name in names_for(args, "hybrid"):
+        scorer, label = hybrid_scorer(args, name)
+        reqs = workload("W1", scorer.info.vocab_size)[:args.profile_requests]
+        profile_modes(args, scorer.engine, reqs, f"{name} ({label}) W1, first {len(reqs)} requests", "hybrid")
+        del scorer
+        free()
+
+
+# -------------------------------------------------------------------------------------- prefix
+
+
+def prefix_scorer(args, tmp: str) -> Scorer:
+    """cpu_prefix_cache.py's model (``--gpu-shape`` written to ``--checkpoint``; ``--tiny``:
+    save_model's tiny Llama in ``tmp``, float32) with the prefix cache on."""
+    if args.tiny:
+        save_model("tiny", tmp, "cpu")
+        loaded = load_model(tmp, str(args.dev), "float32")
+    else:
+        write_checkpoint(args.gpu_shape, Path(args.checkpoint))
+        loaded = load_model(args.checkpoint, str(args.dev), "auto")
+    return Scorer(loaded, config=EngineConfig(progress=False), prefix_cache=True)
+
+
+class Calls:
+    """The calls, one request each, on ``scorer`` (its cache cleared first by ``reset``);
+    ``passes[i]``: the (rows, past keys) of each forward pass of call ``i`` in the last run."""
+
+    def __init__(self, scorer: Scorer, reqs) -> None:
+        self.scorer, self.reqs, self.passes, self.current = scorer, reqs, [], None
+        scorer.engine.fault_hook = self._hook
+
+    def _hook(self, rows: int, tokens: int) -> None:
+        self.current.append((rows, tokens - rows))
+
+    def reset(self) -> None:
+        self.scorer.prefix_cache.clear()
+        sync()
+
+    def one(self, i: int):
+        self.current = []
+        self.passes.append(self.current)
+        return self.scorer.engine.run([self.reqs[i]])
+
+    def run(self) -> None:
+        self.passes = []
+        for i in range(len(self.reqs)):
+            self.one(i)
+
+    def timed(self) -> list[float]:
+        """Each call's wall seconds, synchronised (no profiler)."""
+        self.passes = []
+        return [sync_time(lambda i=i: self.one(i))[1] for i in range(len(self.reqs))]
+
+
+def call_summary(args, calls: Calls, secs: list[float], tflops: float | None) -> None:
+    """Per call: computed tokens, wall ms and FLOPs, the first call of a group against the resumed ones."""
+    lc = calls.scorer.loaded.model.config
+    fl = [sum(pass_flops(lc, r, p, 0) for r, p in ps) + pass_flops(lc, 0, 0, q.num_scored)
+          for ps, q in zip(calls.passes, calls.reqs)]
+    rows = [sum(r for r, _ in ps) for ps in calls.passes]
+    firsts = [i for i in range(len(secs)) if i % args.samples == 0]
+    log(f"\n### {len(secs)} calls, one request each, no profiler (first of a group: calls {', '.join(map(str, firsts))})")
+    log("| calls | computed tokens per call | forward passes per call | wall ms per call (mean / median / max) | "
+        "GFLOP per call | ms at the bf16 ceiling |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for what, idx in (("all", range(len(secs))), ("first of a group (prompt computed)", firsts),
+                      ("resumed from the cache", [i for i in range(len(secs)) if i % args.samples])):
+        if not idx:
+            continue
+        ms = [secs[i] * 1e3 for i in idx]
+        f = sum(fl[i] for i in idx) / len(idx)
+        at = f"{f / (tflops * 1e12) * 1e3:.2f}" if tflops else "—"
+        log(f"| {what} | {sum(rows[i] for i in idx) / len(idx):.0f} | "
+            f"{sum(len(calls.passes[i]) for i in idx) / len(idx):.2f} | {sum(ms) / len(ms):.2f} / {median(ms):.2f} / "
+            f"{max(ms):.2f} | {f / 1e9:.1f} | {at} |")
+
+
+def prefix_scenario(args, tflops: float | None) -> None:
+    """The prefix cache, one request per call: timed, kernels per call, CPU ops per call."""
+    with tempfile.TemporaryDirectory() as tmp:
+        scorer = prefix_scorer(args, tmp)
+        reqs = rl_groups(args.groups, args.samples, args.prompt, args.response, scorer.info.vocab_size)[:args.calls]
+        calls = Calls(scorer, reqs)
+        cuda = args.dev.type == "cuda"
+        label = (f"prefix cache, one request per call, {scorer.info.name} ({scorer.info.dtype}), first {len(reqs)} "
+                 f"of {args.groups} groups x {args.samples} (prompts <= {args.prompt}, responses <= {args.response})")
+        log(f"\n## Profile: {label}")
         with torch.inference_mode():
-            kernel_profile(run, f"{name} W1, first {len(reqs)} requests")
-        del ours, run
-        torch.cuda.empty_cache()
+            t = time.perf_counter()
+            calls.reset()
+            calls.run()  # warm: compiles, autotunes; then each pass starts from an empty cache
+            progress(f"warm-up: {len(reqs)} calls in {time.perf_counter() - t:.1f} s")
+            calls.reset()
+            call_summary(args, calls, calls.timed(), tflops)
+            if cuda:
+                calls.reset()
+                prof, wall = profiled(calls.run, cuda=True, cpu=False)
+                log(f"\n### CUDA profiler, kernels per call ({len(reqs)} calls)")
+                kernel_tables(prof, wall, args.top, grouped=True, calls=len(reqs))
+            calls.reset()
+            prof, wall = profiled(calls.run, cuda=cuda, cpu=True, stack=True)
+        log(f"\n### CPU profiler, Python functions traced (the tracing slows the host): wall "
+            f"{wall * 1e3 / len(reqs):.2f} ms per call")
+        cpu_table(prof, args.cpu_top, len(reqs))
+        st = scorer.prefix_cache_stats()
+        log(f"prefix cache after the last pass: hit rate {st['hit_rate']:.3f}, {st['bytes'] / 2**20:.1f} MiB held")
+        del scorer, calls, prof
+        free()
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", default="llama", help=f"of {', '.join(SCENARIOS)} (comma-separated: each in turn)")
+    ap.add_argument("--models", default=None, help="the scenario's shapes (llama: common.MODELS, default "
+                    "llama-1b,llama-8b; hybrid: common.HYBRID_MODELS, default qwen35-35b-a3b)")
+    ap.add_argument("--modes", default=None, help="default and/or deterministic (default: default; hybrid: both)")
+    ap.add_argument("--profile-requests", type=int, default=64, help="W1 requests profiled (llama, hybrid)")
+    ap.add_argument("--layers", type=int, default=0, help="hybrid: decoder layers (default: all, or the nearest "
+                    "multiple of 4 whose bf16 weights take <= 30 GiB)")
+    ap.add_argument("--dir", default="/tmp/logprobe-bench-hybrid", help="hybrid: checkpoints (gpu_hybrid.py's)")
+    ap.add_argument("--calls", type=int, default=32, help="prefix: calls profiled, one request each")
+    ap.add_argument("--gpu-shape", default="llama-8b", choices=["llama-8b", "llama-1b"], help="prefix: the shape")
+    ap.add_argument("--checkpoint", default="/tmp/llama8b", help="prefix: where --gpu-shape is written (once)")
+    ap.add_argument("--groups", type=int, default=32, help="prefix: RL prompts")
+    ap.add_argument("--samples", type=int, default=8, help="prefix: responses per prompt")
+    ap.add_argument("--prompt", type=int, default=1024, help="prefix: prompt length (each in [prompt/2, prompt])")
+    ap.add_argument("--response", type=int, default=512, help="prefix: response length (in [response/4, response])")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed")
+    ap.add_argument("--cpu-top", type=int, default=15, help="prefix: CPU ops / functions listed")
+    ap.add_argument("--tiny", action="store_true", help="tiny configs in float32 on the CPU (a smoke run)")
+    ap.add_argument("--device", default=None, help="cuda (default), or cpu (implies --tiny)")
+    args = ap.parse_args()
+    args.scenarios = args.scenario.split(",")
+    if not set(args.scenarios) <= set(SCENARIOS):
+        ap.error(f"--scenario: of {', '.join(SCENARIOS)}")
+    args.dev = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    args.tiny = args.tiny or args.dev.type == "cpu"
+    return args
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="llama-1b,llama-8b")
-    ap.add_argument("--profile-requests", type=int, default=64, help="W1 requests profiled")
-    args = ap.parse_args()
-    gpu_banner()
-    profile_section(args)
+    args = parse_args()
+    tflops = None
+    if args.dev.type == "cuda":
+        tflops = gpu_banner()
+    else:
+        log(f"device: CPU, {torch.get_num_threads()} threads; torch {torch.__version__} (tiny configs, float32)")
+    runs = {"llama": llama_scenario, "hybrid": hybrid_scenario, "prefix": lambda a: prefix_scenario(a, tflops)}
+    for s in args.scenarios:
+        progress(f"scenario {s}")
+        runs[s](args)
+    progress("done")
 
 
 if __name__ == "__main__":

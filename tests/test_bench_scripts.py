@@ -9,7 +9,10 @@ never sees, so this catches a renamed import or option before a device session d
 * the workloads W1-W4 and the FLOP counts of ``common.py`` are pinned (the numbers in docs/perf.md
   were taken on these exact requests);
 * the CPU-capable parts of ``common.py`` (a saved tiny model, the transformers baseline) agree with
-  logprobe; ``slow``: the scripts that have a tiny CPU run do it (gpu_first_call.py, gpu_moe.py).
+  logprobe; ``slow``: the scripts that have a tiny CPU run do it (gpu_first_call.py, gpu_moe.py,
+  gpu_hybrid.py, gpu_profile.py's llama and hybrid scenarios);
+* gpu_profile.py's prefix scenario runs on the CPU, and its kernel families and tables hold on
+  literal kernel names and a profiler's answer.
 """
 
 from __future__ import annotations
@@ -254,3 +257,107 @@ def test_weight_sync_tiny_cpu_run(tmp_path):
     rows = re.findall(r"^\| \d \| \d+ \| yes \| 0 \| ([\d.e+-]+) \|$", out.stdout, re.M)
     assert len(rows) == 4 and all(float(d) > 0 for d in rows), out.stdout
     assert "bitwise: yes; they differ from the ones before: yes" in out.stdout
+
+
+# ------------------------------------------------------------------------------ gpu_profile.py
+
+
+def test_kernel_families(common):
+    """Kernel names as torch.profiler prints them fall in the families the profile groups by; the
+    doctests of common.py (kernel_family, family_times, busy_union, pass_flops) hold."""
+    import doctest
+
+    assert doctest.testmod(common).failed == 0
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "matmul",
+             "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN": "matmul",
+             "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x3_tn_align8>": "matmul",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "matmul",
+             "_matmul": "matmul",
+             "flash_fwd_kernel": "attention",
+             "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
+             "chunk_gated_delta_rule_fwd_kernel_h": "gated-delta",
+             "chunk_fwd_kernel_o": "gated-delta",
+             "chunk_scaled_dot_kkt_fwd_kernel": "gated-delta",
+             "merge_16x16_to_64x64_inverse_kernel": "gated-delta",
+             "recompute_w_u_fwd_kernel": "gated-delta",
+             "l2norm_fwd_kernel": "gated-delta",
+             "causal_conv1d_fwd_kernel": "conv",
+             "_conv_kernel": "conv",
+             "_gate_up_kernel": "moe",
+             "_down_kernel": "moe",
+             "_combine_rows_kernel": "moe",
+             "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "routing",
+             "void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long>": "routing",
+             "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>": "routing",
+             "_head_partials": "head",
+             "_target_logit": "head",
+             "ncclDevKernel_AllGather_RING_LL": "nccl",
+             "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl<MulFunctor>>": "elementwise",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise",
+             "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>":
+                 "elementwise",
+             "_rmsnorm": "elementwise", "_rotary": "elementwise", "_silu_mul": "elementwise",
+             "void at::native::elementwise_kernel<128, 4, gpu_kernel_impl_nocast<direct_copy_kernel_cuda>>": "copy",
+             "void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 1, 128, 1>": "copy",
+             "void at::native::index_elementwise_kernel<128, 4>": "copy",
+             "Memcpy HtoD (Pinned -> Device)": "copy", "Memset (Device)": "copy",
+             "some_kernel_nobody_knows": "other"}
+    got = {n: common.kernel_family(n) for n in names}
+    assert got == names
+    assert set(names.values()) == set(common.FAMILIES)
+
+
+def test_kernel_tables_of_a_profile(common, capsys):
+    """kernel_tables on a profiler's answer (two kernels overlapping, one alone, a CPU op): the
+    top table, the family sums, kernel time / wall and the union of the kernel intervals."""
+    from types import SimpleNamespace as N
+
+    cuda, cpu = N(name="CUDA"), N(name="CPU")
+    avg = [N(key="nvjet_tst_a", count=4, self_device_time_total=6000.0, device_type=cuda),
+           N(key="flash_fwd_kernel", count=2, self_device_time_total=2000.0, device_type=cuda),
+           N(key="aten::mm", count=4, self_device_time_total=0.0, device_type=cpu)]
+    evs = [N(device_type=cuda, time_range=N(start=0.0, end=6000.0)),  # the GEMMs
+           N(device_type=cuda, time_range=N(start=5000.0, end=7000.0)),  # the attention, overlapping 1 ms
+           N(device_type=cpu, time_range=N(start=0.0, end=10000.0))]
+    prof = N(key_averages=lambda: avg, events=lambda: evs)
+    out = common.kernel_tables(prof, 0.020, top=5, grouped=True, calls=2)
+    assert out == dict(kernel_ms=8.0, busy_ms=7.0, wall_ms=20.0, families={"matmul": 6.0, "attention": 2.0})
+    text = capsys.readouterr().out
+    assert "| nvjet_tst_a | 2 | 3.00 | 75.0% | matmul |" in text
+    assert "| matmul / GEMM (cuBLAS, CUTLASS, Triton matmuls, weight expansion) | 3.00 | 75.0% |" in text
+    assert "kernel time 4.00 ms / wall 10.00 ms = 40.0%" in text
+    assert "union of kernel intervals 3.50 ms = 35.0%; GPU idle 6.50 ms per call" in text
+
+
+def profile_run(*args):
+    out = run(["gpu_profile.py", "--tiny", *args], timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_profile_prefix_tiny_cpu_run():
+    """gpu_profile.py --scenario prefix on the CPU (about 8 s): the per-call table (a call resumed
+    from the cache computes fewer tokens than the first of its group) and the CPU table, per call."""
+    text = profile_run("--scenario", "prefix", "--calls", "3")
+    assert "## Profile: prefix cache, one request per call" in text
+    rows = {m[0]: (int(m[1]), float(m[2])) for m in
+            re.findall(r"^\| (all|first of a group[^|]*|resumed[^|]*) \| (\d+) \| [\d.]+ \| ([\d.]+) /", text, re.M)}
+    assert len(rows) == 3, text[-3000:]
+    first, resumed = rows["first of a group (prompt computed)"], rows["resumed from the cache"]
+    assert first[0] > resumed[0] > 0 and first[1] > 0, rows
+    assert "| CPU op / function | count per call | self ms per call | share |" in text
+    assert re.search(r"^CPU self time, all ops and functions: [\d.]+ ms per call \(3 calls\)$", text, re.M), text
+
+
+@pytest.mark.slow  # ~15 s on 2 threads
+def test_profile_llama_hybrid_tiny_cpu_run(tmp_path):
+    """gpu_profile.py's llama and hybrid scenarios on the CPU in one process: a CPU op table for
+    the tiny Llama and for the tiny Qwen3.5 in both modes."""
+    text = profile_run("--scenario", "llama,hybrid", "--profile-requests", "1", "--models", "qwen35-9b",
+                       "--dir", str(tmp_path))
+    for head in ("## Profile: tiny Llama W1, first 1 requests, default",
+                 "## Profile: qwen35-9b (all 4 layers) W1, first 1 requests, default",
+                 "## Profile: qwen35-9b (all 4 layers) W1, first 1 requests, deterministic"):
+        assert head in text, text[-3000:]
+    assert text.count("| CPU op / function | count per call | self ms per call | share |") == 3
