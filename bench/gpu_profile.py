@@ -219,8 +219,9 @@ class Calls:
         return [sync_time(lambda i=i: self.one(i))[1] for i in range(len(self.reqs))]
 
 
-def call_summary(args, calls: Calls, secs: list[float], tflops: float | None) -> None:
-    """Per call: computed tokens, wall ms and FLOPs, the first call of a group against the resumed ones."""
+def call_summary(args, calls: Calls, secs: list[float], tflops: float | None) -> tuple[float, float | None]:
+    """Per call: computed tokens, wall ms and FLOPs, the first call of a group against the resumed
+    ones. Returns (mean wall ms, mean ms of the FLOPs at the bf16 ceiling or None)."""
     lc = calls.scorer.loaded.model.config
     fl = [sum(pass_flops(lc, r, p, 0) for r, p in ps) + pass_flops(lc, 0, 0, q.num_scored)
           for ps, q in zip(calls.passes, calls.reqs)]
@@ -239,6 +240,17 @@ def call_summary(args, calls: Calls, secs: list[float], tflops: float | None) ->
         log(f"| {what} | {sum(rows[i] for i in idx) / len(idx):.0f} | "
             f"{sum(len(calls.passes[i]) for i in idx) / len(idx):.2f} | {sum(ms) / len(ms):.2f} / {median(ms):.2f} / "
             f"{max(ms):.2f} | {f / 1e9:.1f} | {at} |")
+    return sum(secs) * 1e3 / len(secs), (sum(fl) / len(fl) / (tflops * 1e12) * 1e3 if tflops else None)
+
+
+def verdict(wall_ms: float, flop_ms: float | None, k: dict, calls: int) -> None:
+    """The prefix question in one line: GPU idle (the host's share) against kernels slower than their FLOPs."""
+    kern, busy = k["kernel_ms"] / calls, k["busy_ms"] / calls
+    idle = max(0.0, wall_ms - busy)
+    log(f"\n**per call**: wall {wall_ms:.2f} ms (no profiler); kernels {kern:.2f} ms, union {busy:.2f} ms; "
+        f"GPU idle ~{idle:.2f} ms = {idle / wall_ms:.0%} of the wall (host-bound time)"
+        + (f"; the FLOPs at the bf16 ceiling {flop_ms:.2f} ms: kernels take {kern / flop_ms:.1f}x that "
+           f"(by family: the table above)" if flop_ms else ""))
 
 
 def prefix_scenario(args, tflops: float | None) -> None:
@@ -257,12 +269,12 @@ def prefix_scenario(args, tflops: float | None) -> None:
             calls.run()  # warm: compiles, autotunes; then each pass starts from an empty cache
             progress(f"warm-up: {len(reqs)} calls in {time.perf_counter() - t:.1f} s")
             calls.reset()
-            call_summary(args, calls, calls.timed(), tflops)
+            wall_ms, flop_ms = call_summary(args, calls, calls.timed(), tflops)
             if cuda:
                 calls.reset()
                 prof, wall = profiled(calls.run, cuda=True, cpu=False)
                 log(f"\n### CUDA profiler, kernels per call ({len(reqs)} calls)")
-                kernel_tables(prof, wall, args.top, grouped=True, calls=len(reqs))
+                verdict(wall_ms, flop_ms, kernel_tables(prof, wall, args.top, grouped=True, calls=len(reqs)), len(reqs))
             calls.reset()
             prof, wall = profiled(calls.run, cuda=cuda, cpu=True, stack=True)
         log(f"\n### CPU profiler, Python functions traced (the tracing slows the host): wall "

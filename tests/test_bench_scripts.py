@@ -361,3 +361,16 @@ def test_profile_llama_hybrid_tiny_cpu_run(tmp_path):
                  "## Profile: qwen35-9b (all 4 layers) W1, first 1 requests, deterministic"):
         assert head in text, text[-3000:]
     assert text.count("| CPU op / function | count per call | self ms per call | share |") == 3
+
+
+def test_profile_verdict(capsys):
+    """gpu_profile.py's one-line answer for the prefix scenario (a GPU run's only line the CPU run
+    does not print): 32 calls of 27 ms, 12.8 ms of kernels of which 11.2 ms busy, 10 ms of FLOPs."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_profile
+    finally:
+        sys.path.remove(str(BENCH))
+    gpu_profile.verdict(27.0, 10.0, dict(kernel_ms=32 * 12.8, busy_ms=32 * 11.2, wall_ms=0.0, families={}), 32)
+    assert ("wall 27.00 ms (no profiler); kernels 12.80 ms, union 11.20 ms; GPU idle ~15.80 ms = 59% of the wall "
+            "(host-bound time); the FLOPs at the bf16 ceiling 10.00 ms: kernels take 1.3x that") in capsys.readouterr().out
