@@ -26,7 +26,9 @@ Each profile runs its engine call once first (compiles, autotunes), then once un
 ``kernel_family``: matmul, attention, gated delta, conv, MoE experts, routing, head, elementwise,
 copies, NCCL, other) with kernel time / wall (an upper bound of the GPU's busy fraction: kernels
 may overlap) and the union of the kernel intervals (the time at least one ran; wall minus it: the
-GPU idle). The prefix question: a call computing ~415 new tokens of an 8B model takes ~27 ms on an
+GPU idle). Families go by kernel name: logprobe's own short convolution of the hybrids runs as
+PyTorch elementwise and index ops (batch-invariant), so its time shows under elementwise and
+copies, not conv (which holds conv kernels proper: fla's, cuDNN's, the Triton short conv). The prefix question: a call computing ~415 new tokens of an 8B model takes ~27 ms on an
 H200 where its FLOPs take ~10 ms; GPU idle (host-bound) or slow kernels (which)?
 
     # one H100 or H200 (rough minutes, checkpoints written included)
