@@ -20,7 +20,8 @@ from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
 from ..loading.loader import LoadedModel, default_expert_parallel, describe_model, load_shard, parallel_context
 from ..parallel.context import ParallelContext
-from .messages import EndWeights, StageWeights
+from .messages import EndWeights, Profiled, Result, StageWeights
+from .profile import RankProfile
 from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
 
 
@@ -132,6 +133,25 @@ class ParallelEngine:
                 if r is None:
                     on_error(i, error)
         return results  # type: ignore[return-value]
+
+    def profile(self, requests: list[ScoreRequest]) -> tuple[list[RequestResult], list[RankProfile]]:
+        """``run(requests)`` once with every worker under ``torch.profiler`` -> (the results, each
+        rank's ``executor.profile.RankProfile`` in rank order). One replica only: the question it
+        answers is where one replica's ranks spend a pass (``bench/gpu_moe_parallel.py --profile``)."""
+        if self.dp != 1:
+            raise LogprobeError("data_parallel_size", f"profiling runs one replica, this scorer has {self.dp}",
+                                "profile a Scorer with data_parallel_size=1")
+        if not all(g.alive for g in self.groups):
+            raise LogprobeError("tensor_parallel_size", "a worker of this scorer has died", "create a new Scorer")
+        group, results, ranks = self.groups[0], [None] * len(requests), []
+        group.submit(requests, self.config, profiled=True)
+        for msg in group.messages():
+            match msg:
+                case Result(index, result):
+                    results[index] = result
+                case Profiled(profile):
+                    ranks.append(profile)
+        return results, sorted(ranks, key=lambda p: p.rank)  # type: ignore[return-value]
 
     def stage_weights(self, rank: int, pairs: list) -> None:
         """Hand rank ``rank`` of every replica its slices of new weights (``loading.update``)."""

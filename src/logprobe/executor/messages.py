@@ -3,9 +3,11 @@ frozen records, pickled whole and read with ``match``. They live in their own mo
 sides name them ``logprobe.executor.messages.X`` (a worker runs ``executor.workers`` as
 ``__main__``, whose classes the driver could not unpickle).
 
-    driver -> worker : Run(requests, config) | StageWeights(pairs) | EndWeights(step) | Close()
+    driver -> worker : Run(requests, config) | Profile(requests, config) | StageWeights(pairs)
+                       | EndWeights(step) | Close()
     worker -> driver : Ready(param_bytes, load_peak_bytes, budget) once, then per run
-                       Result(index, result)... (rank 0) and Done() | Failed(field, problem, fix)
+                       Result(index, result)... (rank 0), Profiled(profile) (every rank, after a
+                       Profile) and Done() | Failed(field, problem, fix)
 
 >>> match Failed("model", "no such file", "check the path"):
 ...     case Failed() as f:
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..errors import LogprobeError
+from .profile import RankProfile
 
 # driver -> worker
 
@@ -26,6 +29,15 @@ from ..errors import LogprobeError
 @dataclass(frozen=True, slots=True)
 class Run:
     """Run ``requests`` under the driver's ``config`` of this run (e.g. deterministic on or off)."""
+
+    requests: list
+    config: EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """As ``Run``, under ``torch.profiler``: each rank answers ``Profiled`` before its ``Done``
+    (``executor.profile``; a measuring tool, never on the scoring path)."""
 
     requests: list
     config: EngineConfig
@@ -70,6 +82,13 @@ class Result:
 
     index: int
     result: object
+
+
+@dataclass(frozen=True, slots=True)
+class Profiled:
+    """This rank's ``executor.profile.RankProfile`` of the run a ``Profile`` asked for."""
+
+    profile: RankProfile
 
 
 @dataclass(frozen=True, slots=True)

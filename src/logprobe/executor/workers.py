@@ -2,7 +2,8 @@
 
 The process that makes a ``Scorer(tensor_parallel_size=N)`` drives; it never holds weights. Each
 worker joins its replica's process group (NCCL on GPUs, gloo on CPU), reads only its shard of the
-weights (``loading.load_shard``) and then serves one message kind: *run these requests*. Every
+weights (``loading.load_shard``) and then serves one message kind: *run these requests* (or the
+same under the profiler, ``Profile``: a measuring tool, answered with each rank's summary). Every
 rank of a replica runs the same engine loop on the same requests (planning is a pure function of
 them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
 each request's ``Result`` back as it completes, every rank sends ``Done`` at the end (the
@@ -40,7 +41,8 @@ from ..errors import LogprobeError
 from ..loading.loader import load_shard
 from ..loading.update import StagedWeights
 from ..parallel.context import ParallelContext
-from .messages import Close, Done, EndWeights, Failed, Ready, Result, Run, StageWeights
+from .messages import Close, Done, EndWeights, Failed, Profile, Profiled, Ready, Result, Run, StageWeights
+from .profile import profile_run
 
 READY_TIMEOUT_S = 600.0  # loading a large model's shard can take minutes
 
@@ -117,11 +119,14 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
                 break
             case StageWeights() | EndWeights():
                 stage = _weights_message(msg, loaded.model, stage, conn)
-            case Run(requests, run_config):
+            case Run(requests, run_config) | Profile(requests, run_config):
                 try:
                     on_result = (lambda i, r: send(conn, Result(i, r))) if rank == 0 else None
-                    engine.config = run_config
-                    engine.run(requests, on_result=on_result, progress=False)
+                    if isinstance(msg, Profile):  # the same run, measured (executor.profile)
+                        send(conn, Profiled(profile_run(engine, requests, run_config, rank, on_result)))
+                    else:
+                        engine.config = run_config
+                        engine.run(requests, on_result=on_result, progress=False)
                     send(conn, Done())
                 except BaseException as e:  # noqa: BLE001
                     send(conn, _error(e))
@@ -283,9 +288,10 @@ class WorkerGroup:
                 return
         raise WorkerDied("tensor_parallel_size", f"workers did not connect within {READY_TIMEOUT_S:.0f} s")
 
-    def submit(self, requests, config: EngineConfig) -> None:
+    def submit(self, requests, config: EngineConfig, profiled: bool = False) -> None:
+        """Every rank runs ``requests`` (``profiled``: under the profiler, ``Profile``)."""
         for conn in self.conns:
-            send(conn, Run(requests, config))
+            send(conn, (Profile if profiled else Run)(requests, config))
 
     def broadcast(self, msg, rank: int | None = None) -> None:
         """Send ``msg`` to every rank (or to one)."""
@@ -294,7 +300,8 @@ class WorkerGroup:
                 send(conn, msg)
 
     def messages(self):
-        """Yield ``Result``s from rank 0 until every rank is done; raise a rank's error."""
+        """Yield ``Result``s from rank 0 (and each rank's ``Profiled`` after a ``Profile``) until
+        every rank is done; raise a rank's error."""
         done, error = set(), None
         while len(done) < len(self.conns):
             for rank in self._ready(sorted(set(range(len(self.conns))) - done)):
@@ -303,7 +310,7 @@ class WorkerGroup:
                 except (EOFError, OSError):  # its end of the socket closed: the process is going
                     self._died(rank)
                 match msg:
-                    case Result():
+                    case Result() | Profiled():
                         yield msg
                     case Failed():
                         done.add(rank)
