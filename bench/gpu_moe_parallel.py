@@ -22,6 +22,25 @@ the model's). Deterministic mode on CUDA runs only where every rank holds whole 
     python bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe  # the largest
         # GLM-4.5-Air whole as FP8 blocks (106 GB: more than a two-GPU machine's free disk, so in memory)
 
+Every row above one GPU under data-parallel attention also carries each rank's share of the
+pass's rows (``rank_rows``) and of attention's (query, key) pairs (``rank_pairs``, about the sum of
+L²/2 over its sequences) as fractions of the whole, from the engine's plan replayed here
+(``plan_work(ranks=N)``, ``pack``, the model's cut ``assign_rows``): the imbalance of attention and
+the dense layers, without a profiler.
+
+``--profile`` then runs W1 once more at each size with every rank under ``torch.profiler``
+(``Scorer.engine.profile``: the real worker processes, NCCL between them; one GPU: the same in
+process) and prints per rank: the wall time of the pass, kernel time by family (gemm,
+attention, moe (the fused expert kernels), routing (top-k, sorts, scans, softmax), all-gather,
+reduce-scatter, all-to-all, all-reduce, copy, elementwise, head, other), the time it waited in
+collectives (each collective's duration minus the shortest rank's on the same call: the rank that
+arrived last waited least), its rows, attention pairs and attention TFLOP. ``--profile-dir D``
+also writes each rank's kernel list (name, calls, total us) there as JSON. Deterministic
+attention runs in PyTorch products, so in ``det`` rows its time is under gemm and elementwise.
+
+    python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 --profile
+    python bench/gpu_moe_parallel.py --shape tiny --device cpu --limit 24 --sizes 1x1,2x2 --profile  # CPU, gloo
+
 ``--fp8`` writes the same weights as an FP8 block checkpoint laid out as DeepSeek's (every
 ``*_proj`` matrix, experts one per expert, as float8_e4m3fn with ``weight_scale_inv`` per 128 x 128
 block; norms, embeddings, routers and lm_head bf16; ``quantization_config`` quant_method "fp8"):
@@ -43,6 +62,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FP8_CONFIG, GLM45_AIR, byte_tokenizer, fp8_blocks, workload  # noqa: E402
 
+from logprobe.engine.runner import pack  # noqa: E402
+from logprobe.engine.scheduler import Chunk, plan_work  # noqa: E402
+from logprobe.executor.profile import (COLLECTIVES, RankProfile, attention_pairs, kernel_family, profile_run,  # noqa: E402
+                                      waits)
+from logprobe.parallel.rows import RowSplit, assign_rows  # noqa: E402
+
 T0 = time.perf_counter()
 SHAPES = {  # transformers config class, its arguments
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
@@ -55,6 +80,10 @@ SHAPES = {  # transformers config class, its arguments
                                      topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
                                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                      routed_scaling_factor=1.0, norm_topk_prob=False)),
+    # a CPU trial of the script itself (gloo workers, float32)
+    "tiny": ("Qwen3MoeConfig", dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
     # the largest of these: GLM-4.5-Air (106B; 106 GB as FP8 blocks) spans two GPUs of 80 GB
     "glm-air": ("Glm4MoeConfig", GLM45_AIR),
 }
@@ -138,12 +167,96 @@ def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, dev
     byte_tokenizer().save_pretrained(str(path))
 
 
-def timed(scorer, reqs):
-    torch.cuda.synchronize()
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(scorer, reqs, device: str = "cuda"):
+    sync(device)
     t = time.perf_counter()
     out = scorer.engine.run(reqs)
-    torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - t, torch.cat([r.logprobs.float() for r in out])
+
+
+def rank_shares(reqs, config, ranks: int) -> dict:
+    """Each rank's share of the rows and attention pairs of a run under data-parallel attention
+    (fractions of the whole, rounded): the engine's plan for ``ranks`` replayed (``plan_work``, its
+    packing, each batch cut as the model cuts it, ``assign_rows``), then ``attention_pairs`` of
+    every rank's segments. Chunks of a request over a rank's share run whole on every rank (none
+    on W1): their rows are counted in ``whole_rows``.
+
+    >>> from logprobe.config import EngineConfig
+    >>> from logprobe.engine.request import ScoreRequest
+    >>> reqs = [ScoreRequest(list(range(3, 3 + n)), 1) for n in (9, 5, 5)]  # inputs of 8, 4, 4 rows
+    >>> rank_shares(reqs, EngineConfig(max_batch_tokens=64, share_prefixes=False), 2)  # pairs 36 | 10 + 10
+    {'rank_rows': [0.5, 0.5], 'rank_pairs': [0.643, 0.357], 'busiest_rows': 1.0, 'busiest_pairs': 1.286, 'whole_rows': 0}
+    """
+    rows, pairs, whole = [0] * ranks, [0] * ranks, 0
+    plan = plan_work([r.inputs for r in reqs], config.max_batch_tokens, share=config.share_prefixes,
+                     min_shared=config.min_shared_prefix, ranks=ranks)
+    for batch in plan:
+        if isinstance(batch[0], Chunk):
+            whole += batch[0].end - batch[0].begin
+            continue
+        meta = pack(batch, reqs, torch.device("cpu")).meta
+        bounds = assign_rows(meta.cuts(), ranks)
+        for r in range(ranks):
+            own = meta.share(RowSplit(bounds, r))
+            rows[r] += own.num_rows
+            pairs[r] += attention_pairs(own.segments)
+    frac = lambda xs: [round(x / max(sum(xs), 1), 3) for x in xs]  # noqa: E731
+    return dict(rank_rows=frac(rows), rank_pairs=frac(pairs), busiest_rows=round(max(rows) * ranks / max(sum(rows), 1), 3),
+                busiest_pairs=round(max(pairs) * ranks / max(sum(pairs), 1), 3), whole_rows=whole)
+
+
+def attention_flop_per_pair(config: dict) -> int:
+    """FLOPs of one (query, key) pair in one layer, all heads: q·k over the query-key width and
+    p·v over the value width, 2 FLOPs a multiply-add (latent attention: q/k of nope + rope dims).
+
+    >>> attention_flop_per_pair(dict(num_attention_heads=32, head_dim=128, hidden_size=2048))
+    16384
+    """
+    heads = config["num_attention_heads"]
+    d = config.get("head_dim") or config["hidden_size"] // heads
+    qk = (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0) or d
+    return 2 * heads * (qk + (config.get("v_head_dim") or d))
+
+
+def profile_summary(ranks: list[RankProfile], flop_per_pair: int, layers: int) -> list[dict]:
+    """Per rank: wall ms, rows, pairs, attention TFLOP, ms waited in collectives, ms by family.
+
+    >>> p = RankProfile(0, 0.5, (("ncclDevKernel_AllGather_RING_LL", 4, 1500.0), ("nvjet_x", 9, 2000.0)),
+    ...                 (("all-gather", 1000.0), ("all-gather", 500.0)), rows=10, pairs=55)
+    >>> profile_summary([p], 16384, 2)
+    [{'rank': 0, 'wall_ms': 500.0, 'rows': 10, 'pairs': 55, 'attn_tflop': 0.0, 'wait_ms': 0.0, 'ms': {'gemm': 2.0, 'all-gather': 1.5}}]
+    """
+    wait = waits(ranks) or [None] * len(ranks)
+    return [dict(rank=p.rank, wall_ms=round(p.wall_s * 1e3, 1), rows=p.rows, pairs=p.pairs,
+                 attn_tflop=round(p.pairs * flop_per_pair * layers / 1e12, 3),
+                 wait_ms=None if w is None else round(w / 1e3, 1),
+                 ms={k: round(v / 1e3, 1) for k, v in p.families().items()}) for p, w in zip(ranks, wait)]
+
+
+def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, tag: str) -> None:
+    """A table of ``profile_summary`` (families as columns, collectives first), the largest kernels
+    of family other (nothing hides), and each rank's whole kernel list to ``out`` if given."""
+    fams = sorted({f for r in rows for f in r["ms"]}, key=lambda f: (f not in COLLECTIVES, f))
+    log("| rank | wall ms | wait ms | rows | pairs | attn TFLOP | " + " | ".join(fams) + " |")
+    for r in rows:
+        log(f"| {r['rank']} | {r['wall_ms']} | {r['wait_ms']} | {r['rows']} | {r['pairs']} | {r['attn_tflop']} | "
+            + " | ".join(str(r["ms"].get(f, 0.0)) for f in fams) + " |")
+    for p in ranks:
+        other = [(n[:70], c, round(us / 1e3, 1)) for n, c, us in p.kernels if kernel_family(n) == "other" and us >= 100][:5]
+        if other:
+            log(f"rank {p.rank} other (name, calls, ms): {other}")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"profile-{tag}.json"
+        path.write_text(json.dumps([dict(rank=p.rank, wall_s=p.wall_s, rows=p.rows, pairs=p.pairs,
+                                         kernels=p.kernels, collectives=p.collectives) for p in ranks]))
+        log(f"kernels of every rank: {path}")
 
 
 def main() -> None:
@@ -159,9 +272,15 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true",
                     help="deterministic mode only: capture every block's attn_out / mlp_out / resid_post of "
                          "two texts at each size and print where the bits first leave (1, 1)'s")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, one more W1 pass per size and mode with every rank under torch.profiler: "
+                         "kernel time by family, time waited in collectives, rows and attention pairs per rank")
+    ap.add_argument("--profile-dir", default=None, help="with --profile: write each rank's kernel list here (JSON)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo workers (a trial run)")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N requests of W1 (a trial run)")
     args = ap.parse_args()
     path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}{'-fp8' * args.fp8}"
-    write_checkpoint(args.shape, args.layers, path, args.fp8)
+    write_checkpoint(args.shape, args.layers, path, args.fp8, args.device)
     log(f"checkpoint {path}")
     if args.diagnose:
         return diagnose(path, args.sizes.split(","))
@@ -181,22 +300,24 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
     from logprobe.config import EngineConfig
 
     t = time.perf_counter()
-    s = Scorer(str(path), device="cuda", tensor_parallel_size=tp, expert_parallel_size=ep, progress=False,
-               attention_parallel=layout)
+    s = Scorer(str(path), device=args.device, tensor_parallel_size=tp, expert_parallel_size=ep, progress=False,
+               attention_parallel=layout, dtype="float32" if args.device == "cpu" else "auto")
     load = time.perf_counter() - t
-    reqs = workload("W1", s.info.vocab_size)
+    reqs = workload("W1", s.info.vocab_size)[:args.limit or None]
     for mode in args.modes.split(","):
-        if mode == "det" and ep != tp:
+        if mode == "det" and ep != tp and args.device == "cuda":
             log(json.dumps(dict(tp=tp, ep=ep, mode=mode, skipped="deterministic on CUDA needs EP = TP")))
             continue
         s.config = EngineConfig(progress=False, deterministic=mode == "det")
         s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
-        secs, lp = timed(s, reqs)
+        secs, lp = timed(s, reqs, args.device)
         toks = sum(r.num_inputs for r in reqs)
         row = dict(shape=args.shape, layers=args.layers or "all", fp8=args.fp8, tp=tp, ep=ep,
                    attention=s.attention_parallel, budget=s.config.max_batch_tokens, mode=mode, s=round(secs, 3),
                    tok_s=round(toks / secs),
                    load_s=round(load, 1))
+        if tp > 1 and s.attention_parallel == "data":
+            row.update(rank_shares(reqs, s.config, tp))
         if mode in ref:
             d = (lp - ref[mode]).abs()
             row.update(speedup=round(base[mode] / secs, 2), max_d=float(d.max()), mean_d=float(d.mean()),
@@ -204,7 +325,23 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
         else:
             ref[mode], base[mode] = lp, secs
         log(json.dumps(row))
+        if args.profile:
+            profiled(args, s, reqs, path, f"{args.shape}-{tp}x{ep}-{s.attention_parallel}-{mode}")
     s.close()
+
+
+def profiled(args, s, reqs, path: Path, tag: str) -> None:
+    """One more pass of ``reqs`` with every rank under the profiler (one GPU: in process), printed
+    as ``print_profile``; the profiled pass's wall time is longer than the timed one's by the
+    profiler's own cost."""
+    if hasattr(s.engine, "profile"):  # worker processes (executor.ParallelEngine)
+        _, ranks = s.engine.profile(reqs)
+    else:
+        ranks = [profile_run(s.engine, reqs, s.engine.config)]
+    config = json.loads((path / "config.json").read_text())
+    rows = profile_summary(ranks, attention_flop_per_pair(config), config["num_hidden_layers"])
+    log(json.dumps(dict(profile=tag, ranks=rows)))
+    print_profile(rows, ranks, Path(args.profile_dir) if args.profile_dir else None, tag)
 
 
 def point_order(key: str, parts: tuple[str, ...]) -> tuple:
