@@ -56,13 +56,14 @@ FAMILY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("all-reduce", ("allreduce", "all_reduce")),
     ("broadcast", ("broadcast",)),
     ("head", ("_head_partials", "_target_logit", "logprob_head")),
-    ("moe", ("_gate_up_kernel", "_down_kernel", "_combine_kernel", "_combine_rows_kernel")),
-    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("moe", ("_gate_up_kernel", "_down_kernel", "_combine_kernel", "_combine_rows_kernel", "fused_moe")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),  # before routing: flash kernels say softmax
     ("routing", ("topk", "sort", "scan", "bincount", "histogram", "nonzero", "deviceselect", "softmax")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
-              "aten::linear")),
-    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
-    ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "rotary", "silu", "aten::")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "wgmma", "splitk", "matmul", "_scaled_mm",
+              "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),  # a copy functor's elementwise
+    ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "rotary", "rope", "silu", "gelu", "sigmoid",
+                     "fill", "functor", "triton_", "aten::")),
 )
 
 
