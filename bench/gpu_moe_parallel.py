@@ -30,7 +30,8 @@ the dense layers, without a profiler.
 
 ``--profile`` then runs W1 once more at each size with every rank under ``torch.profiler``
 (``Scorer.engine.profile``: the real worker processes, NCCL between them; one GPU: the same in
-process) and prints per rank: the wall time of the pass, kernel time by family (gemm,
+process) and prints per rank: the wall time of the pass, the time the GPU was busy (the union of
+its kernels: the rest it sat idle, waiting for launches or a host synchronisation), kernel time by family (gemm,
 attention, moe (the fused expert kernels), routing (top-k, sorts, scans, softmax), all-gather,
 reduce-scatter, all-to-all, all-reduce, copy, elementwise, head, other), the time it waited in
 collectives (each collective's duration minus the shortest rank's on the same call: the rank that
@@ -64,8 +65,14 @@ from common import FP8_CONFIG, GLM45_AIR, byte_tokenizer, fp8_blocks, workload  
 
 from logprobe.engine.runner import pack  # noqa: E402
 from logprobe.engine.scheduler import Chunk, plan_work  # noqa: E402
-from logprobe.executor.profile import (COLLECTIVES, RankProfile, attention_pairs, kernel_family, profile_run,  # noqa: E402
-                                      waits)
+from logprobe.executor.profile import (  # noqa: E402
+    COLLECTIVES,
+    RankProfile,
+    attention_pairs,
+    kernel_family,
+    profile_run,
+    waits,
+)
 from logprobe.parallel.rows import RowSplit, assign_rows  # noqa: E402
 
 T0 = time.perf_counter()
@@ -230,10 +237,11 @@ def profile_summary(ranks: list[RankProfile], flop_per_pair: int, layers: int) -
     >>> p = RankProfile(0, 0.5, (("ncclDevKernel_AllGather_RING_LL", 4, 1500.0), ("nvjet_x", 9, 2000.0)),
     ...                 (("all-gather", 1000.0), ("all-gather", 500.0)), rows=10, pairs=55)
     >>> profile_summary([p], 16384, 2)
-    [{'rank': 0, 'wall_ms': 500.0, 'rows': 10, 'pairs': 55, 'attn_tflop': 0.0, 'wait_ms': 0.0, 'ms': {'gemm': 2.0, 'all-gather': 1.5}}]
+    [{'rank': 0, 'wall_ms': 500.0, 'busy_ms': 0.0, 'rows': 10, 'pairs': 55, 'attn_tflop': 0.0, 'wait_ms': 0.0, 'ms': {'gemm': 2.0, 'all-gather': 1.5}}]
     """
     wait = waits(ranks) or [None] * len(ranks)
-    return [dict(rank=p.rank, wall_ms=round(p.wall_s * 1e3, 1), rows=p.rows, pairs=p.pairs,
+    return [dict(rank=p.rank, wall_ms=round(p.wall_s * 1e3, 1), busy_ms=round(p.busy_s * 1e3, 1), rows=p.rows,
+                 pairs=p.pairs,
                  attn_tflop=round(p.pairs * flop_per_pair * layers / 1e12, 3),
                  wait_ms=None if w is None else round(w / 1e3, 1),
                  ms={k: round(v / 1e3, 1) for k, v in p.families().items()}) for p, w in zip(ranks, wait)]
@@ -243,9 +251,10 @@ def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, 
     """A table of ``profile_summary`` (families as columns, collectives first), the largest kernels
     of family other (nothing hides), and each rank's whole kernel list to ``out`` if given."""
     fams = sorted({f for r in rows for f in r["ms"]}, key=lambda f: (f not in COLLECTIVES, f))
-    log("| rank | wall ms | wait ms | rows | pairs | attn TFLOP | " + " | ".join(fams) + " |")
+    log("| rank | wall ms | busy ms | wait ms | rows | pairs | attn TFLOP | " + " | ".join(fams) + " |")
     for r in rows:
-        log(f"| {r['rank']} | {r['wall_ms']} | {r['wait_ms']} | {r['rows']} | {r['pairs']} | {r['attn_tflop']} | "
+        log(f"| {r['rank']} | {r['wall_ms']} | {r['busy_ms']} | {r['wait_ms']} | {r['rows']} | {r['pairs']} | "
+            f"{r['attn_tflop']} | "
             + " | ".join(str(r["ms"].get(f, 0.0)) for f in fams) + " |")
     for p in ranks:
         other = [(n[:70], c, round(us / 1e3, 1)) for n, c, us in p.kernels if kernel_family(n) == "other" and us >= 100][:5]
@@ -254,7 +263,7 @@ def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"profile-{tag}.json"
-        path.write_text(json.dumps([dict(rank=p.rank, wall_s=p.wall_s, rows=p.rows, pairs=p.pairs,
+        path.write_text(json.dumps([dict(rank=p.rank, wall_s=p.wall_s, busy_s=p.busy_s, rows=p.rows, pairs=p.pairs,
                                          kernels=p.kernels, collectives=p.collectives) for p in ranks]))
         log(f"kernels of every rank: {path}")
 

@@ -53,7 +53,7 @@ def test_one_process_profile(moe_dir):
     prof = profile_run(engine, reqs, EngineConfig(progress=False, max_batch_tokens=64),
                        on_result=lambda i, r: got.append((i, r)))
     assert (prof.rows, prof.pairs) == _totals()
-    assert prof.wall_s > 0 and prof.collectives == ()
+    assert prof.wall_s > 0 and prof.collectives == () and 0 < prof.busy_s <= prof.wall_s * 1.05 + 0.01
     fam = prof.families()
     assert fam["gemm"] > 0 and fam["attention"] > 0, fam
     assert not set(fam) & {"all-gather", "reduce-scatter", "all-to-all", "all-reduce"}, fam
@@ -97,6 +97,7 @@ def test_two_ranks_profile(moe_dir):
                 fam = p.families()
                 # deterministic attention runs in PyTorch products (gemm, elementwise), not an attention op
                 assert p.wall_s > 0 and fam["gemm"] > 0 and (det or fam["attention"] > 0), fam
+                assert 0 < p.busy_s <= p.wall_s * 1.05 + 0.01, (p.busy_s, p.wall_s)
                 assert fam["all-gather"] > 0 and fam[moe_collective] > 0, fam
                 kinds = {k for k, _ in p.collectives}
                 assert "all-gather" in kinds, kinds

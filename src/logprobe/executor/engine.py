@@ -18,7 +18,13 @@ from ..engine.budget import agreed_budget, resolved_budget
 from ..engine.request import RequestResult, ScoreRequest
 from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
-from ..loading.loader import LoadedModel, default_expert_parallel, describe_model, load_shard, parallel_context
+from ..loading.loader import (
+    LoadedModel,
+    default_expert_parallel,
+    describe_model,
+    load_shard,
+    parallel_context,
+)
 from ..parallel.context import ParallelContext
 from .messages import EndWeights, Profiled, Result, StageWeights
 from .profile import RankProfile

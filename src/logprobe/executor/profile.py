@@ -16,6 +16,9 @@ What is counted (``RankProfile``):
   the profiler's own overhead to the launches); on CPU (gloo), each op's self time on the calling
   thread and each gloo collective's time on gloo's own thread;
 * ``wall_s``: the run on this rank, from the first launch to the device being idle again;
+* ``busy_s``: the time at least one counted event ran (the union of their intervals: on CUDA, the
+  time the GPU was busy; ``wall_s - busy_s`` is the time it sat idle, waiting for launches or for
+  a host synchronisation);
 * ``collectives``: each collective's duration in launch order. Every rank joins every collective
   in the same order, so call i is the same collective on every rank; it ends at about the same
   moment everywhere, so the rank that arrived last waited least, and its duration is the
@@ -95,6 +98,7 @@ class RankProfile:
     collectives: tuple[tuple[str, float], ...]
     rows: int = 0
     pairs: int = 0
+    busy_s: float = 0.0
 
     def families(self) -> dict[str, float]:
         """Total us per ``kernel_family``, largest first."""
@@ -146,8 +150,26 @@ def profile_run(engine: Engine, requests: list[ScoreRequest], config: EngineConf
             wall = time.perf_counter() - t
     finally:
         handle.remove()
-    kernels, collectives = summarise(prof.events(), cuda)
-    return RankProfile(rank, round(wall, 6), kernels, collectives, counts[0], counts[1])
+    events = prof.events()
+    kernels, collectives = summarise(events, cuda)
+    busy = busy_union([(e.time_range.start, e.time_range.end) for e in events
+                       if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU)])
+    return RankProfile(rank, round(wall, 6), kernels, collectives, counts[0], counts[1], round(busy / 1e6, 6))
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: the time at least one of them ran.
+
+    >>> busy_union([(0, 4), (2, 5), (7, 8)])
+    6
+    """
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total
 
 
 def _sync(cuda: bool) -> None:
