@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from logprobe.kernels.gated_delta import (
     causal_conv1d_batched,
+    causal_conv1d_fast,
     chunk_gated_delta_batched,
     chunk_gated_delta_fla,
     fla_available,
@@ -134,19 +135,36 @@ def test_batched_conv_bit_identical(channels, dtype):
         causal_conv1d_batched(x, w, activation="gelu")
 
 
-def test_selector_policy(monkeypatch):
+@pytest.mark.parametrize("has_triton", [True, False])
+def test_selector_policy(monkeypatch, has_triton):
+    """The conv on CUDA: Triton's where it imports and ``Numerics.triton`` is on, in both modes;
+    the batched one otherwise. The rule: fla's, else batched (default) or the reference (None)."""
     from logprobe.kernels import gated_delta as kgd
 
     assert gated_delta_kernels("cpu", False) == (None, None)
     assert gated_delta_kernels(torch.device("cpu"), True) == (None, None)
+    monkeypatch.setattr(kgd, "triton_available", lambda: has_triton)
+    fast = causal_conv1d_fast if has_triton else causal_conv1d_batched
     for has_fla in (True, False):
         monkeypatch.setattr(kgd, "fla_available", lambda has_fla=has_fla: has_fla)
         rule, conv = gated_delta_kernels("cuda", False)
-        assert conv is causal_conv1d_batched
+        assert conv is fast
         assert rule is (chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
         rule, conv = gated_delta_kernels("cuda:0", True)
-        assert conv is causal_conv1d_batched
+        assert conv is fast
         assert rule is (chunk_gated_delta_fla if has_fla else None)
+        assert gated_delta_kernels("cuda", True, triton=False)[1] is causal_conv1d_batched
+
+
+def test_fast_conv_keeps_float64_on_the_reference():
+    """The Triton kernel computes in float32: a float64 input (the tests' reference precision)
+    goes to the batched conv, bit-identical to the reference; no Triton needed."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 8, generator=gen, dtype=torch.float64), torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    for xx in (x, x.float()):  # float64 activations, or float32 ones with a float64 weight
+        y, f = causal_conv1d_fast(xx, w, [0, 4, 9])
+        y_ref, f_ref = causal_conv1d(xx, w, [0, 4, 9])
+        assert y.dtype == xx.dtype and torch.equal(y, y_ref) and torch.equal(f, f_ref)
 
 
 # --------------------------------------------------------------------------------------------

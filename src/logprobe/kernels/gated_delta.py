@@ -18,6 +18,8 @@ same signatures and results (it may not import ``layers``, so it repeats the few
 * ``causal_conv1d_batched``: every sequence's window ``[initial state ; x_i]`` laid end to end, so
   each tap of every token is one contiguous slice; taps summed in the reference's order and SiLU applied exactly as the
   reference applies it, so on CPU it is bit-identical to ``causal_conv1d``.
+* ``causal_conv1d_fast``: the Triton conv (``kernels.short_conv``; taps bitwise those of the
+  reference), the conv on CUDA; the batched one stays where Triton is missing.
 * ``chunk_gated_delta_fla``: ``fla-core``'s Triton ``chunk_gated_delta_rule`` (optional extra ``fla``),
   behind our signature; CUDA only.
 * ``gated_delta_kernels(device, deterministic)``: which of them to use (see its docstring).
@@ -43,7 +45,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import triton_available
 from .elementwise import row_invariant
+from .short_conv import causal_conv1d_triton
 
 CHUNK_SIZE = 64  # the chunk length of transformers' and fla's chunked forms
 L2_EPS = 1e-6  # inside the square root of the q/k L2 norm, as transformers and fla
@@ -274,6 +278,22 @@ def causal_conv1d_batched(
     return acc.to(x.dtype), finals.to(x.dtype).contiguous()
 
 
+def causal_conv1d_fast(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: CuSeqlens = None,
+    initial_state: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv on CUDA: ``kernels.short_conv.causal_conv1d_triton`` (one read of x, one write of y;
+    same taps bit for bit), or ``causal_conv1d_batched`` where an input is float64 (the Triton
+    kernel computes in float32, the reference in float64). Same contract as both."""
+    if torch.float64 in (x.dtype, weight.dtype, getattr(bias, "dtype", None)):
+        return causal_conv1d_batched(x, weight, cu_seqlens, initial_state, bias, activation)
+    return causal_conv1d_triton(x, weight, cu_seqlens, initial_state, bias, activation)
+
+
 # --------------------------------------------------------------------------------------------
 # fla-core (optional, CUDA)
 
@@ -347,13 +367,17 @@ def chunk_gated_delta_fla(
 # Which kernels
 
 
-def gated_delta_kernels(device: torch.device | str, deterministic: bool) -> tuple[Kernel | None, Kernel | None]:
+def gated_delta_kernels(device: torch.device | str, deterministic: bool,
+                        triton: bool = True) -> tuple[Kernel | None, Kernel | None]:
     """``(rule, conv)`` for ``layers.linear_state.packed_gated_delta`` on ``device``; ``None`` means
     "keep the reference" (``layers.gated_delta``'s, which this floor cannot name).
 
     * CPU: ``(None, None)``, the references (bit-for-bit batch-invariant, the tests' ground truth).
-    * CUDA, default mode: fla-core's Triton rule when it imports, else the batched PyTorch rule;
-      the batched conv (elementwise, batch-invariant).
+    * CUDA, the conv in both modes: the Triton kernel (``causal_conv1d_fast``) when Triton imports
+      and ``triton`` (``Numerics.triton``; False: a benchmark's PyTorch baseline), else the batched
+      PyTorch conv. Both give each output element from its own sequence's inputs only (no
+      reduction across tokens, no autotuning): batch-invariant by construction.
+    * CUDA, default mode: fla-core's Triton rule when it imports, else the batched PyTorch rule.
     * CUDA, deterministic mode: the rule must give a sequence the same bits whatever is packed
       beside it. fla-core's kernels grid per (chunk, head) / (sequence, head) with autotune keys
       that do not depend on the token count (its L2-norm kernel's do, so we normalise ourselves),
@@ -365,6 +389,7 @@ def gated_delta_kernels(device: torch.device | str, deterministic: bool) -> tupl
       sequences. Without fla the reference's per-sequence loop is kept (``None``)."""
     if torch.device(device).type != "cuda":
         return None, None
+    conv = causal_conv1d_fast if triton and triton_available() else causal_conv1d_batched
     if fla_available():
-        return chunk_gated_delta_fla, causal_conv1d_batched
-    return (None if deterministic else chunk_gated_delta_batched), causal_conv1d_batched
+        return chunk_gated_delta_fla, conv
+    return (None if deterministic else chunk_gated_delta_batched), conv

@@ -57,8 +57,10 @@ bits there are not yet checked on a GPU (pinning fla's configs in deterministic 
 Cuts: the engine shares prefixes and cuts long requests only at multiples of the rule's 64-token
 chunk from a sequence's start (``caps.state_align``), where the chunked rule reproduces a whole
 run's bits. On CUDA the rule and conv come from ``kernels.gated_delta`` (the float32 references
-on CPU), and every per-row norm (the (1 + w) ones and the gated output norm) reduces each row alone
-(``kernels.rmsnorm``), so deterministic mode's numbers do not depend on what is packed beside a row.
+on CPU): fla-core's rule when it imports, and the Triton conv (``kernels.short_conv``, which
+computes each channel alone, so TP cannot move its bits either); every per-row norm (the (1 + w)
+ones and the gated output norm) reduces each row alone (``kernels.rmsnorm``), so deterministic
+mode's numbers do not depend on what is packed beside a row.
 """
 
 from __future__ import annotations
@@ -259,7 +261,8 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
             conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias, key_dim=self.key_dim,
             num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
             head_v_dim=self.head_v_dim)
-        rule, conv = gated_delta_kernels(x.device, self.numerics.deterministic)  # None: the reference
+        num = self.numerics
+        rule, conv = gated_delta_kernels(x.device, num.deterministic, num.triton)  # None: the reference
         kernels = {k: f for k, f in (("rule", rule), ("conv", conv)) if f is not None}
         o = packed_gated_delta(inputs, meta, self.layer_idx, **kernels)  # [T, Hv, Dv]
         z = z.view(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
