@@ -9,10 +9,19 @@ calls), million tokens/s, max |Δ| of the outputs and final states against the f
 the first call's sequences (the same bf16 inputs, upcast), and batch invariance: the first call's
 sequences packed with random initial states, then its longest and shortest sequences alone (same
 initial state): ``alone = packed`` when outputs and final states are bit-identical; ``rerun`` when
-a second packed run repeats the first bit for bit. No timed assertions: it prints one table.
+a second packed run repeats the first bit for bit. No timed assertions: it prints tables.
+
+The conv alone (``--conv-only`` skips everything else): one layer call at the same shapes, ``--conv-tokens``
+bf16 tokens in ``--conv-seqs`` sequences with random bf16 initial states, for the conv on CUDA (the
+Triton kernel, ``kernels.short_conv``), the batched PyTorch conv (its fallback) and fla-core's
+``causal_conv1d`` where it imports (zero initial states: its state layout is its own): median ms of
+``triton.testing.do_bench``, GB/s (one read of x, one write of y), max |Δ| of y against the float32
+reference (same bf16 inputs), whether y and the final states equal the batched conv's bit for bit,
+and alone = packed (the longest and shortest sequences).
 
     python bench/gpu_gated_delta.py
     python bench/gpu_gated_delta.py --budget 16384 --passes 5
+    python bench/gpu_gated_delta.py --conv-only
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import best_of, free, gpu_banner, log, workload  # noqa: E402
+from common import bench_ms, best_of, free, gpu_banner, log, workload  # noqa: E402
 
 from logprobe.kernels.gated_delta import (  # noqa: E402
     causal_conv1d_batched,
+    causal_conv1d_fast,
     chunk_gated_delta_batched,
     chunk_gated_delta_fla,
     fla_available,
@@ -88,13 +98,94 @@ def invariance(fn, xs, cu: list[int], s0: torch.Tensor, picks: list[int]) -> tup
     return same, rerun
 
 
+def fla_conv():
+    """fla-core's ``causal_conv1d`` behind our signature (y only, zero initial states), or None."""
+    try:
+        from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+    except Exception:
+        return None
+
+    def run(x, weight, cu_seqlens=None, initial_state=None, bias=None, activation="silu"):
+        if initial_state is not None:
+            raise ValueError("fla's conv state is [N, C, K] (its own layout): run with zero states")
+        cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
+        out = fla_causal_conv1d(x=x[None], weight=weight, bias=bias, activation=activation, cu_seqlens=cu)
+        y = out[0] if isinstance(out, tuple) else out
+        return y[0], None
+
+    return run
+
+
+def conv_lengths(tokens: int, seqs: int) -> list[int]:
+    """``seqs`` lengths of 0.5x to 1.5x the mean, summing to ``tokens`` (fixed seed)."""
+    g = torch.Generator().manual_seed(7)
+    raw = 0.5 + torch.rand(seqs, generator=g)
+    lengths = [max(1, int(v)) for v in (raw / raw.sum() * tokens).tolist()]
+    lengths[-1] += tokens - sum(lengths)
+    return lengths
+
+
+def conv_table(tokens: int, seqs: int, device: str = "cuda", time_ms=None) -> list[tuple]:
+    """The conv alone at Qwen3.5-9B's conv shapes (see the module docstring); rows of
+    ``(name, ms, GB/s, max |Δ y| vs reference, y = batched, finals = batched, alone = packed)``.
+    ``time_ms(fn)`` defaults to ``bench_ms`` (CUDA); any device for a smoke run."""
+    time_ms = time_ms or bench_ms
+    lengths = conv_lengths(tokens, seqs)
+    cu = cu_of(lengths)
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(cu[-1], CONV_C, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(CONV_C, K, device=device, generator=g) * 0.5).to(torch.bfloat16)
+    s0 = torch.randn(len(lengths), CONV_C, K - 1, device=device, generator=g).to(torch.bfloat16)
+    y_ref, _ = causal_conv1d(x, w, cu, s0)
+    y_ref0, _ = causal_conv1d(x, w, cu)
+    y_b, f_b = causal_conv1d_batched(x, w, cu, s0)
+    picks = sorted({lengths.index(max(lengths)), lengths.index(min(lengths))})
+    kernels = [("batched (PyTorch)", causal_conv1d_batched, True), ("Triton (the CUDA path)", causal_conv1d_fast, True)]
+    fla = fla_conv()
+    if fla is not None:
+        kernels.append(("fla-core causal_conv1d (zero states)", fla, False))
+    rows = []
+    for name, fn, states in kernels:
+        try:
+            st = s0 if states else None
+            ms = time_ms(lambda fn=fn, st=st: fn(x, w, cu, st))
+            y, f = fn(x, w, cu, st)
+        except Exception as e:  # fla's signature moves between releases: report, go on
+            log(f"  {name}: {type(e).__name__}: {e}")
+            continue
+        dy = (y.float() - (y_ref if states else y_ref0).float()).abs().max().item()
+        same_y = torch.equal(y, y_b) if states else "-"
+        same_f = torch.equal(f, f_b) if states else "-"
+        alone = "-"
+        if states:
+            alone = True
+            for i in picks:
+                y1, f1 = fn(x[cu[i]:cu[i + 1]], w, None, s0[i:i + 1])
+                alone &= torch.equal(y1, y[cu[i]:cu[i + 1]]) and torch.equal(f1[0], f[i])
+        gbs = 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+        rows.append((name, ms, gbs, dy, same_y, same_f, alone))
+    log(f"\n## short conv alone: {cu[-1]} bf16 tokens in {len(lengths)} sequences, C = {CONV_C}, K = {K}, "
+        f"random bf16 initial states (fla: zero)")
+    log("| conv | ms | GB/s (x + y) | max abs Δ y vs float32 reference | y = batched | finals = batched | alone = packed |")
+    log("| --- | ---: | ---: | ---: | --- | --- | --- |")
+    for r in rows:
+        log(f"| {r[0]} | {r[1]:.3f} | {r[2]:.0f} | {r[3]:.2e} | {r[4]} | {r[5]} | {r[6]} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=int, default=32768, help="tokens per layer call (the engine's CUDA budget)")
     ap.add_argument("--passes", type=int, default=3, help="timed passes over all calls (best kept)")
     ap.add_argument("--reference-passes", type=int, default=1, help="passes for the slow per-sequence reference")
+    ap.add_argument("--conv-only", action="store_true", help="only the conv-alone table")
+    ap.add_argument("--conv-tokens", type=int, default=16384, help="tokens of the conv-alone call")
+    ap.add_argument("--conv-seqs", type=int, default=16, help="sequences of the conv-alone call")
     args = ap.parse_args()
     gpu_banner()
+    conv_table(args.conv_tokens, args.conv_seqs)
+    if args.conv_only:
+        return
 
     lengths = [len(r.tokens) - 1 for r in workload("W1", 1000)]  # the rows fed to the model
     calls = pack(lengths, args.budget)
@@ -139,7 +230,8 @@ def main() -> None:
     xc = conv_batches[0]
     y_ref, f_ref = causal_conv1d(xc, w, cu, c_state)
     for name, fn, passes in [("conv: reference (per sequence)", causal_conv1d, args.reference_passes),
-                             ("conv: batched", causal_conv1d_batched, args.passes)]:
+                             ("conv: batched", causal_conv1d_batched, args.passes),
+                             ("conv: Triton (the CUDA path)", causal_conv1d_fast, args.passes)]:
         fn(xc, w, cu)
         _, sec = best_of(passes, lambda fn=fn: all(fn(xb, w, cu_of(c)) is not None for xb, c in zip(conv_batches, calls)), name)
         y, f = fn(xc, w, cu, c_state)
