@@ -87,7 +87,8 @@ def test_fused_kernel_wide_topk_exact():
         from logprobe.kernels.logprob_head import KernelConfig, fused_logprob_head
         from logprobe.layers.logprob_head import logprob_head
         # 32-column tiles (64 / 256 for k = 64 / 256), 3 splits per row: ties across tiles and splits
-        cfg = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, waves=3, topk_waves=3, wide_block_m=8)
+        cfg = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, waves=3, topk_waves=3, wide_block_m=8,
+                           insert_top_k=20)  # k > 20 on the sorted merges
         # the same cases with every k on the insertion path (KernelConfig.insert_top_k)
         ins = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, waves=3, topk_waves=3, insert_top_k=256)
         res = {}

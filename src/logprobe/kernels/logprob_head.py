@@ -40,7 +40,7 @@ import torch
 from ..errors import LogprobeError
 from . import interpreting, triton_available
 
-INSERT_TOP_K = 64  # the default config's widest insertion (``KernelConfig.insert_top_k``)
+INSERT_TOP_K = 128  # the default config's widest insertion (``KernelConfig.insert_top_k``)
 # k up to this launches on every GPU the kernel was measured on; where a wider k's registers or
 # shared memory do not fit, the caller falls back to the PyTorch head (exact too), once warned
 ALWAYS_LAUNCHES_TOP_K = 20
@@ -315,11 +315,13 @@ class KernelConfig:
     # top-20 36.04 -> 35.77 ms, top-5 34.02 -> 33.13). Triton 3.6 cannot compile it inside the
     # flattened loop, so it wins over ``topk_flatten`` (which measured no faster)
     topk_rowmax: bool = True
-    # top-k up to this k: one-at-a-time insertion into registers; above ("wide"): sorted key merges
+    # top-k up to this k: one-at-a-time insertion into registers; above ("wide"): sorted key merges.
+    # H200, M=16k, V=128k, H=4096 (docs/perf.md): insertion at 128 rows per program 38.7 / 41.8 /
+    # 61.7 ms at k = 32 / 64 / 128, the sorted merges 175.7 / 225.3 / 363.5 ms (the merges sort the
+    # whole tile whenever any of its rows has a candidate, which is nearly every tile)
     insert_top_k: int = INSERT_TOP_K
-    # wide top-k (k > insert_top_k, and insertion at k > 32): fewer rows per program (the kept
-    # keys are [block_m, KPAD] int64 and each merge sorts [block_m, 2 KPAD]; the insertion path
-    # keeps [block_m, KPAD] values and ids); sorted merges take tiles at least KPAD columns wide
+    # wide top-k (k > insert_top_k): fewer rows per program (the kept keys are [block_m, KPAD]
+    # int64 and each merge sorts [block_m, 2 KPAD]); tiles at least KPAD columns wide
     wide_block_m: int = 64
 
 
@@ -455,8 +457,6 @@ def fused_head_partials(
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if wide:
         bm, bn = config.wide_block_m, max(bn, kpad)
-    elif kpad >= 64:  # [block_m, KPAD] kept values and ids in registers beside the [block_m, block_n] tile
-        bm = config.wide_block_m
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     num_m = triton.cdiv(min(max(N, 1), config.max_rows), bm)
     waves = config.topk_waves if kpad else config.waves
