@@ -237,14 +237,17 @@ def profile_summary(ranks: list[RankProfile], flop_per_pair: int, layers: int) -
     >>> p = RankProfile(0, 0.5, (("ncclDevKernel_AllGather_RING_LL", 4, 1500.0), ("nvjet_x", 9, 2000.0)),
     ...                 (("all-gather", 1000.0), ("all-gather", 500.0)), rows=10, pairs=55)
     >>> profile_summary([p], 16384, 2)
-    [{'rank': 0, 'wall_ms': 500.0, 'busy_ms': 0.0, 'rows': 10, 'pairs': 55, 'attn_tflop': 0.0, 'wait_ms': 0.0, 'ms': {'gemm': 2.0, 'all-gather': 1.5}}]
+    [{'rank': 0, 'wall_ms': 500.0, 'busy_ms': 0.0, 'rows': 10, 'pairs': 55, 'attn_tflop': 0.0, 'wait_ms': 0.0, 'wait_ms_by': {'all-gather': 0.0}, 'ms': {'gemm': 2.0, 'all-gather': 1.5}}]
     """
     wait = waits(ranks) or [None] * len(ranks)
+    kinds = sorted({k for p in ranks for k, _ in p.collectives})
+    by_kind = {k: waits(ranks, k) or [None] * len(ranks) for k in kinds}
     return [dict(rank=p.rank, wall_ms=round(p.wall_s * 1e3, 1), busy_ms=round(p.busy_s * 1e3, 1), rows=p.rows,
                  pairs=p.pairs,
                  attn_tflop=round(p.pairs * flop_per_pair * layers / 1e12, 3),
                  wait_ms=None if w is None else round(w / 1e3, 1),
-                 ms={k: round(v / 1e3, 1) for k, v in p.families().items()}) for p, w in zip(ranks, wait)]
+                 wait_ms_by=({k: None if v[i] is None else round(v[i] / 1e3, 1) for k, v in by_kind.items()}),
+                 ms={k: round(v / 1e3, 1) for k, v in p.families().items()}) for i, (p, w) in enumerate(zip(ranks, wait))]
 
 
 def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, tag: str) -> None:
@@ -256,6 +259,9 @@ def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, 
         log(f"| {r['rank']} | {r['wall_ms']} | {r['busy_ms']} | {r['wait_ms']} | {r['rows']} | {r['pairs']} | "
             f"{r['attn_tflop']} | "
             + " | ".join(str(r["ms"].get(f, 0.0)) for f in fams) + " |")
+    for r in rows:
+        if r["wait_ms_by"]:
+            log(f"rank {r['rank']} waited (ms) in {r['wait_ms_by']}")
     for p in ranks:
         other = [(n[:70], c, round(us / 1e3, 1)) for n, c, us in p.kernels if kernel_family(n) == "other" and us >= 100][:5]
         if other:

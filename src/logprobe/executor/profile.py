@@ -108,13 +108,21 @@ class RankProfile:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def waits(ranks: list[RankProfile]) -> tuple[float, ...] | None:
-    """Us each rank waited in collectives (see the module docstring); None if the ranks did not
-    record the same collectives in the same order (then no call can be matched)."""
+def waits(ranks: list[RankProfile], family: str | None = None) -> tuple[float, ...] | None:
+    """Us each rank waited in collectives (see the module docstring), in those of ``family`` only
+    if given; None if the ranks did not record the same collectives in the same order (then no
+    call can be matched).
+
+    >>> a = RankProfile(0, 1.0, (), (("all-gather", 5.0), ("reduce-scatter", 2.0)))
+    >>> b = RankProfile(1, 1.0, (), (("all-gather", 1.0), ("reduce-scatter", 4.0)))
+    >>> waits([a, b], "reduce-scatter")
+    (0.0, 2.0)
+    """
     kinds = [tuple(k for k, _ in r.collectives) for r in ranks]
     if any(k != kinds[0] for k in kinds):
         return None
-    calls = list(zip(*[[us for _, us in r.collectives] for r in ranks]))  # [calls][ranks]
+    calls = [c for k, c in zip(kinds[0], zip(*[[us for _, us in r.collectives] for r in ranks]))
+             if family is None or k == family]  # [calls][ranks]
     return tuple(round(sum(c[i] - min(c) for c in calls), 3) for i in range(len(ranks)))
 
 
