@@ -26,10 +26,16 @@ Each profile runs its engine call once first (compiles, autotunes), then once un
 ``kernel_family``: matmul, attention, gated delta, conv, MoE experts, routing, head, elementwise,
 copies, NCCL, other) with kernel time / wall (an upper bound of the GPU's busy fraction: kernels
 may overlap) and the union of the kernel intervals (the time at least one ran; wall minus it: the
-GPU idle). Families go by kernel name: logprobe's own short convolution of the hybrids runs as
+GPU idle). Then (``--by-module``, on by default) one more pass of the llama and hybrid scenarios
+with CUDA events recorded in forward hooks: the stream time spent inside each child of the decoder
+layers (``--module-depth`` levels: the mixer and its projections, the MoE block and its experts,
+the norms), summed over the layers, and what is left outside them (the head, the engine's host
+work). Families go by kernel name: logprobe's own short convolution of the hybrids runs as
 PyTorch elementwise and index ops (batch-invariant), so its time shows under elementwise and
-copies, not conv (which holds conv kernels proper: fla's, cuDNN's, the Triton short conv). The prefix question: a call computing ~415 new tokens of an 8B model takes ~27 ms on an
-H200 where its FLOPs take ~10 ms; GPU idle (host-bound) or slow kernels (which)?
+copies, not conv (which holds conv kernels proper: fla's, cuDNN's, the Triton short conv).
+
+The prefix question: a call computing ~415 new tokens of an 8B model takes ~27 ms on an H200
+where its FLOPs take ~10 ms; GPU idle (host-bound) or slow kernels (which)?
 
     # one H100 or H200 (rough minutes, checkpoints written included)
     python bench/gpu_profile.py --models llama-8b --profile-requests 64                             # ~2
@@ -109,8 +115,9 @@ def modes_for(args, scenario: str) -> list[bool]:
     return [m == "deterministic" for m in modes]
 
 
-def profile_modes(args, engine, reqs, label: str, scenario: str) -> None:
-    """``engine.run(reqs)`` profiled once per mode of ``--modes``; a refused mode is said so."""
+def profile_modes(args, engine, model, reqs, label: str, scenario: str) -> None:
+    """``engine.run(reqs)`` profiled once per mode of ``--modes`` (and timed by module of ``model``
+    with ``--by-module``); a refused mode is said so."""
     default = engine.config
     for det in modes_for(args, scenario):
         mode = "deterministic" if det else "default"
@@ -119,6 +126,8 @@ def profile_modes(args, engine, reqs, label: str, scenario: str) -> None:
             with torch.inference_mode():
                 kernel_profile(lambda: engine.run(reqs), f"{label}, {mode}", grouped=True,
                                cuda=args.dev.type == "cuda", top=args.top)
+                if args.by_module:
+                    module_times(args, model, lambda: engine.run(reqs), f"{label}, {mode}")
         except LogprobeError as e:
             log(f"\n## Profile: {label}, {mode}: refused: {one_line(e)}")
         except Exception as e:  # noqa: BLE001 - report it, the other modes and models go on
@@ -126,6 +135,87 @@ def profile_modes(args, engine, reqs, label: str, scenario: str) -> None:
             log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-8:]) + "```")
         finally:
             engine.config = default
+
+
+# ------------------------------------------------------------------------------ time by module
+
+
+class ModuleClock:
+    """The time spent inside the model's modules, by module: every child of each decoder layer
+    (``model.layers``), down to ``depth`` levels (``--module-depth``), and the model's other
+    children (embedding, final norm), keyed ``attribute: Class`` and summed over the layers. On
+    CUDA a module's time is the stream time between two CUDA events recorded as it starts and
+    ends (its kernels and the gaps between them); on the CPU the host's time. A module's own
+    time is its time less its timed children's. ``with ModuleClock(...) as clock:`` hooks it in."""
+
+    def __init__(self, model, cuda: bool, depth: int) -> None:
+        self.cuda, self.spans, self.open, self.handles = cuda, [], {}, []
+        self.parent: dict[str, str | None] = {}
+        for name, child in model.named_children():
+            if child is model.layers:
+                for layer in model.layers:
+                    for n, c in layer.named_children():
+                        self._hook(c, f"{n}: {type(c).__name__}", None, depth - 1)
+            else:
+                self._hook(child, f"{name}: {type(child).__name__}", None, 0)
+
+    def _hook(self, mod, key: str, parent: str | None, below: int) -> None:
+        self.parent[key] = parent
+        self.handles.append(mod.register_forward_pre_hook(self._start))
+        self.handles.append(mod.register_forward_hook(
+            lambda m, a, out, key=key: self.spans.append((key, self.open[id(m)].pop(), self._mark()))))
+        if below > 0:
+            for n, c in mod.named_children():
+                self._hook(c, f"{key} / {n}: {type(c).__name__}", key, below - 1)
+
+    def _start(self, mod, args) -> None:
+        self.open.setdefault(id(mod), []).append(self._mark())
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def __enter__(self) -> ModuleClock:
+        self.spans, self.open = [], {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def totals(self) -> dict[str, tuple[int, float]]:
+        """key -> (calls, ms), in the order the modules first ended (synchronise first)."""
+        out: dict[str, tuple[int, float]] = {}
+        for key, a, b in self.spans:
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            n, t = out.get(key, (0, 0.0))
+            out[key] = (n + 1, t + ms)
+        return out
+
+    def table(self, wall_ms: float) -> None:
+        tot = self.totals()
+        kids: dict[str, float] = {}
+        for key, (_, ms) in tot.items():
+            if self.parent.get(key):
+                kids[self.parent[key]] = kids.get(self.parent[key], 0.0) + ms
+        log(f"| module ({'GPU stream time' if self.cuda else 'host time'}) | calls | ms | own ms | share of wall |")
+        log("| --- | ---: | ---: | ---: | ---: |")
+        for key, (n, ms) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
+            log(f"| {key} | {n} | {ms:.1f} | {ms - kids.get(key, 0.0):.1f} | {ms / wall_ms:.1%} |")
+        top = sum(ms for key, (_, ms) in tot.items() if self.parent.get(key) is None)
+        log(f"| outside these modules (the head, the engine's host work and waits) | | {wall_ms - top:.1f} | | "
+            f"{(wall_ms - top) / wall_ms:.1%} |")
+
+
+def module_times(args, model, run, label: str) -> None:
+    """One more (warm) ``run()`` with ``ModuleClock`` hooked into ``model``: the time by module."""
+    with ModuleClock(model, args.dev.type == "cuda", args.module_depth) as clock:
+        _, wall = sync_time(run)
+    log(f"\n### Time by module: {label}, wall {wall * 1e3:.1f} ms (hooks on, no profiler)")
+    clock.table(wall * 1e3)
 
 
 # ----------------------------------------------------------------------------------- scenarios
@@ -138,13 +228,14 @@ def llama_scenario(args) -> None:
             save_model("tiny", tmp, "cpu")
             scorer = Scorer(tmp, device=str(args.dev), dtype="float32", progress=False)
             reqs = workload("W1", scorer.info.vocab_size)[:args.profile_requests]
-            profile_modes(args, scorer.engine, reqs, f"tiny Llama W1, first {len(reqs)} requests", "llama")
+            profile_modes(args, scorer.engine, scorer.loaded.model, reqs, f"tiny Llama W1, first {len(reqs)} requests",
+                          "llama")
         return
     for name in names_for(args, "llama"):
         _, ours, lc = build_models(name, baseline=False)
         reqs = workload("W1", lc.vocab_size)[:args.profile_requests]
         engine = Engine(ours, EngineConfig(progress=False), args.dev)
-        profile_modes(args, engine, reqs, f"{name} W1, first {len(reqs)} requests", "llama")
+        profile_modes(args, engine, ours, reqs, f"{name} W1, first {len(reqs)} requests", "llama")
         del ours, engine
         free()
 
@@ -170,7 +261,8 @@ def hybrid_scenario(args) -> None:
     for name in names_for(args, "hybrid"):
         scorer, label = hybrid_scorer(args, name)
         reqs = workload("W1", scorer.info.vocab_size)[:args.profile_requests]
-        profile_modes(args, scorer.engine, reqs, f"{name} ({label}) W1, first {len(reqs)} requests", "hybrid")
+        profile_modes(args, scorer.engine, scorer.loaded.model, reqs,
+                      f"{name} ({label}) W1, first {len(reqs)} requests", "hybrid")
         del scorer
         free()
 
@@ -229,7 +321,8 @@ def call_summary(args, calls: Calls, secs: list[float], tflops: float | None) ->
           for ps, q in zip(calls.passes, calls.reqs)]
     rows = [sum(r for r, _ in ps) for ps in calls.passes]
     firsts = [i for i in range(len(secs)) if i % args.samples == 0]
-    log(f"\n### {len(secs)} calls, one request each, no profiler (first of a group: calls {', '.join(map(str, firsts))})")
+    log(f"\n### {len(secs)} calls, one request each, no profiler "
+        f"(first of a group: calls {', '.join(map(str, firsts))})")
     log("| calls | computed tokens per call | forward passes per call | wall ms per call (mean / median / max) | "
         "GFLOP per call | ms at the bf16 ceiling |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for what, idx in (("all", range(len(secs))), ("first of a group (prompt computed)", firsts),
@@ -308,6 +401,9 @@ def parse_args():
     ap.add_argument("--samples", type=int, default=8, help="prefix: responses per prompt")
     ap.add_argument("--prompt", type=int, default=1024, help="prefix: prompt length (each in [prompt/2, prompt])")
     ap.add_argument("--response", type=int, default=512, help="prefix: response length (in [response/4, response])")
+    ap.add_argument("--by-module", action=argparse.BooleanOptionalAction, default=True,
+                    help="llama, hybrid: one more pass timed by module (CUDA events in forward hooks)")
+    ap.add_argument("--module-depth", type=int, default=2, help="levels of modules timed under a decoder layer")
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
     ap.add_argument("--cpu-top", type=int, default=15, help="prefix: CPU ops / functions listed")
     ap.add_argument("--tiny", action="store_true", help="tiny configs in float32 on the CPU (a smoke run)")

@@ -339,7 +339,7 @@ def profile_run(*args):
 def test_profile_prefix_tiny_cpu_run():
     """gpu_profile.py --scenario prefix on the CPU (about 8 s): the per-call table (a call resumed
     from the cache computes fewer tokens than the first of its group) and the CPU table, per call."""
-    text = profile_run("--scenario", "prefix", "--calls", "3")
+    text = profile_run("--scenario", "prefix", "--calls", "2", "--prompt", "256", "--response", "64")
     assert "## Profile: prefix cache, one request per call" in text
     rows = {m[0]: (int(m[1]), float(m[2])) for m in
             re.findall(r"^\| (all|first of a group[^|]*|resumed[^|]*) \| (\d+) \| [\d.]+ \| ([\d.]+) /", text, re.M)}
@@ -347,7 +347,7 @@ def test_profile_prefix_tiny_cpu_run():
     first, resumed = rows["first of a group (prompt computed)"], rows["resumed from the cache"]
     assert first[0] > resumed[0] > 0 and first[1] > 0, rows
     assert "| CPU op / function | count per call | self ms per call | share |" in text
-    assert re.search(r"^CPU self time, all ops and functions: [\d.]+ ms per call \(3 calls\)$", text, re.M), text
+    assert re.search(r"^CPU self time, all ops and functions: [\d.]+ ms per call \(2 calls\)$", text, re.M), text
 
 
 @pytest.mark.slow  # ~15 s on 2 threads
@@ -361,6 +361,9 @@ def test_profile_llama_hybrid_tiny_cpu_run(tmp_path):
                  "## Profile: qwen35-9b (all 4 layers) W1, first 1 requests, deterministic"):
         assert head in text, text[-3000:]
     assert text.count("| CPU op / function | count per call | self ms per call | share |") == 3
+    assert text.count("### Time by module: ") == 3
+    assert "| mlp: MoeBlock / experts: Experts |" not in text  # qwen35-9b is dense
+    assert re.search(r"^\| linear_attn: GatedDeltaMixer \| 3 \| [\d.]+ \| [\d.]+ \| [\d.]+% \|$", text, re.M), text[-3000:]
 
 
 def test_profile_verdict(capsys):
@@ -373,4 +376,76 @@ def test_profile_verdict(capsys):
         sys.path.remove(str(BENCH))
     gpu_profile.verdict(27.0, 10.0, dict(kernel_ms=32 * 12.8, busy_ms=32 * 11.2, wall_ms=0.0, families={}), 32)
     assert ("wall 27.00 ms (no profiler); kernels 12.80 ms, union 11.20 ms; GPU idle ~15.80 ms = 59% of the wall "
-            "(host-bound time); the FLOPs at the bf16 ceiling 10.00 ms: kernels take 1.3x that") in capsys.readouterr().out
+            "(host-bound time); the FLOPs at the bf16 ceiling 10.00 ms: kernels take 1.3x that"
+            ) in capsys.readouterr().out
+
+
+def test_module_clock(capsys):
+    """gpu_profile.ModuleClock on a toy model (host time on the CPU): each decoder layer's children
+    and their children summed over the layers, the model's other children, own time = time less
+    the timed children's, and the rest of the wall outside them; the hooks go with the block."""
+    import time
+
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_profile
+    finally:
+        sys.path.remove(str(BENCH))
+
+    class Sleep(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.s = s
+
+        def forward(self, x):
+            time.sleep(self.s)
+            return x
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Sleep(0.02)
+
+        def forward(self, x):
+            time.sleep(0.01)
+            return self.inner(x)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.norm = Block(), Sleep(0.0)
+
+        def forward(self, x):
+            return self.norm(self.mix(x))
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.layers = Sleep(0.0), nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Toy()
+    with gpu_profile.ModuleClock(model, cuda=False, depth=2) as clock:
+        t = time.perf_counter()
+        model(torch.zeros(1))
+        time.sleep(0.03)
+        wall = (time.perf_counter() - t) * 1e3
+    tot = clock.totals()
+    assert {k: n for k, (n, _) in tot.items()} == {"embed: Sleep": 1, "mix: Block / inner: Sleep": 2, "mix: Block": 2,
+                                                   "norm: Sleep": 2}
+    assert 60 <= tot["mix: Block"][1] < 200 and 40 <= tot["mix: Block / inner: Sleep"][1] < tot["mix: Block"][1]
+    clock.table(wall)
+    text = capsys.readouterr().out
+    own = float(re.search(r"^\| mix: Block \| 2 \| [\d.]+ \| ([\d.]+) \|", text, re.M).group(1))
+    assert 15 <= own < 100, text
+    outside = float(re.search(r"^\| outside these modules [^|]*\| \| ([\d.]+) \|", text, re.M).group(1))
+    assert 25 <= outside < 200, text
+    assert not model.layers[0].mix._forward_hooks and not model.embed._forward_pre_hooks
