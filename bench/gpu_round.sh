@@ -121,7 +121,7 @@ for s in "$@"; do
         wide)  # one GPU: top-k on the insertion path vs sorted merges (tests, the head alone, the RL workload)
             step wide_tests 180 "$py" -m pytest -q -p no:cacheprovider tests/test_wide_topk.py
             step wide_head 240 "$py" bench/gpu_head.py --tune-topk --rep 100
-            step wide_options 300 "$py" bench/gpu_options.py --models llama-8b --top-ks 64,256 ;;
+            step wide_options 300 "$py" bench/gpu_options.py --models llama-8b --top-ks 64,128,256 ;;
         deepseek_hf)  # one GPU: the MLA shape and the GLM-4.5-Air cut against transformers on 32 requests
             step deepseek_hf 400 "$py" bench/gpu_deepseek.py --models mla16b,glm-air --rows 1,4 --hf-requests 32 ;;
         largest) step largest 580 "$py" bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes ${LARGEST_SIZES:-2x2} \

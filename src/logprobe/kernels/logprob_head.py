@@ -40,7 +40,7 @@ import torch
 from ..errors import LogprobeError
 from . import interpreting, triton_available
 
-INSERT_TOP_K = 128  # the default config's widest insertion (``KernelConfig.insert_top_k``)
+INSERT_TOP_K = 256  # the default config's widest insertion (``KernelConfig.insert_top_k``)
 # k up to this launches on every GPU the kernel was measured on; where a wider k's registers or
 # shared memory do not fit, the caller falls back to the PyTorch head (exact too), once warned
 ALWAYS_LAUNCHES_TOP_K = 20
