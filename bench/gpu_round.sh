@@ -40,7 +40,7 @@
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 #   profile  gpu_profile.py, where the GPU time goes (kernel families, GPU busy fraction): Qwen3.5-35B-A3B
 #            (16 layers, fla-core from .whl) on 64 W1 requests, default and deterministic (~4), then the prefix
-#            cache on llama-8b one request per call, 32 calls: wall / kernels / CPU ops per call (~3) ........ ~7
+#            cache on llama-8b one request per call, 32 calls: wall / kernels / CPU ops per call (~2) ........ ~6
 # TESTS="moe padded" (file stems) and TEST_LIMIT=70 (seconds per file) narrow the tests step;
 # MOE_ARGS / ACTQ_ARGS replace the moe / actquant steps' arguments, MOE_LIMIT its time limit.
 set -uo pipefail
@@ -128,9 +128,9 @@ for s in "$@"; do
             --dir /dev/shm/moe ;;
         profile)  # fla-core from the carried wheels (the hybrid's gated delta kernels); each scenario its own limit
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
-            step profile_hybrid 480 "$py" bench/gpu_profile.py --scenario hybrid --models qwen35-35b-a3b --layers 16 \
+            step profile_hybrid 330 "$py" bench/gpu_profile.py --scenario hybrid --models qwen35-35b-a3b --layers 16 \
                 --profile-requests 64
-            step profile_prefix 360 "$py" bench/gpu_profile.py --scenario prefix --gpu-shape llama-8b \
+            step profile_prefix 220 "$py" bench/gpu_profile.py --scenario prefix --gpu-shape llama-8b \
                 --checkpoint /tmp/llama8b --calls 32 ;;
         *) echo "unknown step $s" >&2 ;;
     esac
