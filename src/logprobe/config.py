@@ -152,8 +152,9 @@ class Numerics:
         (``Deterministic.tp_invariant`` on a model that can be split).
     attention_block: attention's query/key tile (None: the fastest kernel).
     head_token_chunk / head_vocab_chunk: the log-prob head's tile.
-    triton: RMSNorm, rotary, SiLU(gate) * up and the MoE MLP as Triton passes on CUDA (the
-        default); False: PyTorch ops, a benchmark's baseline (``LlamaModel.use_triton_elementwise``).
+    triton: RMSNorm, rotary, SiLU(gate) * up, the MoE MLP and the hybrid models' short conv as
+        Triton passes on CUDA (the default); False: PyTorch ops, a benchmark's baseline
+        (``LlamaModel.use_triton_elementwise``).
 
         >>> numerics_for(EngineConfig(deterministic=True), "cpu").row_tile
         128

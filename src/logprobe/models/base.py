@@ -69,7 +69,8 @@ class ScoringModel(NumericsUser, nn.Module):
     def use_triton_elementwise(self, on: bool) -> None:
         """RMSNorm, rotary and SiLU(gate) * up as single Triton passes on CUDA (the default), or
         as PyTorch ops (``False``: the benchmark's before/after); MoE blocks switch between the
-        fused Triton kernel (``kernels.moe``) and their PyTorch path the same way. No effect on
+        fused Triton kernel (``kernels.moe``) and their PyTorch path the same way, the hybrid
+        models' short conv between ``kernels.short_conv`` and the batched PyTorch conv. No effect on
         CPU. Kept across the numerics engines hand in (``Numerics.triton``)."""
         self.triton_elementwise = on
         self.set_numerics(replace(self.numerics, triton=True))
