@@ -6,6 +6,8 @@ import torch
 from logprobe.kernels import short_conv
 from logprobe.layers.gated_delta import causal_conv1d
 
+triton = pytest.importorskip("triton")
+
 pytestmark = pytest.mark.skipif(not short_conv.triton_available(), reason="needs triton")
 interp = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -34,3 +36,31 @@ def test_matches_reference(cu, with_state, with_bias, dtype):
         else:
             tol = 1e-6 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(y.float(), ry.float(), rtol=tol, atol=tol)
+
+
+def _ptx(**constexprs) -> str:
+    """The conv kernel's PTX for an H100 (sm_90), built on this machine: no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "s_ptr": "*bf16", "seq_ptr": "*i64",
+           "start_ptr": "*i64", "y_ptr": "*bf16", "T": "i32", "C": "i32"}
+    sig.update({k: "constexpr" for k in ("K", "HAS_BIAS", "SILU", "LIBDEVICE_EXP", "BT", "BC")})
+    consts = dict(K=4, HAS_BIAS=True, LIBDEVICE_EXP=short_conv.libdevice is not None, BT=32, BC=128, **constexprs)
+    src = ASTSource(short_conv._conv_kernel, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=short_conv.CUDA_OPTIONS).asm["ptx"]
+
+
+@pytest.mark.skipif(interp, reason="compiles the CUDA build: not under the interpreter")
+def test_cuda_build_rounds_each_product():
+    """The CUDA build as the wrapper launches it: no FMA in the taps (a fused multiply-add would
+    round once where the reference rounds twice), the SiLU's division correctly rounded (div.rn,
+    not Triton's approximate one), bfloat16 stored rounded to nearest."""
+    try:
+        taps = _ptx(SILU=False)
+    except Exception as e:  # a Triton without an NVIDIA backend here
+        pytest.skip(f"cannot build for sm_90 here: {type(e).__name__}")
+    assert "fma" not in taps and "mul.rn.f32" in taps and "add.rn.f32" in taps
+    assert "cvt.rn.bf16" in taps
+    silu = _ptx(SILU=True)
+    assert "div.rn.f32" in silu and "div.full" not in silu and "div.approx" not in silu

@@ -27,6 +27,7 @@ import torch
 
 from . import triton_available
 
+CUDA_OPTIONS = {"enable_fp_fusion": False}  # no FMA contraction: each product rounded before its add
 triton = None
 libdevice = None
 if triton_available():
@@ -69,7 +70,7 @@ if triton_available():
                 e = libdevice.exp(-acc)
             else:
                 e = tl.exp(-acc)
-            acc = tl.div_rn(acc, 1.0 + e)
+            acc = tl.math.div_rn(acc, 1.0 + e)
         tl.store(y_ptr + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -124,7 +125,7 @@ def causal_conv1d_triton(x, weight, cu_seqlens=None, initial_state=None, bias=No
     y = torch.empty((T, C), dtype=x.dtype if cuda else torch.float32, device=dev)
     finals = torch.empty((N, C, K - 1), dtype=x.dtype, device=dev)
     b = bias.contiguous() if bias is not None else w
-    opts = {"enable_fp_fusion": False} if cuda else {}  # products rounded before adds
+    opts = CUDA_OPTIONS if cuda else {}
     if T:
         grid = (triton.cdiv(T, block_t), triton.cdiv(C, block_c))
         _conv_kernel[grid](x, w, b, state, seq, start, y, T, C, K=K, HAS_BIAS=bias is not None,
