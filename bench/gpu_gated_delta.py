@@ -109,7 +109,8 @@ def fla_conv():
         if initial_state is not None:
             raise ValueError("fla's conv state is [N, C, K] (its own layout): run with zero states")
         cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)
-        out = fla_causal_conv1d(x=x[None], weight=weight, bias=bias, activation=activation, cu_seqlens=cu)
+        host = {} if cu_seqlens is None else {"cu_seqlens_cpu": torch.tensor(cu_seqlens, dtype=torch.long)}
+        out = fla_causal_conv1d(x=x[None], weight=weight, bias=bias, activation=activation, cu_seqlens=cu, **host)
         y = out[0] if isinstance(out, tuple) else out
         return y[0], None
 
