@@ -17,7 +17,8 @@ Triton kernel, ``kernels.short_conv``), the batched PyTorch conv (its fallback) 
 ``causal_conv1d`` where it imports (zero initial states: its state layout is its own): median ms of
 ``triton.testing.do_bench``, GB/s (one read of x, one write of y), max |Δ| of y against the float32
 reference (same bf16 inputs), whether y and the final states equal the batched conv's bit for bit,
-and alone = packed (the longest and shortest sequences).
+and alone = packed (the longest and shortest sequences); other tiles of the Triton kernel
+(``--conv-tiles``) are timed too.
 
     python bench/gpu_gated_delta.py
     python bench/gpu_gated_delta.py --budget 16384 --passes 5
@@ -27,6 +28,7 @@ and alone = packed (the longest and shortest sequences).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from logprobe.kernels.gated_delta import (  # noqa: E402
     chunk_gated_delta_fla,
     fla_available,
 )
+from logprobe.kernels.short_conv import causal_conv1d_triton  # noqa: E402
 from logprobe.layers.gated_delta import causal_conv1d, gated_delta_rule_chunked  # noqa: E402
 
 HK, HV, DK, DV, K = 16, 32, 128, 128, 4
@@ -126,9 +129,10 @@ def conv_lengths(tokens: int, seqs: int) -> list[int]:
     return lengths
 
 
-def conv_table(tokens: int, seqs: int, device: str = "cuda", time_ms=None) -> list[tuple]:
+def conv_table(tokens: int, seqs: int, device: str = "cuda", time_ms=None, tiles: tuple = ()) -> list[tuple]:
     """The conv alone at Qwen3.5-9B's conv shapes (see the module docstring); rows of
     ``(name, ms, GB/s, max |Δ y| vs reference, y = batched, finals = batched, alone = packed)``.
+    ``tiles``: other ``(block_t, block_c)`` of the Triton kernel to time (the tile moves no bit).
     ``time_ms(fn)`` defaults to ``bench_ms`` (CUDA); any device for a smoke run."""
     time_ms = time_ms or bench_ms
     lengths = conv_lengths(tokens, seqs)
@@ -142,6 +146,9 @@ def conv_table(tokens: int, seqs: int, device: str = "cuda", time_ms=None) -> li
     y_b, f_b = causal_conv1d_batched(x, w, cu, s0)
     picks = sorted({lengths.index(max(lengths)), lengths.index(min(lengths))})
     kernels = [("batched (PyTorch)", causal_conv1d_batched, True), ("Triton (the CUDA path)", causal_conv1d_fast, True)]
+    for bt, bc in tiles:
+        tiled = functools.partial(causal_conv1d_triton, block_t=bt, block_c=bc)
+        kernels.append((f"Triton, tile {bt} x {bc}", tiled, True))
     fla = fla_conv()
     if fla is not None:
         kernels.append(("fla-core causal_conv1d (zero states)", fla, False))
@@ -182,9 +189,12 @@ def main() -> None:
     ap.add_argument("--conv-only", action="store_true", help="only the conv-alone table")
     ap.add_argument("--conv-tokens", type=int, default=16384, help="tokens of the conv-alone call")
     ap.add_argument("--conv-seqs", type=int, default=16, help="sequences of the conv-alone call")
+    ap.add_argument("--conv-tiles", default="64x128,16x256,64x64,128x32",
+                    help="other Triton tiles (tokens x channels) to time; the default is 32x128")
     args = ap.parse_args()
     gpu_banner()
-    conv_table(args.conv_tokens, args.conv_seqs)
+    tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.conv_tiles.split(",") if t)
+    conv_table(args.conv_tokens, args.conv_seqs, tiles=tiles)
     if args.conv_only:
         return
 
