@@ -31,6 +31,8 @@ import torch
 from logprobe import EngineConfig
 from logprobe.engine.request import ScoreRequest
 from logprobe.engine.runner import Engine
+from logprobe.executor.profile import COLLECTIVES
+from logprobe.executor.profile import kernel_family as profile_family
 from logprobe.models.llama import LlamaModel
 from logprobe.scoring.windows import sliding_windows
 
@@ -253,28 +255,9 @@ FAMILIES = {
     "nccl": "NCCL",
     "other": "other",
 }
-# (family, lower-case substrings): the first family with a substring in the kernel's name wins, so
-# the specific names come before the generic ones (a flash kernel says "softmax", a cuDNN attention
-# kernel "wgmma", a copy is an "elementwise_kernel" of a copy functor, fla's top-k-free l2norm says "norm")
-_FAMILY_MARKS = (
-    ("nccl", ("nccl",)),
-    ("head", ("_head_partials", "_target_logit", "logprob_head")),
-    ("gated-delta", ("gated_delta", "chunk_fwd", "chunk_local", "chunk_scaled_dot", "kkt", "solve_tril",
-                     "merge_16x16", "recompute_w_u", "wy_fast", "l2norm", "fused_recurrent")),
-    ("conv", ("conv1d", "_conv_kernel", "_final_kernel", "convolution")),
-    ("moe", ("_gate_up_kernel", "_down_kernel", "_combine_kernel", "_combine_rows_kernel", "fused_moe")),
-    ("attention", ("flash", "fmha", "attn", "attention", "sdpa")),
-    ("routing", ("topk", "sort", "softmax", "bincount", "histogram")),  # the router's softmax: the head is fused
-    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "splitk", "matmul", "_scaled_mm",
-                "_w4a16", "_expand")),  # _expand*: GGUF / W4 weights expanded for a GEMM
-    ("copy", ("memcpy", "memset", "copy", "catarray", "chunk_cat", "concat", "index", "gather", "scatter")),
-    ("elementwise", ("elementwise", "norm", "rotary", "rope", "silu", "gelu", "sigmoid", "softplus", "reduce", "fill",
-                     "quantize", "functor", "triton_")),
-)
-
-
 def kernel_family(name: str) -> str:
-    """The family (a key of ``FAMILIES``) of a CUDA kernel's profiler name.
+    """The family (a key of ``FAMILIES``) of a CUDA kernel's profiler name: ``executor.profile``'s,
+    its collectives as one ``nccl`` and its ``gemm`` named ``matmul``.
 
     >>> [kernel_family(n) for n in ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
     ...     "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN", "flash_fwd_kernel", "chunk_gated_delta_rule_fwd_kernel_h",
@@ -284,11 +267,8 @@ def kernel_family(name: str) -> str:
     ...     "causal_conv1d_fwd_kernel", "Memcpy HtoD (Pinned -> Device)", "_rmsnorm", "some_new_kernel")]
     ['moe', 'routing', 'conv', 'copy', 'elementwise', 'other']
     """
-    low = name.lower()
-    for family, marks in _FAMILY_MARKS:
-        if any(m in low for m in marks):
-            return family
-    return "other"
+    family = profile_family(name)  # the library's rules (executor.profile): one classifier
+    return "nccl" if family in COLLECTIVES else "matmul" if family == "gemm" else family
 
 
 def family_times(kernels) -> dict[str, float]:

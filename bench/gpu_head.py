@@ -182,13 +182,16 @@ def wide_topk_table(h, w, y, inv_t, mm: float, rep: int) -> None:
     log("| k | path | block_m | warps | ms | × matmul | same as sorted merges |")
     log("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for k in (32, 64, 128, 256):
-        ref = fused_logprob_head(h, w, y, inv_t, top_k=k, config=KernelConfig(insert_top_k=20))
+        try:  # the sorted merges' output, where they launch (at k = 256 their sorts may not fit)
+            ref = fused_logprob_head(h, w, y, inv_t, top_k=k, config=KernelConfig(insert_top_k=20))
+        except LAUNCH_ERRORS:
+            ref = None
         for c in (KernelConfig(insert_top_k=20), KernelConfig(insert_top_k=256), KernelConfig(insert_top_k=256, block_m=64),
                   KernelConfig(insert_top_k=256, num_warps=4)):
             path = "insertion" if k <= c.insert_top_k else "sorted merges"
             try:
                 out = fused_logprob_head(h, w, y, inv_t, top_k=k, config=c)
-                same = torch.equal(out[4], ref[4]) and torch.equal(out[5], ref[5])
+                same = "—" if ref is None else torch.equal(out[4], ref[4]) and torch.equal(out[5], ref[5])
                 ms = bench_ms(lambda c=c, k=k: fused_logprob_head(h, w, y, inv_t, top_k=k, config=c), rep=rep)
                 cells = f"{ms:.2f} | {ms / mm:.3f} | {same}"
             except Exception as e:  # noqa: BLE001 - a config that does not launch is a row, not an end

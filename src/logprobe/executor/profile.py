@@ -59,20 +59,24 @@ FAMILY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("all-reduce", ("allreduce", "all_reduce")),
     ("broadcast", ("broadcast",)),
     ("head", ("_head_partials", "_target_logit", "logprob_head")),
+    ("gated-delta", ("gated_delta", "chunk_fwd", "chunk_local", "chunk_scaled_dot", "kkt", "solve_tril",
+                     "merge_16x16", "recompute_w_u", "wy_fast", "l2norm", "fused_recurrent")),  # fla's kernels
+    ("conv", ("conv1d", "_conv_kernel", "_final_kernel", "convolution")),
     ("moe", ("_gate_up_kernel", "_down_kernel", "_combine_kernel", "_combine_rows_kernel", "fused_moe")),
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),  # before routing: flash kernels say softmax
     ("routing", ("topk", "sort", "scan", "bincount", "histogram", "nonzero", "deviceselect", "softmax")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "wgmma", "splitk", "matmul", "_scaled_mm",
-              "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+              "_w4a16", "_expand", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),  # _expand*: GGUF / W4
     ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),  # a copy functor's elementwise
     ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "rotary", "rope", "silu", "gelu", "sigmoid",
-                     "fill", "functor", "triton_", "aten::")),
+                     "softplus", "quantize", "fill", "functor", "triton_", "aten::")),
 )
 
 
 def kernel_family(name: str) -> str:
-    """The family of a kernel (CUDA) or op (CPU) name: a collective, ``head``, ``moe`` (the fused
-    expert kernels), ``attention``, ``routing`` (top-k, sorts, scans, softmax), ``gemm``,
+    """The family of a kernel (CUDA) or op (CPU) name: a collective, ``head``, ``gated-delta``
+    (fla's chunk kernels), ``conv`` (the short conv), ``moe`` (the fused expert kernels),
+    ``attention``, ``routing`` (top-k, sorts, scans, softmax), ``gemm``,
     ``copy`` (copies, memsets, gathers and scatters), ``elementwise``, or ``other``.
 
     >>> [kernel_family(n) for n in ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "ncclDevKernel_SendRecv",
