@@ -73,7 +73,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..kernels import triton_available
 from ..kernels.gated_delta import gated_delta_kernels
-from ..kernels.rmsnorm import invariant_rmsnorm
+from ..kernels.rmsnorm import gated_rmsnorm, gated_rmsnorm_reference, gated_rmsnorm_supports
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
 from ..layers.gated_delta import CHUNK_SIZE, GatedRMSNorm, gated_rms_norm
@@ -198,16 +198,24 @@ def _state_blocks(*layers: Linear) -> None:
         layer.col_blocks = layer.col_blocks or [layer.out_features]
 
 
+def triton_norm_runs(x: torch.Tensor) -> bool:
+    """Whether ``RowGatedRMSNorm`` runs its Triton kernels for ``x``: on CUDA with Triton (the tests
+    patch this to run them under the CPU interpreter)."""
+    return x.is_cuda and triton_available()
+
+
 class RowGatedRMSNorm(NumericsUser, GatedRMSNorm):
-    """``gated_delta.gated_rms_norm`` (weight as stored), each row reduced alone on CUDA: the norm
-    and its weight through ``kernels.rmsnorm`` (``w * (o / rms(o)).to(o.dtype)``, the reference's
-    rounding), then the float32 SiLU gate; PyTorch's own reduction there picks its layout by the
-    number of rows, so a token's bits would depend on what is packed beside it."""
+    """``gated_delta.gated_rms_norm`` (weight as stored), each row reduced alone on CUDA: one Triton
+    pass (``kernels.rmsnorm.gated_rmsnorm``: ``w * (o / rms(o)).to(o.dtype)``, the reference's
+    rounding, times the float32 SiLU gate, rounded once), or for dtypes it does not take the norm
+    through ``invariant_rmsnorm`` and the gate in PyTorch; PyTorch's own reduction there picks its
+    layout by the number of rows, so a token's bits would depend on what is packed beside it."""
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if (self.numerics.deterministic or self.numerics.triton) and x.is_cuda and triton_available():
-            normed = invariant_rmsnorm(x, self.weight, self.eps)  # [T, Hv, Dv]
-            return (normed * torch.nn.functional.silu(z.float())).to(x.dtype)
+        if (self.numerics.deterministic or self.numerics.triton) and triton_norm_runs(x):
+            if gated_rmsnorm_supports(x, z, self.weight):
+                return gated_rmsnorm(x, z, self.weight, self.eps)  # z may be a strided view
+            return gated_rmsnorm_reference(x, z, self.weight, self.eps)
         return gated_rms_norm(x, z, self.weight, self.eps)
 
 
