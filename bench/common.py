@@ -31,7 +31,7 @@ import torch
 from logprobe import EngineConfig
 from logprobe.engine.request import ScoreRequest
 from logprobe.engine.runner import Engine
-from logprobe.executor.profile import COLLECTIVES
+from logprobe.executor.profile import COLLECTIVES, busy_union  # noqa: F401 - the benches' too
 from logprobe.executor.profile import kernel_family as profile_family
 from logprobe.models.llama import LlamaModel
 from logprobe.scoring.windows import sliding_windows
@@ -281,21 +281,6 @@ def family_times(kernels) -> dict[str, float]:
     for name, t in kernels:
         out[kernel_family(name)] += t
     return {f: t for f, t in out.items() if t}
-
-
-def busy_union(intervals) -> float:
-    """The length of the union of (start, end) intervals: the time at least one kernel ran.
-
-    >>> busy_union([(0, 4), (2, 6), (10, 11)])
-    7
-    """
-    total, end = 0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total, end = total + (e - s), e
-        elif e > end:
-            total, end = total + (e - end), e
-    return total
 
 
 _PROFILER_OWN = ("torch/profiler", "torch/autograd/profiler", "ProfilerStep", "profiler.py")

@@ -99,20 +99,26 @@ def test_alone_matches_float64_transformers(hybrid):
         assert (got.double() - want).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_chunks_and_shared_prefixes(hybrid, deterministic):
-    loaded, _ = hybrid
-    reqs = mix(2)
+def packed_like_alone(loaded, reqs, budgets, deterministic: bool = True) -> None:
+    """Each request scored alone (no prefix sharing) against the same requests shuffled and packed
+    with shared prefixes at each budget: ``same`` (bitwise in deterministic mode)."""
     alone = [Scorer(loaded, config=EngineConfig(deterministic=deterministic, share_prefixes=False))
              .engine.run([r])[0] for r in reqs]
     rng = random.Random(3)
-    for budget in (64, 100, 257, 1 << 20):
+    for budget in budgets:
         order = list(range(len(reqs)))
         rng.shuffle(order)
         cfg = EngineConfig(max_batch_tokens=budget, deterministic=deterministic, share_prefixes=True)
         out = Scorer(loaded, config=cfg).engine.run([reqs[i] for i in order])
         for i, res in zip(order, out):
             same(alone[i], res, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_chunks_and_shared_prefixes(hybrid, deterministic):
+    loaded, _ = hybrid
+    reqs = mix(2)
+    packed_like_alone(loaded, reqs, (64, 100, 257, 1 << 20), deterministic)
     inputs = [r.tokens[:-1] for r in reqs]
     plans = {b: plan_work(inputs, b, align=64) for b in (100, 257)}
     assert {t.shared for t in (x for b in plans[257] for x in b if not isinstance(x, Chunk))} >= {64, 128}

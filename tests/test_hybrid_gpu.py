@@ -4,17 +4,13 @@ chunk long requests and share prefixes), in float32 and bf16. Skipped without CU
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from helpers import byte_tokenizer, ref_logprobs
-from test_determinism import same
-from test_hybrid_engine import mix, tiny_qwen35
+from test_hybrid_engine import mix, packed_like_alone, tiny_qwen35
 from test_hybrid_engine import torch_reference as torch_reference  # noqa: F401 (a fixture used by name)
 
 from logprobe import Scorer
-from logprobe.config import EngineConfig
 from logprobe.loading import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -49,13 +45,4 @@ def test_deterministic_mode_is_batch_invariant(hybrid_dir, dtype):
     path, _ = hybrid_dir
     loaded = load_model(str(path), "cuda", dtype)
     reqs = mix(2)
-    alone = [Scorer(loaded, config=EngineConfig(deterministic=True, share_prefixes=False)).engine.run([r])[0]
-             for r in reqs]
-    rng = random.Random(3)
-    for budget in (64, 257, 1 << 20):
-        order = list(range(len(reqs)))
-        rng.shuffle(order)
-        out = Scorer(loaded, config=EngineConfig(max_batch_tokens=budget, deterministic=True)).engine.run(
-            [reqs[i] for i in order])
-        for i, res in zip(order, out):
-            same(alone[i], res, exact=True)
+    packed_like_alone(loaded, reqs, (64, 257, 1 << 20))

@@ -122,13 +122,9 @@ def check_model(path: str) -> None:
     """The tiny Qwen3.5 at ``path`` through the engine, its conv Triton's (the CPU selection patched
     to what CUDA selects): log-probs against the float64 transformers ones saved at ``path/want.pt``
     and against the reference conv's; deterministic mode alone vs packed, bitwise."""
-    import random
-
-    from test_determinism import same
-    from test_hybrid_engine import mix
+    from test_hybrid_engine import mix, packed_like_alone
 
     from logprobe import Scorer
-    from logprobe.config import EngineConfig
     from logprobe.loading import load_model
     from logprobe.models import qwen3_next
 
@@ -141,16 +137,7 @@ def check_model(path: str) -> None:
         # float32's floor here: the reference conv's run is ~7e-5 from float64 (|log-prob| up to ~9)
         assert (b.logprobs.double() - w).abs().max() < 1e-4
         assert (a.logprobs - b.logprobs).abs().max() < 3e-5  # seen: 1.1e-5 (SiLU's ulps, 4 layers on)
-    alone = [Scorer(loaded, config=EngineConfig(deterministic=True, share_prefixes=False)).engine.run([r])[0]
-             for r in reqs]
-    rng = random.Random(3)
-    for budget in (64, 1 << 20):
-        order = list(range(len(reqs)))
-        rng.shuffle(order)
-        out = Scorer(loaded, config=EngineConfig(max_batch_tokens=budget, deterministic=True)).engine.run(
-            [reqs[i] for i in order])
-        for i, res in zip(order, out):
-            same(alone[i], res, exact=True)
+    packed_like_alone(loaded, reqs, (64, 1 << 20))
 
 
 def _interpreted(code: str) -> None:
