@@ -6,6 +6,8 @@ chunked rule) reproduces the whole run bit for bit; a cut elsewhere agrees to ro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -142,3 +144,27 @@ def test_a_cache_without_state_is_refused(net):
     x = torch.randn(10, HID)
     with pytest.raises(LogprobeError, match="no state"):
         run(net, x, AttentionMeta([Segment(0, 10, ((0, 64),))], cache=KVCache.empty(1), past=64))
+
+
+def test_levels_as_row_ranges_or_gathers(net):
+    """A level whose segments are one row range is read and written through views, other levels
+    through gathers; both give each segment its alone-run bits, and a strided ``mixed`` (the fused
+    projection's columns, read in place) the contiguous one's."""
+    torch.manual_seed(4)
+    a, p, b, c = (torch.randn(n, HID) for n in (30, 64, 26, 20))
+    alone = {name: run(net, t, AttentionMeta.packed([len(t)])) for name, t in (("a", a), ("c", c))}
+    pb = run(net, torch.cat([p, b]), AttentionMeta.packed([90]))
+    layouts = {  # level 0 (a, p[, c]) one range in the first, split by b in the second
+        "range": ([a, p, b], [Segment(0, 30), Segment(30, 94), Segment(94, 120, ((30, 94),))]),
+        "gather": ([a, p, b, c], [Segment(0, 30), Segment(30, 94), Segment(94, 120, ((30, 94),)), Segment(120, 140)]),
+    }
+    for name, (parts, segments) in layouts.items():
+        rows = torch.cat(parts)
+        o = run(net, rows, AttentionMeta(segments))
+        assert torch.equal(o[:30], alone["a"]) and torch.equal(o[30:120], pb), name
+        if name == "gather":
+            assert torch.equal(o[120:], alone["c"])
+        x = inputs(net, rows)
+        wide = torch.cat([x.mixed, torch.randn(len(rows), 5)], dim=1)[:, :x.mixed.shape[1]]  # row stride C + 5
+        assert not wide.is_contiguous()
+        assert torch.equal(packed_gated_delta(replace(x, mixed=wide), AttentionMeta(segments), 0), o), name

@@ -2,8 +2,9 @@
 the PyTorch reference ``layers.gated_delta.causal_conv1d``.
 
 * The conv alone, as ``packed_gated_delta`` calls it: the taps and the carried state (each
-  sequence's last K - 1 inputs) bit for bit, SiLU to 1e-6; a sequence cut anywhere and carried
-  through its final state equals the uncut run bit for bit; a sequence alone equals it packed.
+  sequence's last K - 1 inputs) bit for bit, a strided input (read in place) as a contiguous one,
+  SiLU to 1e-6; a sequence cut anywhere and carried through its final state equals the uncut run
+  bit for bit; a sequence alone equals it packed.
 * The packed mixer core (``layers.linear_state.packed_gated_delta``) with the Triton conv: within
   1e-5 of the reference conv (float32); on CPU also batch-invariant, chunk-carried through the cache
   and prefix-shared bit for bit (the reference rule is).
@@ -58,6 +59,9 @@ def check_conv(device: str) -> None:
         assert y.dtype == dtype and f.dtype == dtype and f.shape == (len(lengths), C, 3)
         assert torch.equal(y, y_ref) and torch.equal(f, f_ref), dtype  # taps and state: bit for bit
         y, f = conv(x, w, cu, s0)
+        wide = torch.cat([x, x[:, :3]], dim=1)[:, :C]  # rows C + 3 apart, as a slice of a fused projection
+        y_w, f_w = conv(wide, w, cu, s0)
+        assert not wide.is_contiguous() and torch.equal(y_w, y) and torch.equal(f_w, f), dtype
         y_ref, _ = causal_conv1d(x, w, cu, s0)
         tol = 1e-6 if dtype == torch.float32 else 8e-3  # SiLU: a few float32 ulp, then rounded
         torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol)

@@ -47,10 +47,10 @@ import torch.nn.functional as F
 
 from . import triton_available
 from .elementwise import row_invariant
+from .qk_norm import L2_EPS, heads_reference, heads_triton, l2_normalize  # noqa: F401 (L2_EPS: re-exported)
 from .short_conv import causal_conv1d_triton
 
 CHUNK_SIZE = 64  # the chunk length of transformers' and fla's chunked forms
-L2_EPS = 1e-6  # inside the square root of the q/k L2 norm, as transformers and fla
 MAX_GROUP_CHUNKS = 1024  # chunks (of all sequences) computed together: ~1 GiB per float32 tensor at Hv=32, D=128
 
 CuSeqlens = torch.Tensor | Sequence[int] | None
@@ -76,11 +76,6 @@ def sequence_bounds(cu_seqlens: CuSeqlens, total: int) -> list[tuple[int, int]]:
     if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to {total}, got {cu}")
     return list(zip(cu[:-1], cu[1:]))
-
-
-def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    """``x / sqrt(|x|^2 + eps)`` over the last axis (fla's and transformers' form)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def initial_states(initial_state, n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -330,7 +325,8 @@ def chunk_gated_delta_fla(
     ``repeat_interleave`` order). The L2 norm is done here in float32 (``x / sqrt(|x|^2 + 1e-6)``,
     fla's formula) and rounded to the activation dtype, as fla's own in-kernel norm rounds it; it is
     not left to fla because fla's norm kernel is autotuned per token count, which could make a
-    sequence's bits depend on the batch. The scale (default ``Dk^-1/2``) is passed to fla, which
+    sequence's bits depend on the batch. On CUDA it is ``kernels.qk_norm``'s Triton kernel, which
+    also hands fla contiguous q, k, v without PyTorch's copies (``fla_inputs``). The scale (default ``Dk^-1/2``) is passed to fla, which
     applies it in the output (``o = scale * q (...)``), the same product as our pre-scaled q up to
     rounding. ``g`` goes in float32, ``beta`` as given; states are float32 ``[N, Hv, Dk, Dv]``.
     Empty sequences are left out of fla's call (their final state is their initial state)."""
@@ -346,12 +342,10 @@ def chunk_gated_delta_fla(
         return v.new_zeros((0, Hv, Dv)), finals
     nonempty = [i for i, (a, b) in enumerate(bounds) if b > a]
     cu = [0] + [b for a, b in bounds if b > a]
-    act = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    if qk_l2norm:
-        q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    q, k, v = fla_inputs(q, k, v, qk_l2norm, triton=q.is_cuda and triton_available())
     h0 = finals if len(nonempty) == len(bounds) else finals[nonempty]
     o, ht = chunk_gated_delta_rule(
-        q.to(act)[None], k.to(act)[None], v.to(act)[None], g.float()[None], beta[None],
+        q[None], k[None], v[None], g.float()[None], beta[None],
         scale=Dk**-0.5 if scale is None else scale, initial_state=h0.contiguous(), output_final_state=True,
         use_qk_l2norm_in_kernel=False, cu_seqlens=torch.tensor(cu, dtype=torch.long, device=v.device),
         cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long), chunk_size=chunk_size,
@@ -361,6 +355,26 @@ def chunk_gated_delta_fla(
     else:
         finals[nonempty] = ht.float()
     return o[0].to(v.dtype), finals
+
+
+def fla_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_l2norm: bool,
+               triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k [T, Hk, Dk] (normalised when ``qk_l2norm``) and v [T, Hv, Dv] as fla takes them: in the
+    activation dtype (v's when half precision, else float32) and contiguous (fla copies any other
+    input). On the rule's usual inputs, strided views of the conv output, ``triton`` reads each
+    once and writes it once (``kernels.qk_norm``: the norm in float32, rounded once; one ulp of
+    the dtype at most from the PyTorch form); otherwise PyTorch's float32 norm, then casts.
+
+        >>> y = torch.randn(3, 2 * 4 + 2 * 5)  # conv output [T, C]: q, k one head of 4, v two of 5
+        >>> q, k, v = y[:, :4].view(3, 1, 4), y[:, 4:8].view(3, 1, 4), y[:, 8:].view(3, 2, 5)
+        >>> [t.is_contiguous() for t in fla_inputs(q, k, v, True, triton=False)]
+        [True, True, True]
+    """
+    act = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    if triton:
+        v = v if v.is_contiguous() and v.dtype == act else heads_triton(v, act, normalize=False)
+        return heads_triton(q, act, qk_l2norm), heads_triton(k, act, qk_l2norm), v
+    return heads_reference(q, act, qk_l2norm), heads_reference(k, act, qk_l2norm), v.to(act).contiguous()
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ if triton_available():
         libdevice = None
 
     @triton.jit
-    def _conv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, seq_ptr, start_ptr, y_ptr, T, C,
+    def _conv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, seq_ptr, start_ptr, y_ptr, T, C, stride_x,
                      K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr):
         # int64 rows: T * C passes 2^31 at 262k tokens of 8192 channels
@@ -55,7 +55,7 @@ if triton_available():
         for j in tl.static_range(K):  # oldest tap first, as the reference
             p = t - (K - 1) + j
             inside = p >= start
-            xv = tl.load(x_ptr + p[:, None] * C + c[None, :], mask=m & inside[:, None], other=0.0)
+            xv = tl.load(x_ptr + p[:, None] * stride_x + c[None, :], mask=m & inside[:, None], other=0.0)
             si = (K - 1) - (start - p)  # index into the state when p precedes the sequence
             sv = tl.load(s_ptr + (n[:, None] * C + c[None, :]) * (K - 1) + si[:, None],
                          mask=m & (~inside)[:, None], other=0.0)
@@ -74,7 +74,7 @@ if triton_available():
         tl.store(y_ptr + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _final_kernel(x_ptr, s_ptr, cu_ptr, f_ptr, C, K: tl.constexpr, BC: tl.constexpr):
+    def _final_kernel(x_ptr, s_ptr, cu_ptr, f_ptr, C, stride_x, K: tl.constexpr, BC: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = c < C
@@ -83,7 +83,7 @@ if triton_available():
         for i in tl.static_range(K - 1):
             p = end - (K - 1) + i
             if p >= start:
-                v = tl.load(x_ptr + p * C + c, mask=cm, other=0.0)
+                v = tl.load(x_ptr + p * stride_x + c, mask=cm, other=0.0)
             else:
                 v = tl.load(s_ptr + (n * C + c) * (K - 1) + (K - 1) - (start - p), mask=cm, other=0.0)
             tl.store(f_ptr + (n * C + c) * (K - 1) + i, v.to(f_ptr.dtype.element_ty), mask=cm)
@@ -91,7 +91,7 @@ if triton_available():
 
 def causal_conv1d_triton(x, weight, cu_seqlens=None, initial_state=None, bias=None, activation="silu",
                          *, block_t: int = 32, block_c: int = 128):
-    """Same contract as ``layers.gated_delta.causal_conv1d``: x [T, C]; weight [C, K]; cu_seqlens a
+    """Same contract as ``layers.gated_delta.causal_conv1d``: x [T, C] (any row stride); weight [C, K]; cu_seqlens a
     list, a CPU tensor (checked to rise from 0 to T) or a device tensor (trusted: no host sync);
     initial_state [N, C, K - 1] (oldest first, rounded to x's dtype as the reference rounds it) or
     None. Returns ``(y [T, C], finals [N, C, K - 1])`` in x's dtype, finals being each sequence's
@@ -113,7 +113,8 @@ def causal_conv1d_triton(x, weight, cu_seqlens=None, initial_state=None, bias=No
         state = torch.zeros((N, C, K - 1), dtype=x.dtype, device=dev)
     elif tuple(state.shape) != (N, C, K - 1):
         raise ValueError(f"initial_state must be {(N, C, K - 1)}, got {tuple(state.shape)}")
-    x = x.contiguous()
+    if x.stride(1) != 1:  # rows may be strided (a slice of the fused projection's output): no copy
+        x = x.contiguous()
     state = state.to(x.dtype).contiguous()
     w = weight.reshape(C, K).contiguous()
     tok = torch.arange(T, device=dev)
@@ -128,11 +129,11 @@ def causal_conv1d_triton(x, weight, cu_seqlens=None, initial_state=None, bias=No
     opts = CUDA_OPTIONS if cuda else {}
     if T:
         grid = (triton.cdiv(T, block_t), triton.cdiv(C, block_c))
-        _conv_kernel[grid](x, w, b, state, seq, start, y, T, C, K=K, HAS_BIAS=bias is not None,
+        _conv_kernel[grid](x, w, b, state, seq, start, y, T, C, x.stride(0), K=K, HAS_BIAS=bias is not None,
                            SILU=activation is not None, LIBDEVICE_EXP=cuda and libdevice is not None,
                            BT=block_t, BC=block_c, **opts)
     if N:
-        _final_kernel[(N, triton.cdiv(C, block_c))](x, state, cu, finals, C, K=K, BC=block_c)
+        _final_kernel[(N, triton.cdiv(C, block_c))](x, state, cu, finals, C, x.stride(0), K=K, BC=block_c)
     return y.to(x.dtype), finals
 
 

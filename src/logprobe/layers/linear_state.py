@@ -122,10 +122,12 @@ def packed_gated_delta(x: DeltaInputs, meta: AttentionMeta, layer: int, rule: Ru
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        whole = len(idx) == len(segs) and all(segs[s].start == cu[j] for j, s in enumerate(idx))
-        rows = None if whole else torch.cat([torch.arange(segs[s].start, segs[s].end) for s in idx]).to(x.mixed.device)
-        def pick(t: torch.Tensor, rows: torch.Tensor | None = rows) -> torch.Tensor:
-            return t if rows is None else t.index_select(0, rows)
+        lo = segs[idx[0]].start
+        span = all(segs[s].start == lo + cu[j] for j, s in enumerate(idx))  # one row range: views, no gather
+        rows = (slice(lo, lo + cu[-1]) if span else
+                torch.cat([torch.arange(segs[s].start, segs[s].end) for s in idx]).to(x.mixed.device))
+        def pick(t: torch.Tensor, rows: slice | torch.Tensor = rows) -> torch.Tensor:
+            return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
         conv0, rec0 = _initial(route, idx, finals, meta, layer)
         y, conv_fin = conv(pick(x.mixed), x.conv_weight, cu, conv0)
@@ -135,8 +137,8 @@ def packed_gated_delta(x: DeltaInputs, meta: AttentionMeta, layer: int, rule: Ru
         k = k.reshape(T_l, x.num_k_heads, x.head_k_dim)
         v = v.reshape(T_l, x.num_v_heads, x.head_v_dim)  # [T_l, Hv * Dv] -> [T_l, Hv, Dv]
         o, rec_fin = rule(q, k, v, pick(g), pick(beta), cu, rec0)
-        if rows is None:
-            out = o
+        if span and cu[-1] == T:
+            out = o  # the level is every row
         else:
             out[rows] = o
         for j, s in enumerate(idx):

@@ -255,11 +255,13 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
         self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> mixed [T, C], z [T, Hv * Dv], b, a [T, Hv]."""
+        """x [T, H] -> mixed [T, C], z [T, Hv * Dv], b, a [T, Hv]. ``mixed`` may be a view with a
+        longer row stride (the fused projection's first columns): the conv reads it in place."""
         if self.in_proj is None:
             return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         sizes = [self.in_proj_qkv.out_features, self.value_dim, self.num_v_heads, self.num_v_heads]  # this rank's
-        return tuple(t.contiguous() for t in self.in_proj(x).split(sizes, dim=-1))
+        mixed, *rest = self.in_proj(x).split(sizes, dim=-1)
+        return (mixed, *(t.contiguous() for t in rest))
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
