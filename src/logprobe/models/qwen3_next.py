@@ -255,13 +255,14 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
         self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> mixed [T, C], z [T, Hv * Dv], b, a [T, Hv]. ``mixed`` may be a view with a
-        longer row stride (the fused projection's first columns): the conv reads it in place."""
+        """x [T, H] -> mixed [T, C], z [T, Hv * Dv], b, a [T, Hv]. ``mixed`` and ``z`` may be views
+        with a longer row stride (the fused projection's columns): the conv and the gated norm read
+        them in place; the small b, a are copied out."""
         if self.in_proj is None:
             return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         sizes = [self.in_proj_qkv.out_features, self.value_dim, self.num_v_heads, self.num_v_heads]  # this rank's
-        mixed, *rest = self.in_proj(x).split(sizes, dim=-1)
-        return (mixed, *(t.contiguous() for t in rest))
+        mixed, z, b, a = self.in_proj(x).split(sizes, dim=-1)
+        return mixed, z, b.contiguous(), a.contiguous()
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         T = x.shape[0]
