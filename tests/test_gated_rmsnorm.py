@@ -81,8 +81,10 @@ def check_kernel(device: str, T: int, Hv: int, D: int) -> dict:
         alone = [gated_rmsnorm(x[t:t + 1], z[t:t + 1], w, EPS) for t in (0, T // 2, T - 1)]
         mid = gated_rmsnorm(x[1:T - 2].clone(), z[1:T - 2], w, EPS)  # rows at other places in their programs
         key = name + ("-w32" if w_dtype else "")
+        exp = _expected(x, z, w)
         out[key] = {
-            "bitwise": bool(torch.equal(y, _expected(x, z, w))),
+            "bitwise": bool(torch.equal(y, exp)),
+            "n_diff": int((y != exp).sum()), "err_expected": float((y.double() - exp.double()).abs().max()),
             "err_ref": float((y.double() - ref.double()).abs().max()),
             "err_f64": float((y.double() - f64).abs().max()),
             "scale": float(f64.abs().max()),
