@@ -25,7 +25,8 @@
 #   head     the head alone at M = 16k, V = 128k: fused (+entropy, +top-20), chunked, packed Q6_K head ... ~3
 #   hybridtests  the hybrid GPU tests (fla-core from .whl) and the gated delta kernels alone ........... ~5
 #   conv     the short conv alone: Triton vs batched PyTorch vs fla-core's, Qwen3.5-9B shapes (+ its tests) ... ~2
-#   hybrid   Qwen3.5 hybrids' W1 against transformers with and without fla-core (a call of its own) ... ~9
+#   hybrid   Qwen3.5 hybrids' W1 against transformers with and without fla-core, logprobe's default and
+#            deterministic rows in 2 alternating passes, no row 5 (a call of its own) ........................ ~7
 #   families the Gemma 4 / Gemma 3 / GLM-4 / DeepSeek-V3 / GLM-4.5 CUDA tests, then the Gemma 4 E4B-like
 #            cut against transformers with float32 weights on both sides (|delta| ~1e-5 if exact) ....... ~5
 #   weightsync  2 GPUs: torchrl from .whl; the NCCL weight-sync tests (torchrl's SGLang scheme included), then
@@ -89,7 +90,7 @@ for s in "$@"; do
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step hybrid_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py \
                 tests/test_gated_delta_kernels.py tests/test_qwen3_next.py tests/test_short_conv_triton.py \
-                tests/test_short_conv_model.py
+                tests/test_short_conv_model.py tests/test_gated_rmsnorm.py
             step hybrid_kernels 180 "$py" bench/gpu_gated_delta.py ;;
         conv)  # the conv alone (fla-core from the carried wheels, for its causal_conv1d), then its CUDA tests
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
@@ -98,7 +99,7 @@ for s in "$@"; do
                 tests/test_short_conv_model.py tests/test_gated_delta_kernels.py ;;
         hybrid)  # a call of its own: W1 against transformers with and without fla-core (~9 minutes)
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
-            step hybrid 580 "$py" bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b ;;
+            step hybrid 580 "$py" bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b --passes 2 --rows 1,2,3,4 ;;
         families)  # installs nothing: the CUDA family tests, then the Gemma 4 shape at float32
             step families_tests 300 "$py" -m pytest -q -p no:cacheprovider tests/test_families_gpu.py
             step families_gemma4_f32 280 "$py" bench/gpu_families.py --models gemma4-e4b --dtype float32 \
