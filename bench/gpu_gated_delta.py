@@ -11,7 +11,7 @@ sequences packed with random initial states, then its longest and shortest seque
 initial state): ``alone = packed`` when outputs and final states are bit-identical; ``rerun`` when
 a second packed run repeats the first bit for bit. No timed assertions: it prints tables.
 
-The conv alone (``--conv-only`` skips everything else): one layer call at the same shapes, ``--conv-tokens``
+The conv alone (``--conv-only`` skips all but it and fla's inputs): one layer call at the same shapes, ``--conv-tokens``
 bf16 tokens in ``--conv-seqs`` sequences with random bf16 initial states, for the conv on CUDA (the
 Triton kernel, ``kernels.short_conv``), the batched PyTorch conv (its fallback) and fla-core's
 ``causal_conv1d`` where it imports (zero initial states: its state layout is its own): median ms of
@@ -19,6 +19,13 @@ Triton kernel, ``kernels.short_conv``), the batched PyTorch conv (its fallback) 
 reference (same bf16 inputs), whether y and the final states equal the batched conv's bit for bit,
 and alone = packed (the longest and shortest sequences); other tiles of the Triton kernel
 (``--conv-tiles``) are timed too.
+
+fla's inputs alone (printed with the conv table): q, k, v as views of a bf16 conv output
+``[--conv-tokens, C]`` turned into what fla-core takes (q, k L2-normalised, all three contiguous
+bf16) by PyTorch (float32 copies, the norm, casts, the copy fla makes of the strided v) and by the
+Triton kernel (``kernels.qk_norm``, the CUDA path): median ms, GB/s (one read, one write), max |Δ|
+of q, k against the float64 norm and between the two, the share of elements that differ, and
+alone = packed (the first and last 1000 rows alone, bit for bit).
 
     python bench/gpu_gated_delta.py
     python bench/gpu_gated_delta.py --budget 16384 --passes 5
@@ -44,6 +51,7 @@ from logprobe.kernels.gated_delta import (  # noqa: E402
     chunk_gated_delta_batched,
     chunk_gated_delta_fla,
     fla_available,
+    fla_inputs,
 )
 from logprobe.kernels.short_conv import causal_conv1d_triton  # noqa: E402
 from logprobe.layers.gated_delta import causal_conv1d, gated_delta_rule_chunked  # noqa: E402
@@ -181,12 +189,43 @@ def conv_table(tokens: int, seqs: int, device: str = "cuda", time_ms=None, tiles
     return rows
 
 
+def qk_table(tokens: int, device: str = "cuda", time_ms=None) -> list[tuple]:
+    """fla's inputs from the conv output (see the module docstring); rows of ``(name, ms, GB/s,
+    max |Δ q, k| vs float64, max |Δ| vs the PyTorch form, share differing, alone = packed)``."""
+    time_ms = time_ms or bench_ms
+    g = torch.Generator(device=device).manual_seed(3)
+    y = torch.randn(tokens, CONV_C, device=device, generator=g).to(torch.bfloat16)  # the conv output [T, C]
+    q = y[:, :HK * DK].view(tokens, HK, DK)  # strided views, as packed_gated_delta hands them
+    k = y[:, HK * DK:2 * HK * DK].view(tokens, HK, DK)
+    v = y[:, 2 * HK * DK:].view(tokens, HV, DV)
+    truth = [t.double() / (t.double().square().sum(-1, keepdim=True) + 1e-6).sqrt() for t in (q, k)]
+    base = fla_inputs(q, k, v, True, triton=False)
+    rows = []
+    for name, triton in (("PyTorch (float32 norm, casts, v copied)", False), ("Triton (kernels.qk_norm)", True)):
+        ms = time_ms(lambda triton=triton: fla_inputs(q, k, v, True, triton=triton))
+        out = fla_inputs(q, k, v, True, triton=triton)
+        d64 = max((o.double() - t).abs().max().item() for o, t in zip(out, truth))
+        dbase = max((o.float() - b.float()).abs().max().item() for o, b in zip(out, base))
+        share = sum((o != b).sum().item() for o, b in zip(out[:2], base[:2])) / (2 * q.numel())
+        alone = all(torch.equal(a, b[rows_]) for rows_ in (slice(0, 1000), slice(tokens - 1000, tokens))
+                    for a, b in zip(fla_inputs(q[rows_], k[rows_], v[rows_], True, triton=triton), out))
+        gbs = 2 * y.numel() * y.element_size() / (ms * 1e-3) / 1e9
+        rows.append((name, ms, gbs, d64, dbase, share, alone and torch.equal(out[2], base[2])))
+    log(f"\n## fla's inputs from the conv output: {tokens} bf16 tokens, q, k {HK} x {DK}, v {HV} x {DV}")
+    log("| q, k, v for fla | ms | GB/s | max abs Δ q, k vs float64 | vs PyTorch | share differing | "
+        "alone = packed, v equal |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for r in rows:
+        log(f"| {r[0]} | {r[1]:.3f} | {r[2]:.0f} | {r[3]:.2e} | {r[4]:.2e} | {r[5]:.1e} | {r[6]} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=int, default=32768, help="tokens per layer call (the engine's CUDA budget)")
     ap.add_argument("--passes", type=int, default=3, help="timed passes over all calls (best kept)")
     ap.add_argument("--reference-passes", type=int, default=1, help="passes for the slow per-sequence reference")
-    ap.add_argument("--conv-only", action="store_true", help="only the conv-alone table")
+    ap.add_argument("--conv-only", action="store_true", help="only the conv-alone and fla-input tables")
     ap.add_argument("--conv-tokens", type=int, default=16384, help="tokens of the conv-alone call")
     ap.add_argument("--conv-seqs", type=int, default=16, help="sequences of the conv-alone call")
     ap.add_argument("--conv-tiles", default="64x128,16x256,64x64,128x32",
@@ -195,6 +234,7 @@ def main() -> None:
     gpu_banner()
     tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.conv_tiles.split(",") if t)
     conv_table(args.conv_tokens, args.conv_seqs, tiles=tiles)
+    qk_table(args.conv_tokens)
     if args.conv_only:
         return
 
