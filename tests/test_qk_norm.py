@@ -8,7 +8,11 @@ Inputs are what the rule gets: strided ``[T, H, D]`` views of a conv output ``y 
   results differ by a few ulp, so a rounding may land on the other side of a half);
 * the copy (``normalize=False``): bit for bit;
 * batch invariance: a row's bits whatever T and wherever the row sits;
-* ``fla_inputs`` with the kernel equals it without, to the same bounds, all three contiguous.
+* ``fla_inputs`` with the kernel equals it without, to the same bounds, all three contiguous;
+* a whole tiny Qwen3.5 through the engine on the CUDA path as far as the CPU goes (the Triton conv
+  on the fused projection's strided columns, then the kernel's q, k, v into the reference rule):
+  log-probs within 1e-4 of the float64 transformers ones and 3e-5 of the reference path, and
+  deterministic mode alone vs packed bitwise (slow tier).
 
 CPU: Triton's interpreter in a fresh process (``helpers.run_interpreted``); CUDA (``-m gpu``): the same
 checks on the GPU.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_interpreted
+from test_short_conv_model import hf_torch_kernels  # noqa: F401 (a fixture)
 
 from logprobe.kernels import triton_available
 from logprobe.kernels.qk_norm import heads_reference
@@ -82,6 +87,54 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton")
 @needs_triton
 def test_heads_interpreted():
     r = run_interpreted("from test_qk_norm import check_heads\ncheck_heads('cpu')\nprint('ok')")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def check_model(path: str) -> None:
+    """The tiny Qwen3.5 at ``path`` (``test_short_conv_model``'s, with ``want.pt``) through the engine
+    with the Triton conv and the rule fed by ``fla_inputs(..., triton=True)``."""
+    from test_hybrid_engine import mix, packed_like_alone
+    from test_short_conv_model import _conv
+
+    from logprobe import Scorer
+    from logprobe.kernels.gated_delta import fla_inputs
+    from logprobe.layers.gated_delta import gated_delta_rule_chunked
+    from logprobe.loading import load_model
+    from logprobe.models import qwen3_next
+
+    def rule(q, k, v, g, beta, cu_seqlens=None, initial_state=None):
+        q, k, v = fla_inputs(q, k, v, True, triton=True)  # what fla would get on CUDA
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        return gated_delta_rule_chunked(q, k, v, g, beta, cu_seqlens, initial_state, qk_l2norm=False)
+
+    loaded = load_model(path, "cpu", "float32")
+    reqs, want = mix(1), torch.load(f"{path}/want.pt")
+    ref = Scorer(loaded).engine.run(reqs)
+    conv = _conv(64, 64)
+    qwen3_next.gated_delta_kernels = lambda device, deterministic, triton=True: (rule, conv)
+    for a, b, w in zip(ref, Scorer(loaded).engine.run(reqs), want):
+        assert (b.logprobs.double() - w).abs().max() < 1e-4  # float32's floor (the reference: ~7e-5)
+        assert (a.logprobs - b.logprobs).abs().max() < 3e-5
+    packed_like_alone(loaded, reqs, (64, 1 << 20))
+
+
+@pytest.mark.slow
+@needs_triton
+def test_tiny_qwen35_interpreted(tmp_path, hf_torch_kernels):  # noqa: F811
+    from helpers import byte_tokenizer, ref_logprobs
+    from test_hybrid_engine import mix, tiny_qwen35
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(tiny_qwen35()).float().eval()
+    model.save_pretrained(str(tmp_path))
+    byte_tokenizer()[0].save_pretrained(str(tmp_path))
+    want = []
+    for r in mix(1):  # the float64 transformers log-probs of the scored tokens
+        lp = ref_logprobs(model.double(), r.tokens, r.temperature)[r.score_begin - 1:-1]
+        want.append(lp.gather(1, torch.tensor(r.tokens[r.score_begin:])[:, None])[:, 0])
+    torch.save(want, tmp_path / "want.pt")
+    r = run_interpreted(f"from test_qk_norm import check_model\ncheck_model({str(tmp_path)!r})\nprint('ok')")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
