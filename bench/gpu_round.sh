@@ -90,13 +90,13 @@ for s in "$@"; do
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step hybrid_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py \
                 tests/test_gated_delta_kernels.py tests/test_qwen3_next.py tests/test_short_conv_triton.py \
-                tests/test_short_conv_model.py tests/test_gated_rmsnorm.py
+                tests/test_short_conv_model.py tests/test_gated_rmsnorm.py tests/test_qk_norm.py
             step hybrid_kernels 180 "$py" bench/gpu_gated_delta.py ;;
         conv)  # the conv alone (fla-core from the carried wheels, for its causal_conv1d), then its CUDA tests
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step conv 120 "$py" bench/gpu_gated_delta.py --conv-only
             step conv_tests 120 "$py" -m pytest -q -p no:cacheprovider tests/test_short_conv_triton.py \
-                tests/test_short_conv_model.py tests/test_gated_delta_kernels.py ;;
+                tests/test_short_conv_model.py tests/test_gated_delta_kernels.py tests/test_qk_norm.py ;;
         hybrid)  # a call of its own: W1 against transformers with and without fla-core (~9 minutes)
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step hybrid 580 "$py" bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b --passes 2 --rows 1,2,3,4 ;;
