@@ -23,7 +23,7 @@
 #   long     llama-8b W4: one 32k and one 128k sequence, and the 128k one against transformers' trunk ... ~4
 #   options  W1 plain vs temperature 0.7 + top-5 + entropy, llama-1b and llama-8b (issue 19) ............ ~3
 #   head     the head alone at M = 16k, V = 128k: fused (+entropy, +top-20), chunked, packed Q6_K head ... ~3
-#   hybridtests  the hybrid GPU tests (fla-core from .whl) and the gated delta kernels alone ........... ~5
+#   hybridtests  the hybrid GPU tests (fla-core from .whl), the gated delta kernels and gated norm alone ... ~6
 #   conv     the short conv alone: Triton vs batched PyTorch vs fla-core's, Qwen3.5-9B shapes (+ its tests) ... ~2
 #   hybrid   Qwen3.5 hybrids' W1 against transformers with and without fla-core, logprobe's default and
 #            deterministic rows in 2 alternating passes, no row 5 (a call of its own) ........................ ~7
@@ -91,7 +91,8 @@ for s in "$@"; do
             step hybrid_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py \
                 tests/test_gated_delta_kernels.py tests/test_qwen3_next.py tests/test_short_conv_triton.py \
                 tests/test_short_conv_model.py tests/test_gated_rmsnorm.py tests/test_qk_norm.py
-            step hybrid_kernels 180 "$py" bench/gpu_gated_delta.py ;;
+            step hybrid_kernels 180 "$py" bench/gpu_gated_delta.py
+            step gated_norm 120 "$py" bench/gpu_gated_norm.py ;;
         conv)  # the conv alone (fla-core from the carried wheels, for its causal_conv1d), then its CUDA tests
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step conv 120 "$py" bench/gpu_gated_delta.py --conv-only
