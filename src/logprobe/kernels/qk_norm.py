@@ -38,7 +38,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compiled kernel whatever T (no divisibility variants)
     def _heads_kernel(x_ptr, y_ptr, T, H, D, stride_t, stride_h, eps,
                       NORMALIZE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         # int64 offsets: T * row stride passes 2^31 at 262k tokens of 8192 channels
