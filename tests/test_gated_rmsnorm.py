@@ -5,7 +5,8 @@ Qwen3-Next ``RowGatedRMSNorm`` on CUDA) against its references.
   float32 SiLU gate, rounded once) in float32, float16 and bfloat16, with the gate a strided slice of
   a wider projection; within a stated bound of the PyTorch reference ``gated_rms_norm`` and of float64.
 * Batch invariance: a row's bits do not depend on how many rows come with it or where it sits.
-* A tiny Qwen3.5 through the engine with the kernel in every linear-attention layer: log-probs within
+* A tiny Qwen3.5 through the engine with the kernel in every linear-attention layer (z read in place
+  from the fused projection): log-probs within
   float32 rounding of the PyTorch norm's and of float64 transformers.
 
 CPU: Triton's interpreter in a fresh process (``helpers.run_interpreted``), where SiLU's exp is
@@ -178,10 +179,10 @@ def check_model(path: str) -> str:
     ref = Scorer(loaded).engine.run(reqs)
     calls = []
     kernel = rmsnorm.gated_rmsnorm
-    qwen3_next.gated_rmsnorm = lambda *a: calls.append(1) or kernel(*a)
+    qwen3_next.gated_rmsnorm = lambda x, z, w, eps: calls.append(z.is_contiguous()) or kernel(x, z, w, eps)
     qwen3_next.triton_norm_runs = lambda x: True
     got = Scorer(loaded).engine.run(reqs)
-    assert len(calls) >= 3, calls  # three linear-attention layers
+    assert len(calls) >= 3 and not any(calls), calls  # three layers, z read in place from the fused projection
     worst = 0.0
     for a, b, w in zip(ref, got, want):
         assert (b.logprobs.double() - w).abs().max() < 1e-4  # float32's floor vs float64 here
