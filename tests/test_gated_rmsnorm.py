@@ -6,8 +6,8 @@ Qwen3-Next ``RowGatedRMSNorm`` on CUDA) against its references.
   a wider projection; within a stated bound of the PyTorch reference ``gated_rms_norm`` and of float64.
 * Batch invariance: a row's bits do not depend on how many rows come with it or where it sits.
 * A tiny Qwen3.5 through the engine with the kernel in every linear-attention layer (z read in place
-  from the fused projection): log-probs within
-  float32 rounding of the PyTorch norm's and of float64 transformers.
+  from the fused projection): log-probs within float32 rounding of the PyTorch norm's and of float64
+  transformers.
 
 CPU: Triton's interpreter in a fresh process (``helpers.run_interpreted``), where SiLU's exp is
 NumPy's, so the bitwise checks use NumPy's SiLU; on CUDA (``-m gpu``) PyTorch's own SiLU.
