@@ -39,6 +39,7 @@
 #   moe4     4 GPUs: the same two shapes at TP = EP = 1, 2 and 4, data-split attention ................... ~10
 #   wide     top-k on the insertion path vs sorted merges: CUDA tests, the head alone, llama-8b W1 ........ ~6
 #   deepseek_hf  the MLA shape and the GLM-4.5-Air cut against transformers (32 requests) ............. ~3
+#   hybridmoe  the hybrid kernels' CUDA tests, qwen35-35b-a3b W1 vs transformers + fla, its profile ......... ~9
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 #   profile  gpu_profile.py, where the GPU time goes (kernel families, GPU busy fraction): Qwen3.5-35B-A3B
 #            (16 layers, fla-core from .whl) on 64 W1 requests, default and deterministic (~4), then the prefix
@@ -98,6 +99,14 @@ for s in "$@"; do
             step conv 120 "$py" bench/gpu_gated_delta.py --conv-only
             step conv_tests 120 "$py" -m pytest -q -p no:cacheprovider tests/test_short_conv_triton.py \
                 tests/test_short_conv_model.py tests/test_gated_delta_kernels.py tests/test_qk_norm.py ;;
+        hybridmoe)  # one GPU, < 10 minutes: the hybrid kernels' CUDA tests, the MoE shape's W1 against
+            # transformers + fla (two alternating logprobe passes), then its profile
+            "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
+            step hybridmoe_tests 150 "$py" -m pytest -q -p no:cacheprovider tests/test_qk_norm.py \
+                tests/test_gated_rmsnorm.py tests/test_hybrid_gpu.py
+            step hybridmoe 300 "$py" bench/gpu_hybrid.py --models qwen35-35b-a3b --passes 2 --rows 1,2,3
+            step hybridmoe_profile 130 "$py" bench/gpu_profile.py --scenario hybrid --models qwen35-35b-a3b \
+                --layers 16 --profile-requests 64 ;;
         hybrid)  # a call of its own: W1 against transformers with and without fla-core (~9 minutes)
             "$py" -m pip install -q --no-index --find-links .whl fla-core einops >/dev/null 2>&1
             step hybrid 580 "$py" bench/gpu_hybrid.py --models qwen35-9b,qwen35-35b-a3b --passes 2 --rows 1,2,3,4 ;;
