@@ -138,7 +138,8 @@ def test_batched_conv_bit_identical(channels, dtype):
 @pytest.mark.parametrize("has_triton", [True, False])
 def test_selector_policy(monkeypatch, has_triton):
     """The conv on CUDA: Triton's where it imports and ``Numerics.triton`` is on, in both modes;
-    the batched one otherwise. The rule: fla's, else batched (default) or the reference (None)."""
+    the batched one otherwise. The rule: fla's for 16-bit activations, else batched (default) or the
+    reference (None)."""
     from logprobe.kernels import gated_delta as kgd
 
     assert gated_delta_kernels("cpu", False) == (None, None)
@@ -154,6 +155,11 @@ def test_selector_policy(monkeypatch, has_triton):
         assert conv is fast
         assert rule is (chunk_gated_delta_fla if has_fla else None)
         assert gated_delta_kernels("cuda", True, triton=False)[1] is causal_conv1d_batched
+        # float32 activations never go to fla (its float32 products are TF32)
+        assert gated_delta_kernels("cuda", False, dtype=torch.float32)[0] is chunk_gated_delta_batched
+        assert gated_delta_kernels("cuda", True, dtype=torch.float32)[0] is None
+        assert gated_delta_kernels("cuda", False, dtype=torch.float16)[0] is (
+            chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
 
 
 def test_fast_conv_keeps_float64_on_the_reference():

@@ -381,8 +381,8 @@ def fla_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_l2norm: boo
 # Which kernels
 
 
-def gated_delta_kernels(device: torch.device | str, deterministic: bool,
-                        triton: bool = True) -> tuple[Kernel | None, Kernel | None]:
+def gated_delta_kernels(device: torch.device | str, deterministic: bool, triton: bool = True,
+                        dtype: torch.dtype = torch.bfloat16) -> tuple[Kernel | None, Kernel | None]:
     """``(rule, conv)`` for ``layers.linear_state.packed_gated_delta`` on ``device``; ``None`` means
     "keep the reference" (``layers.gated_delta``'s, which this floor cannot name).
 
@@ -400,10 +400,15 @@ def gated_delta_kernels(device: torch.device | str, deterministic: bool,
       The batched PyTorch rule is not used there: its cuBLAS batched GEMMs and batched triangular
       solve pick kernels by batch count. On an H100 (torch 2.11, cu130) it was bit-identical alone
       and packed at Qwen3.5-9B shapes (Hv = 32, 15 sequences), but not at Hv = 8 with 7 short
-      sequences. Without fla the reference's per-sequence loop is kept (``None``)."""
+      sequences. Without fla the reference's per-sequence loop is kept (``None``).
+    * CUDA, float32 activations (``dtype``): never fla. Its products of float32 inputs run in TF32
+      (``tl.dot``'s default, and its triangular solve asks for TF32 where the GPU has it): on an
+      H200 a tiny Qwen3.5 in float32 was 8.9e-3 from float64 through fla, where the float32 rule
+      is exact to ~1e-5. Float32 gets the batched PyTorch rule (default mode; PyTorch keeps float32
+      GEMMs in full precision unless told otherwise) or the reference (deterministic)."""
     if torch.device(device).type != "cuda":
         return None, None
     conv = causal_conv1d_fast if triton and triton_available() else causal_conv1d_batched
-    if fla_available():
+    if fla_available() and dtype in (torch.bfloat16, torch.float16):
         return chunk_gated_delta_fla, conv
     return (None if deterministic else chunk_gated_delta_batched), conv

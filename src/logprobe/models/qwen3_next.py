@@ -273,7 +273,7 @@ class GatedDeltaMixer(NumericsUser, nn.Module):
             num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
             head_v_dim=self.head_v_dim)
         num = self.numerics
-        rule, conv = gated_delta_kernels(x.device, num.deterministic, num.triton)  # None: the reference
+        rule, conv = gated_delta_kernels(x.device, num.deterministic, num.triton, x.dtype)  # None: the reference
         kernels = {k: f for k, f in (("rule", rule), ("conv", conv)) if f is not None}
         o = packed_gated_delta(inputs, meta, self.layer_idx, **kernels)  # [T, Hv, Dv]
         z = z.view(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
