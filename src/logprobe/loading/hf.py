@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -279,12 +280,40 @@ def hf_tokenizer(path: Path):
 def load_transformers_model(path: Path, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    check_quantization(read_config(path), path, native=False)
+    cfg = read_config(path)
+    check_quantization(cfg, path, native=False)
     _check_transformers_dtypes(path)
+    problem = fla_float32_problem(cfg, device.type, dtype, importlib.util.find_spec("fla") is not None)
+    if problem:
+        raise LogprobeError("dtype", problem, "score in bfloat16, or with the native backend (this family's "
+                            "default), which keeps float32 exact on CUDA")
     try:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     except (ValueError, KeyError, OSError) as e:
         raise LogprobeError("model", f"transformers cannot load {path} as a causal LM ({e})") from e
+
+
+def fla_float32_problem(cfg: dict, device_type: str, dtype: torch.dtype, fla_installed: bool) -> str | None:
+    """Why transformers would not score this model exactly in float32, or None: where fla-core is
+    installed, transformers runs linear-attention layers (Qwen3-Next, Qwen3.5: ``layer_types``
+    holding ``linear_attention``) in its Triton kernels on CUDA, whose products of float32 inputs
+    are TF32 (measured 8.9e-3 from float64 on a tiny Qwen3.5, where float32 is ~1e-5).
+
+    >>> cfg = {"model_type": "qwen3_5", "text_config": {"layer_types": ["linear_attention", "full_attention"]}}
+    >>> fla_float32_problem(cfg, "cuda", torch.float32, True).split(" in ")[0]
+    "transformers would run qwen3_5's linear-attention layers"
+    >>> [fla_float32_problem(cfg, d, t, f) for d, t, f in (("cpu", torch.float32, True),
+    ...  ("cuda", torch.bfloat16, True), ("cuda", torch.float32, False))]
+    [None, None, None]
+    >>> fla_float32_problem({"model_type": "llama"}, "cuda", torch.float32, True) is None
+    True
+    """
+    text = cfg.get("text_config") or cfg
+    linear = "linear_attention" in (text.get("layer_types") or cfg.get("layer_types") or ())
+    if not (linear and fla_installed and device_type == "cuda" and dtype == torch.float32):
+        return None
+    return (f"transformers would run {cfg.get('model_type')}'s linear-attention layers in fla-core's kernels, "
+            "whose float32 products are TF32 (about 1e-2 from float64, not float32's 1e-5)")
 
 
 def _check_transformers_dtypes(path: Path) -> None:
