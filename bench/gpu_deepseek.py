@@ -220,7 +220,7 @@ def logprobe_rows(args, name, cfg, model_cls, reqs, dev, dtype, rows):
         for k, det in ((1, False), (2, True)):
             if k == 2 and 2 not in args.rows:
                 continue
-            r = dict(zip(("lp", "sec", "peak"), timed(dev, lambda: run_engine(model, reqs, dev, det))), w=wb)
+            r = dict(zip(("lp", "sec", "peak"), timed(dev, lambda det=det: run_engine(model, reqs, dev, det))), w=wb)
             log(f"  row {k} pass {p + 1}: {r['sec']:.2f} s")
             if k not in rows or r["sec"] < rows[k]["sec"]:
                 rows[k] = r

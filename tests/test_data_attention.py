@@ -21,12 +21,12 @@ from helpers import byte_tokenizer
 
 from logprobe import LogprobeError
 from logprobe.config import EngineConfig, numerics_for
+from logprobe.engine.budget import CPU_BUDGET, budget_for, row_ranks
+from logprobe.engine.scheduler import Chunk, Tree, plan_work
 from logprobe.layers.attention import AttentionMeta, Segment
 from logprobe.layers.hooks import CaptureTable, Hooks
 from logprobe.loading.loader import attention_layout, describe_model, load_model, load_shard, parallel_context
 from logprobe.parallel.context import ParallelContext
-from logprobe.engine.budget import CPU_BUDGET, budget_for, row_ranks
-from logprobe.engine.scheduler import Chunk, Tree, plan_work
 from logprobe.parallel.rows import RowSplit, assign_rows, balanced_order, max_share
 
 transformers = pytest.importorskip("transformers")

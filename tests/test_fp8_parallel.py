@@ -34,13 +34,13 @@ from helpers import ref_logprobs, tiny_config
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
 from logprobe.layers.fp8_block_linear import FP8BlockExperts, FP8BlockLinear
-from logprobe.loading.hf import native_config, read_config
+from logprobe.loading.hf import read_config
 from logprobe.loading.loader import describe_model, parallel_context
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from test_fp8_block import _proj, _sequences, write_fp8  # noqa: E402
-from test_moe_parallel import FIELDS, OPTS, _bits_equal  # noqa: E402
+from test_moe_parallel import OPTS, _bits_equal  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 BLOCK = (24, 16)

@@ -196,25 +196,16 @@ def check_model(path: str) -> str:
 def test_tiny_qwen35_interpreted(tmp_path):
     import inspect
 
-    from helpers import byte_tokenizer, ref_logprobs
-    from test_hybrid_engine import mix, tiny_qwen35
+    from test_hybrid_engine import mix, save_tiny_qwen35
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mod
 
     mp = pytest.MonkeyPatch()
     for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):  # fla-core's do not run on CPU
         mp.setattr(mod, name, inspect.unwrap(getattr(mod, name)))
     try:
-        torch.manual_seed(0)
-        model = mod.Qwen3_5ForCausalLM(tiny_qwen35()).float().eval()
-        model.save_pretrained(str(tmp_path))
-        byte_tokenizer()[0].save_pretrained(str(tmp_path))
-        want = []
-        for r in mix(1)[-3:-1]:  # the float64 transformers log-probs of the scored tokens
-            lp = ref_logprobs(model.double(), r.tokens, r.temperature)[r.score_begin - 1:-1]
-            want.append(lp.gather(1, torch.tensor(r.tokens[r.score_begin:])[:, None])[:, 0])
+        save_tiny_qwen35(tmp_path, mix(1)[-3:-1])
     finally:
         mp.undo()
-    torch.save(want, tmp_path / "want.pt")
     out = _interpreted(f"from test_gated_rmsnorm import check_model\nprint(check_model({str(tmp_path)!r}))")
     assert out.startswith("ok"), out
 

@@ -76,8 +76,13 @@ def test_head_two_shards_combine_to_one_rank_bitwise(vocab):
     """The deterministic head as two TP ranks run it (each its vocabulary shard of the fixed grid,
     the target logit's max across ranks, the partials side by side in rank order) against one
     rank: bitwise. Vocabularies of Qwen3 (19 grid chunks), Llama 3 (16) and DeepSeek-V2 (13)."""
-    from logprobe.layers.logprob_head import (HeadParams, _kernel_partials, _target_logits, combine_head_partials,
-                                              logprob_head)
+    from logprobe.layers.logprob_head import (
+        HeadParams,
+        _kernel_partials,
+        _target_logits,
+        combine_head_partials,
+        logprob_head,
+    )
     from logprobe.parallel.shard import vocab_chunk_width, vocab_shard
 
     g = torch.Generator("cuda").manual_seed(vocab)

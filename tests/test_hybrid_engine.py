@@ -70,6 +70,24 @@ def hybrid(tmp_path_factory, torch_reference):
     return loaded, model.double()
 
 
+def save_tiny_qwen35(path, reqs: list[ScoreRequest]) -> None:
+    """The tiny Qwen3.5 (seed 0) saved at ``path`` with a byte tokenizer, and ``want.pt``: the
+    float64 transformers log-probs of each request's scored tokens (what the interpreted model
+    checks of the kernels compare with). Needs transformers' PyTorch kernels (fla's do not run
+    on CPU)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(tiny_qwen35()).float().eval()
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+    want = []
+    for r in reqs:
+        lp = ref_logprobs(model.double(), r.tokens, r.temperature)[r.score_begin - 1:-1]
+        want.append(lp.gather(1, torch.tensor(r.tokens[r.score_begin:])[:, None])[:, 0])
+    torch.save(want, f"{path}/want.pt")
+
+
 def mix(seed: int) -> list[ScoreRequest]:
     """RL-style groups whose shared contexts run past one and two 64-row blocks, long requests,
     partial score windows, options."""

@@ -148,9 +148,8 @@ def test_composes_with_data_parallelism(dirs):
 def test_rank_holds_its_experts_and_rows(dirs):
     """Rank 3 of 4 in 2 expert groups holds experts 4..7, of each gate/up rows 16:32 of 32 and down
     rows 32:64 of 64 (its share of the outputs, over the whole intermediate); it reads only those."""
-    from logprobe.loading.hf import read_config, native_config
+    from logprobe.loading.hf import hf_tensors, native_config, read_config
     from logprobe.loading.sharding import hf_shard_tensors
-    from logprobe.loading.hf import hf_tensors
 
     path = dirs["qwen3_moe"]
     cfg, _ = native_config(read_config(path))

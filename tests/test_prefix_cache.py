@@ -586,9 +586,8 @@ def test_packed_resume_under_budget_and_evictions(tiny):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from test_hybrid_engine import tiny_qwen35
-
     from helpers import byte_tokenizer
+    from test_hybrid_engine import tiny_qwen35
 
     pytest.importorskip("transformers")
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM

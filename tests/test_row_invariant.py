@@ -9,8 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from logprobe.kernels import elementwise
-from logprobe.kernels.elementwise import (CPU_GRAIN_SIZE, cpu_aligned_rows, cpu_loops_aligned, cpu_ranges_aligned,
-                                         row_invariant)
+from logprobe.kernels.elementwise import (
+    CPU_GRAIN_SIZE,
+    cpu_aligned_rows,
+    cpu_loops_aligned,
+    cpu_ranges_aligned,
+    row_invariant,
+)
 
 
 @pytest.fixture

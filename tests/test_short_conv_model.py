@@ -167,19 +167,9 @@ def hf_torch_kernels(monkeypatch):
 @pytest.mark.slow
 @needs_triton
 def test_tiny_qwen35_interpreted(tmp_path, hf_torch_kernels):
-    from helpers import byte_tokenizer, ref_logprobs
-    from test_hybrid_engine import mix, tiny_qwen35
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+    from test_hybrid_engine import mix, save_tiny_qwen35
 
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(tiny_qwen35()).float().eval()
-    model.save_pretrained(str(tmp_path))
-    byte_tokenizer()[0].save_pretrained(str(tmp_path))
-    want = []
-    for r in mix(1):  # the float64 transformers log-probs of the scored tokens
-        lp = ref_logprobs(model.double(), r.tokens, r.temperature)[r.score_begin - 1:-1]
-        want.append(lp.gather(1, torch.tensor(r.tokens[r.score_begin:])[:, None])[:, 0])
-    torch.save(want, tmp_path / "want.pt")
+    save_tiny_qwen35(tmp_path, mix(1))
     _interpreted(f"from test_short_conv_model import check_model\ncheck_model({str(tmp_path)!r})")
 
 

@@ -44,8 +44,14 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.rows import RowSplit
-from .attention_gpu import (LONG_ROWS, causal_tail_attention, cu_tensors, cudnn_dense, flash_varlen_attention,
-                            host_to)
+from .attention_gpu import (
+    LONG_ROWS,
+    causal_tail_attention,
+    cu_tensors,
+    cudnn_dense,
+    flash_varlen_attention,
+    host_to,
+)
 
 
 @dataclass(slots=True)

@@ -60,7 +60,14 @@ from .gpt_oss import (
     is_mxfp4,
     mark_packed,
 )
-from .hf import check_quantization, hf_tensors, hf_tokenizer, load_transformers_model, native_config, read_config
+from .hf import (
+    check_quantization,
+    hf_tensors,
+    hf_tokenizer,
+    load_transformers_model,
+    native_config,
+    read_config,
+)
 from .hub import hub_path
 from .hybrid import (
     build_hybrid,

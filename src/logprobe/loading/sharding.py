@@ -31,8 +31,8 @@ from ..kernels.gguf_quants import GGML_TYPES
 from ..layers.moe import Experts
 from ..layers.parallel_linear import held_ranges, held_rows
 from ..models.glm4_moe import PartialRotaryConfig
-from ..models.minimax_m2 import sigmoid_model_class
 from ..models.llama import LlamaConfig, LlamaModel
+from ..models.minimax_m2 import sigmoid_model_class
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
 from .checkpoint import SKIP, hf_param_name, safetensors_files
