@@ -24,6 +24,7 @@ from logprobe.kernels.gated_delta import (
     causal_conv1d_batched,
     causal_conv1d_fast,
     chunk_gated_delta_batched,
+    chunk_gated_delta_fixed,
     chunk_gated_delta_fla,
     fla_available,
     gated_delta_kernels,
@@ -153,11 +154,11 @@ def test_selector_policy(monkeypatch, has_triton):
         assert rule is (chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
         rule, conv = gated_delta_kernels("cuda:0", True)
         assert conv is fast
-        assert rule is (chunk_gated_delta_fla if has_fla else None)
+        assert rule is (chunk_gated_delta_fla if has_fla else chunk_gated_delta_fixed)
         assert gated_delta_kernels("cuda", True, triton=False)[1] is causal_conv1d_batched
         # float32 activations never go to fla (its float32 products are TF32)
         assert gated_delta_kernels("cuda", False, dtype=torch.float32)[0] is chunk_gated_delta_batched
-        assert gated_delta_kernels("cuda", True, dtype=torch.float32)[0] is None
+        assert gated_delta_kernels("cuda", True, dtype=torch.float32)[0] is chunk_gated_delta_fixed
         assert gated_delta_kernels("cuda", False, dtype=torch.float16)[0] is (
             chunk_gated_delta_fla if has_fla else chunk_gated_delta_batched)
 
@@ -228,12 +229,35 @@ def test_fla_rule_batch_invariant():
         assert torch.equal(o1, o[a:b]) and torch.equal(s1[0], s[i])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_rule_alone_or_packed_bitwise(device, dtype):
+    """Deterministic mode's rule without fla: a sequence alone, packed among others, and split at a
+    chunk multiple with its state carried, bit for bit; and the batched rule's numbers to rounding."""
+    cu = _cu(LENGTHS)
+    q, k, v, g, beta = _inputs(cu[-1], seed=5, device=device, hk=2, hv=4, dk=32, dv=16)
+    q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
+    s0 = torch.randn(len(LENGTHS), 4, 32, 16).to(device) * 0.1
+    o, s = chunk_gated_delta_fixed(q, k, v, g, beta, cu, s0)
+    o_b, s_b = chunk_gated_delta_batched(q, k, v, g, beta, cu, s0)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert _rel(o, o_b) < (1e-6 if dtype == torch.float32 else 1e-2) and _rel(s, s_b) < 1e-5
+    i = LENGTHS.index(200)
+    a, b = cu[i], cu[i + 1]
+    x = tuple(t[a:b] for t in (q, k, v, g, beta))
+    o1, s1 = chunk_gated_delta_fixed(*x, None, s0[i:i + 1])
+    assert torch.equal(o1, o[a:b]) and torch.equal(s1[0], s[i])
+    head = chunk_gated_delta_fixed(*(t[:128] for t in x), None, s0[i:i + 1])
+    tail = chunk_gated_delta_fixed(*(t[128:] for t in x), None, head[1])
+    assert torch.equal(torch.cat([head[0], tail[0]]), o[a:b]) and torch.equal(tail[1][0], s[i])
+
+
 @pytest.mark.gpu
 @cuda
 def test_batched_rule_alone_or_packed_on_cuda():
     """A sequence alone and packed among others: the same to rounding. Not asserted bit for bit:
     on an H100 it was not at these shapes (cuBLAS picks batched kernels by batch count), which is
-    why deterministic mode without fla keeps the reference (``gated_delta_kernels``)."""
+    why deterministic mode without fla runs ``chunk_gated_delta_fixed`` (``gated_delta_kernels``)."""
     cu = _cu(LENGTHS)
     q, k, v, g, beta = _inputs(cu[-1], device="cuda", hk=4, hv=8, dk=128, dv=128)
     q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))

@@ -15,6 +15,8 @@ same signatures and results (it may not import ``layers``, so it repeats the few
   the state tensor and chunk ``c`` of all of them a contiguous block of rows: no gathers in the loop.
   Work is split into groups of at most ``max_group_chunks`` chunks (whole sequences) to bound memory.
   Computes in float32 (float64 stays float64); matches the reference to rounding.
+* ``chunk_gated_delta_fixed``: the batched rule one chunk of one sequence at a time, so that no
+  shape depends on the batch (deterministic mode's rule on CUDA where fla's is not used).
 * ``causal_conv1d_batched``: every sequence's window ``[initial state ; x_i]`` laid end to end, so
   each tap of every token is one contiguous slice; taps summed in the reference's order and SiLU applied exactly as the
   reference applies it, so on CPU it is bit-identical to ``causal_conv1d``.
@@ -223,6 +225,53 @@ def chunk_gated_delta_batched(
     return out.to(v.dtype), finals
 
 
+def chunk_gated_delta_fixed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: CuSeqlens = None,
+    initial_state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    qk_l2norm: bool = True,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched rule run on one chunk of one sequence at a time, so that every product, norm
+    and triangular solve it launches has a shape fixed by the model (``[1, Hv, chunk_size, D]``),
+    never by the batch: a sequence's bits are the same alone or packed on any device, whichever
+    kernel cuBLAS picks for that one shape. Deterministic mode's rule on CUDA where fla's is not
+    used (float32 activations, or fla-core missing); slow (a few launches per chunk and layer), as
+    that mode's float32 runs may be. Same arguments and results as ``chunk_gated_delta_batched``.
+
+    Chunks are counted from each sequence's first token; the engine splits a long request only at
+    multiples of ``chunk_size`` (``ModelCaps.state_align``), so the chunks do not move with the
+    split either.
+
+        >>> x = (torch.randn(70, 1, 4), torch.randn(70, 1, 4), torch.randn(70, 2, 3),
+        ...      -torch.rand(70, 2), torch.rand(70, 2))
+        >>> o, s = chunk_gated_delta_fixed(*x, cu_seqlens=[0, 5, 70])
+        >>> torch.equal(o[5:], chunk_gated_delta_fixed(*(t[5:] for t in x))[0])
+        True
+    """
+    T, Hv, Dv = v.shape
+    Dk = k.shape[-1]
+    bounds = sequence_bounds(cu_seqlens, T)
+    cd = compute_dtype(q, k, v, g, beta, initial_state)
+    finals = initial_states(initial_state, len(bounds), (Hv, Dk, Dv), cd, v.device).clone()
+    out = v.new_empty((T, Hv, Dv))
+    for i, (a, b) in enumerate(bounds):
+        S = finals[i:i + 1]
+        for c0 in range(a, b, chunk_size):
+            c1 = min(c0 + chunk_size, b)
+            o, S = chunk_gated_delta_batched(q[c0:c1], k[c0:c1], v[c0:c1], g[c0:c1], beta[c0:c1], None, S,
+                                             scale=scale, qk_l2norm=qk_l2norm, chunk_size=chunk_size)
+            out[c0:c1] = o
+        finals[i] = S[0]
+    return out, finals
+
+
 # --------------------------------------------------------------------------------------------
 # The short causal convolution, batched across sequences
 
@@ -400,15 +449,17 @@ def gated_delta_kernels(device: torch.device | str, deterministic: bool, triton:
       The batched PyTorch rule is not used there: its cuBLAS batched GEMMs and batched triangular
       solve pick kernels by batch count. On an H100 (torch 2.11, cu130) it was bit-identical alone
       and packed at Qwen3.5-9B shapes (Hv = 32, 15 sequences), but not at Hv = 8 with 7 short
-      sequences. Without fla the reference's per-sequence loop is kept (``None``).
+      sequences. Nor is the reference: its per-sequence batches count the sequence's chunks (on
+      an H100 a float32 tiny Qwen3.5 split at 64 vs 257 tokens differed by a few ulp). Without
+      fla: ``chunk_gated_delta_fixed``, the batched rule one chunk at a time (fixed shapes).
     * CUDA, float32 activations (``dtype``): never fla. Its products of float32 inputs run in TF32
       (``tl.dot``'s default, and its triangular solve asks for TF32 where the GPU has it): on an
       H200 a tiny Qwen3.5 in float32 was 8.9e-3 from float64 through fla, where the float32 rule
       is exact to ~1e-5. Float32 gets the batched PyTorch rule (default mode; PyTorch keeps float32
-      GEMMs in full precision unless told otherwise) or the reference (deterministic)."""
+      GEMMs in full precision unless told otherwise) or ``chunk_gated_delta_fixed`` (deterministic)."""
     if torch.device(device).type != "cuda":
         return None, None
     conv = causal_conv1d_fast if triton and triton_available() else causal_conv1d_batched
     if fla_available() and dtype in (torch.bfloat16, torch.float16):
         return chunk_gated_delta_fla, conv
-    return (None if deterministic else chunk_gated_delta_batched), conv
+    return (chunk_gated_delta_fixed if deterministic else chunk_gated_delta_batched), conv
