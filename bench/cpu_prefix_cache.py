@@ -8,6 +8,10 @@
    a call resumed from cached prompts run packed in one pass. Computed tokens (rows through the
    model, counted per forward pass), forward passes and wall time; target: singly with the cache
    within 1.2x of the one batch.
+   Then the same groups through the HTTP server as an RL framework's async client sends them: one
+   SGLang ``/generate`` request per sample (``logprob_start_len`` at the response), ``--in-flight``
+   requests outstanding at once (the server's batcher packs what is queued into one engine call),
+   without and with the prefix cache, against the one library batch above.
 2. An lm-eval-style multiple-choice set through the HTTP server (``/v1/completions`` with
    ``echo``, ``logprobs=1``, ``max_tokens=1``, one request per choice as lm-eval sends them by
    default): without and with the cache; computed tokens and wall time.
@@ -27,12 +31,14 @@ GPU variant (a random-init llama-8b checkpoint written once to DIR, bf16):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import random
 import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import requests
 import torch
@@ -95,11 +101,11 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
                                (arriving, Scorer(loaded, config=cfg, prefix_cache=setting), "calls")):
         box = counting(scorer)
         if way == "batch":
-            out, secs = timed(lambda: scorer.engine.run(reqs))
+            out, secs = timed(lambda s=scorer: s.engine.run(reqs))
         elif way == "single":
-            out, secs = timed(lambda: [scorer.engine.run([r])[0] for r in reqs])
+            out, secs = timed(lambda s=scorer: [s.engine.run([r])[0] for r in reqs])
         else:
-            out, secs = timed(lambda: in_calls(scorer, reqs, args.per_call))
+            out, secs = timed(lambda s=scorer: in_calls(s, reqs, args.per_call))
         rows[label] = (box[0], box[1], secs)
         results[label] = out
         stats[label] = scorer.prefix_cache_stats()
@@ -113,6 +119,37 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
     for label, st in stats.items():
         if st is not None:
             print(f"{label}: hit rate {st['hit_rate']:.3f}, {st['bytes'] / 2**20:.1f} MiB held")
+    if not args.skip_server:
+        bench_rl_server(loaded, cfg, args, reqs, base, one)
+
+
+def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one: float) -> None:
+    """The groups as single /generate requests, ``args.in_flight`` outstanding, through the server."""
+    rows = {}
+    for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
+        scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
+        box = counting(scorer)
+        with serving(scorer) as url, requests.Session() as http:
+            def send(r):
+                body = {"input_ids": r.tokens, "return_logprob": True, "logprob_start_len": r.score_begin - 1,
+                        "sampling_params": {"max_new_tokens": 0, "temperature": r.temperature}}
+                reply = http.post(url + "/generate", json=body, timeout=600)
+                reply.raise_for_status()
+                return reply.json()["meta_info"]
+
+            warm = reqs[0].tokens[::-1][:64]  # shares no prefix with the timed requests
+            send(SimpleNamespace(tokens=warm, score_begin=32, temperature=reqs[0].temperature))
+            box[0] = box[1] = 0
+            with concurrent.futures.ThreadPoolExecutor(args.in_flight) as pool:
+                metas, secs = timed(lambda: list(pool.map(send, reqs)))
+        got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # SGLang pads a None first
+        diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)), default=0.0)
+        rows[label] = (box[0], box[1], secs, sum(m["cached_tokens"] for m in metas), diff)
+    print(f"\nRL groups through the server: one /generate request per sample, {args.in_flight} in flight")
+    print("| server | computed tokens | forward passes | reported cached_tokens | wall s | vs one library batch "
+          "| max abs diff vs one batch |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, (n, passes, cached, secs, diff) in ((k, (v[0], v[1], v[3], v[2], v[4])) for k, v in rows.items()):
+        print(f"| {label} | {n} | {passes} | {cached} | {secs:.2f} | {secs / one:.2f}x | {diff:.2e} |")
 
 
 @contextlib.contextmanager
@@ -190,6 +227,8 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=64, help="response length (each in [response/4, response])")
     ap.add_argument("--per-call", type=int, default=4,
                     help="RL requests per engine call in the random-arrival way (a batching server's step)")
+    ap.add_argument("--in-flight", type=int, default=64,
+                    help="RL requests outstanding at once through the server (an async client's concurrency)")
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--context", type=int, default=300, help="context length (each in [context/2, context])")
