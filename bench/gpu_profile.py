@@ -49,6 +49,9 @@ where its FLOPs take ~10 ms; GPU idle (host-bound) or slow kernels (which)?
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import tempfile
 import time
@@ -348,6 +351,25 @@ def verdict(wall_ms: float, flop_ms: float | None, k: dict, calls: int) -> None:
            f"(by family: the table above)" if flop_ms else ""))
 
 
+def python_profile(calls: Calls, top: int) -> None:
+    """The calls under cProfile: where the host's Python time goes (Triton's launcher, module calls,
+    the engine's planning), by own time and by cumulative time, per call."""
+    calls.reset()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    calls.run()
+    sync()
+    prof.disable()
+    n = len(calls.reqs)
+    log(f"\n### cProfile, {n} calls: {(time.perf_counter() - t) * 1e3 / n:.2f} ms per call under the tracer "
+        f"(totals below are over all {n} calls)")
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        log(f"by {key}:\n```\n{buf.getvalue().strip()}\n```")
+
+
 def prefix_scenario(args, tflops: float | None) -> None:
     """The prefix cache, one request per call: timed, kernels per call, CPU ops per call."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -365,6 +387,8 @@ def prefix_scenario(args, tflops: float | None) -> None:
             progress(f"warm-up: {len(reqs)} calls in {time.perf_counter() - t:.1f} s")
             calls.reset()
             wall_ms, flop_ms = call_summary(args, calls, calls.timed(), tflops)
+            if args.cprofile:
+                python_profile(calls, args.cprofile)
             if cuda:
                 calls.reset()
                 prof, wall = profiled(calls.run, cuda=True, cpu=False)
@@ -406,6 +430,8 @@ def parse_args():
     ap.add_argument("--module-depth", type=int, default=2, help="levels of modules timed under a decoder layer")
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
     ap.add_argument("--cpu-top", type=int, default=15, help="prefix: CPU ops / functions listed")
+    ap.add_argument("--cprofile", type=int, default=0, help="prefix: also run the calls under cProfile and list "
+                                                           "this many Python functions (own and cumulative time)")
     ap.add_argument("--tiny", action="store_true", help="tiny configs in float32 on the CPU (a smoke run)")
     ap.add_argument("--device", default=None, help="cuda (default), or cpu (implies --tiny)")
     args = ap.parse_args()
