@@ -57,7 +57,8 @@ bits there are not yet checked on a GPU (pinning fla's configs in deterministic 
 Cuts: the engine shares prefixes and cuts long requests only at multiples of the rule's 64-token
 chunk from a sequence's start (``caps.state_align``), where the chunked rule reproduces a whole
 run's bits. On CUDA the rule and conv come from ``kernels.gated_delta`` (the float32 references
-on CPU): fla-core's rule when it imports, and the Triton conv (``kernels.short_conv``, which
+on CPU): fla-core's rule for bf16 / fp16 activations when it imports (else a batched PyTorch
+rule, one chunk at a time in deterministic mode: ``gated_delta_kernels``), and the Triton conv (``kernels.short_conv``, which
 computes each channel alone, so TP cannot move its bits either); every per-row norm (the (1 + w)
 ones and the gated output norm) reduces each row alone (``kernels.rmsnorm``), so deterministic
 mode's numbers do not depend on what is packed beside a row.
