@@ -10,7 +10,8 @@
    within 1.2x of the one batch.
    Then the same groups through the HTTP server as an RL framework's async client sends them: one
    SGLang ``/generate`` request per sample (``logprob_start_len`` at the response), ``--in-flight``
-   requests outstanding at once (the server's batcher packs what is queued into one engine call),
+   requests outstanding at once from a client process of its own (the server's batcher packs what
+   is queued into one engine call),
    without and with the prefix cache, against the one library batch above.
 2. An lm-eval-style multiple-choice set through the HTTP server (``/v1/completions`` with
    ``echo``, ``logprobs=1``, ``max_tokens=1``, one request per choice as lm-eval sends them by
@@ -33,12 +34,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import multiprocessing
 import random
 import socket
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import requests
 import torch
@@ -123,32 +124,49 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
         bench_rl_server(loaded, cfg, args, reqs, base, one)
 
 
+def rl_client(url: str, bodies: list[dict], in_flight: int) -> tuple[float, list[dict]]:
+    """An RL framework's async client, in a process of its own (its JSON work must not share the
+    server's interpreter lock): ``bodies`` posted to /generate, ``in_flight`` outstanding.
+    Returns (wall seconds, each reply's meta_info)."""
+    with requests.Session() as http:
+        def send(body: dict) -> dict:
+            reply = http.post(url + "/generate", json=body, timeout=600)
+            reply.raise_for_status()
+            return reply.json()["meta_info"]
+
+        with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
+            t = time.perf_counter()
+            metas = list(pool.map(send, bodies))
+            return time.perf_counter() - t, metas
+
+
+def generate_body(tokens: list[int], score_begin: int, temperature: float) -> dict:
+    """SGLang's /generate body scoring ``tokens[score_begin:]`` (slime's: entries [1:] read)."""
+    return {"input_ids": tokens, "return_logprob": True, "logprob_start_len": score_begin - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+
+
 def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one: float) -> None:
     """The groups as single /generate requests, ``args.in_flight`` outstanding, through the server."""
+    bodies = [generate_body(r.tokens, r.score_begin, r.temperature) for r in reqs]
+    warm = [generate_body(reqs[0].tokens[::-1][:64], 32, reqs[0].temperature)]  # shares no timed prefix
     rows = {}
-    for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
-        scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
-        box = counting(scorer)
-        with serving(scorer) as url, requests.Session() as http:
-            def send(r):
-                body = {"input_ids": r.tokens, "return_logprob": True, "logprob_start_len": r.score_begin - 1,
-                        "sampling_params": {"max_new_tokens": 0, "temperature": r.temperature}}
-                reply = http.post(url + "/generate", json=body, timeout=600)
-                reply.raise_for_status()
-                return reply.json()["meta_info"]
-
-            warm = reqs[0].tokens[::-1][:64]  # shares no prefix with the timed requests
-            send(SimpleNamespace(tokens=warm, score_begin=32, temperature=reqs[0].temperature))
-            box[0] = box[1] = 0
-            with concurrent.futures.ThreadPoolExecutor(args.in_flight) as pool:
-                metas, secs = timed(lambda: list(pool.map(send, reqs)))
-        got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # SGLang pads a None first
-        diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)), default=0.0)
-        rows[label] = (box[0], box[1], secs, sum(m["cached_tokens"] for m in metas), diff)
-    print(f"\nRL groups through the server: one /generate request per sample, {args.in_flight} in flight")
+    with multiprocessing.get_context("spawn").Pool(1) as client:
+        for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
+            scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
+            box = counting(scorer)
+            with serving(scorer) as url:
+                client.apply(rl_client, (url, warm, 1))
+                box[0] = box[1] = 0
+                secs, metas = client.apply(rl_client, (url, bodies, args.in_flight))
+            got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # SGLang pads a None first
+            diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)), default=0.0)
+            rows[label] = (box[0], box[1], sum(m["cached_tokens"] for m in metas), secs, diff)
+    print(f"\nRL groups through the server: one /generate request per sample, {args.in_flight} in flight "
+          "(the client in a process of its own)")
     print("| server | computed tokens | forward passes | reported cached_tokens | wall s | vs one library batch "
           "| max abs diff vs one batch |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for label, (n, passes, cached, secs, diff) in ((k, (v[0], v[1], v[3], v[2], v[4])) for k, v in rows.items()):
+    for label, (n, passes, cached, secs, diff) in rows.items():
         print(f"| {label} | {n} | {passes} | {cached} | {secs:.2f} | {secs / one:.2f}x | {diff:.2e} |")
 
 

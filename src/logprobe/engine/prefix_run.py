@@ -2,7 +2,8 @@
 
 * A request that steers, captures or reads/forces routed experts is never cached (its rows differ
   from a plain pass's, or it needs every row): ``cacheable``.
-* Attention-only models: the requests with a cached prefix (``resumable``) run after the others,
+* Attention-only models: once a request of a call has a cached prefix, the call's cacheable
+  requests (``resumable``) run after the others (those that may not be cached),
   packed several to a pass (``take_pack``, ``ResumePack``: one KV cache holding each distinct
   cached prefix once, each request's segment seeing its own prefix as its context span, and the
   rows of an earlier member where it shares more with that member than with the cache), a request
@@ -51,18 +52,33 @@ def prefix_cache_for(model, setting: bool | int | None, device: torch.device) ->
 
 def resumable(cache: PrefixCache, requests: list[ScoreRequest], align: int) -> list[int]:
     """The requests to resume from the cache (see the module docstring), neighbours by token ids
-    (so requests sharing a cached prompt land in one pack, which holds the prompt's rows once; one
-    run alone after its neighbour also finds the neighbour's inputs cached). The others are counted
-    as lookups that found nothing."""
-    out = []
-    for i, r in enumerate(requests):
-        if not cacheable(r):
-            continue
-        if align > 1 or cache.peek(r.inputs, r.num_inputs - 1):
-            out.append(i)
-        else:
-            cache.record(r.num_inputs, 0)
-    return sorted(out, key=lambda i: (requests[i].inputs, i))
+    (so requests sharing a prompt land in one pack, which holds a cached prompt's rows once and
+    computes an uncached one once, chained member to member; one run alone after its neighbour
+    also finds the neighbour's inputs cached).
+
+    Attention-only models: once any cacheable request of the call finds a cached prefix, all of
+    them run as packs, those that found nothing from their first token (a pack shares their
+    prompts as a batch's prefix trees do). Kept apart, a call mixing both (a server step of an RL
+    group's samples, some of whose prompts an earlier step cached) ran as tree batches and then
+    packs: two passes where one holds it. When none finds anything, none is resumed (the usual
+    batches run them) and each is counted as a lookup that found nothing.
+
+        >>> from .prefix_cache import unit_rows
+        >>> from .request import ScoreRequest as R
+        >>> c = PrefixCache(10 ** 6)
+        >>> rs = [R([5, 6, 7, 8], 2), R([1, 2, 3, 4], 2), R([1, 2, 3, 9], 2)]
+        >>> resumable(c, rs, align=1)      # nothing cached yet
+        []
+        >>> _ = c.insert([1, 2, 3], unit_rows)
+        >>> resumable(c, rs, align=1)      # one hit: all three, by token ids
+        [1, 2, 0]
+    """
+    candidates = [i for i, r in enumerate(requests) if cacheable(r)]
+    if align == 1 and not any(cache.peek(requests[i].inputs, requests[i].num_inputs - 1) for i in candidates):
+        for i in candidates:
+            cache.record(requests[i].num_inputs, 0)
+        return []
+    return sorted(candidates, key=lambda i: (requests[i].inputs, i))
 
 
 def _slots(kv: KVCache, hidden: torch.Tensor | None) -> list:
