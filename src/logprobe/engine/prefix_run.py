@@ -358,13 +358,17 @@ class ResumePack:
             at[m] = where
         return at, pieces
 
-    def row(self, m: int, i: int) -> int:
-        """The key-source (and hidden) row of member ``m``'s input ``i``."""
+    def rows(self, m: int, lo: int, hi: int) -> list[int]:
+        """The key-source (and hidden) rows of member ``m``'s inputs ``lo .. hi - 1``: a range per
+        span of ``spans[m]`` (pieces in token order), not a lookup per input."""
+        out: list[int] = []
         for a, b, row in self.spans[m]:
-            if a <= i < b:
-                return row + i - a
-        raise LogprobeError("prefix_cache", f"input {i} of request {m} has no row in its pack",
-                            "report this: a resumed pack lost track of its rows")
+            if max(a, lo) < min(b, hi):
+                out.extend(range(row + max(a, lo) - a, row + min(b, hi) - a))
+        if len(out) != max(0, hi - lo):
+            raise LogprobeError("prefix_cache", f"inputs {lo}..{hi - 1} of request {m} are not all in its pack",
+                                "report this: a resumed pack lost track of its rows")
+        return out
 
     def layout(self) -> tuple[list[int], list[int], list[Segment], list[int], list[int], list[float],
                               list[tuple[int, int]]]:
@@ -384,11 +388,11 @@ class ResumePack:
             ids.extend(r.inputs[f:])
             positions.extend(range(f, r.num_inputs))
             segments.append(Segment(start, len(ids), tuple((row, row + b - a) for a, b, row in self.spans[m][:-1])))
-            js = range(r.score_begin, r.num_inputs + 1)  # token j: predicted by input j - 1
-            rows.extend(self.row(m, j - 1) for j in js)
-            targets.extend(r.tokens[j] for j in js)
-            temps.extend([r.temperature] * len(js))
-            owners.append((m, len(js)))
+            n = r.num_inputs + 1 - r.score_begin  # tokens score_begin ..: token j predicted by input j - 1
+            rows.extend(self.rows(m, r.score_begin - 1, r.num_inputs))
+            targets.extend(r.tokens[r.score_begin:r.num_inputs + 1])
+            temps.extend([r.temperature] * n)
+            owners.append((m, n))
         return ids, positions, segments, rows, targets, temps, owners
 
     def keep(self, hidden: torch.Tensor) -> None:

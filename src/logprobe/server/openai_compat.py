@@ -81,8 +81,11 @@ def check_completion_options(body: CompletionRequest, max_top_logprobs: int) -> 
                             "always included)")
 
 
-def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt") -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt; text prompts get BOS when the model's tokenizer adds one."""
+def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt",
+                     texts_wanted: bool = True) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt; text prompts get BOS when the model's tokenizer adds one.
+    ``texts_wanted=False``: id prompts are not decoded (their text is ""; SGLang's /generate
+    never returns it, and decoding a long prompt costs more than checking it)."""
     tok = scorer.tokenizer
     prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
     ids_list, texts = [], []
@@ -98,7 +101,7 @@ def prompt_token_ids(prompt, scorer: Scorer, field: str = "prompt") -> tuple[lis
             if not p:
                 raise LogprobeError(name, "is an empty list of token ids", "give at least one token id")
             ids = scorer.context.check_ids(p, name)
-            texts.append(tok.decode(ids))
+            texts.append(tok.decode(ids) if texts_wanted else "")
         ids_list.append(ids)
     return ids_list, texts
 

@@ -32,12 +32,14 @@ def _check_input_ids(value: Any) -> Any:
         return value
     if not isinstance(value, list) or not value:
         raise ValueError("must be a non-empty list of token ids or a non-empty list of token-id lists")
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+    if set(map(type, value)) == {int}:  # in C: no Python per id (the loops below name what is wrong)
         return value
     if all(isinstance(x, list) for x in value):
         for i, ids in enumerate(value):
             if not ids:
                 raise ValueError(f"[{i}] is an empty list; give at least one token id")
+            if set(map(type, ids)) == {int}:
+                continue
             for j, x in enumerate(ids):
                 if not isinstance(x, int) or isinstance(x, bool):
                     raise ValueError(f"[{i}][{j}] must be an integer token id, got {x!r}")

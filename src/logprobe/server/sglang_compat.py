@@ -86,7 +86,8 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
         raise LogprobeError("input_ids", "give exactly one of input_ids and text")
     many = batched(body)
     field = "text" if body.text is not None else "input_ids"
-    ids_list, _ = prompt_token_ids(body.text if body.text is not None else body.input_ids, scorer, field)
+    ids_list, _ = prompt_token_ids(body.text if body.text is not None else body.input_ids, scorer, field,
+                                   texts_wanted=False)
     n = len(ids_list)
     logprob = per_item(body.return_logprob, n, "return_logprob", many)
     starts = per_item(body.logprob_start_len, n, "logprob_start_len", many)
