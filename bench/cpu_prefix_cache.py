@@ -151,18 +151,24 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
     bodies = [generate_body(r.tokens, r.score_begin, r.temperature) for r in reqs]
     warm = [generate_body(reqs[0].tokens[::-1][:64], 32, reqs[0].temperature)]  # shares no timed prefix
     rows = {}
+    flights = [int(x) for x in str(args.in_flight).split(",")]
     with multiprocessing.get_context("spawn").Pool(1) as client:
         for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
             scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
             box = counting(scorer)
             with serving(scorer) as url:
                 client.apply(rl_client, (url, warm, 1))
-                box[0] = box[1] = 0
-                secs, metas = client.apply(rl_client, (url, bodies, args.in_flight))
-            got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # SGLang pads a None first
-            diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)), default=0.0)
-            rows[label] = (box[0], box[1], sum(m["cached_tokens"] for m in metas), secs, diff)
-    print(f"\nRL groups through the server: one /generate request per sample, {args.in_flight} in flight "
+                for flight in flights:
+                    if scorer.prefix_cache is not None:
+                        scorer.prefix_cache.clear()
+                    box[0] = box[1] = 0
+                    secs, metas = client.apply(rl_client, (url, bodies, flight))
+                    got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # a None first
+                    diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)),
+                               default=0.0)
+                    rows[f"{label}, {flight} in flight"] = (box[0], box[1], sum(m["cached_tokens"] for m in metas),
+                                                            secs, diff)
+    print("\nRL groups through the server: one /generate request per sample, N outstanding at once "
           "(the client in a process of its own)")
     print("| server | computed tokens | forward passes | reported cached_tokens | wall s | vs one library batch "
           "| max abs diff vs one batch |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -245,8 +251,10 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=64, help="response length (each in [response/4, response])")
     ap.add_argument("--per-call", type=int, default=4,
                     help="RL requests per engine call in the random-arrival way (a batching server's step)")
-    ap.add_argument("--in-flight", type=int, default=64,
-                    help="RL requests outstanding at once through the server (an async client's concurrency)")
+    ap.add_argument("--in-flight", default="64",
+                    help="RL requests outstanding at once through the server (an async client's concurrency; "
+                         "comma-separated: each in turn, the cache cleared between)")
+    ap.add_argument("--skip-mc", action="store_true", help="leave out the multiple-choice server run")
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--context", type=int, default=300, help="context length (each in [context/2, context])")
@@ -270,7 +278,7 @@ def main() -> None:
           f"deterministic={args.deterministic}, "
           f"commit {git_rev()}, torch threads {torch.get_num_threads()}")
     bench_rl(loaded, cfg, args)
-    if not args.skip_server:
+    if not (args.skip_server or args.skip_mc):
         bench_mc(loaded, cfg, args)
 
 
