@@ -40,6 +40,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 import requests
 import torch
@@ -87,6 +88,23 @@ def in_calls(scorer: Scorer, reqs: list, per_call: int, seed: int = 2) -> list:
     return out
 
 
+def repeated(scorer: Scorer, box: list[int], fn, n: int) -> tuple[list, float, list[float]]:
+    """``fn()`` run ``n`` times, each from an empty prefix cache with the counters reset: (the last
+    run's results, the median seconds, every run's seconds); the counters keep the last run's."""
+    every = []
+    for _ in range(n):
+        if scorer.prefix_cache is not None:
+            scorer.prefix_cache.clear()
+        box[0] = box[1] = 0
+        out, secs = timed(fn)
+        every.append(secs)
+    return out, median(every), every
+
+
+def runs(every: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in every)
+
+
 def bench_rl(loaded, cfg: EngineConfig, args) -> None:
     reqs = rl_groups(args.groups, args.samples, args.prompt, args.response, loaded.info.vocab_size)
     fed = sum(r.num_inputs for r in reqs)
@@ -102,21 +120,25 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
                                (arriving, Scorer(loaded, config=cfg, prefix_cache=setting), "calls")):
         box = counting(scorer)
         if way == "batch":
-            out, secs = timed(lambda s=scorer: s.engine.run(reqs))
+            fn = lambda s=scorer: s.engine.run(reqs)  # noqa: E731
         elif way == "single":
-            out, secs = timed(lambda s=scorer: [s.engine.run([r])[0] for r in reqs])
+            fn = lambda s=scorer: [s.engine.run([r])[0] for r in reqs]  # noqa: E731
         else:
-            out, secs = timed(lambda s=scorer: in_calls(s, reqs, args.per_call))
-        rows[label] = (box[0], box[1], secs)
+            fn = lambda s=scorer: in_calls(s, reqs, args.per_call)  # noqa: E731
+        out, secs, every = repeated(scorer, box, fn, args.repeat if way != "single" else 1)
+        rows[label] = (box[0], box[1], secs, every)
         results[label] = out
         stats[label] = scorer.prefix_cache_stats()
     base = results["all as one batch (in-batch prefix trees)"]
     print(f"\nRL groups: {args.groups} prompts x {args.samples} responses, {fed} input tokens fed")
-    print("| way | computed tokens | forward passes | wall s | vs one batch | max abs diff vs one batch |")
+    print(f"(wall s: the median of {args.repeat} runs, each from an empty cache, where more than one; "
+          "one request per call: one run)")
+    print("| way | computed tokens | forward passes | wall s (runs) | vs one batch | max abs diff vs one batch |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     one = rows["all as one batch (in-batch prefix trees)"][2]
-    for label, (n, passes, secs) in rows.items():
-        print(f"| {label} | {n} | {passes} | {secs:.2f} | {secs / one:.2f}x | {max_diff(results[label], base):.2e} |")
+    for label, (n, passes, secs, every) in rows.items():
+        print(f"| {label} | {n} | {passes} | {secs:.2f} ({runs(every)}) | {secs / one:.2f}x | "
+              f"{max_diff(results[label], base):.2e} |")
     for label, st in stats.items():
         if st is not None:
             print(f"{label}: hit rate {st['hit_rate']:.3f}, {st['bytes'] / 2**20:.1f} MiB held")
@@ -159,21 +181,25 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
             with serving(scorer) as url:
                 client.apply(rl_client, (url, warm, 1))
                 for flight in flights:
-                    if scorer.prefix_cache is not None:
-                        scorer.prefix_cache.clear()
-                    box[0] = box[1] = 0
-                    secs, metas = client.apply(rl_client, (url, bodies, flight))
+                    every = []
+                    for _ in range(args.repeat):
+                        if scorer.prefix_cache is not None:
+                            scorer.prefix_cache.clear()
+                        box[0] = box[1] = 0
+                        sec, metas = client.apply(rl_client, (url, bodies, flight))
+                        every.append(sec)
+                    secs = median(every)
                     got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # a None first
                     diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)),
                                default=0.0)
                     rows[f"{label}, {flight} in flight"] = (box[0], box[1], sum(m["cached_tokens"] for m in metas),
-                                                            secs, diff)
+                                                            secs, diff, every)
     print("\nRL groups through the server: one /generate request per sample, N outstanding at once "
           "(the client in a process of its own)")
-    print("| server | computed tokens | forward passes | reported cached_tokens | wall s | vs one library batch "
-          "| max abs diff vs one batch |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for label, (n, passes, cached, secs, diff) in rows.items():
-        print(f"| {label} | {n} | {passes} | {cached} | {secs:.2f} | {secs / one:.2f}x | {diff:.2e} |")
+    print("| server | computed tokens | forward passes | reported cached_tokens | wall s (runs) | vs one library "
+          "batch | max abs diff vs one batch |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, (n, passes, cached, secs, diff, every) in rows.items():
+        print(f"| {label} | {n} | {passes} | {cached} | {secs:.2f} ({runs(every)}) | {secs / one:.2f}x | {diff:.2e} |")
 
 
 @contextlib.contextmanager
@@ -255,6 +281,8 @@ def main() -> None:
                     help="RL requests outstanding at once through the server (an async client's concurrency; "
                          "comma-separated: each in turn, the cache cleared between)")
     ap.add_argument("--skip-mc", action="store_true", help="leave out the multiple-choice server run")
+    ap.add_argument("--repeat", type=int, default=1, help="RL runs per way (the median kept; one request per "
+                                                          "call: always one)")
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--context", type=int, default=300, help="context length (each in [context/2, context])")
