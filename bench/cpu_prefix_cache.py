@@ -151,6 +151,10 @@ def rl_client(url: str, bodies: list[dict], in_flight: int) -> tuple[float, list
     server's interpreter lock): ``bodies`` posted to /generate, ``in_flight`` outstanding.
     Returns (wall seconds, each reply's meta_info)."""
     with requests.Session() as http:
+        # one kept-alive connection per outstanding request (requests keeps 10 by default and opens
+        # a new connection for every request beyond them, as an RL client's pool would not)
+        http.mount("http://", requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=in_flight))
+
         def send(body: dict) -> dict:
             reply = http.post(url + "/generate", json=body, timeout=600)
             reply.raise_for_status()
