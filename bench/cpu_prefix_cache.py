@@ -39,13 +39,14 @@ import random
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
 import requests
 import torch
 import uvicorn
-from common import git_rev, rl_groups, write_checkpoint
+from common import free, git_rev, rl_groups, write_checkpoint
 
 from logprobe import EngineConfig, Scorer
 from logprobe.loading import load_model
@@ -109,15 +110,20 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
     reqs = rl_groups(args.groups, args.samples, args.prompt, args.response, loaded.info.vocab_size)
     fed = sum(r.num_inputs for r in reqs)
     plain = Scorer(loaded, config=cfg)
+    # every scorer of the run gets the first one's batch budget: a default budget comes from the
+    # memory free when a scorer starts, which the earlier ways' caches (held by the allocator) lower
+    cfg = replace(cfg, max_batch_tokens=plain.engine.start_budget)
     setting = args.prefix_cache_bytes or True
     plain.engine.run(reqs[:1])  # warm-up (kernels, allocator)
     rows, results, stats = {}, {}, {}
     arriving = f"arriving singly in a random order, {args.per_call} per call, prefix cache"
-    for label, scorer, way in (("one request per call, no cache", plain, "single"),
-                               ("all as one batch (in-batch prefix trees)", plain, "batch"),
-                               ("one request per call, prefix cache", Scorer(loaded, config=cfg, prefix_cache=setting),
-                                "single"),
-                               (arriving, Scorer(loaded, config=cfg, prefix_cache=setting), "calls")):
+    for label, cached, way in (("one request per call, no cache", False, "single"),
+                               ("all as one batch (in-batch prefix trees)", False, "batch"),
+                               ("one request per call, prefix cache", True, "single"),
+                               (arriving, True, "calls")):
+        scorer = None
+        free()  # the last way's cache back to the device before this one's is sized
+        scorer = Scorer(loaded, config=cfg, prefix_cache=setting) if cached else plain
         box = counting(scorer)
         if way == "batch":
             fn = lambda s=scorer: s.engine.run(reqs)  # noqa: E731
@@ -130,7 +136,9 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
         results[label] = out
         stats[label] = scorer.prefix_cache_stats()
     base = results["all as one batch (in-batch prefix trees)"]
-    print(f"\nRL groups: {args.groups} prompts x {args.samples} responses, {fed} input tokens fed")
+    del scorer
+    print(f"\nRL groups: {args.groups} prompts x {args.samples} responses, {fed} input tokens fed; batch "
+          f"budget {cfg.max_batch_tokens} tokens in every way")
     print(f"(wall s: the median of {args.repeat} runs, each from an empty cache, where more than one; "
           "one request per call: one run)")
     print("| way | computed tokens | forward passes | wall s (runs) | vs one batch | max abs diff vs one batch |")
@@ -180,7 +188,9 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
     flights = [int(x) for x in str(args.in_flight).split(",")]
     with multiprocessing.get_context("spawn").Pool(1) as client:
         for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
-            scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
+            scorer = None
+            free()
+            scorer = Scorer(loaded, config=cfg, prefix_cache=setting)  # cfg: the library ways' budget
             box = counting(scorer)
             with serving(scorer) as url:
                 client.apply(rl_client, (url, warm, 1))
@@ -238,6 +248,8 @@ def bench_mc(loaded, cfg: EngineConfig, args) -> None:
     prompts = mc_prompts(args.questions, args.choices, args.context, loaded.info.vocab_size)
     rows, answers = {}, {}
     for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
+        scorer = None
+        free()
         scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
         box = counting(scorer)
         with serving(scorer) as url:
