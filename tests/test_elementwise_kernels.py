@@ -43,7 +43,24 @@ def check_all(device: str, dtypes, T: int, inter: int, heads: int, head_dim: int
         exact = torch.view_as_real(qc * cis.to(torch.complex128)[:, None, :]).reshape(T, heads, head_dim)
         out[f"rotary-{dt}"] = {"ref": float((r.double() - rotary_reference(q, cis).double()).abs().max()),
                                "f64": float((r.double() - exact).abs().max())}
+        out[f"pair-{dt}"] = pair_equals_two_calls(qkv, heads, head_dim, cis)
     return out
+
+
+def pair_equals_two_calls(qkv: torch.Tensor, heads: int, head_dim: int, cis: torch.Tensor) -> dict:
+    """``rotary_pair`` on q and k views of a fused q/k/v output (k with fewer heads, as GQA's) and
+    on k alone with 3 heads (a block size of its own): 0 bits differ from two ``rotary`` calls."""
+    from logprobe.kernels.elementwise import rotary, rotary_pair
+
+    T = qkv.shape[0]
+    q = qkv[:, : heads * head_dim].reshape(T, heads, head_dim)  # [T, H, D]
+    k = qkv[:, heads * head_dim:(heads + 1) * head_dim].reshape(T, 1, head_dim)  # [T, 1, D]
+    k3 = torch.cat([k, k * 0.5, -k], 1)  # [T, 3, D] contiguous
+    bits = 0
+    for kk in (k, k3):
+        yq, yk = rotary_pair(q, kk, cis)
+        bits += int((yq != rotary(q, cis)).sum()) + int((yk != rotary(kk, cis)).sum())
+    return {"ref": float(bits), "f64": 0.0}
 
 
 def _assert_ok(res: dict, tol: dict) -> None:
@@ -64,12 +81,13 @@ def test_interpreter_elementwise_kernels():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     # float32: the reference to a few ulps; float16: one rounding of the output (2^-11 relative)
     _assert_ok(res, {"float32": (2e-6, 1e-5), "float16": (8e-3, 1e-3)})
-    assert len(res) == 4
+    assert res["pair-float32"]["ref"] == 0 and res["pair-float16"]["ref"] == 0  # bit for bit
+    assert len(res) == 6
 
 
 def test_wrappers_reject_bad_input():
     from logprobe.errors import LogprobeError
-    from logprobe.kernels.elementwise import rotary, silu_mul
+    from logprobe.kernels.elementwise import rotary, rotary_pair, silu_mul
 
     with pytest.raises(LogprobeError, match="gate"):
         silu_mul(torch.randn(3, 4), torch.randn(3, 5))
@@ -77,18 +95,26 @@ def test_wrappers_reject_bad_input():
         rotary(torch.randn(3, 2, 8), torch.randn(3, 4))
     with pytest.raises(LogprobeError, match="even D"):
         rotary(torch.randn(3, 2, 7), torch.randn(3, 3))
+    cis = torch.ones(3, 4, dtype=torch.complex64)
+    with pytest.raises(LogprobeError, match=r"\[3, Hk, 8\]"):
+        rotary_pair(torch.randn(3, 2, 8), torch.randn(3, 2, 6), cis)
+    with pytest.raises(LogprobeError, match="k: must be"):
+        rotary_pair(torch.randn(3, 2, 8), torch.randn(3, 2, 7), cis)
 
 
 def test_cpu_paths_ignore_the_triton_switch():
     """On CPU the layers run PyTorch whatever the switch says: same bits either way."""
     from logprobe.layers.activation import silu_mul
-    from logprobe.layers.rotary import RotaryEmbedding, apply_rotary
+    from logprobe.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_pair
 
     g, u = torch.randn(5, 16), torch.randn(5, 16)
     assert torch.equal(silu_mul(g, u, True), silu_mul(g, u, False))
     assert torch.allclose(silu_mul(g, u, False), torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-7)
     x, cis = torch.randn(5, 2, 8), RotaryEmbedding(8, 10000.0)(torch.arange(5))
     assert torch.equal(apply_rotary(x, cis, True), apply_rotary(x, cis, False))
+    k = torch.randn(5, 1, 8)
+    for a, b in zip(apply_rotary_pair(x, k, cis, True), (apply_rotary(x, cis, False), apply_rotary(k, cis, False))):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
@@ -98,6 +124,7 @@ def test_cuda_elementwise_kernels():
     print(res)
     # bfloat16: one output rounding is 2^-8 relative; rotary outputs reach |x| ~ 4
     _assert_ok(res, {"float32": (2e-6, 1e-5), "bfloat16": (3e-2, 2e-2)})
+    assert res["pair-float32"]["ref"] == 0 and res["pair-bfloat16"]["ref"] == 0  # bit for bit
 
 
 @pytest.mark.gpu

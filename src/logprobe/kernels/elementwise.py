@@ -38,20 +38,17 @@ if triton_available():
         tl.store(y_ptr + row * stride_y + cols, silu_times(g, u).to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rotary(x_ptr, cs_ptr, y_ptr, n_heads, half, stride_xt, stride_xh, stride_yt, stride_yh,
-                BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
-        # one program per token, all its heads: pair j = dims (2j, 2j + 1) rotated by (cos, sin)_j.
-        # Whole head rows are loaded and stored contiguously and split into (even, odd) in
-        # registers: loading the evens and the odds as two stride-2 gathers (and storing them the
-        # same way) ran at about a fifth of the memory bandwidth on an H200 (15% of Qwen3-MoE's W1)
-        t = tl.program_id(0).to(tl.int64)
+    def _rotate_heads(x_ptr, y_ptr, t, c, s, n_heads, half, stride_xt, stride_xh, stride_yt, stride_yh,
+                      BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+        # token t's heads: pair j = dims (2j, 2j + 1) rotated by (c, s)_j. Whole head rows are
+        # loaded and stored contiguously and split into (even, odd) in registers: loading the evens
+        # and the odds as two stride-2 gathers (and storing them the same way) ran at about a fifth
+        # of the memory bandwidth on an H200 (15% of Qwen3-MoE's W1)
         heads = tl.arange(0, BLOCK_H)
         d = tl.arange(0, 2 * BLOCK_J)
         ok = (heads < n_heads)[:, None] & (d < 2 * half)[None, :]  # [BH, 2 BJ]
         x = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :], mask=ok, other=0.0)
         xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, BLOCK_J, 2)))  # [BH, BJ] each
-        cs = tl.load(cs_ptr + t * 2 * half + d, mask=d < 2 * half, other=0.0)  # cis as real [T, D/2, 2]
-        c, s = tl.split(tl.reshape(cs, (BLOCK_J, 2)))  # [BJ] each
         # explicit FMAs: left to the compiler, which product is fused into the add changed with
         # BLOCK_H (a [T, 4, D] k and its [T, 2, D] half rotated some pairs 1 ulp apart on an H200)
         ye = tl.fma(xe, c[None, :], -(xo * s[None, :]))
@@ -59,6 +56,34 @@ if triton_available():
         y = tl.reshape(tl.join(ye, yo), (BLOCK_H, 2 * BLOCK_J))  # pairs interleaved back
         tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + d[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=ok)
+
+    @triton.jit
+    def _cos_sin(cs_ptr, t, half, BLOCK_J: tl.constexpr):
+        d = tl.arange(0, 2 * BLOCK_J)
+        cs = tl.load(cs_ptr + t * 2 * half + d, mask=d < 2 * half, other=0.0)  # cis as real [T, D/2, 2]
+        return tl.split(tl.reshape(cs, (BLOCK_J, 2)))  # [BJ] each
+
+    @triton.jit
+    def _rotary(x_ptr, cs_ptr, y_ptr, n_heads, half, stride_xt, stride_xh, stride_yt, stride_yh,
+                BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+        # one program per token, all its heads
+        t = tl.program_id(0).to(tl.int64)
+        c, s = _cos_sin(cs_ptr, t, half, BLOCK_J)
+        _rotate_heads(x_ptr, y_ptr, t, c, s, n_heads, half, stride_xt, stride_xh, stride_yt, stride_yh,
+                      BLOCK_H, BLOCK_J)
+
+    @triton.jit
+    def _rotary_pair(q_ptr, k_ptr, cs_ptr, yq_ptr, yk_ptr, hq, hk, half, stride_qt, stride_qh, stride_kt,
+                     stride_kh, stride_yqt, stride_ykt, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                     BLOCK_J: tl.constexpr):
+        # q's and k's heads of one token in one program: one launch where two were (the same
+        # arithmetic per element, so the same bits as two ``_rotary`` calls)
+        t = tl.program_id(0).to(tl.int64)
+        c, s = _cos_sin(cs_ptr, t, half, BLOCK_J)
+        _rotate_heads(q_ptr, yq_ptr, t, c, s, hq, half, stride_qt, stride_qh, stride_yqt, 2 * half,
+                      BLOCK_HQ, BLOCK_J)
+        _rotate_heads(k_ptr, yk_ptr, t, c, s, hk, half, stride_kt, stride_kh, stride_ykt, 2 * half,
+                      BLOCK_HK, BLOCK_J)
 
 
 def _runs_here(x: torch.Tensor, name: str) -> None:
@@ -117,6 +142,29 @@ def rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         _rotary[(T,)](x, cs, y, H, D // 2, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
                       BLOCK_H=triton.next_power_of_2(H), BLOCK_J=triton.next_power_of_2(D // 2))
     return y
+
+
+def rotary_pair(q: torch.Tensor, k: torch.Tensor, cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rotary(q, cis), rotary(k, cis))`` in one launch: q [T, Hq, D] and k [T, Hk, D] (strided
+    views allowed, unit last stride), bit for bit the two calls."""
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != 3 or x.shape[-1] % 2 or x.stride(2) != 1:
+            raise LogprobeError(name, f"must be [T, H, D] with even D and unit last stride, got {tuple(x.shape)}")
+    T, Hq, D = q.shape
+    if k.shape[0] != T or k.shape[2] != D or k.dtype != q.dtype:
+        raise LogprobeError("k", f"must be [{T}, Hk, {D}] in {q.dtype}, got {k.dtype} {tuple(k.shape)}")
+    if cis.shape != (T, D // 2) or cis.dtype != torch.complex64:
+        raise LogprobeError("cis", f"must be complex64 [{T}, {D // 2}], got {cis.dtype} {tuple(cis.shape)}")
+    _runs_here(q, "rotary")
+    Hk = k.shape[1]
+    yq = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    yk = torch.empty(T, Hk, D, dtype=k.dtype, device=k.device)
+    if T and (Hq or Hk):
+        cs = torch.view_as_real(cis.contiguous())  # [T, D/2, 2] float32: (cos, sin)
+        _rotary_pair[(T,)](q, k, cs, yq, yk, Hq, Hk, D // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                           yq.stride(0), yk.stride(0), BLOCK_HQ=triton.next_power_of_2(max(Hq, 1)),
+                           BLOCK_HK=triton.next_power_of_2(max(Hk, 1)), BLOCK_J=triton.next_power_of_2(D // 2))
+    return yq, yk
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from ..kernels import triton_available
-from ..kernels.elementwise import rotary, rotary_reference
+from ..kernels.elementwise import rotary, rotary_pair, rotary_reference
 
 
 def rotary_dim(head_dim: int, scaling: dict | None) -> int:
@@ -112,6 +112,16 @@ def apply_rotary(x: torch.Tensor, cis: torch.Tensor, triton: bool = False) -> to
     if triton and x.is_cuda and x.stride(2) == 1 and triton_available():
         return rotary(x, cis)
     return rotary_reference(x, cis)
+
+
+def apply_rotary_pair(q: torch.Tensor, k: torch.Tensor, cis: torch.Tensor, triton: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(apply_rotary(q, cis, triton), apply_rotary(k, cis, triton))``, bit for bit; on the Triton
+    path in one launch (a launch costs the host tens of microseconds: on a small pass the GPU
+    waits for them)."""
+    if triton and q.is_cuda and q.stride(2) == 1 and k.stride(2) == 1 and triton_available():
+        return rotary_pair(q, k, cis)
+    return apply_rotary(q, cis, triton), apply_rotary(k, cis, triton)
 
 
 def to_interleaved(w: torch.Tensor, n_head: int, rot: int | None = None) -> torch.Tensor:

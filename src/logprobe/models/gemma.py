@@ -52,7 +52,7 @@ from ..layers.logprob_head import HeadParams
 from ..layers.norm import OffsetRMSNorm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
-from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, to_interleaved
+from ..layers.rotary import RotaryEmbedding, apply_rotary_pair, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads
 from .base import FusedQKV, ScoringModel
@@ -144,7 +144,7 @@ class GemmaAttention(FusedQKV, NumericsUser, nn.Module):
         q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, Hq, D]
         k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cis, self.numerics.triton), apply_rotary(k, cis, self.numerics.triton)
+        q, k = apply_rotary_pair(q, k, cis, self.numerics.triton)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 

@@ -52,7 +52,7 @@ from ..layers.moe_gpt_oss import GptOssMoe, GptOssMoeSpec
 from ..layers.norm import RMSNorm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
-from ..layers.rotary import apply_rotary, to_interleaved
+from ..layers.rotary import apply_rotary_pair, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads
 from .base import FusedQKV, ScoringModel
@@ -175,7 +175,7 @@ class GptOssAttention(FusedQKV, NumericsUser, nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cis, self.numerics.triton), apply_rotary(k, cis, self.numerics.triton)
+        q, k = apply_rotary_pair(q, k, cis, self.numerics.triton)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window, self.sinks)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 

@@ -34,7 +34,7 @@ from ..layers.linear import Linear, fuse_linears
 from ..layers.norm import RMSNorm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
-from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotary_dim, to_interleaved
+from ..layers.rotary import RotaryEmbedding, apply_rotary_pair, rope_inv_freq, rotary_dim, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
 from .base import FusedQKV, ScoringModel
@@ -120,7 +120,7 @@ class LlamaAttention(FusedQKV, NumericsUser, nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cis, self.numerics.triton), apply_rotary(k, cis, self.numerics.triton)
+        q, k = apply_rotary_pair(q, k, cis, self.numerics.triton)
         o = packed_attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
