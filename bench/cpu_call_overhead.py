@@ -36,7 +36,7 @@ def tiny_llama(path: Path, layers: int = 2) -> None:
     import transformers as tf
 
     cfg = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                          bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     tf.LlamaForCausalLM(cfg).save_pretrained(str(path))
