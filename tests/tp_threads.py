@@ -148,15 +148,13 @@ def trace_attention(models: list[torch.nn.Module]):
     def put(name: str, t: torch.Tensor) -> None:
         records[getattr(_THREAD, "rank", 0)].append((name, t.detach().clone()))
 
-    rotary, attention = llama.apply_rotary, llama.packed_attention
-    turns = [0] * len(models)
+    rotary, attention = llama.apply_rotary_pair, llama.packed_attention
 
-    def traced_rotary(x, cis, triton=False):
-        y = rotary(x, cis, triton)
-        r = getattr(_THREAD, "rank", 0)
-        put("k_rotated" if turns[r] % 2 else "q_rotated", y)  # the model rotates q, then k
-        turns[r] += 1
-        return y
+    def traced_rotary(q, k, cis, triton=False):
+        q, k = rotary(q, k, cis, triton)
+        put("q_rotated", q)
+        put("k_rotated", k)
+        return q, k
 
     def traced_attention(*args, **kw):
         o = attention(*args, **kw)
@@ -172,11 +170,11 @@ def trace_attention(models: list[torch.nn.Module]):
     hooks = [m.register_forward_hook(norm_hook(kind)) for model in models for a in model.modules()
              if isinstance(a, llama.LlamaAttention) and a.q_norm is not None and not a.qk_norm_full
              for kind, m in (("q_norm", a.q_norm), ("k_norm", a.k_norm))]
-    llama.apply_rotary, llama.packed_attention = traced_rotary, traced_attention
+    llama.apply_rotary_pair, llama.packed_attention = traced_rotary, traced_attention
     try:
         yield lambda rank: records[rank]
     finally:
-        llama.apply_rotary, llama.packed_attention = rotary, attention
+        llama.apply_rotary_pair, llama.packed_attention = rotary, attention
         for h in hooks:
             h.remove()
 
