@@ -530,7 +530,7 @@ def test_fused_kernel_interpreted():
     r = run_interpreted(code)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["align"] == [[1, 2, 5, 6, 0, 4, 3, 6], [0, 1, 2, 3]]
+    assert out["align"] == [[1, 2, 5, 6, 0, 4, 3, 6, 6, 6], [0, 1, 2, 3, 3]]  # a last tile of pad only
     assert out["scale"] > 0.5 and out["float32"] < 1e-6 and out["float16"] < 5e-3
     assert out["invariant"]
 
@@ -702,3 +702,33 @@ def test_deterministic_mode_keeps_tp_invariance_on_moe_models(moe_dirs, tiny_dir
     dense = load_model(str(tiny_dirs["llama"][0]), "cpu", "float32")
     Scorer(dense, config=EngineConfig(deterministic=True)).engine.run([ScoreRequest([5, 6, 7, 8], 1)])
     assert all(m.numerics.column_blocks for m in dense.model.modules() if isinstance(m, Linear))
+
+
+def test_align_by_expert_asks_the_device_nothing():
+    """The alignment sizes everything from the host's n, E and block_m: no op that reads a value
+    back or sizes its output by one (on CUDA each would stall the host before the next pass is
+    planned); the real tiles are those of the exact padding, then pad-only tiles."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from logprobe.kernels.moe import align_by_expert, padded_length
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, 8, (50, 3), generator=torch.Generator().manual_seed(0))
+    with Ops() as ops:
+        s, t = align_by_expert(ids, 8, 16)
+    syncing = ("_local_scalar_dense", "nonzero", "bincount", "repeat_interleave", "unique", "is_nonzero")
+    assert not [n for n in ops.names if any(x in n for x in syncing)]
+    assert len(s) == padded_length(150, 8, 16) == 16 * len(t)
+    counts = torch.bincount(ids.reshape(-1), minlength=8)
+    real = int(((counts + 15) // 16).sum())  # the exact padding's tiles
+    assert t[:real].tolist() == [e for e in range(8) for _ in range((int(counts[e]) + 15) // 16)]
+    assert (s.view(-1, 16)[:real, 0] < 150).all() and (s[real * 16:] == 150).all()
+    assert sorted(s[s < 150].tolist()) == list(range(150))

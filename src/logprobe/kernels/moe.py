@@ -6,8 +6,11 @@ sentinel (``T * k``), so every row tile belongs to exactly one expert. Example, 
 BLOCK_M = 2, ids = [[2, 0], [0, 3], [2, 1]]:
 
     slots by expert (stable):  e0: 1, 2 | e1: 5 | e2: 0, 4 | e3: 3
-    sorted_slots (padded):     [1, 2 | 5, P | 0, 4 | 3, P]      P = 6, a row that is masked off
-    tile_expert:               [0,     1,     2,     3]
+    sorted_slots (padded):     [1, 2 | 5, P | 0, 4 | 3, P | P, P]   P = 6, a row that is masked off
+    tile_expert:               [0,     1,     2,     3,     3]
+
+(the last tile is pad only: the padded length is a bound the host knows without asking the GPU,
+``padded_length``, and a tile whose first slot is pad is skipped.)
 
 * ``_gate_up_kernel``: program (tile, n) loads the tile's x rows (token ``s // k``), runs one K
   loop with two float32 accumulators against expert e's gate and up columns n, and stores
@@ -52,6 +55,8 @@ if triton_available():
                         stride_xm, stride_we, stride_wn, stride_am, IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
+            return  # a tile of pad only (past the last expert's tiles: ``align_by_expert``)
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         tokens = (slots // top_k).to(tl.int64)
@@ -85,6 +90,8 @@ if triton_available():
                      stride_am, stride_we, stride_wn, stride_ym, IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
+            return  # a tile of pad only
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
@@ -157,23 +164,46 @@ def default_config(dtype: torch.dtype) -> MoeKernelConfig:
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids [T, k] -> ``sorted_slots`` [P] (slots grouped by expert, each group padded to a
-    multiple of ``block_m`` with ``T * k``) and ``tile_expert`` [P / block_m] (see the module
-    docstring's example)."""
+    """Expert ids [T, k] (each in 0 .. num_experts - 1) -> ``sorted_slots`` [P] (slots grouped by
+    expert, each group padded to a multiple of ``block_m`` with ``T * k``) and ``tile_expert``
+    [P / block_m] (see the module docstring's example).
+
+    No host synchronisation (on CUDA each one stalls the host until the GPU drains, so the next
+    pass cannot be planned while this one runs): P is the bound ``padded_length(n, E, block_m)``
+    known on the host, not the exact padded length, and the tiles past the last expert's are all
+    pad (their expert is the last one; the kernels skip a tile whose first slot is pad).
+
+        >>> s, t = align_by_expert(torch.tensor([[2, 0], [0, 3], [2, 1]]), 4, 2)
+        >>> s.tolist()[:8], t.tolist()[:4], len(s) == 2 * len(t) == padded_length(6, 4, 2)
+        ([1, 2, 5, 6, 0, 4, 3, 6], [0, 1, 2, 3], True)
+    """
     flat = ids.reshape(-1)  # [n], n = T * k
     n = flat.numel()
     order = torch.sort(flat, stable=True).indices  # slots by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    ones = torch.ones_like(flat, dtype=torch.long)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat.long(), ones)  # [E]
+    tiles = (counts + block_m - 1) // block_m  # [E]: each expert's tiles
     start = torch.cumsum(counts, 0) - counts  # first sorted index of each expert
-    pstart = torch.cumsum(padded, 0) - padded  # its first padded position
+    tile_end = torch.cumsum(tiles, 0)  # [E]: one past each expert's last tile
+    pstart = (tile_end - tiles) * block_m  # its first padded position
     expert_of = flat[order]  # [n]
     dest = pstart[expert_of] + torch.arange(n, device=flat.device) - start[expert_of]  # [n]
-    sorted_slots = torch.full((int(padded.sum()),), n, dtype=torch.int32, device=flat.device)  # [P]
+    total = padded_length(n, num_experts, block_m)
+    sorted_slots = torch.full((total,), n, dtype=torch.int32, device=flat.device)  # [P]
     sorted_slots[dest] = order.to(torch.int32)
-    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
-                                          padded // block_m)  # [P / block_m]
-    return sorted_slots, tile_expert
+    every_tile = torch.arange(total // block_m, device=flat.device)  # [P / block_m]
+    tile_expert = torch.searchsorted(tile_end, every_tile, right=True).clamp_(max=num_experts - 1)
+    return sorted_slots, tile_expert.to(torch.int32)
+
+
+def padded_length(n: int, num_experts: int, block_m: int) -> int:
+    """A bound on the slots of ``n`` padded expert by expert to multiples of ``block_m``: each
+    expert adds fewer than ``block_m`` pad slots, rounded up to whole tiles.
+
+    >>> padded_length(6, 4, 2), padded_length(1000, 128, 64), padded_length(0, 128, 64)
+    (10, 9088, 0)
+    """
+    return -(-(n + num_experts * (block_m - 1)) // block_m) * block_m if n else 0
 
 
 def _check(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
@@ -283,7 +313,9 @@ def combine_rows(y: torch.Tensor, row_weights: torch.Tensor, slots: torch.Tensor
         raise LogprobeError("weights", f"y {tuple(y.shape)}, weights {tuple(row_weights.shape)} {row_weights.dtype} "
                             f"and slots {tuple(slots.shape)} do not fit [n, H], [n] float32, [n]")
     y, row_weights = y.contiguous(), row_weights.contiguous()
-    counts = torch.bincount(slots // top_k, minlength=tokens)  # [tokens]: rows per token
+    owner = (slots // top_k).long()  # [n]: each row's token
+    # rows per token; a bincount would wait for the GPU (it sizes its output by the largest value)
+    counts = torch.zeros(tokens, dtype=torch.long, device=y.device).index_add_(0, owner, torch.ones_like(owner))
     start = torch.zeros(tokens + 1, dtype=torch.int64, device=y.device)  # [tokens + 1]
     start[1:] = torch.cumsum(counts, 0)
     out = torch.empty(tokens, H, dtype=torch.float32, device=y.device)  # [tokens, H]

@@ -141,6 +141,8 @@ if triton_available():
                         stride_am, PACKED: tl.constexpr, IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
+            return  # a tile of pad only (``kernels.moe.align_by_expert``)
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         tokens = (slots // top_k).to(tl.int64)
@@ -178,6 +180,8 @@ if triton_available():
                      PACKED: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
+            return  # a tile of pad only (``kernels.moe.align_by_expert``)
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
