@@ -613,6 +613,63 @@ def test_combine_rows_kernel_interpreted_is_bitwise_the_pytorch_definition():
     assert out["gold"] == [[0.5, 1.0], [0.25 * 3 + 2.0 * 5, 0.25 * 4 + 2.0 * 6], [0.0, 0.0]]
 
 
+def test_owned_partial_interpreted_is_bitwise_the_gathered_path():
+    """Default mode's partial under data-parallel attention, the two ways, on the gathered rows of
+    2 ranks (pad rows' ids -1) for the experts 2, 3 of ten: ``fused_moe`` on xs with ids outside
+    this rank's experts left out, then ``combine_owned`` == the slots compacted (``local_slots``),
+    their rows gathered, ``fused_moe`` on them, ``combine_rows``: bit for bit (k = 1, 2, 8; float32,
+    float16: the interpreter has no bf16 products); and the float64 definition to rounding; a token
+    with no slot here is 0. And ``Experts.owned_partial`` (rank 1 of 5) gives the same bits."""
+    code = textwrap.dedent("""
+        import json, torch
+        from unittest import mock
+        from logprobe.kernels.moe import combine_owned, combine_rows, fused_moe, MoeKernelConfig
+        from logprobe.layers.moe import local_slots
+        out = {"equal": [], "f64": [], "zero": []}
+        g = torch.Generator().manual_seed(7)
+        H, I = 32, 16
+        for Pm, k, dt in [(10, 1, torch.float32), (12, 2, torch.float16), (9, 8, torch.float32)]:
+            ids = torch.stack([torch.randperm(10, generator=g)[:k] for _ in range(Pm)])
+            ids[Pm // 2] = -1  # a pad row
+            xs = torch.randn(Pm, H, generator=g).to(dt)
+            w = torch.softmax(torch.randn(Pm, k, generator=g), -1)
+            gate, up = (torch.randn(2, I, H, generator=g).to(dt) * 0.3 for _ in range(2))
+            down = torch.randn(2, H, I, generator=g).to(dt) * 0.3
+            cfg = MoeKernelConfig(16, 16, 16, 4, 1)
+            local = ids - 2
+            own = (local >= 0) & (local < 2)
+            new = combine_owned(fused_moe(xs, local, gate, up, down, cfg), w, own)
+            slots, lid = local_slots(ids, 2, 2)
+            ys = fused_moe(xs[slots // k], lid[:, None], gate, up, down, cfg)
+            old = combine_rows(ys, w.reshape(-1)[slots], slots, k, Pm)
+            out["equal"].append(bool(torch.equal(new, old)))
+            ref = torch.zeros(Pm, H, dtype=torch.float64)
+            for t in range(Pm):
+                for j in range(k):
+                    if own[t, j]:
+                        e, x64 = int(local[t, j]), xs[t].double()
+                        h = torch.nn.functional.silu(gate[e].double() @ x64) * (up[e].double() @ x64)
+                        ref[t] += w[t, j].double() * (down[e].double() @ h)
+            out["f64"].append(float((new.double() - ref).abs().max()))
+            out["zero"].append(bool((new[~own.any(1)] == 0).all()))
+            if dt == torch.float32:  # the layer's glue: rank 1 of 5 holds experts 2, 3 of ten
+                from logprobe.layers.moe import Experts
+                from logprobe.parallel.context import ParallelContext
+                ex = Experts(10, H, I, ParallelContext(1, 5, experts=5))
+                for name, t in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, down)):
+                    getattr(ex, name).data.copy_(t)
+                with mock.patch("logprobe.kernels.moe.default_config", lambda dtype: cfg):  # the small tiles
+                    got = ex.owned_partial(xs, ids, w, triton=True)
+                out["layer"] = out.get("layer", []) + [bool(torch.equal(got, new))]
+        print(json.dumps(out))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["equal"] == [True] * 3 and out["zero"] == [True] * 3 and out["layer"] == [True, True]
+    assert out["f64"][0] < 1e-4 and out["f64"][2] < 1e-4 and out["f64"][1] < 1e-2  # float16: 2^-11 relative
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA")
 def test_combine_rows_kernel_cuda_is_bitwise_the_pytorch_definition():
     from logprobe.kernels.moe import combine_rows

@@ -27,6 +27,10 @@ BLOCK_M = 2, ids = [[2, 0], [0, 3], [2, 1]]:
   (expert parallelism, default mode): rows y [n, H] in ascending slot order, their weights [n],
   token t's rows ``start[t] .. start[t+1] - 1``; ``out[t] = 0 + w y + w y ...`` in float32, kept
   in float32 (the partial each rank adds to the sum over ranks), 0 for a token with no row here.
+* ``_combine_owned_kernel`` (``combine_owned``): the same sum read from y [T*k, H] by slot, where
+  only the slots of this rank's experts were computed (``fused_moe`` given ids outside its
+  experts leaves those out): no gathered copy of the rows, no compaction (which would wait for
+  the GPU to learn how many).
 
 Fixed tiles per expert, each K loop in order, no split-K: a row's numbers depend only on its own
 row and its expert's weights, never on how many rows share the expert, so the kernel is
@@ -137,6 +141,20 @@ if triton_available():
         tl.store(out_ptr + t * stride_o + cols, acc, mask=ok)
 
 
+    @triton.jit
+    def _combine_owned_kernel(y_ptr, w_ptr, own_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # token t's slots in slot order, those computed here only
+            if tl.load(own_ptr + t * TOP_K + j) != 0:
+                r = t * TOP_K + j
+                acc = acc + tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + r)
+        tl.store(out_ptr + t * stride_o + cols, acc, mask=ok)
+
+
 @dataclass(frozen=True, slots=True)
 class MoeKernelConfig:
     """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch of a
@@ -164,9 +182,10 @@ def default_config(dtype: torch.dtype) -> MoeKernelConfig:
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids [T, k] (each in 0 .. num_experts - 1) -> ``sorted_slots`` [P] (slots grouped by
-    expert, each group padded to a multiple of ``block_m`` with ``T * k``) and ``tile_expert``
-    [P / block_m] (see the module docstring's example).
+    """Expert ids [T, k] -> ``sorted_slots`` [P] (slots grouped by expert, each group padded to a
+    multiple of ``block_m`` with ``T * k``) and ``tile_expert`` [P / block_m] (see the module
+    docstring's example). A slot whose id is outside 0 .. num_experts - 1 (another rank's expert,
+    a pad row's -1) gets no place: no tile computes it.
 
     No host synchronisation (on CUDA each one stalls the host until the GPU drains, so the next
     pass cannot be planned while this one runs): P is the bound ``padded_length(n, E, block_m)``
@@ -176,24 +195,31 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
         >>> s, t = align_by_expert(torch.tensor([[2, 0], [0, 3], [2, 1]]), 4, 2)
         >>> s.tolist()[:8], t.tolist()[:4], len(s) == 2 * len(t) == padded_length(6, 4, 2)
         ([1, 2, 5, 6, 0, 4, 3, 6], [0, 1, 2, 3], True)
+        >>> align_by_expert(torch.tensor([[2, 0], [0, 3], [2, 1]]), 2, 2)[0].tolist()[:4]  # experts 0, 1 only
+        [1, 2, 5, 6]
     """
     flat = ids.reshape(-1)  # [n], n = T * k
     n = flat.numel()
-    order = torch.sort(flat, stable=True).indices  # slots by expert
-    ones = torch.ones_like(flat, dtype=torch.long)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat.long(), ones)  # [E]
+    E = num_experts
+    bucket = torch.where((flat >= 0) & (flat < E), flat, E).long()  # [n]: E for a slot left out
+    order = torch.sort(bucket, stable=True).indices  # slots by expert, the left-out ones last
+    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).index_add_(
+        0, bucket, torch.ones_like(bucket))[:E]  # [E]: a bincount that does not wait for the GPU
     tiles = (counts + block_m - 1) // block_m  # [E]: each expert's tiles
     start = torch.cumsum(counts, 0) - counts  # first sorted index of each expert
     tile_end = torch.cumsum(tiles, 0)  # [E]: one past each expert's last tile
-    pstart = (tile_end - tiles) * block_m  # its first padded position
-    expert_of = flat[order]  # [n]
-    dest = pstart[expert_of] + torch.arange(n, device=flat.device) - start[expert_of]  # [n]
-    total = padded_length(n, num_experts, block_m)
-    sorted_slots = torch.full((total,), n, dtype=torch.int32, device=flat.device)  # [P]
+    total = padded_length(n, E, block_m)
+    # each expert's first padded position; the left-out slots all go to position `total`, dropped
+    pstart = torch.cat([(tile_end - tiles) * block_m, tile_end.new_full((1,), total)])  # [E + 1]
+    start = torch.cat([start, start.new_zeros(1)])  # [E + 1]
+    expert_of = bucket[order]  # [n]
+    rank = torch.arange(n, device=flat.device) - start[expert_of]  # place within its expert
+    dest = torch.where(expert_of < E, pstart[expert_of] + rank, total)  # [n]
+    sorted_slots = torch.full((total + 1,), n, dtype=torch.int32, device=flat.device)  # [P + 1]
     sorted_slots[dest] = order.to(torch.int32)
     every_tile = torch.arange(total // block_m, device=flat.device)  # [P / block_m]
-    tile_expert = torch.searchsorted(tile_end, every_tile, right=True).clamp_(max=num_experts - 1)
-    return sorted_slots, tile_expert.to(torch.int32)
+    tile_expert = torch.searchsorted(tile_end, every_tile, right=True).clamp_(max=E - 1)
+    return sorted_slots[:total], tile_expert.to(torch.int32)
 
 
 def padded_length(n: int, num_experts: int, block_m: int) -> int:
@@ -285,6 +311,27 @@ def combine_slots(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) ->
     # FMA contraction off: each product and each sum rounded on its own, as PyTorch's elementwise ops do
     _combine_kernel[(T, triton.cdiv(H, block))](y, weights, out, H, y.stride(0), out.stride(0), TOP_K=k,
                                                 BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def combine_owned(y: torch.Tensor, weights: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Expert outputs y [T*k, H] by slot (only the ``own`` slots written), router weights [T, k]
+    float32 and own [T, k] bool -> float32 [T, H]: ``out[t] = 0 + w y + ...`` over token t's own
+    slots in slot order, zero where it has none; each product and sum rounded on its own. Bitwise
+    ``combine_rows`` of the own slots' rows, without gathering them (expert parallelism, default
+    mode: the slots of the experts this rank holds)."""
+    T, k = weights.shape
+    H = y.shape[-1]
+    if y.shape[0] != T * k or own.shape != (T, k) or weights.dtype != torch.float32:
+        raise LogprobeError("weights", f"y {tuple(y.shape)}, weights {tuple(weights.shape)} {weights.dtype} and own "
+                            f"{tuple(own.shape)} do not fit [T*k, H], [T, k] float32, [T, k]")
+    y, weights, own = y.contiguous(), weights.contiguous(), own.contiguous().to(torch.int8)
+    out = torch.empty(T, H, dtype=torch.float32, device=y.device)  # [T, H]
+    if T == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(H))
+    _combine_owned_kernel[(T, triton.cdiv(H, block))](y, weights, own, out, H, y.stride(0), out.stride(0), TOP_K=k,
+                                                      BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
     return out
 
 

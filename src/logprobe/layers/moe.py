@@ -51,6 +51,7 @@ from ..kernels import interpreting, triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
 from ..kernels.moe import (
     align_by_expert,
+    combine_owned,
     combine_rows,
     combine_slots,
     default_config,
@@ -505,6 +506,8 @@ class Experts(NumericsUser, nn.Module):
         routing = rows.pad(torch.cat([ids.float(), weights.float()], 1), -1.0)  # [m, 2k]: ids exact in float32
         routing = self.ctx.all_gather(routing).view(size * m, 2 * k)  # [P*m, 2k]
         every_ids = routing[:, :k].long()  # [P*m, k]; -1 on pad rows
+        if not deterministic and (partial := self.owned_partial(xs, every_ids, routing[:, k:], triton)) is not None:
+            return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
         slots, lid = local_slots(every_ids, self.first_expert, self.num_experts)  # [n], [n]
         ys = x.new_empty(0, self.hidden)  # [n, H]
         if slots.numel():
@@ -515,6 +518,26 @@ class Experts(NumericsUser, nn.Module):
             return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
         own = self.return_slots(ys, slots, every_ids, m).view(m, k, self.hidden)[:T]  # [T, k, H], whole
         return combine_to(own, weights, x.dtype)
+
+    def owned_partial(self, xs: torch.Tensor, every_ids: torch.Tensor, weights: torch.Tensor, triton: bool
+                      ) -> torch.Tensor | None:
+        """Default mode's float32 partial [P*m, H] of this rank's experts from the gathered rows xs
+        [P*m, H], their expert ids [P*m, k] and float32 weights [P*m, k], through the fused kernels
+        on CUDA: ``fused_moe`` computes the slots of the experts held here straight from xs (ids of
+        other ranks' experts and of pad rows fall outside and get no tile) and ``combine_owned``
+        adds them in slot order. The bits of ``local_slots`` -> ``local`` -> ``combine_partial``
+        (the same tiles, the same sums), without the gathered copy of each slot's row nor the
+        compaction, which would stall the host until the GPU knows how many slots are here.
+        None where the fused path does not apply (CPU, packed experts it cannot expand)."""
+        runs = xs.is_cuda or (interpreting() and xs.device.type == "cpu")  # the tests: Triton's interpreter
+        if not (triton and runs and xs.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available()):
+            return None
+        mats = self.dense_stacks(xs.dtype)
+        if mats is None:
+            return None
+        local = every_ids - self.first_expert  # [P*m, k]: this rank's numbering, others outside it
+        y = fused_moe(xs, local, *mats)  # [P*m*k, H]: the slots of the experts held here
+        return combine_owned(y, weights.float(), (local >= 0) & (local < self.num_experts))
 
     def return_slots(self, ys: torch.Tensor, slots: torch.Tensor, every_ids: torch.Tensor, m: int) -> torch.Tensor:
         """Whole experts per rank: the outputs ys [n, H] of this rank's slots ``slots`` [n] (flat
