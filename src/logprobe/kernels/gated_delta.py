@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import triton_available
+from . import host_values_to, triton_available
 from .elementwise import row_invariant
 from .qk_norm import L2_EPS, heads_reference, heads_triton, l2_normalize  # noqa: F401 (L2_EPS: re-exported)
 from .short_conv import causal_conv1d_triton
@@ -131,7 +131,7 @@ def _chunk_layout(starts: list[int], lengths: list[int], size: int, device):
     valid = local < torch.tensor(lengths, dtype=torch.long)[seq_t][:, None]
     idx = torch.tensor(starts, dtype=torch.long)[seq_t][:, None] + local
     idx = torch.where(valid, idx, 0)
-    return idx.to(device), valid.to(device), offsets
+    return host_values_to(idx, torch.long, device), host_values_to(valid, torch.bool, device), offsets
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,7 @@ def chunk_gated_delta_batched(
     lengths = [b - a for a, b in bounds]
     for members in _groups(lengths, chunk_size, max_group_chunks):
         members = sorted(members, key=lambda i: -(-lengths[i] // chunk_size), reverse=True)  # stable
-        sel = torch.tensor(members, dtype=torch.long, device=v.device)
+        sel = host_values_to(members, torch.long, v.device)
         S = finals.index_select(0, sel)
         o, idx, valid = _rule_group(q, k, v, g, beta, S, [bounds[i][0] for i in members],
                                     [lengths[i] for i in members], size=chunk_size, scale=scale,
@@ -396,7 +396,7 @@ def chunk_gated_delta_fla(
     o, ht = chunk_gated_delta_rule(
         q[None], k[None], v[None], g.float()[None], beta[None],
         scale=Dk**-0.5 if scale is None else scale, initial_state=h0.contiguous(), output_final_state=True,
-        use_qk_l2norm_in_kernel=False, cu_seqlens=torch.tensor(cu, dtype=torch.long, device=v.device),
+        use_qk_l2norm_in_kernel=False, cu_seqlens=host_values_to(cu, torch.long, v.device),  # no host sync
         cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long), chunk_size=chunk_size,
     )
     if len(nonempty) == len(bounds):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_available
+from . import host_values_to, triton_available
 
 CUDA_OPTIONS = {"enable_fp_fusion": False}  # no FMA contraction: each product rounded before its add
 triton = None
@@ -141,10 +141,10 @@ def _cu_seqlens(cu_seqlens, total: int, device) -> torch.Tensor:
     """``cu_seqlens`` as an int64 tensor on ``device``; host values are checked (a device tensor is
     trusted: reading it back would stall the stream)."""
     if cu_seqlens is None:
-        return torch.tensor([0, total], dtype=torch.int64, device=device)
+        return host_values_to([0, total], torch.int64, device)
     if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
         return cu_seqlens.to(device=device, dtype=torch.int64)
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to {total}, got {cu}")
-    return torch.tensor(cu, dtype=torch.int64, device=device)
+    return host_values_to(cu, torch.int64, device)  # pinned, not blocking: no host sync
