@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LogprobeError
-from . import interpreting, triton_available
+from . import host_values_to, interpreting, triton_available
 from .moe import MoeKernelConfig, align_by_expert, default_config
 
 BLOCK = 32  # values per scale
@@ -63,7 +63,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
             or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise LogprobeError("model", f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
                             f"{tuple(scales.shape)} {scales.dtype} do not fit [..., G, 16] and [..., G] uint8")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    lut = host_values_to(FP4_VALUES, torch.float32, blocks.device)  # pinned: no host sync on CUDA
     codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).int()  # [..., G, 16, 2]: low nibble first
     values = lut[codes].flatten(-2)  # [..., G, 32]
     out = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)  # times 2^(s - 127), exact

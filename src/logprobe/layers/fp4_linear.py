@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import LogprobeError
+from ..kernels import host_values_to
 from .linear import Linear, float32_product
 from .quant_linear import _PackedLinearMixin
 
@@ -41,7 +42,7 @@ _FP8_EPS = 0.125  # compressed-tensors' eps for an e4m3 scale: what a zero scale
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [r, c / 2] -> float32 [r, c]: low nibble = even column, high nibble = odd column."""
-    table = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    table = host_values_to(E2M1, torch.float32, packed.device)  # pinned: no host sync on CUDA
     nib = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)  # [r, c]
     mag = table[(nib & 0x07).long()]
     return torch.where((nib & 0x08).bool(), -mag, mag)
@@ -54,7 +55,7 @@ def round_to_fp4(v: torch.Tensor) -> torch.Tensor:
     a = v.abs()
     idx = ((a > 0.25).to(torch.int64) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
            + (a > 5.0))  # [...] index into E2M1
-    table = torch.tensor(E2M1, dtype=v.dtype, device=v.device)
+    table = host_values_to(E2M1, v.dtype, v.device)
     return torch.sign(v) * table[idx]
 
 
