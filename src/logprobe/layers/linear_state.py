@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LogprobeError
+from ..kernels import host_values_to
 from .attention import AttentionMeta
 from .gated_delta import GatedDeltaState, causal_conv1d, decay_and_beta, gated_delta_rule_chunked
 
@@ -124,8 +125,9 @@ def packed_gated_delta(x: DeltaInputs, meta: AttentionMeta, layer: int, rule: Ru
             cu.append(cu[-1] + n)
         lo = segs[idx[0]].start
         span = all(segs[s].start == lo + cu[j] for j, s in enumerate(idx))  # one row range: views, no gather
-        rows = (slice(lo, lo + cu[-1]) if span else
-                torch.cat([torch.arange(segs[s].start, segs[s].end) for s in idx]).to(x.mixed.device))
+        rows = (slice(lo, lo + cu[-1]) if span else  # else the rows' indices, copied without a host sync
+                host_values_to(torch.cat([torch.arange(segs[s].start, segs[s].end) for s in idx]), torch.long,
+                               x.mixed.device))
         def pick(t: torch.Tensor, rows: slice | torch.Tensor = rows) -> torch.Tensor:
             return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
