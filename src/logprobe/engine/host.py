@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention_gpu import host_to
+from ..kernels import host_values_to
 from ..layers.logprob_head import HeadOutput
 
 
@@ -87,15 +87,12 @@ def start_copy(out: HeadOutput, top_k: int, entropy: bool) -> HostCopy:
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on ``device``. On CUDA through pinned memory without blocking:
-    ``torch.tensor(values, device=...)`` copies from pageable memory and waits for the GPU to
-    drain first, a synchronisation per call that exposes every kernel launch after it (the
-    pinned block stays reserved until the copy is done: PyTorch records the copy's stream on it).
+    """A host list as a tensor on ``device`` without a host sync (``kernels.host_values_to``).
 
     >>> to_device([3, 1, 4], torch.long, torch.device("cpu")).tolist()
     [3, 1, 4]
     """
-    return host_to(torch.tensor(values, dtype=dtype), device)
+    return host_values_to(values, dtype, device)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels import host_values_to
+
 LONG_ROWS = 4096  # query rows from which a segment runs on cuDNN in default mode (module docstring)
 
 
@@ -74,15 +76,13 @@ def flash_varlen_attention(
 
 
 def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to CUDA through pinned memory without blocking (a copy from
-    pageable memory waits for the GPU to drain first: once per batch, inside the first layer).
+    """A host tensor on ``device`` without a host sync (``kernels.host_values_to``: a copy from
+    pageable memory would wait for the GPU to drain first, inside the first layer).
 
     >>> host_to(torch.tensor([0, 2, 3]), torch.device("cpu")).tolist()
     [0, 2, 3]
     """
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return host_values_to(t, t.dtype, device)
 
 
 def cu_tensors(cu_q: list[int], cu_k: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
