@@ -368,12 +368,18 @@ class Experts(NumericsUser, nn.Module):
     def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
         """Whole experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
         T, k = ids.shape
-        if triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            mats = self.dense_stacks(x.dtype)
-            if mats is not None and triton_available():
-                y = fused_moe(x, ids, *mats)  # [T*k, H]
-                return y.view(T, k, self.hidden)
+        if (mats := self.fused_stacks(x, triton)) is not None:
+            return fused_moe(x, ids, *mats).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
         return self.reference(x, ids, row_tile)
+
+    def fused_stacks(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> list[torch.Tensor] | None:
+        """The matrices for ``fused_moe`` on activations like ``x`` where the fused kernel runs
+        (CUDA, 16- or 32-bit floats, Triton on, experts it can expand; ``interpreted``: also CPU
+        under Triton's interpreter, for the tests), else None."""
+        runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
+        if not (triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available()):
+            return None
+        return self.dense_stacks(x.dtype)
 
     STACK_BYTES = 4 << 30  # packed experts expanded whole for the fused kernel up to this size a layer
 
@@ -529,11 +535,7 @@ class Experts(NumericsUser, nn.Module):
         (the same tiles, the same sums), without the gathered copy of each slot's row nor the
         compaction, which would stall the host until the GPU knows how many slots are here.
         None where the fused path does not apply (CPU, packed experts it cannot expand)."""
-        runs = xs.is_cuda or (interpreting() and xs.device.type == "cpu")  # the tests: Triton's interpreter
-        if not (triton and runs and xs.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available()):
-            return None
-        mats = self.dense_stacks(xs.dtype)
-        if mats is None:
+        if (mats := self.fused_stacks(xs, triton, interpreted=True)) is None:
             return None
         local = every_ids - self.first_expert  # [P*m, k]: this rank's numbering, others outside it
         y = fused_moe(xs, local, *mats)  # [P*m*k, H]: the slots of the experts held here
