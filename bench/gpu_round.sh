@@ -41,6 +41,8 @@
 #   deepseek_hf  the MLA shape and the GLM-4.5-Air cut against transformers (32 requests) ............. ~3
 #   hybridmoe  the hybrid kernels' CUDA tests, qwen35-35b-a3b W1 vs transformers + fla, its profile ......... ~9
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
+#   moesync  2 GPUs: the MoE CUDA tests, then Qwen3-30B-A3B (16 layers) profiled at 1 and 2 GPUs, the MLA shape .. ~9
+#   rlserver the rotary/attention CUDA tests, then llama-8b RL groups through the server at one batch budget ... ~8
 #   profile  gpu_profile.py, where the GPU time goes (kernel families, GPU busy fraction): Qwen3.5-35B-A3B
 #            (16 layers, fla-core from .whl) on 64 W1 requests, default and deterministic (~4), then the prefix
 #            cache on llama-8b one request per call, 32 calls: wall / kernels / CPU ops per call (~2) ........ ~6
@@ -150,6 +152,19 @@ for s in "$@"; do
                 --profile-requests 64
             step profile_prefix 220 "$py" bench/gpu_profile.py --scenario prefix --gpu-shape llama-8b \
                 --checkpoint /tmp/llama8b --calls 32 ;;
+        moesync)  # 2 GPUs: the MoE CUDA tests (sync-free alignment, owned experts), then where two-GPU time goes
+            step moesync_tests 300 "$py" -m pytest -q -p no:cacheprovider tests/test_moe.py tests/test_gpt_oss.py \
+                tests/test_moe_parallel_gpu.py
+            step moesync_qwen3 300 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 \
+                --profile --modes default
+            step moesync_mla 240 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2 ;;
+        rlserver)  # one GPU: the server wheels, the launch-cut tests, then RL groups through the server
+            "$py" -m pip install -q --no-index --find-links .whl fastapi uvicorn click annotated-doc anyio requests >/dev/null 2>&1
+            step rlserver_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_elementwise_kernels.py tests/test_gpu.py \
+                tests/test_golden_bits.py tests/test_attention_gpu.py tests/test_call_syncs.py
+            step rlserver 420 env PYTHONPATH="${PYTHONPATH:-}:bench" "$py" bench/cpu_prefix_cache.py --gpu-shape llama-8b \
+                --checkpoint /tmp/llama8b --device cuda --groups 32 --samples 8 --prompt 1024 --response 512 \
+                --per-call 16 --in-flight 64,256 --skip-mc --repeat 3 ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
