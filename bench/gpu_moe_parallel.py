@@ -263,6 +263,10 @@ def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, 
         if r["wait_ms_by"]:
             log(f"rank {r['rank']} waited (ms) in {r['wait_ms_by']}")
     for p in ranks:
+        if p.host_waits:  # where the host stopped for the GPU (the run's closing sync included)
+            log(f"rank {p.rank} host waits (call, calls, ms): "
+                f"{[(n, c, round(us / 1e3, 1)) for n, c, us in p.host_waits]}")
+    for p in ranks:
         other = [(n[:70], c, round(us / 1e3, 1)) for n, c, us in p.kernels if kernel_family(n) == "other" and us >= 100][:5]
         if other:
             log(f"rank {p.rank} other (name, calls, ms): {other}")

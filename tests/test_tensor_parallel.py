@@ -295,7 +295,16 @@ p = HeadParams(w[v0:v1].contiguous(), vocab_start=v0, vocab_total=V, comm=Parall
 t = torch.full((N,), 0.7)
 splits = fused_head_partials(h, p.weight, y - v0, torch.zeros(N), 1 / t)[0].shape[0]
 out = logprob_head(h, p, y, 0.7, top_k=3, entropy=True, backend="triton")
-torch.save(dict(splits=splits, lp=out.logprobs, ent=out.entropy, ids=out.topk_ids, h=h, w=w, y=y),
+gathered, plain = [], ParallelContext.all_gather
+def traced(self, x):
+    gathered.append((x.dtype, tuple(x.shape)))
+    return plain(self, x)
+ParallelContext.all_gather = traced  # the second call: every rank's split count known on the host
+again = logprob_head(h, p, y, 0.7, top_k=3, entropy=True, backend="triton")
+known, gathered = gathered, []
+wide = logprob_head(h, p, y, 0.7, top_k=30, backend="triton")  # may fall back on one rank: asks
+torch.save(dict(splits=splits, lp=out.logprobs, ent=out.entropy, ids=out.topk_ids, h=h, w=w, y=y,
+                again=again.logprobs, known=known, asked=gathered, wide=wide.logprobs, shard=v1 - v0),
            sys.argv[1] + f"/rank{rank}.pt")
 dist.destroy_process_group()
 # skip C++ teardown: under load a thread destroyed at interpreter exit (seen after this point,
@@ -317,7 +326,14 @@ def test_vocab_parallel_kernel_head_in_default_mode(tmp_path):
     logp = torch.log_softmax(z, -1)
     want = logp.gather(1, got[0]["y"][:, None]).squeeze(1)
     ent = -(logp.exp() * logp).sum(-1)
+    assert got[0]["shard"] != got[1]["shard"]  # uneven shards: the counts differ by rank
     for g in got:
+        assert torch.equal(g["again"], g["lp"])
+        torch.testing.assert_close(g["wide"].double(), want, rtol=0, atol=1e-4)
+        # the partials' gathers alone (6 of them, [S, N(, K)]); no [1]-long count exchange, which
+        # waits for the GPU; a top-k past ALWAYS_LAUNCHES_TOP_K asks (a fallback is per rank)
+        assert len(g["known"]) == 6 and all(len(shape) >= 2 for _, shape in g["known"]), g["known"]
+        assert (torch.int64, (1,)) in g["asked"]
         torch.testing.assert_close(g["lp"].double(), want, rtol=0, atol=1e-4)
         torch.testing.assert_close(g["ent"].double(), ent, rtol=0, atol=1e-4)
         assert torch.equal(g["ids"], logp.topk(3, -1).indices)

@@ -103,6 +103,7 @@ class RankProfile:
     rows: int = 0
     pairs: int = 0
     busy_s: float = 0.0
+    host_waits: tuple[tuple[str, int, float], ...] = ()  # (CUDA runtime call, calls, us): ``host_waits``
 
     def families(self) -> dict[str, float]:
         """Total us per ``kernel_family``, largest first."""
@@ -166,7 +167,29 @@ def profile_run(engine: Engine, requests: list[ScoreRequest], config: EngineConf
     kernels, collectives = summarise(events, cuda)
     busy = busy_union([(e.time_range.start, e.time_range.end) for e in events
                        if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU)])
-    return RankProfile(rank, round(wall, 6), kernels, collectives, counts[0], counts[1], round(busy / 1e6, 6))
+    return RankProfile(rank, round(wall, 6), kernels, collectives, counts[0], counts[1], round(busy / 1e6, 6),
+                       host_waits(events) if cuda else ())
+
+
+# CUDA runtime calls in which the host waits for the device: an explicit synchronisation, or a
+# copy to or from pageable memory (``.tolist()``, ``.item()``, ``torch.tensor(..., device=)``),
+# which PyTorch follows with a stream synchronisation
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def host_waits(events) -> tuple[tuple[str, int, float], ...]:
+    """The host's blocking CUDA runtime calls among profiler events: (name, calls, total us),
+    largest first. Each is a point where the host stopped launching until the GPU caught up (the
+    profiled run's closing synchronisation is one of them); what the GPU then idles is the host's
+    planning and launching after it. ``cudaMemcpyAsync`` counts only when PyTorch then
+    synchronises (it is listed under that synchronisation)."""
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name in BLOCKING_CALLS:
+            entry = totals.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.elapsed_us()
+    return tuple(sorted(((n, c, round(us, 3)) for n, (c, us) in totals.items()), key=lambda k: -k[2]))
 
 
 def busy_union(intervals: list[tuple[float, float]]) -> float:

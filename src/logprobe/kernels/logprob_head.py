@@ -426,6 +426,27 @@ def fused_target_logits(hidden, weight, targets, inv_temperature, *, bias=None, 
     return zy
 
 
+def filling_split(V: int, N: int, top_k: int, sms: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
+    """Vocabulary columns per split (a multiple of the tile width) that fill a GPU of ``sms``
+    multiprocessors with ``fused_head_partials``'s programs over V columns and N rows: enough
+    splits for ``waves`` programs per multiprocessor, never an empty one. A pure function of its
+    arguments, so ranks of a vocabulary-parallel head that agree on them know each other's split
+    counts (``cdiv(V_r, split)``) without asking.
+
+    >>> filling_split(128256, 16, 0, 132), filling_split(128256, 65536, 0, 132)
+    (256, 42752)
+    """
+    kpad = 0 if top_k == 0 else max(2, triton.next_power_of_2(top_k))
+    bm, bn = config.block_m, config.block_n
+    if top_k > config.insert_top_k:
+        bm, bn = config.wide_block_m, max(bn, kpad)
+    num_m = triton.cdiv(min(max(N, 1), config.max_rows), bm)
+    waves = config.topk_waves if kpad else config.waves
+    want = max(1, triton.cdiv(waves * sms, num_m))  # splits to fill the GPU
+    tiles = triton.cdiv(V, bn)
+    return triton.cdiv(tiles, min(want, tiles)) * bn
+
+
 def fused_head_partials(
     hidden: torch.Tensor,  # [N, H] bf16 / fp16 / fp32
     weight: torch.Tensor,  # [V, H], same dtype (a vocabulary shard: ids vocab_start + row)
@@ -457,12 +478,10 @@ def fused_head_partials(
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if wide:
         bm, bn = config.wide_block_m, max(bn, kpad)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    num_m = triton.cdiv(min(max(N, 1), config.max_rows), bm)
-    waves = config.topk_waves if kpad else config.waves
-    want = max(1, triton.cdiv(waves * sms, num_m))  # splits to fill the GPU
-    tiles = triton.cdiv(V, bn)
-    cols_per_split = triton.cdiv(tiles, min(want, tiles)) * bn if split is None else triton.cdiv(split, bn) * bn
+    if split is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        split = filling_split(V, N, top_k, sms, config)
+    cols_per_split = triton.cdiv(split, bn) * bn
     S = triton.cdiv(V, cols_per_split)  # every split non-empty
     m = torch.empty(S, N, dtype=torch.float32, device=dev)
     s = torch.empty_like(m)

@@ -42,6 +42,7 @@ from ..kernels.logprob_head import (
     MAX_TOP_K,
     _check,
     combine_head_partials,
+    filling_split,
     fused_head_partials,
     fused_target_logits,
 )
@@ -151,12 +152,13 @@ def logprob_head(
     if kernel:
         _check(hidden, params.weight, params.bias, targets, inv_t, top_k)
     parts = None
+    split = _split_width(params, N, top_k, deterministic, hidden.device) if kernel else None
     if kernel:
         zy = _target_logits(hidden, params, targets, inv_t, token_chunk, True, deterministic)
         if params.comm is not None:
             params.comm.all_reduce_max(zy)  # one rank owns each target: a max of one finite value and -inf
         try:
-            parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, deterministic)
+            parts = _kernel_partials(hidden, params, targets, zy, inv_t, top_k, entropy, split)
         except LAUNCH_ERRORS as e:
             if backend == "triton" or top_k <= ALWAYS_LAUNCHES_TOP_K:
                 raise
@@ -167,7 +169,7 @@ def logprob_head(
             params.comm.all_reduce_max(zy)
         parts = _torch_partials(hidden, params, targets, zy, inv_t, top_k, entropy, token_chunk, vocab_chunk,
                                 deterministic)
-    parts = _gather_partials(parts, params, deterministic)
+    parts = _gather_partials(parts, params, _split_counts(params, split, top_k, deterministic))
 
     return HeadOutput(*combine_head_partials(zy, *parts, top_k=top_k, deterministic=deterministic))
 
@@ -224,27 +226,58 @@ def _target_logits(hidden, params: HeadParams, targets, inv_t, token_chunk: int,
     return zy.masked_fill_(~owned, float("-inf"))
 
 
-def _kernel_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, deterministic: bool):
+def _kernel_partials(hidden, params: HeadParams, targets, zy, inv_t, top_k, entropy, split: int | None):
     local = targets - params.vocab_start  # may fall outside the shard: only compared with columns
     return fused_head_partials(hidden, params.weight, local, zy, inv_t, bias=params.bias, scale=params.scale,
-                               softcap=params.softcap, top_k=top_k, entropy=entropy,
-                               split=params.grid_width if deterministic else None, vocab_start=params.vocab_start)
+                               softcap=params.softcap, top_k=top_k, entropy=entropy, split=split,
+                               vocab_start=params.vocab_start)
 
 
-def _gather_partials(parts, params: HeadParams, deterministic: bool):
+def _shard_widths(params: HeadParams) -> list[int]:
+    """Every rank's vocabulary rows, in rank order."""
+    size = params.comm.size
+    return [b - a for a, b in (vocab_shard(params.vocab_size, params.grid_width, r, size) for r in range(size))]
+
+
+def _split_width(params: HeadParams, N: int, top_k: int, deterministic: bool, device: torch.device) -> int | None:
+    """The fused kernel's columns per split: the grid chunk in deterministic mode; one width for
+    every rank of a vocabulary-parallel head (sized for the widest shard and the group's smallest
+    GPU), so each rank's split count is known to all; None (the kernel fills this GPU) alone."""
+    if deterministic:
+        return params.grid_width
+    if params.comm is None or params.comm.size == 1:
+        return None
+    return filling_split(max(_shard_widths(params)), N, top_k, params.comm.smallest_sms(device))
+
+
+def _split_counts(params: HeadParams, split: int | None, top_k: int, deterministic: bool) -> list[int] | None:
+    """How many partials each rank's head makes, known on the host: a split of ``split`` columns
+    each on the kernel's path (``cdiv(rows, split)``), one on the PyTorch loop in default mode
+    (one per grid chunk in deterministic mode); None where only the rank knows (a wide top-k's
+    kernel may fall back to the PyTorch loop on one rank): the counts are then exchanged.
+
+    Worked example, V = 300 over 2 ranks in grid chunks of 100 (rows 200 | 100), split 128:
+    the kernel makes 2 and 1 partials; the PyTorch loop in default mode 1 and 1."""
+    comm = params.comm
+    if comm is None or comm.size == 1:
+        return None
+    width = params.grid_width if deterministic else split
+    if width is None:  # the PyTorch loop in default mode: one fold per rank
+        return [1] * comm.size
+    if not deterministic and top_k > ALWAYS_LAUNCHES_TOP_K:
+        return None
+    return [-(-w // width) for w in _shard_widths(params)]
+
+
+def _gather_partials(parts, params: HeadParams, counts: list[int] | None):
     """Every rank's partials, in rank order (= vocabulary order), on every rank: [P_total, N(, K)].
-    Ranks may hold different numbers of partials: each pads to the most, and the padding partials
-    are dropped after the gather. Deterministic mode: one per grid chunk of the rank's
-    shard, known to all. Default mode: as many as the rank's pass made (the fused kernel splits
-    its shard to fill the GPU, the PyTorch loop makes one), so the counts are exchanged first."""
+    Ranks may hold different numbers of partials (``counts``, ``_split_counts``): each pads to
+    the most, and the padding partials are dropped after the gather. Counts not known on the host
+    (None) are exchanged first, which waits for the GPU."""
     comm = params.comm
     if comm is None or comm.size == 1:
         return parts
-
-    if deterministic:
-        counts = [len(range(*vocab_shard(params.vocab_size, params.grid_width, r, comm.size))[::params.grid_width])
-                  for r in range(comm.size)]
-    else:
+    if counts is None:
         mine = torch.tensor([parts[0].shape[0]], dtype=torch.int64, device=parts[0].device)
         counts = comm.all_gather(mine).flatten().tolist()  # [size]
     most = max(counts)

@@ -33,6 +33,7 @@ class ParallelContext:
     experts: int = 1  # expert parallelism: the experts in this many groups over the ranks (divides size)
     attention: str | None = None  # "tensor" or "data" (see above); None: the model's default, which
     # ``loading.loader.parallel_context`` resolves (a context built without it splits by heads)
+    sms: int = 0  # the group's fewest multiprocessors per GPU once asked (``smallest_sms``); 0: not yet
 
     @property
     def data_attention(self) -> bool:
@@ -62,6 +63,17 @@ class ParallelContext:
         (tensor parallelism of experts; P = size / experts, 1 under pure expert parallelism)."""
         per = self.size // self.experts
         return self.rank % per, per
+
+    def smallest_sms(self, device: torch.device) -> int:
+        """The fewest multiprocessors of any rank's GPU (4 on CPU), asked of the group once (a
+        collective: every rank calls it at the same point) and kept: what the vocabulary-parallel
+        head sizes its splits by, so that every rank knows every rank's split count."""
+        if self.sms == 0:
+            mine = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+            if self.size > 1:
+                mine = int(self.all_gather(torch.tensor([mine], device=device)).min())
+            self.sms = mine
+        return self.sms
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """In place across ranks, order left to the backend: exact only where at most one rank
