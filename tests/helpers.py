@@ -188,6 +188,16 @@ def write_tiny_gguf(path: Path, hf_model, qtype_name: str, tie: bool = False) ->
     return decoded
 
 
+def skip_old_interpreter() -> None:
+    """Skip under a Triton older than 3.9, whose interpreter cannot run the project's kernels
+    (``run_interpreted``)."""
+    import pytest
+    import triton
+
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels (3.9 can)")
+
+
 def run_interpreted(code: str):
     """Run ``code`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` is read
     when kernels are defined, so it cannot be switched on in this process), with tests/ importable.
@@ -198,12 +208,7 @@ def run_interpreted(code: str):
     import subprocess
     import sys
 
-    import pytest
-    import triton
-
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels (3.9 can)")
-
+    skip_old_interpreter()
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + sys.path))
     return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
