@@ -263,6 +263,9 @@ def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, 
         if r["wait_ms_by"]:
             log(f"rank {r['rank']} waited (ms) in {r['wait_ms_by']}")
     for p in ranks:
+        if p.gaps or p.small_gaps_us:  # where the GPU sat idle (ms from the first kernel, ms, before, after)
+            log(f"rank {p.rank} idle: {round(p.small_gaps_us / 1e3, 1)} ms in holes < 0.5 ms; longest: "
+                f"{[(round(t / 1e3, 1), round(g / 1e3, 1), a, b) for t, g, a, b in p.gaps]}")
         if p.host_waits:  # where the host stopped for the GPU (the run's closing sync included)
             log(f"rank {p.rank} host waits (call, calls, ms): "
                 f"{[(n, c, round(us / 1e3, 1)) for n, c, us in p.host_waits]}")

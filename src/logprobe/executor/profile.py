@@ -104,6 +104,8 @@ class RankProfile:
     pairs: int = 0
     busy_s: float = 0.0
     host_waits: tuple[tuple[str, int, float], ...] = ()  # (CUDA runtime call, calls, us): ``host_waits``
+    gaps: tuple[tuple[float, float, str, str], ...] = ()  # the GPU's longest idle spans: ``idle_gaps``
+    small_gaps_us: float = 0.0  # idle time in spans shorter than ``idle_gaps``'s threshold (launch-bound)
 
     def families(self) -> dict[str, float]:
         """Total us per ``kernel_family``, largest first."""
@@ -165,10 +167,35 @@ def profile_run(engine: Engine, requests: list[ScoreRequest], config: EngineConf
         handle.remove()
     events = prof.events()
     kernels, collectives = summarise(events, cuda)
-    busy = busy_union([(e.time_range.start, e.time_range.end) for e in events
-                       if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU)])
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in events
+             if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU)]
+    busy = busy_union([(a, b) for a, b, _ in spans])
+    gaps, small = idle_gaps(spans) if cuda else ((), 0.0)
     return RankProfile(rank, round(wall, 6), kernels, collectives, counts[0], counts[1], round(busy / 1e6, 6),
-                       host_waits(events) if cuda else ())
+                       host_waits(events) if cuda else (), gaps, small)
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], at_least_us: float = 500.0, keep: int = 8
+              ) -> tuple[tuple[tuple[float, float, str, str], ...], float]:
+    """Where the device sat idle between its events (start us, end us, name): the ``keep`` longest
+    spans of at least ``at_least_us`` as (offset from the first event's start us, length us, the
+    event before, the event after), longest first, and the total us of the shorter ones (idle
+    while the host launched: many small holes).
+
+    >>> idle_gaps([(0, 10, "a"), (12, 20, "b"), (900, 950, "c")], at_least_us=100)
+    (((20, 880, 'b', 'c'),), 2.0)
+    """
+    long, small, end, last, first = [], 0.0, None, "", None
+    for a, b, name in sorted(spans):
+        first = a if first is None else first
+        if end is not None and a > end:
+            if a - end >= at_least_us:
+                long.append((round(end - first, 3), round(a - end, 3), last[:60], name[:60]))
+            else:
+                small += a - end
+        if end is None or b > end:
+            end, last = b, name
+    return tuple(sorted(long, key=lambda g: -g[1])[:keep]), round(small, 3)
 
 
 # CUDA runtime calls in which the host waits for the device: an explicit synchronisation, or a
