@@ -355,3 +355,51 @@ def test_block_default_mode_one_sum_of_tokens(tp, ep, interpret, tmp_path, monke
     one.set_numerics(_numerics(True, 1))
     assert torch.equal(det, one(x))
     assert ("all_reduce_sum", (T * k, H)) in calls
+
+
+# ---- data-parallel attention's expert layer in parts (default mode, Triton interpreted) ----
+
+def _parts_worker(rank: int, size: int, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from logprobe.layers.moe import Experts
+    from logprobe.parallel.rows import RowSplit
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
+    ctx = ParallelContext(rank, size, None, blocks=8, experts=size, attention="data")
+    block, x = _layer_block(ctx, torch.float32)
+    block.set_numerics(_numerics(False, size))
+    rows = RowSplit((0, 21, LAYER["T"]), rank)  # 21 and 16 rows: the second rank's padded
+    a, b = rows.own
+    got = {}
+    for name, at_least in (("whole", 10**9), ("parts", 4)):
+        Experts.OVERLAP_ROWS = at_least
+        got[name] = block(x[a:b], rows=rows)
+    torch.save(got, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_data_parallel_experts_in_parts_interpreted(tmp_path, monkeypatch):
+    """Default mode under data-parallel attention on two gloo ranks, the fused kernels under
+    Triton's interpreter (as on CUDA: ``Experts.owned_in_parts``): a layer's rows sent in two parts,
+    so that each part's transfers can run beside the other's experts, agree with the layer sent
+    whole to rounding (the fused kernel's tiles hold other rows: its block sizes follow the row
+    count) and with the float64 block to 1e-5."""
+    import torch.multiprocessing as mp
+    from helpers import skip_old_interpreter
+
+    skip_old_interpreter()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned workers at import
+    out = tmp_path / "got"
+    mp.spawn(_parts_worker, args=(2, str(tmp_path / "rdv"), str(out)), nprocs=2)
+    got = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    ref64, x64 = _layer_block(ParallelContext(blocks=8), torch.float64)
+    want64 = ref64(x64)
+    whole = torch.cat([g["whole"] for g in got])
+    parts = torch.cat([g["parts"] for g in got])
+    assert whole.shape == (LAYER["T"], LAYER["H"])
+    d_parts, d_whole = ((t.double() - want64).abs().max().item() for t in (parts, whole))
+    print(f"parts vs whole {(parts - whole).abs().max().item():.2e}, vs float64 {d_parts:.2e} / {d_whole:.2e}")
+    assert 0 < d_parts <= 1e-5 and 0 < d_whole <= 1e-5
+    assert (parts - whole).abs().max().item() <= 1e-5

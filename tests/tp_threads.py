@@ -22,7 +22,7 @@ from logprobe.loading.checkpoint import SKIP
 from logprobe.loading.loader import build_native, parallel_context
 from logprobe.loading.sharding import rank_cut, rank_model
 from logprobe.models.moe import native_model_class
-from logprobe.parallel.context import ParallelContext
+from logprobe.parallel.context import ParallelContext, Pending
 
 
 class Hub:
@@ -60,6 +60,12 @@ class ThreadContext(ParallelContext):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self.hub.exchange(self.rank, x.contiguous()))  # [size, *]
+
+    def all_gather_start(self, x: torch.Tensor) -> Pending:  # done at once: the hub has no streams
+        return Pending(self.all_gather(x))
+
+    def reduce_scatter_start(self, x: torch.Tensor) -> Pending:
+        return Pending(self.reduce_scatter_sum(x))
 
     def reduce_scatter_sum(self, x: torch.Tensor) -> torch.Tensor:  # default mode's MoE sum (sum_rows)
         xs = self.hub.exchange(self.rank, x.contiguous())

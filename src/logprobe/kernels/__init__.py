@@ -23,6 +23,29 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def host_tensor(values, dtype):
+    """A flat list of host numbers as a CPU tensor of ``dtype``, through a typed ``array`` where
+    one holds them (a 131k-id list: 1.6 ms against 5.7 ms for ``torch.tensor`` on the 2-core CI
+    machine; the engine builds four such a pass before its first launch); anything else (nested
+    lists, floats for an integer dtype, empty) as ``torch.tensor`` makes it.
+
+        >>> import torch
+        >>> host_tensor([0, 3, 5], torch.int64), host_tensor([[1, 2]], torch.int64)
+        (tensor([0, 3, 5]), tensor([[1, 2]]))
+    """
+    import array
+
+    import torch
+
+    code = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}.get(dtype)
+    if code is not None and isinstance(values, list) and values:
+        try:
+            return torch.frombuffer(array.array(code, values), dtype=dtype)
+        except (TypeError, OverflowError):
+            pass
+    return torch.tensor(values, dtype=dtype)
+
+
 def host_values_to(values, dtype, device):
     """Host values (a list, or a CPU tensor) as a tensor of ``dtype`` on ``device``. To CUDA through
     pinned memory without blocking: ``torch.tensor(values, device="cuda")`` copies from pageable
@@ -35,7 +58,7 @@ def host_values_to(values, dtype, device):
     """
     import torch
 
-    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else host_tensor(values, dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -508,12 +508,12 @@ class Experts(NumericsUser, nn.Module):
             raise LogprobeError("attention_parallel", "data-parallel attention needs whole experts per rank, "
                                 f"each expert is split {P} ways here", "use expert_parallel_size = tensor_parallel_size")
         m, size = rows.max_rows, self.ctx.size
-        xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
         routing = rows.pad(torch.cat([ids.float(), weights.float()], 1), -1.0)  # [m, 2k]: ids exact in float32
+        if not deterministic and self.fused_stacks(x, triton, interpreted=True) is not None:
+            return self.owned_in_parts(rows.pad(x), routing, triton)[:T].to(x.dtype)  # [T, H]
+        xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
         routing = self.ctx.all_gather(routing).view(size * m, 2 * k)  # [P*m, 2k]
         every_ids = routing[:, :k].long()  # [P*m, k]; -1 on pad rows
-        if not deterministic and (partial := self.owned_partial(xs, every_ids, routing[:, k:], triton)) is not None:
-            return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
         slots, lid = local_slots(every_ids, self.first_expert, self.num_experts)  # [n], [n]
         ys = x.new_empty(0, self.hidden)  # [n, H]
         if slots.numel():
@@ -524,6 +524,32 @@ class Experts(NumericsUser, nn.Module):
             return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
         own = self.return_slots(ys, slots, every_ids, m).view(m, k, self.hidden)[:T]  # [T, k, H], whole
         return combine_to(own, weights, x.dtype)
+
+    OVERLAP_ROWS = 2048  # own rows (padded) from which a layer's transfers run in two parts beside compute
+
+    def owned_in_parts(self, x: torch.Tensor, routing: torch.Tensor, triton: bool) -> torch.Tensor:
+        """Default mode's ``split_forward`` through ``owned_partial``: this rank's padded rows x
+        [m, H] and their routing [m, 2k] (ids as float32, then weights) -> float32 [m, H], each
+        row the sum over ranks of its experts' slots, rounded once by the caller.
+
+        From ``OVERLAP_ROWS`` rows on, the rows go in two parts, so that each part's transfers run
+        beside the other's experts: every gather is started first, then part 0's experts run while
+        part 1's rows arrive, and part 1's experts while part 0's sums are reduce-scattered. A
+        row's numbers are those of one part (its slots, its float32 sum over ranks): the parts
+        change which rows travel together, not what is added. Worked example, P = 2, m = 4:
+        part 0 = own rows 0-1 of both ranks (4 gathered rows), part 1 = rows 2-3; rank 0 receives
+        the sums of its rows 0-1, then of 2-3."""
+        m, k = x.shape[0], routing.shape[1] // 2
+        cuts = [0, m] if m < self.OVERLAP_ROWS else [0, (m + 1) // 2, m]
+        started = [(self.ctx.all_gather_start(x[a:b]), self.ctx.all_gather_start(routing[a:b]))
+                   for a, b in zip(cuts, cuts[1:])]
+        sums = []
+        for gx, gr in started:
+            xs, r = gx.wait(), gr.wait()  # [P, n, H], [P, n, 2k]
+            xs, r = xs.reshape(-1, self.hidden), r.reshape(-1, 2 * k)  # [P*n, H], [P*n, 2k]
+            partial = self.owned_partial(xs, r[:, :k].long(), r[:, k:], triton)  # [P*n, H] float32
+            sums.append(self.ctx.reduce_scatter_start(partial))
+        return torch.cat([s.wait() for s in sums])  # [m, H]: own rows, part after part
 
     def owned_partial(self, xs: torch.Tensor, every_ids: torch.Tensor, weights: torch.Tensor, triton: bool
                       ) -> torch.Tensor | None:

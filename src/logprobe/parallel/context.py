@@ -10,6 +10,24 @@ from dataclasses import dataclass
 import torch
 
 
+class Pending:
+    """A collective started without waiting (``ParallelContext.all_gather_start``,
+    ``reduce_scatter_start``): ``wait()`` -> its result. On NCCL the caller's stream then waits on
+    the communicator's; the host does not, so kernels launched between the start and the wait run
+    beside the transfer."""
+
+    __slots__ = ("out", "work")
+
+    def __init__(self, out: torch.Tensor, work=None) -> None:
+        self.out, self.work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
+
+
 @dataclass(slots=True)
 class ParallelContext:
     """rank/size within the tensor-parallel group; ``group`` is a torch.distributed process group
@@ -131,6 +149,27 @@ class ParallelContext:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, x, group=self.group)
         return out.view(self.size, *x.shape)
+
+    def all_gather_start(self, x: torch.Tensor) -> Pending:
+        """``all_gather`` started: ``wait()`` -> [size, *] in rank order."""
+        if self.size == 1:
+            return Pending(x.unsqueeze(0))
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return Pending(out.view(self.size, *x.shape), gather(out, x, group=self.group, async_op=True))
+
+    def reduce_scatter_start(self, x: torch.Tensor) -> Pending:
+        """``reduce_scatter_sum`` started: ``wait()`` -> block ``rank`` of the sum."""
+        if self.size == 1:
+            return Pending(x)
+        import torch.distributed as dist
+
+        block = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return Pending(block, scatter(block, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """x [sum(send), *], its first send[0] rows for rank 0, the next send[1] for rank 1, ... ->
