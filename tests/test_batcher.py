@@ -94,6 +94,28 @@ def test_long_request_runs_alone_and_budget_respected():
     assert engine.calls == [[1], [2, 3], [4]]
 
 
+def test_steps_count_shared_and_cached_contexts_once():
+    """A step's budget counts the tokens the engine computes: the samples of one prompt (an RL
+    group sent one request per sample) cost their prompt once; a prompt the prefix cache holds
+    costs nothing. Budget 16, 10-token prompts, 2-token responses (11 inputs each): by input
+    tokens each request would be a step of its own."""
+    prompt = [7] * 10
+    group = [ScoreRequest(prompt + [5, 6 + k], 10) for k in range(3)]
+    engine = FakeEngine()
+    run_jobs(Batcher(engine, max_batch_tokens=16, max_queue_requests=10, max_queue_tokens=10_000),
+             [group[:1], group[1:2], group[2:]])
+    assert [len(c) for c in engine.calls] == [3]  # 11 + 1 + 1
+    other = [ScoreRequest([8] * 9 + [k, 5, 6], 10) for k in range(3)]  # three prompts, 8 tokens alike
+    engine = FakeEngine()
+    asked = []
+    def cached(tokens, limit):  # noqa: E306 - the prefix cache holds their common 8 tokens
+        asked.append(limit)
+        return 8
+    run_jobs(Batcher(engine, max_batch_tokens=6, max_queue_requests=10, max_queue_tokens=10_000, cached=cached),
+             [[r] for r in other])
+    assert asked == [10, 10, 10] and [len(c) for c in engine.calls] == [2, 1]  # 3 + 3, then 3
+
+
 def test_queue_full_and_closed():
     gate = threading.Event()
     engine = FakeEngine(gate)

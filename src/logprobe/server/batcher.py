@@ -125,13 +125,17 @@ class Batcher:
     result may be an exception: that request's job fails with it; ``cancelled(i)`` is True once
     request i's job is gone, and its slot may then be None); ``on_step`` sees each step's size and time, and
     ``on_drop(reason)`` each job dropped unscored ("disconnected", "timeout", "shutdown") (metrics).
+    A step takes requests up to ``max_batch_tokens`` of what the engine will compute
+    (``StepCost``: shared and cached contexts counted once); the engine splits it into passes.
     """
 
     def __init__(self, run_batch: RunBatch,
                  max_batch_tokens: int, max_queue_requests: int, max_queue_tokens: int, batching: bool = True,
                  on_step: Callable[[StepStats], None] | None = None,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+                 on_drop: Callable[[str], None] | None = None,
+                 cached: Callable[[list[int], int], int] | None = None) -> None:
         self.run_batch = run_batch
+        self.cached = cached  # tokens of a prefix the engine's prefix cache holds (``StepCost``)
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_requests = max_queue_requests
         self.max_queue_tokens = max_queue_tokens
@@ -357,7 +361,8 @@ class Batcher:
             pending = pending[:1]
         start = self._turn % len(pending)
         order = pending[start:] + pending[:start]
-        step = [(order[j], order[j].next + k) for j, k in round_robin([_Remaining(job) for job in order],
+        cost = StepCost(self.cached)
+        step = [(order[j], order[j].next + k) for j, k in round_robin([_Remaining(job, cost) for job in order],
                                                                        self.max_batch_tokens)]
         for job, i in step:  # a job's requests come in order
             if job.next == 0:
@@ -417,17 +422,52 @@ class Batcher:
             self.on_drop(dropped)
 
 
-class _Remaining(Sequence):
-    """A job's unscored requests' input-token counts, without copying them (a job may hold many)."""
+class StepCost:
+    """What a request adds to one engine step, in tokens the engine computes: its input tokens,
+    less its context (the tokens before ``score_begin``) when an earlier request of the step had
+    the same context (the engine's prefix tree computes it once), else less the part of the
+    context the prefix cache holds (``cached(tokens, limit)``: ``PrefixCache.peek``). A step
+    budget of input tokens would stop an RL step at about budget / (prompt + response) requests,
+    computing a fraction of that when the samples of a group share their prompt.
 
-    def __init__(self, job: _Job) -> None:
-        self.requests, self.first = job.requests, job.next
+    Worked example, budget 16, three samples of one 10-token prompt with 2-token responses
+    (11 inputs each: the last token is only a target): input tokens take one request a step;
+    here the first costs 11, the next two 1 each (13 in all), so the step takes all three.
+
+    >>> from logprobe.engine.request import ScoreRequest
+    >>> cost = StepCost()
+    >>> [cost(ScoreRequest(list(range(10)) + [5, k], 10)) for k in (6, 7, 8)]
+    [11, 1, 1]
+    """
+
+    def __init__(self, cached: Callable[[list[int], int], int] | None = None) -> None:
+        self.cached = cached
+        self.seen: set[tuple[int, ...]] = set()
+
+    def __call__(self, r: ScoreRequest) -> int:
+        context = tuple(r.tokens[:r.score_begin])
+        if context in self.seen:
+            return max(1, r.num_inputs - len(context))
+        self.seen.add(context)
+        held = self.cached(r.tokens, len(context)) if self.cached is not None and context else 0
+        return max(1, r.num_inputs - held)
+
+
+class _Remaining(Sequence):
+    """A job's unscored requests' step costs (``StepCost``, asked once each), without copying the
+    requests (a job may hold many)."""
+
+    def __init__(self, job: _Job, cost: Callable[[ScoreRequest], int]) -> None:
+        self.requests, self.first, self.cost = job.requests, job.next, cost
+        self.costs: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.requests) - self.first
 
     def __getitem__(self, k):
-        return self.requests[self.first + k].num_inputs
+        if k not in self.costs:
+            self.costs[k] = self.cost(self.requests[self.first + k])
+        return self.costs[k]
 
 
 def round_robin(remaining: Sequence[Sequence[int]], budget: int) -> list[tuple[int, int]]:
