@@ -64,8 +64,9 @@ class ThreadContext(ParallelContext):
     def all_gather_start(self, x: torch.Tensor) -> Pending:  # done at once: the hub has no streams
         return Pending(self.all_gather(x))
 
-    def reduce_scatter_start(self, x: torch.Tensor) -> Pending:
-        return Pending(self.reduce_scatter_sum(x))
+    def reduce_scatter_start(self, x: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        block = self.reduce_scatter_sum(x)
+        return Pending(block if out is None else out.copy_(block))
 
     def reduce_scatter_sum(self, x: torch.Tensor) -> torch.Tensor:  # default mode's MoE sum (sum_rows)
         xs = self.hub.exchange(self.rank, x.contiguous())

@@ -525,31 +525,37 @@ class Experts(NumericsUser, nn.Module):
         own = self.return_slots(ys, slots, every_ids, m).view(m, k, self.hidden)[:T]  # [T, k, H], whole
         return combine_to(own, weights, x.dtype)
 
-    OVERLAP_ROWS = 2048  # own rows (padded) from which a layer's transfers run in two parts beside compute
+    OVERLAP_ROWS = 2048  # own rows (padded) a part needs at least: the layer's transfers run beside compute
+    MAX_PARTS = 4
 
     def owned_in_parts(self, x: torch.Tensor, routing: torch.Tensor, triton: bool) -> torch.Tensor:
         """Default mode's ``split_forward`` through ``owned_partial``: this rank's padded rows x
         [m, H] and their routing [m, 2k] (ids as float32, then weights) -> float32 [m, H], each
         row the sum over ranks of its experts' slots, rounded once by the caller.
 
-        From ``OVERLAP_ROWS`` rows on, the rows go in two parts, so that each part's transfers run
-        beside the other's experts: every gather is started first, then part 0's experts run while
-        part 1's rows arrive, and part 1's experts while part 0's sums are reduce-scattered. A
-        row's numbers are those of one part (its slots, its float32 sum over ranks): the parts
-        change which rows travel together, not what is added. Worked example, P = 2, m = 4:
+        The rows go in parts of at least ``OVERLAP_ROWS`` (at most ``MAX_PARTS``), so that the
+        transfers run beside the experts: every gather is started first, then part i's experts
+        run while the rows of part i + 1 arrive and the sums of part i - 1 are reduce-scattered;
+        only the first part's gather and the last part's reduce-scatter wait alone. A row's
+        numbers are those of its part (its slots, its float32 sum over ranks): the parts change
+        which rows travel together, not what is added. Worked example, P = 2, m = 4, two parts:
         part 0 = own rows 0-1 of both ranks (4 gathered rows), part 1 = rows 2-3; rank 0 receives
         the sums of its rows 0-1, then of 2-3."""
         m, k = x.shape[0], routing.shape[1] // 2
-        cuts = [0, m] if m < self.OVERLAP_ROWS else [0, (m + 1) // 2, m]
+        n = max(1, min(self.MAX_PARTS, m // self.OVERLAP_ROWS))
+        cuts = [i * m // n for i in range(n + 1)]
         started = [(self.ctx.all_gather_start(x[a:b]), self.ctx.all_gather_start(routing[a:b]))
                    for a, b in zip(cuts, cuts[1:])]
+        out = x.new_empty(m, self.hidden, dtype=torch.float32)  # [m, H]: own rows, part after part
         sums = []
-        for gx, gr in started:
+        for (gx, gr), a, b in zip(started, cuts, cuts[1:]):
             xs, r = gx.wait(), gr.wait()  # [P, n, H], [P, n, 2k]
             xs, r = xs.reshape(-1, self.hidden), r.reshape(-1, 2 * k)  # [P*n, H], [P*n, 2k]
             partial = self.owned_partial(xs, r[:, :k].long(), r[:, k:], triton)  # [P*n, H] float32
-            sums.append(self.ctx.reduce_scatter_start(partial))
-        return torch.cat([s.wait() for s in sums])  # [m, H]: own rows, part after part
+            sums.append(self.ctx.reduce_scatter_start(partial, out[a:b]))
+        for s in sums:
+            s.wait()
+        return out
 
     def owned_partial(self, xs: torch.Tensor, every_ids: torch.Tensor, weights: torch.Tensor, triton: bool
                       ) -> torch.Tensor | None:

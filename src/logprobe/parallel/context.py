@@ -161,13 +161,14 @@ class ParallelContext:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return Pending(out.view(self.size, *x.shape), gather(out, x, group=self.group, async_op=True))
 
-    def reduce_scatter_start(self, x: torch.Tensor) -> Pending:
-        """``reduce_scatter_sum`` started: ``wait()`` -> block ``rank`` of the sum."""
+    def reduce_scatter_start(self, x: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        """``reduce_scatter_sum`` started: ``wait()`` -> block ``rank`` of the sum (written to
+        ``out``, a contiguous tensor of the block's shape, if given)."""
         if self.size == 1:
-            return Pending(x)
+            return Pending(x if out is None else out.copy_(x))
         import torch.distributed as dist
 
-        block = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        block = x.new_empty((x.shape[0] // self.size, *x.shape[1:])) if out is None else out
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return Pending(block, scatter(block, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
