@@ -8,7 +8,6 @@ import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from ..errors import LogprobeError
 from .batcher import JobFailed
@@ -24,7 +23,7 @@ from .schemas_rl import (
     UpdateWeightsRequest,
     WeightsGroupReply,
 )
-from .served import Served
+from .served import INLINE_TOKENS, Served, off_loop
 from .sglang_compat import batched, generate_job
 
 
@@ -50,8 +49,10 @@ def rl_router(served: Served, paused=None) -> APIRouter:
             served.check_items(len(body.input_ids), "input_ids")
         elif isinstance(body.text, list):
             served.check_items(len(body.text), "text")
-        job, owners = await run_in_threadpool(generate_job, body, scorer, config.max_top_logprobs,
-                                              config.enable_return_routed_experts)
+        ids = body.input_ids  # token ids: no tokenizer to run, only as much work as there are ids
+        work = INLINE_TOKENS if ids is None else sum(len(x) if isinstance(x, list) else 1 for x in ids)
+        job, owners = await off_loop(work, generate_job, body, scorer, config.max_top_logprobs,
+                                     config.enable_return_routed_experts)
         try:
             out = await run(job, request)
         except JobFailed as e:  # name the body's item, not the engine request (items may need none)

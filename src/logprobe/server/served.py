@@ -28,6 +28,20 @@ class RequestTooLarge(Exception):
         self.field = field
 
 
+INLINE_TOKENS = 16384  # tokens of work from which a job is built or finished in the thread pool
+
+
+async def off_loop(tokens: int, fn, *args):
+    """``fn(*args)`` for work over ``tokens`` tokens: on the event loop when small (a hop to the
+    thread pool costs more than building a job from token ids or the reply of a few hundred
+    tokens: a context switch and a handoff of the interpreter lock, which the engine thread
+    launching kernels waits for too), in the thread pool from ``INLINE_TOKENS`` on (tokenizing,
+    large replies), so the loop keeps answering meanwhile."""
+    if tokens < INLINE_TOKENS:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (the body is read by then: receive() waits for disconnect)."""
     while True:
@@ -100,4 +114,5 @@ class Served:
                 await asyncio.wait({task})  # its cancellation runs: the job leaves the queue
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         results, version = await task
-        return await run_in_threadpool(job.finish, results), version
+        scored = sum(len(r.logprobs) for r in results if r is not None)
+        return await off_loop(scored, job.finish, results), version
