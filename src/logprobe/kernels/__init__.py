@@ -5,6 +5,7 @@ Importing this package never fails: ``triton_available()`` says whether the kern
 
 from __future__ import annotations
 
+import array
 import functools
 import os
 
@@ -33,8 +34,6 @@ def host_tensor(values, dtype):
         >>> host_tensor([0, 3, 5], torch.int64), host_tensor([[1, 2]], torch.int64)
         (tensor([0, 3, 5]), tensor([[1, 2]]))
     """
-    import array
-
     import torch
 
     code = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}.get(dtype)
