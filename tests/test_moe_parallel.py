@@ -380,6 +380,7 @@ def _parts_worker(rank: int, size: int, rdv: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_data_parallel_experts_in_parts_interpreted(tmp_path, monkeypatch):
     """Default mode under data-parallel attention on two gloo ranks, the fused kernels under
     Triton's interpreter (as on CUDA: ``Experts.owned_in_parts``): a layer's rows sent in two parts,
