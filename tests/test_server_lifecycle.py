@@ -225,7 +225,7 @@ def post_safely(url: str, body: dict):
         return "lost", None, repr(e)
 
 
-@pytest.mark.parametrize("grace", ["120", "0.3"])
+@pytest.mark.parametrize("grace", [pytest.param("120", marks=pytest.mark.slow), "0.3"])
 def test_sigterm_drains_and_exits_0(tiny_dir, grace):
     """SIGTERM with 12 heavy requests in flight: with a long grace (120 s: the 12 may share one
     engine step, which a loaded 2-core machine once took over 30 s to finish) every one is answered 200;

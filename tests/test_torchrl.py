@@ -150,6 +150,7 @@ def check(report: list[dict], want: dict[str, list[list[float]]]) -> None:
         assert r["load"][0]["paused"] is False and r["load"][0]["num_running_reqs"] == 0, r["load"]
 
 
+@pytest.mark.slow  # 11 s: a server process, torchrl's receiver and sender (the fast tier keeps its budget)
 def test_torchrl_scheme_drives_the_server_over_gloo(models):
     want = {}
     for name in ("a", "b"):
