@@ -60,3 +60,24 @@ def test_plan_work_aligned_gold():
     assert plan == [[Tree((0, 1), 64)], [Chunk(2, 0, 64)], [Chunk(2, 64, 128)], [Chunk(2, 128, 150)]]
     assert plan_work([a, b, [5] * 150], 100, min_shared=16) == [
         [Tree((0, 1), 70)], [Chunk(2, 0, 100)], [Chunk(2, 100, 150)]]
+
+
+def test_common_prefix_blocks_equal_token_by_token():
+    """The block-wise comparison gives what a token-by-token walk gives, at every block size,
+    whether the lists part inside a block, at its edge, or never."""
+    import random
+
+    from logprobe.engine.scheduler import common_prefix
+
+    def walk(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(3)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(10))]
+        for block in (1, 2, 7, 256):
+            assert common_prefix(a, b, block) == walk(a, b) == common_prefix(b, a, block)

@@ -174,8 +174,8 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
     def add_scores(i: int, js: range, input_rows: list[int]) -> None:
         """Score tokens js of request i; input_rows[k] is the batch row of the request's input k."""
         r = requests[i]
-        rows.extend(input_rows[j - 1] for j in js)
-        targets.extend(r.tokens[j] for j in js)
+        rows.extend(input_rows[js.start - 1:js.stop - 1])  # js: consecutive tokens
+        targets.extend(r.tokens[js.start:js.stop])
         temps.extend([r.temperature] * len(js))
         owners.append((i, len(js)))
         if r.hooked:
