@@ -65,6 +65,24 @@ def counting(scorer: Scorer) -> list[int]:
     return box
 
 
+ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict[str, int]:
+    """PyTorch's CUDA allocator counters that mean a pass waited on the driver: blocks allocated
+    from and returned to the device (``cudaMalloc`` / ``cudaFree``, the latter synchronising),
+    retries after an allocation failed (the cache emptied first); {} on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR}
+
+
+def counts_since(before: dict[str, int]) -> str:
+    after = allocator_counts()
+    return ", ".join(f"{k.removeprefix('num_')} {after[k] - before.get(k, 0)}" for k in after)
+
+
 def timed(fn):
     t = time.perf_counter()
     out = fn()
@@ -131,7 +149,10 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
             fn = lambda s=scorer: [s.engine.run([r])[0] for r in reqs]  # noqa: E731
         else:
             fn = lambda s=scorer: in_calls(s, reqs, args.per_call)  # noqa: E731
+        before = allocator_counts()
         out, secs, every = repeated(scorer, box, fn, args.repeat if way != "single" else 1)
+        if before:
+            print(f"{label}: allocator (all runs) {counts_since(before)}")
         rows[label] = (box[0], box[1], secs, every)
         results[label] = out
         stats[label] = scorer.prefix_cache_stats()
@@ -196,6 +217,7 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                 client.apply(rl_client, (url, warm, 1))
                 for flight in flights:
                     every = []
+                    before = allocator_counts()
                     for _ in range(args.repeat):
                         if scorer.prefix_cache is not None:
                             scorer.prefix_cache.clear()
@@ -203,6 +225,8 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                         sec, metas = client.apply(rl_client, (url, bodies, flight))
                         every.append(sec)
                     secs = median(every)
+                    if before:
+                        print(f"server, {label}, {flight} in flight: allocator (all runs) {counts_since(before)}")
                     got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # a None first
                     diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)),
                                default=0.0)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -300,7 +301,17 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=None, help="with --profile: write each rank's kernel list here (JSON)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo workers (a trial run)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of W1 (a trial run)")
+    ap.add_argument("--nccl-env", default="",
+                    help="KEY=VALUE,... set before the workers start (e.g. NCCL_MAX_CTAS=8: the collectives on fewer "
+                         "multiprocessors beside the expert kernels); printed with the results")
     args = ap.parse_args()
+    for item in filter(None, args.nccl_env.split(",")):
+        key, _, value = item.partition("=")
+        if not key.startswith("NCCL_") or not value:
+            ap.error(f"--nccl-env: {item!r} is not NCCL_NAME=value")
+        os.environ[key] = value  # the worker processes inherit it; NCCL reads it when their communicator starts
+    if args.nccl_env:
+        log(f"NCCL environment: {args.nccl_env}")
     path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}{'-fp8' * args.fp8}"
     write_checkpoint(args.shape, args.layers, path, args.fp8, args.device)
     log(f"checkpoint {path}")

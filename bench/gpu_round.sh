@@ -42,6 +42,7 @@
 #   hybridmoe  the hybrid kernels' CUDA tests, qwen35-35b-a3b W1 vs transformers + fla, its profile ......... ~9
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 #   moesync  2 GPUs: the MoE CUDA tests, then Qwen3-30B-A3B (16 layers) profiled at 1 and 2 GPUs, the MLA shape .. ~9
+#   moenccl  2 GPUs: the Qwen3 shape at 1 and 2 GPUs, NCCL_MAX_CTAS unset / 8 / 16 (NCCL_CTAS="..." to choose) ... ~5
 #   rlserver the rotary/attention CUDA tests, then llama-8b RL groups through the server at one batch budget ... ~8
 #   profile  gpu_profile.py, where the GPU time goes (kernel families, GPU busy fraction): Qwen3.5-35B-A3B
 #            (16 layers, fla-core from .whl) on 64 W1 requests, default and deterministic (~4), then the prefix
@@ -158,6 +159,12 @@ for s in "$@"; do
             step moesync_qwen3 300 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 \
                 --profile --modes default
             step moesync_mla 240 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2 ;;
+        moenccl)  # 2 GPUs: the Qwen3 shape at 1 vs 2 GPUs with NCCL held to fewer CTAs beside the expert kernels
+            for ctas in ${NCCL_CTAS:-none 8 16}; do
+                env_arg=""; [ "$ctas" != none ] && env_arg="--nccl-env NCCL_MAX_CTAS=$ctas"
+                step "moenccl_$ctas" 200 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 \
+                    --sizes 1x1,2x2 --modes default $env_arg
+            done ;;
         rlserver)  # one GPU: the server wheels, the launch-cut tests, then RL groups through the server
             "$py" -m pip install -q --no-index --find-links .whl fastapi uvicorn click annotated-doc anyio requests >/dev/null 2>&1
             step rlserver_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_elementwise_kernels.py tests/test_gpu.py \
