@@ -52,6 +52,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import random
 import sys
 import tempfile
 import time
@@ -286,11 +287,17 @@ def prefix_scorer(args, tmp: str) -> Scorer:
 
 
 class Calls:
-    """The calls, one request each, on ``scorer`` (its cache cleared first by ``reset``);
-    ``passes[i]``: the (rows, past keys) of each forward pass of call ``i`` in the last run."""
+    """The calls on ``scorer`` (its cache cleared first by ``reset``): one request each, or
+    ``per_call`` requests each in a random order (``cpu_prefix_cache.py``'s arriving way: a
+    batching server's steps); ``units[c]``: call c's request indices; ``passes[c]``: the (rows,
+    past keys) of each forward pass of call c in the last run."""
 
-    def __init__(self, scorer: Scorer, reqs) -> None:
+    def __init__(self, scorer: Scorer, reqs, per_call: int = 1) -> None:
         self.scorer, self.reqs, self.passes, self.current = scorer, reqs, [], None
+        order = list(range(len(reqs)))
+        if per_call > 1:
+            random.Random(2).shuffle(order)
+        self.units = [order[k:k + per_call] for k in range(0, len(order), per_call)]
         scorer.engine.fault_hook = self._hook
 
     def _hook(self, rows: int, tokens: int) -> None:
@@ -300,36 +307,37 @@ class Calls:
         self.scorer.prefix_cache.clear()
         sync()
 
-    def one(self, i: int):
+    def one(self, c: int):
         self.current = []
         self.passes.append(self.current)
-        return self.scorer.engine.run([self.reqs[i]])
+        return self.scorer.engine.run([self.reqs[i] for i in self.units[c]])
 
     def run(self) -> None:
         self.passes = []
-        for i in range(len(self.reqs)):
-            self.one(i)
+        for c in range(len(self.units)):
+            self.one(c)
 
     def timed(self) -> list[float]:
         """Each call's wall seconds, synchronised (no profiler)."""
         self.passes = []
-        return [sync_time(lambda i=i: self.one(i))[1] for i in range(len(self.reqs))]
+        return [sync_time(lambda c=c: self.one(c))[1] for c in range(len(self.units))]
 
 
 def call_summary(args, calls: Calls, secs: list[float], tflops: float | None) -> tuple[float, float | None]:
     """Per call: computed tokens, wall ms and FLOPs, the first call of a group against the resumed
     ones. Returns (mean wall ms, mean ms of the FLOPs at the bf16 ceiling or None)."""
     lc = calls.scorer.loaded.model.config
-    fl = [sum(pass_flops(lc, r, p, 0) for r, p in ps) + pass_flops(lc, 0, 0, q.num_scored)
-          for ps, q in zip(calls.passes, calls.reqs)]
+    fl = [sum(pass_flops(lc, r, p, 0) for r, p in ps) + pass_flops(lc, 0, 0, sum(calls.reqs[i].num_scored for i in u))
+          for ps, u in zip(calls.passes, calls.units)]
     rows = [sum(r for r, _ in ps) for ps in calls.passes]
-    firsts = [i for i in range(len(secs)) if i % args.samples == 0]
-    log(f"\n### {len(secs)} calls, one request each, no profiler "
-        f"(first of a group: calls {', '.join(map(str, firsts))})")
+    single = all(len(u) == 1 for u in calls.units)
+    firsts = [i for i in range(len(secs)) if i % args.samples == 0] if single else []
+    log(f"\n### {len(secs)} calls, {'one request' if single else f'{len(calls.units[0])} requests'} each, no "
+        f"profiler" + (f" (first of a group: calls {', '.join(map(str, firsts))})" if single else ""))
     log("| calls | computed tokens per call | forward passes per call | wall ms per call (mean / median / max) | "
         "GFLOP per call | ms at the bf16 ceiling |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for what, idx in (("all", range(len(secs))), ("first of a group (prompt computed)", firsts),
-                      ("resumed from the cache", [i for i in range(len(secs)) if i % args.samples])):
+                      ("resumed from the cache", [i for i in range(len(secs)) if i % args.samples] if single else [])):
         if not idx:
             continue
         ms = [secs[i] * 1e3 for i in idx]
@@ -361,7 +369,7 @@ def python_profile(calls: Calls, top: int) -> None:
     calls.run()
     sync()
     prof.disable()
-    n = len(calls.reqs)
+    n = len(calls.units)
     log(f"\n### cProfile, {n} calls: {(time.perf_counter() - t) * 1e3 / n:.2f} ms per call under the tracer "
         f"(totals below are over all {n} calls)")
     for key in ("tottime", "cumulative"):
@@ -374,17 +382,19 @@ def prefix_scenario(args, tflops: float | None) -> None:
     """The prefix cache, one request per call: timed, kernels per call, CPU ops per call."""
     with tempfile.TemporaryDirectory() as tmp:
         scorer = prefix_scorer(args, tmp)
-        reqs = rl_groups(args.groups, args.samples, args.prompt, args.response, scorer.info.vocab_size)[:args.calls]
-        calls = Calls(scorer, reqs)
+        reqs = rl_groups(args.groups, args.samples, args.prompt, args.response, scorer.info.vocab_size)
+        reqs = reqs[:args.calls * args.per_call]
+        calls = Calls(scorer, reqs, args.per_call)
         cuda = args.dev.type == "cuda"
-        label = (f"prefix cache, one request per call, {scorer.info.name} ({scorer.info.dtype}), first {len(reqs)} "
-                 f"of {args.groups} groups x {args.samples} (prompts <= {args.prompt}, responses <= {args.response})")
+        label = (f"prefix cache, {args.per_call} request(s) per call, {scorer.info.name} ({scorer.info.dtype}), "
+                 f"first {len(reqs)} of {args.groups} groups x {args.samples} (prompts <= {args.prompt}, "
+                 f"responses <= {args.response})")
         log(f"\n## Profile: {label}")
         with torch.inference_mode():
             t = time.perf_counter()
             calls.reset()
             calls.run()  # warm: compiles, autotunes; then each pass starts from an empty cache
-            progress(f"warm-up: {len(reqs)} calls in {time.perf_counter() - t:.1f} s")
+            progress(f"warm-up: {len(calls.units)} calls in {time.perf_counter() - t:.1f} s")
             calls.reset()
             wall_ms, flop_ms = call_summary(args, calls, calls.timed(), tflops)
             if args.cprofile:
@@ -392,13 +402,14 @@ def prefix_scenario(args, tflops: float | None) -> None:
             if cuda:
                 calls.reset()
                 prof, wall = profiled(calls.run, cuda=True, cpu=False)
-                log(f"\n### CUDA profiler, kernels per call ({len(reqs)} calls)")
-                verdict(wall_ms, flop_ms, kernel_tables(prof, wall, args.top, grouped=True, calls=len(reqs)), len(reqs))
+                n = len(calls.units)
+                log(f"\n### CUDA profiler, kernels per call ({n} calls)")
+                verdict(wall_ms, flop_ms, kernel_tables(prof, wall, args.top, grouped=True, calls=n), n)
             calls.reset()
             prof, wall = profiled(calls.run, cuda=cuda, cpu=True, stack=True)
         log(f"\n### CPU profiler, Python functions traced (the tracing slows the host): wall "
-            f"{wall * 1e3 / len(reqs):.2f} ms per call")
-        cpu_table(prof, args.cpu_top, len(reqs))
+            f"{wall * 1e3 / len(calls.units):.2f} ms per call")
+        cpu_table(prof, args.cpu_top, len(calls.units))
         st = scorer.prefix_cache_stats()
         log(f"prefix cache after the last pass: hit rate {st['hit_rate']:.3f}, {st['bytes'] / 2**20:.1f} MiB held")
         del scorer, calls, prof
@@ -418,7 +429,9 @@ def parse_args():
     ap.add_argument("--layers", type=int, default=0, help="hybrid: decoder layers (default: all, or the nearest "
                     "multiple of 4 whose bf16 weights take <= 30 GiB)")
     ap.add_argument("--dir", default="/tmp/logprobe-bench-hybrid", help="hybrid: checkpoints (gpu_hybrid.py's)")
-    ap.add_argument("--calls", type=int, default=32, help="prefix: calls profiled, one request each")
+    ap.add_argument("--calls", type=int, default=32, help="prefix: calls profiled")
+    ap.add_argument("--per-call", type=int, default=1, help="prefix: requests per call (more than 1: in a random "
+                                                            "order, as cpu_prefix_cache.py's arriving way)")
     ap.add_argument("--gpu-shape", default="llama-8b", choices=["llama-8b", "llama-1b"], help="prefix: the shape")
     ap.add_argument("--checkpoint", default="/tmp/llama8b", help="prefix: where --gpu-shape is written (once)")
     ap.add_argument("--groups", type=int, default=32, help="prefix: RL prompts")

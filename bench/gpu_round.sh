@@ -43,6 +43,7 @@
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 #   moesync  2 GPUs: the MoE CUDA tests, then Qwen3-30B-A3B (16 layers) profiled at 1 and 2 GPUs, the MLA shape .. ~9
 #   moenccl  2 GPUs: the Qwen3 shape at 1 and 2 GPUs, NCCL_MAX_CTAS unset / 8 / 16 (NCCL_CTAS="..." to choose) ... ~5
+#   prefixcalls llama-8b RL groups 16 requests a call (all 256): timed, kernels and idle per call, CPU ops .... ~4
 #   rlserver the rotary/attention CUDA tests, then llama-8b RL groups through the server at one batch budget ... ~8
 #   profile  gpu_profile.py, where the GPU time goes (kernel families, GPU busy fraction): Qwen3.5-35B-A3B
 #            (16 layers, fla-core from .whl) on 64 W1 requests, default and deterministic (~4), then the prefix
@@ -165,6 +166,9 @@ for s in "$@"; do
                 step "moenccl_$ctas" 200 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 \
                     --sizes 1x1,2x2 --modes default $env_arg
             done ;;
+        prefixcalls)  # one GPU: where a 16-request call's time goes (47 ms a call above the one batch's rate)
+            step prefixcalls 300 "$py" bench/gpu_profile.py --scenario prefix --gpu-shape llama-8b \
+                --checkpoint /tmp/llama8b --calls 16 --per-call 16 ;;
         rlserver)  # one GPU: the server wheels, the launch-cut tests, then RL groups through the server
             "$py" -m pip install -q --no-index --find-links .whl fastapi uvicorn click annotated-doc anyio requests >/dev/null 2>&1
             step rlserver_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_elementwise_kernels.py tests/test_gpu.py \
