@@ -386,7 +386,8 @@ def prefix_scenario(args, tflops: float | None) -> None:
         reqs = reqs[:args.calls * args.per_call]
         calls = Calls(scorer, reqs, args.per_call)
         cuda = args.dev.type == "cuda"
-        label = (f"prefix cache, {args.per_call} request(s) per call, {scorer.info.name} ({scorer.info.dtype}), "
+        each = "one request" if args.per_call == 1 else f"{args.per_call} requests"
+        label = (f"prefix cache, {each} per call, {scorer.info.name} ({scorer.info.dtype}), "
                  f"first {len(reqs)} of {args.groups} groups x {args.samples} (prompts <= {args.prompt}, "
                  f"responses <= {args.response})")
         log(f"\n## Profile: {label}")
