@@ -153,6 +153,8 @@ def bench_rl(loaded, cfg: EngineConfig, args) -> None:
         out, secs, every = repeated(scorer, box, fn, args.repeat if way != "single" else 1)
         if before:
             print(f"{label}: allocator (all runs) {counts_since(before)}")
+        if scorer.engine.oom_count:  # an out-of-memory pass is split and retried: more passes, emptied caches
+            print(f"{label}: {scorer.engine.oom_count} out-of-memory retries (budget now {scorer.engine.budget})")
         rows[label] = (box[0], box[1], secs, every)
         results[label] = out
         stats[label] = scorer.prefix_cache_stats()
@@ -227,6 +229,8 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                     secs = median(every)
                     if before:
                         print(f"server, {label}, {flight} in flight: allocator (all runs) {counts_since(before)}")
+                    if scorer.engine.oom_count:
+                        print(f"server, {label}: {scorer.engine.oom_count} out-of-memory retries so far")
                     got = [torch.tensor([e[0] for e in m["input_token_logprobs"][1:]]) for m in metas]  # a None first
                     diff = max(((g - b.logprobs.float().cpu()).abs().max().item() for g, b in zip(got, base)),
                                default=0.0)
