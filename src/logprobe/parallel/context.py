@@ -121,14 +121,7 @@ class ParallelContext:
 
     def reduce_scatter_sum(self, x: torch.Tensor) -> torch.Tensor:
         """x [size * n, *] on every rank -> block ``rank`` [n, *] of their sum (order: the backend's)."""
-        if self.size == 1:
-            return x
-        import torch.distributed as dist
-
-        block = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
-        scatter(block, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
-        return block
+        return self.reduce_scatter_start(x).wait()
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """Exact in any order (a max never rounds)."""
@@ -140,15 +133,7 @@ class ParallelContext:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [*] on every rank -> [size, *] in rank order."""
-        if self.size == 1:
-            return x.unsqueeze(0)
-        import torch.distributed as dist
-
-        x = x.contiguous()
-        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # ranks concatenated along dim 0
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, x, group=self.group)
-        return out.view(self.size, *x.shape)
+        return self.all_gather_start(x).wait()
 
     def all_gather_start(self, x: torch.Tensor) -> Pending:
         """``all_gather`` started: ``wait()`` -> [size, *] in rank order."""
@@ -157,7 +142,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         x = x.contiguous()
-        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # ranks concatenated along dim 0
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return Pending(out.view(self.size, *x.shape), gather(out, x, group=self.group, async_op=True))
 
@@ -169,7 +154,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         block = x.new_empty((x.shape[0] // self.size, *x.shape[1:])) if out is None else out
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
         return Pending(block, scatter(block, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
