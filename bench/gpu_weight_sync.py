@@ -325,9 +325,13 @@ def environments(args) -> tuple[dict, dict]:
     if args.nccl_socket:
         for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
             os.environ[k] = env[k] = "1"
+    server = {**env, **dict(kv.split("=", 1) for kv in args.server_env)}
+    nccl = {k: v for k, v in server.items() if k.startswith("NCCL_")}
+    log("NCCL settings, server:", nccl or "none", "| trainer:", {k: v for k, v in os.environ.items()
+                                                                  if k.startswith("NCCL_")} or "none")
     if args.tiny:
-        return env, env
-    return ({**env, "CUDA_VISIBLE_DEVICES": args.server_gpus},
+        return server, env
+    return ({**server, "CUDA_VISIBLE_DEVICES": args.server_gpus},
             {**env, "CUDA_VISIBLE_DEVICES": args.server_gpus.split(",")[0]})
 
 
@@ -343,8 +347,14 @@ def main() -> None:
     ap.add_argument("--client", default="buckets", choices=["buckets", "torchrl"],
                     help="the trainer: this script's SGLang-style buckets, or torchrl's SGLangWeightSyncScheme "
                          "unchanged (CUDA only; implies --nccl-socket, which the scheme sets)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="K=V",
+                    help="an environment variable for the server alone (repeatable), e.g. NCCL_SOCKET_NTHREADS=4: "
+                         "NCCL's socket transport takes its socket count from the receiving side")
     ap.add_argument("--dir", default="/tmp/logprobe-weight-sync")
     args = ap.parse_args()
+    for kv in args.server_env:
+        if "=" not in kv:
+            raise SystemExit(f"--server-env wants K=V, got {kv!r}")
     if args.client == "torchrl":
         if args.tiny:
             raise SystemExit("--client torchrl needs CUDA and NCCL (the scheme hard-codes them): drop --tiny")
