@@ -197,6 +197,17 @@ def rl_client(url: str, bodies: list[dict], in_flight: int) -> tuple[float, list
             return time.perf_counter() - t, metas
 
 
+def step_totals(url: str) -> tuple[float, float]:
+    """(engine steps, their seconds summed) so far, from the server's /metrics."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    got = {}
+    for line in text.splitlines():
+        for key in ("logprobe_engine_step_seconds_count", "logprobe_engine_step_seconds_sum"):
+            if line.startswith(key + " "):
+                got[key] = float(line.split()[1])
+    return got.get("logprobe_engine_step_seconds_count", 0.0), got.get("logprobe_engine_step_seconds_sum", 0.0)
+
+
 def generate_body(tokens: list[int], score_begin: int, temperature: float) -> dict:
     """SGLang's /generate body scoring ``tokens[score_begin:]`` (slime's: entries [1:] read)."""
     return {"input_ids": tokens, "return_logprob": True, "logprob_start_len": score_begin - 1,
@@ -224,8 +235,13 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                         if scorer.prefix_cache is not None:
                             scorer.prefix_cache.clear()
                         box[0] = box[1] = 0
+                        steps0, busy0 = step_totals(url)
                         sec, metas = client.apply(rl_client, (url, bodies, flight))
+                        steps1, busy1 = step_totals(url)
                         every.append(sec)
+                        # where the wall goes: inside engine steps (executor.run) or around them
+                        print(f"server, {label}, {flight} in flight: wall {sec:.3f} s, {steps1 - steps0:.0f} engine "
+                              f"steps taking {busy1 - busy0:.3f} s, {sec - (busy1 - busy0):.3f} s outside steps")
                     secs = median(every)
                     if before:
                         print(f"server, {label}, {flight} in flight: allocator (all runs) {counts_since(before)}")

@@ -8,6 +8,7 @@ and the version changed; refusals leave the old weights in force."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -131,12 +132,14 @@ def test_library_update_weights_from_distributed(models):
     A round holding a NaN is received whole and refused: the old weights stay, the group works on.
     The good round comes in two buckets: the first is held (old weights), the second completes it."""
     s = scorer(models["a"])
+    before_nsocks = "NCCL_NSOCKS_PERTHREAD" in os.environ
     old, want = logprobs(s), logprobs(scorer(models["b"]))
     assert old != want
     port = free_port()
     p = trainer("library", port, models["b"])
     try:
         s.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo", timeout=60)
+        assert "NCCL_NSOCKS_PERTHREAD" not in os.environ or before_nsocks  # gloo adds no NCCL setting
         from safetensors import safe_open
         with safe_open(str(models["b"] / "model.safetensors"), "pt") as f:
             names = sorted(f.keys())
@@ -161,6 +164,20 @@ def test_library_update_weights_from_distributed(models):
         s.destroy_weights_update_group()
     assert e.value.field == "group_name"
     s.close()
+
+
+@pytest.mark.parametrize("environ,backend,added", [
+    ({}, "nccl", {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}),
+    ({"NCCL_P2P_DISABLE": "1"}, "nccl", {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}),
+    ({"NCCL_SOCKET_NTHREADS": "2"}, "nccl", {}),  # the user's choice stands, the other one too
+    ({"NCCL_NSOCKS_PERTHREAD": "1"}, "nccl", {}),
+    ({}, "gloo", {}),
+])
+def test_socket_settings_gold(environ, backend, added):
+    """What the receiving side adds before joining: NCCL takes the socket count from the receiver,
+    16 sockets instead of 1 took torchrl's llama-8b update from 3.06 to 1.17 s (docs/perf.md)."""
+    from logprobe.loading.collective import socket_settings
+    assert socket_settings(environ, backend) == added
 
 
 def test_library_refusals(models):
