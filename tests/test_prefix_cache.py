@@ -715,6 +715,43 @@ def test_tree_keeps_fetched_rows_and_reads_one_node_uncopied():
     assert joined.flatten().tolist() == [0, 1, 2]
 
 
+def test_block_copy_joins_slots_into_one_aligned_block():
+    """Every slot of a node in one allocation: pieces joined row-wise, a slot without rows None,
+    each slot starting at a multiple of ALIGN bytes, the values and dtypes those of the pieces."""
+    from logprobe.engine.prefix_cache import ALIGN, block_copy
+    a = torch.arange(15, dtype=torch.float32).view(5, 3)  # 12 bytes a row
+    b = torch.arange(6, dtype=torch.int64).view(3, 2)
+    c = torch.arange(4, dtype=torch.bfloat16).view(4, 1)
+    x, none, y, z = block_copy([[a[:1], a[3:]], None, [b], [c[1:2], c[:1]]])
+    assert x.tolist() == [[0, 1, 2], [9, 10, 11], [12, 13, 14]] and none is None
+    assert y.tolist() == [[0, 1], [2, 3], [4, 5]] and z.flatten().tolist() == [1.0, 0.0]
+    assert (x.dtype, y.dtype, z.dtype) == (torch.float32, torch.int64, torch.bfloat16)
+    base = x.untyped_storage().data_ptr()
+    assert y.untyped_storage().data_ptr() == z.untyped_storage().data_ptr() == base
+    offsets = [t.data_ptr() - base for t in (x, y, z)]
+    assert offsets == [0, 48, 96] and all(o % ALIGN == 0 for o in offsets)  # 36 -> 48, 48 + 48 = 96
+    assert x.untyped_storage().nbytes() == 96 + 4  # no padding after the last slot
+    assert block_copy([None, None]) == [None, None]
+
+
+def test_engine_nodes_hold_one_block_each(tiny):
+    """After real calls (inserts and splits), each node's rows share one storage and the tree's
+    byte count is the sum of those storages: one allocation per node, counted whole."""
+    s = Scorer(tiny["llama"], deterministic=True, prefix_cache=True)
+    ctx = list(range(10, 60))
+    for tail in ([5, 6, 7], [8, 9], [8, 11, 12]):
+        s.engine.run([ScoreRequest(ctx + tail, len(ctx))])
+    cache = s.engine.prefix_cache
+    nodes = list(cache._nodes())
+    assert len(nodes) >= 3  # the context split off the first request's node
+    held = 0
+    for nd in nodes:
+        storages = {r.untyped_storage().data_ptr() for r in nd.rows if r is not None}
+        assert len(storages) == 1, len(storages)
+        held += next(r for r in nd.rows if r is not None).untyped_storage().nbytes()
+    assert cache.stats.bytes == held
+
+
 def resume_one(t: PrefixCache, r: ScoreRequest, layers: int = 2):
     """``r`` run alone as the engine runs a resumed request, the pass faked (row i holds i):
     (its ResumePack, the bytes ``keep`` wrote)."""

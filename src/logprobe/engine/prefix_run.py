@@ -28,7 +28,7 @@ import torch
 from ..errors import LogprobeError
 from ..layers.attention import KVCache, Segment
 from ..models.caps import ModelCaps
-from .prefix_cache import PrefixCache, resolve_budget
+from .prefix_cache import PrefixCache, block_copy, resolve_budget
 from .request import ScoreRequest
 from .scheduler import Tree, common_prefix
 
@@ -202,19 +202,16 @@ def _runs(spans: list[tuple[int, int, int]], a: int, b: int) -> list[tuple[int, 
 
 def _fetcher(slots: list, runs: Runs) -> Callable[[int, int], list]:
     """``PrefixCache.insert``'s fetch for a sequence whose inputs ``a .. b - 1`` lie in the rows
-    ``runs(a, b)`` of every slot (keys and values per layer, then the final hidden rows): per slot
-    one copy of those rows, the tree's own (slices, so no row index is built on the host or sent
-    to the device)."""
+    ``runs(a, b)`` of every slot (keys and values per layer, then the final hidden rows): one copy
+    of those rows in one block for all slots (``block_copy``), the tree's own (slices, so no row
+    index is built on the host or sent to the device)."""
 
     def fetch(a: int, b: int) -> list:
         rr = runs(a, b)
         if sum(n for _, n in rr) != b - a:
             raise LogprobeError("prefix_cache", f"inputs {a}..{b - 1} have no rows in the pass",
                                 "report this: the prefix cache lost track of a pass's rows")
-        if len(rr) == 1:
-            (r0, n), = rr
-            return [None if t is None else t[r0:r0 + n].clone() for t in slots]
-        return [None if t is None else torch.cat([t[r0:r0 + n] for r0, n in rr]) for t in slots]
+        return block_copy([None if t is None else [t[r0:r0 + n] for r0, n in rr] for t in slots])
 
     return fetch
 
