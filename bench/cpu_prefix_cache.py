@@ -37,6 +37,7 @@ import contextlib
 import multiprocessing
 import random
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -208,6 +209,24 @@ def step_totals(url: str) -> tuple[float, float]:
     return got.get("logprobe_engine_step_seconds_count", 0.0), got.get("logprobe_engine_step_seconds_sum", 0.0)
 
 
+def replay(scorer: Scorer, steps: list[list]) -> float:
+    """The same engine steps, the same requests, from an empty cache, straight to the engine:
+    seconds (what the server's steps would take without the HTTP side beside them)."""
+    if scorer.prefix_cache is not None:
+        scorer.prefix_cache.clear()
+    sync(scorer)
+    t = time.perf_counter()
+    for step in steps:
+        scorer.engine.run(step)
+    sync(scorer)
+    return time.perf_counter() - t
+
+
+def sync(scorer: Scorer) -> None:
+    if scorer.engine.device.type == "cuda":
+        torch.cuda.synchronize(scorer.engine.device)
+
+
 def generate_body(tokens: list[int], score_begin: int, temperature: float) -> dict:
     """SGLang's /generate body scoring ``tokens[score_begin:]`` (slime's: entries [1:] read)."""
     return {"input_ids": tokens, "return_logprob": True, "logprob_start_len": score_begin - 1,
@@ -226,7 +245,7 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
             free()
             scorer = Scorer(loaded, config=cfg, prefix_cache=setting)  # cfg: the library ways' budget
             box = counting(scorer)
-            with serving(scorer) as url:
+            with serving(scorer) as (url, steps):
                 client.apply(rl_client, (url, warm, 1))
                 for flight in flights:
                     every = []
@@ -236,6 +255,7 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                             scorer.prefix_cache.clear()
                         box[0] = box[1] = 0
                         steps0, busy0 = step_totals(url)
+                        steps.clear()
                         sec, metas = client.apply(rl_client, (url, bodies, flight))
                         steps1, busy1 = step_totals(url)
                         every.append(sec)
@@ -243,6 +263,8 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                         print(f"server, {label}, {flight} in flight: wall {sec:.3f} s, {steps1 - steps0:.0f} engine "
                               f"steps taking {busy1 - busy0:.3f} s, {sec - (busy1 - busy0):.3f} s outside steps")
                     secs = median(every)
+                    print(f"server, {label}, {flight} in flight: the last run's {len(steps)} steps replayed "
+                          f"without HTTP: {replay(scorer, steps):.3f} s")
                     if before:
                         print(f"server, {label}, {flight} in flight: allocator (all runs) {counts_since(before)}")
                     if scorer.engine.oom_count:
@@ -265,14 +287,23 @@ def serving(scorer: Scorer):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(scorer, ServerConfig(max_top_logprobs=5)), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    app = create_app(scorer, ServerConfig(max_top_logprobs=5))
+    batcher = app.state.batcher
+    steps = []  # every engine step's requests, for a replay without HTTP
+    engine_call = batcher.run_batch
+
+    def recorded(step, cancelled=None):
+        steps.append(list(step))
+        return engine_call(step, cancelled)
+
+    batcher.run_batch = recorded
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", steps
     finally:
         server.should_exit = True
         thread.join(timeout=60)
@@ -296,7 +327,7 @@ def bench_mc(loaded, cfg: EngineConfig, args) -> None:
         free()
         scorer = Scorer(loaded, config=cfg, prefix_cache=setting)
         box = counting(scorer)
-        with serving(scorer) as url:
+        with serving(scorer) as (url, _):
             def send(ids):
                 r = requests.post(url + "/v1/completions", json={"prompt": [ids], "max_tokens": 1, "echo": True,
                                                                  "logprobs": 1, "temperature": 0}, timeout=600)
@@ -351,7 +382,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 keeps small passes steady on a CPU shared with other work)")
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this process (the server's threads share its interpreter lock)")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+        print(f"interpreter switch interval {sys.getswitchinterval()} s")
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model
