@@ -209,17 +209,24 @@ def step_totals(url: str) -> tuple[float, float]:
     return got.get("logprobe_engine_step_seconds_count", 0.0), got.get("logprobe_engine_step_seconds_sum", 0.0)
 
 
-def replay(scorer: Scorer, steps: list[list]) -> float:
+def replay(scorer: Scorer, steps: list[list], box: list[int]) -> float:
     """The same engine steps, the same requests, from an empty cache, straight to the engine:
-    seconds (what the server's steps would take without the HTTP side beside them)."""
+    seconds (what the server's steps would take without the HTTP side beside them). Prints each
+    step: requests, input tokens, computed rows, forward passes, ms."""
     if scorer.prefix_cache is not None:
         scorer.prefix_cache.clear()
     sync(scorer)
-    t = time.perf_counter()
+    t, each = time.perf_counter(), []
     for step in steps:
+        box[0] = box[1] = 0
+        t0 = time.perf_counter()
         scorer.engine.run(step)
-    sync(scorer)
-    return time.perf_counter() - t
+        sync(scorer)
+        each.append(f"{len(step)} req {sum(len(r.tokens) for r in step)} in {box[0]} rows {box[1]} passes "
+                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
+    secs = time.perf_counter() - t
+    print("   steps replayed: " + "; ".join(each))
+    return secs
 
 
 def sync(scorer: Scorer) -> None:
@@ -264,7 +271,7 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                               f"steps taking {busy1 - busy0:.3f} s, {sec - (busy1 - busy0):.3f} s outside steps")
                     secs = median(every)
                     print(f"server, {label}, {flight} in flight: the last run's {len(steps)} steps replayed "
-                          f"without HTTP: {replay(scorer, steps):.3f} s")
+                          f"without HTTP: {replay(scorer, steps, box):.3f} s")
                     if before:
                         print(f"server, {label}, {flight} in flight: allocator (all runs) {counts_since(before)}")
                     if scorer.engine.oom_count:
