@@ -209,24 +209,44 @@ def step_totals(url: str) -> tuple[float, float]:
     return got.get("logprobe_engine_step_seconds_count", 0.0), got.get("logprobe_engine_step_seconds_sum", 0.0)
 
 
-def replay(scorer: Scorer, steps: list[list], box: list[int]) -> float:
+def replay(scorer: Scorer, steps: list[list], box: list[int], profile: bool = False) -> float:
     """The same engine steps, the same requests, from an empty cache, straight to the engine:
     seconds (what the server's steps would take without the HTTP side beside them). Prints each
     step: requests, input tokens, computed rows, forward passes, ms."""
     if scorer.prefix_cache is not None:
         scorer.prefix_cache.clear()
     sync(scorer)
-    t, each = time.perf_counter(), []
+    t, each, slowest = time.perf_counter(), [], (0.0, None)
     for step in steps:
         box[0] = box[1] = 0
         t0 = time.perf_counter()
         scorer.engine.run(step)
         sync(scorer)
+        if time.perf_counter() - t0 > slowest[0]:
+            slowest = (time.perf_counter() - t0, step)
         each.append(f"{len(step)} req {sum(len(r.tokens) for r in step)} in {box[0]} rows {box[1]} passes "
                     f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
     secs = time.perf_counter() - t
     print("   steps replayed: " + "; ".join(each))
+    if profile and slowest[1] is not None:
+        profile_step(scorer, steps[:steps.index(slowest[1])], slowest[1])
     return secs
+
+
+def profile_step(scorer: Scorer, before: list[list], step: list) -> None:
+    """The slowest replayed step again, from the cache its earlier steps leave, under the CUDA
+    profiler: its kernels by total time, and the host's CPU ops."""
+    from torch.profiler import ProfilerActivity, profile
+    if scorer.prefix_cache is not None:
+        scorer.prefix_cache.clear()
+    for earlier in before:
+        scorer.engine.run(earlier)
+    sync(scorer)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        scorer.engine.run(step)
+        sync(scorer)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
 
 
 def sync(scorer: Scorer) -> None:
@@ -270,8 +290,10 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
                         print(f"server, {label}, {flight} in flight: wall {sec:.3f} s, {steps1 - steps0:.0f} engine "
                               f"steps taking {busy1 - busy0:.3f} s, {sec - (busy1 - busy0):.3f} s outside steps")
                     secs = median(every)
+                    counted = (box[0], box[1])  # the timed run's, before the replay counts its own
                     print(f"server, {label}, {flight} in flight: the last run's {len(steps)} steps replayed "
-                          f"without HTTP: {replay(scorer, steps, box):.3f} s")
+                          f"without HTTP: {replay(scorer, steps, box, args.profile_steps):.3f} s")
+                    box[0], box[1] = counted
                     if before:
                         print(f"server, {label}, {flight} in flight: allocator (all runs) {counts_since(before)}")
                     if scorer.engine.oom_count:
@@ -389,6 +411,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 keeps small passes steady on a CPU shared with other work)")
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--profile-steps", action="store_true", help="profile the slowest replayed server step (CUDA)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this process (the server's threads share its interpreter lock)")
     args = ap.parse_args()
