@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import gc
 import multiprocessing
 import random
 import socket
@@ -209,6 +210,32 @@ def step_totals(url: str) -> tuple[float, float]:
     return got.get("logprobe_engine_step_seconds_count", 0.0), got.get("logprobe_engine_step_seconds_sum", 0.0)
 
 
+class GcPauses:
+    """The garbage collector's pauses while inside: ``last()`` describes those of the last entry."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, float]] = []
+        self._t = 0.0
+
+    def _hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.spans.append((info["generation"], time.perf_counter() - self._t))
+
+    def __enter__(self):
+        self.spans = []
+        gc.callbacks.append(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._hook)
+
+    def last(self) -> str:
+        by = {g: [d for gg, d in self.spans if gg == g] for g in (0, 1, 2)}
+        return ", ".join(f"gen{g} x{len(d)} {sum(d) * 1e3:.0f} ms" for g, d in by.items() if d) or "none"
+
+
 def replay(scorer: Scorer, steps: list[list], box: list[int], profile: bool = False) -> float:
     """The same engine steps, the same requests, from an empty cache, straight to the engine:
     seconds (what the server's steps would take without the HTTP side beside them). Prints each
@@ -217,15 +244,17 @@ def replay(scorer: Scorer, steps: list[list], box: list[int], profile: bool = Fa
         scorer.prefix_cache.clear()
     sync(scorer)
     t, each, slowest = time.perf_counter(), [], (0.0, None)
+    pauses = GcPauses()
     for step in steps:
         box[0] = box[1] = 0
         t0 = time.perf_counter()
-        scorer.engine.run(step)
-        sync(scorer)
+        with pauses:
+            scorer.engine.run(step)
+            sync(scorer)
         if time.perf_counter() - t0 > slowest[0]:
             slowest = (time.perf_counter() - t0, step)
         each.append(f"{len(step)} req {sum(len(r.tokens) for r in step)} in {box[0]} rows {box[1]} passes "
-                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
+                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms (gc {pauses.last()})")
     secs = time.perf_counter() - t
     print("   steps replayed: " + "; ".join(each))
     if profile and slowest[1] is not None:
@@ -411,6 +440,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 keeps small passes steady on a CPU shared with other work)")
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the model is loaded (what exists "
+                    "then is never scanned again)")
     ap.add_argument("--profile-steps", action="store_true", help="profile the slowest replayed server step (CUDA)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this process (the server's threads share its interpreter lock)")
@@ -428,6 +459,10 @@ def main() -> None:
         model = args.checkpoint
     loaded = load_model(model, args.device, args.dtype, weights=args.weights)
     cfg = EngineConfig(deterministic=args.deterministic, progress=False)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+        print(f"gc.freeze(): {gc.get_freeze_count()} objects never scanned again")
     print(f"{loaded.info.name} on {args.device} ({loaded.info.dtype}, {args.weights} weights), "
           f"deterministic={args.deterministic}, "
           f"commit {git_rev()}, torch threads {torch.get_num_threads()}")
