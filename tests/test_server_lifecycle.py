@@ -233,6 +233,8 @@ def test_sigterm_drains_and_exits_0(tiny_dir, grace):
     draining is refused with 503; the process exits 0. No answer is lost."""
     proc, url = start_serve(tiny_dir, "--shutdown-timeout", grace)
     try:
+        metrics = requests.get(url + "/metrics", timeout=10).text
+        frozen = float(next(x for x in metrics.splitlines() if x.startswith("logprobe_gc_frozen_objects ")).split()[1])
         with ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(post_safely, url, HEAVY) for _ in range(12)]
             deadline = time.time() + 30
@@ -254,6 +256,7 @@ def test_sigterm_drains_and_exits_0(tiny_dir, grace):
             proc.kill()
     assert proc.returncode == 0, out
     assert "shutting down" in out
+    assert frozen > 1000, frozen  # the loaded model's objects, out of the collector's scans
     assert late[0] == 503 and late[1] and late[2]["error"]["code"] == "shutting_down", late
     codes = [a[0] for a in answers]
     assert "lost" not in codes, answers

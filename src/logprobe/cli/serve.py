@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import ipaddress
 import os
 import sys
@@ -67,15 +68,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     scorer = args.make_scorer(args)
     app = create_app(scorer, config)
+    frozen = freeze_heap()
     import uvicorn
 
     DrainingServer = _server_class()
     print(f"logprobe: serving {scorer.info.name} ({scorer.info.device}, {scorer.info.dtype}) on "
-          f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+          f"http://{config.host}:{config.port} ({frozen} objects left out of garbage collection)",
+          file=sys.stderr, flush=True)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10))
     server.run()
     return 0
+
+
+def freeze_heap() -> int:
+    """What is alive once the model is loaded and the app built (modules, tokenizer tables: ~400k
+    objects with llama-8b's) moved out of the garbage collector's scans (``gc.freeze``, as vLLM
+    and SGLang do). A full collection walked all of them, 0.4 s with the GPU idle, about once per
+    256 RL requests; after the freeze it took 0.1 s (docs/perf.md). Reference counting still frees
+    them; only cycles among them stay. Returns the objects frozen (``/metrics``:
+    ``logprobe_gc_frozen_objects``)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _server_class():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .batcher import StepStats
@@ -52,6 +54,9 @@ class Metrics:
         for kind in ("allocated", "reserved"):
             Gauge(f"logprobe_cuda_memory_{kind}_bytes", f"CUDA memory {kind} by this process's caching allocator",
                   registry=r).set_function(lambda kind=kind: _cuda_bytes(kind))
+        Gauge("logprobe_gc_frozen_objects", "Objects left out of the garbage collector's scans "
+              "(`logprobe serve` freezes what exists once the model is loaded)",
+              registry=r).set_function(gc.get_freeze_count)
         if engine is not None and hasattr(engine, "oom_count"):  # Engine (not ParallelEngine)
             Gauge("logprobe_engine_out_of_memory", "Out-of-memory errors the engine met and split around",
                   registry=r).set_function(lambda: float(engine.oom_count))
