@@ -51,6 +51,7 @@ import uvicorn
 from common import free, git_rev, rl_groups, write_checkpoint
 
 from logprobe import EngineConfig, Scorer
+from logprobe.cli.serve import freeze_heap
 from logprobe.loading import load_model
 from logprobe.server import ServerConfig, create_app
 
@@ -292,6 +293,8 @@ def generate_body(tokens: list[int], score_begin: int, temperature: float) -> di
 def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one: float) -> None:
     """The groups as single /generate requests, ``args.in_flight`` outstanding, through the server."""
     bodies = [generate_body(r.tokens, r.score_begin, r.temperature) for r in reqs]
+    if not args.no_freeze:  # as `logprobe serve` does once its app is built
+        print(f"server ways: {freeze_heap()} objects left out of garbage collection (logprobe serve's freeze)")
     warm = [generate_body(reqs[0].tokens[::-1][:64], 32, reqs[0].temperature)]  # shares no timed prefix
     rows = {}
     flights = [int(x) for x in str(args.in_flight).split(",")]
@@ -440,8 +443,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 keeps small passes steady on a CPU shared with other work)")
     ap.add_argument("--skip-server", action="store_true")
-    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the model is loaded (what exists "
-                    "then is never scanned again)")
+    ap.add_argument("--no-freeze", action="store_true", help="server ways without `logprobe serve`'s gc freeze "
+                    "(cli.serve.freeze_heap: what exists once the model is loaded is never scanned again)")
     ap.add_argument("--profile-steps", action="store_true", help="profile the slowest replayed server step (CUDA)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this process (the server's threads share its interpreter lock)")
@@ -459,10 +462,6 @@ def main() -> None:
         model = args.checkpoint
     loaded = load_model(model, args.device, args.dtype, weights=args.weights)
     cfg = EngineConfig(deterministic=args.deterministic, progress=False)
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
-        print(f"gc.freeze(): {gc.get_freeze_count()} objects never scanned again")
     print(f"{loaded.info.name} on {args.device} ({loaded.info.dtype}, {args.weights} weights), "
           f"deterministic={args.deterministic}, "
           f"commit {git_rev()}, torch threads {torch.get_num_threads()}")

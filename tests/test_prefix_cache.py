@@ -752,6 +752,35 @@ def test_engine_nodes_hold_one_block_each(tiny):
     assert cache.stats.bytes == held
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_packs_are_read_one_pass_late(tiny, overlap):
+    """Packs overlap like batches of trees: a pass's results are read after the next pass is
+    launched (the GPU runs one while the host plans the next), so a call
+    of three packs goes pass, pass, read, pass, read, read; with ``overlap_host`` off each pass is
+    read at once.
+    The numbers are those of the same requests run without the cache."""
+    cfg = EngineConfig(max_batch_tokens=64, progress=False, overlap_host=overlap, deterministic=True)
+    s = Scorer(tiny["llama"], config=cfg, prefix_cache=True)
+    p1, p2 = list(range(10, 50)), list(range(60, 100))
+    s.engine.run([ScoreRequest(p1 + [5, 6], len(p1)), ScoreRequest(p2 + [7, 8], len(p2))])
+    reqs = [ScoreRequest(p1 + [1, 2, 3, 4], len(p1)), ScoreRequest(list(range(150, 180)), 5),
+            ScoreRequest(p2 + [9, 9, 9], len(p2))]
+    events = []
+    s.engine.fault_hook = lambda rows, tokens: events.append(f"pass {rows}")
+    got = s.engine.run(reqs, on_result=lambda i, r: events.append(f"read {i}"))
+    # a call with a hit runs its cacheable requests as packs, in token order: request 0 (3 rows
+    # past its 40 cached tokens), 2 (2 rows), then 1 (29 rows, nothing cached); one pack each
+    # under the 64-token budget (a prefix's keys count in a pack's cost)
+    if overlap:
+        assert events == ["pass 3", "pass 2", "read 0", "pass 29", "read 2", "read 1"]
+    else:
+        assert events == ["pass 3", "read 0", "pass 2", "read 2", "pass 29", "read 1"]
+    assert [r.cached_tokens for r in got] == [40, 0, 40]
+    plain = Scorer(tiny["llama"], config=cfg).engine.run(reqs)
+    for a, b in zip(got, plain):
+        same(a, b, exact=True)
+
+
 def resume_one(t: PrefixCache, r: ScoreRequest, layers: int = 2):
     """``r`` run alone as the engine runs a resumed request, the pass faked (row i holds i):
     (its ResumePack, the bytes ``keep`` wrote)."""

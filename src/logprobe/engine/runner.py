@@ -312,7 +312,7 @@ class Engine:
             if self.budget != planned_at:  # lowered (or raised back): plan what is left again
                 queue = self._plan(requests, _pending(queue))
                 planned_at = self.budget
-        out.settle()
+        # the last batch of trees stays in flight: the first pack is planned while it runs
         self._run_resumed(requests, deque(resumed), out, stop, cancelled)
         return out.close()
 
@@ -322,6 +322,7 @@ class Engine:
         several to a pass (``take_pack``), or alone in chunks (over the budget; hybrid models)."""
         while queue:
             if stop is not None and stop():
+                out.settle()
                 raise RunStopped()
             if cancelled is not None:
                 queue = deque(m for m in queue if not cancelled(m))
@@ -329,6 +330,7 @@ class Engine:
                     return
             members, alone = take_pack(self.prefix_cache, requests, queue, self.whole_budget, self._align)
             if alone is not None:
+                out.settle()
                 self._run_chunks(requests, alone, out, stop, cancelled, resume=True)
             else:
                 self._run_pack(requests, members, out, stop, cancelled)
@@ -347,9 +349,15 @@ class Engine:
         try:
             hidden = self._forward(packed)  # [T, H]
             hidden = rp.with_context(hidden)  # [past + T, H]: score_rows index the prefixes' rows, then the pass's
-            scored = self.score(requests, packed, hidden).results()
+            launched = self.score(requests, packed, hidden)
         except torch.OutOfMemoryError:
             oom = True
+        except BaseException:
+            out.settle()  # the pass before is delivered, as in ``_run_unit``
+            raise
+        # the pass before (trees or a pack) is read only now, as in ``_run_unit``: its GPU work ran
+        # while this pack was planned and launched
+        out.settle()
         if oom:
             del rp, packed, meta
             self._out_of_memory(len(ids))
@@ -358,11 +366,10 @@ class Engine:
             return
         rp.keep(hidden)
         self._succeeded(meta.num_rows + meta.past)
-        for m, part in scored:
-            res = concat_parts([part], requests[m])
-            res.cached_tokens = rp.begin[m]
-            out.progress(requests[m].num_inputs - rp.first[m])
-            out.finish(m, res)
+        launched.cached = rp.begin
+        out.hold(launched)  # progress: the pack's rows, each member's inputs from ``first`` on
+        if not self.config.overlap_host:
+            out.settle()
 
     def _check_supported(self, requests: list[ScoreRequest]) -> None:
         if self.config.deterministic and not (self._context or ModelCaps.of(self.model).deterministic):
@@ -621,6 +628,7 @@ class Launched:
     batch: list[ScoreRequest]  # the request of each of packed.owners
     copy: HostCopy | None  # None: the batch scores no row
     ready: list[tuple[int, RequestResult]] | None = None  # parts already made (an engine scoring otherwise)
+    cached: dict[int, int] | None = None  # a pack's members: request index -> tokens read from the prefix cache
 
     def results(self) -> list[tuple[int, RequestResult]]:
         if self.ready is not None:
@@ -639,6 +647,8 @@ class Launched:
                 offset += n
         _attach_captures(scored, self.packed.captures or [])
         _attach_routes(scored, self.packed)
+        for i, part in scored if self.cached is not None else ():
+            part.cached_tokens = self.cached[i]
         return scored
 
 
