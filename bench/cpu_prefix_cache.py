@@ -299,12 +299,17 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
     rows = {}
     flights = [int(x) for x in str(args.in_flight).split(",")]
     with multiprocessing.get_context("spawn").Pool(1) as client:
-        for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True)):
+        impls = [tuple(x.split(":")) for x in args.server_impl.split(",")]
+        ways = [(label, setting, impl) for impl in impls
+                for label, setting in (("no cache", None), ("prefix cache", args.prefix_cache_bytes or True))]
+        for label, setting, impl in ways:
+            if len(impls) > 1:
+                label = f"{label}, uvicorn {impl[0]}/{impl[1]}"
             scorer = None
             free()
             scorer = Scorer(loaded, config=cfg, prefix_cache=setting)  # cfg: the library ways' budget
             box = counting(scorer)
-            with serving(scorer) as (url, steps):
+            with serving(scorer, *impl) as (url, steps):
                 client.apply(rl_client, (url, warm, 1))
                 for flight in flights:
                     every = []
@@ -344,7 +349,9 @@ def bench_rl_server(loaded, cfg: EngineConfig, args, reqs: list, base: list, one
 
 
 @contextlib.contextmanager
-def serving(scorer: Scorer):
+def serving(scorer: Scorer, loop: str = "auto", http: str = "auto"):
+    """The app on uvicorn in a thread: (its URL, the engine steps it ran); ``loop`` / ``http``:
+    uvicorn's choices ("auto": uvloop and httptools where installed, as `logprobe serve`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -358,7 +365,8 @@ def serving(scorer: Scorer):
         return engine_call(step, cancelled)
 
     batcher.run_batch = recorded
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop=loop,
+                                           http=http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -443,6 +451,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1 keeps small passes steady on a CPU shared with other work)")
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--server-impl", default="auto:auto", help="uvicorn loop:http pairs for the RL server ways, "
+                    "comma-separated (asyncio:h11 is pure Python; auto takes uvloop and httptools if installed)")
     ap.add_argument("--no-freeze", action="store_true", help="server ways without `logprobe serve`'s gc freeze "
                     "(cli.serve.freeze_heap: what exists once the model is loaded is never scanned again)")
     ap.add_argument("--profile-steps", action="store_true", help="profile the slowest replayed server step (CUDA)")
