@@ -56,3 +56,28 @@ def test_real_tokenizer_boundary(default_scorer):
     assert ctx == tok.encode("The capital of France is")
     ctx2, cont2 = split_continuation("The capital of France is", "Paris", tok.encode, tok.prefix_id)
     assert tok.token_texts(cont2) != [" Paris"]  # no space: a different token
+
+
+def test_token_texts_kept_per_id(default_scorer):
+    """Each id's text alone, as the tokenizer decodes it, in the order asked (repeats too); an id
+    decoded once is not decoded again."""
+    from logprobe.tokenizer import Tokenizer
+    hf = default_scorer.tokenizer.hf
+    tok = Tokenizer(hf, add_bos=False)
+    ids = hf.encode("The capital of France is Paris. The capital", add_special_tokens=False) + [0, 5, 0]
+    want = [hf.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+    asked = []
+    real = hf.batch_decode
+
+    def counting(batch, **kw):
+        asked.extend(i for (i,) in batch)
+        return real(batch, **kw)
+
+    hf.batch_decode = counting
+    try:
+        assert tok.token_texts(ids) == want
+        assert sorted(asked) == sorted(set(ids))  # each distinct id once
+        asked.clear()
+        assert tok.token_texts(ids[::-1]) == want[::-1] and asked == []
+    finally:
+        del hf.batch_decode
