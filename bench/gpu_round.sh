@@ -43,7 +43,7 @@
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 #   moesync  2 GPUs: the MoE CUDA tests, then Qwen3-30B-A3B (16 layers) profiled at 1 and 2 GPUs, the MLA shape .. ~9
 #   moenccl  2 GPUs: the Qwen3 shape at 1 and 2 GPUs, NCCL_MAX_CTAS unset / 8 / 16 (NCCL_CTAS="..." to choose) ... ~5
-#   socketsync 2 GPUs: torchrl's weight sync as shipped, with 16 sockets chosen by the server, by both ~5
+#   socketsync 2 GPUs: torchrl's weight sync over 1 socket, over the server's default 16, 16 set in both ~5
 #   prefixcalls llama-8b RL groups 16 requests a call (all 256): timed, kernels and idle per call, CPU ops .... ~4
 #   rlserver the rotary/attention CUDA tests, then llama-8b RL groups through the server at one batch budget ... ~8
 #   profile  gpu_profile.py, where the GPU time goes (kernel families, GPU busy fraction): Qwen3.5-35B-A3B
@@ -125,13 +125,13 @@ for s in "$@"; do
                 tests/test_weight_sync_nccl.py
             step weightsync 580 "$py" bench/gpu_weight_sync.py
             step weightsync_torchrl 480 "$py" bench/gpu_weight_sync.py --client torchrl ;;
-        socketsync)  # 2 GPUs: torchrl's scheme (NCCL over sockets) as shipped, then more sockets chosen by the
-            # receiving server alone (NCCL takes the count from the listener), then by both processes
+        socketsync)  # 2 GPUs: torchrl's scheme (NCCL over sockets) with NCCL's own single socket, with the
+            # server's default 16 (NCCL takes the count from the listener), then 16 set in both processes
             "$py" -m pip install -q --no-index --find-links .whl torchrl==0.14.1 tensordict==0.14.3 requests fastapi \
                 uvicorn click annotated-doc anyio >/dev/null 2>&1
-            step socketsync_plain 200 "$py" bench/gpu_weight_sync.py --client torchrl --repeats 2
-            step socketsync_server 200 "$py" bench/gpu_weight_sync.py --client torchrl --repeats 2 \
-                --server-env NCCL_SOCKET_NTHREADS=4 --server-env NCCL_NSOCKS_PERTHREAD=4
+            step socketsync_one 200 "$py" bench/gpu_weight_sync.py --client torchrl --repeats 2 \
+                --server-env NCCL_SOCKET_NTHREADS=1 --server-env NCCL_NSOCKS_PERTHREAD=1
+            step socketsync_server 200 "$py" bench/gpu_weight_sync.py --client torchrl --repeats 2
             step socketsync_both 200 env NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4 "$py" bench/gpu_weight_sync.py \
                 --client torchrl --repeats 2 ;;
         prefix)  # the server wheels (uvicorn, fastapi) from .whl; then the tests, then the bench
@@ -176,7 +176,7 @@ for s in "$@"; do
                 step "moenccl_$ctas" 200 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 \
                     --sizes 1x1,2x2 --modes default $env_arg
             done ;;
-        prefixcalls)  # one GPU: where a 16-request call's time goes (47 ms a call above the one batch's rate)
+        prefixcalls)  # one GPU: where a 16-request call's time goes (wall, kernels, idle per call)
             step prefixcalls 300 "$py" bench/gpu_profile.py --scenario prefix --gpu-shape llama-8b \
                 --checkpoint /tmp/llama8b --calls 16 --per-call 16 ;;
         rlserver)  # one GPU: the server wheels, the launch-cut tests, then RL groups through the server

@@ -647,8 +647,9 @@ class Launched:
                 offset += n
         _attach_captures(scored, self.packed.captures or [])
         _attach_routes(scored, self.packed)
-        for i, part in scored if self.cached is not None else ():
-            part.cached_tokens = self.cached[i]
+        if self.cached is not None:
+            for i, part in scored:
+                part.cached_tokens = self.cached[i]
         return scored
 
 
