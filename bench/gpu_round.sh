@@ -43,6 +43,7 @@
 #   largest  2 GPUs: GLM-4.5-Air whole as FP8 blocks (106 GB, written to /dev/shm) at TP = EP = 2 ........ ~8
 #   moesync  2 GPUs: the MoE CUDA tests, then Qwen3-30B-A3B (16 layers) profiled at 1 and 2 GPUs, the MLA shape .. ~9
 #   moenccl  2 GPUs: the Qwen3 shape at 1 and 2 GPUs, NCCL_MAX_CTAS unset / 8 / 16 (NCCL_CTAS="..." to choose) ... ~5
+#   transfers 2 GPUs: the MoE layer's gather / reduce-scatter over NCCL vs the copy engines, alone and beside products ~2
 #   socketsync 2 GPUs: torchrl's weight sync over 1 socket, over the server's default 16, 16 set in both ~5
 #   prefixcalls llama-8b RL groups 16 requests a call (all 256): timed, kernels and idle per call, CPU ops .... ~4
 #   rlserver the rotary/attention CUDA tests, then llama-8b RL groups through the server at one batch budget ... ~8
@@ -170,6 +171,9 @@ for s in "$@"; do
             step moesync_qwen3 300 "$py" bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 \
                 --profile --modes default
             step moesync_mla 240 "$py" bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2 ;;
+        transfers)  # 2 GPUs: the MoE layer's gather and reduce-scatter over NCCL and over the copy engines
+            step transfers_61k 150 "$py" bench/gpu_transfers.py --rows 61440
+            step transfers_31k 150 "$py" bench/gpu_transfers.py --rows 30720 ;;
         moenccl)  # 2 GPUs: the Qwen3 shape at 1 vs 2 GPUs with NCCL held to fewer CTAs beside the expert kernels
             for ctas in ${NCCL_CTAS:-none 8 16}; do
                 env_arg=""; [ "$ctas" != none ] && env_arg="--nccl-env NCCL_MAX_CTAS=$ctas"
