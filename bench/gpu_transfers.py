@@ -48,6 +48,8 @@ def nccl_ops(group):
 
 
 def ce_ops(group):
+    import torch.distributed._symmetric_memory  # noqa: F401 - registers the symm_mem ops
+
     name = group.group_name
 
     def gather(x):
