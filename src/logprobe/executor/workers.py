@@ -12,14 +12,15 @@ messages are the small records of ``executor.messages``, read with ``match``).
 Workers are fresh interpreters (``python -c`` calling ``executor.workers._main``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
 needs no ``if __name__ == "__main__"`` guard. They connect back over a local authenticated
-socket. Messages are pickled with the plain pickler (tensors inline: no shared-memory handles to
-leak). A worker that dies is seen through its pidfd: the driver stops the rest of its replica and
+socket. Messages are pickled inline (no shared-memory handles to leak), CPU tensors as numpy
+arrays (``MessagePickler``). A worker that dies is seen through its pidfd: the driver stops the rest of its replica and
 raises an error naming the rank; nothing waits forever, and no process is left behind.
 """
 
 from __future__ import annotations
 
 import hmac
+import io
 import os
 import pickle
 import secrets
@@ -74,8 +75,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# CPU tensors of these dtypes travel as numpy arrays: the same bytes, a tenth of the pickling time
+# (256 results of two [900] tensors: 58 ms to pickle and 42 ms to load as tensors, 5.5 and 3.5 as
+# arrays on a 2-core CPU; rank 0 pickles each result while it should be launching the next pass)
+ARRAY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                          torch.int8, torch.uint8, torch.bool})
+
+
+def tensor_from_array(a) -> torch.Tensor:
+    """The receiving end of ``MessagePickler``: the tensor of a pickled array (its bytes, its dtype)."""
+    return torch.from_numpy(a)
+
+
+class MessagePickler(pickle.Pickler):
+    """The plain pickler, except that a plain CPU tensor of an ``ARRAY_DTYPES`` dtype is written as
+    its numpy array (only its own elements: a view does not carry its whole storage). Bits are
+    kept, -0.0 and NaN payloads included; two views of one storage arrive as two tensors. Other
+    tensors (bfloat16, CUDA, parameters) take torch's own reduction."""
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided \
+                and obj.dtype in ARRAY_DTYPES and not obj.requires_grad:
+            return tensor_from_array, (obj.numpy(),)
+        return NotImplemented
+
+
+def dumps(msg) -> bytes:
+    buf = io.BytesIO()
+    MessagePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(msg)
+    return buf.getvalue()
+
+
 def send(conn, msg) -> None:
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(dumps(msg))
 
 
 def recv(conn):

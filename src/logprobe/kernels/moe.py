@@ -203,8 +203,11 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     E = num_experts
     bucket = torch.where((flat >= 0) & (flat < E), flat, E).long()  # [n]: E for a slot left out
     order = torch.sort(bucket, stable=True).indices  # slots by expert, the left-out ones last
-    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).index_add_(
-        0, bucket, torch.ones_like(bucket))[:E]  # [E]: a bincount that does not wait for the GPU
+    expert_of = bucket[order]  # [n], ascending
+    # [E]: each expert's slots, read off the sorted ids (a bincount would wait for the GPU; counting
+    # by atomic adds piles every left-out slot of another rank's experts onto one address)
+    ends = torch.searchsorted(expert_of, torch.arange(E, device=flat.device), right=True)  # [E]
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
     tiles = (counts + block_m - 1) // block_m  # [E]: each expert's tiles
     start = torch.cumsum(counts, 0) - counts  # first sorted index of each expert
     tile_end = torch.cumsum(tiles, 0)  # [E]: one past each expert's last tile
@@ -212,7 +215,6 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     # each expert's first padded position; the left-out slots all go to position `total`, dropped
     pstart = torch.cat([(tile_end - tiles) * block_m, tile_end.new_full((1,), total)])  # [E + 1]
     start = torch.cat([start, start.new_zeros(1)])  # [E + 1]
-    expert_of = bucket[order]  # [n]
     rank = torch.arange(n, device=flat.device) - start[expert_of]  # place within its expert
     dest = torch.where(expert_of < E, pstart[expert_of] + rank, total)  # [n]
     sorted_slots = torch.full((total + 1,), n, dtype=torch.int32, device=flat.device)  # [P + 1]
