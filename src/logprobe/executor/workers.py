@@ -322,8 +322,9 @@ class WorkerGroup:
 
     def submit(self, requests, config: EngineConfig, profiled: bool = False) -> None:
         """Every rank runs ``requests`` (``profiled``: under the profiler, ``Profile``)."""
+        data = dumps((Profile if profiled else Run)(requests, config))  # pickled once for every rank
         for conn in self.conns:
-            send(conn, (Profile if profiled else Run)(requests, config))
+            conn.send_bytes(data)
 
     def broadcast(self, msg, rank: int | None = None) -> None:
         """Send ``msg`` to every rank (or to one)."""
