@@ -18,7 +18,9 @@ What is counted (``RankProfile``):
 * ``wall_s``: the run on this rank, from the first launch to the device being idle again;
 * ``busy_s``: the time at least one counted event ran (the union of their intervals: on CUDA, the
   time the GPU was busy; ``wall_s - busy_s`` is the time it sat idle, waiting for launches or for
-  a host synchronisation);
+  a host synchronisation); a one-element add on the device as the run starts and another as it
+  returns bracket the run, so the longest idle spans (``gaps``) include the host's planning
+  before the first kernel and its delivery of results after the last;
 * ``collectives``: each collective's duration in launch order. Every rank joins every collective
   in the same order, so call i is the same collective on every rank; it ends at about the same
   moment everywhere, so the rank that arrived last waited least, and its duration is the
@@ -156,11 +158,16 @@ def profile_run(engine: Engine, requests: list[ScoreRequest], config: EngineConf
     counts = [0, 0]  # rows, pairs of this rank's share of every pass
     handle = engine.model.register_forward_pre_hook(_share_counter(engine.model, counts))
     engine.config = config
+    # a one-element add on the device as the run starts and as it returns: the idle spans then
+    # include the host's time before the first kernel and after the last (``idle_gaps``)
+    mark = torch.zeros(1, device=engine.device) if cuda else None
     try:
         _sync(cuda)
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
+            _mark(mark)
             engine.run(requests, on_result=on_result, progress=False)
+            _mark(mark)
             _sync(cuda)
             wall = time.perf_counter() - t
     finally:
@@ -232,6 +239,11 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
         elif b > end:
             total, end = total + (b - end), b
     return total
+
+
+def _mark(mark: torch.Tensor | None) -> None:
+    if mark is not None:
+        mark.add_(1)
 
 
 def _sync(cuda: bool) -> None:
