@@ -178,3 +178,22 @@ def test_engine_on_another_gpu_than_the_current(tiny_dirs):
         assert torch.cuda.current_device() == 0
     for a, b, r in zip(got["cuda:1"], got["cuda:0"], mixed_requests()):
         same(a, b, True, r)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_on_batch_follows_each_pass_results(model, overlap):
+    """``on_batch`` comes after each pass's results have all reached ``on_result`` (and after a
+    chunked request's): never before a result of its pass, never twice with nothing between, and
+    last; the results are those of a run without it."""
+    events, passes = [], []
+    engine = Engine(model, EngineConfig(max_batch_tokens=128, deterministic=True, overlap_host=overlap),
+                    torch.device("cpu"))
+    engine.fault_hook = lambda rows, tokens: passes.append(rows)
+    got = engine.run(mixed_requests(), on_result=lambda i, r: events.append(i),
+                     on_batch=lambda: events.append("batch"))
+    ref, order = run(model, overlap)
+    assert [e for e in events if e != "batch"] == order and events[-1] == "batch"
+    assert all(not (a == b == "batch") for a, b in zip(events, events[1:])) and events[0] != "batch"
+    assert 2 <= events.count("batch") <= len(passes)
+    for a, b, r in zip(got, ref, mixed_requests()):
+        same(a, b, True, r)

@@ -7,8 +7,8 @@ from multiprocessing import Pipe
 import torch
 
 from logprobe.engine.request import RequestResult
-from logprobe.executor.messages import Result, StageWeights
-from logprobe.executor.workers import dumps, recv, send
+from logprobe.executor.messages import Result, Results, StageWeights
+from logprobe.executor.workers import Outbox, dumps, recv, send
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -50,3 +50,19 @@ def test_parameters_and_bool_tensors():
     (n0, p0), (n1, m1) = got.pairs
     assert (n0, n1) == ("w", "m") and isinstance(p0, torch.nn.Parameter) and torch.equal(p0, p)
     assert m1.dtype == torch.bool and torch.equal(m1, mask)
+
+
+def test_outbox_sends_a_pass_as_one_message():
+    a, b = Pipe()
+    box = Outbox(a)
+    box.flush()  # nothing kept: nothing sent
+    for i in (3, 0, 7):
+        box.add(i, RequestResult(torch.full((2,), float(i)), torch.zeros(2, dtype=torch.int64)))
+    box.flush()
+    box.add(5, RequestResult(torch.zeros(1), torch.zeros(1, dtype=torch.int64)))
+    box.flush()
+    first, second = recv(b), recv(b)
+    assert not b.poll(0)
+    assert isinstance(first, Results) and [r.index for r in first.items] == [3, 0, 7]
+    assert first.items[2].result.logprobs.tolist() == [7.0, 7.0]
+    assert [r.index for r in second.items] == [5]

@@ -44,8 +44,10 @@ class Delivery:
     error is raised by ``close`` once every other request has run."""
 
     def __init__(self, requests: list[ScoreRequest], on_result: Callable[[int, RequestResult], None] | None,
-                 on_error: Callable[[int, Exception], None] | None, bar) -> None:
+                 on_error: Callable[[int, Exception], None] | None, bar,
+                 on_batch: Callable[[], None] | None = None) -> None:
         self.requests = requests
+        self.on_batch = on_batch  # after each settled batch's results (``Engine.run``)
         self.lengths = [r.num_inputs for r in requests]  # input tokens, by request index
         self.on_result, self.on_error, self.bar = on_result, on_error, bar
         self.results: list[RequestResult | None] = [None] * len(requests)
@@ -56,6 +58,11 @@ class Delivery:
         self.results[i] = res
         if self.on_result is not None:
             self.on_result(i, res)
+
+    def batch_done(self) -> None:
+        """A pass's results (or a chunked request's) have all gone to ``on_result``."""
+        if self.on_batch is not None:
+            self.on_batch()
 
     def fail(self, i: int, rows: int, context: int, fits: int, cause: str) -> None:
         # the error keeps no traceback: its frames would hold the failed batch's tensors
@@ -78,6 +85,7 @@ class Delivery:
             launched = self.in_flight.pop()
             for i, part in launched.results():
                 self.finish(i, concat_parts([part], self.requests[i]))
+            self.batch_done()
             self.progress(launched.packed.meta.num_rows)
 
     def close(self) -> list[RequestResult]:

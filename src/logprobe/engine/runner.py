@@ -262,6 +262,7 @@ class Engine:
         on_error: Callable[[int, Exception], None] | None = None,
         stop: Callable[[], bool] | None = None,
         cancelled: Callable[[int], bool] | None = None,
+        on_batch: Callable[[], None] | None = None,
     ) -> list[RequestResult]:
         """Results in input order; ``on_result(i, result)`` is called as each request completes.
 
@@ -280,13 +281,18 @@ class Engine:
         ``cancelled(i)`` is asked of request ``i`` before each pass that would run it (a chunked
         request: before each chunk); True leaves it out of that pass and every later one: its
         slot stays None, and neither ``on_result`` nor ``on_error`` hears of it (the HTTP client
-        went away, or its deadline passed)."""
+        went away, or its deadline passed).
+
+        ``on_batch()`` is called each time a pass's results have all reached ``on_result`` (a
+        worker process sends them to its driver as one message: ``executor.workers.Outbox``)."""
         dev = self.device
         if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
             with torch.cuda.device(dev):  # Triton launches on the current device: make it this engine's
-                return self.run(requests, on_result, progress, on_error=on_error, stop=stop, cancelled=cancelled)
+                return self.run(requests, on_result, progress, on_error=on_error, stop=stop, cancelled=cancelled,
+                                on_batch=on_batch)
         self._check_supported(requests)
-        out = Delivery(requests, on_result, on_error, self._progress_bar(sum(r.num_inputs for r in requests), progress))
+        out = Delivery(requests, on_result, on_error, self._progress_bar(sum(r.num_inputs for r in requests), progress),
+                       on_batch)
         cache = self.prefix_cache if self._context else None
         resumed = resumable(cache, requests, self._align) if cache is not None else []
         queue = self._plan(requests, sorted(set(range(len(requests))) - set(resumed)))
@@ -539,6 +545,7 @@ class Engine:
         res = concat_parts(parts, r)
         res.cached_tokens = keeper.begin if keeper is not None else 0
         out.finish(m, res)
+        out.batch_done()
 
     def _out_of_memory(self, rows: int) -> None:
         """A batch of ``rows`` rows ran out of memory: free the allocator's cache, lower the budget."""

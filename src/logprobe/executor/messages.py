@@ -6,8 +6,9 @@ sides name them ``logprobe.executor.messages.X`` (a worker runs ``executor.worke
     driver -> worker : Run(requests, config) | Profile(requests, config) | StageWeights(pairs)
                        | EndWeights(step) | Close()
     worker -> driver : Ready(param_bytes, load_peak_bytes, budget) once, then per run
-                       Result(index, result)... (rank 0), Profiled(profile) (every rank, after a
-                       Profile) and Done() | Failed(field, problem, fix)
+                       Results([Result(index, result), ...])... (rank 0, a pass's results each),
+                       Profiled(profile) (every rank, after a Profile) and Done() | Failed(field,
+                       problem, fix)
 
 >>> match Failed("model", "no such file", "check the path"):
 ...     case Failed() as f:
@@ -82,6 +83,14 @@ class Result:
 
     index: int
     result: object
+
+
+@dataclass(frozen=True, slots=True)
+class Results:
+    """Rank 0's ``Result`` records of one pass, in the order the engine delivered them: one
+    message a pass instead of one a request (``workers.Outbox``)."""
+
+    items: list
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,9 +151,10 @@ def attention_pairs(segments: list[Segment]) -> int:
 
 
 def profile_run(engine: Engine, requests: list[ScoreRequest], config: EngineConfig, rank: int = 0,
-                on_result: Callable[[int, RequestResult], None] | None = None) -> RankProfile:
+                on_result: Callable[[int, RequestResult], None] | None = None,
+                on_batch: Callable[[], None] | None = None) -> RankProfile:
     """``engine.run(requests)`` under ``config``, profiled -> this rank's ``RankProfile`` (the
-    results go to ``on_result`` as in an ordinary run)."""
+    results go to ``on_result`` and ``on_batch`` as in an ordinary run)."""
     cuda = engine.device.type == "cuda"
     counts = [0, 0]  # rows, pairs of this rank's share of every pass
     handle = engine.model.register_forward_pre_hook(_share_counter(engine.model, counts))
@@ -166,7 +167,7 @@ def profile_run(engine: Engine, requests: list[ScoreRequest], config: EngineConf
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
             _mark(mark)
-            engine.run(requests, on_result=on_result, progress=False)
+            engine.run(requests, on_result=on_result, progress=False, on_batch=on_batch)
             _mark(mark)
             _sync(cuda)
             wall = time.perf_counter() - t

@@ -6,7 +6,8 @@ weights (``loading.load_shard``) and then serves one message kind: *run these re
 same under the profiler, ``Profile``: a measuring tool, answered with each rank's summary). Every
 rank of a replica runs the same engine loop on the same requests (planning is a pure function of
 them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
-each request's ``Result`` back as it completes, every rank sends ``Done`` at the end (the
+each pass's ``Result`` records back as one ``Results`` message once the pass is read (``Outbox``),
+every rank sends ``Done`` at the end (the
 messages are the small records of ``executor.messages``, read with ``match``).
 
 Workers are fresh interpreters (``python -c`` calling ``executor.workers._main``), not forks or
@@ -42,7 +43,19 @@ from ..errors import LogprobeError
 from ..loading.loader import load_shard
 from ..loading.update import StagedWeights
 from ..parallel.context import ParallelContext
-from .messages import Close, Done, EndWeights, Failed, Profile, Profiled, Ready, Result, Run, StageWeights
+from .messages import (
+    Close,
+    Done,
+    EndWeights,
+    Failed,
+    Profile,
+    Profiled,
+    Ready,
+    Result,
+    Results,
+    Run,
+    StageWeights,
+)
 from .profile import profile_run
 
 READY_TIMEOUT_S = 600.0  # loading a large model's shard can take minutes
@@ -152,18 +165,44 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             case StageWeights() | EndWeights():
                 stage = _weights_message(msg, loaded.model, stage, conn)
             case Run(requests, run_config) | Profile(requests, run_config):
+                outbox = Outbox(conn) if rank == 0 else None
+                on_result, on_batch = (outbox.add, outbox.flush) if outbox is not None else (None, None)
                 try:
-                    on_result = (lambda i, r: send(conn, Result(i, r))) if rank == 0 else None
                     if isinstance(msg, Profile):  # the same run, measured (executor.profile)
-                        send(conn, Profiled(profile_run(engine, requests, run_config, rank, on_result)))
+                        send(conn, Profiled(profile_run(engine, requests, run_config, rank, on_result, on_batch)))
                     else:
                         engine.config = run_config
-                        engine.run(requests, on_result=on_result, progress=False)
+                        engine.run(requests, on_result=on_result, progress=False, on_batch=on_batch)
+                    if outbox is not None:
+                        outbox.flush()
                     send(conn, Done())
                 except BaseException as e:  # noqa: BLE001
+                    if outbox is not None and not isinstance(e, OSError):
+                        outbox.flush()  # the results delivered before the error reach the driver first
                     send(conn, _error(e))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class Outbox:
+    """Rank 0's results of one run on their way to the driver: ``add`` keeps each as the engine
+    delivers it, ``flush`` (``Engine.run``'s ``on_batch``, after each pass) sends those kept as one
+    ``Results`` message. With a message a request, the driver woke, polled and unpickled once for
+    each of a pass's ~128 requests, and rank 0's two-GPU W1 run ended 24 ms after its last kernel
+    (rank 1, which sends nothing: 3 ms)."""
+
+    __slots__ = ("conn", "items")
+
+    def __init__(self, conn) -> None:
+        self.conn, self.items = conn, []
+
+    def add(self, index: int, result) -> None:
+        self.items.append(Result(index, result))
+
+    def flush(self) -> None:
+        if self.items:
+            items, self.items = self.items, []
+            send(self.conn, Results(items))
 
 
 def _weights_message(msg: StageWeights | EndWeights, model, stage, conn):
@@ -343,6 +382,8 @@ class WorkerGroup:
                 except (EOFError, OSError):  # its end of the socket closed: the process is going
                     self._died(rank)
                 match msg:
+                    case Results(items):
+                        yield from items
                     case Result() | Profiled():
                         yield msg
                     case Failed():
