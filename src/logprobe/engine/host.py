@@ -86,8 +86,8 @@ def start_copy(out: HeadOutput, top_k: int, entropy: bool) -> HostCopy:
     return HostCopy(host, n, top_k, entropy, event)
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on ``device`` without a host sync (``kernels.host_values_to``).
+def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) as a tensor on ``device`` without a host sync (``kernels.host_values_to``).
 
     >>> to_device([3, 1, 4], torch.long, torch.device("cpu")).tolist()
     [3, 1, 4]

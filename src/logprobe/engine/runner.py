@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -152,54 +153,107 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
          kv_block: int | None = None, route_layers: dict[str, int] | None = None) -> PackedBatch:
     """Lay out a planned batch. Token j of a request is predicted by the row of its input j - 1,
     wherever that row is: in the shared prefix (one row can score a different target for each
-    branch), in the request's own branch, or in its chunk."""
-    ids: list[int] = []
-    positions: list[int] = []
+    branch), in the request's own branch, or in its chunk.
+
+    The columns are built as numpy pieces and joined once: each request's ids leave their Python
+    list once (ids and targets are slices of that array), positions and score rows are ranges
+    (a 131k-row pass: 37-44 ms as Python lists on the 2-core CPU, most of it making the lists
+    and turning them into tensors). Worked example, a tree of two members sharing P = 2 ids,
+    [5, 6, 7, 8] and [5, 6, 9, 1], each scored from token 2 (the last token is never fed): rows
+    0-1 the prefix (5, 6), row 2 the first branch (7), row 3 the second (9); token 2 of each is
+    scored from prefix row 1, token 3 from its branch's row:
+
+        >>> reqs = [ScoreRequest([5, 6, 7, 8], 2), ScoreRequest([5, 6, 9, 1], 2)]
+        >>> b = pack([Tree((0, 1), 2)], reqs, torch.device("cpu"))
+        >>> b.input_ids.tolist(), b.positions.tolist(), b.score_rows.tolist(), b.targets.tolist()
+        ([5, 6, 7, 9], [0, 1, 2, 2], [1, 2, 1, 3], [7, 8, 9, 1])
+    """
+    cols = _Columns()
     segments: list[Segment] = []
-    rows: list[int] = []
-    targets: list[int] = []
-    temps: list[float] = []
     owners: list[tuple[int, int]] = []
     hooks = _HookBuilder(route_layers)
     past = 0
 
-    def add_rows(tokens: list[int], first_pos: int, context: tuple[tuple[int, int], ...]) -> int:
-        start = len(ids)
-        ids.extend(tokens)
-        positions.extend(range(first_pos, first_pos + len(tokens)))
-        if tokens:
-            segments.append(Segment(start, len(ids), context))
+    def add_rows(tokens: np.ndarray, first_pos: int, context: tuple[tuple[int, int], ...]) -> int:
+        start = cols.num_rows
+        if len(tokens):
+            cols.ids.append(tokens)
+            cols.positions.append(np.arange(first_pos, first_pos + len(tokens), dtype=np.int64))
+            cols.num_rows += len(tokens)
+            segments.append(Segment(start, cols.num_rows, context))
         return start
 
-    def add_scores(i: int, js: range, input_rows: list[int]) -> None:
-        """Score tokens js of request i; input_rows[k] is the batch row of the request's input k."""
+    def add_scores(i: int, n: int, score_rows: np.ndarray, targets: np.ndarray, input_rows: list[int] | None) -> None:
+        """Score n tokens of request i from rows ``score_rows``; input_rows: the batch row of each of
+        the request's inputs (-1: not in this batch), given for a request with hooks only."""
         r = requests[i]
-        rows.extend(input_rows[js.start - 1:js.stop - 1])  # js: consecutive tokens
-        targets.extend(r.tokens[js.start:js.stop])
-        temps.extend([r.temperature] * len(js))
-        owners.append((i, len(js)))
+        cols.rows.append(score_rows)
+        cols.targets.append(targets)
+        cols.temps.append(np.full(n, r.temperature, dtype=np.float32))
+        owners.append((i, n))
         if r.hooked:
             hooks.add(i, r, input_rows)
 
     for item in batch:
         if isinstance(item, Chunk):
-            r = requests[item.request]
-            past = item.begin  # rows 0..begin-1 are in the cache, before ours in the key source
-            start = add_rows(r.tokens[item.begin:item.end], item.begin, ((0, item.begin),) if item.begin else ())
-            js = range(max(r.score_begin, item.begin + 1), min(item.end + 1, len(r.tokens)))
-            add_scores(item.request, js, [-1] * item.begin + list(range(start, start + item.end - item.begin)))
+            r, b, e = requests[item.request], item.begin, item.end
+            past = b  # rows 0..begin-1 are in the cache, before ours in the key source
+            tok = np.asarray(r.tokens[b:e + 1], dtype=np.int64)  # this chunk's inputs and the target after them
+            start = add_rows(tok[:e - b], b, ((0, b),) if b else ())
+            js = range(max(r.score_begin, b + 1), min(e + 1, len(r.tokens)))
+            n = max(len(js), 0)
+            add_scores(item.request, n, np.arange(start + js.start - 1 - b, start + js.start - 1 - b + n, dtype=np.int64),
+                       tok[js.start - b:js.start - b + n],
+                       [-1] * b + list(range(start, start + e - b)) if r.hooked else None)
             continue
         P = item.shared
-        prefix = add_rows(requests[item.members[0]].tokens[:P], 0, ())
+        first = np.asarray(requests[item.members[0]].tokens, dtype=np.int64)
+        prefix = add_rows(first[:P], 0, ())
         for i in item.members:
             r = requests[i]
-            branch = add_rows(r.inputs[P:], P, ((prefix, prefix + P),) if P else ())
-            own = list(range(branch, branch + r.num_inputs - P))
-            add_scores(i, range(r.score_begin, len(r.tokens)), list(range(prefix, prefix + P)) + own)
-    as_long = lambda x: to_device(x, torch.long, device)  # noqa: E731
+            tok = first if i == item.members[0] else np.asarray(r.tokens, dtype=np.int64)
+            branch = add_rows(tok[P:r.num_inputs], P, ((prefix, prefix + P),) if P else ())
+            add_scores(i, r.num_scored, _tree_rows(prefix, P, branch, r.score_begin - 1, len(r.tokens) - 1),
+                       tok[r.score_begin:],
+                       [*range(prefix, prefix + P), *range(branch, branch + r.num_inputs - P)] if r.hooked else None)
     meta = AttentionMeta(segments, kv_block=kv_block, past=past)
-    return PackedBatch(as_long(ids), as_long(positions), meta, as_long(rows), as_long(targets),
-                       to_device(temps, torch.float32, device), owners, *hooks.build(device))
+    ids, positions, rows, targets, temps = cols.on(device)
+    return PackedBatch(ids, positions, meta, rows, targets, temps, owners, *hooks.build(device))
+
+
+def _tree_rows(prefix: int, P: int, branch: int, k0: int, k1: int) -> np.ndarray:
+    """The batch rows of a tree member's inputs k0 .. k1 - 1: input k < P is prefix row prefix + k,
+    input k >= P its branch's row branch + k - P.
+
+    >>> _tree_rows(10, 3, 20, 1, 6).tolist(), _tree_rows(10, 3, 20, 4, 6).tolist(), _tree_rows(0, 0, 7, 0, 2).tolist()
+    ([11, 12, 20, 21, 22], [21, 22], [7, 8])
+    """
+    shared = np.arange(prefix + k0, prefix + min(k1, P), dtype=np.int64)
+    own = np.arange(branch + max(k0, P) - P, branch + k1 - P, dtype=np.int64)
+    return np.concatenate([shared, own])
+
+
+class _Columns:
+    """A pass's columns as numpy pieces (``pack``), joined and sent to the device once each."""
+
+    __slots__ = ("ids", "positions", "rows", "targets", "temps", "num_rows")
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] = []
+        self.positions: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.targets: list[np.ndarray] = []
+        self.temps: list[np.ndarray] = []
+        self.num_rows = 0
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, score rows, targets, temperatures) on ``device`` (``to_device``)."""
+        def joined(parts: list[np.ndarray], dtype) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=dtype))
+
+        longs = [to_device(joined(p, np.int64), torch.long, device) for p in (self.ids, self.positions, self.rows,
+                                                                               self.targets)]
+        return (*longs, to_device(joined(self.temps, np.float32), torch.float32, device))
 
 
 def check_targets(requests: list[ScoreRequest], vocab_size: int) -> None:
