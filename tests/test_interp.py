@@ -9,6 +9,7 @@ from logprobe import Scorer
 from logprobe.errors import LogprobeError
 from logprobe.interp import point_names, resolve_points, resolve_positions
 from logprobe.interp.vectors import direction_from_states, read_vector_file, write_gguf, write_safetensors
+from logprobe.layers.hooks import add_rows
 
 # -- names (pure) ------------------------------------------------------------------------------
 
@@ -435,3 +436,16 @@ def test_default_model_captures_and_steering_vs_transformers(default_scorer, def
                                       "positions": "prompt"}])[0].logprobs
     want = _hf_steered_logprobs(ref, ids, 12, vec, 2.0, list(range(6)))
     torch.testing.assert_close(steered.double(), want[5:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_group_sums_repeat_bitwise_on_cuda():
+    """A "sum" capture's rows (and stacked steering deltas) are added in one fixed order on CUDA:
+    20 runs give the same bits (atomic adds would not), within float32 rounding of the float64 sum."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(50_000, 256, device="cuda", generator=g) * 100
+    groups = torch.randint(0, 3, (50_000,), device="cuda", generator=g)
+    runs = [add_rows(torch.zeros(3, 256, device="cuda"), groups, x) for _ in range(20)]
+    assert all(torch.equal(r, runs[0]) for r in runs)
+    ref = torch.zeros(3, 256, dtype=torch.float64, device="cuda").index_add_(0, groups, x.double())
+    assert torch.allclose(runs[0].double(), ref, rtol=0, atol=0.05)

@@ -19,7 +19,7 @@ the same point.
 Capture kinds (outputs float32, no padding: only the listed rows are touched):
 
     rows     h[r]                               -> [N, H]
-    sum      index_add over segment ids g[r]    -> [G, H]   (mean = sum / count, done by the caller)
+    sum      h[r] added per segment id g[r]     -> [G, H]   in row order (mean = sum / count, by the caller)
     project  <h[r], table[index]>                -> [N]
 
 Routing (mixture-of-experts layers, ``RouteTable``): at each router point the MoE block hands its
@@ -127,9 +127,22 @@ def _steer(h: torch.Tensor, tables: list[SteerTable]) -> torch.Tensor:
                     d = -(t.coeff * (x * u).sum(-1))[:, None] * u
             delta_rows.append(t.rows)
             deltas.append(d)
-        # index_add runs rows in order on CPU, so a row's sum does not depend on other rows
-        h = h.index_add(0, torch.cat(delta_rows), torch.cat(deltas).to(h.dtype))
+        h = add_rows(h.clone(), torch.cat(delta_rows), torch.cat(deltas).to(h.dtype))
     return h
+
+
+def add_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst[index[i]] += src[i] in place, each destination row's additions in one fixed order:
+    row order on CPU (``index_add_`` runs serially there; an accumulating ``index_put_`` does
+    not), through a sort then one pass per destination on CUDA (an accumulating ``index_put_``;
+    CUDA's ``index_add_`` adds by atomics, in whatever order they land).
+
+    >>> add_rows(torch.zeros(2, 1), torch.tensor([1, 0, 1]), torch.tensor([[1.0], [2.0], [3.0]])).tolist()
+    [[2.0], [4.0]]
+    """
+    if dst.is_cuda:
+        return dst.index_put_((index,), src, accumulate=True)
+    return dst.index_add_(0, index, src)
 
 
 def _capture(h: torch.Tensor, c: CaptureTable) -> torch.Tensor:
@@ -137,5 +150,5 @@ def _capture(h: torch.Tensor, c: CaptureTable) -> torch.Tensor:
     if c.kind == "rows":
         return x
     if c.kind == "sum":
-        return x.new_zeros(c.num_groups, x.shape[1]).index_add_(0, c.groups, x)  # [G, H]
+        return add_rows(x.new_zeros(c.num_groups, x.shape[1]), c.groups, x)  # [G, H]
     return (x * c.table[c.index]).sum(-1)  # [N]
