@@ -133,9 +133,10 @@ def _steer(h: torch.Tensor, tables: list[SteerTable]) -> torch.Tensor:
 
 def add_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst[index[i]] += src[i] in place, each destination row's additions in one fixed order:
-    row order on CPU (``index_add_`` runs serially there; an accumulating ``index_put_`` does
-    not), through a sort then one pass per destination on CUDA (an accumulating ``index_put_``;
-    CUDA's ``index_add_`` adds by atomics, in whatever order they land).
+    row order. On CPU ``index_add_`` runs serially (an accumulating ``index_put_`` does not); on
+    CUDA an accumulating ``index_put_`` sorts the rows by destination, stably, then adds each
+    destination's in one pass: the CPU's bits on the same rows (CUDA's ``index_add_`` adds by
+    atomics, in whatever order they land; ``tests/test_interp.py`` checks both on a GPU).
 
     >>> add_rows(torch.zeros(2, 1), torch.tensor([1, 0, 1]), torch.tensor([[1.0], [2.0], [3.0]])).tolist()
     [[2.0], [4.0]]
