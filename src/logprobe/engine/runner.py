@@ -201,7 +201,7 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
             tok = np.asarray(r.tokens[b:e + 1], dtype=np.int64)  # this chunk's inputs and the target after them
             start = add_rows(tok[:e - b], b, ((0, b),) if b else ())
             js = range(max(r.score_begin, b + 1), min(e + 1, len(r.tokens)))
-            n = max(len(js), 0)
+            n = len(js)
             add_scores(item.request, n, np.arange(start + js.start - 1 - b, start + js.start - 1 - b + n, dtype=np.int64),
                        tok[js.start - b:js.start - b + n],
                        [-1] * b + list(range(start, start + e - b)) if r.hooked else None)

@@ -7,15 +7,16 @@ same under the profiler, ``Profile``: a measuring tool, answered with each rank'
 rank of a replica runs the same engine loop on the same requests (planning is a pure function of
 them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
 each pass's ``Result`` records back as one ``Results`` message once the pass is read (``Outbox``),
-every rank sends ``Done`` at the end (the
-messages are the small records of ``executor.messages``, read with ``match``).
+every rank sends ``Done`` at the end (the messages are the small records of ``executor.messages``,
+read with ``match``).
 
 Workers are fresh interpreters (``python -c`` calling ``executor.workers._main``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
 needs no ``if __name__ == "__main__"`` guard. They connect back over a local authenticated
 socket. Messages are pickled inline (no shared-memory handles to leak), CPU tensors as numpy
-arrays (``MessagePickler``). A worker that dies is seen through its pidfd: the driver stops the rest of its replica and
-raises an error naming the rank; nothing waits forever, and no process is left behind.
+arrays (``MessagePickler``). A worker that dies is seen through its pidfd: the driver stops the
+rest of its replica and raises an error naming the rank; nothing waits forever, and no process is
+left behind.
 """
 
 from __future__ import annotations
@@ -384,7 +385,7 @@ class WorkerGroup:
                 match msg:
                     case Results(items):
                         yield from items
-                    case Result() | Profiled():
+                    case Profiled():
                         yield msg
                     case Failed():
                         done.add(rank)

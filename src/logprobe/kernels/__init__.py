@@ -27,7 +27,7 @@ def interpreting() -> bool:
 def host_tensor(values, dtype):
     """A flat list of host numbers as a CPU tensor of ``dtype``, through a typed ``array`` where
     one holds them (a 131k-id list: 1.6 ms against 5.7 ms for ``torch.tensor`` on the 2-core CI
-    machine; the engine builds four such a pass before its first launch); anything else (nested
+    machine); anything else (nested
     lists, floats for an integer dtype, empty) as ``torch.tensor`` makes it.
 
         >>> import torch
