@@ -155,6 +155,49 @@ if triton_available():
         tl.store(out_ptr + t * stride_o + cols, acc, mask=ok)
 
 
+    @triton.jit
+    def _leaf_add(s, g: tl.constexpr, leaf, v):
+        return s + tl.where(leaf == g, v, 0.0)  # + 0.0 leaves s as it is (s is never -0.0: it starts at +0.0)
+
+    @triton.jit
+    def _combine_leaves_kernel(y_ptr, w_ptr, leaf_ptr, pos_ptr, out_ptr, H, M, stride_y, stride_o,
+                               TOP_K: tl.constexpr, LEAVES: tl.constexpr, PERMUTE: tl.constexpr,
+                               BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        s0 = tl.zeros([BLOCK_H], dtype=tl.float32)
+        s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
+        for j in tl.static_range(TOP_K):  # token t's slots in slot order; each adds to its leaf's sum
+            leaf = tl.load(leaf_ptr + t * TOP_K + j)
+            if (leaf >= 0) & (leaf < LEAVES):
+                r = t * TOP_K + j
+                v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + r)
+                s0 = _leaf_add(s0, 0, leaf, v)
+                if LEAVES > 1:
+                    s1 = _leaf_add(s1, 1, leaf, v)
+                if LEAVES > 2:
+                    s2 = _leaf_add(s2, 2, leaf, v)
+                    s3 = _leaf_add(s3, 3, leaf, v)
+                if LEAVES > 4:
+                    s4 = _leaf_add(s4, 4, leaf, v)
+                    s5 = _leaf_add(s5, 5, leaf, v)
+                    s6 = _leaf_add(s6, 6, leaf, v)
+                    s7 = _leaf_add(s7, 7, leaf, v)
+        if LEAVES == 8:  # the fixed tree: neighbours first
+            acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+        elif LEAVES == 4:
+            acc = (s0 + s1) + (s2 + s3)
+        elif LEAVES == 2:
+            acc = s0 + s1
+        else:
+            acc = s0
+        row = t
+        if PERMUTE:  # row block t // M goes to block position pos[t // M]
+            row = tl.load(pos_ptr + t // M).to(tl.int64) * M + t % M
+        tl.store(out_ptr + row * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 @dataclass(frozen=True, slots=True)
 class MoeKernelConfig:
     """Tile shape (powers of two, >= 16 for tl.dot); one shape for every expert and batch of a
@@ -373,4 +416,51 @@ def combine_rows(y: torch.Tensor, row_weights: torch.Tensor, slots: torch.Tensor
     block = min(1024, triton.next_power_of_2(H))
     _combine_rows_kernel[(tokens, triton.cdiv(H, block))](y, row_weights, start, out, H, y.stride(0), out.stride(0),
                                                           BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+LEAVES_MAX = 8  # the most leaves of the deterministic combine's tree: expert-parallel sizes up to 8 split it
+
+
+def tree_leaves(num_experts: int) -> int:
+    """The leaves of deterministic mode's combine tree for ``num_experts`` experts: the largest
+    power of two dividing it, at most ``LEAVES_MAX``; leaf g holds experts ``g * E / G .. (g + 1) *
+    E / G - 1``. A model property, never the rank count's: every size adds in this one order.
+
+    >>> tree_leaves(128), tree_leaves(60), tree_leaves(8), tree_leaves(7)
+    (8, 4, 8, 1)
+    """
+    g = 1
+    while g < LEAVES_MAX and num_experts % (2 * g) == 0:
+        g *= 2
+    return g
+
+
+def combine_leaves(y: torch.Tensor, weights: torch.Tensor, leaf: torch.Tensor, leaves: int,
+                   dtype: torch.dtype = torch.float32, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Deterministic mode's combine, one pass over y (``layers.moe.combine_tree``'s bits).
+
+    y [T*k, H] by slot (only slots with a leaf in 0 .. leaves - 1 are read), router weights [T, k]
+    float32, leaf [T, k] int (each slot's leaf, numbered from this rank's first; -1 or >= leaves:
+    not here) -> [T, H] in ``dtype``: per leaf, ``s_g = 0 + w y + ...`` over token t's slots of
+    leaf g in slot order (float32, each product and sum rounded on its own), then the leaves added
+    as a fixed tree, neighbours first: ``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))``.
+    ``positions`` [T / M] int (M rows per block): row block b is written at block ``positions[b]``
+    (the order ``parallel.context.tree_positions`` reduces in)."""
+    T, k = weights.shape
+    H = y.shape[-1]
+    if y.shape[0] != T * k or leaf.shape != (T, k) or weights.dtype != torch.float32 or leaves not in (1, 2, 4, 8):
+        raise LogprobeError("weights", f"y {tuple(y.shape)}, weights {tuple(weights.shape)} {weights.dtype}, leaf "
+                            f"{tuple(leaf.shape)} and {leaves} leaves do not fit [T*k, H], [T, k] float32, [T, k], "
+                            "1/2/4/8")
+    y, weights, leaf = y.contiguous(), weights.contiguous(), leaf.contiguous().to(torch.int32)
+    out = torch.empty(T, H, dtype=dtype, device=y.device)  # [T, H]
+    if T == 0:
+        return out
+    M = T // positions.numel() if positions is not None else T
+    pos = positions.to(device=y.device, dtype=torch.int32) if positions is not None else leaf
+    block = min(512, triton.next_power_of_2(H))
+    _combine_leaves_kernel[(T, triton.cdiv(H, block))](
+        y, weights, leaf, pos, out, H, M, y.stride(0), out.stride(0), TOP_K=k, LEAVES=leaves,
+        PERMUTE=positions is not None, BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
     return out

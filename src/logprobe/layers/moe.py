@@ -51,6 +51,7 @@ from ..kernels import interpreting, triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
 from ..kernels.moe import (
     align_by_expert,
+    combine_leaves,
     combine_owned,
     combine_rows,
     combine_slots,
@@ -58,8 +59,9 @@ from ..kernels.moe import (
     fused_moe,
     moe_down,
     moe_gate_up,
+    tree_leaves,
 )
-from ..parallel.context import ParallelContext
+from ..parallel.context import ParallelContext, tree_positions
 from ..parallel.rows import RowSplit
 from ..parallel.shard import expert_range, shard_range
 from .activation import row_invariant, silu_mul
@@ -183,6 +185,48 @@ def combine_to(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> to
         if triton_available():
             return combine_slots(y.reshape(-1, y.shape[-1]), weights, dtype)  # [T, k, H] -> [T*k, H]
     return combine(y, weights).to(dtype)
+
+
+def combine_tree(y: torch.Tensor, weights: torch.Tensor, leaf: torch.Tensor, leaves: int) -> torch.Tensor:
+    """Deterministic mode's combine: expert outputs y [T, k, H], weights [T, k] float32 and each
+    slot's leaf [T, k] (-1 or >= ``leaves``: a slot not summed here) -> float32 [T, H]. The experts
+    are cut into ``leaves`` consecutive leaves (``kernels.moe.tree_leaves``: a property of the
+    model); each leaf sums its slots in slot order from +0.0, then the leaves are added as a fixed
+    tree, neighbours first. A rank holding leaves 4 .. 7 of 8 computes the subtree ``(s4 + s5) +
+    (s6 + s7)`` and ``ParallelContext.tree_reduce_scatter_start`` adds the subtrees over the ranks
+    in the same tree, so every size has one process's bits. Worked example, k = 2, two leaves:
+
+        >>> y = torch.tensor([[[1.0], [2.0]], [[4.0], [8.0]]])         # T = 2 tokens, k = 2 slots
+        >>> w = torch.tensor([[0.5, 0.25], [1.0, 1.0]])
+        >>> combine_tree(y, w, torch.tensor([[1, 0], [1, 1]]), 2).tolist()   # t0: s0 = 0.5, s1 = 0.5
+        [[1.0], [12.0]]
+    """
+    T, k, H = y.shape
+    sums = [y.new_zeros(T, H, dtype=torch.float32) for _ in range(leaves)]
+    for j in range(k):
+        v = y[:, j].float() * weights[:, j:j + 1]  # [T, H]
+        for g in range(leaves):
+            sums[g] = sums[g] + torch.where((leaf[:, j] == g)[:, None], v, 0.0)
+    while len(sums) > 1:
+        sums = [sums[i] + sums[i + 1] for i in range(0, len(sums), 2)]
+    return sums[0]
+
+
+def combine_tree_to(y: torch.Tensor, weights: torch.Tensor, leaf: torch.Tensor, leaves: int, dtype: torch.dtype,
+                    positions: list[int] | None = None) -> torch.Tensor:
+    """``combine_tree`` of y [T*k, H] (by slot) rounded to ``dtype``; on CUDA one Triton pass
+    (``kernels.moe.combine_leaves``, the same bits). ``positions``: row block b (T / len blocks
+    each) written at block ``positions[b]`` (a bit-reversal: its own inverse)."""
+    T, k = weights.shape
+    if y.is_cuda and triton_available():
+        pos = None if positions is None else torch.tensor(positions, dtype=torch.int32)
+        return combine_leaves(y.reshape(T * k, -1), weights, leaf, leaves, dtype, pos)
+    out = combine_tree(y.reshape(T, k, -1), weights, leaf, leaves).to(dtype)
+    if positions is None:
+        return out
+    placed = torch.empty_like(out).view(len(positions), -1, out.shape[-1])
+    placed[torch.tensor(positions)] = out.view(len(positions), -1, out.shape[-1])
+    return placed.view_as(out)
 
 
 def combine_local(y: torch.Tensor, row_weights: torch.Tensor, slots: torch.Tensor, top_k: int, tokens: int
@@ -316,6 +360,7 @@ class Experts(NumericsUser, nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape), requires_grad=False))
         # deterministic mode's column blocks (as the dense layers': the whole width / S), so a
         # column's product has one shape whether its rank holds the whole expert or a share
+        self.leaves = tree_leaves(num_experts)  # deterministic mode's combine tree (``combine_tree``)
         self.col_blocks = {"gate_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
                            "up_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
                            "down_proj": _expert_blocks(hidden, ctx.blocks, n_h)}
@@ -328,6 +373,29 @@ class Experts(NumericsUser, nn.Module):
         """
         rows = self.hidden_rows if name == "down_proj" else self.inter_rows
         return (self.first_expert, self.first_expert + self.num_experts), rows
+
+    def leaf_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each slot's leaf of the combine tree [T, k], numbered from this rank's first leaf; -1 for
+        an expert not held here (another rank's, a pad row's -1).
+
+        >>> Experts(8, 4, 4, ParallelContext(1, 2, experts=2)).leaf_of(torch.tensor([[5, 1], [-1, 4]])).tolist()
+        [[1, -1], [-1, 0]]
+        """
+        local = ids - self.first_expert
+        own = (local >= 0) & (local < self.num_experts)
+        return torch.where(own, local // (self.total_experts // self.leaves), -1)
+
+    @property
+    def tree_split(self) -> bool:
+        """Whether each rank holds whole leaves of the combine tree (whole experts, the group's
+        size dividing the leaves): then deterministic mode sums subtrees over the ranks."""
+        return self.ctx.expert_share[1] == 1 and self.leaves % self.ctx.size == 0
+
+    def combine_whole(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+                      ) -> torch.Tensor:
+        """Deterministic mode's combine of every slot y [T, k, H] (all experts' ids [T, k]) -> [T, H]."""
+        leaf = ids // (self.total_experts // self.leaves)
+        return combine_tree_to(y, weights, leaf, self.leaves, dtype)
 
     def set_packed(self, name: str, packed: ExpertMatrices) -> None:
         """Replace one of the three parameters by packed blocks (at load)."""
@@ -509,6 +577,8 @@ class Experts(NumericsUser, nn.Module):
                                 f"each expert is split {P} ways here", "use expert_parallel_size = tensor_parallel_size")
         m, size = rows.max_rows, self.ctx.size
         routing = rows.pad(torch.cat([ids.float(), weights.float()], 1), -1.0)  # [m, 2k]: ids exact in float32
+        if deterministic and self.tree_split:  # subtrees summed over the ranks: one process's bits
+            return self.owned_in_parts(rows.pad(x), routing, triton, row_tile, tree=True)[:T].to(x.dtype)
         if not deterministic and self.fused_stacks(x, triton, interpreted=True) is not None:
             return self.owned_in_parts(rows.pad(x), routing, triton)[:T].to(x.dtype)  # [T, H]
         xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
@@ -523,15 +593,19 @@ class Experts(NumericsUser, nn.Module):
             partial = combine_partial(ys, w, slots, k, size * m, triton)  # [P*m, H] float32
             return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
         own = self.return_slots(ys, slots, every_ids, m).view(m, k, self.hidden)[:T]  # [T, k, H], whole
-        return combine_to(own, weights, x.dtype)
+        return self.combine_whole(own, ids, weights, x.dtype)
 
     OVERLAP_ROWS = 2048  # own rows (padded) a part needs at least: the layer's transfers run beside compute
     MAX_PARTS = 2  # four measured no faster on two H100s (1.48x vs 1.49x; their transfers slowed beside compute)
 
-    def owned_in_parts(self, x: torch.Tensor, routing: torch.Tensor, triton: bool) -> torch.Tensor:
-        """Default mode's ``split_forward`` through ``owned_partial``: this rank's padded rows x
+    def owned_in_parts(self, x: torch.Tensor, routing: torch.Tensor, triton: bool, row_tile: int | None = None,
+                       tree: bool = False) -> torch.Tensor:
+        """``split_forward`` through partials summed over the ranks: this rank's padded rows x
         [m, H] and their routing [m, 2k] (ids as float32, then weights) -> float32 [m, H], each
-        row the sum over ranks of its experts' slots, rounded once by the caller.
+        row the sum over ranks of its experts' slots, rounded once by the caller. Default mode:
+        ``owned_partial`` (slot order) and the backend's reduce-scatter; ``tree`` (deterministic
+        mode): ``leaf_partial`` (this rank's subtree) and ``tree_reduce_scatter_start``, the
+        one-process tree of ``combine_tree``.
 
         The rows go in parts of at least ``OVERLAP_ROWS`` (at most ``MAX_PARTS``), so that the
         transfers run beside the experts: every gather is started first, then part i's experts
@@ -551,11 +625,37 @@ class Experts(NumericsUser, nn.Module):
         for (gx, gr), a, b in zip(started, cuts, cuts[1:]):
             xs, r = gx.wait(), gr.wait()  # [P, n, H], [P, n, 2k]
             xs, r = xs.reshape(-1, self.hidden), r.reshape(-1, 2 * k)  # [P*n, H], [P*n, 2k]
-            partial = self.owned_partial(xs, r[:, :k].long(), r[:, k:], triton)  # [P*n, H] float32
-            sums.append(self.ctx.reduce_scatter_start(partial, out[a:b]))
+            if tree:
+                partial = self.leaf_partial(xs, r[:, :k].long(), r[:, k:], row_tile, triton)  # [P*n, H] float32
+                sums.append(self.ctx.tree_reduce_scatter_start(partial, out[a:b]))
+            else:
+                partial = self.owned_partial(xs, r[:, :k].long(), r[:, k:], triton)  # [P*n, H] float32
+                sums.append(self.ctx.reduce_scatter_start(partial, out[a:b]))
         for s in sums:
             s.wait()
         return out
+
+    def leaf_partial(self, xs: torch.Tensor, every_ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None,
+                     triton: bool) -> torch.Tensor:
+        """Deterministic mode's float32 partial [P*m, H] of this rank's subtree (``combine_tree``
+        over its leaves) from the gathered rows xs [P*m, H] (rank blocks in rank order), their
+        expert ids [P*m, k] and float32 weights [P*m, k], each rank block written at its
+        ``tree_positions`` place. The slots of the experts held here are computed as one process
+        computes them: the fused kernel (fixed tiles) where it runs, else ``local`` (fixed row
+        tiles), the other slots never read."""
+        R, k = every_ids.shape
+        local = every_ids - self.first_expert  # [P*m, k]: this rank's numbering, others outside it
+        leaf = self.leaf_of(every_ids)  # [P*m, k]
+        if (mats := self.fused_stacks(xs, triton)) is not None:  # CUDA (one process uses it there too)
+            y = fused_moe(xs, local, *mats)  # [P*m*k, H]: the slots of the experts held here
+        else:  # the PyTorch path (CPU): its compaction waits for the values, as every CPU op does
+            y = xs.new_zeros(R * k, self.hidden)
+            slots = (leaf.reshape(-1) >= 0).nonzero().squeeze(1)  # [n]
+            if slots.numel():
+                y[slots] = self.local(xs[slots // k], local.reshape(-1)[slots][:, None], row_tile,
+                                      triton).view(-1, self.hidden)
+        positions = tree_positions(self.ctx.size) if self.ctx.size > 2 else None
+        return combine_tree_to(y, weights.float(), leaf, self.leaves // self.ctx.size, torch.float32, positions)
 
     def owned_partial(self, xs: torch.Tensor, every_ids: torch.Tensor, weights: torch.Tensor, triton: bool
                       ) -> torch.Tensor | None:
@@ -720,7 +820,10 @@ class MoeBlock(NumericsUser, nn.Module):
             out = self.experts.combined(x, ids, weights, self.numerics.row_tile, self.numerics.triton)  # [T, H]
         else:  # every slot whole on every rank (deterministic: one process's bits at every size)
             y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
-            out = combine_to(y, weights, x.dtype)  # [T, H]
+            if self.numerics.deterministic:  # the fixed tree of ``combine_tree``, as over ranks
+                out = self.experts.combine_whole(y, ids, weights, x.dtype)  # [T, H]
+            else:
+                out = combine_to(y, weights, x.dtype)  # [T, H]
         # the shared expert after the routed sum is rounded to x's dtype, in both paths as in one process
         if self.shared_expert is not None and self.shared_expert_gate is None:
             out = out + self.shared_expert(x)

@@ -28,6 +28,61 @@ class Pending:
         return self.out
 
 
+def tree_positions(size: int) -> list[int]:
+    """Which rank's row block sits at each block position of a ``tree_reduce_scatter_start`` input:
+    the bit-reversed order, so that every halving step swaps one contiguous half.
+
+    >>> tree_positions(1), tree_positions(2), tree_positions(4), tree_positions(8)
+    ([0], [0, 1], [0, 2, 1, 3], [0, 4, 2, 6, 1, 5, 3, 7])
+    """
+    bits = size.bit_length() - 1
+    return [int(format(p, f"0{bits}b")[::-1], 2) if bits else 0 for p in range(size)]
+
+
+class TreePending:
+    """A started ``tree_reduce_scatter_start``: its first halving step is under way (on NCCL the
+    host does not wait); ``wait()`` runs the rest (each step waits on the last on the stream, adds,
+    swaps again) -> this rank's block."""
+
+    __slots__ = ("pending", "ctx", "held", "out", "step", "work", "recv")
+
+    def __init__(self, pending: Pending | None, ctx=None, x: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> None:
+        self.pending, self.ctx, self.held, self.out, self.step = pending, ctx, x, out, 0
+        if pending is None:
+            self._swap()
+
+    def _swap(self) -> None:
+        """Send the half of ``held`` the partner keeps, receive the partner's copy of ours."""
+        import torch.distributed as dist
+
+        ctx, half = self.ctx, self.held.shape[0] // 2
+        partner = ctx.rank ^ (1 << self.step)
+        mine = (ctx.rank >> self.step) & 1  # 0: this rank keeps the first half
+        keep, give = (self.held[:half], self.held[half:]) if mine == 0 else (self.held[half:], self.held[:half])
+        self.recv = torch.empty_like(keep)
+        peer = dist.get_global_rank(ctx.group, partner) if ctx.group is not None else partner
+        ops = [dist.P2POp(dist.isend, give.contiguous(), peer, ctx.group),
+               dist.P2POp(dist.irecv, self.recv, peer, ctx.group)]
+        self.work, self.held = dist.batch_isend_irecv(ops), keep
+
+    def wait(self) -> torch.Tensor:
+        if self.pending is not None:
+            return self.pending.wait()
+        while True:
+            for w in self.work:
+                w.wait()
+            self.step += 1
+            last = (1 << self.step) >= self.ctx.size
+            if last and self.out is not None:
+                torch.add(self.held, self.recv, out=self.out)
+                return self.out
+            self.held = self.held + self.recv  # partner's subtree and ours: the same bits on both
+            if last:
+                return self.held
+            self._swap()
+
+
 @dataclass(slots=True)
 class ParallelContext:
     """rank/size within the tensor-parallel group; ``group`` is a torch.distributed process group
@@ -156,6 +211,21 @@ class ParallelContext:
         block = x.new_empty((x.shape[0] // self.size, *x.shape[1:])) if out is None else out
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
         return Pending(block, scatter(block, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+
+    def tree_reduce_scatter_start(self, x: torch.Tensor, out: torch.Tensor | None = None) -> TreePending:
+        """Deterministic mode's reduce-scatter: x [size * n, *] float32, row blocks in the order of
+        ``tree_positions(size)`` (block position p holds rank ``tree_positions(size)[p]``'s rows) ->
+        rank r's block of the sum over ranks, added as a fixed tree of ranks, neighbours first
+        (``((x0 + x1) + (x2 + x3)) + ...``): the order ``kernels.moe.combine_leaves`` adds its
+        leaves in, so that ranks holding consecutive leaves finish the one-process tree. Recursive
+        halving: at step s each rank swaps half of what it holds with rank ``r ^ 2**s`` and adds
+        (a + b = b + a: both get the same bits). Traffic per rank: (size - 1) / size of x, as a
+        ring's. ``size`` a power of two."""
+        if self.size & (self.size - 1):
+            raise ValueError(f"a tree reduce-scatter needs a power-of-two group, got {self.size}")
+        if self.size <= 2:  # one addition per element: any order is the tree's
+            return TreePending(self.reduce_scatter_start(x, out))
+        return TreePending(None, self, x.contiguous(), out)
 
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """x [sum(send), *], its first send[0] rows for rank 0, the next send[1] for rank 1, ... ->
