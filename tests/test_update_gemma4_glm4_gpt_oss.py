@@ -149,7 +149,7 @@ def test_refusals_name_the_tensor_and_leave_old_weights(pair):
     swapped = new[odd].transpose(-1, -2).contiguous()  # gpt-oss: the native [E, 2I, H] instead of [E, H, 2I]
     bad = [
         ({**new, "model.layers.0.self_attn.surprise.weight": torch.zeros(4, 4)}, "surprise.*not a weight"),
-        ({k: v for k, v in new.items() if k != key}, "missing: model.layers.0.self_attn.o_proj.weight"),
+        ({k: v for k, v in new.items() if k != key}, f"missing: {key};"),  # named as sent
         ({k: v for k, v in new.items() if k != odd}, "missing"),
         ({**new, key: torch.zeros(new[key].shape[0] + 1, new[key].shape[1])}, f"{key}.*has shape"),
         ({**new, odd: swapped if swapped.shape != new[odd].shape else new[odd][1:]}, f"{odd}.*has shape"),

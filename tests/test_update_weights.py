@@ -213,7 +213,7 @@ def test_moe_update_stacked_and_per_expert(tmp_path):
     assert same(scores(s), old)
     per_expert = hf_weights(b)
     del per_expert["model.layers.0.mlp.experts.3.up_proj.weight"]
-    with pytest.raises(LogprobeError, match=r"model\.layers\.0\.mlp\.experts\.up_proj\.3"):
+    with pytest.raises(LogprobeError, match=r"missing: model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight;"):
         s.update_weights(per_expert)
     stacked = dict(model_b.named_parameters())
     stacked["model.layers.0.mlp.experts.down_proj"] = stacked["model.layers.0.mlp.experts.down_proj"][:3]

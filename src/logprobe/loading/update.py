@@ -37,6 +37,12 @@ updates then take float weights exactly).
 Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.{e}.gate_proj.weight``,
 as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked, as transformers holds
 them in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); see ``units``.
+A missing tensor is named as the trainer sends it (``sent_names``).
+
+Weights transformers holds as buffers (the sigmoid routers' ``gate.e_score_correction_bias``,
+Gemma 4's ``layer_scalar``: ``Family.buffers``) are not in a trainer's ``named_parameters()``: taken
+when sent (``state_dict()``, or ``named_parameters()`` with ``named_buffers()``, whose rotary tables
+are ignored), kept, with a warning naming them, when none is sent (``check_complete``).
 
 Tensor/data-parallel scorers: the driver checks each tensor against its weightless (meta) model,
 cuts the ranks' slices (each rank's layers state theirs: ``loading.sharding``, the loader's split) and sends them to the
@@ -52,6 +58,7 @@ shape and ignored (as the loader ignores it on disk).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -86,9 +93,19 @@ from .phi3 import fused_parts
 from .sigmoid_moe import model_class as sigmoid_model_class
 from .sigmoid_moe import sigmoid_moe_param_name
 
+log = logging.getLogger(__name__)
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")  # [E, out, in] parameters
 _HYBRID_FUSED = re.compile(r"(layers\.\d+\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight")
+_UNIT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(\d+)")  # one expert's unit
+# The score-correction bias of the sigmoid routers (DeepSeek-V3, GLM-4.5, MiniMax-M2): a buffer in
+# transformers that the trainer sets outside the gradient step (aux-loss-free load balancing).
+_ROUTER_BIAS = (".mlp.e_score_correction_bias",)
+_DERIVED = ("inv_freq", ".embed_scale")  # non-persistent buffers of transformers' models (``native_name``)
+# Native renames of transformers' names, undone to name a missing weight as the trainer sends it.
+_RENAMES = ((".mlp.shared_expert.", ".mlp.shared_experts."),
+            (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"))
 _SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
@@ -115,13 +132,14 @@ class Family:
     interleave: Callable
     build: Callable
     fused: Callable = lambda name, cfg: None  # (native name, cfg) -> [(part, first row, end row)] or None
+    buffers: tuple[str, ...] = ()  # native name endings of weights transformers holds as buffers (``kept``)
 
 
 def family(model) -> Family:
     """The ``Family`` of a loaded native model; refuses the transformers backend."""
     if isinstance(model, DeepseekModel):  # latent attention (models.deepseek, loading.deepseek)
         return Family("deepseek", deepseek_param_name, DeepseekModel.interleave_rope_weights,
-                      lambda cfg, ctx: DeepseekModel(cfg, ctx))
+                      lambda cfg, ctx: DeepseekModel(cfg, ctx), buffers=_ROUTER_BIAS)
     if isinstance(model, HybridModel):  # Gated DeltaNet + gated attention (models.qwen3_next, loading.hybrid)
         return Family("hybrid", hybrid_param_name, HybridModel.interleave_rope_weights,
                       lambda cfg, ctx: HybridModel(cfg, ctx))
@@ -130,7 +148,7 @@ def family(model) -> Family:
                       lambda cfg, ctx: GemmaModel(cfg, ctx))
     if isinstance(model, Gemma4Model):  # Gemma 4 (models.gemma4, loading.gemma4)
         return Family("gemma4", gemma4_param_name, Gemma4Model.interleave_rope_weights,
-                      lambda cfg, ctx: Gemma4Model(cfg, ctx))
+                      lambda cfg, ctx: Gemma4Model(cfg, ctx), buffers=(".layer_scalar",))
     if isinstance(model, GptOssModel):  # gpt-oss (models.gpt_oss, loading.gpt_oss): experts see _gpt_oss_units
         return Family("gpt_oss", gpt_oss_param_name, GptOssModel.interleave_rope_weights,
                       lambda cfg, ctx: GptOssModel(cfg, ctx))
@@ -140,7 +158,7 @@ def family(model) -> Family:
     if isinstance(model, PartialRotaryMoeModel):  # glm4_moe, minimax_m2 (loading.sigmoid_moe)
         cls = sigmoid_model_class(model.config)
         return Family("sigmoid_moe", sigmoid_moe_param_name, cls.interleave_rope_weights,
-                      lambda cfg, ctx: cls(cfg, ctx=ctx))
+                      lambda cfg, ctx: cls(cfg, ctx=ctx), buffers=_ROUTER_BIAS)
     if not isinstance(model, LlamaModel):
         raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
                             "use a native model (a Hugging Face directory of a native family, or a GGUF file)")
@@ -228,7 +246,12 @@ def native_name(hf_name: str, model) -> str | None:
     """A Hugging Face name -> the native parameter name, by the family loader's own mapping
     (``loading.hf.hf_param_name``, ``deepseek_param_name``, ...); None: a tensor the model does
     not hold (rotary ``inv_freq``, a tied model's ``lm_head.weight``, multi-token-prediction
-    layers, a vision tower). An unknown name comes back as given and fails the slot lookup."""
+    layers, a vision tower). An unknown name comes back as given and fails the slot lookup.
+    transformers' tables computed from the config, which ``named_buffers()`` holds beside the
+    buffers that are weights (``rotary_emb.original_inv_freq``, Gemma's ``embed_scale``), are
+    ignored: the native model computes its own from the same config."""
+    if hf_name.endswith(_DERIVED):
+        return None
     try:
         return family(model).param_name(hf_name, model.config, "update")
     except LogprobeError as e:
@@ -335,10 +358,10 @@ def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]
     return [(name, item)]
 
 
-def check(name: str | None, item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor], seen: set[str],
-          field: str) -> str | None:
+def check(name: str | None, item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor],
+          seen: dict[str, str], field: str) -> str | None:
     """``name`` (the unit ``item`` goes to) if the item is valid, None if it is ignored; raises
-    naming it otherwise."""
+    naming it otherwise. ``seen``: the units checked so far -> the names they came as."""
     if name is None:
         embed = tuple(slots["embed_tokens.weight"].shape)
         if item.name == "lm_head.weight" and item.shape != embed:
@@ -359,7 +382,7 @@ def check(name: str | None, item: Incoming, model: LlamaModel, slots: dict[str, 
     if item.shape != want:
         part = "" if name.endswith(item.name.removeprefix("model.")) else f" for {name}"
         raise LogprobeError(field, f"{item.name!r} has shape {item.shape}{part}, the model's is {want}")
-    seen.add(name)
+    seen[name] = item.name
     return name
 
 
@@ -377,13 +400,92 @@ def check_finite(name: str, value: torch.Tensor, slot: torch.Tensor, field: str)
                             "send weights that fit the model's dtype")
 
 
-def check_complete(slots: dict[str, torch.Tensor], seen: set[str], field: str) -> None:
-    missing = [n for n in slots if n not in seen]
+def check_complete(model, slots: dict[str, torch.Tensor], seen: Mapping[str, str] | set[str],
+                   field: str) -> list[str]:
+    """Refuse an update that leaves a weight of ``slots`` out of ``seen``, naming the tensors as the
+    trainer sends them (``sent_names``). Weights transformers holds as buffers (``Family.buffers``:
+    the routers' ``gate.e_score_correction_bias``, Gemma 4's ``layer_scalar``) are not in a trainer's
+    ``named_parameters()``: all of them left out, they keep their values and come back (the slot
+    names), for the caller to say so; some sent and some not would mix two policies, and is refused.
+
+        DeepSeek-V3, named_parameters() sent  -> ["layers.1.mlp.e_score_correction_bias", ...] kept
+        named_parameters() + named_buffers()  -> []
+        layer 1's experts.gate_up_proj left out -> "1 weight missing: model.layers.1.mlp.experts.gate_up_proj"
+    """
+    ends = family(model).buffers
+    buffers = [n for n in slots if ends and n.endswith(ends)]
+    kept = [n for n in buffers if n not in seen]
+    kept = kept if len(kept) == len(buffers) else []
+    missing = sent_names(model, [n for n in slots if n not in seen and n not in kept], seen)
     if missing:
-        hf = [n if n == "lm_head.weight" else f"model.{n}" for n in missing]
         raise LogprobeError(field, f"{len(missing)} weight{'s' * (len(missing) != 1)} missing: "
-                            f"{', '.join(hf[:5])}{' ...' if len(hf) > 5 else ''}",
+                            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
                             "send every weight of the model (a partial update would mix two policies)")
+    return kept
+
+
+def sent_names(model, missing: list[str], seen: Mapping[str, str] | set[str] = ()) -> list[str]:
+    """Slot names -> the names a trainer sends for them: transformers' spelling (the prefix the
+    sender used, ``model.`` or a multimodal model's ``model.language_model.``, read off ``seen``'s
+    names; the family's renames undone, when its own mapping takes the name back:
+    ``mlp.shared_experts``, ``mlp.gate.e_score_correction_bias``); an expert stack left out whole as
+    the stacked tensors transformers holds, single experts by their checkpoint names:
+
+        layers.1.mlp.experts.{gate,up}_proj.{0..E-1} -> model.layers.1.mlp.experts.gate_up_proj
+        layers.1.mlp.experts.down_proj.3 alone        -> model.layers.1.mlp.experts.3.down_proj.weight
+    """
+    units: dict[tuple[str, str], list[str]] = {}
+    for n in missing:
+        if m := _UNIT.fullmatch(n):
+            units.setdefault((m.group(1), m.group(2)), []).append(m.group(3))
+    experts = getattr(getattr(model.config, "moe", None), "num_experts", 0)
+    whole = {key for key, ids in units.items() if len(ids) == experts}
+    prefix = _sender_prefix(seen)
+    out: list[str] = []
+    for n in missing:
+        m = _UNIT.fullmatch(n)
+        if m is None:
+            out.append(_hf_spelling(model, n, prefix))
+            continue
+        base, proj, e = m.groups()
+        if proj in ("gate_proj", "up_proj") and {(base, "gate_proj"), (base, "up_proj")} <= whole:
+            name = f"{prefix}{base}.gate_up_proj"
+        else:
+            name = f"{prefix}{base}.{proj}" if (base, proj) in whole else f"{prefix}{base}.{e}.{proj}.weight"
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _sender_prefix(seen: Mapping[str, str] | set[str]) -> str:
+    """What the sender put before a slot's name (``model.``, ``model.language_model.``)."""
+    for slot, sent in (seen.items() if isinstance(seen, Mapping) else ()):
+        if sent.endswith(f".{slot}") and sent.startswith("model."):
+            return sent[:-len(slot)]
+    return "model."
+
+
+def _hf_spelling(model, name: str, prefix: str) -> str:
+    if name == "lm_head.weight":
+        return name
+    plain = prefix + name
+    for native, hf in _RENAMES:
+        if native in plain and native_name(hf_name := plain.replace(native, hf), model) == name:
+            return hf_name
+    return plain
+
+
+def note_kept(model, kept: list[str], seen: Mapping[str, str]) -> None:
+    """Say which weights an update left as they were (``check_complete``): a warning the first time
+    for ``model``, at info level after (each step of an RL loop sends the same names)."""
+    if not kept:
+        return
+    names = sent_names(model, kept, seen)
+    level = logging.INFO if getattr(model, "_kept_noted", False) else logging.WARNING
+    log.log(level, "weight update: kept %d weight%s not sent (transformers holds them as buffers, so "
+            "named_parameters() lacks them): %s%s; send them too (named_buffers()) when the trainer changes them",
+            len(names), "s" * (len(names) != 1), ", ".join(names[:4]), " ..." if len(names) > 4 else "")
+    model._kept_noted = True
 
 
 def convert(name: str, value: torch.Tensor, slot: torch.Tensor, model) -> torch.Tensor:
@@ -414,7 +516,7 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
     Items are whole tensors; a tensor-parallel shard (under torchrun) takes its slice of each."""
     slots = weight_slots(model)
     full = slots if model.ctx.size == 1 else full_slots(model)
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
 
     def ready(name: str, piece: Incoming) -> torch.Tensor:
         value = piece.load()
@@ -427,17 +529,19 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
             for unit, piece in units(item, model, field):
                 if (name := check(unit, piece, model, full, seen, field)) is not None:
                     values[name] = ready(name, piece)
-        check_complete(full, seen, field)
+        kept = check_complete(model, full, seen, field)
         for name, value in values.items():
             slots[name].copy_(value)
+        note_kept(model, kept, seen)
         return len(values)
     todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
             if (name := check(unit, piece, model, full, seen, field)) is not None]
-    check_complete(full, seen, field)
+    kept = check_complete(model, full, seen, field)
     for name, piece in todo:  # values too before any copy (a checkpoint's tensors are read twice)
         check_finite(piece.name, piece.load(), slots[name], field)
     for name, piece in todo:
         slots[name].copy_(convert(name, rank_slice(name, piece.load(), model), slots[name], model))
+    note_kept(model, kept, seen)
     return len(todo)
 
 
@@ -448,7 +552,7 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     error before that drops every staged slice (all or nothing across ranks)."""
     refuse_split_experts(model, engine.tp)
     full = weight_slots(model)
-    cfg, seen, n = model.config, set(), 0
+    cfg, seen, n = model.config, {}, 0
     build = family(model).build
     ranks = []
     for r in range(engine.tp):
@@ -465,11 +569,12 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
                 for rank in ranks:
                     engine.stage_weights(rank.ctx.rank, [(name, rank_slice(name, value, rank))])
                 n += 1
-        check_complete(full, seen, field)
+        kept = check_complete(model, full, seen, field)
     except BaseException:
         engine.end_weights(commit=False)
         raise
     engine.end_weights(commit=True)
+    note_kept(model, kept, seen)
     return n
 
 
@@ -502,7 +607,7 @@ class StagedWeights:
     def prepare(self) -> None:
         if self.error is not None:
             raise self.error
-        check_complete(self.slots, set(self.values), "named_tensors")
+        check_complete(self.model, self.slots, set(self.values), "named_tensors")
 
     @torch.no_grad()
     def commit(self) -> None:
@@ -575,10 +680,10 @@ def load_weights(model: LlamaModel, path: str | Path, field: str = "path", engin
     family(model)
     items = safetensors_items(path, field)
     if engine is not None:
-        full, seen = weight_slots(model), set()
+        full, seen = weight_slots(model), {}
         for item in items:  # headers first, as in place
             for unit, piece in units(item, model, field):
                 check(unit, piece, model, full, seen, field)
-        check_complete(full, seen, field)
+        check_complete(model, full, seen, field)
         return update_workers(model, items, engine, field)
     return update_in_place(model, items, field, staged=False)
