@@ -1,7 +1,8 @@
 """Routed experts (R3, SGLang's shape): ``return_routed_experts`` gives each token's experts at every
-MoE layer, a sequence's ``routed_experts`` forces them. Tiny Qwen3-MoE (renormalised top-k) and
-Qwen2-MoE (a dense block, a shared expert, weights not renormalised) against float64 transformers
-with the router's choice read (and, for replays, replaced) by a forward hook on each gate."""
+MoE layer, a sequence's ``routed_experts`` forces them. Tiny Qwen3-MoE (renormalised top-k),
+Qwen2-MoE (a dense block, a shared expert, weights not renormalised) and gpt-oss (a biased router
+choosing by logits, the chosen logits' softmax as weights) against float64 transformers with the
+router's choice read (and, for replays, replaced) by a forward hook on each gate."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import requests
 import torch
-from helpers import make_hf_dir
+from helpers import byte_tokenizer, make_hf_dir
 from server_util import serve
 from test_moe import make_moe_dir
 
@@ -21,7 +22,7 @@ from logprobe.server.schemas_rl import GenerateRequest
 from logprobe.server.sglang_compat import generate_job
 
 TOL = 1e-4
-KINDS = ["qwen3_moe", "qwen2_moe"]
+KINDS = ["qwen3_moe", "qwen2_moe", "gpt_oss"]
 PROMPT = [5, 71, 72, 3, 140, 8, 200, 17]
 SEQS = [{"prompt_token_ids": PROMPT, "completion_token_ids": [9, 66, 250, 12, 33]},
         {"prompt_token_ids": PROMPT, "completion_token_ids": [34, 35, 36]},  # shares the prompt
@@ -32,13 +33,37 @@ def scorer(path, **kw) -> Scorer:
     return Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True, **kw)
 
 
+def make_gpt_oss_dir(path):
+    """A tiny random gpt-oss (``test_gpt_oss``'s config: sliding and full blocks, 4 experts, 2 per
+    token), every parameter drawn (transformers zeroes the router); its float64 model, RMSNorm in
+    float64."""
+    import test_gpt_oss
+
+    torch.manual_seed(0)
+    model = test_gpt_oss._model().float().eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if name.endswith("sinks") else 0.3 if p.dim() == 1 else 0.1)
+                    * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(path))
+    byte_tokenizer()[0].save_pretrained(str(path))
+    return model.double()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    import test_gpt_oss
+    from transformers.models.gpt_oss import modeling_gpt_oss as hfo
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(hfo.GptOssRMSNorm, "forward", test_gpt_oss._norm64)  # its float32 cast would round
     out = {}
     for kind in KINDS:
         d = tmp_path_factory.mktemp(f"r3-{kind}")
-        out[kind] = (d, make_moe_dir(d, kind), scorer(d))
-    return out
+        out[kind] = (d, make_gpt_oss_dir(d) if kind == "gpt_oss" else make_moe_dir(d, kind), scorer(d))
+    yield out
+    mp.undo()
 
 
 def gates(model) -> list:

@@ -17,9 +17,9 @@ from ..errors import LogprobeError
 from ..layers.attention import AttentionMeta, KVCache, Segment
 from ..layers.hooks import CaptureTable, Hooks, RouteTable, SteerTable
 from ..layers.logprob_head import logprob_head
-from ..layers.moe import MoeBlock
 from ..layers.numerics import NumericsUser
 from ..models.caps import ModelCaps
+from ..models.moe import routed_blocks
 from .budget import budget_for, resolved_budget, row_ranks
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy, to_device
@@ -740,9 +740,7 @@ def _attach_captures(scored: list[tuple[int, RequestResult]], slots: list[Captur
 
 def route_layers(model: nn.Module) -> dict[str, int]:
     """Router point (``blocks.l.router``) -> MoE layer index, in layer order, of a native model."""
-    points = [m.router_point for m in model.modules() if isinstance(m, MoeBlock)]
-    points.sort(key=lambda p: int(p.split(".")[1]))
-    return {p: j for j, p in enumerate(points)}
+    return {m.router_point: j for j, (_, m) in enumerate(routed_blocks(model))}
 
 
 def _attach_routes(scored: list[tuple[int, RequestResult]], packed: PackedBatch) -> None:

@@ -30,6 +30,7 @@ import dataclasses
 from torch import nn
 
 from ..layers.moe import MoeBlock
+from ..layers.moe_gpt_oss import GptOssMoe
 from ..parallel.context import ParallelContext
 from .caps import ModelCaps
 from .llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP, LlamaModel
@@ -58,3 +59,13 @@ class MoeModel(LlamaModel):
 def native_model_class(cfg: LlamaConfig) -> type[LlamaModel]:
     """The model family of a native config: dense Llama or mixture of experts."""
     return LlamaModel if cfg.moe is None else MoeModel
+
+
+def routed_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(block index, MoE module) of every routed block of a native model, in layer order: the
+    families' ``layers.moe.MoeBlock`` and gpt-oss's ``GptOssMoe``. Each hands its choice to
+    ``Hooks.routing`` at its ``router_point`` (``blocks.l.router``) and has ``top_k`` and
+    ``spec.num_experts``. DeepSeek-V3 with ``first_k_dense_replace=1`` over 4 blocks: [(1, ..),
+    (2, ..), (3, ..)]; a dense model: []."""
+    blocks = [m for m in model.modules() if isinstance(m, (MoeBlock, GptOssMoe))]
+    return sorted(((int(m.router_point.split(".")[1]), m) for m in blocks), key=lambda b: b[0])

@@ -19,9 +19,9 @@ from typing import Any
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..interp.specs import CaptureSpec, SteerSpec
-from ..layers.moe import MoeBlock
 from ..loading import LoadedModel
 from ..models.caps import ModelCaps
+from ..models.moe import routed_blocks
 from ..tokenizer import Tokenizer
 from .inputs import check_hooks, check_ids
 from .options import HookSpecs
@@ -45,7 +45,7 @@ class Job:
 
 def moe_routing(model) -> tuple[int, int, int]:
     """(MoE layers, experts per token, experts) of a native model's MoE blocks; (0, 0, 0) for none."""
-    blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
+    blocks = [m for _, m in routed_blocks(model)]
     return (len(blocks), blocks[0].top_k, blocks[0].spec.num_experts) if blocks else (0, 0, 0)
 
 
