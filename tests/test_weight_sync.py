@@ -185,7 +185,9 @@ def test_library_refusals(models):
     s = scorer(models["a"])
     cases = [(dict(backend="nccl"), "backend"), (dict(backend="mpi"), "backend"), (dict(world_size=1), "world_size"),
              (dict(rank_offset=0), "rank_offset"), (dict(rank_offset=2), "rank_offset"),
-             (dict(master_address="no-such-host.invalid"), "master_address")]
+             (dict(master_address="no-such-host.invalid"), "master_address"), (dict(world_size=10**30), "world_size"),
+             (dict(world_size=2**31), "world_size"), (dict(receive_timeout=0), "receive_timeout"),
+             (dict(receive_timeout=float("nan")), "receive_timeout")]
     for change, field in cases:
         kw = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
               "backend": "gloo", **change}
@@ -216,6 +218,33 @@ def test_library_refusals(models):
     finally:
         del s.engine.in_process
     assert s.weights_version == 0
+
+
+def test_metadata_checked_against_the_model(models):
+    """``check_declared``: what a bucket declares, refused before one byte is received, naming the
+    entry; through the update's own mapping (a name the model ignores passes, within a bound)."""
+    from logprobe.loading.collective import Declared, check_declared
+    model = scorer(models["a"]).loaded.model
+    hf = _load(models["b"])
+    good = [(n, t.dtype, tuple(t.shape)) for n, t in sorted(hf.items())]
+    f32, head = torch.float32, tuple(hf["lm_head.weight"].shape)
+    inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"  # ignored, as the loader ignores it
+    cases = [([("model.no_such.weight", f32, (4, 4))], Declared(), "names[0]", "not a weight"),
+             ([("lm_head.weight", f32, (3, 3))], Declared(), "shapes[0]", f"the model's is {head}"),
+             ([("lm_head.weight", f32, head)] * 2, Declared(), "names[1]", "given twice"),
+             ([("lm_head.weight", f32, head)], Declared(names={"lm_head.weight"}, units={"lm_head.weight"}),
+              "names[0]", "already received"),
+             ([("lm_head.weight", f32, (0, head[1]))], Declared(), "shapes[0]", "no elements"),
+             ([(inv_freq, f32, (10**6, 10**6))], Declared(), "shapes[0]", "more than the model's own")]
+    for metadata, held, field, words in cases:
+        with pytest.raises(LogprobeError) as e:
+            check_declared(model, metadata, held)
+        assert e.value.field == field and words in str(e.value), (metadata, e.value)
+    first = check_declared(model, good[:3] + [(inv_freq, f32, (16,))], Declared())
+    assert first.names == {n for n, _, _ in good[:3]} | {inv_freq} and first.ignored == 16
+    rest = check_declared(model, good[3:], first)  # the next bucket: the rest of the weights
+    first.add(rest)
+    assert len(first.units) == len(good) and first.names >= set(hf)
 
 
 def _load(d):

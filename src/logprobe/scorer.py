@@ -23,7 +23,7 @@ from .executor.engine import parallel_parts
 from .executor.interface import Executor
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
-from .loading.collective import DEFAULT_GROUP, WeightGroups, check_metadata
+from .loading.collective import DEFAULT_GROUP, RECEIVE_TIMEOUT, WeightGroups
 from .loading.loader import attention_layout
 from .loading.update import load_weights, update_weights
 from .scoring import chat as chat_scoring
@@ -335,27 +335,29 @@ class Scorer:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = DEFAULT_GROUP, backend: str = "nccl", *, timeout: float = 600.0,
-                                  connect_timeout: float = 10.0) -> None:
+                                  connect_timeout: float = 10.0, receive_timeout: float = RECEIVE_TIMEOUT) -> None:
         """Join the trainer's process group ``group_name`` (SGLang's ``init_weights_update_group``):
         the trainer is rank 0 and hosts the store at ``master_address:master_port``, this scorer is
-        rank ``rank_offset`` of ``world_size``; ``backend`` "nccl" (model on CUDA) or "gloo".
-        Blocks until every rank joined (``timeout`` s; the trainer's store must listen within
-        ``connect_timeout`` s). In-process scorers only (no tensor/data-parallel workers)."""
+        rank ``rank_offset`` of ``world_size`` (2 .. 65536); ``backend`` "nccl" (model on CUDA) or
+        "gloo". The group lives in a receiver process started now (``loading.receiver``: a
+        trainer's faulty broadcast ends it, never this process). Blocks until every rank joined
+        (``timeout`` s; the trainer's store must listen within ``connect_timeout`` s); each
+        ``update_weights_from_distributed`` then receives within ``receive_timeout`` s. In-process
+        scorers only (no tensor/data-parallel workers)."""
         self._refuse_workers("init_weights_update_group")
         self._weight_groups().join(self.device, master_address, master_port, rank_offset, world_size, group_name,
-                                   backend, timeout=timeout, connect_timeout=connect_timeout)
+                                   backend, timeout=timeout, connect_timeout=connect_timeout,
+                                   receive_timeout=receive_timeout)
 
     def receive_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
                                          group_name: str = DEFAULT_GROUP, weight_version: str | None = None):
-        """The first half of ``update_weights_from_distributed``: the tensors broadcast by rank 0,
-        received into fresh buffers and held with those of earlier buckets; the weights do not
-        change (a server scores meanwhile). -> (every held (name, tensor), the last
-        ``weight_version`` given) once they cover the model (``apply_received_weights`` them),
-        else (None, None): more buckets to come."""
+        """The first half of ``update_weights_from_distributed``: the metadata checked against the
+        model, then the tensors broadcast by rank 0 received into this process's memory and held
+        with those of earlier buckets; the weights do not change (a server scores meanwhile). ->
+        (every held (name, tensor), the last ``weight_version`` given) once they cover the model
+        (``apply_received_weights`` them), else (None, None): more buckets to come."""
         self._refuse_workers("update_weights_from_distributed")
-        metadata = check_metadata(names, dtypes, shapes)
-        group = self._weight_groups().get(group_name)
-        return group.collect(group.receive(metadata), weight_version, self.loaded.model)
+        return self._weight_groups().receive(group_name, names, dtypes, shapes, self.loaded.model, weight_version)
 
     def apply_received_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                                weight_version: str | None = None) -> int:
@@ -371,11 +373,16 @@ class Scorer:
         ``dtypes[i]`` such as "bfloat16", shape ``shapes[i]``) by broadcast from rank 0 of the
         group, in order. The weights may come in several calls (the trainer's buckets): they are
         held until every weight of the model has come, then applied together as ``update_weights``
-        applies them: all or nothing (an unknown, repeated or mis-shaped name, or a NaN, raises
-        naming ``names``, the held tensors are dropped and the old weights stay), version bumped
-        (named by the last ``weight_version`` given). ``flush_cache``: accepted; nothing computed
-        under the old weights is reused (the result cache is keyed by the weights' version).
-        Returns the ``weights_version``: the new one once applied, the old one while held."""
+        applies them, version bumped (named by the last ``weight_version`` given). Before anything
+        is received, a name the model does not have, a shape other than the model's, a name given
+        twice (or held from an earlier bucket) or a shape without elements raises naming
+        ``names[i]`` / ``shapes[i]``; so does a receive that fails or takes over
+        ``receive_timeout`` s. Each of those leaves the group (the trainer's broadcasts cannot be
+        received in step any more: join it again) and drops the held buckets; the old weights stay.
+        A NaN is refused after receipt, naming ``names``: the held tensors are dropped, the old
+        weights stay, the group stays usable. ``flush_cache``: accepted; nothing computed under
+        the old weights is reused (the result cache is keyed by the weights' version). Returns the
+        ``weights_version``: the new one once applied, the old one while held."""
         received, version = self.receive_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
         return self.weights_version if received is None else self.apply_received_weights(received, version)
 

@@ -45,6 +45,10 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
     s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
                    help="a request body that stalls S seconds (no byte arrives) is answered 408 and its "
                         "connection closed (default: %(default)s)")
+    s.add_argument("--weight-sync-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds one /update_weights_from_distributed may take receiving the trainer's "
+                        "broadcasts; beyond it the weight update group is left and the reply is 400, the old "
+                        "weights stay (default: %(default)s)")
     s.add_argument("--enable-return-routed-experts", action="store_true",
                    help="allow 'return_routed_experts' (mixture-of-experts models: each token's experts, "
                         "SGLang's R3 shape)")
@@ -62,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_items=args.max_request_items, max_top_logprobs=args.max_top_logprobs,
         max_capture_floats=args.max_capture_floats, batching=not args.no_batching,
         shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
-        enable_return_routed_experts=args.enable_return_routed_experts)
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        weight_sync_timeout=args.weight_sync_timeout)
     if not _loopback(config.host) and config.api_key is None:
         print(f"logprobe: warning: serving on {config.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

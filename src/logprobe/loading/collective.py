@@ -2,10 +2,12 @@
 ``update_weights_from_distributed`` protocol): no checkpoint on disk.
 
     trainer (rank 0)                              this scorer (rank ``rank_offset``)
-    POST /init_weights_update_group  ---------->  join: TCPStore client of the trainer's store
-    init_custom_process_group(rank 0) <-------->  the same group (gloo or nccl), ``group_name``
-    POST /update_weights_from_distributed ----->  for each (name, dtype, shape): an empty buffer
-    broadcast(tensor, src=0) per tensor  ------->   filled by broadcast from rank 0
+    POST /init_weights_update_group  ---------->  a receiver process is started; it joins as a
+    init_custom_process_group(rank 0) <-------->   TCPStore client of the trainer's store: the
+                                                   same group (gloo or nccl), ``group_name``
+    POST /update_weights_from_distributed ----->  the metadata checked (``check_declared``), one
+                                                   buffer in the scorer's memory for the bucket
+    broadcast(tensor, src=0) per tensor  ------->  received into it by the receiver process
                                                   then all of them through ``update_weights``
 
 The group is built as SGLang, vLLM and OpenRLHF build theirs (``init_custom_process_group``):
@@ -13,33 +15,43 @@ The group is built as SGLang, vLLM and OpenRLHF build theirs (``init_custom_proc
 the group name, then ``_new_process_group_helper``; no default process group is needed on either
 side, and the trainer may use any of those projects' helpers: the store keys are the same.
 
-Every tensor is received before any weight changes, so a name or shape the model does not have,
-or a NaN, is refused by the update (all or nothing) after the trainer's broadcasts completed: the
-group stays usable. Metadata that cannot be received at all (lengths that differ, an unknown
-dtype, a negative dimension) is refused before the first broadcast.
+A trainer's bug costs the trainer an error, never the scorer. The group lives in a receiver
+process (``loading.receiver``), not in this one: a broadcast of another size than declared makes
+gloo abort the process it runs in, which cannot be caught there. Before one byte is received,
+the metadata is checked against the model by the update's own name mapping (a known name, the
+model's shape, each name once across the held buckets, no empty shape, a bound on the bytes): a
+refusal names ``names[i]`` or ``shapes[i]``. Every receive is bounded in time
+(``receive_timeout``). A refusal, a timeout or the receiver's death leaves the group (the trainer
+has broadcast, or is about to, tensors nobody can receive in step): the process is killed, the
+held buckets dropped, the old weights stay, and the error says "the group was left: call
+init_weights_update_group again"; every later call on that group name is refused so until it is
+joined again.
+
+Every tensor is received before any weight changes, so a NaN is refused by the update (all or
+nothing) after the trainer's broadcasts completed: the group stays usable.
 
 Trainers send the weights in buckets (several requests, down to one tensor each, as OpenRLHF and
 verl do): the received tensors are held (``WeightGroup.held``) until they cover every weight of
-the model, then applied together, so no score is ever computed on a model half old, half new. A
-bucket naming a weight the model does not have is applied at once (the update refuses it, naming
-it, and the held tensors are dropped), as is one repeating a name already held.
+the model, then applied together, so no score is ever computed on a model half old, half new.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
+import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reduction a receive buffer is sent by
 
 from ..errors import LogprobeError
-from .update import Incoming, units, weight_slots
+from .receiver import ReceiverFault, ReceiverProcess, layout_of, shared_buffer, unlink_buffer, views
+from .update import Incoming, full_slots, units, weight_slots
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,10 @@ BACKENDS = ("nccl", "gloo")
 # for, one by default: ~5 GB/s, 3 s for llama-8b's 16 GB. 4 threads x 4 sockets: ~14 GB/s.
 SOCKET_DEFAULTS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 DEFAULT_GROUP = "weight_update_group"
+MAX_WORLD_SIZE = 1 << 16  # ranks: more than any trainer's group; every rank costs the collective a connection
+RECEIVE_TIMEOUT = 300.0  # s one update_weights_from_distributed may take receiving its tensors (default)
+STARTUP_WAIT = 120.0  # s a receiver process may take to start (importing torch), on top of the join's timeout
+LEFT = "the group was left: call init_weights_update_group again (the old weights stay in force)"
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "half": torch.float16, "float64": torch.float64, "double": torch.float64}
 
@@ -133,31 +149,6 @@ def socket_settings(environ, backend: str) -> dict[str, str]:
     return dict(SOCKET_DEFAULTS)
 
 
-def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-               backend: str, timeout: float):
-    """The process group of ``init_custom_process_group`` (SGLang/vLLM/OpenRLHF), this side's rank."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-    settings = socket_settings(os.environ, backend)
-    if settings:
-        os.environ.update(settings)
-        log.info("weight group %r: NCCL sockets %s (set NCCL_SOCKET_NTHREADS / NCCL_NSOCKS_PERTHREAD to choose)",
-                 group_name, " ".join(f"{k}={v}" for k, v in settings.items()))
-    t = timedelta(seconds=timeout)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=t))
-    store.set_timeout(t)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=t)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
 def covers(model, named: list[tuple[str, torch.Tensor]]) -> bool:
     """Whether ``named`` holds every weight of ``model`` (then the update can run), or a name the
     model does not have (then the update refuses it: no later bucket could make it right)."""
@@ -176,66 +167,155 @@ def covers(model, named: list[tuple[str, torch.Tensor]]) -> bool:
     return seen >= slots.keys()
 
 
+
+
+@dataclass
+class Declared:
+    """What the buckets of a group declared so far: Hugging Face names, the units they land in
+    (``update.units``), and the elements of the tensors the model does not hold (ignored)."""
+
+    names: set = field(default_factory=set)
+    units: set = field(default_factory=set)
+    ignored: int = 0
+
+    def add(self, other: Declared) -> None:
+        self.names |= other.names
+        self.units |= other.units
+        self.ignored += other.ignored
+
+
+def _unread() -> torch.Tensor:
+    raise RuntimeError("metadata only: nothing is received yet")
+
+
+def check_declared(model, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]], held: Declared) -> Declared:
+    """Refuse, before one byte is received, a bucket the update would refuse or that could not be
+    received; -> what it declares. Each name: a weight of the model through the update's own
+    mapping (``units``: fused, stacked and per-expert names included), of the shape the model
+    takes for it, given once (in this bucket and the held ones), no shape without elements. The
+    tensors the model does not hold (a vision tower, ``rotary_emb.inv_freq``: received, then
+    ignored as the loader ignores them) may add up to as many elements as the model's weights:
+    no bucket asks for more than twice the model's elements.
+
+    On tiny Llama (lm_head [256, 64]): ``lm_head.weight`` declared (3, 3) -> ``shapes[0]``:
+    "'lm_head.weight' has shape (3, 3), the model's is (256, 64)"; ``model.no_such.weight`` ->
+    ``names[0]``; a name given in a held bucket -> ``names[i]`` "... already received"."""
+    slots = weight_slots(model)
+    full = slots if getattr(getattr(model, "ctx", None), "size", 1) == 1 else full_slots(model)
+    budget = sum(t.numel() for t in full.values())
+    out = Declared()
+    for i, (name, dtype, shape) in enumerate(metadata):
+        at, field_name = f"shapes[{i}]", f"names[{i}]"
+        if math.prod(shape) == 0:
+            raise LogprobeError(at, f"{list(shape)} ({name!r}) has no elements", "send each tensor with its shape")
+        if name in out.names or name in held.names:
+            raise LogprobeError(field_name, f"{name!r} is given twice" + (" (already received in an earlier "
+                                "bucket)" if name in held.names else ""), "send each weight once per update")
+        out.names.add(name)
+        for unit, piece in units(Incoming(name, tuple(shape), dtype, _unread), model, at):
+            if unit is None:
+                out.ignored += _ignored(name, piece, full, at)
+                if out.ignored + held.ignored > budget:
+                    raise LogprobeError(at, f"{list(shape)} ({name!r}, a tensor the model does not hold) brings "
+                                        f"the ignored tensors to {out.ignored + held.ignored} elements, more than "
+                                        f"the model's own {budget}", "send the model's weights")
+                continue
+            if unit not in full:
+                raise LogprobeError(field_name, f"{name!r} is not a weight of this model",
+                                    "send the Hugging Face names of the same architecture (model.layers.N...)")
+            if unit in out.units or unit in held.units:
+                raise LogprobeError(field_name, f"{name!r} gives {unit} again", "send each weight once per update")
+            if tuple(piece.shape) != tuple(full[unit].shape):
+                part = "" if unit.endswith(name.removeprefix("model.")) else f" for {unit}"
+                raise LogprobeError(at, f"{name!r} has shape {tuple(piece.shape)}{part}, the model's is "
+                                    f"{tuple(full[unit].shape)}")
+            out.units.add(unit)
+    return out
+
+
+def _ignored(name: str, piece: Incoming, full: dict, at: str) -> int:
+    """The elements of a tensor the model does not hold; a tied model's ``lm_head.weight`` must
+    still have the embedding's shape (the update checks it so)."""
+    embed = tuple(full["embed_tokens.weight"].shape) if "embed_tokens.weight" in full else None
+    if name == "lm_head.weight" and embed is not None and tuple(piece.shape) != embed:
+        raise LogprobeError(at, f"lm_head.weight has shape {tuple(piece.shape)}, the model's (tied) embedding is "
+                            f"{embed}")
+    return math.prod(piece.shape)
+
+
+def fault_error(fault: ReceiverFault, metadata: list, timeout: float) -> LogprobeError:
+    """The error a receiver's fault gives, naming the tensor in flight where it is known (gloo
+    reports each): ``names[i]`` (not broadcast in time, or the collective failed) or
+    ``shapes[i]`` (a broadcast of another size than declared: a longer one makes gloo end the
+    process, a shorter one is seen by the receiver); ``names`` where it is not known (NCCL)."""
+    i = fault.index if fault.index is not None and 0 <= fault.index < len(metadata) else None
+    what = "the tensors" if i is None else f"names[{i}] {metadata[i][0]!r}"
+    declared = "" if i is None else f" (declared {str(metadata[i][1]).removeprefix('torch.')} {list(metadata[i][2])})"
+    problem = {"timeout": f"{what} did not arrive within {timeout:g} s",
+               "ended": f"{fault.detail} while receiving {what}{declared}: a broadcast longer than declared ends it so",
+               "short": f"{what}{declared}: {fault.detail}"}.get(fault.kind, f"receiving {what} failed: {fault.detail}")
+    if i is None:
+        return LogprobeError("names", problem, LEFT)
+    return LogprobeError(f"shapes[{i}]" if fault.kind in ("ended", "short") else f"names[{i}]", problem, LEFT)
+
+
 @dataclass(eq=False)
 class WeightGroup:
-    """One joined group: its process group, where its tensors are received, and a lock (one
-    transfer at a time: two interleaved ones would mix their broadcasts)."""
+    """One joined group: its receiver process, where its tensors land, the buckets held, and a
+    lock (one update at a time: two interleaved ones would mix their broadcasts)."""
 
     name: str
-    pg: object
+    process: ReceiverProcess
     rank: int
     world_size: int
     backend: str
     device: torch.device
+    receive_timeout: float = RECEIVE_TIMEOUT
     lock: threading.Lock = field(default_factory=threading.Lock)
     held: list = field(default_factory=list)  # (name, tensor) received, waiting for the rest of the weights
+    declared: Declared = field(default_factory=Declared)  # what ``held`` holds
     held_version: str | None = None
-    held_lock: threading.Lock = field(default_factory=threading.Lock)
+    left: str | None = None  # why the group was left (a fault); None while it works
 
     def receive(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.Tensor]]:
-        """Each tensor broadcast by rank 0, in order, into a fresh buffer."""
-        import torch.distributed as dist
-        out = []
-        with self.lock:
-            for name, dtype, shape in metadata:
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.broadcast(buf, src=0, group=self.pg)
-                out.append((name, buf))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return out
+        """Each tensor broadcast by rank 0, in order, into one buffer of this process's memory,
+        by the receiver process, within ``receive_timeout`` s (else ``ReceiverFault``)."""
+        layout, nbytes = layout_of(metadata)
+        flat, handle = shared_buffer(nbytes, self.device)
+        try:
+            self.process.receive(handle, layout, self.receive_timeout, progress=self.backend == "gloo")
+        finally:
+            unlink_buffer(handle)
+        return [(name, t) for (name, _, _), t in zip(metadata, views(flat, layout))]
 
-    def collect(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None, model,
-                field: str = "names") -> tuple[list[tuple[str, torch.Tensor]] | None, str | None]:
+    def collect(self, bucket: list[tuple[str, torch.Tensor]], declared: Declared, weight_version: str | None,
+                model) -> tuple[list[tuple[str, torch.Tensor]] | None, str | None]:
         """Hold ``bucket`` with the tensors received before it; -> (every held tensor, the last
-        ``weight_version`` given) once they cover ``model``'s weights (or must be refused: an
-        unknown or repeated name; the update then names it), else (None, None): wait for more."""
-        with self.held_lock:
-            names = {n for n, _ in self.held}
-            repeated = [n for n, _ in bucket if n in names]
-            self.held.extend(bucket)
-            if weight_version is not None:
-                self.held_version = weight_version
-            if not repeated and not covers(model, self.held):
-                return None, None
-            out, version = self.held, self.held_version
-            self.held, self.held_version = [], None
-            return out, version
+        ``weight_version`` given) once they cover ``model``'s weights, else (None, None): wait."""
+        self.held.extend(bucket)
+        self.declared.add(declared)
+        if weight_version is not None:
+            self.held_version = weight_version
+        if not covers(model, self.held):
+            return None, None
+        out, version = self.held, self.held_version
+        self.drop()
+        return out, version
+
+    def drop(self) -> None:
+        self.held, self.declared, self.held_version = [], Declared(), None
 
     TEARDOWN_WAIT = 10.0  # seconds ``destroy`` waits for the group's teardown before it returns anyway
 
     def destroy(self) -> None:
         """Leave the group. NCCL's teardown (``ncclCommFinalize``) waits until every member leaves,
         and SGLang-style trainers leave only after the server's reply (seen on two H200s: the
-        reply never came, the trainer waited for it). So the teardown runs in a thread: gloo's
-        finishes within the wait, NCCL's when the trainer leaves too; the reply does not wait."""
-        import torch.distributed as dist
+        reply never came, the trainer waited for it). So the reply waits for the receiver's
+        teardown ``TEARDOWN_WAIT`` s at most: gloo's finishes within it, NCCL's when the trainer
+        leaves too (the process is reaped, or killed, behind)."""
         with self.lock:
-            self.held = []
-            t = threading.Thread(target=dist.destroy_process_group, args=(self.pg,), daemon=True,
-                                 name="logprobe-weight-group-teardown")
-            t.start()
-            t.join(self.TEARDOWN_WAIT)
+            self.drop()
+            self.process.leave(self.TEARDOWN_WAIT)
 
 
 class WeightGroups:
@@ -243,26 +323,13 @@ class WeightGroups:
 
     def __init__(self) -> None:
         self._groups: dict[str, WeightGroup | None] = {}  # None: being joined
+        self._left: dict[str, str] = {}  # group name -> why it was left, until it is joined again
         self._lock = threading.Lock()
 
     def join(self, device: torch.device, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout: float = 600.0,
-             connect_timeout: float = 10.0) -> WeightGroup:
-        if not isinstance(group_name, str) or not group_name:
-            raise LogprobeError("group_name", f"must be a non-empty string, got {group_name!r}")
-        if backend not in BACKENDS:
-            raise LogprobeError("backend", f"{backend!r} is not supported", "use 'nccl' (CUDA) or 'gloo'")
-        if backend == "nccl" and device.type != "cuda":
-            raise LogprobeError("backend", f"'nccl' needs the model on a CUDA device; it is on {device.type}",
-                                "use backend 'gloo'")
-        for key, value in (("world_size", world_size), ("rank_offset", rank_offset)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise LogprobeError(key, f"must be an integer, got {value!r}")
-        if world_size < 2:
-            raise LogprobeError("world_size", f"is {world_size}", "the trainer (rank 0) and at least this scorer: 2 or more")
-        if not 1 <= rank_offset < world_size:
-            raise LogprobeError("rank_offset", f"is {rank_offset}; this scorer's rank must be 1 .. world_size - 1 "
-                                f"({world_size - 1})", "rank 0 is the trainer")
+             connect_timeout: float = 10.0, receive_timeout: float = RECEIVE_TIMEOUT) -> WeightGroup:
+        check_join(device, rank_offset, world_size, group_name, backend, timeout, receive_timeout)
         with self._lock:
             if group_name in self._groups:
                 raise LogprobeError("group_name", f"{group_name!r} is already joined (or being joined)",
@@ -270,27 +337,71 @@ class WeightGroups:
             self._groups[group_name] = None
         try:
             check_address(master_address, master_port, connect_timeout)
-            try:
-                pg = join_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
-            except LogprobeError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the store or the backend refused (timeout, ...)
-                raise LogprobeError("master_address", f"could not join {group_name!r} at {master_address}:"
-                                    f"{master_port}: {type(e).__name__}: {e}",
-                                    "check the address, port, world_size and that every rank joins") from e
-            group = WeightGroup(group_name, pg, rank_offset, world_size, backend,
-                                device if backend == "nccl" else torch.device("cpu"))
+            process = start_receiver(device, master_address, master_port, rank_offset, world_size, group_name,
+                                     backend, timeout)
+            group = WeightGroup(group_name, process, rank_offset, world_size, backend,
+                                device if backend == "nccl" else torch.device("cpu"), receive_timeout)
         except BaseException:
             with self._lock:
                 self._groups.pop(group_name, None)
             raise
         with self._lock:
             self._groups[group_name] = group
+            self._left.pop(group_name, None)
         return group
+
+    def receive(self, group_name: str, names, dtypes, shapes, model, weight_version: str | None = None):
+        """Check the metadata, receive the bucket, hold it; -> ``WeightGroup.collect``'s answer.
+        A refusal or a fault on a joined group leaves it (``LEFT``)."""
+        group = self._joined(group_name)
+        if group is None:  # the metadata's own errors first, then the group's
+            check_metadata(names, dtypes, shapes)
+            group = self.get(group_name)  # raises, unless it was joined meanwhile
+        with group.lock:
+            if group.left is not None:  # left while this call waited for the lock
+                raise self._left_error(group_name, group.left)
+            try:
+                metadata = check_metadata(names, dtypes, shapes)
+                declared = check_declared(model, metadata, group.declared)
+                received = group.receive(metadata)
+            except LogprobeError as e:
+                self._leave(group, e.problem)
+                raise LogprobeError(e.field, e.problem, LEFT) from e
+            except ReceiverFault as fault:
+                e = fault_error(fault, metadata, group.receive_timeout)
+                self._leave(group, e.problem)
+                raise e from fault
+            except BaseException as e:  # out of memory, ...: the trainer's broadcasts are out of step
+                self._leave(group, f"{type(e).__name__}: {e}")
+                raise
+            return group.collect(received, declared, weight_version, model)
+
+    def _joined(self, group_name) -> WeightGroup | None:
+        with self._lock:
+            return self._groups.get(group_name) if isinstance(group_name, str) else None
+
+    def _leave(self, group: WeightGroup, why: str) -> None:
+        """After a fault: the receiver killed, the held buckets dropped, the name refused until
+        joined again."""
+        log.warning("weight group %r left: %s", group.name, why)
+        group.left = why
+        group.drop()
+        group.process.kill()
+        with self._lock:
+            if self._groups.get(group.name) is group:
+                del self._groups[group.name]
+                self._left[group.name] = why
+
+    @staticmethod
+    def _left_error(group_name: str, why: str) -> LogprobeError:
+        return LogprobeError("group_name", f"{group_name!r} was left after a fault ({why})",
+                             "call init_weights_update_group again")
 
     def get(self, group_name: str) -> WeightGroup:
         with self._lock:
-            group = self._groups.get(group_name)
+            group, why = self._groups.get(group_name), self._left.get(group_name)
+        if why is not None:
+            raise self._left_error(group_name, why)
         if group is None:
             raise LogprobeError("group_name", f"{group_name!r} is not a joined weight update group",
                                 "call init_weights_update_group first")
@@ -303,8 +414,55 @@ class WeightGroups:
         group.destroy()
 
     def close(self) -> None:
+        self._left.clear()
         for name in [n for n, g in self._groups.items() if g is not None]:
             try:
                 self.destroy(name)
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
+
+
+def check_join(device: torch.device, rank_offset, world_size, group_name, backend, timeout,
+               receive_timeout) -> None:
+    """Refuse what cannot be joined before anything connects, naming the field."""
+    if not isinstance(group_name, str) or not group_name:
+        raise LogprobeError("group_name", f"must be a non-empty string, got {group_name!r}")
+    if backend not in BACKENDS:
+        raise LogprobeError("backend", f"{backend!r} is not supported", "use 'nccl' (CUDA) or 'gloo'")
+    if backend == "nccl" and device.type != "cuda":
+        raise LogprobeError("backend", f"'nccl' needs the model on a CUDA device; it is on {device.type}",
+                            "use backend 'gloo'")
+    for key, value in (("world_size", world_size), ("rank_offset", rank_offset)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise LogprobeError(key, f"must be an integer, got {value!r}")
+    if not 2 <= world_size <= MAX_WORLD_SIZE:
+        raise LogprobeError("world_size", f"is {world_size}", "the trainer (rank 0) and every rank that receives: "
+                            f"2 .. {MAX_WORLD_SIZE}")
+    if not 1 <= rank_offset < world_size:
+        raise LogprobeError("rank_offset", f"is {rank_offset}; this scorer's rank must be 1 .. world_size - 1 "
+                            f"({world_size - 1})", "rank 0 is the trainer")
+    for key, value in (("timeout", timeout), ("receive_timeout", receive_timeout)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+            raise LogprobeError(key, f"must be a number of seconds > 0, got {value!r}")
+
+
+def start_receiver(device: torch.device, master_address: str, master_port: int, rank: int, world_size: int,
+                   group_name: str, backend: str, timeout: float) -> ReceiverProcess:
+    """A receiver process joined to the group (its NCCL socket settings in its environment: NCCL
+    reads them in the process that joins)."""
+    settings = socket_settings(os.environ, backend)
+    if settings:
+        log.info("weight group %r: NCCL sockets %s (set NCCL_SOCKET_NTHREADS / NCCL_NSOCKS_PERTHREAD to choose)",
+                 group_name, " ".join(f"{k}={v}" for k, v in settings.items()))
+    cuda = None
+    if backend == "nccl":
+        cuda = device.index if device.index is not None else torch.cuda.current_device()
+    process = ReceiverProcess({**os.environ, **settings})
+    try:
+        process.join(dict(master_address=master_address, master_port=master_port, rank=rank, world_size=world_size,
+                          group_name=group_name, backend=backend, timeout=timeout, device=cuda),
+                     timeout + STARTUP_WAIT)
+    except ReceiverFault as fault:
+        raise LogprobeError("master_address", f"could not join {group_name!r} at {master_address}:{master_port}: "
+                            f"{fault.detail}", "check the address, port, world_size and that every rank joins") from fault
+    return process

@@ -177,7 +177,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
                       lambda reason: metrics.dropped.labels(reason).inc(),
                       lambda tokens, limit: scorer.prefix_cache.peek(tokens, limit) if scorer.prefix_cache is not None else 0)
     lifecycle = Lifecycle(batcher)
-    weights = ServedWeights(scorer, batcher)
+    weights = ServedWeights(scorer, batcher, config.weight_sync_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

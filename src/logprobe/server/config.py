@@ -29,6 +29,9 @@ class ServerConfig:
         and closes that connection.
     enable_return_routed_experts: requests may ask for ``return_routed_experts`` (mixture-of-experts
         models; SGLang's ``--enable-return-routed-experts``), else 400 naming it.
+    weight_sync_timeout: seconds one ``/update_weights_from_distributed`` may take receiving the
+        trainer's broadcasts; beyond it the group is left and the reply is 400 (the old weights
+        stay in force).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +49,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     body_timeout: float = 30.0
     enable_return_routed_experts: bool = False  # SGLang's flag: requests may ask for routed experts
+    weight_sync_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",
@@ -56,8 +60,9 @@ class ServerConfig:
         t = self.shutdown_timeout
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < float("inf"):
             raise LogprobeError("shutdown_timeout", f"must be a number of seconds >= 0, got {t!r}")
-        t = self.body_timeout
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
-            raise LogprobeError("body_timeout", f"must be a number of seconds > 0, got {t!r}")
+        for key in ("body_timeout", "weight_sync_timeout"):
+            t = getattr(self, key)
+            if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
+                raise LogprobeError(key, f"must be a number of seconds > 0, got {t!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise LogprobeError("api_key", "is empty", "give a non-empty key or leave it unset")

@@ -32,9 +32,10 @@ log = logging.getLogger("logprobe.server")
 
 
 class ServedWeights:
-    def __init__(self, scorer: Scorer, batcher: Batcher) -> None:
+    def __init__(self, scorer: Scorer, batcher: Batcher, weight_sync_timeout: float = 300.0) -> None:
         self.scorer = scorer
         self.batcher = batcher
+        self.weight_sync_timeout = weight_sync_timeout  # s a weight group's receive may take
         batcher.tag = self._scorer_version()
         self._names = {batcher.tag: str(getattr(scorer, "weight_version", batcher.tag))}
 
@@ -89,33 +90,26 @@ class ServedWeights:
 
     def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> None:
-        """``Scorer.init_weights_update_group``; blocking (until every rank joined). Scoring goes on."""
+        """``Scorer.init_weights_update_group``; blocking (until every rank joined). Scoring goes on.
+        The group's receives are bounded by ``weight_sync_timeout``."""
         if not hasattr(self.scorer, "init_weights_update_group"):
             raise LogprobeError("backend", "this scorer cannot join a weight update group", "update logprobe")
         self.scorer.init_weights_update_group(master_address, master_port, rank_offset, world_size,
-                                              group_name=group_name, backend=backend)
+                                              group_name=group_name, backend=backend,
+                                              receive_timeout=self.weight_sync_timeout)
 
     def update_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                           weight_version: str | None = None) -> int | None:
         """Receive every tensor the trainer broadcasts (scoring goes on, on the old weights), then
         apply them all between engine steps, as ``load`` swaps a checkpoint: a request under way
         finishes on the old weights, none is computed on a half-updated model. Returns the new
-        version, or None while the buckets received so far do not cover every weight (held); a
-        refused update (a name, shape or value the model cannot take) changes nothing."""
+        version, or None while the buckets received so far do not cover every weight (held). A
+        refused update changes nothing: metadata the model cannot take, a receive that fails or
+        times out (the group is then left: the scorer's error says so), a NaN (the group stays)."""
         if not hasattr(self.scorer, "receive_weights_from_distributed"):
             raise LogprobeError("names", "this scorer cannot receive weights over a collective", "update logprobe")
-        try:
-            received, weight_version = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name,
-                                                                                    weight_version)
-        except LogprobeError:
-            raise
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the collective failed (a rank gone, a timeout)
-            log.warning("update_weights_from_distributed: receiving failed: %r", e)
-            raise LogprobeError("names", f"the tensors were not received: {type(e).__name__}: {e}",
-                                f"weights_version {self._scorer_version()} is still served; destroy the group "
-                                "and join it again") from e
+        received, weight_version = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                                                weight_version)
         if received is None:  # a bucket: held until every weight has come
             return None
         return self.batcher.exclusive(lambda: self._apply(received, weight_version))
