@@ -197,3 +197,79 @@ def test_dense_model_refuses(tmp_path):
     with pytest.raises(LogprobeError) as e:
         s.logprobs([dict(SEQS[0], routed_experts=[[[0, 1]]] * 12)])
     assert e.value.field == "sequences[0].routed_experts"
+
+
+def _sglang(routes: torch.Tensor, blocks: list[int], num_layers: int) -> torch.Tensor:
+    """[n, moe_layers, k] -> SGLang's capturer layout: [n, num_hidden_layers, k] int32, zeros in dense blocks."""
+    out = torch.zeros(routes.shape[0], num_layers, routes.shape[2], dtype=torch.int32)
+    out[:, blocks] = routes.to(torch.int32)
+    return out
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().astype("<i4").tobytes()).decode()
+
+
+def test_sglang_layout_with_a_dense_block(models):
+    """Qwen2-MoE's block 1 is dense (``mlp_only_layers``): ``/generate`` returns SGLang's layout,
+    a row per hidden layer with zeros there (clients reshape by ``num_hidden_layers``), while the
+    library and ``/v1/logprobs`` keep one row per MoE layer. A routing in SGLang's layout is taken
+    as input (lists and base64): the same numbers as the compact one; a dense row that is not zero
+    is refused, naming the field, token and layer."""
+    d, _, s = models["qwen2_moe"]
+    assert (s.context.route_blocks, s.context.num_blocks) == ((0, 2), 3)
+    ids = SEQS[0]["prompt_token_ids"] + SEQS[0]["completion_token_ids"]
+    lib = s.logprobs(SEQS[:1], return_routed_experts=True)[0]
+    assert tuple(lib.routed_experts.shape) == (len(ids) - 1, 2, 2)
+    forced = lib.routed_experts.clone()
+    forced[:, :, [0, 1]] = forced[:, :, [1, 0]]
+    for layer in (0, 1):  # a scored row's experts replaced (its log-prob moves)
+        forced[len(PROMPT), layer] = torch.tensor([6, 7] if set(forced[len(PROMPT), layer].tolist()) != {6, 7}
+                                                  else [0, 1])
+    want = s.logprobs([dict(SEQS[0], routed_experts=forced)])[0].logprobs
+    assert not torch.equal(want, lib.logprobs)
+    full = _sglang(forced, [0, 2], 3)
+    for given in (full, full.tolist(), _b64(full)):  # SGLang's layout in
+        assert torch.equal(s.logprobs([dict(SEQS[0], routed_experts=given)])[0].logprobs, want)
+    dense = full.clone()
+    dense[4, 1] = torch.tensor([3, 0])
+    with pytest.raises(LogprobeError, match="token 4 has experts \\[3, 0\\] at layer 1, a dense block") as e:
+        s.logprobs([dict(SEQS[0], routed_experts=dense)])
+    assert e.value.field == "sequences[0].routed_experts"
+
+    app = create_app(scorer(d), ServerConfig(enable_return_routed_experts=True))
+    with serve(app) as url:
+        r = requests.post(url + "/generate", json={"input_ids": ids, "return_routed_experts": True,
+                                                   "sampling_params": {"max_new_tokens": 0}}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = np.frombuffer(base64.b64decode(r.json()["meta_info"]["routed_experts"]), dtype=np.int32)
+        assert got.size == (len(ids) - 1) * 3 * 2  # reshape(-1, num_hidden_layers, k), as from SGLang
+        assert torch.equal(torch.from_numpy(got.reshape(-1, 3, 2).copy()), _sglang(lib.routed_experts, [0, 2], 3))
+        body = {"sequences": [dict(SEQS[0], routed_experts=_b64(full))], "return_routed_experts": True}
+        nat = requests.post(url + "/v1/logprobs", json=body, timeout=60).json()["results"][0]
+        assert nat["logprobs"] == want.tolist()
+        assert nat["routed_experts"] == _b64(forced)  # logprobe's own route: a row per MoE layer
+        bad = requests.post(url + "/v1/logprobs", json={"sequences": [dict(SEQS[0], routed_experts=dense.tolist())]},
+                            timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sequences[0].routed_experts"
+        assert "layer 1, a dense block" in bad.json()["error"]["message"]
+
+
+def test_an_expert_named_twice_is_refused(models):
+    """A forced route naming one expert twice for a token (a router never does; the expert would
+    run twice) is refused: library and HTTP (400 naming the field, the token and the layer)."""
+    d, _, s = models["qwen2_moe"]
+    plain = s.logprobs(SEQS[:1], return_routed_experts=True)[0]
+    twice = plain.routed_experts.clone()
+    twice[3, 1] = torch.tensor([5, 5])
+    words = r"names expert 5 twice for token 3 at MoE layer 1 \(hidden layer 2\)"
+    for given in (twice, _b64(_sglang(twice, [0, 2], 3))):
+        with pytest.raises(LogprobeError, match=words) as e:
+            s.logprobs([dict(SEQS[0], routed_experts=given)])
+        assert e.value.field == "sequences[0].routed_experts"
+    with serve(create_app(scorer(d))) as url:
+        bad = requests.post(url + "/v1/logprobs", json={"sequences": [dict(SEQS[0], routed_experts=twice.tolist())]},
+                            timeout=60)
+        assert bad.status_code == 400, bad.text
+        err = bad.json()["error"]
+        assert err["param"] == "sequences[0].routed_experts" and "expert 5 twice for token 3" in err["message"]

@@ -75,41 +75,105 @@ def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptio
 
 
 def routed_experts(context: ScoringContext, value, length: int, field: str) -> torch.Tensor:
-    """A sequence's ``routed_experts`` to force (R3, SGLang's shape) -> int64 [length - 1, L, k]:
-    row j is token j's experts at each of the L MoE layers (every token fed: the last token is
-    only a target), ids in the model's numbering. A list of lists, a numpy array or a tensor; a
-    base64 string of int32 (SGLang's ``meta_info.routed_experts``) is decoded first."""
+    """A sequence's ``routed_experts`` to force (R3) -> int64 [length - 1, L, k]: row j is token j's
+    experts at each of the L MoE layers (every token fed: the last token is only a target), ids in
+    the model's numbering. A list of lists, a numpy array or a tensor; a base64 string of int32
+    (SGLang's ``meta_info.routed_experts``) is decoded first. Two layouts are taken: logprobe's
+    own [length - 1, L, k], and SGLang's [length - 1, num_hidden_layers, k] with zeros in the dense
+    blocks (their rows must be zero: any other id there means the routing is of another model).
+    A token's k experts must differ (a router never names one twice). DeepSeek-V3 with one dense
+    first block of 4, k = 2: [[[0, 0], [3, 5], [1, 2], [7, 4]], ...] is SGLang's for
+    [[[3, 5], [1, 2], [7, 4]], ...]."""
     layers, k, num_experts = context.check_routing(field)
-    if isinstance(value, str):
-        value = decode_routed_experts(value, layers, k, field)
+    blocks = context.route_blocks or tuple(range(layers))
+    total = max(context.num_blocks, layers)
+    flat = isinstance(value, str)
+    if flat:
+        value = decode_routed_experts(value, k, field)  # [n, k]: rows and layers read off its size
     try:
         t = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as e:
         raise LogprobeError(field, f"is not an array of expert ids: {e}", "give [tokens][layers][k] integers") from e
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise LogprobeError(field, f"holds {t.dtype}, not integers", "give expert ids as integers")
-    want = (length - 1, layers, k)
-    if tuple(t.shape) != want:
-        raise LogprobeError(field, f"has shape {list(t.shape)}; this sequence needs {list(want)} (one row per "
-                            f"token fed: prompt and completion but the last token; {layers} MoE layers; {k} "
-                            "experts per token)", "return the routing of exactly this sequence")
-    t = t.long()
+    t = _routes_shaped(t, flat, length - 1, layers, total, k, field).long()
+    if t.shape[1] != layers:  # SGLang's layout: a row per block
+        t = _moe_rows(t, blocks, field)
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
         raise LogprobeError(field, f"holds expert ids outside [0, {num_experts})", "use the model's expert numbering")
+    _refuse_repeats(t, blocks, field)
     return t
 
 
-def decode_routed_experts(text: str, layers: int, k: int, field: str = "routed_experts"):
-    """SGLang's ``meta_info.routed_experts``: base64 of int32 (little-endian) -> [-1, layers, k]."""
+def _routes_shaped(t: torch.Tensor, flat: bool, rows: int, layers: int, total: int, k: int, field: str
+                   ) -> torch.Tensor:
+    """``t`` as [rows, layers, k], or SGLang's [rows, total, k] when the model has dense blocks;
+    ``flat``: a decoded base64 array [n, k], shaped by its size."""
+    shapes = [(rows, layers, k)] + ([(rows, total, k)] if total != layers else [])
+    if flat:  # decoded base64: whole rows of k ids
+        for shape in shapes:
+            if t.shape[0] == shape[0] * shape[1]:
+                return t.reshape(shape)
+    elif tuple(t.shape) in shapes:
+        return t
+    got = f"{t.shape[0]} rows of {k} ids" if flat else f"shape {list(t.shape)}"
+    sglang = (f", or SGLang's {list(shapes[1])} (a row per hidden layer, zeros in the {total - layers} dense "
+              "ones)") if len(shapes) > 1 else ""
+    raise LogprobeError(field, f"has {got}; this sequence needs {list(shapes[0])} (one row per token fed: prompt "
+                        f"and completion but the last token; {layers} MoE layers; {k} experts per token){sglang}",
+                        "return the routing of exactly this sequence")
+
+
+def _moe_rows(t: torch.Tensor, blocks: tuple[int, ...], field: str) -> torch.Tensor:
+    """SGLang's [rows, blocks, k] -> the MoE blocks' rows [rows, L, k]. A dense block's ids must be
+    0, as SGLang's capturer leaves them: any other value is the routing of another model."""
+    dense = [b for b in range(t.shape[1]) if b not in set(blocks)]
+    bad = t[:, dense].ne(0).any(-1).nonzero()  # [n, 2]: (token, index into dense)
+    if len(bad):
+        j, d = bad[0].tolist()
+        raise LogprobeError(field, f"token {j} has experts {t[j, dense[d]].tolist()} at layer {dense[d]}, a dense "
+                            "block (no router): SGLang's layout holds zeros there",
+                            f"send the routing of this model (dense blocks {dense}: zeros in SGLang's layout)")
+    return t[:, list(blocks)]
+
+
+def _refuse_repeats(t: torch.Tensor, blocks: tuple[int, ...], field: str) -> None:
+    """A token's k experts at one layer must differ: the router's top-k never repeats one, and a
+    repeated id would run that expert twice (its weight counted twice)."""
+    s = t.sort(dim=-1).values  # [rows, L, k]
+    same = s[..., 1:] == s[..., :-1]  # [rows, L, k - 1]
+    hit = same.any(-1).nonzero()  # [n, 2]: (token, MoE layer)
+    if len(hit):
+        j, m = hit[0].tolist()
+        e = int(s[j, m, 1:][same[j, m]][0])
+        raise LogprobeError(field, f"names expert {e} twice for token {j} at MoE layer {m} (hidden layer "
+                            f"{blocks[m]}): {t[j, m].tolist()}",
+                            "give each token k different experts at every layer, as the router chooses them")
+
+
+def decode_routed_experts(text: str, k: int, field: str = "routed_experts"):
+    """SGLang's ``meta_info.routed_experts``: base64 of int32 (little-endian) -> [-1, k] (how many
+    rows and layers: the caller knows)."""
     import numpy as np
 
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
         raise LogprobeError(field, f"is not base64: {e}", "send SGLang's base64 string or a list") from e
-    if len(raw) % (4 * layers * k):
-        raise LogprobeError(field, f"{len(raw)} bytes are not whole rows of {layers} x {k} int32")
-    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, k).copy()
+    if len(raw) % (4 * k):
+        raise LogprobeError(field, f"{len(raw)} bytes are not whole rows of {k} int32")
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, k).copy()
+
+
+def sglang_routed_experts(context: ScoringContext, ids: torch.Tensor) -> torch.Tensor:
+    """[tokens, L, k] (a row per MoE layer) -> SGLang's layout, int32 [tokens, num_hidden_layers,
+    k]: a row per block, zeros in the dense ones (SGLang's capturer writes each MoE layer's row of
+    a zeroed buffer); the same array when every block is MoE. DeepSeek-V3 with one dense first
+    block of 4: [[[3, 5], [1, 2], [7, 4]]] -> [[[0, 0], [3, 5], [1, 2], [7, 4]]]."""
+    blocks = list(context.route_blocks) or list(range(ids.shape[1]))
+    out = torch.zeros(ids.shape[0], max(context.num_blocks, ids.shape[1]), ids.shape[2], dtype=torch.int32)
+    out[:, blocks] = ids.to(torch.int32)
+    return out
 
 
 def encode_routed_experts(ids: torch.Tensor) -> str:

@@ -68,6 +68,10 @@ class ScoringContext:
     hook_width: int
     deterministic: bool = False
     routing: tuple[int, int, int] = (0, 0, 0)  # MoE layers, experts per token, experts (0s: no routers)
+    # each MoE layer's block (DeepSeek-V3 with one dense first block: (1, 2, 3)) and the number of
+    # blocks (num_hidden_layers): SGLang's routed-experts layout has a row per block
+    route_blocks: tuple[int, ...] = ()
+    num_blocks: int = 0
 
     @staticmethod
     def of(loaded: LoadedModel, deterministic: bool = False) -> ScoringContext:
@@ -75,8 +79,10 @@ class ScoringContext:
         model, info = loaded.model, loaded.info
         caps = ModelCaps.of(model)
         layers, width = (model.config.num_layers, model.config.hidden_size) if caps.hooks else (0, 0)
+        blocks = tuple(i for i, _ in routed_blocks(model))
         return ScoringContext(info.name, loaded.tokenizer, info.vocab_size, info.max_length, info.backend, caps,
-                              layers, width, bool(deterministic), moe_routing(model))
+                              layers, width, bool(deterministic), moe_routing(model), blocks,
+                              model.config.num_layers if blocks else 0)
 
     def check_routing(self, field: str) -> tuple[int, int, int]:
         """(MoE layers, experts per token, experts); a dense model: a ``LogprobeError`` naming ``field``."""

@@ -208,7 +208,8 @@ class Sequence(BaseModel):
     completion_token_ids: list[int] = Field(min_length=1)
     routed_experts: Text | list[list[list[int]]] | None = Field(
         None, description="mixture-of-experts models: the experts to force, [len(prompt) + len(completion) - 1]"
-                          "[moe_layers][k] (every token fed), as lists or SGLang's base64 of int32")
+                          "[moe_layers][k] (every token fed), or SGLang's [..][num_hidden_layers][k] (zeros in "
+                          "dense blocks), as lists or SGLang's base64 of int32")
 
 
 class LogprobsBody(_HeadOptions, _Hooks, _Deadline):

@@ -140,7 +140,8 @@ class GenerateRequest(BaseModel):
     stream: bool = Field(False, description="must be false")
     rid: Text | list[Text] | None = Field(None, description="request id(s), echoed as meta_info.id")
     return_routed_experts: bool | list[bool] = Field(False, description="meta_info.routed_experts: base64 of "
-                                                                        "int32 [len(input) - 1, moe_layers, k] "
+                                                                        "int32 [len(input) - 1, num_hidden_layers, "
+                                                                        "k], zeros in dense blocks, as SGLang "
                                                                         "(--enable-return-routed-experts)")
 
     @field_validator("input_ids", mode="plain", json_schema_input_type=InputIdsSchema | None)

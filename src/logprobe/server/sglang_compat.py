@@ -16,9 +16,11 @@ SGLang's ``SamplingParams`` (temperature set to 1); otherwise the log-probs are
 ``meta_info.weight_version`` is SGLang's (a string); ``weights_version`` (an int) is logprobe's.
 ``return_routed_experts`` (server started with ``--enable-return-routed-experts``; MoE models):
 ``meta_info.routed_experts`` is SGLang's R3 encoding, base64 of the int32 (little-endian) array
-[len(input_ids) - 1, moe_layers, k]: row j is token j's experts (every token fed; the last token
-is only a target); clients decode it with
-``np.frombuffer(base64.b64decode(s), dtype=np.int32).reshape(-1, moe_layers, k)``.
+[len(input_ids) - 1, num_hidden_layers, k]: row j is token j's experts (every token fed; the last
+token is only a target), a row per hidden layer with zeros in the dense blocks, as SGLang's
+capturer fills its buffer (``scoring.sequences.sglang_routed_experts``; DeepSeek-V3's first dense
+blocks, Qwen-MoE's ``mlp_only_layers``); clients decode it with
+``np.frombuffer(base64.b64decode(s), dtype=np.int32).reshape(-1, num_hidden_layers, k)``.
 
 Worked example, ``input_ids = [a, b, c, d]``, ``logprob_start_len = 1``:
 
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..scorer import Job, Scorer
-from ..scoring.sequences import encode_routed_experts
+from ..scoring.sequences import encode_routed_experts, sglang_routed_experts
 from .openai_compat import prompt_token_ids
 from .schemas_rl import GenerateRequest, SamplingParams
 
@@ -118,7 +120,7 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
 
     def finish(results: list[RequestResult]) -> dict | list[dict]:
         texts = _token_texts(items, results, scorer) if body.return_text_in_logprobs else None
-        out = [_reply(it, results[it.request] if it.request is not None else None, texts) for it in items]
+        out = [_reply(it, results[it.request] if it.request is not None else None, texts, scorer) for it in items]
         return out if many else out[0]
 
     owners = [f"{field}[{i}]" if many else field for i, it in enumerate(items) if it.request is not None]
@@ -159,8 +161,9 @@ def _token_texts(items: list[_Item], results: list[RequestResult], scorer: Score
     return dict(zip(vocab, scorer.tokenizer.token_texts(vocab)))
 
 
-def _reply(it: _Item, res: RequestResult | None, texts: dict[int, str] | None) -> dict:
-    """One item's reply; entry j is token ``ids[start + j]``, scored by result row j - 1."""
+def _reply(it: _Item, res: RequestResult | None, texts: dict[int, str] | None, scorer: Scorer) -> dict:
+    """One item's reply; entry j is token ``ids[start + j]``, scored by result row j - 1; routed
+    experts in SGLang's layout (a row per hidden layer)."""
     meta = {"id": it.rid, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(it.ids),
             "completion_tokens": 0, "cached_tokens": res.cached_tokens if res is not None else 0}
     if it.logprob:
@@ -176,8 +179,8 @@ def _reply(it: _Item, res: RequestResult | None, texts: dict[int, str] | None) -
                                                    for r in range(len(tokens) - 1)]
             meta["output_top_logprobs"] = []
     if it.routed:
-        meta["routed_experts"] = encode_routed_experts(res.routed_experts if res is not None
-                                                       else _no_rows())
+        meta["routed_experts"] = encode_routed_experts(
+            sglang_routed_experts(scorer.context, res.routed_experts) if res is not None else _no_rows())
     return {"text": "", "output_ids": [], "meta_info": meta}
 
 
