@@ -224,9 +224,11 @@ class Scorer:
         gives each result ``routed_experts``, int32 [len(ids) - 1, moe_layers, k]: row j holds the
         k experts token j was routed to at each MoE layer (the model's expert numbering, in the
         order the router ranks them) -- every token fed (prompt and completion; the last token is
-        only a target), as SGLang's ``meta_info.routed_experts``. In the example above, 5 rows:
+        only a target), as SGLang's ``meta_info.routed_experts`` (which has a row per hidden layer,
+        zeros in dense blocks: ``/generate`` answers so). In the example above, 5 rows:
         rows 0-1 are prompt routing, rows 2-4 the rows that score c0, c1, c2 (row j scores token
-        j + 1). A sequence's ``"routed_experts"`` (same shape: list, array, tensor or SGLang's base64)
+        j + 1). A sequence's ``"routed_experts"`` (same shape or SGLang's; list, array, tensor or
+        SGLang's base64; a token's k experts distinct at each layer)
         forces those experts: each forced row's weights are its router's probabilities gathered at
         the given ids, normalised as the model normalises its own choice (``norm_topk_prob``,
         Mixtral's renormalisation), so replaying the returned routing gives bitwise the same numbers
