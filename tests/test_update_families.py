@@ -19,7 +19,8 @@ from helpers import byte_tokenizer, random_sequences
 from safetensors.torch import load_file
 
 from logprobe import LogprobeError, Scorer
-from logprobe.loading.collective import covers
+from logprobe.loading.collective import Declared, check_declared, covers
+from logprobe.loading.update import weight_slots
 
 transformers = pytest.importorskip("transformers")
 import test_deepseek  # noqa: E402
@@ -88,6 +89,11 @@ def _same(a: Scorer, b: Scorer, seqs) -> bool:
     return all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a.logprobs(seqs), b.logprobs(seqs)))
 
 
+def _declared(named) -> list:
+    """(name, tensor) pairs -> the metadata a trainer sends before broadcasting them."""
+    return [(n, t.dtype, tuple(t.shape)) for n, t in named]
+
+
 def test_update_equals_fresh_load(pair):
     kind, a, b, memory = pair
     seqs = _sequences()
@@ -96,6 +102,9 @@ def test_update_equals_fresh_load(pair):
     assert not _same(scorer, fresh, seqs)  # the new weights change the numbers
     new = _checkpoint(b)
     assert covers(scorer.loaded.model, list(new.items()))
+    for named in (new, memory):  # what a trainer declares before broadcasting: taken, every weight named
+        declared = check_declared(scorer.loaded.model, _declared(named.items()), Declared())
+        assert declared.units == set(weight_slots(scorer.loaded.model)), kind
     key = next(k for k in new if k.endswith("o_proj.weight"))
     assert not covers(scorer.loaded.model, [(k, v) for k, v in new.items() if k != key])
     scorer.update_weights(new)

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
 from logprobe.loading import load_model
-from logprobe.loading.collective import WeightGroup, covers
+from logprobe.loading.collective import Declared, WeightGroup, check_declared, covers
+from logprobe.loading.update import weight_slots
 
 transformers = pytest.importorskip("transformers")
 import test_gemma4  # noqa: E402
@@ -98,6 +99,11 @@ def _scorer(spec) -> Scorer:
     return Scorer(spec, device="cpu", dtype="float32", config=DET)
 
 
+def _declared(named) -> list:
+    """(name, tensor) pairs -> the metadata a trainer sends before broadcasting them."""
+    return [(n, t.dtype, tuple(t.shape)) for n, t in named]
+
+
 def test_update_equals_fresh_load(pair):
     kind, a, b, memory = pair
     seqs = _sequences()
@@ -106,6 +112,9 @@ def test_update_equals_fresh_load(pair):
     assert not _same(scorer, fresh, seqs)  # the new weights change the numbers
     new = _checkpoint(b)
     assert covers(scorer.loaded.model, list(new.items()))
+    for named in (new, memory):  # what a trainer declares before broadcasting: taken, every weight named
+        declared = check_declared(scorer.loaded.model, _declared(named.items()), Declared())
+        assert declared.units == set(weight_slots(scorer.loaded.model)), kind
     assert scorer.update_weights(new) == 1
     assert _same(scorer, fresh, seqs), f"{kind}: update_weights (checkpoint names) != fresh load"
 
@@ -129,11 +138,14 @@ def test_buckets_apply_once_complete(pair):
     key = _o_proj(ckpt)
     new = [(k, v) for k, v in ckpt.items() if k != key] + [(key, ckpt[key])]  # every bucket but the last lacks it
     buckets = [new[i:i + 3] for i in range(0, len(new), 3)]
-    group = WeightGroup("g", pg=None, rank=1, world_size=2, backend="gloo", device=torch.device("cpu"))
-    for bucket in buckets[:-1]:
-        assert group.collect(bucket, None, scorer.loaded.model) == (None, None), kind
+    group = WeightGroup("g", process=None, rank=1, world_size=2, backend="gloo", device=torch.device("cpu"))
+    model = scorer.loaded.model
+    for bucket in buckets[:-1]:  # each checked as its metadata is, against the buckets held
+        assert group.collect(bucket, check_declared(model, _declared(bucket), group.declared), None,
+                             model) == (None, None), kind
     assert all(torch.equal(x, y.logprobs) for x, y in zip(before, scorer.logprobs(seqs)))  # nothing applied
-    held, version = group.collect(buckets[-1], "B", scorer.loaded.model)
+    held, version = group.collect(buckets[-1], check_declared(model, _declared(buckets[-1]), group.declared), "B",
+                                  model)
     assert version == "B" and len(held) == len(new)
     scorer.update_weights(held, weight_version=version)
     assert scorer.weight_version == "B" and _same(scorer, _scorer(str(b)), seqs), kind
