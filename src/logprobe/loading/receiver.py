@@ -6,7 +6,7 @@ another size than it declared makes gloo abort the process on its transport thre
 hangs. So the server never joins the group itself: this process does, and the server kills it
 when it fails, times out, or the group is out of step with the trainer; the server goes on.
 
-It is a fresh interpreter (``python -P receiver.py``: this file run by path, importing only the
+It is a fresh interpreter (``python -c`` running this file by path, importing only the
 standard library and torch; nothing of the package, no model), as the executor's workers are
 (a multiprocessing spawn would import the caller's ``__main__`` again: ``logprobe serve``'s CLI,
 6 s). It speaks over its stdin and stdout (``multiprocessing.connection`` messages; stray prints
@@ -51,6 +51,8 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
+# this file run by path (nothing of the package imported), the working directory off sys.path
+_ENTRY = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
 ALIGN = 256  # bytes: every tensor of a receive buffer starts on a boundary any dtype (and CUDA) takes
 
 
@@ -76,7 +78,7 @@ class ReceiverProcess:
         child_in, to_child = os.pipe()
         from_child, child_out = os.pipe()
         try:
-            self.popen = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)], stdin=child_in,
+            self.popen = subprocess.Popen([sys.executable, "-c", _ENTRY, os.path.abspath(__file__)], stdin=child_in,
                                           stdout=child_out, env=env)
         except BaseException:
             for fd in (to_child, from_child):
