@@ -281,7 +281,11 @@ class WeightGroup:
         """Each tensor broadcast by rank 0, in order, into one buffer of this process's memory,
         by the receiver process, within ``receive_timeout`` s (else ``ReceiverFault``)."""
         layout, nbytes = layout_of(metadata)
-        flat, handle = shared_buffer(nbytes, self.device)
+        try:
+            flat, handle = shared_buffer(nbytes, self.device)
+        except (OSError, torch.OutOfMemoryError) as e:  # /dev/shm or the GPU full: the trainer can send less
+            raise LogprobeError("shapes", f"the bucket's {nbytes} bytes cannot be held on {self.device}: "
+                                f"{type(e).__name__}: {e}", "send smaller buckets") from e
         try:
             self.process.receive(handle, layout, self.receive_timeout, progress=self.backend == "gloo")
         finally:
@@ -366,7 +370,7 @@ class WeightGroups:
                 received = group.receive(metadata)
             except LogprobeError as e:
                 self._leave(group, e.problem)
-                raise LogprobeError(e.field, e.problem, LEFT) from e
+                raise LogprobeError(e.field, e.problem, f"{e.fix}; {LEFT}" if e.fix else LEFT) from e
             except ReceiverFault as fault:
                 e = fault_error(fault, metadata, group.receive_timeout)
                 self._leave(group, e.problem)
