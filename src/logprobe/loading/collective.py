@@ -197,40 +197,47 @@ def check_declared(model, metadata: list[tuple[str, torch.dtype, tuple[int, ...]
     ignored as the loader ignores them) may add up to as many elements as the model's weights:
     no bucket asks for more than twice the model's elements.
 
-    On tiny Llama (lm_head [256, 64]): ``lm_head.weight`` declared (3, 3) -> ``shapes[0]``:
-    "'lm_head.weight' has shape (3, 3), the model's is (256, 64)"; ``model.no_such.weight`` ->
+    On tiny Llama (lm_head [300, 64]): ``lm_head.weight`` declared (3, 3) -> ``shapes[0]``:
+    "'lm_head.weight' has shape (3, 3), the model's is (300, 64)"; ``model.no_such.weight`` ->
     ``names[0]``; a name given in a held bucket -> ``names[i]`` "... already received"."""
     slots = weight_slots(model)
     full = slots if getattr(getattr(model, "ctx", None), "size", 1) == 1 else full_slots(model)
     budget = sum(t.numel() for t in full.values())
     out = Declared()
     for i, (name, dtype, shape) in enumerate(metadata):
-        at, field_name = f"shapes[{i}]", f"names[{i}]"
         if math.prod(shape) == 0:
-            raise LogprobeError(at, f"{list(shape)} ({name!r}) has no elements", "send each tensor with its shape")
+            raise LogprobeError(f"shapes[{i}]", f"{list(shape)} ({name!r}) has no elements",
+                                "send each tensor with its shape")
         if name in out.names or name in held.names:
-            raise LogprobeError(field_name, f"{name!r} is given twice" + (" (already received in an earlier "
+            raise LogprobeError(f"names[{i}]", f"{name!r} is given twice" + (" (already received in an earlier "
                                 "bucket)" if name in held.names else ""), "send each weight once per update")
         out.names.add(name)
-        for unit, piece in units(Incoming(name, tuple(shape), dtype, _unread), model, at):
-            if unit is None:
-                out.ignored += _ignored(name, piece, full, at)
-                if out.ignored + held.ignored > budget:
-                    raise LogprobeError(at, f"{list(shape)} ({name!r}, a tensor the model does not hold) brings "
-                                        f"the ignored tensors to {out.ignored + held.ignored} elements, more than "
-                                        f"the model's own {budget}", "send the model's weights")
-                continue
-            if unit not in full:
-                raise LogprobeError(field_name, f"{name!r} is not a weight of this model",
-                                    "send the Hugging Face names of the same architecture (model.layers.N...)")
-            if unit in out.units or unit in held.units:
-                raise LogprobeError(field_name, f"{name!r} gives {unit} again", "send each weight once per update")
-            if tuple(piece.shape) != tuple(full[unit].shape):
-                part = "" if unit.endswith(name.removeprefix("model.")) else f" for {unit}"
-                raise LogprobeError(at, f"{name!r} has shape {tuple(piece.shape)}{part}, the model's is "
-                                    f"{tuple(full[unit].shape)}")
-            out.units.add(unit)
+        for unit, piece in units(Incoming(name, tuple(shape), dtype, _unread), model, f"shapes[{i}]"):
+            _check_unit(i, name, unit, piece, full, out, held)
+        if out.ignored + held.ignored > budget:
+            raise LogprobeError(f"shapes[{i}]", f"{list(shape)} ({name!r}, a tensor the model does not hold) "
+                                f"brings the ignored tensors to {out.ignored + held.ignored} elements, more than "
+                                f"the model's own {budget}", "send the model's weights")
     return out
+
+
+def _check_unit(i: int, name: str, unit: str | None, piece: Incoming, full: dict, out: Declared,
+                held: Declared) -> None:
+    """``names[i]`` (``name``)'s piece for ``unit``: known, new, of the model's shape; counted in
+    ``out`` (a unit, or the elements of a tensor the model ignores)."""
+    if unit is None:
+        out.ignored += _ignored(name, piece, full, f"shapes[{i}]")
+        return
+    if unit not in full:
+        raise LogprobeError(f"names[{i}]", f"{name!r} is not a weight of this model",
+                            "send the Hugging Face names of the same architecture (model.layers.N...)")
+    if unit in out.units or unit in held.units:
+        raise LogprobeError(f"names[{i}]", f"{name!r} gives {unit} again", "send each weight once per update")
+    if tuple(piece.shape) != tuple(full[unit].shape):
+        part = "" if unit.endswith(name.removeprefix("model.")) else f" for {unit}"
+        raise LogprobeError(f"shapes[{i}]", f"{name!r} has shape {tuple(piece.shape)}{part}, the model's is "
+                            f"{tuple(full[unit].shape)}")
+    out.units.add(unit)
 
 
 def _ignored(name: str, piece: Incoming, full: dict, at: str) -> int:

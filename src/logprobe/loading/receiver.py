@@ -262,8 +262,9 @@ def receive(pg, buffer, layout, outbox: Connection, cuda: bool) -> None:
     and takes a shorter one silently, leaving the buffer's end as it was. So the last bytes (8 at
     most) are set to random ones first: still there afterwards, the broadcast was short (or the
     trainer's tensor ends with those bytes: one chance in 2**64, 2**16 for a one-element
-    bfloat16; then the update is refused, never wrong). NCCL does not check a broadcast's size
-    (one of another size hangs: the server's timeout ends it)."""
+    bfloat16; then the update is refused, never wrong). NCCL does not check a broadcast's size:
+    one of another size hangs (the server's timeout ends it) or is misread, so under NCCL the
+    metadata checked before receiving is the guard."""
     flat = flat_buffer(buffer)
     for i, view in enumerate(views(flat, layout)):
         end = None if cuda else view.view(-1).view(torch.uint8)[-8:]
