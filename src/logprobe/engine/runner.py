@@ -298,6 +298,7 @@ class Engine:
         # called as fault_hook(rows, tokens) before each forward pass (tokens: rows + cached keys);
         # tests raise torch.OutOfMemoryError from it, or count passes
         self.fault_hook: Callable[[int, int], None] | None = None
+        self.passes = 0  # forward passes started (the server's logprobe_engine_passes_total)
         # across runs: the KV (and hybrid states) of token prefixes already computed
         # (engine.prefix_cache; set by the owner: Scorer(prefix_cache=...)), None: off
         self.prefix_cache: PrefixCache | None = None
@@ -525,6 +526,7 @@ class Engine:
         """The model on a packed batch -> its final hidden rows [T, H] (``fault_hook`` asked first)."""
         if self.fault_hook is not None:
             self.fault_hook(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
+        self.passes += 1
         if isinstance(self.model, NumericsUser):
             self.model.set_numerics(self.numerics)  # a no-op unless another engine's ran last
         if packed.hooks is None:

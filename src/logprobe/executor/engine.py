@@ -5,6 +5,11 @@ Data parallelism spreads requests over the replicas by ``assign_replicas`` (pure
 a common leading run of ids stay together so their prefix is still shared), runs the replicas
 at once and merges the results. In deterministic mode a request's numbers do not depend on its
 companions, so they are bitwise the same whichever replica ran it and whatever the TP size.
+
+A run given ``cancelled`` or ``stop`` (the server's) is watched: while the replicas run, the
+driver asks them every ``WATCH_S`` seconds, and sends the replica of a request that became
+cancelled a ``Cancel``; its ranks leave it out of every pass after the one under way
+(``workers.Watch``), so a client that goes away costs at most one more pass of a long request.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from ..parallel.context import ParallelContext
 from .messages import EndWeights, Profiled, Result, StageWeights
 from .profile import RankProfile
 from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
+
+# a watched run's cancellations are looked for this often (a pass of a long request takes longer)
+WATCH_S = 0.02
 
 
 def assign_replicas(inputs: list[list[int]], replicas: int, key_len: int = 16) -> list[list[int]]:
@@ -89,16 +97,20 @@ class ParallelEngine:
             progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,
             stop: Callable[[], bool] | None = None,
             cancelled: Callable[[int], bool] | None = None) -> list[RequestResult]:
-        """As ``Engine.run``. ``stop`` and ``cancelled`` are asked once, before the requests go to the
-        workers (a run already handed out finishes; a cancelled request is not sent, its slot stays
-        None). ``on_error``: a replica's error is reported for each of its requests that got no
-        result (their slots stay None) instead of being raised."""
+        """As ``Engine.run``: ``stop`` and ``cancelled`` are asked before the requests go to the
+        workers (a cancelled request is not sent) and then while they run (the run is watched):
+        a request cancelled meanwhile gets no pass after the one under way, its slot stays None
+        and neither ``on_result`` nor ``on_error`` hears of it; ``stop()`` cancels every request
+        not yet done, and once the replicas have stopped (one pass) raises ``RunStopped``.
+        ``on_error``: a replica's error is reported for each of its requests that got no result
+        (their slots stay None) instead of being raised."""
         keep = [i for i in range(len(requests)) if cancelled is None or not cancelled(i)]
         if len(keep) < len(requests):
             out: list[RequestResult | None] = [None] * len(requests)
             sub = self.run([requests[i] for i in keep],
                            None if on_result is None else lambda k, r: on_result(keep[k], r), progress,
-                           on_error=None if on_error is None else lambda k, e: on_error(keep[k], e), stop=stop)
+                           on_error=None if on_error is None else lambda k, e: on_error(keep[k], e), stop=stop,
+                           cancelled=None if cancelled is None else lambda k: cancelled(keep[k]))
             for k, r in zip(keep, sub):
                 out[k] = r
             return out  # type: ignore[return-value]
@@ -106,39 +118,28 @@ class ParallelEngine:
             raise LogprobeError("tensor_parallel_size", "a worker of this scorer has died", "create a new Scorer")
         if stop is not None and stop():
             raise RunStopped()
-        results: list[RequestResult | None] = [None] * len(requests)
         parts = assign_replicas([r.inputs for r in requests], self.dp, self.config.min_shared_prefix) \
             if self.dp > 1 else [list(range(len(requests)))]
-        live = {}
+        run = _Run(requests, on_result, stop, cancelled)
         for g, idx in zip(self.groups, parts):
             if idx:
-                g.submit([requests[i] for i in idx], self.config)
-                live[g] = (idx, g.messages())
-        error = None
-        while live:
-            ready = connection.wait([c for g in live for c in g.conns] + [p.sentinel for g in live for p in g.procs])
-            for g in [g for g in list(live) if any(c in ready for c in g.conns + [p.sentinel for p in g.procs])]:
-                idx, it = live[g]
-                try:
-                    msg = next(it)
-                except StopIteration:
-                    del live[g]
-                    continue
-                except LogprobeError as e:  # this replica is done (or dead); let the others finish
-                    error = error or e
-                    del live[g]
-                    continue
-                i = idx[msg.index]
-                results[i] = msg.result
-                if on_result is not None:
-                    on_result(i, msg.result)
-        if error is not None:
-            if on_error is None or isinstance(error, WorkerDied):
-                raise error
-            for i, r in enumerate(results):
-                if r is None:
-                    on_error(i, error)
-        return results  # type: ignore[return-value]
+                g.submit([requests[i] for i in idx], self.config, watched=run.watched)
+                run.live[g] = (idx, g.messages())
+        run.wait()
+        if run.stopped and run.gone:
+            raise RunStopped()
+        if run.error is not None:
+            if on_error is None or isinstance(run.error, WorkerDied):
+                raise run.error
+            for i, r in enumerate(run.results):
+                if r is None and i not in run.gone:
+                    on_error(i, run.error)
+        return run.results  # type: ignore[return-value]
+
+    @property
+    def passes(self) -> int:
+        """Forward passes the replicas have computed (rank 0 of each; live during a watched run)."""
+        return sum(g.passes for g in self.groups)
 
     def profile(self, requests: list[ScoreRequest]) -> tuple[list[RequestResult], list[RankProfile]]:
         """``run(requests)`` once with every worker under ``torch.profiler`` -> (the results, each
@@ -197,6 +198,66 @@ class ParallelEngine:
     def param_bytes(self) -> list[list[int]]:
         """Bytes of parameters held by each rank of each replica."""
         return [g.param_bytes for g in self.groups]
+
+
+class _Run:
+    """One ``ParallelEngine.run`` under way: the replicas still running (``live``: group -> (its
+    request indices, its ``messages()``)), the results as they come, and, when watched, the
+    requests cancelled meanwhile (``gone``)."""
+
+    def __init__(self, requests: list[ScoreRequest], on_result, stop, cancelled) -> None:
+        self.results: list[RequestResult | None] = [None] * len(requests)
+        self.on_result, self.stop, self.cancelled = on_result, stop, cancelled
+        self.watched = stop is not None or cancelled is not None
+        self.live: dict[WorkerGroup, tuple[list[int], object]] = {}
+        self.gone: set[int] = set()
+        self.stopped = False
+        self.error: LogprobeError | None = None
+
+    def wait(self) -> None:
+        """Until every replica is done: take each message as it comes; when watched, look for
+        cancellations at least every ``WATCH_S`` seconds."""
+        while self.live:
+            ready = connection.wait([c for g in self.live for c in g.conns] +
+                                    [p.sentinel for g in self.live for p in g.procs],
+                                    timeout=WATCH_S if self.watched else None)
+            if self.watched:
+                self.watch()
+            for g in [g for g in list(self.live) if any(c in ready for c in g.conns + [p.sentinel for p in g.procs])]:
+                self.take(g)
+
+    def take(self, g: WorkerGroup) -> None:
+        """The next message of replica ``g``: a result (not delivered when its request is gone)."""
+        idx, it = self.live[g]
+        try:
+            msg = next(it)
+        except StopIteration:
+            del self.live[g]
+            return
+        except LogprobeError as e:  # this replica is done (or dead); let the others finish
+            self.error = self.error or e
+            del self.live[g]
+            return
+        if msg is None or idx[msg.index] in self.gone:
+            return
+        i = idx[msg.index]
+        self.results[i] = msg.result
+        if self.on_result is not None:
+            self.on_result(i, msg.result)
+
+    def watch(self) -> None:
+        """Send each replica the requests of its that became cancelled (all of them once ``stop()``)."""
+        if not self.stopped and self.stop is not None and self.stop():
+            self.stopped = True
+        for g, (idx, _) in self.live.items():
+            new = [k for k, i in enumerate(idx) if self.results[i] is None and i not in self.gone
+                   and (self.stopped or (self.cancelled is not None and self.cancelled(i)))]
+            if new:
+                self.gone.update(idx[k] for k in new)
+                try:
+                    g.cancel(new)
+                except OSError:  # a worker is gone: its replica's messages() says so
+                    pass
 
 
 __all__ = ["ParallelEngine", "assign_replicas", "recv"]

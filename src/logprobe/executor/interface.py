@@ -4,11 +4,12 @@ both implement it, so no caller tells them apart by type:
 
     executor.run(requests, on_result=..., on_error=..., stop=..., cancelled=...)  -> results in input order
     executor.config                (read; set: later runs use it, max_batch_tokens None keeps the budget)
-    executor.per_request_errors    True:  on_error(i, e) per request that fails alone, the rest go on;
-                                          stop() asked between passes, cancelled(i) before each
-                                          pass that would run request i (True: dropped, slot None)
-                                   False: on_error(i, e) for each request of a failed replica;
-                                          stop() and cancelled(i) asked once, before the workers start
+    executor.per_request_errors    True:  on_error(i, e) per request that fails alone, the rest go on
+                                   False: on_error(i, e) for each request of a failed replica
+    stop() and cancelled(i)        asked before each pass (in process) or every few milliseconds
+                                   while the workers run (they leave a cancelled request out of
+                                   every pass after the one under way): cancelled(i) True drops
+                                   request i (slot None), stop() True ends the run (RunStopped)
     executor.in_process            True:  the model runs here (loading.update copies into it);
                                    False: worker processes hold the weights (stage_weights, end_weights)
     executor.close()               stop the workers (a no-op in process)

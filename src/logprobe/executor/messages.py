@@ -3,11 +3,12 @@ frozen records, pickled whole and read with ``match``. They live in their own mo
 sides name them ``logprobe.executor.messages.X`` (a worker runs ``executor.workers`` as
 ``__main__``, whose classes the driver could not unpickle).
 
-    driver -> worker : Run(requests, config) | Profile(requests, config) | StageWeights(pairs)
-                       | EndWeights(step) | Close()
+    driver -> worker : Run(requests, config, watched) | Profile(requests, config) | StageWeights(pairs)
+                       | EndWeights(step) | Close(); during a watched run, Cancel(indices)
     worker -> driver : Ready(param_bytes, load_peak_bytes, budget) once, then per run
-                       Results([Result(index, result), ...])... (rank 0, a pass's results each),
-                       Profiled(profile) (every rank, after a Profile) and Done() | Failed(field,
+                       Results([Result(index, result), ...], passes)... (rank 0, a pass's results
+                       each; a watched run: also after a pass that delivered none),
+                       Profiled(profile) (every rank, after a Profile) and Done(passes) | Failed(field,
                        problem, fix)
 
 >>> match Failed("model", "no such file", "check the path"):
@@ -29,10 +30,22 @@ from .profile import RankProfile
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Run ``requests`` under the driver's ``config`` of this run (e.g. deterministic on or off)."""
+    """Run ``requests`` under the driver's ``config`` of this run (e.g. deterministic on or off).
+    ``watched``: the driver may cancel requests while it runs (``Cancel``): the ranks read and
+    agree on the cancellations between passes, and rank 0 reports each pass (``Results``)."""
 
     requests: list
     config: EngineConfig
+    watched: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Requests ``indices`` of the watched run under way are cancelled: none of their passes
+    after the one under way is computed, and their results are not sent. Sent to every rank of
+    the replica; one that arrives after the run ended is ignored."""
+
+    indices: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +101,11 @@ class Result:
 @dataclass(frozen=True, slots=True)
 class Results:
     """Rank 0's ``Result`` records of one pass, in the order the engine delivered them: one
-    message a pass instead of one a request (``workers.Outbox``)."""
+    message a pass instead of one a request (``workers.Outbox``); ``passes``: the forward passes
+    its engine has computed so far (``Engine.passes``, since the worker started)."""
 
     items: list
+    passes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +117,9 @@ class Profiled:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    pass
+    """A run, or a weight step, is over; after a run ``passes`` is as in ``Results``."""
+
+    passes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,8 @@ rank of a replica runs the same engine loop on the same requests (planning is a 
 them), so the ranks meet at the same collectives without any per-batch messages; rank 0 sends
 each pass's ``Result`` records back as one ``Results`` message once the pass is read (``Outbox``),
 every rank sends ``Done`` at the end (the messages are the small records of ``executor.messages``,
-read with ``match``).
+read with ``match``). A watched run (the server's) can lose requests on the way: the driver sends
+``Cancel`` to every rank, and the ranks agree between passes on which to leave out (``Watch``).
 
 Workers are fresh interpreters (``python -c`` calling ``executor.workers._main``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from multiprocessing import connection
 
@@ -45,6 +47,7 @@ from ..loading.loader import load_shard
 from ..loading.update import StagedWeights
 from ..parallel.context import ParallelContext
 from .messages import (
+    Cancel,
     Close,
     Done,
     EndWeights,
@@ -150,60 +153,135 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))
         engine = Engine(loaded.model, config, torch.device(device))
+        control = _control_group(spec)
         send(conn, Ready(_param_bytes(loaded.model), peak.growth, config.max_batch_tokens))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then this process ends
         send(conn, _error(e))
         return
     stage = None  # a weight update in progress (loading.update.StagedWeights)
+    later: deque = deque()  # messages a watched run read while looking for Cancel
     while True:
         try:
-            msg = recv(conn)
+            msg = later.popleft() if later else recv(conn)
         except (EOFError, OSError):  # the driver is gone
             break
         match msg:
             case Close():
                 break
+            case Cancel():  # for a run that ended before it came
+                pass
             case StageWeights() | EndWeights():
                 stage = _weights_message(msg, loaded.model, stage, conn)
-            case Run(requests, run_config) | Profile(requests, run_config):
-                outbox = Outbox(conn) if rank == 0 else None
-                on_result, on_batch = (outbox.add, outbox.flush) if outbox is not None else (None, None)
-                try:
-                    if isinstance(msg, Profile):  # the same run, measured (executor.profile)
-                        send(conn, Profiled(profile_run(engine, requests, run_config, rank, on_result, on_batch)))
-                    else:
-                        engine.config = run_config
-                        engine.run(requests, on_result=on_result, progress=False, on_batch=on_batch)
-                    if outbox is not None:
-                        outbox.flush()
-                    send(conn, Done())
-                except BaseException as e:  # noqa: BLE001
-                    if outbox is not None and not isinstance(e, OSError):
-                        outbox.flush()  # the results delivered before the error reach the driver first
-                    send(conn, _error(e))
+            case Run() | Profile():
+                _run(msg, engine, rank, conn, control, later)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _run(msg: Run | Profile, engine: Engine, rank: int, conn, control, later: deque) -> None:
+    """One run on this rank: rank 0 sends its results a pass at a time, every rank ``Done`` (with
+    the engine's pass count) or ``Failed``. A watched run reads its cancellations (``Watch``,
+    agreed over ``control``) between passes."""
+    outbox = Outbox(conn, engine) if rank == 0 else None
+    on_result, on_batch = (outbox.add, outbox.flush) if outbox is not None else (None, None)
+    watch = Watch(conn, control, later, outbox) if isinstance(msg, Run) and msg.watched else None
+    try:
+        if isinstance(msg, Profile):  # the same run, measured (executor.profile)
+            send(conn, Profiled(profile_run(engine, msg.requests, msg.config, rank, on_result, on_batch)))
+        else:
+            engine.config = msg.config
+            engine.run(msg.requests, on_result=on_result, progress=False, on_batch=on_batch,
+                       stop=None if watch is None else watch.between,
+                       cancelled=None if watch is None else watch.cancelled)
+        if outbox is not None:
+            outbox.flush()
+        send(conn, Done(engine.passes))
+    except BaseException as e:  # noqa: BLE001
+        if outbox is not None and not isinstance(e, OSError):
+            outbox.flush()  # the results delivered before the error reach the driver first
+        send(conn, _error(e))
+
+
+def _control_group(spec: LaunchSpec):
+    """The group the ranks of a replica agree on cancellations over (``Watch``): None alone; the
+    model's own gloo group on CPU; a gloo group beside NCCL on CUDA (agreeing over NCCL would
+    make the host wait for the GPU's queue before every pass)."""
+    import torch.distributed as dist
+
+    if spec.tp == 1:
+        return None
+    return dist.new_group(backend="gloo") if spec.device == "cuda" else dist.group.WORLD
+
+
+class Watch:
+    """A watched run's cancellations, as every rank of the replica agrees on them. ``between`` is
+    ``Engine.run``'s ``stop`` (never True): asked before every forward pass, at the same point of
+    the same plan on every rank. There each rank reads the ``Cancel`` messages that have come,
+    and the ranks apply the first n, n the fewest any of them has read (an all-reduce MIN over
+    ``group``): all leave the same requests out of the same passes, whatever the order the
+    messages reached them in. ``cancelled`` is ``Engine.run``'s ``cancelled``. Rank 0 also
+    reports each pass to the driver (its ``outbox``), so the server's pass count is live.
+
+        rank 0 has read Cancel(a), Cancel(b); rank 1 only Cancel(a)  -> both drop a now,
+        and b before the next pass (rank 1 has read it by then, or later: never one rank alone).
+
+    Messages other than ``Cancel`` read meanwhile (none are sent during a run) wait in ``later``.
+    """
+
+    def __init__(self, conn, group, later: deque, outbox: Outbox | None) -> None:
+        self.conn, self.group, self.later, self.outbox = conn, group, later, outbox
+        self.read: list[tuple[int, ...]] = []  # Cancel messages read, in order
+        self.applied = 0  # how many of them every rank has applied
+        self.gone: set[int] = set()
+
+    def between(self) -> bool:
+        import torch.distributed as dist
+
+        if self.outbox is not None:
+            self.outbox.flush(report=True)
+        while self.conn.poll(0):
+            msg = recv(self.conn)
+            if isinstance(msg, Cancel):
+                self.read.append(msg.indices)
+            else:
+                self.later.append(msg)
+        n = len(self.read)
+        if self.group is not None:
+            t = torch.tensor([n], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            n = int(t.item())
+        for indices in self.read[self.applied:n]:
+            self.gone.update(indices)
+        self.applied = n
+        return False
+
+    def cancelled(self, i: int) -> bool:
+        return i in self.gone
 
 
 class Outbox:
     """Rank 0's results of one run on their way to the driver: ``add`` keeps each as the engine
     delivers it, ``flush`` (``Engine.run``'s ``on_batch``, after each pass) sends those kept as one
-    ``Results`` message. With a message a request, the driver woke, polled and unpickled once for
-    each of a pass's ~128 requests, and rank 0's two-GPU W1 run ended 24 ms after its last kernel
-    (rank 1, which sends nothing: 3 ms)."""
+    ``Results`` message, with the engine's pass count. With a message a request, the driver woke,
+    polled and unpickled once for each of a pass's ~128 requests, and rank 0's two-GPU W1 run
+    ended 24 ms after its last kernel (rank 1, which sends nothing: 3 ms). ``flush(report=True)``
+    (a watched run, before each pass) sends the count alone when passes went by without results
+    (a long request's chunks)."""
 
-    __slots__ = ("conn", "items")
+    __slots__ = ("conn", "engine", "items", "reported")
 
-    def __init__(self, conn) -> None:
-        self.conn, self.items = conn, []
+    def __init__(self, conn, engine: Engine) -> None:
+        self.conn, self.engine, self.items = conn, engine, []
+        self.reported = engine.passes
 
     def add(self, index: int, result) -> None:
         self.items.append(Result(index, result))
 
-    def flush(self) -> None:
-        if self.items:
+    def flush(self, report: bool = False) -> None:
+        if self.items or (report and self.engine.passes != self.reported):
             items, self.items = self.items, []
-            send(self.conn, Results(items))
+            self.reported = self.engine.passes
+            send(self.conn, Results(items, self.reported))
 
 
 def _weights_message(msg: StageWeights | EndWeights, model, stage, conn):
@@ -316,6 +394,7 @@ class WorkerGroup:
         host, port = listener.getsockname()[:2]
         self.procs: list[_Proc] = []
         self.conns: list = [None] * spec.tp
+        self.passes = 0  # forward passes rank 0 has reported (``Results``, ``Done``)
         try:
             for rank in range(spec.tp):
                 cmd = [sys.executable, "-c", _ENTRY, host, str(port), key.hex(), str(rank)]
@@ -360,11 +439,17 @@ class WorkerGroup:
                 return
         raise WorkerDied("tensor_parallel_size", f"workers did not connect within {READY_TIMEOUT_S:.0f} s")
 
-    def submit(self, requests, config: EngineConfig, profiled: bool = False) -> None:
-        """Every rank runs ``requests`` (``profiled``: under the profiler, ``Profile``)."""
-        data = dumps((Profile if profiled else Run)(requests, config))  # pickled once for every rank
+    def submit(self, requests, config: EngineConfig, profiled: bool = False, watched: bool = False) -> None:
+        """Every rank runs ``requests`` (``profiled``: under the profiler, ``Profile``; ``watched``:
+        ``cancel`` may drop some while it runs)."""
+        data = dumps(Profile(requests, config) if profiled else Run(requests, config, watched))  # once for all
         for conn in self.conns:
             conn.send_bytes(data)
+
+    def cancel(self, indices: list[int]) -> None:
+        """Requests ``indices`` of the watched run under way: no pass of theirs after the one under
+        way (``Watch``); their results, if any come, are the caller's to ignore."""
+        self.broadcast(Cancel(tuple(indices)))
 
     def broadcast(self, msg, rank: int | None = None) -> None:
         """Send ``msg`` to every rank (or to one)."""
@@ -374,7 +459,9 @@ class WorkerGroup:
 
     def messages(self):
         """Yield ``Result``s from rank 0 (and each rank's ``Profiled`` after a ``Profile``) until
-        every rank is done; raise a rank's error."""
+        every rank is done; raise a rank's error. A message that brings neither (a pass's count
+        alone, a rank's ``Done``) yields None: each step reads only what has come, so a caller
+        that waits on ``conns`` first never blocks in it. ``passes``: rank 0's count, as it comes."""
         done, error = set(), None
         while len(done) < len(self.conns):
             for rank in self._ready(sorted(set(range(len(self.conns))) - done)):
@@ -383,15 +470,21 @@ class WorkerGroup:
                 except (EOFError, OSError):  # its end of the socket closed: the process is going
                     self._died(rank)
                 match msg:
-                    case Results(items):
-                        yield from items
+                    case Results(items, passes):
+                        self.passes = passes
+                        yield from items or (None,)
+                        continue
                     case Profiled():
                         yield msg
+                        continue
                     case Failed():
-                        done.add(rank)
                         error = error or msg
-                    case _:
-                        done.add(rank)
+                    case Done(passes):
+                        if rank == 0 and passes is not None:
+                            self.passes = passes
+                done.add(rank)
+                if len(done) < len(self.conns):
+                    yield None
         if error is not None:
             raise error.error()
 

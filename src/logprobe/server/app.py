@@ -176,6 +176,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
                       config.max_queue_tokens, config.batching, metrics.observe_step,
                       lambda reason: metrics.dropped.labels(reason).inc(),
                       lambda tokens, limit: scorer.prefix_cache.peek(tokens, limit) if scorer.prefix_cache is not None else 0)
+    metrics.watch(batcher)
     lifecycle = Lifecycle(batcher)
     weights = ServedWeights(scorer, batcher, config.weight_sync_timeout)
 

@@ -200,6 +200,11 @@ class Batcher:
         return self._accepting
 
     @property
+    def busy(self) -> bool:
+        """An engine step is running."""
+        return self._busy
+
+    @property
     def queue_depth(self) -> tuple[int, int]:
         """(jobs, input tokens) waiting or running."""
         with self._cond:

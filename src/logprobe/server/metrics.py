@@ -5,8 +5,9 @@ from __future__ import annotations
 import gc
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
-from .batcher import StepStats
+from .batcher import Batcher, StepStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -57,6 +58,9 @@ class Metrics:
         Gauge("logprobe_gc_frozen_objects", "Objects left out of the garbage collector's scans "
               "(`logprobe serve` freezes what exists once the model is loaded)",
               registry=r).set_function(gc.get_freeze_count)
+        inner = getattr(engine, "inner", engine)  # the engine behind the result cache (``executor.cached``)
+        if hasattr(inner, "passes"):  # Engine and ParallelEngine
+            r.register(_Passes(inner))
         if engine is not None and hasattr(engine, "oom_count"):  # Engine (not ParallelEngine)
             Gauge("logprobe_engine_out_of_memory", "Out-of-memory errors the engine met and split around",
                   registry=r).set_function(lambda: float(engine.oom_count))
@@ -74,6 +78,12 @@ class Metrics:
                 Gauge(f"logprobe_prefix_cache_{name}", text, registry=r).set_function(
                     lambda key=key: float(cache.stats.as_dict()[key]))
 
+    def watch(self, batcher: Batcher) -> None:
+        """``logprobe_engine_busy``: 1 while the batcher's engine step runs (a client that went
+        away leaves it 0 within one pass), read when scraped."""
+        Gauge("logprobe_engine_busy", "1 while an engine step runs, else 0",
+              registry=self.registry).set_function(lambda: float(batcher.busy))
+
     def observe_step(self, s: StepStats) -> None:
         self.batch_requests.observe(s.requests)
         self.batch_jobs.observe(s.jobs)
@@ -84,3 +94,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Passes:
+    """``logprobe_engine_passes_total``: forward passes the engine has computed, read when scraped
+    (a counter the engine keeps: ``Engine.passes``, ``ParallelEngine.passes``)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        yield CounterMetricFamily("logprobe_engine_passes", "Forward passes the engine has computed",
+                                  value=float(self.engine.passes))
