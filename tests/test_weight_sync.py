@@ -247,6 +247,20 @@ def test_metadata_checked_against_the_model(models):
     assert len(first.units) == len(good) and first.names >= set(hf)
 
 
+def test_receiver_imports_torch_only():
+    """The receiver process runs ``loading/receiver.py`` by path: it must import nothing of the
+    package (no model, a small start), only the standard library and torch."""
+    import ast
+
+    from logprobe.loading import receiver
+    tree = ast.parse(open(receiver.__file__).read())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+        {"." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    tops = {n.split(".")[0] for n in names}
+    assert tops - set(sys.stdlib_module_names) == {"torch"}, tops
+
+
 def _load(d):
     from safetensors.torch import load_file
     return load_file(str(d / "model.safetensors"))
