@@ -274,3 +274,17 @@ def test_world_size_refused_before_connecting(setup, world_size):
         with pytest.raises(BlockingIOError):
             store.accept()
     assert r.status_code == 400 and r.json()["error"]["param"] == "world_size", r.json()
+
+
+def test_weight_sync_timeout_option():
+    """``logprobe serve --weight-sync-timeout S`` -> ``ServerConfig.weight_sync_timeout``, a number
+    of seconds > 0 (else refused, naming it)."""
+    from logprobe.cli.main import build_parser
+    from logprobe.errors import LogprobeError
+    args = build_parser().parse_args(["serve", "--model", "m", "--weight-sync-timeout", "7.5"])
+    assert args.weight_sync_timeout == 7.5
+    assert ServerConfig().weight_sync_timeout == 300.0
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(LogprobeError) as e:
+            ServerConfig(weight_sync_timeout=bad)
+        assert e.value.field == "weight_sync_timeout", bad
