@@ -17,6 +17,7 @@ request, scored from the first of them on (the last context row predicts the fir
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from ..engine.request import ScoreRequest
@@ -28,9 +29,48 @@ from .options import HeadOptions
 from .work import Job, ScoringContext
 
 
-def check_messages(messages, field: str = "messages") -> list[dict]:
+# OpenAI's message roles: a template that writes a message's role into the text takes these
+STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
+_OUTPUT = re.compile(r"\{\{.*?\}\}", re.S)  # a template's {{ ... }} blocks
+_COMPARED = re.compile(r"""role['"]?\]?\s*(?:==|!=)\s*['"]([A-Za-z_][\w-]*)['"]|"""
+                       r"""['"]([A-Za-z_][\w-]*)['"]\s*(?:==|!=)\s*[\w.\[\]'"]*\brole\b""")
+_LISTED = re.compile(r"""\brole['"]?\]?\s+(?:not\s+)?in\s+[\[(]([^\])]*)[\])]""")
+
+
+def template_roles(template: str | dict) -> tuple[str, ...]:
+    """The message roles a chat template takes: the standard ones (``STANDARD_ROLES``) when it
+    writes a message's role into the text (ChatML's ``'<|im_start|>' + message['role']``), else
+    user and assistant and those it names; and any role it compares a message's role with (Llama
+    3.1's ``message.role == "ipython"``). A role outside them would be rendered as text the model
+    never saw in that place (``"wizard"``: ``<|im_start|>wizard``), or refused by the template's
+    own ``raise_exception`` with a message about something else.
+
+    >>> chatml = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] }}{% endfor %}"
+    >>> template_roles(chatml)
+    ('system', 'user', 'assistant', 'tool', 'developer')
+    >>> template_roles("{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] }}"
+    ...                "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{% else %}"
+    ...                "{{ raise_exception('Only user and assistant roles') }}{% endif %}{% endfor %}")
+    ('user', 'assistant')
+    >>> template_roles(chatml + "{% if m.role == 'ipython' %}{% endif %}")[-1]
+    'ipython'
+    """
+    text = "\n".join(template.values()) if isinstance(template, dict) else str(template)
+    named = {a or b for a, b in _COMPARED.findall(text)}
+    for listed in _LISTED.findall(text):
+        named |= set(re.findall(r"""['"]([A-Za-z_][\w-]*)['"]""", listed))
+    named |= {r for r in STANDARD_ROLES if re.search(rf"""['"]{r}['"]""", text)}
+    writes_role = any(re.search(r"\brole\b", block) and "raise_exception" not in block
+                      for block in _OUTPUT.findall(text))
+    base = set(STANDARD_ROLES) if writes_role else {"user", "assistant"}
+    roles = base | named
+    return tuple(r for r in STANDARD_ROLES if r in roles) + tuple(sorted(roles - set(STANDARD_ROLES)))
+
+
+def check_messages(messages, field: str = "messages", roles: Sequence[str] | None = None) -> list[dict]:
     """``messages`` as a list of ``{"role", "content"}`` dicts (strings), the last one the
-    assistant's, with at least one message before it."""
+    assistant's, with at least one message before it; each role one of ``roles`` (the chat
+    template's, ``template_roles``) when given."""
     if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or len(messages) < 2:
         raise LogprobeError(field, "must be a list of at least two {role, content} messages, the last one the "
                             "assistant's", 'e.g. [{"role": "user", "content": "Hi"}, {"role": "assistant", '
@@ -39,6 +79,9 @@ def check_messages(messages, field: str = "messages") -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise LogprobeError(f"{field}[{i}]", "must be an object with a string role and a string content")
+        if roles is not None and m["role"] not in roles:
+            raise LogprobeError(f"{field}[{i}].role", f"{m['role']!r} is not a role the model's chat template takes",
+                                f"use one of: {', '.join(roles)}")
         out.append({"role": m["role"], "content": m["content"]})
     if out[-1]["role"] != "assistant":
         raise LogprobeError(f"{field}[{len(out) - 1}].role", f"is {out[-1]['role']!r}: the scored message is the "
@@ -64,7 +107,7 @@ def chat_ids(context: ScoringContext, messages, field: str = "messages") -> tupl
     if not getattr(tokenizer.hf, "chat_template", None):
         raise LogprobeError(field, f"{context.name} has no chat template (its tokenizer defines none)",
                             "score the rendered text with score(prompt, continuation), or load an instruct model")
-    messages = check_messages(messages, field)
+    messages = check_messages(messages, field, template_roles(tokenizer.hf.chat_template))
     prompt = _template_ids(tokenizer, messages[:-1], True, field)
     full = _template_ids(tokenizer, messages, False, field)
     if full[:len(prompt)] != prompt or len(full) == len(prompt):

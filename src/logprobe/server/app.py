@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import PlainTextResponse, Response
+from fastapi.routing import APIRoute
 
 from .. import __version__
 from ..scorer import Scorer
@@ -43,6 +44,18 @@ from .served import Served
 from .weights import ServedWeights
 
 OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers, probes)
+NO_HEAD = {"/flush_cache"}  # GET routes with an effect: a HEAD probe must not empty the prefix cache
+
+
+def add_head_routes(app: FastAPI, routes: list) -> None:
+    """HEAD on each GET route of ``routes`` (but ``NO_HEAD``), answered as its GET: the same status
+    and headers, no body (uvicorn sends none to a HEAD). Load balancers probe ``/health`` with
+    HEAD; FastAPI's routes answer only the methods they name (405). Kept out of the OpenAPI
+    document, which lists each operation once."""
+    for route in routes:
+        if isinstance(route, APIRoute) and "GET" in route.methods and route.path not in NO_HEAD:
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], name=f"{route.name}_head",
+                              response_class=route.response_class, include_in_schema=False)
 
 
 class Gate:
@@ -98,6 +111,7 @@ class Gate:
             if messages is None:  # the client went away while sending
                 status["code"] = 499
                 return None
+            scope["logprobe.body"] = messages  # for the error of a body the JSON parser cannot read
             replay = iter(messages)
 
             async def receive_read():
@@ -222,6 +236,7 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     routers = [openai_router(served), chat_router(served), native_router(served), rl_router(served, pause.wait), pause_router(served, pause), ops]
     for router in routers:
         app.include_router(router)
+    add_head_routes(app, [*app.routes, *(r for x in routers for r in x.routes)])
     routes = {getattr(r, "path", "") for r in [*app.routes, *(r for x in routers for r in x.routes)]} - {""}
     app.add_middleware(Gate, config=config, metrics=metrics, routes=routes, lifecycle=lifecycle)
     return app

@@ -24,9 +24,11 @@ from .schemas import (
 from .schemas_chat import ChatCompletionRequest
 from .schemas_rl import GenerateRequest, UpdateWeightsRequest
 from .served import ModelNotFound, RequestTooLarge
-from .validation import validation_message
+from .validation import parse_failure, validation_message
 
 log = logging.getLogger("logprobe.server")
+# FastAPI's whole answer when its JSON parser raises anything but a syntax error (``parse_failure``)
+PARSE_ERROR = "There was an error parsing the body"
 # the body model of each route, for naming the field of a validation error
 BODIES = {"/v1/completions": CompletionRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/score": ScoreBody, "/v1/logprobs": LogprobsBody, "/v1/perplexity": PerplexityBody,
@@ -56,7 +58,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        field, message = validation_message(list(exc.errors()), BODIES.get(request.url.path))
+        field, message = validation_message(list(exc.errors()), BODIES.get(request.url.path), exc.body)
         ctype = request.headers.get("content-type", "")
         if field == "body" and "json" not in ctype:
             message += f" (the request was sent as {ctype or 'no content type'}: send Content-Type: application/json)"
@@ -105,6 +107,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == PARSE_ERROR:  # not UTF-8, nested too deep, ...
+            messages = request.scope.get("logprobe.body")  # the body as the Gate read it
+            body = b"".join(m.get("body", b"") for m in messages) if messages is not None else None
+            return error_response(400, parse_failure(exc.__cause__, body), "body", "invalid_value")
         message = {404: f"{request.url.path}: no such endpoint; see /docs for the list",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))

@@ -2,11 +2,19 @@
 
     {"sampling_params": {"temprature": 0}}  ->  400 "sampling_params.temprature: is not a known field;
                                                  accepted fields: max_new_tokens, temperature, ..."
+
+A body the JSON parser cannot read says where (``parse_failure``, ``validation_message``):
+
+    b'{"prompt": "caf\\xe9"}'  ->  "body: is not valid UTF-8 at byte 15 (line 1, column 16: invalid
+                                    continuation byte 0xe9); send the JSON text encoded as UTF-8"
+    b'[' * 10000 + b']' * 10000 -> "body: is nested deeper than the JSON parser reads (about 1,000 levels
+                                    of arrays and objects; this body reaches 10,000 at byte 9,999); ..."
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import typing
 
 from pydantic import BaseModel
@@ -78,8 +86,58 @@ def _nested_model(annotation) -> type | None:
     return next((m for a in typing.get_args(annotation) if (m := _nested_model(a)) is not None), None)
 
 
-def validation_message(errors: list[dict], model: type | None = None) -> tuple[str, str]:
-    """The first problem, stated as ``field: problem; fix`` (plus a count of any others)."""
+def _line_column(text: str | bytes, offset: int) -> tuple[int, int]:
+    """1-based line and column of ``offset`` in ``text`` (bytes: the column counts bytes).
+
+    >>> _line_column('{"a":\\n  x}', 8), _line_column(b"ab", 1)
+    ((2, 3), (1, 2))
+    """
+    newline = "\n" if isinstance(text, str) else b"\n"
+    return text.count(newline, 0, offset) + 1, offset - (text.rfind(newline, 0, offset) + 1) + 1
+
+
+def _nesting(body: bytes) -> tuple[int, int]:
+    """(the deepest nesting of arrays and objects in a JSON body, the byte offset of the bracket
+    that first reaches it); brackets inside strings do not count.
+
+    >>> _nesting(b'{"a": [[1], "[[["]}')
+    (3, 7)
+    """
+    import numpy as np
+
+    plain = re.sub(rb'"(?:[^"\\]|\\.)*"', lambda m: b"_" * len(m.group(0)), body)
+    a = np.frombuffer(plain, dtype=np.uint8)
+    depth = np.cumsum((a == ord("[")) | (a == ord("{")), dtype=np.int64) - \
+        np.cumsum((a == ord("]")) | (a == ord("}")), dtype=np.int64)
+    if not len(depth):
+        return 0, 0
+    at = int(np.argmax(depth))
+    return int(depth[at]), at
+
+
+def parse_failure(cause: BaseException | None, body: bytes | None) -> str:
+    """What FastAPI only calls "There was an error parsing the body" (its JSON parser raised
+    something other than a syntax error), as ``body: problem; fix``: bytes that are not UTF-8
+    (where), nesting deeper than the parser's recursion (how deep, where), else the error."""
+    if isinstance(cause, UnicodeDecodeError):
+        line, col = _line_column(cause.object, cause.start)
+        byte = cause.object[cause.start:cause.start + 1].hex()
+        return (f"body: is not valid {cause.encoding.upper()} at byte {cause.start} (line {line}, column {col}: "
+                f"{cause.reason} 0x{byte}); send the JSON text encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        where = ""
+        if body is not None:
+            depth, at = _nesting(body)
+            where = f"; this body reaches {depth:,} at byte {at:,}"
+        return (f"body: is nested deeper than the JSON parser reads (about {sys.getrecursionlimit():,} levels of "
+                f"arrays and objects{where}); send the fields as documented (none nests more than a few levels)")
+    what = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    return f"body: could not be read as JSON{what}; send a JSON object encoded as UTF-8"
+
+
+def validation_message(errors: list[dict], model: type | None = None, doc: str | None = None) -> tuple[str, str]:
+    """The first problem, stated as ``field: problem; fix`` (plus a count of any others). ``doc``:
+    the body's text, for the line and column of a JSON syntax error."""
     # a misspelt field shows up as "unknown" and "missing": the unknown one explains both
     errors = sorted(errors, key=lambda x: x.get("type") != "extra_forbidden")
     e, others = _pick(errors)
@@ -90,7 +148,12 @@ def validation_message(errors: list[dict], model: type | None = None) -> tuple[s
     field = _loc(loc)
     kind = e.get("type", "")
     if kind == "json_invalid":
-        field, msg = "body", f"is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))}); send a JSON object"
+        pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+        where = ""
+        if pos is not None and isinstance(doc, str):
+            line, col = _line_column(doc, pos)
+            where = f" at line {line}, column {col} (character {pos})"
+        field, msg = "body", f"is not valid JSON{where}: {e.get('ctx', {}).get('error', e.get('msg'))}; send a JSON object"
     elif kind == "extra_forbidden":
         inner = _model_at(model, loc[:-1])
         known = ", ".join(inner.model_fields) if inner is not None else ""
