@@ -92,21 +92,24 @@ def test_block_on_two_gpus(experts, tmp_path):
             assert torch.equal(got[True], one(x).cpu())
 
 
-def _rows_worker(rank: int, bounds: tuple[int, ...], rdv: str, out: str) -> None:
-    """Data-parallel attention's MoE layer: rank r holds rows bounds[r]:bounds[r + 1] of x."""
+def _rows_worker(rank: int, size: int, bounds: tuple[int, ...], overlap_rows: int, rdv: str, out: str) -> None:
+    """Data-parallel attention's MoE layer: rank r holds rows bounds[r]:bounds[r + 1] of x; a layer's
+    rows go in parts from ``overlap_rows`` own rows on (``Experts.OVERLAP_ROWS``)."""
     import torch.distributed as dist
 
+    from logprobe.layers.moe import Experts
     from logprobe.parallel.rows import RowSplit
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{rdv}", rank=rank, world_size=2)
-    ctx = ParallelContext(rank, 2, None, blocks=8, experts=2, attention="data")
+    Experts.OVERLAP_ROWS = overlap_rows
+    dist.init_process_group("nccl", init_method=f"file://{rdv}", rank=rank, world_size=size)
+    ctx = ParallelContext(rank, size, None, blocks=8, experts=size, attention="data")
     block, x = _block(ctx, f"cuda:{rank}", torch.bfloat16)
     split = RowSplit(bounds, rank)
     a, b = split.own
     got = {}
     for det in (False, True):
-        block.set_numerics(_numerics(det, 2))
+        block.set_numerics(_numerics(det, size))
         with torch.no_grad():
             got[det] = split.gather(ctx, block(x[a:b], None, split)).cpu()
     if rank == 0:
@@ -115,14 +118,19 @@ def _rows_worker(rank: int, bounds: tuple[int, ...], rdv: str, out: str) -> None
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("bounds", [(0, 1400, T), (0, 0, T)])
-def test_block_rows_split_on_two_gpus(bounds, tmp_path):
-    """Each GPU owns its rows (``bounds``; one GPU none): default mode within two bf16 ulps of one
-    GPU, deterministic mode (its slots sent whole to their rows' GPU) bitwise one GPU."""
+@pytest.mark.parametrize("bounds,overlap_rows", [((0, 1400, T), 2048), ((0, 0, T), 2048), ((0, 1400, T), 256),
+                                                 ((0, 700, 1500, 2300, T), 2048), ((0, 700, 1500, 2300, T), 256)])
+def test_block_rows_split_on_gpus(bounds, overlap_rows, tmp_path):
+    """Each GPU owns its rows (``bounds``; one GPU none), 2 or 4 GPUs, the layer whole or in parts:
+    default mode within two bf16 ulps of one GPU, deterministic mode (each rank's subtree of the
+    combine tree, summed over the GPUs by recursive halving) bitwise one GPU."""
     import torch.multiprocessing as mp
 
+    size = len(bounds) - 1
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
     out = tmp_path / "got.pt"
-    mp.spawn(_rows_worker, args=(bounds, str(tmp_path / "rdv"), str(out)), nprocs=2)
+    mp.spawn(_rows_worker, args=(size, bounds, overlap_rows, str(tmp_path / "rdv"), str(out)), nprocs=size)
     got = torch.load(out)
     one, x = _block(ParallelContext(blocks=8), "cuda:0", torch.bfloat16)
     with torch.no_grad():
@@ -132,6 +140,6 @@ def test_block_rows_split_on_two_gpus(bounds, tmp_path):
         det = one(x).cpu()
     ulp = want.abs().max().item() * 2.0**-7
     d_one = (got[False].float() - want).abs().max().item()
-    print(f"rows {bounds}: default vs one GPU {d_one:.3e}")
+    print(f"rows {bounds}, parts from {overlap_rows}: default vs one GPU {d_one:.3e}")
     assert d_one <= 2 * ulp
     assert torch.equal(got[True], det)

@@ -190,3 +190,19 @@ def test_deterministic_expert_layer_over_ranks_is_one_process(size, tmp_path):
     for name in ("whole", "parts"):
         got = torch.cat([torch.load(f"{out}.{r}")[name] for r in range(size)])
         assert torch.equal(_bits(got), _bits(want)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_on_cuda_bitwise_the_definition(dtype):
+    """On CUDA, ``combine_leaves`` (rounded to float32 or bf16) is bitwise ``combine_tree`` computed
+    by PyTorch's CUDA elementwise ops, at a model's width and 8 leaves."""
+    from logprobe.kernels.moe import combine_leaves
+
+    y, w, ids = _case(T=300, k=8, H=2048, E=128, seed=3)
+    y, w, ids = y.cuda().to(dtype), w.cuda(), ids.cuda()
+    for leaves, leaf in ((8, ids // 16), (4, ids // 16 - 4), (1, ids // 128)):
+        want = combine_tree(y, w, leaf, leaves).to(dtype)
+        got = combine_leaves(y.reshape(-1, 2048), w, leaf, leaves, dtype)
+        assert torch.equal(got, want), leaves
