@@ -288,7 +288,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (labelled in the output)")
     ap.add_argument("--sizes", default="1x1,2x1,2x2", help="TPxEP pairs, the first is the reference")
-    ap.add_argument("--modes", default="default,det")
+    ap.add_argument("--modes", default="default,det",
+                    help="default, det; with ':onebatch' (e.g. default:onebatch): micro-batches off, for comparison")
     ap.add_argument("--attention", default="auto",
                     help="attention layouts to time above one GPU, comma-separated: data, tensor, auto (the model's)")
     ap.add_argument("--dir", default="/tmp/logprobe-moe-parallel")
@@ -339,10 +340,14 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
     load = time.perf_counter() - t
     reqs = workload("W1", s.info.vocab_size)[:args.limit or None]
     for mode in args.modes.split(","):
-        if mode == "det" and ep != tp and args.device == "cuda":
+        name, _, opt = mode.partition(":")  # "default:onebatch": micro-batches off (EngineConfig.micro_batch_rows 0)
+        if name == "det" and ep != tp and args.device == "cuda":
             log(json.dumps(dict(tp=tp, ep=ep, mode=mode, skipped="deterministic on CUDA needs EP = TP")))
             continue
-        s.config = EngineConfig(progress=False, deterministic=mode == "det")
+        if opt and tp == 1:
+            continue  # one GPU has no micro-batches: its rows are the reference of both
+        micro = dict(micro_batch_rows=0) if opt == "onebatch" else {}
+        s.config = EngineConfig(progress=False, deterministic=name == "det", **micro)
         s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
         secs, lp = timed(s, reqs, args.device)
         toks = sum(r.num_inputs for r in reqs)
@@ -352,12 +357,12 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
                    load_s=round(load, 1))
         if tp > 1 and s.attention_parallel == "data":
             row.update(rank_shares(reqs, s.config, tp))
-        if mode in ref:
-            d = (lp - ref[mode]).abs()
-            row.update(speedup=round(base[mode] / secs, 2), max_d=float(d.max()), mean_d=float(d.mean()),
-                       bitwise=bool(torch.equal(lp, ref[mode])))
+        if name in ref:
+            d = (lp - ref[name]).abs()
+            row.update(speedup=round(base[name] / secs, 2), max_d=float(d.max()), mean_d=float(d.mean()),
+                       bitwise=bool(torch.equal(lp, ref[name])))
         else:
-            ref[mode], base[mode] = lp, secs
+            ref[name], base[name] = lp, secs
         log(json.dumps(row))
         if args.profile:
             profiled(args, s, reqs, path, f"{args.shape}-{tp}x{ep}-{s.attention_parallel}-{mode}")

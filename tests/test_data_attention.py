@@ -386,6 +386,17 @@ def _block_worker(rank: int, size: int, rdv: str, out: str) -> None:
             self.calls.append(("all_to_all", tuple(x.shape), sum(recv)))
             return super().all_to_all(x, send, recv)
 
+        def all_gather(self, x):  # recorded once, by its start
+            return self.all_gather_start(x).wait()
+
+        def all_gather_start(self, x):
+            self.calls.append(("all_gather", tuple(x.shape)))
+            return super().all_gather_start(x)
+
+        def tree_reduce_scatter_start(self, x, out=None):
+            self.calls.append(("tree_reduce_scatter", tuple(x.shape)))
+            return super().tree_reduce_scatter_start(x, out)
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
     ctx = Recording(rank, size, None, blocks=8, experts=size, attention="data")
@@ -408,8 +419,8 @@ def _block_worker(rank: int, size: int, rdv: str, out: str) -> None:
 def test_block_rows_split_collectives_and_numbers(tmp_path):
     """One MoE block (8 experts, top-4, T = 37) over 2 gloo ranks owning rows 0:20 | 20:37 and 0:0 |
     0:37. Each rank all-gathers x [m, H] and the routing [m, 2k]; default mode reduce-scatters one
-    float32 [2m, H] (within 1e-5 of one process and of float64), deterministic mode sends its slots
-    to their rows' ranks (all-to-all) and is one process's bits."""
+    float32 [2m, H] (within 1e-5 of one process and of float64); deterministic mode reduce-scatters
+    its subtree of the combine tree, also one float32 [2m, H], and is one process's bits."""
     import torch.multiprocessing as mp
     from test_moe_parallel import LAYER, _layer_block, _numerics
 
@@ -428,7 +439,7 @@ def test_block_rows_split_collectives_and_numbers(tmp_path):
             assert calls[:2] == [("all_gather", (m, H)), ("all_gather", (m, 2 * k))], calls
             if det:
                 assert torch.equal(y, want), bounds
-                assert len(calls) == 3 and calls[2][0] == "all_to_all", calls
+                assert calls[2:] == [("tree_reduce_scatter", (2 * m, H))], calls
                 continue
             assert calls[2:] == [("reduce_scatter_sum", (2 * m, H))], calls
             d_one, d_64 = (y - want).abs().max().item(), (y.double() - want64).abs().max().item()

@@ -115,6 +115,10 @@ class EngineConfig:
         plans and packs while the device computes (one device-to-host copy per batch, ``engine.host``).
         False reads each batch before launching the next (for measuring what the overlap gives);
         the numbers are the same bits either way.
+    micro_batch_rows: under data-parallel attention (mixtures of experts over several GPUs) a pass
+        runs as two micro-batches of sequences whose blocks are launched in turn, so that one's
+        expert transfers run beside the other's attention and experts, when every rank's halves
+        hold at least this many rows; 0: one batch. Deterministic mode's bits are the same either way.
     """
 
     max_batch_tokens: int | None = None
@@ -125,10 +129,15 @@ class EngineConfig:
     share_prefixes: bool = True
     min_shared_prefix: int = 16
     overlap_host: bool = True
+    micro_batch_rows: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens is not None:
             check_positive_ints(self, ("max_batch_tokens",))
+        if not isinstance(self.micro_batch_rows, int) or isinstance(self.micro_batch_rows, bool) \
+                or self.micro_batch_rows < 0:
+            raise LogprobeError("micro_batch_rows", f"must be a non-negative integer, got {self.micro_batch_rows!r}",
+                                "0 runs each pass as one batch")
         check_positive_ints(self, ("head_token_chunk", "head_vocab_chunk", "min_shared_prefix"))
         if self.deterministic is True:
             self.deterministic = Deterministic()
@@ -155,6 +164,8 @@ class Numerics:
     triton: RMSNorm, rotary, SiLU(gate) * up, the MoE MLP and the hybrid models' short conv as
         Triton passes on CUDA (the default); False: PyTorch ops, a benchmark's baseline
         (``LlamaModel.use_triton_elementwise``).
+    micro_batch_rows: ``EngineConfig.micro_batch_rows`` (a schedule, not a rounding: the bits of
+        deterministic mode do not depend on it).
 
         >>> numerics_for(EngineConfig(deterministic=True), "cpu").row_tile
         128
@@ -170,6 +181,7 @@ class Numerics:
     head_token_chunk: int = 512
     head_vocab_chunk: int = 8192
     triton: bool = True
+    micro_batch_rows: int = 2048
 
 
 def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable: bool = True,
@@ -179,7 +191,8 @@ def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable
     and column block count, checked here (a TP-invariant run needs a size dividing the blocks)."""
     det = config.deterministic
     if det is None:
-        return Numerics(head_token_chunk=config.head_token_chunk, head_vocab_chunk=config.head_vocab_chunk)
+        return Numerics(head_token_chunk=config.head_token_chunk, head_vocab_chunk=config.head_vocab_chunk,
+                        micro_batch_rows=config.micro_batch_rows)
     if det.tp_invariant and tp_size > 1 and tp_blocks % tp_size:
         raise LogprobeError("tensor_parallel_size", f"deterministic mode keeps its numbers equal across TP sizes "
                             f"that divide the model's {tp_blocks} column blocks; {tp_size} does not",
@@ -188,4 +201,5 @@ def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable
     # the head's token chunk is ``tile`` on every device: its bits were pinned that way
     return Numerics(deterministic=True, row_tile=det.cuda_tile if cuda else det.tile, matmul=det.matmul,
                     column_blocks=det.tp_invariant and splittable, attention_block=det.attention_block,
-                    head_token_chunk=det.tile, head_vocab_chunk=config.head_vocab_chunk)
+                    head_token_chunk=det.tile, head_vocab_chunk=config.head_vocab_chunk,
+                    micro_batch_rows=config.micro_batch_rows)

@@ -69,6 +69,7 @@ from .linear import Linear, tiled_linear
 from .numerics import NumericsUser
 from .parallel_linear import column_block
 from .quant_linear import PackedWeight
+from .steps import drive
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -548,6 +549,11 @@ class Experts(NumericsUser, nn.Module):
 
     def split_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: RowSplit,
                       deterministic: bool, row_tile: int | None, triton: bool = True) -> torch.Tensor:
+        """``split_steps`` run to its end, the layer's rows in parts where they are many."""
+        return drive(self.split_steps(x, ids, weights, rows, deterministic, row_tile, triton, self.MAX_PARTS))
+
+    def split_steps(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: RowSplit,
+                    deterministic: bool, row_tile: int | None, triton: bool = True, max_parts: int = 1):
         """Data-parallel attention (whole experts per rank): x [T, H], ids [T, k] and weights [T, k]
         of this rank's own rows (``rows.own``) -> the routed output [T, H] of those rows in x's dtype.
 
@@ -569,7 +575,12 @@ class Experts(NumericsUser, nn.Module):
 
         Traffic per layer and rank: the gather of (P - 1) m rows of x (and m x 2k float32 of
         routing), then a reduce-scatter of (P - 1) m rows of H float32 (default) or the slots it
-        computed for other ranks' rows, about (P - 1) / P of m k rows of H (deterministic)."""
+        computed for other ranks' rows, about (P - 1) / P of m k rows of H (deterministic;
+        ``tree_split`` models send subtrees' float32 sums instead, as default mode does).
+
+        A generator (``layers.steps``): it yields after starting the gathers and after starting
+        the sums, so that another micro-batch's work is launched beside them; it returns the
+        output. ``max_parts``: the rows in up to this many parts (``owned_steps``)."""
         T, k = ids.shape
         _, P = self.ctx.expert_share
         if P != 1:
@@ -577,10 +588,10 @@ class Experts(NumericsUser, nn.Module):
                                 f"each expert is split {P} ways here", "use expert_parallel_size = tensor_parallel_size")
         m, size = rows.max_rows, self.ctx.size
         routing = rows.pad(torch.cat([ids.float(), weights.float()], 1), -1.0)  # [m, 2k]: ids exact in float32
-        if deterministic and self.tree_split:  # subtrees summed over the ranks: one process's bits
-            return self.owned_in_parts(rows.pad(x), routing, triton, row_tile, tree=True)[:T].to(x.dtype)
-        if not deterministic and self.fused_stacks(x, triton, interpreted=True) is not None:
-            return self.owned_in_parts(rows.pad(x), routing, triton)[:T].to(x.dtype)  # [T, H]
+        tree = deterministic and self.tree_split  # subtrees summed over the ranks: one process's bits
+        if tree or not deterministic and self.fused_stacks(x, triton, interpreted=True) is not None:
+            out = yield from self.owned_steps(rows.pad(x), routing, triton, row_tile, tree, max_parts)
+            return out[:T].to(x.dtype)  # [T, H]
         xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
         routing = self.ctx.all_gather(routing).view(size * m, 2 * k)  # [P*m, 2k]
         every_ids = routing[:, :k].long()  # [P*m, k]; -1 on pad rows
@@ -600,26 +611,33 @@ class Experts(NumericsUser, nn.Module):
 
     def owned_in_parts(self, x: torch.Tensor, routing: torch.Tensor, triton: bool, row_tile: int | None = None,
                        tree: bool = False) -> torch.Tensor:
+        """``owned_steps`` run to its end, in up to ``MAX_PARTS`` parts."""
+        return drive(self.owned_steps(x, routing, triton, row_tile, tree, self.MAX_PARTS))
+
+    def owned_steps(self, x: torch.Tensor, routing: torch.Tensor, triton: bool, row_tile: int | None = None,
+                    tree: bool = False, max_parts: int = 1):
         """``split_forward`` through partials summed over the ranks: this rank's padded rows x
         [m, H] and their routing [m, 2k] (ids as float32, then weights) -> float32 [m, H], each
         row the sum over ranks of its experts' slots, rounded once by the caller. Default mode:
         ``owned_partial`` (slot order) and the backend's reduce-scatter; ``tree`` (deterministic
         mode): ``leaf_partial`` (this rank's subtree) and ``tree_reduce_scatter_start``, the
-        one-process tree of ``combine_tree``.
+        one-process tree of ``combine_tree``. A generator: it yields once every gather has
+        started and once every sum has (``layers.steps``).
 
-        The rows go in parts of at least ``OVERLAP_ROWS`` (at most ``MAX_PARTS``), so that the
+        The rows go in parts of at least ``OVERLAP_ROWS`` (at most ``max_parts``), so that the
         transfers run beside the experts: every gather is started first, then part i's experts
         run while the rows of part i + 1 arrive and the sums of part i - 1 are reduce-scattered;
-        only the first part's gather and the last part's reduce-scatter wait alone. A row's
-        numbers are those of its part (its slots, its float32 sum over ranks): the parts change
-        which rows travel together, not what is added. Worked example, P = 2, m = 4, two parts:
-        part 0 = own rows 0-1 of both ranks (4 gathered rows), part 1 = rows 2-3; rank 0 receives
-        the sums of its rows 0-1, then of 2-3."""
+        only the first part's gather and the last part's reduce-scatter wait alone (unless
+        another micro-batch's work runs beside them). A row's numbers are those of its part (its
+        slots, its float32 sum over ranks): the parts change which rows travel together, not what
+        is added. Worked example, P = 2, m = 4, two parts: part 0 = own rows 0-1 of both ranks (4
+        gathered rows), part 1 = rows 2-3; rank 0 receives the sums of its rows 0-1, then of 2-3."""
         m, k = x.shape[0], routing.shape[1] // 2
-        n = max(1, min(self.MAX_PARTS, m // self.OVERLAP_ROWS))
+        n = max(1, min(max_parts, m // self.OVERLAP_ROWS))
         cuts = [i * m // n for i in range(n + 1)]
         started = [(self.ctx.all_gather_start(x[a:b]), self.ctx.all_gather_start(routing[a:b]))
                    for a, b in zip(cuts, cuts[1:])]
+        yield
         out = x.new_empty(m, self.hidden, dtype=torch.float32)  # [m, H]: own rows, part after part
         sums = []
         for (gx, gr), a, b in zip(started, cuts, cuts[1:]):
@@ -631,6 +649,7 @@ class Experts(NumericsUser, nn.Module):
             else:
                 partial = self.owned_partial(xs, r[:, :k].long(), r[:, k:], triton)  # [P*n, H] float32
                 sums.append(self.ctx.reduce_scatter_start(partial, out[a:b]))
+        yield
         for s in sums:
             s.wait()
         return out
@@ -800,22 +819,16 @@ class MoeBlock(NumericsUser, nn.Module):
     def forward(self, x: torch.Tensor, hooks=None, rows: RowSplit | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. ``rows``: x is this rank's share of a batch split by sequences over
         the ranks (data-parallel attention, ``Experts.split_forward``); no hooks then."""
-        if self.grouped:  # float32 router weight and input, as transformers keeps it
-            s = self.spec
-            probs, weights, ids = route_grouped(self.gate(x.to(self.gate.weight.dtype)), self.e_score_correction_bias,
-                                                self.top_k, s.n_group, s.topk_group, self.norm_topk_prob,
-                                                s.routed_scaling_factor)
-        else:
-            probs, weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, E], [T, k], [T, k]
+        if rows is not None and self.experts.ctx.parallel:  # own rows routed; every rank's gathered
+            return drive(self.steps(x, rows, self.experts.MAX_PARTS))
+        probs, weights, ids = self.route_tokens(x)  # [T, E], [T, k], [T, k]
         if hooks is not None:
             hooks(self.router_point, probs)
             forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.reweigh(probs, forced_ids))
             if forced is not None:  # replayed experts (``layers.hooks.RouteTable``)
                 weights, ids = forced
-        if rows is not None and self.experts.ctx.parallel:  # own rows routed; every rank's gathered
-            out = self.experts.split_forward(x, ids, weights, rows, self.numerics.deterministic,
-                                             self.numerics.row_tile, self.numerics.triton)  # [T, H]
-        elif self.experts.ctx.parallel and not self.numerics.deterministic:
+        shared = self.shared_out(x)
+        if self.experts.ctx.parallel and not self.numerics.deterministic:
             # default mode over ranks: each rank's slots combined there, one [T, H] sum over ranks
             out = self.experts.combined(x, ids, weights, self.numerics.row_tile, self.numerics.triton)  # [T, H]
         else:  # every slot whole on every rank (deterministic: one process's bits at every size)
@@ -824,12 +837,36 @@ class MoeBlock(NumericsUser, nn.Module):
                 out = self.experts.combine_whole(y, ids, weights, x.dtype)  # [T, H]
             else:
                 out = combine_to(y, weights, x.dtype)  # [T, H]
-        # the shared expert after the routed sum is rounded to x's dtype, in both paths as in one process
-        if self.shared_expert is not None and self.shared_expert_gate is None:
-            out = out + self.shared_expert(x)
-        elif self.shared_expert is not None:
-            out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        # the shared expert after the routed sum is rounded to x's dtype, in every path as in one process
+        return out if shared is None else out + shared
+
+    def steps(self, x: torch.Tensor, rows: RowSplit, max_parts: int = 1):
+        """``forward`` on this rank's rows x [n, H] of a batch split by sequences (``rows``), as a
+        generator that yields where the experts' transfers run (``Experts.split_steps``,
+        ``layers.steps``) -> [n, H]. The shared expert runs first, beside the gathers."""
+        _, weights, ids = self.route_tokens(x)  # [n, k] each
+        shared = self.shared_out(x)
+        n = self.numerics
+        out = yield from self.experts.split_steps(x, ids, weights, rows, n.deterministic, n.row_tile, n.triton,
+                                                  max_parts)  # [n, H]
+        return out if shared is None else out + shared
+
+    def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> the router's probabilities [T, E] (grouped: sigmoid scores), weights [T, k]
+        float32 and expert ids [T, k]."""
+        if self.grouped:  # float32 router weight and input, as transformers keeps it
+            s = self.spec
+            return route_grouped(self.gate(x.to(self.gate.weight.dtype)), self.e_score_correction_bias,
+                                 self.top_k, s.n_group, s.topk_group, self.norm_topk_prob, s.routed_scaling_factor)
+        return route(self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output [T, H] (gated: sigmoid(g . x) * shared(x)), or None."""
+        if self.shared_expert is None:
+            return None
+        if self.shared_expert_gate is None:
+            return self.shared_expert(x)
+        return row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def row_sigmoid(g: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
 from ..layers.numerics import NumericsUser
 from ..parallel.context import ParallelContext
-from ..parallel.rows import RowSplit, assign_rows
+from ..layers.steps import interleave
+from ..parallel.rows import RowSplit, assign_rows, micro_cuts, micro_splits
 from ..parallel.shard import vocab_chunk_width, vocab_shard
 
 
@@ -45,6 +46,29 @@ class FusedQKV:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return fused(x).split([nq, nkv, nkv], dim=-1)
+
+
+class SplitSteps:
+    """A pre-norm block (``input_layernorm`` -> ``self_attn`` -> residual -> ``post_attention_layernorm``
+    -> ``mlp`` -> residual) on this rank's rows of a batch split by sequences (``meta.rows``), as a
+    generator (``layers.steps``): it yields where its MoE block's transfers run, so that another
+    micro-batch's work is launched beside them. The same kernels as ``forward``'s split path."""
+
+    def steps(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta):
+        h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
+        x = self.post_attention_layernorm(h)
+        mlp_steps = getattr(self.mlp, "steps", None)
+        out = (yield from mlp_steps(x, meta.rows)) if mlp_steps is not None else self.mlp(x, None, meta.rows)
+        return h + out  # resid_post
+
+
+def block_chain(layers, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta):
+    """Every block on h [n, H] in turn, as one generator (each block's ``steps`` where it has them,
+    else its plain call) -> the last block's output [n, H]."""
+    for layer in layers:
+        steps = getattr(layer, "steps", None)
+        h = (yield from steps(h, cis, meta)) if steps is not None else layer(h, cis, meta)
+    return h
 
 
 class ScoringModel(NumericsUser, nn.Module):
@@ -102,16 +126,49 @@ class ScoringModel(NumericsUser, nn.Module):
         if hooks is not None:
             h = hooks("embed", h)
         split = self.row_split(meta, hooks)
+        halves = self.micro_batches(meta, split) if split is not None else None
         if split is not None:  # data-parallel attention: this rank's sequences only
             a, b = split.own
             h, positions, meta = h[a:b], positions[a:b], meta.share(split)  # [n, H], [n]
-        cis = self.rotary(positions)  # [T, rotary dims / 2] complex
-        for layer in self.layers:
-            h = layer(h, cis, meta, hooks)
+        if halves is not None:  # two micro-batches, their blocks launched in turn
+            h = self.overlapped(h, positions, meta, halves)
+        else:
+            cis = self.rotary(positions)  # [T, rotary dims / 2] complex
+            for layer in self.layers:
+                h = layer(h, cis, meta, hooks)
         h = self.norm(h)
         if split is not None:
             h = split.gather(self.ctx, h)  # [T, H]: every rank's rows, for the vocabulary-parallel head
         return h if hooks is None else hooks("final_norm", h)
+
+    def micro_batches(self, meta: AttentionMeta, split: RowSplit) -> tuple[int, RowSplit, RowSplit] | None:
+        """Under data-parallel attention, this rank's rows as two micro-batches of sequences
+        (``parallel.rows.micro_cuts``: every rank's own rows cut near their middle, each half at
+        least ``numerics.micro_batch_rows``) -> (this rank's cut, the halves' splits over the
+        ranks), or None: one batch. Only where every block can yield (``steps``)."""
+        least = self.numerics.micro_batch_rows
+        if least <= 0 or not all(hasattr(layer, "steps") and layer.steps is not None for layer in self.layers):
+            return None
+        local = [meta.share(RowSplit(split.bounds, r)).cuts() for r in range(len(split.counts))]
+        cut = micro_cuts(local, least)
+        if cut is None:
+            return None
+        return (cut[split.rank], *micro_splits(cut, split.counts, split.rank))
+
+    def overlapped(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                   halves: tuple[int, RowSplit, RowSplit]) -> torch.Tensor:
+        """This rank's rows h [n, H] as two micro-batches (rows ``:c`` and ``c:``) through every
+        block, their steps interleaved (``layers.steps.interleave``): while one's expert rows and
+        sums travel, the other's attention and experts run. Each row's numbers are its own, as in
+        one batch (bitwise in deterministic mode, whose kernels are batch-invariant)."""
+        c, first, second = halves
+        n = h.shape[0]
+        chains = []
+        for i, (rows, (a, b)) in enumerate(((first, (0, c)), (second, (c, n)))):
+            part = meta.share(RowSplit((0, c, n), i))  # the segments of rows a:b, re-based
+            part = AttentionMeta(part.segments, kv_block=part.kv_block, rows=rows)
+            chains.append(block_chain(self.layers, h[a:b], self.rotary(positions[a:b]), part))
+        return torch.cat(interleave(*chains))  # [n, H]
 
     def row_split(self, meta: AttentionMeta, hooks: Hooks | None) -> RowSplit | None:
         """How this batch's rows split over the ranks under data-parallel attention

@@ -72,7 +72,7 @@ from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, Pa
 from ..layers.rotary import apply_rotary, rope_inv_freq, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import num_blocks, q_heads
-from .base import ScoringModel
+from .base import ScoringModel, SplitSteps
 from .caps import ModelCaps
 from .llama import LlamaMLP
 
@@ -286,7 +286,7 @@ class MultiHeadLatentAttention(NumericsUser, nn.Module):
         return self.o_proj(o[..., :dv].reshape(T, n * dv))  # [T, H]
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(SplitSteps, nn.Module):
     def __init__(self, cfg: DeepseekConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",

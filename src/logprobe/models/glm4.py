@@ -51,6 +51,8 @@ class Glm4Config(LlamaConfig):
 class Glm4DecoderLayer(LlamaDecoderLayer):
     """A Llama block with the attention and MLP outputs normed before they join the residual stream."""
 
+    steps = None  # its own forward (a dense family: never split by sequences)
+
     def __init__(self, cfg: Glm4Config, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__(cfg, layer_idx, ctx)
         self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -37,7 +37,7 @@ from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, Pa
 from ..layers.rotary import RotaryEmbedding, apply_rotary_pair, rope_inv_freq, rotary_dim, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, vocab_chunk_width, vocab_shard
-from .base import FusedQKV, ScoringModel
+from .base import FusedQKV, ScoringModel, SplitSteps
 from .caps import ModelCaps
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class LlamaMLP(NumericsUser, nn.Module):
         return self.down_proj.gated(gate, up, self.numerics.triton)  # down_proj(silu_mul(gate, up)), fused where it can be
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(SplitSteps, nn.Module):
     """``mlp``: what replaces the dense MLP (a ``layers.moe.MoeBlock``); it is called as ``mlp(x, hooks)``,
     or ``mlp(x, None, rows)`` on this rank's rows of a batch split by sequences (``meta.rows``)."""
 

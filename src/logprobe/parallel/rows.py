@@ -135,3 +135,40 @@ class RowSplit:
         """This rank's rows x [n, *] -> every rank's rows in rank order [total, *] (a copy: exact)."""
         every = ctx.all_gather(self.pad(x))  # [size, max_rows, *]
         return torch.cat([every[r, :n] for r, n in enumerate(self.counts)])  # [total, *]
+
+
+def micro_cuts(local_cuts: list[list[int]], min_rows: int) -> tuple[int, ...] | None:
+    """Two micro-batches per rank (``models.base.ScoringModel``'s overlapped blocks): each rank's
+    own rows cut once at the allowed cut (``local_cuts[r]``, ascending from 0 to its row count)
+    nearest its middle (the smaller on a tie) -> each rank's cut, or None when some rank's half
+    would hold fewer than ``min_rows`` rows (then the batch runs as one: the overlap would not pay
+    for the smaller products). Every rank computes every rank's cut from the same batch, so the
+    micro-batches' gathers need no exchange of sizes.
+
+    >>> micro_cuts([[0, 300, 500, 1000], [0, 450, 900]], 100), micro_cuts([[0, 300, 500, 1000], [0, 900]], 100)
+    ((500, 450), None)
+    """
+    out = []
+    for cuts in local_cuts:
+        n = cuts[-1]
+        c = min(cuts, key=lambda c: (abs(2 * c - n), c))
+        if c < min_rows or n - c < min_rows:
+            return None
+        out.append(c)
+    return tuple(out)
+
+
+def micro_splits(cut: tuple[int, ...], counts: tuple[int, ...], rank: int) -> tuple[RowSplit, RowSplit]:
+    """The two micro-batches' ``RowSplit``s over the ranks: rank r's first ``cut[r]`` own rows,
+    then the rest.
+
+    >>> [s.bounds for s in micro_splits((500, 450), (1000, 900), 1)]
+    [(0, 500, 950), (0, 500, 950)]
+    """
+    first = [0]
+    for c in cut:
+        first.append(first[-1] + c)
+    second = [0]
+    for c, n in zip(cut, counts):
+        second.append(second[-1] + n - c)
+    return RowSplit(tuple(first), rank), RowSplit(tuple(second), rank)
