@@ -66,3 +66,26 @@ def test_outbox_sends_a_pass_as_one_message():
     assert isinstance(first, Results) and [r.index for r in first.items] == [3, 0, 7]
     assert first.items[2].result.logprobs.tolist() == [7.0, 7.0]
     assert [r.index for r in second.items] == [5]
+
+
+def test_outbox_reports_passes_that_delivered_nothing_when_asked():
+    """A watched run's rank 0 (``Watch.between``, before each pass) sends the engine's pass count
+    alone after passes that delivered no result (a long request's chunks), once per change."""
+    from types import SimpleNamespace
+
+    a, b = Pipe()
+    engine = SimpleNamespace(passes=4)
+    box = Outbox(a, engine)
+    box.flush(report=True)  # no pass since it was made: nothing
+    engine.passes = 6
+    box.flush()  # an ordinary flush with nothing kept sends nothing
+    assert not b.poll(0)
+    box.flush(report=True)
+    box.flush(report=True)  # nothing new
+    box.add(2, RequestResult(torch.zeros(1), torch.zeros(1, dtype=torch.int64)))
+    engine.passes = 7
+    box.flush()
+    first, second = recv(b), recv(b)
+    assert not b.poll(0)
+    assert (first.items, first.passes) == ([], 6)
+    assert [r.index for r in second.items] == [2] and second.passes == 7

@@ -270,17 +270,21 @@ class Outbox:
 
     __slots__ = ("conn", "engine", "items", "reported")
 
-    def __init__(self, conn, engine: Engine) -> None:
+    def __init__(self, conn, engine: Engine | None = None) -> None:
         self.conn, self.engine, self.items = conn, engine, []
-        self.reported = engine.passes
+        self.reported = self.passes
+
+    @property
+    def passes(self) -> int:
+        return self.engine.passes if self.engine is not None else 0
 
     def add(self, index: int, result) -> None:
         self.items.append(Result(index, result))
 
     def flush(self, report: bool = False) -> None:
-        if self.items or (report and self.engine.passes != self.reported):
+        if self.items or (report and self.passes != self.reported):
             items, self.items = self.items, []
-            self.reported = self.engine.passes
+            self.reported = self.passes
             send(self.conn, Results(items, self.reported))
 
 
