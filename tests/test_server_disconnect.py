@@ -250,3 +250,21 @@ def test_parallel_run_leaves_a_cancelled_request_out_and_keeps_the_others_bits(r
             assert torch.equal(a.logprobs, b.logprobs)
     finally:
         replicas.config = EngineConfig(max_batch_tokens=BUDGET)
+
+
+def test_a_row_job_on_worker_processes_stops_within_one_pass(replicas):
+    """``run_rows(stop=...)`` (``logprobe logprobs`` on SIGINT/SIGTERM) over data-parallel
+    replicas: asked while the workers run, it ends the batch within one pass of each replica,
+    with the rows finished before it in the sink (``stopped``), not after the whole batch."""
+    from logprobe.io.tables import Row
+    from logprobe.jobs import ListSink, LogprobsRows, run_rows
+
+    rows = [Row(k, f"line {k + 1}", {"prompt_token_ids": _ids(40, 200 + k), "completion_token_ids": _ids(20, 300 + k)})
+            for k in range(40)]  # a pass each: 20 on each replica
+    start, sink = replicas.engine.passes, ListSink()
+    counts = run_rows(replicas, LogprobsRows(), rows, sink, batch_rows=40,
+                      stop=lambda: replicas.engine.passes >= start + 4)
+    ran = replicas.engine.passes - start
+    assert counts.stopped and 0 < len(sink.rows) < 40
+    assert ran <= 4 + 2 * 2  # each replica: the pass under way, and one more if a pass ended meanwhile
+    assert all(len(r["logprobs"]) == 20 for r in sink.rows)

@@ -181,8 +181,8 @@ def _run_batch(scorer, works: list[RowWork], batch: list[Row], sink, counts: Run
         executor = scorer.executor
         if executor.per_request_errors:
             executor.run(requests, on_result=on_result, progress=False, stop=stop, on_error=on_error)
-        else:  # worker processes: a replica's error fails the batch; stops between batches
-            executor.run(requests, on_result=on_result)
+        else:  # worker processes: a replica's error fails the batch; stop() asked while they run
+            executor.run(requests, on_result=on_result, stop=stop)
     except RunStopped:
         return True
     return bool(stop and stop())
