@@ -5,7 +5,7 @@ for one rank runs exactly as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,17 +40,26 @@ def tree_positions(size: int) -> list[int]:
 
 
 class TreePending:
-    """A started ``tree_reduce_scatter_start``: its first halving step is under way (on NCCL the
-    host does not wait); ``wait()`` runs the rest (each step waits on the last on the stream, adds,
-    swaps again) -> this rank's block."""
+    """A started ``tree_reduce_scatter_start``: its first halving step is under way; ``wait()`` ->
+    this rank's block. On CUDA every later step (wait for the swap, add, swap again) is launched at
+    once on a side stream (``ParallelContext.side_stream``), so the steps run beside the compute
+    stream's next kernels and ``wait()`` only makes the compute stream wait for the last add; on
+    CPU they run in ``wait()``."""
 
-    __slots__ = ("pending", "ctx", "held", "out", "step", "work", "recv")
+    __slots__ = ("pending", "ctx", "held", "out", "step", "work", "recv", "side")
 
     def __init__(self, pending: Pending | None, ctx=None, x: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> None:
-        self.pending, self.ctx, self.held, self.out, self.step = pending, ctx, x, out, 0
+        self.pending, self.ctx, self.held, self.out, self.step, self.side = pending, ctx, x, out, 0, None
         if pending is None:
             self._swap()
+            if x.is_cuda:
+                self.side = ctx.side_stream(x.device)
+                for t in (x, self.recv) + (() if out is None else (out,)):
+                    t.record_stream(self.side)  # read or written there: not reused before it has
+                self.side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(self.side):
+                    self._finish()
 
     def _swap(self) -> None:
         """Send the half of ``held`` the partner keeps, receive the partner's copy of ours."""
@@ -66,21 +75,32 @@ class TreePending:
                dist.P2POp(dist.irecv, self.recv, peer, ctx.group)]
         self.work, self.held = dist.batch_isend_irecv(ops), keep
 
-    def wait(self) -> torch.Tensor:
-        if self.pending is not None:
-            return self.pending.wait()
+    def _finish(self) -> None:
+        """Every remaining step: wait for the swap, add (partner's subtree and ours: the same bits
+        on both, a + b = b + a), swap again; the last sum into ``out`` if given."""
         while True:
             for w in self.work:
                 w.wait()
             self.step += 1
             last = (1 << self.step) >= self.ctx.size
             if last and self.out is not None:
-                torch.add(self.held, self.recv, out=self.out)
-                return self.out
-            self.held = self.held + self.recv  # partner's subtree and ours: the same bits on both
+                self.held = torch.add(self.held, self.recv, out=self.out)
+                return
+            self.held = self.held + self.recv
             if last:
-                return self.held
+                return
             self._swap()
+
+    def wait(self) -> torch.Tensor:
+        if self.pending is not None:
+            return self.pending.wait()
+        if self.side is None:  # CPU: the steps run now
+            self._finish()
+        else:
+            compute = torch.cuda.current_stream(self.held.device)
+            compute.wait_stream(self.side)
+            self.held.record_stream(compute)
+        return self.held
 
 
 @dataclass(slots=True)
@@ -107,6 +127,7 @@ class ParallelContext:
     attention: str | None = None  # "tensor" or "data" (see above); None: the model's default, which
     # ``loading.loader.parallel_context`` resolves (a context built without it splits by heads)
     sms: int = 0  # the group's fewest multiprocessors per GPU once asked (``smallest_sms``); 0: not yet
+    streams: dict = field(default_factory=dict, repr=False, compare=False)  # ``side_stream`` per device
 
     @property
     def data_attention(self) -> bool:
@@ -136,6 +157,13 @@ class ParallelContext:
         (tensor parallelism of experts; P = size / experts, 1 under pure expert parallelism)."""
         per = self.size // self.experts
         return self.rank % per, per
+
+    def side_stream(self, device: torch.device):
+        """A CUDA stream of this rank's, beside the compute stream, for the steps of a collective
+        built from several (``tree_reduce_scatter_start``); one per device, made on first use."""
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
 
     def smallest_sms(self, device: torch.device) -> int:
         """The fewest multiprocessors of any rank's GPU (4 on CPU), asked of the group once (a
