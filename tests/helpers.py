@@ -229,3 +229,20 @@ def copy_checkpoint(src: Path, dst: Path, edit_config=None, edit_tensors=None) -
         edit_tensors(tensors)
         save_file(tensors, str(f))
     return dst
+
+
+# A trainer's process group as SGLang's, vLLM's and OpenRLHF's trainers build it
+# (``init_custom_process_group``): the head of the trainer scripts the weight-sync tests run.
+TRAINER_GROUP = """
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+
+def init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout):
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+"""

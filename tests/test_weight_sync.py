@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import requests
 import torch
-from helpers import make_hf_dir
+from helpers import TRAINER_GROUP, make_hf_dir
 from server_util import free_port, serve
 
 from logprobe import Scorer
@@ -26,23 +26,12 @@ from logprobe.server import ServerConfig, create_app
 IDS = [5, 71, 72, 3, 140, 8, 200, 17, 9, 66, 250, 12]
 
 # rank 0: the trainer. argv: mode ("library" | "server"), port, checkpoint file, [server URL]
-TRAINER = textwrap.dedent('''
+TRAINER = TRAINER_GROUP + textwrap.dedent('''
     import json, sys, threading, time
     from datetime import timedelta
     import requests, torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    def init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout):
-        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-        store.set_timeout(timeout)
-        store = PrefixStore(group_name, store)
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                          timeout=timeout)
-        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-        return pg
 
     mode, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     url = sys.argv[4] if len(sys.argv) > 4 else None

@@ -24,7 +24,7 @@ import time
 
 import pytest
 import requests
-from helpers import make_hf_dir
+from helpers import TRAINER_GROUP, make_hf_dir
 from server_util import free_port, serve
 
 from logprobe import Scorer
@@ -38,24 +38,13 @@ TIMEOUT = 2.5  # the server's weight_sync_timeout in these tests (seconds)
 # {"op": "destroy"} leaves it (the server first, as SGLang's trainers do);
 # {"op": "update", "body": {...}, "send": [name | shape, ...]} posts the body and, beside it,
 # broadcasts each named weight (or zeros of a shape) until one broadcast fails.
-TRAINER = textwrap.dedent('''
+TRAINER = TRAINER_GROUP + textwrap.dedent('''
     import json, sys, time
     from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
     import requests, torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    def init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout):
-        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-        store.set_timeout(timeout)
-        store = PrefixStore(group_name, store)
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                          timeout=timeout)
-        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-        return pg
 
     url, weights = sys.argv[1], load_file(sys.argv[2])
     pool, pg = ThreadPoolExecutor(1), None
