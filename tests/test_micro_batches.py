@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_data_attention import _batches, _qwen3_moe_config, _save
+from test_data_attention import _batches, dirs  # noqa: F401 - dirs: the fixture, shared
 
 from logprobe.config import EngineConfig, numerics_for
 from logprobe.layers.attention import AttentionMeta
@@ -23,21 +23,6 @@ from logprobe.parallel.context import ParallelContext
 from logprobe.parallel.rows import micro_cuts
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    from test_deepseek import make_model
-
-    out = {}
-    torch.manual_seed(0)
-    out["qwen3_moe"] = tmp_path_factory.mktemp("qwen3_moe_dense")
-    _save(transformers.AutoModelForCausalLM.from_config(_qwen3_moe_config(), attn_implementation="eager",
-                                                        experts_implementation="eager"), out["qwen3_moe"], 400)
-    torch.manual_seed(1)
-    out["deepseek_v3"] = tmp_path_factory.mktemp("deepseek_v3")
-    _save(make_model("qlora"), out["deepseek_v3"], 401)
-    return out
 
 
 def _run(model, det: bool, micro: int, size: int):

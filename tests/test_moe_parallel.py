@@ -359,7 +359,10 @@ def test_block_default_mode_one_sum_of_tokens(tp, ep, interpret, tmp_path, monke
 
 # ---- data-parallel attention's expert layer in parts (default mode, Triton interpreted) ----
 
-def _parts_worker(rank: int, size: int, rdv: str, out: str) -> None:
+def _parts_worker(rank: int, size: int, rdv: str, out: str, det: bool = False, bounds: tuple | None = None) -> None:
+    """One rank of a data-parallel-attention MoE layer owning rows ``bounds`` (default 0:21 | 21:37,
+    the second rank's padded), the layer sent whole and in parts; ``det``: deterministic mode, where
+    the slots never travel whole (only subtrees' sums: an all-to-all fails the run)."""
     import torch.distributed as dist
 
     from logprobe.layers.moe import Experts
@@ -368,8 +371,12 @@ def _parts_worker(rank: int, size: int, rdv: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
     ctx = ParallelContext(rank, size, None, blocks=8, experts=size, attention="data")
     block, x = _layer_block(ctx, torch.float32)
-    block.set_numerics(_numerics(False, size))
-    rows = RowSplit((0, 21, LAYER["T"]), rank)  # 21 and 16 rows: the second rank's padded
+    block.set_numerics(_numerics(det, size))
+    if det:
+        def refused(*a, **k):  # noqa: E306
+            raise AssertionError("all_to_all called")
+        ParallelContext.all_to_all = refused
+    rows = RowSplit(bounds or (0, 21, LAYER["T"]), rank)
     a, b = rows.own
     got = {}
     for name, at_least in (("whole", 10**9), ("parts", 4)):

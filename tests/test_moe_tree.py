@@ -143,32 +143,6 @@ def test_tree_reduce_scatter_over_gloo(size, tmp_path):
         assert not torch.equal(_bits(ring), _bits(sums[0]))  # another order rounds otherwise
 
 
-def _det_layer_worker(rank: int, size: int, bounds: tuple, rdv: str, out: str) -> None:
-    import torch.distributed as dist
-    from test_moe_parallel import _layer_block, _numerics
-
-    from logprobe.layers.moe import Experts
-    from logprobe.parallel.context import ParallelContext
-    from logprobe.parallel.rows import RowSplit
-
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
-    ctx = ParallelContext(rank, size, None, blocks=8, experts=size, attention="data")
-    block, x = _layer_block(ctx, torch.float32)
-    block.set_numerics(_numerics(True, size))
-    def refused(*a, **k):  # noqa: E306 - the slots never travel whole: only subtrees' sums do
-        raise AssertionError("all_to_all called")
-    ParallelContext.all_to_all = refused
-    rows = RowSplit(bounds, rank)
-    a, b = rows.own
-    got = {}
-    for name, at_least in (("whole", 10**9), ("parts", 4)):
-        Experts.OVERLAP_ROWS = at_least
-        got[name] = block(x[a:b], rows=rows)
-    torch.save(got, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_deterministic_expert_layer_over_ranks_is_one_process(size, tmp_path):
     """One MoE block (8 experts, top-4: 8 leaves) under data-parallel attention over ``size`` gloo
@@ -176,14 +150,14 @@ def test_deterministic_expert_layer_over_ranks_is_one_process(size, tmp_path):
     the experts), are bitwise one process's rows (``combine_tree`` there, subtrees summed by
     ``tree_reduce_scatter_start`` here); uneven shares pad a rank's rows."""
     import torch.multiprocessing as mp
-    from test_moe_parallel import LAYER, _layer_block, _numerics
+    from test_moe_parallel import LAYER, _layer_block, _numerics, _parts_worker
 
     from logprobe.parallel.context import ParallelContext
 
     T = LAYER["T"]
     bounds = (0, 21, T) if size == 2 else (0, 9, 21, 30, T)
     out = tmp_path / "got"
-    mp.spawn(_det_layer_worker, args=(size, bounds, str(tmp_path / "rdv"), str(out)), nprocs=size)
+    mp.spawn(_parts_worker, args=(size, str(tmp_path / "rdv"), str(out), True, bounds), nprocs=size)
     one, x = _layer_block(ParallelContext(blocks=8), torch.float32)
     one.set_numerics(_numerics(True, 1))
     want = one(x)
