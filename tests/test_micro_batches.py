@@ -62,7 +62,7 @@ def _worker(rank: int, size: int, paths: dict, rdv: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_micro_batches_equal_one_batch_and_one_process(dirs, tmp_path):
+def test_micro_batches_equal_one_batch_and_one_process(dirs, tmp_path):  # noqa: F811 - the imported fixture
     import torch.multiprocessing as mp
 
     paths = {k: str(v) for k, v in dirs.items()}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from logprobe.kernels.moe import tree_leaves
-from logprobe.layers.moe import combine_tree, combine_tree_to
+from logprobe.layers.moe import combine_tree
 from logprobe.parallel.context import tree_positions
 
 

@@ -25,8 +25,8 @@ from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
 from ..layers.numerics import NumericsUser
-from ..parallel.context import ParallelContext
 from ..layers.steps import interleave
+from ..parallel.context import ParallelContext
 from ..parallel.rows import RowSplit, assign_rows, micro_cuts, micro_splits
 from ..parallel.shard import vocab_chunk_width, vocab_shard
 

@@ -28,7 +28,6 @@ from .inputs import check_length
 from .options import HeadOptions
 from .work import Job, ScoringContext
 
-
 # OpenAI's message roles: a template that writes a message's role into the text takes these
 STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
 _OUTPUT = re.compile(r"\{\{.*?\}\}", re.S)  # a template's {{ ... }} blocks
