@@ -110,6 +110,9 @@ class Scorer:
         # what the job builders read about the model, built once (deterministic: renewed with config)
         self.context = ScoringContext.of(self.loaded, self.engine.config.deterministic)
         self.weights_version = 0  # +1 per successful update_weights / load_weights
+        # the weights transformers holds as buffers that the last update left as they were (none of
+        # them sent: ``loading.update.check_complete``), named as a trainer sends them
+        self.kept_buffers: tuple[str, ...] = ()
         self._weight_version = "0"  # the caller's name for the weights (weight_version=), else str(weights_version)
 
     @property
@@ -299,7 +302,8 @@ class Scorer:
         nodes, inserted/evicted tokens), or None when it is off."""
         return None if self.prefix_cache is None else self.prefix_cache.stats.as_dict()
 
-    def _bump(self, weight_version: str | None) -> int:
+    def _bump(self, weight_version: str | None, kept: tuple[str, ...] = ()) -> int:
+        self.kept_buffers = kept
         if self.prefix_cache is not None:  # computed under the old weights
             self.prefix_cache.clear()
         self.weights_version += 1
@@ -319,15 +323,17 @@ class Scorer:
         names) or stacked (transformers' in-memory ``experts.gate_up_proj``). Refused for
         packed-quantized models (GGUF blocks, compressed-tensors) and the transformers backend
         (``loading.update``). ``weight_version`` names the new weights (``Scorer.weight_version``;
-        default: the new ``weights_version`` as a string)."""
-        update_weights(self.loaded.model, named_tensors, engine=self._workers())
-        return self._bump(weight_version)
+        default: the new ``weights_version`` as a string). The weights transformers holds as buffers
+        (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``, Gemma 4's ``layer_scalar``), when none is
+        sent, keep their values: ``kept_buffers`` names them (a warning too)."""
+        applied = update_weights(self.loaded.model, named_tensors, engine=self._workers())
+        return self._bump(weight_version, applied.kept)
 
     def load_weights(self, path: str, weight_version: str | None = None) -> int:
         """``update_weights`` from a safetensors file or a Hugging Face checkpoint directory: every
         header is checked before one tensor is read, then tensors are copied in one at a time."""
-        load_weights(self.loaded.model, path, engine=self._workers())
-        return self._bump(weight_version)
+        applied = load_weights(self.loaded.model, path, engine=self._workers())
+        return self._bump(weight_version, applied.kept)
 
     def _workers(self):
         """The engine of worker processes that hold the weights (tensor/data parallel), else None."""
@@ -364,9 +370,9 @@ class Scorer:
     def apply_received_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                                weight_version: str | None = None) -> int:
         """The second half: ``update_weights`` of the received tensors (checks and errors name
-        ``names``); returns the new ``weights_version``."""
-        update_weights(self.loaded.model, named_tensors, field="names")
-        return self._bump(weight_version)
+        ``names``); returns the new ``weights_version`` (``kept_buffers``: the buffers it kept)."""
+        applied = update_weights(self.loaded.model, named_tensors, field="names")
+        return self._bump(weight_version, applied.kept)
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
                                         weight_version: str | None = None, flush_cache: bool = True,
@@ -374,8 +380,12 @@ class Scorer:
         """SGLang's ``update_weights_from_distributed``: receive each tensor (``names[i]``, dtype
         ``dtypes[i]`` such as "bfloat16", shape ``shapes[i]``) by broadcast from rank 0 of the
         group, in order. The weights may come in several calls (the trainer's buckets): they are
-        held until every weight of the model has come, then applied together as ``update_weights``
-        applies them, version bumped (named by the last ``weight_version`` given). Before anything
+        held until every parameter of the model has come (and every weight transformers holds as a
+        buffer, once one of them has: ``loading.collective.covers``), then applied together as
+        ``update_weights`` applies them, version bumped (named by the last ``weight_version``
+        given; ``kept_buffers`` names the buffers none of which came). Buffers sent in a bucket
+        after the one that completed the parameters are refused after receipt, naming
+        ``names[i]``: the group stays usable (``WeightGroup.collect``). Before anything
         is received, a name the model does not have, a shape other than the model's, a name given
         twice (or held from an earlier bucket) or a shape without elements raises naming
         ``names[i]`` / ``shapes[i]``; so does a receive that fails or takes over

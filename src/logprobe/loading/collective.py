@@ -31,8 +31,27 @@ Every tensor is received before any weight changes, so a NaN is refused by the u
 nothing) after the trainer's broadcasts completed: the group stays usable.
 
 Trainers send the weights in buckets (several requests, down to one tensor each, as OpenRLHF and
-verl do): the received tensors are held (``WeightGroup.held``) until they cover every weight of
-the model, then applied together, so no score is ever computed on a model half old, half new.
+verl do): the received tensors are held (``WeightGroup.held``) until they cover the model
+(``covers``), then applied together, so no score is ever computed on a model half old, half new.
+
+The weights transformers holds as buffers (``Family.buffers``: the sigmoid routers'
+``mlp.gate.e_score_correction_bias``, Gemma 4's ``layer_scalar``) are not in a trainer's
+``named_parameters()``, and ``update_weights`` keeps them when none is sent. Coverage follows that
+rule: every parameter, and every buffer once one of them has come in this round. On DeepSeek-V3
+(buffers b1, b2):
+
+    [params 1/2] [params 2/2]                 -> applied at the second bucket, b1 and b2 kept
+    [b1, b2, params 1/2] [params 2/2]          -> applied at the second bucket, with b1 and b2
+    [b1, params 1/2] [params 2/2]              -> held: b2 still to come
+    [params 1/2] [params 2/2] [b1, b2]          -> applied at the second bucket, b1 and b2 kept;
+                                                   the third is refused (``WeightGroup.collect``)
+
+When the parameters are complete nothing says whether buffers follow: the stream
+``P P B | P P B`` (buffers sent after the parameters) is ``P P | B P P | B`` (a trainer that
+starts sending buffers first) bucket for bucket. Taken as the second, each bias would be served
+one update late, silently. So a bucket of buffers alone (no parameter) that opens a round right
+after an update of the group that kept them is refused: received, dropped, a 400 naming it, the
+group still joined. A bucket that brings buffers with a parameter opens a round as any other.
 """
 
 from __future__ import annotations
@@ -51,7 +70,7 @@ import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reduction a 
 
 from ..errors import LogprobeError
 from .receiver import ReceiverFault, ReceiverProcess, layout_of, shared_buffer, unlink_buffer, views
-from .update import Incoming, full_slots, units, weight_slots
+from .update import Incoming, buffer_slots, full_slots, sent_names, units, weight_slots
 
 log = logging.getLogger(__name__)
 
@@ -150,21 +169,58 @@ def socket_settings(environ, backend: str) -> dict[str, str]:
 
 
 def covers(model, named: list[tuple[str, torch.Tensor]]) -> bool:
-    """Whether ``named`` holds every weight of ``model`` (then the update can run), or a name the
-    model does not have (then the update refuses it: no later bucket could make it right)."""
+    """Whether ``named`` holds every parameter of ``model`` and, once one of the weights
+    transformers holds as buffers is among them, every one of those (then the update can run:
+    ``update_weights`` keeps the buffers when none is sent), or a name the model does not have
+    (then the update refuses it: no later bucket could make it right)."""
+    return coverage(model, named)[0]
+
+
+def coverage(model, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, list[str]]:
+    """(``covers``, the buffers the update would keep: all of them when none was sent, else [])."""
     try:
         slots = weight_slots(model)
         seen = set()
         for name, t in named:
-            for unit, _ in units(Incoming(name, tuple(t.shape), t.dtype, lambda t=t: t), model, "names"):
-                if unit is None:
-                    continue
+            for unit in _units_of(model, name, t):
                 if unit not in slots:
-                    return True
+                    return True, []
                 seen.add(unit)
     except LogprobeError:
-        return True  # the update says what is wrong
-    return seen >= slots.keys()
+        return True, []  # the update says what is wrong
+    buffers = set(buffer_slots(model, slots))
+    if not seen & buffers:
+        return seen >= slots.keys() - buffers, sorted(buffers)
+    return seen >= slots.keys(), []
+
+
+def _units_of(model, name: str, t: torch.Tensor) -> list[str]:
+    """The slots a received tensor lands in (none: a tensor the model ignores)."""
+    return [u for u, _ in units(Incoming(name, tuple(t.shape), t.dtype, lambda t=t: t), model, "names")
+            if u is not None]
+
+
+def late_buffers(model, bucket: list[tuple[str, torch.Tensor]], kept: list[str]) -> LogprobeError | None:
+    """The refusal of a bucket of buffers and no parameter that opens a round right after an update
+    of its group kept them (``kept``, the module docstring), naming its first buffer; None for any
+    other bucket."""
+    buffers = set(buffer_slots(model, weight_slots(model)))
+    first = None
+    for i, (name, t) in enumerate(bucket):
+        got = _units_of(model, name, t)
+        if any(u not in buffers for u in got):
+            return None  # a parameter: a new round
+        if got and first is None:
+            first = i
+    if first is None:
+        return None
+    shown = ", ".join(sent_names(model, kept[:2])) + (" ..." if len(kept) > 2 else "")
+    return LogprobeError(
+        f"names[{first}]", f"{bucket[first][0]!r} came after the parameters of the last update, which was applied "
+        f"without the buffers ({len(kept)} kept: {shown}); held, it would be applied with the next update's "
+        "parameters, one update late", "send the buffers before the last parameter or in its bucket "
+        "(state_dict() order), or with the first parameters of the next update, or leave them out; this bucket "
+        "was received and dropped, the group stays joined")
 
 
 
@@ -282,6 +338,7 @@ class WeightGroup:
     held: list = field(default_factory=list)  # (name, tensor) received, waiting for the rest of the weights
     declared: Declared = field(default_factory=Declared)  # what ``held`` holds
     held_version: str | None = None
+    kept: list[str] = field(default_factory=list)  # buffers the last covering round left out (``late_buffers``)
     left: str | None = None  # why the group was left (a fault); None while it works
 
     def receive(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.Tensor]]:
@@ -302,15 +359,23 @@ class WeightGroup:
     def collect(self, bucket: list[tuple[str, torch.Tensor]], declared: Declared, weight_version: str | None,
                 model) -> tuple[list[tuple[str, torch.Tensor]] | None, str | None]:
         """Hold ``bucket`` with the tensors received before it; -> (every held tensor, the last
-        ``weight_version`` given) once they cover ``model``'s weights, else (None, None): wait."""
+        ``weight_version`` given) once they cover ``model`` (``covers``), else (None, None): wait.
+        A bucket of buffers alone opening a round after a round that kept them is refused
+        (``late_buffers``), once: the next round starts afresh."""
+        if not self.held and self.kept:
+            late, self.kept = late_buffers(model, bucket, self.kept), []
+            if late is not None:
+                raise late
         self.held.extend(bucket)
         self.declared.add(declared)
         if weight_version is not None:
             self.held_version = weight_version
-        if not covers(model, self.held):
+        covered, kept = coverage(model, self.held)
+        if not covered:
             return None, None
         out, version = self.held, self.held_version
         self.drop()
+        self.kept = kept
         return out, version
 
     def drop(self) -> None:

@@ -120,6 +120,16 @@ class Incoming:
 
 
 @dataclass(frozen=True, slots=True)
+class Applied:
+    """What an update did: ``tensors`` copied in; ``kept``: the weights transformers holds as
+    buffers that it left as they were (none of them was sent: ``check_complete``), named as a
+    trainer sends them (``model.layers.1.mlp.gate.e_score_correction_bias``)."""
+
+    tensors: int
+    kept: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Family:
     """How one native family's checkpoint names and tensors become its parameters, as its loader
     does it: ``param_name(key, cfg, where)`` (None: not a weight it holds), ``interleave(cfg,
@@ -412,8 +422,7 @@ def check_complete(model, slots: dict[str, torch.Tensor], seen: Mapping[str, str
         named_parameters() + named_buffers()  -> []
         layer 1's experts.gate_up_proj left out -> "1 weight missing: model.layers.1.mlp.experts.gate_up_proj"
     """
-    ends = family(model).buffers
-    buffers = [n for n in slots if ends and n.endswith(ends)]
+    buffers = buffer_slots(model, slots)
     kept = [n for n in buffers if n not in seen]
     kept = kept if len(kept) == len(buffers) else []
     missing = sent_names(model, [n for n in slots if n not in seen and n not in kept], seen)
@@ -422,6 +431,12 @@ def check_complete(model, slots: dict[str, torch.Tensor], seen: Mapping[str, str
                             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
                             "send every weight of the model (a partial update would mix two policies)")
     return kept
+
+
+def buffer_slots(model, slots) -> list[str]:
+    """The names of ``slots`` that transformers holds as buffers (``Family.buffers``), in order."""
+    ends = family(model).buffers
+    return [n for n in slots if ends and n.endswith(ends)]
 
 
 def sent_names(model, missing: list[str], seen: Mapping[str, str] | set[str] = ()) -> list[str]:
@@ -475,17 +490,19 @@ def _hf_spelling(model, name: str, prefix: str) -> str:
     return plain
 
 
-def note_kept(model, kept: list[str], seen: Mapping[str, str]) -> None:
+def note_kept(model, kept: list[str], seen: Mapping[str, str]) -> tuple[str, ...]:
     """Say which weights an update left as they were (``check_complete``): a warning the first time
-    for ``model``, at info level after (each step of an RL loop sends the same names)."""
+    for ``model``, at info level after (each step of an RL loop sends the same names). Returns
+    their names as a trainer sends them."""
     if not kept:
-        return
+        return ()
     names = sent_names(model, kept, seen)
     level = logging.INFO if getattr(model, "_kept_noted", False) else logging.WARNING
     log.log(level, "weight update: kept %d weight%s not sent (transformers holds them as buffers, so "
             "named_parameters() lacks them): %s%s; send them too (named_buffers()) when the trainer changes them",
             len(names), "s" * (len(names) != 1), ", ".join(names[:4]), " ..." if len(names) > 4 else "")
     model._kept_noted = True
+    return tuple(names)
 
 
 def convert(name: str, value: torch.Tensor, slot: torch.Tensor, model) -> torch.Tensor:
@@ -510,9 +527,9 @@ def incoming_tensors(named_tensors: Iterable, field: str):
 
 
 @torch.no_grad()
-def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, staged: bool) -> int:
+def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, staged: bool) -> Applied:
     """Check every item, then copy all of them in (``staged``: convert each as it comes and copy
-    once the stream ends; else check all first and convert while copying). Returns how many.
+    once the stream ends; else check all first and convert while copying).
     Items are whole tensors; a tensor-parallel shard (under torchrun) takes its slice of each."""
     slots = weight_slots(model)
     full = slots if model.ctx.size == 1 else full_slots(model)
@@ -532,8 +549,7 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
         kept = check_complete(model, full, seen, field)
         for name, value in values.items():
             slots[name].copy_(value)
-        note_kept(model, kept, seen)
-        return len(values)
+        return Applied(len(values), note_kept(model, kept, seen))
     todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
             if (name := check(unit, piece, model, full, seen, field)) is not None]
     kept = check_complete(model, full, seen, field)
@@ -541,11 +557,10 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
         check_finite(piece.name, piece.load(), slots[name], field)
     for name, piece in todo:
         slots[name].copy_(convert(name, rank_slice(name, piece.load(), model), slots[name], model))
-    note_kept(model, kept, seen)
-    return len(todo)
+    return Applied(len(todo), note_kept(model, kept, seen))
 
 
-def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: str) -> int:
+def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: str) -> Applied:
     """A parallel scorer's update: ``model`` is the driver's weightless (meta) model; each checked
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
@@ -574,8 +589,7 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
         engine.end_weights(commit=False)
         raise
     engine.end_weights(commit=True)
-    note_kept(model, kept, seen)
-    return n
+    return Applied(n, note_kept(model, kept, seen))
 
 
 class StagedWeights:
@@ -616,7 +630,7 @@ class StagedWeights:
         self.values = {}
 
 
-def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors", engine=None) -> int:
+def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors", engine=None) -> Applied:
     """(Hugging Face name, tensor) pairs -> the model's weights; see the module docstring.
     ``engine``: a parallel scorer's ``ParallelEngine`` (``model`` is then the driver's meta model)."""
     if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
@@ -674,7 +688,7 @@ def _read(f: Path, key: str) -> torch.Tensor:
         return st.get_tensor(key)
 
 
-def load_weights(model: LlamaModel, path: str | Path, field: str = "path", engine=None) -> int:
+def load_weights(model: LlamaModel, path: str | Path, field: str = "path", engine=None) -> Applied:
     """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
     read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
     family(model)

@@ -116,17 +116,17 @@ def rl_router(served: Served, paused=None) -> APIRouter:
         when the metadata or the tensors are refused: the old weights stay in force."""
         before = weights.version
         try:
-            version = await asyncio.to_thread(weights.update_from_group, body.names, body.dtypes, body.shapes,
-                                              body.group_name, body.weight_version)
+            version, kept = await asyncio.to_thread(weights.update_from_group, body.names, body.dtypes,
+                                                    body.shapes, body.group_name, body.weight_version)
         except LogprobeError as e:
             return refused(e)
         if version is None:  # a bucket: the old weights are still served
             return {"success": True, "message": f"received {len(body.names)} tensors: held until every weight has "
                                                 f"come; weights_version {before} is still served",
-                    "weights_version": before, "weight_version": weights.name(before)}
+                    "weights_version": before, "weight_version": weights.name(before), "kept_buffers": []}
         return {"success": True, "message": f"received {len(body.names)} tensors: weights_version {before} -> "
-                                            f"{version}", "weights_version": version,
-                "weight_version": weights.name(version)}
+                                            f"{version}" + (f"; {len(kept)} buffers kept (none sent)" if kept else ""),
+                "weights_version": version, "weight_version": weights.name(version), "kept_buffers": list(kept)}
 
     @router.post("/destroy_weights_update_group", summary="Leave a weight update group",
                  responses=replies(WeightsGroupReply, (400, 401, 503)))

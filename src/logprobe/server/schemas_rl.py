@@ -307,8 +307,15 @@ class WeightsGroupReply(BaseModel):
 
 
 class UpdateWeightsFromDistributedReply(BaseModel):
+    """SGLang's ``success`` and ``message``, with the version served after the call and the weights
+    transformers holds as buffers that the applied update kept (none of them sent)."""
+
     model_config = _OPEN
     success: bool
     message: str
     weights_version: int
     weight_version: str
+    kept_buffers: list[str] = Field(default_factory=list, description=(
+        "the weights transformers holds as buffers (mlp.gate.e_score_correction_bias, Gemma 4's layer_scalar) "
+        "that the applied update left as they were, none of them sent (named_parameters() lacks them), as a "
+        "trainer names them; [] while a bucket is held or when they were sent"))

@@ -99,11 +99,12 @@ class ServedWeights:
                                               receive_timeout=self.weight_sync_timeout)
 
     def update_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                          weight_version: str | None = None) -> int | None:
+                          weight_version: str | None = None) -> tuple[int | None, tuple[str, ...]]:
         """Receive every tensor the trainer broadcasts (scoring goes on, on the old weights), then
         apply them all between engine steps, as ``load`` swaps a checkpoint: a request under way
         finishes on the old weights, none is computed on a half-updated model. Returns the new
-        version, or None while the buckets received so far do not cover every weight (held). A
+        version and the buffers it kept (``Scorer.kept_buffers``), or (None, ()) while the buckets
+        received so far do not cover the model (held). A
         refused update changes nothing: metadata the model cannot take, a receive that fails or
         times out (the group is then left: the scorer's error says so), a NaN (the group stays)."""
         if not hasattr(self.scorer, "receive_weights_from_distributed"):
@@ -111,10 +112,13 @@ class ServedWeights:
         received, weight_version = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name,
                                                                                 weight_version)
         if received is None:  # a bucket: held until every weight has come
-            return None
-        return self.batcher.exclusive(lambda: self._apply(received, weight_version))
+            return None, ()
+        kept: list[str] = []  # read within the swap: a later update may change the scorer's
+        version = self.batcher.exclusive(lambda: self._apply(received, weight_version, kept))
+        return version, tuple(kept)
 
-    def _apply(self, received, weight_version: str | None) -> int:
+    def _apply(self, received, weight_version: str | None, kept: list[str]) -> int:
+        """The swap (its version becomes the batcher's tag); ``kept`` gets the buffers it kept."""
         try:
             self.scorer.apply_received_weights(received, weight_version)
         except LogprobeError as e:
@@ -122,6 +126,7 @@ class ServedWeights:
                                 f"weights_version {self._scorer_version()} is still served") from e
         version = self._scorer_version()
         self._names[version] = str(getattr(self.scorer, "weight_version", version))
+        kept.extend(getattr(self.scorer, "kept_buffers", ()))
         return version
 
     def leave_group(self, group_name: str) -> None:
