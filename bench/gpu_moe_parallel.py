@@ -19,6 +19,7 @@ the model's). Deterministic mode on CUDA runs only where every rank holds whole 
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2 --attention data,tensor
     python bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4    # 4 GPUs
     python bench/gpu_moe_parallel.py --shape mla --fp8 --sizes 1x1,2x1,2x2          # FP8 blocks, 2 GPUs
+    python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2,4x4 --skew 0.05  # skewed router
     python bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe  # the largest
         # GLM-4.5-Air whole as FP8 blocks (106 GB: more than a two-GPU machine's free disk, so in memory)
 
@@ -127,9 +128,29 @@ def fp8_entries(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, device: str = "cuda") -> None:
+def skewed(key: str, t: torch.Tensor, skew: float, hot: int) -> torch.Tensor:
+    """A skewed router, as trained ones are (a few experts take much of the load): every embedding
+    row gets one shared direction v of about the size of its random part, and the router rows of
+    the ``hot`` first experts get ``skew`` times v, so the hidden rows' shared part raises those
+    experts' logits for every token (``skew`` 0: unchanged). The share of slots the hot experts
+    take is measured and printed (``hot_share``)."""
+    if not skew or not (key.endswith("embed_tokens.weight") or key.endswith("mlp.gate.weight")):
+        return t
+    g = torch.Generator(t.device).manual_seed(12345)
+    v = torch.randn(t.shape[-1], generator=g, device=t.device)
+    v = v / v.norm()  # [H], unit
+    t = t.clone()
+    if key.endswith("embed_tokens.weight"):
+        return t + t.float().norm(dim=-1, keepdim=True).mean().to(t.dtype) * v.to(t.dtype)
+    t[:hot] += (skew * v).to(t.dtype)
+    return t
+
+
+def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, device: str = "cuda",
+                     skew: float = 0.0) -> None:
     """Random bf16 weights (seeded per tensor, made on ``device``), config.json and a byte tokenizer;
-    ``fp8``: the same weights as an FP8 block checkpoint (``fp8_entries``)."""
+    ``fp8``: the same weights as an FP8 block checkpoint (``fp8_entries``); ``skew``: a skewed
+    router (``skewed``)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -159,6 +180,7 @@ def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, dev
         else:
             t = torch.randn(s, generator=g, device=device) * 0.02
         t = t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
+        t = skewed(k, t, skew, hot=max(1, s[0] // 16) if k.endswith("mlp.gate.weight") else 0)
         for name, v in (fp8_entries(k, t) if fp8 else {k: t}).items():
             part[name] = v.cpu()
             size += v.numel() * v.element_size()
@@ -301,6 +323,9 @@ def main() -> None:
                     help="after timing, one more W1 pass per size and mode with every rank under torch.profiler: "
                          "kernel time by family, time waited in collectives, rows and attention pairs per rank")
     ap.add_argument("--profile-dir", default=None, help="with --profile: write each rank's kernel list here (JSON)")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="a skewed router: the first E/16 experts favoured for every token (e.g. 0.05); the rows "
+                         "print hot_share, the share of routed slots they take (1/16 when even)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo workers (a trial run)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of W1 (a trial run)")
     ap.add_argument("--nccl-env", default="",
@@ -314,8 +339,8 @@ def main() -> None:
         os.environ[key] = value  # the worker processes inherit it; NCCL reads it when their communicator starts
     if args.nccl_env:
         log(f"NCCL environment: {args.nccl_env}")
-    path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}{'-fp8' * args.fp8}"
-    write_checkpoint(args.shape, args.layers, path, args.fp8, args.device)
+    path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}{'-fp8' * args.fp8}{f'-skew{args.skew}' * bool(args.skew)}"
+    write_checkpoint(args.shape, args.layers, path, args.fp8, args.device, args.skew)
     log(f"checkpoint {path}")
     if args.diagnose:
         return diagnose(path, args.sizes.split(","))
@@ -357,6 +382,9 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
                    load_s=round(load, 1))
         if tp > 1 and s.attention_parallel == "data":
             row.update(rank_shares(reqs, s.config, tp))
+        if args.skew and tp == 1 and name == "default":
+            cfg = json.loads((path / "config.json").read_text())
+            row["hot_share"] = hot_share(s, reqs[:16], cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"])
         if name in ref:
             d = (lp - ref[name]).abs()
             row.update(speedup=round(base[name] / secs, 2), max_d=float(d.max()), mean_d=float(d.mean()),
@@ -367,6 +395,15 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
         if args.profile:
             profiled(args, s, reqs, path, f"{args.shape}-{tp}x{ep}-{s.attention_parallel}-{mode}")
     s.close()
+
+
+def hot_share(scorer, reqs, experts: int) -> float:
+    """The share of routed slots (every MoE layer, every token) that go to the first E/16 experts,
+    from the routes of ``reqs`` (``return_routed_experts``)."""
+    seqs = [{"prompt_token_ids": list(r.inputs[:1]), "completion_token_ids": list(r.inputs[1:])} for r in reqs]
+    routes = torch.cat([torch.as_tensor(x.routed_experts).reshape(-1)
+                        for x in scorer.logprobs(seqs, return_routed_experts=True)])
+    return round(float((routes < max(1, experts // 16)).float().mean()), 3)
 
 
 def profiled(args, s, reqs, path: Path, tag: str) -> None:
