@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # test processes side by side share the cores: one thread each
+    os.environ["OMP_NUM_THREADS"] = "1"  # (and to the servers and workers they start)
+    torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

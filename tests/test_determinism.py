@@ -136,6 +136,7 @@ def test_default_model_mix_bitwise(default_scorer):
         same(alone[i], res, exact=True)
 
 
+@pytest.mark.slow  # slow tier: ~9 s of CLI processes
 def test_cli_deterministic_flag(tmp_path):
     """``--deterministic`` (and its old name) through the streaming CLI: shared prompts, a tiny
     budget that chunks, and the same bits as a plain run."""

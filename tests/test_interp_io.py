@@ -101,7 +101,8 @@ def test_cli_logprobs_capture_side_files_and_steer(tmp_path, default_scorer, cap
     assert cap_none["shape"] == [4, 576] and torch.equal(side, want.captures[0].value)
     torch.testing.assert_close(torch.tensor(cap_sum["value"]), want.captures[1].value, atol=1e-5, rtol=0)
     steered = default_scorer.logprobs(lines[1:2], steer=lines[1]["steer"])[0]
-    torch.testing.assert_close(torch.tensor(recs[1]["logprobs"]), steered.logprobs, atol=1e-5, rtol=0)
+    # another process, maybe another thread count: log-probs near -13 here, steered; float32 rounding
+    torch.testing.assert_close(torch.tensor(recs[1]["logprobs"]), steered.logprobs, atol=3e-5, rtol=0)
 
 
 def test_cli_train_vector_and_score_with_it(tmp_path, capsys):

@@ -70,6 +70,7 @@ def _triton_version() -> tuple[int, ...]:
 @pytest.mark.skipif(HAS_TRITON and _triton_version() < (3, 9),
                     reason="Triton < 3.9's interpreter fails on this kernel ('only 0-dimensional arrays can be "
                            "converted to Python scalars', seen with 3.6); 3.9 passes")
+@pytest.mark.slow  # slow tier: ~17 s under the interpreter
 def test_interpreter_matches_torch_head():
     code = textwrap.dedent("""
         import json

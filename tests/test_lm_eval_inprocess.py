@@ -104,6 +104,7 @@ def test_logprobe_eval_cli_runs_lm_eval_in_process(tmp_path, monkeypatch, capsys
             assert abs(a - b) <= 1e-4 and ga == gb
 
 
+@pytest.mark.slow  # slow tier: ~8 s of lm-eval CLI runs
 def test_logprobe_eval_cli_errors_are_one_line(capsys):
     assert main(["eval", "--device", "cpu", "--tasks", "no_such_task_xyz"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
