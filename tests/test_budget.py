@@ -20,6 +20,7 @@ from logprobe.engine.budget import (
 )
 from logprobe.errors import LogprobeError
 from logprobe.layers.moe import MoeSpec
+from logprobe.layers.moe_gpt_oss import GptOssMoeSpec
 
 GiB = 2**30
 
@@ -43,6 +44,16 @@ MLA = SimpleNamespace(hidden_size=2048, intermediate_size=10944, num_heads=16, q
                                   shared_intermediate_size=2816, dense_layers=(0,)))
 
 
+# gpt-oss-20b: 64 heads + 2 x 8 kv heads of 64, top-4 of 32 experts of 2880; its MoE spec has no
+# shared expert and no dense blocks (the budget fell back to 8192 on those missing fields)
+GPT_OSS_20B = SimpleNamespace(hidden_size=2880, intermediate_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                              moe=GptOssMoeSpec(num_experts=32, top_k=4, intermediate_size=2880))
+# a Gemma-4-like config: head widths and kv heads per block (256 / 8 sliding, 512 / 4 full), a
+# double-wide MLP; the widest block counts (it fell back to 8192 on the missing num_kv_heads)
+GEMMA4 = SimpleNamespace(hidden_size=2560, intermediate_size=10240, num_heads=8, layer_head_dims=(256, 256, 512),
+                         layer_kv_heads=(8, 8, 4), use_double_wide_mlp=True, moe=None)
+
+
 @pytest.mark.parametrize("cfg,size,want", [
     (LLAMA_8B, 2, 2 * (6 * 4096 + 48 * 128 + 3 * 14336)),  # 147,456
     (LLAMA_1B, 2, 2 * (6 * 2048 + 48 * 64 + 3 * 8192)),  # 79,872
@@ -52,6 +63,8 @@ MLA = SimpleNamespace(hidden_size=2048, intermediate_size=10944, num_heads=16, q
     # latent 512 + its rope 64; MLP: routed 3 * 6 * 1408 + shared 3 * 2816 (> the dense 3 * 10944)
     (MLA, 2, 2 * (6 * 2048 + 16 * (3 * 192 + 256) + 512 + 64 + 3 * 6 * 1408 + 3 * 2816)),  # 119,936
     (SimpleNamespace(**{**vars(MLA), "q_lora_rank": 1536}), 2, 119936 + 2 * 1536),
+    (GPT_OSS_20B, 2, 2 * (6 * 2880 + 80 * 64 + 3 * 4 * 2880)),  # 113,920
+    (GEMMA4, 2, 2 * (6 * 2560 + (8 + 2 * 4) * 512 + 3 * 2 * 10240)),  # full 8,192 > sliding 6,144: 169,984
 ])
 def test_bytes_per_token_gold(cfg, size, want):
     assert activation_bytes_per_token(cfg, size) == want

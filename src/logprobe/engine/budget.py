@@ -57,19 +57,22 @@ from dataclasses import replace
 import torch
 
 from ..config import EngineConfig
+from ..models.base import ScoringModel
 
 CPU_BUDGET = 8192
 MAX_AUTO = 32768
 MAX_AUTO_MOE = 65536
 MIN_AUTO = 1024
 MEMORY_SHARE = 0.25
-CUDA_UNKNOWN = 8192  # a CUDA model whose shapes logprobe does not know (the transformers fallback)
+CUDA_UNKNOWN = 8192  # the transformers backend on CUDA, whose shapes logprobe does not read
 
 
 def attention_width(cfg) -> int:
     """Elements per token of attention's projected heads: q, k, v (``(heads + 2 kv_heads) * head_dim``);
     for multi-head latent attention (``models.deepseek``, ``kv_lora_rank``) q, k and v each padded
     to one head width, the expanded ``[nope | v]`` of every head, and the latents."""
+    if getattr(cfg, "layer_head_dims", None) is not None:  # Gemma 4: widths per block, the widest counts
+        return max((cfg.num_heads + 2 * kv) * d for d, kv in zip(cfg.layer_head_dims, cfg.layer_kv_heads))
     if getattr(cfg, "kv_lora_rank", None) is None:
         return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -81,12 +84,12 @@ def activation_bytes_per_token(cfg, element_size: int) -> int:
     """Bytes of activations one token needs in a block (see the module docstring)."""
     attn = 6 * cfg.hidden_size + attention_width(cfg)
     moe = getattr(cfg, "moe", None)
-    if moe is None:
-        mlp = 3 * cfg.intermediate_size
-    else:  # the widest of a dense block and an expert block
-        dense = moe.dense_layers or getattr(cfg, "first_k_dense_replace", 0)
+    if moe is None:  # Gemma 4's double-wide MLP blocks: twice the width
+        mlp = 3 * cfg.intermediate_size * (2 if getattr(cfg, "use_double_wide_mlp", False) else 1)
+    else:  # the widest of a dense block and an expert block (gpt-oss's spec has neither field)
+        dense = getattr(moe, "dense_layers", ()) or getattr(cfg, "first_k_dense_replace", 0)
         mlp = max(3 * cfg.intermediate_size if dense else 0,
-                  3 * moe.top_k * moe.intermediate_size + 3 * moe.shared_intermediate_size)
+                  3 * moe.top_k * moe.intermediate_size + 3 * getattr(moe, "shared_intermediate_size", 0))
     return element_size * (attn + mlp)
 
 
@@ -144,16 +147,16 @@ def agreed_budget(model: torch.nn.Module, device: torch.device, group=None) -> i
 
 def budget_for(model: torch.nn.Module, device: torch.device) -> int:
     """The budget for ``model`` (loaded) on ``device``, from the memory free now; under
-    data-parallel attention the rows of all ranks together (``ranks_budget``)."""
+    data-parallel attention the rows of all ranks together (``ranks_budget``). Only the
+    transformers backend gets ``CUDA_UNKNOWN``: a native family's config always gives its shapes
+    (a field missing there is a bug to see, not a budget to guess)."""
     ranks = row_ranks(model)
     if device.type != "cuda":
         return ranks * CPU_BUDGET
-    cfg = getattr(model, "config", None)
-    try:
-        return ranks_budget("cuda", torch.cuda.mem_get_info(device)[0], cfg,
-                            next(model.parameters()).element_size(), ranks)
-    except (AttributeError, StopIteration, TypeError):
+    if not isinstance(model, ScoringModel):
         return CUDA_UNKNOWN
+    return ranks_budget("cuda", torch.cuda.mem_get_info(device)[0], model.config,
+                        next(model.parameters()).element_size(), ranks)
 
 
 def resolved_budget(config: EngineConfig, start_budget: int) -> EngineConfig:
