@@ -119,6 +119,10 @@ class EngineConfig:
         runs as two micro-batches of sequences whose blocks are launched in turn, so that one's
         expert transfers run beside the other's attention and experts, when every rank's halves
         hold at least this many rows; 0: one batch. Deterministic mode's bits are the same either way.
+    tuning_cache: where autotuned kernels' choices persist between processes on CUDA
+        (``kernels.tuning``): True (default) ``~/.cache/logprobe/kernels`` (``$LOGPROBE_CACHE/kernels``
+        when set), a folder, or False (the tables shipped with logprobe only, nothing written). A
+        kernel tuned once on a GPU is not tuned again by the next process.
     """
 
     max_batch_tokens: int | None = None
@@ -130,8 +134,12 @@ class EngineConfig:
     min_shared_prefix: int = 16
     overlap_host: bool = True
     micro_batch_rows: int = 2048
+    tuning_cache: bool | str = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tuning_cache, (bool, str)) or self.tuning_cache == "":
+            raise LogprobeError("tuning_cache", f"must be True, False or a folder, got {self.tuning_cache!r}",
+                                "True keeps kernel tunings in ~/.cache/logprobe/kernels")
         if self.max_batch_tokens is not None:
             check_positive_ints(self, ("max_batch_tokens",))
         if not isinstance(self.micro_batch_rows, int) or isinstance(self.micro_batch_rows, bool) \

@@ -36,6 +36,7 @@ from .ray_cmd import add_ray_parser
 from .score import add_score_parser
 from .serve import add_serve_parser
 from .vectors import add_train_vector_parser
+from .warmup_cmd import add_warmup_parser
 
 __all__ = ["build_parser", "get_scorer", "join_continuation", "main"]
 
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_vector_parser(sub, common)
 
     add_serve_parser(sub, common)
+    add_warmup_parser(sub, common)
 
     add_compare_parser(sub, common)
 

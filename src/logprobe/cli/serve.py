@@ -18,7 +18,7 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
         description="Serve the model over HTTP. Concurrent requests are scored in shared batches. Endpoints: "
                     "POST /v1/completions (echo + logprobs, max_tokens 0 or 1), GET /v1/models, GET /tokenizer_info, "
                     "POST /tokenize, POST /detokenize, POST /v1/score, POST /v1/logprobs, POST /v1/perplexity, "
-                    "GET /health, GET /metrics, GET /docs (OpenAPI).",
+                    "GET /health, GET /ready, GET /metrics, GET /docs (OpenAPI).",
         epilog="The key can also come from the LOGPROBE_API_KEY environment variable (keeps it out of `ps`).")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, loopback only)")
@@ -52,6 +52,9 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-return-routed-experts", action="store_true",
                    help="allow 'return_routed_experts' (mixture-of-experts models: each token's experts, "
                         "SGLang's R3 shape)")
+    s.add_argument("--warmup", action="store_true",
+                   help="compile and tune the model's kernels once the port is open, before scoring (as "
+                        "`logprobe warmup`); GET /ready answers 503 'warming' until done, then 200")
     s.add_argument("--no-batching", action="store_true",
                    help="score one HTTP request at a time (for comparison; slower under concurrency)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -67,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_capture_floats=args.max_capture_floats, batching=not args.no_batching,
         shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
         enable_return_routed_experts=args.enable_return_routed_experts,
-        weight_sync_timeout=args.weight_sync_timeout)
+        weight_sync_timeout=args.weight_sync_timeout, warmup=args.warmup)
     if not _loopback(config.host) and config.api_key is None:
         print(f"logprobe: warning: serving on {config.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

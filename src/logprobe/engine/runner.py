@@ -27,6 +27,7 @@ from .prefix_cache import PrefixCache
 from .prefix_run import ResumePack, cacheable, chunk_keeper, keep_batch, resumable, take_pack
 from .request import RequestResult, ScoreRequest
 from .scheduler import Chunk, Tree, chunk_bounds, plan_work, tree_cost
+from .tuning import start_tuning
 
 # Jobs with at least this many input tokens show a progress bar (when stderr is a terminal).
 PROGRESS_MIN_TOKENS = 32768
@@ -303,6 +304,8 @@ class Engine:
         # (engine.prefix_cache; set by the owner: Scorer(prefix_cache=...)), None: off
         self.prefix_cache: PrefixCache | None = None
         self._hidden: torch.Tensor | None = None  # the last recorded pass's final hidden rows (prefix cache)
+        # autotuned kernels' choices from the shipped tables and the persistent cache (CUDA only)
+        self.tuning = start_tuning(model, config, device)
 
     def close(self) -> None:
         """Nothing to stop (``executor.Executor``): the model lives in this process."""
@@ -375,7 +378,10 @@ class Engine:
                 planned_at = self.budget
         # the last batch of trees stays in flight: the first pack is planned while it runs
         self._run_resumed(requests, deque(resumed), out, stop, cancelled)
-        return out.close()
+        results = out.close()
+        if self.tuning is not None:  # what this run tuned, kept for the next process
+            self.tuning.after_run()
+        return results
 
     def _run_resumed(self, requests: list[ScoreRequest], queue: deque[int], out: Delivery,
                      stop: Callable[[], bool] | None, cancelled: Callable[[int], bool] | None) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -39,11 +41,11 @@ from .routes_native import native_router
 from .routes_openai import openai_router
 from .routes_pause import Pause, pause_router
 from .routes_rl import rl_router
-from .schemas import HealthReply, WeightVersionReply
+from .schemas import HealthReply, ReadyReply, WeightVersionReply
 from .served import Served
 from .weights import ServedWeights
 
-OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers, probes)
+OPEN_PATHS = {"/health", "/ready"}  # reachable without the API key (load balancers, probes)
 NO_HEAD = {"/flush_cache"}  # GET routes with an effect: a HEAD probe must not empty the prefix cache
 
 
@@ -180,6 +182,35 @@ class Lifecycle:
         return await asyncio.shield(self._drained)
 
 
+class Readiness:
+    """Whether the server is ready: at once, or once ``Scorer.warmup`` has run (``start``: in a
+    thread, inside ``Batcher.exclusive``, so that requests that come meanwhile wait for it). A
+    warm-up that fails is logged and the server serves anyway (it only costs the first requests
+    their compile time)."""
+
+    def __init__(self, scorer: Scorer, batcher: Batcher, warmup: bool) -> None:
+        self.scorer, self.batcher = scorer, batcher
+        self.status = "warming" if warmup else "ready"
+        self.report: dict | None = None
+
+    def start(self) -> None:
+        if self.status == "warming":
+            threading.Thread(target=self._run, name="logprobe-warmup", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.batcher.exclusive(self._warm)
+        except Exception as e:  # noqa: BLE001 (any failure: serve unwarmed, say why)
+            print(f"logprobe: warm-up failed ({type(e).__name__}: {e}); serving without it", file=sys.stderr,
+                  flush=True)
+        self.status = "ready"
+
+    def _warm(self) -> None:
+        self.report = self.scorer.warmup()
+        print(f"logprobe: warm-up done in {self.report['seconds']:.2f} s ({self.report['tuned']} kernel choices "
+              "recorded)", file=sys.stderr, flush=True)
+
+
 def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: str | None = None) -> FastAPI:
     """The app serving ``scorer``; its engine thread starts and stops with the app (lifespan)."""
     config = config or ServerConfig()
@@ -193,10 +224,12 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     metrics.watch(batcher)
     lifecycle = Lifecycle(batcher)
     weights = ServedWeights(scorer, batcher, config.weight_sync_timeout)
+    readiness = Readiness(scorer, batcher, config.warmup)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         batcher.start()
+        readiness.start()
         yield
         await lifecycle.drain(config.shutdown_timeout)  # a no-op when `logprobe serve` drained on SIGTERM
         batcher.close()
@@ -217,9 +250,16 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     @app.get("/health", responses=replies(HealthReply, (503,)))  # 503: shutting down
     async def health():
+        """Liveness: 200 while the process serves ("warming" during ``--warmup``, then "ok")."""
         jobs, tokens = batcher.queue_depth
-        return {"status": "ok", "model": name, "queue_requests": jobs, "queue_tokens": tokens,
+        return {"status": "ok" if readiness.status == "ready" else readiness.status, "model": name, "queue_requests": jobs, "queue_tokens": tokens,
                 "weights_version": weights.version, "weight_version": weights.weight_version}
+
+    @app.get("/ready", responses=replies(ReadyReply, (503,)))
+    async def ready():
+        """Readiness (a load balancer's probe): 503 "warming" while ``--warmup`` runs, then 200."""
+        body = {"status": readiness.status, "model": name}
+        return body if readiness.status == "ready" else SafeJSONResponse(body, status_code=503)
 
     @app.get("/get_weight_version", responses=replies(WeightVersionReply, (401,)))
     async def get_weight_version():

@@ -32,6 +32,8 @@ class ServerConfig:
     weight_sync_timeout: seconds one ``/update_weights_from_distributed`` may take receiving the
         trainer's broadcasts; beyond it the group is left and the reply is 400 (the old weights
         stay in force).
+    warmup: run ``Scorer.warmup`` once the port is open, before any request is scored (requests
+        wait meanwhile); ``/ready`` answers 503 ``warming`` until it is done, then 200.
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +52,7 @@ class ServerConfig:
     body_timeout: float = 30.0
     enable_return_routed_experts: bool = False  # SGLang's flag: requests may ask for routed experts
     weight_sync_timeout: float = 300.0
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",

@@ -428,5 +428,10 @@ class HealthReply(BaseModel):
     weight_version: str = Field(description="their name (SGLang's weight_version)")
 
 
+class ReadyReply(BaseModel):
+    status: str = Field(description='"ready", or "warming" (503) while the warm-up runs')
+    model: str
+
+
 class WeightVersionReply(BaseModel):
     weight_version: str = Field(description="the name of the weights new requests are computed under")
