@@ -34,12 +34,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # on the host even while a model is built on the meta device: a meta arange runs torch's Python
+    # references, whose first call imports torch._dynamo (about 1 s of every load); the table is tiny
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
     if kind == "default":
         return inv
     if kind == "longrope":  # the short factors: what transformers uses while a sequence fits the original length
-        short = torch.tensor([float(f) for f in scaling["short_factor"]], dtype=torch.float64)
+        short = torch.tensor([float(f) for f in scaling["short_factor"]], dtype=torch.float64, device="cpu")
         if short.shape != inv.shape:
             raise LogprobeError("rope_scaling.short_factor", f"has {short.numel()} entries, rotary_dim / 2 is "
                                 f"{inv.numel()}")

@@ -155,17 +155,17 @@ def deepseek_param_name(key: str, cfg: DeepseekConfig, where: str) -> str | None
 
 
 def deepseek_tensors(path: Path, cfg: DeepseekConfig, raw: dict | None = None, quantize_activations: bool = False,
-                     cut=None, held: tuple[int, int] | None = None):
+                     cut=None, held: tuple[int, int] | None = None, place=None):
     """Yield (native parameter name, tensor or packed layer) from the safetensors files, experts
     stacked [E, out, in]; an FP8 block checkpoint (``loading.fp8_block``) yields its FP8 layers.
     ``cut`` / ``held``: a rank's reading (``loading.sharding.rank_cut``; FP8 weights by whole rows, ``fp8_block.fp8_rows``) and its
-    experts [start, end)."""
+    experts [start, end); ``place``: the model's (device, dtype) (``hf.stack_experts``)."""
     if raw is not None and is_fp8_block(raw):
         scheme = fp8_scheme(raw["quantization_config"], quantize_activations)
         yield from stack_experts(fp8_block_tensors(path, scheme, lambda key, file: deepseek_param_name(key, cfg, file),
-                                                   log, cut), cfg, held)
+                                                   log, cut), cfg, held, place)
         return
-    yield from stack_experts(_plain(path, cfg, cut), cfg, held)
+    yield from stack_experts(_plain(path, cfg, cut), cfg, held, place)
 
 
 def _plain(path: Path, cfg, cut=None):

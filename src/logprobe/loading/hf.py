@@ -166,12 +166,13 @@ def check_quantization(raw: dict, path: Path, native: bool) -> None:
 
 
 def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bool = False,
-               quantize_activations: bool = False):
+               quantize_activations: bool = False, place=None):
     """Yield (module parameter name, tensor) from the safetensors files of a native model.
 
     A compressed-tensors checkpoint (``quantization_config.quant_method == "compressed-tensors"``)
     yields its quantized Linear weights as ``CTLinear`` layers (``packed``) or dequantized. Any other
-    quantization metadata, and any tensor that is not a plain float, is refused."""
+    quantization metadata, and any tensor that is not a plain float, is refused. ``place``: the
+    model's (device, dtype), where float experts are stacked as read (``stack_experts``)."""
     check_quantization(raw or {}, path, native=True)
     qcfg = (raw or {}).get("quantization_config")
     if cfg.extra.get(FUSED):  # Phi-3: qkv_proj and gate_up_proj cut into the Llama model's matrices
@@ -183,7 +184,7 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
     if qcfg is not None and qcfg.get("quant_method") == "fp8":  # DeepSeek-style FP8 blocks (loading.fp8_block)
         scheme = fp8_scheme(qcfg, quantize_activations)
         stream = fp8_block_tensors(path, scheme, lambda key, file: hf_param_name(key, cfg, file), log)
-        yield from stack_experts(stream if packed else ((n, dense_fp8(w)) for n, w in stream), cfg)
+        yield from stack_experts(stream if packed else ((n, dense_fp8(w)) for n, w in stream), cfg, place=place)
         return
     if qcfg is not None and cfg.moe is not None and qcfg.get("quant_method") != "compressed-tensors":
         raise LogprobeError("quantization_config", f"{path.name}: a quantized mixture-of-experts checkpoint "
@@ -196,9 +197,9 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
         yield from awq_tensors(path, cfg, qcfg, packed)
         return
     if qcfg is not None:
-        yield from stack_experts(ct_tensors(path, cfg, qcfg, packed), cfg)  # W4A16/W8A16 experts stay packed
+        yield from stack_experts(ct_tensors(path, cfg, qcfg, packed), cfg, place=place)  # W4A16/W8A16: packed
         return
-    yield from stack_experts(_plain_tensors(path, cfg), cfg)
+    yield from stack_experts(_plain_tensors(path, cfg), cfg, place=place)
 
 
 def _plain_tensors(path: Path, cfg: LlamaConfig):
@@ -214,14 +215,21 @@ def _plain_tensors(path: Path, cfg: LlamaConfig):
                     yield name, value
 
 
-def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None):
+def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None, place=None):
     """Per-expert matrices ``layers.N.mlp.experts.{e}.{gate,up,down}_proj.weight`` [out, in] (what
     ``save_pretrained`` writes) -> ``layers.N.mlp.experts.{gate,up,down}_proj`` [E, out, in], yielded
     once all E are read; transformers' in-memory ``experts.gate_up_proj`` [E, 2I, H] is split into
     gate (first I rows) and up. Other tensors pass through. ``held``: the experts [start, end) this
-    rank reads (expert parallelism, ``loading.sharding``; default all of them)."""
+    rank reads (expert parallelism, ``loading.sharding``; default all of them).
+
+    ``place``: (device, dtype) of the model: float experts are then copied, as each is read, into
+    one [E, out, in] tensor made there in that dtype (one conversion from the file's bytes, no
+    stack on the host first; what the builder's ``.to(device, dtype)`` would give, bit for bit,
+    and then a no-op). None: stacked where and as read."""
     want = list(range(*(held or (0, cfg.moe.num_experts if cfg.moe is not None else 0))))
-    pending: dict[str, dict[int, torch.Tensor]] = {}
+    slot = {e: i for i, e in enumerate(want)}
+    pending: dict[str, dict[int, torch.Tensor | None]] = {}
+    dests: dict[str, torch.Tensor] = {}  # stacked name -> [E, out, in] being filled (``place``)
     for name, value in tensors:
         m = _EXPERT.fullmatch(name)
         if cfg.moe is None or (m is None and not name.endswith(".experts.gate_up_proj")):
@@ -229,17 +237,20 @@ def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None
             continue
         if m is None:  # fused gate_up [E, 2I, H]
             gate, up = value.chunk(2, dim=1)  # [E, I, H] each; own storage: the fused kernel reads them whole
-            yield name.replace("gate_up_proj", "gate_proj"), gate.contiguous()
-            yield name.replace("gate_up_proj", "up_proj"), up.contiguous()
+            yield name.replace("gate_up_proj", "gate_proj"), _own(gate, place)
+            yield name.replace("gate_up_proj", "up_proj"), _own(up, place)
             continue
-        stacked = f"{m.group(1)}.{m.group(3)}"
+        stacked, e = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
         got = pending.setdefault(stacked, {})
-        got[int(m.group(2))] = value
+        if place is not None and e in slot and isinstance(value, torch.Tensor):
+            _fill(dests, stacked, len(want), slot[e], value, place)
+            value = None  # copied: its place in ``got`` only marks it read
+        got[e] = value
         if len(got) == len(want):
             if sorted(got) != want:
                 raise LogprobeError("model", f"{stacked}: expert ids {sorted(got)[:8]}... do not match "
                                     f"num_experts {cfg.moe.num_experts}")
-            yield stacked, _stack([got[e] for e in want], stacked)
+            yield stacked, _done(dests.pop(stacked, None), [got[e] for e in want], stacked)
             del pending[stacked]
     for stacked, got in pending.items():
         missing = sorted(set(want) - set(got))
@@ -247,11 +258,47 @@ def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None
                             f"(num_experts {cfg.moe.num_experts})")
 
 
+def _done(filled: torch.Tensor | None, experts: list, name: str):
+    """The stacked experts: ``filled`` (copied in as read; ``experts`` then all None) or ``_stack``'s."""
+    if filled is None:
+        return _stack(experts, name)
+    rest = [w for w in experts if w is not None]
+    if rest:  # float experts mixed with packed ones: _stack names both kinds
+        _stack([filled[0], *rest], name)
+    return filled
+
+
+def _own(w: torch.Tensor, place) -> torch.Tensor:
+    """``w`` in its own contiguous storage: on ``place``'s device in its dtype when given."""
+    if place is None:
+        return w.contiguous()
+    return torch.empty(w.shape, device=place[0], dtype=place[1]).copy_(w)
+
+
+def _fill(dests: dict, stacked: str, n: int, i: int, value: torch.Tensor, place) -> None:
+    """Copy expert ``value`` [out, in] into row ``i`` of ``dests[stacked]`` [n, out, in] (made on
+    ``place`` at the first expert). ``copy_`` would broadcast a smaller matrix: shapes are checked."""
+    dst = dests.get(stacked)
+    if dst is None:
+        dst = dests[stacked] = torch.empty((n, *value.shape), device=place[0], dtype=place[1])
+    if value.shape != dst.shape[1:]:
+        _same_shapes(stacked, [dst[0], value])
+    dst[i].copy_(value)
+
+
+def _same_shapes(name: str, experts: list[torch.Tensor]) -> None:
+    shapes = sorted({tuple(w.shape) for w in experts})
+    if len(shapes) > 1:
+        raise LogprobeError("model", f"{name}: experts of shapes {shapes[0]} and {shapes[1]} in the checkpoint, "
+                            "one [out, in] for all is expected")
+
+
 def _stack(experts: list, name: str):
     """E expert weights -> [E, out, in]: float tensors stacked, packed integer layers (compressed-
     tensors ``CTLinear``) kept packed side by side (``ExpertStack``). Anything else is refused: an
     expert with activation quantization would need its rounding inside the expert kernels."""
     if all(isinstance(w, torch.Tensor) for w in experts):
+        _same_shapes(name, experts)
         return torch.stack(experts)  # [E, out, in]
     if all(type(w) is CTLinear for w in experts):
         return ExpertStack(experts)

@@ -194,19 +194,20 @@ def hybrid_param_name(key: str, cfg: HybridConfig, where: str) -> str | None:
 
 
 def hybrid_tensors(path: Path, cfg: HybridConfig, raw: dict | None = None, quantize_activations: bool = False,
-                   dense: bool = False):
+                   dense: bool = False, place=None):
     """Yield (native parameter name, tensor or packed layer) from the safetensors files of a hybrid
     checkpoint: conv weights [C, 1, K] -> [C, K], Qwen3-Next's fused projections cut into Qwen3.5's
     layout, experts stacked [E, out, in]. An FP8 block checkpoint (``raw``'s quantization_config)
     yields ``FP8BlockLinear`` layers and ``FP8BlockExperts`` (``ActQuantLinear`` with
-    ``quantize_activations``); ``dense``: their dequantized float32 weights instead."""
+    ``quantize_activations``); ``dense``: their dequantized float32 weights instead. ``place``: the
+    model's (device, dtype), where float experts are stacked as read (``hf.stack_experts``)."""
     if raw is not None and is_fp8_block(raw):
         tensors = _fp8(path, cfg, fp8_scheme(raw["quantization_config"], quantize_activations))
         if dense:
             tensors = ((name, dense_fp8(w)) for name, w in tensors)
     else:
         tensors = _plain(path, cfg)
-    yield from stack_experts(_split_fused(tensors, cfg), cfg)
+    yield from stack_experts(_split_fused(tensors, cfg), cfg, place=place)
 
 
 def _fp8(path: Path, cfg: HybridConfig, scheme, cut=None):
@@ -330,7 +331,7 @@ def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, gro
     return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts)
 
 
-def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
+def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext, place=None):
     """``hybrid_tensors``, each cut to this rank's rows as its layers state them (``held_ranges`` of
     the rank's model on the meta device; the mixer's q/k/v rows and conv channels are three ranges):
     only those rows are read (``get_slice``), except Qwen3-Next's fused ``in_proj_qkvz`` /
@@ -346,7 +347,7 @@ def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext):
 
     fp8 = is_fp8_block(raw)
     stream = _fp8(path, cfg, fp8_scheme(raw["quantization_config"]), cut) if fp8 else _plain(path, cfg, cut)
-    for name, w in stack_experts(_split_fused(stream, cfg), cfg, held_experts(model)):
+    for name, w in stack_experts(_split_fused(stream, cfg), cfg, held_experts(model), place):
         ranges = held_ranges(model, name)
         rows = w.out_features if isinstance(w, FP8BlockLinear) else w.shape[0]
         if ranges is not None and rows != sum(b - a for a, b in ranges):  # read whole: split from a fused one

@@ -403,7 +403,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
                             f"{getattr(cfg, 'family', loaded.info.architecture)}, which is read on one device",
                             "use tensor_parallel_size 1, or the safetensors checkpoint")
     if isinstance(cfg, HybridConfig) and ctx.size > 1:  # this rank's heads and experts (loading.hybrid)
-        model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), dev, dt, ctx)
+        model = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx, (dev, dt)), dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
     if isinstance(cfg, (DeepseekConfig, PartialRotaryConfig)) and ctx.size > 1:  # MLA / GLM / MiniMax
         raw = read_config(path)  # float or FP8 block (the configs refuse other quantization)
@@ -411,9 +411,11 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
             rank_model = type(loaded.model)(cfg, ctx=ctx)
         cut, held = (lambda name: rank_cut(rank_model, name)), held_experts(rank_model)
         if isinstance(cfg, DeepseekConfig):
-            model = build_deepseek(cfg, deepseek_tensors(path, cfg, raw, cut=cut, held=held), dev, dt, ctx)
+            tensors = deepseek_tensors(path, cfg, raw, cut=cut, held=held, place=(dev, dt))
+            model = build_deepseek(cfg, tensors, dev, dt, ctx)
         else:
-            model = build_sigmoid_moe(cfg, sigmoid_moe_tensors(path, cfg, raw, cut=cut, held=held), dev, dt, ctx)
+            tensors = sigmoid_moe_tensors(path, cfg, raw, cut=cut, held=held, place=(dev, dt))
+            model = build_sigmoid_moe(cfg, tensors, dev, dt, ctx)
         return LoadedModel(model, loaded.tokenizer, loaded.info)
     if split and ctx.size == 1:  # one rank: the whole model
         return load_model(spec, device, dtype)
@@ -428,7 +430,8 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
             raise LogprobeError("tensor_parallel_size", f"{path.name} is a quantized checkpoint: tensor parallelism "
                                 "reads float and FP8 block safetensors and GGUF files", "use one GPU for it")
         check_quantization(raw, path, native=True)
-        tensors = fp8_shard_tensors(path, cfg, ctx, raw) if is_fp8_block(raw) else hf_shard_tensors(path, cfg, ctx)
+        tensors = (fp8_shard_tensors(path, cfg, ctx, raw, place=(dev, dt)) if is_fp8_block(raw)
+                   else hf_shard_tensors(path, cfg, ctx, place=(dev, dt)))
         model = build_native(cfg, tensors, dev, dt, ctx=ctx)
     return LoadedModel(model, loaded.tokenizer, loaded.info)
 
@@ -489,20 +492,21 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     arch = str(raw.get("model_type"))
     if is_hybrid(raw):  # Qwen3-Next, Qwen3.5 (dense, MoE, multimodal wrappers): models.qwen3_next
         hcfg = hybrid_config(raw)
-        tensors = hybrid_tensors(path, hcfg, raw, quantize_activations, weights == "dense")  # FP8 blocks too
+        tensors = hybrid_tensors(path, hcfg, raw, quantize_activations, weights == "dense", (dev, dt))  # FP8 too
         model = build_hybrid(hcfg, tensors, dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          hcfg.vocab_size, hcfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     if is_deepseek(raw):  # DeepSeek-V3 / V3.1, Kimi K2, Moonlight: models.deepseek
         dcfg = deepseek_config(raw)
-        model = build_deepseek(dcfg, deepseek_tensors(path, dcfg, raw, quantize_activations), dev, dt)
+        model = build_deepseek(dcfg, deepseek_tensors(path, dcfg, raw, quantize_activations, place=(dev, dt)), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          dcfg.vocab_size, dcfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
     if is_sigmoid_moe(raw):  # GLM-4.5 / 4.6, MiniMax-M2: models.glm4_moe, models.minimax_m2
         scfg = sigmoid_moe_config(raw)
-        model = build_sigmoid_moe(scfg, sigmoid_moe_tensors(path, scfg, raw, quantize_activations), dev, dt)
+        tensors = sigmoid_moe_tensors(path, scfg, raw, quantize_activations, place=(dev, dt))
+        model = build_sigmoid_moe(scfg, tensors, dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          scfg.vocab_size, scfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)
@@ -533,7 +537,7 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     cfg, _why = native_config(raw)
     if cfg is not None:
         model = build_native(cfg, hf_tensors(path, cfg, raw, packed=weights == "packed",
-                                                   quantize_activations=quantize_activations), dev, dt)
+                                             quantize_activations=quantize_activations, place=(dev, dt)), dev, dt)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
         return LoadedModel(model, tokenizer, info)

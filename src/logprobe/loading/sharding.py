@@ -52,10 +52,12 @@ def rank_model(cfg: LlamaConfig, ctx: ParallelContext) -> LlamaModel:
         return cls(cfg, ctx=ctx)
 
 
-def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, model: LlamaModel | None = None):
+def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, model: LlamaModel | None = None,
+                     place=None):
     """Yield (parameter name, this rank's slice) from a float safetensors checkpoint; experts of
     other ranks are not read, this rank's are stacked [E / M, rows, in] (``rank_cut``).
-    ``model``: the rank's meta-device model (default ``rank_model``)."""
+    ``model``: the rank's meta-device model (default ``rank_model``); ``place``: the model's
+    (device, dtype), where float experts are stacked as read (``hf.stack_experts``)."""
     from safetensors import safe_open
 
 
@@ -75,10 +77,11 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, model: 
                     if name is not None and cut is not SKIP:
                         yield name, read_cut(st, key, cut)
 
-    yield from stack_experts(read(), cfg, held_experts(model))
+    yield from stack_experts(read(), cfg, held_experts(model), place)
 
 
-def fp8_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, raw: dict, model: LlamaModel | None = None):
+def fp8_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, raw: dict, model: LlamaModel | None = None,
+                      place=None):
     """``hf_shard_tensors`` of an FP8 block checkpoint (``loading.fp8_block``): this rank's rows of
     each FP8 weight read alone and kept FP8, each row with its block row's scales (a range may
     start inside a block: exact), float tensors cut as in a float checkpoint, other ranks'
@@ -90,7 +93,7 @@ def fp8_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, raw: d
     scheme = fp8_scheme(raw["quantization_config"])
     stream = fp8_block_tensors(path, scheme, lambda key, file: hf_param_name(key, cfg, file), log,
                                lambda name: rank_cut(model, name))
-    yield from stack_experts(stream, cfg, held_experts(model))
+    yield from stack_experts(stream, cfg, held_experts(model), place)
 
 
 class ShardedGGUF:
