@@ -94,12 +94,15 @@ _QWEN35_TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_att
 HYBRID_MODELS = {  # name: (transformers config class, kwargs)
     "qwen35-9b": ("Qwen3_5TextConfig", dict(_QWEN35_COMMON, hidden_size=4096, intermediate_size=12288,
                                              num_hidden_layers=32, num_key_value_heads=4)),
+    "qwen35-4b": ("Qwen3_5TextConfig", dict(_QWEN35_COMMON, hidden_size=2560, intermediate_size=9216,
+                                             num_hidden_layers=32, num_key_value_heads=4)),
     "qwen35-35b-a3b": ("Qwen3_5MoeTextConfig", dict(_QWEN35_COMMON, hidden_size=2048, num_hidden_layers=40,
                                                    num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
                                                    moe_intermediate_size=512, shared_expert_intermediate_size=512)),
 }
 HYBRID_TINY = {
     "qwen35-9b": dict(_QWEN35_TINY, intermediate_size=128),
+    "qwen35-4b": dict(_QWEN35_TINY, intermediate_size=128),
     "qwen35-35b-a3b": dict(_QWEN35_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            shared_expert_intermediate_size=32),
 }

@@ -1,22 +1,29 @@
-"""First-call cost on the GPU (issue 19: "first-call compile/autotune time reported and kept below
-10 s, or cached on disk"): what a user waits for before the first answer, with Triton's kernel cache
-empty and then warm.
+"""Time to first score: what a user waits for in a new process (a CLI job, a restarted server, a
+trainer's new scorer) before the first answer, with every cache empty and then with each cache.
 
-A random-init Llama of the chosen shape is saved once (bf16 safetensors, ``save_pretrained``). Then,
-each in a fresh Python process (what a new ``logprobe`` command or server start is):
+A random-init checkpoint of the chosen shape is saved once (bf16 safetensors, ``save_pretrained``):
+``llama-1b`` / ``llama-8b`` (``common.save_model``), ``qwen35-4b`` / ``qwen35-9b`` (the hybrids:
+fla-core's autotuned rule kernels). Then each run is a fresh Python process:
 
-* ``load``: ``Scorer(dir, device="cuda")`` (read and place the weights);
-* ``first``: the first ``Scorer.logprobs`` call on 8 RL sequences (compiles every Triton kernel the
-  call meets, sets up cuBLAS and FlashAttention);
-* ``second``: the same call again (the steady state);
-* first - second: the one-off cost.
+* ``load``: ``Scorer(dir, device="cuda")``;
+* ``first``: the first ``Scorer.logprobs`` call on the whole workload (W1: 256 RL sequences);
+* ``second``: the same call again (the steady state); ``same``: bitwise the first call's numbers.
 
-Runs: ``cold`` (an empty ``TRITON_CACHE_DIR``), ``warm`` (the cache the cold run filled), for the
-default mode and ``--deterministic``.
+Runs, in order (each its own process; "empty" = a new folder):
+  none        Triton's cache empty, the tuning cache empty, no shipped tables: a new machine before
+              tuning tables existed
+  again       a second process with both caches the first filled (the persistent cache)
+  shipped     Triton's cache empty, the tuning cache empty, the first run's tuning file given as the
+              shipped table (what a machine of a shipped GPU meets on its first process)
+  triton      Triton's cache warm, no tuning cache, no shipped tables (a second process before the
+              tuning cache: fla's kernels timed again)
+and ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, device_map="cuda")`` load seconds
+(the load target's anchor), in its own process.
 
-    python bench/gpu_first_call.py                     # llama-1b shape
-    python bench/gpu_first_call.py --model llama-8b
-    python bench/gpu_first_call.py --model tiny --device cpu   # smoke run of the script on CPU
+The first run's tuning file is copied to ``--out`` (the table to ship in src/logprobe/kernels/tuned/).
+
+    python bench/gpu_first_call.py --models qwen35-4b,llama-1b --out /tmp/tuned
+    python bench/gpu_first_call.py --models tiny --device cpu     # smoke run of the script on CPU
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,11 +39,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAVED_SHAPES, save_model  # noqa: E402
+from common import HYBRID_MODELS, SAVED_SHAPES, hf_config, save_model, write_hybrid_checkpoint  # noqa: E402
 
 CHILD = r"""
-import json, random, sys, time
+import json, sys, time
 import torch
+sys.path.insert(0, sys.argv[5])
+from common import workload
 from logprobe import Scorer
 path, det, dev, vocab = sys.argv[1], sys.argv[2] == "1", sys.argv[3], int(sys.argv[4])
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -43,54 +53,105 @@ t0 = time.perf_counter()
 s = Scorer(path, device=dev, deterministic=det)
 sync()
 t1 = time.perf_counter()
-rng = random.Random(0)
-seqs = []
-for _ in range(8):
-    prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(256, 1024))]
-    seqs.append({"prompt_token_ids": prompt, "completion_token_ids": [rng.randrange(3, vocab) for _ in range(300)]})
-a = s.logprobs(seqs, top_k=5, entropy=True)
+seqs = [{"prompt_token_ids": r.tokens[:r.score_begin], "completion_token_ids": r.tokens[r.score_begin:]}
+        for r in workload("W1", vocab)]
+if dev == "cpu":
+    seqs = seqs[:4]
+a = s.logprobs(seqs)
 sync()
 t2 = time.perf_counter()
-b = s.logprobs(seqs, top_k=5, entropy=True)
+b = s.logprobs(seqs)
 sync()
 t3 = time.perf_counter()
 same = all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
+tuning = getattr(s.engine, "tuning", None)
 print(json.dumps({"load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": same,
-                  "budget": s.config.max_batch_tokens}))
+                  "budget": s.config.max_batch_tokens, "seeded": tuning.seeded if tuning else 0,
+                  "tuned": tuning.tuned if tuning else 0, "first_logprob": float(a[0].logprobs[0])}))
+"""
+
+HF_LOAD = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+t = time.perf_counter()
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map=sys.argv[2], dtype=torch.bfloat16)
+torch.cuda.synchronize() if sys.argv[2] == "cuda" else None
+print(json.dumps({"load": time.perf_counter() - t}))
 """
 
 
-def child(path: str, det: bool, cache: str, device: str, vocab: int) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=cache)
-    out = subprocess.run([sys.executable, "-c", CHILD, path, "1" if det else "0", device, str(vocab)], env=env,
-                         capture_output=True, text=True, timeout=900)
+def run_child(code: str, argv: list[str], env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def save(name: str, path: Path, device: str) -> int:
+    """Write the checkpoint of shape ``name``; returns its vocabulary size."""
+    import torch
+
+    if name in SAVED_SHAPES:
+        save_model(name, str(path), device)
+        return SAVED_SHAPES[name]["vocab_size"]
+    _, cfg = hf_config(name, device == "cpu", 0)
+    write_hybrid_checkpoint(cfg, path, torch.device(device), torch.bfloat16 if device == "cuda" else torch.float32)
+    return cfg.vocab_size
+
+
+def model_rows(name: str, root: Path, device: str, det: bool, out: Path | None) -> list[tuple[str, dict]]:
+    path = root / name
+    t = time.perf_counter()
+    vocab = save(name, path, device)
+    print(f"{name}: saved in {time.perf_counter() - t:.1f} s", flush=True)
+    nothing = root / "nothing-shipped"
+    nothing.mkdir(exist_ok=True)
+    bench = str(Path(__file__).resolve().parent)
+    argv = [str(path), "1" if det else "0", device, str(vocab), bench]
+
+    def env(triton: str, tuning: str, shipped: Path) -> dict:
+        return dict(os.environ, TRITON_CACHE_DIR=str(root / triton), LOGPROBE_CACHE=str(root / tuning),
+                    LOGPROBE_SHIPPED_TUNING=str(shipped))
+
+    tag = f"{name}-{int(det)}"
+    rows = [("none", run_child(CHILD, argv, env(f"t-{tag}", f"c-{tag}", nothing)))]
+    first_cache = root / f"c-{tag}" / "kernels"
+    rows.append(("again", run_child(CHILD, argv, env(f"t-{tag}", f"c-{tag}", nothing))))
+    rows.append(("shipped", run_child(CHILD, argv, env(f"t2-{tag}", f"c2-{tag}", first_cache))))
+    rows.append(("triton", run_child(CHILD, argv, env(f"t-{tag}", f"c3-{tag}", nothing))))
+    if not det:
+        rows.append(("transformers", run_child(HF_LOAD, [str(path), device], dict(os.environ))))
+    if out is not None and first_cache.is_dir():
+        out.mkdir(parents=True, exist_ok=True)
+        for f in first_cache.glob("*.json"):
+            shutil.copy(f, out / f"{name}-{f.name}")
+    for run, r in rows:
+        print(name, "deterministic" if det else "default", run, r, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-1b", choices=sorted(SAVED_SHAPES))
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (with --model tiny)")
+    ap.add_argument("--models", default="qwen35-4b", help=f"comma list of {sorted(SAVED_SHAPES) + sorted(HYBRID_MODELS)}")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (with --models tiny)")
+    ap.add_argument("--modes", default="default", help="default, deterministic or both (comma list)")
+    ap.add_argument("--out", type=Path, default=None, help="copy the first run's tuning file here")
+    ap.add_argument("--dir", type=Path, default=None, help="where checkpoints and caches go (default: a temp dir)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as root:
-        path = os.path.join(root, "model")
-        t = time.perf_counter()
-        save_model(args.model, path, args.device)
-        print(f"{args.model}: saved in {time.perf_counter() - t:.1f} s", flush=True)
-        rows = []
-        for det in (False, True):
-            cache = os.path.join(root, f"triton-{int(det)}")
-            for run in ("cold", "warm"):
-                r = child(path, det, cache, args.device, SAVED_SHAPES[args.model]["vocab_size"])
-                rows.append((run, "deterministic" if det else "default", r))
-                print(run, det, r, flush=True)
-    print("\n| run | mode | load s | first call s | second call s | one-off s | budget | same bits |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for run, mode, r in rows:
-        print(f"| {run} | {mode} | {r['load']:.2f} | {r['first']:.2f} | {r['second']:.2f} | "
-              f"{r['first'] - r['second']:.2f} | {r['budget']} | {r['same']} |")
+    table = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for name in args.models.split(","):
+            for mode in args.modes.split(","):
+                det = mode == "deterministic"
+                table += [(name, mode, run, r) for run, r in model_rows(name, Path(tmp), args.device, det, args.out)]
+    print("\n| model | mode | run | load s | first call s | second call s | one-off s | budget | seeded | tuned | same |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for name, mode, run, r in table:
+        if run == "transformers":
+            print(f"| {name} | | transformers from_pretrained | {r['load']:.2f} | | | | | | | |")
+            continue
+        print(f"| {name} | {mode} | {run} | {r['load']:.2f} | {r['first']:.2f} | {r['second']:.2f} | "
+              f"{r['first'] - r['second']:.2f} | {r['budget']} | {r['seeded']} | {r['tuned']} | {r['same']} |")
 
 
 if __name__ == "__main__":

@@ -177,8 +177,10 @@ def write_table(path: Path, table: TuningTable) -> None:
         raise
 
 
-def shipped_table(identity: dict, folder: Path = SHIPPED) -> TuningTable:
-    """Every shipped table of ``identity`` merged (the ``kernels/tuned`` folder)."""
+def shipped_table(identity: dict, folder: Path | None = None) -> TuningTable:
+    """Every shipped table of ``identity`` merged (the ``kernels/tuned`` folder, or ``folder``;
+    ``LOGPROBE_SHIPPED_TUNING`` names another folder: a benchmark's "nothing shipped" run)."""
+    folder = folder or Path(os.environ.get("LOGPROBE_SHIPPED_TUNING") or SHIPPED)
     out = TuningTable(identity)
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         table = read_table(path, identity)
@@ -271,7 +273,7 @@ class KernelTuning:
     nothing written."""
 
     def __init__(self, device_name: str, cache_dir: Path | None, preload: tuple[str, ...] = (),
-                 shipped: Path = SHIPPED, packages: tuple[str, ...] = PACKAGES) -> None:
+                 shipped: Path | None = None, packages: tuple[str, ...] = PACKAGES) -> None:
         self.identity = identity_of(device_name)
         self.path = cache_file(cache_dir, self.identity) if cache_dir is not None else None
         self.table = shipped_table(self.identity, shipped)
