@@ -65,7 +65,9 @@ sync()
 t3 = time.perf_counter()
 same = all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
 tuning = getattr(s.engine, "tuning", None)
-print(json.dumps({"load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": same,
+import os, pathlib
+compiled = len(list(pathlib.Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent")).rglob("*.cubin")))
+print(json.dumps({"compiled": compiled, "load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": same,
                   "budget": s.config.max_batch_tokens, "seeded": tuning.seeded if tuning else 0,
                   "tuned": tuning.tuned if tuning else 0, "first_logprob": float(a[0].logprobs[0])}))
 """
@@ -144,14 +146,16 @@ def main() -> None:
             for mode in args.modes.split(","):
                 det = mode == "deterministic"
                 table += [(name, mode, run, r) for run, r in model_rows(name, Path(tmp), args.device, det, args.out)]
-    print("\n| model | mode | run | load s | first call s | second call s | one-off s | budget | seeded | tuned | same |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("\n| model | mode | run | load s | first call s | second call s | one-off s | budget | seeded | tuned | "
+          "Triton kernels in its cache | same |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, mode, run, r in table:
         if run == "transformers":
-            print(f"| {name} | | transformers from_pretrained | {r['load']:.2f} | | | | | | | |")
+            print(f"| {name} | | transformers from_pretrained | {r['load']:.2f} | | | | | | | | |")
             continue
         print(f"| {name} | {mode} | {run} | {r['load']:.2f} | {r['first']:.2f} | {r['second']:.2f} | "
-              f"{r['first'] - r['second']:.2f} | {r['budget']} | {r['seeded']} | {r['tuned']} | {r['same']} |")
+              f"{r['first'] - r['second']:.2f} | {r['budget']} | {r['seeded']} | {r['tuned']} | {r['compiled']} | "
+              f"{r['same']} |")
 
 
 if __name__ == "__main__":
