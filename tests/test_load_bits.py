@@ -141,3 +141,44 @@ def test_loading_imports_no_compiler(saved):
             f"load_model({str(path)!r}, device='cpu', dtype='float32'); print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
+
+
+def test_files_read_ahead_whole_then_thread_ends(tmp_path, monkeypatch):
+    """``open_files``'s thread asks the kernel to read every byte of every file (in pieces: one call
+    starts at most a readahead window), a file once the reader is at the one before, and ends when
+    the reader stops."""
+    import threading
+
+    from logprobe.loading import checkpoint
+
+    model = transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe"))
+    model.save_pretrained(str(tmp_path), max_shard_size="200KB")
+    files = checkpoint.safetensors_files(tmp_path)
+    assert len(files) > 2
+    advised: dict[str, list[tuple[int, int]]] = {}
+    real = checkpoint.os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        assert advice == checkpoint.os.POSIX_FADV_WILLNEED
+        advised.setdefault(checkpoint.os.readlink(f"/proc/self/fd/{fd}"), []).append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(checkpoint.os, "posix_fadvise", record)
+    monkeypatch.setattr(checkpoint._Prefetch, "PIECE", 64 << 10)
+    ahead = checkpoint._Prefetch(files)
+    ahead.reach(0)  # the reader at file 0: files 0 and 1 read ahead, not 2
+    ahead.thread.join(timeout=2)
+    assert sorted(advised) == [str(f) for f in files[:2]]
+    ahead.reach(len(files) - 1)
+    ahead.thread.join(timeout=10)
+    assert not ahead.thread.is_alive()
+    for f in files:
+        pieces = sorted(advised[str(f)])
+        assert pieces[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
+        assert pieces[-1][0] + pieces[-1][1] >= f.stat().st_size
+    reader = checkpoint.open_files(tmp_path)
+    assert next(reader)[0] == files[0]
+    reader.close()  # the reader stopped after its first file: the thread ends
+    for t in [t for t in threading.enumerate() if t.name == "safetensors-prefetch"]:
+        t.join(timeout=10)
+        assert not t.is_alive()

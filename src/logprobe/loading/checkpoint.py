@@ -5,7 +5,9 @@ key's native parameter name, and the rule that a plain parameter is a float held
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +30,75 @@ def safetensors_files(path: Path) -> list[Path]:
         raise LogprobeError("model", f"{path} has no *.safetensors weights",
                             "save the model with safe_serialization=True")
     return files
+
+
+def open_files(path: Path, prefetch: bool = True) -> Iterator[tuple[Path, object]]:
+    """(file, open ``safe_open`` handle) of each safetensors file of ``path``, in order, each opened
+    once. ``prefetch``: while file i is read, a background thread asks the kernel to read files i
+    and i + 1 into the page cache (``_Prefetch``), so a first load reads at the disk's queue depth
+    rather than one readahead window per page fault on the memory map (a 1.6 GB bf16 checkpoint,
+    cold, the kernel's default 128 KiB readahead: Scorer 2.49 -> 1.96 s, warm 1.36 s). Off for a
+    rank that reads part of each file (``get_slice``): the other ranks' bytes would be read too."""
+    from safetensors import safe_open
+
+    files = safetensors_files(path)
+    ahead = _Prefetch(files) if prefetch and hasattr(os, "posix_fadvise") else None
+    try:
+        for i, f in enumerate(files):
+            if ahead is not None:
+                ahead.reach(i)
+            with safe_open(str(f), framework="pt") as st:
+                yield f, st
+    finally:
+        if ahead is not None:
+            ahead.stop()
+
+
+class _Prefetch:
+    """A daemon thread issuing ``posix_fadvise(WILLNEED)`` over files[j] once the reader is at file
+    j - 1 or later, in pieces: the kernel starts (asynchronously) at most its readahead window
+    (``max(read_ahead_kb, max_sectors_kb)``, 128 KiB by default) of one call, so the whole file
+    takes many calls. The page cache is the only thing touched: no byte read here is used, none can
+    differ."""
+
+    PIECE = 128 << 10
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files, self.reached, self.stopped = files, -1, False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="safetensors-prefetch", daemon=True)
+        self.thread.start()
+
+    def reach(self, i: int) -> None:
+        with self.cond:
+            self.reached = i
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+
+    def _run(self) -> None:
+        for j, f in enumerate(self.files):
+            with self.cond:
+                self.cond.wait_for(lambda j=j: self.stopped or self.reached >= j - 1)
+                if self.stopped:
+                    return
+            try:
+                self._advise(f)
+            except OSError:  # a hint only: the reader reads the file anyway
+                pass
+
+    def _advise(self, f: Path) -> None:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            for offset in range(0, os.fstat(fd).st_size, self.PIECE):
+                if self.stopped:
+                    return
+                os.posix_fadvise(fd, offset, self.PIECE, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 # dtypes a float model holds exactly; anything else (float8, int, bool) is a quantized or foreign tensor
@@ -92,24 +163,21 @@ def named_plain_tensors(path: Path, param_name, log, cut=None) -> Iterator[tuple
     layers (multi-token-prediction layers past ``num_hidden_layers``) are named in one warning.
     ``cut(name)``: None (read whole), ``SKIP`` (not read) or a function of the safetensors slice
     giving a rank's part (only those bytes read; ``loading.sharding.rank_cut``)."""
-    from safetensors import safe_open
-
     skipped: set[int] = set()
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = param_name(key, f.name)
-                if name is None:
-                    m = _LAYER_KEY.match(key)
-                    if m is not None:
-                        skipped.add(int(m.group(1)))
-                    continue
-                how = None if cut is None else cut(name)
-                if how is SKIP:
-                    continue
-                value = st.get_tensor(key) if how is None else how(st.get_slice(key))
-                check_plain_dtype(key, value, f.name)
-                yield name, value
+    for f, st in open_files(path, prefetch=cut is None):
+        for key in st.keys():
+            name = param_name(key, f.name)
+            if name is None:
+                m = _LAYER_KEY.match(key)
+                if m is not None:
+                    skipped.add(int(m.group(1)))
+                continue
+            how = None if cut is None else cut(name)
+            if how is SKIP:
+                continue
+            value = st.get_tensor(key) if how is None else how(st.get_slice(key))
+            check_plain_dtype(key, value, f.name)
+            yield name, value
     if skipped:
         log.warning("%s: skipped multi-token-prediction layer%s %s (not used to score text)", path.name,
                     "s" * (len(skipped) > 1), ", ".join(map(str, sorted(skipped))))

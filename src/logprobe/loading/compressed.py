@@ -55,7 +55,7 @@ from ..layers.act_quant_linear import ActQuantLinear
 from ..layers.fp4_linear import FP8, GROUP, FP4Linear
 from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
-from .checkpoint import check_plain_dtype, hf_param_name, safetensors_files
+from .checkpoint import check_plain_dtype, hf_param_name, open_files
 
 _FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # the layouts logprobe reads
 # every compressed-tensors CompressionFormat (0.20): a value outside this list is unknown
@@ -565,7 +565,6 @@ def fp4_layer(module: str, t: dict[str, torch.Tensor], scheme: dict, fmt: str):
 
 def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
     """Yield (parameter name, tensor or CTLinear) for a compressed-tensors checkpoint."""
-    from safetensors import safe_open
 
 
     check_config(qcfg)
@@ -573,12 +572,11 @@ def ct_tensors(path: Path, cfg: LlamaConfig, qcfg: dict, packed: bool):
     top_format, status = qcfg.get("format"), qcfg["quantization_status"]
     modules: dict[str, dict[str, torch.Tensor]] = {}
     files: dict[str, str] = {}
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                module, _, leaf = key.rpartition(".")
-                modules.setdefault(module, {})[leaf] = st.get_tensor(key)
-                files[key] = f.name
+    for f, st in open_files(path):
+        for key in st.keys():
+            module, _, leaf = key.rpartition(".")
+            modules.setdefault(module, {})[leaf] = st.get_tensor(key)
+            files[key] = f.name
     for module, t in modules.items():
         found = scheme_for(module, groups, ignore)
         w = None

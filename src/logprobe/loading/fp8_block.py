@@ -51,7 +51,7 @@ from ..layers.act_quant_linear import ActQuantLinear
 from ..layers.fp8_block_linear import FP8, FP8BlockLinear, block_rows
 from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedWeight
-from .checkpoint import SKIP, check_plain_dtype, safetensors_files
+from .checkpoint import SKIP, check_plain_dtype, open_files
 
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert", "ignored_layers",
          "scale_fmt", "dequantize", "modules_to_convert", "expert_dtype"}
@@ -162,41 +162,39 @@ def fp8_block_tensors(path: Path, scheme: FP8BlockScheme, param_name: Callable[[
     its ``.weight`` name once its codes and scale are both read (they may sit in different shards).
     ``cut(name)``: a tensor-parallel rank's reading (``loading.sharding.rank_cut``; the scale is cut
     as its weight, ``fp8_rows``)."""
-    from safetensors import safe_open
 
     codes: dict[str, tuple[object, str]] = {}
     scales: dict[str, tuple[torch.Tensor, str]] = {}
     skipped: set[int] = set()
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                module, _, leaf = key.rpartition(".")
-                name = param_name(module + ".weight" if leaf == "weight_scale_inv" else key, f.name)
-                if name is None:
-                    m = _LAYER_KEY.match(key)
-                    if m is not None:
-                        skipped.add(int(m.group(1)))
-                    continue
-                if leaf in _OTHER_LAYOUTS:
-                    _refuse(f"{key} in {f.name}: {leaf} belongs to another FP8 layout (static or per-tensor scales), "
-                            "not DeepSeek's block scales (weight_scale_inv)")
-                how = None if cut is None else cut(name)
-                if how is SKIP:  # another rank's expert: not read
-                    continue
-                coded = leaf == "weight" and st.get_slice(key).get_dtype() == "F8_E4M3"
-                value = st.get_tensor(key) if how is None else fp8_rows(st, key, how, scheme) if coded else \
-                    scale_rows(st, key, how, scheme) if leaf == "weight_scale_inv" else how(st.get_slice(key))
-                if leaf == "weight_scale_inv" or coded or (leaf == "weight" and value.dtype == FP8):
-                    if kept_float(module, scheme.not_convert):
-                        _refuse(f"{key} in {f.name} is FP8 data, but modules_to_not_convert names {module}: "
-                                "transformers would read its codes without their scale")
-                    (scales if leaf == "weight_scale_inv" else codes)[module] = (value, f.name)
-                    if module in codes and module in scales:
-                        layer = _paired(module, codes.pop(module)[0], scales.pop(module)[0], scheme)
-                        yield name if leaf == "weight" else param_name(module + ".weight", f.name), layer
-                    continue
-                check_plain_dtype(key, value, f.name)
-                yield name, value
+    for f, st in open_files(path, prefetch=cut is None):
+        for key in st.keys():
+            module, _, leaf = key.rpartition(".")
+            name = param_name(module + ".weight" if leaf == "weight_scale_inv" else key, f.name)
+            if name is None:
+                m = _LAYER_KEY.match(key)
+                if m is not None:
+                    skipped.add(int(m.group(1)))
+                continue
+            if leaf in _OTHER_LAYOUTS:
+                _refuse(f"{key} in {f.name}: {leaf} belongs to another FP8 layout (static or per-tensor scales), "
+                        "not DeepSeek's block scales (weight_scale_inv)")
+            how = None if cut is None else cut(name)
+            if how is SKIP:  # another rank's expert: not read
+                continue
+            coded = leaf == "weight" and st.get_slice(key).get_dtype() == "F8_E4M3"
+            value = st.get_tensor(key) if how is None else fp8_rows(st, key, how, scheme) if coded else \
+                scale_rows(st, key, how, scheme) if leaf == "weight_scale_inv" else how(st.get_slice(key))
+            if leaf == "weight_scale_inv" or coded or (leaf == "weight" and value.dtype == FP8):
+                if kept_float(module, scheme.not_convert):
+                    _refuse(f"{key} in {f.name} is FP8 data, but modules_to_not_convert names {module}: "
+                            "transformers would read its codes without their scale")
+                (scales if leaf == "weight_scale_inv" else codes)[module] = (value, f.name)
+                if module in codes and module in scales:
+                    layer = _paired(module, codes.pop(module)[0], scales.pop(module)[0], scheme)
+                    yield name if leaf == "weight" else param_name(module + ".weight", f.name), layer
+                continue
+            check_plain_dtype(key, value, f.name)
+            yield name, value
     for module, (_, where) in codes.items():
         _refuse(f"{module}.weight in {where} is float8 but {module}.weight_scale_inv is missing")
     for module, (_, where) in scales.items():

@@ -26,7 +26,7 @@ from ..layers.parallel_linear import held_ranges
 from ..models.gemma import LAYER_TYPES, GemmaConfig, GemmaModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_plain_dtype, check_weights_match, safetensors_files
+from .checkpoint import check_plain_dtype, check_weights_match, open_files
 
 log = logging.getLogger(__name__)
 
@@ -186,19 +186,17 @@ def gemma_param_name(key: str, cfg: GemmaConfig, where: str) -> str | None:
 
 def gemma_tensors(path: Path, cfg: GemmaConfig):
     """Yield (native parameter name, tensor) from the safetensors files."""
-    from safetensors import safe_open
 
     skipped = 0
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = gemma_param_name(key, cfg, f.name)
-                if name is None:
-                    skipped += key.startswith(_SKIPPED)
-                    continue
-                value = st.get_tensor(key)
-                check_plain_dtype(key, value, f.name)
-                yield name, value
+    for f, st in open_files(path):
+        for key in st.keys():
+            name = gemma_param_name(key, cfg, f.name)
+            if name is None:
+                skipped += key.startswith(_SKIPPED)
+                continue
+            value = st.get_tensor(key)
+            check_plain_dtype(key, value, f.name)
+            yield name, value
     if skipped:
         log.warning("%s: skipped %d tensors not used to score text (vision tower, multimodal projector)",
                     path.name, skipped)

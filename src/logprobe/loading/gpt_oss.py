@@ -41,7 +41,7 @@ from ..layers.parallel_linear import held_ranges
 from ..models.gpt_oss import GptOssConfig, GptOssModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_plain_dtype, check_weights_match, safetensors_files
+from .checkpoint import check_plain_dtype, check_weights_match, open_files
 
 log = logging.getLogger(__name__)
 
@@ -164,24 +164,22 @@ def gpt_oss_param_name(key: str, cfg: GptOssConfig, where: str) -> str | None:
 def gpt_oss_tensors(path: Path, cfg: GptOssConfig):
     """Yield (name, tensor) from the safetensors files: float tensors checked as such, MXFP4 blocks
     and scales as uint8."""
-    from safetensors import safe_open
 
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = gpt_oss_param_name(key, cfg, f.name)
-                if name is None:
-                    continue
-                value = st.get_tensor(key)
-                if name.endswith(("_blocks", "_scales")) and ".mlp.experts." in name:
-                    if value.dtype != torch.uint8:
-                        raise LogprobeError("model", f"tensor {key!r} in {f.name} is {value.dtype}, MXFP4 blocks "
-                                            "and scales are uint8")
-                    if name.endswith("_scales"):
-                        check_scales(value, key)
-                else:
-                    check_plain_dtype(key, value, f.name)
-                yield name, value
+    for f, st in open_files(path):
+        for key in st.keys():
+            name = gpt_oss_param_name(key, cfg, f.name)
+            if name is None:
+                continue
+            value = st.get_tensor(key)
+            if name.endswith(("_blocks", "_scales")) and ".mlp.experts." in name:
+                if value.dtype != torch.uint8:
+                    raise LogprobeError("model", f"tensor {key!r} in {f.name} is {value.dtype}, MXFP4 blocks "
+                                        "and scales are uint8")
+                if name.endswith("_scales"):
+                    check_scales(value, key)
+            else:
+                check_plain_dtype(key, value, f.name)
+            yield name, value
 
 
 def gpt_oss_parallel_context(cfg: GptOssConfig, rank: int = 0, size: int = 1, group=None,

@@ -43,7 +43,7 @@ from ..errors import LogprobeError
 from ..layers.act_order_linear import ActOrderLinear
 from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
-from .checkpoint import check_plain_dtype, hf_param_name, safetensors_files
+from .checkpoint import check_plain_dtype, hf_param_name, open_files
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 # keys that only describe how the checkpoint was calibrated or which kernel a runtime should pick
@@ -202,17 +202,15 @@ def gptq_layer(module: str, t: dict[str, torch.Tensor], bits: int, group_size: i
 
 def read_modules(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str]]:
     """Every safetensors tensor grouped by module: module -> {leaf: tensor}, and key -> file name."""
-    from safetensors import safe_open
 
 
     modules: dict[str, dict[str, torch.Tensor]] = {}
     files: dict[str, str] = {}
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                module, _, leaf = key.rpartition(".")
-                modules.setdefault(module, {})[leaf] = st.get_tensor(key)
-                files[key] = f.name
+    for f, st in open_files(path):
+        for key in st.keys():
+            module, _, leaf = key.rpartition(".")
+            modules.setdefault(module, {})[leaf] = st.get_tensor(key)
+            files[key] = f.name
     return modules, files
 
 

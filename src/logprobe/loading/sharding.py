@@ -35,7 +35,7 @@ from ..models.llama import LlamaConfig, LlamaModel
 from ..models.minimax_m2 import sigmoid_model_class
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
-from .checkpoint import SKIP, hf_param_name, safetensors_files
+from .checkpoint import SKIP, hf_param_name, open_files
 from .fp8_block import fp8_block_tensors, fp8_scheme
 from .gguf import _LAYER_MAP, _TOP_MAP
 from .hf import _plain_tensors, stack_experts
@@ -58,7 +58,6 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, model: 
     other ranks are not read, this rank's are stacked [E / M, rows, in] (``rank_cut``).
     ``model``: the rank's meta-device model (default ``rank_model``); ``place``: the model's
     (device, dtype), where float experts are stacked as read (``hf.stack_experts``)."""
-    from safetensors import safe_open
 
 
     model = model if model is not None else rank_model(cfg, ctx)
@@ -69,13 +68,12 @@ def hf_shard_tensors(path: Path, cfg: LlamaConfig, ctx: ParallelContext, model: 
         return
 
     def read():
-        for f in safetensors_files(path):
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    name = hf_param_name(key, cfg, f.name)
-                    cut = None if name is None else rank_cut(model, name)
-                    if name is not None and cut is not SKIP:
-                        yield name, read_cut(st, key, cut)
+        for f, st in open_files(path, prefetch=False):
+            for key in st.keys():
+                name = hf_param_name(key, cfg, f.name)
+                cut = None if name is None else rank_cut(model, name)
+                if name is not None and cut is not SKIP:
+                    yield name, read_cut(st, key, cut)
 
     yield from stack_experts(read(), cfg, held_experts(model), place)
 
