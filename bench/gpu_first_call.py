@@ -5,7 +5,8 @@ A random-init checkpoint of the chosen shape is saved once (bf16 safetensors, ``
 ``llama-1b`` / ``llama-8b`` (``common.save_model``), ``qwen35-4b`` / ``qwen35-9b`` (the hybrids:
 fla-core's autotuned rule kernels). Then each run is a fresh Python process:
 
-* ``load``: ``Scorer(dir, device="cuda")``;
+* ``load``: ``Scorer(dir, device="cuda")``; ``ready``: from the process's start to the same point
+  (the imports counted: transformers' import alone is 5-10 s on the GPU image);
 * ``first``: the first ``Scorer.logprobs`` call on the whole workload (W1: 256 RL sequences);
 * ``second``: the same call again (the steady state); ``same``: bitwise the first call's numbers.
 
@@ -17,8 +18,9 @@ Runs, in order (each its own process; "empty" = a new folder):
               shipped table (what a machine of a shipped GPU meets on its first process)
   triton      Triton's cache warm, no tuning cache, no shipped tables (a second process before the
               tuning cache: fla's kernels timed again)
-and ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, device_map="cuda")`` load seconds
-(the load target's anchor), in its own process.
+and ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, device_map="cuda")`` and its
+tokenizer in its own process (the load target's anchor): ``load`` after its imports, ``ready``
+from the process's start.
 
 The first run's tuning file is copied to ``--out`` (the table to ship in src/logprobe/kernels/tuned/).
 
@@ -42,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import HYBRID_MODELS, SAVED_SHAPES, hf_config, save_model, write_hybrid_checkpoint  # noqa: E402
 
 CHILD = r"""
-import json, sys, time
+import time
+start = time.perf_counter()  # the process's own start: imports count, as a user waits for them
+import json, sys
 import torch
 sys.path.insert(0, sys.argv[5])
 from common import workload
@@ -67,18 +71,21 @@ same = all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
 tuning = getattr(s.engine, "tuning", None)
 import os, pathlib
 compiled = len(list(pathlib.Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent")).rglob("*.cubin")))
-print(json.dumps({"compiled": compiled, "load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": same,
+print(json.dumps({"compiled": compiled, "ready": t1 - start, "load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": same,
                   "budget": s.config.max_batch_tokens, "seeded": tuning.seeded if tuning else 0,
                   "tuned": tuning.tuned if tuning else 0, "first_logprob": float(a[0].logprobs[0])}))
 """
 
 HF_LOAD = r"""
-import json, sys, time, torch
-from transformers import AutoModelForCausalLM
+import time
+start = time.perf_counter()
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 t = time.perf_counter()
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map=sys.argv[2], dtype=torch.bfloat16)
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
 torch.cuda.synchronize() if sys.argv[2] == "cuda" else None
-print(json.dumps({"load": time.perf_counter() - t}))
+print(json.dumps({"load": time.perf_counter() - t, "ready": time.perf_counter() - start}))
 """
 
 
@@ -146,14 +153,14 @@ def main() -> None:
             for mode in args.modes.split(","):
                 det = mode == "deterministic"
                 table += [(name, mode, run, r) for run, r in model_rows(name, Path(tmp), args.device, det, args.out)]
-    print("\n| model | mode | run | load s | first call s | second call s | one-off s | budget | seeded | tuned | "
+    print("\n| model | mode | run | load s | ready s | first call s | second call s | one-off s | budget | seeded | tuned | "
           "Triton kernels in its cache | same |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, mode, run, r in table:
         if run == "transformers":
-            print(f"| {name} | | transformers from_pretrained | {r['load']:.2f} | | | | | | | | |")
+            print(f"| {name} | | transformers from_pretrained | {r['load']:.2f} | {r['ready']:.2f} | | | | | | | | |")
             continue
-        print(f"| {name} | {mode} | {run} | {r['load']:.2f} | {r['first']:.2f} | {r['second']:.2f} | "
+        print(f"| {name} | {mode} | {run} | {r['load']:.2f} | {r['ready']:.2f} | {r['first']:.2f} | {r['second']:.2f} | "
               f"{r['first'] - r['second']:.2f} | {r['budget']} | {r['seeded']} | {r['tuned']} | {r['compiled']} | "
               f"{r['same']} |")
 
