@@ -163,12 +163,37 @@ def test_gguf_tp_reads_whole_blocks(tmp_path, hf_models):
 
 def test_tp_size_errors(hf_models):
     path, _ = hf_models["llama"]
+    before = _children()
     with pytest.raises(LogprobeError, match="does not divide the 4 attention heads"):
         Scorer(str(path), device="cpu", tensor_parallel_size=3)
     with pytest.raises(LogprobeError, match="positive integer"):
         Scorer(str(path), device="cpu", tensor_parallel_size=0)
     with pytest.raises(LogprobeError, match="default model|heads"):
         Scorer(None, device="cpu", tensor_parallel_size=2)  # SmolLM2: 9 heads
+    with pytest.raises(LogprobeError, match="model"):
+        Scorer(str(path / "missing"), device="cpu", tensor_parallel_size=2)
+    assert _children() <= before  # the workers launched before the model was read are gone
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): worker processes
+def test_workers_start_while_the_driver_reads_the_model(hf_models, monkeypatch):
+    """The ranks' processes exist (importing torch and the package) before the driver reads the
+    model's config and tokenizer, so the two run side by side instead of one after the other."""
+    import logprobe.executor.engine as ex
+
+    path, _ = hf_models["llama"]
+    before, seen = _children(), []
+    real = ex.describe_model
+
+    def describe(*a, **k):
+        seen.append(len(_children() - before))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ex, "describe_model", describe)
+    with Scorer(str(path), device="cpu", tensor_parallel_size=2, data_parallel_size=2) as s:
+        assert s.logprobs([{"prompt_token_ids": [3, 4, 5], "completion_token_ids": [6, 7]}])[0].logprobs.shape == (2,)
+    assert seen == [4]
+    assert _children() <= before
 
 
 def _children() -> set[int]:

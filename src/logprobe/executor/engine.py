@@ -68,15 +68,19 @@ class ParallelEngine:
     in_process = False  # the workers hold the weights: stage_weights / end_weights update them
 
     def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int,
-                 ep: int = 1, attention: str = "tensor") -> None:
+                 ep: int = 1, attention: str = "tensor", launched: list[WorkerGroup] | None = None) -> None:
+        """``launched``: the replicas' processes already spawned (``parallel_parts`` starts them
+        before it reads the model), else spawned here."""
         self.tp, self.dp, self.ep = tp, dp, ep
         self.attention = attention  # the layout of attention and dense layers (ParallelContext.attention)
-        self.groups: list[WorkerGroup] = []
+        self.groups: list[WorkerGroup] = list(launched) if launched is not None else []
         threads = default_threads(tp * dp) if device == "cpu" else 1
         try:
-            for r in range(dp):
-                self.groups.append(WorkerGroup(LaunchSpec(model, device, dtype, config, tp, r, r * tp,
-                                                          threads=threads, ep=ep, attention=attention)))
+            if launched is None:
+                self.groups = [WorkerGroup(tp, r) for r in range(dp)]
+            for r, group in enumerate(self.groups):
+                group.start(LaunchSpec(model, device, dtype, config, tp, r, r * tp, threads=threads, ep=ep,
+                                       attention=attention))
         except BaseException:
             self.close()
             raise
@@ -297,10 +301,17 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
         if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
         return loaded, Engine(loaded.model, config, local), local
-    loaded = describe_model(model, device, dtype)
-    ep = default_expert_parallel(loaded.model.config, tp) if ep is None else ep
-    # a size that cannot split the model fails here, before any process; the layout resolved
-    ctx = parallel_context(loaded.model.config, 0, tp, None, ep, attention)
-    dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
-    engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep, ctx.attention or "tensor")
+    # the workers start (import torch, the package, transformers) while this process reads the model
+    launched = [WorkerGroup(tp, r) for r in range(dp)]
+    try:
+        loaded = describe_model(model, device, dtype)
+        ep = default_expert_parallel(loaded.model.config, tp) if ep is None else ep
+        # a size that cannot split the model fails here, before any shard is read; the layout resolved
+        ctx = parallel_context(loaded.model.config, 0, tp, None, ep, attention)
+        dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
+        engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep, ctx.attention or "tensor", launched)
+    except BaseException:
+        for group in launched:
+            group.close()
+        raise
     return loaded, engine, dev

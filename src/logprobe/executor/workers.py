@@ -388,27 +388,38 @@ class _Proc:
 
 
 class WorkerGroup:
-    """The ``tp`` processes of one replica, started at construction and ready to run."""
+    """The ``tp`` processes of one replica: spawned at construction, where they import torch and
+    the package and connect while the driver reads the model (``executor.engine.parallel_parts``),
+    then given their ``LaunchSpec`` and waited for by ``start``."""
 
-    def __init__(self, spec: LaunchSpec) -> None:
-        spec.port = spec.port or free_port()
-        self.spec = spec
-        key = secrets.token_bytes(32)
-        listener = socket.create_server(("127.0.0.1", 0))
-        host, port = listener.getsockname()[:2]
+    def __init__(self, tp: int, replica: int = 0) -> None:
+        self.tp, self.replica = tp, replica
+        self.spec: LaunchSpec | None = None
+        self._key = secrets.token_bytes(32)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        host, port = self._listener.getsockname()[:2]
         self.procs: list[_Proc] = []
-        self.conns: list = [None] * spec.tp
+        self.conns: list = [None] * tp
         self.passes = 0  # forward passes rank 0 has reported (``Results``, ``Done``)
         try:
-            for rank in range(spec.tp):
-                cmd = [sys.executable, "-c", _ENTRY, host, str(port), key.hex(), str(rank)]
+            for rank in range(tp):
+                cmd = [sys.executable, "-c", _ENTRY, host, str(port), self._key.hex(), str(rank)]
                 self.procs.append(_Proc(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=_worker_env())))
-            for _ in range(spec.tp):
-                self._accept(listener, key)
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self, spec: LaunchSpec) -> WorkerGroup:
+        """Hand every rank ``spec`` and wait until each has loaded its shard (``Ready``)."""
+        spec.port = spec.port or free_port()
+        self.spec = spec
+        try:
+            for _ in range(self.tp):
+                self._accept(self._listener, self._key)
             for conn in self.conns:
                 send(conn, spec)
             self.param_bytes, self.load_peak_bytes = [], []
-            for rank in range(spec.tp):
+            for rank in range(self.tp):
                 match self._recv(rank, READY_TIMEOUT_S):
                     case Failed() as failed:
                         raise failed.error()
@@ -420,7 +431,8 @@ class WorkerGroup:
             self.close()
             raise
         finally:
-            listener.close()
+            self._listener.close()
+        return self
 
     def _accept(self, listener, key: bytes) -> None:
         """The next worker to connect proves it holds ``key`` and says its rank (raw bytes: nothing
@@ -519,17 +531,20 @@ class WorkerGroup:
         code = self.procs[rank].exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         self.close()
-        raise WorkerDied("tensor_parallel_size", f"worker rank {rank} of replica {self.spec.replica} died "
+        raise WorkerDied("tensor_parallel_size", f"worker rank {rank} of replica {self.replica} died "
                          f"({how}, pid {self.procs[rank].pid})",
                          "its replica was stopped; create a new Scorer (out of memory? fewer tokens per batch)")
 
     def close(self, timeout: float = 10.0) -> None:
+        self._listener.close()
         for conn, p in zip(self.conns, self.procs):
             if conn is not None and p.is_alive():
                 try:
                     send(conn, Close())
                 except (OSError, BrokenPipeError):
                     pass
+            elif conn is None and p.is_alive():  # never given a spec (the driver failed first): nothing to finish
+                p.terminate()
         end = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.0, end - time.monotonic()))
@@ -571,7 +586,17 @@ def _main(argv: list[str]) -> None:
     host, port, key, rank = argv
     conn = connection.Connection(socket.create_connection((host, int(port))).detach())
     conn.send_bytes(bytes.fromhex(key) + int(rank).to_bytes(4, "little"))
+    _preload()  # while the driver still reads the model: its spec comes after
     worker_main(recv(conn), int(rank), conn)
+
+
+def _preload() -> None:
+    """Import what loading a shard will import (transformers' tokenizers and configs: 2-10 s),
+    so that it runs beside the driver's own reading of the model rather than after it."""
+    try:
+        import transformers  # noqa: F401
+    except Exception:  # not installed: loading names what it needs
+        pass
 
 
 def default_threads(processes: int) -> int:
