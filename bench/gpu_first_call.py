@@ -25,7 +25,9 @@ from the process's start.
 The first run's tuning file is copied to ``--out`` (the table to ship in src/logprobe/kernels/tuned/).
 
     python bench/gpu_first_call.py --models qwen35-4b,llama-1b --out /tmp/tuned
+    python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 16 --loads-only   # loads, disk and cache
     python bench/gpu_first_call.py --models tiny --device cpu     # smoke run of the script on CPU
+    python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 4 --loads-only --device cpu
 """
 
 from __future__ import annotations
@@ -89,6 +91,43 @@ print(json.dumps({"load": time.perf_counter() - t, "ready": time.perf_counter() 
 """
 
 
+LOAD_ONLY = r"""
+import time
+start = time.perf_counter()
+import json, sys, torch
+from logprobe import Scorer
+t = time.perf_counter()
+s = Scorer(sys.argv[1], device=sys.argv[2])
+torch.cuda.synchronize() if sys.argv[2] == "cuda" else None
+print(json.dumps({"load": time.perf_counter() - t, "ready": time.perf_counter() - start}))
+"""
+
+
+def evict(path: Path) -> None:
+    """Drop the checkpoint's files from the page cache (``POSIX_FADV_DONTNEED``): the next read
+    comes from the disk, as on a machine that has not read them since it started."""
+    for f in path.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def load_rows(name: str, path: Path, device: str) -> list[tuple[str, dict]]:
+    """Loads alone, from the disk (evicted first) and from the page cache, logprobe and transformers."""
+    rows = []
+    for cache in ("disk", "page cache"):
+        for who, code in (("logprobe", LOAD_ONLY), ("transformers", HF_LOAD)):
+            if cache == "disk":
+                evict(path)
+            r = run_child(code, [str(path), device], dict(os.environ))
+            rows.append((f"load from {cache}: {who}", r))
+            print(name, who, cache, r, flush=True)
+    return rows
+
+
 def run_child(code: str, argv: list[str], env: dict) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
@@ -96,14 +135,15 @@ def run_child(code: str, argv: list[str], env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def save(name: str, path: Path, device: str) -> int:
-    """Write the checkpoint of shape ``name``; returns its vocabulary size."""
+def save(name: str, path: Path, device: str, layers: int = 0) -> int:
+    """Write the checkpoint of shape ``name`` (hybrids: ``layers`` of them, 0 for all); returns its
+    vocabulary size."""
     import torch
 
     if name in SAVED_SHAPES:
         save_model(name, str(path), device)
         return SAVED_SHAPES[name]["vocab_size"]
-    _, cfg = hf_config(name, device == "cpu", 0)
+    _, cfg = hf_config(name, device == "cpu", layers)
     write_hybrid_checkpoint(cfg, path, torch.device(device), torch.bfloat16 if device == "cuda" else torch.float32)
     return cfg.vocab_size
 
@@ -146,8 +186,25 @@ def main() -> None:
     ap.add_argument("--modes", default="default", help="default, deterministic or both (comma list)")
     ap.add_argument("--out", type=Path, default=None, help="copy the first run's tuning file here")
     ap.add_argument("--dir", type=Path, default=None, help="where checkpoints and caches go (default: a temp dir)")
+    ap.add_argument("--layers", type=int, default=0, help="hybrids: this many layers (0: all)")
+    ap.add_argument("--loads-only", action="store_true",
+                    help="only the loads, from the disk (evicted) and the page cache, against transformers")
     args = ap.parse_args()
     table = []
+    if args.loads_only:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            for name in args.models.split(","):
+                path = Path(tmp) / name
+                t = time.perf_counter()
+                save(name, path, args.device, args.layers)
+                size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
+                print(f"{name}: {size:.1f} GiB saved in {time.perf_counter() - t:.1f} s", flush=True)
+                table += [(name, run, r) for run, r in load_rows(name, path, args.device)]
+        print("\n| model | run | load s (after imports) | ready s (from the process's start) |")
+        print("| --- | --- | ---: | ---: |")
+        for name, run, r in table:
+            print(f"| {name} | {run} | {r['load']:.2f} | {r['ready']:.2f} |")
+        return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for name in args.models.split(","):
             for mode in args.modes.split(","):
