@@ -26,7 +26,11 @@ from ..models.deepseek import DeepseekConfig, DeepseekModel
 from ..parallel.context import ParallelContext
 from .checkpoint import check_weights_match, named_plain_tensors
 from .fp8_block import fp8_block_tensors, fp8_scheme, install_packed, is_fp8_block, split_packed, with_shapes
-from .hf import stack_experts
+from .gguf_deepseek import gguf_deepseek_config, gguf_deepseek_tensors
+from .hf import read_config, stack_experts
+from .llama import llama_parallel_context
+from .registry import Family, Load, family_of, register
+from .sharding import held_experts, rank_cut
 
 log = logging.getLogger(__name__)
 
@@ -187,3 +191,43 @@ def build_deepseek(cfg: DeepseekConfig, tensors, device: torch.device, dtype: to
     model.rotary = type(model.rotary)(cfg).to(device)
     model.fuse_projections()
     return model.eval()
+
+
+# The score-correction bias of the sigmoid routers (DeepSeek-V3, GLM-4.5, MiniMax-M2): a buffer in
+# transformers that the trainer sets outside the gradient step (aux-loss-free load balancing).
+ROUTER_BIAS = (".mlp.e_score_correction_bias",)
+
+
+def rank_reader(read):
+    """A family's ``shard_tensors`` from its whole reader ``read(path, cfg, raw, cut=, held=,
+    place=)``: one rank reads the whole model (None); more read their slices, cut as the rank's
+    model (built on the meta device) holds them, float or FP8 block."""
+    def shard_tensors(path: Path, cfg, ctx: ParallelContext, load: Load):
+        if ctx.size == 1:
+            return None
+        raw = read_config(path)  # float or FP8 block (the configs refuse other quantization)
+        family = family_of(cfg)
+        with torch.device("meta"):
+            rank_model = family.model_class(cfg)(cfg, ctx=ctx)
+        cut, held = (lambda name: rank_cut(rank_model, name)), held_experts(rank_model)
+        return read(path, cfg, raw, cut=cut, held=held, place=load.place)
+    return shard_tensors
+
+
+FAMILY = register(Family(
+    name="deepseek", title="DeepSeek", config_class=DeepseekConfig, model_types=DEEPSEEK_TYPES,
+    config=lambda raw: (deepseek_config(raw), ""),
+    model_class=lambda cfg: DeepseekModel,
+    tensors=lambda path, cfg, raw, load: deepseek_tensors(path, cfg, raw, load.quantize_activations,
+                                                          place=load.place),
+    build=lambda cfg, tensors, load, ctx: build_deepseek(cfg, tensors, load.device, load.dtype, ctx),
+    parallel_context=lambda cfg, rank, size, group, experts, attention: llama_parallel_context(
+        cfg, rank, size, group, experts, attention, latent=True),
+    shard_tensors=rank_reader(deepseek_tensors),
+    param_name=deepseek_param_name,
+    gguf_archs=("deepseek2",),  # read whole, expanded, on one device (loading.gguf_deepseek)
+    gguf_config=gguf_deepseek_config,
+    gguf_tensors=lambda reader, arch, cfg, load: gguf_deepseek_tensors(reader, cfg),
+    data_attention=True,
+    buffers=ROUTER_BIAS,
+))

@@ -27,6 +27,8 @@ from ..models.gemma import LAYER_TYPES, GemmaConfig, GemmaModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, check_weights_match, open_files
+from .gguf_gemma import gguf_gemma_config, gguf_gemma_tensors
+from .registry import Family, register
 
 log = logging.getLogger(__name__)
 
@@ -238,3 +240,19 @@ def build_gemma(cfg: GemmaConfig, tensors, device: torch.device, dtype: torch.dt
     model.make_rotary(device)  # non-persistent buffers were created on the meta device
     model.fuse_projections()
     return model.eval()
+
+
+FAMILY = register(Family(
+    name="gemma", title="Gemma 3", config_class=GemmaConfig, model_types=GEMMA_TYPES,
+    config=lambda raw: (gemma_config(raw), ""),
+    model_class=lambda cfg: GemmaModel,
+    tensors=lambda path, cfg, raw, load: gemma_tensors(path, cfg),
+    build=lambda cfg, tensors, load, ctx: build_gemma(cfg, tensors, load.device, load.dtype, ctx),
+    parallel_context=lambda cfg, rank, size, group, experts, attention: gemma_parallel_context(cfg, rank, size, group),
+    shard_tensors=lambda path, cfg, ctx, load: gemma_shard_tensors(path, cfg, ctx),
+    param_name=gemma_param_name,
+    gguf_archs=("gemma3",),  # read whole, expanded, on one device (loading.gguf_gemma)
+    gguf_config=gguf_gemma_config,
+    gguf_tensors=lambda reader, arch, cfg, load: gguf_gemma_tensors(reader, cfg),
+    experts=False,
+))

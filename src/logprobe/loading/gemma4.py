@@ -32,6 +32,7 @@ from ..models.gemma4 import LAYER_TYPES, Gemma4Config, Gemma4Model
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, check_weights_match, open_files
+from .registry import Family, register
 
 log = logging.getLogger(__name__)
 
@@ -257,3 +258,18 @@ def build_gemma4(cfg: Gemma4Config, tensors, device: torch.device, dtype: torch.
     model.make_rotary(device)
     model.fuse_projections()
     return model.eval()
+
+
+FAMILY = register(Family(
+    name="gemma4", title="Gemma 4", config_class=Gemma4Config, model_types=GEMMA4_TYPES,
+    config=lambda raw: (gemma4_config(raw), ""),
+    model_class=lambda cfg: Gemma4Model,
+    tensors=lambda path, cfg, raw, load: gemma4_tensors(path, cfg),
+    build=lambda cfg, tensors, load, ctx: build_gemma4(cfg, tensors, load.device, load.dtype, ctx),
+    parallel_context=lambda cfg, rank, size, group, experts, attention: gemma4_parallel_context(cfg, rank, size,
+                                                                                                 group),
+    shard_tensors=lambda path, cfg, ctx, load: gemma4_shard_tensors(path, cfg, ctx),
+    param_name=gemma4_param_name,
+    experts=False,
+    buffers=(".layer_scalar",),
+))

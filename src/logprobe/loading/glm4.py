@@ -23,6 +23,7 @@ from ..models.glm4 import Glm4Config, Glm4Model
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_weights_match, named_plain_tensors
+from .registry import Family, register
 
 log = logging.getLogger(__name__)
 
@@ -179,3 +180,17 @@ def build_glm4(cfg: Glm4Config, tensors, device: torch.device, dtype: torch.dtyp
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.fuse_projections()
     return model.eval()
+
+
+FAMILY = register(Family(
+    name="glm4", title="GLM-4", config_class=Glm4Config, model_types=(GLM4_TYPE,),
+    config=lambda raw: (glm4_config(raw), ""),
+    model_class=lambda cfg: Glm4Model,
+    tensors=lambda path, cfg, raw, load: glm4_tensors(path, cfg),
+    build=lambda cfg, tensors, load, ctx: build_glm4(cfg, tensors, load.device, load.dtype, ctx),
+    parallel_context=lambda cfg, rank, size, group, experts, attention: glm4_parallel_context(cfg, rank, size, group),
+    shard_tensors=lambda path, cfg, ctx, load: glm4_shard_tensors(path, cfg, ctx),
+    param_name=glm4_param_name,
+    experts=False,
+    fused=glm4_fused_parts,
+))

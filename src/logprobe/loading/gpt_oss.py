@@ -42,6 +42,7 @@ from ..models.gpt_oss import GptOssConfig, GptOssModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, check_weights_match, open_files
+from .registry import Family, Incoming, register
 
 log = logging.getLogger(__name__)
 
@@ -322,3 +323,52 @@ def build_gpt_oss(cfg: GptOssConfig, tensors, device: torch.device, dtype: torch
     if packed:
         log.info("gpt_oss: %d MXFP4 expert matrices kept packed", len(packed))
     return model.eval()
+
+
+def gpt_oss_units(name: str | None, item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]]:
+    """A weight update's tensor as its loader makes it (``loading.update.units``): a float expert
+    tensor in transformers' layout (``gate_up_proj`` [E, H, 2I] with gate / up columns alternating,
+    ``down_proj`` [E, I, H], their biases) moved into the native one (``native_expert_layout``:
+    whole [E, ...] units, rows only moved); MXFP4 parts refused (updates take the trainer's float
+    weights); any other tensor as it is."""
+    if name is None:
+        return [(name, item)]
+    cfg = model.config
+    part = name.rpartition(".mlp.experts.")[2] if ".mlp.experts." in name else None
+    if part is None:
+        return [(name, item)]
+    if part.endswith(("_blocks", "_scales")):
+        raise LogprobeError(field, f"{item.name!r} is an MXFP4 part: weight updates take float expert tensors",
+                            "send the float (bf16) expert weights as transformers holds them (experts.gate_up_proj "
+                            "[E, H, 2I], experts.down_proj [E, I, H])")
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    want = {"gate_up_proj": (E, H, 2 * inter), "down_proj": (E, inter, H), "gate_up_proj_bias": (E, 2 * inter),
+            "down_proj_bias": (E, H)}.get(part)
+    if want is None or part not in FLOAT_EXPERT_PARTS:
+        return [(name, item)]  # not a weight of the model: refused by name in ``update.check``
+    if item.shape != want:
+        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is {want} (transformers' "
+                            "layout)")
+    shape = tuple(native_expert_layout(part, torch.empty(want, device="meta")).shape)
+    return [(name, Incoming(item.name, shape, item.dtype, lambda: native_expert_layout(part, item.load())))]
+
+
+def _describe(model: GptOssModel, raw: dict | None) -> None:
+    if raw is not None and is_mxfp4(raw):
+        mark_packed(model)  # as the workers hold the experts: what a weight update checks first
+
+
+FAMILY = register(Family(
+    name="gpt_oss", title="gpt-oss", config_class=GptOssConfig, model_types=(MODEL_TYPE,),
+    config=lambda raw: (gpt_oss_config(raw), ""),
+    model_class=lambda cfg: GptOssModel,
+    tensors=lambda path, cfg, raw, load: gpt_oss_tensors(path, cfg),
+    build=lambda cfg, tensors, load, ctx: build_gpt_oss(cfg, tensors, load.device, load.dtype, load.weights, ctx=ctx),
+    parallel_context=lambda cfg, rank, size, group, experts, attention: gpt_oss_parallel_context(cfg, rank, size,
+                                                                                                  group, experts),
+    shard_tensors=lambda path, cfg, ctx, load: gpt_oss_shard_tensors(path, cfg, ctx),
+    param_name=gpt_oss_param_name,
+    describe=_describe,
+    whole_experts=True,
+    units=gpt_oss_units,
+))

@@ -45,7 +45,9 @@ from .fp8_block import (
     split_packed,
     with_shapes,
 )
+from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .hf import read_config, stack_experts
+from .registry import Family, Incoming, register
 from .sharding import held_experts, rank_cut
 
 log = logging.getLogger(__name__)
@@ -371,3 +373,52 @@ def build_hybrid(cfg: HybridConfig, tensors, device: torch.device, dtype: torch.
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.fuse_projections()
     return model.eval()
+
+
+def hybrid_units(name: str | None, item: Incoming, model, field: str) -> list[tuple[str, Incoming]] | None:
+    """A weight update's tensors the loader reshapes (``loading.update.units``): ``conv1d.weight``
+    [C, 1, K] -> ``conv_weight`` [C, K]; Qwen3-Next's ``in_proj_qkvz`` -> ``in_proj_qkv`` +
+    ``in_proj_z`` and ``in_proj_ba`` -> ``in_proj_b`` + ``in_proj_a`` (rows picked as
+    ``split_qwen3_next_projections`` picks them); None: any other tensor."""
+    if name is None:
+        return None
+    if name.endswith(".linear_attn.conv_weight") and len(item.shape) == 3 and item.shape[1] == 1:
+        return [(name, Incoming(item.name, (item.shape[0], item.shape[2]), item.dtype,
+                                lambda: item.load().squeeze(1)))]
+    m = _SPLIT.fullmatch(name)
+    if m is None:
+        return None
+    cfg = model.config
+    r, kd, vd = cfg.linear_num_value_heads // cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    want = cfg.linear_num_key_heads * ((2 * kd + 2 * r * vd) if m.group(2) == "in_proj_qkvz" else 2 * r)
+    if len(item.shape) != 2 or item.shape[0] != want:
+        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is ({want}, {cfg.hidden_size})")
+    rows = torch.arange(want)[:, None]  # [want, 1]: which incoming row each part's row is
+    qkvz, ba = (rows, torch.zeros(cfg.linear_num_key_heads * 2 * r, 1, dtype=rows.dtype)) \
+        if m.group(2) == "in_proj_qkvz" else (torch.zeros(cfg.linear_num_key_heads * (2 * kd + 2 * r * vd), 1,
+                                                          dtype=rows.dtype), rows)
+    parts = split_qwen3_next_projections(qkvz, ba, cfg.linear_num_key_heads, kd, cfg.linear_num_value_heads, vd)
+    keep = ("in_proj_qkv", "in_proj_z") if m.group(2) == "in_proj_qkvz" else ("in_proj_b", "in_proj_a")
+    return [(f"{m.group(1)}.{part}.weight",
+             Incoming(item.name, (len(parts[part]), item.shape[1]), item.dtype,
+                      lambda idx=parts[part][:, 0]: item.load()[idx]))
+            for part in keep]
+
+
+FAMILY = register(Family(
+    name="hybrid", title="Qwen3.5 / Qwen3-Next", config_class=HybridConfig, model_types=HYBRID_TYPES,
+    config=lambda raw: (hybrid_config(raw), ""),
+    model_class=lambda cfg: HybridModel,
+    tensors=lambda path, cfg, raw, load: hybrid_tensors(path, cfg, raw, load.quantize_activations,
+                                                        load.weights == "dense", load.place),  # FP8 too
+    build=lambda cfg, tensors, load, ctx: build_hybrid(cfg, tensors, load.device, load.dtype, ctx),
+    parallel_context=lambda cfg, rank, size, group, experts, attention: hybrid_parallel_context(cfg, rank, size,
+                                                                                                 group, experts),
+    shard_tensors=lambda path, cfg, ctx, load: None if ctx.size == 1 else hybrid_shard_tensors(path, cfg, ctx,
+                                                                                                load.place),
+    param_name=hybrid_param_name,
+    gguf_archs=tuple(HYBRID_ARCHES),  # read whole, expanded, on one device (loading.gguf_archs)
+    gguf_config=gguf_hybrid_config,
+    gguf_tensors=lambda reader, arch, cfg, load: gguf_hybrid_tensors(reader, arch, cfg),
+    units=hybrid_units,
+))

@@ -40,8 +40,62 @@ from .fp8_block import fp8_block_tensors, fp8_scheme
 from .gguf import _LAYER_MAP, _TOP_MAP
 from .hf import _plain_tensors, stack_experts
 from .phi3 import FUSED, split_fused
+from .registry import families, family_of
 
 log = logging.getLogger(__name__)
+
+
+def default_expert_parallel(cfg, size: int) -> int:
+    """The expert-parallel size a split over ``size`` ranks takes when none is given: whole experts
+    per rank (``size``) for a mixture of experts whose expert count it divides (no gather of the
+    intermediate, the fused kernel on each rank's rows, the same bits at every size on CUDA too),
+    else 1 (every expert split ``size`` ways); 1 for models without experts (``Family.experts``
+    False: none ever). gpt-oss alike (its experts are never split by rows: 1 keeps every expert on
+    every rank)."""
+    family = family_of(cfg)
+    if (family is not None and not family.experts) or getattr(cfg, "moe", None) is None:
+        return 1
+    return size if cfg.moe.num_experts % size == 0 else 1
+
+
+ATTENTION_LAYOUTS = ("data", "tensor")
+
+
+def data_attention_family(cfg) -> bool:
+    """Whether the model's blocks can run data-parallel attention (``ParallelContext.attention``):
+    a mixture of experts of a family with ``Family.data_attention`` (the Llama-family mixtures of
+    experts: Qwen2/Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2; and the DeepSeek-style ones),
+    whose attention and dense layers are built whole under it and whose forward is
+    ``ScoringModel.forward``; not the hybrid, gpt-oss or Gemma families."""
+    family = family_of(cfg)
+    return family is not None and family.data_attention and getattr(cfg, "moe", None) is not None
+
+
+def attention_layout(cfg, size: int, experts: int, attention: str | None) -> str:
+    """The attention layout of a split: ``attention`` ("data" or "tensor") checked against the
+    model and the split, or by default "data" where the model has it and the experts are whole
+    per rank (``experts == size > 1``), else "tensor".
+
+    >>> from logprobe.layers.moe import MoeSpec
+    >>> cfg = LlamaConfig(64, 16, 32, 1, 2, 2, 8, moe=MoeSpec(4, 2, 8, True))
+    >>> attention_layout(cfg, 2, 2, None), attention_layout(cfg, 2, 1, None), attention_layout(cfg, 1, 1, None)
+    ('data', 'tensor', 'tensor')
+    """
+    if attention is not None and attention not in ATTENTION_LAYOUTS:
+        raise LogprobeError("attention_parallel", f"{attention!r} is not a layout", 'use "data" or "tensor"')
+    able = data_attention_family(cfg)
+    if attention is None:
+        return "data" if able and size > 1 and experts == size else "tensor"
+    if attention == "data" and not able:
+        names = [f.title for f in families() if f.data_attention]
+        raise LogprobeError("attention_parallel", f'"data": {getattr(cfg, "family", type(cfg).__name__)} runs '
+                            "attention split by heads only (data-parallel attention is for mixtures of experts "
+                            f"of the {', '.join(names[:-1])} and {names[-1]} families)", 'use "tensor", or leave it out')
+    if attention == "data" and experts != size:
+        raise LogprobeError("attention_parallel", f'"data" needs whole experts per rank; expert_parallel_size '
+                            f"{experts} splits each expert {size // experts} ways over {size} ranks",
+                            f'use expert_parallel_size = tensor_parallel_size ({size}), or attention_parallel "tensor"')
+    return attention
 
 
 def rank_model(cfg: LlamaConfig, ctx: ParallelContext) -> LlamaModel:

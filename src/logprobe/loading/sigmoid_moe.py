@@ -25,9 +25,12 @@ from ..models.glm4_moe import PartialRotaryConfig, PartialRotaryMoeModel
 from ..models.minimax_m2 import sigmoid_model_class
 from ..parallel.context import ParallelContext
 from .checkpoint import check_weights_match, named_plain_tensors
-from .deepseek import _int
+from .deepseek import ROUTER_BIAS, _int, rank_reader
 from .fp8_block import fp8_block_tensors, fp8_scheme, install_packed, is_fp8_block, split_packed, with_shapes
+from .gguf_sigmoid_moe import SIGMOID_ARCHES, gguf_sigmoid_moe_config, gguf_sigmoid_moe_tensors
 from .hf import stack_experts
+from .llama import llama_parallel_context
+from .registry import Family, register
 
 log = logging.getLogger(__name__)
 
@@ -194,3 +197,22 @@ def build_sigmoid_moe(cfg: PartialRotaryConfig, tensors, device: torch.device, d
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta).to(device)
     model.fuse_projections()
     return model.eval()
+
+
+FAMILY = register(Family(
+    name="sigmoid_moe", title="GLM-4.5 / MiniMax-M2", config_class=PartialRotaryConfig,
+    model_types=SIGMOID_MOE_TYPES,
+    config=lambda raw: (sigmoid_moe_config(raw), ""),
+    model_class=model_class,
+    tensors=lambda path, cfg, raw, load: sigmoid_moe_tensors(path, cfg, raw, load.quantize_activations,
+                                                             place=load.place),
+    build=lambda cfg, tensors, load, ctx: build_sigmoid_moe(cfg, tensors, load.device, load.dtype, ctx),
+    parallel_context=llama_parallel_context,
+    shard_tensors=rank_reader(sigmoid_moe_tensors),
+    param_name=sigmoid_moe_param_name,
+    gguf_archs=tuple(SIGMOID_ARCHES),  # read whole, expanded, on one device (loading.gguf_sigmoid_moe)
+    gguf_config=gguf_sigmoid_moe_config,
+    gguf_tensors=lambda reader, arch, cfg, load: gguf_sigmoid_moe_tensors(reader, arch, cfg),
+    data_attention=True,
+    buffers=ROUTER_BIAS,
+))

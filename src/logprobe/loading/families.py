@@ -1,0 +1,13 @@
+"""Every native family, registered: importing this module imports each family's loading module,
+whose record (``registry.Family``, at the bottom of the module) registers itself. A new family adds
+its module here (docs/architecture.md, "How to add a family"). The order does not matter: each
+model_type, GGUF architecture and config class belongs to one family (``registry.register``).
+"""
+
+from . import deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, sigmoid_moe
+from .registry import families
+
+NATIVE = (deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, sigmoid_moe)  # the modules, each with FAMILY
+build_native = llama.build_native  # kept importable from ``loader`` (its old home), as benchmarks import it
+
+__all__ = ["NATIVE", "build_native", "families"]
