@@ -18,29 +18,26 @@ name, shape or value leaves the old weights in force:
         checked before one tensor is read; then each tensor is read and checked for finite values,
         then read again and copied, one at a time (twice the reads, no extra memory).
 
-Families (``Family``): the Llama family (Llama, Mistral, Qwen2/3, Phi-3's fused tensors, the MoE
-ones), latent attention (``deepseek_v3``, ``kimi_k2``), the sigmoid-router MoEs (``glm4_moe``,
-``minimax_m2``), Gemma 3, Gemma 4 (text and multimodal names; a KV-shared block's key/value
-tensors ignored, as the loader ignores them), GLM-4 dense (its fused ``gate_up_proj`` cut in two),
-gpt-oss (float experts in transformers' layout moved into the native one, whole [E, ...] tensors)
-and the hybrid linear-attention Qwen models (Qwen3.5 dense and MoE, Qwen3-Next: its fused
-``in_proj_qkvz`` / ``in_proj_ba`` cut into the native projections as the loader cuts them,
-``conv1d.weight`` [C, 1, K] squeezed). Each takes its loader's own name mapping (the same tensors
-the loader skips are ignored: multi-token-prediction layers, vision towers) and rotary row
-permutation; routers held in float32 stay float32. Packed-quantized models are refused (FP8
-blocks, GGUF, compressed-tensors), and so is a gpt-oss model holding MXFP4-packed experts: a
-trainer sends float (bf16) weights, and writing them into MXFP4 blocks would mean requantizing,
-which scores other weights than the trainer's; the error names the tensor and the fix (load with
-``weights="dense"``: MXFP4 values are exact in the model dtype, so the scores do not change, and
-updates then take float weights exactly).
+Families (``registry.Family``, each registered beside its loader: ``loading.families``): the
+family of the model's config gives its loader's own name mapping (``param_name``: the same tensors
+the loader skips are ignored, e.g. multi-token-prediction layers, vision towers), its rotary row
+permutation (``interleave``), the fused tensors its loader cuts by rows (``fused``: q/k/v and
+gate/up), the tensors it reshapes (``units``: a conv weight squeezed, fused mixer projections cut,
+experts moved from transformers' layout into the native one, whole [E, ...] tensors where
+``whole_experts``), and its weights transformers holds as buffers (``buffers``); routers held in
+float32 stay float32. Packed-quantized models are refused (FP8 blocks, GGUF, compressed-tensors),
+and so is a model holding MXFP4-packed experts: a trainer sends float (bf16) weights, and writing
+them into MXFP4 blocks would mean requantizing, which scores other weights than the trainer's; the
+error names the tensor and the fix (load with ``weights="dense"``: MXFP4 values are exact in the
+model dtype, so the scores do not change, and updates then take float weights exactly).
 
 Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.{e}.gate_proj.weight``,
-as checkpoints store them, Mixtral's ``block_sparse_moe`` names too) or stacked, as transformers holds
+as checkpoints store them, ``block_sparse_moe`` names too) or stacked, as transformers holds
 them in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); see ``units``.
 A missing tensor is named as the trainer sends it (``sent_names``).
 
-Weights transformers holds as buffers (the sigmoid routers' ``gate.e_score_correction_bias``,
-Gemma 4's ``layer_scalar``: ``Family.buffers``) are not in a trainer's ``named_parameters()``: taken
+Weights transformers holds as buffers (the sigmoid routers' ``gate.e_score_correction_bias``, a
+per-layer ``layer_scalar``: ``Family.buffers``) are not in a trainer's ``named_parameters()``: taken
 when sent (``state_dict()``, or ``named_parameters()`` with ``named_buffers()``, whose rotary tables
 are ignored), kept, with a warning naming them, when none is sent (``check_complete``).
 
@@ -60,63 +57,32 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..errors import LogprobeError
-from ..layers.gated_delta import split_qwen3_next_projections
 from ..layers.moe import ExpertMatrices
 from ..layers.moe_gpt_oss import Mxfp4Experts
 from ..layers.parallel_linear import held_ranges
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
-from ..models.deepseek import DeepseekModel
-from ..models.gemma import GemmaModel
-from ..models.gemma4 import Gemma4Model
-from ..models.glm4 import Glm4Model
-from ..models.glm4_moe import PartialRotaryMoeModel
-from ..models.gpt_oss import GptOssModel
-from ..models.llama import LlamaModel
-from ..models.moe import native_model_class
-from ..models.qwen3_next import HybridModel
-from .checkpoint import _EXPERT, hf_param_name, safetensors_files
-from .deepseek import deepseek_param_name
-from .gemma import gemma_param_name
-from .gemma4 import gemma4_param_name
-from .glm4 import glm4_fused_parts, glm4_param_name
-from .gpt_oss import FLOAT_EXPERT_PARTS, gpt_oss_param_name, native_expert_layout
-from .hybrid import hybrid_param_name
+from .checkpoint import _EXPERT, safetensors_files
 from .loader import parallel_context
-from .phi3 import fused_parts
-from .sigmoid_moe import model_class as sigmoid_model_class
-from .sigmoid_moe import sigmoid_moe_param_name
+from .registry import Family, Incoming, family_of
 
 log = logging.getLogger(__name__)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")  # [E, out, in] parameters
-_HYBRID_FUSED = re.compile(r"(layers\.\d+\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight")
 _UNIT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(\d+)")  # one expert's unit
-# The score-correction bias of the sigmoid routers (DeepSeek-V3, GLM-4.5, MiniMax-M2): a buffer in
-# transformers that the trainer sets outside the gradient step (aux-loss-free load balancing).
-_ROUTER_BIAS = (".mlp.e_score_correction_bias",)
 _DERIVED = ("inv_freq", ".embed_scale")  # non-persistent buffers of transformers' models (``native_name``)
 # Native renames of transformers' names, undone to name a missing weight as the trainer sends it.
 _RENAMES = ((".mlp.shared_expert.", ".mlp.shared_experts."),
             (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"))
 _SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-
-
-@dataclass(frozen=True, slots=True)
-class Incoming:
-    """One named tensor before its data is read: ``load()`` gives the tensor."""
-
-    name: str  # Hugging Face name
-    shape: tuple[int, ...]
-    dtype: torch.dtype | str  # a torch dtype, or a safetensors code the check refuses
-    load: Callable[[], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,51 +95,14 @@ class Applied:
     kept: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Family:
-    """How one native family's checkpoint names and tensors become its parameters, as its loader
-    does it: ``param_name(key, cfg, where)`` (None: not a weight it holds), ``interleave(cfg,
-    state)`` (q/k rows to the interleaved rotary layout), ``build(cfg, ctx)`` (a model of the
-    family, on the current device: the meta device for shapes and a rank's rows), ``fused(name,
-    cfg)`` (a fused tensor the loader cuts by rows: its parts)."""
-
-    name: str
-    param_name: Callable
-    interleave: Callable
-    build: Callable
-    fused: Callable = lambda name, cfg: None  # (native name, cfg) -> [(part, first row, end row)] or None
-    buffers: tuple[str, ...] = ()  # native name endings of weights transformers holds as buffers (``kept``)
-
-
 def family(model) -> Family:
-    """The ``Family`` of a loaded native model; refuses the transformers backend."""
-    if isinstance(model, DeepseekModel):  # latent attention (models.deepseek, loading.deepseek)
-        return Family("deepseek", deepseek_param_name, DeepseekModel.interleave_rope_weights,
-                      lambda cfg, ctx: DeepseekModel(cfg, ctx), buffers=_ROUTER_BIAS)
-    if isinstance(model, HybridModel):  # Gated DeltaNet + gated attention (models.qwen3_next, loading.hybrid)
-        return Family("hybrid", hybrid_param_name, HybridModel.interleave_rope_weights,
-                      lambda cfg, ctx: HybridModel(cfg, ctx))
-    if isinstance(model, GemmaModel):  # Gemma 3 (models.gemma, loading.gemma)
-        return Family("gemma", gemma_param_name, GemmaModel.interleave_rope_weights,
-                      lambda cfg, ctx: GemmaModel(cfg, ctx))
-    if isinstance(model, Gemma4Model):  # Gemma 4 (models.gemma4, loading.gemma4)
-        return Family("gemma4", gemma4_param_name, Gemma4Model.interleave_rope_weights,
-                      lambda cfg, ctx: Gemma4Model(cfg, ctx), buffers=(".layer_scalar",))
-    if isinstance(model, GptOssModel):  # gpt-oss (models.gpt_oss, loading.gpt_oss): experts see _gpt_oss_units
-        return Family("gpt_oss", gpt_oss_param_name, GptOssModel.interleave_rope_weights,
-                      lambda cfg, ctx: GptOssModel(cfg, ctx))
-    if isinstance(model, Glm4Model):  # GLM-4 dense (models.glm4, loading.glm4): gate_up_proj cut in two
-        return Family("glm4", glm4_param_name, Glm4Model.interleave_rope_weights,
-                      lambda cfg, ctx: Glm4Model(cfg, ctx=ctx), glm4_fused_parts)
-    if isinstance(model, PartialRotaryMoeModel):  # glm4_moe, minimax_m2 (loading.sigmoid_moe)
-        cls = sigmoid_model_class(model.config)
-        return Family("sigmoid_moe", sigmoid_moe_param_name, cls.interleave_rope_weights,
-                      lambda cfg, ctx: cls(cfg, ctx=ctx), buffers=_ROUTER_BIAS)
-    if not isinstance(model, LlamaModel):
+    """The ``registry.Family`` of a loaded native model (by its config); refuses the transformers
+    backend."""
+    found = family_of(getattr(model, "config", None))
+    if found is None:
         raise LogprobeError("model", f"{type(model).__name__} (the transformers backend) has no weight update",
                             "use a native model (a Hugging Face directory of a native family, or a GGUF file)")
-    return Family("llama", hf_param_name, LlamaModel.interleave_rope_weights,
-                  lambda cfg, ctx: native_model_class(cfg)(cfg, ctx=ctx), fused_parts)
+    return found
 
 
 def weight_slots(model) -> dict[str, torch.Tensor]:
@@ -204,9 +133,10 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
 
 def refuse_split_experts(model, ranks: int) -> None:
     """A mixture of experts split over ``ranks`` > 1 takes no weight update yet (its experts' units
-    are cut by experts and rows, which ``rank_slice`` does not do); gpt-oss does (whole experts
-    per rank, cut by ``rank_slice`` along the expert dimension: ``GptOssExperts.tp_param_ranges``)."""
-    if isinstance(model, GptOssModel):
+    are cut by experts and rows, which ``rank_slice`` does not do); a family updating its experts
+    whole (``Family.whole_experts``) does (whole experts per rank, cut by ``rank_slice`` along the
+    expert dimension: its experts' ``tp_param_ranges``)."""
+    if family(model).whole_experts:
         return
     if ranks > 1 and getattr(getattr(model, "config", None), "moe", None) is not None:
         raise LogprobeError("model", f"a mixture of experts split over {ranks} ranks has no weight update yet",
@@ -217,7 +147,7 @@ def full_slots(model, names: bool = False) -> dict[str, torch.Tensor]:
     """The slots of the whole (unsplit) model of ``model``'s family and config, on the meta device:
     the shapes a checkpoint's tensors must have (``names``: its parameter names -> meta tensors)."""
     with torch.device("meta"):
-        whole = family(model).build(model.config, None)
+        whole = family(model).build_meta(model.config, None)
     return dict(whole.state_dict()) if names else _slots(whole, list(whole.state_dict()))
 
 
@@ -229,9 +159,9 @@ def _tensor(model, name: str) -> torch.Tensor:
 
 
 def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
-    slots = {}
+    slots, whole = {}, family(model).whole_experts
     for n in names:
-        if _STACKED.fullmatch(n) and not isinstance(model, GptOssModel):  # [E, out, in]: one unit per expert
+        if _STACKED.fullmatch(n) and not whole:  # [E, out, in]: one unit per expert
             p = _tensor(model, n)
             slots.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
         else:
@@ -254,11 +184,11 @@ def rank_slice(name: str, value: torch.Tensor, model) -> torch.Tensor:
 
 def native_name(hf_name: str, model) -> str | None:
     """A Hugging Face name -> the native parameter name, by the family loader's own mapping
-    (``loading.hf.hf_param_name``, ``deepseek_param_name``, ...); None: a tensor the model does
+    (``Family.param_name``); None: a tensor the model does
     not hold (rotary ``inv_freq``, a tied model's ``lm_head.weight``, multi-token-prediction
     layers, a vision tower). An unknown name comes back as given and fails the slot lookup.
     transformers' tables computed from the config, which ``named_buffers()`` holds beside the
-    buffers that are weights (``rotary_emb.original_inv_freq``, Gemma's ``embed_scale``), are
+    buffers that are weights (``rotary_emb.original_inv_freq``, an ``embed_scale``), are
     ignored: the native model computes its own from the same config."""
     if hf_name.endswith(_DERIVED):
         return None
@@ -270,62 +200,10 @@ def native_name(hf_name: str, model) -> str | None:
         return hf_name
 
 
-def _hybrid_units(name: str, item: Incoming, model, field: str) -> list[tuple[str, Incoming]] | None:
-    """A hybrid model's tensors its loader reshapes: ``conv1d.weight`` [C, 1, K] -> ``conv_weight``
-    [C, K]; Qwen3-Next's ``in_proj_qkvz`` -> ``in_proj_qkv`` + ``in_proj_z`` and ``in_proj_ba`` ->
-    ``in_proj_b`` + ``in_proj_a`` (rows picked as ``split_qwen3_next_projections`` picks them)."""
-    if name.endswith(".linear_attn.conv_weight") and len(item.shape) == 3 and item.shape[1] == 1:
-        return [(name, Incoming(item.name, (item.shape[0], item.shape[2]), item.dtype,
-                                lambda: item.load().squeeze(1)))]
-    m = _HYBRID_FUSED.fullmatch(name)
-    if m is None:
-        return None
-    cfg = model.config
-    r, kd, vd = cfg.linear_num_value_heads // cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    want = cfg.linear_num_key_heads * ((2 * kd + 2 * r * vd) if m.group(2) == "in_proj_qkvz" else 2 * r)
-    if len(item.shape) != 2 or item.shape[0] != want:
-        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is ({want}, {cfg.hidden_size})")
-    rows = torch.arange(want)[:, None]  # [want, 1]: which incoming row each part's row is
-    qkvz, ba = (rows, torch.zeros(cfg.linear_num_key_heads * 2 * r, 1, dtype=rows.dtype)) \
-        if m.group(2) == "in_proj_qkvz" else (torch.zeros(cfg.linear_num_key_heads * (2 * kd + 2 * r * vd), 1,
-                                                          dtype=rows.dtype), rows)
-    parts = split_qwen3_next_projections(qkvz, ba, cfg.linear_num_key_heads, kd, cfg.linear_num_value_heads, vd)
-    keep = ("in_proj_qkv", "in_proj_z") if m.group(2) == "in_proj_qkvz" else ("in_proj_b", "in_proj_a")
-    return [(f"{m.group(1)}.{part}.weight",
-             Incoming(item.name, (len(parts[part]), item.shape[1]), item.dtype,
-                      lambda idx=parts[part][:, 0]: item.load()[idx]))
-            for part in keep]
-
-
-def _gpt_oss_unit(name: str, item: Incoming, cfg, field: str) -> Incoming:
-    """A gpt-oss tensor as its loader makes it: a float expert tensor in transformers' layout
-    (``gate_up_proj`` [E, H, 2I] with gate / up columns alternating, ``down_proj`` [E, I, H], their
-    biases) moved into the native one (``loading.gpt_oss.native_expert_layout``: whole [E, ...]
-    units, rows only moved); MXFP4 parts refused (updates take the trainer's float weights); any
-    other tensor as it is."""
-    part = name.rpartition(".mlp.experts.")[2] if ".mlp.experts." in name else None
-    if part is None:
-        return item
-    if part.endswith(("_blocks", "_scales")):
-        raise LogprobeError(field, f"{item.name!r} is an MXFP4 part: weight updates take float expert tensors",
-                            "send the float (bf16) expert weights as transformers holds them (experts.gate_up_proj "
-                            "[E, H, 2I], experts.down_proj [E, I, H])")
-    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    want = {"gate_up_proj": (E, H, 2 * inter), "down_proj": (E, inter, H), "gate_up_proj_bias": (E, 2 * inter),
-            "down_proj_bias": (E, H)}.get(part)
-    if want is None or part not in FLOAT_EXPERT_PARTS:
-        return item  # not a weight of the model: refused by name in ``check``
-    if item.shape != want:
-        raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is {want} (transformers' "
-                            "layout)")
-    shape = tuple(native_expert_layout(part, torch.empty(want, device="meta")).shape)
-    return Incoming(item.name, shape, item.dtype, lambda: native_expert_layout(part, item.load()))
-
-
 def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]]:
     """An incoming tensor as (slot name, piece) pairs: one pair, except tensors the loader cuts or
-    reshapes (Phi-3's fused q/k/v and gate/up, a hybrid model's conv and Qwen3-Next's fused mixer
-    projections: ``_hybrid_units``; GLM-4's gate_up_proj; gpt-oss's experts: ``_gpt_oss_unit``, whole)
+    reshapes (fused q/k/v and gate/up: ``Family.fused``; a conv weight, fused mixer projections,
+    experts in transformers' layout: ``Family.units``, whole expert stacks where ``whole_experts``)
     and a mixture of experts' tensors, which land one expert at a time:
 
         layers.N.mlp.experts.{e}.gate_proj.weight [I, H]   -> unit layers.N.mlp.experts.gate_proj.{e}
@@ -334,17 +212,15 @@ def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]
                                          -> gate_proj.{e} = [e, :I], up_proj.{e} = [e, I:]
     """
     name = native_name(item.name, model)
-    cfg = model.config
-    if name is not None and (parts := family(model).fused(name, cfg)) is not None:  # Phi-3's, GLM-4's fused tensors
+    cfg, fam = model.config, family(model)
+    if name is not None and (parts := fam.fused(name, cfg)) is not None:  # fused q/k/v, gate/up
         if len(item.shape) != 2 or item.shape[0] != parts[-1][2]:
             raise LogprobeError(field, f"{item.name!r} has shape {item.shape}, the model's is "
                                 f"{(parts[-1][2], cfg.hidden_size)}")
         return [(part, Incoming(item.name, (b - a, item.shape[1]), item.dtype, lambda a=a, b=b: item.load()[a:b]))
                 for part, a, b in parts]
-    if name is not None and isinstance(model, HybridModel) and (split := _hybrid_units(name, item, model, field)):
+    if (split := fam.units(name, item, model, field)) is not None:  # reshaped as its loader reshapes them
         return split
-    if isinstance(model, GptOssModel):
-        return [(name, _gpt_oss_unit(name, item, cfg, field) if name is not None else item)]
     moe = getattr(cfg, "moe", None)
     if name is None or moe is None:
         return [(name, item)]
@@ -368,7 +244,7 @@ def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]
     return [(name, item)]
 
 
-def check(name: str | None, item: Incoming, model: LlamaModel, slots: dict[str, torch.Tensor],
+def check(name: str | None, item: Incoming, model: nn.Module, slots: dict[str, torch.Tensor],
           seen: dict[str, str], field: str) -> str | None:
     """``name`` (the unit ``item`` goes to) if the item is valid, None if it is ignored; raises
     naming it otherwise. ``seen``: the units checked so far -> the names they came as."""
@@ -414,11 +290,11 @@ def check_complete(model, slots: dict[str, torch.Tensor], seen: Mapping[str, str
                    field: str) -> list[str]:
     """Refuse an update that leaves a weight of ``slots`` out of ``seen``, naming the tensors as the
     trainer sends them (``sent_names``). Weights transformers holds as buffers (``Family.buffers``:
-    the routers' ``gate.e_score_correction_bias``, Gemma 4's ``layer_scalar``) are not in a trainer's
+    the routers' ``gate.e_score_correction_bias``, a per-layer ``layer_scalar``) are not in a trainer's
     ``named_parameters()``: all of them left out, they keep their values and come back (the slot
     names), for the caller to say so; some sent and some not would mix two policies, and is refused.
 
-        DeepSeek-V3, named_parameters() sent  -> ["layers.1.mlp.e_score_correction_bias", ...] kept
+        sigmoid router, named_parameters() sent -> ["layers.1.mlp.e_score_correction_bias", ...] kept
         named_parameters() + named_buffers()  -> []
         layer 1's experts.gate_up_proj left out -> "1 weight missing: model.layers.1.mlp.experts.gate_up_proj"
     """
@@ -527,7 +403,7 @@ def incoming_tensors(named_tensors: Iterable, field: str):
 
 
 @torch.no_grad()
-def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, staged: bool) -> Applied:
+def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, staged: bool) -> Applied:
     """Check every item, then copy all of them in (``staged``: convert each as it comes and copy
     once the stream ends; else check all first and convert while copying).
     Items are whole tensors; a tensor-parallel shard (under torchrun) takes its slice of each."""
@@ -560,7 +436,7 @@ def update_in_place(model: LlamaModel, items: Iterable[Incoming], field: str, st
     return Applied(len(todo), note_kept(model, kept, seen))
 
 
-def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: str) -> Applied:
+def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: str) -> Applied:
     """A parallel scorer's update: ``model`` is the driver's weightless (meta) model; each checked
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
@@ -568,7 +444,7 @@ def update_workers(model: LlamaModel, items: Iterable[Incoming], engine, field: 
     refuse_split_experts(model, engine.tp)
     full = weight_slots(model)
     cfg, seen, n = model.config, {}, 0
-    build = family(model).build
+    build = family(model).build_meta
     ranks = []
     for r in range(engine.tp):
         with torch.device("meta"):
@@ -596,7 +472,7 @@ class StagedWeights:
     """A worker's side of ``update_workers``: slices converted and staged as they come (an error is
     kept for ``prepare``), copied into the shard at ``commit``."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model, self.slots = model, {}
         self.values: dict[str, torch.Tensor] = {}
         self.error: BaseException | None = None
@@ -630,7 +506,7 @@ class StagedWeights:
         self.values = {}
 
 
-def update_weights(model: LlamaModel, named_tensors, field: str = "named_tensors", engine=None) -> Applied:
+def update_weights(model: nn.Module, named_tensors, field: str = "named_tensors", engine=None) -> Applied:
     """(Hugging Face name, tensor) pairs -> the model's weights; see the module docstring.
     ``engine``: a parallel scorer's ``ParallelEngine`` (``model`` is then the driver's meta model)."""
     if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
@@ -688,7 +564,7 @@ def _read(f: Path, key: str) -> torch.Tensor:
         return st.get_tensor(key)
 
 
-def load_weights(model: LlamaModel, path: str | Path, field: str = "path", engine=None) -> Applied:
+def load_weights(model: nn.Module, path: str | Path, field: str = "path", engine=None) -> Applied:
     """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
     read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
     family(model)
