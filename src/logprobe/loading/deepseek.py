@@ -39,10 +39,6 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _FLOAT32 = (".mlp.gate.weight", ".mlp.e_score_correction_bias")  # the router: float32 in any model dtype
 
 
-def is_deepseek(raw: dict) -> bool:
-    return raw.get("model_type") in DEEPSEEK_TYPES
-
-
 def _int(cfg: dict, key: str, default=None, null_ok: bool = False) -> int | None:
     value = cfg.get(key, default)
     if value is None and null_ok:

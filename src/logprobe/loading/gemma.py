@@ -40,10 +40,6 @@ _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
-def is_gemma(raw: dict) -> bool:
-    return raw.get("model_type") in GEMMA_TYPES
-
-
 def _text_config(raw: dict) -> tuple[dict, str]:
     """(text config, the prefix its keys are named with in errors)."""
     if raw.get("model_type") == WRAPPER:

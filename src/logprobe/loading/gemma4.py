@@ -47,10 +47,6 @@ _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_
 _SHARED_SKIP = (".self_attn.k_proj.", ".self_attn.v_proj.", ".self_attn.k_norm.", ".self_attn.v_norm.")
 
 
-def is_gemma4(raw: dict) -> bool:
-    return raw.get("model_type") in GEMMA4_TYPES
-
-
 def _text_config(raw: dict) -> tuple[dict, str]:
     if raw.get("model_type") == WRAPPER:
         text = raw.get("text_config")

@@ -31,10 +31,6 @@ GLM4_TYPE = "glm4"
 _ROPE_KINDS = ("default", "linear")
 
 
-def is_glm4(raw: dict) -> bool:
-    return raw.get("model_type") == GLM4_TYPE
-
-
 def _int(cfg: dict, key: str, default=None) -> int:
     value = cfg.get(key, default)
     if value is None:

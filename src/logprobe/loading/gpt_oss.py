@@ -51,10 +51,6 @@ _EXPERT_KEYS = ("gate_up_proj", "down_proj")
 FLOAT_EXPERT_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
-def is_gpt_oss(raw: dict) -> bool:
-    return raw.get("model_type") == MODEL_TYPE
-
-
 def is_mxfp4(raw: dict) -> bool:
     """A gpt-oss checkpoint whose experts are MXFP4 (kept packed at load by default)."""
     return _quantization(raw)

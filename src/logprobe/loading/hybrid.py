@@ -59,10 +59,6 @@ _SKIPPED = ("model.visual.", "mtp.")  # vision tower, multi-token prediction: no
 _SPLIT = re.compile(r"(layers\.\d+\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight")
 
 
-def is_hybrid(raw: dict) -> bool:
-    return raw.get("model_type") in HYBRID_TYPES
-
-
 def _text_config(raw: dict) -> tuple[dict, str, str]:
     """(text config, its model_type, the prefix config keys are named with in errors)."""
     mtype = raw.get("model_type")

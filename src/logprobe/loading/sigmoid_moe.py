@@ -40,10 +40,6 @@ _MINIMAX_EXPERT = re.compile(r"(.*\.experts\.\d+\.)(w[123])(\.weight)")
 _MINIMAX_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def is_sigmoid_moe(raw: dict) -> bool:
-    return raw.get("model_type") in SIGMOID_MOE_TYPES
-
-
 def model_class(cfg: PartialRotaryConfig) -> type[PartialRotaryMoeModel]:
     return sigmoid_model_class(cfg)
 
