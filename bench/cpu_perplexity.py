@@ -23,6 +23,7 @@ import argparse
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,10 +31,49 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WIKITEXT, cpu_model, git_rev, mem_gib, read_wikitext  # noqa: E402
 
 from logprobe import Scorer  # noqa: E402
 from logprobe.scoring.windows import Window, sliding_windows  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+WIKITEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"  # the CPU benches' text
+
+def read_wikitext(path: Path) -> str:
+    """The test split as the Hugging Face rows, joined with blank lines (the HF perplexity guide)."""
+    txt = open(path, encoding="utf-8", newline="").read()
+    rows = [ln + "\n" for ln in txt.split("\n")[:-1]]
+    rows = [r if r.strip() else "" for r in rows]
+    return "\n\n".join(rows)
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+def mem_gib() -> float | None:
+    try:
+        for line in open("/proc/meminfo", encoding="utf-8"):
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + (" (+ uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
 
 CONTEXT, STRIDE = 2048, 512
 

@@ -73,6 +73,7 @@ import argparse
 import importlib
 import inspect
 import json
+import shutil
 import sys
 import time
 import traceback
@@ -84,24 +85,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     HYBRID_MODELS,
-    T0,
     GiB,
-    as_sequences,
-    delta,
     free,
     hf_config,
     log,
-    make_room,
     matmul_ceiling,
     mem_base,
-    one_line,
-    param_bytes,
-    pick_layers,
-    progress,
     run_transformers,
-    step,
     sync_time,
-    timed,
     workload,
     write_hybrid_checkpoint,
 )
@@ -111,6 +102,92 @@ from logprobe.errors import LogprobeError  # noqa: E402
 from logprobe.loading import LoadedModel, ModelInfo  # noqa: E402
 from logprobe.loading.hf import hf_tokenizer  # noqa: E402
 from logprobe.models.hf_backend import TransformersModel  # noqa: E402
+
+WEIGHT_LIMIT = 30 * GiB  # bf16 weights per model: logprobe's and transformers' runs each fit one H100 with room
+
+T0 = time.perf_counter()
+
+def progress(msg: str) -> None:
+    log(f"[{time.perf_counter() - T0:6.1f} s] {msg}")
+
+def one_line(e: BaseException, n: int = 400) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
+
+def param_bytes(name: str, tiny: bool, layers: int, element: int) -> int:
+    from transformers import AutoModelForCausalLM
+
+    _, cfg = hf_config(name, tiny, layers)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in m.parameters()) * element
+
+def pick_layers(args, name: str, element: int) -> tuple[int, str]:
+    """(layers, label): ``--layers``, else all of them if the weights fit ``WEIGHT_LIMIT``, else
+    the largest multiple of 4 that does."""
+    _, cfg = hf_config(name, args.tiny, None)
+    full = cfg.num_hidden_layers
+    if args.layers:
+        return args.layers, f"{args.layers} of {full} layers (--layers)"
+    if args.tiny:
+        return full, f"all {full} layers"
+    total = param_bytes(name, False, full, element)
+    if total <= WEIGHT_LIMIT:
+        return full, f"all {full} layers ({total / GiB:.1f} GiB of weights)"
+    four, eight = param_bytes(name, False, 4, element), param_bytes(name, False, 8, element)
+    block, base = eight - four, 2 * four - eight  # per 4 layers; embeddings, head, final norm
+    n = max(1, (WEIGHT_LIMIT - base) // block)
+    return int(4 * n), (f"**{4 * n} of {full} layers**: the nearest that fits one GPU twice over time "
+                        f"({(base + n * block) / GiB:.1f} GiB of weights; all {full}: {total / GiB:.1f} GiB)")
+
+def make_room(root: Path, keep: Path, need: int) -> None:
+    """Remove this script's other checkpoints under ``root`` while the disk has less than ``need`` free."""
+    root.mkdir(parents=True, exist_ok=True)
+    for d in sorted(root.iterdir()):
+        if shutil.disk_usage(root).free >= need:
+            return
+        if d != keep and (d / "WRITTEN_BY_GPU_HYBRID").exists():
+            progress(f"removing {d} (disk: {shutil.disk_usage(root).free / GiB:.1f} GiB free, {need / GiB:.1f} needed)")
+            shutil.rmtree(d)
+
+def mem_peak(dev, weights: int) -> float | None:
+    return (torch.cuda.max_memory_allocated() - weights) / GiB if dev.type == "cuda" else None
+
+def timed(args, dev, weights: int, fn, passes: int, label: str):
+    """``fn()`` timed ``passes`` times (synchronised; each pass logged; a pass after the first is
+    skipped once the run is past ``--time-limit``): (last result, best seconds, peak GiB above
+    ``weights`` over the passes, every pass's seconds)."""
+    mem_base(dev)
+    secs = []
+    for i in range(max(1, passes)):
+        if i and time.perf_counter() - T0 > args.time_limit:
+            progress(f"{label}: pass {i + 1} of {passes} skipped (past --time-limit {args.time_limit:.0f} s)")
+            break
+        out, sec = sync_time(fn)
+        secs.append(sec)
+        if passes > 1:
+            progress(f"{label} pass {i + 1}: {sec:.2f} s")
+    return out, min(secs), mem_peak(dev, weights), secs
+
+def as_sequences(reqs) -> list[dict]:
+    return [{"prompt_token_ids": r.tokens[:r.score_begin], "completion_token_ids": r.tokens[r.score_begin:]}
+            for r in reqs]
+
+def delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    d = torch.cat([(x.double() - y.double()).abs() for x, y in zip(a, b)])
+    return float(d.max()), float(d.mean())
+
+def step(rows: dict, key, label: str, fn) -> None:
+    """Run one row; a failure is recorded in the row and printed, the rest goes on."""
+    t = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - report, don't stop the benchmark
+        rows.setdefault(key, {})["error"] = one_line(e)
+        progress(f"{label} failed after {time.perf_counter() - t:.1f} s: {one_line(e, 1200)}")
+        log("```\n" + "".join(traceback.format_exc().splitlines(keepends=True)[-8:]) + "```")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
 
 ROWS = {1: "logprobe, default", 2: "logprobe, deterministic", 3: "transformers + fla kernels",
         4: "transformers, PyTorch path (no fla)", 5: "logprobe's transformers backend"}

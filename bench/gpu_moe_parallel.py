@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FP8_CONFIG, GLM45_AIR, byte_tokenizer, fp8_blocks, workload  # noqa: E402
+from common import FP8_CONFIG, byte_tokenizer, fp8_blocks, workload  # noqa: E402
 
 from logprobe.engine.runner import pack  # noqa: E402
 from logprobe.engine.scheduler import Chunk, plan_work  # noqa: E402
@@ -76,6 +76,15 @@ from logprobe.executor.profile import (  # noqa: E402
     waits,
 )
 from logprobe.parallel.rows import RowSplit, assign_rows  # noqa: E402
+
+# GLM-4.5-Air's shape (``glm4_moe``: 128 experts top-8 + 1 shared, 96 query heads, half-rotary, q/k/v
+# bias; 106B parameters in all), the transformers ``Glm4MoeConfig`` arguments
+GLM45_AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                 num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_shared_experts=1,
+                 n_routed_experts=128, num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                 routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True,
+                 use_qk_norm=False, tie_word_embeddings=False)
+
 
 T0 = time.perf_counter()
 SHAPES = {  # transformers config class, its arguments

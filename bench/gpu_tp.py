@@ -1,5 +1,6 @@
-"""Tensor and data parallelism on GPUs: TP = 1 vs TP = 2 vs 2 data-parallel replicas (issue 16),
-and the TP = 1 path through the new parallel layers against an older checkout (issue 15).
+"""Deterministic mode's cost, and tensor and data parallelism, on GPUs: default against deterministic
+mode (TP-invariant products, ``det``; cuBLAS row tiles, ``det-notp``) on one GPU; TP = 1 vs TP = 2 vs
+2 data-parallel replicas; the TP = 1 path against an older checkout (``--old-src``).
 
 A random-init bf16 Llama (default llama-8b) is written once as a Hugging Face directory (the
 workers read their shards from it, as users' models are read), then scored through the public
@@ -9,6 +10,7 @@ Printed per configuration and mode (default, deterministic): seconds, input toke
 unique-token FLOPs against the summed matmul ceiling of the GPUs used, per-token max / mean
 |Δ log-prob| against TP = 1 of the same mode, and a bitwise flag.
 
+    python bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-notp --configs TP=1   # one GPU
     python bench/gpu_tp.py --workloads W1,W3                    # needs 2 GPUs for TP / DP rows
     python bench/gpu_tp.py --old-src old_src --skip-parallel    # TP = 1 today vs an older src/ tree
     python bench/gpu_tp.py --model llama-70b --fp8 --configs TP=2 --workloads W1 --modes default --requests 64
@@ -28,10 +30,64 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_ms, matmul_ceiling, unique_flops, workload, write_checkpoint  # noqa: E402
+from common import (  # noqa: E402
+    FP8_CONFIG,
+    bench_ms,
+    byte_tokenizer,
+    fp8_blocks,
+    llama_config,
+    matmul_ceiling,
+    unique_flops,
+    workload,
+)
 
 from logprobe.config import Deterministic  # noqa: E402
 from logprobe.loading.hf import native_config  # noqa: E402
+from logprobe.models.llama import LlamaModel  # noqa: E402
+
+
+def write_checkpoint(name: str, path: Path, fp8: bool = False) -> None:
+    """``MODELS[name]`` as a Hugging Face directory: random bf16 weights (seeded per tensor, made
+    on CUDA), config.json and a byte-level tokenizer; ``fp8``: every projection as DeepSeek-style
+    FP8 blocks (``fp8_blocks``: codes + ``weight_scale_inv``, ``FP8_CONFIG``), embeddings, head and
+    norms in bf16. Nothing is done if ``path`` has a config."""
+    from safetensors.torch import save_file
+
+    from logprobe.loading.hf import native_config
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config(name)
+    lc, _ = native_config(cfg.to_dict())
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaModel(lc).state_dict().items()}
+    files, part, size = [], {}, 0
+    for i, (k, shape) in enumerate(sorted(shapes.items())):
+        g = torch.Generator("cuda").manual_seed(i)
+        t = torch.ones(shape, device="cuda") if len(shape) == 1 else torch.randn(shape, generator=g, device="cuda") * 0.02
+        key = "lm_head.weight" if k == "lm_head.weight" else "model." + k
+        if fp8 and len(shape) == 2 and "_proj" in k:
+            codes, scale = fp8_blocks(t)
+            part[key], part[key.removesuffix(".weight") + ".weight_scale_inv"] = codes.cpu(), scale.cpu()
+        else:
+            part[key] = t.to(torch.bfloat16).cpu()
+        size += part[key].numel() * part[key].element_size()
+        if size > 4 << 30:
+            files.append(part)
+            part, size = {}, 0
+    files.append(part)
+    index = {}
+    for j, p in enumerate(files):
+        fname = f"model-{j:05d}.safetensors"
+        save_file(p, str(path / fname))
+        index.update({k: fname for k in p})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    if fp8:
+        cfg.quantization_config = FP8_CONFIG
+    cfg.save_pretrained(str(path))
+    byte_tokenizer().save_pretrained(str(path))
+
 
 T0 = time.perf_counter()
 

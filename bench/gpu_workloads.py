@@ -24,20 +24,102 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     GiB,
-    best_of,
-    build_models,
+    flops,
     free,
-    gpu_banner,
+    llama_config,
     log,
-    run_logprobe,
+    matmul_ceiling,
     run_transformers,
     sync_time,
-    time_workload,
+    unique_flops,
     workload,
 )
 
 from logprobe import EngineConfig  # noqa: E402
 from logprobe.engine.runner import Engine  # noqa: E402
+from logprobe.models.llama import LlamaModel  # noqa: E402
+
+
+def native_from_hf(hf, dtype: torch.dtype, device="cuda"):
+    """logprobe's native model (``loading.build_native``, the loader's own builder) of a transformers
+    Llama's weights, cast to ``dtype``; returns (model, native config)."""
+    # imported here: gpu_tp.py --old-src imports this file over older src trees, which lack it
+    from logprobe.loading.hf import native_config
+    from logprobe.loading.loader import build_native
+
+    lc, why = native_config(hf.config.to_dict())
+    if lc is None:
+        raise SystemExit(why)
+    with torch.device("meta"):
+        names = set(LlamaModel(lc).state_dict().keys())
+    tensors = [(k.removeprefix("model."), v.to(dtype)) for k, v in hf.state_dict().items()
+               if k.removeprefix("model.") in names]
+    return build_native(lc, tensors, torch.device(device), dtype), lc
+
+def build_models(name: str, baseline: bool):
+    """Random-init (seed 0) bf16 transformers Llama of ``MODELS[name]`` on CUDA and logprobe's
+    native model sharing its weights: (transformers model or None, native model, native config)."""
+    import transformers as tf
+
+    cfg = llama_config(name)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = tf.LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    hf.eval()
+    ours, lc = native_from_hf(hf, torch.bfloat16)
+    return (hf if baseline else None), ours, lc
+
+def best_of(passes: int, fn, label: str):
+    """``fn()`` timed ``passes`` times (each pass logged: a first one may compile or warm caches);
+    the last result and the best time."""
+    secs = []
+    for _ in range(max(1, passes)):
+        out, sec = sync_time(fn)
+        secs.append(sec)
+    log(f"  {label} passes: " + ", ".join(f"{t:.2f}" for t in secs) + " s")
+    return out, min(secs)
+
+def gpu_banner() -> float:
+    """Exits with a one-line message without a CUDA GPU; else logs the device and versions and
+    measures the matmul ceiling (TFLOP/s, returned)."""
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    import transformers
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    log(f"device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / GiB:.0f} GiB; torch {torch.__version__}, "
+        f"triton {triton.__version__}, transformers {transformers.__version__}")
+    tflops = matmul_ceiling()
+    log(f"bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
+    return tflops
+
+def run_logprobe(model, reqs, batch_tokens, **options):
+    """``Engine(model).run(reqs)`` on CUDA. ``options``: EngineConfig fields (``share_prefixes``,
+    ``deterministic``, ...); ``batch_tokens`` None: the library's default budget (chosen from free
+    memory when the engine starts)."""
+    engine = Engine(model, EngineConfig(max_batch_tokens=batch_tokens, progress=False, **options),
+                    torch.device("cuda"))
+    return engine.run(reqs)
+
+def time_workload(model, lc, mname: str, wname: str, reqs, batch_tokens, passes: int, tflops: float,
+                  weights: int) -> tuple[dict, torch.Tensor]:
+    """logprobe on one workload, best of ``passes``: the table row (seconds, tok/s of needed tokens,
+    peak extra GiB above ``weights``, MFU on all needed / unique tokens) and the logprobs."""
+    needed = sum(r.num_inputs for r in reqs)
+    fl = flops(lc, [(r.num_inputs, r.num_scored) for r in reqs])
+    free()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        res, sec = best_of(passes, lambda: run_logprobe(model, reqs, batch_tokens), f"logprobe {mname} {wname}")
+    peak = torch.cuda.max_memory_allocated()
+    row = dict(model=mname, wl=wname, seqs=len(reqs), needed=needed, scored=sum(r.num_scored for r in reqs),
+               sec=sec, tps=needed / sec, peak=(peak - weights) / GiB, mfu=fl / sec / (tflops * 1e12),
+               mfu_unique=unique_flops(lc, reqs) / sec / (tflops * 1e12))
+    return row, torch.cat([r.logprobs for r in res])
+
 
 
 def baseline(args, hf, mname, wname, reqs, ours_lp, weights):
