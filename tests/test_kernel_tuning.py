@@ -143,6 +143,7 @@ def _run(tmp_path, cache, shipped):
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.slow  # three interpreted processes (the slow tier: pytest -m slow)
 def test_second_process_does_not_tune_again(tmp_path):
     cache, shipped = tmp_path / "cache", tmp_path / "shipped"
     first, _ = _run(tmp_path, cache, shipped)
