@@ -157,6 +157,26 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 SKIP = "skip"  # a ``cut`` answer: a tensor this rank does not hold (another rank's experts), not read
 
 
+def tower_skipping_tensors(path: Path, param_name, towers: tuple[str, ...], what: str,
+                           log) -> Iterator[tuple[str, torch.Tensor]]:
+    """(native name, tensor) of every safetensors tensor of ``path`` that ``param_name(key, file)``
+    maps, float dtypes checked; the unmapped keys under ``towers`` (a multimodal checkpoint's
+    vision or audio parts, which text scoring does not use) counted in one warning saying ``what``
+    they are."""
+    skipped = 0
+    for f, st in open_files(path):
+        for key in st.keys():
+            name = param_name(key, f.name)
+            if name is None:
+                skipped += key.startswith(towers)
+                continue
+            value = st.get_tensor(key)
+            check_plain_dtype(key, value, f.name)
+            yield name, value
+    if skipped:
+        log.warning("%s: skipped %d tensors not used to score text (%s)", path.name, skipped, what)
+
+
 def named_plain_tensors(path: Path, param_name, log, cut=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(native name, tensor) of every safetensors tensor of ``path`` that ``param_name(key, file)``
     maps (None: skipped; it raises for a key it refuses), float dtypes checked. Skipped decoder

@@ -26,7 +26,7 @@ from ..layers.parallel_linear import held_ranges
 from ..models.gemma import LAYER_TYPES, GemmaConfig, GemmaModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_plain_dtype, check_weights_match, open_files
+from .checkpoint import check_weights_match, tower_skipping_tensors
 from .gguf_gemma import gguf_gemma_config, gguf_gemma_tensors
 from .registry import Family, register
 
@@ -184,20 +184,8 @@ def gemma_param_name(key: str, cfg: GemmaConfig, where: str) -> str | None:
 
 def gemma_tensors(path: Path, cfg: GemmaConfig):
     """Yield (native parameter name, tensor) from the safetensors files."""
-
-    skipped = 0
-    for f, st in open_files(path):
-        for key in st.keys():
-            name = gemma_param_name(key, cfg, f.name)
-            if name is None:
-                skipped += key.startswith(_SKIPPED)
-                continue
-            value = st.get_tensor(key)
-            check_plain_dtype(key, value, f.name)
-            yield name, value
-    if skipped:
-        log.warning("%s: skipped %d tensors not used to score text (vision tower, multimodal projector)",
-                    path.name, skipped)
+    return tower_skipping_tensors(path, lambda key, file: gemma_param_name(key, cfg, file), _SKIPPED,
+                                  "vision tower, multimodal projector", log)
 
 
 def gemma_parallel_context(cfg: GemmaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:

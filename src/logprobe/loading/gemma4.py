@@ -31,7 +31,7 @@ from ..layers.parallel_linear import held_ranges
 from ..models.gemma4 import LAYER_TYPES, Gemma4Config, Gemma4Model
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_plain_dtype, check_weights_match, open_files
+from .checkpoint import check_weights_match, tower_skipping_tensors
 from .registry import Family, register
 
 log = logging.getLogger(__name__)
@@ -192,19 +192,8 @@ def gemma4_param_name(key: str, cfg: Gemma4Config, where: str) -> str | None:
 
 def gemma4_tensors(path: Path, cfg: Gemma4Config):
     """Yield (native parameter name, tensor) from the safetensors files."""
-
-    skipped = 0
-    for f, st in open_files(path):
-        for key in st.keys():
-            name = gemma4_param_name(key, cfg, f.name)
-            if name is None:
-                skipped += key.startswith(_TOWERS)
-                continue
-            value = st.get_tensor(key)
-            check_plain_dtype(key, value, f.name)
-            yield name, value
-    if skipped:
-        log.warning("%s: skipped %d tensors not used to score text (vision / audio towers)", path.name, skipped)
+    return tower_skipping_tensors(path, lambda key, file: gemma4_param_name(key, cfg, file), _TOWERS,
+                                  "vision / audio towers", log)
 
 
 def gemma4_parallel_context(cfg: Gemma4Config, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
