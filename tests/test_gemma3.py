@@ -268,3 +268,26 @@ def test_tp2_equals_tp1(gemma_dirs):
                                                                                     "topk_logprobs"))
                 else:
                     assert (x.logprobs - y.logprobs).abs().max() <= 1e-5
+
+
+def test_multimodal_checkpoint_names_the_skipped_towers(gemma_dirs, caplog):
+    """A Gemma 3 image-text checkpoint loads its text model; the vision tower and projector it
+    skips are counted in one warning (``checkpoint.tower_skipping_tensors``)."""
+    import logging
+
+    from safetensors import safe_open
+
+    path = gemma_dirs["gemma3"][0]
+    towers = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            towers += sum(k.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector."))
+                          for k in st.keys())
+    assert towers > 0
+    with caplog.at_level(logging.WARNING):
+        Scorer(str(path), device="cpu", dtype="float32")
+    assert f"skipped {towers} tensors not used to score text (vision tower, multimodal projector)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Scorer(str(gemma_dirs["gemma3_text"][0]), device="cpu", dtype="float32")
+    assert "not used to score text" not in caplog.text
