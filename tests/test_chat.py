@@ -60,12 +60,29 @@ def test_one_bos_with_a_template_that_writes_it(tiny_dirs):
 @pytest.mark.parametrize("bad, field, words", [
     ("hi", "messages", "at least two"), ([CHAT[-1]], "messages", "at least two"),
     ([CHAT[1], {"role": "user", "content": "x"}], "messages[1].role", "must be the assistant's"),
-    ([CHAT[1], {"role": "assistant"}], "messages[1]", "string content"),
+    ([CHAT[1], {"role": "assistant"}], "messages[1]", "a content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+      CHAT[1]], "messages[0].content[1]", "image_url part"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, CHAT[1]], "messages[0].content[0]",
+     "input_audio part"),
+    ([{"role": "user", "content": [{"type": "text"}]}, CHAT[1]], "messages[0].content[0]", "text part"),
+    ([{"role": "user", "content": ["Hi"]}, CHAT[1]], "messages[0].content[0]", "text part"),
 ])
 def test_bad_messages(default_scorer, bad, field, words):
     with pytest.raises(LogprobeError) as e:
         default_scorer.score_chat(bad)
     assert e.value.field == field and words in str(e.value)
+
+
+def test_text_parts_are_the_joined_string(default_scorer):
+    """OpenAI content parts of text: the conversation scored as if each message's parts were one
+    string joined by newlines (vLLM's rendering for string templates)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "The capital of France is Paris."}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}, CHAT[-1]]
+    a, b = default_scorer.score_chat(parts), default_scorer.score_chat(joined)
+    assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs
 
 
 def test_score_rows_take_a_messages_column(default_scorer):

@@ -42,6 +42,16 @@ def test_echo_logprobs_are_the_last_message_tokens(client, default_scorer):
     assert all(t.bytes == list(t.token.encode()) for t in got)
 
 
+def test_text_content_parts_through_the_sdk(client, default_scorer):
+    """The SDK's content-part form of the same conversation scores the same tokens, bitwise."""
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in CHAT]
+    want = default_scorer.score_chat(CHAT)
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=parts, max_tokens=0,
+                                       logprobs=True, extra_body={"echo": True})
+    assert r.choices[0].message.content == CHAT[-1]["content"]
+    assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(want.token_logprobs, abs=1e-5)
+
+
 def test_prompt_logprobs_cover_the_templated_conversation(client, default_scorer):
     hf = default_scorer.tokenizer.hf
     ids = hf.apply_chat_template(CHAT, tokenize=True)
@@ -65,6 +75,9 @@ def test_prompt_logprobs_cover_the_templated_conversation(client, default_scorer
      "add_generation_prompt"),
     ({"messages": CHAT[:1], "max_tokens": 0, "prompt_logprobs": 0}, "messages"),
     ({"messages": [CHAT[0], {"role": "assistant"}], "max_tokens": 0, "prompt_logprobs": 0}, "messages[1].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+                   CHAT[1]], "max_tokens": 0, "prompt_logprobs": 0}, "messages[0].content[1]"),
 ])
 def test_refusals_name_the_field(server, body, param):
     r = requests.post(server + "/v1/chat/completions", json=body, timeout=60)

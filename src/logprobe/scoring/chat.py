@@ -66,6 +66,37 @@ def template_roles(template: str | dict) -> tuple[str, ...]:
     return tuple(r for r in STANDARD_ROLES if r in roles) + tuple(sorted(roles - set(STANDARD_ROLES)))
 
 
+MEDIA_PARTS = ("image_url", "image", "input_image", "audio", "input_audio", "audio_url", "video", "video_url",
+               "file", "input_file")
+
+
+def content_text(content, field: str = "content") -> str:
+    r"""A message's content as the text the chat template renders: a string as it is, a list of
+    OpenAI content parts as its text parts joined by newlines (how vLLM renders parts for a
+    template that takes strings). Image, audio, video and file parts are refused by name: the
+    text would be scored without them, as if they had not been sent.
+
+        >>> content_text([{"type": "text", "text": "Describe"}, {"type": "text", "text": "briefly."}])
+        'Describe\nbriefly.'
+        >>> content_text([{"type": "image_url", "image_url": {"url": "data:..."}}], "messages[0].content")
+        Traceback (most recent call last):
+        ...
+        logprobe.errors.LogprobeError: messages[0].content[0]: is an image_url part: logprobe scores text given text; images, audio and files in prompts are not taken yet; send the text parts only
+    """
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise LogprobeError(f"{field}[{j}]", f"is an {kind} part: logprobe scores text given text; images, audio "
+                                "and files in prompts are not taken yet", "send the text parts only")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise LogprobeError(f"{field}[{j}]", 'must be a text part {"type": "text", "text": "..."}')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def check_messages(messages, field: str = "messages", roles: Sequence[str] | None = None) -> list[dict]:
     """``messages`` as a list of ``{"role", "content"}`` dicts (strings), the last one the
     assistant's, with at least one message before it; each role one of ``roles`` (the chat
@@ -76,12 +107,14 @@ def check_messages(messages, field: str = "messages", roles: Sequence[str] | Non
                             '"content": "Hello!"}]')
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise LogprobeError(f"{field}[{i}]", "must be an object with a string role and a string content")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), (str, list, tuple)):
+            raise LogprobeError(f"{field}[{i}]", "must be an object with a string role and a content (a string, or "
+                                "a list of text parts)")
         if roles is not None and m["role"] not in roles:
             raise LogprobeError(f"{field}[{i}].role", f"{m['role']!r} is not a role the model's chat template takes",
                                 f"use one of: {', '.join(roles)}")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": content_text(m["content"], f"{field}[{i}].content")})
     if out[-1]["role"] != "assistant":
         raise LogprobeError(f"{field}[{len(out) - 1}].role", f"is {out[-1]['role']!r}: the scored message is the "
                             "last one and must be the assistant's", "end the conversation with the assistant message")

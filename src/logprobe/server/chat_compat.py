@@ -26,7 +26,7 @@ import uuid
 from ..engine.request import ScoreRequest
 from ..errors import LogprobeError
 from ..scorer import Job, Scorer
-from ..scoring.chat import chat_ids
+from ..scoring.chat import chat_ids, content_text
 from .schemas_chat import ChatCompletionRequest
 
 
@@ -59,7 +59,8 @@ def check_chat_options(body: ChatCompletionRequest, max_top_logprobs: int, vocab
 
 def chat_completion_job(body: ChatCompletionRequest, scorer: Scorer, model_name: str, max_top_logprobs: int) -> Job:
     check_chat_options(body, max_top_logprobs, scorer.info.vocab_size)
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                 else [p.model_dump(exclude_none=True) for p in m.content]} for m in body.messages]
     prompt, scored = chat_ids(scorer.context, messages)
     ids = prompt + scored
     if len(ids) > scorer.info.max_length:
@@ -86,7 +87,7 @@ def chat_completion_job(body: ChatCompletionRequest, scorer: Scorer, model_name:
                         for i, v in zip(top_ids[r][:k], top_lps[r][:k])]
                 content.append({"token": name[ids[j]], "logprob": lps[r], "bytes": list(name[ids[j]].encode()),
                                 "top_logprobs": alts})
-        choice = {"index": 0, "message": {"role": "assistant", "content": messages[-1]["content"] if body.echo else ""},
+        choice = {"index": 0, "message": {"role": "assistant", "content": content_text(messages[-1]["content"]) if body.echo else ""},
                   "logprobs": None if content is None else {"content": content}, "finish_reason": "length"}
         out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                "model": model_name, "choices": [choice],

@@ -10,10 +10,20 @@ from pydantic import BaseModel, Field
 from .schemas import _OPEN, _STRICT, Num, PromptLogprob, Text, Usage
 
 
+class ContentPart(BaseModel):
+    """An OpenAI content part: ``{"type": "text", "text": ...}`` is scored as text (parts joined by
+    newlines); image, audio and file parts are refused by name (``scoring.chat.content_text``), so
+    their other fields are let through to be named, not checked."""
+
+    model_config = _OPEN
+    type: Text
+    text: Text | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Text
-    content: Text
+    content: Text | list[ContentPart] = Field(description="a string, or OpenAI content parts (text parts only)")
     name: Text | None = None
 
 
