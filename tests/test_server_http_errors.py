@@ -163,3 +163,16 @@ def test_head_answers_as_get_without_a_body(server, default_scorer):
     assert first.startswith(b"200 ") and first.endswith(b"\r\n\r\n")  # headers only
     assert second.startswith(b"200 ") and json.loads(second.partition(b"\r\n\r\n")[2])["status"] == "ok"
     assert "HEAD" not in json.dumps(requests.get(server + "/openapi.json", headers=AUTH, timeout=10).json()["paths"])
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/generate", {"input_ids": [3, 4, 5], "image_data": ["data:image/png;base64,AA=="],
+                   "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0},
+     "image_data"),
+    ("/v1/logprobs", {**SMALL, "multi_modal_data": {"image": ["x"]}}, "multi_modal_data"),
+])
+def test_media_fields_are_named_for_what_they_are(server, path, body, param):
+    """SGLang's image_data and vLLM's / verl's multi_modal_data: refused as images not taken yet (the
+    text would otherwise be scored without them), not as a misspelt field."""
+    p, msg = error(post(server, path, json.dumps(body).encode()))
+    assert p == param and "does not take them yet" in msg

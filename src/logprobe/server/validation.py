@@ -135,6 +135,11 @@ def parse_failure(cause: BaseException | None, body: bytes | None) -> str:
     return f"body: could not be read as JSON{what}; send a JSON object encoded as UTF-8"
 
 
+# SGLang's, vLLM's and verl's multimodal request fields: named for what they are, not as unknown fields
+MEDIA_FIELDS = frozenset({"image_data", "video_data", "audio_data", "multi_modal_data", "mm_data", "images",
+                          "videos", "audios", "multi_modal_inputs"})
+
+
 def validation_message(errors: list[dict], model: type | None = None, doc: str | None = None) -> tuple[str, str]:
     """The first problem, stated as ``field: problem; fix`` (plus a count of any others). ``doc``:
     the body's text, for the line and column of a JSON syntax error."""
@@ -154,6 +159,9 @@ def validation_message(errors: list[dict], model: type | None = None, doc: str |
             line, col = _line_column(doc, pos)
             where = f" at line {line}, column {col} (character {pos})"
         field, msg = "body", f"is not valid JSON{where}: {e.get('ctx', {}).get('error', e.get('msg'))}; send a JSON object"
+    elif kind == "extra_forbidden" and loc and loc[-1] in MEDIA_FIELDS:
+        msg = ("carries images, audio or video: logprobe scores text given text and does not take them yet "
+               "(the text would be scored without them); send the text alone")
     elif kind == "extra_forbidden":
         inner = _model_at(model, loc[:-1])
         known = ", ".join(inner.model_fields) if inner is not None else ""
