@@ -102,3 +102,12 @@ def test_score_rows_take_a_messages_column(default_scorer):
         assert o["token_logprobs"] == pytest.approx(want.token_logprobs, abs=1e-4)
     assert out[2]["error"].startswith("messages: is not a JSON list")
     assert out[3]["error"].startswith("messages[1].role: is 'user'")
+
+
+def test_media_in_a_sequence_is_refused(default_scorer):
+    """verl's and vLLM's multimodal field beside token ids: refused by name (the ids would be
+    scored without the image), in the library as over HTTP."""
+    seq = {"prompt_token_ids": [3, 4, 5], "completion_token_ids": [6], "multi_modal_data": {"image": ["x"]}}
+    with pytest.raises(LogprobeError) as e:
+        default_scorer.logprobs([{"prompt_token_ids": [3, 4], "completion_token_ids": [5]}, seq])
+    assert e.value.field == "sequences[1].multi_modal_data" and "does not take them yet" in str(e.value)

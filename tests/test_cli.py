@@ -188,6 +188,17 @@ def test_logprobs_end_to_end_equals_api(scorer, tmp_path, capsys):
         assert got[i]["id"] == SEQS[i].get("id")
 
 
+def test_logprobs_row_with_images_fails_by_name(scorer, tmp_path, capsys):
+    """A row that carries media (verl's multi_modal_data, an images column) fails alone, named; the
+    others are scored. Its ids are never scored without the image."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(inp, [SEQS[0], {**SEQS[1], "images": ["a.png"]}, {**SEQS[2], "images": None}])
+    assert main(["logprobs", "--input", str(inp), "--output", str(out)]) == 1
+    assert "line 2: images: carries images, audio or video" in capsys.readouterr().err
+    got = _read_out(out)
+    assert got[1].get("error") and got[0]["logprobs"] and got[2]["logprobs"]
+
+
 @pytest.mark.slow  # slow tier (pytest -m slow): the real model through the CLI
 def test_logprobs_options_and_per_line_overrides(scorer, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

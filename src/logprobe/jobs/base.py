@@ -28,6 +28,7 @@ from ..engine.delivery import RunStopped
 from ..engine.request import RequestResult
 from ..errors import LogprobeError
 from ..io.tables import Row
+from ..scoring.inputs import check_no_media
 from ..scoring.work import Job
 
 
@@ -94,6 +95,7 @@ def run_rows(scorer, job, rows: Iterable[Row], sink, *, done: set[int] = frozens
                 if row.problem is not None:  # unreadable (not JSON): reported as the reader words it
                     _failed(sink, job.head(row), row.where, row.problem, counts, report)
                 else:
+                    check_no_media({k: v for k, v in row.data.items() if v is not None}, "")  # a media column
                     works.append(job.work(row, scorer.context))
             except LogprobeError as e:
                 _failed(sink, job.head(row), row.where, str(e), counts, report)

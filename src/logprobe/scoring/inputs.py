@@ -14,6 +14,25 @@ from ..errors import LogprobeError
 from ..interp.specs import CaptureSpec, SteerSpec, parse_capture, parse_steer
 
 MIN_TEMPERATURE = 1e-30  # below it, logits / temperature can overflow float32 (NaN log-probs)
+# SGLang's, vLLM's and verl's multimodal fields: a request carrying one is refused, never scored
+# without its media
+MEDIA_FIELDS = frozenset({"image_data", "video_data", "audio_data", "multi_modal_data", "mm_data", "images",
+                          "videos", "audios", "multi_modal_inputs"})
+MEDIA_PROBLEM = ("carries images, audio or video: logprobe scores text given text and does not take them yet "
+                 "(the text would be scored without them)")
+
+
+def check_no_media(item: dict, field: str) -> None:
+    """Refuse ``item`` (a request's dict, or a table row: ``field`` "") when it has a media field.
+
+        >>> check_no_media({"prompt_token_ids": [1], "multi_modal_data": {}}, "sequences[0]")
+        Traceback (most recent call last):
+        ...
+        logprobe.errors.LogprobeError: sequences[0].multi_modal_data: carries images, audio or video: logprobe scores text given text and does not take them yet (the text would be scored without them); send the text alone
+    """
+    media = sorted(MEDIA_FIELDS & item.keys())
+    if media:
+        raise LogprobeError(f"{field}.{media[0]}" if field else media[0], MEDIA_PROBLEM, "send the text alone")
 
 
 def check_options(temperature: float, top_k: int) -> tuple[float, int]:

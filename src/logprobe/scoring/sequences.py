@@ -21,7 +21,7 @@ import torch
 from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..interp.specs import CaptureSpec, SteerSpec, capture_results, request_hooks
-from .inputs import check_length
+from .inputs import check_length, check_no_media
 from .options import HeadOptions, HookSpecs
 from .padded import Plan, gather_results, plan_requests
 from .results import SequenceLogprobs
@@ -57,6 +57,7 @@ def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptio
     """Validate sequence ``i`` and turn it into a request (``head`` already checked)."""
     if not isinstance(seq, dict):
         raise LogprobeError(f"sequences[{i}]", "must be an object with prompt_token_ids and completion_token_ids")
+    check_no_media(seq, f"sequences[{i}]")
     prompt = context.check_ids(seq.get("prompt_token_ids"), f"sequences[{i}].prompt_token_ids")
     completion = context.check_ids(seq.get("completion_token_ids"), f"sequences[{i}].completion_token_ids")
     if not prompt:

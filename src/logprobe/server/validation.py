@@ -20,6 +20,7 @@ import typing
 from pydantic import BaseModel
 
 from ..io.text import text_problem
+from ..scoring.inputs import MEDIA_FIELDS, MEDIA_PROBLEM
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-plain", "function-after"}
 
@@ -135,11 +136,6 @@ def parse_failure(cause: BaseException | None, body: bytes | None) -> str:
     return f"body: could not be read as JSON{what}; send a JSON object encoded as UTF-8"
 
 
-# SGLang's, vLLM's and verl's multimodal request fields: named for what they are, not as unknown fields
-MEDIA_FIELDS = frozenset({"image_data", "video_data", "audio_data", "multi_modal_data", "mm_data", "images",
-                          "videos", "audios", "multi_modal_inputs"})
-
-
 def validation_message(errors: list[dict], model: type | None = None, doc: str | None = None) -> tuple[str, str]:
     """The first problem, stated as ``field: problem; fix`` (plus a count of any others). ``doc``:
     the body's text, for the line and column of a JSON syntax error."""
@@ -160,8 +156,7 @@ def validation_message(errors: list[dict], model: type | None = None, doc: str |
             where = f" at line {line}, column {col} (character {pos})"
         field, msg = "body", f"is not valid JSON{where}: {e.get('ctx', {}).get('error', e.get('msg'))}; send a JSON object"
     elif kind == "extra_forbidden" and loc and loc[-1] in MEDIA_FIELDS:
-        msg = ("carries images, audio or video: logprobe scores text given text and does not take them yet "
-               "(the text would be scored without them); send the text alone")
+        msg = f"{MEDIA_PROBLEM}; send the text alone"  # named for what it is, not as an unknown field
     elif kind == "extra_forbidden":
         inner = _model_at(model, loc[:-1])
         known = ", ".join(inner.model_fields) if inner is not None else ""
