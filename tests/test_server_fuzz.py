@@ -88,7 +88,7 @@ def operations() -> list[tuple[str, str]]:
                                   "/init_weights_update_group", "/update_weights_from_distributed",
                                   "/destroy_weights_update_group", "/flush_cache", "/pause_generation",
                                   "/continue_generation")] + \
-        [("GET", p) for p in ("/v1/models", "/v1/models/{model}", "/tokenizer_info", "/health", "/metrics",
+        [("GET", p) for p in ("/v1/models", "/v1/models/{model}", "/tokenizer_info", "/health", "/ready", "/metrics",
                                  "/get_weight_version", "/flush_cache", "/get_load")]
 
 
