@@ -146,7 +146,8 @@ def _mix(seed: int) -> list[ScoreRequest]:
     return reqs + [ScoreRequest(tok(150), 4), ScoreRequest(tok(6), 1)]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),  # 9 s: the slow tier
+                                    pytest.param("cuda", marks=needs_cuda)])
 def test_families_float32_bf16_and_deterministic(device, request):
     """On the CPU the same loop against itself: the fixtures and helpers work before a GPU call."""
     rng = random.Random(5)

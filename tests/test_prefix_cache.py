@@ -316,6 +316,7 @@ def test_default_model(default_scorer):
                  steps=5, ctx_max=70)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): 11 s of the real model
 def test_default_model_default_mode(default_scorer):
     compare_runs(default_scorer.loaded, False, budget=64, cache_bytes=4_000_000, seed=12, vocab=49152, long=70,
                  steps=5, ctx_max=70, expect_hits=False)

@@ -105,6 +105,7 @@ def test_softcap_bounds_logits():
     assert bool((out.topk_logprobs <= 0).all())
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): 7 s in the interpreter
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
 def test_fused_kernel_softcap_matches_float64():
     code = textwrap.dedent("""
