@@ -41,11 +41,11 @@ from logprobe.models.llama import LlamaModel  # noqa: E402
 
 
 def native_from_hf(hf, dtype: torch.dtype, device="cuda"):
-    """logprobe's native model (``loading.build_native``, the loader's own builder) of a transformers
+    """logprobe's native model (``loading.llama.build_native``, the loader's own builder) of a transformers
     Llama's weights, cast to ``dtype``; returns (model, native config)."""
     # imported here: gpu_tp.py --old-src imports this file over older src trees, which lack it
     from logprobe.loading.hf import native_config
-    from logprobe.loading.loader import build_native
+    from logprobe.loading.llama import build_native
 
     lc, why = native_config(hf.config.to_dict())
     if lc is None:

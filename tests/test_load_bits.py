@@ -24,7 +24,7 @@ from logprobe import LogprobeError
 from logprobe.loading import load_model
 from logprobe.loading.hf import hf_tensors, native_config, read_config, stack_experts
 from logprobe.loading.hybrid import build_hybrid, hybrid_config, hybrid_tensors
-from logprobe.loading.loader import build_native
+from logprobe.loading.llama import build_native
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,8 @@ import torch
 import logprobe.models.llama as llama
 from logprobe.engine.runner import Engine
 from logprobe.loading.checkpoint import SKIP
-from logprobe.loading.loader import build_native, parallel_context
+from logprobe.loading.llama import build_native
+from logprobe.loading.loader import parallel_context
 from logprobe.loading.sharding import rank_cut, rank_model
 from logprobe.models.moe import native_model_class
 from logprobe.parallel.context import ParallelContext, Pending

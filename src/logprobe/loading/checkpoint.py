@@ -157,40 +157,17 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 SKIP = "skip"  # a ``cut`` answer: a tensor this rank does not hold (another rank's experts), not read
 
 
-def tower_skipping_tensors(path: Path, param_name, towers: tuple[str, ...], what: str,
-                           log) -> Iterator[tuple[str, torch.Tensor]]:
+def mapped_tensors(path: Path, param_name, cut=None, unmapped=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(native name, tensor) of every safetensors tensor of ``path`` that ``param_name(key, file)``
-    maps, float dtypes checked; the unmapped keys under ``towers`` (a multimodal checkpoint's
-    vision or audio parts, which text scoring does not use) counted in one warning saying ``what``
-    they are."""
-    skipped = 0
-    for f, st in open_files(path):
-        for key in st.keys():
-            name = param_name(key, f.name)
-            if name is None:
-                skipped += key.startswith(towers)
-                continue
-            value = st.get_tensor(key)
-            check_plain_dtype(key, value, f.name)
-            yield name, value
-    if skipped:
-        log.warning("%s: skipped %d tensors not used to score text (%s)", path.name, skipped, what)
-
-
-def named_plain_tensors(path: Path, param_name, log, cut=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(native name, tensor) of every safetensors tensor of ``path`` that ``param_name(key, file)``
-    maps (None: skipped; it raises for a key it refuses), float dtypes checked. Skipped decoder
-    layers (multi-token-prediction layers past ``num_hidden_layers``) are named in one warning.
-    ``cut(name)``: None (read whole), ``SKIP`` (not read) or a function of the safetensors slice
-    giving a rank's part (only those bytes read; ``loading.sharding.rank_cut``)."""
-    skipped: set[int] = set()
+    maps (None: skipped, and ``unmapped(key)`` told; it raises for a key it refuses), float dtypes
+    checked. ``cut(name)``: None (read whole), ``SKIP`` (not read) or a function of the safetensors
+    slice giving a rank's part (only those bytes read; ``loading.sharding.rank_cut``)."""
     for f, st in open_files(path, prefetch=cut is None):
         for key in st.keys():
             name = param_name(key, f.name)
             if name is None:
-                m = _LAYER_KEY.match(key)
-                if m is not None:
-                    skipped.add(int(m.group(1)))
+                if unmapped is not None:
+                    unmapped(key)
                 continue
             how = None if cut is None else cut(name)
             if how is SKIP:
@@ -198,6 +175,29 @@ def named_plain_tensors(path: Path, param_name, log, cut=None) -> Iterator[tuple
             value = st.get_tensor(key) if how is None else how(st.get_slice(key))
             check_plain_dtype(key, value, f.name)
             yield name, value
+
+
+def tower_skipping_tensors(path: Path, param_name, towers: tuple[str, ...], what: str,
+                           log) -> Iterator[tuple[str, torch.Tensor]]:
+    """``mapped_tensors``, the unmapped keys under ``towers`` (a multimodal checkpoint's vision or
+    audio parts, which text scoring does not use) counted in one warning saying ``what`` they are."""
+    skipped: list[str] = []
+    yield from mapped_tensors(path, param_name, unmapped=lambda key: key.startswith(towers) and skipped.append(key))
+    if skipped:
+        log.warning("%s: skipped %d tensors not used to score text (%s)", path.name, len(skipped), what)
+
+
+def named_plain_tensors(path: Path, param_name, log, cut=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``mapped_tensors``; skipped decoder layers (multi-token-prediction layers past
+    ``num_hidden_layers``) are named in one warning."""
+    skipped: set[int] = set()
+
+    def unmapped(key: str) -> None:
+        m = _LAYER_KEY.match(key)
+        if m is not None:
+            skipped.add(int(m.group(1)))
+
+    yield from mapped_tensors(path, param_name, cut, unmapped)
     if skipped:
         log.warning("%s: skipped multi-token-prediction layer%s %s (not used to score text)", path.name,
                     "s" * (len(skipped) > 1), ", ".join(map(str, sorted(skipped))))

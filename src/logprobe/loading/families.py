@@ -8,6 +8,4 @@ from . import deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, sigmoid_moe
 from .registry import families
 
 NATIVE = (deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, sigmoid_moe)  # the modules, each with FAMILY
-build_native = llama.build_native  # kept importable from ``loader`` (its old home), as benchmarks import it
-
-__all__ = ["NATIVE", "build_native", "families"]
+__all__ = ["NATIVE", "families"]

@@ -16,7 +16,7 @@ from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
 from ..tokenizer import Tokenizer
 from .awq import awq_tensors
-from .checkpoint import _EXPERT, check_plain_dtype, hf_param_name, open_files
+from .checkpoint import _EXPERT, hf_param_name, mapped_tensors
 from .compressed import ct_tensors
 from .fp8_block import dense_fp8, fp8_block_tensors, fp8_scheme
 from .gptq import gptq_tensors
@@ -203,14 +203,7 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
 
 
 def _plain_tensors(path: Path, cfg: LlamaConfig):
-
-    for f, st in open_files(path):
-        for key in st.keys():
-            name = hf_param_name(key, cfg, f.name)
-            if name is not None:
-                value = st.get_tensor(key)
-                check_plain_dtype(key, value, f.name)
-                yield name, value
+    return mapped_tensors(path, lambda key, file: hf_param_name(key, cfg, file))
 
 
 def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None, place=None):

@@ -35,7 +35,7 @@ from ..layers.parallel_linear import held_ranges
 from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import SKIP, check_plain_dtype, check_weights_match, open_files
+from .checkpoint import check_weights_match, mapped_tensors
 from .fp8_block import (
     dense_fp8,
     fp8_block_tensors,
@@ -240,21 +240,14 @@ def _plain(path: Path, cfg: HybridConfig, cut=None):
     """(name, tensor) of every used key; ``cut(name)``: None (read whole), ``SKIP`` (not read: another
     rank's experts) or a function of the safetensors slice (``loading.sharding.rank_cut``: only
     those bytes are read)."""
-
     skipped: list[str] = []
-    for f, st in open_files(path, prefetch=cut is None):
-        for key in st.keys():
-            name = hybrid_param_name(key, cfg, f.name)
-            if name is None:
-                if key.startswith(_SKIPPED):
-                    skipped.append(key)
-                continue
-            how = None if cut is None else cut(name)
-            if how is SKIP:
-                continue
-            value = st.get_tensor(key) if how is None else how(st.get_slice(key))
-            check_plain_dtype(key, value, f.name)
-            yield name, _squeeze_conv(name, value)
+
+    def unmapped(key: str) -> None:
+        if key.startswith(_SKIPPED):
+            skipped.append(key)
+
+    for name, value in mapped_tensors(path, lambda key, file: hybrid_param_name(key, cfg, file), cut, unmapped):
+        yield name, _squeeze_conv(name, value)
     _note_skipped(path, skipped)
 
 

@@ -14,7 +14,7 @@ from ..errors import LogprobeError
 from ..models.hf_backend import TransformersModel
 from ..parallel.context import ParallelContext
 from ..tokenizer import Tokenizer
-from .families import build_native, families
+from .families import families
 from .fp8_block import is_fp8_block
 from .gguf import gguf_reader, gguf_tokenizer, rope_interleaved
 from .hf import hf_tokenizer, load_transformers_model, read_config
@@ -22,7 +22,7 @@ from .hub import hub_path
 from .registry import Family, Load, family_for_config, family_for_gguf, family_of, gguf_archs
 from .sharding import ATTENTION_LAYOUTS, attention_layout, data_attention_family, default_expert_parallel
 
-__all__ = ["ATTENTION_LAYOUTS", "DEFAULT_MODEL", "LoadedModel", "ModelInfo", "attention_layout", "build_native",
+__all__ = ["ATTENTION_LAYOUTS", "DEFAULT_MODEL", "LoadedModel", "ModelInfo", "attention_layout",
            "data_attention_family", "default_expert_parallel", "describe_model", "families", "load_model",
            "load_shard", "parallel_context", "resolve_spec"]
 
