@@ -29,9 +29,10 @@ CPU_ROWS = 256  # rows of the CPU's rounds: nothing to compile there
 FIRST_ID = 3  # ids below are often special tokens (padding, BOS, EOS)
 
 
-def _seq(rng: random.Random, vocab: int, n: int, score_begin: int | None = None, **options) -> ScoreRequest:
+def _seq(rng: random.Random, vocab: int, n: int, **options) -> ScoreRequest:
+    """``n`` random ids, the second half scored."""
     tokens = [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
-    return ScoreRequest(tokens, score_begin or max(1, n // 2), **options)
+    return ScoreRequest(tokens, max(1, n // 2), **options)
 
 
 def warmup_rounds(vocab: int, budget: int, device_type: str, seed: int = 0) -> list[tuple[str, list[ScoreRequest]]]:
