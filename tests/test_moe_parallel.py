@@ -411,3 +411,32 @@ def test_data_parallel_experts_in_parts_interpreted(tmp_path, monkeypatch):
     print(f"parts vs whole {(parts - whole).abs().max().item():.2e}, vs float64 {d_parts:.2e} / {d_whole:.2e}")
     assert 0 < d_parts <= 1e-5 and 0 < d_whole <= 1e-5
     assert (parts - whole).abs().max().item() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("kind", list(SIZES))
+def test_every_moe_family_on_two_gpus(kind, dirs):
+    """NCCL, bf16, each family's tiny checkpoint (the hybrid Qwen3.5-MoE with fla-core's kernels
+    where installed): TP = EP = 2 (whole experts a GPU, data-parallel attention where the model
+    takes it) bitwise one GPU in deterministic mode, within bf16 rounding of it in default mode
+    (router near-ties may flip a route: the bound is loose on purpose, 0.25)."""
+    path = str(dirs[kind])
+    seqs = _seqs()
+    one = Scorer(path, device="cuda", dtype="bfloat16", progress=False)
+    want = {}
+    for det in (False, True):
+        one.config = EngineConfig(deterministic=det, progress=False)
+        want[det] = one.logprobs(seqs, **OPTS)
+    del one
+    with Scorer(path, device="cuda", dtype="bfloat16", progress=False, tensor_parallel_size=2,
+                expert_parallel_size=2) as s:
+        for det in (True, False):
+            s.config = EngineConfig(deterministic=det, progress=False)
+            got = s.logprobs(seqs, **OPTS)
+            if det:
+                assert _bits_equal(got, want[det]), kind
+            else:
+                worst = max(float((x.logprobs - y.logprobs).abs().max()) for x, y in zip(got, want[det]))
+                print(f"{kind} TP=EP=2 default mode on two GPUs: max |diff| vs one GPU {worst:.3e}")
+                assert worst < 0.25, (kind, worst)
