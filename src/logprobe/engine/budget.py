@@ -159,6 +159,39 @@ def budget_for(model: torch.nn.Module, device: torch.device) -> int:
                         next(model.parameters()).element_size(), ranks)
 
 
+def pass_bytes(cfg, element_size: int, rows: int, ranks: int = 1) -> int:
+    """The working memory a rank reserves before a pass of ``rows`` rows (``Engine._preflight``,
+    in a replica on CUDA): the budget rule's activations, ``activation_bytes_per_token`` for each
+    of its own rows (under data-parallel attention over ``ranks`` ranks its share,
+    ``ceil(rows / ranks)``) plus ``gathered_bytes_per_token`` for every row of the pass. A pass
+    of the default budget so asks at most ``MEMORY_SHARE`` of the memory that was free after
+    loading; the head's fixed tiles and the allocator's slack are the rest.
+
+    Qwen3-30B-A3B (the module docstring's ``q``), bf16, over 2 ranks, a pass of 131,072 rows:
+    65,536 * 71,680 + 131,072 * 12,352 bytes (5.9 GiB) on each rank; llama-8b, 1,000 rows:
+
+    >>> from types import SimpleNamespace as C
+    >>> q = C(hidden_size=2048, intermediate_size=6144, num_heads=32, num_kv_heads=4, head_dim=128,
+    ...       moe=C(top_k=8, intermediate_size=768, shared_intermediate_size=0, dense_layers=()))
+    >>> pass_bytes(q, 2, 131072, ranks=2)
+    6316621824
+    >>> pass_bytes(C(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
+    ...              moe=None), 2, 1000)
+    147456000
+    """
+    own = -(-rows // ranks)
+    gathered = rows * gathered_bytes_per_token(cfg, element_size) if ranks > 1 else 0
+    return own * activation_bytes_per_token(cfg, element_size) + gathered
+
+
+def model_pass_bytes(model: torch.nn.Module, rows: int) -> int:
+    """``pass_bytes`` of a loaded model (its config, dtype and row ranks); 0 for a model whose
+    shapes logprobe does not read (the transformers backend)."""
+    if not isinstance(model, ScoringModel):
+        return 0
+    return pass_bytes(model.config, next(model.parameters()).element_size(), rows, row_ranks(model))
+
+
 def resolved_budget(config: EngineConfig, start_budget: int) -> EngineConfig:
     """``config`` with ``max_batch_tokens=None`` replaced by the budget an engine started with
     (set after start, None means "the default", which was chosen once from the device).

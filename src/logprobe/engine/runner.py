@@ -20,9 +20,10 @@ from ..layers.logprob_head import logprob_head
 from ..layers.numerics import NumericsUser
 from ..models.caps import ModelCaps
 from ..models.moe import routed_blocks
-from .budget import budget_for, resolved_budget, row_ranks
+from .budget import budget_for, model_pass_bytes, resolved_budget, row_ranks
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy, to_device
+from .images import check_images, embed_images, image_rows, row_positions
 from .prefix_cache import PrefixCache
 from .prefix_run import ResumePack, cacheable, chunk_keeper, keep_batch, resumable, take_pack
 from .request import RequestResult, ScoreRequest
@@ -37,6 +38,11 @@ MIN_OOM_CHUNK = 16
 OOM_RESTORE_AFTER = 8
 
 
+class AgreedOutOfMemory(torch.OutOfMemoryError):
+    """A pass that some rank of a replica said would not fit (``Engine.agree_fits``): raised on
+    every rank at the same point, before the pass, so that each splits and retries the same way."""
+
+
 @dataclass(slots=True)
 class PackedBatch:
     """One forward pass: rows of token ids with positions and their ``AttentionMeta``.
@@ -46,7 +52,9 @@ class PackedBatch:
     """
 
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T], each sequence's own positions (continuing after a prefix or cache)
+    # [T], each sequence's own positions (continuing after a prefix or cache); [3, T] (t, h, w rows)
+    # when a request has images (a text request's three rows equal)
+    positions: torch.Tensor
     meta: AttentionMeta
     score_rows: torch.Tensor  # [N] rows of the hidden states whose next token is scored
     targets: torch.Tensor  # [N] the token each of those rows predicts
@@ -55,6 +63,7 @@ class PackedBatch:
     hooks: Hooks | None = None  # steering and capture tables, None when no request asks
     captures: list[CaptureSlot] | None = None  # where each request's captures land in ``hooks``
     routes: list[tuple[int, int, int]] | None = None  # (request, start, end) of its rows in hooks.route.rows
+    images: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [n], the vision tower's embeddings [n, H])
 
 
 @dataclass(slots=True)
@@ -175,11 +184,18 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
     hooks = _HookBuilder(route_layers)
     past = 0
 
-    def add_rows(tokens: np.ndarray, first_pos: int, context: tuple[tuple[int, int], ...]) -> int:
+    def add_rows(tokens: np.ndarray, first_pos: int, context: tuple[tuple[int, int], ...],
+                 r: ScoreRequest | None = None) -> int:
+        """The request's (``r``'s) tokens from its token ``first_pos`` on; with images their
+        positions rows and embeddings (``engine.images``)."""
         start = cols.num_rows
         if len(tokens):
             cols.ids.append(tokens)
-            cols.positions.append(np.arange(first_pos, first_pos + len(tokens), dtype=np.int64))
+            img = r.images if r is not None else None
+            cols.positions.append(np.arange(first_pos, first_pos + len(tokens), dtype=np.int64) if img is None
+                                  else row_positions(img, first_pos, len(tokens)))
+            if img is not None:
+                cols.images.append(image_rows(img, first_pos, len(tokens), start))
             cols.num_rows += len(tokens)
             segments.append(Segment(start, cols.num_rows, context))
         return start
@@ -200,7 +216,7 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
             r, b, e = requests[item.request], item.begin, item.end
             past = b  # rows 0..begin-1 are in the cache, before ours in the key source
             tok = np.asarray(r.tokens[b:e + 1], dtype=np.int64)  # this chunk's inputs and the target after them
-            start = add_rows(tok[:e - b], b, ((0, b),) if b else ())
+            start = add_rows(tok[:e - b], b, ((0, b),) if b else (), r)
             js = range(max(r.score_begin, b + 1), min(e + 1, len(r.tokens)))
             n = len(js)
             add_scores(item.request, n, np.arange(start + js.start - 1 - b, start + js.start - 1 - b + n, dtype=np.int64),
@@ -209,17 +225,18 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
             continue
         P = item.shared
         first = np.asarray(requests[item.members[0]].tokens, dtype=np.int64)
-        prefix = add_rows(first[:P], 0, ())
+        prefix = add_rows(first[:P], 0, (), requests[item.members[0]])
         for i in item.members:
             r = requests[i]
             tok = first if i == item.members[0] else np.asarray(r.tokens, dtype=np.int64)
-            branch = add_rows(tok[P:r.num_inputs], P, ((prefix, prefix + P),) if P else ())
+            branch = add_rows(tok[P:r.num_inputs], P, ((prefix, prefix + P),) if P else (), r)
             add_scores(i, r.num_scored, _tree_rows(prefix, P, branch, r.score_begin - 1, len(r.tokens) - 1),
                        tok[r.score_begin:],
                        [*range(prefix, prefix + P), *range(branch, branch + r.num_inputs - P)] if r.hooked else None)
     meta = AttentionMeta(segments, kv_block=kv_block, past=past)
     ids, positions, rows, targets, temps = cols.on(device)
-    return PackedBatch(ids, positions, meta, rows, targets, temps, owners, *hooks.build(device))
+    return PackedBatch(ids, positions, meta, rows, targets, temps, owners, *hooks.build(device),
+                       images=cols.images_on(device))
 
 
 def _tree_rows(prefix: int, P: int, branch: int, k0: int, k1: int) -> np.ndarray:
@@ -237,7 +254,7 @@ def _tree_rows(prefix: int, P: int, branch: int, k0: int, k1: int) -> np.ndarray
 class _Columns:
     """A pass's columns as numpy pieces (``pack``), joined and sent to the device once each."""
 
-    __slots__ = ("ids", "positions", "rows", "targets", "temps", "num_rows")
+    __slots__ = ("ids", "positions", "rows", "targets", "temps", "num_rows", "images")
 
     def __init__(self) -> None:
         self.ids: list[np.ndarray] = []
@@ -246,15 +263,27 @@ class _Columns:
         self.targets: list[np.ndarray] = []
         self.temps: list[np.ndarray] = []
         self.num_rows = 0
+        self.images: list[tuple[np.ndarray, torch.Tensor]] = []  # (batch rows, embeddings) of image tokens
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(ids, positions, score rows, targets, temperatures) on ``device`` (``to_device``)."""
         def joined(parts: list[np.ndarray], dtype) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=dtype))
+            return torch.from_numpy(np.concatenate(parts, axis=-1) if parts else np.zeros(0, dtype=dtype))
 
-        longs = [to_device(joined(p, np.int64), torch.long, device) for p in (self.ids, self.positions, self.rows,
+        positions = self.positions
+        if any(p.ndim == 2 for p in positions):  # a request with images: every piece as (t, h, w) rows
+            positions = [np.broadcast_to(p, (3, p.shape[-1])) for p in positions]
+        longs = [to_device(joined(p, np.int64), torch.long, device) for p in (self.ids, positions, self.rows,
                                                                                self.targets)]
         return (*longs, to_device(joined(self.temps, np.float32), torch.float32, device))
+
+
+    def images_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows [n], embeddings [n, H]) of the pass's image tokens, or None: no images."""
+        if not self.images:
+            return None
+        rows = np.concatenate([r for r, _ in self.images])
+        return to_device(torch.from_numpy(rows), torch.long, device), torch.cat([e for _, e in self.images]).to(device)
 
 
 def check_targets(requests: list[ScoreRequest], vocab_size: int) -> None:
@@ -299,6 +328,9 @@ class Engine:
         # called as fault_hook(rows, tokens) before each forward pass (tokens: rows + cached keys);
         # tests raise torch.OutOfMemoryError from it, or count passes
         self.fault_hook: Callable[[int, int], None] | None = None
+        # a replica's agreement before each pass (set by executor.workers; None: one process):
+        # agree_fits(fits) -> whether every rank's pre-flight said yes (``_preflight``)
+        self.agree_fits: Callable[[bool], bool] | None = None
         self.passes = 0  # forward passes started (the server's logprobe_engine_passes_total)
         # across runs: the KV (and hybrid states) of token prefixes already computed
         # (engine.prefix_cache; set by the owner: Scorer(prefix_cache=...)), None: off
@@ -417,7 +449,9 @@ class Engine:
             hidden = self._forward(packed)  # [T, H]
             hidden = rp.with_context(hidden)  # [past + T, H]: score_rows index the prefixes' rows, then the pass's
             launched = self.score(requests, packed, hidden)
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as e:
+            if not self._recoverable(e):
+                raise
             oom = True
         except BaseException:
             out.settle()  # the pass before is delivered, as in ``_run_unit``
@@ -451,6 +485,7 @@ class Engine:
                                 f"{type(self.model).__name__} has no hook points",
                                 "use a native model (GGUF or a Llama-family directory)")
         check_targets(requests, self.model.head_params().vocab_size)
+        check_images(self.model, requests)
 
     def _run_unit(self, requests: list[ScoreRequest], unit: list[Tree], out: Delivery) -> list[int] | None:
         """Launch one batch of trees, then deliver the batch before it. Out of memory: the request
@@ -465,6 +500,8 @@ class Engine:
         try:
             packed, launched = self._run_batch(requests, unit, record)
         except torch.OutOfMemoryError as e:
+            if not self._recoverable(e):
+                raise
             oom = _first_line(e)
         except BaseException:
             out.settle()  # the batches before it are delivered, as without the overlap
@@ -499,8 +536,9 @@ class Engine:
         plan = plan_work([r.inputs for r in sub], self.whole_budget if whole else self.budget,
                          share=cfg.share_prefixes and self._context,
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
-                         # steered rows or forced experts differ: no sharing
-                         unshared={k for k, r in enumerate(sub) if r.steer or r.force_experts is not None},
+                         # steered rows or forced experts differ: no sharing; nor images (not yet keyed)
+                         unshared={k for k, r in enumerate(sub)
+                                   if r.steer or r.force_experts is not None or r.images is not None},
                          align=self._align, ranks=1 if whole else self._ranks)
         units: deque[list[Tree] | int] = deque()
         for batch in plan:
@@ -521,6 +559,8 @@ class Engine:
 
     def _run_batch(self, requests: list[ScoreRequest], batch: list, cache: KVCache | None = None):
         """One forward pass and its head, queued: (packed batch, ``Launched``)."""
+        embed_images(self.model, requests, [i for item in batch for i in
+                                            ((item.request,) if isinstance(item, Chunk) else item.members)])
         packed = pack(batch, requests, self.device, self.numerics.attention_block, self.route_layers)
         packed.meta.cache = cache
         hidden = self._forward(packed)  # [T, H]
@@ -529,15 +569,50 @@ class Engine:
         return packed, self.score(requests, packed, hidden)
 
     def _forward(self, packed: PackedBatch) -> torch.Tensor:
-        """The model on a packed batch -> its final hidden rows [T, H] (``fault_hook`` asked first)."""
-        if self.fault_hook is not None:
-            self.fault_hook(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
+        """The model on a packed batch -> its final hidden rows [T, H] (``_preflight`` first)."""
+        self._preflight(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
         self.passes += 1
         if isinstance(self.model, NumericsUser):
             self.model.set_numerics(self.numerics)  # a no-op unless another engine's ran last
+        if packed.images is not None:
+            return self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks, images=packed.images)
         if packed.hooks is None:
             return self.model(packed.input_ids, packed.positions, packed.meta)
         return self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks)
+
+    def _preflight(self, rows: int, tokens: int) -> None:
+        """Before a pass of ``rows`` rows (``tokens``: with cached keys): ``fault_hook``, and in a
+        replica (``agree_fits`` set) the ranks' agreement. There each rank answers whether the pass
+        fits (on CUDA it reserves the pass's estimated working memory, ``budget.pass_bytes``, which
+        the caching allocator then holds for the pass; an out-of-memory there, or from
+        ``fault_hook``, is "no"), and when any rank said no every rank raises
+        ``AgreedOutOfMemory`` here, at the same point of the same plan: the split and retry that
+        follow are the same on every rank, and so are the numbers.
+
+            rank 0: fits, rank 1: no  -> both raise; both halve the batch and lower the budget
+
+        An out-of-memory inside a pass, past this point, cannot be agreed (the other ranks are
+        inside its collectives): in a replica it is not recovered from (``_recoverable``)."""
+        if self.agree_fits is None:
+            if self.fault_hook is not None:
+                self.fault_hook(rows, tokens)
+            return
+        why = None
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(rows, tokens)
+            if self.device.type == "cuda":  # freed at once: the allocator keeps the block for the pass
+                torch.empty(model_pass_bytes(self.model, rows), dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError as e:
+            why = _first_line(e)
+        if not self.agree_fits(why is None):
+            raise AgreedOutOfMemory(why or f"another rank of the replica has no memory for a pass of {rows} rows")
+
+    def _recoverable(self, e: torch.OutOfMemoryError) -> bool:
+        """Whether an out-of-memory error is split and retried here: always in one process; in a
+        replica only the agreed one (``_preflight``), any other leaves this rank out of step with
+        the others and is raised (the worker fails its replica)."""
+        return self.agree_fits is None or isinstance(e, AgreedOutOfMemory)
 
     def _score_cached(self, r: ScoreRequest, hidden: torch.Tensor, begin: int) -> RequestResult:
         """Tokens ``score_begin .. begin`` of ``r`` from the cached final hidden rows of inputs
@@ -586,6 +661,8 @@ class Engine:
                 packed, launched = self._run_batch(requests, [Chunk(m, b, e)], cache)
                 scored = launched.results()
             except torch.OutOfMemoryError as exc:
+                if not self._recoverable(exc):
+                    raise
                 oom = _first_line(exc)
             if oom is not None:
                 _truncate(cache, b)

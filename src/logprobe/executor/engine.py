@@ -145,6 +145,12 @@ class ParallelEngine:
         """Forward passes the replicas have computed (rank 0 of each; live during a watched run)."""
         return sum(g.passes for g in self.groups)
 
+    @property
+    def oom_count(self) -> int:
+        """Out-of-memory errors the replicas' ranks agreed on and split around (as ``Engine.oom_count``;
+        rank 0 of each, counted when each run ends)."""
+        return sum(g.oom_count for g in self.groups)
+
     def profile(self, requests: list[ScoreRequest]) -> tuple[list[RequestResult], list[RankProfile]]:
         """``run(requests)`` once with every worker under ``torch.profiler`` -> (the results, each
         rank's ``executor.profile.RankProfile`` in rank order). One replica only: the question it

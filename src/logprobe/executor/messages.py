@@ -8,8 +8,8 @@ sides name them ``logprobe.executor.messages.X`` (a worker runs ``executor.worke
     worker -> driver : Ready(param_bytes, load_peak_bytes, budget) once, then per run
                        Results([Result(index, result), ...], passes)... (rank 0, a pass's results
                        each; a watched run: also after a pass that delivered none),
-                       Profiled(profile) (every rank, after a Profile) and Done(passes) | Failed(field,
-                       problem, fix)
+                       Profiled(profile) (every rank, after a Profile) and Done(passes, oom_count) |
+                       Failed(field, problem, fix, fatal)
 
 >>> match Failed("model", "no such file", "check the path"):
 ...     case Failed() as f:
@@ -117,16 +117,24 @@ class Profiled:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """A run, or a weight step, is over; after a run ``passes`` is as in ``Results``."""
+    """A run, or a weight step, is over; after a run ``passes`` is as in ``Results`` and
+    ``oom_count`` is the engine's ``Engine.oom_count`` (since the worker started; the same on
+    every rank of a replica: its ranks agree on each out-of-memory before a pass)."""
 
     passes: int | None = None
+    oom_count: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Failed:
+    """The run or step failed on this rank. ``fatal``: this rank has left the replica's lockstep
+    (out of memory inside a pass, while the others wait in its collectives): the driver stops the
+    replica at once instead of waiting for the other ranks."""
+
     field: str
     problem: str
     fix: str
+    fatal: bool = False
 
     def error(self) -> LogprobeError:
         return LogprobeError(self.field, self.problem, self.fix)

@@ -10,6 +10,10 @@ each pass's ``Result`` records back as one ``Results`` message once the pass is 
 every rank sends ``Done`` at the end (the messages are the small records of ``executor.messages``,
 read with ``match``). A watched run (the server's) can lose requests on the way: the driver sends
 ``Cancel`` to every rank, and the ranks agree between passes on which to leave out (``Watch``).
+Before every forward pass the ranks also agree that it fits in memory (``FitsAgreement``): when
+one rank has no room, every rank splits and retries the same way. An out-of-memory inside a
+pass cannot be agreed: that rank reports it (``Failed(fatal=True)``), and the driver stops the
+replica at once rather than wait for the ranks blocked in the pass's collectives.
 
 Workers are fresh interpreters (``python -c`` calling ``executor.workers._main``), not forks or
 multiprocessing spawns: nothing of the caller's script is imported again in them, so a script
@@ -154,6 +158,9 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))
         engine = Engine(loaded.model, config, torch.device(device))
         control = _control_group(spec)
+        if control is not None:
+            engine.agree_fits = FitsAgreement(control)
+        _test_fault(engine, rank, os.environ.get(TEST_OOM_ENV))
         send(conn, Ready(_param_bytes(loaded.model), peak.growth, config.max_batch_tokens))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then this process ends
         send(conn, _error(e))
@@ -195,11 +202,13 @@ def _run(msg: Run | Profile, engine: Engine, rank: int, conn, control, later: de
                        cancelled=None if watch is None else watch.cancelled)
         if outbox is not None:
             outbox.flush()
-        send(conn, Done(engine.passes))
+        send(conn, Done(engine.passes, engine.oom_count))
     except BaseException as e:  # noqa: BLE001
         if outbox is not None and not isinstance(e, OSError):
             outbox.flush()  # the results delivered before the error reach the driver first
-        send(conn, _error(e))
+        # an out-of-memory the engine let through is one inside a pass (``Engine._recoverable``)
+        inside = isinstance(e, torch.OutOfMemoryError) and control is not None
+        send(conn, _out_of_step(e, rank, engine) if inside else _error(e))
 
 
 def _control_group(spec: LaunchSpec):
@@ -257,6 +266,77 @@ class Watch:
 
     def cancelled(self, i: int) -> bool:
         return i in self.gone
+
+
+class FitsAgreement:
+    """``Engine.agree_fits`` of a replica's rank: every rank's answer to "does this pass fit?"
+    (``Engine._preflight``, before every forward pass, at the same point of the same plan on
+    every rank) agreed by an all-reduce MAX over ``group`` (the gloo control group of ``Watch``:
+    over NCCL the host would wait for the GPU's queue before every pass) of a flag, 1 for "no".
+
+        rank 0: fits, rank 1: out of memory  -> MAX(0, 1) = 1: both answer False
+
+    One all-reduce of one int64 per pass (a watched run's ``Watch`` adds its own, asked earlier:
+    merged into this one, a cancellation read while a pass is packed would reach the pass after
+    it): 0.54-0.68 ms on the 2-core CPU (a gloo loop of 3,000), lost in the noise of a tiny
+    Llama's 17-19 ms passes at TP = 2 there (docs/parallel.md); on CUDA the host agrees while the
+    GPU still runs the pass before."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, fits: bool) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if fits else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item()) == 0
+
+
+def _out_of_step(e: BaseException, rank: int, engine: Engine) -> Failed:
+    """The report of an out-of-memory inside a forward pass on this rank: fatal to the replica
+    (the other ranks wait in the pass's collectives), naming the rank and the budget to lower."""
+    return Failed("max_batch_tokens", f"rank {rank} ran out of memory inside a forward pass, after every rank "
+                  f"agreed it would fit ({_first_line(e)})",
+                  f"lower max_batch_tokens (now {engine.config.max_batch_tokens}; the pass's working budget "
+                  f"was {engine.budget}) and create a new Scorer", fatal=True)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().split("\n")[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+# A test seam, read by the worker only: LOGPROBE_TEST_OOM=RANK:WHERE:ROWS makes rank RANK of
+# every replica run out of memory on each pass of more than ROWS rows (``_test_fault``).
+TEST_OOM_ENV = "LOGPROBE_TEST_OOM"
+
+
+def _test_fault(engine: Engine, rank: int, value: str | None) -> None:
+    """Install ``TEST_OOM_ENV``'s fault on this rank (tests/test_oom_parallel.py), where WHERE is
+    "before" (this rank's pre-flight answers no: ``Engine.fault_hook`` raises, as a reservation
+    that failed would) or "inside" (the model's final norm raises, mid-pass, once every rank has
+    agreed; ROWS counts the rows the norm sees: this rank's share under data-parallel attention).
+
+        LOGPROBE_TEST_OOM=1:before:100   rank 1 has no room for a pass of more than 100 rows
+    """
+    if not value:
+        return
+    who, where, rows = value.split(":")
+    if int(who) != rank:
+        return
+    limit = int(rows)
+
+    def fault(n: int) -> None:
+        if n > limit:
+            raise torch.OutOfMemoryError(f"{TEST_OOM_ENV}: rank {rank}, {n} rows")
+
+    if where == "before":
+        engine.fault_hook = lambda rows, tokens: fault(rows)
+    else:
+        engine.model.norm.register_forward_pre_hook(lambda module, args: fault(args[0].shape[0]))
 
 
 class Outbox:
@@ -401,6 +481,7 @@ class WorkerGroup:
         self.procs: list[_Proc] = []
         self.conns: list = [None] * tp
         self.passes = 0  # forward passes rank 0 has reported (``Results``, ``Done``)
+        self.oom_count = 0  # out-of-memory errors its ranks agreed on and split around (rank 0's ``Done``)
         try:
             for rank in range(tp):
                 cmd = [sys.executable, "-c", _ENTRY, host, str(port), self._key.hex(), str(rank)]
@@ -493,11 +574,15 @@ class WorkerGroup:
                     case Profiled():
                         yield msg
                         continue
+                    case Failed(fatal=True):
+                        self._out_of_step(rank, msg)
                     case Failed():
                         error = error or msg
-                    case Done(passes):
+                    case Done(passes, oom_count):
                         if rank == 0 and passes is not None:
                             self.passes = passes
+                        if rank == 0 and oom_count is not None:
+                            self.oom_count = oom_count
                 done.add(rank)
                 if len(done) < len(self.conns):
                     yield None
@@ -525,6 +610,13 @@ class WorkerGroup:
             if not self.procs[rank].is_alive():
                 self._died(rank)
         raise WorkerDied("tensor_parallel_size", f"worker rank {rank} did not start within {timeout:.0f} s")
+
+    def _out_of_step(self, rank: int, failed: Failed) -> None:
+        """Rank ``rank`` has left the replica's lockstep (``Failed.fatal``): the other ranks wait
+        in collectives that will not complete (gloo's and NCCL's time out only after minutes), so
+        the replica is stopped now, and the error names the rank."""
+        self.close(timeout=0.0)
+        raise WorkerDied(failed.field, f"{failed.problem}; replica {self.replica} was stopped", failed.fix)
 
     def _died(self, rank: int) -> None:
         self.procs[rank].join(5.0)

@@ -61,7 +61,7 @@ class Metrics:
         inner = getattr(engine, "inner", engine)  # the engine behind the result cache (``executor.cached``)
         if hasattr(inner, "passes"):  # Engine and ParallelEngine
             r.register(_Passes(inner))
-        if engine is not None and hasattr(engine, "oom_count"):  # Engine (not ParallelEngine)
+        if engine is not None and hasattr(engine, "oom_count"):  # Engine and ParallelEngine
             Gauge("logprobe_engine_out_of_memory", "Out-of-memory errors the engine met and split around",
                   registry=r).set_function(lambda: float(engine.oom_count))
         cache = getattr(engine, "prefix_cache", None)  # engine.prefix_cache, when on
