@@ -37,7 +37,7 @@ ALLOWED_DEFERRED = {
     "transformers", "gguf", "huggingface_hub", "safetensors", "tokenizers", "compressed_tensors",
     "fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client", "numpy", "tqdm",
     "liger_kernel", "flash_attn", "fla", "jinja2", "pandas", "requests", "multiprocessing",
-    "torch", "uvloop", "playwright", "openai", "tensordict",
+    "torch", "uvloop", "playwright", "openai", "tensordict", "PIL",
 }
 
 

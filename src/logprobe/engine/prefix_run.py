@@ -34,7 +34,9 @@ from .scheduler import Tree, common_prefix
 
 
 def cacheable(r: ScoreRequest) -> bool:
-    return not r.hooked
+    """Kept in and resumed from the cache: not a request with hooks, nor one with images (the
+    cache keys prefixes by token ids alone; an image's tokens are the same ids whatever it shows)."""
+    return not r.hooked and r.images is None
 
 
 def prefix_cache_for(model, setting: bool | int | None, device: torch.device) -> PrefixCache | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -31,6 +32,23 @@ class CaptureAt:
 
 
 @dataclass(slots=True)
+class ImageInputs:
+    """A request's images (Qwen3.5): the processor's patches, where their tokens are, and the
+    multimodal positions of every token (``models.qwen3_5_vision``). The engine runs the vision
+    tower once per request (``embeds``, kept here) and puts its rows at the image tokens.
+
+    Two images, grids (1, 4, 4) and (1, 2, 4) merged by 2: 4 + 2 image tokens; ``token_index``
+    lists the 6 tokens' indices in ``ScoreRequest.tokens``, ``embeds`` is then [6, H]."""
+
+    pixel_values: torch.Tensor  # [patches, patch_dim]: every image's patches, image after image
+    grids: tuple[tuple[int, int, int], ...]  # each image's (t, h, w) patch grid
+    token_index: np.ndarray  # [n] int64: the index of each image token in the request's tokens, in order
+    positions: np.ndarray  # [3, len(tokens)] int64: (t, h, w) position rows
+    key: str  # a digest of the pixel values and grids (two requests share rows only if ids and key are equal)
+    embeds: torch.Tensor | None = None  # [n, H] the tower's output, set by the engine (``engine.images``)
+
+
+@dataclass(slots=True)
 class ScoreRequest:
     """Score ``tokens[score_begin:]``; token j is predicted by the row of token j - 1.
 
@@ -51,10 +69,15 @@ class ScoreRequest:
     # force_experts [len(tokens) - 1, moe_layers, k] int64, row j for token j
     route: bool = False
     force_experts: torch.Tensor | None = None
+    images: ImageInputs | None = None  # image tokens: all before score_begin (only text is scored)
 
     def __post_init__(self) -> None:
         if not 1 <= self.score_begin < len(self.tokens):
             raise ValueError(f"score_begin {self.score_begin} outside [1, {len(self.tokens)})")
+        if self.images is not None and len(self.images.token_index) and \
+                int(self.images.token_index[-1]) >= self.score_begin:
+            raise ValueError(f"an image token at {int(self.images.token_index[-1])} is scored (score_begin "
+                             f"{self.score_begin}): only text tokens carry log-probs")
 
     @property
     def hooked(self) -> bool:

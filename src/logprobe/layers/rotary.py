@@ -137,3 +137,39 @@ def to_interleaved(w: torch.Tensor, n_head: int, rot: int | None = None) -> torc
         return torch.cat([turned.reshape(n_head, rot, *w.shape[1:]), heads[:, rot:]], 1).reshape(w.shape)
     # [n_head, 2, D/2, ...] -> [n_head, D/2, 2, ...]
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def mrope_axes(pairs: int, section: tuple[int, int, int]) -> torch.Tensor:
+    """Which position row (0: t, 1: h, 2: w) turns each of the ``pairs`` rotary frequencies under
+    Qwen3.5's interleaved multimodal rotary (transformers' ``recomposition_frequencies``): pair j is
+    h where j % 3 == 1 and j < 3 * section[1], w where j % 3 == 2 and j < 3 * section[2], else t
+    (sections need not sum to ``pairs``: transformers applies the rule as is, e.g. its default
+    [11, 11, 10] on fewer frequencies).
+
+    >>> mrope_axes(8, (4, 2, 2)).tolist()
+    [0, 1, 2, 0, 1, 2, 0, 0]
+    """
+    if len(section) != 3:
+        raise LogprobeError("rope_parameters.mrope_section", f"{list(section)} must be three sizes (t, h, w)")
+    j = torch.arange(pairs)
+    axes = torch.zeros(pairs, dtype=torch.long)
+    axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axes
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """The default rotary, whose positions may also be [3, T] rows (t, h, w): frequency j turns by
+    row ``mrope_axes[j]``'s position. [T] positions (text: all three rows equal) take the plain path,
+    bit for bit."""
+
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, int, int]) -> None:
+        super().__init__(head_dim, theta)
+        self.register_buffer("axes", mrope_axes(head_dim // 2, tuple(section)), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] or [3, T] -> complex rotations [T, D/2]."""
+        if positions.dim() == 1:
+            return super().forward(positions)
+        freqs = positions.float()[self.axes].T * self.inv_freq[None, :]  # [T, D/2]: pair j by row axes[j]
+        return torch.polar(torch.ones_like(freqs), freqs)

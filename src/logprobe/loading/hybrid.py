@@ -4,8 +4,9 @@ Qwen3-Next (``qwen3_next``), Qwen3.5 (``qwen3_5_text``; the multimodal ``qwen3_5
 
 Checkpoint keys as the hub ships them: ``model.layers.*`` (causal LM classes) or
 ``model.language_model.layers.*`` (``*ForConditionalGeneration``), ``lm_head.weight``; the vision
-tower (``model.visual.*``) and the multi-token-prediction head (``mtp.*``) are not used for
-scoring and are skipped with one note; any other key is refused. Config options the native model
+tower (``model.visual.*``) becomes ``models.qwen3_5_vision.VisionTower`` (on one rank: under tensor
+parallelism it is not read, and images are refused); the multi-token-prediction head (``mtp.*``) is
+not used for scoring and is skipped with one note; any other key is refused. Config options the native model
 does not run are refused with their key named.
 
 FP8 block checkpoints (``quantization_config.quant_method: "fp8"``, as Qwen ships
@@ -32,10 +33,11 @@ from ..layers.fp8_block_linear import FP8BlockLinear
 from ..layers.gated_delta import split_qwen3_next_projections
 from ..layers.moe import MoeSpec
 from ..layers.parallel_linear import held_ranges
+from ..models.qwen3_5_vision import VisionConfig, vision_config
 from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_weights_match, mapped_tensors
+from .checkpoint import SKIP, check_weights_match, mapped_tensors
 from .fp8_block import (
     dense_fp8,
     fp8_block_tensors,
@@ -110,6 +112,8 @@ def hybrid_config(raw: dict) -> HybridConfig:
     hidden, heads = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     moe, inter = _moe(cfg, mtype, where, layers)
     tie = raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    vision, image_token = _vision(raw, raw.get("model_type"))
+    mrope = _mrope_section(params, mtype, where)
     try:
         return HybridConfig(
             vocab_size=_int(cfg, "vocab_size", where),
@@ -133,11 +137,36 @@ def hybrid_config(raw: dict) -> HybridConfig:
             max_position_embeddings=_int(cfg, "max_position_embeddings", where, 32768),
             moe=moe,
             family=mtype,
+            mrope_section=mrope,
+            vision=vision,
+            image_token_id=image_token,
         )
     except LogprobeError as e:
         if e.field.startswith("config.") and where != "config.":  # name the key where it is: text_config
             raise LogprobeError(where + e.field.removeprefix("config."), e.problem, e.fix) from e
         raise
+
+
+def _mrope_section(params: dict, mtype: str, where: str) -> tuple[int, int, int] | None:
+    """Qwen3.5's interleaved multimodal rotary sections (transformers' default [11, 11, 10]); None
+    for Qwen3-Next (text positions only)."""
+    if mtype == "qwen3_next":
+        return None
+    if params.get("mrope_interleaved", True) is not True:
+        raise LogprobeError(f"{where}rope_parameters.mrope_interleaved", f"{params['mrope_interleaved']!r}: the "
+                            "native model runs the interleaved sections (as transformers' Qwen3.5 does)")
+    section = params.get("mrope_section", [11, 11, 10])
+    if not isinstance(section, list) or len(section) != 3 or not all(isinstance(x, int) and x >= 0 for x in section):
+        raise LogprobeError(f"{where}rope_parameters.mrope_section", f"must be three integers, got {section!r}")
+    return tuple(section)
+
+
+def _vision(raw: dict, mtype: str) -> tuple[VisionConfig | None, int | None]:
+    """The multimodal wrappers' vision tower and image token id; (None, None) for text checkpoints."""
+    if mtype not in WRAPPERS or raw.get("vision_config") is None:
+        return None, None
+    token = _int(raw, "image_token_id", "config.", 248056)
+    return vision_config(raw["vision_config"]), token
 
 
 def _check_quantization(raw: dict, cfg: dict, mtype: str, where: str) -> None:
@@ -182,6 +211,8 @@ def hybrid_param_name(key: str, cfg: HybridConfig, where: str) -> str | None:
         return None
     if key == "lm_head.weight":
         return None if cfg.tie_word_embeddings else "lm_head.weight"
+    if key.startswith("model.visual.") and cfg.vision is not None:
+        return key.removeprefix("model.")  # the tower: visual.*
     for prefix in ("model.language_model.", "model."):
         if key.startswith(prefix) and not key.startswith(_SKIPPED):
             name = key[len(prefix):]
@@ -332,6 +363,8 @@ def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext, pl
         model = HybridModel(cfg, ctx)
 
     def cut(name: str):
+        if name.startswith("visual."):
+            return SKIP  # the tower runs on one rank only: images are refused under tensor parallelism
         return None if _SPLIT.fullmatch(name) else rank_cut(model, name)
 
     fp8 = is_fp8_block(raw)
@@ -359,7 +392,7 @@ def build_hybrid(cfg: HybridConfig, tensors, device: torch.device, dtype: torch.
     install_packed(model, state, packed, experts, interleave)
     model.load_state_dict(interleave(state), assign=True, strict=not (packed or experts))
     # non-persistent buffers were created on the meta device: make the rotary table for real
-    model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary = model.make_rotary().to(device)
     model.fuse_projections()
     return model.eval()
 

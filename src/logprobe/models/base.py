@@ -117,19 +117,24 @@ class ScoringModel(NumericsUser, nn.Module):
                           comm=self.ctx if self.ctx.parallel else None, grid=self.vocab_grid)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                hooks: Hooks | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H]."""
+                hooks: Hooks | None = None, images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] (or [3, T]: a multimodal rotary's t/h/w rows) -> final hidden
+        states [T, H]. ``images``: (rows [n], embeddings [n, H]) that replace those rows' token
+        embeddings (a vision tower's output at the image tokens)."""
         hooks = hooks or None  # an empty Hooks costs nothing either
         if hooks is not None:
             self.check_hooks(hooks)
         h = self.embed_tokens(input_ids)  # [T, H]: every row (the vocabulary-parallel sum is the group's)
+        if images is not None:
+            rows, embeds = images
+            h = h.index_copy(0, rows, embeds.to(h.dtype))
         if hooks is not None:
             h = hooks("embed", h)
         split = self.row_split(meta, hooks)
         halves = self.micro_batches(meta, split) if split is not None else None
         if split is not None:  # data-parallel attention: this rank's sequences only
             a, b = split.own
-            h, positions, meta = h[a:b], positions[a:b], meta.share(split)  # [n, H], [n]
+            h, positions, meta = h[a:b], positions[..., a:b], meta.share(split)  # [n, H], [n]
         if halves is not None:  # two micro-batches, their blocks launched in turn
             h = self.overlapped(h, positions, meta, halves)
         else:
@@ -167,7 +172,7 @@ class ScoringModel(NumericsUser, nn.Module):
         for i, (rows, (a, b)) in enumerate(((first, (0, c)), (second, (c, n)))):
             part = meta.share(RowSplit((0, c, n), i))  # the segments of rows a:b, re-based
             part = AttentionMeta(part.segments, kv_block=part.kv_block, rows=rows)
-            chains.append(block_chain(self.layers, h[a:b], self.rotary(positions[a:b]), part))
+            chains.append(block_chain(self.layers, h[a:b], self.rotary(positions[..., a:b]), part))
         return torch.cat(interleave(*chains))  # [n, H]
 
     def row_split(self, meta: AttentionMeta, hooks: Hooks | None) -> RowSplit | None:

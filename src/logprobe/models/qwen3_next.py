@@ -30,6 +30,9 @@ Gated full attention (a Qwen3 attention whose q projection also yields a per-cha
 
 Qwen3.5's multimodal rotary (``mrope_section``) rotates frequency bands by the temporal, height
 and width positions; for text all three are the token's position, so it is the plain rotary above.
+With images (``qwen3_5_vision``) the positions are [3, T] rows (``qwen3_5_vision.mrope_positions``,
+``layers.rotary.MRotaryEmbedding``) and the image tokens' rows of h_0 are the vision tower's output
+in place of their token embeddings (``ScoringModel.forward``'s ``images``).
 
 MLP: a SwiGLU (Qwen3.5 dense; Qwen3-Next's ``mlp_only_layers``), or a routed mixture of experts
 with a shared expert behind a sigmoid gate (``layers.moe.MoeBlock``): softmax in float32, top k,
@@ -90,12 +93,13 @@ from ..layers.parallel_linear import (
     ParallelLMHead,
     SegmentedColumnLinear,
 )
-from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from ..layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, rope_inv_freq
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, shard_range
 from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
+from .qwen3_5_vision import VisionConfig, VisionTower
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 _KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
@@ -127,6 +131,11 @@ class HybridConfig:
     max_position_embeddings: int = 32768
     moe: MoeSpec | None = None
     family: str = "qwen3_5_text"  # the text model_type
+    # Qwen3.5's multimodal rotary (rope_parameters.mrope_section; None: the plain rotary), its vision
+    # tower and the id of its image tokens (None: a text-only checkpoint)
+    mrope_section: tuple[int, int, int] | None = None
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -386,9 +395,21 @@ class HybridModel(ScoringModel):
         self.shard_vocab(cfg, ctx)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = self.make_rotary()
+        # the vision tower runs on one rank only (its tensor-parallel split is not written)
+        self.visual = VisionTower(cfg.vision) if cfg.vision is not None and ctx.size == 1 else None
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
         self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
+
+    def make_rotary(self) -> RotaryEmbedding:
+        cfg = self.config
+        if cfg.mrope_section is None:
+            return RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        return MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One image's patches [t*h*w, patch_dim] -> its token embeddings [t*h*w / m², H] (the tower)."""
+        return self.visual(pixel_values.to(self.embed_tokens.weight.device), grid)
 
     @staticmethod
     def interleave_rope_weights(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

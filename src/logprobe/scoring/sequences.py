@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..engine.request import RequestResult, ScoreRequest
+from ..engine.request import ImageInputs, RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..interp.specs import CaptureSpec, SteerSpec, capture_results, request_hooks
 from .inputs import check_length, check_no_media
@@ -57,9 +57,14 @@ def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptio
     """Validate sequence ``i`` and turn it into a request (``head`` already checked)."""
     if not isinstance(seq, dict):
         raise LogprobeError(f"sequences[{i}]", "must be an object with prompt_token_ids and completion_token_ids")
-    check_no_media(seq, f"sequences[{i}]")
-    prompt = context.check_ids(seq.get("prompt_token_ids"), f"sequences[{i}].prompt_token_ids")
-    completion = context.check_ids(seq.get("completion_token_ids"), f"sequences[{i}].completion_token_ids")
+    images = None
+    if "images" in seq:
+        check_no_media({k: v for k, v in seq.items() if k != "images"}, f"sequences[{i}]")
+        prompt, completion, images = image_sequence(context, seq, f"sequences[{i}]")
+    else:
+        check_no_media(seq, f"sequences[{i}]")
+        prompt = context.check_ids(seq.get("prompt_token_ids"), f"sequences[{i}].prompt_token_ids")
+        completion = context.check_ids(seq.get("completion_token_ids"), f"sequences[{i}].completion_token_ids")
     if not prompt:
         raise LogprobeError(f"sequences[{i}].prompt_token_ids", "is empty: the first completion token needs "
                             "a context", "prepend the BOS (or EOS) token id")
@@ -72,7 +77,29 @@ def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptio
     if forced is not None:
         forced = routed_experts(context, forced, len(prompt) + len(completion), f"sequences[{i}].routed_experts")
     return ScoreRequest(prompt + completion, len(prompt), head.temperature, head.top_k, head.entropy, st, ca,
-                        route, forced)
+                        route, forced, images)
+
+
+def image_sequence(context: ScoringContext, seq: dict, f: str) -> tuple[list[int], list[int], ImageInputs]:
+    """A sequence with ``"images"`` (a model with a vision tower): ``"prompt"`` text with one image
+    placeholder per image (``scoring.images``), ``"completion"`` text or ``"completion_token_ids"``
+    (text only: the scored tokens carry no image) -> (prompt ids, completion ids, ``ImageInputs``)."""
+    reader = context.check_images(f"{f}.images")
+    prompt = seq.get("prompt")
+    if "prompt_token_ids" in seq or not isinstance(prompt, str):
+        raise LogprobeError(f"{f}.prompt", "with images the prompt is text, with the placeholder "
+                            f"{reader.placeholder} where each image stands", "give \"prompt\" (text), not token ids")
+    if isinstance(seq.get("completion"), str):
+        completion = context.tokenizer.encode(seq["completion"])
+    else:
+        completion = context.check_ids(seq.get("completion_token_ids"), f"{f}.completion_token_ids")
+    if reader.image_token_id in completion:
+        raise LogprobeError(f"{f}.completion", f"holds the image placeholder {reader.placeholder}: only text is "
+                            "scored (an image token carries no log-prob)", "put the images in the prompt")
+    text, pixels, grids = reader.prompt(prompt, seq["images"], f)
+    tok = context.tokenizer
+    ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(text)
+    return ids, completion, reader.inputs(ids + completion, pixels, grids, f)
 
 
 def routed_experts(context: ScoringContext, value, length: int, field: str) -> torch.Tensor:

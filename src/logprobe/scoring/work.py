@@ -23,6 +23,7 @@ from ..loading import LoadedModel
 from ..models.caps import ModelCaps
 from ..models.moe import routed_blocks
 from ..tokenizer import Tokenizer
+from .images import ImageReader
 from .inputs import check_hooks, check_ids
 from .options import HookSpecs
 
@@ -72,6 +73,7 @@ class ScoringContext:
     # blocks (num_hidden_layers): SGLang's routed-experts layout has a row per block
     route_blocks: tuple[int, ...] = ()
     num_blocks: int = 0
+    images: ImageReader | None = None  # a model with a vision tower (Qwen3.5): its images -> request inputs
 
     @staticmethod
     def of(loaded: LoadedModel, deterministic: bool = False) -> ScoringContext:
@@ -82,7 +84,14 @@ class ScoringContext:
         blocks = tuple(i for i, _ in routed_blocks(model))
         return ScoringContext(info.name, loaded.tokenizer, info.vocab_size, info.max_length, info.backend, caps,
                               layers, width, bool(deterministic), moe_routing(model), blocks,
-                              model.config.num_layers if blocks else 0)
+                              model.config.num_layers if blocks else 0, _image_reader(loaded))
+
+    def check_images(self, field: str) -> ImageReader:
+        """The image reader; a model without a vision tower: a ``LogprobeError`` naming ``field``."""
+        if self.images is None:
+            raise LogprobeError(field, f"{self.name} has no vision tower: images cannot be scored with it",
+                                "score images with a Qwen3.5 checkpoint that has its vision_config, or send text")
+        return self.images
 
     def check_routing(self, field: str) -> tuple[int, int, int]:
         """(MoE layers, experts per token, experts); a dense model: a ``LogprobeError`` naming ``field``."""
@@ -99,3 +108,12 @@ class ScoringContext:
         """``hooks`` parsed against this model's depth and width; ``([], [])`` for none."""
         return check_hooks(hooks.capture, hooks.steer, self.caps.hooks, self.hook_layers, self.hook_width,
                            self.backend)
+
+
+def _image_reader(loaded: LoadedModel) -> ImageReader | None:
+    """Images for a checkpoint whose config has a vision tower (``HybridConfig.vision``), else None."""
+    cfg = getattr(loaded.model, "config", None)
+    vision = getattr(cfg, "vision", None)
+    if vision is None:
+        return None
+    return ImageReader(loaded.info.path, loaded.tokenizer, cfg.image_token_id, vision.spatial_merge_size)

@@ -1,0 +1,251 @@
+"""Qwen3.5's vision tower (``model.visual`` of ``Qwen3_5ForConditionalGeneration`` and of the MoE
+variant, which shares it), natively, and the multimodal positions of a prompt with images.
+
+An image arrives as the processor's patches: ``pixel_values`` [N, C * Tp * P * P] (each row one
+patch of Tp frames of P x P pixels, C channels) and its patch grid (t, h, w), N = t * h * w, the
+patches of each frame listed block by block of ``m x m`` (``m = spatial_merge_size``):
+(block row, block column, row in block, column in block). The tower, per frame of an image:
+
+    x_i   = W_patch vec(patch_i) + b_patch                 Conv3d with kernel = stride: linear per patch
+    x_i  += Σ_{2x2 taps} w_tap E[tap]                       the learned side x side position table, resampled
+                                                            bilinearly (align corners) to the h x w grid
+    x     = x + Attn(LN_1(x)),  x = x + MLP(LN_2(x))        per block; attention: full (not causal) within
+                                                            the frame, q/k rotated by (row, col) (2-D rotary)
+    out_j = W_2 gelu(W_1 vec(LN(x)_{4j .. 4j+3}) + b_1) + b_2   the merger: m x m patches -> one token
+
+    MLP(x) = W_fc2 act(W_fc1 x + b) + b                     act: ``hidden_act`` (gelu_pytorch_tanh)
+
+The 2-D rotary (transformers' ``Qwen3_5VisionRotaryEmbedding``): head dim D, frequencies
+``θ^(-2k / (D/2))`` for k < D/4; in the rotate-half layout pair j (dims j, j + D/2) turns by
+``row * f_j`` for j < D/4 and ``col * f_{j - D/4}`` for D/4 <= j < D/2.
+
+Text positions (``mrope_positions``): a text token at running position p has (p, p, p); an image
+of merged grid (t, h', w') = (t, h / m, w / m) starting at p gets (p + t_i, p + r, p + c) for its
+tokens in raster order, and the text after it continues from p + max(h', w') (transformers'
+``get_rope_index``; for t = 1 that is one past the image's largest position).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LogprobeError
+
+# the vision config keys the tower reads, and those that carry nothing for the forward
+_READ = {"depth", "hidden_size", "hidden_act", "intermediate_size", "num_heads", "in_channels", "patch_size",
+         "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings", "rope_parameters",
+         "deepstack_visual_indexes"}
+_INERT = {"model_type", "initializer_range", "transformers_version", "architectures", "output_hidden_states",
+          "return_dict", "dtype", "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
+          "label2id", "problem_type", "_name_or_path", "output_attentions", "num_attention_heads",
+          "num_hidden_layers"}
+ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
+def vision_config(raw: dict, where: str = "config.vision_config.") -> VisionConfig:
+    """A checkpoint's ``vision_config`` -> ``VisionConfig``; a key the tower does not run (or an
+    unknown one) is refused by name, never ignored."""
+    if not isinstance(raw, dict):
+        raise LogprobeError(where.rstrip("."), f"must be an object, got {raw!r}")
+    unknown = sorted(set(raw) - _READ - _INERT)
+    if unknown:
+        raise LogprobeError(f"{where}{unknown[0]}", "is not in the native Qwen3.5 vision tower",
+                            "score the text alone (a checkpoint without the vision_config)")
+    if raw.get("deepstack_visual_indexes"):
+        raise LogprobeError(f"{where}deepstack_visual_indexes", "deepstack features (Qwen3-VL) are not in the "
+                            "native Qwen3.5 vision tower")
+    rope = raw.get("rope_parameters") or {"rope_type": "axial"}
+    if not isinstance(rope, dict) or rope.get("rope_type", "axial") != "axial" \
+            or set(rope) - {"rope_type", "rope_theta"}:
+        raise LogprobeError(f"{where}rope_parameters", f"{rope!r}: the tower runs the axial rotary "
+                            "(rope_type 'axial', rope_theta) only")
+    act = raw.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ACTIVATIONS:
+        raise LogprobeError(f"{where}hidden_act", f"{act!r} is not in the native tower ({', '.join(ACTIVATIONS)})")
+    ints = {}
+    for key, default in (("depth", None), ("hidden_size", None), ("intermediate_size", None), ("num_heads", None),
+                         ("out_hidden_size", None), ("num_position_embeddings", None), ("in_channels", 3),
+                         ("patch_size", 16), ("temporal_patch_size", 2), ("spatial_merge_size", 2)):
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LogprobeError(f"{where}{key}", f"must be a positive integer, got {value!r}")
+        ints[key] = value
+    side = math.isqrt(ints["num_position_embeddings"])
+    if side * side != ints["num_position_embeddings"]:
+        raise LogprobeError(f"{where}num_position_embeddings", f"{side * side} != {ints['num_position_embeddings']}: "
+                            "the learned positions are a square grid")
+    if ints["hidden_size"] % ints["num_heads"] or (ints["hidden_size"] // ints["num_heads"]) % 4:
+        raise LogprobeError(f"{where}num_heads", f"hidden_size / num_heads must be a multiple of 4 (2-D rotary), "
+                            f"got {ints['hidden_size']} / {ints['num_heads']}")
+    return VisionConfig(**ints, hidden_act=act, rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+def block_order(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of each patch of an h x w frame in the processor's order, m x m blocks one after
+    another:
+
+    >>> [t.tolist() for t in block_order(2, 4, 2)]
+    [[0, 0, 1, 1, 0, 0, 1, 1], [0, 1, 0, 1, 2, 3, 2, 3]]
+    """
+    row = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+    col = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+    return row.permute(0, 2, 1, 3).reshape(-1), col.permute(0, 2, 1, 3).reshape(-1)
+
+
+def bilinear_taps(n: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid positions 0..n-1 on an axis of the side-long table, corners aligned:
+    (taps [n, 2] = floor, floor + 1 clamped; weights [n, 2] = 1 - distance, float32)."""
+    src = torch.arange(n, dtype=torch.float32) * (side - 1) / max(n - 1, 1)
+    floor = src.floor()
+    taps = (floor.long()[:, None] + torch.arange(2)).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - torch.arange(2)).abs()).clamp(min=0)
+    return taps, weights
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.norm1 = nn.LayerNorm(H, eps=1e-6)
+        self.norm2 = nn.LayerNorm(H, eps=1e-6)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(H, 3 * H)
+        self.attn.proj = nn.Linear(H, H)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1 = nn.Linear(H, cfg.intermediate_size)
+        self.mlp.linear_fc2 = nn.Linear(cfg.intermediate_size, H)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Full attention over one frame's patches x [n, H]; q, k rotated in float32 (rotate half)."""
+        n = x.shape[0]
+        q, k, v = self.attn.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # [n, heads, D] each
+        q, k = (_rotate(t.float(), cos, sin).to(x.dtype) for t in (q, k))
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [heads, n, D]
+        return self.attn.proj(o.transpose(0, 1).reshape(n, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x), cos, sin)
+        return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, D] * cos + rotate_half(x) * sin, cos / sin [n, D]."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + turned * sin[:, None]
+
+
+class VisionTower(nn.Module):
+    """``forward(pixel_values [t*h*w, patch_dim], (t, h, w)) -> [t*h*w / m², out_hidden_size]``:
+    one image's tokens for the text model. Parameter names are the checkpoint's under ``model.visual.``."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        H, m = cfg.hidden_size, cfg.spatial_merge_size
+        self.side = math.isqrt(cfg.num_position_embeddings)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, H, (cfg.temporal_patch_size, cfg.patch_size,
+                                                               cfg.patch_size))  # its weight read as a matrix
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, H)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = nn.Module()
+        self.merger.norm = nn.LayerNorm(H, eps=1e-6)
+        self.merger.linear_fc1 = nn.Linear(H * m * m, H * m * m)
+        self.merger.linear_fc2 = nn.Linear(H * m * m, cfg.out_hidden_size)
+
+    def check_grid(self, grid: tuple[int, int, int], patches: int, field: str) -> None:
+        t, h, w = grid
+        m = self.config.spatial_merge_size
+        if min(grid) < 1 or h % m or w % m or t * h * w != patches:
+            raise LogprobeError(field, f"grid (t, h, w) = {grid} with {patches} patches: needs t * h * w patches "
+                                f"and h, w multiples of spatial_merge_size {m}", "use the checkpoint's processor")
+
+    def positions(self, h: int, w: int) -> torch.Tensor:
+        """The learned position table resampled to an h x w frame, in patch order [h * w, H]."""
+        row, col = block_order(h, w, self.config.spatial_merge_size)
+        (rt, rw), (ct, cw) = bilinear_taps(h, self.side), bilinear_taps(w, self.side)
+        taps = (rt[row][:, :, None] * self.side + ct[col][:, None, :]).reshape(-1, 4)  # [h*w, 4]
+        weights = (rw[row][:, :, None] * cw[col][:, None, :]).reshape(-1, 4)  # [h*w, 4]
+        E = self.pos_embed.weight
+        return (E[taps.to(E.device)] * weights.to(E.device, E.dtype)[:, :, None]).sum(1)
+
+    def rotary(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [h * w, D] (float32) of the 2-D rotary for an h x w frame, in patch order."""
+        D = self.config.head_dim
+        inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, D // 2, 2, dtype=torch.float) / (D // 2)))
+        row, col = block_order(h, w, self.config.spatial_merge_size)
+        angles = torch.cat([row[:, None].float() * inv, col[:, None].float() * inv], dim=-1)  # [n, D/2]
+        angles = torch.cat([angles, angles], dim=-1).to(device)  # the rotate-half layout: pair j with j + D/2
+        return angles.cos(), angles.sin()
+
+    def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        t, h, w = grid
+        proj = self.patch_embed.proj
+        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.reshape(proj.out_channels, -1), proj.bias)
+        x = x + self.positions(h, w).to(x.dtype).repeat(t, 1)
+        cos, sin = self.rotary(h, w, x.device)
+        frames = [x[f * h * w:(f + 1) * h * w] for f in range(t)]  # attention stays within a frame
+        for block in self.blocks:
+            frames = [block(f, cos, sin) for f in frames]
+        x = self.merger.norm(torch.cat(frames))
+        m2 = self.config.spatial_merge_size ** 2
+        x = x.reshape(-1, x.shape[-1] * m2)  # m x m consecutive patches: one token
+        return self.merger.linear_fc2(F.gelu(self.merger.linear_fc1(x)))
+
+
+def mrope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]], merge: int
+                    ) -> torch.Tensor:
+    """[3, len(ids)] int64 (t, h, w) positions: text tokens (p, p, p), each run of image tokens the
+    merged grid of the next image (see the module's docstring). Each image's tokens must be one run
+    of t * h * w / merge² ids (checked by the caller). Text, an image of grid (1, 4, 6) merged by 2
+    (2 x 3 tokens), text:
+
+    >>> mrope_positions([7, 8, 9, 9, 9, 9, 9, 9, 5, 6], 9, [(1, 4, 6)], 2).tolist()
+    [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6], [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]]
+    """
+    out = torch.empty(3, len(ids), dtype=torch.long)
+    p, j, images = 0, 0, iter(grids)
+    while j < len(ids):
+        if ids[j] != image_token_id:
+            out[:, j] = p
+            p, j = p + 1, j + 1
+            continue
+        t, h, w = next(images)
+        h, w = h // merge, w // merge
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        n = t * h * w
+        out[:, j:j + n] = torch.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + p
+        p, j = p + max(h, w), j + n
+    return out

@@ -1,0 +1,135 @@
+"""Images in a request (Qwen3.5): each image read (PIL image, file path, bytes or a ``data:`` URL),
+turned into patches by the checkpoint's own image processor (transformers' ``AutoImageProcessor``:
+its resizing and normalisation), each placeholder of the prompt expanded to the image's tokens,
+and the multimodal positions of the whole sequence.
+
+The placeholder is the image token's text (``<|image_pad|>`` for Qwen3.5, as the chat template
+writes it between ``<|vision_start|>`` and ``<|vision_end|>``); image i's placeholder becomes
+``t * h * w / m²`` image tokens (its patch grid merged by m), as transformers' ``Qwen3VLProcessor``
+expands it (``replace_image_token``). That processor also loads a video processor, which needs
+torchvision; the image processor alone does what a sequence of images needs.
+
+    prompt "A <|vision_start|><|image_pad|><|vision_end|> cat" with one image that the processor
+    makes a grid (1, 6, 10) of patches (m = 2): the placeholder becomes 6 * 10 / 4 = 15 image tokens
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..engine.request import ImageInputs
+from ..errors import LogprobeError
+from ..models.qwen3_5_vision import mrope_positions
+from ..tokenizer import Tokenizer
+
+
+def read_image(item, field: str):
+    """A PIL image (RGB) from a PIL image, a file path, bytes or a ``data:image/...;base64,`` URL;
+    unreadable, truncated or unknown data: ``LogprobeError`` naming ``field``."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as e:
+        raise LogprobeError(field, "reading images needs Pillow", "pip install 'logprobe[images]'") from e
+
+    if isinstance(item, Image.Image):
+        image = item
+    else:
+        data = _image_bytes(item, field)
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()  # decodes now: a truncated file fails here, not in the processor
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+            raise LogprobeError(field, f"is not a readable image: {e}", "give a PNG, JPEG, WebP or GIF image") from e
+    return image.convert("RGB")
+
+
+def _image_bytes(item, field: str) -> bytes:
+    if isinstance(item, (bytes, bytearray)):
+        return bytes(item)
+    if isinstance(item, str) and item.startswith("data:"):
+        head, _, payload = item.partition(",")
+        if not head.endswith(";base64") or not head.startswith("data:image/"):
+            raise LogprobeError(field, f"{head[:40]!r}: a data URL must be data:image/...;base64,...")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise LogprobeError(field, f"the data URL is not base64: {e}") from e
+    if isinstance(item, (str, Path)):
+        path = Path(item).expanduser()
+        if not path.is_file():
+            raise LogprobeError(field, f"{str(item)[:200]!r} is not an image file",
+                                "give a PIL image, bytes, a data: URL or an existing file path")
+        return path.read_bytes()
+    raise LogprobeError(field, f"must be a PIL image, bytes, a data: URL or a file path, got {type(item).__name__}")
+
+
+@dataclass
+class ImageReader:
+    """A checkpoint's images -> request inputs (its image processor loaded on first use)."""
+
+    path: str
+    tokenizer: Tokenizer
+    image_token_id: int
+    merge: int
+    _processor: object = field(default=None, repr=False)
+
+    @property
+    def placeholder(self) -> str:
+        return self.tokenizer.hf.convert_ids_to_tokens(self.image_token_id)
+
+    def processor(self):
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+
+            try:
+                self._processor = AutoImageProcessor.from_pretrained(self.path)
+            except (OSError, ValueError) as e:
+                raise LogprobeError("images", f"the checkpoint's image processor does not load: {e}",
+                                    "put the checkpoint's preprocessor_config.json beside its config.json") from e
+        return self._processor
+
+    def patches(self, images: list, field: str) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """(pixel values [patches, patch_dim] float32, each image's grid) of the images read."""
+        pil = [read_image(item, f"{field}[{k}]") for k, item in enumerate(images)]
+        try:
+            out = self.processor()(images=pil, return_tensors="pt")
+        except (ValueError, OSError) as e:
+            raise LogprobeError(field, f"the image processor refused them: {e}") from e
+        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+        return out["pixel_values"].float(), grids
+
+    def prompt(self, text: str, images, field: str) -> tuple[str, torch.Tensor, list[tuple[int, int, int]]]:
+        """The prompt with each placeholder expanded to its image's tokens, the pixel values, the grids."""
+        if not isinstance(images, (list, tuple)) or not images:
+            raise LogprobeError(f"{field}.images", "must be a non-empty list of images")
+        mark = self.placeholder
+        if text.count(mark) != len(images):
+            raise LogprobeError(f"{field}.images", f"{len(images)} images for {text.count(mark)} {mark} "
+                                "placeholders in the prompt", f"write {mark} once per image, where it stands")
+        pixels, grids = self.patches(list(images), f"{field}.images")
+        pieces = text.split(mark)
+        out = pieces[0]
+        for (t, h, w), rest in zip(grids, pieces[1:]):
+            out += mark * (t * h * w // self.merge ** 2) + rest
+        return out, pixels, grids
+
+    def inputs(self, ids: list[int], pixels: torch.Tensor, grids: list[tuple[int, int, int]], field: str
+               ) -> ImageInputs:
+        """The request's ``ImageInputs`` for its whole token ids (prompt and completion)."""
+        index = np.nonzero(np.asarray(ids) == self.image_token_id)[0].astype(np.int64)
+        want = sum(t * h * w // self.merge ** 2 for t, h, w in grids)
+        if len(index) != want:
+            raise LogprobeError(f"{field}.images", f"{len(index)} image tokens for {want} image embeddings",
+                                "write the placeholder once per image and nowhere else")
+        digest = hashlib.sha256(pixels.numpy().tobytes())
+        digest.update(repr(grids).encode())
+        return ImageInputs(pixels, tuple(grids), index, mrope_positions(ids, self.image_token_id, grids,
+                                                                         self.merge).numpy(), digest.hexdigest())

@@ -1,0 +1,275 @@
+"""Text scored given images, Qwen3.5 (``models.qwen3_5_vision``, ``engine.images``, ``scoring.images``).
+
+Tiny random ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``
+checkpoints (vision depth 2, hidden 32, patch 8; images of 32-48 px), saved by transformers with a
+byte tokenizer that holds the vision tokens and a ``Qwen2VLImageProcessorPil``. The reference is
+transformers' forward in float64 (its hybrid modules as ``test_qwen3_next`` makes them float64) on
+the same ids, ``pixel_values`` and grids; ours runs in float32 through ``Scorer.logprobs``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import byte_tokenizer, make_hf_dir
+
+from logprobe import LogprobeError, Scorer
+from logprobe.layers.rotary import MRotaryEmbedding
+from logprobe.loading.hybrid import hybrid_config
+from logprobe.models.qwen3_5_vision import VisionTower, mrope_positions, vision_config
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+from test_qwen3_next import TEXT, _float64, _offset_norm64, _randomise, hf35, hf35moe  # noqa: E402
+
+TOL = 1e-5  # measured: 3.1e-6 dense, 2.8e-6 MoE
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+              num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
+TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # ids 258 .. 261
+IMAGE_ID = 260
+MROPE = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+         "mrope_interleaved": True}
+IDS = dict(image_token_id=IMAGE_ID, video_token_id=261, vision_start_token_id=258, vision_end_token_id=259)
+SEEDS = {"qwen3_5": 101, "qwen3_5_moe": 109}
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _make(kind: str):
+    tf = transformers
+    if kind == "qwen3_5":
+        cfg = tf.Qwen3_5Config(text_config=dict(**TEXT, intermediate_size=96, rope_parameters=MROPE),
+                               vision_config=VISION, **IDS)
+        cls = tf.Qwen3_5ForConditionalGeneration
+    else:
+        cfg = tf.Qwen3_5MoeConfig(text_config=dict(**TEXT, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                   num_experts=8, num_experts_per_tok=2, rope_parameters=MROPE),
+                                  vision_config=VISION, **IDS)
+        cls = tf.Qwen3_5MoeForConditionalGeneration
+    return cls._from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+
+
+def _save_processor(path) -> None:
+    tok = byte_tokenizer()[0]
+    tok.add_special_tokens({"additional_special_tokens": TOKENS})
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_ID
+    tok.save_pretrained(str(path))
+    transformers.Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                          size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+                                          ).save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def float64_reference():
+    mp = pytest.MonkeyPatch()
+    for mod, prefix in ((hf35, "Qwen3_5"), (hf35moe, "Qwen3_5Moe")):
+        mp.setattr(mod, "torch_chunk_gated_delta_rule", _float64(mod.torch_chunk_gated_delta_rule))
+        gated = getattr(mod, f"{prefix}RMSNormGated")
+        mp.setattr(gated, "forward", _float64(gated.forward))
+        mp.setattr(getattr(mod, f"{prefix}RMSNorm"), "forward", _offset_norm64)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def vl_dirs(tmp_path_factory, float64_reference):
+    out = {}
+    for kind in ("qwen3_5", "qwen3_5_moe"):
+        d = tmp_path_factory.mktemp(kind)
+        torch.manual_seed(0)
+        model = _make(kind).float().eval()
+        _randomise(model, seed=SEEDS[kind])
+        model.save_pretrained(str(d))
+        _save_processor(d)
+        out[kind] = (d, model.double())
+    return out
+
+
+def _image(h: int, w: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _sequences() -> list[dict]:
+    return [
+        {"prompt": f"Look: {PAD} what is it?", "completion": " A red square, mostly.", "images": [_image(32, 48, 1)]},
+        {"prompt": f"{PAD} and {PAD}: same?", "completion": " No, they differ.",
+         "images": [_png(_image(48, 48, 2)), _image(32, 32, 3)]},
+    ]
+
+
+def _reference(model, processor_dir, seq: dict) -> tuple[torch.Tensor, list[int], int]:
+    """float64 log-probs of the completion tokens, transformers' own processing of the images."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(processor_dir))
+    ip = transformers.AutoImageProcessor.from_pretrained(str(processor_dir))
+    images = [PIL.open(io.BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x for x in seq["images"]]
+    px = ip(images=images, return_tensors="pt")
+    text = seq["prompt"]
+    for t, h, w in px["image_grid_thw"].tolist():  # Qwen3VLProcessor.replace_image_token
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * (t * h * w // 4), 1)
+    prompt = tok.encode(text.replace("<|placeholder|>", "<|image_pad|>"), add_special_tokens=False)
+    completion = tok.encode(seq["completion"], add_special_tokens=False)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=px["pixel_values"].double(), image_grid_thw=px["image_grid_thw"],
+                       mm_token_type_ids=(ids == IMAGE_ID).int(), use_cache=False).logits[0].double()
+    lp = torch.log_softmax(logits, -1)
+    n = len(prompt)
+    return lp[n - 1:-1].gather(1, torch.tensor(completion)[:, None])[:, 0], completion, int((ids == IMAGE_ID).sum())
+
+
+def test_mrope_positions_gold_table():
+    """Two text tokens, an image of grid (1, 4, 6) merged by 2 (2 x 3 tokens), two text tokens."""
+    ids = [7, 8] + [IMAGE_ID] * 6 + [5, 6]
+    assert mrope_positions(ids, IMAGE_ID, [(1, 4, 6)], 2).tolist() == [
+        [0, 1, 2, 2, 2, 2, 2, 2, 5, 6],  # t
+        [0, 1, 2, 2, 2, 3, 3, 3, 5, 6],  # h
+        [0, 1, 2, 3, 4, 2, 3, 4, 5, 6],  # w
+    ]
+
+
+def test_mrope_rotary_matches_transformers():
+    """Our rotations of [3, T] positions against transformers' cos / sin, and against float64."""
+    cfg = transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96, rope_parameters=MROPE)
+    hf = hf35.Qwen3_5TextRotaryEmbedding(cfg)
+    pos = torch.randint(0, 500, (3, 40))
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), pos[:, None, :])  # [1, T, r]
+    ours = MRotaryEmbedding(8, 1e6, (2, 1, 1))(pos)  # [T, 4]
+    # inv_freq rounded from float64 here, computed in float32 there: angles one ulp apart at most
+    assert (ours.real - cos[0, :, :4]).abs().max() < 1e-5 and (ours.imag - sin[0, :, :4]).abs().max() < 1e-5
+    inv = 1.0 / (1e6 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    rows = torch.tensor([0, 1, 2, 0])  # pair j's row: t, h, w, t
+    exact = pos.double()[rows].T * inv
+    assert (ours.real.double() - exact.cos()).abs().max() < 1e-4  # float32 angles up to ~500
+    assert torch.equal(MRotaryEmbedding(8, 1e6, (2, 1, 1))(pos[0]), MRotaryEmbedding(8, 1e6, (2, 1, 1))(
+        pos[0].expand(3, -1)))  # text: the plain path is the three equal rows
+
+
+def test_vision_tower_matches_transformers():
+    cfg = transformers.Qwen3_5VisionConfig(**VISION)
+    torch.manual_seed(0)
+    hf = hf35.Qwen3_5VisionModel._from_config(cfg, attn_implementation="eager").double()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.3 * torch.randn(p.shape))
+    ours = VisionTower(vision_config(cfg.to_dict()))
+    ours.load_state_dict({k: v.float() for k, v in hf.state_dict().items()})
+    grids = [(1, 4, 6), (1, 6, 6), (2, 2, 4)]
+    px = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 8 * 8)
+    with torch.no_grad():
+        ref = hf(px.double(), grid_thw=torch.tensor(grids)).pooler_output
+        got, a = [], 0
+        for g in grids:
+            got.append(ours(px[a:a + g[0] * g[1] * g[2]], g))
+            a += g[0] * g[1] * g[2]
+    assert (torch.cat(got).double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_images_match_float64_transformers(kind, vl_dirs):
+    path, ref = vl_dirs[kind]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    seqs = _sequences()
+    out = scorer.logprobs(seqs)
+    worst, compared = 0.0, 0
+    for seq, res in zip(seqs, out):
+        want, completion, images = _reference(ref, path, seq)
+        assert images >= 6 and len(res.logprobs) == len(completion)
+        worst = max(worst, (res.logprobs.double() - want).abs().max().item())
+        compared += len(want)
+    print(f"{kind}: max |delta| {worst:.2e} over {compared} tokens")
+    assert compared > 30 and worst < TOL
+
+
+def test_images_batched_with_text_and_alone(vl_dirs):
+    path, _ = vl_dirs["qwen3_5"]
+    text = [{"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 80))},
+            {"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(90, 99))}]
+    seqs = _sequences()
+    for deterministic in (False, True):
+        scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=deterministic)
+        together = scorer.logprobs([text[0], seqs[0], text[1], seqs[1]])
+        alone = [scorer.logprobs([s])[0] for s in (text[0], seqs[0], text[1], seqs[1])]
+        for a, b in zip(alone, together):
+            if deterministic:
+                assert torch.equal(a.logprobs, b.logprobs)
+            else:
+                assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+    # the images matter: another image gives other numbers for the same text
+    other = dict(seqs[0], images=[_image(32, 48, 9)])
+    assert (scorer.logprobs([other])[0].logprobs - alone[1].logprobs).abs().max() > 1e-4
+
+
+def test_chunked_request_with_images(vl_dirs):
+    """A request longer than the budget runs in chunks (64-row grid): same numbers as whole."""
+    path, _ = vl_dirs["qwen3_5"]
+    seq = {"prompt": f"{'word ' * 12}{PAD} then {PAD}.", "completion": " and the rest " * 4,
+           "images": [_image(48, 48, 4), _image(32, 48, 5)]}
+    whole = Scorer(str(path), device="cpu", dtype="float32", progress=False).logprobs([seq])[0]
+    small = Scorer(str(path), device="cpu", dtype="float32", progress=False, max_batch_tokens=64)
+    assert (small.logprobs([seq])[0].logprobs - whole.logprobs).abs().max() < 1e-5
+    assert small.engine.passes >= 2  # it ran in chunks
+
+
+def test_bad_image_inputs(vl_dirs, tmp_path):
+    path, _ = vl_dirs["qwen3_5"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    good = _sequences()[0]
+    png = _png(_image(32, 32, 0))
+    cases = [
+        (dict(good, images=[b"not an image at all"]), "sequences[1].images[0]"),
+        (dict(good, images=[png[:len(png) // 2]]), "sequences[1].images[0]"),  # truncated
+        (dict(good, images=[str(tmp_path / "missing.png")]), "sequences[1].images[0]"),
+        (dict(good, images=["data:text/plain;base64,aGk="]), "sequences[1].images[0]"),
+        (dict(good, images=[png, png]), "sequences[1].images"),  # 2 images, 1 placeholder
+        (dict(good, images=[]), "sequences[1].images"),
+        (dict(good, completion=" then <|image_pad|>"), "sequences[1].completion"),
+        ({"prompt_token_ids": [2, 3], "completion_token_ids": [4], "images": [png]}, "sequences[1].prompt"),
+    ]
+    for seq, field in cases:
+        with pytest.raises(LogprobeError) as e:
+            scorer.logprobs([_sequences()[1], seq])
+        assert e.value.field == field, (field, str(e.value))
+    data_url = "data:image/png;base64," + __import__("base64").b64encode(png).decode()
+    assert len(scorer.logprobs([dict(good, images=[data_url])])[0].logprobs) > 5
+
+
+def test_images_for_a_text_only_model(tmp_path):
+    make_hf_dir(tmp_path, "llama")
+    scorer = Scorer(str(tmp_path), device="cpu", dtype="float32", progress=False)
+    with pytest.raises(LogprobeError) as e:
+        scorer.logprobs([{"prompt_token_ids": [2], "completion_token_ids": [3]},
+                         {"prompt": "a <|image_pad|>", "completion": "b", "images": [_png(_image(32, 32, 0))]}])
+    assert e.value.field == "sequences[1].images" and "no vision tower" in str(e.value)
+
+
+def test_vision_config_refusals(vl_dirs):
+    raw = json.loads((vl_dirs["qwen3_5"][0] / "config.json").read_text())
+    cfg = hybrid_config(raw)
+    assert cfg.vision.depth == 2 and cfg.image_token_id == IMAGE_ID and cfg.mrope_section == (2, 1, 1)
+    for key, value, field in [
+        ("hidden_act", "relu", "config.vision_config.hidden_act"),
+        ("window_size", 112, "config.vision_config.window_size"),
+        ("deepstack_visual_indexes", [1], "config.vision_config.deepstack_visual_indexes"),
+        ("num_position_embeddings", 15, "config.vision_config.num_position_embeddings"),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4}, "config.vision_config.rope_parameters"),
+    ]:
+        bad = json.loads(json.dumps(raw))
+        bad["vision_config"][key] = value
+        with pytest.raises(LogprobeError) as e:
+            hybrid_config(bad)
+        assert e.value.field == field
+    bad = json.loads(json.dumps(raw))
+    bad["text_config"]["rope_parameters"]["mrope_section"] = [2, 2]
+    with pytest.raises(LogprobeError) as e:
+        hybrid_config(bad)
+    assert e.value.field == "config.text_config.rope_parameters.mrope_section"
