@@ -36,6 +36,10 @@ MROPE = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.2
 IDS = dict(image_token_id=IMAGE_ID, video_token_id=261, vision_start_token_id=258, vision_end_token_id=259)
 SEEDS = {"qwen3_5": 101, "qwen3_5_moe": 109}
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + PAD + "{% else %}{{ p['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # Qwen's rendering of image parts
 
 
 def _make(kind: str):
@@ -56,6 +60,7 @@ def _save_processor(path) -> None:
     tok = byte_tokenizer()[0]
     tok.add_special_tokens({"additional_special_tokens": TOKENS})
     assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_ID
+    tok.chat_template = CHAT
     tok.save_pretrained(str(path))
     transformers.Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
                                           size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
@@ -273,3 +278,36 @@ def test_vision_config_refusals(vl_dirs):
     with pytest.raises(LogprobeError) as e:
         hybrid_config(bad)
     assert e.value.field == "config.text_config.rope_parameters.mrope_section"
+
+
+def test_chat_with_image_parts(vl_dirs):
+    """Image parts of a chat: the same numbers as the rendered prompt with its images through
+    ``logprobs``; an image in the scored message, or fetched from the web, is refused by name."""
+    path, _ = vl_dirs["qwen3_5"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    png = _png(_image(48, 32, 6))
+    url = "data:image/png;base64," + __import__("base64").b64encode(png).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": " and "}, {"type": "image", "image": png}]},
+                {"role": "assistant", "content": "Two noisy squares."}]
+    got = scorer.score_chat(messages)
+    parts = [{"type": "image"} if p["type"] != "text" else p for p in messages[0]["content"]]
+    text = scorer.tokenizer.hf.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                   add_generation_prompt=True)
+    assert text.count(PAD) == 2
+    want = scorer.logprobs([{"prompt": text, "completion_token_ids": got.token_ids, "images": [png, png]}])[0]
+    assert (torch.tensor(got.token_logprobs) - want.logprobs.double()).abs().max() < 1e-6
+    bad = [dict(messages[0]), {"role": "assistant", "content": [{"type": "image", "image": png}]}]
+    with pytest.raises(LogprobeError) as e:
+        scorer.score_chat(bad)
+    assert e.value.field == "messages[1].content[0]"
+    web = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+           messages[1]]
+    with pytest.raises(LogprobeError) as e:
+        scorer.score_chat(web)
+    assert e.value.field == "messages[0].content[0].image_url"
+    broken = [{"role": "user", "content": [{"type": "image", "image": png[:40]}]}, messages[1]]
+    with pytest.raises(LogprobeError) as e:
+        scorer.score_chat(broken)
+    assert e.value.field == "messages[0].content[0]"

@@ -13,6 +13,13 @@ as the template writes it, its end-of-turn marker and whatever the template puts
 request, scored from the first of them on (the last context row predicts the first):
 
     ids : c0 ... cn | a0 a1 ...        row cn -> a0, row a0 -> a1, ...
+
+A model with a vision tower (Qwen3.5) takes image parts in the messages before the last
+(``chat_inputs``): ``{"type": "image", "image": <PIL image | path | bytes | data: URL>}`` or
+``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}``. Such a message
+reaches the template as a list of parts (``{"type": "image"}`` and text parts), which the
+template renders as its image placeholder; each placeholder id is then expanded to its image's
+tokens (``scoring.images``). Elsewhere (a text-only model, ``chat_ids``) they are refused by name.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from ..engine.request import ScoreRequest
+from ..engine.request import ImageInputs, ScoreRequest
 from ..errors import LogprobeError
 from ..tokenizer import Tokenizer
 from .continuations import continuation_score
@@ -85,22 +92,61 @@ def content_text(content, field: str = "content") -> str:
     """
     if isinstance(content, str):
         return content
-    texts = []
+    return "\n".join(_text_part(part, f"{field}[{j}]") for j, part in enumerate(content))
+
+
+def _text_part(part, field: str) -> str:
+    """A text part's text; a media part is refused by name (a model without a vision tower, or
+    audio, video and files)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in MEDIA_PARTS:
+        raise LogprobeError(field, f"is an {kind} part: logprobe scores text given text; images, audio "
+                            "and files in prompts are not taken yet", "send the text parts only")
+    if kind != "text" or not isinstance(part.get("text"), str):
+        raise LogprobeError(field, 'must be a text part {"type": "text", "text": "..."}')
+    return part["text"]
+
+
+def image_source(part: dict, field: str):
+    """The image of an ``image`` part (``part["image"]``) or an ``image_url`` part (a ``data:`` URL,
+    as a string or ``{"url": ...}``): what ``scoring.images.read_image`` reads."""
+    if part.get("type") == "image":
+        if part.get("image") is None:
+            raise LogprobeError(f"{field}.image", "is missing: an image part carries its image",
+                                '{"type": "image", "image": <PIL image, bytes, a path or a data: URL>}')
+        return part["image"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise LogprobeError(f"{field}.image_url", "must be a data: URL (images are not fetched)",
+                            'send {"url": "data:image/png;base64,..."}')
+    return url
+
+
+def content_parts(content, field: str, images: list) -> str | list[dict]:
+    """``content_text``, except that a list with image parts becomes the template's parts:
+    ``{"type": "image"}`` for each (its source appended to ``images`` with its field), text parts
+    as they are."""
+    if isinstance(content, str) or not any(isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                                           for p in content):
+        return content_text(content, field)
+    parts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in MEDIA_PARTS:
-            raise LogprobeError(f"{field}[{j}]", f"is an {kind} part: logprobe scores text given text; images, audio "
-                                "and files in prompts are not taken yet", "send the text parts only")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise LogprobeError(f"{field}[{j}]", 'must be a text part {"type": "text", "text": "..."}')
-        texts.append(part["text"])
-    return "\n".join(texts)
+        if isinstance(part, dict) and part.get("type") in ("image", "image_url"):
+            images.append((image_source(part, f"{field}[{j}]"), f"{field}[{j}]"))
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": _text_part(part, f"{field}[{j}]")})
+    return parts
 
 
-def check_messages(messages, field: str = "messages", roles: Sequence[str] | None = None) -> list[dict]:
+def check_messages(messages, field: str = "messages", roles: Sequence[str] | None = None,
+                   images: list | None = None) -> list[dict]:
     """``messages`` as a list of ``{"role", "content"}`` dicts (strings), the last one the
     assistant's, with at least one message before it; each role one of ``roles`` (the chat
-    template's, ``template_roles``) when given."""
+    template's, ``template_roles``) when given. ``images``: a list that collects the image parts'
+    sources and fields (``content_parts``: those messages keep a list of parts); None: they are
+    refused."""
     if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or len(messages) < 2:
         raise LogprobeError(field, "must be a list of at least two {role, content} messages, the last one the "
                             "assistant's", 'e.g. [{"role": "user", "content": "Hi"}, {"role": "assistant", '
@@ -114,7 +160,9 @@ def check_messages(messages, field: str = "messages", roles: Sequence[str] | Non
         if roles is not None and m["role"] not in roles:
             raise LogprobeError(f"{field}[{i}].role", f"{m['role']!r} is not a role the model's chat template takes",
                                 f"use one of: {', '.join(roles)}")
-        out.append({"role": m["role"], "content": content_text(m["content"], f"{field}[{i}].content")})
+        where = f"{field}[{i}].content"
+        content = content_text(m["content"], where) if images is None else content_parts(m["content"], where, images)
+        out.append({"role": m["role"], "content": content})
     if out[-1]["role"] != "assistant":
         raise LogprobeError(f"{field}[{len(out) - 1}].role", f"is {out[-1]['role']!r}: the scored message is the "
                             "last one and must be the assistant's", "end the conversation with the assistant message")
@@ -134,12 +182,41 @@ def _template_ids(tokenizer: Tokenizer, messages: list[dict], generation_prompt:
 
 def chat_ids(context: ScoringContext, messages, field: str = "messages") -> tuple[list[int], list[int]]:
     """``(context ids, scored ids)`` of a conversation under the model's chat template (see the
-    module docstring). Raises for a tokenizer without a chat template."""
+    module docstring). Raises for a tokenizer without a chat template; image parts are refused."""
     tokenizer = context.tokenizer
     if not getattr(tokenizer.hf, "chat_template", None):
         raise LogprobeError(field, f"{context.name} has no chat template (its tokenizer defines none)",
                             "score the rendered text with score(prompt, continuation), or load an instruct model")
-    messages = check_messages(messages, field, template_roles(tokenizer.hf.chat_template))
+    return _rendered(context, check_messages(messages, field, template_roles(tokenizer.hf.chat_template)), field)
+
+
+def chat_inputs(context: ScoringContext, messages, field: str = "messages"
+                ) -> tuple[list[int], list[int], ImageInputs | None]:
+    """``chat_ids`` and the request's images: a model with a vision tower takes image parts in
+    the messages before the last (see the module docstring)."""
+    if context.images is None:
+        return (*chat_ids(context, messages, field), None)
+    tokenizer = context.tokenizer
+    if not getattr(tokenizer.hf, "chat_template", None):
+        return (*chat_ids(context, messages, field), None)  # its refusal
+    images: list = []
+    checked = check_messages(messages, field, template_roles(tokenizer.hf.chat_template), images)
+    last = f"{field}[{len(checked) - 1}]."
+    for _, where in images:
+        if where.startswith(last):
+            raise LogprobeError(where, "is an image in the scored message: only text is scored (an image token "
+                                "carries no log-prob)", "put the images in the messages before the last")
+    prompt, scored = _rendered(context, checked, field)
+    if not images:
+        return prompt, scored, None
+    reader = context.images
+    pixels, grids = reader.patches([src for src, _ in images], field, [where for _, where in images])
+    prompt = reader.expand(prompt, grids, field)
+    return prompt, scored, reader.inputs(prompt + scored, pixels, grids, field)
+
+
+def _rendered(context: ScoringContext, messages: list[dict], field: str) -> tuple[list[int], list[int]]:
+    tokenizer = context.tokenizer
     prompt = _template_ids(tokenizer, messages[:-1], True, field)
     full = _template_ids(tokenizer, messages, False, field)
     if full[:len(prompt)] != prompt or len(full) == len(prompt):
@@ -155,8 +232,8 @@ def chat_job(context: ScoringContext, messages, head: HeadOptions = HeadOptions(
     """``Scorer.score_chat_job``: one request; the answer is a ``ContinuationScore`` whose
     ``continuation`` is the scored tokens' text (the assistant message as the template writes it)."""
     head = head.checked()
-    prompt, scored = chat_ids(context, messages, field)
+    prompt, scored, images = chat_inputs(context, messages, field)
     check_length(len(prompt) + len(scored), field, context.max_length)
-    req = ScoreRequest(prompt + scored, len(prompt), head.temperature, head.top_k, head.entropy)
+    req = ScoreRequest(prompt + scored, len(prompt), head.temperature, head.top_k, head.entropy, images=images)
     text = context.tokenizer.decode(scored)
     return Job([req], lambda results: continuation_score(context.tokenizer, text, req, results[0]))

@@ -96,9 +96,12 @@ class ImageReader:
                                     "put the checkpoint's preprocessor_config.json beside its config.json") from e
         return self._processor
 
-    def patches(self, images: list, field: str) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """(pixel values [patches, patch_dim] float32, each image's grid) of the images read."""
-        pil = [read_image(item, f"{field}[{k}]") for k, item in enumerate(images)]
+    def patches(self, images: list, field: str, fields: list[str] | None = None
+                ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """(pixel values [patches, patch_dim] float32, each image's grid) of the images read
+        (image k named ``fields[k]``, by default ``field[k]``)."""
+        fields = fields or [f"{field}[{k}]" for k in range(len(images))]
+        pil = [read_image(item, name) for item, name in zip(images, fields)]
         try:
             out = self.processor()(images=pil, return_tensors="pt")
         except (ValueError, OSError) as e:
@@ -120,6 +123,19 @@ class ImageReader:
         for (t, h, w), rest in zip(grids, pieces[1:]):
             out += mark * (t * h * w // self.merge ** 2) + rest
         return out, pixels, grids
+
+    def expand(self, ids: list[int], grids: list[tuple[int, int, int]], field: str) -> list[int]:
+        """Ids with one image token per image (a chat template's rendering) -> each expanded to its
+        image's ``t * h * w / m²`` tokens."""
+        marks = [j for j, x in enumerate(ids) if x == self.image_token_id]
+        if len(marks) != len(grids):
+            raise LogprobeError(field, f"the chat template wrote {len(marks)} image placeholders for {len(grids)} "
+                                "images", "use the model's own chat template (it renders image parts)")
+        out, a = [], 0
+        for j, (t, h, w) in zip(marks, grids):
+            out += ids[a:j] + [self.image_token_id] * (t * h * w // self.merge ** 2)
+            a = j + 1
+        return out + ids[a:]
 
     def inputs(self, ids: list[int], pixels: torch.Tensor, grids: list[tuple[int, int, int]], field: str
                ) -> ImageInputs:
