@@ -311,3 +311,15 @@ def test_chat_with_image_parts(vl_dirs):
     with pytest.raises(LogprobeError) as e:
         scorer.score_chat(broken)
     assert e.value.field == "messages[0].content[0]"
+
+
+@pytest.mark.slow  # two gloo worker processes: ~12 s on 2 cores
+def test_images_refused_under_tensor_parallelism(vl_dirs):
+    """The tower runs on one rank: with tensor_parallel_size 2 (gloo workers) images are refused naming it."""
+    path, _ = vl_dirs["qwen3_5"]
+    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as scorer:
+        text = scorer.logprobs([{"prompt_token_ids": [2, 3, 4], "completion_token_ids": [5, 6]}])
+        assert len(text[0].logprobs) == 2
+        with pytest.raises(LogprobeError) as e:
+            scorer.logprobs([_sequences()[0]])
+    assert e.value.field == "tensor_parallel_size"
