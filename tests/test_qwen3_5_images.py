@@ -323,3 +323,24 @@ def test_images_refused_under_tensor_parallelism(vl_dirs):
         with pytest.raises(LogprobeError) as e:
             scorer.logprobs([_sequences()[0]])
     assert e.value.field == "tensor_parallel_size"
+
+
+def test_shared_prefixes_keyed_by_image_content(vl_dirs, monkeypatch):
+    """Requests with the same prompt and image share its rows (an RL group); the same text with
+    another image shares nothing. Each gets its numbers alone, bitwise in deterministic mode."""
+    from logprobe.engine import runner
+
+    path, _ = vl_dirs["qwen3_5"]
+    prompt = f"{PAD} {'describe it in words ' * 4}"  # the image first: a 64-row shared prefix holds it
+    same = [{"prompt": prompt, "completion": c, "images": [_image(32, 48, 1)]} for c in (" Red.", " Blue!", " No.")]
+    other = {"prompt": prompt, "completion": " Red.", "images": [_image(32, 48, 2)]}
+    plans = []
+    plan_work = runner.plan_work
+    monkeypatch.setattr(runner, "plan_work", lambda *a, **k: plans.append(plan_work(*a, **k)) or plans[-1])
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True)
+    together = scorer.logprobs([same[0], other, same[1], same[2]])
+    trees = {t.members: t.shared for batch in plans[0] for t in batch}
+    assert trees.get((0, 2, 3), 0) >= 64 and (1,) in trees, trees
+    for seq, res in zip([same[0], other, same[1], same[2]], together):
+        assert torch.equal(scorer.logprobs([seq])[0].logprobs, res.logprobs)
+    assert not torch.equal(together[0].logprobs, together[1].logprobs)  # same ids, another image

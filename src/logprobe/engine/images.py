@@ -5,7 +5,7 @@ A request's rows k .. k + n - 1 (a whole request, a branch or a chunk) placed fr
 ``start``: their positions are columns k .. k + n - 1 of its [3, L] rows, and each image token j
 in that range puts ``embeds[i]`` (i: its order among the image tokens) at batch row start + j - k.
 
-    >>> img = ImageInputs(torch.zeros(0, 1), (), np.array([2, 3]), np.arange(15).reshape(3, 5), "")
+    >>> img = ImageInputs(torch.zeros(0, 1), (), np.array([2, 3]), np.arange(15).reshape(3, 5), ())
     >>> img.embeds = torch.tensor([[1.0], [2.0]])
     >>> rows, embeds = image_rows(img, 3, 2, start=10)
     >>> rows.tolist(), embeds.tolist(), row_positions(img, 3, 2).tolist()
@@ -48,6 +48,33 @@ def embed_images(model, requests: list[ScoreRequest], indices) -> None:
             parts.append(model.encode_image(img.pixel_values[a:a + n], (t, h, w)))
             a += n
         img.embeds = torch.cat(parts)
+
+
+def planned_ids(r: ScoreRequest) -> list[int]:
+    """The ids the planner shares prefixes by: a request's inputs with each image's tokens standing
+    for its content (a negative number from the image's digest), so two requests share rows only
+    up to the first image that differs, however equal their ids. Image tokens 9 of two images:
+
+        >>> img = ImageInputs(torch.zeros(0, 1), ((1, 2, 2), (1, 2, 2)), np.array([1, 3]),
+        ...                   np.zeros((3, 5), dtype=np.int64), ("0" * 64, "f" * 64))
+        >>> planned_ids(ScoreRequest([5, 9, 6, 9, 7], 4, images=img))
+        [5, -1, 6, -1152921504606846976]
+    """
+    ids = r.inputs
+    if r.images is None:
+        return ids
+    img, out = r.images, list(ids)
+    patches = [t * h * w for t, h, w in img.grids]
+    merged = sum(patches) // max(len(img.token_index), 1)  # m²: patches per image token
+    per = [p // merged for p in patches]  # each image's tokens, in order
+    k = 0
+    for image, n in enumerate(per):
+        mark = -1 - int(img.keys[image][:15], 16)  # below every token id
+        for j in img.token_index[k:k + n]:
+            if j < len(out):
+                out[j] = mark
+        k += n
+    return out
 
 
 def row_positions(img: ImageInputs, first: int, n: int) -> np.ndarray:

@@ -44,7 +44,9 @@ class ImageInputs:
     grids: tuple[tuple[int, int, int], ...]  # each image's (t, h, w) patch grid
     token_index: np.ndarray  # [n] int64: the index of each image token in the request's tokens, in order
     positions: np.ndarray  # [3, len(tokens)] int64: (t, h, w) position rows
-    key: str  # a digest of the pixel values and grids (two requests share rows only if ids and key are equal)
+    # each image's digest (its pixel values and grid): two requests share prefix rows only where
+    # their ids and the images among them are equal (``engine.images.planned_ids``)
+    keys: tuple[str, ...]
     embeds: torch.Tensor | None = None  # [n, H] the tower's output, set by the engine (``engine.images``)
 
 

@@ -23,7 +23,7 @@ from ..models.moe import routed_blocks
 from .budget import budget_for, model_pass_bytes, resolved_budget, row_ranks
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy, to_device
-from .images import check_images, embed_images, image_rows, row_positions
+from .images import check_images, embed_images, image_rows, planned_ids, row_positions
 from .prefix_cache import PrefixCache
 from .prefix_run import ResumePack, cacheable, chunk_keeper, keep_batch, resumable, take_pack
 from .request import RequestResult, ScoreRequest
@@ -533,12 +533,11 @@ class Engine:
         cfg = self.config
         # under data-parallel attention a batch with hooks runs whole on every rank: a rank's share
         whole = self._ranks > 1 and any(r.hooked for r in sub)
-        plan = plan_work([r.inputs for r in sub], self.whole_budget if whole else self.budget,
+        plan = plan_work([planned_ids(r) for r in sub], self.whole_budget if whole else self.budget,
                          share=cfg.share_prefixes and self._context,
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
-                         # steered rows or forced experts differ: no sharing; nor images (not yet keyed)
-                         unshared={k for k, r in enumerate(sub)
-                                   if r.steer or r.force_experts is not None or r.images is not None},
+                         # steered rows or forced experts differ: no sharing (images: by content, planned_ids)
+                         unshared={k for k, r in enumerate(sub) if r.steer or r.force_experts is not None},
                          align=self._align, ranks=1 if whole else self._ranks)
         units: deque[list[Tree] | int] = deque()
         for batch in plan:

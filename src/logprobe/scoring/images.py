@@ -145,7 +145,12 @@ class ImageReader:
         if len(index) != want:
             raise LogprobeError(f"{field}.images", f"{len(index)} image tokens for {want} image embeddings",
                                 "write the placeholder once per image and nowhere else")
-        digest = hashlib.sha256(pixels.numpy().tobytes())
-        digest.update(repr(grids).encode())
+        keys, a = [], 0
+        for grid in grids:  # each image's digest: its pixel values and grid
+            n = grid[0] * grid[1] * grid[2]
+            digest = hashlib.sha256(pixels[a:a + n].numpy().tobytes())
+            digest.update(repr(grid).encode())
+            keys.append(digest.hexdigest())
+            a += n
         return ImageInputs(pixels, tuple(grids), index, mrope_positions(ids, self.image_token_id, grids,
-                                                                         self.merge).numpy(), digest.hexdigest())
+                                                                         self.merge).numpy(), tuple(keys))
