@@ -238,7 +238,8 @@ def test_bad_image_inputs(vl_dirs, tmp_path):
         (dict(good, images=[png, png]), "sequences[1].images"),  # 2 images, 1 placeholder
         (dict(good, images=[]), "sequences[1].images"),
         (dict(good, completion=" then <|image_pad|>"), "sequences[1].completion"),
-        ({"prompt_token_ids": [2, 3], "completion_token_ids": [4], "images": [png]}, "sequences[1].prompt"),
+        ({"prompt_token_ids": [2, 3], "completion_token_ids": [4], "images": [png]}, "sequences[1].images"),
+        ({"completion": "x", "images": [png]}, "sequences[1].prompt"),
     ]
     for seq, field in cases:
         with pytest.raises(LogprobeError) as e:
@@ -344,3 +345,23 @@ def test_shared_prefixes_keyed_by_image_content(vl_dirs, monkeypatch):
     for seq, res in zip([same[0], other, same[1], same[2]], together):
         assert torch.equal(scorer.logprobs([seq])[0].logprobs, res.logprobs)
     assert not torch.equal(together[0].logprobs, together[1].logprobs)  # same ids, another image
+
+
+def test_prompt_token_ids_with_images(vl_dirs):
+    """Prompt ids with the image token once per image, or expanded as a processor gives them: the
+    numbers of the text prompt."""
+    path, _ = vl_dirs["qwen3_5"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    seq = _sequences()[1]
+    want = scorer.logprobs([seq])[0].logprobs
+    once = scorer.tokenizer.encode(seq["prompt"])
+    assert once.count(IMAGE_ID) == 2
+    completion = scorer.tokenizer.encode(seq["completion"])
+    got = scorer.logprobs([{"prompt_token_ids": once, "completion_token_ids": completion, "images": seq["images"]}])
+    assert torch.equal(got[0].logprobs, want)
+    j = once.index(IMAGE_ID)  # the 48 x 48 image: 9 tokens; the 32 x 32 one: 4
+    expanded = once[:j] + [IMAGE_ID] * 9 + once[j + 1:]
+    k = expanded.index(IMAGE_ID, j + 9)
+    expanded = expanded[:k] + [IMAGE_ID] * 4 + expanded[k + 1:]
+    got = scorer.logprobs([{"prompt_token_ids": expanded, "completion_token_ids": completion, "images": seq["images"]}])
+    assert torch.equal(got[0].logprobs, want)

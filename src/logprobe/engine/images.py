@@ -36,16 +36,20 @@ def check_images(model, requests: list[ScoreRequest]) -> None:
 
 
 def embed_images(model, requests: list[ScoreRequest], indices) -> None:
-    """The tower's embeddings of each request in ``indices`` that has images and none yet: each
-    image alone (its numbers depend on nothing else in the batch), kept on the request."""
+    """The tower's embeddings of each request in ``indices`` that has images and none yet, kept on
+    the request: each image alone (its numbers depend on nothing else in the batch), once per
+    distinct image (by digest) among them: an RL group's requests share one run of its image."""
+    done: dict[str, torch.Tensor] = {}
     for i in indices:
         img = requests[i].images
         if img is None or img.embeds is not None:
             continue
         parts, a = [], 0
-        for t, h, w in img.grids:
+        for key, (t, h, w) in zip(img.keys, img.grids):
             n = t * h * w
-            parts.append(model.encode_image(img.pixel_values[a:a + n], (t, h, w)))
+            if key not in done:
+                done[key] = model.encode_image(img.pixel_values[a:a + n], (t, h, w))
+            parts.append(done[key])
             a += n
         img.embeds = torch.cat(parts)
 

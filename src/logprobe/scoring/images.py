@@ -124,6 +124,21 @@ class ImageReader:
             out += mark * (t * h * w // self.merge ** 2) + rest
         return out, pixels, grids
 
+    def prompt_ids(self, ids: list[int], images, field: str) -> tuple[list[int], torch.Tensor, list]:
+        """Prompt ids with the image token once per image (expanded) or already expanded -> (ids
+        expanded, pixel values, grids)."""
+        if not isinstance(images, (list, tuple)) or not images:
+            raise LogprobeError(f"{field}.images", "must be a non-empty list of images")
+        pixels, grids = self.patches(list(images), f"{field}.images")
+        marks = sum(1 for x in ids if x == self.image_token_id)
+        if marks == len(grids):
+            return self.expand(ids, grids, f"{field}.images"), pixels, grids
+        want = sum(t * h * w // self.merge ** 2 for t, h, w in grids)
+        if marks != want:
+            raise LogprobeError(f"{field}.images", f"{len(grids)} images ({want} image tokens) for {marks} ids "
+                                f"{self.image_token_id} in prompt_token_ids", "give the image token once per image")
+        return list(ids), pixels, grids
+
     def expand(self, ids: list[int], grids: list[tuple[int, int, int]], field: str) -> list[int]:
         """Ids with one image token per image (a chat template's rendering) -> each expanded to its
         image's ``t * h * w / m²`` tokens."""

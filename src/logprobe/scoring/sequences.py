@@ -82,13 +82,15 @@ def sequence_request(context: ScoringContext, seq: dict, i: int, head: HeadOptio
 
 def image_sequence(context: ScoringContext, seq: dict, f: str) -> tuple[list[int], list[int], ImageInputs]:
     """A sequence with ``"images"`` (a model with a vision tower): ``"prompt"`` text with one image
-    placeholder per image (``scoring.images``), ``"completion"`` text or ``"completion_token_ids"``
-    (text only: the scored tokens carry no image) -> (prompt ids, completion ids, ``ImageInputs``)."""
+    placeholder per image (``scoring.images``), or ``"prompt_token_ids"`` holding the placeholder's
+    id once per image (expanded here) or already expanded (as a processor returns them: each
+    image's t * h * w / m² ids); ``"completion"`` text or ``"completion_token_ids"`` (text only:
+    the scored tokens carry no image) -> (prompt ids, completion ids, ``ImageInputs``)."""
     reader = context.check_images(f"{f}.images")
     prompt = seq.get("prompt")
-    if "prompt_token_ids" in seq or not isinstance(prompt, str):
+    if "prompt_token_ids" not in seq and not isinstance(prompt, str):
         raise LogprobeError(f"{f}.prompt", "with images the prompt is text, with the placeholder "
-                            f"{reader.placeholder} where each image stands", "give \"prompt\" (text), not token ids")
+                            f"{reader.placeholder} where each image stands (or prompt_token_ids)")
     if isinstance(seq.get("completion"), str):
         completion = context.tokenizer.encode(seq["completion"])
     else:
@@ -96,9 +98,13 @@ def image_sequence(context: ScoringContext, seq: dict, f: str) -> tuple[list[int
     if reader.image_token_id in completion:
         raise LogprobeError(f"{f}.completion", f"holds the image placeholder {reader.placeholder}: only text is "
                             "scored (an image token carries no log-prob)", "put the images in the prompt")
-    text, pixels, grids = reader.prompt(prompt, seq["images"], f)
-    tok = context.tokenizer
-    ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(text)
+    if "prompt_token_ids" in seq:
+        ids = context.check_ids(seq["prompt_token_ids"], f"{f}.prompt_token_ids")
+        ids, pixels, grids = reader.prompt_ids(ids, seq["images"], f)
+    else:
+        text, pixels, grids = reader.prompt(prompt, seq["images"], f)
+        tok = context.tokenizer
+        ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(text)
     return ids, completion, reader.inputs(ids + completion, pixels, grids, f)
 
 
