@@ -7,6 +7,7 @@ gloo worker processes on CPU, the fault put on one rank only through the workers
   fault (deterministic mode), and the driver's ``oom_count`` counts the agreed errors. Without the
   agreement rank 1 alone re-plans while rank 0 goes into the pass's collectives: gloo aborts on
   the mismatched sizes, or the run hangs (each test here runs under a deadline, and fails instead).
+  Under torchrun the engines are in-process and the test sets rank 1's ``fault_hook`` itself.
 * "inside": rank 1 runs out mid-pass (at the final norm), after the ranks agreed. That cannot be
   agreed: the run fails within seconds with an error naming the rank and ``max_batch_tokens``,
   the replica is stopped (no process left behind) and the Scorer is closed for scoring (a
@@ -121,6 +122,48 @@ def test_oom_on_one_rank_under_data_parallel_attention(monkeypatch, tmp_path_fac
     got, ooms, _ = _scored(str(path), "1:before:64", monkeypatch, max_batch_tokens=512, attention_parallel="data")
     assert ooms > 0
     assert _bits_equal(got, want)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+from logprobe import Scorer
+s = Scorer(sys.argv[1], device="cpu", dtype="float32", deterministic=True, tensor_parallel_size=2,
+           max_batch_tokens=256, progress=False)
+def fault(rows, tokens):  # rank 1 has no room for passes over 100 rows
+    if rows > 100:
+        raise torch.OutOfMemoryError(f"injected: {rows} rows")
+if dist.get_rank() == 1:
+    s.engine.fault_hook = fault
+out = s.logprobs(json.loads(open(sys.argv[2]).read()), top_k=3, entropy=True)
+torch.save(dict(out=out, ooms=s.engine.oom_count), sys.argv[3] + f"/rank{dist.get_rank()}.pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): torchrun
+def test_oom_on_one_rank_under_torchrun(llama, tmp_path):
+    """Under torchrun (each process one rank, its engine in-process) the ranks agree as the
+    workers do: rank 1 alone has no room for passes over 100 rows, both split, every rank returns
+    one process's bits and counts the same out-of-memory errors."""
+    import json
+    import subprocess
+    import sys
+
+    from server_util import free_port
+
+    (tmp_path / "seqs.json").write_text(json.dumps(_seqs()))
+    (tmp_path / "run.py").write_text(TORCHRUN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != TEST_OOM_ENV}
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(tmp_path / "run.py"), llama,
+                        str(tmp_path / "seqs.json"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = Scorer(llama, device="cpu", dtype="float32", deterministic=True, progress=False).logprobs(_seqs(), **OPTS)
+    got = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    assert got[0]["ooms"] == got[1]["ooms"] > 0
+    assert _bits_equal(got[0]["out"], want) and _bits_equal(got[1]["out"], want)
 
 
 @pytest.mark.slow  # slow tier (pytest -m slow): stops a replica

@@ -33,7 +33,7 @@ from ..loading.loader import (
 from ..parallel.context import ParallelContext
 from .messages import EndWeights, Profiled, Result, StageWeights
 from .profile import RankProfile
-from .workers import LaunchSpec, WorkerDied, WorkerGroup, default_threads, recv
+from .workers import FitsAgreement, LaunchSpec, WorkerDied, WorkerGroup, control_group, default_threads, recv
 
 # a watched run's cancellations are looked for this often (a pass of a long request takes longer)
 WATCH_S = 0.02
@@ -306,7 +306,11 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
                             local, dtype)
         if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
-        return loaded, Engine(loaded.model, config, local), local
+        engine = Engine(loaded.model, config, local)
+        control = control_group(tp, dev.type)
+        if control is not None:  # out of memory before a pass: every rank splits alike (workers.FitsAgreement)
+            engine.agree_fits = FitsAgreement(control)
+        return loaded, engine, local
     # the workers start (import torch, the package, transformers) while this process reads the model
     launched = [WorkerGroup(tp, r) for r in range(dp)]
     try:

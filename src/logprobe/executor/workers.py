@@ -157,7 +157,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))
         engine = Engine(loaded.model, config, torch.device(device))
-        control = _control_group(spec)
+        control = control_group(spec.tp, spec.device)
         if control is not None:
             engine.agree_fits = FitsAgreement(control)
         _test_fault(engine, rank, os.environ.get(TEST_OOM_ENV))
@@ -211,15 +211,16 @@ def _run(msg: Run | Profile, engine: Engine, rank: int, conn, control, later: de
         send(conn, _out_of_step(e, rank, engine) if inside else _error(e))
 
 
-def _control_group(spec: LaunchSpec):
-    """The group the ranks of a replica agree on cancellations over (``Watch``): None alone; the
-    model's own gloo group on CPU; a gloo group beside NCCL on CUDA (agreeing over NCCL would
-    make the host wait for the GPU's queue before every pass)."""
+def control_group(tp: int, device: str):
+    """The group the ranks of a replica agree on cancellations (``Watch``) and on each pass's
+    memory (``FitsAgreement``) over: None alone; the model's own gloo group on CPU; a gloo group
+    beside NCCL on CUDA (agreeing over NCCL would make the host wait for the GPU's queue before
+    every pass). Every rank of the world calls it, in the same order (``dist.new_group``)."""
     import torch.distributed as dist
 
-    if spec.tp == 1:
+    if tp == 1:
         return None
-    return dist.new_group(backend="gloo") if spec.device == "cuda" else dist.group.WORLD
+    return dist.new_group(backend="gloo") if device == "cuda" else dist.group.WORLD
 
 
 class Watch:
