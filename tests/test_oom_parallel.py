@@ -95,6 +95,60 @@ def _scored(path: str, fault: str | None, monkeypatch, **kw) -> tuple[list, int,
         return got, s.engine.oom_count, s.engine.passes
 
 
+def _engine(llama, agree=None, deterministic: bool = True):
+    from logprobe.config import EngineConfig
+    from logprobe.engine.runner import Engine
+    from logprobe.loading import load_model
+
+    engine = Engine(load_model(llama, "cpu", "float32").model,
+                    EngineConfig(max_batch_tokens=256, deterministic=deterministic), torch.device("cpu"))
+    engine.agree_fits = agree
+    return engine
+
+
+def _requests():
+    from logprobe.engine.request import ScoreRequest
+
+    return [ScoreRequest(q["prompt_token_ids"] + q["completion_token_ids"], len(q["prompt_token_ids"]), top_k=3,
+                         entropy=True) for q in _seqs()]
+
+
+def test_engine_splits_when_another_rank_says_no(llama):
+    """The engine's side of the agreement, in one process: ``agree_fits`` answers no for the first
+    three passes (another rank had no room): the engine splits and retries as for its own
+    out-of-memory (``oom_count`` 3, more passes), the same bits as a run that never ran out."""
+    want = _engine(llama).run(_requests())
+    answers, asked = iter([False, False, False]), []
+
+    def agree(fits: bool) -> bool:
+        asked.append(fits)
+        return fits and next(answers, True)
+
+    engine = _engine(llama, agree)
+    got = engine.run(_requests())
+    assert engine.oom_count == 3 and all(asked)  # this rank always fit: the others said no
+    assert len(asked) == engine.passes + 3  # asked before every pass, the refused ones included
+    assert _bits_equal(got, want)
+
+
+def test_engine_raises_an_out_of_memory_inside_a_pass_it_cannot_agree(llama):
+    """With ``agree_fits`` set (a replica), an out-of-memory inside a pass (the final norm here),
+    after the ranks agreed, is raised, not split around: the other ranks are inside the pass's
+    collectives. In one process (no agreement) the same fault is split around, as before."""
+    def norm_fault(module, args):
+        if args[0].shape[0] > 100:
+            raise torch.OutOfMemoryError("inside")
+
+    alone = _engine(llama)
+    alone.model.norm.register_forward_pre_hook(norm_fault)
+    assert all(r is not None for r in alone.run(_requests())) and alone.oom_count > 0
+    replica = _engine(llama, agree=lambda fits: fits)
+    replica.model.norm.register_forward_pre_hook(norm_fault)
+    with pytest.raises(torch.OutOfMemoryError, match="inside"):
+        replica.run(_requests())
+    assert replica.oom_count == 0
+
+
 def test_oom_on_one_rank_splits_every_rank_the_same_way(llama, monkeypatch):
     """Rank 1 has no room for passes over 100 rows, rank 0 has: both split and retry, the bits of
     a TP = 2 run without the fault, the agreed errors counted once by the driver."""
