@@ -18,6 +18,8 @@ lm_head float through ``modules_to_not_convert``; the conv, A_log, dt_bias and n
 Qwen3-Next's fused FP8 ``in_proj_qkvz`` / ``in_proj_ba`` are cut by rows like the float ones: each
 row keeps the scales of its block row (``FP8BlockLinear`` holds one row of scales per weight row).
 Under tensor parallelism a rank reads its rows of each FP8 weight alone, kept FP8 the same way.
+The vision tower's FP8 weights (where a checkpoint quantizes them) are dequantized at load: the
+tower runs float weights and activations (``quantize_activations`` is the text model's).
 """
 
 from __future__ import annotations
@@ -251,6 +253,8 @@ def _fp8(path: Path, cfg: HybridConfig, scheme, cut=None):
         return out
 
     for n, value in fp8_block_tensors(path, scheme, name, log, cut):
+        if n.startswith("visual.") and not isinstance(value, torch.Tensor):
+            value = value.rows()  # the vision tower: its FP8 weights dequantized, float activations
         yield n, _squeeze_conv(n, value)
     _note_skipped(path, skipped)
 
