@@ -279,9 +279,9 @@ class FitsAgreement:
 
     One all-reduce of one int64 per pass (a watched run's ``Watch`` adds its own, asked earlier:
     merged into this one, a cancellation read while a pass is packed would reach the pass after
-    it): 0.54-0.68 ms on the 2-core CPU (a gloo loop of 3,000), lost in the noise of a tiny
-    Llama's 17-19 ms passes at TP = 2 there (docs/parallel.md); on CUDA the host agrees while the
-    GPU still runs the pass before."""
+    it): 0.54-0.68 ms on the 2-core CPU (a gloo loop of 3,000), about 1 ms of a tiny Llama's
+    16-17 ms passes at TP = 2 there (docs/parallel.md); on CUDA the host agrees while the GPU
+    still runs the pass before."""
 
     __slots__ = ("group",)
 
