@@ -364,7 +364,9 @@ class Engine:
         mode: chunking and the budget never change bits). Only a request that does not fit even
         alone fails, and alone: with ``on_error`` its slot in the returned list is None and
         ``on_error(i, RequestOutOfMemory)`` is called; without it every other request still runs
-        (and reaches ``on_result``), then the first such error is raised.
+        (and reaches ``on_result``), then the first such error is raised. In a replica of several
+        ranks (``agree_fits``) the ranks agree on each out-of-memory before the pass, and split
+        alike; one inside a pass is raised (``_preflight``).
 
         ``stop()`` is asked before each forward pass; True raises ``RunStopped`` there: every
         request completed so far has reached ``on_result`` (a job interrupted by a signal).
