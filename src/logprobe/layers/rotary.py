@@ -151,8 +151,8 @@ def mrope_axes(pairs: int, section: tuple[int, int, int]) -> torch.Tensor:
     """
     if len(section) != 3:
         raise LogprobeError("rope_parameters.mrope_section", f"{list(section)} must be three sizes (t, h, w)")
-    j = torch.arange(pairs)
-    axes = torch.zeros(pairs, dtype=torch.long)
+    j = torch.arange(pairs, device="cpu")  # on the host even under a meta device (see _inv_freq)
+    axes = torch.zeros(pairs, dtype=torch.long, device="cpu")
     axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
     axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
     return axes

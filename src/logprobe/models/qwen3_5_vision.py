@@ -175,10 +175,16 @@ class VisionTower(nn.Module):
         self.config = cfg
         H, m = cfg.hidden_size, cfg.spatial_merge_size
         self.side = math.isqrt(cfg.num_position_embeddings)
+        # the checkpoint's Conv3d (kernel = stride: a matrix on flattened patches) and learned
+        # position table, as bare parameters: nn.Conv3d's and nn.Embedding's initialisation on the
+        # meta device imports torch._dynamo (a second of every load)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, H, (cfg.temporal_patch_size, cfg.patch_size,
-                                                               cfg.patch_size))  # its weight read as a matrix
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, H)
+        self.patch_embed.proj = nn.Module()
+        self.patch_embed.proj.weight = _param(H, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                              cfg.patch_size)
+        self.patch_embed.proj.bias = _param(H)
+        self.pos_embed = nn.Module()
+        self.pos_embed.weight = _param(cfg.num_position_embeddings, H)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = nn.Module()
         self.merger.norm = nn.LayerNorm(H, eps=1e-6)
@@ -213,7 +219,7 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         t, h, w = grid
         proj = self.patch_embed.proj
-        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.reshape(proj.out_channels, -1), proj.bias)
+        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.reshape(proj.weight.shape[0], -1), proj.bias)
         x = x + self.positions(h, w).to(x.dtype).repeat(t, 1)
         cos, sin = self.rotary(h, w, x.device)
         frames = [x[f * h * w:(f + 1) * h * w] for f in range(t)]  # attention stays within a frame
@@ -223,6 +229,10 @@ class VisionTower(nn.Module):
         m2 = self.config.spatial_merge_size ** 2
         x = x.reshape(-1, x.shape[-1] * m2)  # m x m consecutive patches: one token
         return self.merger.linear_fc2(F.gelu(self.merger.linear_fc1(x)))
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 def mrope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]], merge: int
