@@ -268,6 +268,7 @@ def test_vision_config_refusals(vl_dirs):
         ("deepstack_visual_indexes", [1], "config.vision_config.deepstack_visual_indexes"),
         ("num_position_embeddings", 15, "config.vision_config.num_position_embeddings"),
         ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4}, "config.vision_config.rope_parameters"),
+        ("out_hidden_size", 32, "config.vision_config.out_hidden_size"),
     ]:
         bad = json.loads(json.dumps(raw))
         bad["vision_config"][key] = value
