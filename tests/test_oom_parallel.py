@@ -91,6 +91,7 @@ def _scored(path: str, fault: str | None, monkeypatch, **kw) -> tuple[list, int,
         monkeypatch.setenv(TEST_OOM_ENV, fault)  # read by the workers as they start
     with Scorer(path, device="cpu", dtype="float32", tensor_parallel_size=2, deterministic=True,
                 progress=False, **kw) as s:
+        assert s.attention_parallel == kw.get("attention_parallel", s.attention_parallel)
         got = _within(s, DEADLINE_S, lambda: s.logprobs(_seqs(), **OPTS))
         return got, s.engine.oom_count, s.engine.passes
 
