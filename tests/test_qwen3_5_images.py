@@ -366,3 +366,21 @@ def test_prompt_token_ids_with_images(vl_dirs):
     expanded = expanded[:k] + [IMAGE_ID] * 4 + expanded[k + 1:]
     got = scorer.logprobs([{"prompt_token_ids": expanded, "completion_token_ids": completion, "images": seq["images"]}])
     assert torch.equal(got[0].logprobs, want)
+
+
+def test_prefix_cache_keyed_by_image_content(vl_dirs):
+    """Across calls (``prefix_cache``): a later request with the same prompt and image resumes
+    from the kept rows, one with another image (same ids) does not; numbers bitwise those of a
+    scorer without the cache (deterministic mode)."""
+    path, _ = vl_dirs["qwen3_5"]
+    prompt = f"{PAD} {'describe it in words ' * 5}"  # the image first; a 64-row grid point before the completion
+    seqs = [{"prompt": prompt, "completion": c, "images": [_image(32, 48, k)]}
+            for c, k in ((" Red.", 1), (" Blue, or not.", 1), (" Blue, or not.", 2))]
+    cached = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True, prefix_cache=True)
+    plain = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True)
+    got = []
+    for seq in seqs:
+        res = cached.engine.run(cached.logprobs_job([seq]).requests)[0]
+        assert torch.equal(res.logprobs, plain.logprobs([seq])[0].logprobs)
+        got.append(res.cached_tokens)
+    assert got[0] == 0 and got[1] >= 64 and got[2] == 0, got

@@ -2,6 +2,9 @@
 
 * A request that steers, captures or reads/forces routed experts is never cached (its rows differ
   from a plain pass's, or it needs every row): ``cacheable``.
+* A request with images is kept and found by ``cache_key``: its inputs with each image's tokens
+  standing for the image's content (``engine.images.planned_ids``), so a prefix holding an image
+  is resumed only by requests with that same image there. Such a request runs alone (chunks).
 * Attention-only models: once a request of a call has a cached prefix, the call's cacheable
   requests (``resumable``) run after the others (those that may not be cached),
   packed several to a pass (``take_pack``, ``ResumePack``: one KV cache holding each distinct
@@ -28,15 +31,21 @@ import torch
 from ..errors import LogprobeError
 from ..layers.attention import KVCache, Segment
 from ..models.caps import ModelCaps
+from .images import planned_ids
 from .prefix_cache import PrefixCache, block_copy, resolve_budget
 from .request import ScoreRequest
 from .scheduler import Tree, common_prefix
 
 
 def cacheable(r: ScoreRequest) -> bool:
-    """Kept in and resumed from the cache: not a request with hooks, nor one with images (the
-    cache keys prefixes by token ids alone; an image's tokens are the same ids whatever it shows)."""
-    return not r.hooked and r.images is None
+    """Kept in and resumed from the cache: not a request with hooks."""
+    return not r.hooked
+
+
+def cache_key(r: ScoreRequest) -> list[int]:
+    """The ids a request's prefixes are kept and found by: its inputs, each image's tokens standing
+    for the image's content (``planned_ids``; the inputs themselves without images)."""
+    return planned_ids(r)
 
 
 def prefix_cache_for(model, setting: bool | int | None, device: torch.device) -> PrefixCache | None:
@@ -76,11 +85,11 @@ def resumable(cache: PrefixCache, requests: list[ScoreRequest], align: int) -> l
         [1, 2, 0]
     """
     candidates = [i for i, r in enumerate(requests) if cacheable(r)]
-    if align == 1 and not any(cache.peek(requests[i].inputs, requests[i].num_inputs - 1) for i in candidates):
+    if align == 1 and not any(cache.peek(cache_key(requests[i]), requests[i].num_inputs - 1) for i in candidates):
         for i in candidates:
             cache.record(requests[i].num_inputs, 0)
         return []
-    return sorted(candidates, key=lambda i: (requests[i].inputs, i))
+    return sorted(candidates, key=lambda i: (cache_key(requests[i]), i))
 
 
 def _slots(kv: KVCache, hidden: torch.Tensor | None) -> list:
@@ -94,7 +103,7 @@ class ChunkKeeper:
 
     def __init__(self, cache: PrefixCache, r: ScoreRequest, align: int, kv: KVCache, resume: bool,
                  record: bool = True) -> None:
-        self.cache, self.tokens, self.kv = cache, r.inputs, kv
+        self.cache, self.tokens, self.kv = cache, cache_key(r), kv
         n = r.num_inputs
         self.begin = 0
         self.hidden: list[torch.Tensor] = []  # final hidden rows 0 .. (rows run so far), in pieces
@@ -176,7 +185,7 @@ def keep_batch(cache: PrefixCache, unit: list[Tree], requests: list[ScoreRequest
     for m, (prefix, shared, branch) in batch_rows(unit, requests).items():
         if cacheable(requests[m]):
             spans = [(0, shared, prefix), (shared, requests[m].num_inputs, branch)]
-            cache.insert(requests[m].inputs, _fetcher(slots, lambda a, b, spans=spans: _runs(spans, a, b)))
+            cache.insert(cache_key(requests[m]), _fetcher(slots, lambda a, b, spans=spans: _runs(spans, a, b)))
 
 
 Runs = Callable[[int, int], list[tuple[int, int]]]  # inputs [a, b) -> (first row, rows) runs, in order
@@ -253,6 +262,10 @@ def take_pack(cache: PrefixCache, requests: list[ScoreRequest], queue: deque[int
     seen: list[list[int]] = []  # the distinct cached prefixes taken so far
     while queue:
         r = requests[queue[0]]
+        if r.images is not None:  # its rows take its own positions and embeddings: alone, in chunks
+            if members:
+                break
+            return [], queue.popleft()
         h = cache.peek(r.inputs, r.num_inputs - 1)
         if not members and (align > 1 or r.num_inputs - h > budget):
             return [], queue.popleft()
