@@ -384,3 +384,18 @@ def test_prefix_cache_keyed_by_image_content(vl_dirs):
         assert torch.equal(res.logprobs, plain.logprobs([seq])[0].logprobs)
         got.append(res.cached_tokens)
     assert got[0] == 0 and got[1] >= 64 and got[2] == 0, got
+
+
+def test_result_cache_keyed_by_image_content(vl_dirs, tmp_path):
+    """``cache=DIR``: the same ids and image again are answered from the store (no forward pass),
+    bitwise; the same ids with another image are not (their numbers differ)."""
+    path, _ = vl_dirs["qwen3_5"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False, cache=str(tmp_path))
+    first = _sequences()[0]
+    miss = scorer.logprobs([first])[0]
+    passes = scorer.engine.inner.passes
+    hit = scorer.logprobs([first])[0]
+    assert scorer.engine.inner.passes == passes and torch.equal(hit.logprobs, miss.logprobs)
+    other = scorer.logprobs([dict(first, images=[_image(32, 48, 9)])])[0]
+    assert scorer.engine.inner.passes > passes and not torch.equal(other.logprobs, miss.logprobs)
+    assert scorer.engine.cache.stats()["entries"] == 2

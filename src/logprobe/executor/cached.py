@@ -11,9 +11,10 @@ What a stored result is keyed by (sha256 of all of it):
             handling), the backend, the compute dtype, the device kind (cpu / cuda), the
             deterministic mode (``EngineConfig.deterministic``, tp_invariant included) and the
             tensor-parallel size
-    request the token ids, score_begin, temperature, top_k, entropy, and any further option a
-            ScoreRequest carries away from its default when it is a plain scalar (e.g. route);
-            any other (e.g. forced experts) makes the request uncached
+    request the token ids, score_begin, temperature, top_k, entropy, each image's digest (its
+            pixel values and grid: ``ImageInputs.keys``), and any further option a ScoreRequest
+            carries away from its default when it is a plain scalar (e.g. route); any other (e.g.
+            forced experts) makes the request uncached
 
 Not in the key: the batch budget, what else shares a batch, chunking. Outside deterministic mode
 these move numbers in the last bits; a hit returns the numbers of the run that stored them.
@@ -165,6 +166,9 @@ def request_key(model: str, r: ScoreRequest) -> bytes | None:
         if f.name in _KEYED or f.name in ("steer", "capture"):
             continue
         v = getattr(r, f.name)
+        if f.name == "images" and v is not None:  # what the images are: each one's digest
+            h.update(f"|images={','.join(v.keys)}".encode())
+            continue
         if v is f.default or (isinstance(v, (bool, int, float, str)) and v == f.default):
             continue  # at its default: the request asks what it asked before the option existed
         if v is not None and not isinstance(v, (bool, int, float, str)):
