@@ -199,13 +199,15 @@ class VisionTower(nn.Module):
                                 f"and h, w multiples of spatial_merge_size {m}", "use the checkpoint's processor")
 
     def positions(self, h: int, w: int) -> torch.Tensor:
-        """The learned position table resampled to an h x w frame, in patch order [h * w, H]."""
+        """The learned position table resampled to an h x w frame, in patch order [h * w, H]
+        (float32 at least)."""
         row, col = block_order(h, w, self.config.spatial_merge_size)
         (rt, rw), (ct, cw) = bilinear_taps(h, self.side), bilinear_taps(w, self.side)
         taps = (rt[row][:, :, None] * self.side + ct[col][:, None, :]).reshape(-1, 4)  # [h*w, 4]
         weights = (rw[row][:, :, None] * cw[col][:, None, :]).reshape(-1, 4)  # [h*w, 4]
         E = self.pos_embed.weight
-        return (E[taps.to(E.device)] * weights.to(E.device, E.dtype)[:, :, None]).sum(1)
+        # float32 weights, as transformers': a bf16 table's taps are summed in float32
+        return (E[taps.to(E.device)] * weights.to(E.device)[:, :, None]).sum(1)
 
     def rotary(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [h * w, D] (float32) of the 2-D rotary for an h x w frame, in patch order."""
