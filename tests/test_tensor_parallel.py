@@ -196,6 +196,31 @@ def test_workers_start_while_the_driver_reads_the_model(hf_models, monkeypatch):
     assert _children() <= before
 
 
+def test_worker_ranks_read_no_tokenizer(hf_models, monkeypatch, tmp_path):
+    """A rank has no text to read: its load reads no tokenizer (reading one imports much of
+    transformers, seconds of a worker's start on a GPU host). The tokenizer's files are taken
+    away once the driver has read them: the ranks still load."""
+    import shutil
+
+    import logprobe.executor.engine as ex
+
+    path = tmp_path / "model"
+    shutil.copytree(hf_models["llama"][0], path)
+    real = ex.describe_model
+
+    def describe(*a, **k):
+        loaded = real(*a, **k)
+        for f in path.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                f.unlink()
+        return loaded
+
+    monkeypatch.setattr(ex, "describe_model", describe)
+    with Scorer(str(path), device="cpu", tensor_parallel_size=2) as s:
+        assert s.logprobs([{"prompt_token_ids": [3, 4, 5], "completion_token_ids": [6, 7]}])[0].logprobs.shape == (2,)
+    assert not any(f.name.startswith("tokenizer") for f in path.iterdir())
+
+
 def _children() -> set[int]:
     try:
         with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:

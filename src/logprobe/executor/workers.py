@@ -152,7 +152,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
         with _AnonPeak() as peak:
             loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD, experts=spec.ep,
                                                    attention=spec.attention), device,
-                                spec.dtype)
+                                spec.dtype, tokenizer=False)
         config = spec.config
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))

@@ -137,9 +137,11 @@ def _fp8_block_dir(spec: str | None) -> bool:
 
 
 def describe_model(spec: str | None = None, device: str | torch.device | None = "auto",
-                   dtype: str | torch.dtype | None = "auto") -> LoadedModel:
+                   dtype: str | torch.dtype | None = "auto", tokenizer: bool = True) -> LoadedModel:
     """Tokenizer, info and config of a native model with no weights (a meta-device model): what
-    the process that drives tensor-parallel workers needs, without holding the model."""
+    the process that drives tensor-parallel workers needs, without holding the model.
+    ``tokenizer=False``: None in its place (a worker rank has no text to read, and reading a
+    tokenizer imports much of transformers: seconds of a worker's start on a GPU host)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = resolve_spec(spec)
@@ -148,35 +150,36 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     if path.is_file():
         reader = gguf_reader(path)
         arch, family, cfg = _gguf_config(reader, path)
-        tokenizer = gguf_tokenizer(path, reader)
+        tok = gguf_tokenizer(path, reader) if tokenizer else None
     else:
         raw = read_config(path)
         family, cfg, why = _hf_config(raw)
         if cfg is None:
             raise LogprobeError("tensor_parallel_size", f"{path.name} runs on the transformers backend ({why}), "
                                 "which has no tensor parallelism", "use a model of a native family, or one GPU")
-        arch, tokenizer = str(raw.get("model_type")), hf_tokenizer(path)
+        arch, tok = str(raw.get("model_type")), hf_tokenizer(path) if tokenizer else None
 
     with torch.device("meta"):
         model = family.model_class(cfg)(cfg)
     family.describe(model, raw)  # e.g. experts the workers hold packed: what a weight update checks first
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
-    return LoadedModel(model, tokenizer, info)
+    return LoadedModel(model, tok, info)
 
 
 def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype | None = "auto") -> LoadedModel:
+               dtype: str | torch.dtype | None = "auto", tokenizer: bool = True) -> LoadedModel:
     """This rank's slices of a native model (``Family.shard_tensors``, ``loading.sharding``): GGUF
     blocks and safetensors slices are read for this rank only; quantized GGUF weights are expanded
     per rank (dense), FP8 block checkpoints keep their rows FP8 with their block rows' scales
     (``loading.fp8_block``). A family that reads a checkpoint on one device only (a GGUF file of
     most families; a mixture of experts at one rank) gets the whole model (``load_model``), and a
-    split of more ranks is refused."""
+    split of more ranks is refused. ``tokenizer=False`` (a worker rank's): no tokenizer read
+    (``describe_model``)."""
     dev = resolve_device(device)
     load = Load(dev, resolve_dtype(dtype, dev))
     path = resolve_spec(spec)
-    loaded = describe_model(spec, device, dtype)
+    loaded = describe_model(spec, device, dtype, tokenizer)
     cfg = loaded.model.config
     family = _family(cfg)
     ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group, ctx.experts, ctx.attention)
