@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import byte_tokenizer, make_hf_dir
+from helpers import byte_tokenizer, copy_checkpoint, make_hf_dir
 
 from logprobe import LogprobeError, Scorer
 from logprobe.layers.rotary import MRotaryEmbedding
@@ -399,3 +399,14 @@ def test_result_cache_keyed_by_image_content(vl_dirs, tmp_path):
     other = scorer.logprobs([dict(first, images=[_image(32, 48, 9)])])[0]
     assert scorer.engine.inner.passes > passes and not torch.equal(other.logprobs, miss.logprobs)
     assert scorer.engine.cache.stats()["entries"] == 2
+
+
+def test_image_token_outside_the_vocabulary(vl_dirs, tmp_path):
+    """A config whose image_token_id is outside the vocabulary scores text, refuses images by name."""
+    path = copy_checkpoint(vl_dirs["qwen3_5"][0], tmp_path / "ckpt",
+                           edit_config=lambda cfg: cfg.update(image_token_id=248056))
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    assert len(scorer.logprobs([{"prompt_token_ids": [2, 3], "completion_token_ids": [4]}])[0].logprobs) == 1
+    with pytest.raises(LogprobeError) as e:
+        scorer.logprobs([_sequences()[0]])
+    assert e.value.field == "config.image_token_id"

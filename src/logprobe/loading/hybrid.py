@@ -114,8 +114,7 @@ def hybrid_config(raw: dict) -> HybridConfig:
     hidden, heads = _int(cfg, "hidden_size", where), _int(cfg, "num_attention_heads", where)
     moe, inter = _moe(cfg, mtype, where, layers)
     tie = raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-    vision, image_token = _vision(raw, raw.get("model_type"), _int(cfg, "hidden_size", where),
-                                  _int(cfg, "vocab_size", where))
+    vision, image_token = _vision(raw, raw.get("model_type"), _int(cfg, "hidden_size", where))
     mrope = _mrope_section(params, mtype, where)
     try:
         return HybridConfig(
@@ -164,13 +163,12 @@ def _mrope_section(params: dict, mtype: str, where: str) -> tuple[int, int, int]
     return tuple(section)
 
 
-def _vision(raw: dict, mtype: str, hidden: int, vocab: int) -> tuple[VisionConfig | None, int | None]:
-    """The multimodal wrappers' vision tower and image token id; (None, None) for text checkpoints."""
+def _vision(raw: dict, mtype: str, hidden: int) -> tuple[VisionConfig | None, int | None]:
+    """The multimodal wrappers' vision tower and image token id (one outside the vocabulary refuses
+    images, not the text: ``scoring.images``); (None, None) for text checkpoints."""
     if mtype not in WRAPPERS or raw.get("vision_config") is None:
         return None, None
     token = _int(raw, "image_token_id", "config.", 248056)
-    if not 0 <= token < vocab:
-        raise LogprobeError("config.image_token_id", f"{token} is outside the vocabulary [0, {vocab})")
     vision = vision_config(raw["vision_config"])
     if vision.out_hidden_size != hidden:
         raise LogprobeError("config.vision_config.out_hidden_size", f"{vision.out_hidden_size}: the tower's "

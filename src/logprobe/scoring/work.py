@@ -91,6 +91,9 @@ class ScoringContext:
         if self.images is None:
             raise LogprobeError(field, f"{self.name} has no vision tower: images cannot be scored with it",
                                 "score images with a Qwen3.5 checkpoint that has its vision_config, or send text")
+        if not 0 <= self.images.image_token_id < self.vocab_size:
+            raise LogprobeError("config.image_token_id", f"{self.images.image_token_id} is outside the vocabulary "
+                                f"[0, {self.vocab_size}): images cannot be placed", "fix the checkpoint's config")
         return self.images
 
     def check_routing(self, field: str) -> tuple[int, int, int]:
