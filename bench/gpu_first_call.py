@@ -26,6 +26,7 @@ The first run's tuning file is copied to ``--out`` (the table to ship in src/log
 
     python bench/gpu_first_call.py --models qwen35-4b,llama-1b --out /tmp/tuned
     python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 16 --loads-only   # loads, disk and cache
+    python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 16 --loads-only --tp 2  # and at TP = 2
     python bench/gpu_first_call.py --models tiny --device cpu     # smoke run of the script on CPU
     python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 4 --loads-only --device cpu
 """
@@ -97,9 +98,10 @@ start = time.perf_counter()
 import json, sys, torch
 from logprobe import Scorer
 t = time.perf_counter()
-s = Scorer(sys.argv[1], device=sys.argv[2])
+s = Scorer(sys.argv[1], device=sys.argv[2], tensor_parallel_size=int(sys.argv[3]))
 torch.cuda.synchronize() if sys.argv[2] == "cuda" else None
 print(json.dumps({"load": time.perf_counter() - t, "ready": time.perf_counter() - start}))
+s.close() if int(sys.argv[3]) > 1 else None
 """
 
 
@@ -115,14 +117,17 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
-def load_rows(name: str, path: Path, device: str) -> list[tuple[str, dict]]:
-    """Loads alone, from the disk (evicted first) and from the page cache, logprobe and transformers."""
+def load_rows(name: str, path: Path, device: str, tp: int = 1) -> list[tuple[str, dict]]:
+    """Loads alone, from the disk (evicted first) and from the page cache, logprobe and transformers
+    (and logprobe at ``tp`` ranks, the default expert-parallel size: until its ranks are ready)."""
     rows = []
+    runs = [("logprobe", LOAD_ONLY, ["1"]), ("transformers", HF_LOAD, [])]
+    runs += [(f"logprobe TP = {tp}", LOAD_ONLY, [str(tp)])] if tp > 1 else []
     for cache in ("disk", "page cache"):
-        for who, code in (("logprobe", LOAD_ONLY), ("transformers", HF_LOAD)):
+        for who, code, extra in runs:
             if cache == "disk":
                 evict(path)
-            r = run_child(code, [str(path), device], dict(os.environ))
+            r = run_child(code, [str(path), device, *extra], dict(os.environ))
             rows.append((f"load from {cache}: {who}", r))
             print(name, who, cache, r, flush=True)
     return rows
@@ -189,6 +194,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="hybrids: this many layers (0: all)")
     ap.add_argument("--loads-only", action="store_true",
                     help="only the loads, from the disk (evicted) and the page cache, against transformers")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="with --loads-only: also logprobe at this many ranks (the TP start: workers + their shards)")
     args = ap.parse_args()
     table = []
     if args.loads_only:
@@ -199,7 +206,7 @@ def main() -> None:
                 save(name, path, args.device, args.layers)
                 size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
                 print(f"{name}: {size:.1f} GiB saved in {time.perf_counter() - t:.1f} s", flush=True)
-                table += [(name, run, r) for run, r in load_rows(name, path, args.device)]
+                table += [(name, run, r) for run, r in load_rows(name, path, args.device, args.tp)]
         print("\n| model | run | load s (after imports) | ready s (from the process's start) |")
         print("| --- | --- | ---: | ---: |")
         for name, run, r in table:
