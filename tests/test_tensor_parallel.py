@@ -221,6 +221,19 @@ def test_worker_ranks_read_no_tokenizer(hf_models, monkeypatch, tmp_path):
     assert not any(f.name.startswith("tokenizer") for f in path.iterdir())
 
 
+def test_worker_ranks_import_no_transformers(hf_models, monkeypatch, tmp_path):
+    """A rank imports no transformers (2-10 s on a GPU host; native models, the only ones split,
+    need none): a ``transformers`` package first on the workers' path marks a file when imported."""
+    blocker = tmp_path / "blocker" / "transformers"
+    blocker.mkdir(parents=True)
+    mark = tmp_path / "imported"
+    (blocker / "__init__.py").write_text(f"open({str(mark)!r}, 'w').close()\nraise ImportError('not in a rank')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")]))
+    with Scorer(str(hf_models["llama"][0]), device="cpu", tensor_parallel_size=2) as s:
+        assert s.logprobs([{"prompt_token_ids": [3, 4, 5], "completion_token_ids": [6, 7]}])[0].logprobs.shape == (2,)
+    assert not mark.exists()
+
+
 def _children() -> set[int]:
     try:
         with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:

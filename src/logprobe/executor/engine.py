@@ -311,7 +311,7 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
         if control is not None:  # out of memory before a pass: every rank splits alike (workers.FitsAgreement)
             engine.agree_fits = FitsAgreement(control)
         return loaded, engine, local
-    # the workers start (import torch, the package, transformers) while this process reads the model
+    # the workers start (import torch and the package) while this process reads the model
     launched = [WorkerGroup(tp, r) for r in range(dp)]
     try:
         loaded = describe_model(model, device, dtype)

@@ -679,17 +679,9 @@ def _main(argv: list[str]) -> None:
     host, port, key, rank = argv
     conn = connection.Connection(socket.create_connection((host, int(port))).detach())
     conn.send_bytes(bytes.fromhex(key) + int(rank).to_bytes(4, "little"))
-    _preload()  # while the driver still reads the model: its spec comes after
+    # a rank imports no transformers: it reads no tokenizer (``load_shard(tokenizer=False)``), and
+    # native models, the only ones split over ranks, need none (the import alone took 2-10 s)
     worker_main(recv(conn), int(rank), conn)
-
-
-def _preload() -> None:
-    """Import what loading a shard will import (transformers' tokenizers and configs: 2-10 s),
-    so that it runs beside the driver's own reading of the model rather than after it."""
-    try:
-        import transformers  # noqa: F401
-    except Exception:  # not installed: loading names what it needs
-        pass
 
 
 def default_threads(processes: int) -> int:

