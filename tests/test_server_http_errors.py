@@ -165,14 +165,21 @@ def test_head_answers_as_get_without_a_body(server, default_scorer):
     assert "HEAD" not in json.dumps(requests.get(server + "/openapi.json", headers=AUTH, timeout=10).json()["paths"])
 
 
-@pytest.mark.parametrize("path, body, param", [
+@pytest.mark.parametrize("path, body, param, words", [
     ("/generate", {"input_ids": [3, 4, 5], "image_data": ["data:image/png;base64,AA=="],
                    "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0},
-     "image_data"),
-    ("/v1/logprobs", {**SMALL, "multi_modal_data": {"image": ["x"]}}, "multi_modal_data"),
+     "image_data", "no vision tower"),
+    ("/v1/logprobs", {"sequences": [{**SMALL["sequences"][0], "multi_modal_data": {"image": ["x"]}}]},
+     "sequences[0].multi_modal_data.image", "no vision tower"),
+    ("/v1/logprobs", {**SMALL, "multi_modal_data": {"image": ["x"]}}, "multi_modal_data", "does not take them yet"),
+    ("/generate", {"input_ids": [3, 4, 5], "video_data": ["x"], "return_logprob": True}, "video_data",
+     "does not take them yet"),
+    ("/v1/completions", {"prompt": [3, 4], "max_tokens": 0, "echo": True, "logprobs": 0,
+                         "multi_modal_data": {"image": ["x"]}}, "multi_modal_data", "does not take them yet"),
 ])
-def test_media_fields_are_named_for_what_they_are(server, path, body, param):
-    """SGLang's image_data and vLLM's / verl's multi_modal_data: refused as images not taken yet (the
-    text would otherwise be scored without them), not as a misspelt field."""
+def test_media_fields_are_named_for_what_they_are(server, path, body, param, words):
+    """Images for this text-only model (SGLang's image_data, verl's multi_modal_data) are refused
+    naming them; video, and media on routes that take none, as media not taken yet (the text
+    would otherwise be scored without them), not as a misspelt field."""
     p, msg = error(post(server, path, json.dumps(body).encode()))
-    assert p == param and "does not take them yet" in msg
+    assert p == param and words in msg, msg

@@ -55,6 +55,15 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
     s.add_argument("--warmup", action="store_true",
                    help="compile and tune the model's kernels once the port is open, before scoring (as "
                         "`logprobe warmup`); GET /ready answers 503 'warming' until done, then 200")
+    s.add_argument("--max-images-per-request", type=int, default=16, metavar="N",
+                   help="images one request may carry (a model with a vision tower), else 400 (default: "
+                        "%(default)s)")
+    s.add_argument("--max-image-pixels", type=int, default=4096 * 4096, metavar="N",
+                   help="width x height of one image, checked before it is decoded, else 400 (default: "
+                        "%(default)s)")
+    s.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs (10 s timeout, 32 MiB each); without it they are refused and "
+                        "images come inline as data: URLs")
     s.add_argument("--no-batching", action="store_true",
                    help="score one HTTP request at a time (for comparison; slower under concurrency)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -70,7 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_capture_floats=args.max_capture_floats, batching=not args.no_batching,
         shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
         enable_return_routed_experts=args.enable_return_routed_experts,
-        weight_sync_timeout=args.weight_sync_timeout, warmup=args.warmup)
+        weight_sync_timeout=args.weight_sync_timeout, warmup=args.warmup,
+        max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
+        allow_remote_images=args.allow_remote_images)
     if not _loopback(config.host) and config.api_key is None:
         print(f"logprobe: warning: serving on {config.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

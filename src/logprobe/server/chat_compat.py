@@ -16,6 +16,11 @@ assistant's) and scored as one request:
                             (what Scorer.score_chat returns), since nothing is generated
 
 ``usage.prompt_tokens`` counts the template's tokens; ``completion_tokens`` is 0.
+
+Image parts (``image_url``, ``image``) in the messages before the last, on a model with a vision
+tower, are read by ``server.images`` (its limits) and scored as ``Scorer.score_chat`` scores them:
+each image's tokens in the prompt, the last message's log-probs given them. ``prompt_logprobs``
+with images is refused (image tokens carry no log-prob).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import uuid
 from ..engine.request import ScoreRequest
 from ..errors import LogprobeError
 from ..scorer import Job, Scorer
-from ..scoring.chat import chat_ids, content_text
+from ..scoring.chat import chat_inputs, content_text
+from .config import ServerConfig
+from .images import ImageBudget, chat_images
 from .schemas_chat import ChatCompletionRequest
 
 
@@ -57,18 +64,24 @@ def check_chat_options(body: ChatCompletionRequest, max_top_logprobs: int, vocab
                                 f"ask for at most {min(max_top_logprobs, vocab_size)}")
 
 
-def chat_completion_job(body: ChatCompletionRequest, scorer: Scorer, model_name: str, max_top_logprobs: int) -> Job:
+def chat_completion_job(body: ChatCompletionRequest, scorer: Scorer, model_name: str, max_top_logprobs: int,
+                        config: ServerConfig | None = None) -> Job:
+    """``config``: the image limits (``server.images``; None: the defaults)."""
     check_chat_options(body, max_top_logprobs, scorer.info.vocab_size)
     messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                  else [p.model_dump(exclude_none=True) for p in m.content]} for m in body.messages]
-    prompt, scored = chat_ids(scorer.context, messages)
+    messages = chat_images(messages, scorer.context, ImageBudget(config or ServerConfig()))
+    prompt, scored, images = chat_inputs(scorer.context, messages)
+    if images is not None and body.prompt_logprobs is not None:
+        raise LogprobeError("prompt_logprobs", "with images: image tokens carry no log-prob, and only the text "
+                            "after the last image is scored", "use echo and logprobs (the last message's log-probs)")
     ids = prompt + scored
     if len(ids) > scorer.info.max_length:
         raise LogprobeError("messages", f"{len(ids)} tokens exceed the model's context of {scorer.info.max_length}",
                             "shorten the conversation")
     pk, k = body.prompt_logprobs, (body.top_logprobs or 0) if body.logprobs else 0
     begin = 1 if pk is not None else len(prompt)
-    req = ScoreRequest(ids, begin, 1.0, max(pk or 0, k))
+    req = ScoreRequest(ids, begin, 1.0, max(pk or 0, k), images=images)
     tok = scorer.tokenizer
 
     def finish(results) -> dict:

@@ -34,6 +34,14 @@ class ServerConfig:
         stay in force).
     warmup: run ``Scorer.warmup`` once the port is open, before any request is scored (requests
         wait meanwhile); ``/ready`` answers 503 ``warming`` until it is done, then 200.
+    max_images_per_request: images one HTTP request may carry (a model with a vision tower), else
+        400 naming the first one beyond it.
+    max_image_pixels: width x height of one image, read off its header before it is decoded, else
+        400 naming it (default 4096 x 4096).
+    allow_remote_images: http(s) image URLs are fetched (``remote_image_timeout`` s per socket
+        operation, at most ``max_remote_image_bytes``); off, they are refused by name (400) and
+        images come inline as ``data:`` URLs. Off by default: a fetch reaches whatever the server
+        can reach.
     """
 
     host: str = "127.0.0.1"
@@ -53,17 +61,23 @@ class ServerConfig:
     enable_return_routed_experts: bool = False  # SGLang's flag: requests may ask for routed experts
     weight_sync_timeout: float = 300.0
     warmup: bool = False
+    max_images_per_request: int = 16
+    max_image_pixels: int = 4096 * 4096
+    allow_remote_images: bool = False
+    remote_image_timeout: float = 10.0
+    max_remote_image_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         check_positive_ints(self, ("max_queue_requests", "max_queue_tokens", "max_request_tokens",
                                    "max_request_items", "max_top_logprobs", "max_body_bytes",
-                                   "max_capture_floats"))
+                                   "max_capture_floats", "max_images_per_request", "max_image_pixels",
+                                   "max_remote_image_bytes"))
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise LogprobeError("port", f"must be an integer in [0, 65535], got {self.port!r}")
         t = self.shutdown_timeout
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < float("inf"):
             raise LogprobeError("shutdown_timeout", f"must be a number of seconds >= 0, got {t!r}")
-        for key in ("body_timeout", "weight_sync_timeout"):
+        for key in ("body_timeout", "weight_sync_timeout", "remote_image_timeout"):
             t = getattr(self, key)
             if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
                 raise LogprobeError(key, f"must be a number of seconds > 0, got {t!r}")

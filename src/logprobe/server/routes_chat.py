@@ -21,7 +21,7 @@ def chat_router(served: Served) -> APIRouter:
         served.check_model(body.model)
         served.check_items(len(body.messages), "messages")
         job = await run_in_threadpool(chat_completion_job, body, served.scorer, served.name,
-                                      served.config.max_top_logprobs)
+                                      served.config.max_top_logprobs, served.config)
         out = await served.run(job, request)
         return out if isinstance(out, Response) else reply({**out[0], **served.versions(out[1])})
 

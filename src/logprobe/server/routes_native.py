@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import LogprobeError
 from ..scoring.sequences import encode_routed_experts
+from .images import ImageBudget, renamed_job, sequence_images
 from .responses import NATIVE_CODES, replies, reply
 from .schemas import LogprobsBody, LogprobsReply, PerplexityBody, PerplexityReply, ScoreBody, ScoreReply
 from .served import Served
@@ -50,12 +51,15 @@ def native_router(served: Served) -> APIRouter:
         check_items(len(body.sequences), "sequences")
         check_top_k(body.top_k)
         seqs = [s.model_dump(exclude_none=True) for s in body.sequences]
+        renames: list = []
+        if any("images" in s or "multi_modal_data" in s for s in seqs):  # read off the loop: decoding, fetching
+            seqs, renames = await run_in_threadpool(sequence_images, seqs, scorer.context, ImageBudget(served.config))
         if body.return_routed_experts and not served.config.enable_return_routed_experts:
             raise LogprobeError("return_routed_experts", "is off on this server",
                                 "start it with --enable-return-routed-experts")
-        job = await run_in_threadpool(lambda: scorer.logprobs_job(seqs, body.temperature, body.top_k, body.entropy,
-                                                                  **body.hook_args(),
-                                                                  return_routed_experts=body.return_routed_experts))
+        job = await run_in_threadpool(lambda: renamed_job(renames, lambda: scorer.logprobs_job(
+            seqs, body.temperature, body.top_k, body.entropy, **body.hook_args(),
+            return_routed_experts=body.return_routed_experts)))
         out = await run(job, request, body.timeout)
         if isinstance(out, Response):
             return out

@@ -50,9 +50,10 @@ def rl_router(served: Served, paused=None) -> APIRouter:
         elif isinstance(body.text, list):
             served.check_items(len(body.text), "text")
         ids = body.input_ids  # token ids: no tokenizer to run, only as much work as there are ids
-        work = INLINE_TOKENS if ids is None else sum(len(x) if isinstance(x, list) else 1 for x in ids)
+        work = INLINE_TOKENS if ids is None or body.image_data is not None \
+            else sum(len(x) if isinstance(x, list) else 1 for x in ids)  # images: decoded in the thread pool
         job, owners = await off_loop(work, generate_job, body, scorer, config.max_top_logprobs,
-                                     config.enable_return_routed_experts)
+                                     config.enable_return_routed_experts, config)
         try:
             out = await run(job, request)
         except JobFailed as e:  # name the body's item, not the engine request (items may need none)

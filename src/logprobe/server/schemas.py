@@ -202,10 +202,22 @@ class ScoreBody(_HeadOptions, _Hooks, _Deadline):
     continuations: list[Annotated[Text, Field(min_length=1)]] = Field(min_length=1)
 
 
+class MultiModalData(BaseModel):
+    """verl's / vLLM's ``multi_modal_data``: images only (videos are not taken)."""
+
+    model_config = _STRICT
+    image: list[Text] = Field(min_length=1, description="data:image/...;base64 URLs or bare base64 (http(s) with "
+                                                        "--allow-remote-images)")
+
+
 class Sequence(BaseModel):
     model_config = _STRICT
     prompt_token_ids: list[int] = Field(min_length=1)
     completion_token_ids: list[int] = Field(min_length=1)
+    images: list[Text] | None = Field(None, min_length=1, description="a model with a vision tower: the prompt's "
+                                      "images (data:image/...;base64 URLs; http(s) with --allow-remote-images), "
+                                      "the image token once per image in prompt_token_ids, or expanded")
+    multi_modal_data: MultiModalData | None = Field(None, description="verl's form of images: {\"image\": [...]}")
     routed_experts: Text | list[list[list[int]]] | None = Field(
         None, description="mixture-of-experts models: the experts to force, [len(prompt) + len(completion) - 1]"
                           "[moe_layers][k] (every token fed), or SGLang's [..][num_hidden_layers][k] (zeros in "

@@ -12,8 +12,10 @@ from .schemas import _OPEN, _STRICT, Num, PromptLogprob, Text, Usage
 
 class ContentPart(BaseModel):
     """An OpenAI content part: ``{"type": "text", "text": ...}`` is scored as text (parts joined by
-    newlines); image, audio and file parts are refused by name (``scoring.chat.content_text``), so
-    their other fields are let through to be named, not checked."""
+    newlines); ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` stands
+    in the prompt on a model with a vision tower (``server.images``: inline data, or http(s) with
+    ``--allow-remote-images``); audio and file parts, and images on a text-only model, are refused
+    by name, so their other fields are let through to be named, not checked."""
 
     model_config = _OPEN
     type: Text
@@ -23,7 +25,8 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Text
-    content: Text | list[ContentPart] = Field(description="a string, or OpenAI content parts (text parts only)")
+    content: Text | list[ContentPart] = Field(description="a string, or OpenAI content parts (text; image_url on a "
+                                                                "model with a vision tower)")
     name: Text | None = None
 
 

@@ -64,6 +64,25 @@ def _check_texts(value: Any) -> Any:
     return value
 
 
+ImageDataSchema = Text | list[Text | list[Text] | None]
+
+
+def _check_image_data(value: Any) -> Any:
+    """SGLang's ``image_data``: an image (a string) or a list of them for one input; for a batch, a
+    list with one entry per input (a string, a list of strings, or null). Shapes only: which
+    strings are images is ``server.images``'s."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be an image (a data: URL or base64 string) or a list of them (a batch: one "
+                         "entry per input)")
+    for i, x in enumerate(value):
+        if x is not None and not isinstance(x, (str, list)) or isinstance(x, list) \
+                and not all(isinstance(y, str) for y in x):
+            raise ValueError(f"[{i}] must be an image string, a list of image strings or null")
+    return value
+
+
 class SamplingParams(BaseModel):
     """SGLang's ``sampling_params``, for scoring: ``max_new_tokens`` 0 (or absent: this server only
     scores), ``temperature`` T: log-probs are ``log_softmax(logits / T)``; T below 1e-6 (0 included)
@@ -143,6 +162,16 @@ class GenerateRequest(BaseModel):
                                                                         "int32 [len(input) - 1, num_hidden_layers, "
                                                                         "k], zeros in dense blocks, as SGLang "
                                                                         "(--enable-return-routed-experts)")
+
+    image_data: Any = Field(None, description="a model with a vision tower: the input's images (data:image/...;"
+                                              "base64 URLs or bare base64; http(s) with --allow-remote-images), the "
+                                              "image token once per image in the input, or expanded; a batch: one "
+                                              "entry per input (a string, a list, or null)")
+
+    @field_validator("image_data", mode="plain", json_schema_input_type=ImageDataSchema | None)
+    @classmethod
+    def _images(cls, v: Any) -> Any:
+        return _check_image_data(v)
 
     @field_validator("input_ids", mode="plain", json_schema_input_type=InputIdsSchema | None)
     @classmethod

@@ -43,6 +43,8 @@ from ..engine.request import RequestResult, ScoreRequest
 from ..errors import LogprobeError
 from ..scorer import Job, Scorer
 from ..scoring.sequences import encode_routed_experts, sglang_routed_experts
+from .config import ServerConfig
+from .images import ImageBudget, renamed
 from .openai_compat import prompt_token_ids
 from .schemas_rl import GenerateRequest, SamplingParams
 
@@ -81,9 +83,10 @@ def temperature(params: SamplingParams | None) -> float:
 
 
 def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
-                 routed_experts: bool = False) -> tuple[Job, list[str]]:
+                 routed_experts: bool = False, config: ServerConfig | None = None) -> tuple[Job, list[str]]:
     """The engine requests of a ``/generate`` body and how to answer it (one dict, or a list), and
-    for each request the body item it scores (``input_ids[2]``), for errors."""
+    for each request the body item it scores (``input_ids[2]``), for errors. ``config``: the image
+    limits (None: the defaults)."""
     if (body.input_ids is None) == (body.text is None):
         raise LogprobeError("input_ids", "give exactly one of input_ids and text")
     many = batched(body)
@@ -97,6 +100,8 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
     rids = per_item(body.rid, n, "rid", many)
     temps = [temperature(p) for p in per_item(body.sampling_params, n, "sampling_params", many)]
     routed = per_item(body.return_routed_experts, n, "return_routed_experts", many)
+    images = image_items(body.image_data, n, many)
+    budget = ImageBudget(config or ServerConfig())
     if any(routed):
         if not routed_experts:
             raise LogprobeError("return_routed_experts", "is off on this server",
@@ -106,6 +111,9 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
     requests: list[ScoreRequest] = []
     for i, ids in enumerate(ids_list):
         at = f"[{i}]" if many else ""
+        img = None
+        if images[i] is not None:
+            ids, img = with_images(ids, images[i], scorer, budget)
         start = _start(starts[i], len(ids), _name(body, "logprob_start_len", at))
         top = _top(tops[i], scorer, max_top_logprobs, _name(body, "top_logprobs_num", at))
         if len(ids) > scorer.info.max_length:
@@ -113,10 +121,16 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
                                 f"{scorer.info.max_length}", "shorten the input")
         route = bool(routed[i]) and len(ids) > 1
         need = (logprob[i] and start + 1 < len(ids)) or route  # a scored entry after the first (null) one
+        if img is not None and need and start < int(img.token_index[-1]):
+            last = int(img.token_index[-1])
+            raise LogprobeError(_name(body, "logprob_start_len", at), f"is {starts[i]}: the entries after it would "
+                                f"score image tokens (the last at position {last} of the {len(ids)} ids, images "
+                                "expanded): only the text after the last image is scored",
+                                f"use logprob_start_len >= {last}, or -1 (the last token)")
         items.append(_Item(ids, start, logprob[i], top, len(requests) if need else None,
                            rids[i] if rids[i] is not None else uuid.uuid4().hex, bool(routed[i])))
         if need:
-            requests.append(ScoreRequest(ids, min(start + 1, len(ids) - 1), temps[i], top, route=route))
+            requests.append(ScoreRequest(ids, min(start + 1, len(ids) - 1), temps[i], top, route=route, images=img))
 
     def finish(results: list[RequestResult]) -> dict | list[dict]:
         texts = _token_texts(items, results, scorer) if body.return_text_in_logprobs else None
@@ -125,6 +139,47 @@ def generate_job(body: GenerateRequest, scorer: Scorer, max_top_logprobs: int,
 
     owners = [f"{field}[{i}]" if many else field for i, it in enumerate(items) if it.request is not None]
     return Job(requests, finish), owners
+
+
+def image_items(value, n: int, many: bool) -> list[tuple[str, list[tuple[str, str]]] | None]:
+    """SGLang's ``image_data`` per input: (its field, [(image, the image's field)]), or None (no
+    images). One input: an image or a list of them; a batch: one entry per input (an image, a
+    list, or null).
+
+        >>> image_items(["a", None], 2, True)
+        [('image_data[0]', [('a', 'image_data[0]')]), None]
+        >>> image_items(["a", "b"], 1, False)
+        [('image_data', [('a', 'image_data[0]'), ('b', 'image_data[1]')])]
+    """
+    if value is None:
+        return [None] * n
+    if not many:
+        if isinstance(value, str):
+            return [("image_data", [(value, "image_data")])]
+        if any(not isinstance(x, str) for x in value):
+            raise LogprobeError("image_data", "is a list of lists for a single input",
+                                "give the input's images as one list of strings")
+        return [("image_data", [(x, f"image_data[{k}]") for k, x in enumerate(value)])]
+    if not isinstance(value, list) or len(value) != n:
+        raise LogprobeError("image_data", f"must be a list of {n} entries, one per input of the batch (an image, "
+                            "a list of images, or null)")
+    out: list = []
+    for i, x in enumerate(value):
+        base = f"image_data[{i}]"
+        out.append(None if x is None else (base, [(x, base)] if isinstance(x, str)
+                                           else [(y, f"{base}[{k}]") for k, y in enumerate(x)]))
+    return out
+
+
+def with_images(ids: list[int], images: tuple[str, list[tuple[str, str]]], scorer: Scorer, budget: ImageBudget):
+    """An input's ids (the image token once per image, or expanded) with its images -> (ids
+    expanded, ``ImageInputs``); errors name the ``image_data`` items."""
+    base, items = images
+    reader = scorer.context.check_images(base)
+    data = [budget.read(v, field, bare_base64=True) for v, field in items]
+    with renamed("_.images", base):
+        ids, pixels, grids = reader.prompt_ids(ids, data, "_")
+        return ids, reader.inputs(ids, pixels, grids, "_")
 
 
 def _name(body: GenerateRequest, field: str, at: str) -> str:
