@@ -10,7 +10,7 @@ never sees, so this catches a renamed import or option before a device session d
   were taken on these exact requests);
 * the CPU-capable parts of ``common.py`` (a saved tiny model, the transformers baseline) agree with
   logprobe; ``slow``: the scripts that have a tiny CPU run do it (gpu_first_call.py,
-  gpu_moe_parallel.py over gloo, gpu_families.py, gpu_hybrid.py, gpu_weight_sync.py).
+  gpu_moe_parallel.py over gloo, gpu_families.py, gpu_hybrid.py, gpu_weight_sync.py, gpu_vlm.py).
 """
 
 from __future__ import annotations
@@ -240,6 +240,20 @@ def test_hybrid_tiny_cpu_run(tmp_path):
             continue
         else:
             assert float(c[4].split()[0]) > 0 and float(c[9]) < 1e-4 and float(c[10]) < 1e-5, c
+
+
+@pytest.mark.slow  # ~15 s: a tiny VL checkpoint written, both scorers run twice
+def test_vlm_tiny_cpu_run(tmp_path):
+    """gpu_vlm.py's CPU run: a tiny Qwen3.5 VL checkpoint with its processor, groups sharing small
+    images; logprobe (both modes) and transformers' padded batches agree in float32."""
+    out = run(["gpu_vlm.py", "--text", "tiny", "--device", "cpu", "--groups", "2", "--group-size", "2", "--small",
+               "--passes", "1", "--dir", str(tmp_path)], timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    cells = {c[0]: c for c in ([x.strip() for x in ln.split("|")[1:-1]] for ln in out.stdout.splitlines()
+                               if ln.startswith("| ") and not ln.startswith("| row") and "---" not in ln)}
+    assert set(cells) == {"default", "deterministic", "transformers"}, out.stdout[-2000:]
+    for c in cells.values():
+        assert float(c[1]) > 0 and float(c[4].split(" / ")[0]) < 1e-5, c
 
 
 @pytest.mark.slow  # two processes and a server, ~11 s
