@@ -194,7 +194,7 @@ def test_logprobs_row_with_images_fails_by_name(scorer, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(inp, [SEQS[0], {**SEQS[1], "images": ["a.png"]}, {**SEQS[2], "images": None}])
     assert main(["logprobs", "--input", str(inp), "--output", str(out)]) == 1
-    assert "line 2: images: carries images, audio or video" in capsys.readouterr().err
+    assert "line 2: images: is a media column this job does not read" in capsys.readouterr().err
     got = _read_out(out)
     assert got[1].get("error") and got[0]["logprobs"] and got[2]["logprobs"]
 

@@ -6,7 +6,7 @@ import argparse
 
 from ..jobs import LogprobsRows
 from .common import head_options, hook_specs, hooks_parser
-from .rows import add_table_args, exit_code, run_table
+from .rows import add_images_arg, add_table_args, exit_code, images_options, run_table
 
 
 def add_logprobs_parser(sub, common: argparse.ArgumentParser, head: argparse.ArgumentParser) -> None:
@@ -25,6 +25,7 @@ def add_logprobs_parser(sub, common: argparse.ArgumentParser, head: argparse.Arg
                "command finishes it. Bad rows are reported as 'line N: ...' / 'row N: ...' on stderr and written "
                "with an \"error\" field; they make the exit code 1 and are computed again on the next run.")
     add_table_args(p, required=True)
+    add_images_arg(p)
     p.add_argument("--capture-dir", default=None, metavar="DIR",
                    help="where reduce 'none' captures are written, one INDEX.safetensors per row "
                         "(default: OUTPUT.captures/)")
@@ -34,6 +35,6 @@ def add_logprobs_parser(sub, common: argparse.ArgumentParser, head: argparse.Arg
 def cmd_logprobs(args: argparse.Namespace) -> int:
     head_options(args).checked()  # fail before loading the model
     job = LogprobsRows(head_options(args), hook_specs(args), args.capture_dir or args.output + ".captures",
-                       args.keep_columns)
+                       args.keep_columns, **images_options(args))
     counts, _ = run_table(args, args.make_scorer(args), job)
     return exit_code(counts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -41,6 +42,19 @@ def add_table_args(p: argparse.ArgumentParser, required: bool) -> None:
                                        "input column; a result column of the same name replaces it)")
     t.add_argument("--batch-rows", type=int, default=64, metavar="N",
                    help="input rows per batch: results reach the output at least this often (default: %(default)s)")
+
+
+def add_images_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--images-column", default=None, metavar="NAME",
+                   help="a column of each row's prompt images (a model with a vision tower): a path relative to "
+                        "the table file's folder, bytes, a data: URL, or a list of them (JSON text in CSV); one "
+                        "placeholder per image in the prompt. A row whose image cannot be read fails alone")
+
+
+def images_options(args: argparse.Namespace) -> dict:
+    """The job's ``images_column`` and ``base_dir`` (the input file's folder; stdin: the current one)."""
+    base = os.path.dirname(os.path.abspath(args.input)) if args.input not in (None, "-") else ""
+    return {"images_column": args.images_column, "base_dir": base}
 
 
 class Progress:

@@ -10,7 +10,7 @@ from ..io.jsonsafe import dumps
 from ..jobs import ScoreRows, join_continuation
 from .common import head_options, hooks_parser, json_option
 from .report import add_html_option, check_html, score_html
-from .rows import add_table_args, exit_code, run_table
+from .rows import add_images_arg, add_table_args, exit_code, images_options, run_table
 
 
 def add_score_parser(sub, common: argparse.ArgumentParser, head: argparse.ArgumentParser) -> None:
@@ -29,6 +29,7 @@ def add_score_parser(sub, common: argparse.ArgumentParser, head: argparse.Argume
                    help="put between PROMPT and each CONT unless either side already has whitespace there "
                         "(default: a space, so Paris is scored as ' Paris')")
     add_table_args(p, required=False)
+    add_images_arg(p)
     add_html_option(p)
     p.set_defaults(func=cmd_score)
 
@@ -38,6 +39,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     check_html(args)
     if args.input is not None:
         return _score_table(args)
+    if args.images_column is not None:
+        raise LogprobeError("--images-column", "names a column of --input's table", "give --input FILE")
     if args.prompt is None or not args.continuations:
         raise LogprobeError("score", "needs PROMPT and at least one CONT, or --input FILE --output FILE",
                             'e.g. logprobe score "The capital of France is" Paris London')
@@ -59,7 +62,7 @@ def _score_table(args: argparse.Namespace) -> int:
         raise LogprobeError("--output", "is needed with --input", "give --output FILE.jsonl or FILE.parquet")
     if args.steer or args.capture:
         raise LogprobeError("--steer", "is not available for table files yet", "use logprobe logprobs, or the API")
-    job = ScoreRows(head_options(args), args.join, args.keep_columns)
+    job = ScoreRows(head_options(args), args.join, args.keep_columns, **images_options(args))
     counts, _ = run_table(args, args.make_scorer(args), job)
     return exit_code(counts)
 

@@ -50,10 +50,11 @@ class RunCounts:
     stopped: bool = False
 
 
-def row_head(row: Row, keep: tuple[str, ...] | None, echo_id: bool = False) -> dict:
+def row_head(row: Row, keep: tuple[str, ...] | None, echo_id: bool = False, images_column: str | None = None) -> dict:
     """``{"index": i}``, then ``id`` (when echoed) and the kept input columns (None where missing);
-    ``keep`` None: every input column but ``index`` and ``error`` (the output's own), as the Ray
-    path passes them through (a result column of the same name replaces it).
+    ``keep`` None: every input column but ``index``, ``error`` (the output's own) and
+    ``images_column`` (image bytes are not copied into every output row), as the Ray path passes
+    them through (a result column of the same name replaces it).
 
     >>> row_head(Row(3, "row 4", {"q": 1, "index": 9, "text": "a"}), None)
     {'index': 3, 'q': 1, 'text': 'a'}
@@ -63,7 +64,7 @@ def row_head(row: Row, keep: tuple[str, ...] | None, echo_id: bool = False) -> d
     if echo_id:
         head["id"] = data.get("id")
     if keep is None:
-        keep = tuple(k for k in data if k not in ("index", "error"))
+        keep = tuple(k for k in data if k not in ("index", "error", images_column))
     head.update((k, data.get(k)) for k in keep)
     return head
 
@@ -95,7 +96,7 @@ def run_rows(scorer, job, rows: Iterable[Row], sink, *, done: set[int] = frozens
                 if row.problem is not None:  # unreadable (not JSON): reported as the reader words it
                     _failed(sink, job.head(row), row.where, row.problem, counts, report)
                 else:
-                    check_no_media({k: v for k, v in row.data.items() if v is not None}, "")  # a media column
+                    check_media(row, getattr(job, "images_column", None))
                     works.append(job.work(row, scorer.context))
             except LogprobeError as e:
                 _failed(sink, job.head(row), row.where, str(e), counts, report)
@@ -104,6 +105,17 @@ def run_rows(scorer, job, rows: Iterable[Row], sink, *, done: set[int] = frozens
         if counts.stopped:
             break
     return counts
+
+
+def check_media(row: Row, images_column: str | None) -> None:
+    """Refuse a row with a media column (``images``, ``image_data``, ...) that the job does not
+    read: its text would be scored without it. The job's ``images_column`` is read."""
+    try:
+        check_no_media({k: v for k, v in row.data.items() if v is not None and k != images_column}, "")
+    except LogprobeError as e:
+        raise LogprobeError(e.field, "is a media column this job does not read (the text would be scored "
+                            "without it)", f"name it with --images-column {e.field} (a model with a vision "
+                            "tower), or drop the column") from e
 
 
 class ListSink:

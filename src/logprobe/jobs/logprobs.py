@@ -8,6 +8,9 @@ Optional per-row fields override the job's options: ``temperature``, ``top_k``, 
     {"prompt_token_ids": [1, 504], "completion_token_ids": [3575, 282], "id": "a"}
  -> {"index": 0, "id": "a", "logprobs": [-9.1, -0.7], "sum_logprob": -9.8, "is_greedy": [false, true]}
 
+With ``images_column`` (a model with a vision tower), that column holds the prompt's images
+(``jobs.images``): ``prompt_token_ids`` has the image token once per image, or expanded.
+
 >>> LogprobsRows().float32_columns >= {"logprobs", "entropy", "top_k_logprobs"}
 True
 """
@@ -24,6 +27,7 @@ from ..scoring.sequences import sequence_request, sequence_result
 from ..scoring.work import Job, ScoringContext
 from . import fields
 from .base import RowWork, row_head
+from .images import rename_image_field, row_images
 
 
 @dataclass(slots=True)
@@ -32,10 +36,12 @@ class LogprobsRows:
     hooks: HookSpecs = HookSpecs()
     capture_dir: str = "captures"
     keep: tuple[str, ...] = ()
+    images_column: str | None = None  # a column of the prompt's images (jobs.images), e.g. "image"
+    base_dir: str = ""  # where relative image paths start: the table file's folder
     float32_columns = frozenset({"logprobs", "entropy", "top_k_logprobs"})
 
     def head(self, row: Row) -> dict:
-        return row_head(row, self.keep, echo_id=True)
+        return row_head(row, self.keep, echo_id=True, images_column=self.images_column)
 
     def result_types(self, names=()) -> dict[str, str]:
         """The result columns every output row has (null in a failed row), as ``io.parquet.arrow_type``
@@ -59,6 +65,10 @@ class LogprobsRows:
                            fields.flag(get("entropy", opts.entropy), "entropy")).checked()
         seq = {k: fields.id_list(data.get(k), k) if not fields.missing(data.get(k)) else None
                for k in ("prompt_token_ids", "completion_token_ids")}
+        images = row_images(data.get(self.images_column), self.images_column, self.base_dir) \
+            if self.images_column else None
+        if images is not None:
+            seq["images"] = images
         try:
             caps, steers = context.hook_specs(HookSpecs(
                 fields.json_value(get("capture", self.hooks.capture), "capture"),
@@ -66,7 +76,8 @@ class LogprobsRows:
             req = sequence_request(context, seq, index, head, caps, steers)
         except LogprobeError as e:  # "sequences[i].completion_token_ids[3]" -> "completion_token_ids[3]"
             field = e.field.removeprefix(f"sequences[{index}]").lstrip(".").lstrip(": ") or "line"
-            raise LogprobeError(field, e.problem, e.fix) from e
+            raise LogprobeError(rename_image_field(field, self.images_column) if images else field,
+                                e.problem, e.fix) from e
 
         def finish(results) -> dict:
             res = sequence_result(req, results[0], caps)

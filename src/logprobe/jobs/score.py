@@ -9,6 +9,9 @@ with ``messages`` (a chat) scores its final assistant message instead (``jobs.ch
  -> {"index": 0, "continuation": " Paris", "log_prob": -0.2581, "num_tokens": 1, "is_greedy": true,
      "token_logprobs": [-0.2581]}
 
+With ``images_column`` (a model with a vision tower), that column holds the prompt's images
+(``jobs.images``), one placeholder each in ``prompt`` (Qwen3.5: ``<|image_pad|>``).
+
 >>> ScoreRows().float32_columns >= {"token_logprobs", "entropy"}
 True
 """
@@ -25,6 +28,7 @@ from ..scoring.work import Job, ScoringContext
 from . import fields
 from .base import RowWork, row_head
 from .chat import chat_row_job
+from .images import rename_image_field, row_images
 
 SCORE_COLUMNS = ("continuation", "log_prob", "num_tokens", "is_greedy", "token_logprobs", "entropy", "top_k_ids",
                  "top_k_logprobs")
@@ -48,10 +52,12 @@ class ScoreRows:
     options: HeadOptions = HeadOptions()
     join: str = " "
     keep: tuple[str, ...] = ()
+    images_column: str | None = None  # a column of the prompt's images (jobs.images), e.g. "image"
+    base_dir: str = ""  # where relative image paths start: the table file's folder
     float32_columns = frozenset({"token_logprobs", "entropy", "top_k_logprobs"})
 
     def head(self, row: Row) -> dict:
-        return row_head(row, self.keep)
+        return row_head(row, self.keep, images_column=self.images_column)
 
     def result_types(self, names=()) -> dict[str, str]:
         """The result columns every output row has (null in a failed row), as ``io.parquet.arrow_type``
@@ -89,7 +95,13 @@ class ScoreRows:
         else:
             raise LogprobeError("continuation", "is missing", "give a continuation or continuations column")
         conts = [join_continuation(prompt, c, self.join) for c in conts]
-        job = score_job(context, prompt, conts, self.options)
+        images = row_images(data.get(self.images_column), self.images_column, self.base_dir) \
+            if self.images_column else None
+        try:
+            job = score_job(context, prompt, conts, self.options, images=images)
+        except LogprobeError as e:  # the library's "images[1]" is the table's "image[1]"
+            raise LogprobeError(rename_image_field(e.field, self.images_column) if images else e.field,
+                                e.problem, e.fix) from e
 
         def finish(results) -> dict:
             cols = [score_columns(s) for s in job.finish(results)]

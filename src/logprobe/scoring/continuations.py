@@ -26,8 +26,10 @@ from .work import Job, ScoringContext
 
 
 def score_job(context: ScoringContext, prompt: str, continuations: str | Sequence[str],
-              head: HeadOptions = HeadOptions(), hooks: HookSpecs = HookSpecs()) -> Job:
-    """``Scorer.score_job``: one request per continuation after ``prompt``."""
+              head: HeadOptions = HeadOptions(), hooks: HookSpecs = HookSpecs(), images=None) -> Job:
+    """``Scorer.score_job``: one request per continuation after ``prompt``. ``images`` (a model with
+    a vision tower): the prompt's, one placeholder each in it (``scoring.images``); each request
+    has them, their tokens expanded in its context (the images processed once for all)."""
     if isinstance(continuations, str):
         continuations = [continuations]
     if not isinstance(prompt, str):
@@ -37,6 +39,7 @@ def score_job(context: ScoringContext, prompt: str, continuations: str | Sequenc
         raise LogprobeError("continuations", "is empty", "give at least one continuation")
     head = head.checked()
     caps, steers = context.hook_specs(hooks)
+    given = None if images is None else prompt_images(context, prompt, images)
     requests, texts = [], []
     n_spaces = len(prompt) - len(prompt.rstrip())
     for i, c in enumerate(continuations):
@@ -44,15 +47,45 @@ def score_job(context: ScoringContext, prompt: str, continuations: str | Sequenc
             raise LogprobeError("continuations", f"must be strings, got {type(c).__name__}")
         check_text(c, f"continuations[{i}]")
         ctx, cont = split(context.tokenizer, prompt, c)
+        img = None
+        if given is not None:
+            ctx, img = with_images(context, ctx, cont, given, f"continuations[{i}]")
         check_length(len(ctx) + len(cont), "prompt + continuation", context.max_length)
         st, ca = request_hooks(caps, steers, len(ctx) + len(cont), len(ctx),
                                f"continuations[{i}]: " if len(continuations) > 1 else "",
                                deterministic=context.deterministic)
-        requests.append(ScoreRequest(ctx + cont, len(ctx), head.temperature, head.top_k, head.entropy, st, ca))
+        requests.append(ScoreRequest(ctx + cont, len(ctx), head.temperature, head.top_k, head.entropy, st, ca,
+                                     images=img))
         texts.append((prompt[len(prompt) - n_spaces:] if n_spaces else "") + c)  # the moved whitespace
     tokenizer = context.tokenizer
     return Job(requests, lambda results: [continuation_score(tokenizer, t, r, res, caps)
                                           for t, r, res in zip(texts, requests, results)])
+
+
+def prompt_images(context: ScoringContext, prompt: str, images) -> tuple:
+    """(pixel values, grids) of a text prompt's images, one placeholder each in it."""
+    reader = context.check_images("images")
+    if not isinstance(images, (list, tuple)) or not images:
+        raise LogprobeError("images", "must be a non-empty list of images")
+    mark = reader.placeholder
+    if prompt.count(mark) != len(images):
+        raise LogprobeError("images", f"{len(images)} images for {prompt.count(mark)} {mark} placeholders in the "
+                            "prompt", f"write {mark} once per image, where it stands")
+    return reader.patches(list(images), "images")
+
+
+def with_images(context: ScoringContext, ctx: list[int], cont: list[int], given: tuple, field: str):
+    """A continuation's context ids with each placeholder expanded to its image's tokens, and the
+    request's ``ImageInputs``: (ids, images). Only text is scored: a placeholder in the
+    continuation is refused by name."""
+    reader = context.images
+    pixels, grids = given
+    marks = {reader.image_token_id, reader.tokenizer.hf.convert_tokens_to_ids(reader.placeholder)}
+    if marks & set(cont):
+        raise LogprobeError(field, f"holds the image placeholder {reader.placeholder}: only text is scored",
+                            "put the images in the prompt")
+    ctx = reader.expand(ctx, grids, "images")
+    return ctx, reader.inputs(ctx + cont, pixels, grids, "images")
 
 
 def loglikelihood_job(context: ScoringContext, pairs: Sequence[tuple[str, str]]) -> Job:

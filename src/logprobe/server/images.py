@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import LogprobeError
+from ..io.images import check_pixels
 from .config import ServerConfig
 
 FETCH_CHUNK = 1 << 16
@@ -96,28 +96,6 @@ def fetch(url: str, field: str, config: ServerConfig) -> bytes:
                         "send a smaller image")
 
 
-def check_pixels(data: bytes, field: str, max_pixels: int) -> None:
-    """Refuse an image of more than ``max_pixels`` pixels, or one whose header is unreadable, from
-    its header alone (decoding comes later, in the library)."""
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError as e:
-        raise LogprobeError(field, "reading images needs Pillow", "pip install 'logprobe[images]'") from e
-    try:
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
-            w, h = image.size
-    except Image.DecompressionBombError as e:  # Pillow's own ceiling, far above ours
-        raise LogprobeError(field, f"has too many pixels ({e})", f"send at most {max_pixels} pixels") from e
-    except UnidentifiedImageError as e:
-        raise LogprobeError(field, f"is not an image in a format Pillow reads (its first bytes: {data[:8]!r})",
-                            "give a PNG, JPEG, WebP or GIF image") from e
-    except (OSError, ValueError, SyntaxError) as e:
-        raise LogprobeError(field, f"is not a readable image: {e}", "give a PNG, JPEG, WebP or GIF image") from e
-    if w * h > max_pixels:
-        raise LogprobeError(field, f"is {w} x {h} = {w * h} pixels, more than this server's limit of {max_pixels}",
-                            "send a smaller image (or start the server with a larger --max-image-pixels)")
-
-
 class ImageBudget:
     """The images of one HTTP request, counted against ``max_images_per_request`` as they are read."""
 
@@ -133,7 +111,8 @@ class ImageBudget:
                                 f"{limit}", "send fewer images per request (or start the server with a larger "
                                 "--max-images-per-request)")
         data = image_bytes(value, field, self.config, bare_base64)
-        check_pixels(data, field, self.config.max_image_pixels)
+        check_pixels(data, field, self.config.max_image_pixels,
+                     "send a smaller image (or start the server with a larger --max-image-pixels)")
         return data
 
 

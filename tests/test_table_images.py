@@ -1,0 +1,97 @@
+"""An image column in table jobs (``--images-column``, ``jobs.images``) through the real CLI entry
+point, on ``test_qwen3_5_images``'s tiny Qwen3.5 with its vision tower: paths relative to the
+table file (run from another folder), lists of them, Parquet bytes; the numbers are the library's,
+bitwise (deterministic mode, the CLI's cached model); a row whose image cannot be read fails
+alone, naming the row and the column, and the other rows are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from logprobe.cli.main import get_scorer, main
+from logprobe.scoring.continuations import split
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL.Image")
+from test_qwen3_5_images import PAD, SEEDS, _image, _make, _png, _save_processor  # noqa: E402
+from test_qwen3_next import _randomise  # noqa: E402
+
+A, B = _png(_image(32, 48, 1)), _png(_image(48, 48, 2))
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("table-qwen3_5")
+    torch.manual_seed(0)
+    model = _make("qwen3_5").float().eval()
+    _randomise(model, seed=SEEDS["qwen3_5"])
+    model.save_pretrained(str(d))
+    _save_processor(d)
+    return str(d)
+
+
+def _args(vl_dir: str) -> list[str]:
+    return ["--model", vl_dir, "--device", "cpu", "--dtype", "float32", "--deterministic", "--quiet"]
+
+
+def _rows(path) -> dict[int, dict]:
+    return {r["index"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.slow  # the CLI on a vision checkpoint: ~5 s on 2 cores
+def test_logprobs_table_with_an_images_column(vl_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "data" / "imgs").mkdir(parents=True)
+    (tmp_path / "data" / "imgs" / "a.png").write_bytes(A)
+    (tmp_path / "data" / "imgs" / "b.png").write_bytes(B)
+    (tmp_path / "data" / "imgs" / "bad.png").write_bytes(A[:100])  # truncated
+    scorer = get_scorer(vl_dir, "cpu", "float32", deterministic=True)
+    one = scorer.tokenizer.encode(f"Look: {PAD} what?")
+    two = scorer.tokenizer.encode(f"{PAD} and {PAD}: same?")
+    completion = scorer.tokenizer.encode(" A square.")
+    rows = [{"prompt_token_ids": one, "completion_token_ids": completion, "image": "imgs/a.png"},
+            {"prompt_token_ids": two, "completion_token_ids": completion, "image": ["imgs/a.png", "imgs/b.png"]},
+            {"prompt_token_ids": one, "completion_token_ids": completion, "image": "imgs/missing.png"},
+            {"prompt_token_ids": two, "completion_token_ids": completion, "image": ["imgs/a.png", "imgs/bad.png"]},
+            {"prompt_token_ids": one, "completion_token_ids": completion, "image": ["imgs/a.png", "imgs/b.png"]},
+            {"prompt_token_ids": [5, 6], "completion_token_ids": completion, "image": None}]
+    inp, out = tmp_path / "data" / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # paths are the table file's, not the current folder's
+    assert main(["logprobs", "--input", str(inp), "--output", str(out), "--images-column", "image",
+                 *_args(vl_dir)]) == 1
+    err = capsys.readouterr().err
+    assert "line 3: image: 'imgs/missing.png' cannot be read" in err
+    assert "line 4: image[1]: is not a readable image" in err
+    assert "line 5: image: 2 images" in err  # one placeholder, two images
+    got = _rows(out)
+    assert [bool(got[i].get("error")) for i in range(6)] == [False, False, True, True, True, False]
+    want = scorer.logprobs([{"prompt_token_ids": one, "completion_token_ids": completion, "images": [A]},
+                            {"prompt_token_ids": two, "completion_token_ids": completion, "images": [A, B]},
+                            {"prompt_token_ids": [5, 6], "completion_token_ids": completion}])
+    assert [got[i]["logprobs"] for i in (0, 1, 5)] == [w.logprobs.tolist() for w in want]  # bitwise
+
+
+@pytest.mark.slow  # pyarrow and the CLI on a vision checkpoint: ~7 s on 2 cores
+def test_score_parquet_with_image_bytes(vl_dir, tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    prompt = f"Look: {PAD} what is it?"
+    table = pa.table({"prompt": [prompt, prompt, f"{PAD}{PAD}"], "continuation": ["A square", "A cat", "Two"],
+                      "image": [A, B, A]})
+    inp, out = tmp_path / "in.parquet", tmp_path / "out.jsonl"
+    pq.write_table(table, inp)
+    assert main(["score", "--input", str(inp), "--output", str(out), "--images-column", "image",
+                 *_args(vl_dir)]) == 1
+    assert "row 3: image: 1 images for 2 <|image_pad|> placeholders" in capsys.readouterr().err
+    got = _rows(out)
+    scorer = get_scorer(vl_dir, "cpu", "float32", deterministic=True)
+    for i, (cont, png) in enumerate([(" A square", A), (" A cat", B)]):
+        ids = split(scorer.tokenizer, prompt, cont)[1]
+        want = scorer.logprobs([{"prompt": prompt, "completion_token_ids": ids, "images": [png]}])[0]
+        assert got[i]["token_logprobs"] == want.logprobs.tolist()  # bitwise
+        assert got[i]["continuation"] == cont
