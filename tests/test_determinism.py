@@ -199,3 +199,27 @@ def test_engines_sharing_a_model_each_run_under_their_own_numerics(loaded):
     assert held.row_tile == 128 and held.column_blocks and held == det.numerics
     det.run(reqs[:1])
     assert model.numerics is held  # the same config: the layers were not handed a new object
+
+
+def test_passes_run_autotuned_kernels_pinned_in_deterministic_mode(loaded):
+    """Every forward pass runs inside its engine's tuning mode: the autotuners pinned in
+    deterministic mode (``kernels.tuning.pinned``: no timed configuration), as tuned in default
+    mode; engines of both modes on one model alternate."""
+    pytest.importorskip("triton")
+    from logprobe.engine.runner import Engine
+    from logprobe.kernels import tuning
+
+    model = loaded["llama"].model
+    seen = []
+    hook = model.register_forward_pre_hook(lambda *_: seen.append(tuning._PINNED.get()))
+    try:
+        engines = [Engine(model, EngineConfig(max_batch_tokens=64, deterministic=d), torch.device("cpu"))
+                   for d in (True, False)]
+        for e in engines:  # on CPU no tuning is bound: bind one, as on CUDA
+            e.tuning = tuning.KernelTuning("Test GPU", None, packages=("no.such.package",)).start()
+        for e, pinned in (*zip(engines, (True, False)), (engines[0], True)):
+            seen.clear()
+            assert e.run(random_mix(seed=3)[:3]) and seen and set(seen) == {pinned}
+    finally:
+        hook.remove()
+    assert tuning._PINNED.get() is False

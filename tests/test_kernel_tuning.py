@@ -178,3 +178,143 @@ def test_shipped_table_spares_the_first_process(tmp_path):
     got, _ = _run(tmp_path, cache, shipped)
     assert got["timed"] == [16, 32, 64] and got["seeded"] == 1 and got["shipped"] == 2
     assert got["added"] == 1  # the re-tuned key (the seeded one was already in the table)
+
+
+# --- deterministic mode: one pinned configuration per kernel, never a timed one -----------------
+
+def _configs():
+    import triton
+
+    return [triton.Config({"BK": 128, "BV": 128}, num_warps=8, num_stages=3),
+            triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=3),
+            triton.Config({"BK": 32, "BV": 32}, num_warps=2, num_stages=3)]
+
+
+OUT_KERNEL = "fla.ops.common.chunk_o.chunk_fwd_kernel_o"
+KEY = (16, 32, 128, 128, 64, False, "torch.bfloat16")
+
+
+@pytest.mark.parametrize("kernel,offered,pinned", [
+    (OUT_KERNEL, [0, 1, 2], {"kwargs": {"BK": 64, "BV": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1}),  # PINS
+    (OUT_KERNEL, [2, 0], {"kwargs": {"BK": 32, "BV": 32}, "num_warps": 2, "num_stages": 3, "num_ctas": 1}),  # not offered: first
+    ("fla.ops.other.kernel", [1, 2], {"kwargs": {"BK": 64, "BV": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1}),
+])
+def test_pinned_config_gold(kernel, offered, pinned):
+    """The pure rule: the kernel's PINS record where offered, else its first configuration; and the
+    cache of a bound autotuner answers it for any key while pinned, whatever it holds."""
+    from types import SimpleNamespace
+
+    from logprobe.kernels.tuning import bind_pins, config_record, pinned_config
+    from logprobe.kernels.tuning import pinned as pinned_mode
+
+    configs = [_configs()[i] for i in offered]
+    assert config_record(pinned_config(kernel, configs)) == pinned
+    tuner = SimpleNamespace(configs=configs, cache={KEY: configs[-1]})  # a table's or a timing's choice
+    assert bind_pins({kernel: tuner}) == 1 and bind_pins({kernel: tuner}) == 0
+    with pinned_mode():
+        assert KEY in tuner.cache and (1, "other key") in tuner.cache
+        assert config_record(tuner.cache[KEY]) == pinned and config_record(tuner.cache[(1,)]) == pinned
+        with pinned_mode(False):  # default mode inside: the entries as they are
+            assert tuner.cache[KEY] is configs[-1] and (1,) not in tuner.cache
+    assert tuner.cache[KEY] is configs[-1] and (1,) not in tuner.cache and dict(tuner.cache) == {KEY: configs[-1]}
+
+
+def test_pins_are_the_shipped_h200_choices():
+    """PINS is the H200 table's choice for each kernel it holds (so an H200 runs deterministic mode
+    at the tuned speed at those shapes), and covers every fla kernel the table holds."""
+    from logprobe.kernels.tuning import PINS, SHIPPED
+
+    (path,) = SHIPPED.glob("NVIDIA_H200-*.json")
+    kernels = json.loads(path.read_text())["kernels"]
+    assert sorted(PINS) == sorted(kernels)
+    for name, entries in kernels.items():
+        assert list(entries.values()) == [PINS[name]], name
+
+
+SUM_KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.autotune(configs=[triton.Config({"BK": 16}, num_warps=1), triton.Config({"BK": 64}, num_warps=1)], key=["n"])
+@triton.jit
+def total(x_ptr, y_ptr, n, BK: tl.constexpr):
+    acc = tl.zeros([BK], dtype=tl.float32)  # BK partial sums: BK splits the reduction
+    for i in range(0, n, BK):
+        offs = i + tl.arange(0, BK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(y_ptr, tl.sum(acc, axis=0))
+'''
+
+# One process: a table (argv[1]) names BK = 64 for the key; the kernel's timing is replaced by one
+# preferring ``prefer``. Each case empties the autotuner's cache first (a fresh process) or not.
+SUM_CHILD = '''
+import json, sys
+from pathlib import Path
+import torch
+import sumk
+from logprobe.kernels.tuning import KernelTuning
+t = KernelTuning("Test GPU", None, packages=("sumk",), shipped=Path(sys.argv[1])).start()
+x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1000
+prefer, timed = [0], []
+def bench(*args, config, **kwargs):
+    timed.append(config.kwargs["BK"])
+    return [1.0 if config.kwargs["BK"] == prefer[0] else 2.0]
+sumk.total._bench = bench
+def bits(fn, **kw):
+    y = torch.zeros(1)
+    fn[(1,)](x, y, 1000, **kw)
+    return y.view(torch.int32).item()
+def case(deterministic, fresh, best):
+    if fresh:
+        dict.clear(sumk.total.cache)
+    prefer[0] = best
+    timed.clear()
+    with t.mode(deterministic):
+        out = bits(sumk.total)
+    return {"bits": out, "timed": list(timed)}
+out = {"bk16": bits(sumk.total.fn, BK=16), "bk64": bits(sumk.total.fn, BK=64), "seeded": t.seeded}
+out["det_table"] = case(True, False, 64)
+out["default_table"] = case(False, False, 64)
+out["det_fresh64"] = case(True, True, 64)
+out["det_fresh16"] = case(True, True, 16)
+out["added_det"] = t.after_run()
+out["default_fresh64"] = case(False, True, 64)
+out["det_after_tuning"] = case(True, False, 16)
+out["default_fresh16"] = case(False, True, 16)
+out["added_default"] = t.after_run()
+print(json.dumps(out))
+'''
+
+
+def test_deterministic_mode_pins_a_reduction_split(tmp_path):
+    """A kernel whose two configurations split a sum differently (other bits): in deterministic mode
+    it gives the pinned configuration's bits (the first: not in PINS), times nothing and records
+    nothing, whether a table names the other, the timing prefers either, or a default-mode run tuned
+    the key; in default mode the table and the timing choose as before."""
+    (tmp_path / "sumk.py").write_text(SUM_KERNEL)
+    shipped = tmp_path / "shipped"
+    write_table(shipped / "t.json", TuningTable({"device": "Test GPU", "triton": __import__("triton").__version__,
+                                                 "fla": _fla_version()},
+                                                {"sumk.total": {'[1000, "torch.float32", "torch.float32"]': {
+                                                    "kwargs": {"BK": 64}, "num_warps": 1, "num_stages": 3,
+                                                    "num_ctas": 1}}}))
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); sys.argv = ['x', {str(shipped)!r}]\n"
+    proc = run_interpreted(code + textwrap.dedent(SUM_CHILD))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    bk16, bk64 = got["bk16"], got["bk64"]
+    assert bk16 != bk64 and got["seeded"] == 1  # the split changes the bits
+    for name in ("det_table", "det_fresh64", "det_fresh16", "det_after_tuning"):
+        assert got[name] == {"bits": bk16, "timed": []}, name
+    assert got["added_det"] == 0  # the pin is never recorded as a choice
+    assert got["default_table"] == {"bits": bk64, "timed": []}  # the table's choice
+    assert got["default_fresh64"] == {"bits": bk64, "timed": [16, 64]}
+    assert got["default_fresh16"] == {"bits": bk16, "timed": [16, 64]}
+    assert got["added_default"] == 1  # the key re-tuned to BK = 16 (the table said 64)
+
+
+def _fla_version():
+    from logprobe.kernels.tuning import identity_of
+
+    return identity_of("x")["fla"]

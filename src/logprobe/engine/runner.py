@@ -577,6 +577,13 @@ class Engine:
         self.passes += 1
         if isinstance(self.model, NumericsUser):
             self.model.set_numerics(self.numerics)  # a no-op unless another engine's ran last
+        if self.tuning is None:
+            return self._call_model(packed)
+        # deterministic: every autotuned kernel runs its pinned configuration, never a timed one
+        with self.tuning.mode(self.numerics.deterministic):
+            return self._call_model(packed)
+
+    def _call_model(self, packed: PackedBatch) -> torch.Tensor:
         if packed.images is not None:
             return self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks, images=packed.images)
         if packed.hooks is None:

@@ -34,6 +34,59 @@ Files: the shipped tables under ``kernels/tuned/*.json`` (read only) and the cac
 ``<cache dir>/<identity>.json`` (``KernelTuning``): read at start, written atomically (a
 temporary file renamed over it) when a run tuned something new. A corrupt cache file is a
 warning and a re-tune, never an error; a cache that cannot be written is a warning once.
+
+Deterministic mode never times. A timed choice can differ between two fresh processes (or between
+a process that tuned and one that read another machine's table), and a configuration can change
+bits, so in deterministic mode every autotuned kernel runs one configuration per kernel, the same
+for every key, in every process, whatever the tables, the cache or fla's own config files say:
+
+    pinned = PINS[kernel] if the kernel offers that configuration, else the kernel's first one
+
+``PINS`` holds the shipped H200 table's choices (Qwen3.5-4B shapes: H 16, HV 32, K = V = 128), so
+an H200 runs deterministic mode at the tuned speed there. Worked example, fla's output kernel with
+the configurations it lists on Hopper, then the list of a GPU without the pinned one:
+
+    >>> import triton
+    >>> o = "fla.ops.common.chunk_o.chunk_fwd_kernel_o"
+    >>> hopper = [triton.Config({"BK": 128, "BV": 128}, num_warps=8, num_stages=3),
+    ...           triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=3),
+    ...           triton.Config({"BK": 32, "BV": 32}, num_warps=2, num_stages=3)]
+    >>> pinned_config(o, hopper).kwargs
+    {'BK': 64, 'BV': 64}
+    >>> pinned_config(o, hopper[2:]).kwargs
+    {'BK': 32, 'BV': 32}
+
+Why a whole configuration and not a class of equivalent ones: of a Triton config's parameters only
+``num_stages`` (software pipelining: the same operations in the same order) leaves every value's
+reduction order alone. A block over a reduced dimension splits its sum (``BK`` below); ``num_warps``
+sets the thread layout that ``tl.sum`` / ``tl.cumsum`` reduce along and, on Hopper, the MMA
+instruction of a ``tl.dot`` (``mma.sync`` under 4 warps, ``wgmma`` from 4); a block over
+independent columns (``BV`` of the state kernel) sums nothing across blocks but changes the MMA's
+tile. Timing among configurations that differ in ``num_stages`` alone would save little, so none
+is timed. The autotuned kernels logprobe runs, all fla-core 0.6.0's (logprobe's own take fixed
+configurations; its L2 norm, autotuned per token count in fla, is ours: ``kernels.qk_norm``):
+
+===================================================  =========================  ======================
+kernel (fla.ops.)                                    what its configs vary      pinned (H200 table)
+===================================================  =========================  ======================
+utils.cumsum.chunk_local_cumsum_scalar_kernel        num_warps (the scan's      num_warps 2, stages 3
+                                                     tree)
+gated_delta_rule.chunk_fwd.chunk_gated_delta_rule_   BK (k·kᵀ's sum over K),    BK 64, warps 1,
+fwd_kkt_solve_kernel                                 num_warps                  stages 3
+gated_delta_rule.wy_fast.recompute_w_u_fwd_kernel    num_warps, num_stages      warps 4, stages 2
+common.chunk_delta_h.chunk_gated_delta_rule_fwd_     BV (state columns),        BV 32, warps 4,
+kernel_h_blockdim64                                  num_warps, num_stages      stages 4
+common.chunk_o.chunk_fwd_kernel_o                    BK (q·h and q·kᵀ over K),  BK 64, BV 64, warps 4,
+                                                     BV, num_warps              stages 3
+===================================================  =========================  ======================
+
+How: ``bind_pins`` gives each autotuner a ``PinnableCache`` (its ``Autotuner.cache``, the dict the
+tables seed and harvest); inside ``pinned()`` that cache holds every key, with the pinned
+configuration, so Triton's ``run`` times nothing and records nothing, and outside it is the plain
+dict again (default mode tunes as before, from the same tables). The engine enters ``pinned`` around
+each deterministic forward pass (``KernelTuning.mode``); a context variable, so another thread's
+engine in default mode is not affected. A pinned configuration that does not compile for a shape
+fails loudly (Triton's error), never silently.
 """
 
 from __future__ import annotations
@@ -46,7 +99,9 @@ import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 FORMAT = 1
@@ -237,7 +292,8 @@ def seed(autotuners: dict[str, object], table: TuningTable) -> int:
         for text, record in table.kernels.get(name, {}).items():
             key = key_from_text(text)
             config = matching_config(tuner.configs, record)
-            if config is not None and key not in tuner.cache:
+            # the entries themselves (a PinnableCache holds every key while pinned)
+            if config is not None and not dict.__contains__(tuner.cache, key):
                 tuner.cache[key] = config
                 put += 1
     return put
@@ -254,6 +310,72 @@ def harvest(autotuners: dict[str, object], table: TuningTable) -> int:
                 table.kernels.setdefault(name, {})[text] = record
                 added += 1
     return added
+
+
+# The H200 table's choices (kernels/tuned/NVIDIA_H200-*.json, Qwen3.5-4B shapes): deterministic
+# mode's configuration of each kernel, for every key (see the module docstring)
+PINS: dict[str, dict] = {
+    "fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel":
+        {"kwargs": {}, "num_warps": 2, "num_stages": 3, "num_ctas": 1},
+    "fla.ops.gated_delta_rule.chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel":
+        {"kwargs": {"BK": 64}, "num_warps": 1, "num_stages": 3, "num_ctas": 1},
+    "fla.ops.gated_delta_rule.wy_fast.recompute_w_u_fwd_kernel":
+        {"kwargs": {}, "num_warps": 4, "num_stages": 2, "num_ctas": 1},
+    "fla.ops.common.chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64":
+        {"kwargs": {"BV": 32}, "num_warps": 4, "num_stages": 4, "num_ctas": 1},
+    "fla.ops.common.chunk_o.chunk_fwd_kernel_o":
+        {"kwargs": {"BK": 64, "BV": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1},
+}
+# whether this thread's (context's) autotuned calls run pinned: set by ``pinned`` only. A context
+# variable because the autotuners are fla's module globals, shared by every engine of the process.
+_PINNED: ContextVar[bool] = ContextVar("logprobe_pinned_autotuning", default=False)
+
+
+def pinned_config(kernel: str, configs: list, pins: dict[str, dict] = PINS):
+    """The configuration deterministic mode runs ``kernel`` with, for every key: its ``pins``
+    record when ``configs`` offer it, else the first of ``configs`` (the module docstring's
+    example). Depends on the kernel's name and configuration list only, so every process of one
+    GPU kind and library versions pins the same."""
+    record = pins.get(kernel)
+    found = matching_config(configs, record) if record is not None else None
+    return found if found is not None else configs[0]
+
+
+class PinnableCache(dict):
+    """An autotuner's ``cache`` (key -> config, what the tables seed and harvest) that, inside
+    ``pinned()``, holds every key with the pinned configuration: Triton's ``Autotuner.run`` asks
+    only ``key in cache`` and ``cache[key]``, so it times and records nothing there."""
+
+    def __init__(self, pin, entries: dict) -> None:
+        super().__init__(entries)
+        self.pin = pin
+
+    def __contains__(self, key) -> bool:
+        return _PINNED.get() or super().__contains__(key)
+
+    def __getitem__(self, key):
+        return self.pin if _PINNED.get() else super().__getitem__(key)
+
+
+def bind_pins(autotuners: dict[str, object], pins: dict[str, dict] = PINS) -> int:
+    """Give each autotuner a ``PinnableCache`` (its entries kept); returns how many were bound."""
+    bound = 0
+    for name, tuner in autotuners.items():
+        if not isinstance(tuner.cache, PinnableCache):
+            tuner.cache = PinnableCache(pinned_config(name, tuner.configs, pins), tuner.cache)
+            bound += 1
+    return bound
+
+
+@contextmanager
+def pinned(on: bool = True) -> Iterator[None]:
+    """Within: the bound autotuners (``bind_pins``) run their pinned configurations (``on``),
+    or tune and read their caches as usual (not ``on``), in this thread only."""
+    token = _PINNED.set(on)
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
 
 
 def default_cache_dir() -> Path:
@@ -301,7 +423,16 @@ class KernelTuning:
         if len(sys.modules) != self._modules:
             self._modules = len(sys.modules)
             self._autotuners = find_autotuners(self.packages)
+            bind_pins(self._autotuners)
             self.seeded += seed(self._autotuners, self.table)
+
+    @contextmanager
+    def mode(self, deterministic: bool) -> Iterator[None]:
+        """Around a forward pass: the autotuners found (those of modules loaded since, too) run
+        their pinned configurations when ``deterministic``, else tune as the tables allow."""
+        self._scan()
+        with pinned(deterministic):
+            yield
 
     def after_run(self) -> int:
         """Record the run's new choices (written to the cache file); returns how many."""
