@@ -224,8 +224,13 @@ def test_config_refusals_and_keys(gemma_dirs):
                                                                         1e4)
     assert gemma_param_name("language_model.model.layers.0.mlp.up_proj.weight", cfg, "f") == "layers.0.mlp.up_proj.weight"
     assert gemma_param_name("language_model.lm_head.weight", cfg, "f") == "lm_head.weight"
-    assert gemma_param_name("vision_tower.vision_model.post_layernorm.weight", cfg, "f") is None
-    assert gemma_param_name("model.multi_modal_projector.mm_input_projection_weight", cfg, "f") is None
+    # the tower and projector are read (``test_gemma3_images``), the hub's vision_model. level dropped;
+    # SigLIP's pooling head is not
+    assert gemma_param_name("vision_tower.vision_model.post_layernorm.weight", cfg, "f") == \
+        "vision_tower.post_layernorm.weight"
+    assert gemma_param_name("model.multi_modal_projector.mm_input_projection_weight", cfg, "f") == \
+        "multi_modal_projector.mm_input_projection_weight"
+    assert gemma_param_name("model.vision_tower.head.probe", cfg, "f") is None
     with pytest.raises(LogprobeError, match="unexpected tensor"):
         gemma_param_name("mtp.layers.0.weight", cfg, "f")
     raw["quantization_config"] = {"quant_method": "fp8"}
@@ -270,23 +275,27 @@ def test_tp2_equals_tp1(gemma_dirs):
                     assert (x.logprobs - y.logprobs).abs().max() <= 1e-5
 
 
-def test_multimodal_checkpoint_names_the_skipped_towers(gemma_dirs, caplog):
-    """A Gemma 3 image-text checkpoint loads its text model; the vision tower and projector it
-    skips are counted in one warning (``checkpoint.tower_skipping_tensors``)."""
+def test_multimodal_checkpoint_loads_its_towers(gemma_dirs, caplog):
+    """A Gemma 3 image-text checkpoint loads its text model and its vision tower and projector
+    (``models.gemma3_vision``, ``test_gemma3_images``); SigLIP's pooling head (this config keeps
+    ``vision_use_head``), which Gemma 3 never reads, is skipped and counted in one warning."""
     import logging
 
     from safetensors import safe_open
 
     path = gemma_dirs["gemma3"][0]
-    towers = 0
+    towers = heads = 0
     for f in path.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as st:
-            towers += sum(k.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector."))
-                          for k in st.keys())
-    assert towers > 0
+            names = [k.removeprefix("model.").replace("vision_model.", "") for k in st.keys()]
+            towers += sum(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in names)
+            heads += sum(k.startswith("vision_tower.head.") for k in names)
     with caplog.at_level(logging.WARNING):
-        Scorer(str(path), device="cpu", dtype="float32")
-    assert f"skipped {towers} tensors not used to score text (vision tower, multimodal projector)" in caplog.text
+        scorer = Scorer(str(path), device="cpu", dtype="float32")
+    held = sum(1 for n, _ in scorer.loaded.model.named_parameters()
+               if n.startswith(("vision_tower.", "multi_modal_projector.")))
+    assert heads > 0 and held == towers - heads
+    assert f"skipped {heads} tensors not used to score text (the vision tower's pooling head)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         Scorer(str(gemma_dirs["gemma3_text"][0]), device="cpu", dtype="float32")

@@ -10,9 +10,18 @@ in that range puts ``embeds[i]`` (i: its order among the image tokens) at batch 
     >>> rows, embeds = image_rows(img, 3, 2, start=10)
     >>> rows.tolist(), embeds.tolist(), row_positions(img, 3, 2).tolist()
     ([10], [[2.0]], [[3, 4], [8, 9], [13, 14]])
+
+A model whose image tokens attend to each other both ways (Gemma 3: ``ImageFormat.bidirectional``)
+gives each run of image tokens a *span*: its rows see the keys up to the run's end
+(``bidirectional_spans``; ``layers.attention.Segment.spans``). A row inside a span depends on the
+image tokens after it, so no prefix may end inside a span: shared prefixes and the prefix cache
+key a span's tokens by the digest of all its images (``planned_ids``: two requests agree on a
+span whole or not from its first token), and a chunk never ends inside one (``chunk_end``).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import torch
@@ -21,18 +30,23 @@ from ..errors import LogprobeError
 from .request import ImageInputs, ScoreRequest
 
 
-def check_images(model, requests: list[ScoreRequest]) -> None:
+def check_images(model, requests: list[ScoreRequest], device: torch.device | None = None) -> None:
     """Refuse requests with images on a model without a vision tower (or whose tower is not on
-    this rank: tensor parallelism)."""
+    this rank: tensor parallelism), or whose bidirectional image attention the device's attention
+    path does not run (CUDA)."""
     i = next((i for i, r in enumerate(requests) if r.images is not None), None)
-    if i is None or getattr(model, "visual", None) is not None:
+    if i is None:
         return
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "vision", None) is not None:
+    fmt = getattr(model, "image_format", None)
+    if fmt is None:
+        raise LogprobeError(f"requests[{i}].images", f"{type(model).__name__} has no vision tower",
+                            "score images with a checkpoint that has its vision_config (Qwen3.5, Gemma 3)")
+    if not model.tower_here:
         raise LogprobeError("tensor_parallel_size", "images: the vision tower runs on one rank only",
                             "score images with tensor_parallel_size 1")
-    raise LogprobeError(f"requests[{i}].images", f"{type(model).__name__} has no vision tower",
-                        "score images with a Qwen3.5 checkpoint that has its vision_config")
+    if fmt.bidirectional and device is not None and device.type == "cuda":
+        raise LogprobeError("device", f"{device}: {type(model).__name__}'s images attend to themselves both ways, "
+                            "which the GPU attention path does not run yet", "score images on device 'cpu'")
 
 
 def embed_images(model, requests: list[ScoreRequest], indices) -> None:
@@ -63,26 +77,102 @@ def planned_ids(r: ScoreRequest) -> list[int]:
         ...                   np.zeros((3, 5), dtype=np.int64), ("0" * 64, "f" * 64))
         >>> planned_ids(ScoreRequest([5, 9, 6, 9, 7], 4, images=img))
         [5, -1, 6, -1152921504606846976]
+
+    With bidirectional spans each span's tokens stand for the digest of all its images (a prefix
+    never ends inside one): two images in one run of image tokens, all four marked alike:
+
+        >>> img = ImageInputs(torch.zeros(0, 1), ((1, 2, 2), (1, 2, 2)), np.array([1, 2, 3, 4]), None,
+        ...                   ("0" * 64, "f" * 64), spans=((1, 5),))
+        >>> ids = planned_ids(ScoreRequest([5, 9, 9, 9, 9, 7, 8], 5, images=img))
+        >>> ids[0], len(set(ids[1:5])), ids[1] < 0, ids[5]
+        (5, 1, True, 7)
     """
     ids = r.inputs
     if r.images is None:
         return ids
     img, out = r.images, list(ids)
-    patches = [t * h * w for t, h, w in img.grids]
-    merged = sum(patches) // max(len(img.token_index), 1)  # m²: patches per image token
-    per = [p // merged for p in patches]  # each image's tokens, in order
-    k = 0
-    for image, n in enumerate(per):
-        mark = -1 - int(img.keys[image][:15], 16)  # below every token id
-        for j in img.token_index[k:k + n]:
-            if j < len(out):
-                out[j] = mark
-        k += n
+    marks = _image_marks(img)
+    for j, mark in zip(img.token_index.tolist(), marks):
+        if j < len(out):
+            out[j] = mark
     return out
 
 
-def row_positions(img: ImageInputs, first: int, n: int) -> np.ndarray:
-    """Positions [3, n] of the request's rows first .. first + n - 1."""
+def _image_marks(img: ImageInputs) -> list[int]:
+    """Each image token's mark (below every token id): its image's digest, or with spans the
+    digest of the images of its span."""
+    patches = [t * h * w for t, h, w in img.grids]
+    merged = sum(patches) // max(len(img.token_index), 1)  # m²: patches per image token
+    owner = np.repeat(np.arange(len(patches)), [p // merged for p in patches])  # each token's image
+    keys = [img.keys[k] for k in owner.tolist()]
+    if img.spans:
+        index = img.token_index
+        for a, e in img.spans:
+            inside = np.nonzero((index >= a) & (index < e))[0]
+            joined = hashlib.sha256(",".join(dict.fromkeys(keys[k] for k in inside)).encode()).hexdigest()
+            for k in inside.tolist():
+                keys[k] = joined
+    return [-1 - int(key[:15], 16) for key in keys]
+
+
+def bidirectional_spans(token_index: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The runs of consecutive image tokens, [a, e) in token indices (transformers' Gemma 3 groups
+    image tokens into blocks the same way: ``get_block_sequence_ids_for_mask``; two images with no
+    token between them are one run).
+
+    >>> bidirectional_spans(np.array([2, 3, 4, 7, 8, 10]))
+    ((2, 5), (7, 9), (10, 11))
+    """
+    idx = np.asarray(token_index, dtype=np.int64)
+    if not len(idx):
+        return ()
+    breaks = np.nonzero(np.diff(idx) != 1)[0] + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(idx)]])
+    return tuple((int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(starts, ends))
+
+
+def segment_spans(img: ImageInputs | None, first: int, n: int) -> tuple[tuple[int, int], ...]:
+    """The spans of a request's rows first .. first + n - 1 (a segment; spans in token indices,
+    which are its key indices): each span that ends inside them, from ``first`` on (rows before
+    ``first`` are context, computed with the whole span). A span that runs past them cannot be
+    computed here: the engine never cuts there (``chunk_end``, ``planned_ids``).
+
+    >>> img = ImageInputs(torch.zeros(0, 1), (), np.array([]), None, (), spans=((2, 5), (7, 9)))
+    >>> segment_spans(img, 0, 6), segment_spans(img, 3, 7), segment_spans(img, 5, 2)
+    (((2, 5),), ((3, 5), (7, 9)), ())
+    """
+    if img is None or not img.spans:
+        return ()
+    out = []
+    for a, e in img.spans:
+        if e <= first or a >= first + n:
+            continue
+        if e > first + n:
+            raise LogprobeError("images", f"rows {first}..{first + n - 1} end inside the image tokens {a}..{e - 1}, "
+                                "whose rows attend to each other", "report this: a pass was cut inside an image")
+        out.append((max(a, first), e))
+    return tuple(out)
+
+
+def chunk_end(img: ImageInputs | None, b: int, e: int) -> int:
+    """The end of a chunk from row ``b`` planned to end at ``e``, moved out of a bidirectional span
+    it falls inside: back to the span's start when that is past ``b``, else on to the span's end.
+
+    >>> img = ImageInputs(torch.zeros(0, 1), (), np.array([]), None, (), spans=((10, 20),))
+    >>> chunk_end(img, 0, 15), chunk_end(img, 10, 15), chunk_end(img, 0, 20), chunk_end(None, 0, 15)
+    (10, 20, 20, 15)
+    """
+    for a, z in (img.spans if img is not None else ()):
+        if a < e < z:
+            return a if a > b else z
+    return e
+
+
+def row_positions(img: ImageInputs | None, first: int, n: int) -> np.ndarray:
+    """Positions of the request's rows first .. first + n - 1: [3, n] multimodal rows, or [n]."""
+    if img is None or img.positions is None:
+        return np.arange(first, first + n, dtype=np.int64)
     return img.positions[:, first:first + n]
 
 

@@ -33,9 +33,10 @@ class CaptureAt:
 
 @dataclass(slots=True)
 class ImageInputs:
-    """A request's images (Qwen3.5): the processor's patches, where their tokens are, and the
-    multimodal positions of every token (``models.qwen3_5_vision``). The engine runs the vision
-    tower once per request (``embeds``, kept here) and puts its rows at the image tokens.
+    """A request's images: the processor's patches, where their tokens are, the multimodal
+    positions of every token (Qwen3.5, ``models.qwen3_5_vision``) and the bidirectional spans of
+    its image tokens (Gemma 3). The engine runs the vision tower once per request (``embeds``,
+    kept here) and puts its rows at the image tokens.
 
     Two images, grids (1, 4, 4) and (1, 2, 4) merged by 2: 4 + 2 image tokens; ``token_index``
     lists the 6 tokens' indices in ``ScoreRequest.tokens``, ``embeds`` is then [6, H]."""
@@ -43,11 +44,14 @@ class ImageInputs:
     pixel_values: torch.Tensor  # [patches, patch_dim]: every image's patches, image after image
     grids: tuple[tuple[int, int, int], ...]  # each image's (t, h, w) patch grid
     token_index: np.ndarray  # [n] int64: the index of each image token in the request's tokens, in order
-    positions: np.ndarray  # [3, len(tokens)] int64: (t, h, w) position rows
+    positions: np.ndarray | None  # [3, len(tokens)] int64: (t, h, w) position rows; None: token indices
     # each image's digest (its pixel values and grid): two requests share prefix rows only where
     # their ids and the images among them are equal (``engine.images.planned_ids``)
     keys: tuple[str, ...]
     embeds: torch.Tensor | None = None  # [n, H] the tower's output, set by the engine (``engine.images``)
+    # token index spans [a, e) whose rows see the keys up to e (a run of image tokens attending to
+    # itself both ways: Gemma 3, ``engine.images.bidirectional_spans``); () for causal attention
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)

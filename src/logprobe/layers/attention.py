@@ -43,6 +43,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ..errors import LogprobeError
 from ..parallel.rows import RowSplit
 from .attention_gpu import (
     LONG_ROWS,
@@ -102,11 +103,15 @@ def _parts(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
 @dataclass(frozen=True, slots=True)
 class Segment:
     """Query rows ``start:end`` of the batch; ``context``: key-source row spans seen in full, in
-    position order, before the segment's own rows (which are key-source rows past+start:past+end)."""
+    position order, before the segment's own rows (which are key-source rows past+start:past+end).
+    ``spans``: bidirectional spans [a, e) in the segment's key indices (context keys first, then
+    its own rows), each within its own rows: a row at key index a <= i < e sees keys 0 .. e - 1
+    (a sliding window still applies: i - j < window), not only 0 .. i (Gemma 3's image tokens)."""
 
     start: int
     end: int
     context: tuple[tuple[int, int], ...] = ()
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_context(self) -> int:
@@ -173,10 +178,10 @@ class AttentionMeta:
 
         >>> meta = AttentionMeta([Segment(0, 4), Segment(4, 6, ((0, 4),)), Segment(6, 9)], kv_block=2)
         >>> meta.share(RowSplit((0, 6, 9), rank=1)).segments, meta.share(RowSplit((0, 6, 9), rank=1)).kv_block
-        ([Segment(start=0, end=3, context=())], 2)
+        ([Segment(start=0, end=3, context=(), spans=())], 2)
         """
         a, b = split.own
-        segs = [Segment(s.start - a, s.end - a, tuple((c0 - a, c1 - a) for c0, c1 in s.context))
+        segs = [Segment(s.start - a, s.end - a, tuple((c0 - a, c1 - a) for c0, c1 in s.context), s.spans)
                 for s in self.segments if a <= s.start and s.end <= b and s.end > s.start]
         return AttentionMeta(segs, kv_block=self.kv_block, rows=split)
 
@@ -221,6 +226,11 @@ def packed_attention(
     if meta.cache is not None:
         k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
     past = k.shape[0] - q.shape[0]
+    spans = [seg for seg in meta.segments if seg.spans]
+    if spans and (q.is_cuda or sinks is not None):
+        raise LogprobeError("device" if q.is_cuda else "sinks", f"bidirectional spans are not run "
+                            f"{'on ' + str(q.device) if q.is_cuda else 'with attention sinks'}",
+                            "score images on device 'cpu'")
     if q.is_cuda:
         # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py); also in
         # deterministic mode: a row's key blocks start at its sequence's first key and run in a
@@ -238,7 +248,41 @@ def packed_attention(
             out[seg.start:seg.end] = _sdpa(qs, ks, vs, scale, sliding_window, sinks)
         else:
             out[seg.start:seg.end] = _tiled(qs, ks, vs, scale, sliding_window, meta.kv_block, sinks)
+    for seg in spans:
+        _overwrite_spans(out, q, k, v, seg, past, scale, sliding_window, meta.kv_block)
     return out
+
+
+def _overwrite_spans(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment, past: int,
+                     scale: float, window: int | None, block: int | None) -> None:
+    """The rows of each bidirectional span [a, e) of ``seg`` computed again as queries at key
+    indices a .. e - 1 over the keys 0 .. e - 1 with no causal mask (only the window), written over
+    their causal rows in ``out``: the other rows keep their bits, and a span row's bits depend on
+    its query and keys alone (the tiled kernel's blocks aligned to key index 0, as ``_tiled``)."""
+    c = seg.num_context
+    ks, vs = _segment_keys(k, seg, past), _segment_keys(v, seg, past)  # [c + n, Hkv, D]
+    for a, e in seg.spans:
+        if not c <= a < e <= c + seg.end - seg.start:
+            raise LogprobeError("images", f"span {a}..{e - 1} is not within the segment's own rows {c}.."
+                                f"{c + seg.end - seg.start - 1}", "report this: a pass was cut inside an image")
+        rows = slice(seg.start + a - c, seg.start + e - c)
+        if block is None:
+            out[rows] = _sdpa_open(q[rows], ks[:e], vs[:e], scale, window)
+        else:
+            out[rows] = _tiled(q[rows], ks[:e], vs[:e], scale, window, block, causal=False)
+
+
+def _sdpa_open(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """Queries q [n, Hq, D] at key indices c .. c + n - 1 over every key k/v [c + n, Hkv, D], but
+    those past the window (i - j >= window) -> [n, Hq, D]."""
+    n, c = q.shape[0], k.shape[0] - q.shape[0]
+    mask = None
+    if window is not None:
+        qi = torch.arange(c, c + n, device=q.device)[:, None]
+        mask = qi - torch.arange(c + n, device=q.device)[None, :] < window
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
 
 
 def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, past: int, scale: float,
@@ -386,7 +430,7 @@ def _sdpa_sinks(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, c: int, sc
 
 
 def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
-           block: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           block: int, sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """The deterministic kernel for one segment: q [n, Hq, D], k/v [c + n, Hkv, D] -> [n, Hq, D].
 
     Query rows sit in tiles of ``block`` rows at their key index (tile t holds key indices
@@ -398,6 +442,8 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     window a block fully masked for a row leaves its state bitwise unchanged: alpha = 1, zero
     weights.) With ``sinks`` [Hq] every row starts from its head's sink (running max = sink,
     sum = 1, nothing accumulated): a row's bits still depend on nothing else in the call.
+    ``causal=False`` (a bidirectional span, ``_overwrite_spans``): every key is visible but for
+    the window (``_open_blocks``).
     """
     n, Hq, D = q.shape
     total, Hkv = k.shape[0], k.shape[1]
@@ -423,7 +469,9 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     if sinks is not None:  # exp(sink - max) joins the denominator; no value
         m = sinks.float().view(1, Hq, 1, 1).expand(n_tiles, Hq, B, 1).contiguous()
         s = torch.ones_like(s)
-    if window is None:
+    if not causal:
+        _open_blocks(qt, kb, vb, m, s, acc, first, scale, window, total)
+    elif window is None:
         _causal_blocks(qt, kb, vb, m, s, acc, first, scale)
     else:
         _window_blocks(qt, kb, vb, m, s, acc, first, scale, window, total)
@@ -474,3 +522,29 @@ def _window_blocks(qt, kb, vb, m, s, acc, first: int, scale: float, window: int,
         s[lo:hi] = s[lo:hi] * alpha + p.sum(-1, keepdim=True)
         acc[lo:hi] = acc[lo:hi] * alpha + torch.matmul(p.to(vb.dtype), vb[b]).float()
         m[lo:hi] = m_new
+
+
+def _open_blocks(qt, kb, vb, m, s, acc, first: int, scale: float, window: int | None, total: int) -> None:
+    """``_window_blocks`` with no causal mask: every tile meets every key block (but those wholly
+    past its window), the keys past ``total`` (padding) and, with a window, those with
+    i - j >= window masked; a row that saw nothing yet is handled as an exact no-op there."""
+    n_tiles, _, B, _ = qt.shape
+    qi = (first * B + torch.arange(n_tiles * B, device=qt.device)).view(n_tiles, 1, B, 1)  # key index of a query
+    for b in range(kb.shape[0]):
+        hi = n_tiles if window is None else min(n_tiles, (b * B + B - 1 + window - 1) // B - first + 1)
+        if hi <= 0:
+            continue
+        kj = (b * B + torch.arange(B, device=qt.device)).view(1, 1, 1, B)
+        mask = kj < total
+        if window is not None:
+            mask = mask & (qi[:hi] - kj < window)  # [t, 1, B, B]
+        z = torch.matmul(qt[:hi], kb[b].transpose(-1, -2)).float() * scale  # [t, Hq, B, B]
+        z = z.masked_fill(~mask, -torch.inf)
+        m_old = m[:hi]
+        m_new = torch.maximum(m_old, z.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows that saw nothing yet
+        alpha = torch.exp(m_old - m_safe)
+        p = torch.exp(z - m_safe)  # [t, Hq, B, B]
+        s[:hi] = s[:hi] * alpha + p.sum(-1, keepdim=True)
+        acc[:hi] = acc[:hi] * alpha + torch.matmul(p.to(vb.dtype), vb[b]).float()
+        m[:hi] = m_new

@@ -5,8 +5,11 @@
 Checkpoint keys as transformers 5 writes them (``model.layers.*``, or ``model.language_model.*``
 for the multimodal class) and as the hub's multimodal checkpoints ship them
 (``language_model.model.*``, ``language_model.lm_head.weight``); the vision tower and the
-multimodal projector are not used to score text and are skipped with one note; any other key is
-refused. ``lm_head.weight`` is read only when the embeddings are untied (Gemma 3 ties them).
+multimodal projector (``vision_tower.*``, ``multi_modal_projector.*``) are read where the config
+has its ``vision_config`` (``models.gemma3_vision``: text scored given images; on one rank: under
+tensor parallelism they are skipped with one note, and images refused), but for SigLIP's pooling
+head, which Gemma 3 never reads; any other key is refused. ``lm_head.weight`` is read only when the
+embeddings are untied (Gemma 3 ties them).
 
 Rotary bases: ``rope_parameters`` per layer type (transformers 5: ``full_attention`` and
 ``sliding_attention``, each default or linear), or the hub's ``rope_theta`` (full blocks, with
@@ -24,6 +27,7 @@ import torch
 from ..errors import LogprobeError
 from ..layers.parallel_linear import held_ranges
 from ..models.gemma import LAYER_TYPES, GemmaConfig, GemmaModel
+from ..models.gemma3_vision import SiglipConfig, siglip_config
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_weights_match, tower_skipping_tensors
@@ -38,6 +42,8 @@ GEMMA_TYPES = (TEXT_TYPE, WRAPPER)
 _SKIPPED = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+_POOLING_HEAD = "vision_tower.head."  # SigLIP's pooling head: Gemma 3 reads the last hidden state
+_TOWERS = ("vision_tower.", "multi_modal_projector.")  # the native names of the tower and projector
 
 
 def _text_config(raw: dict) -> tuple[dict, str]:
@@ -139,6 +145,7 @@ def gemma_config(raw: dict) -> GemmaConfig:
     scalar = cfg.get("query_pre_attn_scalar", 256)
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)):
         raise LogprobeError(f"{where}query_pre_attn_scalar", f"must be a number, got {scalar!r}")
+    vision, image_ids = _vision(raw, hidden)
     try:
         return GemmaConfig(
             vocab_size=_int(cfg, "vocab_size", where, 262_208),
@@ -161,6 +168,8 @@ def gemma_config(raw: dict) -> GemmaConfig:
             max_position_embeddings=_int(cfg, "max_position_embeddings", where, 131_072),
             final_logit_softcapping=float(cap) if cap is not None else None,
             family=mtype,
+            vision=vision,
+            **image_ids,
         )
     except LogprobeError as e:
         if e.field.startswith("config.") and where != "config.":  # name the key where it is: text_config
@@ -168,14 +177,30 @@ def gemma_config(raw: dict) -> GemmaConfig:
         raise
 
 
+def _vision(raw: dict, hidden: int) -> tuple[SiglipConfig | None, dict]:
+    """The multimodal wrapper's vision tower and image token ids (an image token outside the
+    vocabulary refuses images, not the text: ``scoring.work``); (None, {}) for text checkpoints."""
+    if raw.get("model_type") != WRAPPER or raw.get("vision_config") is None:
+        return None, {}
+    ids = {}
+    for name, keys, default in (("image_token_id", ("image_token_index", "image_token_id"), 262_144),
+                                ("boi_token_id", ("boi_token_index", "boi_token_id"), 255_999),
+                                ("eoi_token_id", ("eoi_token_index", "eoi_token_id"), 256_000)):
+        key = next((k for k in keys if raw.get(k) is not None), keys[0])
+        ids[name] = _int(raw, key, "config.", default)
+    return siglip_config(raw["vision_config"], _int(raw, "mm_tokens_per_image", "config.", 256), hidden), ids
+
+
 def gemma_param_name(key: str, cfg: GemmaConfig, where: str) -> str | None:
-    """A checkpoint key -> the native parameter name (None: a tensor the text forward does not use)."""
+    """A checkpoint key -> the native parameter name (None: a tensor the forward does not use)."""
     if key.endswith("rotary_emb.inv_freq") or key.endswith("embed_scale"):
         return None
     if key in _LM_HEADS:
         return None if cfg.tie_word_embeddings else "lm_head.weight"
     if key.startswith(_SKIPPED):
-        return None
+        # transformers 5's names (vision_tower.embeddings...) or the hub's (vision_tower.vision_model.embeddings...)
+        name = key.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.", 1)
+        return name if cfg.vision is not None and not name.startswith(_POOLING_HEAD) else None
     for prefix in _PREFIXES:
         if key.startswith(prefix):
             return key[len(prefix):]
@@ -184,8 +209,8 @@ def gemma_param_name(key: str, cfg: GemmaConfig, where: str) -> str | None:
 
 def gemma_tensors(path: Path, cfg: GemmaConfig):
     """Yield (native parameter name, tensor) from the safetensors files."""
-    return tower_skipping_tensors(path, lambda key, file: gemma_param_name(key, cfg, file), _SKIPPED,
-                                  "vision tower, multimodal projector", log)
+    what = "vision tower, multimodal projector" if cfg.vision is None else "the vision tower's pooling head"
+    return tower_skipping_tensors(path, lambda key, file: gemma_param_name(key, cfg, file), _SKIPPED, what, log)
 
 
 def gemma_parallel_context(cfg: GemmaConfig, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
@@ -204,11 +229,18 @@ def gemma_shard_tensors(path: Path, cfg: GemmaConfig, ctx: ParallelContext):
     model on the meta device; whole where they hold all of it)."""
     with torch.device("meta"):
         model = GemmaModel(cfg, ctx)
+    towers = 0
     for name, w in gemma_tensors(path, cfg):
+        if name.startswith(_TOWERS) and not model.tower_here:  # the tower runs on one rank only
+            towers += 1
+            continue
         ranges = held_ranges(model, name)
         if ranges is not None:
             w = torch.cat([w[a:b] for a, b in ranges])
         yield name, w
+    if towers:
+        log.warning("%s: skipped %d tensors of the vision tower and projector (they run on one rank: images are "
+                    "refused under tensor parallelism)", path.name, towers)
 
 
 def build_gemma(cfg: GemmaConfig, tensors, device: torch.device, dtype: torch.dtype,

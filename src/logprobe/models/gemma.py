@@ -30,7 +30,12 @@ every earlier key, the window masks them), so a split never changes which keys a
 
 Final logit soft-capping (``final_logit_softcapping``): in the log-prob head, in float32, before
 the temperature. Not run (refused at load, key named, by ``loading.gemma``): attention logit
-soft-capping, bidirectional attention, attention bias.
+soft-capping, bidirectional attention (of text), attention bias.
+
+Images (the multimodal checkpoints with their ``vision_config``): the SigLIP tower and projector
+(``models.gemma3_vision``) give each image's rows, which replace its ``<image_soft_token>`` rows of
+h_0 after the scale s; each run of image tokens is a bidirectional span of every block's attention
+(a row inside it sees the keys up to the run's end, still within a sliding block's window).
 
 Tensor parallelism as the Llama family (``GemmaModel``; ``loading.gemma.gemma_shard_tensors``).
 """
@@ -57,6 +62,8 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads
 from .base import FusedQKV, ScoringModel
 from .caps import ModelCaps
+from .gemma3_vision import Projector, SiglipConfig, VisionTower
+from .vision import ImageFormat
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> F.gelu's approximate
@@ -85,6 +92,12 @@ class GemmaConfig:
     final_logit_softcapping: float | None = None  # the head's cap * tanh(logits / cap), float32
     family: str = "gemma3_text"
     extra: dict = field(default_factory=dict)
+    # the multimodal checkpoints' vision tower (``models.gemma3_vision``; None: text only) and the
+    # ids of the image tokens and of the <start_of_image> / <end_of_image> around them
+    vision: SiglipConfig | None = None
+    image_token_id: int | None = None
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -219,6 +232,29 @@ class GemmaModel(ScoringModel):
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
+        # the vision tower runs on one rank only (its tensor-parallel split is not written)
+        here = cfg.vision is not None and ctx.size == 1
+        self.vision_tower = VisionTower(cfg.vision) if here else None
+        self.multi_modal_projector = Projector(cfg.vision) if here else None
+
+    @property
+    def image_format(self) -> ImageFormat | None:
+        """How prompts hold images (``models.vision``): ``<start_of_image>`` once per image, expanded
+        as ``Gemma3Processor`` does; the image tokens of one run attend to each other both ways."""
+        cfg, v = self.config, self.config.vision
+        if v is None:
+            return None
+        return ImageFormat(cfg.image_token_id, v.pool, placeholder_id=cfg.boi_token_id, begin_id=cfg.boi_token_id,
+                           end_id=cfg.eoi_token_id, around="\n\n", bidirectional=True, patch_size=v.patch_size,
+                           image_size=v.image_size)
+
+    @property
+    def tower_here(self) -> bool:
+        return self.vision_tower is not None
+
+    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One image's patches [g², C * P * P] -> its token embeddings [mm_tokens_per_image, H]."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values.to(self.embed_tokens.weight.device)))
 
     def make_rotary(self, device: torch.device | None = None) -> None:
         """The two rotary tables (non-persistent buffers: made again on the real device at load)."""
@@ -247,8 +283,9 @@ class GemmaModel(ScoringModel):
             layer.mlp.fuse()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                hooks: Hooks | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H]."""
+                hooks: Hooks | None = None, images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]. ``images``: (rows [n], embeddings
+        [n, H]) that replace those rows after the embedding's scale (``models.gemma3_vision``)."""
         hooks = hooks or None
         if hooks is not None:
             self.check_hooks(hooks)
@@ -257,6 +294,9 @@ class GemmaModel(ScoringModel):
         # weight dtype (bf16: sqrt(2560) = 50.596 -> 50.5), then one product
         scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(h.dtype)
         h = h * scale.to(h.device)
+        if images is not None:
+            rows, embeds = images
+            h = h.index_copy(0, rows, embeds.to(h.dtype))
         if hooks is not None:
             h = hooks("embed", h)
         types = set(self.config.layer_types)

@@ -100,6 +100,7 @@ from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
 from .qwen3_5_vision import VisionConfig, VisionTower
+from .vision import ImageFormat
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 _KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
@@ -408,6 +409,16 @@ class HybridModel(ScoringModel):
         return MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
 
     def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    @property
+    def image_format(self) -> ImageFormat | None:
+        """How prompts hold images (``models.vision``): the image token once per image, multimodal positions."""
+        v = self.config.vision
+        return None if v is None else ImageFormat(self.config.image_token_id, v.spatial_merge_size, mrope=True)
+
+    @property
+    def tower_here(self) -> bool:
+        return self.visual is not None
+
         """One image's patches [t*h*w, patch_dim] -> its token embeddings [t*h*w / m², H] (the tower)."""
         return self.visual(pixel_values.to(self.embed_tokens.weight.device), grid)
 

@@ -1,16 +1,22 @@
-"""Images in a request (Qwen3.5): each image read (PIL image, file path, bytes or a ``data:`` URL),
-turned into patches by the checkpoint's own image processor (transformers' ``AutoImageProcessor``:
-its resizing and normalisation), each placeholder of the prompt expanded to the image's tokens,
-and the multimodal positions of the whole sequence.
+"""Images in a request: each image read (PIL image, file path, bytes or a ``data:`` URL), turned
+into patches by the checkpoint's own image processor (transformers' ``AutoImageProcessor``: its
+resizing and normalisation), each placeholder of the prompt expanded to the image's tokens, and
+the positions and bidirectional spans of the whole sequence. What differs by family is the model's
+``ImageFormat`` (``models.vision``).
 
-The placeholder is the image token's text (``<|image_pad|>`` for Qwen3.5, as the chat template
-writes it between ``<|vision_start|>`` and ``<|vision_end|>``); image i's placeholder becomes
+Qwen3.5: the placeholder is the image token's text (``<|image_pad|>``, as the chat template writes
+it between ``<|vision_start|>`` and ``<|vision_end|>``); image i's placeholder becomes
 ``t * h * w / m²`` image tokens (its patch grid merged by m), as transformers' ``Qwen3VLProcessor``
 expands it (``replace_image_token``). That processor also loads a video processor, which needs
 torchvision; the image processor alone does what a sequence of images needs.
 
     prompt "A <|vision_start|><|image_pad|><|vision_end|> cat" with one image that the processor
     makes a grid (1, 6, 10) of patches (m = 2): the placeholder becomes 6 * 10 / 4 = 15 image tokens
+
+Gemma 3: the placeholder is ``<start_of_image>``; it becomes ``Gemma3Processor``'s
+``"\\n\\n<start_of_image>" + "<image_soft_token>" * mm_tokens_per_image + "<end_of_image>\\n\\n"``
+in the prompt text (tokenized with it); in ``prompt_token_ids`` that text's ids are spliced in,
+``"\\n\\n"`` tokenized alone (give them expanded, as the processor returns them, for its exact ids).
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.images import bidirectional_spans
 from ..engine.request import ImageInputs
 from ..errors import LogprobeError
 from ..models.qwen3_5_vision import mrope_positions
+from ..models.vision import ImageFormat
 from ..tokenizer import Tokenizer
 
 
@@ -73,17 +81,25 @@ def _image_bytes(item, field: str) -> bytes:
 
 @dataclass
 class ImageReader:
-    """A checkpoint's images -> request inputs (its image processor loaded on first use)."""
+    """A checkpoint's images -> request inputs (its image processor loaded on first use), by the
+    model's ``ImageFormat``."""
 
     path: str
     tokenizer: Tokenizer
-    image_token_id: int
-    merge: int
+    fmt: ImageFormat
     _processor: object = field(default=None, repr=False)
 
     @property
+    def image_token_id(self) -> int:
+        return self.fmt.image_token_id
+
+    @property
+    def merge(self) -> int:
+        return self.fmt.merge
+
+    @property
     def placeholder(self) -> str:
-        return self.tokenizer.hf.convert_ids_to_tokens(self.image_token_id)
+        return self.tokenizer.hf.convert_ids_to_tokens(self.fmt.marker)
 
     def processor(self):
         if self._processor is None:
@@ -106,8 +122,16 @@ class ImageReader:
             out = self.processor()(images=pil, return_tensors="pt")
         except (ValueError, OSError) as e:
             raise LogprobeError(field, f"the image processor refused them: {e}") from e
-        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
-        return out["pixel_values"].float(), grids
+        return self.fmt.patches(out, field)
+
+    def _text(self, token: int | None) -> str:
+        return "" if token is None else self.tokenizer.hf.convert_ids_to_tokens(token)
+
+    def expansion_text(self, grid: tuple[int, int, int]) -> str:
+        """The text one placeholder becomes."""
+        f = self.fmt
+        run = self._text(f.begin_id) + self._text(f.image_token_id) * f.tokens(grid) + self._text(f.end_id)
+        return f.around + run + f.around
 
     def prompt(self, text: str, images, field: str) -> tuple[str, torch.Tensor, list[tuple[int, int, int]]]:
         """The prompt with each placeholder expanded to its image's tokens, the pixel values, the grids."""
@@ -120,43 +144,48 @@ class ImageReader:
         pixels, grids = self.patches(list(images), f"{field}.images")
         pieces = text.split(mark)
         out = pieces[0]
-        for (t, h, w), rest in zip(grids, pieces[1:]):
-            out += mark * (t * h * w // self.merge ** 2) + rest
+        for grid, rest in zip(grids, pieces[1:]):
+            out += self.expansion_text(grid) + rest
         return out, pixels, grids
 
     def prompt_ids(self, ids: list[int], images, field: str) -> tuple[list[int], torch.Tensor, list]:
-        """Prompt ids with the image token once per image (expanded) or already expanded -> (ids
+        """Prompt ids with the placeholder once per image (expanded) or already expanded -> (ids
         expanded, pixel values, grids)."""
         if not isinstance(images, (list, tuple)) or not images:
             raise LogprobeError(f"{field}.images", "must be a non-empty list of images")
         pixels, grids = self.patches(list(images), f"{field}.images")
-        marks = sum(1 for x in ids if x == self.image_token_id)
-        if marks == len(grids):
+        f = self.fmt
+        marks = sum(1 for x in ids if x == f.marker)
+        tokens = sum(1 for x in ids if x == f.image_token_id)
+        if marks == len(grids) and (f.placeholder_id is None or tokens == 0):
             return self.expand(ids, grids, f"{field}.images"), pixels, grids
-        want = sum(t * h * w // self.merge ** 2 for t, h, w in grids)
-        if marks != want:
-            raise LogprobeError(f"{field}.images", f"{len(grids)} images ({want} image tokens) for {marks} ids "
-                                f"{self.image_token_id} in prompt_token_ids", "give the image token once per image")
+        want = sum(f.tokens(g) for g in grids)
+        if tokens != want:
+            raise LogprobeError(f"{field}.images", f"{len(grids)} images ({want} image tokens) for {tokens} ids "
+                                f"{f.image_token_id} in prompt_token_ids",
+                                f"give the placeholder {f.marker} once per image")
         return list(ids), pixels, grids
 
     def expand(self, ids: list[int], grids: list[tuple[int, int, int]], field: str) -> list[int]:
-        """Ids with one image token per image (a chat template's rendering) -> each expanded to its
-        image's ``t * h * w / m²`` tokens."""
-        marks = [j for j, x in enumerate(ids) if x == self.image_token_id]
+        """Ids with one placeholder per image (a chat template's rendering) -> each expanded to its
+        image's ids (``ImageFormat.expansion_ids``)."""
+        marks = [j for j, x in enumerate(ids) if x == self.fmt.marker]
         if len(marks) != len(grids):
             raise LogprobeError(field, f"the chat template wrote {len(marks)} image placeholders for {len(grids)} "
                                 "images", "use the model's own chat template (it renders image parts)")
+        around = self.tokenizer.encode(self.fmt.around) if self.fmt.around else []
         out, a = [], 0
-        for j, (t, h, w) in zip(marks, grids):
-            out += ids[a:j] + [self.image_token_id] * (t * h * w // self.merge ** 2)
+        for j, grid in zip(marks, grids):
+            out += ids[a:j] + self.fmt.expansion_ids(grid, around)
             a = j + 1
         return out + ids[a:]
 
     def inputs(self, ids: list[int], pixels: torch.Tensor, grids: list[tuple[int, int, int]], field: str
                ) -> ImageInputs:
         """The request's ``ImageInputs`` for its whole token ids (prompt and completion)."""
-        index = np.nonzero(np.asarray(ids) == self.image_token_id)[0].astype(np.int64)
-        want = sum(t * h * w // self.merge ** 2 for t, h, w in grids)
+        f = self.fmt
+        index = np.nonzero(np.asarray(ids) == f.image_token_id)[0].astype(np.int64)
+        want = sum(f.tokens(g) for g in grids)
         if len(index) != want:
             raise LogprobeError(f"{field}.images", f"{len(index)} image tokens for {want} image embeddings",
                                 "write the placeholder once per image and nowhere else")
@@ -167,5 +196,6 @@ class ImageReader:
             digest.update(repr(grid).encode())
             keys.append(digest.hexdigest())
             a += n
-        return ImageInputs(pixels, tuple(grids), index, mrope_positions(ids, self.image_token_id, grids,
-                                                                         self.merge).numpy(), tuple(keys))
+        positions = mrope_positions(ids, f.image_token_id, grids, f.merge).numpy() if f.mrope else None
+        spans = bidirectional_spans(index) if f.bidirectional else ()
+        return ImageInputs(pixels, tuple(grids), index, positions, tuple(keys), spans=spans)

@@ -95,7 +95,7 @@ def image_sequence(context: ScoringContext, seq: dict, f: str) -> tuple[list[int
         completion = context.tokenizer.encode(seq["completion"])
     else:
         completion = context.check_ids(seq.get("completion_token_ids"), f"{f}.completion_token_ids")
-    if reader.image_token_id in completion:
+    if reader.image_token_id in completion or reader.fmt.marker in completion:
         raise LogprobeError(f"{f}.completion", f"holds the image placeholder {reader.placeholder}: only text is "
                             "scored (an image token carries no log-prob)", "put the images in the prompt")
     if "prompt_token_ids" in seq:

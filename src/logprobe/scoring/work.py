@@ -73,7 +73,7 @@ class ScoringContext:
     # blocks (num_hidden_layers): SGLang's routed-experts layout has a row per block
     route_blocks: tuple[int, ...] = ()
     num_blocks: int = 0
-    images: ImageReader | None = None  # a model with a vision tower (Qwen3.5): its images -> request inputs
+    images: ImageReader | None = None  # a model with a vision tower (Qwen3.5, Gemma 3): its images -> request inputs
 
     @staticmethod
     def of(loaded: LoadedModel, deterministic: bool = False) -> ScoringContext:
@@ -90,7 +90,8 @@ class ScoringContext:
         """The image reader; a model without a vision tower: a ``LogprobeError`` naming ``field``."""
         if self.images is None:
             raise LogprobeError(field, f"{self.name} has no vision tower: images cannot be scored with it",
-                                "score images with a Qwen3.5 checkpoint that has its vision_config, or send text")
+                                "score images with a checkpoint that has its vision_config (Qwen3.5, Gemma 3), "
+                                "or send text")
         if not 0 <= self.images.image_token_id < self.vocab_size:
             raise LogprobeError("config.image_token_id", f"{self.images.image_token_id} is outside the vocabulary "
                                 f"[0, {self.vocab_size}): images cannot be placed", "fix the checkpoint's config")
@@ -114,9 +115,8 @@ class ScoringContext:
 
 
 def _image_reader(loaded: LoadedModel) -> ImageReader | None:
-    """Images for a checkpoint whose config has a vision tower (``HybridConfig.vision``), else None."""
-    cfg = getattr(loaded.model, "config", None)
-    vision = getattr(cfg, "vision", None)
-    if vision is None:
+    """Images for a model whose config has a vision tower (its ``image_format``), else None."""
+    fmt = getattr(loaded.model, "image_format", None)
+    if fmt is None:
         return None
-    return ImageReader(loaded.info.path, loaded.tokenizer, cfg.image_token_id, vision.spatial_merge_size)
+    return ImageReader(loaded.info.path, loaded.tokenizer, fmt)
