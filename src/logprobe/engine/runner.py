@@ -23,7 +23,7 @@ from ..models.moe import routed_blocks
 from .budget import budget_for, model_pass_bytes, resolved_budget, row_ranks
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy, to_device
-from .images import check_images, embed_images, image_rows, planned_ids, row_positions
+from .images import check_images, chunk_end, embed_images, image_rows, planned_ids, row_positions, segment_spans
 from .prefix_cache import PrefixCache
 from .prefix_run import ResumePack, cacheable, chunk_keeper, keep_batch, resumable, take_pack
 from .request import RequestResult, ScoreRequest
@@ -192,12 +192,11 @@ def pack(batch: list[Tree | Chunk], requests: list[ScoreRequest], device: torch.
         if len(tokens):
             cols.ids.append(tokens)
             img = r.images if r is not None else None
-            cols.positions.append(np.arange(first_pos, first_pos + len(tokens), dtype=np.int64) if img is None
-                                  else row_positions(img, first_pos, len(tokens)))
+            cols.positions.append(row_positions(img, first_pos, len(tokens)))
             if img is not None:
                 cols.images.append(image_rows(img, first_pos, len(tokens), start))
             cols.num_rows += len(tokens)
-            segments.append(Segment(start, cols.num_rows, context))
+            segments.append(Segment(start, cols.num_rows, context, segment_spans(img, first_pos, len(tokens))))
         return start
 
     def add_scores(i: int, n: int, score_rows: np.ndarray, targets: np.ndarray, input_rows: list[int] | None) -> None:
@@ -487,7 +486,7 @@ class Engine:
                                 f"{type(self.model).__name__} has no hook points",
                                 "use a native model (GGUF or a Llama-family directory)")
         check_targets(requests, self.model.head_params().vocab_size)
-        check_images(self.model, requests)
+        check_images(self.model, requests, self.device)
 
     def _run_unit(self, requests: list[ScoreRequest], unit: list[Tree], out: Delivery) -> list[int] | None:
         """Launch one batch of trees, then deliver the batch before it. Out of memory: the request
@@ -669,6 +668,7 @@ class Engine:
             oom = None
             try:
                 packed, launched = self._run_batch(requests, [Chunk(m, b, e)], cache)
+            e = chunk_end(r.images, b, e)  # never inside a run of image tokens that attend both ways
                 scored = launched.results()
             except torch.OutOfMemoryError as exc:
                 if not self._recoverable(exc):
