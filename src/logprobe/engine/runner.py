@@ -665,10 +665,10 @@ class Engine:
             e = chunk_bounds(n - b, max(1, min(size, self.whole_budget)), self._align)[0][1] + b
             if keeper is not None:
                 e = keeper.end(b, e)
+            e = chunk_end(r.images, b, e)  # never inside a run of image tokens that attend both ways
             oom = None
             try:
                 packed, launched = self._run_batch(requests, [Chunk(m, b, e)], cache)
-            e = chunk_end(r.images, b, e)  # never inside a run of image tokens that attend both ways
                 scored = launched.results()
             except torch.OutOfMemoryError as exc:
                 if not self._recoverable(exc):
