@@ -9,7 +9,7 @@ float8_e4m3fn codes with ``<m>.weight_scale_inv`` float32 [ceil(out/bh), ceil(in
 absmax / 448), ``quantization_config`` ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
 "dynamic", "weight_block_size": [48, 32], "modules_to_not_convert": [...]}``. Quantized: attention
 q/k/v/o, the Gated DeltaNet projections and out_proj, the dense MLP, the experts, the shared expert,
-and the vision tower's matrices (skipped unread). Float: embeddings, lm_head, norms, conv1d, A_log,
+and the vision tower's matrices (read dequantized). Float: embeddings, lm_head, norms, conv1d, A_log,
 dt_bias, routers, the shared-expert gate, and what ``modules_to_not_convert`` names: as Qwen does,
 block 0's ``in_proj_ba`` (Qwen3-Next) or ``in_proj_b`` / ``in_proj_a`` (Qwen3.5); block 2's are FP8.
 Blocks of 48 rows x 32 columns: no row count here (4 .. 256) is a multiple of 48 and the shared
@@ -44,13 +44,13 @@ from test_qwen3_next import (  # noqa: F401  (float64_reference: a fixture used 
 )
 
 from logprobe import LogprobeError, Scorer
-from logprobe.config import EngineConfig
+from logprobe.config import EngineConfig, numerics_for
 from logprobe.layers.act_quant_linear import ActQuantLinear
 from logprobe.layers.fp8_block_linear import FP8BlockExperts, FP8BlockLinear
 from logprobe.layers.gated_delta import split_qwen3_next_projections
 from logprobe.layers.parallel_linear import held_ranges
 from logprobe.loading import load_model
-from logprobe.loading.hybrid import _split_rows, hybrid_config, hybrid_shard_tensors, hybrid_tensors
+from logprobe.loading.hybrid import _split_rows, build_hybrid, hybrid_config, hybrid_shard_tensors, hybrid_tensors
 from logprobe.loading.loader import parallel_context
 from logprobe.loading.sharding import held_experts
 from logprobe.models.qwen3_next import HybridModel
@@ -287,7 +287,7 @@ def test_rank_reads_its_fp8_rows(kind, fp8_dirs):
     whole = dict(hybrid_tensors(path, cfg, raw))
     ctx = parallel_context(cfg, 1, 2, None, 2 if cfg.moe is not None else 1)
     got = dict(hybrid_shard_tensors(path, cfg, ctx))
-    assert got.keys() == {k for k in whole if not k.startswith("visual.")}  # the tower: one rank only
+    assert got.keys() == whole.keys()  # the vision tower too: every rank reads it whole
     with torch.device("meta"):
         model = HybridModel(cfg, ctx)
     cut = 0
@@ -304,6 +304,8 @@ def test_rank_reads_its_fp8_rows(kind, fp8_dirs):
                                                     whole[name].stacked(torch.float32)[start:end]), name
         else:
             assert not isinstance(whole[name], (FP8BlockLinear, FP8BlockExperts)), name
+            if name.startswith("visual."):  # dequantized at load, whole
+                assert torch.equal(w, whole[name]), name
     assert cut >= 8  # q/k/v, in_proj_qkv/z, out_proj, o_proj, ... are this rank's rows only
 
 
@@ -382,3 +384,23 @@ def test_vision_tower_fp8_weights_dequantized(kind, fp8_dirs):
     px = torch.randn(16, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(fp8.encode_image(px, (1, 4, 4)), ref.encode_image(px, (1, 4, 4)))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_vision_tower_whole_on_a_tensor_parallel_rank(kind, fp8_dirs):
+    """Rank 1 of 2 built from its own reading of the FP8 checkpoint (``hybrid_shard_tensors``; the
+    MoE's experts split two ways) holds the whole tower, dequantized: its embeddings are bitwise
+    those of the one-rank model (deterministic mode; the tower runs no collective)."""
+    path = fp8_dirs[kind][0] / "fp8"
+    raw = json.loads((path / "config.json").read_text())
+    cfg = hybrid_config(raw)
+    ctx = parallel_context(cfg, 1, 2, None, 2 if cfg.moe is not None else 1)
+    rank = build_hybrid(cfg, hybrid_shard_tensors(path, cfg, ctx), torch.device("cpu"), torch.float32, ctx)
+    one = load_model(str(path), "cpu", "float32").model
+    assert not any(isinstance(m, (FP8BlockLinear, ActQuantLinear)) for m in rank.visual.modules())
+    numerics = numerics_for(EngineConfig(deterministic=True), "cpu")
+    px = torch.randn(32, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(1))
+    for model in (rank, one):
+        model.set_numerics(numerics)
+    with torch.no_grad():
+        assert torch.equal(rank.encode_image(px, (2, 4, 4)), one.encode_image(px, (2, 4, 4)))

@@ -18,6 +18,7 @@ import torch
 from helpers import byte_tokenizer, copy_checkpoint, make_hf_dir
 
 from logprobe import LogprobeError, Scorer
+from logprobe.config import EngineConfig
 from logprobe.layers.rotary import MRotaryEmbedding
 from logprobe.loading.hybrid import hybrid_config
 from logprobe.models.qwen3_5_vision import VisionTower, mrope_positions, vision_config
@@ -315,16 +316,30 @@ def test_chat_with_image_parts(vl_dirs):
     assert e.value.field == "messages[0].content[0]"
 
 
-@pytest.mark.slow  # two gloo worker processes: ~12 s on 2 cores
-def test_images_refused_under_tensor_parallelism(vl_dirs):
-    """The tower runs on one rank: with tensor_parallel_size 2 (gloo workers) images are refused naming it."""
-    path, _ = vl_dirs["qwen3_5"]
+@pytest.mark.slow  # two gloo worker processes per model: ~25 s each on 2 cores
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_images_under_tensor_parallelism(kind, vl_dirs):
+    """The tower whole on every rank (each rank reads it whole and embeds the images of its pass):
+    TP = 2 over gloo workers (the MoE with its experts split, EP = 2) gives TP = 1's numbers for
+    requests with images batched among text ones: bitwise in deterministic mode (the tower's
+    products in fixed row tiles: a rank runs one BLAS thread, TP = 1 two), within 1e-5 otherwise."""
+    path, _ = vl_dirs[kind]
+    seqs = [_sequences()[0], {"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 70))},
+            _sequences()[1]]
+    one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    want = {}
+    for det in (True, False):
+        one.config = EngineConfig(deterministic=det)
+        want[det] = one.logprobs(seqs, top_k=3, entropy=True)
     with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as scorer:
-        text = scorer.logprobs([{"prompt_token_ids": [2, 3, 4], "completion_token_ids": [5, 6]}])
-        assert len(text[0].logprobs) == 2
-        with pytest.raises(LogprobeError) as e:
-            scorer.logprobs([_sequences()[0]])
-    assert e.value.field == "tensor_parallel_size"
+        for det in (True, False):
+            scorer.config = EngineConfig(deterministic=det)
+            for got, ref in zip(scorer.logprobs(seqs, top_k=3, entropy=True), want[det]):
+                if det:
+                    assert torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.entropy, ref.entropy)
+                    assert torch.equal(got.topk_ids, ref.topk_ids)
+                else:
+                    assert (got.logprobs - ref.logprobs).abs().max() <= 1e-5
 
 
 def test_shared_prefixes_keyed_by_image_content(vl_dirs, monkeypatch):

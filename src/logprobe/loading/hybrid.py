@@ -4,8 +4,8 @@ Qwen3-Next (``qwen3_next``), Qwen3.5 (``qwen3_5_text``; the multimodal ``qwen3_5
 
 Checkpoint keys as the hub ships them: ``model.layers.*`` (causal LM classes) or
 ``model.language_model.layers.*`` (``*ForConditionalGeneration``), ``lm_head.weight``; the vision
-tower (``model.visual.*``) becomes ``models.qwen3_5_vision.VisionTower`` (on one rank: under tensor
-parallelism it is not read, and images are refused); the multi-token-prediction head (``mtp.*``) is
+tower (``model.visual.*``) becomes ``models.qwen3_5_vision.VisionTower`` (under tensor parallelism
+every rank reads it whole: the tower is replicated, not split); the multi-token-prediction head (``mtp.*``) is
 not used for scoring and is skipped with one note; any other key is refused. Config options the native model
 does not run are refused with their key named.
 
@@ -39,7 +39,7 @@ from ..models.qwen3_5_vision import VisionConfig, vision_config
 from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import SKIP, check_weights_match, mapped_tensors
+from .checkpoint import check_weights_match, mapped_tensors
 from .fp8_block import (
     dense_fp8,
     fp8_block_tensors,
@@ -371,9 +371,7 @@ def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext, pl
     with torch.device("meta"):
         model = HybridModel(cfg, ctx)
 
-    def cut(name: str):
-        if name.startswith("visual."):
-            return SKIP  # the tower runs on one rank only: images are refused under tensor parallelism
+    def cut(name: str):  # the vision tower's layers hold no rows of their own: read whole (replicated)
         return None if _SPLIT.fullmatch(name) else rank_cut(model, name)
 
     fp8 = is_fp8_block(raw)

@@ -23,6 +23,11 @@ Text positions (``mrope_positions``): a text token at running position p has (p,
 of merged grid (t, h', w') = (t, h / m, w / m) starting at p gets (p + t_i, p + r, p + c) for its
 tokens in raster order, and the text after it continues from p + max(h', w') (transformers'
 ``get_rope_index``; for t = 1 that is one past the image's largest position).
+
+Deterministic mode: every product of the tower (the patch embedding, each block's and the
+merger's linear layers) runs in the fixed row tiles of ``layers.linear`` (``numerics.row_tile``),
+so an image's embeddings do not depend on the BLAS thread count: a rank of a tensor-parallel
+group (one thread, the tower whole on every rank) gives the one-rank embeddings bitwise.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..layers.linear import Linear, deterministic_product
+from ..layers.numerics import NumericsUser
 
 # the vision config keys the tower reads, and those that carry nothing for the forward
 _READ = {"depth", "hidden_size", "hidden_act", "intermediate_size", "num_heads", "in_channels", "patch_size",
@@ -140,11 +147,11 @@ class VisionBlock(nn.Module):
         self.norm1 = nn.LayerNorm(H, eps=1e-6)
         self.norm2 = nn.LayerNorm(H, eps=1e-6)
         self.attn = nn.Module()
-        self.attn.qkv = nn.Linear(H, 3 * H)
-        self.attn.proj = nn.Linear(H, H)
+        self.attn.qkv = Linear(H, 3 * H, bias=True)
+        self.attn.proj = Linear(H, H, bias=True)
         self.mlp = nn.Module()
-        self.mlp.linear_fc1 = nn.Linear(H, cfg.intermediate_size)
-        self.mlp.linear_fc2 = nn.Linear(cfg.intermediate_size, H)
+        self.mlp.linear_fc1 = Linear(H, cfg.intermediate_size, bias=True)
+        self.mlp.linear_fc2 = Linear(cfg.intermediate_size, H, bias=True)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Full attention over one frame's patches x [n, H]; q, k rotated in float32 (rotate half)."""
@@ -166,9 +173,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None] + turned * sin[:, None]
 
 
-class VisionTower(nn.Module):
+class VisionTower(NumericsUser, nn.Module):
     """``forward(pixel_values [t*h*w, patch_dim], (t, h, w)) -> [t*h*w / m², out_hidden_size]``:
-    one image's tokens for the text model. Parameter names are the checkpoint's under ``model.visual.``."""
+    one image's tokens for the text model. Parameter names are the checkpoint's under ``model.visual.``.
+    Its products follow the model's numerics (``set_numerics`` reaches them: fixed row tiles in
+    deterministic mode)."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -188,8 +197,13 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = nn.Module()
         self.merger.norm = nn.LayerNorm(H, eps=1e-6)
-        self.merger.linear_fc1 = nn.Linear(H * m * m, H * m * m)
-        self.merger.linear_fc2 = nn.Linear(H * m * m, cfg.out_hidden_size)
+        self.merger.linear_fc1 = Linear(H * m * m, H * m * m, bias=True)
+        self.merger.linear_fc2 = Linear(H * m * m, cfg.out_hidden_size, bias=True)
+
+    def patch_product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The patch embedding's product under the numerics (the Conv3d is not a ``Linear``)."""
+        n = self.numerics
+        return F.linear(x, w, b) if n.row_tile is None else deterministic_product(x, w, b, n.row_tile, None, n.matmul)
 
     def check_grid(self, grid: tuple[int, int, int], patches: int, field: str) -> None:
         t, h, w = grid
@@ -221,7 +235,8 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         t, h, w = grid
         proj = self.patch_embed.proj
-        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.reshape(proj.weight.shape[0], -1), proj.bias)
+        x = self.patch_product(pixel_values.to(proj.weight.dtype), proj.weight.reshape(proj.weight.shape[0], -1),
+                               proj.bias)
         x = x + self.positions(h, w).to(x.dtype).repeat(t, 1)
         cos, sin = self.rotary(h, w, x.device)
         frames = [x[f * h * w:(f + 1) * h * w] for f in range(t)]  # attention stays within a frame

@@ -397,8 +397,9 @@ class HybridModel(ScoringModel):
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.make_rotary()
-        # the vision tower runs on one rank only (its tensor-parallel split is not written)
-        self.visual = VisionTower(cfg.vision) if cfg.vision is not None and ctx.size == 1 else None
+        # the vision tower, small, is whole on every rank (replicated, not split): each rank embeds
+        # the images of its pass alike, so tensor parallelism gives the one-rank embeddings bitwise
+        self.visual = VisionTower(cfg.vision) if cfg.vision is not None else None
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
         self.router_points = frozenset(m.router_point for m in self.modules() if isinstance(m, MoeBlock))
 
@@ -408,7 +409,6 @@ class HybridModel(ScoringModel):
             return RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         return MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
 
-    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
     @property
     def image_format(self) -> ImageFormat | None:
         """How prompts hold images (``models.vision``): the image token once per image, multimodal positions."""
@@ -419,6 +419,7 @@ class HybridModel(ScoringModel):
     def tower_here(self) -> bool:
         return self.visual is not None
 
+    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """One image's patches [t*h*w, patch_dim] -> its token embeddings [t*h*w / m², H] (the tower)."""
         return self.visual(pixel_values.to(self.embed_tokens.weight.device), grid)
 
