@@ -34,6 +34,13 @@ response). Here entries before P_i - 1 and the last are 0::
     sequence i      p0    p1    r0            r1            r2      (P_i = 2)
     log_probs[i]    0     lp(r0|p0 p1)  lp(r1|..r0)  lp(r2|..r1)  0
 
+**Images** (a model with a vision tower, Qwen3.5): a row's ``non_tensor_batch["multi_modal_inputs"]``
+(its processor's ``pixel_values`` and ``image_grid_thw``, taken as they are) or
+``["multi_modal_data"]`` (``{"image": [PIL images]}``, run through the checkpoint's processor)
+is scored with its ids, whose image tokens verl has already expanded; such a batch runs as one
+library request per row (``rows_with_media``), the same numbers as ``Scorer.logprobs`` with those
+images. A row's video or audio is refused by name (the text would be scored without it).
+
 **Temperature**: ``meta_info["temperature"]`` (the rollout's, which verl's trainer sets), else the
 worker's own ``temperature``; a per-row temperature tensor must hold one value.
 
@@ -86,13 +93,29 @@ def temperature_of(meta: dict, default: float | None) -> float:
     return float(t)
 
 
-def ref_log_prob_padded(scorer: Scorer, batch, temperature: float) -> torch.Tensor:
-    """float32 [bs, R] log-probs of every real response token of a padded batch, 0 after it."""
+def ref_log_prob_padded(scorer: Scorer, batch, temperature: float, media=None) -> torch.Tensor:
+    """float32 [bs, R] log-probs of every real response token of a padded batch, 0 after it.
+    ``media``: the rows' ``multi_modal_inputs`` (or ``multi_modal_data``), see ``media_rows``."""
     input_ids, attention_mask, scored = padded_layout(batch)
-    return scorer.logprobs_padded(input_ids, attention_mask, scored, temperature=temperature).logprobs
+    rows = media_rows(media, len(input_ids))
+    if rows is None:
+        return scorer.logprobs_padded(input_ids, attention_mask, scored, temperature=temperature).logprobs
+    R = scored.shape[1]
+    seqs = []
+    for b in range(len(input_ids)):
+        real = attention_mask[b].bool()
+        n = int(real[-R:].sum())
+        if not bool(real[-R:][:n].all()):
+            raise LogprobeError(f"data.batch['attention_mask'][{b}]", "has padding inside the response",
+                                "right-pad the responses")
+        seqs.append((input_ids[b, :-R][real[:-R]].tolist(), input_ids[b, -R:][:n].tolist()))
+    out = torch.zeros(len(input_ids), R, dtype=torch.float32)
+    for b, lp in enumerate(rows_with_media(scorer, seqs, rows, temperature)):
+        out[b, :len(lp)] = lp
+    return out
 
 
-def ref_log_prob_nopadding(scorer: Scorer, td, temperature: float) -> torch.Tensor:
+def ref_log_prob_nopadding(scorer: Scorer, td, temperature: float, media=None) -> torch.Tensor:
     """The nested, left-shifted ``log_probs`` of a no-padding batch (see the module docstring)."""
     ids = td["input_ids"]
     if not ids.is_nested:
@@ -103,11 +126,89 @@ def ref_log_prob_nopadding(scorer: Scorer, td, temperature: float) -> torch.Tens
         prompt_lens = prompts.offsets().diff()
     else:
         prompt_lens = td["attention_mask"][:, :prompts.shape[1]].sum(1)  # [bs]
-    lp = scorer.logprobs_packed(ids.values(), offsets, prompt_lens.to(offsets.device),
-                                temperature=temperature).logprobs  # [T], 0 on each prompt
+    rows = media_rows(media, len(offsets) - 1)
+    if rows is not None:
+        flat, ends, starts = ids.values().tolist(), offsets.tolist(), prompt_lens.tolist()
+        seqs = [(flat[a:a + p], flat[a + p:e]) for a, e, p in zip(ends, ends[1:], starts)]
+        lp = torch.zeros(len(flat), dtype=torch.float32)
+        for (a, p), row in zip(zip(ends, starts), rows_with_media(scorer, seqs, rows, temperature)):
+            lp[a + p:a + p + len(row)] = row  # aligned with the tokens, as logprobs_packed returns them
+    else:
+        lp = scorer.logprobs_packed(ids.values(), offsets, prompt_lens.to(offsets.device),
+                                    temperature=temperature).logprobs  # [T], 0 on each prompt
     # entry t predicts token t + 1: shift left; each sequence's last entry takes the next one's
     # first (0: a first token is never scored), the very last the first sequence's first (0)
     return torch.nested.nested_tensor_from_jagged(torch.roll(lp, -1), offsets=offsets)
+
+
+MEDIA_KEYS = ("multi_modal_inputs", "multi_modal_data")  # verl's per-row media, the first one found read
+
+
+def media_rows(media, n: int) -> list[dict | None] | None:
+    """verl's per-row media (an object array, a list, or tensordict's stack of them) -> each row's
+    dict or None (no images); None when no row has images. A row's ``multi_modal_inputs`` is its
+    processor's output (``pixel_values``, ``image_grid_thw``, the ids already expanded); its
+    ``multi_modal_data`` is ``{"image": [PIL images]}`` (``"images"`` in the agent loop). Videos
+    and audio are refused by name (never scored without them)."""
+    if media is None:
+        return None
+    rows = media.tolist() if hasattr(media, "tolist") else list(media)
+    if len(rows) != n:
+        raise LogprobeError("data.non_tensor_batch['multi_modal_inputs']", f"has {len(rows)} rows for {n}")
+    out: list[dict | None] = []
+    for b, row in enumerate(rows):
+        if not isinstance(row, dict) or not row:
+            out.append(None)
+            continue
+        other = sorted(k for k in row if k.startswith(("video", "audio", "second_per_grid")) and _given(row[k]))
+        if other:
+            raise LogprobeError(f"data.non_tensor_batch[{b}]['{other[0]}']", "carries video or audio: logprobe "
+                                "takes images only (the text would be scored without them)", "send images only")
+        out.append(row if any(_given(row.get(k)) for k in ("pixel_values", "image", "images")) else None)
+    return out if any(r is not None for r in out) else None
+
+
+def _given(value) -> bool:
+    """A media value that holds something (None, [] and empty tensors hold nothing)."""
+    return value is not None and (not hasattr(value, "__len__") or len(value) > 0)
+
+
+def rows_with_media(scorer: Scorer, seqs: list[tuple[list[int], list[int]]], rows: list[dict | None],
+                    temperature: float) -> list[torch.Tensor]:
+    """Each row's response log-probs (float32 [n]) given its images: the library's requests, their
+    ids as verl has them (the image tokens expanded)."""
+    from ..engine.request import ScoreRequest
+    from ..scoring.inputs import check_length, check_options
+    from ..scoring.work import Job
+
+    temperature, _ = check_options(temperature, 0)
+    context, requests, owner = scorer.context, [], []
+    for b, ((prompt, response), row) in enumerate(zip(seqs, rows)):
+        if not response:
+            continue
+        field = f"data[{b}]"
+        context.check_ids(prompt + response, field)
+        check_length(len(prompt) + len(response), field, context.max_length)
+        images = None if row is None else row_image_inputs(context, prompt + response, row, field)
+        requests.append(ScoreRequest(prompt + response, len(prompt), temperature, images=images))
+        owner.append(b)
+    results = scorer.run(Job(requests, lambda results: results)) if requests else []
+    out = [torch.zeros(0, dtype=torch.float32) for _ in seqs]
+    for b, res in zip(owner, results):
+        out[b] = res.logprobs.float()
+    return out
+
+
+def row_image_inputs(context, ids: list[int], row: dict, field: str):
+    """A row's ``ImageInputs``: verl's processed pixels and grids as they are, or its images run
+    through the checkpoint's processor (their tokens already expanded in ``ids``)."""
+    reader = context.check_images(f"{field}.images")
+    if row.get("pixel_values") is not None:
+        grids = [tuple(int(v) for v in g) for g in torch.as_tensor(row["image_grid_thw"]).reshape(-1, 3).tolist()]
+        return reader.inputs(ids, torch.as_tensor(row["pixel_values"]).float(), grids, field)
+    images = row.get("image") if _given(row.get("image")) else row.get("images")
+    pixels, grids = reader.patches(list(images), f"{field}.images")
+    return reader.inputs(ids, pixels, grids, field)
 
 
 class LogprobeRefPolicy:
@@ -133,11 +234,14 @@ class LogprobeRefPolicy:
 
             t = temperature_of({"temperature": tu.get_non_tensor_data(data, "temperature", self.temperature)},
                                None)
-            return tu.get_tensordict({"log_probs": ref_log_prob_nopadding(self.scorer, data, t).cpu()})
+            media = next((tu.get(data, k) for k in MEDIA_KEYS if k in data.keys()), None)
+            return tu.get_tensordict({"log_probs": ref_log_prob_nopadding(self.scorer, data, t, media).cpu()})
         from verl import DataProto
 
         t = temperature_of(data.meta_info, self.temperature)
-        return DataProto.from_dict(tensors={"ref_log_prob": ref_log_prob_padded(self.scorer, data.batch, t).cpu()})
+        media = next((data.non_tensor_batch[k] for k in MEDIA_KEYS if k in data.non_tensor_batch), None)
+        return DataProto.from_dict(tensors={"ref_log_prob": ref_log_prob_padded(self.scorer, data.batch, t,
+                                                                                 media).cpu()})
 
 
 def config_get(config, *keys, default=None):
