@@ -59,8 +59,11 @@ import functools
 
 import torch
 
+from ..engine.request import ScoreRequest
 from ..errors import LogprobeError
 from ..scorer import Scorer
+from ..scoring.inputs import check_length, check_options
+from ..scoring.work import Job
 
 
 def padded_layout(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,10 +180,6 @@ def rows_with_media(scorer: Scorer, seqs: list[tuple[list[int], list[int]]], row
                     temperature: float) -> list[torch.Tensor]:
     """Each row's response log-probs (float32 [n]) given its images: the library's requests, their
     ids as verl has them (the image tokens expanded)."""
-    from ..engine.request import ScoreRequest
-    from ..scoring.inputs import check_length, check_options
-    from ..scoring.work import Job
-
     temperature, _ = check_options(temperature, 0)
     context, requests, owner = scorer.context, [], []
     for b, ((prompt, response), row) in enumerate(zip(seqs, rows)):
