@@ -347,6 +347,29 @@ def test_bad_image_inputs(gemma_vl, tmp_path):
         assert e.value.field == field, (field, str(e.value))
 
 
+def test_processor_and_token_refusals(gemma_vl, tmp_path):
+    """Pan-and-scan crops (more images than the prompt placed) and an <end_of_image> id outside the
+    vocabulary refuse images by name; text is still scored."""
+    from helpers import copy_checkpoint
+
+    path, _ = gemma_vl
+    pan = copy_checkpoint(path, tmp_path / "pan")
+    pre = json.loads((pan / "preprocessor_config.json").read_text())
+    pre.update(do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=4,
+               pan_and_scan_min_ratio_to_activate=1.2)
+    (pan / "preprocessor_config.json").write_text(json.dumps(pre))
+    wide = dict(_sequences()[0], images=[_image(32, 96, 1)])
+    with pytest.raises(LogprobeError) as e:
+        _scorer(pan).logprobs([wide])
+    assert e.value.field == "sequences[0].images" and "pan-and-scan" in str(e.value)
+    bad = copy_checkpoint(path, tmp_path / "eoi", edit_config=lambda cfg: cfg.update(eoi_token_index=VOCAB + 5))
+    scorer = _scorer(bad)
+    assert len(scorer.logprobs([{"prompt_token_ids": [2, 3], "completion_token_ids": [4]}])[0].logprobs) == 1
+    with pytest.raises(LogprobeError) as e:
+        scorer.logprobs([_sequences()[0]])
+    assert e.value.field == "config.eoi_token_index"
+
+
 def test_vision_config_refusals_and_keys(gemma_vl):
     path, _ = gemma_vl
     raw = json.loads((path / "config.json").read_text())

@@ -92,9 +92,12 @@ class ScoringContext:
             raise LogprobeError(field, f"{self.name} has no vision tower: images cannot be scored with it",
                                 "score images with a checkpoint that has its vision_config (Qwen3.5, Gemma 3), "
                                 "or send text")
-        if not 0 <= self.images.image_token_id < self.vocab_size:
-            raise LogprobeError("config.image_token_id", f"{self.images.image_token_id} is outside the vocabulary "
-                                f"[0, {self.vocab_size}): images cannot be placed", "fix the checkpoint's config")
+        fmt = self.images.fmt
+        for key, token in (("image_token_id", fmt.image_token_id), ("boi_token_index", fmt.begin_id),
+                           ("eoi_token_index", fmt.end_id)):
+            if token is not None and not 0 <= token < self.vocab_size:
+                raise LogprobeError(f"config.{key}", f"{token} is outside the vocabulary [0, {self.vocab_size}): "
+                                    "images cannot be placed", "fix the checkpoint's config")
         return self.images
 
     def check_routing(self, field: str) -> tuple[int, int, int]:
