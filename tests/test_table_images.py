@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from logprobe.cli.main import get_scorer, main
+from logprobe.io.tables import Row
+from logprobe.jobs import map_rows
+from logprobe.jobs.named import row_job
 from logprobe.scoring.continuations import split
 
 transformers = pytest.importorskip("transformers")
@@ -95,3 +98,35 @@ def test_score_parquet_with_image_bytes(vl_dir, tmp_path, capsys):
         want = scorer.logprobs([{"prompt": prompt, "completion_token_ids": ids, "images": [png]}])[0]
         assert got[i]["token_logprobs"] == want.logprobs.tolist()  # bitwise
         assert got[i]["continuation"] == cont
+
+
+def test_rows_with_images_as_ray_maps_them(vl_dir, tmp_path):
+    """The mapping Ray's actors run (``row_job`` + ``map_rows``): an image column by name, a path
+    relative to ``base_dir`` and bytes; the library's numbers, bitwise; a bad image fails its row."""
+    (tmp_path / "a.png").write_bytes(A)
+    scorer = get_scorer(vl_dir, "cpu", "float32", deterministic=True)
+    one = scorer.tokenizer.encode(f"Look: {PAD} what?")
+    completion = scorer.tokenizer.encode(" A square.")
+    job = row_job("logprobs", images_column="img", base_dir=str(tmp_path))
+    rows = [Row(0, "row 1", {"prompt_token_ids": one, "completion_token_ids": completion, "img": "a.png"}),
+            Row(1, "row 2", {"prompt_token_ids": one, "completion_token_ids": completion, "img": B}),
+            Row(2, "row 3", {"prompt_token_ids": one, "completion_token_ids": completion, "img": b"GIF8"})]
+    got = map_rows(scorer, job, rows)
+    want = scorer.logprobs([{"prompt_token_ids": one, "completion_token_ids": completion, "images": [x]} for x in (A, B)])
+    assert [g["logprobs"] for g in got[:2]] == [w.logprobs.tolist() for w in want]
+    assert got[2]["error"].startswith("img: is not an image") and "img" not in got[0]  # bytes not copied
+
+
+def test_ray_command_passes_the_image_column(tmp_path):
+    import argparse
+
+    from logprobe.cli.ray_cmd import add_ray_parser, job_options
+
+    parser = argparse.ArgumentParser()
+    add_ray_parser(parser.add_subparsers(), argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False))
+    args = parser.parse_args(["ray", "logprobs", "--input", str(tmp_path / "t.parquet"), "--output", "o",
+                              "--images-column", "image"])
+    for k in ("temperature", "top_k", "entropy"):
+        setattr(args, k, {"temperature": 1.0, "top_k": 0, "entropy": False}[k])
+    options = job_options(args)
+    assert options["images_column"] == "image" and options["base_dir"] == str(tmp_path)

@@ -20,6 +20,7 @@ from ..integrations import ray_dataset
 from ..io.jsonsafe import dumps
 from ..loading.loader import resolve_spec
 from .common import PROG, ScorerOptions, head_options
+from .rows import add_images_arg
 
 
 def add_ray_parser(sub, common: argparse.ArgumentParser, head: argparse.ArgumentParser) -> None:
@@ -37,6 +38,8 @@ def add_ray_parser(sub, common: argparse.ArgumentParser, head: argparse.Argument
         if name == "score":
             j.add_argument("--join", default=" ", metavar="STR",
                            help="put between prompt and continuation unless either side has whitespace there")
+        if name != "perplexity":
+            add_images_arg(j)  # paths: relative to --input's folder, which every replica must be able to read
         if name == "perplexity":
             _window_args(j)
         j.set_defaults(func=cmd_ray)
@@ -78,6 +81,10 @@ def job_options(args: argparse.Namespace) -> dict:
     out = {"temperature": args.temperature, "top_k": args.top_k, "entropy": args.entropy}
     if args.ray_job == "score":
         out["join"] = args.join
+    if args.images_column is not None:
+        out["images_column"] = args.images_column
+        path = os.path.abspath(args.input)
+        out["base_dir"] = path if os.path.isdir(path) else os.path.dirname(path)
     return out
 
 
