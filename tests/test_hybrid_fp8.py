@@ -50,7 +50,13 @@ from logprobe.layers.fp8_block_linear import FP8BlockExperts, FP8BlockLinear
 from logprobe.layers.gated_delta import split_qwen3_next_projections
 from logprobe.layers.parallel_linear import held_ranges
 from logprobe.loading import load_model
-from logprobe.loading.hybrid import _split_rows, build_hybrid, hybrid_config, hybrid_shard_tensors, hybrid_tensors
+from logprobe.loading.hybrid import (
+    _split_rows,
+    build_hybrid,
+    hybrid_config,
+    hybrid_shard_tensors,
+    hybrid_tensors,
+)
 from logprobe.loading.loader import parallel_context
 from logprobe.loading.sharding import held_experts
 from logprobe.models.qwen3_next import HybridModel

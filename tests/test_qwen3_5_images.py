@@ -9,6 +9,7 @@ the same ids, ``pixel_values`` and grids; ours runs in float32 through ``Scorer.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 
@@ -20,6 +21,7 @@ from helpers import byte_tokenizer, copy_checkpoint, make_hf_dir
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
 from logprobe.layers.rotary import MRotaryEmbedding
+from logprobe.loading.collective import covers
 from logprobe.loading.hybrid import hybrid_config
 from logprobe.models.qwen3_5_vision import VisionTower, mrope_positions, vision_config
 
@@ -340,6 +342,73 @@ def test_images_under_tensor_parallelism(kind, vl_dirs):
                     assert torch.equal(got.topk_ids, ref.topk_ids)
                 else:
                     assert (got.logprobs - ref.logprobs).abs().max() <= 1e-5
+
+
+def _moved_tower(vl_dirs, kind: str, tmp_path):
+    """A trainer's model: the checkpoint's transformers model (float32) with every tower weight
+    moved, and the checkpoint it saves (with the processor)."""
+    model = copy.deepcopy(vl_dirs[kind][1]).float()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("model.visual."):
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    out = tmp_path / f"{kind}_moved"
+    model.save_pretrained(str(out))
+    _save_processor(out)
+    return model, out
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_update_weights_takes_the_tower(kind, vl_dirs, tmp_path):
+    """``update_weights`` with a VL model's ``named_parameters()`` (``model.visual.*`` among them,
+    the tower's moved): bitwise a fresh Scorer on the saved checkpoint (deterministic mode). The
+    text model alone (a trainer that freezes the tower) is taken, the loaded tower kept; some of
+    the tower's tensors with it: only those change."""
+    path, ref = vl_dirs[kind]
+    cfg = EngineConfig(deterministic=True, progress=False)
+    seqs = _sequences()
+    scorer = Scorer(str(path), device="cpu", dtype="float32", config=cfg)
+    before = scorer.logprobs(seqs)
+    trainer, moved = _moved_tower(vl_dirs, kind, tmp_path)
+    scorer.update_weights(trainer.named_parameters())
+    want = Scorer(str(moved), device="cpu", dtype="float32", config=cfg).logprobs(seqs)
+    for got, new, old in zip(scorer.logprobs(seqs), want, before):
+        assert torch.equal(got.logprobs, new.logprobs)
+        assert (got.logprobs - old.logprobs).abs().max() > 1e-4  # the tower's weights move the numbers
+    text = [(n, p) for n, p in trainer.named_parameters() if not n.startswith("model.visual.")]
+    frozen = Scorer(str(path), device="cpu", dtype="float32", config=cfg)
+    assert covers(frozen.loaded.model, text) and not covers(frozen.loaded.model, text[1:])  # a collective's buckets
+    frozen.update_weights(text)  # the text model's weights are the checkpoint's: nothing changes
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(frozen.logprobs(seqs), before))
+    some = [(n, p) for n, p in trainer.named_parameters() if n.startswith("model.visual.blocks.0.")]
+    frozen.update_weights(text + some)
+    tower, sent = dict(frozen.loaded.model.visual.named_parameters()), dict(trainer.named_parameters())
+    loaded = {n: p.float() for n, p in ref.named_parameters()}  # the checkpoint's (float32 -> 64 -> 32: exact)
+    for name, p in tower.items():
+        source = sent if name.startswith("blocks.0.") else loaded
+        assert torch.equal(p, source["model.visual." + name]), name
+
+
+@pytest.mark.slow  # two gloo worker processes: ~20 s on 2 cores
+def test_update_weights_takes_the_tower_under_tensor_parallelism(vl_dirs, tmp_path):
+    """At TP = 2 (each rank holds the tower whole): the moved tower sent with the text model gives a
+    fresh one-rank Scorer's numbers on the saved checkpoint, bitwise (deterministic mode); the text
+    model alone afterwards keeps the tower."""
+    path, _ = vl_dirs["qwen3_5"]
+    cfg = EngineConfig(deterministic=True, progress=False)
+    seqs = _sequences()
+    trainer, moved = _moved_tower(vl_dirs, "qwen3_5", tmp_path)
+    want = Scorer(str(moved), device="cpu", dtype="float32", config=cfg).logprobs(seqs)
+    with Scorer(str(path), device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2) as scorer:
+        before = scorer.logprobs(seqs)
+        scorer.update_weights(trainer.named_parameters())
+        got = scorer.logprobs(seqs)
+        scorer.update_weights([(n, p) for n, p in trainer.named_parameters() if not n.startswith("model.visual.")])
+        again = scorer.logprobs(seqs)
+    for g, a, w, b in zip(got, again, want, before):
+        assert torch.equal(g.logprobs, w.logprobs) and torch.equal(a.logprobs, w.logprobs)
+        assert (g.logprobs - b.logprobs).abs().max() > 1e-4
 
 
 def test_shared_prefixes_keyed_by_image_content(vl_dirs, monkeypatch):

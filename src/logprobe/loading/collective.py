@@ -70,7 +70,7 @@ import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reduction a 
 
 from ..errors import LogprobeError
 from .receiver import ReceiverFault, ReceiverProcess, layout_of, shared_buffer, unlink_buffer, views
-from .update import Incoming, buffer_slots, full_slots, sent_names, units, weight_slots
+from .update import Incoming, buffer_slots, full_slots, sent_names, tower_slots, units, weight_slots
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,11 @@ def socket_settings(environ, backend: str) -> dict[str, str]:
 
 
 def covers(model, named: list[tuple[str, torch.Tensor]]) -> bool:
-    """Whether ``named`` holds every parameter of ``model`` and, once one of the weights
-    transformers holds as buffers is among them, every one of those (then the update can run:
-    ``update_weights`` keeps the buffers when none is sent), or a name the model does not have
-    (then the update refuses it: no later bucket could make it right)."""
+    """Whether ``named`` holds every parameter of ``model`` (its vision tower's aside: taken where
+    sent, ``Family.towers``; a tower bucket after the text model's last one would open the next
+    round) and, once one of the weights transformers holds as buffers is among them, every one of
+    those (then the update can run: ``update_weights`` keeps the buffers when none is sent), or a
+    name the model does not have (then the update refuses it: no later bucket could make it right)."""
     return coverage(model, named)[0]
 
 
@@ -188,10 +189,10 @@ def coverage(model, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, list[s
                 seen.add(unit)
     except LogprobeError:
         return True, []  # the update says what is wrong
-    buffers = set(buffer_slots(model, slots))
+    buffers, towers = set(buffer_slots(model, slots)), set(tower_slots(model, slots))
     if not seen & buffers:
-        return seen >= slots.keys() - buffers, sorted(buffers)
-    return seen >= slots.keys(), []
+        return seen >= slots.keys() - buffers - towers, sorted(buffers)
+    return seen >= slots.keys() - towers, []
 
 
 def _units_of(model, name: str, t: torch.Tensor) -> list[str]:

@@ -450,4 +450,5 @@ FAMILY = register(Family(
     gguf_config=gguf_hybrid_config,
     gguf_tensors=lambda reader, arch, cfg, load: gguf_hybrid_tensors(reader, arch, cfg),
     units=hybrid_units,
+    towers=("visual.",),  # Qwen3.5's vision tower: updated where sent (``loading.update``)
 ))

@@ -111,6 +111,9 @@ class Family:
     fused: Callable = _no_parts
     units: Callable = _no_units
     buffers: tuple[str, ...] = ()  # native name endings of weights transformers holds as buffers
+    # native name prefixes of a vision tower's weights: an update takes those sent and keeps the
+    # others (a trainer that freezes the tower may send the text model alone: ``update.check_complete``)
+    towers: tuple[str, ...] = ()
 
     def build_meta(self, cfg, ctx=None):
         """A model of this family on the current device (the meta device for shapes, a rank's rows)."""

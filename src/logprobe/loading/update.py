@@ -20,13 +20,14 @@ name, shape or value leaves the old weights in force:
 
 Families (``registry.Family``, each registered beside its loader: ``loading.families``): the
 family of the model's config gives its loader's own name mapping (``param_name``: the same tensors
-the loader skips are ignored, e.g. multi-token-prediction layers, vision towers), its rotary row
+the loader skips are ignored, e.g. multi-token-prediction layers), its rotary row
 permutation (``interleave``), the fused tensors its loader cuts by rows (``fused``: q/k/v and
 gate/up), the tensors it reshapes (``units``: a conv weight squeezed, fused mixer projections cut,
 experts moved from transformers' layout into the native one, whole [E, ...] tensors where
-``whole_experts``), and its weights transformers holds as buffers (``buffers``); routers held in
-float32 stay float32. Packed-quantized models are refused (FP8 blocks, GGUF, compressed-tensors),
-and so is a model holding MXFP4-packed experts: a trainer sends float (bf16) weights, and writing
+``whole_experts``), its weights transformers holds as buffers (``buffers``) and its vision
+tower's (``towers``, e.g. ``model.visual.*``: taken where sent, the others kept: a trainer
+may freeze the tower); routers held in float32 stay float32. Packed-quantized models are refused
+(FP8 blocks, GGUF, compressed-tensors), and so is a model holding MXFP4-packed experts: a trainer sends float (bf16) weights, and writing
 them into MXFP4 blocks would mean requantizing, which scores other weights than the trainer's; the
 error names the tensor and the fix (load with ``weights="dense"``: MXFP4 values are exact in the
 model dtype, so the scores do not change, and updates then take float weights exactly).
@@ -297,16 +298,27 @@ def check_complete(model, slots: dict[str, torch.Tensor], seen: Mapping[str, str
         sigmoid router, named_parameters() sent -> ["layers.1.mlp.e_score_correction_bias", ...] kept
         named_parameters() + named_buffers()  -> []
         layer 1's experts.gate_up_proj left out -> "1 weight missing: model.layers.1.mlp.experts.gate_up_proj"
+
+    A vision tower's weights (``Family.towers``) are taken where sent and keep their values where
+    not, one by one: a trainer that freezes the tower sends the text model alone, and scores then
+    run the loaded tower (they are not counted in the return value, which is about buffers).
     """
     buffers = buffer_slots(model, slots)
     kept = [n for n in buffers if n not in seen]
     kept = kept if len(kept) == len(buffers) else []
-    missing = sent_names(model, [n for n in slots if n not in seen and n not in kept], seen)
+    towers = set(tower_slots(model, slots))
+    missing = sent_names(model, [n for n in slots if n not in seen and n not in kept and n not in towers], seen)
     if missing:
         raise LogprobeError(field, f"{len(missing)} weight{'s' * (len(missing) != 1)} missing: "
                             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
                             "send every weight of the model (a partial update would mix two policies)")
     return kept
+
+
+def tower_slots(model, slots) -> list[str]:
+    """The names of ``slots`` of the model's vision tower (``Family.towers``, e.g. ``visual.*``)."""
+    prefixes = family(model).towers
+    return [n for n in slots if prefixes and n.startswith(prefixes)]
 
 
 def buffer_slots(model, slots) -> list[str]:
