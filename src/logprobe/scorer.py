@@ -351,7 +351,9 @@ class Scorer:
         (``loading.update``). ``weight_version`` names the new weights (``Scorer.weight_version``;
         default: the new ``weights_version`` as a string). The weights transformers holds as buffers
         (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``, Gemma 4's ``layer_scalar``), when none is
-        sent, keep their values: ``kept_buffers`` names them (a warning too)."""
+        sent, keep their values: ``kept_buffers`` names them (a warning too). A vision tower's
+        tensors (Qwen3.5's ``model.visual.*``) are taken where sent, the others kept (a trainer
+        that freezes the tower sends the text model alone)."""
         applied = update_weights(self.loaded.model, named_tensors, engine=self._workers())
         return self._bump(weight_version, applied.kept)
 
