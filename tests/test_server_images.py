@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import base64
 import http.server
+import struct
 import threading
+import zlib
 
 import pytest
 import requests
 import torch
 from server_util import serve
 
-from logprobe import Scorer
+from logprobe import LogprobeError, Scorer
 from logprobe.server import ServerConfig, create_app
 
 transformers = pytest.importorskip("transformers")
@@ -211,3 +213,22 @@ def test_remote_images_only_when_allowed(vl_scorer):
             assert refused(r) == "sequences[0].images[0]" and "100 bytes" in r.text
     finally:
         images.shutdown()
+
+
+def _huge_png(w: int, h: int) -> bytes:
+    """A PNG header of w x h pixels and no pixel data: a few bytes whose decoding would take w * h * 3."""
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))  # noqa: E731
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def test_a_huge_image_is_refused_by_name(server, vl_scorer):
+    """Pillow's own ceiling (a DecompressionBombError, not an OSError) is a LogprobeError naming the
+    image in the library, and a 400 on the server (its header read, nothing decoded)."""
+    bomb = _huge_png(20000, 20000)
+    with pytest.raises(LogprobeError) as e:
+        vl_scorer.logprobs([{"prompt_token_ids": [5, IMAGE_ID], "completion_token_ids": [6], "images": [bomb]}])
+    assert e.value.field == "sequences[0].images[0]" and "too many pixels" in str(e.value)
+    r = post(server, "/v1/logprobs", {"sequences": [{"prompt_token_ids": [5, IMAGE_ID], "completion_token_ids": [6],
+                                                     "images": ["data:image/png;base64," + base64.b64encode(bomb).decode()]}]})
+    assert refused(r) == "sequences[0].images[0]" and "400000000 pixels" in r.text

@@ -54,6 +54,8 @@ def read_image(item, field: str):
         try:
             image = Image.open(io.BytesIO(data))
             image.load()  # decodes now: a truncated file fails here, not in the processor
+        except Image.DecompressionBombError as e:  # Pillow's ceiling (~179 M pixels): not an OSError
+            raise LogprobeError(field, f"has too many pixels ({e})", "give a smaller image") from e
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
             raise LogprobeError(field, f"is not a readable image: {e}", "give a PNG, JPEG, WebP or GIF image") from e
     return image.convert("RGB")
