@@ -114,6 +114,12 @@ def test_logprobs_and_generate_with_images_match_the_library(server, vl_scorer):
         meta = r.json()[0]["meta_info"]
         assert meta["prompt_tokens"] == len(expanded) + len(completion)
         assert [e[0] for e in meta["input_token_logprobs"][1:]] == want
+    # text with the placeholder: tokenized, then expanded (the ids' numbers again)
+    text = vl_scorer.tokenizer.decode(prompt + completion)
+    assert vl_scorer.tokenizer.encode(text) == prompt + completion and not vl_scorer.tokenizer.add_bos
+    r = post(server, "/generate", {"text": text, "image_data": URL, "return_logprob": True,
+                                   "logprob_start_len": len(expanded) - 1})
+    assert [e[0] for e in r.json()["meta_info"]["input_token_logprobs"][1:]] == want, r.text
     # a batch: one entry per input (null: no images); entries before the last image are refused
     body = {"input_ids": [prompt + completion, prompt + completion], "image_data": [None, [URL]],
             "return_logprob": True, "logprob_start_len": 0}
