@@ -75,7 +75,9 @@ from logprobe.executor.profile import (  # noqa: E402
     profile_run,
     waits,
 )
-from logprobe.parallel.rows import RowSplit, assign_rows  # noqa: E402
+from logprobe.loading.loader import describe_model  # noqa: E402
+from logprobe.models.base import attention_pair_weight  # noqa: E402
+from logprobe.parallel.rows import RowSplit, assign_rows, cut_costs  # noqa: E402
 
 # GLM-4.5-Air's shape (``glm4_moe``: 128 experts top-8 + 1 shared, 96 query heads, half-rotary, q/k/v
 # bias; 106B parameters in all), the transformers ``Glm4MoeConfig`` arguments
@@ -217,12 +219,13 @@ def timed(scorer, reqs, device: str = "cuda"):
     return time.perf_counter() - t, torch.cat([r.logprobs.float() for r in out])
 
 
-def rank_shares(reqs, config, ranks: int) -> dict:
+def rank_shares(reqs, config, ranks: int, pair_weight: int = 0) -> dict:
     """Each rank's share of the rows and attention pairs of a run under data-parallel attention
     (fractions of the whole, rounded): the engine's plan for ``ranks`` replayed (``plan_work``, its
-    packing, each batch cut as the model cuts it, ``assign_rows``), then ``attention_pairs`` of
-    every rank's segments. Chunks of a request over a rank's share run whole on every rank (none
-    on W1): their rows are counted in ``whole_rows``.
+    packing, each batch cut as the model cuts it, ``assign_rows`` by ``cut_costs`` at the model's
+    ``pair_weight``, ``models.base.attention_pair_weight``; 0: by rows), then ``attention_pairs``
+    of every rank's segments. Chunks of a request over a rank's share run whole on every rank
+    (none on W1): their rows are counted in ``whole_rows``.
 
     >>> from logprobe.config import EngineConfig
     >>> from logprobe.engine.request import ScoreRequest
@@ -232,13 +235,14 @@ def rank_shares(reqs, config, ranks: int) -> dict:
     """
     rows, pairs, whole = [0] * ranks, [0] * ranks, 0
     plan = plan_work([r.inputs for r in reqs], config.max_batch_tokens, share=config.share_prefixes,
-                     min_shared=config.min_shared_prefix, ranks=ranks)
+                     min_shared=config.min_shared_prefix, ranks=ranks, pair_weight=pair_weight)
     for batch in plan:
         if isinstance(batch[0], Chunk):
             whole += batch[0].end - batch[0].begin
             continue
         meta = pack(batch, reqs, torch.device("cpu")).meta
-        bounds = assign_rows(meta.cuts(), ranks)
+        cuts = meta.cuts()
+        bounds = assign_rows(cuts, ranks, cut_costs(meta.segments, cuts, pair_weight))
         for r in range(ranks):
             own = meta.share(RowSplit(bounds, r))
             rows[r] += own.num_rows
@@ -388,7 +392,8 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
                    tok_s=round(toks / secs),
                    load_s=round(load, 1))
         if tp > 1 and s.attention_parallel == "data":
-            row.update(rank_shares(reqs, s.config, tp))
+            weight = attention_pair_weight(describe_model(str(path), "cpu", tokenizer=False).model)
+            row.update(rank_shares(reqs, s.config, tp, weight), pair_weight=weight)
         if args.skew and tp == 1 and name == "default":
             cfg = json.loads((path / "config.json").read_text())
             row["hot_share"] = hot_share(s, reqs[:16], cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"])

@@ -27,7 +27,8 @@ from logprobe.layers.attention import AttentionMeta, Segment
 from logprobe.layers.hooks import CaptureTable, Hooks
 from logprobe.loading.loader import attention_layout, describe_model, load_model, load_shard, parallel_context
 from logprobe.parallel.context import ParallelContext
-from logprobe.parallel.rows import RowSplit, assign_rows, balanced_order, max_share
+from logprobe.parallel.rows import (COST_SCALE, RowSplit, assign_rows, balanced_order, cut_costs, max_share,
+                                    pair_count, row_cost)
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,6 +54,82 @@ def test_assign_rows_gold():
     for bad in ([], [1, 4], [0, 4, 4]):
         with pytest.raises(LogprobeError):
             assign_rows(bad, 2)
+
+
+def test_cost_balance_gold():
+    """Cuts by cost (rows and attention pairs, ``parallel.rows``): literal gold tables."""
+    assert [pair_count(r, c) for r, c in ((1, 0), (4, 0), (2, 4), (3, 10))] == [1, 10, 11, 36]
+    assert row_cost(3, 6, COST_SCALE // 2) == 6 * COST_SCALE and row_cost(5, 99, 0) == 5 * COST_SCALE
+    # (cuts, costs in rows, size) -> bounds
+    gold = {
+        ((0, 1, 2, 3, 5), (0, 1.5, 3, 4.5, 8), 2): (0, 3, 5),  # by rows (0, 2, 5)
+        ((0, 60, 100, 160), (0, 40, 70, 130), 2): (0, 100, 160),  # by rows (0, 60, 160)
+        ((0, 60, 100, 160), (0, 60, 100, 160), 2): (0, 60, 160),  # costs = rows: as by rows
+        ((0, 4, 8, 12, 16), (0, 10, 12, 14, 40), 2): (0, 12, 16),  # by rows (0, 8, 16)
+        ((0, 4, 8, 12, 16), (0, 10, 12, 14, 40), 4): (0, 4, 12, 16, 16),
+    }
+    for (cuts, costs, size), want in gold.items():
+        got = assign_rows(list(cuts), size, [int(c * COST_SCALE) for c in costs])
+        assert got == want, (cuts, costs, size, got)
+    with pytest.raises(LogprobeError):
+        assign_rows([0, 2, 4], 2, [0, 5, 3])  # costs must ascend
+    segs = [Segment(0, 4), Segment(4, 6, ((0, 4),)), Segment(6, 9)]
+    assert cut_costs(segs, [0, 6, 9], COST_SCALE) == [0, 27 * COST_SCALE, 36 * COST_SCALE]
+    assert cut_costs(segs, [0, 6, 9], 0) == [0, 6 * COST_SCALE, 9 * COST_SCALE]
+
+
+def test_pair_weights_of_the_bench_shapes():
+    """``attention_pair_weight``: one pair's attention FLOPs against one row's dense FLOPs on its
+    rank, in COST_SCALE units, pinned for the MoE bench's shapes (Qwen3-30B-A3B: 4 * 32 * 128 a
+    pair a block against 2 * 19.1M a row a block; the MLA shape: latent heads, a dense block and
+    shared experts); a dense Llama's weight is its own."""
+    import json
+
+    from logprobe.models.base import attention_pair_weight
+    from logprobe.engine.scheduler import Tree, plan_work, tree_pairs
+
+    def weight(cls, layers, **kw):
+        d = tmp / f"{cls}-{layers}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(getattr(transformers, cls)(**kw, num_hidden_layers=layers).to_dict()))
+        return attention_pair_weight(describe_model(str(d), "cpu", tokenizer=False).model)
+
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp())
+    qwen3 = dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    mla = dict(vocab_size=102400, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+               intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+               n_shared_experts=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+               kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    assert weight("Qwen3MoeConfig", 16, **qwen3) == 28 and weight("Qwen3MoeConfig", 48, **qwen3) == 28
+    assert weight("DeepseekV3Config", 12, **mla) == 9
+    # the plan's order by cost: sequences of 50, 50, 50, 100 and 100 rows over 2 ranks. By rows
+    # one rank takes both 100s (200 rows, 10,100 pairs: 300.9 rows' worth at a pair weight of
+    # 1/100 row) and the other the 50s (150 rows, 188.2); by cost 213.2 | 276.0
+    assert tree_pairs(Tree((0, 1), 4), [6, 5]) == 26
+    inputs = [list(range(3, 3 + n)) for n in (50, 50, 50, 100, 100)]
+    by_rows = plan_work(inputs, 8192, share=False, ranks=2)
+    by_cost = plan_work(inputs, 8192, share=False, ranks=2, pair_weight=COST_SCALE // 100)
+    assert [t.members for t in by_rows[0]] == [(3,), (4,), (0,), (1,), (2,)]
+    assert [t.members for t in by_cost[0]] == [(3,), (0,), (2,), (4,), (1,)]
+
+
+def test_model_row_split_balances_cost(dirs):
+    """A rank's model cuts a batch by cost (``ScoringModel.row_split``): sequences of 40, 70, 10
+    and 100 rows over 2 ranks, cut at 110 by rows (120 | 100: the 100-row sequence's pairs make the
+    second rank's share the dearer) and at 120 by cost at this model's pair weight."""
+    from logprobe.loading.sharding import rank_model
+
+    cfg = describe_model(str(dirs["qwen3_moe"]), "cpu", tokenizer=False).model.config
+    model = rank_model(cfg, parallel_context(cfg, 0, 2, None, 2, "data"))
+    assert model.ctx.data_attention and model.pair_weight == 503
+    starts = [0, 40, 110, 120, 220]
+    meta = AttentionMeta([Segment(a, b) for a, b in zip(starts, starts[1:])])
+    assert assign_rows(meta.cuts(), 2) == (0, 110, 220)
+    assert model.row_split(meta, None).bounds == (0, 120, 220)
 
 
 def test_cuts_keep_a_prefix_with_its_branches_and_share_rebases():

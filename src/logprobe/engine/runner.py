@@ -318,6 +318,8 @@ class Engine:
         self._context = ModelCaps.of(model).context
         self._align = ModelCaps.of(model).state_align  # where a sequence may be cut (scheduler.plan_work)
         self._ranks = row_ranks(model)  # ranks sharing a pass's rows (data-parallel attention)
+        # their rows balanced by rows and attention pairs (``models.base.attention_pair_weight``)
+        self._pair_weight = getattr(model, "pair_weight", 0) if self._ranks > 1 else 0
         # out of memory: the working budget (<= config.max_batch_tokens), see ``run``
         self.budget = config.max_batch_tokens
         self.restore_after = OOM_RESTORE_AFTER
@@ -539,7 +541,8 @@ class Engine:
                          min_shared=cfg.min_shared_prefix, chunk=self._context,
                          # steered rows or forced experts differ: no sharing (images: by content, planned_ids)
                          unshared={k for k, r in enumerate(sub) if r.steer or r.force_experts is not None},
-                         align=self._align, ranks=1 if whole else self._ranks)
+                         align=self._align, ranks=1 if whole else self._ranks,
+                         pair_weight=self._pair_weight)
         units: deque[list[Tree] | int] = deque()
         for batch in plan:
             item = batch[0]

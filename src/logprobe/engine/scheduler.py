@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.rows import balanced_order
+from ..parallel.rows import balanced_order, pair_count, row_cost
 
 
 def plan_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
@@ -115,6 +115,17 @@ def tree_cost(tree: Tree, lengths: list[int]) -> int:
     return tree.shared + sum(lengths[m] - tree.shared for m in tree.members)
 
 
+def tree_pairs(tree: Tree, lengths: list[int]) -> int:
+    """(query, key) pairs the tree's rows read (``parallel.rows.pair_count``): the prefix's own,
+    then each member's rows over the prefix and themselves (4 rows: 10; 6 - 4 rows over them: 11; 5 - 4: 5).
+
+    >>> tree_pairs(Tree((0, 1), 4), [6, 5]), tree_pairs(Tree((2,)), [6, 5, 3])
+    (26, 6)
+    """
+    p = tree.shared
+    return pair_count(p, 0) + sum(pair_count(lengths[m] - p, p) for m in tree.members)
+
+
 def aligned_trees(trees: list[Tree], align: int, min_shared: int) -> list[Tree]:
     """Trees whose prefix ends at a multiple of ``align`` rows: each prefix is cut down to one, and
     a tree whose prefix falls below ``max(min_shared, 1)`` rows so becomes lone requests.
@@ -148,7 +159,7 @@ def chunk_bounds(length: int, size: int, align: int = 1) -> list[tuple[int, int]
 
 def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True, min_shared: int = 16,
               chunk: bool = True, unshared: set[int] | frozenset[int] = frozenset(),
-              align: int = 1, ranks: int = 1) -> list[list[Tree | Chunk]]:
+              align: int = 1, ranks: int = 1, pair_weight: int = 0) -> list[list[Tree | Chunk]]:
     """The engine's plan: batches of prefix trees (each under ``max_batch_tokens`` rows), then the
     chunks of requests whose inputs exceed it, one chunk per batch. Requests in ``unshared``
     (steered ones) join no tree.
@@ -166,7 +177,8 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
     (the same trees in another order: deterministic mode keeps its bits; the busiest rank's
     share is smaller), and a tree or a chunk holds at most ``max_batch_tokens // ranks`` rows (a
     tree is never cut between ranks and a chunk runs whole on every rank: neither may hold more
-    rows than a rank's share).
+    rows than a rank's share). ``pair_weight``: the order balances rows and attention pairs
+    (``parallel.rows.row_cost``, the model's ``attention_pair_weight``; 0: rows alone).
 
     >>> plan_work([[1, 2, 3], [1, 2, 4], [5] * 7], 6, min_shared=2)
     [[Tree(members=(0, 1), shared=2)], [Chunk(request=2, begin=0, end=6)], [Chunk(request=2, begin=6, end=7)]]
@@ -187,8 +199,9 @@ def plan_work(inputs: list[list[int]], max_batch_tokens: int, share: bool = True
     units, long = fitted_units(trees, lengths, limit, chunk)
     costs = [tree_cost(u, lengths) for u in units]
     batches: list[list[Tree | Chunk]] = []
+    work = [row_cost(c, tree_pairs(u, lengths), pair_weight) for u, c in zip(units, costs)] if pair_weight else costs
     for b in plan_batches(costs, max_batch_tokens):
-        batches.append([units[b[j]] for j in balanced_order([costs[i] for i in b], ranks)])
+        batches.append([units[b[j]] for j in balanced_order([work[i] for i in b], ranks)])
     for m in sorted(long):
         batches.extend([Chunk(m, b, e)] for b, e in chunk_bounds(lengths[m], limit, align))
     return batches

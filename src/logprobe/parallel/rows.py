@@ -21,6 +21,22 @@ experts) and rank 1 owns them all:
 
     >>> RowSplit(assign_rows([0, 10], 2), rank=0).counts, RowSplit(assign_rows([0, 10], 2), rank=0).own
     ((0, 10), (0, 0))
+
+**By cost, not count.** A rank's rows cost their dense work (each row the same) plus attention's,
+which grows with the (query, key) pairs a row reads: a 2,000-token sequence's rows read 1,000
+keys each on average, a 200-token one's 100. Cut by rows alone, the rank holding the long
+sequences does more attention (on W1 over two GPUs: 50.7% of the rows, 52.4% of the pairs). So
+the cuts and the order of units balance a cost: ``COST_SCALE`` per row plus ``pair_weight`` per
+pair (``row_cost``; the model's ``pair_weight``: one pair's attention FLOPs against one row's
+dense FLOPs, in ``COST_SCALE`` units, ``models.base.attention_pair_weight``). A pair weight of 0
+is the row count. Sequences of 1, 1, 1 and 2 rows (1, 1, 1 and 3 pairs) over 2 ranks: by rows the
+cut nearest 2.5 is 2 (a tie, the smaller), rank 1 then holding 3 rows and 5 pairs; at a pair
+weight of half a row the costs up to each cut are 0, 1.5, 3, 4.5, 8, and the cut nearest 4 is 3:
+
+    >>> cuts, w = [0, 1, 2, 3, 5], COST_SCALE // 2
+    >>> costs = [row_cost(c, p, w) for c, p in zip(cuts, [0, 1, 2, 3, 6])]
+    >>> assign_rows(cuts, 2), assign_rows(cuts, 2, costs)
+    ((0, 2, 5), (0, 3, 5))
 """
 
 from __future__ import annotations
@@ -34,26 +50,73 @@ from ..errors import LogprobeError
 from .context import ParallelContext
 
 
-def assign_rows(cuts: list[int], size: int) -> tuple[int, ...]:
+COST_SCALE = 1 << 16  # a row's cost (``row_cost``): integers, so every rank cuts alike
+
+
+def pair_count(rows: int, context: int) -> int:
+    """(query, key) pairs of ``rows`` causal rows that all read ``context`` keys before them.
+
+    >>> pair_count(4, 0), pair_count(2, 4), pair_count(1, 0)
+    (10, 11, 1)
+    """
+    return rows * context + rows * (rows + 1) // 2
+
+
+def row_cost(rows: int, pairs: int, pair_weight: int) -> int:
+    """The cost of ``rows`` rows reading ``pairs`` pairs: ``COST_SCALE`` a row, ``pair_weight`` a pair.
+
+    >>> row_cost(3, 6, 0) == 3 * COST_SCALE, row_cost(3, 6, COST_SCALE // 2) == 6 * COST_SCALE
+    (True, True)
+    """
+    return rows * COST_SCALE + pairs * pair_weight
+
+
+def cut_costs(segments, cuts: list[int], pair_weight: int) -> list[int]:
+    """The cost (``row_cost``) of a batch up to each of its ``cuts`` (``AttentionMeta.cuts``): every
+    segment (``start``, ``end``, ``context``: the key spans before it that it reads) ending there or
+    before, its rows and its pairs (``pair_count`` over its context's keys). Sliding windows are
+    not counted (a window caps a long row's pairs: such rows are costed high, which only moves cuts).
+
+    >>> from types import SimpleNamespace as Seg
+    >>> segs = [Seg(start=0, end=4, context=()), Seg(start=4, end=6, context=((0, 4),)), Seg(start=6, end=9, context=())]
+    >>> [c / COST_SCALE for c in cut_costs(segs, [0, 6, 9], COST_SCALE)]  # 4 + 10, 2 + 11, 3 + 6
+    [0.0, 27.0, 36.0]
+    """
+    at, total = {0: 0}, 0
+    for seg in segments:
+        n = seg.end - seg.start
+        total += row_cost(n, pair_count(n, sum(b - a for a, b in seg.context)), pair_weight)
+        at[seg.end] = total
+    return [at[c] for c in cuts]
+
+
+def assign_rows(cuts: list[int], size: int, costs: list[int] | None = None) -> tuple[int, ...]:
     """Row bounds (``size + 1`` of them, from 0 to the total) of a batch whose rows may be cut only
-    at ``cuts`` (ascending, first 0, last the row count): bound r (0 < r < size) is the cut nearest
-    to r * total / size (the smaller on a tie), never before bound r - 1. Rank r owns rows
-    ``bounds[r] .. bounds[r + 1]``; equal bounds: a rank with no rows.
+    at ``cuts`` (ascending, first 0, last the row count): bound r (0 < r < size) is the cut whose
+    cost is nearest r / size of the whole (the smaller on a tie), never before bound r - 1.
+    ``costs``: the batch's cost up to each cut (ascending from 0, ``row_cost``); left out, the
+    rows themselves. Rank r owns rows ``bounds[r] .. bounds[r + 1]``; equal bounds: a rank with no
+    rows.
 
     >>> assign_rows([0, 60, 100, 160], 2), assign_rows([0, 1, 101], 2), assign_rows([0, 3], 3)
     ((0, 60, 160), (0, 1, 101), (0, 0, 3, 3))
+    >>> assign_rows([0, 60, 100, 160], 2, [0, 40, 70, 130])  # the last 60 rows cost twice the first 100
+    (0, 100, 160)
     """
     if size < 1 or not cuts or cuts[0] != 0 or any(b <= a for a, b in zip(cuts, cuts[1:])):
         raise LogprobeError("rows", f"cuts must ascend from 0 and the size be >= 1, got {cuts!r} over {size}")
-    total = cuts[-1]
+    at = cuts if costs is None else costs
+    if len(at) != len(cuts) or at[0] != 0 or any(b < a for a, b in zip(at, at[1:])):
+        raise LogprobeError("rows", f"costs must ascend from 0, one a cut, got {costs!r} for {cuts!r}")
+    total = at[-1]
     bounds = [0]
     for r in range(1, size):
-        i = bisect_left(cuts, r * total / size)  # cuts[i - 1] < ideal <= cuts[i]
-        below, above = cuts[max(i - 1, 0)], cuts[min(i, len(cuts) - 1)]
+        i = bisect_left(at, r * total / size)  # at[i - 1] < ideal <= at[i]
+        lo, hi = max(i - 1, 0), min(i, len(at) - 1)
         ideal2 = 2 * r * total  # compare 2 * size * distances: integers, no rounding
-        near = below if ideal2 - 2 * size * below <= 2 * size * above - ideal2 else above
-        bounds.append(max(near, bounds[-1]))
-    bounds.append(total)
+        near = lo if ideal2 - 2 * size * at[lo] <= 2 * size * at[hi] - ideal2 else hi
+        bounds.append(max(cuts[near], bounds[-1]))
+    bounds.append(cuts[-1])
     return tuple(bounds)
 
 
