@@ -39,7 +39,7 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attentio
             layer_types=[SLIDING, FULL, SLIDING])
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
               patch_size=8, vision_use_head=False)
-BOI, EOI, IMAGE_ID = 258, 259, 260
+BOI, EOI, IMAGE_ID = 260, 261, 262  # after the byte tokens (2 .. 257) and the two newline merges
 TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 N = 16  # mm_tokens_per_image
 CHAT = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
@@ -63,7 +63,7 @@ def gemma_vl(tmp_path_factory):
         for _, p in model.named_parameters():
             p.copy_((0.3 if p.dim() == 1 else 0.1) * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(d))
-    tok = byte_tokenizer()[0]
+    tok = _newline_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": TOKENS})
     assert tok.convert_tokens_to_ids(TOKENS) == [BOI, EOI, IMAGE_ID]
     tok.chat_template = CHAT
@@ -71,6 +71,21 @@ def gemma_vl(tmp_path_factory):
     transformers.Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(str(d))
     yield d, model.double()
     mp.undo()
+
+
+def _newline_tokenizer():
+    """``helpers.byte_tokenizer`` with "\n\n" and "\n\n\n" as tokens of their own (ids 258, 259), as
+    Gemma's tokenizer has them: an image's "\n\n" joins a newline before it."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = byte_tokenizer()[1]
+    nl = "\u010a"  # "\n" as a byte-level symbol
+    vocab.update({nl * 2: len(vocab), nl * 3: len(vocab) + 1})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(nl, nl), (nl * 2, nl)]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>")
 
 
 def _image(h: int, w: int, seed: int):
@@ -317,12 +332,15 @@ def test_prompt_token_ids_and_chat(gemma_vl):
     got = scorer.logprobs([{"prompt_token_ids": expanded, "completion_token_ids": completion,
                             "images": seq["images"]}])
     assert torch.equal(got[0].logprobs, want)
+    # a chat whose image follows "user\n": the processor's text joins that newline with the image's
+    # "\n\n" (one token, 259), as the prompt text does; ids expanded one by one would not
     png = _png(_image(48, 32, 6))
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "image", "image": png}]},
+    messages = [{"role": "user", "content": [{"type": "image", "image": png}, {"type": "text", "text": "What is it?"}]},
                 {"role": "assistant", "content": "A noisy square."}]
     chat = scorer.score_chat(messages)
     text = scorer.tokenizer.hf.apply_chat_template([{"role": "user", "content": [
-        {"type": "text", "text": "What is "}, {"type": "image"}]}], tokenize=False, add_generation_prompt=True)
+        {"type": "image"}, {"type": "text", "text": "What is it?"}]}], tokenize=False, add_generation_prompt=True)
+    assert "user\n<start_of_image>" in text and 259 in scorer.tokenizer.encode(_expanded(text))
     want = scorer.logprobs([{"prompt": text, "completion_token_ids": chat.token_ids, "images": [png]}])[0]
     assert (torch.tensor(chat.token_logprobs) - want.logprobs.double()).abs().max() < 1e-6
 

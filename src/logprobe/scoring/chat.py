@@ -211,8 +211,28 @@ def chat_inputs(context: ScoringContext, messages, field: str = "messages"
         return prompt, scored, None
     reader = context.images
     pixels, grids = reader.patches([src for src, _ in images], field, [where for _, where in images])
-    prompt = reader.expand(prompt, grids, field)
+    if reader.fmt.around:  # text around each image (Gemma 3's "\n\n") tokenizes with its neighbours
+        prompt = _expanded_text_ids(context, checked[:-1], prompt, grids, field)
+    else:
+        prompt = reader.expand(prompt, grids, field)
     return prompt, scored, reader.inputs(prompt + scored, pixels, grids, field)
+
+
+def _expanded_text_ids(context: ScoringContext, messages: list[dict], ids: list[int], grids: list, field: str
+                       ) -> list[int]:
+    """The prompt's ids with each image expanded in its text, then tokenized as one text, as the
+    family's processor does (``"user\n" + "\n\n<start_of_image>"`` may become one newline token
+    and the image run, not "\n" and "\n\n"); where the template's ids are not its text's tokens, the
+    ids expanded one by one (``ImageReader.expand``)."""
+    reader, tokenizer = context.images, context.tokenizer
+    try:
+        text = tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # rendered as ids above: the same template; keep its ids
+        return reader.expand(ids, grids, field)
+    pieces = text.split(reader.placeholder) if isinstance(text, str) else []
+    if len(pieces) != len(grids) + 1 or tokenizer.encode(text) != ids:
+        return reader.expand(ids, grids, field)
+    return tokenizer.encode(pieces[0] + "".join(reader.expansion_text(g) + rest for g, rest in zip(grids, pieces[1:])))
 
 
 def _rendered(context: ScoringContext, messages: list[dict], field: str) -> tuple[list[int], list[int]]:
