@@ -318,7 +318,7 @@ def test_chat_with_image_parts(vl_dirs):
     assert e.value.field == "messages[0].content[0]"
 
 
-@pytest.mark.slow  # two gloo worker processes per model: ~25 s each on 2 cores
+@pytest.mark.slow  # two gloo worker processes per model: ~3 s each alone on 2 cores, ~10 s beside other tests
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_images_under_tensor_parallelism(kind, vl_dirs):
     """The tower whole on every rank (each rank reads it whole and embeds the images of its pass):
@@ -390,7 +390,7 @@ def test_update_weights_takes_the_tower(kind, vl_dirs, tmp_path):
         assert torch.equal(p, source["model.visual." + name]), name
 
 
-@pytest.mark.slow  # two gloo worker processes: ~20 s on 2 cores
+@pytest.mark.slow  # two gloo worker processes: ~3 s alone on 2 cores, ~10 s beside other tests
 def test_update_weights_takes_the_tower_under_tensor_parallelism(vl_dirs, tmp_path):
     """At TP = 2 (each rank holds the tower whole): the moved tower sent with the text model gives a
     fresh one-rank Scorer's numbers on the saved checkpoint, bitwise (deterministic mode); the text
