@@ -8,7 +8,7 @@ Two tiny random checkpoints saved by transformers' own classes:
   per-layer embeddings, the last two blocks sharing keys and values of earlier ones with
   double-wide MLPs, ``layer_scalar``, and a final logit soft-cap small enough to matter.
 * ``gemma4`` (``Gemma4ForConditionalGeneration``): the text tower under ``model.language_model.``
-  with a vision tower to skip, untied head, no per-layer embeddings.
+  with its vision tower (read; images: ``test_gemma4_images``), untied head, no per-layer embeddings.
 
 Every weight is random (norm gains around 1, layer scalars too). The reference is transformers'
 forward in float64, its ``Gemma4RMSNorm`` (float32 inside) replaced by the same function in float64.
@@ -222,7 +222,10 @@ def test_config_refusals_and_keys(gemma4_dirs):
     hub = gemma4_config(text)
     assert hub.layer_head_dims == (12, 12, 32) and hub.layer_kv_heads == (2, 2, 1)
     assert gemma4_param_name("model.language_model.layers.0.mlp.up_proj.weight", cfg, "f") == "layers.0.mlp.up_proj.weight"
-    assert gemma4_param_name("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight", cfg, "f") is None
+    # the vision tower and its embedder are read (``test_gemma4_images``), the audio tower is not
+    assert gemma4_param_name("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight", cfg, "f") == \
+        "vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"
+    assert gemma4_param_name("model.audio_tower.layers.0.weight", cfg, "f") is None
     with pytest.raises(LogprobeError, match="unexpected tensor"):
         gemma4_param_name("mtp.layers.0.weight", cfg, "f")
     assert parallel_context(cfg, 1, 2).size == 2  # tensor parallelism: tests/test_tp_families.py

@@ -218,15 +218,17 @@ def packed_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    bidirectional: bool = True,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this batch -> [T, Hq, D]; Hq a multiple of Hkv (GQA).
-    ``sinks`` [Hq]: each head's sink logit (module docstring), None for none."""
+    ``sinks`` [Hq]: each head's sink logit (module docstring), None for none. ``bidirectional``:
+    whether this layer runs the segments' bidirectional spans (Gemma 4: its sliding layers only)."""
     if q.shape[0] == 0 and meta.cache is None:  # a rank with no rows of a split batch (``AttentionMeta.rows``)
         return torch.empty_like(q)
     if meta.cache is not None:
         k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
     past = k.shape[0] - q.shape[0]
-    spans = [seg for seg in meta.segments if seg.spans]
+    spans = [seg for seg in meta.segments if seg.spans] if bidirectional else []
     if spans and (q.is_cuda or sinks is not None):
         raise LogprobeError("device" if q.is_cuda else "sinks", f"bidirectional spans are not run "
                             f"{'on ' + str(q.device) if q.is_cuda else 'with attention sinks'}",

@@ -3,8 +3,10 @@
 (``Gemma4ForConditionalGeneration``; its ``text_config``).
 
 Checkpoint keys as transformers 5 writes them: ``model.layers.*`` (text) or
-``model.language_model.*`` (multimodal); the vision and audio towers and their embedders are not
-used to score text and are skipped with one note. KV-shared blocks hold no key/value weights (any
+``model.language_model.*`` (multimodal); the vision tower and its embedder (``vision_tower.*``,
+``embed_vision.*``) are read where the config has its ``vision_config`` (``models.gemma4_vision``:
+text scored given images; on one rank: under tensor parallelism they are skipped, and images
+refused), the audio tower and its embedder are skipped with one note. KV-shared blocks hold no key/value weights (any
 the file has for them are skipped, as transformers does). ``lm_head.weight`` is read only when the
 embeddings are untied.
 
@@ -29,6 +31,7 @@ import torch
 from ..errors import LogprobeError
 from ..layers.parallel_linear import held_ranges
 from ..models.gemma4 import LAYER_TYPES, Gemma4Config, Gemma4Model
+from ..models.gemma4_vision import Gemma4VisionConfig, gemma4_vision_config
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_weights_match, tower_skipping_tensors
@@ -44,6 +47,7 @@ _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "
 _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                     "rope_theta": 1_000_000.0}}
+_VISION = ("model.vision_tower.", "model.embed_vision.")  # read where the config has its vision_config
 _SHARED_SKIP = (".self_attn.k_proj.", ".self_attn.v_proj.", ".self_attn.k_norm.", ".self_attn.v_norm.")
 
 
@@ -152,6 +156,7 @@ def gemma4_config(raw: dict) -> Gemma4Config:
     cap = cfg.get("final_logit_softcapping")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
         raise LogprobeError(f"{where}final_logit_softcapping", f"must be a number or null, got {cap!r}")
+    vision, image_ids = _vision(raw, cfg, where)
     try:
         return Gemma4Config(
             vocab_size=vocab, hidden_size=_num(cfg, "hidden_size", where, 2304),
@@ -166,16 +171,32 @@ def gemma4_config(raw: dict) -> Gemma4Config:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))),
             final_logit_softcapping=float(cap) if cap is not None else None,
             max_position_embeddings=_num(cfg, "max_position_embeddings", where, 131_072),
-            family=str(raw.get("model_type")))
+            family=str(raw.get("model_type")), vision=vision, **image_ids)
     except LogprobeError as e:
         if e.field.startswith("config.") and where != "config.":  # name the key where it is: text_config
             raise LogprobeError(where + e.field.removeprefix("config."), e.problem, e.fix) from e
         raise
 
 
+def _vision(raw: dict, cfg: dict, where: str) -> tuple[Gemma4VisionConfig | None, dict]:
+    """The multimodal wrapper's vision tower, image token ids and how image runs attend; (None, {})
+    for text checkpoints."""
+    if raw.get("model_type") != WRAPPER or raw.get("vision_config") is None:
+        return None, {}
+    ids = {name: _num(raw, name, "config.", default) for name, default in
+           (("image_token_id", 258_880), ("boi_token_id", 255_999), ("eoi_token_id", 258_882))}
+    ids["pad_token_id"] = _num(cfg, "pad_token_id", where, 0)
+    ids["vision_bidirectional"] = cfg.get("use_bidirectional_attention") == "vision"
+    return gemma4_vision_config(raw["vision_config"], _num(cfg, "hidden_size", where, 2304)), ids
+
+
 def gemma4_param_name(key: str, cfg: Gemma4Config, where: str) -> str | None:
-    """A checkpoint key -> the native parameter name (None: a tensor the text forward does not use)."""
-    if key.endswith("rotary_emb.inv_freq") or key.endswith("embed_scale") or key.startswith(_TOWERS):
+    """A checkpoint key -> the native parameter name (None: a tensor the forward does not use)."""
+    if key.endswith("rotary_emb.inv_freq") or key.endswith("embed_scale"):
+        return None
+    if key.startswith(_VISION) and cfg.vision is not None:
+        return key.removeprefix("model.")
+    if key.startswith(_TOWERS):
         return None
     if key == "lm_head.weight":
         return None if cfg.tie_word_embeddings else key
@@ -192,8 +213,8 @@ def gemma4_param_name(key: str, cfg: Gemma4Config, where: str) -> str | None:
 
 def gemma4_tensors(path: Path, cfg: Gemma4Config):
     """Yield (native parameter name, tensor) from the safetensors files."""
-    return tower_skipping_tensors(path, lambda key, file: gemma4_param_name(key, cfg, file), _TOWERS,
-                                  "vision / audio towers", log)
+    what = "vision / audio towers" if cfg.vision is None else "audio tower"
+    return tower_skipping_tensors(path, lambda key, file: gemma4_param_name(key, cfg, file), _TOWERS, what, log)
 
 
 def gemma4_parallel_context(cfg: Gemma4Config, rank: int = 0, size: int = 1, group=None) -> ParallelContext:
@@ -226,6 +247,8 @@ def gemma4_shard_tensors(path: Path, cfg: Gemma4Config, ctx: ParallelContext):
     with torch.device("meta"):
         model = Gemma4Model(cfg, ctx)
     for name, w in gemma4_tensors(path, cfg):
+        if name.startswith(("vision_tower.", "embed_vision.")) and not model.tower_here:
+            continue  # the tower runs on one rank only: images are refused under tensor parallelism
         ranges = held_ranges(model, name)
         yield name, w if ranges is None else torch.cat([w[a:b] for a, b in ranges])
 
@@ -256,5 +279,6 @@ FAMILY = register(Family(
     shard_tensors=lambda path, cfg, ctx, load: gemma4_shard_tensors(path, cfg, ctx),
     param_name=gemma4_param_name,
     experts=False,
-    buffers=(".layer_scalar",),
+    # transformers' buffers: a per-layer scalar; the vision tower's clip bounds and standardization
+    buffers=(".layer_scalar", ".input_min", ".input_max", ".output_min", ".output_max", ".std_bias", ".std_scale"),
 ))

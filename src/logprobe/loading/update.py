@@ -361,9 +361,10 @@ def sent_names(model, missing: list[str], seen: Mapping[str, str] | set[str] = (
 
 
 def _sender_prefix(seen: Mapping[str, str] | set[str]) -> str:
-    """What the sender put before a slot's name (``model.``, ``model.language_model.``)."""
+    """What the sender put before a text block's name (``model.``, ``model.language_model.``; a
+    vision tower's ``model.vision_tower.`` is another prefix's, not this one)."""
     for slot, sent in (seen.items() if isinstance(seen, Mapping) else ()):
-        if sent.endswith(f".{slot}") and sent.startswith("model."):
+        if slot.startswith("layers.") and sent.endswith(f".{slot}") and sent.startswith("model."):
             return sent[:-len(slot)]
     return "model."
 

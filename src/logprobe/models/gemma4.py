@@ -34,6 +34,13 @@ keys' for the interleaved rotary: such a block's o_proj input columns take the s
 Not run (refused at load, key named): mixture-of-experts blocks (``enable_moe_block``), attention
 bias, bidirectional attention over all tokens.
 
+Images (the multimodal checkpoints with their ``vision_config``): the tower and embedder
+(``models.gemma4_vision``) give each image's rows, which replace its image tokens' rows of h_0
+after the scale; their per-layer embeddings e_l are the pad token's (transformers looks image
+tokens up as ``pad_token_id``), their projection part reads the image rows. With
+``use_bidirectional_attention: "vision"`` each run of image tokens is a bidirectional span of the
+sliding blocks' attention (full blocks stay causal: transformers' ``create_masks_for_vision_model``).
+
 Tensor parallelism (``ctx``) as the Llama family (``models.llama``), per block with its own head_dim
 and kv heads: a rank holds its query heads and the kv heads they read (a KV-shared block reads its
 producer's, the same heads: ``loading.gemma4.gemma4_parallel_context`` checks the producer's kv heads
@@ -68,6 +75,8 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads
 from .base import ScoringModel
 from .caps import ModelCaps
+from .gemma4_vision import Embedder, Gemma4VisionConfig, VisionTower
+from .vision import ImageFormat
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -95,6 +104,16 @@ class Gemma4Config:
     final_logit_softcapping: float | None = None
     max_position_embeddings: int = 131072
     family: str = "gemma4_text"
+    # the multimodal checkpoints' vision tower (``models.gemma4_vision``; None: text only), the ids
+    # of the image tokens and of <|image> / <image|> around them, the id whose per-layer embedding
+    # image tokens take, and whether image runs attend both ways on sliding blocks
+    # (use_bidirectional_attention "vision")
+    vision: Gemma4VisionConfig | None = None
+    image_token_id: int | None = None
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
+    pad_token_id: int = 0
+    vision_bidirectional: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -254,7 +273,9 @@ class Gemma4Attention(NumericsUser, nn.Module):
             k = rotate(self.k_norm(k_raw), cis, self.numerics.triton)
             shared[self.layer_idx] = (k, v)  # a later KV-shared block of this type may read them
         q = rotate(self.q_norm(q.reshape(T, self.num_heads, D)), cis, self.numerics.triton)  # [T, Hq, D]
-        o = packed_attention(q, k, v, meta, self.layer_idx, 1.0, self.sliding_window)  # [T, Hq, D]
+        # image runs attend both ways on sliding blocks only (transformers' create_masks_for_vision_model)
+        o = packed_attention(q, k, v, meta, self.layer_idx, 1.0, self.sliding_window,
+                             bidirectional=self.sliding_window is not None)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
 
@@ -339,6 +360,29 @@ class Gemma4Model(ScoringModel):
             self.per_layer_projection_norm = Norm(P, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
         self.make_rotary()
+        # the vision tower runs on one rank only (its tensor-parallel split is not written)
+        here = cfg.vision is not None and ctx.size == 1
+        self.vision_tower = VisionTower(cfg.vision) if here else None
+        self.embed_vision = Embedder(cfg.vision) if here else None
+
+    @property
+    def image_format(self) -> ImageFormat | None:
+        """How prompts hold images (``models.vision``): the image token once per image, expanded to
+        <|image> + its tokens + <image|> as ``Gemma4Processor`` does; bidirectional runs where the
+        config says "vision" (on sliding blocks)."""
+        cfg, v = self.config, self.config.vision
+        if v is None:
+            return None
+        return ImageFormat(cfg.image_token_id, v.pooling_kernel_size, begin_id=cfg.boi_token_id,
+                           end_id=cfg.eoi_token_id, bidirectional=cfg.vision_bidirectional)
+
+    @property
+    def tower_here(self) -> bool:
+        return self.vision_tower is not None
+
+    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One image's patches [ph * pw, P * P * 3] -> its token embeddings [ph * pw / k², H]."""
+        return self.embed_vision(self.vision_tower(pixel_values.to(self.embed_tokens.weight.device), grid))
 
     def make_rotary(self, device: torch.device | None = None) -> None:
         """One inverse-frequency table per layer type (non-persistent buffers, made again at load)."""
@@ -356,7 +400,7 @@ class Gemma4Model(ScoringModel):
         values are the raw keys (k_eq_v), o_proj's input columns follow the keys' permutation."""
         out = dict(state)
         for name, w in state.items():
-            if ".self_attn." not in name:
+            if ".self_attn." not in name or not name.startswith("layers."):  # the vision tower keeps its layout
                 continue
             layer = int(name.split(".")[1])
             D = cfg.layer_head_dims[layer]
@@ -382,14 +426,21 @@ class Gemma4Model(ScoringModel):
         return (proj + e.reshape(-1, L, P)) * 2.0 ** -0.5
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                hooks: Hooks | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, H]."""
+                hooks: Hooks | None = None, images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]. ``images``: (rows [n], embeddings
+        [n, H]) that replace those rows after the scale; their per-layer embeddings are the pad
+        token's (transformers looks the image tokens up as ``pad_token_id``)."""
         hooks = hooks or None
         if hooks is not None:
             self.check_hooks(hooks)
         h = self.embed_tokens(input_ids)  # [T, H]
         h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(h.dtype).to(h.device)
-        ple = self._ple(input_ids, h) if self.config.ple_dim else None
+        ple_ids = input_ids
+        if images is not None:
+            rows, embeds = images
+            h = h.index_copy(0, rows, embeds.to(h.dtype))
+            ple_ids = input_ids.index_fill(0, rows, self.config.pad_token_id)
+        ple = self._ple(ple_ids, h) if self.config.ple_dim else None
         if hooks is not None:
             h = hooks("embed", h)
         cis = {}

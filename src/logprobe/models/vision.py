@@ -61,6 +61,8 @@ class ImageFormat:
 
     def patches(self, out, field: str) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """The image processor's output -> (patches [N, C * p * p ...] float32, each image's grid)."""
+        if "image_position_ids" in out:  # Gemma 4: padded patch lists with each patch's (x, y)
+            return _positioned(out, self.merge, field)
         if self.patch_size == 0:
             grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
             return out["pixel_values"].float(), grids
@@ -77,3 +79,23 @@ class ImageFormat:
         # each p x p patch flattened (channel, row, column) as the Conv2d weight, patches in raster order
         cut = px.reshape(n, C, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(n * g * g, C * p * p)
         return cut, [(1, g, g)] * n
+
+
+def _positioned(out, merge: int, field: str) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """A processor's padded patches [n, max, dim] with their (x, y) [n, max, 2] ((-1, -1): padding)
+    -> each image's own patches, which must be its ph x pw grid in raster order (as Gemma 4's
+    processor lays them), joined, and the grids (1, ph, pw)."""
+    px, pos = out["pixel_values"].float(), torch.as_tensor(out["image_position_ids"]).long()
+    parts, grids = [], []
+    for i in range(px.shape[0]):
+        valid = (pos[i] >= 0).all(-1)
+        n = int(valid.sum())
+        xy = pos[i][:n]
+        ph, pw = (int(xy[:, 1].max()) + 1, int(xy[:, 0].max()) + 1) if n else (0, 0)
+        raster = torch.stack([torch.arange(pw).repeat(ph), torch.arange(ph).repeat_interleave(pw)], -1)
+        if not n or ph * pw != n or bool(valid[n:].any()) or not torch.equal(xy, raster) or ph % merge or pw % merge:
+            raise LogprobeError(field, f"image {i}: the processor's patches are not a raster grid of whole "
+                                f"{merge} x {merge} tokens", "use the checkpoint's own image processor")
+        parts.append(px[i, :n])
+        grids.append((1, ph, pw))
+    return torch.cat(parts), grids
