@@ -216,7 +216,7 @@ class VisionTower(nn.Module):
         k = cfg.pooling_kernel_size
         token = (cols // k) + (pw // k) * (rows // k)  # each patch's token, raster order of the pooled grid
         pooled = torch.zeros(ph * pw // k ** 2, x.shape[1], dtype=torch.float32, device=x.device)
-        pooled.index_add_(0, token, x.float() / k ** 2)
+        pooled.index_add_(0, token, x.float() * (1.0 / k ** 2))  # weights 1 / k² in float32, as transformers
         z = pooled * cfg.hidden_size ** 0.5
         if cfg.standardize:
             z = (z - self.std_bias.float()) * self.std_scale.float()
