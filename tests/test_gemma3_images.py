@@ -388,6 +388,21 @@ def test_processor_and_token_refusals(gemma_vl, tmp_path):
     assert e.value.field == "config.eoi_token_index"
 
 
+def test_text_only_weight_update_keeps_the_tower(gemma_vl):
+    """A trainer that freezes the tower sends the text weights alone: taken, the tower and projector
+    keep their values (``Family.towers``), so image scores after equal those before (the same weights)."""
+    from safetensors.torch import load_file
+
+    path, _ = gemma_vl
+    scorer = _scorer(path)
+    before = scorer.logprobs(_sequences()[:1])[0].logprobs
+    state = {k: v for f in path.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    text = {k: v for k, v in state.items() if "vision_tower" not in k and "multi_modal_projector" not in k}
+    assert len(text) < len(state)
+    scorer.update_weights(text)
+    assert torch.equal(scorer.logprobs(_sequences()[:1])[0].logprobs, before)
+
+
 def test_vision_config_refusals_and_keys(gemma_vl):
     path, _ = gemma_vl
     raw = json.loads((path / "config.json").read_text())

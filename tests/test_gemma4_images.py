@@ -218,6 +218,20 @@ def test_prompt_token_ids_and_bad_inputs(gemma4_vl):
         assert e.value.field == field, (field, str(e.value))
 
 
+def test_text_only_weight_update_keeps_the_tower(gemma4_vl):
+    """The text weights alone (a frozen tower): taken, the tower and embedder keep their values."""
+    from safetensors.torch import load_file
+
+    path, _ = gemma4_vl
+    scorer = _scorer(path)
+    before = scorer.logprobs(_sequences()[:1])[0].logprobs
+    state = {k: v for f in path.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    text = {k: v for k, v in state.items() if "vision_tower" not in k and "embed_vision" not in k}
+    assert len(text) < len(state)
+    scorer.update_weights(text)
+    assert torch.equal(scorer.logprobs(_sequences()[:1])[0].logprobs, before)
+
+
 def test_vision_config_refusals(gemma4_vl):
     path, _ = gemma4_vl
     raw = json.loads((path / "config.json").read_text())

@@ -271,4 +271,5 @@ FAMILY = register(Family(
     gguf_config=gguf_gemma_config,
     gguf_tensors=lambda reader, arch, cfg, load: gguf_gemma_tensors(reader, cfg),
     experts=False,
+    towers=_TOWERS,  # the vision tower and projector: updated where sent (``loading.update``)
 ))

@@ -279,6 +279,7 @@ FAMILY = register(Family(
     shard_tensors=lambda path, cfg, ctx, load: gemma4_shard_tensors(path, cfg, ctx),
     param_name=gemma4_param_name,
     experts=False,
+    towers=("vision_tower.", "embed_vision."),  # the vision tower and embedder: updated where sent
     # transformers' buffers: a per-layer scalar; the vision tower's clip bounds and standardization
     buffers=(".layer_scalar", ".input_min", ".input_max", ".output_min", ".output_max", ".std_bias", ".std_scale"),
 ))
