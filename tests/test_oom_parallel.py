@@ -150,6 +150,7 @@ def test_engine_raises_an_out_of_memory_inside_a_pass_it_cannot_agree(llama):
     assert replica.oom_count == 0
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): two gloo workers twice, ~7 s
 def test_oom_on_one_rank_splits_every_rank_the_same_way(llama, monkeypatch):
     """Rank 1 has no room for passes over 100 rows, rank 0 has: both split and retry, the bits of
     a TP = 2 run without the fault, the agreed errors counted once by the driver."""

@@ -196,6 +196,7 @@ def test_workers_start_while_the_driver_reads_the_model(hf_models, monkeypatch):
     assert _children() <= before
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): two gloo workers, ~3.5 s
 def test_worker_ranks_read_no_tokenizer(hf_models, monkeypatch, tmp_path):
     """A rank has no text to read: its load reads no tokenizer (reading one imports much of
     transformers, seconds of a worker's start on a GPU host). The tokenizer's files are taken
@@ -221,6 +222,7 @@ def test_worker_ranks_read_no_tokenizer(hf_models, monkeypatch, tmp_path):
     assert not any(f.name.startswith("tokenizer") for f in path.iterdir())
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): two gloo workers, ~3.5 s
 def test_worker_ranks_import_no_transformers(hf_models, monkeypatch, tmp_path):
     """A rank imports no transformers (2-10 s on a GPU host; native models, the only ones split,
     need none): a ``transformers`` package first on the workers' path marks a file when imported."""
