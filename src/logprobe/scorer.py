@@ -158,12 +158,12 @@ class Scorer:
 
     def score(self, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
               top_k: int = 0, entropy: bool = False, capture: Sequence[dict] | None = None,
-              steer: Sequence[dict] | None = None) -> list[ContinuationScore]:
+              steer: Sequence[dict] | None = None, images: Sequence | None = None) -> list[ContinuationScore]:
         """``capture`` / ``steer``: hidden-state reads and interventions of this call (see
         ``interp.specs`` for positions, ``layers.hooks`` for the ops); with neither, the forward is
-        the plain one."""
+        the plain one. ``images``: see ``score_job``."""
         return self.run(self.score_job(prompt, continuations, temperature=temperature, top_k=top_k,
-                                       entropy=entropy, capture=capture, steer=steer))
+                                       entropy=entropy, capture=capture, steer=steer, images=images))
 
     def run(self, job: Job) -> Any:
         """Run a job's requests on this scorer's engine and finish it."""
@@ -171,7 +171,7 @@ class Scorer:
 
     def score_job(self, prompt: str, continuations: str | Sequence[str], *, temperature: float = 1.0,
                   top_k: int = 0, entropy: bool = False, capture: Sequence[dict] | None = None,
-                  steer: Sequence[dict] | None = None) -> Job:
+                  steer: Sequence[dict] | None = None, images: Sequence | None = None) -> Job:
         """Score each continuation after ``prompt``.
 
         Prompt and continuation are encoded jointly and split (trailing prompt whitespace moves
@@ -182,9 +182,17 @@ class Scorer:
             row 4 -> log p(ĠParis | The capital of France is)
 
         An empty prompt is replaced by the prefix token (BOS, else EOS).
+
+        ``images`` (a model with a vision tower): the prompt's images (PIL images, paths, bytes,
+        ``data:`` URLs), its placeholder once per image in ``prompt`` (Qwen3.5 ``<|image_pad|>``,
+        Gemma ``<start_of_image>``), as ``logprobs``' ``images``; only the continuations' text is
+        scored. All continuations share them: processed once, and their rows shared as a prefix
+        (a multiple-choice question about an image):
+
+            score(f"{PAD} Which animal is this? Answer:", [" a cat", " a dog"], images=[png])
         """
         return text_scoring.score_job(self.context, prompt, continuations, HeadOptions(temperature, top_k, entropy),
-                                      HookSpecs(capture, steer))
+                                      HookSpecs(capture, steer), images=images)
 
     def score_chat(self, messages: Sequence[dict], *, temperature: float = 1.0, top_k: int = 0,
                    entropy: bool = False) -> ContinuationScore:
