@@ -126,7 +126,32 @@ def test_logprobs_and_generate_with_images_match_the_library(server, vl_scorer):
     assert refused(post(server, "/generate", body)) == "logprob_start_len"
 
 
+def test_score_with_images_matches_the_library(server, vl_scorer):
+    """/v1/score ``images`` (a multiple-choice question about an image): Scorer.score's numbers,
+    bitwise; another image gives others."""
+    prompt, answers = f"Look: {PAD} what is it?", [" A square.", " A cat."]
+    want = [r.to_dict() for r in vl_scorer.score(prompt, answers, images=[PNG])]
+    r = post(server, "/v1/score", {"prompt": prompt, "continuations": answers, "images": [URL]})
+    assert r.status_code == 200, r.text
+    assert r.json()["results"] == want  # bitwise
+    other = "data:image/png;base64," + base64.b64encode(OTHER).decode()
+    r = post(server, "/v1/score", {"prompt": prompt, "continuations": answers, "images": [other]})
+    assert [x["token_logprobs"] for x in r.json()["results"]] != [w["token_logprobs"] for w in want]
+
+
+SCORE = {"prompt": f"Look: {PAD} what is it?", "continuations": [" A square."]}
+
+
 @pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/score", dict(SCORE, images=["https://example.com/a.png"]), "images[0]", "fetches no images"),
+    ("/v1/score", dict(SCORE, images=["/etc/passwd"]), "images[0]", "reads no files"),
+    ("/v1/score", dict(SCORE, prompt=PAD * 4, images=[URL] * 4), "images[3]", "limit of 3"),
+    ("/v1/score", dict(SCORE, images=["data:image/png;base64," + base64.b64encode(_png(_image(65, 64, 0))).decode()]),
+     "images[0]", "4160 pixels"),
+    ("/v1/score", dict(SCORE, images=["data:image/png;base64," + base64.b64encode(PNG[:200]).decode()]),
+     "images[0]", "truncated"),
+    ("/v1/score", dict(SCORE, images=[URL, URL]), "images", "2 images for 1"),
+    ("/v1/score", dict(SCORE, continuations=[f" {PAD}"], images=[URL]), "continuations[0]", "only text is scored"),
     ("/v1/chat/completions", {"messages": chat([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]),
                               "max_tokens": 0, "echo": True, "logprobs": True}, "messages[0].content[0].image_url.url",
      "fetches no images"),
@@ -177,6 +202,7 @@ def test_images_to_a_text_only_model(tmp_path):
         cases = [("/v1/logprobs", {"sequences": [{"prompt_token_ids": [5], "completion_token_ids": [6],
                                                   "images": [URL]}]}, "sequences[0].images"),
                  ("/generate", {"input_ids": [5, 6], "image_data": URL, "return_logprob": True}, "image_data"),
+                 ("/v1/score", {"prompt": "a", "continuations": ["b"], "images": [URL]}, "images"),
                  ("/v1/chat/completions", {"messages": chat([{"type": "image_url", "image_url": {"url": URL}}]),
                                            "max_tokens": 0, "echo": True, "logprobs": True}, "messages[0].content[0]")]
         for path, body, param in cases:

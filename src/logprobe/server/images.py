@@ -169,11 +169,17 @@ def sequence_images(seqs: list[dict], context, budget: ImageBudget) -> tuple[lis
         else:
             out.append(seq)
             continue
-        if context.images is None:
-            context.check_images(field)  # raises: the model has no vision tower
-        data = [budget.read(v, f"{field}[{k}]", bare) for k, v in enumerate(values)]
+        data = read_images(values, field, context, budget, bare)
         out.append({k: v for k, v in seq.items() if k != "multi_modal_data"} | {"images": data})
     return out, renames
+
+
+def read_images(values: list, field: str, context, budget: ImageBudget, bare_base64: bool = False) -> list[bytes]:
+    """A list of images sent as ``field`` (``/v1/score``'s ``images``, a sequence's) read into
+    bytes, image k named ``field[k]``; a model without a vision tower: refused naming ``field``."""
+    if context.images is None:
+        context.check_images(field)  # raises: the model has no vision tower
+    return [budget.read(v, f"{field}[{k}]", bare_base64) for k, v in enumerate(values)]
 
 
 def renamed_job(renames: list[tuple[str, str]], build):

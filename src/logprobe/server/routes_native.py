@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import LogprobeError
 from ..scoring.sequences import encode_routed_experts
-from .images import ImageBudget, renamed_job, sequence_images
+from .images import ImageBudget, read_images, renamed_job, sequence_images
 from .responses import NATIVE_CODES, replies, reply
 from .schemas import LogprobsBody, LogprobsReply, PerplexityBody, PerplexityReply, ScoreBody, ScoreReply
 from .served import Served
@@ -34,9 +34,14 @@ def native_router(served: Served) -> APIRouter:
         check_model(body.model)
         check_items(len(body.continuations), "continuations")
         check_top_k(body.top_k)
+        images = None
+        if body.images is not None:  # read off the loop: decoding, fetching
+            images = await run_in_threadpool(read_images, body.images, "images", scorer.context,
+                                             ImageBudget(served.config))
         job = await run_in_threadpool(lambda: scorer.score_job(body.prompt, body.continuations,
                                                                temperature=body.temperature, top_k=body.top_k,
-                                                               entropy=body.entropy, **body.hook_args()))
+                                                               entropy=body.entropy, **body.hook_args(),
+                                                               images=images))
         out = await run(job, request, body.timeout)
         if isinstance(out, Response):
             return out

@@ -200,6 +200,10 @@ class ScoreBody(_HeadOptions, _Hooks, _Deadline):
 
     prompt: Text
     continuations: list[Annotated[Text, Field(min_length=1)]] = Field(min_length=1)
+    images: list[Text] | None = Field(None, min_length=1, description="a model with a vision tower: the prompt's "
+                                      "images (data:image/...;base64 URLs; http(s) with --allow-remote-images), its "
+                                      "placeholder once per image in prompt (Qwen3.5 <|image_pad|>); only the "
+                                      "continuations are scored")
 
 
 class MultiModalData(BaseModel):
