@@ -117,6 +117,30 @@ def test_rows_with_images_as_ray_maps_them(vl_dir, tmp_path):
     assert got[2]["error"].startswith("img: is not an image") and "img" not in got[0]  # bytes not copied
 
 
+def test_score_rows_with_continuations_and_chat_image_paths(vl_dir, tmp_path, monkeypatch):
+    """A score row's ``continuations`` all take the row's images; a chat row's image part is a path
+    relative to the table file's folder (``base_dir``), as the column's is, not the current folder's."""
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(A)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    scorer = get_scorer(vl_dir, "cpu", "float32", deterministic=True)
+    prompt = f"Look: {PAD} what is it?"
+
+    def chat(image):
+        return [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "image", "image": image}]},
+                {"role": "assistant", "content": "A square."}]
+    job = row_job("score", images_column="img", base_dir=str(tmp_path))
+    rows = [Row(0, "row 1", {"prompt": prompt, "continuations": ["A square", "A cat"], "img": "imgs/a.png"}),
+            Row(1, "row 2", {"messages": chat("imgs/a.png")}),
+            Row(2, "row 3", {"messages": chat("imgs/missing.png")})]
+    got = map_rows(scorer, job, rows)
+    want = scorer.score(prompt, [" A square", " A cat"], images=[A])
+    assert got[0]["token_logprobs"] == [w.token_logprobs for w in want]  # bitwise, each continuation
+    assert got[1]["token_logprobs"] == scorer.score_chat(chat(A)).token_logprobs
+    assert got[2]["error"].startswith("messages[0].content[1].image: 'imgs/missing.png' cannot be read"), got[2]
+
+
 def test_ray_command_passes_the_image_column(tmp_path):
     import argparse
 
@@ -130,3 +154,7 @@ def test_ray_command_passes_the_image_column(tmp_path):
         setattr(args, k, {"temperature": 1.0, "top_k": 0, "entropy": False}[k])
     options = job_options(args)
     assert options["images_column"] == "image" and options["base_dir"] == str(tmp_path)
+    args = parser.parse_args(["ray", "score", "--input", str(tmp_path / "t.parquet"), "--output", "o"])
+    for k in ("temperature", "top_k", "entropy"):
+        setattr(args, k, {"temperature": 1.0, "top_k": 0, "entropy": False}[k])
+    assert job_options(args)["base_dir"] == str(tmp_path)  # a chat row's image paths, no image column

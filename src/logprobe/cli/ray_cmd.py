@@ -83,6 +83,7 @@ def job_options(args: argparse.Namespace) -> dict:
         out["join"] = args.join
     if args.images_column is not None:
         out["images_column"] = args.images_column
+    if args.images_column is not None or args.ray_job == "score":  # a chat row's image parts: paths too
         path = os.path.abspath(args.input)
         out["base_dir"] = path if os.path.isdir(path) else os.path.dirname(path)
     return out

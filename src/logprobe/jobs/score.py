@@ -53,7 +53,7 @@ class ScoreRows:
     join: str = " "
     keep: tuple[str, ...] = ()
     images_column: str | None = None  # a column of the prompt's images (jobs.images), e.g. "image"
-    base_dir: str = ""  # where relative image paths start: the table file's folder
+    base_dir: str = ""  # where relative image paths start (the column's, chat parts'): the table file's folder
     float32_columns = frozenset({"token_logprobs", "entropy", "top_k_logprobs"})
 
     def head(self, row: Row) -> dict:
@@ -83,7 +83,7 @@ class ScoreRows:
     def work(self, row: Row, context: ScoringContext) -> RowWork:
         data = row.data
         if not fields.missing(data.get("messages")):  # a chat: its last assistant message (jobs.chat)
-            chat = chat_row_job(data["messages"], context, self.options)
+            chat = chat_row_job(data["messages"], context, self.options, self.base_dir)
             return RowWork(row.index, self.head(row),
                            Job(chat.requests, lambda results: score_columns(chat.finish(results))))
         prompt = fields.text(data.get("prompt"), "prompt")
