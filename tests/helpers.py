@@ -246,3 +246,20 @@ def init_custom_process_group(backend, init_method, world_size, rank, group_name
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 """
+
+
+def random_image(h: int, w: int, seed: int):
+    """An RGB PIL image of uniform random pixels (seeded), ``h`` x ``w``."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def png_bytes(image) -> bytes:
+    """``image`` (PIL) encoded as PNG."""
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()

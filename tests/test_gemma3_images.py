@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import VOCAB, byte_tokenizer
+from helpers import VOCAB, byte_tokenizer, png_bytes, random_image
 
 from logprobe import LogprobeError, Scorer
 from logprobe.engine.images import bidirectional_spans, chunk_end, planned_ids, segment_spans
@@ -28,7 +28,7 @@ from logprobe.loading.gemma import gemma_config
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
-from test_gemma3 import ROPE, SLIDING, FULL, _norm64  # noqa: E402
+from test_gemma3 import FULL, ROPE, SLIDING, _norm64  # noqa: E402
 from transformers.models.gemma3 import modeling_gemma3 as hfg3  # noqa: E402
 
 TOL = 1e-5
@@ -88,15 +88,7 @@ def _newline_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>")
 
 
-def _image(h: int, w: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+_image, _png = random_image, png_bytes  # helpers': seeded random RGB images, as PNG bytes
 
 
 def _sequences() -> list[dict]:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import io
 import json
 
-import numpy as np
 import pytest
 import torch
-from helpers import VOCAB, byte_tokenizer, copy_checkpoint
+from helpers import VOCAB, byte_tokenizer, copy_checkpoint, png_bytes, random_image
 
 from logprobe import LogprobeError, Scorer
 from logprobe.loading.gemma4 import gemma4_config
@@ -72,15 +71,7 @@ def gemma4_vl(tmp_path_factory):
     mp.undo()
 
 
-def _image(h: int, w: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+_image, _png = random_image, png_bytes  # helpers': seeded random RGB images, as PNG bytes
 
 
 def _sequences() -> list[dict]:

@@ -13,10 +13,9 @@ import copy
 import io
 import json
 
-import numpy as np
 import pytest
 import torch
-from helpers import byte_tokenizer, copy_checkpoint, make_hf_dir
+from helpers import byte_tokenizer, copy_checkpoint, make_hf_dir, png_bytes, random_image
 
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
@@ -70,6 +69,17 @@ def _save_processor(path) -> None:
                                           ).save_pretrained(str(path))
 
 
+def save_vl_checkpoint(d, kind: str = "qwen3_5"):
+    """The tiny VL checkpoint of ``kind`` with its processor files, saved in ``d``; returns the
+    float32 transformers model (the other image test files' checkpoint too)."""
+    torch.manual_seed(0)
+    model = _make(kind).float().eval()
+    _randomise(model, seed=SEEDS[kind])
+    model.save_pretrained(str(d))
+    _save_processor(d)
+    return model
+
+
 @pytest.fixture(scope="module")
 def float64_reference():
     mp = pytest.MonkeyPatch()
@@ -87,24 +97,11 @@ def vl_dirs(tmp_path_factory, float64_reference):
     out = {}
     for kind in ("qwen3_5", "qwen3_5_moe"):
         d = tmp_path_factory.mktemp(kind)
-        torch.manual_seed(0)
-        model = _make(kind).float().eval()
-        _randomise(model, seed=SEEDS[kind])
-        model.save_pretrained(str(d))
-        _save_processor(d)
-        out[kind] = (d, model.double())
+        out[kind] = (d, save_vl_checkpoint(d, kind).double())
     return out
 
 
-def _image(h: int, w: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+_image, _png = random_image, png_bytes  # helpers': seeded random RGB images, as PNG bytes
 
 
 def _sequences() -> list[dict]:

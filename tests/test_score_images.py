@@ -7,15 +7,13 @@ images are refused by item."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from logprobe import LogprobeError, Scorer
 from logprobe.scoring.continuations import split
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL.Image")
-from test_qwen3_5_images import PAD, SEEDS, _image, _make, _png, _save_processor  # noqa: E402
-from test_qwen3_next import _randomise  # noqa: E402
+from test_qwen3_5_images import PAD, _image, _png, save_vl_checkpoint  # noqa: E402
 
 A, B = _png(_image(32, 48, 1)), _png(_image(32, 48, 2))
 PROMPT = f"{PAD} {'Which shape is it? ' * 4}Answer:"  # the image first: a 64-row shared prefix holds it
@@ -25,11 +23,7 @@ ANSWERS = [" a square", " a circle", " a noisy square"]
 @pytest.fixture(scope="module")
 def vl_scorer(tmp_path_factory):
     d = tmp_path_factory.mktemp("score-qwen3_5")
-    torch.manual_seed(0)
-    model = _make("qwen3_5").float().eval()
-    _randomise(model, seed=SEEDS["qwen3_5"])
-    model.save_pretrained(str(d))
-    _save_processor(d)
+    save_vl_checkpoint(d)
     return Scorer(str(d), device="cpu", dtype="float32", progress=False, deterministic=True)
 
 

@@ -18,7 +18,6 @@ import zlib
 
 import pytest
 import requests
-import torch
 from server_util import serve
 
 from logprobe import LogprobeError, Scorer
@@ -27,8 +26,7 @@ from logprobe.server import ServerConfig, create_app
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL.Image")
 openai = pytest.importorskip("openai")
-from test_qwen3_5_images import IMAGE_ID, PAD, SEEDS, _image, _make, _png, _save_processor  # noqa: E402
-from test_qwen3_next import _randomise  # noqa: E402
+from test_qwen3_5_images import IMAGE_ID, PAD, _image, _png, save_vl_checkpoint  # noqa: E402
 
 PNG = _png(_image(32, 48, 1))
 URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
@@ -38,11 +36,7 @@ OTHER = _png(_image(48, 48, 2))
 @pytest.fixture(scope="module")
 def vl_scorer(tmp_path_factory):
     d = tmp_path_factory.mktemp("served-qwen3_5")
-    torch.manual_seed(0)
-    model = _make("qwen3_5").float().eval()
-    _randomise(model, seed=SEEDS["qwen3_5"])
-    model.save_pretrained(str(d))
-    _save_processor(d)
+    save_vl_checkpoint(d)
     return Scorer(str(d), device="cpu", dtype="float32", progress=False, deterministic=True)
 
 

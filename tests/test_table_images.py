@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from logprobe.cli.main import get_scorer, main
 from logprobe.io.tables import Row
@@ -19,8 +18,7 @@ from logprobe.scoring.continuations import split
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL.Image")
-from test_qwen3_5_images import PAD, SEEDS, _image, _make, _png, _save_processor  # noqa: E402
-from test_qwen3_next import _randomise  # noqa: E402
+from test_qwen3_5_images import PAD, _image, _png, save_vl_checkpoint  # noqa: E402
 
 A, B = _png(_image(32, 48, 1)), _png(_image(48, 48, 2))
 
@@ -28,11 +26,7 @@ A, B = _png(_image(32, 48, 1)), _png(_image(48, 48, 2))
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("table-qwen3_5")
-    torch.manual_seed(0)
-    model = _make("qwen3_5").float().eval()
-    _randomise(model, seed=SEEDS["qwen3_5"])
-    model.save_pretrained(str(d))
-    _save_processor(d)
+    save_vl_checkpoint(d)
     return str(d)
 
 

@@ -16,8 +16,7 @@ from logprobe import LogprobeError
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL.Image")
 pytest.importorskip("verl")
-from test_qwen3_5_images import PAD, SEEDS, _image, _make, _save_processor  # noqa: E402
-from test_qwen3_next import _randomise  # noqa: E402
+from test_qwen3_5_images import PAD, _image, save_vl_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +24,7 @@ def policy(tmp_path_factory):
     from logprobe.integrations.verl import LogprobeRefPolicy
 
     d = tmp_path_factory.mktemp("verl-qwen3_5")
-    torch.manual_seed(0)
-    model = _make("qwen3_5").float().eval()
-    _randomise(model, seed=SEEDS["qwen3_5"])
-    model.save_pretrained(str(d))
-    _save_processor(d)
+    save_vl_checkpoint(d)
     worker = LogprobeRefPolicy(str(d), device="cpu", dtype="float32", progress=False, deterministic=True)
     worker.init_model()
     return worker

@@ -53,3 +53,21 @@ class OffsetRMSNorm(NumericsUser, nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Float32RMSNorm(NumericsUser, nn.Module):
+    """x / rms(x) in float32, times w in float32 (no weight: ``scale=False``), one cast back to x's
+    dtype; over the last dim, so per head when given [T, heads, D]. Gemma 4's RMSNorm, its text
+    blocks' and its vision tower's (``models.gemma4``, ``models.gemma4_vision``)."""
+
+    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            xf = xf * self.weight.float()
+        return xf.to(x.dtype)

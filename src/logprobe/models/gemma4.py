@@ -68,6 +68,7 @@ from ..layers.embedding import VocabParallelEmbedding
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
+from ..layers.norm import Float32RMSNorm as Norm
 from ..layers.numerics import NumericsUser
 from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, ParallelLMHead
 from ..layers.rotary import apply_rotary, to_interleaved
@@ -209,23 +210,6 @@ def rotate(x: torch.Tensor, cis: torch.Tensor, triton: bool) -> torch.Tensor:
     re, im = pairs[..., 0], pairs[..., 1]
     c, s = cis.real[:, None, :], cis.imag[:, None, :]  # [T, 1, D/2]
     return torch.stack([re * c - im * s, re * s + im * c], dim=-1).reshape(T, H, D).to(x.dtype)
-
-
-class Norm(NumericsUser, nn.Module):
-    """Gemma 4's RMSNorm: x / rms(x) in float32, times w in float32 (no weight: ``scale=False``),
-    one cast back; over the last dim, so per head when given [T, heads, D]."""
-
-    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            xf = xf * self.weight.float()
-        return xf.to(x.dtype)
 
 
 class Gemma4Attention(NumericsUser, nn.Module):

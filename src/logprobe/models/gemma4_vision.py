@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..layers.numerics import NumericsUser
+from ..layers.norm import Float32RMSNorm as Norm
 
 _READ = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
          "head_dim", "hidden_activation", "rms_norm_eps", "rope_parameters", "pooling_kernel_size", "patch_size",
@@ -101,20 +101,6 @@ def gemma4_vision_config(raw: dict, text_hidden: int, where: str = "config.visio
                               standardize=bool(raw.get("standardize", False)))
 
 
-class _Norm(NumericsUser, nn.Module):
-    """Gemma 4's RMSNorm (``models.gemma4.Norm``): float32, times w (none: ``scale=False``), one cast."""
-
-    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf if self.weight is None else xf * self.weight.float()).to(x.dtype)
-
-
 class _Clippable(nn.Module):
     """``Gemma4ClippableLinear``: ``linear`` (no bias), its input and output clamped to the
     checkpoint's bounds where the config clips."""
@@ -143,13 +129,13 @@ class _Layer(nn.Module):
         self.self_attn = a = nn.Module()
         a.q_proj, a.k_proj = _Clippable(cfg, H, cfg.num_heads * D), _Clippable(cfg, H, cfg.num_kv_heads * D)
         a.v_proj, a.o_proj = _Clippable(cfg, H, cfg.num_kv_heads * D), _Clippable(cfg, cfg.num_heads * D, H)
-        a.q_norm, a.k_norm, a.v_norm = _Norm(D, eps), _Norm(D, eps), _Norm(D, eps, scale=False)
+        a.q_norm, a.k_norm, a.v_norm = Norm(D, eps), Norm(D, eps), Norm(D, eps, scale=False)
         self.mlp = m = nn.Module()
         m.gate_proj, m.up_proj = _Clippable(cfg, H, cfg.intermediate_size), _Clippable(cfg, H, cfg.intermediate_size)
         m.down_proj = _Clippable(cfg, cfg.intermediate_size, H)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
-            setattr(self, name, _Norm(H, eps))
+            setattr(self, name, Norm(H, eps))
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n, a, D = x.shape[0], self.self_attn, self.head_dim
@@ -228,7 +214,7 @@ class Embedder(nn.Module):
 
     def __init__(self, cfg: Gemma4VisionConfig) -> None:
         super().__init__()
-        self.embedding_pre_projection_norm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, scale=False)
+        self.embedding_pre_projection_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, scale=False)
         self.embedding_projection = nn.Linear(cfg.hidden_size, cfg.text_hidden_size, bias=False)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
