@@ -308,6 +308,7 @@ def test_prefix_cache_keyed_by_image_runs(gemma_vl):
     assert got[0] == 0 and got[1] > N + 4 and got[3] <= 4, got
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): ~3 s
 def test_prompt_token_ids_and_chat(gemma_vl):
     """Prompt ids with <start_of_image> once per image, or expanded as the processor gives them, and
     a chat with image parts: the numbers of the text prompt."""

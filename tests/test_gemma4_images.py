@@ -144,6 +144,7 @@ def test_causal_checkpoint_runs_no_spans(gemma4_vl, tmp_path):
     assert worst < TOL
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): ~5 s
 def test_images_batched_with_text_chunked_and_alone(gemma4_vl):
     """Batched with text requests: each request's numbers alone (bitwise in deterministic mode);
     budgets whose chunks would end inside an image: the whole run's bits."""

@@ -132,6 +132,7 @@ def test_engine_splits_when_another_rank_says_no(llama):
     assert _bits_equal(got, want)
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): ~3.5 s
 def test_engine_raises_an_out_of_memory_inside_a_pass_it_cannot_agree(llama):
     """With ``agree_fits`` set (a replica), an out-of-memory inside a pass (the final norm here),
     after the ranks agreed, is raised, not split around: the other ranks are inside the pass's

@@ -225,6 +225,7 @@ def test_chunked_request_with_images(vl_dirs):
     assert small.engine.passes >= 2  # it ran in chunks
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): ~4.5 s
 def test_bad_image_inputs(vl_dirs, tmp_path):
     path, _ = vl_dirs["qwen3_5"]
     scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False)
@@ -357,6 +358,7 @@ def _moved_tower(vl_dirs, kind: str, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.slow  # slow tier (pytest -m slow): ~5 s for both
 def test_update_weights_takes_the_tower(kind, vl_dirs, tmp_path):
     """``update_weights`` with a VL model's ``named_parameters()`` (``model.visual.*`` among them,
     the tower's moved): bitwise a fresh Scorer on the saved checkpoint (deterministic mode). The
