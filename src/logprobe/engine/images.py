@@ -90,29 +90,32 @@ def planned_ids(r: ScoreRequest) -> list[int]:
     ids = r.inputs
     if r.images is None:
         return ids
-    img, out = r.images, list(ids)
-    marks = _image_marks(img)
-    for j, mark in zip(img.token_index.tolist(), marks):
-        if j < len(out):
-            out[j] = mark
-    return out
+    img, out = r.images, np.asarray(ids, dtype=np.int64)
+    index = img.token_index
+    inside = index < len(out)
+    out[index[inside]] = _image_marks(img)[inside]
+    return out.tolist()
 
 
-def _image_marks(img: ImageInputs) -> list[int]:
+def _image_marks(img: ImageInputs) -> np.ndarray:
     """Each image token's mark (below every token id): its image's digest, or with spans the
     digest of the images of its span."""
     patches = [t * h * w for t, h, w in img.grids]
     merged = sum(patches) // max(len(img.token_index), 1)  # m²: patches per image token
-    owner = np.repeat(np.arange(len(patches)), [p // merged for p in patches])  # each token's image
-    keys = [img.keys[k] for k in owner.tolist()]
+    counts = [p // merged for p in patches]  # each image's tokens
+    marks = np.repeat(np.array([_mark(k) for k in img.keys], dtype=np.int64), counts)
     if img.spans:
-        index = img.token_index
+        index, owner = img.token_index, np.repeat(np.arange(len(patches)), counts)  # each token's image
         for a, e in img.spans:
-            inside = np.nonzero((index >= a) & (index < e))[0]
-            joined = hashlib.sha256(",".join(dict.fromkeys(keys[k] for k in inside)).encode()).hexdigest()
-            for k in inside.tolist():
-                keys[k] = joined
-    return [-1 - int(key[:15], 16) for key in keys]
+            inside = (index >= a) & (index < e)
+            images = np.unique(owner[inside]).tolist()  # in order: the tokens' images do not go back
+            joined = ",".join(dict.fromkeys(img.keys[k] for k in images))  # each distinct digest once
+            marks[inside] = _mark(hashlib.sha256(joined.encode()).hexdigest())
+    return marks
+
+
+def _mark(digest: str) -> int:
+    return -1 - int(digest[:15], 16)
 
 
 def bidirectional_spans(token_index: np.ndarray) -> tuple[tuple[int, int], ...]:

@@ -2,8 +2,8 @@
 
 * A request that steers, captures or reads/forces routed experts is never cached (its rows differ
   from a plain pass's, or it needs every row): ``cacheable``.
-* A request with images is kept and found by ``cache_key``: its inputs with each image's tokens
-  standing for the image's content (``engine.images.planned_ids``), so a prefix holding an image
+* A request with images is kept and found by its inputs with each image's tokens standing for
+  the image's content (``engine.images.planned_ids``), so a prefix holding an image
   is resumed only by requests with that same image there. Such a request runs alone (chunks).
 * Attention-only models: once a request of a call has a cached prefix, the call's cacheable
   requests (``resumable``) run after the others (those that may not be cached),
@@ -40,12 +40,6 @@ from .scheduler import Tree, common_prefix
 def cacheable(r: ScoreRequest) -> bool:
     """Kept in and resumed from the cache: not a request with hooks."""
     return not r.hooked
-
-
-def cache_key(r: ScoreRequest) -> list[int]:
-    """The ids a request's prefixes are kept and found by: its inputs, each image's tokens standing
-    for the image's content (``planned_ids``; the inputs themselves without images)."""
-    return planned_ids(r)
 
 
 def prefix_cache_for(model, setting: bool | int | None, device: torch.device) -> PrefixCache | None:
@@ -85,11 +79,11 @@ def resumable(cache: PrefixCache, requests: list[ScoreRequest], align: int) -> l
         [1, 2, 0]
     """
     candidates = [i for i, r in enumerate(requests) if cacheable(r)]
-    if align == 1 and not any(cache.peek(cache_key(requests[i]), requests[i].num_inputs - 1) for i in candidates):
+    if align == 1 and not any(cache.peek(planned_ids(requests[i]), requests[i].num_inputs - 1) for i in candidates):
         for i in candidates:
             cache.record(requests[i].num_inputs, 0)
         return []
-    return sorted(candidates, key=lambda i: (cache_key(requests[i]), i))
+    return sorted(candidates, key=lambda i: (planned_ids(requests[i]), i))
 
 
 def _slots(kv: KVCache, hidden: torch.Tensor | None) -> list:
@@ -103,7 +97,7 @@ class ChunkKeeper:
 
     def __init__(self, cache: PrefixCache, r: ScoreRequest, align: int, kv: KVCache, resume: bool,
                  record: bool = True) -> None:
-        self.cache, self.tokens, self.kv = cache, cache_key(r), kv
+        self.cache, self.tokens, self.kv = cache, planned_ids(r), kv
         n = r.num_inputs
         self.begin = 0
         self.hidden: list[torch.Tensor] = []  # final hidden rows 0 .. (rows run so far), in pieces
@@ -185,7 +179,7 @@ def keep_batch(cache: PrefixCache, unit: list[Tree], requests: list[ScoreRequest
     for m, (prefix, shared, branch) in batch_rows(unit, requests).items():
         if cacheable(requests[m]):
             spans = [(0, shared, prefix), (shared, requests[m].num_inputs, branch)]
-            cache.insert(cache_key(requests[m]), _fetcher(slots, lambda a, b, spans=spans: _runs(spans, a, b)))
+            cache.insert(planned_ids(requests[m]), _fetcher(slots, lambda a, b, spans=spans: _runs(spans, a, b)))
 
 
 Runs = Callable[[int, int], list[tuple[int, int]]]  # inputs [a, b) -> (first row, rows) runs, in order

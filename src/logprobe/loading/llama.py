@@ -13,14 +13,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import LogprobeError
-from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import hf_param_name
-from .fp8_block import is_fp8_block
+from .fp8_block import is_fp8_block, split_packed
 from .gguf import ARCHES, gguf_config, gguf_tensors
 from .hf import MOE_TYPES, NATIVE_TYPES, check_quantization, hf_tensors, native_config, read_config
 from .phi3 import fused_parts
@@ -37,20 +36,16 @@ def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.d
     ``*.weight`` replaces the whole Linear (or the embedding) it belongs to; packed experts
     (``layers.moe.PackedExperts``) replace one of an MoE block's expert tensors."""
     freq_factors = None
-    state: dict[str, torch.Tensor] = {}
-    packed: dict[str, PackedWeight] = {}
-    experts: dict[str, ExpertMatrices] = {}
-    for name, w in tensors:
-        if name == "rope_freqs":
-            freq_factors = w.float()
-        elif isinstance(w, ExpertMatrices):
-            w.compute_dtype = dtype
-            experts[name] = w.to(device)
-        elif isinstance(w, PackedWeight):
-            w.compute_dtype = dtype
-            packed[name] = w.to(device)
-        else:
-            state[name] = w.to(device=device, dtype=dtype)
+
+    def weights():  # GGUF's rope_freqs is a factor of the rotary table, not a weight
+        nonlocal freq_factors
+        for name, w in tensors:
+            if name == "rope_freqs":
+                freq_factors = w.float()
+            else:
+                yield name, w
+
+    state, packed, experts = split_packed(weights(), device, dtype)
     with torch.device("meta"):
         model = native_model_class(cfg)(cfg, ctx=ctx)
     expected = set(model.state_dict().keys())
