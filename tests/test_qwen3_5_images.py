@@ -195,6 +195,30 @@ def test_images_match_float64_transformers(kind, vl_dirs):
     assert compared > 30 and worst < TOL
 
 
+def test_a_group_sharing_its_images_reads_them_once(vl_dirs, monkeypatch):
+    """An RL group's requests share their images (the same objects): one call reads and
+    processes them once, and each request's numbers are its own alone; a later call reads them
+    again (a PIL image may change between calls)."""
+    from logprobe.scoring.images import ImageReader
+
+    path, _ = vl_dirs["qwen3_5"]
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True)
+    images = [_image(32, 48, 1), _image(32, 32, 3)]
+    group = [{"prompt": f"{PAD} and {PAD}:", "completion": c, "images": images} for c in (" same", " not", " both")]
+    calls, real = [], ImageReader.processor
+
+    def counted(self):
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(ImageReader, "processor", counted)
+    together = scorer.logprobs(group)
+    assert len(calls) == 1
+    alone = [scorer.logprobs([seq])[0] for seq in group]
+    assert len(calls) == 4
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(alone, together))
+
+
 def test_images_batched_with_text_and_alone(vl_dirs):
     path, _ = vl_dirs["qwen3_5"]
     text = [{"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 80))},

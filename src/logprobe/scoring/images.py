@@ -25,6 +25,8 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +92,18 @@ class ImageReader:
     tokenizer: Tokenizer
     fmt: ImageFormat
     _processor: object = field(default=None, repr=False)
+    _call: threading.local = field(default_factory=threading.local, repr=False)  # ``one_call``'s memo
+
+    @contextmanager
+    def one_call(self):
+        """Within it (one call's requests, this thread), a list of images already read is not read
+        and processed again: an RL group's requests share their images, the same objects. Only
+        within a call: a PIL image may be changed between calls."""
+        self._call.memo = {}
+        try:
+            yield
+        finally:
+            self._call.memo = None
 
     @property
     def image_token_id(self) -> int:
@@ -118,13 +132,20 @@ class ImageReader:
                 ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """(pixel values [patches, patch_dim] float32, each image's grid) of the images read
         (image k named ``fields[k]``, by default ``field[k]``)."""
+        memo = getattr(self._call, "memo", None)
+        key = tuple(map(id, images))
+        if memo is not None and key in memo:
+            return memo[key][1]
         fields = fields or [f"{field}[{k}]" for k in range(len(images))]
         pil = [read_image(item, name) for item, name in zip(images, fields)]
         try:
             out = self.processor()(images=pil, return_tensors="pt")
         except (ValueError, OSError) as e:
             raise LogprobeError(field, f"the image processor refused them: {e}") from e
-        return self.fmt.patches(out, field)
+        read = self.fmt.patches(out, field)
+        if memo is not None:
+            memo[key] = (images, read)  # the images held: their ids name them for the whole call
+        return read
 
     def _text(self, token: int | None) -> str:
         return "" if token is None else self.tokenizer.hf.convert_ids_to_tokens(token)

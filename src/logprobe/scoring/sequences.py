@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -41,8 +42,9 @@ def logprobs_job(context: ScoringContext, sequences: Sequence[dict], head: HeadO
     if return_routed_experts:
         context.check_routing("return_routed_experts")
     caps, steers = context.hook_specs(hooks)
-    requests = [sequence_request(context, seq, i, head, caps, steers, return_routed_experts)
-                for i, seq in enumerate(sequences)]
+    with context.images.one_call() if context.images is not None else nullcontext():
+        requests = [sequence_request(context, seq, i, head, caps, steers, return_routed_experts)
+                    for i, seq in enumerate(sequences)]
     return Job(requests, lambda results: [sequence_result(r, res, caps) for r, res in zip(requests, results)])
 
 
