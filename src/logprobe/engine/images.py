@@ -30,10 +30,9 @@ from ..errors import LogprobeError
 from .request import ImageInputs, ScoreRequest
 
 
-def check_images(model, requests: list[ScoreRequest], device: torch.device | None = None) -> None:
+def check_images(model, requests: list[ScoreRequest]) -> None:
     """Refuse requests with images on a model without a vision tower (or whose tower is not on
-    this rank: tensor parallelism), or whose bidirectional image attention the device's attention
-    path does not run (CUDA)."""
+    this rank)."""
     i = next((i for i, r in enumerate(requests) if r.images is not None), None)
     if i is None:
         return
@@ -44,9 +43,6 @@ def check_images(model, requests: list[ScoreRequest], device: torch.device | Non
     if not model.tower_here:
         raise LogprobeError("tensor_parallel_size", "images: the vision tower runs on one rank only",
                             "score images with tensor_parallel_size 1")
-    if fmt.bidirectional and device is not None and device.type == "cuda":
-        raise LogprobeError("device", f"{device}: {type(model).__name__}'s images attend to themselves both ways, "
-                            "which the GPU attention path does not run yet", "score images on device 'cpu'")
 
 
 def embed_images(model, requests: list[ScoreRequest], indices) -> None:

@@ -488,7 +488,7 @@ class Engine:
                                 f"{type(self.model).__name__} has no hook points",
                                 "use a native model (GGUF or a Llama-family directory)")
         check_targets(requests, self.model.head_params().vocab_size)
-        check_images(self.model, requests, self.device)
+        check_images(self.model, requests)
 
     def _run_unit(self, requests: list[ScoreRequest], unit: list[Tree], out: Delivery) -> list[int] | None:
         """Launch one batch of trees, then deliver the batch before it. Out of memory: the request

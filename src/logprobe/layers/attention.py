@@ -135,6 +135,7 @@ class AttentionMeta:
     past: int = field(default=0)  # rows in the cache before this batch (for the key-source index)
     varlen_cache: tuple | None = field(default=None, repr=False)  # varlen() for the GPU path, built once
     split_cache: tuple | None = field(default=None, repr=False)  # _gpu's long / short split, built once
+    span_cache: tuple | None = field(default=None, repr=False)  # span_plan() for the GPU path, built once
     state_route: object = field(default=None, repr=False)  # layers.linear_state.route_states, built once
     # data-parallel attention (``parallel.rows``): this meta is rank ``rows.rank``'s share of a batch
     # split by sequences over the group, its segments re-based to its own first row; None: every row
@@ -229,16 +230,18 @@ def packed_attention(
         k, v = meta.cache.extend(layer, k, v)  # key source [past + T, Hkv, D]
     past = k.shape[0] - q.shape[0]
     spans = [seg for seg in meta.segments if seg.spans] if bidirectional else []
-    if spans and (q.is_cuda or sinks is not None):
-        raise LogprobeError("device" if q.is_cuda else "sinks", f"bidirectional spans are not run "
-                            f"{'on ' + str(q.device) if q.is_cuda else 'with attention sinks'}",
-                            "score images on device 'cpu'")
+    if spans and sinks is not None:
+        raise LogprobeError("sinks", "bidirectional spans are not run with attention sinks",
+                            "score images with a model without attention sinks")
     if q.is_cuda:
         # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py); also in
         # deterministic mode: a row's key blocks start at its sequence's first key and run in a
         # fixed order, whatever else is packed (tests/test_gpu.py checks bitwise invariance)
         o = _gpu(q, k, v, meta, past, scale, sliding_window, sinks)
         if o is not None:
+            if spans and not _gpu_spans(o, q, k, v, meta, past, scale, sliding_window):
+                for seg in spans:
+                    _overwrite_spans(o, q, k, v, seg, past, scale, sliding_window, meta.kv_block)
             return o
     out = torch.empty_like(q)
     for seg in meta.segments:
@@ -261,17 +264,64 @@ def _overwrite_spans(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     indices a .. e - 1 over the keys 0 .. e - 1 with no causal mask (only the window), written over
     their causal rows in ``out``: the other rows keep their bits, and a span row's bits depend on
     its query and keys alone (the tiled kernel's blocks aligned to key index 0, as ``_tiled``)."""
-    c = seg.num_context
     ks, vs = _segment_keys(k, seg, past), _segment_keys(v, seg, past)  # [c + n, Hkv, D]
     for a, e in seg.spans:
-        if not c <= a < e <= c + seg.end - seg.start:
-            raise LogprobeError("images", f"span {a}..{e - 1} is not within the segment's own rows {c}.."
-                                f"{c + seg.end - seg.start - 1}", "report this: a pass was cut inside an image")
-        rows = slice(seg.start + a - c, seg.start + e - c)
+        rows = slice(*_span_rows(seg, a, e))
         if block is None:
             out[rows] = _sdpa_open(q[rows], ks[:e], vs[:e], scale, window)
         else:
             out[rows] = _tiled(q[rows], ks[:e], vs[:e], scale, window, block, causal=False)
+
+
+def _span_rows(seg: Segment, a: int, e: int) -> tuple[int, int]:
+    """The batch rows of span [a, e) of ``seg`` (key indices; its context keys come first)."""
+    c = seg.num_context
+    if not c <= a < e <= c + seg.end - seg.start:
+        raise LogprobeError("images", f"span {a}..{e - 1} is not within the segment's own rows {c}.."
+                            f"{c + seg.end - seg.start - 1}", "report this: a pass was cut inside an image")
+    return seg.start + a - c, seg.start + e - c
+
+
+def span_plan(segments: list[Segment], past: int, device: torch.device) -> tuple:
+    """Every bidirectional span of ``segments`` as one varlen call of its own (``_gpu_spans``):
+    span s's queries are its rows, its keys the first e keys of its segment (context, then own
+    rows) -> (query rows [S], key-source rows [K] on ``device``, cu_q, cu_k, and both on ``device``).
+    Segment b (two context rows, own rows 3..6 of the batch) with a span over key indices 3 and 4:
+
+    >>> plan = span_plan([Segment(0, 3), Segment(3, 7, ((0, 2),), spans=((3, 5),))], 0, torch.device("cpu"))
+    >>> plan[0].tolist(), plan[1].tolist(), plan[2], plan[3]
+    ([4, 5], [0, 1, 3, 4, 5], [0, 2], [0, 5])
+    """
+    rows, keys, cu_q, cu_k = [], [], [0], [0]
+    for seg in segments:
+        for a, e in seg.spans:
+            r0, r1 = _span_rows(seg, a, e)
+            rows.append(torch.arange(r0, r1))
+            left = e  # the segment's first e keys, run by run of the key source
+            for k0, k1 in [*seg.context, (past + seg.start, past + seg.end)]:
+                take = min(left, k1 - k0)
+                keys.append(torch.arange(k0, k0 + take))
+                left -= take
+            cu_q.append(cu_q[-1] + r1 - r0)
+            cu_k.append(cu_k[-1] + e)
+    rows_t, keys_t = (host_to(torch.cat(x), device) for x in (rows, keys))
+    return rows_t, keys_t, cu_q, cu_k, cu_tensors(cu_q, cu_k, device)
+
+
+def _gpu_spans(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+               past: int, scale: float, window: int | None) -> bool:
+    """``_overwrite_spans`` for every span of the batch in one non-causal varlen FlashAttention
+    call (each span a sequence whose keys start at its segment's first key, so its rows' bits
+    depend on nothing else in the batch, in deterministic mode too); False where FlashAttention
+    does not take the shapes (the caller then runs ``_overwrite_spans``)."""
+    if meta.span_cache is None:  # once per batch, not per layer
+        meta.span_cache = span_plan(meta.segments, past, q.device)
+    rows, keys, cu_q, cu_k, cu = meta.span_cache
+    o = flash_varlen_attention(q[rows], k[keys], v[keys], cu_q, cu_k, scale, window, cu=cu, causal=False)
+    if o is None:
+        return False
+    out[rows] = o
+    return True
 
 
 def _sdpa_open(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:

@@ -44,11 +44,14 @@ def flash_varlen_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     cu: tuple[torch.Tensor, torch.Tensor] | None = None,
+    causal: bool = True,
 ) -> torch.Tensor | None:
     """-> [T, Hq, D], or None when this path does not apply. ``sinks`` [Hq]: a sink logit per head
     (gpt-oss), applied to the output through its log-sum-exp (``sink_rescale``). ``cu``: cu_q and
     cu_k already on the device (``cu_tensors``, built once per batch: each build is a host-to-device
-    copy, which waits for the stream), else built here."""
+    copy, which waits for the stream), else built here. ``causal=False``: every key of a sequence is
+    visible but those past the window (query i of n over m keys sits at key index m - n + i, as
+    in the causal case): a bidirectional span's rows (``attention._gpu_spans``)."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and q.shape[-1] % 8 == 0 and q.shape[1] % k.shape[1] == 0):
         return None
@@ -59,12 +62,14 @@ def flash_varlen_attention(
     if sinks is not None and max_q == 1:
         return None  # FlashAttention swaps query groups into rows here; its log-sum-exp layout then differs
     cq, ck = cu if cu is not None else cu_tensors(cu_q, cu_k, q.device)
-    # token i sees j with i - window < j <= i (the transformers convention): left = window - 1
+    # token i sees j with i - window < j <= i (the transformers convention): left = window - 1;
+    # right: 0 = causal, -1 = unbounded (FlashAttention widens it to the sequence when left is set)
     left = -1 if sliding_window is None else sliding_window - 1
+    right = 0 if causal and sliding_window is not None else -1
     try:
         out = torch.ops.aten._flash_attention_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), cq, ck, max_q, max_k, 0.0, True, False,
-            scale=scale, window_size_left=left, window_size_right=0 if sliding_window is not None else -1)
+            q.contiguous(), k.contiguous(), v.contiguous(), cq, ck, max_q, max_k, 0.0, causal, False,
+            scale=scale, window_size_left=left, window_size_right=right)
     except (RuntimeError, TypeError, NotImplementedError):  # a build without flash, or an older signature
         return None
     if sinks is None:
