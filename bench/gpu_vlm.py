@@ -128,10 +128,14 @@ def expanded(seq: dict, grids: list[tuple[int, int, int]], image_id: int) -> lis
     return out
 
 
-def transformers_pass(model, processor, seqs: list[dict], size: int, image_id: int, dev: str) -> list[torch.Tensor]:
-    """Row 3: each group's images processed once, its requests one right-padded batch."""
-    out = []
+def transformers_pass(model, processor, seqs: list[dict], size: int, image_id: int, dev: str,
+                      progress: bool = False) -> list[torch.Tensor]:
+    """Row 3: each group's images processed once, its requests one right-padded batch
+    (``progress``: each group's seconds logged, to see the rate of a pass cut short)."""
+    out, t0 = [], time.perf_counter()
     for g in range(0, len(seqs), size):
+        if progress:
+            log(f"  transformers group {g // size}: {time.perf_counter() - t0:.1f} s into the pass")
         group = seqs[g:g + size]
         px = processor(images=group[0]["images"], return_tensors="pt")
         grids = [tuple(x) for x in px["image_grid_thw"].tolist()]
@@ -154,14 +158,17 @@ def transformers_pass(model, processor, seqs: list[dict], size: int, image_id: i
     return out
 
 
-def timed(fn, passes: int, dev: str):
+def timed(fn, passes: int, dev: str, each: bool = False):
+    """Best of ``passes`` calls (``each``: every pass's seconds logged) -> (seconds, last result)."""
     best, result = float("inf"), None
-    for _ in range(passes):
+    for i in range(passes):
         torch.cuda.synchronize() if dev == "cuda" else None
         t = time.perf_counter()
         result = fn()
         torch.cuda.synchronize() if dev == "cuda" else None
         best = min(best, time.perf_counter() - t)
+        if each:
+            log(f"  pass {i + 1}: {time.perf_counter() - t:.2f} s")
     return best, result
 
 
@@ -174,7 +181,11 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/logprobe-vlm"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="32-64 px images, short texts (a smoke run)")
+    ap.add_argument("--rows", default="default,deterministic,transformers",
+                    help="which rows to run (a comma list; the ratio column needs transformers)")
+    ap.add_argument("--profile", action="store_true", help="one more default pass under torch.profiler: top ops")
     args = ap.parse_args()
+    wanted = set(args.rows.split(","))
     import transformers as tf
 
     from logprobe import Scorer
@@ -188,35 +199,61 @@ def main() -> None:
     seqs = vlm_workload(args.groups, args.group_size, vocab, image_id, args.small)
     rows = {}
     scorer = Scorer(str(path), device=dev, progress=False)
-    tokens = None
     for mode in ("default", "deterministic"):
+        if mode not in wanted:
+            continue
         scorer.config = type(scorer.config)(progress=False, deterministic=mode == "deterministic")
-        scorer.logprobs(seqs[:args.group_size])  # warm-up: the first group
-        secs, res = timed(lambda: scorer.logprobs(seqs), args.passes, dev)
+        first, _ = timed(lambda: scorer.logprobs(seqs[:args.group_size]), 1, dev)  # warm-up: the first group
+        secs, res = timed(lambda: scorer.logprobs(seqs), args.passes, dev, each=True)
         rows[mode] = (secs, [r.logprobs.float().cpu() for r in res])
-        log(f"logprobe {mode}: {secs:.2f} s")
+        log(f"logprobe {mode}: {secs:.2f} s (warm-up group {first:.2f} s)")
+    if args.profile:
+        profile(lambda: scorer.logprobs(seqs), dev)
     processor = tf.AutoImageProcessor.from_pretrained(str(path))
     grids = [tuple(x) for s in seqs[::args.group_size]
              for x in processor(images=s["images"], return_tensors="pt")["image_grid_thw"].tolist()]
     tokens = sum(len(s["prompt_token_ids"]) + len(s["completion_token_ids"]) - len(s["images"]) for s in seqs) + \
         args.group_size * sum(a * h * w // 4 for a, h, w in grids)
-    del scorer
+    scorer = None  # frees its weights before transformers loads (a del would unbind the closures above)
     gc.collect()
     torch.cuda.empty_cache() if dev == "cuda" else None
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    model = tf.Qwen3_5ForConditionalGeneration.from_pretrained(str(path), dtype=dtype, device_map=dev).eval()
-    transformers_pass(model, processor, seqs[:args.group_size], args.group_size, image_id, dev)  # warm-up
-    secs, res = timed(lambda: transformers_pass(model, processor, seqs, args.group_size, image_id, dev), args.passes, dev)
-    rows["transformers"] = (secs, res)
-    log(f"transformers: {secs:.2f} s")
-    ref = rows["default"][1]
-    print(f"\n{len(seqs)} requests, {tokens} input tokens (image tokens included), {args.text} + vision tower, {dev}")
-    print("| row | s | tokens/s | × transformers | max / mean abs diff against logprobe default |")
+    if "transformers" in wanted:
+        model = tf.Qwen3_5ForConditionalGeneration.from_pretrained(str(path), dtype=dtype, device_map=dev).eval()
+        first, _ = timed(lambda: transformers_pass(model, processor, seqs[:args.group_size], args.group_size,
+                                                   image_id, dev), 1, dev)  # warm-up
+        log(f"transformers warm-up group: {first:.2f} s")
+        secs, res = timed(lambda: transformers_pass(model, processor, seqs, args.group_size, image_id, dev, True),
+                          args.passes, dev, each=True)
+        rows["transformers"] = (secs, res)
+        log(f"transformers: {secs:.2f} s")
+    table(rows, seqs, tokens, args.text, dev)
+
+
+def table(rows: dict, seqs: list[dict], tokens: int, text: str, dev: str) -> None:
+    """The rows as a markdown table (ratios only where transformers ran; diffs against the first row)."""
+    ref = next(iter(rows.values()))[1]
+    base = rows.get("transformers", (None,))[0]
+    print(f"\n{len(seqs)} requests, {tokens} input tokens (image tokens included), {text} + vision tower, {dev}")
+    print(f"| row | s | tokens/s | × transformers | max / mean abs diff against {next(iter(rows))} |")
     print("| --- | ---: | ---: | ---: | --- |")
     for name, (secs, lps) in rows.items():
         d = torch.cat([(a - b).abs() for a, b in zip(lps, ref)])
-        print(f"| {name} | {secs:.2f} | {tokens / secs:,.0f} | {rows['transformers'][0] / secs:.2f} | "
-              f"{float(d.max()):.3g} / {float(d.mean()):.3g} |")
+        ratio = f"{base / secs:.2f}" if base is not None else "-"
+        print(f"| {name} | {secs:.2f} | {tokens / secs:,.0f} | {ratio} | {float(d.max()):.3g} / {float(d.mean()):.3g} |")
+
+
+def profile(fn, dev: str) -> None:
+    """One pass under torch.profiler: its wall time and the top ops by device (or CPU) time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with prof(activities=acts) as p:
+        secs, _ = timed(fn, 1, dev)
+    key = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+    print(f"\nprofiled default pass: {secs:.2f} s")
+    print(p.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":
