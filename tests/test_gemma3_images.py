@@ -21,10 +21,13 @@ import torch
 from helpers import VOCAB, byte_tokenizer, png_bytes, random_image
 
 from logprobe import LogprobeError, Scorer
+from logprobe.config import EngineConfig, numerics_for
 from logprobe.engine.images import bidirectional_spans, chunk_end, planned_ids, segment_spans
 from logprobe.engine.request import ImageInputs
+from logprobe.layers import linear
 from logprobe.layers.attention import AttentionMeta, Segment, packed_attention
-from logprobe.loading.gemma import gemma_config
+from logprobe.layers.linear import tiled_linear
+from logprobe.loading.gemma import build_gemma, gemma_config, gemma_parallel_context, gemma_shard_tensors
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -430,11 +433,54 @@ def test_spans_refused_with_attention_sinks():
     assert e.value.field == "sinks"
 
 
-@pytest.mark.slow  # two gloo worker processes
-def test_images_refused_under_tensor_parallelism(gemma_vl):
+def test_vision_tower_whole_on_a_tensor_parallel_rank(gemma_vl, monkeypatch):
+    """Rank 1 of 2 built from its own reading of the checkpoint (``gemma_shard_tensors``: its heads
+    and MLP rows) holds the whole tower and projector: its image embeddings are bitwise those of the
+    one-rank model in deterministic mode (the tower runs no collective), every product of it in fixed
+    row tiles."""
     path, _ = gemma_vl
-    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as scorer:
-        assert len(scorer.logprobs([{"prompt_token_ids": [2, 3, 4], "completion_token_ids": [5, 6]}])[0].logprobs) == 2
-        with pytest.raises(LogprobeError) as e:
-            scorer.logprobs([_sequences()[0]])
-    assert e.value.field == "tensor_parallel_size"
+    cfg = gemma_config(json.loads((path / "config.json").read_text()))
+    ctx = gemma_parallel_context(cfg, 1, 2)
+    rank = build_gemma(cfg, gemma_shard_tensors(path, cfg, ctx), torch.device("cpu"), torch.float32, ctx)
+    one = _scorer(path).loaded.model
+    assert rank.layers[0].self_attn.num_heads == 2 and rank.tower_here
+    numerics = numerics_for(EngineConfig(deterministic=True), "cpu")
+    px = torch.rand(64, 3 * 8 * 8, generator=torch.Generator().manual_seed(1))
+    for model in (rank, one):
+        model.set_numerics(numerics)
+    tiles = []  # every product of the tower in deterministic mode's fixed row tiles
+    monkeypatch.setattr(linear, "tiled_linear", lambda *a, **k: tiles.append(a[3]) or tiled_linear(*a, **k))
+    with torch.no_grad():
+        assert torch.equal(rank.encode_image(px, (1, 8, 8)), one.encode_image(px, (1, 8, 8)))
+    # both models: the patch embedding, 2 layers x (q, k, v, out, fc1, fc2), the projection
+    assert tiles == [128] * 2 * (1 + 2 * 6 + 1)
+
+
+@pytest.mark.slow  # two gloo worker processes: ~3 s on 2 cores
+def test_images_under_tensor_parallelism(gemma_vl):
+    """The tower and projector whole on every rank, the bidirectional runs on each rank's own heads
+    (2 query heads, 1 kv head a rank): TP = 2 over gloo workers gives TP = 1's numbers for requests
+    with images batched among text ones, in chunks of 64 tokens (none ending inside a run): bitwise
+    in deterministic mode (the tower's products in fixed row tiles: a rank runs one BLAS thread,
+    TP = 1 two), within 1e-5 otherwise; and transformers' float64 numbers within 1e-4."""
+    path, ref = gemma_vl
+    seqs = [_sequences()[0], {"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 70))},
+            _sequences()[1]]
+    want = {i: _reference(ref, path, seqs[i])[0] for i in (0, 2)}
+    one = _scorer(path)
+    single = {}
+    for det in (True, False):
+        one.config = EngineConfig(deterministic=det)
+        single[det] = one.logprobs(seqs, top_k=3, entropy=True)
+    with _scorer(path, tensor_parallel_size=2) as scorer:
+        for det in (True, False):
+            scorer.config = EngineConfig(deterministic=det, max_batch_tokens=64)
+            got = scorer.logprobs(seqs, top_k=3, entropy=True)
+            for g, s in zip(got, single[det]):
+                if det:
+                    assert torch.equal(g.logprobs, s.logprobs) and torch.equal(g.entropy, s.entropy)
+                    assert torch.equal(g.topk_ids, s.topk_ids)
+                else:
+                    assert (g.logprobs - s.logprobs).abs().max() <= 1e-5
+            for i, w in want.items():
+                assert (got[i].logprobs.double() - w).abs().max() < 1e-4

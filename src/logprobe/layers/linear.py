@@ -76,6 +76,17 @@ def float32_product(layer: Linear, xq: torch.Tensor, w: torch.Tensor) -> torch.T
     return tiled_linear(xq, w, bias, layer.numerics.row_tile, layer.blocks)
 
 
+def numerics_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, numerics) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` under ``numerics`` (a ``config.Numerics``) for a matrix held
+    outside a ``Linear`` (a vision tower's patch embedding, the checkpoint's convolution; a
+    projector's bare matrix): one product, or deterministic mode's fixed row tiles (no column
+    blocks: such a matrix is whole on every rank), so a row's bits follow neither the row count
+    nor the BLAS thread count."""
+    if numerics.row_tile is None:
+        return F.linear(x, weight, bias)
+    return deterministic_product(x, weight, bias, numerics.row_tile, None, numerics.matmul)
+
+
 def deterministic_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,
                       col_blocks: list[int] | None, kernel: str = "cublas") -> torch.Tensor:
     """Deterministic mode's ``F.linear``: a row's bits independent of the other rows, and (with

@@ -6,8 +6,8 @@ Checkpoint keys as transformers 5 writes them (``model.layers.*``, or ``model.la
 for the multimodal class) and as the hub's multimodal checkpoints ship them
 (``language_model.model.*``, ``language_model.lm_head.weight``); the vision tower and the
 multimodal projector (``vision_tower.*``, ``multi_modal_projector.*``) are read where the config
-has its ``vision_config`` (``models.gemma3_vision``: text scored given images; on one rank: under
-tensor parallelism they are skipped with one note, and images refused), but for SigLIP's pooling
+has its ``vision_config`` (``models.gemma3_vision``: text scored given images; under tensor
+parallelism every rank reads them whole: replicated, not split), but for SigLIP's pooling
 head, which Gemma 3 never reads; any other key is refused. ``lm_head.weight`` is read only when the
 embeddings are untied (Gemma 3 ties them).
 
@@ -226,21 +226,14 @@ def gemma_parallel_context(cfg: GemmaConfig, rank: int = 0, size: int = 1, group
 
 def gemma_shard_tensors(path: Path, cfg: GemmaConfig, ctx: ParallelContext):
     """``gemma_tensors``, each cut to the rows this rank's layers hold (``held_ranges`` of the rank's
-    model on the meta device; whole where they hold all of it)."""
+    model on the meta device; whole where they hold all of it: the vision tower and projector)."""
     with torch.device("meta"):
         model = GemmaModel(cfg, ctx)
-    towers = 0
     for name, w in gemma_tensors(path, cfg):
-        if name.startswith(_TOWERS) and not model.tower_here:  # the tower runs on one rank only
-            towers += 1
-            continue
-        ranges = held_ranges(model, name)
+        ranges = held_ranges(model, name)  # None for the vision tower and projector: read whole
         if ranges is not None:
             w = torch.cat([w[a:b] for a, b in ranges])
         yield name, w
-    if towers:
-        log.warning("%s: skipped %d tensors of the vision tower and projector (they run on one rank: images are "
-                    "refused under tensor parallelism)", path.name, towers)
 
 
 def build_gemma(cfg: GemmaConfig, tensors, device: torch.device, dtype: torch.dtype,

@@ -5,9 +5,9 @@
 Checkpoint keys as transformers 5 writes them: ``model.layers.*`` (text) or
 ``model.language_model.*`` (multimodal); the vision tower and its embedder (``vision_tower.*``,
 ``embed_vision.*``) are read where the config has its ``vision_config`` (``models.gemma4_vision``:
-text scored given images; on one rank: under tensor parallelism they are skipped, and images
-refused), the audio tower and its embedder are skipped with one note. KV-shared blocks hold no key/value weights (any
-the file has for them are skipped, as transformers does). ``lm_head.weight`` is read only when the
+text scored given images; under tensor parallelism every rank reads them whole), the audio tower
+and its embedder are skipped with one note. KV-shared blocks hold no key/value weights (any the
+file has for them are skipped, as transformers does). ``lm_head.weight`` is read only when the
 embeddings are untied.
 
 Per-block attention shapes: ``per_layer_config`` (transformers' serialised form: layer index ->
@@ -247,9 +247,7 @@ def gemma4_shard_tensors(path: Path, cfg: Gemma4Config, ctx: ParallelContext):
     with torch.device("meta"):
         model = Gemma4Model(cfg, ctx)
     for name, w in gemma4_tensors(path, cfg):
-        if name.startswith(("vision_tower.", "embed_vision.")) and not model.tower_here:
-            continue  # the tower runs on one rank only: images are refused under tensor parallelism
-        ranges = held_ranges(model, name)
+        ranges = held_ranges(model, name)  # None for the vision tower and embedder: read whole (replicated)
         yield name, w if ranges is None else torch.cat([w[a:b] for a, b in ranges])
 
 

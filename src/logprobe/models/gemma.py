@@ -37,7 +37,8 @@ Images (the multimodal checkpoints with their ``vision_config``): the SigLIP tow
 h_0 after the scale s; each run of image tokens is a bidirectional span of every block's attention
 (a row inside it sees the keys up to the run's end, still within a sliding block's window).
 
-Tensor parallelism as the Llama family (``GemmaModel``; ``loading.gemma.gemma_shard_tensors``).
+Tensor parallelism as the Llama family (``GemmaModel``; ``loading.gemma.gemma_shard_tensors``); the
+vision tower and projector whole on every rank, the spans run on each rank's own heads.
 """
 
 from __future__ import annotations
@@ -232,8 +233,10 @@ class GemmaModel(ScoringModel):
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
-        # the vision tower runs on one rank only (its tensor-parallel split is not written)
-        here = cfg.vision is not None and ctx.size == 1
+        # the vision tower and projector, small, are whole on every rank (replicated, not split):
+        # each rank embeds the images of its pass alike, so tensor parallelism gives the one-rank
+        # embeddings bitwise (deterministic mode: ``models.gemma3_vision``)
+        here = cfg.vision is not None
         self.vision_tower = VisionTower(cfg.vision) if here else None
         self.multi_modal_projector = Projector(cfg.vision) if here else None
 

@@ -21,6 +21,12 @@ Their rows replace the ``<image_soft_token>`` embeddings after the text embeddin
 scale (transformers scatters the image features into the scaled embeddings), and the tokens of
 one run of image tokens attend to each other both ways in every block (``layers.attention``:
 ``Segment.spans``; ``engine.images.bidirectional_spans``).
+
+Deterministic mode: every product of the tower and projector (the patch embedding, each layer's
+linear layers, the projection) runs in the fixed row tiles of ``layers.linear``
+(``numerics.row_tile``) and the activation row-invariantly (``layers.activation.row_invariant``),
+so an image's embeddings do not depend on the BLAS thread count: a rank of a tensor-parallel group
+(one thread, the tower whole on every rank) gives the one-rank embeddings bitwise.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..layers.activation import row_invariant
+from ..layers.linear import Linear, numerics_product
 from ..layers.norm import OffsetRMSNorm
+from ..layers.numerics import NumericsUser
 
 # the vision config keys the tower reads, and those that carry nothing for its forward
 _READ = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
@@ -117,10 +126,10 @@ class EncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.self_attn = nn.Module()
         for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            setattr(self.self_attn, name, nn.Linear(H, H))
+            setattr(self.self_attn, name, Linear(H, H, bias=True))
         self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(H, cfg.intermediate_size)
-        self.mlp.fc2 = nn.Linear(cfg.intermediate_size, H)
+        self.mlp.fc1 = Linear(H, cfg.intermediate_size, bias=True)
+        self.mlp.fc2 = Linear(cfg.intermediate_size, H, bias=True)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """Full attention over one image's patches x [n, H]."""
@@ -131,13 +140,15 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.layer_norm1(x))
-        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.layer_norm2(x))))
+        # the activation's bits independent of the thread count (its SIMD tails: row_invariant)
+        return x + self.mlp.fc2(row_invariant(self.act, self.mlp.fc1(self.layer_norm2(x))))
 
 
-class VisionTower(nn.Module):
+class VisionTower(NumericsUser, nn.Module):
     """``model.vision_tower``: patches [g², C * P * P] -> [g², H_v]. Names as transformers 5 holds
     and saves them (``vision_tower.embeddings...``; the hub's ``vision_tower.vision_model.`` is
-    read as that: ``loading.gemma``)."""
+    read as that: ``loading.gemma``). Its products follow the model's numerics (``set_numerics``
+    reaches them: fixed row tiles in deterministic mode)."""
 
     def __init__(self, cfg: SiglipConfig) -> None:
         super().__init__()
@@ -157,14 +168,14 @@ class VisionTower(nn.Module):
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         e = self.embeddings
         w = e.patch_embedding.weight
-        x = F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1), e.patch_embedding.bias)
+        x = numerics_product(patches.to(w.dtype), w.reshape(w.shape[0], -1), e.patch_embedding.bias, self.numerics)
         x = x + e.position_embedding.weight
         for layer in self.encoder.layers:
             x = layer(x)
         return self.post_layernorm(x)
 
 
-class Projector(nn.Module):
+class Projector(NumericsUser, nn.Module):
     """``model.multi_modal_projector``: the tower's [g², H_v] -> [mm_tokens_per_image, H_text]."""
 
     def __init__(self, cfg: SiglipConfig) -> None:
@@ -177,7 +188,9 @@ class Projector(nn.Module):
         H, g = y.shape[1], self.side
         z = F.avg_pool2d(y.T.reshape(1, H, g, g), self.pool, self.pool)  # [1, H, t, t]
         z = z.flatten(2)[0].T  # [t², H]: tokens in raster order
-        return (self.mm_soft_emb_norm(z) @ self.mm_input_projection_weight).to(y.dtype)
+        # z W as F.linear(z, W^T) under the numerics (W [H_v, H_text] is no Linear's [out, in])
+        w = self.mm_input_projection_weight
+        return numerics_product(self.mm_soft_emb_norm(z), w.T, None, self.numerics).to(y.dtype)
 
 
 def _param(*shape: int) -> nn.Parameter:

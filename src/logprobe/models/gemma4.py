@@ -51,6 +51,7 @@ normed per layer over the whole ple_dim, so it is held whole on every rank; the 
 tables) and the LM head are split by vocabulary. Worked example, 4 query heads, sliding blocks 2 kv
 heads of 16, full blocks 1 kv head of 32, ple_dim 8, TP = 2: rank 1 holds q heads 2, 3, on sliding
 blocks kv head 1 (k_proj rows 16:32), on full blocks kv head 0 (rows 0:32, replicated), ple columns 4:8.
+The vision tower and embedder are whole on every rank; the image spans run on each rank's own heads.
 """
 
 from __future__ import annotations
@@ -344,8 +345,10 @@ class Gemma4Model(ScoringModel):
             self.per_layer_projection_norm = Norm(P, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
         self.make_rotary()
-        # the vision tower runs on one rank only (its tensor-parallel split is not written)
-        here = cfg.vision is not None and ctx.size == 1
+        # the vision tower and embedder, small, are whole on every rank (replicated, not split):
+        # each rank embeds the images of its pass alike, so tensor parallelism gives the one-rank
+        # embeddings bitwise (deterministic mode: ``models.gemma4_vision``)
+        here = cfg.vision is not None
         self.vision_tower = VisionTower(cfg.vision) if here else None
         self.embed_vision = Embedder(cfg.vision) if here else None
 

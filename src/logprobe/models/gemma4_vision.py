@@ -17,6 +17,12 @@ N0: without w; clip: each linear's input and output clamped where ``use_clipped_
 
     rope_2d: the first half of a head's dims rotated by the patch's column, the second half by its
     row (each half rotate-half, frequencies theta^(-4j / D) for j < D / 4).
+
+Deterministic mode: every product of the tower and embedder (``layers.linear.Linear``) runs in the
+fixed row tiles of ``numerics.row_tile``, and the activation and the rotary's cos / sin
+row-invariantly (``layers.activation.row_invariant``), so an image's embeddings do not depend on
+the BLAS thread count: a rank of a tensor-parallel group (one thread, the tower whole on every
+rank) gives the one-rank embeddings bitwise.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
+from ..layers.activation import row_invariant
+from ..layers.linear import Linear
 from ..layers.norm import Float32RMSNorm as Norm
 
 _READ = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -107,7 +115,7 @@ class _Clippable(nn.Module):
 
     def __init__(self, cfg: Gemma4VisionConfig, n_in: int, n_out: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(n_in, n_out, bias=False)
+        self.linear = Linear(n_in, n_out)
         self.clip = cfg.use_clipped_linears
         if self.clip:
             for name in ("input_min", "input_max", "output_min", "output_max"):  # transformers' buffers
@@ -150,7 +158,9 @@ class _Layer(nn.Module):
         x = x + self.post_attention_layernorm(self.attention(self.input_layernorm(x), cos, sin))
         m = self.mlp
         b = self.pre_feedforward_layernorm(x)
-        return x + self.post_feedforward_layernorm(m.down_proj(self.act(m.gate_proj(b)) * m.up_proj(b)))
+        # act(gate) * up with its bits independent of the thread count (SIMD tails: row_invariant)
+        g = row_invariant(lambda gate, up: self.act(gate) * up, m.gate_proj(b), m.up_proj(b))
+        return x + self.post_feedforward_layernorm(m.down_proj(g))
 
 
 def _rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -171,7 +181,7 @@ class VisionTower(nn.Module):
         self.config = cfg
         H = cfg.hidden_size
         self.patch_embedder = nn.Module()
-        self.patch_embedder.input_proj = nn.Linear(3 * cfg.patch_size ** 2, H, bias=False)
+        self.patch_embedder.input_proj = Linear(3 * cfg.patch_size ** 2, H)
         self.patch_embedder.position_embedding_table = nn.Parameter(
             torch.empty(2, cfg.position_embedding_size, H), requires_grad=False)
         self.encoder = nn.Module()
@@ -186,7 +196,7 @@ class VisionTower(nn.Module):
         inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, D // 2, 2, dtype=torch.float) / (D // 2)))
         fx, fy = cols[:, None].float() * inv, rows[:, None].float() * inv
         angles = torch.cat([fx, fx, fy, fy], -1).to(rows.device)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return row_invariant(torch.cos, angles).to(dtype), row_invariant(torch.sin, angles).to(dtype)
 
     def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         _, ph, pw = grid
@@ -215,7 +225,7 @@ class Embedder(nn.Module):
     def __init__(self, cfg: Gemma4VisionConfig) -> None:
         super().__init__()
         self.embedding_pre_projection_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, scale=False)
-        self.embedding_projection = nn.Linear(cfg.hidden_size, cfg.text_hidden_size, bias=False)
+        self.embedding_projection = Linear(cfg.hidden_size, cfg.text_hidden_size)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.embedding_projection(self.embedding_pre_projection_norm(z))

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..layers.linear import Linear, deterministic_product
+from ..layers.linear import Linear, numerics_product
 from ..layers.numerics import NumericsUser
 
 # the vision config keys the tower reads, and those that carry nothing for the forward
@@ -202,8 +202,7 @@ class VisionTower(NumericsUser, nn.Module):
 
     def patch_product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The patch embedding's product under the numerics (the Conv3d is not a ``Linear``)."""
-        n = self.numerics
-        return F.linear(x, w, b) if n.row_tile is None else deterministic_product(x, w, b, n.row_tile, None, n.matmul)
+        return numerics_product(x, w, b, self.numerics)
 
     def check_grid(self, grid: tuple[int, int, int], patches: int, field: str) -> None:
         t, h, w = grid
