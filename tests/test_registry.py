@@ -36,6 +36,7 @@ from logprobe.models.base import ScoringModel
 from logprobe.models.glm4 import Glm4Config
 from logprobe.models.glm4_moe import PartialRotaryConfig
 from logprobe.models.llama import LlamaConfig
+from logprobe.models.qwen3_vl import Qwen3VLConfig
 
 # config.json model_type -> the family load_model / describe_model read it with (None: the
 # transformers backend), as the if-chains of loader.py (is_hybrid, is_deepseek, is_sigmoid_moe,
@@ -51,6 +52,7 @@ MODEL_TYPES = {
     "glm4": "glm4",
     "qwen3_5_text": "hybrid", "qwen3_5_moe_text": "hybrid", "qwen3_next": "hybrid",
     "qwen3_5": "hybrid", "qwen3_5_moe": "hybrid",
+    "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
     "gpt2": None, "gemma2": None, "phi": None, "bert": None, "qwen3_5_moe_text_x": None,
 }
 # GGUF general.architecture -> family (None: refused as not supported), as loader._gguf_config and
@@ -89,6 +91,7 @@ def test_a_config_object_finds_its_family_through_its_class():
     assert [_name(family_of(c)) for c in (llama, moe)] == ["llama", "llama"]
     assert _name(family_of(Glm4Config(64, 16, 32, 1, 2, 2, 8))) == "glm4"
     assert _name(family_of(PartialRotaryConfig(64, 16, 32, 1, 2, 2, 8))) == "sigmoid_moe"
+    assert _name(family_of(Qwen3VLConfig(64, 16, 32, 1, 2, 2, 8))) == "qwen3_vl"
     assert family_of(None) is None and family_of({"model_type": "llama"}) is None
 
 

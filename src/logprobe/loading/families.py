@@ -4,8 +4,8 @@ its module here (docs/architecture.md, "How to add a family"). The order does no
 model_type, GGUF architecture and config class belongs to one family (``registry.register``).
 """
 
-from . import deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, sigmoid_moe
+from . import deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, qwen3_vl, sigmoid_moe
 from .registry import families
 
-NATIVE = (deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, sigmoid_moe)  # the modules, each with FAMILY
+NATIVE = (deepseek, gemma, gemma4, glm4, gpt_oss, hybrid, llama, qwen3_vl, sigmoid_moe)  # the modules, each with FAMILY
 __all__ = ["NATIVE", "families"]

@@ -28,9 +28,12 @@ from .sharding import ShardedGGUF, attention_layout, fp8_shard_tensors, hf_shard
 
 
 def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.dtype,
-                 rope_interleaved: bool = False, ctx: ParallelContext | None = None) -> LlamaModel:
+                 rope_interleaved: bool = False, ctx: ParallelContext | None = None,
+                 model_class: type[LlamaModel] | None = None) -> LlamaModel:
     """rope_interleaved: q/k rows already arrive in the layout the model uses (llama GGUF).
     ``ctx``: this rank's tensor-parallel group; ``tensors`` then yields this rank's slices.
+    ``model_class``: a subclass of the Llama blocks' models (Qwen3-VL's; default
+    ``native_model_class(cfg)``).
 
     ``tensors`` yields (parameter name, tensor) or (parameter name, packed layer): a packed
     ``*.weight`` replaces the whole Linear (or the embedding) it belongs to; packed experts
@@ -47,7 +50,7 @@ def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.d
 
     state, packed, experts = split_packed(weights(), device, dtype)
     with torch.device("meta"):
-        model = native_model_class(cfg)(cfg, ctx=ctx)
+        model = (model_class or native_model_class(cfg))(cfg, ctx=ctx)
     expected = set(model.state_dict().keys())
     missing = expected - state.keys() - packed.keys() - experts.keys()
     unexpected = (state.keys() | packed.keys() | experts.keys()) - expected
@@ -81,7 +84,7 @@ def build_native(cfg: LlamaConfig, tensors, device: torch.device, dtype: torch.d
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).set_packed(child, w)
     # non-persistent buffers were created on the meta device: make the rotary table for real
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors).to(device)
+    model.rotary = model.make_rotary(freq_factors).to(device)
     model.fuse_projections()
     return model.eval()
 

@@ -104,8 +104,19 @@ def attention_pair_weight(model: nn.Module) -> int:
     return round(COST_SCALE * pair / (2 * per_row)) if pair and per_row else 0
 
 
+def _rows_within(deep, a: int, b: int):
+    """``ScoringModel.place_images``' deepstack (rows, features) kept to batch rows a..b - 1, re-based
+    to a (a rank's share of the batch under data-parallel attention); None stays None."""
+    if deep is None:
+        return None
+    rows, features = deep
+    keep = (rows >= a) & (rows < b)
+    return rows[keep] - a, tuple(f[keep] for f in features)
+
+
 class ScoringModel(NumericsUser, nn.Module):
     router_points: frozenset[str] = frozenset()  # capture-only points (MoE: blocks.l.router)
+    deepstack_layers = 0  # blocks after which image features are added at the image rows (Qwen3-VL)
     triton_elementwise = True  # see use_triton_elementwise
 
     def check_hooks(self, hooks: Hooks) -> None:
@@ -153,31 +164,52 @@ class ScoringModel(NumericsUser, nn.Module):
                 hooks: Hooks | None = None, images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions [T] (or [3, T]: a multimodal rotary's t/h/w rows) -> final hidden
         states [T, H]. ``images``: (rows [n], embeddings [n, H]) that replace those rows' token
-        embeddings (a vision tower's output at the image tokens)."""
+        embeddings (a vision tower's output at the image tokens); [n, (1 + K) H] with K deepstack
+        features, each added to those rows after its block (``place_images``)."""
         hooks = hooks or None  # an empty Hooks costs nothing either
         if hooks is not None:
             self.check_hooks(hooks)
         h = self.embed_tokens(input_ids)  # [T, H]: every row (the vocabulary-parallel sum is the group's)
+        deep = None
         if images is not None:
-            rows, embeds = images
-            h = h.index_copy(0, rows, embeds.to(h.dtype))
+            h, deep = self.place_images(h, images)
         if hooks is not None:
             h = hooks("embed", h)
         split = self.row_split(meta, hooks)
-        halves = self.micro_batches(meta, split) if split is not None else None
+        # deepstack features join the blocks' outputs one block at a time: one batch, no micro-batches
+        halves = self.micro_batches(meta, split) if split is not None and deep is None else None
         if split is not None:  # data-parallel attention: this rank's sequences only
             a, b = split.own
             h, positions, meta = h[a:b], positions[..., a:b], meta.share(split)  # [n, H], [n]
+            deep = _rows_within(deep, a, b)
         if halves is not None:  # two micro-batches, their blocks launched in turn
             h = self.overlapped(h, positions, meta, halves)
         else:
             cis = self.rotary(positions)  # [T, rotary dims / 2] complex
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 h = layer(h, cis, meta, hooks)
+                if deep is not None and i < len(deep[1]):  # deepstack: block i's image features added
+                    rows, features = deep[0], deep[1][i]
+                    h = h.index_copy(0, rows, h[rows] + features)
         h = self.norm(h)
         if split is not None:
             h = split.gather(self.ctx, h)  # [T, H]: every rank's rows, for the vocabulary-parallel head
         return h if hooks is None else hooks("final_norm", h)
+
+    def place_images(self, h: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None]:
+        """h [T, H] with the image tokens' rows (``images``: rows [n], embeddings [n, (1 + K) H]) taken
+        by the tower's first H values, and (rows, the K deepstack features [n, H] each) or None
+        (K = ``deepstack_layers`` = 0). Qwen3-VL (K = 3: the tower's blocks 8, 16, 24) adds the
+        k-th features to those rows after block k; the hook points see them from
+        ``blocks.(k+1).resid_pre`` on (``blocks.k.resid_post`` is the block's own output)."""
+        rows, embeds = images
+        H, k = h.shape[-1], self.deepstack_layers
+        if embeds.shape[-1] != H * (1 + k):
+            raise LogprobeError("images", f"the vision tower gave {embeds.shape[-1]} values a token, the text model "
+                                f"takes {H} * {1 + k}", "report this: the tower and the text model disagree")
+        h = h.index_copy(0, rows, embeds[:, :H].to(h.dtype))
+        return h, ((rows, embeds[:, H:].to(h.dtype).split(H, dim=-1)) if k else None)
 
     def micro_batches(self, meta: AttentionMeta, split: RowSplit) -> tuple[int, RowSplit, RowSplit] | None:
         """Under data-parallel attention, this rank's rows as two micro-batches of sequences

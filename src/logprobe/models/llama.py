@@ -199,8 +199,14 @@ class LlamaModel(ScoringModel):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, *self.vocab_range)
         self.layers = nn.ModuleList(self.make_layer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors)
+        self.rotary = self.make_rotary(rope_freq_factors)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
+
+    def make_rotary(self, freq_factors: torch.Tensor | None = None) -> RotaryEmbedding:
+        """The rotary table (a family with another rotary overrides this: ``models.qwen3_vl``);
+        made again on the real device at load (its buffers are not in the checkpoint)."""
+        cfg = self.config
+        return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors)
 
     def make_layer(self, cfg: LlamaConfig, layer_idx: int, ctx: ParallelContext) -> nn.Module:
         """Block ``layer_idx`` (a family with another MLP overrides this: ``models.moe``)."""

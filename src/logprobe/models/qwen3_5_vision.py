@@ -1,5 +1,7 @@
 """Qwen3.5's vision tower (``model.visual`` of ``Qwen3_5ForConditionalGeneration`` and of the MoE
-variant, which shares it), natively, and the multimodal positions of a prompt with images.
+variant, which shares it), natively, and the multimodal positions of a prompt with images. It is
+Qwen3-VL's tower (transformers derives Qwen3.5's from ``Qwen3VLVisionModel``) less the deepstack
+mergers, which Qwen3-VL adds (``deepstack_visual_indexes``; see below).
 
 An image arrives as the processor's patches: ``pixel_values`` [N, C * Tp * P * P] (each row one
 patch of Tp frames of P x P pixels, C channels) and its patch grid (t, h, w), N = t * h * w, the
@@ -14,6 +16,16 @@ patches of each frame listed block by block of ``m x m`` (``m = spatial_merge_si
     out_j = W_2 gelu(W_1 vec(LN(x)_{4j .. 4j+3}) + b_1) + b_2   the merger: m x m patches -> one token
 
     MLP(x) = W_fc2 act(W_fc1 x + b) + b                     act: ``hidden_act`` (gelu_pytorch_tanh)
+
+Deepstack (Qwen3-VL, ``deepstack_visual_indexes`` = [b_0, b_1, ...]): the output x of block b_i also
+goes through deepstack merger i, which normalises after the m x m shuffle (one LayerNorm over the
+m² H values):
+
+    deep_i,j = W_2 gelu(W_1 LN(vec(x_{4j .. 4j+3})) + b_1) + b_2
+
+The features are listed in block order (deep_0: the lowest block's), and the text model adds the
+k-th to the hidden states of the image tokens after its block k (``ScoringModel.forward``). The
+tower gives each token (1 + K) * out_hidden_size values: the merger's, then the K features.
 
 The 2-D rotary (transformers' ``Qwen3_5VisionRotaryEmbedding``): head dim D, frequencies
 ``θ^(-2k / (D/2))`` for k < D/4; in the rotate-half layout pair j (dims j, j + D/2) turns by
@@ -68,6 +80,7 @@ class VisionConfig:
     spatial_merge_size: int = 2
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = 10000.0
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose outputs feed the deepstack mergers
 
     @property
     def head_dim(self) -> int:
@@ -78,18 +91,17 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
-def vision_config(raw: dict, where: str = "config.vision_config.") -> VisionConfig:
+def vision_config(raw: dict, where: str = "config.vision_config.", deepstack: bool = False) -> VisionConfig:
     """A checkpoint's ``vision_config`` -> ``VisionConfig``; a key the tower does not run (or an
-    unknown one) is refused by name, never ignored."""
+    unknown one) is refused by name, never ignored. ``deepstack``: the model adds deepstack
+    features to its text blocks (Qwen3-VL); else ``deepstack_visual_indexes`` is refused (Qwen3.5's
+    text model has no place for them)."""
     if not isinstance(raw, dict):
         raise LogprobeError(where.rstrip("."), f"must be an object, got {raw!r}")
     unknown = sorted(set(raw) - _READ - _INERT)
     if unknown:
         raise LogprobeError(f"{where}{unknown[0]}", "is not in the native Qwen3.5 vision tower",
                             "score the text alone (a checkpoint without the vision_config)")
-    if raw.get("deepstack_visual_indexes"):
-        raise LogprobeError(f"{where}deepstack_visual_indexes", "deepstack features (Qwen3-VL) are not in the "
-                            "native Qwen3.5 vision tower")
     rope = raw.get("rope_parameters") or {"rope_type": "axial"}
     if not isinstance(rope, dict) or rope.get("rope_type", "axial") != "axial" \
             or set(rope) - {"rope_type", "rope_theta"}:
@@ -106,6 +118,10 @@ def vision_config(raw: dict, where: str = "config.vision_config.") -> VisionConf
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LogprobeError(f"{where}{key}", f"must be a positive integer, got {value!r}")
         ints[key] = value
+    if raw.get("deepstack_visual_indexes") and not deepstack:
+        raise LogprobeError(f"{where}deepstack_visual_indexes", "deepstack features (Qwen3-VL's) are not in the "
+                            "native Qwen3.5 model", "a Qwen3-VL checkpoint has model_type qwen3_vl or qwen3_vl_moe")
+    indexes = _deepstack(raw.get("deepstack_visual_indexes") or [], ints["depth"], where)
     side = math.isqrt(ints["num_position_embeddings"])
     if side * side != ints["num_position_embeddings"]:
         raise LogprobeError(f"{where}num_position_embeddings", f"{side * side} != {ints['num_position_embeddings']}: "
@@ -113,7 +129,20 @@ def vision_config(raw: dict, where: str = "config.vision_config.") -> VisionConf
     if ints["hidden_size"] % ints["num_heads"] or (ints["hidden_size"] // ints["num_heads"]) % 4:
         raise LogprobeError(f"{where}num_heads", f"hidden_size / num_heads must be a multiple of 4 (2-D rotary), "
                             f"got {ints['hidden_size']} / {ints['num_heads']}")
-    return VisionConfig(**ints, hidden_act=act, rope_theta=float(rope.get("rope_theta", 10000.0)))
+    return VisionConfig(**ints, hidden_act=act, rope_theta=float(rope.get("rope_theta", 10000.0)),
+                        deepstack=indexes)
+
+
+def _deepstack(indexes, depth: int, where: str) -> tuple[int, ...]:
+    """The blocks whose outputs feed deepstack mergers, in the config's order (merger i reads block
+    ``indexes[i]``); each a distinct block of the tower (transformers would give a repeated or
+    missing block fewer features than mergers, silently)."""
+    field = f"{where}deepstack_visual_indexes"
+    if not isinstance(indexes, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in indexes):
+        raise LogprobeError(field, f"must be a list of block indices, got {indexes!r}")
+    if len(set(indexes)) != len(indexes) or any(not 0 <= b < depth for b in indexes):
+        raise LogprobeError(field, f"{indexes}: must be distinct blocks of the tower's {depth}")
+    return tuple(indexes)
 
 
 def block_order(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,16 +202,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None] + turned * sin[:, None]
 
 
+class PatchMerger(nn.Module):
+    """m x m patches -> one token: ``W_2 gelu(W_1 vec(.) + b_1) + b_2`` of the patches normalised
+    each alone (the merger) or normalised together after the shuffle (``postshuffle``: a deepstack
+    merger). Parameter names: the checkpoint's (``norm``, ``linear_fc1``, ``linear_fc2``)."""
+
+    def __init__(self, cfg: VisionConfig, postshuffle: bool = False) -> None:
+        super().__init__()
+        H, wide = cfg.hidden_size, cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(wide if postshuffle else H, eps=1e-6)
+        self.linear_fc1 = Linear(wide, wide, bias=True)
+        self.linear_fc2 = Linear(wide, cfg.out_hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] (patches in the processor's order) -> [n / m², out_hidden_size]."""
+        wide = self.linear_fc1.in_features
+        x = self.norm(x.reshape(-1, wide)) if self.postshuffle else self.norm(x).reshape(-1, wide)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
 class VisionTower(NumericsUser, nn.Module):
-    """``forward(pixel_values [t*h*w, patch_dim], (t, h, w)) -> [t*h*w / m², out_hidden_size]``:
-    one image's tokens for the text model. Parameter names are the checkpoint's under ``model.visual.``.
+    """``forward(pixel_values [t*h*w, patch_dim], (t, h, w)) -> [t*h*w / m², (1 + k) * out_hidden_size]``:
+    one image's tokens for the text model (k: the deepstack mergers, 0 for Qwen3.5; their features
+    follow the merger's in each row). Parameter names are the checkpoint's under ``model.visual.``.
     Its products follow the model's numerics (``set_numerics`` reaches them: fixed row tiles in
     deterministic mode)."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.config = cfg
-        H, m = cfg.hidden_size, cfg.spatial_merge_size
+        H = cfg.hidden_size
         self.side = math.isqrt(cfg.num_position_embeddings)
         # the checkpoint's Conv3d (kernel = stride: a matrix on flattened patches) and learned
         # position table, as bare parameters: nn.Conv3d's and nn.Embedding's initialisation on the
@@ -195,10 +245,9 @@ class VisionTower(NumericsUser, nn.Module):
         self.pos_embed = nn.Module()
         self.pos_embed.weight = _param(cfg.num_position_embeddings, H)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = nn.Module()
-        self.merger.norm = nn.LayerNorm(H, eps=1e-6)
-        self.merger.linear_fc1 = Linear(H * m * m, H * m * m, bias=True)
-        self.merger.linear_fc2 = Linear(H * m * m, cfg.out_hidden_size, bias=True)
+        self.merger = PatchMerger(cfg)
+        if cfg.deepstack:  # absent from Qwen3.5's checkpoints (and state dict) altogether
+            self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack)
 
     def patch_product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The patch embedding's product under the numerics (the Conv3d is not a ``Linear``)."""
@@ -239,12 +288,12 @@ class VisionTower(NumericsUser, nn.Module):
         x = x + self.positions(h, w).to(x.dtype).repeat(t, 1)
         cos, sin = self.rotary(h, w, x.device)
         frames = [x[f * h * w:(f + 1) * h * w] for f in range(t)]  # attention stays within a frame
-        for block in self.blocks:
+        deep = []  # in block order, each block's own merger (transformers' order where the list is not sorted)
+        for b, block in enumerate(self.blocks):
             frames = [block(f, cos, sin) for f in frames]
-        x = self.merger.norm(torch.cat(frames))
-        m2 = self.config.spatial_merge_size ** 2
-        x = x.reshape(-1, x.shape[-1] * m2)  # m x m consecutive patches: one token
-        return self.merger.linear_fc2(F.gelu(self.merger.linear_fc1(x)))
+            if b in self.config.deepstack:
+                deep.append(self.deepstack_merger_list[self.config.deepstack.index(b)](torch.cat(frames)))
+        return torch.cat([self.merger(torch.cat(frames)), *deep], dim=-1)
 
 
 def _param(*shape: int) -> nn.Parameter:
