@@ -194,8 +194,9 @@ class VisionTower(nn.Module):
         """cos, sin [n, D]: (col f, col f, row f, row f), f = theta^(-4j / D), j < D / 4."""
         D = self.config.head_dim
         inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, D // 2, 2, dtype=torch.float) / (D // 2)))
+        inv = inv.to(rows.device)  # made on the host, as transformers makes it; the rows may be on a GPU
         fx, fy = cols[:, None].float() * inv, rows[:, None].float() * inv
-        angles = torch.cat([fx, fx, fy, fy], -1).to(rows.device)
+        angles = torch.cat([fx, fx, fy, fy], -1)
         return row_invariant(torch.cos, angles).to(dtype), row_invariant(torch.sin, angles).to(dtype)
 
     def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
