@@ -219,6 +219,30 @@ def test_a_group_sharing_its_images_reads_them_once(vl_dirs, monkeypatch):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(alone, together))
 
 
+def test_an_image_runs_through_the_tower_once_per_call(vl_dirs, monkeypatch):
+    """A group's requests in separate batches (a budget of one request a pass): each distinct
+    image is hashed once and runs through the tower once in the call (it ran once per request
+    and batch), with the numbers of one batch, bitwise in deterministic mode."""
+    import hashlib
+
+    from logprobe.scoring import images as scoring_images
+
+    path, _ = vl_dirs["qwen3_5"]
+    images = [_image(32, 48, 1), _image(32, 32, 3)]
+    group = [{"prompt": f"{PAD} and {PAD}:", "completion": c, "images": images} for c in (" same", " not", " both")]
+    whole = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True).logprobs(group)
+    scorer = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True,
+                    max_batch_tokens=48)
+    model = scorer.loaded.model
+    towers, hashes, real, sha256 = [], [], model.encode_image, hashlib.sha256
+    monkeypatch.setattr(model, "encode_image", lambda *a: towers.append(1) or real(*a))
+    monkeypatch.setattr(scoring_images.hashlib, "sha256", lambda *a: hashes.append(1) or sha256(*a))
+    passes = scorer.engine.passes
+    split = scorer.logprobs(group)
+    assert scorer.engine.passes - passes >= 2 and len(towers) == 2 and len(hashes) == 2
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(whole, split))
+
+
 def test_images_batched_with_text_and_alone(vl_dirs):
     path, _ = vl_dirs["qwen3_5"]
     text = [{"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 80))},

@@ -45,23 +45,57 @@ def check_images(model, requests: list[ScoreRequest]) -> None:
                             "score images with tensor_parallel_size 1")
 
 
-def embed_images(model, requests: list[ScoreRequest], indices) -> None:
-    """The tower's embeddings of each request in ``indices`` that has images and none yet, kept on
-    the request: each image alone (its numbers depend on nothing else in the batch), once per
-    distinct image (by digest) among them: an RL group's requests share one run of its image."""
-    done: dict[str, torch.Tensor] = {}
-    for i in indices:
-        img = requests[i].images
-        if img is None or img.embeds is not None:
-            continue
-        parts, a = [], 0
-        for key, (t, h, w) in zip(img.keys, img.grids):
-            n = t * h * w
-            if key not in done:
-                done[key] = model.encode_image(img.pixel_values[a:a + n], (t, h, w))
-            parts.append(done[key])
-            a += n
-        img.embeds = torch.cat(parts)
+class ImageMemo:
+    """The vision tower's embeddings by image digest for one run: each distinct image runs once,
+    whatever batches, chunks or branches its requests land in (an RL group's requests share
+    their images); an entry is dropped once every request of the run that holds the image has
+    its embeddings, so the memo holds only images still to be used. Three requests of one image
+    a, the second also with b, embedded one per batch: a runs once, b once, and a is dropped
+    after the third:
+
+    >>> img = lambda *keys: ImageInputs(torch.zeros(len(keys), 1), ((1, 1, 1),) * len(keys), np.array([0]), None, keys)
+    >>> reqs = [ScoreRequest([7, 8], 1, images=img("a")), ScoreRequest([7, 8], 1, images=img("a", "b")),
+    ...         ScoreRequest([7, 8], 1, images=img("a"))]
+    >>> class Tower:
+    ...     runs = 0
+    ...     def encode_image(self, patches, grid):
+    ...         Tower.runs += 1
+    ...         return patches
+    >>> memo = ImageMemo(reqs)
+    >>> for i in range(3):
+    ...     memo.embed(Tower(), reqs, [i])
+    >>> Tower.runs, memo.done, reqs[1].images.embeds.shape
+    (2, {}, torch.Size([2, 1]))
+    """
+
+    def __init__(self, requests: list[ScoreRequest]) -> None:
+        self.left: dict[str, int] = {}  # requests without embeddings yet that hold each image
+        for r in requests:
+            if r.images is not None and r.images.embeds is None:
+                for key in set(r.images.keys):
+                    self.left[key] = self.left.get(key, 0) + 1
+        self.done: dict[str, torch.Tensor] = {}
+
+    def embed(self, model, requests: list[ScoreRequest], indices) -> None:
+        """The embeddings of each request in ``indices`` that has images and none yet, kept on the
+        request: each image alone (its numbers depend on nothing else in the batch)."""
+        for i in indices:
+            img = requests[i].images
+            if img is None or img.embeds is not None:
+                continue
+            parts, a = [], 0
+            for key, (t, h, w) in zip(img.keys, img.grids):
+                n = t * h * w
+                if key not in self.done:
+                    self.done[key] = model.encode_image(img.pixel_values[a:a + n], (t, h, w))
+                parts.append(self.done[key])
+                a += n
+            img.embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
+            for key in set(img.keys):
+                self.left[key] = self.left.get(key, 1) - 1
+                if self.left[key] <= 0:
+                    self.done.pop(key, None)
+                    self.left.pop(key)
 
 
 def planned_ids(r: ScoreRequest) -> list[int]:

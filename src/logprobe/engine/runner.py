@@ -23,7 +23,7 @@ from ..models.moe import routed_blocks
 from .budget import budget_for, model_pass_bytes, resolved_budget, row_ranks
 from .delivery import Delivery, RunStopped, concat_parts
 from .host import HostCopy, HostRows, start_copy, to_device
-from .images import check_images, chunk_end, embed_images, image_rows, planned_ids, row_positions, segment_spans
+from .images import ImageMemo, check_images, chunk_end, image_rows, planned_ids, row_positions, segment_spans
 from .prefix_cache import PrefixCache
 from .prefix_run import ResumePack, cacheable, chunk_keeper, keep_batch, resumable, take_pack
 from .request import RequestResult, ScoreRequest
@@ -333,6 +333,7 @@ class Engine:
         # agree_fits(fits) -> whether every rank's pre-flight said yes (``_preflight``)
         self.agree_fits: Callable[[bool], bool] | None = None
         self.passes = 0  # forward passes started (the server's logprobe_engine_passes_total)
+        self._images: tuple[list[ScoreRequest], ImageMemo] | None = None  # a run's requests and their ImageMemo
         # across runs: the KV (and hybrid states) of token prefixes already computed
         # (engine.prefix_cache; set by the owner: Scorer(prefix_cache=...)), None: off
         self.prefix_cache: PrefixCache | None = None
@@ -413,6 +414,7 @@ class Engine:
                 planned_at = self.budget
         # the last batch of trees stays in flight: the first pack is planned while it runs
         self._run_resumed(requests, deque(resumed), out, stop, cancelled)
+        self._images = None  # the run's image embeddings stay on its requests only
         results = out.close()
         if self.tuning is not None:  # what this run tuned, kept for the next process
             self.tuning.after_run()
@@ -564,14 +566,21 @@ class Engine:
         """One forward pass and its head, queued: (packed batch, ``Launched``)."""
         if isinstance(self.model, NumericsUser):  # before the vision tower runs: its products follow them
             self.model.set_numerics(self.numerics)
-        embed_images(self.model, requests, [i for item in batch for i in
-                                            ((item.request,) if isinstance(item, Chunk) else item.members)])
+        if any(r.images is not None for r in requests):
+            self._image_memo(requests).embed(self.model, requests, [
+                i for item in batch for i in ((item.request,) if isinstance(item, Chunk) else item.members)])
         packed = pack(batch, requests, self.device, self.numerics.attention_block, self.route_layers)
         packed.meta.cache = cache
         hidden = self._forward(packed)  # [T, H]
         if cache is not None and self.prefix_cache is not None:
             self._hidden = hidden  # its rows are kept with the keys (prefix_run)
         return packed, self.score(requests, packed, hidden)
+
+    def _image_memo(self, requests: list[ScoreRequest]) -> ImageMemo:
+        """The tower outputs of this run's images (``ImageMemo``), made on its first batch with images."""
+        if self._images is None or self._images[0] is not requests:
+            self._images = (requests, ImageMemo(requests))
+        return self._images[1]
 
     def _forward(self, packed: PackedBatch) -> torch.Tensor:
         """The model on a packed batch -> its final hidden rows [T, H] (``_preflight`` first)."""

@@ -203,6 +203,25 @@ class ImageReader:
             a = j + 1
         return out + ids[a:]
 
+    def digests(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> tuple[str, ...]:
+        """Each image's digest (sha256 of its pixel values and grid): within ``one_call`` once per
+        pixel tensor, which ``patches`` hands every request of a group (hashing a 1024-px image's
+        25 MB of patches took longer than the tower ran it)."""
+        memo = getattr(self._call, "memo", None)
+        held = memo.get(("digests", id(pixels))) if memo is not None else None
+        if held is not None and held[0] is pixels:
+            return held[1]
+        keys, a = [], 0
+        for grid in grids:
+            n = grid[0] * grid[1] * grid[2]
+            digest = hashlib.sha256(pixels[a:a + n].numpy().tobytes())
+            digest.update(repr(grid).encode())
+            keys.append(digest.hexdigest())
+            a += n
+        if memo is not None:  # the tensor held with them: its id names it for the whole call
+            memo[("digests", id(pixels))] = (pixels, tuple(keys))
+        return tuple(keys)
+
     def inputs(self, ids: list[int], pixels: torch.Tensor, grids: list[tuple[int, int, int]], field: str
                ) -> ImageInputs:
         """The request's ``ImageInputs`` for its whole token ids (prompt and completion)."""
@@ -212,13 +231,7 @@ class ImageReader:
         if len(index) != want:
             raise LogprobeError(f"{field}.images", f"{len(index)} image tokens for {want} image embeddings",
                                 "write the placeholder once per image and nowhere else")
-        keys, a = [], 0
-        for grid in grids:  # each image's digest: its pixel values and grid
-            n = grid[0] * grid[1] * grid[2]
-            digest = hashlib.sha256(pixels[a:a + n].numpy().tobytes())
-            digest.update(repr(grid).encode())
-            keys.append(digest.hexdigest())
-            a += n
+        keys = self.digests(pixels, grids)
         positions = mrope_positions(ids, f.image_token_id, grids, f.merge).numpy() if f.mrope else None
         spans = bidirectional_spans(index) if f.bidirectional else ()
-        return ImageInputs(pixels, tuple(grids), index, positions, tuple(keys), spans=spans)
+        return ImageInputs(pixels, tuple(grids), index, positions, keys, spans=spans)
