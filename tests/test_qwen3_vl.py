@@ -203,15 +203,31 @@ def test_config_refusals(vl_dirs):
         assert e.value.field == field, (key, str(e.value))
 
 
-def test_tensor_parallelism_is_refused(vl_dirs):
-    """The tower runs on one rank: a split is refused by name before any worker starts."""
-    from logprobe.loading.loader import describe_model, parallel_context
+@pytest.mark.slow  # two gloo worker processes per model: ~3 s each alone on 2 cores
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_images_under_tensor_parallelism(kind, vl_dirs):
+    """The tower whole on every rank: TP = 2 over gloo workers (the MoE with its experts split,
+    EP = 2, attention data-parallel: each rank adds the deepstack features of its own rows) gives
+    TP = 1's numbers for requests with images among text ones, bitwise in deterministic mode,
+    within 1e-5 otherwise."""
+    from logprobe.config import EngineConfig
 
-    cfg = describe_model(str(vl_dirs["dense"][0]), device="cpu", tokenizer=False).model.config
-    assert parallel_context(cfg).size == 1
-    with pytest.raises(LogprobeError) as e:
-        parallel_context(cfg, 0, 2)
-    assert e.value.field == "tensor_parallel_size" and "qwen3_vl" in str(e.value)
+    path, _ = vl_dirs[kind]
+    seqs = [_sequences()[0], {"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 70))},
+            _sequences()[1]]
+    one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    want = {}
+    for det in (True, False):
+        one.config = EngineConfig(deterministic=det)
+        want[det] = one.logprobs(seqs, top_k=3)
+    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as scorer:
+        for det in (True, False):
+            scorer.config = EngineConfig(deterministic=det)
+            for got, ref in zip(scorer.logprobs(seqs, top_k=3), want[det]):
+                if det:
+                    assert torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.topk_ids, ref.topk_ids)
+                else:
+                    assert (got.logprobs - ref.logprobs).abs().max() <= 1e-5
 
 
 def test_mrope_text_rows_rotate_as_plain_positions():
@@ -223,3 +239,27 @@ def test_mrope_text_rows_rotate_as_plain_positions():
     rotary, p = MRotaryEmbedding(32, 1e6, (6, 5, 5)), torch.arange(300)
     x = torch.randn(300, 4, 32, generator=torch.Generator().manual_seed(0))
     assert torch.equal(apply_rotary(x, rotary(p)), apply_rotary(x, rotary(p.expand(3, -1).contiguous())))
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): ~3 s
+def test_update_weights_takes_text_and_tower(vl_dirs, tmp_path):
+    """``update_weights`` with a trainer's Qwen3-VL MoE ``named_parameters()`` (experts as
+    transformers holds them, the tower and its deepstack mergers among them, all moved): bitwise
+    a fresh Scorer on the checkpoint the trainer saves (deterministic mode)."""
+    from logprobe.config import EngineConfig
+
+    path, ref = vl_dirs["moe"]
+    trainer = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(str(path)).float()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    trainer.save_pretrained(str(tmp_path))
+    _save_processor(tmp_path)
+    cfg = EngineConfig(deterministic=True, progress=False)
+    scorer = Scorer(str(path), device="cpu", dtype="float32", config=cfg)
+    before = scorer.logprobs(_sequences())
+    scorer.update_weights(trainer.named_parameters())
+    want = Scorer(str(tmp_path), device="cpu", dtype="float32", config=cfg).logprobs(_sequences())
+    for got, new, old in zip(scorer.logprobs(_sequences()), want, before):
+        assert torch.equal(got.logprobs, new.logprobs) and not torch.equal(got.logprobs, old.logprobs)

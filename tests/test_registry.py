@@ -19,6 +19,7 @@ from test_gpt_oss import dirs as gpt_oss_dirs  # noqa: F401
 from test_moe_sigmoid_families import dirs as sigmoid_dirs  # noqa: F401
 from test_qwen3_next import float64_reference as float64_reference  # noqa: F401
 from test_qwen3_next import hybrid_dirs as hybrid_dirs  # noqa: F401
+from test_qwen3_vl import vl_dirs as qwen3_vl_dirs  # noqa: F401
 
 import logprobe.loading.loader as loader_module
 import logprobe.loading.update as update_module
@@ -158,11 +159,12 @@ def test_the_source_checks_see_family_names_and_isinstance():
 
 @pytest.mark.slow  # builds every family's tiny checkpoint (the slow tier: pytest -m slow)
 def test_every_family_tiny_checkpoint_loads(tiny_dirs, ds_dirs, gemma_dirs, gemma4_dirs, glm4_dir,  # noqa: F811
-                                            gpt_oss_dirs, sigmoid_dirs, hybrid_dirs):  # noqa: F811
+                                            gpt_oss_dirs, sigmoid_dirs, hybrid_dirs, qwen3_vl_dirs):  # noqa: F811
     from logprobe.loading.loader import describe_model, load_model
 
     seen = set()
-    trees = [tiny_dirs["llama"], ds_dirs, gemma_dirs, gemma4_dirs, glm4_dir, gpt_oss_dirs, sigmoid_dirs, hybrid_dirs]
+    trees = [tiny_dirs["llama"], ds_dirs, gemma_dirs, gemma4_dirs, glm4_dir, gpt_oss_dirs, sigmoid_dirs, hybrid_dirs,
+             qwen3_vl_dirs]
     for path in saved_dirs(trees):
         model = load_model(str(path), device="cpu", dtype="float32").model
         family = family_of(model.config)

@@ -15,7 +15,11 @@ Checkpoint keys: ``model.language_model.*`` (the text model), ``model.visual.*``
 in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) or as the released
 checkpoints store them, each matrix transposed ([E, H, 2I], [E, I, H]); as transformers' loader
 does, a tensor already of the model's shape is taken as is (``expert_layout``). Quantized
-checkpoints and tensor parallelism are refused (the tower is whole on one rank).
+checkpoints are refused.
+
+Tensor parallelism: the text model splits as the Llama family's (and the MoE's experts, with
+data-parallel attention where the experts are whole per rank); the tower is whole on every rank
+(``qwen3_vl_shard_tensors``), each rank embedding the images of its pass, as Qwen3.5's.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
+
 from ..errors import LogprobeError
 from ..models.qwen3_5_vision import vision_config
 from ..models.qwen3_vl import Qwen3VLConfig, qwen3_vl_model_class
-from .checkpoint import tower_skipping_tensors
+from ..parallel.context import ParallelContext
+from .checkpoint import SKIP, check_plain_dtype, open_files, tower_skipping_tensors
 from .hf import native_config, stack_experts
 from .llama import build_native, llama_parallel_context
 from .registry import Family, Load, register
+from .sharding import held_experts, rank_cut, read_cut
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +167,33 @@ def qwen3_vl_tensors(path: Path, cfg: Qwen3VLConfig, load: Load):
     yield from stack_experts(stream, cfg, place=load.place)
 
 
-def _parallel_context(cfg: Qwen3VLConfig, rank: int = 0, size: int = 1, group=None, experts: int = 1,
-                      attention: str | None = None):
-    if size != 1 or experts != 1:
-        raise LogprobeError("tensor_parallel_size", f"{size} (expert_parallel_size {experts}): {cfg.family} runs on "
-                            "one rank natively (its vision tower is not replicated over ranks yet)",
-                            "use tensor_parallel_size 1 and expert_parallel_size 1, or data-parallel replicas")
-    return llama_parallel_context(cfg, rank, size, group, experts, attention)
+def qwen3_vl_shard_tensors(path: Path, cfg: Qwen3VLConfig, ctx: ParallelContext, load: Load):
+    """This rank's slices of a float Qwen3-VL checkpoint (None at one rank: the whole model): the
+    text model's as the Llama family's (``sharding.rank_cut``: only those bytes read; other ranks'
+    experts not read), the tower whole (its layers hold no rows of their own: every rank runs it).
+    Experts stored as released (transposed) are read whole, turned, then cut."""
+    if ctx.size == 1:
+        return None
+    with torch.device("meta"):
+        model = qwen3_vl_model_class(cfg)(cfg, ctx=ctx)
+
+    def read():
+        for f, st in open_files(path, prefetch=False):
+            for key in st.keys():
+                name = qwen3_vl_param_name(key, cfg, f.name)
+                cut = None if name is None else rank_cut(model, name)
+                if name is None or cut is SKIP:
+                    continue
+                shape = tuple(st.get_slice(key).get_shape())
+                if expert_layout(name, torch.empty(shape, device="meta"), cfg).shape != shape:  # released layout
+                    w = expert_layout(name, st.get_tensor(key), cfg)
+                    w = w if cut is None else cut(w).contiguous()
+                else:
+                    w = read_cut(st, key, cut)
+                check_plain_dtype(key, w, f.name)
+                yield name, w
+
+    return stack_experts(read(), cfg, held_experts(model), load.place)
 
 
 FAMILY = register(Family(
@@ -175,8 +203,9 @@ FAMILY = register(Family(
     tensors=lambda path, cfg, raw, load: qwen3_vl_tensors(path, cfg, load),
     build=lambda cfg, tensors, load, ctx: build_native(cfg, tensors, load.device, load.dtype, ctx=ctx,
                                                        model_class=qwen3_vl_model_class(cfg)),
-    parallel_context=_parallel_context,
-    shard_tensors=lambda path, cfg, ctx, load: None,  # one rank (``_parallel_context`` refuses more)
+    parallel_context=llama_parallel_context,
+    shard_tensors=qwen3_vl_shard_tensors,
     param_name=qwen3_vl_param_name,
+    data_attention=True,  # the MoE's blocks are the Llama family's: whole attention per rank
     towers=("visual.",),  # the vision tower: updated where sent (``loading.update``)
 ))

@@ -16,8 +16,10 @@ plain rotary bit for bit. Positions of a prompt with images: ``qwen3_5_vision.mr
 (transformers' ``Qwen3VLModel.get_rope_index``: an image's tokens at (p + t, p + row, p + col), the
 text after it from p + max(h', w')).
 
-The vision tower is whole on one rank: tensor parallelism is refused for these checkpoints
-(``loading.qwen3_vl``).
+Tensor parallelism splits the text model as the Llama family's; the tower, small, is whole on
+every rank (replicated, not split), each rank embedding the images of its pass alike; under
+data-parallel attention a rank adds the deepstack features of its own rows
+(``ScoringModel.forward``).
 """
 
 from __future__ import annotations
