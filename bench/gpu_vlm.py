@@ -252,8 +252,11 @@ def profile(fn, dev: str) -> None:
     with prof(activities=acts) as p:
         secs, _ = timed(fn, 1, dev)
     key = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
-    print(f"\nprofiled default pass: {secs:.2f} s")
-    print(p.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    ops = p.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e6
+    print(f"\nprofiled default pass: {secs:.2f} s, device busy {busy:.2f} s")
+    print(ops.table(sort_by=key, row_limit=25, max_name_column_width=60))
+    print(ops.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
 if __name__ == "__main__":

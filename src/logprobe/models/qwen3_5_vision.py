@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -310,17 +311,17 @@ def mrope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, 
     >>> mrope_positions([7, 8, 9, 9, 9, 9, 9, 9, 5, 6], 9, [(1, 4, 6)], 2).tolist()
     [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6], [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]]
     """
-    out = torch.empty(3, len(ids), dtype=torch.long)
-    p, j, images = 0, 0, iter(grids)
-    while j < len(ids):
-        if ids[j] != image_token_id:
-            out[:, j] = p
-            p, j = p + 1, j + 1
-            continue
-        t, h, w = next(images)
+    ids = np.asarray(ids)
+    out = np.empty((3, len(ids)), dtype=np.int64)
+    image_at = np.flatnonzero(ids == image_token_id)
+    p, j, k = 0, 0, 0  # next position, next row, image tokens placed
+    for t, h, w in grids:
+        a = int(image_at[k])  # the image's first token: text rows j .. a - 1 before it
+        out[:, j:a] = p + np.arange(a - j)
+        p += a - j
         h, w = h // merge, w // merge
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
         n = t * h * w
-        out[:, j:j + n] = torch.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + p
-        p, j = p + max(h, w), j + n
-    return out
+        out[:, a:a + n] = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, n) + p
+        p, j, k = p + max(h, w), a + n, k + n
+    out[:, j:] = p + np.arange(len(ids) - j)
+    return torch.from_numpy(out)
