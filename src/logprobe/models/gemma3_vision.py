@@ -135,7 +135,7 @@ class EncoderLayer(nn.Module):
         """Full attention over one image's patches x [n, H]."""
         n, a = x.shape[0], self.self_attn
         q, k, v = (p(x).view(n, self.num_heads, -1).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj))
-        o = F.scaled_dot_product_attention(q, k, v)  # [heads, n, D], scale 1 / sqrt(D)
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # [heads, n, D], scale 1 / sqrt(D); 4-D: fused
         return a.out_proj(o.transpose(0, 1).reshape(n, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -150,8 +150,8 @@ class _Layer(nn.Module):
         q = _rope_2d(a.q_norm(a.q_proj(x).view(n, self.num_heads, D)), cos, sin)
         k = _rope_2d(a.k_norm(a.k_proj(x).view(n, self.num_kv_heads, D)), cos, sin)
         v = a.v_norm(a.v_proj(x).view(n, self.num_kv_heads, D))
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=1.0,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)  # [heads, n, D]
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=1.0,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)[0]  # [heads, n, D]; 4-D: fused
         return a.o_proj(o.transpose(0, 1).reshape(n, -1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

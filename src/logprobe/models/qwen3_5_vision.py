@@ -188,7 +188,9 @@ class VisionBlock(nn.Module):
         n = x.shape[0]
         q, k, v = self.attn.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # [n, heads, D] each
         q, k = (_rotate(t.float(), cos, sin).to(x.dtype) for t in (q, k))
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [heads, n, D]
+        # 4-D inputs: SDPA's fused kernels take only those (3-D ran its unfused math path, the
+        # tower's largest cost on a GPU)
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0]  # [heads, n, D]
         return self.attn.proj(o.transpose(0, 1).reshape(n, -1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
