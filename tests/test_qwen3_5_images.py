@@ -241,6 +241,11 @@ def test_an_image_runs_through_the_tower_once_per_call(vl_dirs, monkeypatch):
     split = scorer.logprobs(group)
     assert scorer.engine.passes - passes >= 2 and len(towers) == 2 and len(hashes) == 2
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(whole, split))
+    # a request's tower outputs go with its result: held only while it has rows to run
+    requests = scorer.logprobs_job(group).requests
+    held = []
+    scorer.engine.run(requests, on_result=lambda i, r: held.append(requests[i].images.embeds))
+    assert len(held) == 3 and all(e is None for e in held)
 
 
 def test_images_batched_with_text_and_alone(vl_dirs):

@@ -56,6 +56,8 @@ class Delivery:
 
     def finish(self, i: int, res: RequestResult) -> None:
         self.results[i] = res
+        if self.requests[i].images is not None:  # its tower outputs: held only while it has rows to run
+            self.requests[i].images.embeds = None
         if self.on_result is not None:
             self.on_result(i, res)
 
