@@ -1,4 +1,5 @@
-"""Gemma's bidirectional image spans on CUDA: the spans' rows in one non-causal varlen
+"""Text given images on CUDA beyond Qwen3.5 (whose CUDA test is in tests/test_qwen3_5_images.py).
+Gemma's bidirectional image spans on CUDA: the spans' rows in one non-causal varlen
 FlashAttention call (``attention._gpu_spans``) against the float64 dense mask, and Gemma 3 / 4
 scored given images on CUDA against transformers' float64 forward (the CPU tests of the same
 models are tests/test_gemma3_images.py and tests/test_gemma4_images.py)."""
@@ -14,6 +15,9 @@ from test_gemma3_images import gemma_vl as gemma_vl  # noqa: F401 (fixtures used
 from test_gemma4_images import _reference as _reference4
 from test_gemma4_images import _sequences as _sequences4
 from test_gemma4_images import gemma4_vl as gemma4_vl  # noqa: F401
+from test_qwen3_vl import _reference as _reference_vl
+from test_qwen3_vl import _sequences as _sequences_vl
+from test_qwen3_vl import vl_dirs as vl_dirs  # noqa: F401
 
 from logprobe import Scorer
 from logprobe.layers import attention
@@ -96,4 +100,14 @@ def test_gemma4_images_on_cuda(gemma4_vl):  # noqa: F811
     path, ref = gemma4_vl
     worst = _on_cuda(path, ref, _sequences4(), _reference4)
     print(f"gemma4 images on CUDA, float32: max |delta| against float64 {worst:.2e}")
+    assert worst < 1e-4
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_qwen3_vl_images_on_cuda(kind, vl_dirs):  # noqa: F811
+    path, ref = vl_dirs[kind]
+    worst = _on_cuda(path, ref, _sequences_vl(), lambda r, p, seq: _reference_vl(r, p, seq)[:2])
+    print(f"qwen3-vl {kind} images on CUDA, float32: max |delta| against float64 {worst:.2e}")
     assert worst < 1e-4
