@@ -263,3 +263,31 @@ def png_bytes(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def tensor_parallel_matches_one(path, seqs: list[dict], want: dict | None = None, **tp2) -> None:
+    """``Scorer(path)`` at TP = 2 (``tp2``: further options of the TP = 2 scorer) against TP = 1 on
+    ``seqs`` with top-3 ids and entropies: bitwise in deterministic mode, within 1e-5 otherwise;
+    ``want`` {request index: float64 reference log-probs} within 1e-4 at TP = 2. ``tp2`` may hold
+    ``max_batch_tokens`` (passes cut to that many rows at TP = 2: chunks against whole requests)."""
+    from logprobe import Scorer
+    from logprobe.config import EngineConfig
+
+    rows = tp2.pop("max_batch_tokens", None)
+    one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
+    single = {}
+    for det in (True, False):
+        one.config = EngineConfig(deterministic=det)
+        single[det] = one.logprobs(seqs, top_k=3, entropy=True)
+    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2, **tp2) as scorer:
+        for det in (True, False):
+            scorer.config = EngineConfig(deterministic=det, **({} if rows is None else {"max_batch_tokens": rows}))
+            got = scorer.logprobs(seqs, top_k=3, entropy=True)
+            for g, s in zip(got, single[det]):
+                if det:
+                    assert torch.equal(g.logprobs, s.logprobs) and torch.equal(g.entropy, s.entropy)
+                    assert torch.equal(g.topk_ids, s.topk_ids)
+                else:
+                    assert (g.logprobs - s.logprobs).abs().max() <= 1e-5
+            for i, w in (want or {}).items():
+                assert (got[i].logprobs.double() - w).abs().max() < 1e-4

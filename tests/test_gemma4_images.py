@@ -18,7 +18,14 @@ import json
 
 import pytest
 import torch
-from helpers import VOCAB, byte_tokenizer, copy_checkpoint, png_bytes, random_image
+from helpers import (
+    VOCAB,
+    byte_tokenizer,
+    copy_checkpoint,
+    png_bytes,
+    random_image,
+    tensor_parallel_matches_one,
+)
 
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig, numerics_for
@@ -277,21 +284,4 @@ def test_images_under_tensor_parallelism(gemma4_vl):
     path, ref = gemma4_vl
     seqs = [_sequences()[0], {"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 70))},
             _sequences()[1]]
-    want = {i: _reference(ref, path, seqs[i])[0] for i in (0, 2)}
-    one = _scorer(path)
-    single = {}
-    for det in (True, False):
-        one.config = EngineConfig(deterministic=det)
-        single[det] = one.logprobs(seqs, top_k=3, entropy=True)
-    with _scorer(path, tensor_parallel_size=2) as scorer:
-        for det in (True, False):
-            scorer.config = EngineConfig(deterministic=det, max_batch_tokens=64)
-            got = scorer.logprobs(seqs, top_k=3, entropy=True)
-            for g, s in zip(got, single[det]):
-                if det:
-                    assert torch.equal(g.logprobs, s.logprobs) and torch.equal(g.entropy, s.entropy)
-                    assert torch.equal(g.topk_ids, s.topk_ids)
-                else:
-                    assert (g.logprobs - s.logprobs).abs().max() <= 1e-5
-            for i, w in want.items():
-                assert (got[i].logprobs.double() - w).abs().max() < 1e-4
+    tensor_parallel_matches_one(path, seqs, {i: _reference(ref, path, seqs[i])[0] for i in (0, 2)}, max_batch_tokens=64)

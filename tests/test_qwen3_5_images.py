@@ -15,7 +15,14 @@ import json
 
 import pytest
 import torch
-from helpers import byte_tokenizer, copy_checkpoint, make_hf_dir, png_bytes, random_image
+from helpers import (
+    byte_tokenizer,
+    copy_checkpoint,
+    make_hf_dir,
+    png_bytes,
+    random_image,
+    tensor_parallel_matches_one,
+)
 
 from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
@@ -379,20 +386,7 @@ def test_images_under_tensor_parallelism(kind, vl_dirs):
     path, _ = vl_dirs[kind]
     seqs = [_sequences()[0], {"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 70))},
             _sequences()[1]]
-    one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
-    want = {}
-    for det in (True, False):
-        one.config = EngineConfig(deterministic=det)
-        want[det] = one.logprobs(seqs, top_k=3, entropy=True)
-    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as scorer:
-        for det in (True, False):
-            scorer.config = EngineConfig(deterministic=det)
-            for got, ref in zip(scorer.logprobs(seqs, top_k=3, entropy=True), want[det]):
-                if det:
-                    assert torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.entropy, ref.entropy)
-                    assert torch.equal(got.topk_ids, ref.topk_ids)
-                else:
-                    assert (got.logprobs - ref.logprobs).abs().max() <= 1e-5
+    tensor_parallel_matches_one(path, seqs)
 
 
 def _moved_tower(vl_dirs, kind: str, tmp_path):

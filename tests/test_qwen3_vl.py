@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from helpers import VOCAB, copy_checkpoint, png_bytes, random_image
+from helpers import VOCAB, copy_checkpoint, png_bytes, random_image, tensor_parallel_matches_one
 
 from logprobe import LogprobeError, Scorer
 from logprobe.loading.qwen3_vl import qwen3_vl_config
@@ -210,24 +210,10 @@ def test_images_under_tensor_parallelism(kind, vl_dirs):
     EP = 2, attention data-parallel: each rank adds the deepstack features of its own rows) gives
     TP = 1's numbers for requests with images among text ones, bitwise in deterministic mode,
     within 1e-5 otherwise."""
-    from logprobe.config import EngineConfig
-
     path, _ = vl_dirs[kind]
     seqs = [_sequences()[0], {"prompt_token_ids": list(range(2, 40)), "completion_token_ids": list(range(50, 70))},
             _sequences()[1]]
-    one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
-    want = {}
-    for det in (True, False):
-        one.config = EngineConfig(deterministic=det)
-        want[det] = one.logprobs(seqs, top_k=3)
-    with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2) as scorer:
-        for det in (True, False):
-            scorer.config = EngineConfig(deterministic=det)
-            for got, ref in zip(scorer.logprobs(seqs, top_k=3), want[det]):
-                if det:
-                    assert torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.topk_ids, ref.topk_ids)
-                else:
-                    assert (got.logprobs - ref.logprobs).abs().max() <= 1e-5
+    tensor_parallel_matches_one(path, seqs)
 
 
 def test_mrope_text_rows_rotate_as_plain_positions():
