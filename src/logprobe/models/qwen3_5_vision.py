@@ -55,6 +55,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.linear import Linear, numerics_product
 from ..layers.numerics import NumericsUser
+from .vision import ImageFormat
 
 # the vision config keys the tower reads, and those that carry nothing for the forward
 _READ = {"depth", "hidden_size", "hidden_act", "intermediate_size", "num_heads", "in_channels", "patch_size",
@@ -297,6 +298,26 @@ class VisionTower(NumericsUser, nn.Module):
             if b in self.config.deepstack:
                 deep.append(self.deepstack_merger_list[self.config.deepstack.index(b)](torch.cat(frames)))
         return torch.cat([self.merger(torch.cat(frames)), *deep], dim=-1)
+
+
+class QwenImages:
+    """What a model with this tower (``visual``; None when the checkpoint has no vision config or
+    this rank holds none) says of images: the image token once per image, expanded to
+    t * h * w / m² tokens, multimodal positions, causal attention; the tower's output per image."""
+
+    @property
+    def image_format(self) -> ImageFormat | None:
+        v = self.config.vision
+        return None if v is None else ImageFormat(self.config.image_token_id, v.spatial_merge_size, mrope=True)
+
+    @property
+    def tower_here(self) -> bool:
+        return self.visual is not None
+
+    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One image's patches [t*h*w, patch_dim] -> [t*h*w / m², (1 + K) H]: its token embeddings,
+        then its K deepstack features where the tower has them (``ScoringModel.place_images``)."""
+        return self.visual(pixel_values.to(self.embed_tokens.weight.device), grid)
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -99,8 +99,7 @@ from ..parallel.shard import kv_heads, num_blocks, q_heads, shard_range
 from .base import ScoringModel
 from .caps import ModelCaps
 from .llama import LlamaMLP
-from .qwen3_5_vision import VisionConfig, VisionTower
-from .vision import ImageFormat
+from .qwen3_5_vision import QwenImages, VisionConfig, VisionTower
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 _KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
@@ -377,7 +376,7 @@ class HybridDecoderLayer(nn.Module):
         return hooks(resid_post, h + hooks(mlp_out, self.mlp(self.post_attention_layernorm(h), hooks)))
 
 
-class HybridModel(ScoringModel):
+class HybridModel(QwenImages, ScoringModel):
     """Final hidden states for a packed batch (``forward(input_ids [T], positions [T], meta, hooks)
     -> [T, H]``); ``head_params()`` feeds the log-prob head. ``ctx``: this rank's tensor-parallel
     group (None: one rank); mixture-of-experts blocks split their experts by ``ctx.experts``
@@ -408,20 +407,6 @@ class HybridModel(ScoringModel):
         if cfg.mrope_section is None:
             return RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         return MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
-
-    @property
-    def image_format(self) -> ImageFormat | None:
-        """How prompts hold images (``models.vision``): the image token once per image, multimodal positions."""
-        v = self.config.vision
-        return None if v is None else ImageFormat(self.config.image_token_id, v.spatial_merge_size, mrope=True)
-
-    @property
-    def tower_here(self) -> bool:
-        return self.visual is not None
-
-    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """One image's patches [t*h*w, patch_dim] -> its token embeddings [t*h*w / m², H] (the tower)."""
-        return self.visual(pixel_values.to(self.embed_tokens.weight.device), grid)
 
     @staticmethod
     def interleave_rope_weights(cfg: HybridConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

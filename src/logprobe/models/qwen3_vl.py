@@ -32,8 +32,7 @@ from ..layers.rotary import MRotaryEmbedding
 from ..parallel.context import ParallelContext
 from .llama import LlamaConfig, LlamaModel
 from .moe import MoeModel
-from .qwen3_5_vision import VisionConfig, VisionTower
-from .vision import ImageFormat
+from .qwen3_5_vision import QwenImages, VisionConfig, VisionTower
 
 
 @dataclass(slots=True)
@@ -47,7 +46,7 @@ class Qwen3VLConfig(LlamaConfig):
     family: str = "qwen3_vl"  # the checkpoint's model_type
 
 
-class VisionLanguage:
+class VisionLanguage(QwenImages):
     """What Qwen3-VL adds to its text model (dense or MoE): the tower ``visual``, the multimodal
     rotary, and the images' format, embeddings and deepstack count."""
 
@@ -59,22 +58,6 @@ class VisionLanguage:
     def make_rotary(self, freq_factors: torch.Tensor | None = None) -> MRotaryEmbedding:
         cfg = self.config
         return MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
-
-    @property
-    def image_format(self) -> ImageFormat | None:
-        """The image token once per image (``<|vision_start|><|image_pad|><|vision_end|>`` in the
-        chat template), expanded to t * h * w / m² tokens; multimodal positions; causal attention."""
-        v = self.config.vision
-        return None if v is None else ImageFormat(self.config.image_token_id, v.spatial_merge_size, mrope=True)
-
-    @property
-    def tower_here(self) -> bool:
-        return self.visual is not None
-
-    def encode_image(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """One image's patches [t*h*w, patch_dim] -> [t*h*w / m², (1 + K) H]: its token embeddings,
-        then its K deepstack features (``ScoringModel.place_images`` takes them apart)."""
-        return self.visual(pixel_values.to(self.embed_tokens.weight.device), grid)
 
 
 class Qwen3VLModel(VisionLanguage, LlamaModel):
