@@ -87,19 +87,13 @@ def _on_cuda(path, ref, seqs, reference):
 
 @cuda
 @pytest.mark.gpu
-def test_gemma3_images_on_cuda(gemma_vl):  # noqa: F811
-    path, ref = gemma_vl
-    worst = _on_cuda(path, ref, _sequences3(), _reference3)
-    print(f"gemma3 images on CUDA, float32: max |delta| against float64 {worst:.2e}")
-    assert worst < 1e-4
-
-
-@cuda
-@pytest.mark.gpu
-def test_gemma4_images_on_cuda(gemma4_vl):  # noqa: F811
-    path, ref = gemma4_vl
-    worst = _on_cuda(path, ref, _sequences4(), _reference4)
-    print(f"gemma4 images on CUDA, float32: max |delta| against float64 {worst:.2e}")
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemma_images_on_cuda(family, request):
+    fixture, sequences, reference = {"gemma3": ("gemma_vl", _sequences3, _reference3),
+                                     "gemma4": ("gemma4_vl", _sequences4, _reference4)}[family]
+    path, ref = request.getfixturevalue(fixture)
+    worst = _on_cuda(path, ref, sequences(), reference)
+    print(f"{family} images on CUDA, float32: max |delta| against float64 {worst:.2e}")
     assert worst < 1e-4
 
 
