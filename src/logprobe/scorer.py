@@ -57,7 +57,8 @@ class Scorer:
                  deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, cache: str | None = None,
                  prefix_cache: bool | int | None = None, expert_parallel_size: int | None = None,
-                 attention_parallel: str | None = None) -> None:
+                 attention_parallel: str | None = None,
+                 redundant_experts: int = 0, expert_loads=None) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
         tiles everywhere, see EngineConfig), and whatever the TP size.
@@ -76,6 +77,11 @@ class Scorer:
         running its share of the batch's sequences; the default where the experts are whole per
         rank, M = N > 1, for the Llama-family and DeepSeek-style mixtures of experts) or
         ``"tensor"`` (split by heads and columns, every rank running every row).
+        ``redundant_experts`` R with ``expert_loads`` (tokens routed to each expert, e.g. counted
+        on a warm-up pass): each rank also holds up to R replicas of the hottest experts, placed to
+        even the ranks' loads, and a hot expert's tokens are split among its holders
+        (``parallel.placement``; whole experts per rank, M = N > 1); deterministic mode's bits
+        are unchanged (docs/parallel.md, "Redundant experts").
 
         ``cache``: a directory of stored results (``executor.cached``): a request scored before
         under the same weights, tokenizer, dtype, device kind, deterministic mode and options is
@@ -87,6 +93,10 @@ class Scorer:
         bytes, or None/False (off, the default). Numbers are unchanged (bitwise in deterministic
         mode); cleared by new weights; ``prefix_cache_stats()`` reports hits and bytes held.
         Native models in this process only (not with tensor/data parallelism)."""
+        if (redundant_experts or expert_loads is not None) and tensor_parallel_size == 1:
+            raise LogprobeError("redundant_experts", "replicas of experts need expert parallelism over 2 or "
+                                "more ranks", "set tensor_parallel_size (and expert_parallel_size) > 1, or leave "
+                                "redundant_experts and expert_loads out")
         config = engine_config(config, max_batch_tokens=max_batch_tokens, progress=progress,
                                deterministic=deterministic)
         if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size not in (None, 1):
@@ -95,7 +105,8 @@ class Scorer:
                                     "turn it off, or use one process (tensor_parallel_size=1, data_parallel_size=1)")
             self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
                                                                    tensor_parallel_size, data_parallel_size,
-                                                                   expert_parallel_size, attention_parallel)
+                                                                   expert_parallel_size, attention_parallel,
+                                                                   redundant=redundant_experts, loads=expert_loads)
         else:
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
             attention_layout(getattr(self.loaded.model, "config", None), 1, 1, attention_parallel)  # refuses a bad value

@@ -30,6 +30,7 @@ from ..loading.loader import (
     load_shard,
     parallel_context,
 )
+from ..loading.sharding import expert_placement
 from ..parallel.context import ParallelContext
 from .messages import EndWeights, Profiled, Result, StageWeights
 from .profile import RankProfile
@@ -68,10 +69,13 @@ class ParallelEngine:
     in_process = False  # the workers hold the weights: stage_weights / end_weights update them
 
     def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int,
-                 ep: int = 1, attention: str = "tensor", launched: list[WorkerGroup] | None = None) -> None:
+                 ep: int = 1, attention: str = "tensor", launched: list[WorkerGroup] | None = None,
+                 placement=None) -> None:
         """``launched``: the replicas' processes already spawned (``parallel_parts`` starts them
-        before it reads the model), else spawned here."""
+        before it reads the model), else spawned here. ``placement``: replicas of hot experts
+        (``parallel.placement``), the same in every replica."""
         self.tp, self.dp, self.ep = tp, dp, ep
+        self.placement = placement
         self.attention = attention  # the layout of attention and dense layers (ParallelContext.attention)
         self.groups: list[WorkerGroup] = list(launched) if launched is not None else []
         threads = default_threads(tp * dp) if device == "cpu" else 1
@@ -80,7 +84,7 @@ class ParallelEngine:
                 self.groups = [WorkerGroup(tp, r) for r in range(dp)]
             for r, group in enumerate(self.groups):
                 group.start(LaunchSpec(model, device, dtype, config, tp, r, r * tp, threads=threads, ep=ep,
-                                       attention=attention))
+                                       attention=attention, placement=placement))
         except BaseException:
             self.close()
             raise
@@ -274,11 +278,12 @@ __all__ = ["ParallelEngine", "assign_replicas", "recv"]
 
 
 def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int, ep: int | None = None,
-                   attention: str | None = None):
+                   attention: str | None = None, redundant: int = 0, loads=None):
     """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks, the
     experts of each replica in ``ep`` groups (``ParallelContext.experts``; None: the model's
     default, ``loader.default_expert_parallel``), attention laid out as ``attention`` says
-    ("data" or "tensor", ``loader.attention_layout``; None: the model's default)."""
+    ("data" or "tensor", ``loader.attention_layout``; None: the model's default); ``redundant``
+    replicas of hot experts per rank, placed by ``loads`` (``sharding.expert_placement``)."""
     import torch
 
 
@@ -299,10 +304,12 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
             raise LogprobeError("tensor_parallel_size", f"{tp} does not match the initialised process group's "
                                 f"{dist.get_world_size()} ranks", "pass the world size")
         rank = dist.get_rank()
-        if ep is None:
-            ep = default_expert_parallel(describe_model(model, device, dtype).model.config, tp)
+        cfg = describe_model(model, device, dtype).model.config
+        ep = default_expert_parallel(cfg, tp) if ep is None else ep
+        placement = expert_placement(cfg, tp, ep, redundant, loads)
         local = torch.device(f"cuda:{torch.cuda.current_device()}") if dev.type == "cuda" else dev
-        loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD, experts=ep, attention=attention),
+        loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD, experts=ep, attention=attention,
+                                                   placement=placement),
                             local, dtype)
         if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
@@ -318,8 +325,10 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
         ep = default_expert_parallel(loaded.model.config, tp) if ep is None else ep
         # a size that cannot split the model fails here, before any shard is read; the layout resolved
         ctx = parallel_context(loaded.model.config, 0, tp, None, ep, attention)
+        placement = expert_placement(loaded.model.config, tp, ep, redundant, loads)
         dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
-        engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep, ctx.attention or "tensor", launched)
+        engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep, ctx.attention or "tensor", launched,
+                                placement=placement)
     except BaseException:
         for group in launched:
             group.close()

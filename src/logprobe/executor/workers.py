@@ -88,6 +88,7 @@ class LaunchSpec:
     threads: int = 1
     ep: int = 1  # expert-parallel size within the replica (divides tp)
     attention: str | None = None  # "data" or "tensor" (ParallelContext.attention; None: the model's default)
+    placement: object | None = None  # replicas of hot experts (ParallelContext.placement; parallel.placement)
 
 
 def free_port() -> int:
@@ -151,7 +152,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
                                 world_size=spec.tp)
         with _AnonPeak() as peak:
             loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD, experts=spec.ep,
-                                                   attention=spec.attention), device,
+                                                   attention=spec.attention, placement=spec.placement), device,
                                 spec.dtype, tokenizer=False)
         config = spec.config
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver

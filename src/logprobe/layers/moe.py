@@ -62,6 +62,7 @@ from ..kernels.moe import (
     tree_leaves,
 )
 from ..parallel.context import ParallelContext, tree_positions
+from ..parallel.placement import Placement, slot_ranks
 from ..parallel.rows import RowSplit
 from ..parallel.shard import expert_range, shard_range
 from .activation import row_invariant, silu_mul
@@ -346,14 +347,21 @@ class Experts(NumericsUser, nn.Module):
     ``first_expert .. first_expert + num_experts - 1`` of ``total_experts`` and, of each, rows
     ``inter_rows`` of gate/up and ``hidden_rows`` of down (whole experts where the ranks of a group
     are one, ``expert_share`` P = 1); ``forward`` returns every slot's output on every rank
-    (``parallel_forward``)."""
+    (``parallel_forward``). ``ctx.placement`` (``parallel.placement``; whole experts per rank): the
+    rank holds ``expert_ids``, its own experts then replicas of other ranks' hot ones (stacked in
+    that order), and computes the slots the placement's dispatch rule gives it (``my_slots``)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.ctx = ctx = ctx or ParallelContext()
         self.total_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.first_expert, last = expert_range(num_experts, ctx.expert_group, ctx.experts)
-        self.num_experts = last - self.first_expert
+        self.own_experts = last - self.first_expert
+        self.placement = _check_placement(ctx, num_experts)
+        self.expert_ids = (tuple(range(self.first_expert, last)) if self.placement is None
+                           else self.placement.held[ctx.rank])  # own experts, then replicas
+        self.num_experts = len(self.expert_ids)  # experts stacked here
+        self.dispatch: dict = {}  # device -> the placement's tables (``placed_local``)
         p, P = ctx.expert_share
         self.inter_rows, self.hidden_rows = shard_range(intermediate, p, P), shard_range(hidden, p, P)
         n_i, n_h = self.inter_rows[1] - self.inter_rows[0], self.hidden_rows[1] - self.hidden_rows[0]
@@ -373,7 +381,33 @@ class Experts(NumericsUser, nn.Module):
         ((2, 4), (4, 8))
         """
         rows = self.hidden_rows if name == "down_proj" else self.inter_rows
-        return (self.first_expert, self.first_expert + self.num_experts), rows
+        return (self.first_expert, self.first_expert + self.own_experts), rows
+
+    def placed_local(self, ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Under a placement: each slot's expert of ``ids`` [T, k] numbered among this rank's held
+        experts where the dispatch rule gives the slot to this rank (``placement.slot_ranks``, row
+        t being row ``first_row + t`` of the rows every rank sees), else -1 (pad slots too)."""
+        if ids.device not in self.dispatch:
+            table, count = self.placement.tables(ids.device)
+            where = torch.tensor(self.placement.local_index(self.ctx.rank), device=ids.device)
+            self.dispatch[ids.device] = table, count, where
+        table, count, where = self.dispatch[ids.device]
+        mine = slot_ranks(ids, table, count, first_row) == self.ctx.rank  # [T, k]
+        return torch.where(mine, where[ids.clamp(min=0)], -1)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each slot's expert of ``ids`` [T, k] in this rank's numbering, outside 0 ..
+        num_experts - 1 where another rank computes it (``fused_moe`` gives those no tile)."""
+        return ids - self.first_expert if self.placement is None else self.placed_local(ids)
+
+    def my_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of ``ids`` [T, k] this rank computes: flat indices [n] (ascending) and their
+        experts in this rank's numbering [n] (``local_slots``; under a placement its dispatch)."""
+        if self.placement is None:
+            return local_slots(ids, self.first_expert, self.num_experts)
+        local = self.placed_local(ids).reshape(-1)  # [T*k]
+        slots = (local >= 0).nonzero().squeeze(1)  # [n] ascending
+        return slots, local[slots]
 
     def leaf_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Each slot's leaf of the combine tree [T, k], numbered from this rank's first leaf; -1 for
@@ -390,7 +424,8 @@ class Experts(NumericsUser, nn.Module):
     def tree_split(self) -> bool:
         """Whether each rank holds whole leaves of the combine tree (whole experts, the group's
         size dividing the leaves): then deterministic mode sums subtrees over the ranks."""
-        return self.ctx.expert_share[1] == 1 and self.leaves % self.ctx.size == 0
+        # a replica computes slots of another rank's leaves: slots then travel whole (``return_slots``)
+        return self.ctx.expert_share[1] == 1 and self.leaves % self.ctx.size == 0 and self.placement is None
 
     def combine_whole(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
                       ) -> torch.Tensor:
@@ -499,7 +534,7 @@ class Experts(NumericsUser, nn.Module):
         fixed row tiles and column blocks in deterministic mode), and every rank then combines the
         k slots in slot order (``combine``), so the output has one process's bits."""
         T, k = ids.shape
-        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
+        slots, lid = self.my_slots(ids)  # [n], [n]
         _, P = self.ctx.expert_share
         if P > 1 and x.is_cuda and self.numerics.column_blocks:
             raise LogprobeError("expert_parallel_size", f"deterministic mode on CUDA keeps its bits across sizes "
@@ -531,7 +566,7 @@ class Experts(NumericsUser, nn.Module):
         rows); the bits are not those of one process (the order of the sum moves with the ranks):
         deterministic mode keeps ``parallel_forward``."""
         T, k = ids.shape
-        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
+        slots, lid = self.my_slots(ids)  # [n], [n]
         w = weights.float().reshape(-1)[slots]  # [n]: each computed slot's router weight
         rows = -(-T // self.ctx.size) * self.ctx.size  # T padded to whole row blocks (zero rows)
         _, P = self.ctx.expert_share
@@ -595,7 +630,7 @@ class Experts(NumericsUser, nn.Module):
         xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
         routing = self.ctx.all_gather(routing).view(size * m, 2 * k)  # [P*m, 2k]
         every_ids = routing[:, :k].long()  # [P*m, k]; -1 on pad rows
-        slots, lid = local_slots(every_ids, self.first_expert, self.num_experts)  # [n], [n]
+        slots, lid = self.my_slots(every_ids)  # [n], [n]
         ys = x.new_empty(0, self.hidden)  # [n, H]
         if slots.numel():
             ys = self.local(xs[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
@@ -688,7 +723,7 @@ class Experts(NumericsUser, nn.Module):
         None where the fused path does not apply (CPU, packed experts it cannot expand)."""
         if (mats := self.fused_stacks(xs, triton, interpreted=True)) is None:
             return None
-        local = every_ids - self.first_expert  # [P*m, k]: this rank's numbering, others outside it
+        local = self.local_ids(every_ids)  # [P*m, k]: this rank's numbering, others outside it
         y = fused_moe(xs, local, *mats)  # [P*m*k, H]: the slots of the experts held here
         return combine_owned(y, weights.float(), (local >= 0) & (local < self.num_experts))
 
@@ -701,15 +736,22 @@ class Experts(NumericsUser, nn.Module):
         token routed to (e2, e0): rank 0 computes its slot 1 (e0) and sends it; rank 1 keeps slot 0
         (e2), receives slot 1 from rank 0, and writes them to its slots [0 | 1] (copies: exact)."""
         size, rank, k = self.ctx.size, self.ctx.rank, every_ids.shape[1]
-        per = self.total_experts // size  # experts a rank holds: rank = expert // per
         send = torch.bincount(slots // (m * k), minlength=size).tolist()  # ascending: grouped by owner
-        mine = every_ids[rank * m:(rank + 1) * m].reshape(-1)  # [m*k]: this rank's slots
-        src = torch.where(mine >= 0, mine // per, size)  # [m*k]: the rank computing each, size for pad slots
+        src = self.computing_rank(every_ids[rank * m:(rank + 1) * m], rank * m).reshape(-1)  # [m*k]
+        src = torch.where(src >= 0, src, size)  # the rank computing each of this rank's slots, size for pads
         recv = torch.bincount(src, minlength=size + 1)[:size].tolist()
         at = torch.sort(src, stable=True).indices[:sum(recv)]  # own slots by computing rank, then ascending
         y = ys.new_empty(m * k, self.hidden)  # [m*k, H]
         y[at] = self.ctx.all_to_all(ys, send, recv)
         return y
+
+    def computing_rank(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
+        """The rank computing each slot of ``ids`` [T, k] (rows ``first_row`` .. of the gathered
+        batch; whole experts per rank): its expert's owner, or the placement's pick; -1 for pads."""
+        if self.placement is None:
+            return torch.where(ids >= 0, ids // (self.total_experts // self.ctx.size), -1)
+        table, count = self.placement.tables(ids.device)
+        return slot_ranks(ids, table, count, first_row)
 
     def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
                     slots: torch.Tensor, row_tile: int | None, triton: bool = True) -> torch.Tensor:
@@ -764,6 +806,21 @@ class Experts(NumericsUser, nn.Module):
         by_slot = torch.cat([slots, slots.new_full((1,), n_slots)]).to(torch.int32)[pos.long()]  # [Pd]: pad n_slots
         act = moe_gate_up(x, by_slot, tile_expert, n_slots, k, gate, up, c)  # [T*k, I/P]: other slots unwritten
         return moe_down(self.group_columns(act, slots), pos, tile_expert, down, c)  # [n, I] -> [n, H/P]
+
+
+def _check_placement(ctx: ParallelContext, num_experts: int) -> Placement | None:
+    """``ctx.placement`` where it applies: whole experts per rank, one expert count, one rank count."""
+    placement = ctx.placement
+    if placement is None:
+        return None
+    if ctx.experts != ctx.size or ctx.size < 2:
+        raise LogprobeError("redundant_experts", f"replicas of experts need whole experts per rank; "
+                            f"expert_parallel_size {ctx.experts} of {ctx.size} ranks",
+                            "use expert_parallel_size = tensor_parallel_size > 1, or redundant_experts 0")
+    if placement.experts != num_experts or placement.ranks != ctx.size:
+        raise LogprobeError("expert_loads", f"a placement of {placement.experts} experts over {placement.ranks} "
+                            f"ranks for a layer of {num_experts} over {ctx.size}", "give one load per expert")
+    return placement
 
 
 def _expert_blocks(total: int, blocks: int, held: int) -> list[int] | None:

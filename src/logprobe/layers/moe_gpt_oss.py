@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import LogprobeError
 from ..kernels import triton_available
 from ..kernels.mxfp4 import dequantize_mxfp4, gpt_oss_act, gpt_oss_experts
 from ..parallel.context import ParallelContext
@@ -91,6 +92,8 @@ class GptOssExperts(nn.Module):
     def __init__(self, spec: GptOssMoeSpec, hidden: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.ctx = ctx = ctx or ParallelContext()
+        if ctx.placement is not None:  # its experts and loading keep one contiguous range per rank
+            raise LogprobeError("redundant_experts", "gpt-oss holds no replicas of experts", "use 0")
         self.total_experts = spec.num_experts
         self.first_expert, last = expert_range(spec.num_experts, ctx.expert_group, ctx.experts)
         E, inter = last - self.first_expert, spec.intermediate_size

@@ -206,18 +206,20 @@ def _plain_tensors(path: Path, cfg: LlamaConfig):
     return mapped_tensors(path, lambda key, file: hf_param_name(key, cfg, file))
 
 
-def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None, place=None):
+def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | list[int] | None = None, place=None):
     """Per-expert matrices ``layers.N.mlp.experts.{e}.{gate,up,down}_proj.weight`` [out, in] (what
     ``save_pretrained`` writes) -> ``layers.N.mlp.experts.{gate,up,down}_proj`` [E, out, in], yielded
     once all E are read; transformers' in-memory ``experts.gate_up_proj`` [E, 2I, H] is split into
     gate (first I rows) and up. Other tensors pass through. ``held``: the experts [start, end) this
-    rank reads (expert parallelism, ``loading.sharding``; default all of them).
+    rank reads (expert parallelism, ``loading.sharding``; default all of them), or a list of expert
+    ids stacked in its order (a rank's own experts, then replicas: ``parallel.placement``).
 
     ``place``: (device, dtype) of the model: float experts are then copied, as each is read, into
     one [E, out, in] tensor made there in that dtype (one conversion from the file's bytes, no
     stack on the host first; what the builder's ``.to(device, dtype)`` would give, bit for bit,
     and then a no-op). None: stacked where and as read."""
-    want = list(range(*(held or (0, cfg.moe.num_experts if cfg.moe is not None else 0))))
+    whole = (0, cfg.moe.num_experts if cfg.moe is not None else 0)
+    want = held if isinstance(held, list) else list(range(*(held or whole)))
     slot = {e: i for i, e in enumerate(want)}
     pending: dict[str, dict[int, torch.Tensor | None]] = {}
     dests: dict[str, torch.Tensor] = {}  # stacked name -> [E, out, in] being filled (``place``)
@@ -238,7 +240,7 @@ def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | None = None
             value = None  # copied: its place in ``got`` only marks it read
         got[e] = value
         if len(got) == len(want):
-            if sorted(got) != want:
+            if sorted(got) != sorted(want):
                 raise LogprobeError("model", f"{stacked}: expert ids {sorted(got)[:8]}... do not match "
                                     f"num_experts {cfg.moe.num_experts}")
             yield stacked, _done(dests.pop(stacked, None), [got[e] for e in want], stacked)

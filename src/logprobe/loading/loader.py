@@ -182,7 +182,8 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     loaded = describe_model(spec, device, dtype, tokenizer)
     cfg = loaded.model.config
     family = _family(cfg)
-    ctx = parallel_context(cfg, ctx.rank, ctx.size, ctx.group, ctx.experts, ctx.attention)
+    ctx = replace(parallel_context(cfg, ctx.rank, ctx.size, ctx.group, ctx.experts, ctx.attention),
+                  placement=ctx.placement)  # the family checks the split; the replicas are the caller's
     if path.is_file() and family.gguf_shard_tensors is not None:
         arch = loaded.info.architecture
         tensors = family.gguf_shard_tensors(gguf_reader(path), arch, cfg, ctx, load)

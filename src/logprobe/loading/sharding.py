@@ -35,6 +35,7 @@ from ..models.llama import LlamaConfig, LlamaModel
 from ..models.minimax_m2 import sigmoid_model_class
 from ..models.moe import native_model_class
 from ..parallel.context import ParallelContext
+from ..parallel.placement import Placement, place_experts
 from .checkpoint import SKIP, hf_param_name, open_files
 from .fp8_block import fp8_block_tensors, fp8_scheme
 from .gguf import _LAYER_MAP, _TOP_MAP
@@ -56,6 +57,38 @@ def default_expert_parallel(cfg, size: int) -> int:
     if (family is not None and not family.experts) or getattr(cfg, "moe", None) is None:
         return 1
     return size if cfg.moe.num_experts % size == 0 else 1
+
+
+def expert_placement(cfg, size: int, experts: int, redundant: int, loads) -> Placement | None:
+    """The replicas of hot experts of a split (``parallel.placement.place_experts``): None where
+    ``redundant`` is 0 (and no ``loads`` given); else checked against the model and the split
+    (whole experts per rank over 2 or more ranks, one load per expert), each error naming its
+    field, before any process starts. The loads are the caller's (tokens routed to each expert,
+    e.g. counted on a warm-up pass): one placement serves every MoE block.
+
+    >>> from logprobe.layers.moe import MoeSpec
+    >>> cfg = LlamaConfig(64, 16, 32, 1, 2, 2, 8, moe=MoeSpec(4, 2, 8, True))
+    >>> expert_placement(cfg, 2, 2, 1, [9, 1, 1, 1]).replicas
+    ((0, 1), (0,), (1, 0), (1,))
+    """
+    if not redundant and loads is None:
+        return None
+    moe = getattr(cfg, "moe", None)
+    family = family_of(cfg)
+    if moe is None or family is None or not family.experts or family.name == "gpt_oss":
+        raise LogprobeError("redundant_experts", f"{getattr(cfg, 'family', type(cfg).__name__)} has no experts "
+                            "to copy", "leave redundant_experts and expert_loads out")
+    if experts != size or size < 2:
+        raise LogprobeError("redundant_experts", f"replicas of experts need whole experts per rank over 2 or more "
+                            f"ranks; expert_parallel_size {experts} of {size} ranks",
+                            "use expert_parallel_size = tensor_parallel_size > 1")
+    if loads is None:
+        raise LogprobeError("expert_loads", f"redundant_experts {redundant} needs each expert's load to place "
+                            "the replicas", f"give expert_loads: {moe.num_experts} token counts, one per expert")
+    if len(loads) != moe.num_experts:
+        raise LogprobeError("expert_loads", f"{len(loads)} loads for {moe.num_experts} experts",
+                            "give one load per expert")
+    return place_experts(loads, size, redundant)
 
 
 ATTENTION_LAYOUTS = ("data", "tensor")
@@ -197,20 +230,44 @@ def rank_cut(model: torch.nn.Module, name: str):
     """
     m = _PER_EXPERT.fullmatch(name)
     if m is not None:
-        (e0, e1), (a, b) = _experts(model, m.group(1)).held(m.group(3))
-        return (lambda t: t[a:b]) if e0 <= int(m.group(2)) < e1 else SKIP
+        experts = _experts(model, m.group(1))
+        _, (a, b) = experts.held(m.group(3))
+        return (lambda t: t[a:b]) if int(m.group(2)) in experts.expert_ids else SKIP
     m = _STACKED.fullmatch(name)
     if m is not None and isinstance(_experts(model, m.group(1), None), Experts):
         experts = _experts(model, m.group(1))
+        runs = expert_runs(experts.expert_ids)
         if m.group(2) == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
-            (e0, e1), (a, b) = experts.held("gate_proj")
+            _, (a, b) = experts.held("gate_proj")
             inter = experts.intermediate
-            return lambda t: torch.cat([t[e0:e1, a:b], t[e0:e1, inter + a:inter + b]], dim=1)
-        (e0, e1), (a, b) = experts.held(m.group(2))
-        return lambda t: t[e0:e1, a:b]
+            return lambda t: torch.cat([_runs(t, runs, a, b), _runs(t, runs, inter + a, inter + b)], dim=1)
+        _, (a, b) = experts.held(m.group(2))
+        return lambda t: _runs(t, runs, a, b)
     ranges = held_ranges(model, name)
     return None if ranges is None else lambda t: torch.cat([t[a:b] for a, b in ranges]) if len(ranges) > 1 \
         else t[ranges[0][0]:ranges[0][1]]
+
+
+def expert_runs(ids) -> list[tuple[int, int]]:
+    """Experts ``ids`` (a rank's own, then its replicas: ``Experts.expert_ids``) as runs [start,
+    end) of consecutive ids, in order.
+
+    >>> expert_runs((4, 5, 6, 7, 0, 2, 3))
+    [(4, 8), (0, 1), (2, 4)]
+    """
+    runs: list[list[int]] = []
+    for e in ids:
+        if runs and runs[-1][1] == e:
+            runs[-1][1] += 1
+        else:
+            runs.append([e, e + 1])
+    return [tuple(r) for r in runs]
+
+
+def _runs(t, runs: list[tuple[int, int]], a: int, b: int) -> torch.Tensor:
+    """Rows a:b of experts ``runs`` of a stacked [E, out, in] tensor or safetensors slice, stacked."""
+    parts = [t[e0:e1, a:b] for e0, e1 in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _experts(model: torch.nn.Module, path: str, default=LookupError):
@@ -222,11 +279,12 @@ def _experts(model: torch.nn.Module, path: str, default=LookupError):
         return default
 
 
-def held_experts(model: torch.nn.Module) -> tuple[int, int] | None:
-    """The experts [start, end) every MoE block of rank ``model`` holds (None: no experts)."""
+def held_experts(model: torch.nn.Module) -> tuple[int, int] | list[int] | None:
+    """The experts [start, end) every MoE block of rank ``model`` holds, or under a placement the
+    list of them, own then replicas (``Experts.expert_ids``; None: no experts)."""
     for m in model.modules():
         if isinstance(m, Experts):
-            return m.held("gate_proj")[0]
+            return m.held("gate_proj")[0] if m.placement is None else list(m.expert_ids)
     return None
 
 

@@ -113,7 +113,7 @@ class ParallelContext:
     ``attention``: how attention, norms and dense MLPs split over the group: ``"tensor"`` (by
     heads and columns, every row on every rank) or ``"data"`` (whole on every rank, each rank
     running its share of the batch's sequences: ``parallel.rows``; mixtures of experts with whole
-    experts per rank).
+    experts per rank). ``placement``: replicas of hot experts on other ranks (``parallel.placement``).
 
     >>> ParallelContext(3, 4, experts=2).expert_group, ParallelContext(3, 4, experts=2).expert_share
     (1, (1, 2))
@@ -126,6 +126,8 @@ class ParallelContext:
     experts: int = 1  # expert parallelism: the experts in this many groups over the ranks (divides size)
     attention: str | None = None  # "tensor" or "data" (see above); None: the model's default, which
     # ``loading.loader.parallel_context`` resolves (a context built without it splits by heads)
+    placement: object | None = None  # ``parallel.placement.Placement``: redundant copies of hot experts
+    # (whole experts per rank), the same on every rank; None: each expert on its owner alone
     sms: int = 0  # the group's fewest multiprocessors per GPU once asked (``smallest_sms``); 0: not yet
     streams: dict = field(default_factory=dict, repr=False, compare=False)  # ``side_stream`` per device
 
