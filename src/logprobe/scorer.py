@@ -26,6 +26,7 @@ from .executor.interface import Executor
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
 from .loading.collective import DEFAULT_GROUP, RECEIVE_TIMEOUT, WeightGroups
+from .loading.dummy import check_load_format
 from .loading.loader import attention_layout
 from .loading.update import load_weights, update_weights
 from .scoring import chat as chat_scoring
@@ -57,7 +58,7 @@ class Scorer:
                  deterministic: bool = False, config: EngineConfig | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, cache: str | None = None,
                  prefix_cache: bool | int | None = None, expert_parallel_size: int | None = None,
-                 attention_parallel: str | None = None,
+                 attention_parallel: str | None = None, load_format="auto",
                  redundant_experts: int = 0, expert_loads=None) -> None:
         """``deterministic=True``: bitwise-identical numbers whatever else shares the batch, in any
         order, under any budget, chunked or not, prefix shared or not (native models; fixed-shape
@@ -92,7 +93,20 @@ class Scorer:
         True for the default budget (a quarter of free CUDA memory, 512 MiB on CPU), a number of
         bytes, or None/False (off, the default). Numbers are unchanged (bitwise in deterministic
         mode); cleared by new weights; ``prefix_cache_stats()`` reports hits and bytes held.
-        Native models in this process only (not with tensor/data parallelism)."""
+        Native models in this process only (not with tensor/data parallelism).
+
+        ``load_format``: "auto" (the checkpoint's weights) or "dummy" (vLLM's name: random weights,
+        each rank building its own shard on its own device from config.json alone, a directory
+        of config.json and the tokenizer; ``loading.dummy.RandomWeights(seed, skew)`` for another
+        seed or a skewed router): for speed measurements of models larger than the machine's disk
+        (docs/parallel.md, "Random-weight shards"); their scores mean nothing."""
+        random = check_load_format(load_format)  # None: the checkpoint's weights
+        if random is not None and isinstance(model, LoadedModel):
+            raise LogprobeError("load_format", "applies to a model named by its path, not a loaded model",
+                                "pass the config directory's path")
+        if random is not None and cache is not None:
+            raise LogprobeError("cache", "random weights (load_format dummy) are not a model whose results "
+                                "can be stored", "leave cache off")
         if (redundant_experts or expert_loads is not None) and tensor_parallel_size == 1:
             raise LogprobeError("redundant_experts", "replicas of experts need expert parallelism over 2 or "
                                 "more ranks", "set tensor_parallel_size (and expert_parallel_size) > 1, or leave "
@@ -106,9 +120,11 @@ class Scorer:
             self.loaded, self.engine, self.device = parallel_parts(model, device, dtype, config,
                                                                    tensor_parallel_size, data_parallel_size,
                                                                    expert_parallel_size, attention_parallel,
+                                                                   load_format,
                                                                    redundant=redundant_experts, loads=expert_loads)
         else:
-            self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+            self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype,
+                                                                                  load_format=load_format)
             attention_layout(getattr(self.loaded.model, "config", None), 1, 1, attention_parallel)  # refuses a bad value
             self.device = next(self.loaded.model.parameters()).device
             self.engine = Engine(self.loaded.model, config, self.device)

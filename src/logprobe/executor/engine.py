@@ -23,6 +23,7 @@ from ..engine.budget import agreed_budget, resolved_budget
 from ..engine.request import RequestResult, ScoreRequest
 from ..engine.runner import Engine, RunStopped
 from ..errors import LogprobeError
+from ..loading.dummy import check_load_format
 from ..loading.loader import (
     LoadedModel,
     default_expert_parallel,
@@ -70,10 +71,10 @@ class ParallelEngine:
 
     def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int,
                  ep: int = 1, attention: str = "tensor", launched: list[WorkerGroup] | None = None,
-                 placement=None) -> None:
+                 load_format="auto", placement=None) -> None:
         """``launched``: the replicas' processes already spawned (``parallel_parts`` starts them
         before it reads the model), else spawned here. ``placement``: replicas of hot experts
-        (``parallel.placement``), the same in every replica."""
+        (``parallel.placement``), the same in every replica. ``load_format``: ``loader.load_shard``'s."""
         self.tp, self.dp, self.ep = tp, dp, ep
         self.placement = placement
         self.attention = attention  # the layout of attention and dense layers (ParallelContext.attention)
@@ -84,7 +85,7 @@ class ParallelEngine:
                 self.groups = [WorkerGroup(tp, r) for r in range(dp)]
             for r, group in enumerate(self.groups):
                 group.start(LaunchSpec(model, device, dtype, config, tp, r, r * tp, threads=threads, ep=ep,
-                                       attention=attention, placement=placement))
+                                       attention=attention, placement=placement, load_format=load_format))
         except BaseException:
             self.close()
             raise
@@ -278,18 +279,20 @@ __all__ = ["ParallelEngine", "assign_replicas", "recv"]
 
 
 def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int, ep: int | None = None,
-                   attention: str | None = None, redundant: int = 0, loads=None):
+                   attention: str | None = None, load_format="auto", redundant: int = 0, loads=None):
     """(LoadedModel without weights, engine, device) of a Scorer over ``tp`` x ``dp`` ranks, the
     experts of each replica in ``ep`` groups (``ParallelContext.experts``; None: the model's
     default, ``loader.default_expert_parallel``), attention laid out as ``attention`` says
     ("data" or "tensor", ``loader.attention_layout``; None: the model's default); ``redundant``
-    replicas of hot experts per rank, placed by ``loads`` (``sharding.expert_placement``)."""
+    replicas of hot experts per rank, placed by ``loads`` (``sharding.expert_placement``); ``load_format``:
+    "auto" or "dummy" (``loader.load_shard``: each rank's shard at random)."""
     import torch
 
 
     for name, n in (("tensor_parallel_size", tp), ("data_parallel_size", dp), ("expert_parallel_size", ep or 1)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise LogprobeError(name, f"must be a positive integer, got {n!r}")
+    check_load_format(load_format)  # a bad value refused here, before any worker starts
     if isinstance(model, LoadedModel):
         raise LogprobeError("model", "a loaded model cannot be split across processes",
                             "pass the model's name or path with tensor_parallel_size / data_parallel_size")
@@ -310,7 +313,7 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
         local = torch.device(f"cuda:{torch.cuda.current_device()}") if dev.type == "cuda" else dev
         loaded = load_shard(model, ParallelContext(rank, tp, dist.group.WORLD, experts=ep, attention=attention,
                                                    placement=placement),
-                            local, dtype)
+                            local, dtype, load_format=load_format)
         if config.max_batch_tokens is None:  # the ranks must plan the same passes: one budget for all
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, local))
         engine = Engine(loaded.model, config, local)
@@ -328,7 +331,7 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
         placement = expert_placement(loaded.model.config, tp, ep, redundant, loads)
         dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
         engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep, ctx.attention or "tensor", launched,
-                                placement=placement)
+                                load_format, placement=placement)
     except BaseException:
         for group in launched:
             group.close()

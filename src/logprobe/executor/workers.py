@@ -89,6 +89,7 @@ class LaunchSpec:
     ep: int = 1  # expert-parallel size within the replica (divides tp)
     attention: str | None = None  # "data" or "tensor" (ParallelContext.attention; None: the model's default)
     placement: object | None = None  # replicas of hot experts (ParallelContext.placement; parallel.placement)
+    load_format: object = "auto"  # "auto", "dummy" or a loading.dummy.RandomWeights (loader.load_shard)
 
 
 def free_port() -> int:
@@ -153,7 +154,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
         with _AnonPeak() as peak:
             loaded = load_shard(spec.model, ParallelContext(rank, spec.tp, dist.group.WORLD, experts=spec.ep,
                                                    attention=spec.attention, placement=spec.placement), device,
-                                spec.dtype, tokenizer=False)
+                                spec.dtype, tokenizer=False, load_format=spec.load_format)
         config = spec.config
         if config.max_batch_tokens is None:  # the default: agreed by the group, told to the driver
             config = replace(config, max_batch_tokens=agreed_budget(loaded.model, torch.device(device)))

@@ -14,6 +14,7 @@ from ..errors import LogprobeError
 from ..models.hf_backend import TransformersModel
 from ..parallel.context import ParallelContext
 from ..tokenizer import Tokenizer
+from .dummy import check_load_format, check_random_family, random_tensors
 from .families import families
 from .fp8_block import is_fp8_block
 from .gguf import gguf_reader, gguf_tokenizer, rope_interleaved
@@ -168,14 +169,15 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
 
 
 def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype | None = "auto", tokenizer: bool = True) -> LoadedModel:
+               dtype: str | torch.dtype | None = "auto", tokenizer: bool = True, load_format="auto") -> LoadedModel:
     """This rank's slices of a native model (``Family.shard_tensors``, ``loading.sharding``): GGUF
     blocks and safetensors slices are read for this rank only; quantized GGUF weights are expanded
     per rank (dense), FP8 block checkpoints keep their rows FP8 with their block rows' scales
     (``loading.fp8_block``). A family that reads a checkpoint on one device only (a GGUF file of
     most families; a mixture of experts at one rank) gets the whole model (``load_model``), and a
     split of more ranks is refused. ``tokenizer=False`` (a worker rank's): no tokenizer read
-    (``describe_model``)."""
+    (``describe_model``). ``load_format``: "dummy" (or a ``dummy.RandomWeights``): this rank's
+    shard at random, made on its device (``load_random``)."""
     dev = resolve_device(device)
     load = Load(dev, resolve_dtype(dtype, dev))
     path = resolve_spec(spec)
@@ -184,6 +186,9 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
     family = _family(cfg)
     ctx = replace(parallel_context(cfg, ctx.rank, ctx.size, ctx.group, ctx.experts, ctx.attention),
                   placement=ctx.placement)  # the family checks the split; the replicas are the caller's
+    weights = check_load_format(load_format)
+    if weights is not None:
+        return load_random(loaded, path, ctx if ctx.size > 1 else None, load, weights)
     if path.is_file() and family.gguf_shard_tensors is not None:
         arch = loaded.info.architecture
         tensors = family.gguf_shard_tensors(gguf_reader(path), arch, cfg, ctx, load)
@@ -201,7 +206,7 @@ def load_shard(spec: str | None, ctx: ParallelContext, device: str | torch.devic
 
 def load_model(spec: str | None = None, device: str | torch.device | None = "auto",
                dtype: str | torch.dtype | None = "auto", weights: str = "packed",
-               quantize_activations: bool = False, tokenizer: bool = True) -> LoadedModel:
+               quantize_activations: bool = False, tokenizer: bool = True, load_format="auto") -> LoadedModel:
     """Load a model and its tokenizer (``tokenizer=False``: None in its place, as ``describe_model``).
 
     spec: ``None`` or ``"smollm2-135m"`` (the default: SmolLM2-135M-Instruct Q4_1 from the
@@ -221,8 +226,14 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     run by default with float activations on their FP8 weights (the dequantized-weight model,
     exactly); True also rounds each dense Linear's input to FP8 per token and group of 128, as the
     inference of the models published that way does. Other checkpoints refuse it.
+
+    ``load_format``: "auto" (the checkpoint's weights) or "dummy" (vLLM's name; or a
+    ``loading.dummy.RandomWeights`` naming its seed and router skew): random weights made on the
+    device from config.json alone (``loading.dummy``; a directory of config.json and the tokenizer
+    is enough), for speed measurements.
     """
     _check_weights(weights)
+    random = check_load_format(load_format)
     if quantize_activations and not _fp8_block_dir(spec):
         raise LogprobeError("quantize_activations", f"{spec!r} is not an FP8 block checkpoint: the option "
                             "applies to quant_method 'fp8' only", "leave quantize_activations off")
@@ -231,6 +242,8 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     load = Load(dev, dt, weights, quantize_activations)
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
+    if random is not None:
+        return load_random(describe_model(spec, device, dtype, tokenizer), path, None, load, random)
     if path.is_file():
         reader = gguf_reader(path)
         arch, family, cfg = _gguf_config(reader, path)
@@ -257,3 +270,14 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     info = ModelInfo(name, str(path), "transformers", arch, str(dev), str(dt).removeprefix("torch."),
                      model.vocab_size, max_len)
     return LoadedModel(model, tok, info)
+
+
+def load_random(described: LoadedModel, path: Path, ctx: ParallelContext | None, load: Load, weights) -> LoadedModel:
+    """A native model of ``described``'s config at random (``loading.dummy``): rank ``ctx``'s shard
+    (None: the whole model), built by the family's builder as a checkpoint's would be."""
+    cfg = described.model.config
+    family = _family(cfg)
+    raw = read_config(path) if path.is_dir() else None
+    check_random_family(family, raw, path.name)
+    model = family.build(cfg, random_tensors(family, cfg, raw, ctx, load, weights), load, ctx)
+    return LoadedModel(model, described.tokenizer, replace(described.info, name=f"{described.info.name} (random)"))
