@@ -20,6 +20,7 @@ the model's). Deterministic mode on CUDA runs only where every rank holds whole 
     python bench/gpu_moe_parallel.py --shape mla --layers 12 --sizes 1x1,2x2,4x4    # 4 GPUs
     python bench/gpu_moe_parallel.py --shape mla --fp8 --sizes 1x1,2x1,2x2          # FP8 blocks, 2 GPUs
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2,4x4 --skew 0.5  # skewed router
+    python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,4x4 --skew 0.5 --redundant 2  # replicas
     python bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe  # the largest
         # GLM-4.5-Air whole as FP8 blocks (106 GB: more than a two-GPU machine's free disk, so in memory)
 
@@ -337,6 +338,10 @@ def main() -> None:
     ap.add_argument("--skew", type=float, default=0.0,
                     help="a skewed router: the first E/16 experts favoured for every token (e.g. 0.5: router rows scaled by 1.5); the rows "
                          "print hot_share, the share of routed slots they take (1/16 when even)")
+    ap.add_argument("--redundant", type=int, default=0,
+                    help="N replicas of hot experts per rank at sizes with EP = TP > 1 (Scorer redundant_experts), "
+                         "placed by the loads counted on the first size's warm-up pass (return_routed_experts); "
+                         "prints the hot share and each rank's routed slots without and with them")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo workers (a trial run)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of W1 (a trial run)")
     ap.add_argument("--nccl-env", default="",
@@ -362,19 +367,26 @@ def main() -> None:
             if layout == "data" and ep != tp:
                 log(json.dumps(dict(tp=tp, ep=ep, attention=layout, skipped="data-parallel attention needs EP = TP")))
                 continue
-            run_size(args, path, tp, ep, None if layout == "auto" else layout, ref, base)
+            for redundant in [0, args.redundant] if args.redundant and ep == tp > 1 else [0]:  # without, with
+                run_size(args, path, tp, ep, None if layout == "auto" else layout, ref, base, redundant)
 
 
-def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, base: dict) -> None:
-    """One (TP, EP, attention layout): each mode timed on W1; the first run of a mode is the reference."""
+def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, base: dict,
+             redundant: int = 0) -> None:
+    """One (TP, EP, attention layout): each mode timed on W1; the first run of a mode is the reference.
+    ``redundant``: replicas of hot experts per rank (``replicas``)."""
     from logprobe import Scorer
     from logprobe.config import EngineConfig
 
     t = time.perf_counter()
+    loads = getattr(args, "expert_loads", None) if redundant else None
     s = Scorer(str(path), device=args.device, tensor_parallel_size=tp, expert_parallel_size=ep, progress=False,
-               attention_parallel=layout, dtype="float32" if args.device == "cpu" else "auto")
+               attention_parallel=layout, dtype="float32" if args.device == "cpu" else "auto",
+               redundant_experts=redundant if loads else 0, expert_loads=loads)
     load = time.perf_counter() - t
     reqs = workload("W1", s.info.vocab_size)[:args.limit or None]
+    if args.redundant:
+        replicas(args, s, reqs, tp, path, redundant)
     for mode in args.modes.split(","):
         name, _, opt = mode.partition(":")  # "default:onebatch": micro-batches off (EngineConfig.micro_batch_rows 0)
         if name == "det" and ep != tp and args.device == "cuda":
@@ -387,7 +399,7 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
         s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
         secs, lp = timed(s, reqs, args.device)
         toks = sum(r.num_inputs for r in reqs)
-        row = dict(shape=args.shape, layers=args.layers or "all", fp8=args.fp8, tp=tp, ep=ep,
+        row = dict(shape=args.shape, layers=args.layers or "all", fp8=args.fp8, tp=tp, ep=ep, redundant=redundant,
                    attention=s.attention_parallel, budget=s.config.max_batch_tokens, mode=mode, s=round(secs, 3),
                    tok_s=round(toks / secs),
                    load_s=round(load, 1))
@@ -407,6 +419,34 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
         if args.profile:
             profiled(args, s, reqs, path, f"{args.shape}-{tp}x{ep}-{s.attention_parallel}-{mode}")
     s.close()
+
+
+def replicas(args, s, reqs, tp: int, path: Path, redundant: int) -> None:
+    """--redundant: on the first size (no replicas), each expert's load counted on a warm-up pass of
+    ``reqs[:64]``, kept for the later sizes; at a size with replicas, the hot share and each rank's
+    routed slots (every layer's, the batch's rows in order) by owner and by the placement's rule."""
+    from logprobe.parallel.placement import count_loads, rank_tokens
+
+    cfg = json.loads((path / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"]
+    if getattr(args, "expert_loads", None) is None:
+        seqs = [{"prompt_token_ids": list(r.inputs[:1]), "completion_token_ids": list(r.inputs[1:])} for r in reqs[:64]]
+        args.routes = [x.routed_experts for x in s.logprobs(seqs, return_routed_experts=True)]
+        args.expert_loads = count_loads(args.routes, experts)
+    placement = getattr(s.engine, "placement", None)
+    if placement is None:
+        return
+    loads = args.expert_loads
+    routes = torch.cat([torch.as_tensor(r).long() for r in args.routes])  # [tokens, layers, k]
+
+    def slots(p) -> list[int]:  # each rank's slots, summed over the layers
+        layers = [rank_tokens(routes[:, i], experts, tp, p) for i in range(routes.shape[1])]
+        return [sum(c) for c in zip(*layers)]
+    hot = sorted(range(experts), key=lambda e: -loads[e])[:max(1, experts // 16)]  # the E/16 hottest
+    log(json.dumps(dict(tp=tp, redundant=redundant,
+                        hot_share=round(sum(loads[e] for e in hot) / sum(loads), 3),
+                        rank_slots_before=slots(None), rank_slots_after=slots(placement),
+                        replicas={e: list(r) for e, r in enumerate(placement.replicas) if len(r) > 1})))
 
 
 def hot_share(scorer, reqs, experts: int) -> float:

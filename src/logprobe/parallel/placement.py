@@ -151,3 +151,15 @@ def rank_tokens(ids: torch.Tensor, experts: int, ranks: int, placement: Placemen
     else:
         who = slot_ranks(ids, *placement.tables(ids.device))
     return torch.bincount(who[who >= 0].reshape(-1), minlength=ranks).tolist()
+
+
+def count_loads(routes, experts: int) -> list[int]:
+    """Each expert's load from routed expert ids (``Scorer.logprobs(..., return_routed_experts=True)``
+    results' ``routed_experts``, each [tokens, moe_layers, k]; every layer's counted together):
+    what ``expert_loads`` takes after a warm-up pass.
+
+    >>> count_loads([torch.tensor([[[0, 1]], [[0, 3]]])], 4)
+    [2, 1, 0, 1]
+    """
+    ids = torch.cat([torch.as_tensor(r).reshape(-1).long() for r in routes])
+    return torch.bincount(ids[ids >= 0], minlength=experts).tolist()
