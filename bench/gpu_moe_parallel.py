@@ -50,6 +50,21 @@ block; norms, embeddings, routers and lm_head bf16; ``quantization_config`` quan
 each rank then reads its rows of the FP8 weights and keeps them FP8 (docs/parallel.md, FP8 block
 checkpoints). Its rows compare FP8 sizes against FP8 (1, 1); against the bf16 run of the same
 shape they differ by the quantization, not by an error.
+
+``--random-weights`` writes no checkpoint: config.json and the tokenizer alone, and each rank builds
+its own shard at random on its GPU (``Scorer(load_format=RandomWeights(skew=...))``,
+``logprobe.loading.dummy``; with ``--fp8`` as FP8 blocks), so models larger than the machine's disk
+and host memory run in one command (docs/parallel.md, "Random-weight shards"). Their log-probs mean
+nothing; the rows measure speed: ``tok_s_gpu`` (input tokens/s per GPU), ``active_b`` (billions of
+parameters a token runs through) and ``vs_sglang_v3``, tokens/s per GPU x active parameters over
+SGLang's DeepSeek-V3 prefill (52.3k input tokens/s per node of 8 H100s at 37B active: 6.5k per GPU).
+
+    python bench/gpu_moe_parallel.py --shape qwen3-235b-a22b --fp8 --random-weights --sizes 4x4   # 4 GPUs
+    python bench/gpu_moe_parallel.py --shape glm-4.5 --fp8 --random-weights --sizes 4x4           # 4 GPUs
+    python bench/gpu_moe_parallel.py --shape deepseek-v3 --fp8 --random-weights --sizes 8x8       # 8 GPUs
+    python bench/gpu_moe_parallel.py --shape deepseek-v3 --fp8 --random-weights --sizes 8x8 --skew 0.5
+    python bench/gpu_moe_parallel.py --shape tiny-v3 --fp8 --random-weights --device cpu --limit 24 --sizes 2x2,4x4
+        # CPU, gloo: the script end to end on DeepSeek-V3's shape cut down (37 s on 2 cores)
 """
 
 from __future__ import annotations
@@ -89,6 +104,38 @@ GLM45_AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, m
                  use_qk_norm=False, tie_word_embeddings=False)
 
 
+# Models larger than a machine's disk or host memory, as FP8 blocks: Qwen3-235B-A22B (235B, 22B active;
+# 4 GPUs), GLM-4.5 (355B, 32B active; 4 GPUs), DeepSeek-V3 (671B, 37B active: latent attention, 256
+# routed experts + 1 shared, top-8 of 8 groups keeping 4, sigmoid router; 8 GPUs). DeepSeek-V3's YaRN
+# rotary is left out (the default rotary: the same work a token); "tiny-v3" is its shape cut down
+# for a CPU trial of --random-weights.
+BIG_SHAPES = {
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
+                                               num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                                               intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
+                                               num_experts_per_tok=8, norm_topk_prob=True)),
+    "glm-4.5": ("Glm4MoeConfig", {**GLM45_AIR, **dict(hidden_size=5120, intermediate_size=12288,
+                                                      moe_intermediate_size=1536, num_hidden_layers=92,
+                                                      n_routed_experts=160, first_k_dense_replace=3,
+                                                      routed_scaling_factor=2.5, use_qk_norm=True)}),
+    "deepseek-v3": ("DeepseekV3Config", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                                             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                                             num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                                             num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                             qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5,
+                                             norm_topk_prob=True)),
+    "tiny-v3": ("DeepseekV3Config", dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                         topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32,
+                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                         routed_scaling_factor=2.5, norm_topk_prob=True)),
+}
+# SGLang's DeepSeek-V3 prefill on H100s (prefill-decode disaggregation, expert parallelism): 52.3k input
+# tokens/s per node of 8 GPUs, 37B active parameters: per GPU, tokens/s x active parameters
+SGLANG_V3_PREFILL = 52.3e3 / 8 * 37e9
+
 T0 = time.perf_counter()
 SHAPES = {  # transformers config class, its arguments
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
@@ -107,6 +154,8 @@ SHAPES = {  # transformers config class, its arguments
                                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
     # the largest of these: GLM-4.5-Air (106B; 106 GB as FP8 blocks) spans two GPUs of 80 GB
     "glm-air": ("Glm4MoeConfig", GLM45_AIR),
+    # larger than a machine's disk: run with --random-weights (each rank builds its shard on its GPU)
+    **BIG_SHAPES,
 }
 
 
@@ -205,6 +254,48 @@ def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, dev
         raw = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**raw, "quantization_config": FP8_CONFIG}, indent=2))
     byte_tokenizer().save_pretrained(str(path))
+
+
+def write_config(shape: str, layers: int, path: Path, fp8: bool = False) -> None:
+    """config.json (FP8 blocks: with ``quantization_config``) and a byte tokenizer, no weights: what
+    ``--random-weights`` scores, each rank building its shard at random on its device
+    (``Scorer(load_format=RandomWeights(...))``, ``logprobe.loading.dummy``)."""
+    import transformers
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    cls, kw = SHAPES[shape]
+    cfg = getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
+                                     max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
+    raw = cfg.to_dict()
+    (path / "config.json").write_text(json.dumps({**raw, **({"quantization_config": FP8_CONFIG} if fp8 else {})},
+                                                 indent=2))
+    byte_tokenizer().save_pretrained(str(path))
+
+
+def active_params(path: Path) -> int:
+    """Parameters a token runs through: all of them, the routed experts' counted top-k / E
+    (DeepSeek-V3: 37B of 671B, the multi-token-prediction layer left out)."""
+    from logprobe.layers.moe import Experts
+
+    cfg = json.loads((path / "config.json").read_text())
+    model = describe_model(str(path), "cpu", tokenizer=False).model
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1
+    return round(total - experts + experts * cfg.get("num_experts_per_tok", 1) / n)
+
+
+def per_gpu(tok_s: float, gpus: int, active: int) -> dict:
+    """Input tokens/s per GPU, and that times the active parameters against SGLang's DeepSeek-V3
+    prefill (``SGLANG_V3_PREFILL``: 6.5k tokens/s per GPU at 37B active).
+
+    >>> per_gpu(52300.0, 8, 37 * 10**9)
+    {'tok_s_gpu': 6538, 'active_b': 37.0, 'vs_sglang_v3': 1.0}
+    """
+    return dict(tok_s_gpu=round(tok_s / gpus), active_b=round(active / 1e9, 3),
+                vs_sglang_v3=round(tok_s / gpus * active / SGLANG_V3_PREFILL, 3))
 
 
 def sync(device: str) -> None:
@@ -338,6 +429,9 @@ def main() -> None:
     ap.add_argument("--skew", type=float, default=0.0,
                     help="a skewed router: the first E/16 experts favoured for every token (e.g. 0.5: router rows scaled by 1.5); the rows "
                          "print hot_share, the share of routed slots they take (1/16 when even)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="no checkpoint: config.json alone, each rank building its shard at random on its GPU "
+                         "(load_format dummy; with --fp8 as FP8 blocks); numbers mean speed only")
     ap.add_argument("--redundant", type=int, default=0,
                     help="N replicas of hot experts per rank at sizes with EP = TP > 1 (Scorer redundant_experts), "
                          "placed by the loads counted on the first size's warm-up pass (return_routed_experts); "
@@ -356,8 +450,13 @@ def main() -> None:
     if args.nccl_env:
         log(f"NCCL environment: {args.nccl_env}")
     path = Path(args.dir) / f"{args.shape}-{args.layers or 'all'}{'-fp8' * args.fp8}{f'-skew{args.skew}' * bool(args.skew)}"
-    write_checkpoint(args.shape, args.layers, path, args.fp8, args.device, args.skew)
-    log(f"checkpoint {path}")
+    if args.random_weights:  # config.json alone: the skew is the workers' (RandomWeights), not the files'
+        path = path.with_name(path.name + "-random")
+        write_config(args.shape, args.layers, path, args.fp8)
+        log(f"config {path} (random weights), {active_params(path) / 1e9:.1f}B active parameters")
+    else:
+        write_checkpoint(args.shape, args.layers, path, args.fp8, args.device, args.skew)
+        log(f"checkpoint {path}")
     if args.diagnose:
         return diagnose(path, args.sizes.split(","))
     ref, base = {}, {}
@@ -377,11 +476,13 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
     ``redundant``: replicas of hot experts per rank (``replicas``)."""
     from logprobe import Scorer
     from logprobe.config import EngineConfig
+    from logprobe.loading.dummy import RandomWeights
 
     t = time.perf_counter()
+    fmt = RandomWeights(skew=args.skew) if args.random_weights else "auto"
     loads = getattr(args, "expert_loads", None) if redundant else None
     s = Scorer(str(path), device=args.device, tensor_parallel_size=tp, expert_parallel_size=ep, progress=False,
-               attention_parallel=layout, dtype="float32" if args.device == "cpu" else "auto",
+               attention_parallel=layout, dtype="float32" if args.device == "cpu" else "auto", load_format=fmt,
                redundant_experts=redundant if loads else 0, expert_loads=loads)
     load = time.perf_counter() - t
     reqs = workload("W1", s.info.vocab_size)[:args.limit or None]
@@ -403,6 +504,8 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
                    attention=s.attention_parallel, budget=s.config.max_batch_tokens, mode=mode, s=round(secs, 3),
                    tok_s=round(toks / secs),
                    load_s=round(load, 1))
+        if args.random_weights:
+            row.update(random=True, **per_gpu(toks / secs, tp, active_params(path)))
         if tp > 1 and s.attention_parallel == "data":
             weight = attention_pair_weight(describe_model(str(path), "cpu", tokenizer=False).model)
             row.update(rank_shares(reqs, s.config, tp, weight), pair_weight=weight)
