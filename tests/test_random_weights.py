@@ -151,6 +151,9 @@ def test_refusals(dirs, tmp_path):
         load_model(path, "cpu", "float32", load_format="zeros")
     assert e.value.field == "load_format" and "dummy" in str(e.value)
     with pytest.raises(LogprobeError) as e:
+        load_model(path, "cpu", "float32", weights="dense", load_format="dummy")
+    assert e.value.field == "weights"
+    with pytest.raises(LogprobeError) as e:
         Scorer(path, device="cpu", dtype="float32", load_format="dummy", cache=str(tmp_path / "c"))
     assert e.value.field == "cache"
     gemma = tmp_path / "gemma"

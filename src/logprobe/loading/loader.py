@@ -243,6 +243,9 @@ def load_model(spec: str | None = None, device: str | torch.device | None = "aut
     path = resolve_spec(spec)
     name = spec or DEFAULT_MODEL
     if random is not None:
+        if weights != "packed":
+            raise LogprobeError("weights", f"{weights!r}: random weights are built as a checkpoint's packed layers "
+                                "(FP8 blocks kept FP8)", 'use weights="packed" with load_format "dummy"')
         return load_random(describe_model(spec, device, dtype, tokenizer), path, None, load, random)
     if path.is_file():
         reader = gguf_reader(path)
