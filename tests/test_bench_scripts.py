@@ -207,12 +207,12 @@ def test_tiny_model_and_baseline_on_cpu(common, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [["gpu_first_call.py", "--models", "tiny", "--device", "cpu"],
                                   ["gpu_moe_parallel.py", "--shape", "tiny", "--device", "cpu", "--limit", "24",
-                                   "--sizes", "1x1,2x2"],
+                                   "--sizes", "1x1,2x2", "--skew", "0.5", "--redundant", "1"],
                                   ["gpu_families.py", "--tiny", "--requests", "2"]],
                          ids=lambda a: a[0])
 def test_tiny_cpu_run(args):
     """The scripts with a CPU smoke run still finish it (gpu_first_call: about 80 s on 2 threads;
-    gpu_moe_parallel: two gloo ranks against one; gpu_families: every family's tiny shape)."""
+    gpu_moe_parallel: two gloo ranks against one, without and with replicas of hot experts; gpu_families: every family's tiny shape)."""
     out = run(args, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "failed" not in out.stdout, out.stdout[-3000:]

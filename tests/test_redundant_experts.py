@@ -84,6 +84,17 @@ def test_rank_reads_its_replicas(dirs):  # noqa: F811 - the fixture
         assert torch.equal(got[e + name], whole[e + name][[2, 3, 0]]), name
 
 
+def test_cache_keys_by_replicas(dirs):  # noqa: F811 - the fixture
+    """Default mode's sums over ranks follow which rank computes each slot: results stored without
+    replicas are not answered for a scorer with them (nor for another placement)."""
+    from logprobe.executor.cached import ModelIdentity
+
+    loaded = describe_model(str(dirs["qwen3_moe"]), "cpu")
+    keys = {ModelIdentity(loaded, False, lambda: 0, 2, 2, "data", p).key(EngineConfig())[0]
+            for p in (None, place_experts(SKEWED, 2, 1), place_experts(SKEWED, 2, 2))}
+    assert len(keys) == 3
+
+
 # ---- one MoE block over gloo ranks, with and without replicas ----
 
 def _block(ctx: ParallelContext):

@@ -113,10 +113,11 @@ class ModelIdentity:
     the scorer's weights version, +1 per successful update: the weights are hashed again then."""
 
     def __init__(self, loaded: Any, in_process: bool, version: Callable[[], int], tensor_parallel_size: int = 1,
-                 expert_parallel_size: int = 1, attention: str = "tensor"):
+                 expert_parallel_size: int = 1, attention: str = "tensor", placement=None):
         self.loaded, self.in_process, self.version, self.tp = loaded, in_process, version, tensor_parallel_size
         self.ep = expert_parallel_size  # default mode's bits depend on it (keys without it: 1)
         self.attention = attention  # and on the attention layout (keys without it: "tensor")
+        self.placement = placement  # and on which rank computes each slot (replicas of experts; keys without: none)
         self._weights: tuple[int, str | None] | None = None
         self._tokenizer: str | None = None
         self.hash_seconds = 0.0  # time the last weights hash took
@@ -152,6 +153,8 @@ class ModelIdentity:
             desc["expert_parallel_size"] = self.ep
         if self.attention != "tensor":
             desc["attention_parallel"] = self.attention
+        if self.placement is not None:
+            desc["expert_replicas"] = [list(h) for h in self.placement.held]
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest(), desc
 
 
@@ -453,4 +456,4 @@ def with_cache(engine: Any, loaded: Any, directory: str | os.PathLike, version: 
                             "use tensor_parallel_size with library-owned workers, or no cache")
     return CachedExecutor(engine, ResultCache(directory),
                           ModelIdentity(loaded, engine.in_process, version, tensor_parallel_size,
-                                        expert_parallel_size, attention))
+                                        expert_parallel_size, attention, getattr(engine, "placement", None)))
