@@ -46,6 +46,23 @@ def test_placement_evens_the_ranks_tokens():
     assert rank_tokens(ids, 8, 4, place_experts(SKEWED, 4, 1)) == [8, 8, 8, 8]
 
 
+def test_each_slot_computed_once():
+    """Every rank's share of a batch's slots (``Experts.my_slots``, what each computes): together
+    each slot exactly once, expert 0's split between its holders by row, and each slot's expert
+    numbered among its rank's held experts (the replica after its own four)."""
+    placement = place_experts([100, 10, 10, 10, 10, 10, 10, 10], 2, 1)
+    ranks = [Experts(8, 16, 8, ParallelContext(r, 2, experts=2, placement=placement)) for r in (0, 1)]
+    ids = torch.tensor([[0, 5], [0, 1], [0, 4], [6, 0], [-1, -1]])  # the last: a pad row
+    shares = [x.my_slots(ids) for x in ranks]
+    slots = torch.cat([sl for sl, _ in shares])
+    assert sorted(slots.tolist()) == list(range(8))  # each real slot once, the pad row's none
+    # row t's slot of expert 0 to holder (0, 1)[t % 2], of expert 4 to (1, 0)[t % 2]
+    assert [sl.tolist() for sl, _ in shares] == [[0, 3, 4], [1, 2, 5, 6, 7]]
+    assert [lid.tolist() for _, lid in shares] == [[0, 1, 0], [1, 4, 0, 2, 4]]
+    assert [ranks[r].expert_ids for r in (0, 1)] == [(0, 1, 2, 3, 4), (4, 5, 6, 7, 0)]
+    assert ranks[1].computing_rank(ids, 0).tolist() == [[0, 1], [1, 0], [0, 1], [1, 1], [-1, -1]]
+
+
 def test_checks_name_their_field(dirs):  # noqa: F811 - the fixture
     cfg = describe_model(str(dirs["qwen3_moe"]), "cpu").model.config
     assert expert_placement(cfg, 2, 2, 0, None) is None
@@ -151,13 +168,24 @@ def _worker(rank: int, size: int, loads: list, rdv: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_block_with_replicas_equals_one_process(size, tmp_path):
+@pytest.mark.slow  # 2 or 4 gloo workers (~10-15 s)
+@pytest.mark.parametrize("size,interpret", [(2, False), (4, False), (2, True)])
+def test_block_with_replicas_equals_one_process(size, interpret, tmp_path, monkeypatch):
     """Expert 0 made hot (a router row favouring every row), the placement from the loads counted
     on one process: its replicas' ranks compute some of its slots (counted), the owner fewer than
     without replicas; deterministic mode's bits are one process's (and those of EP without
-    replicas) under tensor- and data-parallel attention; default mode within 1e-5."""
+    replicas) under tensor- and data-parallel attention; default mode within 1e-5. ``interpret``:
+    the workers run Triton's CPU interpreter, so that default mode under data-parallel attention
+    takes the fused kernel as on CUDA (``owned_partial``: the slots another rank computes get no
+    tile; its rows are not counted)."""
     import torch.multiprocessing as mp
+
+    if interpret:
+        from helpers import skip_old_interpreter
+
+        pytest.importorskip("triton")
+        skip_old_interpreter()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned workers at import
 
     from logprobe.layers.moe import MoeBlock, MoeSpec  # noqa: F401 - the worker's, imported before spawn
 
@@ -184,6 +212,8 @@ def test_block_with_replicas_equals_one_process(size, tmp_path):
             placed = [g[attention, True, det][1] for g in got]
             print(attention, det, "rows per rank without replicas", [c["rows"] for c in plain],
                   "with", [c["rows"] for c in placed], "replica rows", [c["replica"] for c in placed])
+            if interpret and attention == "data" and not det:
+                continue  # the fused kernel, not ``local``: nothing counted
             assert sum(c["replica"] for c in placed) > 0 and all(c["replica"] == 0 for c in plain)
             assert sum(c["rows"] for c in placed) == sum(c["rows"] for c in plain)  # each slot once
             assert placed[0]["rows"] < plain[0]["rows"]  # the hot expert's owner computes fewer
