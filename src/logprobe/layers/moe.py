@@ -387,13 +387,17 @@ class Experts(NumericsUser, nn.Module):
         """Under a placement: each slot's expert of ``ids`` [T, k] numbered among this rank's held
         experts where the dispatch rule gives the slot to this rank (``placement.slot_ranks``, row
         t being row ``first_row + t`` of the rows every rank sees), else -1 (pad slots too)."""
-        if ids.device not in self.dispatch:
-            table, count = self.placement.tables(ids.device)
-            where = torch.tensor(self.placement.local_index(self.ctx.rank), device=ids.device)
-            self.dispatch[ids.device] = table, count, where
-        table, count, where = self.dispatch[ids.device]
+        table, count, where = self.tables(ids.device)
         mine = slot_ranks(ids, table, count, first_row) == self.ctx.rank  # [T, k]
         return torch.where(mine, where[ids.clamp(min=0)], -1)
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The placement's holders [E, n] and counts [E] (``Placement.tables``) and each expert's
+        index among this rank's held experts [E] (-1: not held), made on ``device`` once."""
+        if device not in self.dispatch:
+            where = torch.tensor(self.placement.local_index(self.ctx.rank), device=device)
+            self.dispatch[device] = (*self.placement.tables(device), where)
+        return self.dispatch[device]
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Each slot's expert of ``ids`` [T, k] in this rank's numbering, outside 0 ..
@@ -750,7 +754,7 @@ class Experts(NumericsUser, nn.Module):
         batch; whole experts per rank): its expert's owner, or the placement's pick; -1 for pads."""
         if self.placement is None:
             return torch.where(ids >= 0, ids // (self.total_experts // self.ctx.size), -1)
-        table, count = self.placement.tables(ids.device)
+        table, count, _ = self.tables(ids.device)
         return slot_ranks(ids, table, count, first_row)
 
     def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
