@@ -220,12 +220,14 @@ def test_block_with_replicas_equals_one_process(size, interpret, tmp_path, monke
 
 
 @pytest.mark.slow  # two gloo workers load and score (~10 s)
-def test_scorer_with_replicas_equals_one_process(dirs):  # noqa: F811 - the fixture
-    """TP = EP = 2 with one replica per rank placed for a skewed load: deterministic mode's bits
-    equal one process's, default mode within 1e-5."""
-    from test_moe_parallel import FIELDS, OPTS, _bits_equal, _seqs
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_scorer_with_replicas_equals_one_process(kind, dirs):  # noqa: F811 - the fixture
+    """TP = EP = 2 with one replica per rank placed for a skewed load (a Qwen3-MoE; a DeepSeek-V3:
+    latent attention, grouped sigmoid routing, a dense first block, a shared expert): deterministic
+    mode's bits equal one process's, default mode within 1e-5."""
+    from test_moe_parallel import OPTS, _bits_equal, _seqs
 
-    path = str(dirs["qwen3_moe"])
+    path = str(dirs[kind])
     seqs = _seqs()
     one = Scorer(path, device="cpu", dtype="float32", progress=False)
     want = {}
@@ -243,4 +245,3 @@ def test_scorer_with_replicas_equals_one_process(dirs):  # noqa: F811 - the fixt
             else:
                 worst = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(got, want[False]))
                 assert worst <= 1e-5, worst
-    assert FIELDS
