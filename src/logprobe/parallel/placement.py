@@ -1,6 +1,6 @@
 """Redundant copies of hot experts under expert parallelism (EPLB-style placement): which experts
 each rank holds and which rank computes each routed slot. Pure functions of the loads, pinned by
-a gold table in ``tests/test_placement.py``.
+a gold table in ``tests/test_redundant_experts.py``.
 
 Under whole experts per rank (``expert_parallel_size`` = ``tensor_parallel_size`` = P) rank r owns
 experts [r E/P, (r + 1) E/P). A trained router is skewed: a few experts take most tokens, and the
