@@ -97,7 +97,7 @@ def main() -> None:
     print(f"checkpoint: {path} ({size:.2f} GiB)", flush=True)
     runs = {"logprobe Scorer": LOGPROBE, "transformers from_pretrained + tokenizer": TRANSFORMERS}
     got: dict[str, list[dict]] = {who: [] for who in runs}
-    for who, code in runs.items():
+    for code in runs.values():
         run_child(code, [str(path)])  # warms the page cache (and the disk's: every byte read once)
     for _ in range(args.repeats):  # interleaved: a neighbour's load on the machine falls on both
         for who, code in runs.items():
@@ -112,8 +112,9 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | --- |")
     for who, rs in got.items():
         best = min(rs, key=lambda r: r["load"])
+        loads = ", ".join(format(r["load"], ".2f") for r in rs)
         print(f"| {who} | {best['load']:.2f} | {best['load'] / base:.2f} | {min(r['process'] for r in rs):.2f} | "
-              f"{', '.join('%.2f' % r['load'] for r in rs)} |")
+              f"{loads} |")
 
 
 if __name__ == "__main__":
