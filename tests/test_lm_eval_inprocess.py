@@ -81,7 +81,7 @@ def test_logprobe_eval_cli_runs_lm_eval_in_process(tmp_path, monkeypatch, capsys
     --log_samples): every logged answer equals the library's loglikelihood."""
     seen = []
     monkeypatch.setattr("logprobe.scorer.load_model",  # the session's weights, not a second load
-                        lambda *a: seen.append(a) or default_scorer.loaded)
+                        lambda *a, **kw: seen.append(a) or default_scorer.loaded)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
     tasks = tmp_path / "tasks"
