@@ -7,9 +7,7 @@ expert) in float32 and in bfloat16: Qwen3-MoE (native Llama family), Qwen3.5-MoE
 ``state_dict`` compared with ``torch.equal`` against the same tensors stacked on the host first
 and cast by the builder (``place=None``: the reading before experts were copied into their
 [E, out, in] tensor on the model's device and dtype as each is read); each expert matrix is also
-compared with the checkpoint's own matrix cast to the model dtype. Tensors are read into memory
-of their own (a file rewritten after the load leaves them as read), and bf16 experts loaded as
-bf16 on the CPU are read from the file straight into their row of the stack.
+compared with the checkpoint's own matrix cast to the model dtype.
 """
 
 from __future__ import annotations
@@ -184,53 +182,3 @@ def test_files_read_ahead_whole_then_thread_ends(tmp_path, monkeypatch):
     for t in [t for t in threading.enumerate() if t.name == "safetensors-prefetch"]:
         t.join(timeout=10)
         assert not t.is_alive()
-
-
-def test_tensors_read_own_their_memory(tmp_path):
-    """A tensor read from a checkpoint is a copy of the file's bytes in memory of its own, not a
-    view of the file's memory map: rewriting the file in place after the read (a trainer saving its
-    next step into the same directory) leaves what was read unchanged. Bit for bit the file's."""
-    from safetensors.torch import save_file
-
-    from logprobe.loading.checkpoint import mapped_tensors
-
-    want = {"a": torch.randn(64, 96).to(torch.bfloat16), "b": torch.randn(3, 1000), "c": torch.arange(10)}
-    save_file(want, str(tmp_path / "model.safetensors"))
-    got = dict(mapped_tensors(tmp_path, lambda key, file: key if key != "c" else None))
-    assert sorted(got) == ["a", "b"]
-    f = tmp_path / "model.safetensors"
-    size = int.from_bytes(f.read_bytes()[:8], "little")
-    with open(f, "r+b") as out:  # every data byte changed, the header kept
-        out.seek(8 + size)
-        out.write(b"\x7f" * (f.stat().st_size - 8 - size))
-    for k, w in got.items():
-        assert w.dtype == want[k].dtype and torch.equal(w, want[k]), k
-
-
-def test_experts_read_straight_into_their_stack(saved, monkeypatch):
-    """A bf16 checkpoint loaded as bf16 on the CPU: each expert's bytes are read from the file
-    straight into its row of the stacked [E, out, in] tensor (no tensor of its own copied in
-    after), and the rows are the file's experts bit for bit."""
-    from safetensors import safe_open
-
-    from logprobe.loading import checkpoint
-
-    into: list[int] = []
-    real = checkpoint.ReadTensors.read_at
-
-    def record(self, out, offset, nbytes):
-        into.append(out.data_ptr())
-        return real(self, out, offset, nbytes)
-
-    monkeypatch.setattr(checkpoint.ReadTensors, "read_at", record)
-    for kind in ("qwen3_moe", "qwen3_5_moe"):
-        path = saved[kind, False, torch.bfloat16]
-        into.clear()
-        experts = load_model(str(path), device="cpu", dtype=torch.bfloat16).model.layers[1].mlp.experts
-        with safe_open(str(path / "model.safetensors"), framework="pt") as st:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                stack = getattr(experts, proj)
-                for e in range(COMMON["num_experts"]):
-                    assert stack[e].data_ptr() in into, (kind, proj, e)
-                    want = st.get_tensor(f"model.layers.1.mlp.experts.{e}.{proj}.weight")
-                    assert torch.equal(stack[e], want), (kind, proj, e)

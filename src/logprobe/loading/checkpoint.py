@@ -1,16 +1,12 @@
 """Checkpoint files and tensor names shared by the Hugging Face readers (``hf``, ``compressed``,
-``gptq``, ``awq``, ``sharding``, ``update``): which safetensors files hold the weights, how their
-tensors are read (``read`` calls into memory of their own, experts straight into their stack: no
-memory map faulted in a page at a time; ``ReadTensors``), a checkpoint key's native parameter
-name, and the rule that a plain parameter is a float held exactly."""
+``gptq``, ``awq``, ``sharding``, ``update``): which safetensors files hold the weights, a checkpoint
+key's native parameter name, and the rule that a plain parameter is a float held exactly."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,10 +33,10 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def open_files(path: Path, prefetch: bool = True) -> Iterator[tuple[Path, object]]:
-    """(file, open ``safe_open`` handle, as ``ReadTensors``) of each safetensors file of ``path``,
-    in order, each opened once. ``prefetch``: while file i is read, a background thread asks the
-    kernel to read files i and i + 1 into the page cache (``_Prefetch``), so a first load reads at
-    the disk's queue depth rather than one readahead window at a time (a 1.6 GB bf16 checkpoint,
+    """(file, open ``safe_open`` handle) of each safetensors file of ``path``, in order, each opened
+    once. ``prefetch``: while file i is read, a background thread asks the kernel to read files i
+    and i + 1 into the page cache (``_Prefetch``), so a first load reads at the disk's queue depth
+    rather than one readahead window per page fault on the memory map (a 1.6 GB bf16 checkpoint,
     cold, the kernel's default 128 KiB readahead: Scorer 2.49 -> 1.96 s, warm 1.36 s). Off for a
     rank that reads part of each file (``get_slice``): the other ranks' bytes would be read too."""
     from safetensors import safe_open
@@ -51,102 +47,11 @@ def open_files(path: Path, prefetch: bool = True) -> Iterator[tuple[Path, object
         for i, f in enumerate(files):
             if ahead is not None:
                 ahead.reach(i)
-            with safe_open(str(f), framework="pt") as st, open(f, "rb", buffering=0) as raw:
-                yield f, ReadTensors(st, raw)
+            with safe_open(str(f), framework="pt") as st:
+                yield f, st
     finally:
         if ahead is not None:
             ahead.stop()
-
-
-# safetensors dtype codes read by ``ReadTensors``; any other is left to safetensors' own reader
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-class ReadTensors:
-    """An open safetensors file whose ``get_tensor`` reads the tensor's bytes with ``read`` calls
-    into memory of its own (one copy, from the page cache), rather than handing out a view of the
-    file's memory map that each later copy faults in a page at a time. The bytes are the file's:
-    the same tensor, bit for bit. On a 2-core VM a 3 GiB stack of bf16 experts copied out of the
-    map took 20-22 s, read this way 0.2-0.3 s (``bench/cpu_load.py``). The tensor owns its
-    memory: a file rewritten after the load (the next checkpoint saved in place) leaves it as read.
-    ``keys``, ``get_slice`` (a rank's part: only those bytes) and the rest are safetensors'.
-
-    Example: ``ReadTensors(st, open(f, "rb", buffering=0)).get_tensor("lm_head.weight")`` ->
-    ``st.get_tensor("lm_head.weight")``'s values, dtype and shape, not sharing its storage."""
-
-    def __init__(self, st, raw) -> None:
-        self._st, self._raw = st, raw
-        size = int.from_bytes(raw.read(8), "little")
-        self._header = json.loads(raw.read(size))
-        self._base = 8 + size
-
-    def __getattr__(self, name: str):
-        return getattr(self._st, name)
-
-    def keys(self):
-        return self._st.keys()
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        lazy = self.lazy(key)
-        return self._st.get_tensor(key) if lazy is None else lazy.read()
-
-    def lazy(self, key: str) -> FileTensor | None:
-        """Tensor ``key`` not read yet (None: a dtype code not in the table, or a big-endian host:
-        safetensors' ``get_tensor`` converts those)."""
-        meta = self._header.get(key)
-        dtype = _DTYPES.get(meta["dtype"]) if meta is not None and sys.byteorder == "little" else None
-        if dtype is None:
-            return None
-        begin, end = meta["data_offsets"]
-        return FileTensor(self, tuple(meta["shape"]), dtype, self._base + begin, end - begin)
-
-    def read_at(self, out: torch.Tensor, offset: int, nbytes: int) -> None:
-        """Fill ``nbytes`` of ``out``'s memory (contiguous, on the CPU) from the file at ``offset``
-        (a read may stop short: loop)."""
-        if not nbytes:
-            return
-        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-        done = 0
-        self._raw.seek(offset)
-        while done < len(view):
-            got = self._raw.readinto(view[done:])
-            if not got:
-                raise LogprobeError("model", f"{self._raw.name} ends inside a tensor: the file is truncated",
-                                    "copy the checkpoint again")
-            done += got
-
-
-class FileTensor:
-    """A whole tensor of an open safetensors file, not read yet (``mapped_tensors(defer=...)``):
-    ``shape`` and ``dtype``; ``read()`` gives it as ``get_tensor`` would, ``read_into(out)`` puts
-    its bytes straight into ``out`` (a contiguous CPU tensor of its shape and dtype, e.g. row e of
-    a stack of experts): one copy from the page cache, none through a tensor of its own. Valid
-    while its file is open: a reader uses it as it is yielded.
-
-    Example: experts.0.up_proj.weight [512, 2048] bf16 ->
-    ``FileTensor.read_into(stack[0])`` for ``stack = torch.empty(256, 512, 2048, dtype=bf16)``."""
-
-    def __init__(self, file: ReadTensors, shape: tuple[int, ...], dtype: torch.dtype, offset: int,
-                 nbytes: int) -> None:
-        self.file, self.shape, self.dtype, self.offset, self.nbytes = file, torch.Size(shape), dtype, offset, nbytes
-
-    def read(self) -> torch.Tensor:
-        out = torch.empty(self.nbytes, dtype=torch.uint8)
-        self.file.read_at(out, self.offset, self.nbytes)
-        return out.view(self.dtype).view(self.shape)
-
-    def fits(self, out: torch.Tensor) -> bool:
-        """Whether ``read_into(out)`` can fill ``out`` as it is (else copy ``read()`` into it)."""
-        return (out.device.type == "cpu" and out.dtype == self.dtype and out.shape == self.shape
-                and out.is_contiguous() and out.numel() * out.element_size() == self.nbytes)
-
-    def read_into(self, out: torch.Tensor) -> None:
-        if not self.fits(out):
-            raise ValueError(f"read_into: {tuple(out.shape)} {out.dtype} on {out.device} for a tensor of "
-                             f"{tuple(self.shape)} {self.dtype}")
-        self.file.read_at(out, self.offset, self.nbytes)
 
 
 class _Prefetch:
@@ -252,18 +157,11 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 SKIP = "skip"  # a ``cut`` answer: a tensor this rank does not hold (another rank's experts), not read
 
 
-def is_expert(name: str) -> bool:
-    """A native name of one expert's matrix, ``layers.N.mlp.experts.E.{gate,up,down}_proj.weight``."""
-    return _EXPERT.fullmatch(name) is not None
-
-
-def mapped_tensors(path: Path, param_name, cut=None, unmapped=None, defer=None) -> Iterator[tuple[str, torch.Tensor]]:
+def mapped_tensors(path: Path, param_name, cut=None, unmapped=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(native name, tensor) of every safetensors tensor of ``path`` that ``param_name(key, file)``
     maps (None: skipped, and ``unmapped(key)`` told; it raises for a key it refuses), float dtypes
     checked. ``cut(name)``: None (read whole), ``SKIP`` (not read) or a function of the safetensors
-    slice giving a rank's part (only those bytes read; ``loading.sharding.rank_cut``).
-    ``defer(name)``: True for a tensor read whole to be yielded unread, a ``FileTensor`` (the
-    consumer reads it into its place at once: ``hf.stack_experts`` with ``is_expert``)."""
+    slice giving a rank's part (only those bytes read; ``loading.sharding.rank_cut``)."""
     for f, st in open_files(path, prefetch=cut is None):
         for key in st.keys():
             name = param_name(key, f.name)
@@ -274,8 +172,7 @@ def mapped_tensors(path: Path, param_name, cut=None, unmapped=None, defer=None) 
             how = None if cut is None else cut(name)
             if how is SKIP:
                 continue
-            lazy = st.lazy(key) if how is None and defer is not None and defer(name) else None
-            value = lazy if lazy is not None else st.get_tensor(key) if how is None else how(st.get_slice(key))
+            value = st.get_tensor(key) if how is None else how(st.get_slice(key))
             check_plain_dtype(key, value, f.name)
             yield name, value
 

@@ -16,7 +16,7 @@ from ..layers.quant_linear import CTLinear
 from ..models.llama import LlamaConfig
 from ..tokenizer import Tokenizer
 from .awq import awq_tensors
-from .checkpoint import _EXPERT, FileTensor, hf_param_name, is_expert, mapped_tensors
+from .checkpoint import _EXPERT, hf_param_name, mapped_tensors
 from .compressed import ct_tensors
 from .fp8_block import dense_fp8, fp8_block_tensors, fp8_scheme
 from .gptq import gptq_tensors
@@ -199,12 +199,11 @@ def hf_tensors(path: Path, cfg: LlamaConfig, raw: dict | None = None, packed: bo
     if qcfg is not None:
         yield from stack_experts(ct_tensors(path, cfg, qcfg, packed), cfg, place=place)  # W4A16/W8A16: packed
         return
-    yield from stack_experts(_plain_tensors(path, cfg, is_expert), cfg, place=place)  # experts read into place
+    yield from stack_experts(_plain_tensors(path, cfg), cfg, place=place)
 
 
-def _plain_tensors(path: Path, cfg: LlamaConfig, defer=None):
-    """``mapped_tensors`` of a Llama-family checkpoint (``defer``: as there; ``stack_experts`` only)."""
-    return mapped_tensors(path, lambda key, file: hf_param_name(key, cfg, file), defer=defer)
+def _plain_tensors(path: Path, cfg: LlamaConfig):
+    return mapped_tensors(path, lambda key, file: hf_param_name(key, cfg, file))
 
 
 def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | list[int] | None = None, place=None):
@@ -227,7 +226,7 @@ def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | list[int] |
     for name, value in tensors:
         m = _EXPERT.fullmatch(name)
         if cfg.moe is None or (m is None and not name.endswith(".experts.gate_up_proj")):
-            yield name, value.read() if isinstance(value, FileTensor) else value  # unread: read here
+            yield name, value
             continue
         if m is None:  # fused gate_up [E, 2I, H]
             gate, up = value.chunk(2, dim=1)  # [E, I, H] each; own storage: the fused kernel reads them whole
@@ -236,11 +235,9 @@ def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | list[int] |
             continue
         stacked, e = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
         got = pending.setdefault(stacked, {})
-        if place is not None and e in slot and isinstance(value, (torch.Tensor, FileTensor)):
+        if place is not None and e in slot and isinstance(value, torch.Tensor):
             _fill(dests, stacked, len(want), slot[e], value, place)
             value = None  # copied: its place in ``got`` only marks it read
-        elif isinstance(value, FileTensor):  # no place to read it into: read now, while its file is open
-            value = value.read()
         got[e] = value
         if len(got) == len(want):
             if sorted(got) != sorted(want):
@@ -271,21 +268,14 @@ def _own(w: torch.Tensor, place) -> torch.Tensor:
     return torch.empty(w.shape, device=place[0], dtype=place[1]).copy_(w)
 
 
-def _fill(dests: dict, stacked: str, n: int, i: int, value: torch.Tensor | FileTensor, place) -> None:
+def _fill(dests: dict, stacked: str, n: int, i: int, value: torch.Tensor, place) -> None:
     """Copy expert ``value`` [out, in] into row ``i`` of ``dests[stacked]`` [n, out, in] (made on
-    ``place`` at the first expert). ``copy_`` would broadcast a smaller matrix: shapes are checked.
-    A ``FileTensor`` (not read yet) of the row's dtype is read straight into the row on the CPU:
-    one copy from the file, no tensor of its own first (whose copy into the row, on a 2-core VM,
-    cost more than the read: each fresh page of the row faulted in from user space)."""
+    ``place`` at the first expert). ``copy_`` would broadcast a smaller matrix: shapes are checked."""
     dst = dests.get(stacked)
     if dst is None:
         dst = dests[stacked] = torch.empty((n, *value.shape), device=place[0], dtype=place[1])
     if value.shape != dst.shape[1:]:
         _same_shapes(stacked, [dst[0], value])
-    if isinstance(value, FileTensor):
-        if value.fits(dst[i]):
-            return value.read_into(dst[i])
-        value = value.read()
     dst[i].copy_(value)
 
 

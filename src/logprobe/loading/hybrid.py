@@ -39,7 +39,7 @@ from ..models.qwen3_5_vision import VisionConfig, vision_config
 from ..models.qwen3_next import HybridConfig, HybridModel
 from ..parallel.context import ParallelContext
 from ..parallel.shard import check_experts, check_tp, num_blocks, vocab_chunk_width
-from .checkpoint import check_weights_match, is_expert, mapped_tensors
+from .checkpoint import check_weights_match, mapped_tensors
 from .fp8_block import (
     dense_fp8,
     fp8_block_tensors,
@@ -242,7 +242,7 @@ def hybrid_tensors(path: Path, cfg: HybridConfig, raw: dict | None = None, quant
         if dense:
             tensors = ((name, dense_fp8(w)) for name, w in tensors)
     else:
-        tensors = _plain(path, cfg, defer=is_expert)  # experts read into their stack (``hf.stack_experts``)
+        tensors = _plain(path, cfg)
     yield from stack_experts(_split_fused(tensors, cfg), cfg, place=place)
 
 
@@ -276,17 +276,17 @@ def _note_skipped(path: Path, skipped: list[str]) -> None:
         log.warning("%s: skipped %d tensors not used to score text (%s)", path.name, len(skipped), ", ".join(kinds))
 
 
-def _plain(path: Path, cfg: HybridConfig, cut=None, defer=None):
+def _plain(path: Path, cfg: HybridConfig, cut=None):
     """(name, tensor) of every used key; ``cut(name)``: None (read whole), ``SKIP`` (not read: another
     rank's experts) or a function of the safetensors slice (``loading.sharding.rank_cut``: only
-    those bytes are read); ``defer``: ``mapped_tensors``'."""
+    those bytes are read)."""
     skipped: list[str] = []
 
     def unmapped(key: str) -> None:
         if key.startswith(_SKIPPED):
             skipped.append(key)
 
-    for name, value in mapped_tensors(path, lambda key, file: hybrid_param_name(key, cfg, file), cut, unmapped, defer):
+    for name, value in mapped_tensors(path, lambda key, file: hybrid_param_name(key, cfg, file), cut, unmapped):
         yield name, _squeeze_conv(name, value)
     _note_skipped(path, skipped)
 
