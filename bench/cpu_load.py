@@ -7,7 +7,9 @@ gated attention) cut to ``--layers`` layers, full attention every ``--full-every
 DeltaNet and one gated-attention layer in 2 layers), transformers' random init, saved in bf16 with
 ``save_pretrained`` (2 layers: 5.0 GiB). Each load is a fresh Python process (no import, cache or
 allocator state carried over): ``load`` is timed inside it after its imports, ``process`` is the
-whole subprocess (imports counted). Every run is made once to warm the page cache, then
+whole subprocess (imports counted). logprobe reads the tokenizer with transformers, imported inside
+``Scorer``, where the baseline imports it before its timer: a second logprobe row imports it first
+too (the like-for-like "after imports" figure). Every run is made once to warm the page cache, then
 ``--repeats`` times; the best is printed with the others. ``--profile``: one more logprobe load
 under cProfile, its top functions by cumulative and by own time.
 
@@ -33,6 +35,8 @@ import time
 start = time.perf_counter()
 import json, sys, torch
 from logprobe import Scorer
+if sys.argv[2] == "1":  # as the baseline's timer: transformers (the tokenizer's reader) imported before it
+    from transformers import AutoTokenizer
 t = time.perf_counter()
 s = Scorer(sys.argv[1], device="cpu", dtype="bfloat16")
 print(json.dumps({"load": time.perf_counter() - t, "ready": time.perf_counter() - start}))
@@ -95,13 +99,15 @@ def main() -> None:
     path = args.dir / f"cpu-load-qwen35-35b-a3b-{args.layers}l"
     size = save(path, args.layers, args.full_every)
     print(f"checkpoint: {path} ({size:.2f} GiB)", flush=True)
-    runs = {"logprobe Scorer": LOGPROBE, "transformers from_pretrained + tokenizer": TRANSFORMERS}
+    runs = {"logprobe Scorer": (LOGPROBE, ["0"]),
+            "logprobe Scorer, transformers imported before the timer": (LOGPROBE, ["1"]),
+            "transformers from_pretrained + tokenizer": (TRANSFORMERS, [])}
     got: dict[str, list[dict]] = {who: [] for who in runs}
-    for code in runs.values():
-        run_child(code, [str(path)])  # warms the page cache (and the disk's: every byte read once)
-    for _ in range(args.repeats):  # interleaved: a neighbour's load on the machine falls on both
-        for who, code in runs.items():
-            got[who].append(run_child(code, [str(path)]))
+    for code, extra in runs.values():
+        run_child(code, [str(path), *extra])  # warms the page cache (and the disk's: every byte read once)
+    for _ in range(args.repeats):  # interleaved: a neighbour's load on the machine falls on all
+        for who, (code, extra) in runs.items():
+            got[who].append(run_child(code, [str(path), *extra]))
             print(who, got[who][-1], flush=True)
     if args.profile:
         out = subprocess.run([sys.executable, "-c", PROFILED, str(path), "30"], capture_output=True, text=True)
