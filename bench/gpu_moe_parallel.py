@@ -205,6 +205,15 @@ def skewed(key: str, t: torch.Tensor, skew: float, hot: int) -> torch.Tensor:
     return t
 
 
+def shape_config(shape: str, layers: int):
+    """The transformers config of ``shape`` (``layers``: fewer decoder layers, 0 = all)."""
+    import transformers
+
+    cls, kw = SHAPES[shape]
+    return getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
+                                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
+
+
 def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, device: str = "cuda",
                      skew: float = 0.0) -> None:
     """Random bf16 weights (seeded per tensor, made on ``device``), config.json and a byte tokenizer;
@@ -216,9 +225,7 @@ def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, dev
     if (path / "config.json").exists():
         return
     path.mkdir(parents=True, exist_ok=True)
-    cls, kw = SHAPES[shape]
-    cfg = getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
-                                     max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
+    cfg = shape_config(shape, layers)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -260,14 +267,11 @@ def write_config(shape: str, layers: int, path: Path, fp8: bool = False) -> None
     """config.json (FP8 blocks: with ``quantization_config``) and a byte tokenizer, no weights: what
     ``--random-weights`` scores, each rank building its shard at random on its device
     (``Scorer(load_format=RandomWeights(...))``, ``logprobe.loading.dummy``)."""
-    import transformers
 
     if (path / "config.json").exists():
         return
     path.mkdir(parents=True, exist_ok=True)
-    cls, kw = SHAPES[shape]
-    cfg = getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
-                                     max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
+    cfg = shape_config(shape, layers)
     raw = cfg.to_dict()
     (path / "config.json").write_text(json.dumps({**raw, **({"quantization_config": FP8_CONFIG} if fp8 else {})},
                                                  indent=2))
