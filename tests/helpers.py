@@ -291,3 +291,20 @@ def tensor_parallel_matches_one(path, seqs: list[dict], want: dict | None = None
                     assert (g.logprobs - s.logprobs).abs().max() <= 1e-5
             for i, w in (want or {}).items():
                 assert (got[i].logprobs.double() - w).abs().max() < 1e-4
+
+
+def towers_agree_in_row_tiles(rank, one, pixels: torch.Tensor, grid: tuple[int, int, int], monkeypatch) -> list[int]:
+    """A tensor-parallel rank's model and the one-rank model in deterministic mode: each embeds
+    ``pixels`` of ``grid``, asserted bitwise equal; -> the row tile of every product they ran
+    (``layers.linear.tiled_linear`` calls, both models)."""
+    from logprobe.config import EngineConfig, numerics_for
+    from logprobe.layers import linear
+
+    numerics = numerics_for(EngineConfig(deterministic=True), "cpu")
+    for model in (rank, one):
+        model.set_numerics(numerics)
+    tiles, real = [], linear.tiled_linear
+    monkeypatch.setattr(linear, "tiled_linear", lambda *a, **k: tiles.append(a[3]) or real(*a, **k))
+    with torch.no_grad():
+        assert torch.equal(rank.encode_image(pixels, grid), one.encode_image(pixels, grid))
+    return tiles

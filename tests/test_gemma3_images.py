@@ -18,15 +18,19 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import VOCAB, byte_tokenizer, png_bytes, random_image, tensor_parallel_matches_one
+from helpers import (
+    VOCAB,
+    byte_tokenizer,
+    png_bytes,
+    random_image,
+    tensor_parallel_matches_one,
+    towers_agree_in_row_tiles,
+)
 
 from logprobe import LogprobeError, Scorer
-from logprobe.config import EngineConfig, numerics_for
 from logprobe.engine.images import bidirectional_spans, chunk_end, planned_ids, segment_spans
 from logprobe.engine.request import ImageInputs
-from logprobe.layers import linear
 from logprobe.layers.attention import AttentionMeta, Segment, packed_attention
-from logprobe.layers.linear import tiled_linear
 from logprobe.loading.gemma import build_gemma, gemma_config, gemma_parallel_context, gemma_shard_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -444,14 +448,8 @@ def test_vision_tower_whole_on_a_tensor_parallel_rank(gemma_vl, monkeypatch):
     rank = build_gemma(cfg, gemma_shard_tensors(path, cfg, ctx), torch.device("cpu"), torch.float32, ctx)
     one = _scorer(path).loaded.model
     assert rank.layers[0].self_attn.num_heads == 2 and rank.tower_here
-    numerics = numerics_for(EngineConfig(deterministic=True), "cpu")
     px = torch.rand(64, 3 * 8 * 8, generator=torch.Generator().manual_seed(1))
-    for model in (rank, one):
-        model.set_numerics(numerics)
-    tiles = []  # every product of the tower in deterministic mode's fixed row tiles
-    monkeypatch.setattr(linear, "tiled_linear", lambda *a, **k: tiles.append(a[3]) or tiled_linear(*a, **k))
-    with torch.no_grad():
-        assert torch.equal(rank.encode_image(px, (1, 8, 8)), one.encode_image(px, (1, 8, 8)))
+    tiles = towers_agree_in_row_tiles(rank, one, px, (1, 8, 8), monkeypatch)  # every product in fixed row tiles
     # both models: the patch embedding, 2 layers x (q, k, v, out, fc1, fc2), the projection
     assert tiles == [128] * 2 * (1 + 2 * 6 + 1)
 

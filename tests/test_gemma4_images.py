@@ -25,12 +25,10 @@ from helpers import (
     png_bytes,
     random_image,
     tensor_parallel_matches_one,
+    towers_agree_in_row_tiles,
 )
 
 from logprobe import LogprobeError, Scorer
-from logprobe.config import EngineConfig, numerics_for
-from logprobe.layers import linear
-from logprobe.layers.linear import tiled_linear
 from logprobe.loading.gemma4 import build_gemma4, gemma4_config, gemma4_parallel_context, gemma4_shard_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -261,14 +259,8 @@ def test_vision_tower_whole_on_a_tensor_parallel_rank(gemma4_vl, monkeypatch):
     rank = build_gemma4(cfg, gemma4_shard_tensors(path, cfg, ctx), torch.device("cpu"), torch.float32, ctx)
     one = _scorer(path).loaded.model
     assert rank.layers[0].self_attn.num_heads == 2 and rank.tower_here
-    numerics = numerics_for(EngineConfig(deterministic=True), "cpu")
     px = torch.rand(6 * 8, 4 * 4 * 3, generator=torch.Generator().manual_seed(1))
-    for model in (rank, one):
-        model.set_numerics(numerics)
-    tiles = []  # every product of the tower in deterministic mode's fixed row tiles
-    monkeypatch.setattr(linear, "tiled_linear", lambda *a, **k: tiles.append(a[3]) or tiled_linear(*a, **k))
-    with torch.no_grad():
-        assert torch.equal(rank.encode_image(px, (1, 6, 8)), one.encode_image(px, (1, 6, 8)))
+    tiles = towers_agree_in_row_tiles(rank, one, px, (1, 6, 8), monkeypatch)  # every product in fixed row tiles
     # both models: the patch embedding, 2 layers x (q, k, v, o, gate, up, down), the embedder
     assert tiles == [128] * 2 * (1 + 2 * 7 + 1)
 
