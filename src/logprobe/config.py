@@ -119,6 +119,10 @@ class EngineConfig:
         runs as two micro-batches of sequences whose blocks are launched in turn, so that one's
         expert transfers run beside the other's attention and experts, when every rank's halves
         hold at least this many rows; 0: one batch. Deterministic mode's bits are the same either way.
+    cuda_graph_tokens: on CUDA a pass of at most this many rows replays CUDA graphs captured once
+        per row-count bucket (``engine.graphs``: the host's kernel launches, which leave the GPU
+        idle on small passes, replaced by one replay between attention calls), on families that
+        can be captured; the same numbers (bitwise in deterministic mode). 0: every pass eager.
     tuning_cache: where autotuned kernels' choices persist between processes on CUDA
         (``kernels.tuning``): True (default) ``~/.cache/logprobe/kernels`` (``$LOGPROBE_CACHE/kernels``
         when set), a folder, or False (the tables shipped with logprobe only, nothing written). A
@@ -135,6 +139,7 @@ class EngineConfig:
     overlap_host: bool = True
     micro_batch_rows: int = 2048
     tuning_cache: bool | str = True
+    cuda_graph_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.tuning_cache, (bool, str)) or self.tuning_cache == "":
@@ -146,6 +151,10 @@ class EngineConfig:
                 or self.micro_batch_rows < 0:
             raise LogprobeError("micro_batch_rows", f"must be a non-negative integer, got {self.micro_batch_rows!r}",
                                 "0 runs each pass as one batch")
+        if not isinstance(self.cuda_graph_tokens, int) or isinstance(self.cuda_graph_tokens, bool) \
+                or self.cuda_graph_tokens < 0:
+            raise LogprobeError("cuda_graph_tokens", f"must be a non-negative integer, got {self.cuda_graph_tokens!r}",
+                                "0 runs every pass without CUDA graphs")
         check_positive_ints(self, ("head_token_chunk", "head_vocab_chunk", "min_shared_prefix"))
         if self.deterministic is True:
             self.deterministic = Deterministic()

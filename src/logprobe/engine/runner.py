@@ -22,6 +22,7 @@ from ..models.caps import ModelCaps
 from ..models.moe import routed_blocks
 from .budget import budget_for, model_pass_bytes, resolved_budget, row_ranks
 from .delivery import Delivery, RunStopped, concat_parts
+from .graphs import GraphRunner
 from .host import HostCopy, HostRows, start_copy, to_device
 from .images import ImageMemo, check_images, chunk_end, image_rows, planned_ids, row_positions, segment_spans
 from .prefix_cache import PrefixCache
@@ -340,6 +341,8 @@ class Engine:
         self._hidden: torch.Tensor | None = None  # the last recorded pass's final hidden rows (prefix cache)
         # autotuned kernels' choices from the shipped tables and the persistent cache (CUDA only)
         self.tuning = start_tuning(model, config, device)
+        # small passes replayed as CUDA graphs (engine.graphs; None: every pass eager)
+        self.graphs = GraphRunner.for_engine(model, config, device)
 
     def close(self) -> None:
         """Nothing to stop (``executor.Executor``): the model lives in this process."""
@@ -385,6 +388,8 @@ class Engine:
                 return self.run(requests, on_result, progress, on_error=on_error, stop=stop, cancelled=cancelled,
                                 on_batch=on_batch)
         self._check_supported(requests)
+        if self.graphs is not None:
+            self.graphs.check_weights()
         out = Delivery(requests, on_result, on_error, self._progress_bar(sum(r.num_inputs for r in requests), progress),
                        on_batch)
         cache = self.prefix_cache if self._context else None
@@ -595,6 +600,8 @@ class Engine:
             return self._call_model(packed)
 
     def _call_model(self, packed: PackedBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.takes(packed.input_ids.shape[-1], packed.hooks, packed.images):
+            return self.graphs(packed.input_ids, packed.positions, packed.meta, self.numerics)
         if packed.images is not None:
             return self.model(packed.input_ids, packed.positions, packed.meta, packed.hooks, images=packed.images)
         if packed.hooks is None:
@@ -730,6 +737,8 @@ class Engine:
             self.prefix_cache.clear()  # its keys were computed under the other mode's kernels
         if config.max_batch_tokens != self._config.max_batch_tokens:
             self.budget = config.max_batch_tokens
+        if config.cuda_graph_tokens != self._config.cuda_graph_tokens:
+            self.graphs = GraphRunner.for_engine(self.model, config, self.device)
         self._config = config
         self._numerics = None  # derived again from this config, when first needed
 

@@ -137,6 +137,9 @@ class AttentionMeta:
     split_cache: tuple | None = field(default=None, repr=False)  # _gpu's long / short split, built once
     span_cache: tuple | None = field(default=None, repr=False)  # span_plan() for the GPU path, built once
     state_route: object = field(default=None, repr=False)  # layers.linear_state.route_states, built once
+    # while ``engine.graphs`` captures a pass: called in place of the attention (the cut between two
+    # graphs), as ``graph_cut(q, k, v, layer, scale, sliding_window, sinks, bidirectional) -> out``
+    graph_cut: object = field(default=None, repr=False)
     # data-parallel attention (``parallel.rows``): this meta is rank ``rows.rank``'s share of a batch
     # split by sequences over the group, its segments re-based to its own first row; None: every row
     rows: RowSplit | None = None
@@ -224,6 +227,8 @@ def packed_attention(
     """q [T, Hq, D], k/v [T, Hkv, D] of this batch -> [T, Hq, D]; Hq a multiple of Hkv (GQA).
     ``sinks`` [Hq]: each head's sink logit (module docstring), None for none. ``bidirectional``:
     whether this layer runs the segments' bidirectional spans (Gemma 4: its sliding layers only)."""
+    if meta.graph_cut is not None:  # a CUDA graph is being captured: attention runs between replays
+        return meta.graph_cut(q, k, v, layer, scale, sliding_window, sinks, bidirectional)
     if q.shape[0] == 0 and meta.cache is None:  # a rank with no rows of a split batch (``AttentionMeta.rows``)
         return torch.empty_like(q)
     if meta.cache is not None:

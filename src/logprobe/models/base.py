@@ -118,6 +118,7 @@ class ScoringModel(NumericsUser, nn.Module):
     router_points: frozenset[str] = frozenset()  # capture-only points (MoE: blocks.l.router)
     deepstack_layers = 0  # blocks after which image features are added at the image rows (Qwen3-VL)
     triton_elementwise = True  # see use_triton_elementwise
+    cuda_graphs = False  # whether a pass may replay as CUDA graphs (engine.graphs); see LlamaModel
 
     def check_hooks(self, hooks: Hooks) -> None:
         """Refuse hooks at points this model does not have: a router point of a dense block (it

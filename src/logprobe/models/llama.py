@@ -202,6 +202,13 @@ class LlamaModel(ScoringModel):
         self.rotary = self.make_rotary(rope_freq_factors)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, self.vocab_range, ctx)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether a pass may replay as CUDA graphs (``engine.graphs``): on one rank (a rank's
+        collectives are not captured) and without LongRoPE, whose length check reads the positions
+        on the host. Mixtures of experts say no (``models.moe``)."""
+        return not self.ctx.parallel and self.rotary.max_positions is None
+
     def make_rotary(self, freq_factors: torch.Tensor | None = None) -> RotaryEmbedding:
         """The rotary table (a family with another rotary overrides this: ``models.qwen3_vl``);
         made again on the real device at load (its buffers are not in the checkpoint)."""

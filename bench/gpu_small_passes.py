@@ -1,0 +1,154 @@
+"""Are small passes host-bound, and do CUDA graphs (``EngineConfig.cuda_graph_tokens``) fix it?
+
+W1 (RL groups: 32 prompts x 8 sampled responses, 480k input ids) on a random-weight model built on
+the GPU (``--shape``, ``load_format="dummy"``, bf16), with the prefix cache, three ways:
+
+1. one batch of every request (the reference: each prompt shared in-batch by its 8 responses);
+2. one request per call, in group order (a framework sending each sample alone: each group's
+   prompt cached by its first sample, the others resumed from it): wall, × the one batch;
+3. ``--per-call`` requests per call in a shuffled order (what a batching server takes from its
+   queue): wall, × the one batch;
+
+then the GPU's busy share of a cached single call: kernel time over ``--profile-calls`` single
+calls under torch.profiler, divided by the same calls' wall time without it. Each with CUDA graphs
+(the default) and without (``cuda_graph_tokens=0``), in default and deterministic mode; every
+number of a graphed way against the eager way's (max |diff|; deterministic: bitwise). Targets
+(docs/perf.md): one request per call within 1.1x of the one batch, a cached single call >= 80% busy.
+
+    python bench/gpu_small_passes.py                                  # llama-8b shape, one H200
+    python bench/gpu_small_passes.py --shape llama-1b --modes default
+    python bench/gpu_small_passes.py --shape tiny --device cpu --limit 24 --profile-calls 4   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import GiB, MODELS, free, log, workload
+
+from logprobe import EngineConfig, Scorer
+from logprobe.loading import load_model
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-5)
+
+
+def write_config(shape: str, path: str) -> None:
+    """config.json and a byte tokenizer: the weights are built at random where they run."""
+    import transformers as tf
+    from common import byte_tokenizer
+
+    kw = TINY if shape == "tiny" else MODELS[shape]
+    tf.LlamaConfig(**kw, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16").save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+
+
+def git_rev() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: str, fn):
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
+def kernel_seconds(device: str, fn) -> float | None:
+    """GPU kernel time of ``fn`` (torch.profiler's CUDA activity, graph replays' kernels included)."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+
+
+def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
+    cfg = EngineConfig(deterministic=det, cuda_graph_tokens=graphs)
+    s = Scorer(loaded, config=cfg, prefix_cache=True)
+    eng = s.engine
+    eng.run(reqs[:16])  # warm: kernels compiled, graphs of the common buckets captured
+    s.prefix_cache.clear()
+    batch_s, _ = timed(args.device, lambda: eng.run(reqs))
+    s.prefix_cache.clear()
+    single_s, single = timed(args.device, lambda: [eng.run([r])[0] for r in reqs])
+    s.prefix_cache.clear()
+    order = list(range(len(reqs)))
+    random.Random(0).shuffle(order)
+    groups = [order[i:i + args.per_call] for i in range(0, len(order), args.per_call)]
+    packed_s, _ = timed(args.device, lambda: [eng.run([reqs[i] for i in g]) for g in groups])
+    # cached single calls: later samples of the first groups, their prompts cached by the first
+    s.prefix_cache.clear()
+    eng.run([reqs[i] for i in range(0, len(reqs), 8)])
+    calls = [r for i, r in enumerate(reqs) if i % 8][:args.profile_calls]
+    wall, _ = timed(args.device, lambda: [eng.run([r]) for r in calls])
+    s.prefix_cache.clear()
+    eng.run([reqs[i] for i in range(0, len(reqs), 8)])
+    kern = kernel_seconds(args.device, lambda: [eng.run([r]) for r in calls])
+    g = eng.graphs
+    out = dict(batch=batch_s, single=single_s, packed=packed_s, call_ms=wall / len(calls) * 1e3,
+               busy=None if kern is None else kern / wall, single_results=[x.logprobs for x in single],
+               captures=g.captures if g else 0, replays=g.replays if g else 0,
+               failed=g.failed if g else None)
+    s.close()
+    del s, eng
+    free()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="llama-8b", choices=["tiny", *MODELS])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", default="default,det")
+    p.add_argument("--per-call", type=int, default=16)
+    p.add_argument("--profile-calls", type=int, default=32)
+    p.add_argument("--limit", type=int, default=None, help="the first N requests of W1 (a smoke run)")
+    args = p.parse_args()
+    dev = args.device
+    log(f"# small passes: {args.shape}, {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, "
+        f"commit {git_rev()}, torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(args.shape, tmp)
+        t0 = time.perf_counter()
+        loaded = load_model(tmp, device=dev, dtype="bfloat16" if dev == "cuda" else "float32", load_format="dummy")
+        log(f"random weights built in {time.perf_counter() - t0:.1f} s"
+            + (f", {torch.cuda.memory_allocated() / GiB:.1f} GiB" if dev == "cuda" else ""))
+        reqs = workload("W1", loaded.model.config.vocab_size)[:args.limit]
+        log(f"W1: {len(reqs)} requests, {sum(len(r.tokens) for r in reqs):,} ids")
+        log("| mode | graphs | one batch s | one per call s (×) | "
+            f"{args.per_call} per call s (×) | cached single call ms | GPU busy | captures | max |diff| vs eager |")
+        log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for mode in args.modes.split(","):
+            det = mode == "det"
+            eager = one_mode(loaded, reqs, args, det, 0)
+            graphed = one_mode(loaded, reqs, args, det, EngineConfig().cuda_graph_tokens)
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in
+                       zip(eager["single_results"], graphed["single_results"]))
+            for name, r in (("off", eager), ("on", graphed)):
+                busy = "n/a" if r["busy"] is None else f"{r['busy']:.0%}"
+                d = "" if name == "off" else (f"{diff:.3g}" + (" (bitwise)" if diff == 0 else ""))
+                note = f" (failed: {r['failed']})" if r["failed"] else ""
+                log(f"| {mode} | {name}{note} | {r['batch']:.2f} | {r['single']:.2f} ({r['single'] / r['batch']:.2f}×) | "
+                    f"{r['packed']:.2f} ({r['packed'] / r['batch']:.2f}×) | {r['call_ms']:.1f} | {busy} | "
+                    f"{r['captures']} | {d} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Small passes as CUDA graph replays: the host's kernel launches replaced by a few replays.
+
+A pass of a few hundred rows (one RL sample over its cached prompt, one multiple-choice answer)
+takes the GPU less time than the host takes to launch its ~15 kernels a block, so the GPU idles.
+Here the model's forward is captured once per token-count bucket (``graph_bucket``) as CUDA
+graphs cut at each attention call: attention alone depends on the batch's layout (its segments,
+shared prefixes, cached keys), so it runs eagerly between replays on the pass's own
+``AttentionMeta``; everything else depends on the row count alone.
+
+    piece 0: embedding; block 0's norm, q/k/v, rotary             -> Q, K, V (static buffers)
+    attention of block 0, eager, on the pass's meta               -> O (static buffer)
+    piece 1: block 0's out-projection, residual, MLP; block 1's norm, q/k/v, rotary -> Q, K, V
+    ...
+    piece L: block L-1's out-projection, residual, MLP; the final norm  -> hidden [bucket, H]
+
+A pass of T rows fills rows 0..T-1 of the static ids and positions; rows T..bucket-1 are padding
+(an earlier pass's ids and positions) that no real row reads: outside attention every row is
+computed from itself alone. In deterministic mode the products are fixed row tiles of
+``Deterministic.cuda_tile`` rows whatever T is, so a replay is bitwise the eager pass
+(tests/test_graphs.py on CPU through an emulated capture, tests/test_graphs_gpu.py on CUDA).
+
+Not captured (the pass runs eagerly): hooks, images, tensor-parallel ranks (their collectives),
+models whose caps say no (mixtures of experts, the hybrid families), passes over
+``EngineConfig.cuda_graph_tokens`` rows. A capture that fails turns graphs off for the engine
+with one warning. New weights copied in place keep the graphs; weights moved to new memory (a
+fresh load into the same model) drop them (``GraphRunner.check_weights``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import astuple, dataclass
+from functools import partial
+
+import torch
+
+from ..layers.attention import AttentionMeta, packed_attention
+
+# the sizes a pass pads to: fine where small passes cluster (one sample over its cached prompt)
+BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+def graph_bucket(rows: int, limit: int) -> int | None:
+    """The captured row count a pass of ``rows`` rows pads to: the smallest bucket that holds it,
+    never over ``limit`` (``EngineConfig.cuda_graph_tokens``); None: the pass runs eagerly.
+
+    >>> [graph_bucket(n, 2048) for n in (1, 16, 17, 300, 416, 2048, 2049, 0)]
+    [16, 16, 32, 384, 512, 2048, None, None]
+    >>> graph_bucket(900, 1000), graph_bucket(5000, 8192)   # the limit itself, not past the buckets
+    (1000, None)
+    """
+    if rows < 1 or rows > limit:
+        return None
+    bucket = next((b for b in BUCKETS if b >= rows), None)
+    return None if bucket is None else min(bucket, limit)
+
+
+class CudaGraphs:
+    """Real capture: ``torch.cuda.CUDAGraph`` pieces sharing one memory pool (they replay in the
+    order they were captured, so a later piece may reuse an earlier one's dead intermediates),
+    captured on a side stream. ``thread_local``: another thread's CUDA calls (the server's, the
+    host overlap's copies) do not spoil a capture."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def capturing(self):
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+    def begin(self) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        return graph
+
+    def end(self, graph: torch.cuda.CUDAGraph) -> torch.cuda.CUDAGraph:
+        graph.capture_end()
+        return graph
+
+    def abort(self, graph: torch.cuda.CUDAGraph) -> None:
+        with contextlib.suppress(RuntimeError):  # an invalidated capture ends with an error
+            graph.capture_end()
+
+
+@dataclass(slots=True)
+class Cut:
+    """One attention call between two pieces: its static inputs and output, and its arguments."""
+
+    q: torch.Tensor  # [bucket, Hq, D]
+    k: torch.Tensor  # [bucket, Hkv, D]
+    v: torch.Tensor  # [bucket, Hkv, Dv]
+    out: torch.Tensor  # [bucket, Hq, Dv]
+    args: tuple  # (layer, scale, sliding_window, sinks, bidirectional)
+
+
+class BucketGraph:
+    """The model's forward at one row count, captured as pieces cut at attention (module docstring)."""
+
+    def __init__(self, bucket: int, positions: torch.Tensor, device: torch.device) -> None:
+        self.bucket = bucket
+        self.ids = torch.zeros(bucket, dtype=torch.long, device=device)
+        # [..., bucket]: a multimodal rotary's [3, T] as well; arange, so the padding is valid
+        shape = (*positions.shape[:-1], bucket)
+        self.positions = torch.arange(bucket, device=device).to(positions.dtype).expand(shape).contiguous()
+        self.pieces: list = []
+        self.cuts: list[Cut] = []
+        self.hidden: torch.Tensor | None = None
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._backend = None
+        self._piece = None
+
+    def capture(self, model, kv_block: int | None, backend) -> None:
+        """One eager pass at this size first (kernels compiled and tuned, libraries' handles made
+        on the capture stream, the static buffers allocated: an allocation while capturing would
+        be zeroed again by every replay), then the capture."""
+        self._backend = backend
+        with backend.capturing():
+            warm = AttentionMeta.packed([self.bucket], kv_block)
+            warm.graph_cut = partial(self._probe, AttentionMeta.packed([self.bucket], kv_block))
+            model(self.ids, self.positions, warm)
+            meta = AttentionMeta.packed([self.bucket], kv_block)
+            meta.graph_cut = self._cut
+            self._piece = backend.begin()
+            try:
+                self.hidden = model(self.ids, self.positions, meta)  # [bucket, H], kept: the pool's
+                self.pieces.append(backend.end(self._piece))
+            except BaseException:
+                backend.abort(self._piece)
+                raise
+            finally:
+                self._piece = None
+
+    def _probe(self, meta: AttentionMeta, q, k, v, *args) -> torch.Tensor:
+        """The warm-up's attention: the buffers its cuts will need, then the attention itself."""
+        for role, x in (("q", q), ("k", k), ("v", v)):
+            self._buffer(role, x.shape, x.dtype, make=True)
+        out = packed_attention(q, k, v, meta, *args)
+        self._buffer("out", out.shape, out.dtype, make=True)
+        return out
+
+    def _cut(self, q, k, v, layer, scale, sliding_window, sinks, bidirectional) -> torch.Tensor:
+        """Called by ``packed_attention`` while capturing: q, k, v copied into static buffers at the
+        end of this piece, the next piece begun, which reads the attention output from ``out``."""
+        sq, sk, sv = (self._buffer(role, x.shape, x.dtype) for role, x in (("q", q), ("k", k), ("v", v)))
+        sq.copy_(q)
+        sk.copy_(k)
+        sv.copy_(v)
+        self.pieces.append(self._backend.end(self._piece))
+        self._piece = self._backend.begin()
+        out = self._buffer("out", (q.shape[0], q.shape[1], v.shape[2]), q.dtype)
+        self.cuts.append(Cut(sq, sk, sv, out, (layer, scale, sliding_window, sinks, bidirectional)))
+        return out
+
+    def _buffer(self, role: str, shape, dtype: torch.dtype, make: bool = False) -> torch.Tensor:
+        """One buffer per role, shape and dtype, shared by every cut: cut i's inputs are read before
+        piece i + 1 writes cut i + 1's, and its output read by piece i + 1 before cut i + 1 writes.
+        Made in the warm-up (``make``), zeros: the padding rows of ``out`` are never undefined."""
+        key = (role, tuple(shape), dtype)
+        if key not in self._buffers:
+            if not make:
+                raise RuntimeError(f"attention {role} of shape {tuple(shape)} met while capturing, not in the warm-up")
+            self._buffers[key] = torch.zeros(shape, dtype=dtype, device=self.ids.device)
+        return self._buffers[key]
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """The pass's final hidden rows [T, H], a tensor of its own (the static one is the next
+        replay's). Cached keys and values (``meta.cache``) are copies too: the cache keeps them."""
+        T = ids.shape[0]
+        self.ids[:T].copy_(ids)
+        self.positions[..., :T].copy_(positions)
+        for piece, cut in zip(self.pieces, [*self.cuts, None]):
+            piece.replay()
+            if cut is None:
+                break
+            q, k, v = cut.q[:T], cut.k[:T], cut.v[:T]
+            if meta.cache is not None:
+                k, v = k.clone(), v.clone()
+            cut.out[:T].copy_(packed_attention(q, k, v, meta, *cut.args))
+        return self.hidden[:T].clone()
+
+
+class GraphRunner:
+    """One engine's captured buckets, keyed by the numerics they were captured under."""
+
+    def __init__(self, model, limit: int, device: torch.device, backend=None) -> None:
+        self.model = model
+        self.limit = limit
+        self.device = device
+        self.backend = backend if backend is not None else CudaGraphs(device)
+        self.graphs: dict[tuple, BucketGraph] = {}
+        self.captures = 0  # buckets captured (a test's and the bench's count)
+        self.replays = 0
+        self.failed: str | None = None  # why graphs are off for this engine, after a failed capture
+        self._weights = self._weights_key()
+
+    @staticmethod
+    def for_engine(model, config, device: torch.device) -> GraphRunner | None:
+        """The engine's runner, or None: graphs need CUDA, ``config.cuda_graph_tokens`` > 0 and a
+        model that says it can be captured (``cuda_graphs``: one rank, no host reads in its forward)."""
+        if device.type != "cuda" or config.cuda_graph_tokens == 0 or not getattr(model, "cuda_graphs", False):
+            return None
+        return GraphRunner(model, config.cuda_graph_tokens, device)
+
+    def takes(self, rows: int, hooks, images) -> bool:
+        """Whether a pass of ``rows`` rows replays graphs."""
+        return (self.failed is None and hooks is None and images is None
+                and graph_bucket(rows, self.limit) is not None)
+
+    def check_weights(self) -> None:
+        """Drop the graphs when a weight or buffer no longer lives where they read it (a call's start)."""
+        key = self._weights_key()
+        if key != self._weights:
+            self.graphs.clear()
+            self._weights = key
+
+    def _weights_key(self) -> tuple:
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta, numerics) -> torch.Tensor:
+        bucket = graph_bucket(ids.shape[0], self.limit)
+        key = (bucket, tuple(positions.shape[:-1]), positions.dtype, astuple(numerics))
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = BucketGraph(bucket, positions, self.device)
+            try:
+                graph.capture(self.model, meta.kv_block, self.backend)
+            except Exception as e:  # noqa: BLE001 - any failure: eager passes from now on, said once
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"CUDA graphs are off for this model: capturing a {bucket}-row pass failed "
+                              f"({self.failed}); passes run eagerly (same numbers)", stacklevel=3)
+                return self.model(ids, positions, meta)
+            self.graphs[key] = graph
+            self.captures += 1
+        self.replays += 1
+        return graph.replay(ids, positions, meta)
