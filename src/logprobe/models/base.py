@@ -118,7 +118,14 @@ class ScoringModel(NumericsUser, nn.Module):
     router_points: frozenset[str] = frozenset()  # capture-only points (MoE: blocks.l.router)
     deepstack_layers = 0  # blocks after which image features are added at the image rows (Qwen3-VL)
     triton_elementwise = True  # see use_triton_elementwise
-    cuda_graphs = False  # whether a pass may replay as CUDA graphs (engine.graphs); see LlamaModel
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether a pass may replay as CUDA graphs (``engine.graphs``): on one rank (a rank's
+        collectives are not captured). A family whose forward carries state from pass to pass says
+        no (the hybrids' linear-attention states); one that reads the GPU on the host while
+        capturing is found out by the capture, and runs eagerly."""
+        return not self.ctx.parallel
 
     def check_hooks(self, hooks: Hooks) -> None:
         """Refuse hooks at points this model does not have: a router point of a dense block (it

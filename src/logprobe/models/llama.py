@@ -204,9 +204,8 @@ class LlamaModel(ScoringModel):
 
     @property
     def cuda_graphs(self) -> bool:
-        """Whether a pass may replay as CUDA graphs (``engine.graphs``): on one rank (a rank's
-        collectives are not captured) and without LongRoPE, whose length check reads the positions
-        on the host. Mixtures of experts say no (``models.moe``)."""
+        """``ScoringModel.cuda_graphs``, and not under LongRoPE, whose length check reads the
+        positions on the host."""
         return not self.ctx.parallel and self.rotary.max_positions is None
 
     def make_rotary(self, freq_factors: torch.Tensor | None = None) -> RotaryEmbedding:

@@ -40,7 +40,6 @@ class MoeModel(LlamaModel):
     """``LlamaModel`` whose blocks (all but ``cfg.moe.dense_layers``) route each token to experts."""
 
     caps = ModelCaps(context=True, hooks=True, tensor_parallel=True)
-    cuda_graphs = False  # routing sizes its expert tiles per pass: not captured (engine.graphs)
 
     def __init__(self, cfg: LlamaConfig, rope_freq_factors=None, ctx: ParallelContext | None = None) -> None:
         super().__init__(cfg, rope_freq_factors, ctx)
