@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import GiB, MODELS, free, log, workload
+from common import MODELS, GiB, free, log, workload
 
 from logprobe import EngineConfig, Scorer
 from logprobe.loading import load_model
@@ -108,8 +108,6 @@ def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
                captures=g.captures if g else 0, replays=g.replays if g else 0,
                failed=g.failed if g else None)
     s.close()
-    del s, eng
-    free()
     return out
 
 
@@ -139,7 +137,9 @@ def main() -> None:
         for mode in args.modes.split(","):
             det = mode == "det"
             eager = one_mode(loaded, reqs, args, det, 0)
+            free()
             graphed = one_mode(loaded, reqs, args, det, EngineConfig().cuda_graph_tokens)
+            free()
             diff = max(float((a.float() - b.float()).abs().max()) for a, b in
                        zip(eager["single_results"], graphed["single_results"]))
             for name, r in (("off", eager), ("on", graphed)):

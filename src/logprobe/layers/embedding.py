@@ -38,3 +38,15 @@ class VocabParallelEmbedding(RowShard, nn.Module):
         rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [T, H]
         out = torch.where(owned[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
         return self.ctx.all_reduce_sum(out)
+
+
+def scaled(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x * value`` with ``value`` rounded to float32, then to x's dtype, first (transformers'
+    scaled embeddings: sqrt(hidden) as a float32 tensor cast to the weight dtype; bf16 sqrt(2560) =
+    50.596 -> 50.5), the factor made on x's device: no host-to-device copy, which a CUDA graph
+    capture refuses (``engine.graphs``).
+
+    >>> scaled(torch.ones(2, dtype=torch.bfloat16), 2560 ** 0.5).tolist()
+    [50.5, 50.5]
+    """
+    return x * torch.full((), value, dtype=torch.float32, device=x.device).to(x.dtype)

@@ -52,6 +52,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.embedding import scaled
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
@@ -293,10 +294,7 @@ class GemmaModel(ScoringModel):
         if hooks is not None:
             self.check_hooks(hooks)
         h = self.embed_tokens(input_ids)  # [T, H]
-        # transformers' Gemma3TextScaledWordEmbedding: sqrt(hidden) as a float32 tensor cast to the
-        # weight dtype (bf16: sqrt(2560) = 50.596 -> 50.5), then one product
-        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(h.dtype)
-        h = h * scale.to(h.device)
+        h = scaled(h, self.config.hidden_size ** 0.5)  # transformers' Gemma3TextScaledWordEmbedding
         if images is not None:
             rows, embeds = images
             h = h.index_copy(0, rows, embeds.to(h.dtype))

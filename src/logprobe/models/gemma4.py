@@ -65,7 +65,7 @@ from torch import nn
 from ..errors import LogprobeError
 from ..layers.activation import row_invariant
 from ..layers.attention import AttentionMeta, packed_attention
-from ..layers.embedding import VocabParallelEmbedding
+from ..layers.embedding import VocabParallelEmbedding, scaled
 from ..layers.hooks import Hooks
 from ..layers.linear import Linear, fuse_linears
 from ..layers.logprob_head import HeadParams
@@ -407,7 +407,7 @@ class Gemma4Model(ScoringModel):
         cfg = self.config
         L, P = cfg.num_layers, cfg.ple_dim
         e = self.embed_tokens_per_layer(ids)
-        e = e * torch.tensor(P ** 0.5, dtype=torch.float32).to(e.dtype).to(e.device)  # [T, L * P]
+        e = scaled(e, P ** 0.5)  # [T, L * P]
         proj = self.per_layer_model_projection(h0) * cfg.hidden_size ** -0.5  # [T, L * P]
         proj = self.per_layer_projection_norm(proj.reshape(-1, L, P))  # [T, L, P]
         return (proj + e.reshape(-1, L, P)) * 2.0 ** -0.5
@@ -421,7 +421,7 @@ class Gemma4Model(ScoringModel):
         if hooks is not None:
             self.check_hooks(hooks)
         h = self.embed_tokens(input_ids)  # [T, H]
-        h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(h.dtype).to(h.device)
+        h = scaled(h, self.config.hidden_size ** 0.5)
         ple_ids = input_ids
         if images is not None:
             rows, embeds = images
