@@ -14,9 +14,11 @@ calls under torch.profiler, divided by the same calls' wall time without it. Eac
 (the default) and without (``cuda_graph_tokens=0``), in default and deterministic mode; every
 number of a graphed way against the eager way's (max |diff|; deterministic: bitwise). Targets
 (docs/perf.md): one request per call within 1.1x of the one batch, a cached single call >= 80% busy.
+"captures (s)": buckets captured and their time (each bucket's first pass; warm-up passes included).
 
     python bench/gpu_small_passes.py                                  # llama-8b shape, one H200
     python bench/gpu_small_passes.py --shape llama-1b --modes default
+    python bench/gpu_small_passes.py --shape qwen3-30b-a3b --modes default       # a mixture of experts
     python bench/gpu_small_passes.py --shape tiny --device cpu --limit 24 --profile-calls 4   # CPU smoke
 """
 
@@ -38,6 +40,16 @@ from logprobe.loading import load_model
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-5)
+# mixtures of experts (transformers config class, kwargs): Qwen3-30B-A3B's shape, and a tiny one
+MOE = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                             intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                             num_experts_per_tok=8, norm_topk_prob=True)),
+    "tiny-moe": ("Qwen3MoeConfig", dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
+}
 
 
 def write_config(shape: str, path: str) -> None:
@@ -45,8 +57,14 @@ def write_config(shape: str, path: str) -> None:
     import transformers as tf
     from common import byte_tokenizer
 
-    kw = TINY if shape == "tiny" else MODELS[shape]
-    tf.LlamaConfig(**kw, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16").save_pretrained(path)
+    if shape in MOE:
+        cls, kw = MOE[shape]
+        cfg = getattr(tf, cls)(**kw, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+    else:
+        kw = TINY if shape == "tiny" else MODELS[shape]
+        cfg = tf.LlamaConfig(**kw, bos_token_id=1, eos_token_id=2)
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
 
 
@@ -105,7 +123,8 @@ def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
     g = eng.graphs
     out = dict(batch=batch_s, single=single_s, packed=packed_s, call_ms=wall / len(calls) * 1e3,
                busy=None if kern is None else kern / wall, single_results=[x.logprobs for x in single],
-               captures=g.captures if g else 0, replays=g.replays if g else 0,
+               captures=g.captures if g else 0, capture_s=g.capture_seconds if g else 0.0,
+               replays=g.replays if g else 0,
                failed=g.failed if g else None)
     s.close()
     return out
@@ -113,7 +132,7 @@ def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="llama-8b", choices=["tiny", *MODELS])
+    p.add_argument("--shape", default="llama-8b", choices=["tiny", *MODELS, *MOE])
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="default,det")
     p.add_argument("--per-call", type=int, default=16)
@@ -132,7 +151,7 @@ def main() -> None:
         reqs = workload("W1", loaded.model.config.vocab_size)[:args.limit]
         log(f"W1: {len(reqs)} requests, {sum(len(r.tokens) for r in reqs):,} ids")
         log("| mode | graphs | one batch s | one per call s (×) | "
-            f"{args.per_call} per call s (×) | cached single call ms | GPU busy | captures | max |diff| vs eager |")
+            f"{args.per_call} per call s (×) | cached single call ms | GPU busy | captures (s) | max |diff| vs eager |")
         log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for mode in args.modes.split(","):
             det = mode == "det"
@@ -148,7 +167,7 @@ def main() -> None:
                 note = f" (failed: {r['failed']})" if r["failed"] else ""
                 log(f"| {mode} | {name}{note} | {r['batch']:.2f} | {r['single']:.2f} ({r['single'] / r['batch']:.2f}×) | "
                     f"{r['packed']:.2f} ({r['packed'] / r['batch']:.2f}×) | {r['call_ms']:.1f} | {busy} | "
-                    f"{r['captures']} | {d} |")
+                    f"{r['captures']} ({r['capture_s']:.1f}) | {d} |")
 
 
 if __name__ == "__main__":

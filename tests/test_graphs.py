@@ -249,6 +249,21 @@ def test_weights_moved_drop_the_graphs(llama):
     assert not torch.equal(in_place[0].logprobs, moved[0].logprobs)
 
 
+def test_warmup_captures_every_bucket(llama):
+    """``Scorer.warmup`` (``logprobe warmup``, ``serve --warmup``) captures every bucket up to the
+    limit, so a first small request replays at once; its report counts them."""
+    path, _ = llama
+    s = _graphed(path, limit=100, deterministic=True)
+    report = s.warmup()
+    g = s.engine.graphs
+    # the buckets up to the limit 100: 16, 32, 64 and the limit itself; the rounds' passes took some
+    assert sorted(k[0] for k in g.graphs) == [16, 32, 64, 100] and g.captures == 4
+    assert 1 <= report["graphs"] <= 4 and "graphs" in report["rounds"]
+    assert s.engine.prepare_graphs() == 0  # nothing left
+    s.logprobs(random_sequences(2, seed=9, max_prompt=20, max_completion=20))
+    assert g.captures == 4 and g.capture_seconds > 0
+
+
 def test_passes_that_stay_eager(llama):
     path, _ = llama
     g = _graphed(path, limit=32).engine.graphs

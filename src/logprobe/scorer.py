@@ -347,8 +347,11 @@ class Scorer:
         to the tuning cache (``EngineConfig.tuning_cache``), so later processes start warm too.
         Returns seconds per round and in all, and the kernel choices recorded::
 
-            {"rounds": {"full": 41.2, "small": 0.3, "shared": 0.4, "long": 1.1}, "seconds": 43.0,
-             "tokens": 41123, "tuned": 14}
+            {"rounds": {"full": 41.2, "small": 0.3, "shared": 0.4, "long": 1.1, "graphs": 2.1},
+             "seconds": 45.1, "tokens": 41123, "tuned": 14, "graphs": 14}
+
+        ``graphs``: the small-pass buckets captured as CUDA graphs (``EngineConfig.cuda_graph_tokens``;
+        0 on CPU or without them), so that no first small request waits for a capture.
         """
         engine = getattr(self.engine, "inner", self.engine)  # not through the result cache
         rounds = warmup_rounds(self.info.vocab_size, self.config.max_batch_tokens, self.device.type)
@@ -357,11 +360,18 @@ class Scorer:
             t0 = time.perf_counter()
             engine.run(requests, progress=False)
             seconds[name] = round(time.perf_counter() - t0, 3)
+        graphs = 0
+        if hasattr(engine, "prepare_graphs"):  # every small-pass bucket captured (engine.graphs)
+            t0 = time.perf_counter()
+            graphs = engine.prepare_graphs()
+            if graphs:
+                seconds["graphs"] = round(time.perf_counter() - t0, 3)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         tuning = getattr(engine, "tuning", None)
         return {"rounds": seconds, "seconds": round(time.perf_counter() - start, 3),
-                "tokens": warmup_tokens(rounds), "tuned": tuning.tuned if tuning is not None else 0}
+                "tokens": warmup_tokens(rounds), "tuned": tuning.tuned if tuning is not None else 0,
+                "graphs": graphs}
 
     def _bump(self, weight_version: str | None, kept: tuple[str, ...] = ()) -> int:
         self.kept_buffers = kept

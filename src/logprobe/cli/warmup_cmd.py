@@ -40,5 +40,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     rounds = ", ".join(f"{k} {v:.2f} s" for k, v in report["rounds"].items())
     print(f"logprobe: warmed {report['model']} ({report['device']}, {report['dtype']}, budget "
           f"{report['max_batch_tokens']}): load {load:.2f} s, warm-up {report['seconds']:.2f} s ({rounds}); "
-          f"{report['tuned']} kernel choices recorded", file=sys.stderr)
+          f"{report['tuned']} kernel choices recorded"
+          + (f", {report['graphs']} CUDA graphs captured (this process's)" if report.get("graphs") else ""),
+          file=sys.stderr)
     return 0

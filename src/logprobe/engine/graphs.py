@@ -29,6 +29,7 @@ fresh load into the same model) drop them (``GraphRunner.check_weights``).
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from dataclasses import astuple, dataclass
 from functools import partial
@@ -196,6 +197,7 @@ class GraphRunner:
         self.backend = backend if backend is not None else CudaGraphs(device)
         self.graphs: dict[tuple, BucketGraph] = {}
         self.captures = 0  # buckets captured (a test's and the bench's count)
+        self.capture_seconds = 0.0  # their time, warm-up passes included (first-score accounting)
         self.replays = 0
         self.failed: str | None = None  # why graphs are off for this engine, after a failed capture
         self._weights = self._weights_key()
@@ -224,19 +226,38 @@ class GraphRunner:
         return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta, numerics) -> torch.Tensor:
-        bucket = graph_bucket(ids.shape[0], self.limit)
-        key = (bucket, tuple(positions.shape[:-1]), positions.dtype, astuple(numerics))
-        graph = self.graphs.get(key)
+        graph = self._graph(graph_bucket(ids.shape[0], self.limit), positions, meta.kv_block, numerics)
         if graph is None:
-            graph = BucketGraph(bucket, positions, self.device)
-            try:
-                graph.capture(self.model, meta.kv_block, self.backend)
-            except Exception as e:  # noqa: BLE001 - any failure: eager passes from now on, said once
-                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"CUDA graphs are off for this model: capturing a {bucket}-row pass failed "
-                              f"({self.failed}); passes run eagerly (same numbers)", stacklevel=3)
-                return self.model(ids, positions, meta)
-            self.graphs[key] = graph
-            self.captures += 1
+            return self.model(ids, positions, meta)
         self.replays += 1
         return graph.replay(ids, positions, meta)
+
+    def prepare(self, numerics) -> int:
+        """Capture every bucket up to the limit for text passes (``Scorer.warmup``), so that no
+        first small pass waits for its capture; returns how many were captured now."""
+        before = self.captures
+        positions = torch.zeros(1, dtype=torch.long)
+        for bucket in sorted({min(b, self.limit) for b in BUCKETS if b <= self.limit} | {self.limit}):
+            if self._graph(bucket, positions, numerics.attention_block, numerics) is None:
+                break
+        return self.captures - before
+
+    def _graph(self, bucket: int, positions: torch.Tensor, kv_block: int | None, numerics) -> BucketGraph | None:
+        """The bucket's graphs, captured now if they are not yet; None once a capture failed."""
+        key = (bucket, tuple(positions.shape[:-1]), positions.dtype, astuple(numerics))
+        graph = self.graphs.get(key)
+        if graph is not None or self.failed is not None:
+            return graph
+        graph, start = BucketGraph(bucket, positions, self.device), time.perf_counter()
+        try:
+            graph.capture(self.model, kv_block, self.backend)
+        except Exception as e:  # noqa: BLE001 - any failure: eager passes from now on, said once
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"CUDA graphs are off for this model: capturing a {bucket}-row pass failed "
+                          f"({self.failed}); passes run eagerly (same numbers)", stacklevel=4)
+            return None
+        finally:
+            self.capture_seconds += time.perf_counter() - start
+        self.graphs[key] = graph
+        self.captures += 1
+        return graph

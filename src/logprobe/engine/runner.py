@@ -599,6 +599,19 @@ class Engine:
         with self.tuning.mode(self.numerics.deterministic):
             return self._call_model(packed)
 
+    @torch.no_grad()
+    def prepare_graphs(self) -> int:
+        """Capture the CUDA graphs of every small-pass bucket now, under this config's numerics
+        (``engine.graphs``; ``Scorer.warmup``); returns how many were captured (0 without graphs)."""
+        if self.graphs is None:
+            return 0
+        if isinstance(self.model, NumericsUser):
+            self.model.set_numerics(self.numerics)
+        if self.tuning is None:
+            return self.graphs.prepare(self.numerics)
+        with self.tuning.mode(self.numerics.deterministic):
+            return self.graphs.prepare(self.numerics)
+
     def _call_model(self, packed: PackedBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.takes(packed.input_ids.shape[-1], packed.hooks, packed.images):
             return self.graphs(packed.input_ids, packed.positions, packed.meta, self.numerics)
