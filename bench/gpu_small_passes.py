@@ -12,7 +12,8 @@ the GPU (``--shape``, ``load_format="dummy"``, bf16), with the prefix cache, thr
 then the GPU's busy share of a cached single call: kernel time over ``--profile-calls`` single
 calls under torch.profiler, divided by the same calls' wall time without it. Each with CUDA graphs
 (the default) and without (``cuda_graph_tokens=0``), in default and deterministic mode; every
-number of a graphed way against the eager way's (max |diff|; deterministic: bitwise). Targets
+number of a graphed way against the eager way's (max |diff|; deterministic: bitwise), and, as the
+scale of default mode's own rounding, each way's one batch against its single calls. Targets
 (docs/perf.md): one request per call within 1.1x of the one batch, a cached single call >= 80% busy.
 "captures (s)": buckets captured and their time (each bucket's first pass; warm-up passes included).
 
@@ -70,7 +71,7 @@ def write_config(shape: str, path: str) -> None:
 
 def git_rev() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
-    return r.stdout.strip() or os.environ.get("LOGPROBE_COMMIT", "unknown")  # a copy without .git: the caller says
+    return os.environ.get("LOGPROBE_COMMIT") or r.stdout.strip() or "unknown"  # a copy's .git may be stale
 
 
 def sync(device: str) -> None:
@@ -104,7 +105,7 @@ def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
     eng = s.engine
     eng.run(reqs[:16])  # warm: kernels compiled, graphs of the common buckets captured
     s.prefix_cache.clear()
-    batch_s, _ = timed(args.device, lambda: eng.run(reqs))
+    batch_s, batch = timed(args.device, lambda: eng.run(reqs))
     s.prefix_cache.clear()
     single_s, single = timed(args.device, lambda: [eng.run([r])[0] for r in reqs])
     s.prefix_cache.clear()
@@ -123,6 +124,7 @@ def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
     g = eng.graphs
     out = dict(batch=batch_s, single=single_s, packed=packed_s, call_ms=wall / len(calls) * 1e3,
                busy=None if kern is None else kern / wall, single_results=[x.logprobs for x in single],
+               batch_gap=max(float((a.logprobs.float() - b.logprobs.float()).abs().max()) for a, b in zip(batch, single)),
                captures=g.captures if g else 0, capture_s=g.capture_seconds if g else 0.0,
                replays=g.replays if g else 0,
                failed=g.failed if g else None)
@@ -151,8 +153,8 @@ def main() -> None:
         reqs = workload("W1", loaded.model.config.vocab_size)[:args.limit]
         log(f"W1: {len(reqs)} requests, {sum(len(r.tokens) for r in reqs):,} ids")
         log("| mode | graphs | one batch s | one per call s (×) | "
-            f"{args.per_call} per call s (×) | cached single call ms | GPU busy | captures (s) | max |diff| vs eager |")
-        log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            f"{args.per_call} per call s (×) | cached single call ms | GPU busy | captures (s) | max |diff| vs eager | max |diff| one batch vs one per call |")
+        log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for mode in args.modes.split(","):
             det = mode == "det"
             eager = one_mode(loaded, reqs, args, det, 0)
@@ -167,7 +169,7 @@ def main() -> None:
                 note = f" (failed: {r['failed']})" if r["failed"] else ""
                 log(f"| {mode} | {name}{note} | {r['batch']:.2f} | {r['single']:.2f} ({r['single'] / r['batch']:.2f}×) | "
                     f"{r['packed']:.2f} ({r['packed'] / r['batch']:.2f}×) | {r['call_ms']:.1f} | {busy} | "
-                    f"{r['captures']} ({r['capture_s']:.1f}) | {d} |")
+                    f"{r['captures']} ({r['capture_s']:.1f}) | {d} | {r['batch_gap']:.3g} |")
 
 
 if __name__ == "__main__":
