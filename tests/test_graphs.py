@@ -355,3 +355,20 @@ def test_every_family(request):
     print(seen)
     for label, how in seen.items():
         assert how == "replayed" or (label in moe and "host read" in how), (label, how)
+
+
+def test_cli_option(monkeypatch, capsys):
+    """``--cuda-graph-tokens N`` reaches the engine config; a bad value is one line, exit 2, before
+    any model loads."""
+    import argparse
+
+    from logprobe.cli import main as cli
+    from logprobe.cli.common import ScorerOptions, model_parser
+    from logprobe.cli.main import main
+
+    args = argparse.ArgumentParser(parents=[model_parser()]).parse_args(["--cuda-graph-tokens", "0"])
+    assert ScorerOptions.from_args(args).engine_config().cuda_graph_tokens == 0
+    monkeypatch.setattr(cli, "get_scorer", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(["score", "a", "b", "--cuda-graph-tokens", "-3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("logprobe: error: cuda_graph_tokens")

@@ -36,8 +36,8 @@ class ScorerOptions:
     >>> args = argparse.ArgumentParser(parents=[model_parser()]).parse_args(
     ...     ["--deterministic", "--no-tp-invariant", "--quiet", "--max-batch-tokens", "64"])
     >>> config = ScorerOptions.from_args(args).engine_config()
-    >>> config.max_batch_tokens, config.progress, config.deterministic.tp_invariant
-    (64, False, False)
+    >>> config.max_batch_tokens, config.progress, config.deterministic.tp_invariant, config.cuda_graph_tokens
+    (64, False, False, 2048)
     """
 
     model: str | None = None
@@ -53,6 +53,7 @@ class ScorerOptions:
     prefix_cache: bool | int | None = None  # --prefix-cache [BYTES]: engine.prefix_cache
     expert_parallel_size: int | None = None  # --ep M: experts in M groups over the ranks (None: the default)
     attention_parallel: str | None = None  # --attention-parallel data|tensor (None: the model's default)
+    cuda_graph_tokens: int = 2048  # --cuda-graph-tokens N: small passes as CUDA graphs (0: off)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ScorerOptions:
@@ -60,24 +61,26 @@ class ScorerOptions:
                              args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
                              False if getattr(args, "quiet", False) else None, getattr(args, "cache", None),
                              getattr(args, "prefix_cache", None), getattr(args, "expert_parallel_size", None),
-                             getattr(args, "attention_parallel", None))
+                             getattr(args, "attention_parallel", None), getattr(args, "cuda_graph_tokens", 2048))
 
     def engine_config(self) -> EngineConfig:
         """The engine's config (validated here, before any slow load)."""
         deterministic = Deterministic(tp_invariant=self.tp_invariant) if self.deterministic else None
         return EngineConfig(max_batch_tokens=self.max_batch_tokens, deterministic=deterministic,
-                            progress=self.progress)
+                            progress=self.progress, cuda_graph_tokens=self.cuda_graph_tokens)
 
 
 def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "auto",
                max_batch_tokens: int | None = None, deterministic: bool = False, tensor_parallel_size: int = 1,
                data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None,
                cache: str | None = None, prefix_cache: bool | int | None = None,
-               expert_parallel_size: int | None = None, attention_parallel: str | None = None) -> Scorer:
+               expert_parallel_size: int | None = None, attention_parallel: str | None = None,
+               cuda_graph_tokens: int = 2048) -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
     (parallel scorers own worker processes and are not cached)."""
     config = ScorerOptions(model, device, dtype, max_batch_tokens, deterministic, tensor_parallel_size,
-                           data_parallel_size, tp_invariant, progress).engine_config()
+                           data_parallel_size, tp_invariant, progress,
+                           cuda_graph_tokens=cuda_graph_tokens).engine_config()
     if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size not in (None, 1):
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size, cache=cache, prefix_cache=prefix_cache,
@@ -140,6 +143,10 @@ def model_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
                    help="with --deterministic: bitwise repeatable at this tensor-parallel size only, not the same bits "
                         "at every size (cheaper; see docs/perf.md)")
+    g.add_argument("--cuda-graph-tokens", type=int, default=2048, metavar="N",
+                   help="on CUDA, passes of at most N rows replay CUDA graphs captured per size (the host's "
+                        "launches off the critical path; same numbers, bitwise with --deterministic); 0: off "
+                        "(default: %(default)s)")
     g.add_argument("--cache", default=None, metavar="DIR",
                    help="a persistent result cache (SQLite in DIR): requests scored before under the same weights, "
                         "tokenizer, dtype, device kind, deterministic mode and options are answered from it "
