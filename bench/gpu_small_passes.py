@@ -9,7 +9,9 @@ the GPU (``--shape``, ``load_format="dummy"``, bf16), with the prefix cache, thr
 3. ``--per-call`` requests per call in a shuffled order (what a batching server takes from its
    queue): wall, × the one batch;
 
-then the GPU's busy share of a cached single call: kernel time over ``--profile-calls`` single
+(``--server``: 4. one SGLang ``/generate`` request per sample, ``--in-flight`` outstanding, through the
+real app on uvicorn, the client in a process of its own: × the library's one batch), then the GPU's
+busy share of a cached single call: kernel time over ``--profile-calls`` single
 calls under torch.profiler, divided by the same calls' wall time without it. Each with CUDA graphs
 (the default) and without (``cuda_graph_tokens=0``), in default and deterministic mode; every
 number of a graphed way against the eager way's (max |diff|; deterministic: bitwise), and, as the
@@ -20,6 +22,7 @@ scale of default mode's own rounding, each way's one batch against its single ca
     python bench/gpu_small_passes.py                                  # llama-8b shape, one H200
     python bench/gpu_small_passes.py --shape llama-1b --modes default
     python bench/gpu_small_passes.py --shape qwen3-30b-a3b --modes default       # a mixture of experts
+    python bench/gpu_small_passes.py --shape llama-8b --modes default --server   # and through the server
     python bench/gpu_small_passes.py --shape tiny --device cpu --limit 24 --profile-calls 4   # CPU smoke
 """
 
@@ -99,6 +102,64 @@ def kernel_seconds(device: str, fn) -> float | None:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 
+# an RL framework's async client, in a process of its own (stdlib only: its JSON work and sockets must
+# not share the server's interpreter lock): argv = url, bodies.json, requests outstanding; prints seconds
+CLIENT = r"""
+import concurrent.futures, json, sys, time, urllib.request
+url, bodies, flight = sys.argv[1], json.load(open(sys.argv[2])), int(sys.argv[3])
+def send(body):
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        assert r.status == 200, r.status
+        return len(json.loads(r.read())["meta_info"]["input_token_logprobs"])
+with concurrent.futures.ThreadPoolExecutor(flight) as pool:
+    t = time.perf_counter()
+    n = sum(pool.map(send, bodies))
+print(time.perf_counter() - t, n)
+"""
+
+
+def through_server(loaded, reqs, args, graphs: int) -> float:
+    """W1 as one SGLang ``/generate`` request per sample (``logprob_start_len`` at the response),
+    ``--in-flight`` outstanding, through the real app on uvicorn (the server's batcher packs what is
+    queued into one engine call): wall seconds, the client's."""
+    import json
+    import socket
+    import sys
+    import threading
+
+    import uvicorn
+
+    from logprobe.server import ServerConfig, create_app
+
+    s = Scorer(loaded, config=EngineConfig(cuda_graph_tokens=graphs), prefix_cache=True)
+    s.engine.run(reqs[:16])  # warm, as the library ways
+    s.prefix_cache.clear()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(s, ServerConfig()), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        bodies = [{"input_ids": r.tokens, "return_logprob": True, "logprob_start_len": r.score_begin - 1,
+                   "sampling_params": {"max_new_tokens": 0}} for r in reqs]
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(bodies, f)
+        out = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", f.name, str(args.in_flight)],
+                             capture_output=True, text=True, check=True).stdout.split()
+        if int(out[1]) < sum(len(r.tokens) - r.score_begin for r in reqs):
+            raise SystemExit(f"the server answered {out[1]} log-probs, fewer than were asked")
+        return float(out[0])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        s.close()
+
+
 def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
     cfg = EngineConfig(deterministic=det, cuda_graph_tokens=graphs)
     s = Scorer(loaded, config=cfg, prefix_cache=True)
@@ -140,6 +201,8 @@ def main() -> None:
     p.add_argument("--per-call", type=int, default=16)
     p.add_argument("--profile-calls", type=int, default=32)
     p.add_argument("--limit", type=int, default=None, help="the first N requests of W1 (a smoke run)")
+    p.add_argument("--server", action="store_true", help="also W1 through `logprobe serve`'s app, default mode")
+    p.add_argument("--in-flight", type=int, default=64, help="with --server: requests outstanding at once")
     args = p.parse_args()
     dev = args.device
     log(f"# small passes: {args.shape}, {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, "
@@ -155,6 +218,7 @@ def main() -> None:
         log("| mode | graphs | one batch s | one per call s (×) | "
             f"{args.per_call} per call s (×) | cached single call ms | GPU busy | captures (s) | max |diff| vs eager | max |diff| one batch vs one per call |")
         log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        batch_default = {}
         for mode in args.modes.split(","):
             det = mode == "det"
             eager = one_mode(loaded, reqs, args, det, 0)
@@ -163,6 +227,8 @@ def main() -> None:
             free()
             diff = max(float((a.float() - b.float()).abs().max()) for a, b in
                        zip(eager["single_results"], graphed["single_results"]))
+            if mode == "default":
+                batch_default = {0: eager["batch"], EngineConfig().cuda_graph_tokens: graphed["batch"]}
             for name, r in (("off", eager), ("on", graphed)):
                 busy = "n/a" if r["busy"] is None else f"{r['busy']:.0%}"
                 d = "" if name == "off" else (f"{diff:.3g}" + (" (bitwise)" if diff == 0 else ""))
@@ -170,6 +236,16 @@ def main() -> None:
                 log(f"| {mode} | {name}{note} | {r['batch']:.2f} | {r['single']:.2f} ({r['single'] / r['batch']:.2f}×) | "
                     f"{r['packed']:.2f} ({r['packed'] / r['batch']:.2f}×) | {r['call_ms']:.1f} | {busy} | "
                     f"{r['captures']} ({r['capture_s']:.1f}) | {d} | {r['batch_gap']:.3g} |")
+
+        if args.server and batch_default:
+            log(f"\nW1 through the server: one /generate request per sample, {args.in_flight} outstanding, "
+                "default mode, against the library's one batch of the same graphs setting")
+            log("| graphs | server s | one batch s | × |")
+            log("| --- | ---: | ---: | ---: |")
+            for graphs, one in batch_default.items():
+                wall = through_server(loaded, reqs, args, graphs)
+                free()
+                log(f"| {'on' if graphs else 'off'} | {wall:.2f} | {one:.2f} | {wall / one:.2f}× |")
 
 
 if __name__ == "__main__":
