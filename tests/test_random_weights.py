@@ -50,6 +50,14 @@ def _config(kind: str) -> dict:
                                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_hidden_layers=2,
                                   q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True)
         return {**cfg.to_dict(), "quantization_config": FP8_BLOCKS}
+    if kind == "deepseek_v3_8":  # eight column blocks, 16 experts, 8 vocabulary chunks: TP = EP = 8
+        cfg = tf.DeepseekV3Config(**{**COMMON, "vocab_size": 512}, intermediate_size=128, moe_intermediate_size=32,
+                                  num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1,
+                                  n_routed_experts=16, num_experts_per_tok=2, n_group=8, topk_group=2,
+                                  first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=16, v_head_dim=16, num_hidden_layers=2, q_lora_rank=24,
+                                  routed_scaling_factor=2.5, norm_topk_prob=True)
+        return {**cfg.to_dict(), "quantization_config": {**FP8_BLOCKS, "weight_block_size": [8, 16]}}
     if kind == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=32, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
@@ -66,7 +74,7 @@ def _config(kind: str) -> dict:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     out = {}
-    for kind in ("deepseek_v3", "qwen3_moe", "glm4_moe"):
+    for kind in ("deepseek_v3", "qwen3_moe", "glm4_moe", "deepseek_v3_8"):
         d = tmp_path_factory.mktemp(kind)
         (d / "config.json").write_text(json.dumps(_config(kind)))
         byte_tokenizer()[0].save_pretrained(str(d))
@@ -179,10 +187,10 @@ def _bits(a, b) -> bool:
                                     for x, y in zip(a, b))
 
 
-SIZES = {"deepseek_v3": (2, 4), "qwen3_moe": (2,), "glm4_moe": (2,)}
+SIZES = {"deepseek_v3": (2, 4), "qwen3_moe": (2,), "glm4_moe": (2,), "deepseek_v3_8": (4, 8)}
 
 
-@pytest.mark.slow  # slow tier: 2 and 4 gloo worker processes (~7 s for DeepSeek-V3)
+@pytest.mark.slow  # slow tier: 2, 4 and 8 gloo worker processes (~7 s for DeepSeek-V3 at 2 and 4)
 @pytest.mark.parametrize("kind", list(SIZES))
 def test_sizes_bitwise_one_process(dirs, kind):
     seqs = random_sequences(4, seed=2)
