@@ -165,8 +165,8 @@ def test_cut_per_attention_call(llama):
     g = _graphed(path)
     g.logprobs(random_sequences(1, seed=2))
     (bucket,) = g.engine.graphs.graphs.values()
-    assert len(bucket.pieces) == 3 and [c.args[0] for c in bucket.cuts] == [0, 1]
-    assert bucket.cuts[0].q.shape[0] == bucket.bucket == bucket.hidden.shape[0]
+    assert len(bucket.pieces) == 3 and [c.call.args[0] for c in bucket.cuts] == [0, 1]  # the layers
+    assert bucket.cuts[0].inputs[0].shape[0] == bucket.bucket == bucket.hidden.shape[0]
 
 
 def test_shared_prefixes_chunks_and_prefix_cache(llama):
@@ -183,6 +183,25 @@ def test_shared_prefixes_chunks_and_prefix_cache(llama):
             for a, b in zip(eager.logprobs(call), graphed.logprobs(call)):
                 same(a, b, exact=True)
         assert graphed.engine.graphs.replays > 0
+
+
+@pytest.mark.slow
+def test_hybrid_states_chunks_and_prefix_cache(hybrid_dirs):
+    """The Qwen3.5 / Qwen3-Next hybrids: their linear-attention core is a cut (it scans each
+    segment from its state), so chunks over carried states (budget 64) and requests resumed from
+    cached states replay bitwise the eager passes in deterministic mode."""
+    path = hybrid_dirs["qwen3_5"][0]
+    prompt = list(range(2, 130))  # two state-grid blocks of 64 cached
+    seqs = [{"prompt_token_ids": prompt, "completion_token_ids": [5 + i, 9, 7 + i]} for i in range(3)]
+    long = {"prompt_token_ids": list(range(3, 200)), "completion_token_ids": [4, 5, 6]}
+    for kw in (dict(max_batch_tokens=64), dict(prefix_cache=True)):
+        eager = Scorer(str(path), device="cpu", dtype="float32", progress=False, deterministic=True, **kw)
+        graphed = _graphed(path, deterministic=True, **kw)
+        for call in (seqs[:1], seqs[1:], [long], seqs, [long]):
+            for a, b in zip(eager.logprobs(call), graphed.logprobs(call)):
+                same(a, b, exact=True)
+        g = graphed.engine.graphs
+        assert g.replays > 0 and g.failed is None
 
 
 def test_failed_capture_runs_eagerly(llama):
@@ -283,8 +302,6 @@ def test_families_that_say_no(tmp_path):
 
     make_hf_dir(tmp_path / "l", "llama", seed=1)
     assert load_model(str(tmp_path / "l"), device="cpu").model.cuda_graphs
-    from logprobe.models.qwen3_next import HybridModel
-    assert HybridModel.cuda_graphs is False  # its linear-attention states pass between passes
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2048"])
@@ -302,6 +319,8 @@ from test_glm4 import glm4_dir as glm4_dir  # noqa: E402,F401
 from test_gpt_oss import dirs as gpt_oss_dirs  # noqa: E402,F401
 from test_moe import moe_dirs as moe_dirs  # noqa: E402,F401
 from test_moe_sigmoid_families import dirs as sigmoid_dirs  # noqa: E402,F401
+from test_qwen3_next import float64_reference as float64_reference  # noqa: E402,F401
+from test_qwen3_next import hybrid_dirs as hybrid_dirs  # noqa: E402,F401
 
 
 def family_dirs(request) -> list[tuple[str, object]]:
@@ -315,6 +334,7 @@ def family_dirs(request) -> list[tuple[str, object]]:
     out += [(f"sigmoid:{k}", v[0]) for k, v in request.getfixturevalue("sigmoid_dirs").items()]
     out += [(f"moe:{k}", v[0]) for k, v in request.getfixturevalue("moe_dirs").items()]
     out += [(f"gpt_oss:{k}", request.getfixturevalue("gpt_oss_dirs")[k][0]) for k in ("dense", "mxfp4")]
+    out += [(f"hybrid:{k}", v[0]) for k, v in request.getfixturevalue("hybrid_dirs").items()]
     return out
 
 
@@ -341,7 +361,7 @@ def test_every_family(request):
     for label, path in family_dirs(request):
         loaded = load_model(str(path), "cpu", "float32")
         if any(isinstance(m, MoeBlock) for m in loaded.model.modules()) or "gpt_oss" in label:
-            moe.add(label)
+            moe.add(label)  # the CPU's expert loop reads counts on the host
         eager = Scorer(loaded, config=EngineConfig(deterministic=True, progress=False)).engine.run(reqs)
         s = Scorer(loaded, config=EngineConfig(deterministic=True, progress=False))
         s.engine.graphs = GraphRunner(loaded.model, 2048, s.engine.device, EmulatedGraphs())

@@ -91,6 +91,8 @@ def test_weights_updated_in_place(tmp_path):
 from test_graphs import (  # noqa: E402 (the family fixtures, used by name)
     ds_dirs,  # noqa: F401
     family_dirs,
+    float64_reference,  # noqa: F401
+    hybrid_dirs,  # noqa: F401
     family_requests,
     gemma4_dirs,  # noqa: F401
     gemma_dirs,  # noqa: F401
@@ -130,3 +132,29 @@ def test_every_family_on_cuda(request, dtype):
     for k, v in seen.items():
         print(dtype, k, *v)
     assert not failures, failures
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5_moe"])
+def test_hybrids_on_cuda(hybrid_dirs, kind):
+    """The hybrids' linear-attention core cut out of the graphs (fla-core's kernels between
+    replays): deterministic bitwise eager, also over chunks and cached states; float32 default
+    within 1e-5 of eager."""
+    path = hybrid_dirs[kind][0]
+    prompt = list(range(2, 130))
+    seqs = [{"prompt_token_ids": prompt, "completion_token_ids": [5 + i, 9, 7 + i]} for i in range(3)]
+    seqs += random_sequences(3, seed=4)
+    long = {"prompt_token_ids": list(range(3, 200)), "completion_token_ids": [4, 5, 6]}
+    for det, kw in ((True, dict(max_batch_tokens=64)), (True, {}), (False, {})):
+        eager = Scorer(str(path), device="cuda", dtype="float32", prefix_cache=True,
+                       config=EngineConfig(deterministic=det, cuda_graph_tokens=0, progress=False, **kw))
+        graphed = Scorer(str(path), device="cuda", dtype="float32", prefix_cache=True,
+                         config=EngineConfig(deterministic=det, progress=False, **kw))
+        worst = 0.0
+        for call in (seqs[:1], seqs[1:], [long], seqs):
+            for a, b in zip(eager.logprobs(call), graphed.logprobs(call)):
+                if det:
+                    same(a, b, exact=True)
+                worst = max(worst, float((a.logprobs - b.logprobs).abs().max()))
+        g = graphed.engine.graphs
+        print(kind, det, kw, f"max |Δ| {worst:.1e}", g.captures, g.failed)
+        assert g.failed is None and g.replays > 0 and worst < 1e-5

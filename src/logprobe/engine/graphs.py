@@ -36,7 +36,7 @@ from functools import partial
 
 import torch
 
-from ..layers.attention import AttentionMeta, packed_attention
+from ..layers.attention import AttentionMeta
 
 # the sizes a pass pads to: fine where small passes cluster (one sample over its cached prompt)
 BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -92,17 +92,17 @@ class CudaGraphs:
 
 @dataclass(slots=True)
 class Cut:
-    """One attention call between two pieces: its static inputs and output, and its arguments."""
+    """One layout-dependent call between two pieces: its static inputs and output, and the call,
+    ``call(*inputs, meta) -> out`` (``layers.attention.GraphCut``)."""
 
-    q: torch.Tensor  # [bucket, Hq, D]
-    k: torch.Tensor  # [bucket, Hkv, D]
-    v: torch.Tensor  # [bucket, Hkv, Dv]
-    out: torch.Tensor  # [bucket, Hq, Dv]
-    args: tuple  # (layer, scale, sliding_window, sinks, bidirectional)
+    inputs: tuple[torch.Tensor, ...]  # each [bucket, ...]
+    out: torch.Tensor  # [bucket, ...]
+    call: object
 
 
 class BucketGraph:
-    """The model's forward at one row count, captured as pieces cut at attention (module docstring)."""
+    """The model's forward at one row count, captured as pieces cut at every layout-dependent call
+    (attention; the hybrids' linear-attention core): module docstring."""
 
     def __init__(self, bucket: int, positions: torch.Tensor, device: torch.device) -> None:
         self.bucket = bucket
@@ -138,41 +138,46 @@ class BucketGraph:
             finally:
                 self._piece = None
 
-    def _probe(self, meta: AttentionMeta, q, k, v, *args) -> torch.Tensor:
-        """The warm-up's attention: the buffers its cuts will need, then the attention itself."""
-        for role, x in (("q", q), ("k", k), ("v", v)):
-            self._buffer(role, x.shape, x.dtype, make=True)
-        out = packed_attention(q, k, v, meta, *args)
+    def _probe(self, meta: AttentionMeta, call, *inputs: torch.Tensor) -> torch.Tensor:
+        """The warm-up's cut: the buffers the capture will need, then the call itself."""
+        for i, x in enumerate(inputs):
+            self._buffer(i, x.shape, x.dtype, make=True)
+        out = call(*inputs, meta)
         self._buffer("out", out.shape, out.dtype, make=True)
         return out
 
-    def _cut(self, q, k, v, layer, scale, sliding_window, sinks, bidirectional) -> torch.Tensor:
-        """Called by ``packed_attention`` while capturing: q, k, v copied into static buffers at the
-        end of this piece, the next piece begun, which reads the attention output from ``out``."""
-        sq, sk, sv = (self._buffer(role, x.shape, x.dtype) for role, x in (("q", q), ("k", k), ("v", v)))
-        sq.copy_(q)
-        sk.copy_(k)
-        sv.copy_(v)
+    def _cut(self, call, *inputs: torch.Tensor) -> torch.Tensor:
+        """While capturing: the inputs copied into static buffers at the end of this piece, the
+        next piece begun, which reads the call's output from ``out``, whose shape the warm-up saw."""
+        held = tuple(self._buffer(i, x.shape, x.dtype) for i, x in enumerate(inputs))
+        for buf, x in zip(held, inputs):
+            buf.copy_(x)
         self.pieces.append(self._backend.end(self._piece))
         self._piece = self._backend.begin()
-        out = self._buffer("out", (q.shape[0], q.shape[1], v.shape[2]), q.dtype)
-        self.cuts.append(Cut(sq, sk, sv, out, (layer, scale, sliding_window, sinks, bidirectional)))
+        out = self._out_of(call, inputs)
+        self.cuts.append(Cut(held, out, call))
         return out
 
-    def _buffer(self, role: str, shape, dtype: torch.dtype, make: bool = False) -> torch.Tensor:
-        """One buffer per role, shape and dtype, shared by every cut: cut i's inputs are read before
-        piece i + 1 writes cut i + 1's, and its output read by piece i + 1 before cut i + 1 writes.
-        Made in the warm-up (``make``), zeros: the padding rows of ``out`` are never undefined."""
+    def _out_of(self, call, inputs) -> torch.Tensor:
+        shape = call.out_shape(*inputs)
+        return self._buffer("out", shape, call.out_dtype(*inputs))
+
+    def _buffer(self, role, shape, dtype: torch.dtype, make: bool = False) -> torch.Tensor:
+        """One buffer per role (input i, or the output), shape and dtype, shared by every cut: cut
+        i's inputs are read before piece i + 1 writes cut i + 1's, and its output read by piece
+        i + 1 before cut i + 1 writes. Made in the warm-up (``make``), zeros: the padding rows of
+        ``out`` are never undefined."""
         key = (role, tuple(shape), dtype)
         if key not in self._buffers:
             if not make:
-                raise RuntimeError(f"attention {role} of shape {tuple(shape)} met while capturing, not in the warm-up")
+                raise RuntimeError(f"a cut's {role} of shape {tuple(shape)} met while capturing, not in the warm-up")
             self._buffers[key] = torch.zeros(shape, dtype=dtype, device=self.ids.device)
         return self._buffers[key]
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """The pass's final hidden rows [T, H], a tensor of its own (the static one is the next
-        replay's). Cached keys and values (``meta.cache``) are copies too: the cache keeps them."""
+        replay's). With a cache (``meta.cache``) the cuts get copies of their inputs: the cache
+        keeps keys, values and states that may be views of them."""
         T = ids.shape[0]
         self.ids[:T].copy_(ids)
         self.positions[..., :T].copy_(positions)
@@ -180,10 +185,10 @@ class BucketGraph:
             piece.replay()
             if cut is None:
                 break
-            q, k, v = cut.q[:T], cut.k[:T], cut.v[:T]
+            inputs = [x[:T] for x in cut.inputs]
             if meta.cache is not None:
-                k, v = k.clone(), v.clone()
-            cut.out[:T].copy_(packed_attention(q, k, v, meta, *cut.args))
+                inputs = [x.clone() for x in inputs]
+            cut.out[:T].copy_(cut.call(*inputs, meta))
         return self.hidden[:T].clone()
 
 

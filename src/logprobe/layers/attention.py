@@ -118,6 +118,33 @@ class Segment:
         return sum(b - a for a, b in self.context)
 
 
+@dataclass(frozen=True, slots=True)
+class GraphCut:
+    """A call whose work depends on the batch's layout (attention over segments, the linear
+    attention's scan), cut out of a captured CUDA graph (``engine.graphs``): while capturing, a
+    layer hands ``meta.graph_cut`` this and its row tensors ([T, ...] each) instead of calling;
+    each replay calls ``fn(*rows, meta, *args)`` on the pass's own meta. ``shape(*rows)``: the
+    output's shape (its dtype: the first row tensor's).
+
+    >>> cut = GraphCut(lambda x, meta, k: x * k, (3,), lambda x: x.shape)
+    >>> cut(torch.ones(2), None).tolist(), cut.out_shape(torch.ones(2))
+    ([3.0, 3.0], (2,))
+    """
+
+    fn: object
+    args: tuple
+    shape: object
+
+    def __call__(self, *rows_and_meta):
+        return self.fn(*rows_and_meta, *self.args)
+
+    def out_shape(self, *rows: torch.Tensor) -> tuple:
+        return tuple(self.shape(*rows))
+
+    def out_dtype(self, *rows: torch.Tensor) -> torch.dtype:
+        return rows[0].dtype
+
+
 @dataclass(slots=True)
 class AttentionMeta:
     """Who attends to what in one forward pass (see the module docstring).
@@ -137,8 +164,8 @@ class AttentionMeta:
     split_cache: tuple | None = field(default=None, repr=False)  # _gpu's long / short split, built once
     span_cache: tuple | None = field(default=None, repr=False)  # span_plan() for the GPU path, built once
     state_route: object = field(default=None, repr=False)  # layers.linear_state.route_states, built once
-    # while ``engine.graphs`` captures a pass: called in place of the attention (the cut between two
-    # graphs), as ``graph_cut(q, k, v, layer, scale, sliding_window, sinks, bidirectional) -> out``
+    # while ``engine.graphs`` captures a pass: called in place of a layout-dependent call (the cut
+    # between two graphs), as ``graph_cut(GraphCut(...), *row_tensors) -> out``
     graph_cut: object = field(default=None, repr=False)
     # data-parallel attention (``parallel.rows``): this meta is rank ``rows.rank``'s share of a batch
     # split by sequences over the group, its segments re-based to its own first row; None: every row
@@ -228,7 +255,8 @@ def packed_attention(
     ``sinks`` [Hq]: each head's sink logit (module docstring), None for none. ``bidirectional``:
     whether this layer runs the segments' bidirectional spans (Gemma 4: its sliding layers only)."""
     if meta.graph_cut is not None:  # a CUDA graph is being captured: attention runs between replays
-        return meta.graph_cut(q, k, v, layer, scale, sliding_window, sinks, bidirectional)
+        return meta.graph_cut(GraphCut(packed_attention, (layer, scale, sliding_window, sinks, bidirectional),
+                                       lambda q, k, v: (q.shape[0], q.shape[1], v.shape[2])), q, k, v)
     if q.shape[0] == 0 and meta.cache is None:  # a rank with no rows of a split batch (``AttentionMeta.rows``)
         return torch.empty_like(q)
     if meta.cache is not None:

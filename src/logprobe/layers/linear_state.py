@@ -32,13 +32,13 @@ counted from the sequence start (``layers.gated_delta``); the engine's planner c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import LogprobeError
 from ..kernels import host_values_to
-from .attention import AttentionMeta
+from .attention import AttentionMeta, GraphCut
 from .gated_delta import GatedDeltaState, causal_conv1d, decay_and_beta, gated_delta_rule_chunked
 
 CACHE = -1  # ``StateRoute.sources``: the segment continues the chunk cache's state
@@ -100,6 +100,12 @@ class DeltaInputs:
     head_v_dim: int
 
 
+def _core_rows(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMeta, x: DeltaInputs,
+               layer: int, rule: Rule, conv: Conv, decay: Callable | None) -> torch.Tensor:
+    """``packed_gated_delta`` on these rows (a replayed graph's cut: ``engine.graphs``)."""
+    return packed_gated_delta(replace(x, mixed=mixed, a=a, b=b), meta, layer, rule, conv, decay)
+
+
 def packed_gated_delta(x: DeltaInputs, meta: AttentionMeta, layer: int, rule: Rule = gated_delta_rule_chunked,
                        conv: Conv = causal_conv1d, decay: Callable | None = None) -> torch.Tensor:
     """The mixer core over a packed batch: conv + SiLU, the gated delta rule, each segment from the
@@ -107,6 +113,9 @@ def packed_gated_delta(x: DeltaInputs, meta: AttentionMeta, layer: int, rule: Ru
     chunk cache leaves its one segment's final state in ``meta.cache.pending[layer]``.
 
     ``decay(a, b, A_log, dt_bias) -> (g, beta)`` defaults to ``gated_delta.decay_and_beta``."""
+    if meta.graph_cut is not None:  # a CUDA graph is being captured: the core runs between replays
+        return meta.graph_cut(GraphCut(_core_rows, (x, layer, rule, conv, decay),
+                                       lambda m, a, b: (m.shape[0], x.num_v_heads, x.head_v_dim)), x.mixed, x.a, x.b)
     if meta.state_route is None:  # once per batch, not per layer
         meta.state_route = route_states(meta)
     route = meta.state_route

@@ -384,7 +384,6 @@ class HybridModel(QwenImages, ScoringModel):
 
     # the chunked rule reproduces a whole run's bits only where a sequence is cut at a multiple of its chunk
     caps = ModelCaps(context=True, hooks=True, tensor_parallel=True, state_align=CHUNK_SIZE)
-    cuda_graphs = False  # its linear-attention states pass from pass to pass (engine.graphs)
     # fla-core's autotuned rule kernels: imported at engine start so that the tuning tables reach
     # them before the first pass (``kernels.tuning``)
     autotuned_modules = ("fla.ops.gated_delta_rule",)
