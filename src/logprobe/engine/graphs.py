@@ -5,7 +5,9 @@ takes the GPU less time than the host takes to launch its ~15 kernels a block, s
 Here the model's forward is captured once per token-count bucket (``graph_bucket``) as CUDA
 graphs cut at each attention call: attention alone depends on the batch's layout (its segments,
 shared prefixes, cached keys), so it runs eagerly between replays on the pass's own
-``AttentionMeta``; everything else depends on the row count alone.
+``AttentionMeta``; everything else depends on the row count alone. The Qwen3.5 / Qwen3-Next
+hybrids' linear-attention core (the short conv and the gated delta rule, scanned per segment from
+its carried state) is cut out the same way (``layers.attention.GraphCut``).
 
     piece 0: embedding; block 0's norm, q/k/v, rotary             -> Q, K, V (static buffers)
     attention of block 0, eager, on the pass's meta               -> O (static buffer)
@@ -20,7 +22,7 @@ computed from itself alone. In deterministic mode the products are fixed row til
 (tests/test_graphs.py on CPU through an emulated capture, tests/test_graphs_gpu.py on CUDA).
 
 Not captured (the pass runs eagerly): hooks, images, tensor-parallel ranks (their collectives),
-models whose caps say no (mixtures of experts, the hybrid families), passes over
+models that say no (``cuda_graphs``: LongRoPE, whose length check reads the positions), passes over
 ``EngineConfig.cuda_graph_tokens`` rows. A capture that fails turns graphs off for the engine
 with one warning. New weights copied in place keep the graphs; weights moved to new memory (a
 fresh load into the same model) drop them (``GraphRunner.check_weights``).
