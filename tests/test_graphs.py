@@ -281,6 +281,10 @@ def test_warmup_captures_every_bucket(llama):
     assert s.engine.prepare_graphs() == 0  # nothing left
     s.logprobs(random_sequences(2, seed=9, max_prompt=20, max_completion=20))
     assert g.captures == 4 and g.capture_seconds > 0
+    # a token budget under the limit: no pass is larger, no bucket past it is captured
+    small = _graphed(path, limit=100, max_batch_tokens=40)
+    small.engine.prepare_graphs()
+    assert sorted(k[0] for k in small.engine.graphs.graphs) == [16, 32, 64]
 
 
 def test_passes_that_stay_eager(llama):

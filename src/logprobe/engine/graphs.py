@@ -239,12 +239,14 @@ class GraphRunner:
         self.replays += 1
         return graph.replay(ids, positions, meta)
 
-    def prepare(self, numerics) -> int:
-        """Capture every bucket up to the limit for text passes (``Scorer.warmup``), so that no
-        first small pass waits for its capture; returns how many were captured now."""
+    def prepare(self, numerics, budget: int | None = None) -> int:
+        """Capture every bucket a text pass can take (up to the limit, and to the engine's token
+        ``budget``: no pass is larger) for ``Scorer.warmup``, so that no first small pass waits for
+        its capture; returns how many were captured now."""
         before = self.captures
         positions = torch.zeros(1, dtype=torch.long)
-        for bucket in sorted({min(b, self.limit) for b in BUCKETS if b <= self.limit} | {self.limit}):
+        top = self.limit if budget is None else min(self.limit, budget)
+        for bucket in sorted({graph_bucket(n, self.limit) for n in (*BUCKETS, top) if n <= top} - {None}):
             if self._graph(bucket, positions, numerics.attention_block, numerics) is None:
                 break
         return self.captures - before

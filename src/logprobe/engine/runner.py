@@ -608,9 +608,9 @@ class Engine:
         if isinstance(self.model, NumericsUser):
             self.model.set_numerics(self.numerics)
         if self.tuning is None:
-            return self.graphs.prepare(self.numerics)
+            return self.graphs.prepare(self.numerics, self.budget)
         with self.tuning.mode(self.numerics.deterministic):
-            return self.graphs.prepare(self.numerics)
+            return self.graphs.prepare(self.numerics, self.budget)
 
     def _call_model(self, packed: PackedBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.takes(packed.input_ids.shape[-1], packed.hooks, packed.images):
