@@ -80,6 +80,12 @@ HYBRID_TINY = {
                            shared_expert_intermediate_size=32),
 }
 # the shapes save_model writes (transformers' default rope and untied head, 8192 positions)
+# mixtures of experts as (transformers config class, its arguments): Qwen3-30B-A3B's shape, the one
+# the MoE benches share (bench/gpu_moe_parallel.py, bench/gpu_small_passes.py)
+QWEN3_30B_A3B = ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                                        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                        num_experts_per_tok=8, norm_topk_prob=True))
 SAVED_SHAPES = {
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=64),

@@ -79,7 +79,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FP8_CONFIG, byte_tokenizer, fp8_blocks, workload  # noqa: E402
+from common import FP8_CONFIG, QWEN3_30B_A3B, byte_tokenizer, fp8_blocks, workload  # noqa: E402
 
 from logprobe.engine.runner import pack  # noqa: E402
 from logprobe.engine.scheduler import Chunk, plan_work  # noqa: E402
@@ -138,10 +138,7 @@ SGLANG_V3_PREFILL = 52.3e3 / 8 * 37e9
 
 T0 = time.perf_counter()
 SHAPES = {  # transformers config class, its arguments
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-                                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                             intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                                             num_experts_per_tok=8, norm_topk_prob=True)),
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
     "mla": ("DeepseekV3Config", dict(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
                                      num_key_value_heads=16, intermediate_size=10944, moe_intermediate_size=1408,
                                      n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1,

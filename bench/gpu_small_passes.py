@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import MODELS, GiB, free, log, workload
+from common import MODELS, QWEN3_30B_A3B, GiB, free, log, workload
 
 from logprobe import EngineConfig, Scorer
 from logprobe.loading import load_model
@@ -46,10 +46,7 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-5)
 # mixtures of experts (transformers config class, kwargs): Qwen3-30B-A3B's shape, and a tiny one
 MOE = {
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-                                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                             intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                                             num_experts_per_tok=8, norm_topk_prob=True)),
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
     "tiny-moe": ("Qwen3MoeConfig", dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, head_dim=16, intermediate_size=128,
                                         moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)),

@@ -121,7 +121,7 @@ def test_wide_gemma4_float32_matches_float64_transformers(device, wide_gemma4):
         ref.to("cpu")
 
 
-def _family_dirs(request) -> list[tuple[str, object]]:
+def family_dirs(request) -> list[tuple[str, object]]:
     """(label, checkpoint dir) of every family checkpoint the family test files write."""
     out = [(f"gemma4:{k}", v[0]) for k, v in request.getfixturevalue("gemma4_dirs").items()]
     out += [(f"gemma3:{k}", v[0]) for k, v in request.getfixturevalue("gemma_dirs").items()]
@@ -154,7 +154,7 @@ def test_families_float32_bf16_and_deterministic(device, request):
     seqs = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (40, 90, 61)]
     reqs = _mix(3)
     failures = []
-    for label, path in _family_dirs(request):
+    for label, path in family_dirs(request):
         cpu = _run(load_model(str(path), "cpu", "float32"), seqs)
         cpu16 = _run(load_model(str(path), "cpu", "bfloat16"), seqs)
         f32 = _run(load_model(str(path), device, "float32"), seqs)

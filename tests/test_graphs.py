@@ -317,6 +317,7 @@ def test_config_refuses(bad):
 # -- every native family ------------------------------------------------------------------------------
 
 from test_deepseek import ds_dirs as ds_dirs  # noqa: E402,F401 (fixtures used by name)
+from test_families_gpu import family_dirs as native_family_dirs  # noqa: E402
 from test_gemma3 import gemma_dirs as gemma_dirs  # noqa: E402,F401
 from test_gemma4 import gemma4_dirs as gemma4_dirs  # noqa: E402,F401
 from test_glm4 import glm4_dir as glm4_dir  # noqa: E402,F401
@@ -329,13 +330,9 @@ from test_qwen3_next import hybrid_dirs as hybrid_dirs  # noqa: E402,F401
 
 def family_dirs(request) -> list[tuple[str, object]]:
     """(label, checkpoint dir) of every family the family test files write (tests/test_graphs_gpu.py
-    runs the same list on CUDA)."""
-    out = [(f"gemma4:{k}", v[0]) for k, v in request.getfixturevalue("gemma4_dirs").items()]
-    out += [(f"gemma3:{k}", v[0]) for k, v in request.getfixturevalue("gemma_dirs").items()]
-    glm4 = request.getfixturevalue("glm4_dir")
-    out.append(("glm4", glm4[0] if isinstance(glm4, tuple) else glm4))
-    out += [(f"deepseek:{k}", v[0]) for k, v in request.getfixturevalue("ds_dirs").items()]
-    out += [(f"sigmoid:{k}", v[0]) for k, v in request.getfixturevalue("sigmoid_dirs").items()]
+    runs the same list on CUDA): tests/test_families_gpu.py's, the Llama-style mixtures of experts,
+    gpt-oss and the hybrids."""
+    out = native_family_dirs(request)
     out += [(f"moe:{k}", v[0]) for k, v in request.getfixturevalue("moe_dirs").items()]
     out += [(f"gpt_oss:{k}", request.getfixturevalue("gpt_oss_dirs")[k][0]) for k in ("dense", "mxfp4")]
     out += [(f"hybrid:{k}", v[0]) for k, v in request.getfixturevalue("hybrid_dirs").items()]
