@@ -393,3 +393,17 @@ def test_cli_option(monkeypatch, capsys):
     assert main(["score", "a", "b", "--cuda-graph-tokens", "-3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("logprobe: error: cuda_graph_tokens")
+
+
+def test_no_pinned_copy_while_capturing(monkeypatch):
+    """A host-to-device copy from a pinned block inside a capture would be replayed from that block
+    after it was freed: ``host_values_to`` refuses while the stream captures (the capture then fails
+    and the pass runs eagerly); NVFP4's value table is made on the device instead."""
+    from logprobe.kernels import host_values_to
+    from logprobe.layers.fp4_linear import E2M1, e2m1_table
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="while capturing a CUDA graph"):
+        host_values_to([1, 2], torch.long, "cuda")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert e2m1_table(dtype, torch.device("cpu")).tolist() == list(E2M1)

@@ -60,5 +60,8 @@ def host_values_to(values, dtype, device):
     t = values.to(dtype) if isinstance(values, torch.Tensor) else host_tensor(values, dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
+    if torch.cuda.is_current_stream_capturing():  # a graph would copy from this block at every replay
+        raise RuntimeError("a host-to-device copy while capturing a CUDA graph: its replays would read the "
+                           "pinned block after it was freed (engine.graphs runs such a pass eagerly)")
     return t.pin_memory().to(device, non_blocking=True)
 

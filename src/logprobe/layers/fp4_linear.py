@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from ..errors import LogprobeError
-from ..kernels import host_values_to
 from .linear import Linear, float32_product
 from .quant_linear import _PackedLinearMixin
 
@@ -40,9 +39,22 @@ _FP4_MAX = 6.0
 _FP8_EPS = 0.125  # compressed-tensors' eps for an e4m3 scale: what a zero scale becomes
 
 
+def e2m1_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``E2M1`` [8] made on ``device`` from the format's bits (index = exponent << 1 | mantissa:
+    0.5 * m below exponent 1, else 2^(e - 1) * (1 + m / 2); exact in every float dtype): no host
+    copy, which a CUDA graph would replay from freed pinned memory (``engine.graphs``).
+
+    >>> e2m1_table(torch.float32, torch.device("cpu")).tolist() == list(E2M1)
+    True
+    """
+    i = torch.arange(8, device=device, dtype=torch.float32)
+    e, m = torch.div(i, 2, rounding_mode="floor"), torch.remainder(i, 2)
+    return torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m)).to(dtype)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [r, c / 2] -> float32 [r, c]: low nibble = even column, high nibble = odd column."""
-    table = host_values_to(E2M1, torch.float32, packed.device)  # pinned: no host sync on CUDA
+    table = e2m1_table(torch.float32, packed.device)
     nib = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)  # [r, c]
     mag = table[(nib & 0x07).long()]
     return torch.where((nib & 0x08).bool(), -mag, mag)
@@ -55,7 +67,7 @@ def round_to_fp4(v: torch.Tensor) -> torch.Tensor:
     a = v.abs()
     idx = ((a > 0.25).to(torch.int64) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
            + (a > 5.0))  # [...] index into E2M1
-    table = host_values_to(E2M1, v.dtype, v.device)
+    table = e2m1_table(v.dtype, v.device)
     return torch.sign(v) * table[idx]
 
 
