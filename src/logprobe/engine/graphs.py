@@ -116,6 +116,7 @@ class BucketGraph:
         self.cuts: list[Cut] = []
         self.hidden: torch.Tensor | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._outs: list[torch.Tensor] = []  # each cut's output buffer, in call order (the warm-up's)
         self._backend = None
         self._piece = None
 
@@ -145,7 +146,7 @@ class BucketGraph:
         for i, x in enumerate(inputs):
             self._buffer(i, x.shape, x.dtype, make=True)
         out = call(*inputs, meta)
-        self._buffer("out", out.shape, out.dtype, make=True)
+        self._outs.append(self._buffer("out", out.shape, out.dtype, make=True))
         return out
 
     def _cut(self, call, *inputs: torch.Tensor) -> torch.Tensor:
@@ -156,13 +157,9 @@ class BucketGraph:
             buf.copy_(x)
         self.pieces.append(self._backend.end(self._piece))
         self._piece = self._backend.begin()
-        out = self._out_of(call, inputs)
+        out = self._outs[len(self.cuts)]  # the warm-up's pass made the same calls in the same order
         self.cuts.append(Cut(held, out, call))
         return out
-
-    def _out_of(self, call, inputs) -> torch.Tensor:
-        shape = call.out_shape(*inputs)
-        return self._buffer("out", shape, call.out_dtype(*inputs))
 
     def _buffer(self, role, shape, dtype: torch.dtype, make: bool = False) -> torch.Tensor:
         """One buffer per role (input i, or the output), shape and dtype, shared by every cut: cut

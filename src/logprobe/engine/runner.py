@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections import deque
@@ -591,13 +592,16 @@ class Engine:
         """The model on a packed batch -> its final hidden rows [T, H] (``_preflight`` first)."""
         self._preflight(packed.meta.num_rows, packed.meta.num_rows + packed.meta.past)
         self.passes += 1
+        with self._computing():
+            return self._call_model(packed)
+
+    def _computing(self):
+        """A context: the model under this config's numerics (a no-op unless another engine's ran
+        last), and in deterministic mode every autotuned kernel in its pinned configuration, never
+        a timed one."""
         if isinstance(self.model, NumericsUser):
-            self.model.set_numerics(self.numerics)  # a no-op unless another engine's ran last
-        if self.tuning is None:
-            return self._call_model(packed)
-        # deterministic: every autotuned kernel runs its pinned configuration, never a timed one
-        with self.tuning.mode(self.numerics.deterministic):
-            return self._call_model(packed)
+            self.model.set_numerics(self.numerics)
+        return contextlib.nullcontext() if self.tuning is None else self.tuning.mode(self.numerics.deterministic)
 
     @torch.no_grad()
     def prepare_graphs(self) -> int:
@@ -605,11 +609,7 @@ class Engine:
         (``engine.graphs``; ``Scorer.warmup``); returns how many were captured (0 without graphs)."""
         if self.graphs is None:
             return 0
-        if isinstance(self.model, NumericsUser):
-            self.model.set_numerics(self.numerics)
-        if self.tuning is None:
-            return self.graphs.prepare(self.numerics, self.budget)
-        with self.tuning.mode(self.numerics.deterministic):
+        with self._computing():
             return self.graphs.prepare(self.numerics, self.budget)
 
     def _call_model(self, packed: PackedBatch) -> torch.Tensor:

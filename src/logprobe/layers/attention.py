@@ -123,26 +123,17 @@ class GraphCut:
     """A call whose work depends on the batch's layout (attention over segments, the linear
     attention's scan), cut out of a captured CUDA graph (``engine.graphs``): while capturing, a
     layer hands ``meta.graph_cut`` this and its row tensors ([T, ...] each) instead of calling;
-    each replay calls ``fn(*rows, meta, *args)`` on the pass's own meta. ``shape(*rows)``: the
-    output's shape (its dtype: the first row tensor's).
+    each replay calls ``fn(*rows, meta, *args)`` on the pass's own meta.
 
-    >>> cut = GraphCut(lambda x, meta, k: x * k, (3,), lambda x: x.shape)
-    >>> cut(torch.ones(2), None).tolist(), cut.out_shape(torch.ones(2))
-    ([3.0, 3.0], (2,))
+    >>> GraphCut(lambda x, meta, k: x * k, (3,))(torch.ones(2), None).tolist()
+    [3.0, 3.0]
     """
 
     fn: object
     args: tuple
-    shape: object
 
     def __call__(self, *rows_and_meta):
         return self.fn(*rows_and_meta, *self.args)
-
-    def out_shape(self, *rows: torch.Tensor) -> tuple:
-        return tuple(self.shape(*rows))
-
-    def out_dtype(self, *rows: torch.Tensor) -> torch.dtype:
-        return rows[0].dtype
 
 
 @dataclass(slots=True)
@@ -255,8 +246,7 @@ def packed_attention(
     ``sinks`` [Hq]: each head's sink logit (module docstring), None for none. ``bidirectional``:
     whether this layer runs the segments' bidirectional spans (Gemma 4: its sliding layers only)."""
     if meta.graph_cut is not None:  # a CUDA graph is being captured: attention runs between replays
-        return meta.graph_cut(GraphCut(packed_attention, (layer, scale, sliding_window, sinks, bidirectional),
-                                       lambda q, k, v: (q.shape[0], q.shape[1], v.shape[2])), q, k, v)
+        return meta.graph_cut(GraphCut(packed_attention, (layer, scale, sliding_window, sinks, bidirectional)), q, k, v)
     if q.shape[0] == 0 and meta.cache is None:  # a rank with no rows of a split batch (``AttentionMeta.rows``)
         return torch.empty_like(q)
     if meta.cache is not None:

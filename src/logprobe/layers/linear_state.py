@@ -114,8 +114,7 @@ def packed_gated_delta(x: DeltaInputs, meta: AttentionMeta, layer: int, rule: Ru
 
     ``decay(a, b, A_log, dt_bias) -> (g, beta)`` defaults to ``gated_delta.decay_and_beta``."""
     if meta.graph_cut is not None:  # a CUDA graph is being captured: the core runs between replays
-        return meta.graph_cut(GraphCut(_core_rows, (x, layer, rule, conv, decay),
-                                       lambda m, a, b: (m.shape[0], x.num_v_heads, x.head_v_dim)), x.mixed, x.a, x.b)
+        return meta.graph_cut(GraphCut(_core_rows, (x, layer, rule, conv, decay)), x.mixed, x.a, x.b)
     if meta.state_route is None:  # once per batch, not per layer
         meta.state_route = route_states(meta)
     route = meta.state_route

@@ -122,9 +122,8 @@ class ScoringModel(NumericsUser, nn.Module):
     @property
     def cuda_graphs(self) -> bool:
         """Whether a pass may replay as CUDA graphs (``engine.graphs``): on one rank (a rank's
-        collectives are not captured). A family whose forward carries state from pass to pass says
-        no (the hybrids' linear-attention states); one that reads the GPU on the host while
-        capturing is found out by the capture, and runs eagerly."""
+        collectives are not captured). A family that reads the GPU on the host while capturing is
+        found out by the capture, and runs eagerly."""
         return not self.ctx.parallel
 
     def check_hooks(self, hooks: Hooks) -> None:

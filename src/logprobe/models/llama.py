@@ -206,7 +206,7 @@ class LlamaModel(ScoringModel):
     def cuda_graphs(self) -> bool:
         """``ScoringModel.cuda_graphs``, and not under LongRoPE, whose length check reads the
         positions on the host."""
-        return not self.ctx.parallel and getattr(self.rotary, "max_positions", None) is None
+        return super().cuda_graphs and getattr(self.rotary, "max_positions", None) is None
 
     def make_rotary(self, freq_factors: torch.Tensor | None = None) -> RotaryEmbedding:
         """The rotary table (a family with another rotary overrides this: ``models.qwen3_vl``);
