@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import MODELS, QWEN3_30B_A3B, GiB, free, log, workload
+from common import MODELS, QWEN3_30B_A3B, GiB, free, log, sync, sync_time, workload
 
 from logprobe import EngineConfig, Scorer
 from logprobe.loading import load_model
@@ -74,19 +74,6 @@ def git_rev() -> str:
     return os.environ.get("LOGPROBE_COMMIT") or r.stdout.strip() or "unknown"  # a copy's .git may be stale
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(device: str, fn):
-    sync(device)
-    t = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t, out
-
-
 def kernel_seconds(device: str, fn) -> float | None:
     """GPU kernel time of ``fn`` (torch.profiler's CUDA activity, graph replays' kernels included)."""
     if device != "cuda":
@@ -95,7 +82,7 @@ def kernel_seconds(device: str, fn) -> float | None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        sync(device)
+        sync()
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 
@@ -163,19 +150,19 @@ def one_mode(loaded, reqs, args, det: bool, graphs: int) -> dict:
     eng = s.engine
     eng.run(reqs[:16])  # warm: kernels compiled, graphs of the common buckets captured
     s.prefix_cache.clear()
-    batch_s, batch = timed(args.device, lambda: eng.run(reqs))
+    batch, batch_s = sync_time(lambda: eng.run(reqs))
     s.prefix_cache.clear()
-    single_s, single = timed(args.device, lambda: [eng.run([r])[0] for r in reqs])
+    single, single_s = sync_time(lambda: [eng.run([r])[0] for r in reqs])
     s.prefix_cache.clear()
     order = list(range(len(reqs)))
     random.Random(0).shuffle(order)
     groups = [order[i:i + args.per_call] for i in range(0, len(order), args.per_call)]
-    packed_s, _ = timed(args.device, lambda: [eng.run([reqs[i] for i in g]) for g in groups])
+    _, packed_s = sync_time(lambda: [eng.run([reqs[i] for i in g]) for g in groups])
     # cached single calls: later samples of the first groups, their prompts cached by the first
     s.prefix_cache.clear()
     eng.run([reqs[i] for i in range(0, len(reqs), 8)])
     calls = [r for i, r in enumerate(reqs) if i % 8][:args.profile_calls]
-    wall, _ = timed(args.device, lambda: [eng.run([r]) for r in calls])
+    _, wall = sync_time(lambda: [eng.run([r]) for r in calls])
     s.prefix_cache.clear()
     eng.run([reqs[i] for i in range(0, len(reqs), 8)])
     kern = kernel_seconds(args.device, lambda: [eng.run([r]) for r in calls])
