@@ -2,8 +2,13 @@
 trainer's new scorer) before the first answer, with every cache empty and then with each cache.
 
 A random-init checkpoint of the chosen shape is saved once (bf16 safetensors, ``save_pretrained``):
-``llama-1b`` / ``llama-8b`` (``common.save_model``), ``qwen35-4b`` / ``qwen35-9b`` (the hybrids:
-fla-core's autotuned rule kernels). Then each run is a fresh Python process:
+``llama-1b`` / ``llama-8b`` (``common.save_model``), ``qwen35-4b`` / ``qwen35-9b`` / ``qwen35-35b-a3b``
+(the hybrids: fla-core's autotuned rule kernels), the other families' shapes of
+``bench/gpu_families.py`` (``gemma3-4b``, ``gpt-oss-20b`` with MXFP4 experts, ``glm4-9b``,
+``phi4-mini``, ``gemma4-e4b``; their default layer cuts) and the mixtures of experts of
+``bench/gpu_moe_parallel.py`` (``qwen3-30b-a3b``, ``mla``: DeepSeek-V3's latent attention and router,
+``glm-air``: GLM-4.5's). ``NAME@N`` keeps the first N layers (``--layers`` for every model). Then
+each run is a fresh Python process:
 
 * ``load``: ``Scorer(dir, device="cuda")``; ``ready``: from the process's start to the same point
   (the imports counted: transformers' import alone is 5-10 s on the GPU image);
@@ -18,6 +23,9 @@ Runs, in order (each its own process; "empty" = a new folder):
               shipped table (what a machine of a shipped GPU meets on its first process)
   triton      Triton's cache warm, no tuning cache, no shipped tables (a second process before the
               tuning cache: fla's kernels timed again)
+  fresh       Triton's cache and the tuning cache empty, the package's own shipped tables: what a
+              user meets on a new machine (``--runs fresh,again``: the per-family table; ``again``
+              then reuses fresh's caches)
 and ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, device_map="cuda")`` and its
 tokenizer in its own process (the load target's anchor): ``load`` after its imports, ``ready``
 from the process's start.
@@ -27,7 +35,9 @@ The first run's tuning file is copied to ``--out`` (the table to ship in src/log
     python bench/gpu_first_call.py --models qwen35-4b,llama-1b --out /tmp/tuned
     python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 16 --loads-only   # loads, disk and cache
     python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 16 --loads-only --tp 2  # and at TP = 2
+    python bench/gpu_first_call.py --runs fresh,again --models gpt-oss-20b,qwen3-30b-a3b@16,mla@8  # families
     python bench/gpu_first_call.py --models tiny --device cpu     # smoke run of the script on CPU
+    python bench/gpu_first_call.py --runs fresh,again --models tiny-moe,gpt-oss-20b --device cpu
     python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 4 --loads-only --device cpu
 """
 
@@ -45,6 +55,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import HYBRID_MODELS, SAVED_SHAPES, hf_config, save_model, write_hybrid_checkpoint  # noqa: E402
+
+# the other families (bench/gpu_families.py) and the mixtures of experts (bench/gpu_moe_parallel.py);
+# on CPU their tiny twins (``tiny-moe``: gpu_moe_parallel's "tiny", ``tiny-v3``)
+FAMILIES = ("gemma3-4b", "gpt-oss-20b", "glm4-9b", "phi4-mini", "gemma4-e4b")
+MOES = {"qwen3-30b-a3b": "qwen3-30b-a3b", "mla": "mla", "glm-air": "glm-air", "tiny-moe": "tiny", "tiny-v3": "tiny-v3"}
 
 CHILD = r"""
 import time
@@ -138,48 +153,66 @@ def load_rows(name: str, path: Path, device: str, tp: int = 1) -> list[tuple[str
     return rows
 
 
-def run_child(code: str, argv: list[str], env: dict) -> dict:
+def run_child(code: str, argv: list[str], env: dict, fatal: bool = True) -> dict:
+    """The child's JSON line; a failure ends the script (``fatal``) or is a row saying why."""
     out = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
-        raise SystemExit(out.stderr[-3000:])
+        if fatal:
+            raise SystemExit(out.stderr[-3000:])
+        return {"error": out.stderr.strip().splitlines()[-1][:200] if out.stderr.strip() else f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def save(name: str, path: Path, device: str, layers: int = 0) -> int:
-    """Write the checkpoint of shape ``name`` (hybrids: ``layers`` of them, 0 for all); returns its
-    vocabulary size."""
+    """Write the checkpoint of shape ``name`` (``layers`` of them, 0 for the shape's own or its
+    default cut); returns its vocabulary size."""
     import torch
 
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if name in SAVED_SHAPES:
         save_model(name, str(path), device)
         return SAVED_SHAPES[name]["vocab_size"]
+    if name in FAMILIES:
+        import gpu_families as fam
+
+        cfg, _ = fam.hf_config(name, device == "cpu", str(layers) if layers else "")
+        (fam.write_gpt_oss if name == "gpt-oss-20b" else fam.write_hf)(cfg, path, torch.device(device), dtype)
+        return cfg.vocab_size
+    if name in MOES:
+        import gpu_moe_parallel as moe
+
+        moe.write_checkpoint(MOES[name], layers, path, device=device)
+        return moe.shape_config(MOES[name], layers).vocab_size
     _, cfg = hf_config(name, device == "cpu", layers)
-    write_hybrid_checkpoint(cfg, path, torch.device(device), torch.bfloat16 if device == "cuda" else torch.float32)
+    write_hybrid_checkpoint(cfg, path, torch.device(device), dtype)
     return cfg.vocab_size
 
 
-def model_rows(name: str, root: Path, device: str, det: bool, out: Path | None) -> list[tuple[str, dict]]:
+def model_rows(name: str, root: Path, device: str, det: bool, out: Path | None, runs: list[str],
+               layers: int = 0) -> list[tuple[str, dict]]:
     path = root / name
     t = time.perf_counter()
-    vocab = save(name, path, device)
+    vocab = save(name, path, device, layers)
     print(f"{name}: saved in {time.perf_counter() - t:.1f} s", flush=True)
     nothing = root / "nothing-shipped"
     nothing.mkdir(exist_ok=True)
     bench = str(Path(__file__).resolve().parent)
     argv = [str(path), "1" if det else "0", device, str(vocab), bench]
 
-    def env(triton: str, tuning: str, shipped: Path) -> dict:
-        return dict(os.environ, TRITON_CACHE_DIR=str(root / triton), LOGPROBE_CACHE=str(root / tuning),
-                    LOGPROBE_SHIPPED_TUNING=str(shipped))
+    def env(triton: str, tuning: str, shipped: Path | None) -> dict:
+        e = dict(os.environ, TRITON_CACHE_DIR=str(root / triton), LOGPROBE_CACHE=str(root / tuning))
+        e.pop("LOGPROBE_SHIPPED_TUNING", None)
+        return e if shipped is None else dict(e, LOGPROBE_SHIPPED_TUNING=str(shipped))
 
     tag = f"{name}-{int(det)}"
-    rows = [("none", run_child(CHILD, argv, env(f"t-{tag}", f"c-{tag}", nothing)))]
     first_cache = root / f"c-{tag}" / "kernels"
-    rows.append(("again", run_child(CHILD, argv, env(f"t-{tag}", f"c-{tag}", nothing))))
-    rows.append(("shipped", run_child(CHILD, argv, env(f"t2-{tag}", f"c2-{tag}", first_cache))))
-    rows.append(("triton", run_child(CHILD, argv, env(f"t-{tag}", f"c3-{tag}", nothing))))
+    own = None if "fresh" in runs else nothing  # "again" ships what the first of none / fresh did
+    setups = {"none": (f"t-{tag}", f"c-{tag}", nothing), "fresh": (f"t-{tag}", f"c-{tag}", None),
+              "again": (f"t-{tag}", f"c-{tag}", own), "shipped": (f"t2-{tag}", f"c2-{tag}", first_cache),
+              "triton": (f"t-{tag}", f"c3-{tag}", nothing)}
+    rows = [(run, run_child(CHILD, argv, env(*setups[run]))) for run in runs]
     if not det:
-        rows.append(("transformers", run_child(HF_LOAD, [str(path), device], dict(os.environ))))
+        rows.append(("transformers", run_child(HF_LOAD, [str(path), device], dict(os.environ), fatal=False)))
     if out is not None and first_cache.is_dir():
         out.mkdir(parents=True, exist_ok=True)
         for f in first_cache.glob("*.json"):
@@ -191,7 +224,11 @@ def model_rows(name: str, root: Path, device: str, det: bool, out: Path | None) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen35-4b", help=f"comma list of {sorted(SAVED_SHAPES) + sorted(HYBRID_MODELS)}")
+    ap.add_argument("--models", default="qwen35-4b",
+                    help=f"comma list of {sorted(SAVED_SHAPES) + sorted(HYBRID_MODELS) + list(FAMILIES) + list(MOES)}, "
+                         "each NAME or NAME@LAYERS")
+    ap.add_argument("--runs", default="none,again,shipped,triton",
+                    help="comma list of none, fresh, again, shipped, triton (see above; shipped needs none first)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (with --models tiny)")
     ap.add_argument("--modes", default="default", help="default, deterministic or both (comma list)")
     ap.add_argument("--out", type=Path, default=None, help="copy the first run's tuning file here")
@@ -217,16 +254,25 @@ def main() -> None:
         for name, run, r in table:
             print(f"| {name} | {run} | {r['load']:.2f} | {r['ready']:.2f} |")
         return
+    runs = args.runs.split(",")
+    if not set(runs) <= {"none", "fresh", "again", "shipped", "triton"} or ("shipped" in runs and "none" not in runs):
+        sys.exit(f"--runs: {args.runs!r}: a comma list of none, fresh, again, shipped, triton (shipped after none)")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        for name in args.models.split(","):
+        for spec in args.models.split(","):
+            name, _, cut = spec.partition("@")
             for mode in args.modes.split(","):
                 det = mode == "deterministic"
-                table += [(name, mode, run, r) for run, r in model_rows(name, Path(tmp), args.device, det, args.out)]
+                rows = model_rows(name, Path(tmp), args.device, det, args.out, runs, int(cut or args.layers))
+                table += [(spec, mode, run, r) for run, r in rows]
+            shutil.rmtree(Path(tmp) / name, ignore_errors=True)  # the next model's room on the disk
     print("\n| model | mode | run | load s | ready s | first call s | second call s | one-off s | budget | seeded | tuned | "
           "Triton kernels in its cache | same |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, mode, run, r in table:
         if run == "transformers":
+            if "error" in r:
+                print(f"| {name} | | transformers from_pretrained: failed ({r['error']}) | | | | | | | | | | |")
+                continue
             print(f"| {name} | | transformers from_pretrained | {r['load']:.2f} | {r['ready']:.2f} | | | | | | | | |")
             continue
         print(f"| {name} | {mode} | {run} | {r['load']:.2f} | {r['ready']:.2f} | {r['first']:.2f} | {r['second']:.2f} | "

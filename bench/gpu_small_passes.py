@@ -10,7 +10,8 @@ the GPU (``--shape``, ``load_format="dummy"``, bf16), with the prefix cache, thr
    queue): wall, × the one batch;
 
 (``--server``: 4. one SGLang ``/generate`` request per sample, ``--in-flight`` outstanding, through the
-real app on uvicorn, the client in a process of its own: × the library's one batch), then the GPU's
+real app on uvicorn, the client in a process of its own, with ``ServerConfig.pipeline_steps`` off and
+on: × the library's one batch, and the engine steps the batcher ran), then the GPU's
 busy share of a cached single call: kernel time over ``--profile-calls`` single
 calls under torch.profiler, divided by the same calls' wall time without it. Each with CUDA graphs
 (the default) and without (``cuda_graph_tokens=0``), in default and deterministic mode; every
@@ -23,6 +24,7 @@ scale of default mode's own rounding, each way's one batch against its single ca
     python bench/gpu_small_passes.py --shape llama-1b --modes default
     python bench/gpu_small_passes.py --shape qwen3-30b-a3b --modes default       # a mixture of experts
     python bench/gpu_small_passes.py --shape llama-8b --modes default --server   # and through the server
+    python bench/gpu_small_passes.py --shape llama-8b --server-only --in-flight 16,64   # the server rows alone
     python bench/gpu_small_passes.py --shape tiny --device cpu --limit 24 --profile-calls 4   # CPU smoke
 """
 
@@ -103,10 +105,12 @@ print(time.perf_counter() - t, n)
 """
 
 
-def through_server(loaded, reqs, args, graphs: int) -> float:
+def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_flight: int = 64) -> dict:
     """W1 as one SGLang ``/generate`` request per sample (``logprob_start_len`` at the response),
-    ``--in-flight`` outstanding, through the real app on uvicorn (the server's batcher packs what is
-    queued into one engine call): wall seconds, the client's."""
+    ``in_flight`` outstanding, through the real app on uvicorn (the server's batcher packs what is
+    queued into one engine call; ``pipeline``: ``ServerConfig.pipeline_steps``): the client's wall
+    seconds, and the engine steps' count, mean requests and summed seconds (the batcher's own
+    ``StepStats``: the engine's busy time as the server saw it)."""
     import json
     import socket
     import sys
@@ -122,8 +126,11 @@ def through_server(loaded, reqs, args, graphs: int) -> float:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(s, ServerConfig()), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    app = create_app(s, ServerConfig(pipeline_steps=pipeline))
+    steps = []
+    observe = app.state.batcher.on_step
+    app.state.batcher.on_step = lambda st: (steps.append(st), observe(st))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -133,11 +140,12 @@ def through_server(loaded, reqs, args, graphs: int) -> float:
                    "sampling_params": {"max_new_tokens": 0}} for r in reqs]
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(bodies, f)
-        out = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", f.name, str(args.in_flight)],
+        out = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", f.name, str(in_flight)],
                              capture_output=True, text=True, check=True).stdout.split()
         if int(out[1]) < sum(len(r.tokens) - r.score_begin for r in reqs):
             raise SystemExit(f"the server answered {out[1]} log-probs, fewer than were asked")
-        return float(out[0])
+        return dict(wall=float(out[0]), steps=len(steps), requests=sum(st.requests for st in steps) / max(1, len(steps)),
+                    busy=sum(st.seconds for st in steps))
     finally:
         server.should_exit = True
         thread.join(timeout=60)
@@ -186,7 +194,9 @@ def main() -> None:
     p.add_argument("--profile-calls", type=int, default=32)
     p.add_argument("--limit", type=int, default=None, help="the first N requests of W1 (a smoke run)")
     p.add_argument("--server", action="store_true", help="also W1 through `logprobe serve`'s app, default mode")
-    p.add_argument("--in-flight", type=int, default=64, help="with --server: requests outstanding at once")
+    p.add_argument("--in-flight", default="64", help="with --server: requests outstanding at once (a comma list)")
+    p.add_argument("--server-only", action="store_true",
+                   help="only the library's one batch (graphs on, best of 2) and the server rows")
     args = p.parse_args()
     dev = args.device
     log(f"# small passes: {args.shape}, {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, "
@@ -199,6 +209,9 @@ def main() -> None:
             + (f", {torch.cuda.memory_allocated() / GiB:.1f} GiB" if dev == "cuda" else ""))
         reqs = workload("W1", loaded.model.config.vocab_size)[:args.limit]
         log(f"W1: {len(reqs)} requests, {sum(len(r.tokens) for r in reqs):,} ids")
+        if args.server_only:
+            server_rows(loaded, reqs, args, batch_only(loaded, reqs))
+            return
         log("| mode | graphs | one batch s | one per call s (×) | "
             f"{args.per_call} per call s (×) | cached single call ms | GPU busy | captures (s) | max |diff| vs eager | max |diff| one batch vs one per call |")
         log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -222,14 +235,36 @@ def main() -> None:
                     f"{r['captures']} ({r['capture_s']:.1f}) | {d} | {r['batch_gap']:.3g} |")
 
         if args.server and batch_default:
-            log(f"\nW1 through the server: one /generate request per sample, {args.in_flight} outstanding, "
-                "default mode, against the library's one batch of the same graphs setting")
-            log("| graphs | server s | one batch s | × |")
-            log("| --- | ---: | ---: | ---: |")
-            for graphs, one in batch_default.items():
-                wall = through_server(loaded, reqs, args, graphs)
+            server_rows(loaded, reqs, args, batch_default)
+
+
+def server_rows(loaded, reqs, args, batch_default: dict) -> None:
+    """W1 through the server against the library's one batch, pipelined steps off and on, at each
+    ``--in-flight`` count; the engine's steps as the batcher saw them."""
+    log("\nW1 through the server: one /generate request per sample, N outstanding, default mode, against the "
+        "library's one batch of the same graphs setting; engine busy = the batcher's steps' summed time")
+    log("| graphs | pipelined steps | in flight | server s | one batch s | × | steps | requests / step | engine busy s (share of wall) |")
+    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for graphs, one in batch_default.items():
+        for flight in (int(x) for x in str(args.in_flight).split(",")):
+            for pipeline in (False, True):
+                r = through_server(loaded, reqs, args, graphs, pipeline, flight)
                 free()
-                log(f"| {'on' if graphs else 'off'} | {wall:.2f} | {one:.2f} | {wall / one:.2f}× |")
+                log(f"| {'on' if graphs else 'off'} | {'on' if pipeline else 'off'} | {flight} | {r['wall']:.2f} | "
+                    f"{one:.2f} | {r['wall'] / one:.2f}× | {r['steps']} | {r['requests']:.1f} | "
+                    f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) |")
+
+
+def batch_only(loaded, reqs) -> dict:
+    """``--server-only``: the library's one batch (default mode, graphs on), best of 2."""
+    s = Scorer(loaded, prefix_cache=True)
+    s.engine.run(reqs[:16])
+    times = []
+    for _ in range(2):
+        s.prefix_cache.clear()
+        times.append(sync_time(lambda: s.engine.run(reqs))[1])
+    s.close()
+    return {EngineConfig().cuda_graph_tokens: min(times)}
 
 
 if __name__ == "__main__":

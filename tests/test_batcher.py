@@ -11,7 +11,7 @@ from logprobe.engine.request import RequestResult, ScoreRequest
 from logprobe.engine.runner import Engine
 from logprobe.executor.engine import ParallelEngine
 from logprobe.executor.interface import Executor
-from logprobe.server.batcher import Batcher, QueueFull, ServerClosed, engine_call
+from logprobe.server.batcher import Batcher, QueueFull, ServerClosed, _Job, engine_call
 
 
 def req(n_inputs: int, tag: int) -> ScoreRequest:
@@ -346,3 +346,89 @@ def test_engine_call_reads_the_executor_interface():
     assert (Engine.per_request_errors, Engine.in_process) == (True, True)
     assert (ParallelEngine.per_request_errors, ParallelEngine.in_process) == (False, False)
     assert isinstance(_Executor(True), Executor) is False  # no config: not an executor
+
+
+# -- pipelined steps: half of the queue computes while the other half's answers travel -----------
+
+
+@pytest.mark.parametrize("queued, budget, want", [
+    (100_000, 32_768, 32_768), (65_536, 32_768, 32_768), (65_535, 32_768, 32_768), (40_001, 32_768, 20_001),
+    (20_000, 32_768, 10_000), (10_000, 32_768, 8192), (0, 32_768, 8192), (3, 16, 4), (40, 40, 20),
+])
+def test_step_budget_gold(queued, budget, want):
+    from logprobe.server.batcher import step_budget
+
+    assert step_budget(queued, budget) == want
+
+
+def test_queued_cost_counts_shared_and_cached_contexts_once_and_stops_at_its_limit():
+    from logprobe.server.batcher import StepCost, _Remaining, queued_cost
+
+    prompt = [7] * 10
+    group = [ScoreRequest(prompt + [5, 6 + k], 10) for k in range(3)]  # 11 inputs, 10 shared
+    jobs = [_Job(group[:2], None, None, 22), _Job(group[2:], None, None, 11), _Job([req(5, 9)], None, None, 5)]
+    def total(cost, limit=1000):
+        return queued_cost([_Remaining(j, cost) for j in jobs], limit)
+
+    assert total(StepCost()) == 11 + 1 + 1 + 5
+    assert total(StepCost(), 12) == 12  # stops at the limit
+    # the prefix cache holds 8 tokens of each context (the last job's whole 1-token context)
+    assert total(StepCost(lambda tokens, limit: min(8, limit))) == 3 + 1 + 1 + 4
+
+
+def pipelined_calls(jobs, budget):
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    b = Batcher(engine, max_batch_tokens=budget, max_queue_requests=64, max_queue_tokens=10_000, pipeline=True)
+
+    async def main():
+        b.start()
+        tasks = [asyncio.ensure_future(b.submit(j)) for j in jobs]
+        await asyncio.sleep(0.05)  # all queued before the engine may run
+        gate.set()
+        out = await asyncio.gather(*tasks)
+        b.close()
+        return out
+
+    return engine.calls, asyncio.run(main())
+
+
+def test_pipelined_steps_take_half_of_the_queue():
+    """Four one-request jobs of 10 tokens, budget 40: the first step takes half of the queue (20),
+    the second half of what is left (10: a quarter of the budget; the turn has moved on by one, so
+    it starts at the second job left), the last job runs alone. Without pipelining all four are one
+    step (test_round_robin_gold's rule)."""
+    calls, out = pipelined_calls([[req(10, t)] for t in (1, 2, 3, 4)], 40)
+    assert calls == [[1, 2], [4], [3]]
+    assert [r[0].logprobs[0].item() for r in out] == [1, 2, 3, 4]
+
+
+def test_pipelined_steps_keep_a_prompts_samples_together():
+    """An RL group sent one request per sample (10-token prompt, 2-token responses: 11 inputs, 1
+    once the prompt is in the step) and a 5-token job between them; budget 40. The queue is 18
+    tokens, so a step's share is 10 (a quarter of the budget): the first sample alone fills it, and
+    the other samples, which a later step would make compute the prompt again, join as companions."""
+    prompt = [7] * 10
+    group = [[ScoreRequest(prompt + [5, 6 + k], 10)] for k in range(3)]
+    calls, out = pipelined_calls([group[0], [req(5, 5)], group[1], group[2]], 40)
+    assert calls == [[7, 7, 7], [5]]
+    assert [len(r) for r in out] == [1] * 4
+
+
+def test_pipelined_steps_leave_a_single_job_whole():
+    """One job alone in the queue is one step as before: splitting it would only delay its answer."""
+    calls, _ = pipelined_calls([[req(10, t) for t in (1, 2, 3, 4)]], 40)
+    assert calls == [[1, 2, 3, 4]]
+
+
+def test_pipeline_steps_config_and_flag():
+    from logprobe.cli.main import build_parser
+    from logprobe.errors import LogprobeError
+    from logprobe.server import ServerConfig
+
+    assert ServerConfig().pipeline_steps is True
+    with pytest.raises(LogprobeError, match="pipeline_steps: must be True or False"):
+        ServerConfig(pipeline_steps="no")
+    args = build_parser().parse_args(["serve", "--no-pipeline-steps"])
+    assert args.no_pipeline_steps is True
+    assert build_parser().parse_args(["serve"]).no_pipeline_steps is False

@@ -66,6 +66,9 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
                         "images come inline as data: URLs")
     s.add_argument("--no-batching", action="store_true",
                    help="score one HTTP request at a time (for comparison; slower under concurrency)")
+    s.add_argument("--no-pipeline-steps", action="store_true",
+                   help="an engine step takes all the queued work it can, instead of about half of it while "
+                        "the other half waits (pipelined steps keep the engine busy while answers travel)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -77,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue_tokens=args.max_queue_tokens, max_request_tokens=args.max_request_tokens,
         max_request_items=args.max_request_items, max_top_logprobs=args.max_top_logprobs,
         max_capture_floats=args.max_capture_floats, batching=not args.no_batching,
+        pipeline_steps=not args.no_pipeline_steps,
         shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
         enable_return_routed_experts=args.enable_return_routed_experts,
         weight_sync_timeout=args.weight_sync_timeout, warmup=args.warmup,

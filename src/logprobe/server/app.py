@@ -220,7 +220,8 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
     batcher = Batcher(engine_call(scorer.executor), scorer.config.max_batch_tokens, config.max_queue_requests,
                       config.max_queue_tokens, config.batching, metrics.observe_step,
                       lambda reason: metrics.dropped.labels(reason).inc(),
-                      lambda tokens, limit: scorer.prefix_cache.peek(tokens, limit) if scorer.prefix_cache is not None else 0)
+                      lambda tokens, limit: scorer.prefix_cache.peek(tokens, limit) if scorer.prefix_cache is not None else 0,
+                      config.pipeline_steps)
     metrics.watch(batcher)
     lifecycle = Lifecycle(batcher)
     weights = ServedWeights(scorer, batcher, config.weight_sync_timeout)

@@ -23,6 +23,11 @@ class ServerConfig:
     max_body_bytes: request bodies beyond this get 413 before they are parsed.
     max_capture_floats: numbers the ``capture`` entries of one request may return, else 413.
     batching: False runs one HTTP request's work per engine step (for comparison; slower).
+    pipeline_steps: while several HTTP requests wait, an engine step takes about half of the
+        queued work (at least a quarter of the batch budget) and the requests sharing a prompt
+        with it, so that the answers of one step travel while the next computes (clients that
+        keep N requests in flight, as RL rollout workers do, otherwise leave the engine idle
+        between steps). False: a step takes all it can (``--no-pipeline-steps``).
     shutdown_timeout: seconds a shutdown (SIGTERM/SIGINT, the app's lifespan end) waits for queued
         and running requests before failing the rest with 503; new requests get 503 meanwhile.
     body_timeout: seconds a request body may stall (no byte arriving) before the server answers 408
@@ -56,6 +61,7 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20
     max_capture_floats: int = 1 << 22
     batching: bool = True
+    pipeline_steps: bool = True
     shutdown_timeout: float = 30.0
     body_timeout: float = 30.0
     enable_return_routed_experts: bool = False  # SGLang's flag: requests may ask for routed experts
@@ -81,5 +87,8 @@ class ServerConfig:
             t = getattr(self, key)
             if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
                 raise LogprobeError(key, f"must be a number of seconds > 0, got {t!r}")
+        for key in ("batching", "pipeline_steps", "warmup", "allow_remote_images", "enable_return_routed_experts"):
+            if not isinstance(getattr(self, key), bool):
+                raise LogprobeError(key, f"must be True or False, got {getattr(self, key)!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise LogprobeError("api_key", "is empty", "give a non-empty key or leave it unset")
