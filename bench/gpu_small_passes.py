@@ -35,6 +35,7 @@ import os
 import random
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -99,10 +100,33 @@ def send(body):
         assert r.status == 200, r.status
         return len(json.loads(r.read())["meta_info"]["input_token_logprobs"])
 with concurrent.futures.ThreadPoolExecutor(flight) as pool:
-    t = time.perf_counter()
+    t = time.monotonic()
     n = sum(pool.map(send, bodies))
-print(time.perf_counter() - t, n)
+print(time.monotonic() - t, n, t, time.monotonic())
 """
+
+
+class GilProbe(threading.Thread):
+    """How long a thread of this process waits for the interpreter lock: it sleeps 1 ms in a loop
+    and records each wake-up's lateness (a sleep releases the lock; waking takes it back)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.late: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.001)
+            self.late.append(time.perf_counter() - t - 0.001)
+
+    def summary(self) -> tuple[float, float]:
+        """(mean, 99th percentile) lateness in ms."""
+        self.stop.set()
+        self.join()
+        late = sorted(self.late) or [0.0]
+        return sum(late) / len(late) * 1e3, late[int(0.99 * (len(late) - 1))] * 1e3
 
 
 def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_flight: int = 64) -> dict:
@@ -114,7 +138,6 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
     import json
     import socket
     import sys
-    import threading
 
     import uvicorn
 
@@ -122,6 +145,7 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
 
     s = Scorer(loaded, config=EngineConfig(cuda_graph_tokens=graphs), prefix_cache=True)
     s.engine.run(reqs[:16])  # warm, as the library ways
+    s.engine.prepare_graphs()  # every bucket captured before the clock starts (Scorer.warmup's)
     s.prefix_cache.clear()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -129,7 +153,7 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
     app = create_app(s, ServerConfig(pipeline_steps=pipeline))
     steps = []
     observe = app.state.batcher.on_step
-    app.state.batcher.on_step = lambda st: (steps.append(st), observe(st))
+    app.state.batcher.on_step = lambda st: (steps.append((time.monotonic(), st)), observe(st))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -140,12 +164,19 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
                    "sampling_params": {"max_new_tokens": 0}} for r in reqs]
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(bodies, f)
+        probe = GilProbe()
+        probe.start()
         out = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", f.name, str(in_flight)],
                              capture_output=True, text=True, check=True).stdout.split()
+        gil = probe.summary()
         if int(out[1]) < sum(len(r.tokens) - r.score_begin for r in reqs):
             raise SystemExit(f"the server answered {out[1]} log-probs, fewer than were asked")
-        return dict(wall=float(out[0]), steps=len(steps), requests=sum(st.requests for st in steps) / max(1, len(steps)),
-                    busy=sum(st.seconds for st in steps))
+        start, end = float(out[2]), float(out[3])  # the client's clock (CLOCK_MONOTONIC, as this process's)
+        first = steps[0][0] - steps[0][1].seconds
+        busy = sum(st.seconds for _, st in steps)
+        return dict(wall=float(out[0]), steps=len(steps), requests=sum(st.requests for _, st in steps) / len(steps),
+                    busy=busy, head=first - start, between=steps[-1][0] - first - busy, tail=end - steps[-1][0],
+                    gil=gil)
     finally:
         server.should_exit = True
         thread.join(timeout=60)
@@ -243,8 +274,12 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
     ``--in-flight`` count; the engine's steps as the batcher saw them."""
     log("\nW1 through the server: one /generate request per sample, N outstanding, default mode, against the "
         "library's one batch of the same graphs setting; engine busy = the batcher's steps' summed time")
-    log("| graphs | pipelined steps | in flight | server s | one batch s | × | steps | requests / step | engine busy s (share of wall) |")
-    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    log("wall = the client's; before first step / between steps / after last: the engine idle (from the client's "
+        "start to the first step's, between steps, from the last step's end to the client's last answer); "
+        "lock wait: a 1 ms sleeper thread's lateness in the server's process, mean / 99th percentile")
+    log("| graphs | pipelined steps | in flight | server s | one batch s | × | steps | requests / step | "
+        "engine busy s (share of wall) | idle before / between / after s | lock wait ms |")
+    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for graphs, one in batch_default.items():
         for flight in (int(x) for x in str(args.in_flight).split(",")):
             for pipeline in (False, True):
@@ -252,7 +287,8 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
                 free()
                 log(f"| {'on' if graphs else 'off'} | {'on' if pipeline else 'off'} | {flight} | {r['wall']:.2f} | "
                     f"{one:.2f} | {r['wall'] / one:.2f}× | {r['steps']} | {r['requests']:.1f} | "
-                    f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) |")
+                    f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) | {r['head']:.2f} / {r['between']:.2f} / "
+                    f"{r['tail']:.2f} | {r['gil'][0]:.2f} / {r['gil'][1]:.1f} |")
 
 
 def batch_only(loaded, reqs) -> dict:
