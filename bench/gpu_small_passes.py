@@ -31,6 +31,7 @@ scale of default mode's own rounding, each way's one batch against its single ca
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import subprocess
@@ -89,21 +90,37 @@ def kernel_seconds(device: str, fn) -> float | None:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 
-# an RL framework's async client, in a process of its own (stdlib only: its JSON work and sockets must
-# not share the server's interpreter lock): argv = url, bodies.json, requests outstanding; prints seconds
+# an RL framework's async client, in processes of their own (stdlib only: its JSON work and sockets
+# must not share the server's interpreter lock, nor one client's threads one lock: 64 threads of one
+# process wait their turn at it): argv = url, bodies.json, requests outstanding, this process's index,
+# the processes; prints its seconds, log-probs and its start and end on CLOCK_MONOTONIC
 CLIENT = r"""
 import concurrent.futures, json, sys, time, urllib.request
-url, bodies, flight = sys.argv[1], json.load(open(sys.argv[2])), int(sys.argv[3])
+url, bodies, flight, i, n = sys.argv[1], json.load(open(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+bodies = [json.dumps(b).encode() for b in bodies[i::n]]
 def send(body):
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         assert r.status == 200, r.status
         return len(json.loads(r.read())["meta_info"]["input_token_logprobs"])
-with concurrent.futures.ThreadPoolExecutor(flight) as pool:
+with concurrent.futures.ThreadPoolExecutor(max(1, flight // n)) as pool:
     t = time.monotonic()
-    n = sum(pool.map(send, bodies))
-print(time.monotonic() - t, n, t, time.monotonic())
+    k = sum(pool.map(send, bodies))
+print(time.monotonic() - t, k, t, time.monotonic())
 """
+
+
+def run_clients(url: str, bodies: str, in_flight: int, processes: int) -> tuple[float, float, int]:
+    """``CLIENT`` in ``processes`` processes (``in_flight`` requests outstanding in all), started
+    together: (first start, last end, log-probs answered)."""
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, url, bodies, str(in_flight), str(i), str(processes)],
+                              stdout=subprocess.PIPE, text=True) for i in range(processes)]
+    outs = [p.communicate()[0].split() for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("a client process failed")
+    return min(float(o[2]) for o in outs), max(float(o[3]) for o in outs), sum(int(o[1]) for o in outs)
 
 
 class GilProbe(threading.Thread):
@@ -129,12 +146,14 @@ class GilProbe(threading.Thread):
         return sum(late) / len(late) * 1e3, late[int(0.99 * (len(late) - 1))] * 1e3
 
 
-def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_flight: int = 64) -> dict:
+def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_flight: int = 64,
+                   switch: float | None = None) -> dict:
     """W1 as one SGLang ``/generate`` request per sample (``logprob_start_len`` at the response),
     ``in_flight`` outstanding, through the real app on uvicorn (the server's batcher packs what is
     queued into one engine call; ``pipeline``: ``ServerConfig.pipeline_steps``): the client's wall
     seconds, and the engine steps' count, mean requests and summed seconds (the batcher's own
-    ``StepStats``: the engine's busy time as the server saw it)."""
+    ``StepStats``: the engine's busy time as the server saw it). ``switch``: the interpreter's switch
+    interval in the server's process meanwhile (``sys.setswitchinterval``; None: as it is)."""
     import json
     import socket
     import sys
@@ -166,15 +185,18 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
             json.dump(bodies, f)
         probe = GilProbe()
         probe.start()
-        out = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", f.name, str(in_flight)],
-                             capture_output=True, text=True, check=True).stdout.split()
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(switch or before)
+        try:
+            start, end, answered = run_clients(f"http://127.0.0.1:{port}", f.name, in_flight, args.clients)
+        finally:
+            sys.setswitchinterval(before)
         gil = probe.summary()
-        if int(out[1]) < sum(len(r.tokens) - r.score_begin for r in reqs):
-            raise SystemExit(f"the server answered {out[1]} log-probs, fewer than were asked")
-        start, end = float(out[2]), float(out[3])  # the client's clock (CLOCK_MONOTONIC, as this process's)
+        if answered < sum(len(r.tokens) - r.score_begin for r in reqs):
+            raise SystemExit(f"the server answered {answered} log-probs, fewer than were asked")
         first = steps[0][0] - steps[0][1].seconds
         busy = sum(st.seconds for _, st in steps)
-        return dict(wall=float(out[0]), steps=len(steps), requests=sum(st.requests for _, st in steps) / len(steps),
+        return dict(wall=end - start, steps=len(steps), requests=sum(st.requests for _, st in steps) / len(steps),
                     busy=busy, head=first - start, between=steps[-1][0] - first - busy, tail=end - steps[-1][0],
                     gil=gil)
     finally:
@@ -226,6 +248,9 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None, help="the first N requests of W1 (a smoke run)")
     p.add_argument("--server", action="store_true", help="also W1 through `logprobe serve`'s app, default mode")
     p.add_argument("--in-flight", default="64", help="with --server: requests outstanding at once (a comma list)")
+    p.add_argument("--clients", type=int, default=8, help="with --server: client processes sharing --in-flight")
+    p.add_argument("--switch-ms", default="5", help="with --server: the server process's interpreter switch "
+                   "interval(s) in ms (a comma list; 5 is Python's default)")
     p.add_argument("--server-only", action="store_true",
                    help="only the library's one batch (graphs on, best of 2) and the server rows")
     args = p.parse_args()
@@ -277,18 +302,20 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
     log("wall = the client's; before first step / between steps / after last: the engine idle (from the client's "
         "start to the first step's, between steps, from the last step's end to the client's last answer); "
         "lock wait: a 1 ms sleeper thread's lateness in the server's process, mean / 99th percentile")
-    log("| graphs | pipelined steps | in flight | server s | one batch s | × | steps | requests / step | "
+    log(f"client: {args.clients} processes; switch: the server process's sys.setswitchinterval (ms)")
+    log("| graphs | pipelined steps | in flight | switch ms | server s | one batch s | × | steps | requests / step | "
         "engine busy s (share of wall) | idle before / between / after s | lock wait ms |")
-    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for graphs, one in batch_default.items():
-        for flight in (int(x) for x in str(args.in_flight).split(",")):
-            for pipeline in (False, True):
-                r = through_server(loaded, reqs, args, graphs, pipeline, flight)
-                free()
-                log(f"| {'on' if graphs else 'off'} | {'on' if pipeline else 'off'} | {flight} | {r['wall']:.2f} | "
-                    f"{one:.2f} | {r['wall'] / one:.2f}× | {r['steps']} | {r['requests']:.1f} | "
-                    f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) | {r['head']:.2f} / {r['between']:.2f} / "
-                    f"{r['tail']:.2f} | {r['gil'][0]:.2f} / {r['gil'][1]:.1f} |")
+        for flight, switch, pipeline in itertools.product((int(x) for x in str(args.in_flight).split(",")),
+                                                          (float(x) / 1e3 for x in args.switch_ms.split(",")),
+                                                          (False, True)):
+            r = through_server(loaded, reqs, args, graphs, pipeline, flight, switch)
+            free()
+            log(f"| {'on' if graphs else 'off'} | {'on' if pipeline else 'off'} | {flight} | {switch * 1e3:g} | "
+                f"{r['wall']:.2f} | {one:.2f} | {r['wall'] / one:.2f}× | {r['steps']} | {r['requests']:.1f} | "
+                f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) | {r['head']:.2f} / {r['between']:.2f} / "
+                f"{r['tail']:.2f} | {r['gil'][0]:.2f} / {r['gil'][1]:.1f} |")
 
 
 def batch_only(loaded, reqs) -> dict:
