@@ -31,6 +31,7 @@ scale of default mode's own rounding, each way's one batch against its single ca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import random
@@ -153,10 +154,9 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
     queued into one engine call; ``pipeline``: ``ServerConfig.pipeline_steps``): the client's wall
     seconds, and the engine steps' count, mean requests and summed seconds (the batcher's own
     ``StepStats``: the engine's busy time as the server saw it). ``switch``: the interpreter's switch
-    interval in the server's process meanwhile (``sys.setswitchinterval``; None: as it is)."""
+    interval while the app runs (``ServerConfig.switch_interval``; None: the server's default)."""
     import json
     import socket
-    import sys
 
     import uvicorn
 
@@ -169,7 +169,8 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    app = create_app(s, ServerConfig(pipeline_steps=pipeline))
+    config = ServerConfig(pipeline_steps=pipeline)
+    app = create_app(s, config if switch is None else dataclasses.replace(config, switch_interval=switch))
     steps = []
     observe = app.state.batcher.on_step
     app.state.batcher.on_step = lambda st: (steps.append((time.monotonic(), st)), observe(st))
@@ -185,12 +186,7 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_fl
             json.dump(bodies, f)
         probe = GilProbe()
         probe.start()
-        before = sys.getswitchinterval()
-        sys.setswitchinterval(switch or before)
-        try:
-            start, end, answered = run_clients(f"http://127.0.0.1:{port}", f.name, in_flight, args.clients)
-        finally:
-            sys.setswitchinterval(before)
+        start, end, answered = run_clients(f"http://127.0.0.1:{port}", f.name, in_flight, args.clients)
         gil = probe.summary()
         if answered < sum(len(r.tokens) - r.score_begin for r in reqs):
             raise SystemExit(f"the server answered {answered} log-probs, fewer than were asked")
@@ -249,8 +245,8 @@ def main() -> None:
     p.add_argument("--server", action="store_true", help="also W1 through `logprobe serve`'s app, default mode")
     p.add_argument("--in-flight", default="64", help="with --server: requests outstanding at once (a comma list)")
     p.add_argument("--clients", type=int, default=8, help="with --server: client processes sharing --in-flight")
-    p.add_argument("--switch-ms", default="5", help="with --server: the server process's interpreter switch "
-                   "interval(s) in ms (a comma list; 5 is Python's default)")
+    p.add_argument("--switch-ms", default="", help="with --server: the server's interpreter switch interval(s) "
+                   "in ms (ServerConfig.switch_interval; a comma list; empty: the server's default; 5 is Python's)")
     p.add_argument("--server-only", action="store_true",
                    help="only the library's one batch (graphs on, best of 2) and the server rows")
     args = p.parse_args()
@@ -297,22 +293,27 @@ def main() -> None:
 def server_rows(loaded, reqs, args, batch_default: dict) -> None:
     """W1 through the server against the library's one batch, pipelined steps off and on, at each
     ``--in-flight`` count; the engine's steps as the batcher saw them."""
+    from logprobe.server import ServerConfig
+
     log("\nW1 through the server: one /generate request per sample, N outstanding, default mode, against the "
         "library's one batch of the same graphs setting; engine busy = the batcher's steps' summed time")
     log("wall = the client's; before first step / between steps / after last: the engine idle (from the client's "
         "start to the first step's, between steps, from the last step's end to the client's last answer); "
         "lock wait: a 1 ms sleeper thread's lateness in the server's process, mean / 99th percentile")
-    log(f"client: {args.clients} processes; switch: the server process's sys.setswitchinterval (ms)")
+    log(f"client: {args.clients} processes; switch: the server's interpreter switch interval "
+        "(ServerConfig.switch_interval, ms)")
     log("| graphs | pipelined steps | in flight | switch ms | server s | one batch s | × | steps | requests / step | "
         "engine busy s (share of wall) | idle before / between / after s | lock wait ms |")
     log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for graphs, one in batch_default.items():
         for flight, switch, pipeline in itertools.product((int(x) for x in str(args.in_flight).split(",")),
-                                                          (float(x) / 1e3 for x in args.switch_ms.split(",")),
+                                                          [float(x) / 1e3 for x in args.switch_ms.split(",")]
+                                                          if args.switch_ms else [None],
                                                           (False, True)):
             r = through_server(loaded, reqs, args, graphs, pipeline, flight, switch)
             free()
-            log(f"| {'on' if graphs else 'off'} | {'on' if pipeline else 'off'} | {flight} | {switch * 1e3:g} | "
+            ms = (switch if switch is not None else ServerConfig().switch_interval) * 1e3
+            log(f"| {'on' if graphs else 'off'} | {'on' if pipeline else 'off'} | {flight} | {ms:g} | "
                 f"{r['wall']:.2f} | {one:.2f} | {r['wall'] / one:.2f}× | {r['steps']} | {r['requests']:.1f} | "
                 f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) | {r['head']:.2f} / {r['between']:.2f} / "
                 f"{r['tail']:.2f} | {r['gil'][0]:.2f} / {r['gil'][1]:.1f} |")

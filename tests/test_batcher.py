@@ -429,6 +429,7 @@ def test_pipeline_steps_config_and_flag():
     assert ServerConfig().pipeline_steps is True
     with pytest.raises(LogprobeError, match="pipeline_steps: must be True or False"):
         ServerConfig(pipeline_steps="no")
-    args = build_parser().parse_args(["serve", "--no-pipeline-steps"])
-    assert args.no_pipeline_steps is True
-    assert build_parser().parse_args(["serve"]).no_pipeline_steps is False
+    args = build_parser().parse_args(["serve", "--no-pipeline-steps", "--switch-interval", "0.001"])
+    assert args.no_pipeline_steps is True and args.switch_interval == 0.001
+    args = build_parser().parse_args(["serve"])
+    assert args.no_pipeline_steps is False and args.switch_interval == ServerConfig().switch_interval

@@ -392,3 +392,24 @@ def test_scoring_replies_skip_fastapi_encoder(server, monkeypatch):
         assert r.status_code == 200, (path, r.text[:300])
     r = requests.get(url + "/v1/models")  # a small reply still goes through FastAPI's path: the patch bites
     assert r.status_code == 500
+
+
+def test_switch_interval_set_while_serving_and_restored(default_scorer):
+    """ServerConfig.switch_interval is the process's interpreter switch interval while the app
+    runs (the engine thread waits less for the lock the HTTP work holds), restored after; None
+    leaves it alone; bad values are refused by name."""
+    import sys
+
+    from logprobe.errors import LogprobeError
+
+    before = sys.getswitchinterval()
+    with serve(create_app(default_scorer, ServerConfig(switch_interval=0.0007))) as url:
+        assert requests.get(url + "/health").status_code == 200
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    assert sys.getswitchinterval() == pytest.approx(before)
+    with serve(create_app(default_scorer, ServerConfig(switch_interval=None))):
+        assert sys.getswitchinterval() == pytest.approx(before)
+    assert ServerConfig().switch_interval == 0.0005
+    for bad in (0, -1, 2, True, "0.001"):
+        with pytest.raises(LogprobeError, match="switch_interval: must be a number of seconds in"):
+            ServerConfig(switch_interval=bad)

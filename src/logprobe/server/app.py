@@ -229,11 +229,17 @@ def create_app(scorer: Scorer, config: ServerConfig | None = None, model_name: s
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        switch = sys.getswitchinterval()
+        if config.switch_interval is not None:  # see ServerConfig.switch_interval
+            sys.setswitchinterval(config.switch_interval)
         batcher.start()
         readiness.start()
-        yield
-        await lifecycle.drain(config.shutdown_timeout)  # a no-op when `logprobe serve` drained on SIGTERM
-        batcher.close()
+        try:
+            yield
+            await lifecycle.drain(config.shutdown_timeout)  # a no-op when `logprobe serve` drained on SIGTERM
+            batcher.close()
+        finally:
+            sys.setswitchinterval(switch)
 
     app = FastAPI(title="logprobe", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
                   description="Exact log-probabilities of given text: OpenAI-compatible scoring, tokenizer "
