@@ -247,6 +247,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8, help="with --server: client processes sharing --in-flight")
     p.add_argument("--switch-ms", default="", help="with --server: the server's interpreter switch interval(s) "
                    "in ms (ServerConfig.switch_interval; a comma list; empty: the server's default; 5 is Python's)")
+    p.add_argument("--repeat", type=int, default=1, help="with --server: each row this many times (interleaved)")
     p.add_argument("--server-only", action="store_true",
                    help="only the library's one batch (graphs on, best of 2) and the server rows")
     args = p.parse_args()
@@ -305,11 +306,13 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
     log("| graphs | pipelined steps | in flight | switch ms | server s | one batch s | × | steps | requests / step | "
         "engine busy s (share of wall) | idle before / between / after s | lock wait ms |")
     log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    flights = [int(x) for x in str(args.in_flight).split(",")]
+    switches = [float(x) / 1e3 for x in args.switch_ms.split(",")] if args.switch_ms else [None]
     for graphs, one in batch_default.items():
-        for flight, switch, pipeline in itertools.product((int(x) for x in str(args.in_flight).split(",")),
-                                                          [float(x) / 1e3 for x in args.switch_ms.split(",")]
-                                                          if args.switch_ms else [None],
-                                                          (False, True)):
+        # a first server run in the process is slower (imports, the first requests' paths): not a row
+        through_server(loaded, reqs, args, graphs, True, flights[0], switches[0])
+        free()
+        for _, flight, switch, pipeline in itertools.product(range(args.repeat), flights, switches, (False, True)):
             r = through_server(loaded, reqs, args, graphs, pipeline, flight, switch)
             free()
             ms = (switch if switch is not None else ServerConfig().switch_interval) * 1e3
