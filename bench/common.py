@@ -19,6 +19,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -327,3 +328,327 @@ def mem_base(dev) -> int:
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
 
+
+# ------------------------------------------- other families' shapes and their checkpoints
+# (bench/gpu_families.py, bench/gpu_first_call.py)
+
+GEMMA3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                 sliding_window=1024, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                 bos_token_id=2, eos_token_id=1, pad_token_id=0)
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                   num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                   swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 4096},
+                   bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
+GLM4_9B = dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+               num_attention_heads=32, num_key_value_heads=2, head_dim=128, attention_bias=True,
+               partial_rotary_factor=0.5, max_position_embeddings=32768, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+               bos_token_id=None, eos_token_id=151329, pad_token_id=151329)
+PHI4_MINI = dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                 max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                 bos_token_id=199999, eos_token_id=199999, pad_token_id=199999)
+GEMMA4_E4B = dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=2560, intermediate_size=10240,
+                  num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                  global_head_dim=512, hidden_size_per_layer_input=256, num_kv_shared_layers=18,
+                  sliding_window=512, final_logit_softcapping=30.0, max_position_embeddings=131072,
+                  rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+FAMILY_TINY = {"gemma3-4b": dict(GEMMA3_4B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+                          bos_token_id=1, eos_token_id=2),
+        "gpt-oss-20b": dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=64, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0),
+        "glm4-9b": dict(GLM4_9B, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2, pad_token_id=0),
+        "phi4-mini": dict(PHI4_MINI, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                          pad_token_id=0),
+        "gemma4-e4b": dict(GEMMA4_E4B, vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                           sliding_window=64)}
+FAMILY_SHAPES = {"gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B), "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B),
+          "glm4-9b": ("Glm4Config", GLM4_9B), "phi4-mini": ("Phi3Config", PHI4_MINI),
+          "gemma4-e4b": ("Gemma4TextConfig", GEMMA4_E4B)}
+# Layers run by default on the GPU (``--layers`` overrides): each model in well under a minute with its
+# checkpoint written; the rest are the full model's.
+FAMILY_LAYERS = {"glm4-9b": 8, "phi4-mini": 16, "gemma4-e4b": 12}
+
+def layer_cut(name: str, tiny: bool, layers: str) -> tuple[dict, str]:
+    """(config keywords, label) of ``name`` cut to its first N layers: ``layers`` "" (the default cut),
+    "all", or N. Gemma 4 keeps its share of KV-shared layers (18 of 42 in E4B), rounded."""
+    kw = FAMILY_TINY[name] if tiny else FAMILY_SHAPES[name][1]
+    full = kw["num_hidden_layers"]
+    n = full if tiny or layers == "all" else int(layers) if layers else FAMILY_LAYERS.get(name, full)
+    if not 0 < n <= full:
+        sys.exit(f"--layers: {n} is not in 1 .. {full} for {name}")
+    if n == full:
+        return kw, f"all {full} layers"
+    cut = dict(kw, num_hidden_layers=n)
+    if "num_kv_shared_layers" in kw:
+        cut["num_kv_shared_layers"] = round(kw["num_kv_shared_layers"] * n / full)
+    return cut, f"{n} of {full} layers"
+
+
+def family_config(name: str, tiny: bool, layers: str = ""):
+    """(transformers config, layer label)."""
+    import transformers as tf
+
+    kw, label = layer_cut(name, tiny, layers)
+    return getattr(tf, FAMILY_SHAPES[name][0])(**kw), label
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+
+def fresh_dir(path: Path, stamp: str) -> bool:
+    """True when ``path`` holds a checkpoint of this stamp; else empties it for a new one."""
+    marker = path / "WRITTEN_BY_GPU_FAMILIES"
+    if marker.exists() and marker.read_text() == stamp:
+        return True
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return False
+
+
+def write_hf(cfg, path: Path, dev, dtype) -> str:
+    from transformers import AutoModelForCausalLM
+
+    stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
+    if fresh_dir(path, stamp):
+        return "reused"
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    hf.save_pretrained(str(path))
+    byte_tokenizer().save_pretrained(str(path))
+    del hf
+    free()
+    (path / "WRITTEN_BY_GPU_FAMILIES").write_text(stamp)
+    return f"written in {time.perf_counter() - t:.1f} s"
+
+
+def gpt_oss_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> shape of gpt-oss as the hub ships it (MXFP4 experts)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    shapes = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            E, inner, out = v.shape  # transformers' x @ W layout [E, in, out]
+            shapes[k + "_blocks"], shapes[k + "_scales"] = (E, out, inner // 32, 16), (E, out, inner // 32)
+        else:
+            shapes[k] = tuple(v.shape)
+    return shapes
+
+
+def write_gpt_oss(cfg, path: Path, dev, dtype) -> str:
+    """The MXFP4 hub layout, every tensor seeded by its index (bench/gpu_families.py's docstring), shards
+    of <= 4 GiB."""
+    from safetensors.torch import save_file
+
+    stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
+    if fresh_dir(path, stamp):
+        return "reused"
+    t = time.perf_counter()
+    shards, part, size = [], {}, 0
+    for i, (k, shape) in enumerate(sorted(gpt_oss_shapes(cfg).items())):
+        g = torch.Generator(dev).manual_seed(i)
+        if k.endswith("_blocks"):
+            v = torch.randint(0, 256, shape, generator=g, device=dev, dtype=torch.uint8)
+        elif k.endswith("_scales"):
+            v = torch.randint(119, 122, shape, generator=g, device=dev, dtype=torch.uint8)
+        elif k.endswith("norm.weight"):
+            v = torch.ones(shape, device=dev, dtype=dtype)
+        else:
+            std = 1.0 if k.endswith("sinks") else 0.02
+            v = (torch.randn(shape, generator=g, device=dev) * std).to(dtype)
+        part[k] = v.cpu()
+        size += v.numel() * v.element_size()
+        if size > 4 * GiB:
+            shards.append(part)
+            part, size = {}, 0
+    shards.append(part)
+    index = {}
+    for j, p in enumerate(shards):
+        fname = f"model-{j:05d}-of-{len(shards):05d}.safetensors"
+        save_file(p, str(path / fname), metadata={"format": "pt"})
+        index.update({k: fname for k in p})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    raw = cfg.to_dict()
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(raw, default=str))
+    byte_tokenizer().save_pretrained(str(path))
+    (path / "WRITTEN_BY_GPU_FAMILIES").write_text(stamp)
+    disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return f"written in {time.perf_counter() - t:.1f} s ({disk / GiB:.1f} GiB)"
+
+
+# GLM-4.5-Air's shape (``glm4_moe``: 128 experts top-8 + 1 shared, 96 query heads, half-rotary, q/k/v
+# bias; 106B parameters in all), the transformers ``Glm4MoeConfig`` arguments
+GLM45_AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                 num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_shared_experts=1,
+                 n_routed_experts=128, num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                 routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True,
+                 use_qk_norm=False, tie_word_embeddings=False)
+
+
+# Models larger than a machine's disk or host memory, as FP8 blocks: Qwen3-235B-A22B (235B, 22B active;
+# 4 GPUs), GLM-4.5 (355B, 32B active; 4 GPUs), DeepSeek-V3 (671B, 37B active: latent attention, 256
+# routed experts + 1 shared, top-8 of 8 groups keeping 4, sigmoid router; 8 GPUs). DeepSeek-V3's YaRN
+# rotary is left out (the default rotary: the same work a token); "tiny-v3" is its shape cut down
+# for a CPU trial of --random-weights.
+BIG_SHAPES = {
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
+                                               num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                                               intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
+                                               num_experts_per_tok=8, norm_topk_prob=True)),
+    "glm-4.5": ("Glm4MoeConfig", {**GLM45_AIR, **dict(hidden_size=5120, intermediate_size=12288,
+                                                      moe_intermediate_size=1536, num_hidden_layers=92,
+                                                      n_routed_experts=160, first_k_dense_replace=3,
+                                                      routed_scaling_factor=2.5, use_qk_norm=True)}),
+    "deepseek-v3": ("DeepseekV3Config", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                                             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                                             num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                                             num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                             qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5,
+                                             norm_topk_prob=True)),
+    "tiny-v3": ("DeepseekV3Config", dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                         topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32,
+                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                         routed_scaling_factor=2.5, norm_topk_prob=True)),
+}
+MOE_SHAPES = {  # transformers config class, its arguments
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "mla": ("DeepseekV3Config", dict(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                                     num_key_value_heads=16, intermediate_size=10944, moe_intermediate_size=1408,
+                                     n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1,
+                                     topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
+                                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                     routed_scaling_factor=1.0, norm_topk_prob=False)),
+    # a CPU trial of the script itself (gloo workers, float32)
+    "tiny": ("Qwen3MoeConfig", dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    # the largest of these: GLM-4.5-Air (106B; 106 GB as FP8 blocks) spans two GPUs of 80 GB
+    "glm-air": ("Glm4MoeConfig", GLM45_AIR),
+    # larger than a machine's disk: run with --random-weights (each rank builds its shard on its GPU)
+    **BIG_SHAPES,
+}
+
+
+def fp8_entries(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor of the bf16 checkpoint -> what DeepSeek's FP8 checkpoints store for it: each
+    projection ``<m>.weight`` as codes and ``<m>.weight_scale_inv``; transformers' stacked experts
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) first split into one
+    matrix per expert; anything else (norms, embeddings, routers) as it is.
+
+    >>> sorted(fp8_entries("layers.1.mlp.experts.down_proj", torch.ones(2, 4, 3)))[:2]
+    ['layers.1.mlp.experts.0.down_proj.weight', 'layers.1.mlp.experts.0.down_proj.weight_scale_inv']
+    """
+    base = key.rpartition(".")[0] + "."
+    if key.endswith("experts.gate_up_proj"):
+        inter = t.shape[1] // 2
+        mats = {f"{base}{e}.{p}.weight": t[e, i * inter:(i + 1) * inter]
+                for e in range(t.shape[0]) for i, p in enumerate(("gate_proj", "up_proj"))}
+    elif key.endswith("experts.down_proj"):
+        mats = {f"{base}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+    elif t.dim() == 2 and "_proj" in key:
+        mats = {key: t}
+    else:
+        return {key: t}
+    out = {}
+    for k, w in mats.items():
+        out[k], out[k.removesuffix(".weight") + ".weight_scale_inv"] = fp8_blocks(w)
+    return out
+
+
+def skewed(key: str, t: torch.Tensor, skew: float, hot: int) -> torch.Tensor:
+    """A skewed router, as trained ones are (a few experts take much of the load): the router rows
+    of the ``hot`` first experts scaled by 1 + ``skew``, so their logits spread wider and they win
+    the top-k more often, whatever the hidden rows hold (``skew`` 0: unchanged). On 128 experts,
+    top-8, with the 8 first hot: 0.5 gives them about 14% of the slots (the busiest expert 2.4x
+    the mean load), 1.0 about 21% (3.4x); the share is measured and printed (``hot_share``). The
+    hot experts are consecutive, so one rank holds them all under expert parallelism: the worst
+    placement. (An earlier form added a shared direction to the embeddings and hot rows: after a
+    few blocks it moved no load, hot_share 0.04-0.06 at 0.05-2.0.)"""
+    if not skew or not key.endswith("mlp.gate.weight"):
+        return t
+    t = t.clone()
+    t[:hot] *= 1 + skew
+    return t
+
+
+def moe_config(shape: str, layers: int):
+    """The transformers config of ``shape`` (``layers``: fewer decoder layers, 0 = all)."""
+    import transformers
+
+    cls, kw = MOE_SHAPES[shape]
+    return getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
+                                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
+
+
+def write_moe_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, device: str = "cuda",
+                     skew: float = 0.0) -> None:
+    """Random bf16 weights (seeded per tensor, made on ``device``), config.json and a byte tokenizer;
+    ``fp8``: the same weights as an FP8 block checkpoint (``fp8_entries``); ``skew``: a skewed
+    router (``skewed``)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = moe_config(shape, layers)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes.update({k: tuple(v.shape) for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
+    part, size, index = {}, 0, {}
+
+    def save(part: dict) -> None:  # each file written as it fills: a 106B model is never held whole
+        name = f"model-{len(set(index.values())):05d}.safetensors"
+        save_file(part, str(path / name))
+        index.update({k: name for k in part})
+
+    for i, (k, s) in enumerate(sorted(shapes.items())):
+        g = torch.Generator(device).manual_seed(i)
+        if k.endswith("e_score_correction_bias"):
+            t = torch.zeros(s, device=device)
+        elif len(s) == 1:
+            t = torch.ones(s, device=device)
+        else:
+            t = torch.randn(s, generator=g, device=device) * 0.02
+        t = t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
+        t = skewed(k, t, skew, hot=max(1, s[0] // 16) if k.endswith("mlp.gate.weight") else 0)
+        for name, v in (fp8_entries(k, t) if fp8 else {k: t}).items():
+            part[name] = v.cpu()
+            size += v.numel() * v.element_size()
+        if size > 4 << 30:
+            save(part)
+            part, size = {}, 0
+    if part:
+        save(part)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg.save_pretrained(str(path))
+    if fp8:
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, "quantization_config": FP8_CONFIG}, indent=2))
+    byte_tokenizer().save_pretrained(str(path))

@@ -60,8 +60,6 @@ One model's weights are on the GPU at a time (freed in between).
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import time
 import traceback
@@ -71,62 +69,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import byte_tokenizer, free, mem_base, run_transformers, sync_time, workload  # noqa: E402
+from common import (  # noqa: E402
+    FAMILY_LAYERS,
+    FAMILY_SHAPES,
+    family_config,
+    free,
+    mem_base,
+    run_transformers,
+    sync_time,
+    workload,
+    write_gpt_oss,
+    write_hf,
+)
 
 from logprobe import Scorer  # noqa: E402
 from logprobe.loading import load_model  # noqa: E402
 
 GiB = 1024**3
-GEMMA3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
-                 sliding_window=1024, max_position_embeddings=131072, rms_norm_eps=1e-6,
-                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-                 bos_token_id=2, eos_token_id=1, pad_token_id=0)
-GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
-                   num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                   swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
-                                                      "original_max_position_embeddings": 4096},
-                   bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
-GLM4_9B = dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
-               num_attention_heads=32, num_key_value_heads=2, head_dim=128, attention_bias=True,
-               partial_rotary_factor=0.5, max_position_embeddings=32768, rms_norm_eps=1e-5,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-               bos_token_id=None, eos_token_id=151329, pad_token_id=151329)
-PHI4_MINI = dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-                 num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75, tie_word_embeddings=True,
-                 max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                 bos_token_id=199999, eos_token_id=199999, pad_token_id=199999)
-GEMMA4_E4B = dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=2560, intermediate_size=10240,
-                  num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                  global_head_dim=512, hidden_size_per_layer_input=256, num_kv_shared_layers=18,
-                  sliding_window=512, final_logit_softcapping=30.0, max_position_embeddings=131072,
-                  rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0)
-TINY = {"gemma3-4b": dict(GEMMA3_4B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
-                          bos_token_id=1, eos_token_id=2),
-        "gpt-oss-20b": dict(GPT_OSS_20B, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                            num_experts_per_tok=2, sliding_window=64, bos_token_id=1, eos_token_id=2,
-                            pad_token_id=0),
-        "glm4-9b": dict(GLM4_9B, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2, pad_token_id=0),
-        "phi4-mini": dict(PHI4_MINI, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
-                          pad_token_id=0),
-        "gemma4-e4b": dict(GEMMA4_E4B, vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
-                           intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=16, global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
-                           sliding_window=64)}
-MODELS = {"gemma3-4b": ("Gemma3TextConfig", GEMMA3_4B), "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B),
-          "glm4-9b": ("Glm4Config", GLM4_9B), "phi4-mini": ("Phi3Config", PHI4_MINI),
-          "gemma4-e4b": ("Gemma4TextConfig", GEMMA4_E4B)}
-# Layers run by default on the GPU (``--layers`` overrides): each model in well under a minute with its
-# checkpoint written; the rest are the full model's.
-DEFAULT_LAYERS = {"glm4-9b": 8, "phi4-mini": 16, "gemma4-e4b": 12}
 # transformers on the first N requests by default (``--hf-requests`` overrides), the whole extrapolated.
 DEFAULT_HF_REQUESTS = {"gpt-oss-20b": 64, "glm4-9b": 64, "phi4-mini": 64, "gemma4-e4b": 64}
 T0 = time.perf_counter()
@@ -142,120 +101,6 @@ def progress(msg: str) -> None:
 
 def one_line(e: BaseException, n: int = 400) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
-
-
-def layer_cut(name: str, tiny: bool, layers: str) -> tuple[dict, str]:
-    """(config keywords, label) of ``name`` cut to its first N layers: ``layers`` "" (the default cut),
-    "all", or N. Gemma 4 keeps its share of KV-shared layers (18 of 42 in E4B), rounded."""
-    kw = TINY[name] if tiny else MODELS[name][1]
-    full = kw["num_hidden_layers"]
-    n = full if tiny or layers == "all" else int(layers) if layers else DEFAULT_LAYERS.get(name, full)
-    if not 0 < n <= full:
-        sys.exit(f"--layers: {n} is not in 1 .. {full} for {name}")
-    if n == full:
-        return kw, f"all {full} layers"
-    cut = dict(kw, num_hidden_layers=n)
-    if "num_kv_shared_layers" in kw:
-        cut["num_kv_shared_layers"] = round(kw["num_kv_shared_layers"] * n / full)
-    return cut, f"{n} of {full} layers"
-
-
-def hf_config(name: str, tiny: bool, layers: str = ""):
-    """(transformers config, layer label)."""
-    import transformers as tf
-
-    kw, label = layer_cut(name, tiny, layers)
-    return getattr(tf, MODELS[name][0])(**kw), label
-
-
-# ------------------------------------------------------------------------------- checkpoints
-
-
-def _fresh(path: Path, stamp: str) -> bool:
-    """True when ``path`` holds a checkpoint of this stamp; else empties it for a new one."""
-    marker = path / "WRITTEN_BY_GPU_FAMILIES"
-    if marker.exists() and marker.read_text() == stamp:
-        return True
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    return False
-
-
-def write_hf(cfg, path: Path, dev, dtype) -> str:
-    from transformers import AutoModelForCausalLM
-
-    stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
-    if _fresh(path, stamp):
-        return "reused"
-    t = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(dev):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    hf.save_pretrained(str(path))
-    byte_tokenizer().save_pretrained(str(path))
-    del hf
-    free()
-    (path / "WRITTEN_BY_GPU_FAMILIES").write_text(stamp)
-    return f"written in {time.perf_counter() - t:.1f} s"
-
-
-def gpt_oss_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Checkpoint key -> shape of gpt-oss as the hub ships it (MXFP4 experts)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg)
-    shapes = {}
-    for k, v in hf.state_dict().items():
-        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            E, inner, out = v.shape  # transformers' x @ W layout [E, in, out]
-            shapes[k + "_blocks"], shapes[k + "_scales"] = (E, out, inner // 32, 16), (E, out, inner // 32)
-        else:
-            shapes[k] = tuple(v.shape)
-    return shapes
-
-
-def write_gpt_oss(cfg, path: Path, dev, dtype) -> str:
-    """The MXFP4 hub layout, every tensor seeded by its index (module docstring), shards of <= 4 GiB."""
-    from safetensors.torch import save_file
-
-    stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
-    if _fresh(path, stamp):
-        return "reused"
-    t = time.perf_counter()
-    shards, part, size = [], {}, 0
-    for i, (k, shape) in enumerate(sorted(gpt_oss_shapes(cfg).items())):
-        g = torch.Generator(dev).manual_seed(i)
-        if k.endswith("_blocks"):
-            v = torch.randint(0, 256, shape, generator=g, device=dev, dtype=torch.uint8)
-        elif k.endswith("_scales"):
-            v = torch.randint(119, 122, shape, generator=g, device=dev, dtype=torch.uint8)
-        elif k.endswith("norm.weight"):
-            v = torch.ones(shape, device=dev, dtype=dtype)
-        else:
-            std = 1.0 if k.endswith("sinks") else 0.02
-            v = (torch.randn(shape, generator=g, device=dev) * std).to(dtype)
-        part[k] = v.cpu()
-        size += v.numel() * v.element_size()
-        if size > 4 * GiB:
-            shards.append(part)
-            part, size = {}, 0
-    shards.append(part)
-    index = {}
-    for j, p in enumerate(shards):
-        fname = f"model-{j:05d}-of-{len(shards):05d}.safetensors"
-        save_file(p, str(path / fname), metadata={"format": "pt"})
-        index.update({k: fname for k in p})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    raw = cfg.to_dict()
-    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (path / "config.json").write_text(json.dumps(raw, default=str))
-    byte_tokenizer().save_pretrained(str(path))
-    (path / "WRITTEN_BY_GPU_FAMILIES").write_text(stamp)
-    disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    return f"written in {time.perf_counter() - t:.1f} s ({disk / GiB:.1f} GiB)"
 
 
 def gpt_oss_transformers(cfg, path: Path, dev, dtype):
@@ -372,7 +217,7 @@ def report(name: str, reqs, rows: dict) -> None:
 
 
 def run_model(args, name: str, dev, dtype) -> None:
-    cfg, cut = hf_config(name, args.tiny, args.layers)
+    cfg, cut = family_config(name, args.tiny, args.layers)
     path = Path(args.dir) / f"{name}{'-tiny' if args.tiny else ''}-{str(dtype).removeprefix('torch.')}"
     writer = write_gpt_oss if name == "gpt-oss-20b" else write_hf
     progress(f"{name}: checkpoint {path}: {writer(cfg, path, dev, dtype)}")
@@ -406,12 +251,12 @@ def run_model(args, name: str, dev, dtype) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gemma3-4b,gpt-oss-20b", help=f"of {', '.join(MODELS)}")
+    ap.add_argument("--models", default="gemma3-4b,gpt-oss-20b", help=f"of {', '.join(FAMILY_SHAPES)}")
     ap.add_argument("--requests", type=int, default=0, help="the first N W1 requests only (0: all 256)")
     ap.add_argument("--hf-requests", type=int, default=None, help="transformers on the first N requests only, its "
                     "whole time extrapolated by needed tokens (0: all; default 64, all for gemma3-4b)")
     ap.add_argument("--layers", default="", help="the first N layers of every model, or 'all' (default: "
-                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_LAYERS.items()) + ", the others all)")
+                    + ", ".join(f"{k} {v}" for k, v in FAMILY_LAYERS.items()) + ", the others all)")
     ap.add_argument("--passes", type=int, default=1, help="timed passes per row after the warm-up (best kept)")
     ap.add_argument("--warmup", type=int, default=8, help="requests of each logprobe row's warm-up")
     ap.add_argument("--budget", type=int, default=8192, help="transformers' padded tokens per batch")
@@ -422,8 +267,8 @@ def main() -> None:
                     "the |delta| where rounding noise is ~1e-5")
     args = ap.parse_args()
     names = args.models.split(",")
-    if not set(names) <= set(MODELS):
-        sys.exit(f"--models: of {', '.join(MODELS)}")
+    if not set(names) <= set(FAMILY_SHAPES):
+        sys.exit(f"--models: of {', '.join(FAMILY_SHAPES)}")
     dev = torch.device("cpu" if args.tiny else "cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --tiny for a CPU run)")

@@ -54,11 +54,22 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HYBRID_MODELS, SAVED_SHAPES, hf_config, save_model, write_hybrid_checkpoint  # noqa: E402
+from common import (  # noqa: E402
+    FAMILY_SHAPES,
+    HYBRID_MODELS,
+    SAVED_SHAPES,
+    family_config,
+    hf_config,
+    moe_config,
+    save_model,
+    write_gpt_oss,
+    write_hf,
+    write_hybrid_checkpoint,
+    write_moe_checkpoint,
+)
 
-# the other families (bench/gpu_families.py) and the mixtures of experts (bench/gpu_moe_parallel.py);
-# on CPU their tiny twins (``tiny-moe``: gpu_moe_parallel's "tiny", ``tiny-v3``)
-FAMILIES = ("gemma3-4b", "gpt-oss-20b", "glm4-9b", "phi4-mini", "gemma4-e4b")
+# the mixtures of experts of common.MOE_SHAPES this script writes; on CPU their tiny twins
+# (``tiny-moe``: the shape "tiny", ``tiny-v3``)
 MOES = {"qwen3-30b-a3b": "qwen3-30b-a3b", "mla": "mla", "glm-air": "glm-air", "tiny-moe": "tiny", "tiny-v3": "tiny-v3"}
 
 CHILD = r"""
@@ -172,17 +183,13 @@ def save(name: str, path: Path, device: str, layers: int = 0) -> int:
     if name in SAVED_SHAPES:
         save_model(name, str(path), device)
         return SAVED_SHAPES[name]["vocab_size"]
-    if name in FAMILIES:
-        import gpu_families as fam
-
-        cfg, _ = fam.hf_config(name, device == "cpu", str(layers) if layers else "")
-        (fam.write_gpt_oss if name == "gpt-oss-20b" else fam.write_hf)(cfg, path, torch.device(device), dtype)
+    if name in FAMILY_SHAPES:
+        cfg, _ = family_config(name, device == "cpu", str(layers) if layers else "")
+        (write_gpt_oss if name == "gpt-oss-20b" else write_hf)(cfg, path, torch.device(device), dtype)
         return cfg.vocab_size
     if name in MOES:
-        import gpu_moe_parallel as moe
-
-        moe.write_checkpoint(MOES[name], layers, path, device=device)
-        return moe.shape_config(MOES[name], layers).vocab_size
+        write_moe_checkpoint(MOES[name], layers, path, device=device)
+        return moe_config(MOES[name], layers).vocab_size
     _, cfg = hf_config(name, device == "cpu", layers)
     write_hybrid_checkpoint(cfg, path, torch.device(device), dtype)
     return cfg.vocab_size
@@ -225,7 +232,7 @@ def model_rows(name: str, root: Path, device: str, det: bool, out: Path | None, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen35-4b",
-                    help=f"comma list of {sorted(SAVED_SHAPES) + sorted(HYBRID_MODELS) + list(FAMILIES) + list(MOES)}, "
+                    help=f"comma list of {sorted(SAVED_SHAPES) + sorted(HYBRID_MODELS) + list(FAMILY_SHAPES) + list(MOES)}, "
                          "each NAME or NAME@LAYERS")
     ap.add_argument("--runs", default="none,again,shipped,triton",
                     help="comma list of none, fresh, again, shipped, triton (see above; shipped needs none first)")

@@ -79,7 +79,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FP8_CONFIG, QWEN3_30B_A3B, byte_tokenizer, fp8_blocks, workload  # noqa: E402
+from common import (  # noqa: E402
+    FP8_CONFIG,
+    MOE_SHAPES,
+    byte_tokenizer,
+    moe_config,
+    workload,
+    write_moe_checkpoint,
+)
 
 from logprobe.engine.runner import pack  # noqa: E402
 from logprobe.engine.scheduler import Chunk, plan_work  # noqa: E402
@@ -95,169 +102,15 @@ from logprobe.loading.loader import describe_model  # noqa: E402
 from logprobe.models.base import attention_pair_weight  # noqa: E402
 from logprobe.parallel.rows import RowSplit, assign_rows, cut_costs  # noqa: E402
 
-# GLM-4.5-Air's shape (``glm4_moe``: 128 experts top-8 + 1 shared, 96 query heads, half-rotary, q/k/v
-# bias; 106B parameters in all), the transformers ``Glm4MoeConfig`` arguments
-GLM45_AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
-                 num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_shared_experts=1,
-                 n_routed_experts=128, num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
-                 routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True,
-                 use_qk_norm=False, tie_word_embeddings=False)
-
-
-# Models larger than a machine's disk or host memory, as FP8 blocks: Qwen3-235B-A22B (235B, 22B active;
-# 4 GPUs), GLM-4.5 (355B, 32B active; 4 GPUs), DeepSeek-V3 (671B, 37B active: latent attention, 256
-# routed experts + 1 shared, top-8 of 8 groups keeping 4, sigmoid router; 8 GPUs). DeepSeek-V3's YaRN
-# rotary is left out (the default rotary: the same work a token); "tiny-v3" is its shape cut down
-# for a CPU trial of --random-weights.
-BIG_SHAPES = {
-    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
-                                               num_attention_heads=64, num_key_value_heads=4, head_dim=128,
-                                               intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
-                                               num_experts_per_tok=8, norm_topk_prob=True)),
-    "glm-4.5": ("Glm4MoeConfig", {**GLM45_AIR, **dict(hidden_size=5120, intermediate_size=12288,
-                                                      moe_intermediate_size=1536, num_hidden_layers=92,
-                                                      n_routed_experts=160, first_k_dense_replace=3,
-                                                      routed_scaling_factor=2.5, use_qk_norm=True)}),
-    "deepseek-v3": ("DeepseekV3Config", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-                                             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-                                             num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
-                                             num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
-                                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                                             qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5,
-                                             norm_topk_prob=True)),
-    "tiny-v3": ("DeepseekV3Config", dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                                         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-                                         topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32,
-                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                                         routed_scaling_factor=2.5, norm_topk_prob=True)),
-}
 # SGLang's DeepSeek-V3 prefill on H100s (prefill-decode disaggregation, expert parallelism): 52.3k input
 # tokens/s per node of 8 GPUs, 37B active parameters: per GPU, tokens/s x active parameters
 SGLANG_V3_PREFILL = 52.3e3 / 8 * 37e9
 
 T0 = time.perf_counter()
-SHAPES = {  # transformers config class, its arguments
-    "qwen3-30b-a3b": QWEN3_30B_A3B,
-    "mla": ("DeepseekV3Config", dict(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
-                                     num_key_value_heads=16, intermediate_size=10944, moe_intermediate_size=1408,
-                                     n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1,
-                                     topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
-                                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                                     routed_scaling_factor=1.0, norm_topk_prob=False)),
-    # a CPU trial of the script itself (gloo workers, float32)
-    "tiny": ("Qwen3MoeConfig", dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
-    # the largest of these: GLM-4.5-Air (106B; 106 GB as FP8 blocks) spans two GPUs of 80 GB
-    "glm-air": ("Glm4MoeConfig", GLM45_AIR),
-    # larger than a machine's disk: run with --random-weights (each rank builds its shard on its GPU)
-    **BIG_SHAPES,
-}
 
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
-
-
-def fp8_entries(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One tensor of the bf16 checkpoint -> what DeepSeek's FP8 checkpoints store for it: each
-    projection ``<m>.weight`` as codes and ``<m>.weight_scale_inv``; transformers' stacked experts
-    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) first split into one
-    matrix per expert; anything else (norms, embeddings, routers) as it is.
-
-    >>> sorted(fp8_entries("layers.1.mlp.experts.down_proj", torch.ones(2, 4, 3)))[:2]
-    ['layers.1.mlp.experts.0.down_proj.weight', 'layers.1.mlp.experts.0.down_proj.weight_scale_inv']
-    """
-    base = key.rpartition(".")[0] + "."
-    if key.endswith("experts.gate_up_proj"):
-        inter = t.shape[1] // 2
-        mats = {f"{base}{e}.{p}.weight": t[e, i * inter:(i + 1) * inter]
-                for e in range(t.shape[0]) for i, p in enumerate(("gate_proj", "up_proj"))}
-    elif key.endswith("experts.down_proj"):
-        mats = {f"{base}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
-    elif t.dim() == 2 and "_proj" in key:
-        mats = {key: t}
-    else:
-        return {key: t}
-    out = {}
-    for k, w in mats.items():
-        out[k], out[k.removesuffix(".weight") + ".weight_scale_inv"] = fp8_blocks(w)
-    return out
-
-
-def skewed(key: str, t: torch.Tensor, skew: float, hot: int) -> torch.Tensor:
-    """A skewed router, as trained ones are (a few experts take much of the load): the router rows
-    of the ``hot`` first experts scaled by 1 + ``skew``, so their logits spread wider and they win
-    the top-k more often, whatever the hidden rows hold (``skew`` 0: unchanged). On 128 experts,
-    top-8, with the 8 first hot: 0.5 gives them about 14% of the slots (the busiest expert 2.4x
-    the mean load), 1.0 about 21% (3.4x); the share is measured and printed (``hot_share``). The
-    hot experts are consecutive, so one rank holds them all under expert parallelism: the worst
-    placement. (An earlier form added a shared direction to the embeddings and hot rows: after a
-    few blocks it moved no load, hot_share 0.04-0.06 at 0.05-2.0.)"""
-    if not skew or not key.endswith("mlp.gate.weight"):
-        return t
-    t = t.clone()
-    t[:hot] *= 1 + skew
-    return t
-
-
-def shape_config(shape: str, layers: int):
-    """The transformers config of ``shape`` (``layers``: fewer decoder layers, 0 = all)."""
-    import transformers
-
-    cls, kw = SHAPES[shape]
-    return getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
-                                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
-
-
-def write_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, device: str = "cuda",
-                     skew: float = 0.0) -> None:
-    """Random bf16 weights (seeded per tensor, made on ``device``), config.json and a byte tokenizer;
-    ``fp8``: the same weights as an FP8 block checkpoint (``fp8_entries``); ``skew``: a skewed
-    router (``skewed``)."""
-    import transformers
-    from safetensors.torch import save_file
-
-    if (path / "config.json").exists():
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = shape_config(shape, layers)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    shapes.update({k: tuple(v.shape) for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
-    part, size, index = {}, 0, {}
-
-    def save(part: dict) -> None:  # each file written as it fills: a 106B model is never held whole
-        name = f"model-{len(set(index.values())):05d}.safetensors"
-        save_file(part, str(path / name))
-        index.update({k: name for k in part})
-
-    for i, (k, s) in enumerate(sorted(shapes.items())):
-        g = torch.Generator(device).manual_seed(i)
-        if k.endswith("e_score_correction_bias"):
-            t = torch.zeros(s, device=device)
-        elif len(s) == 1:
-            t = torch.ones(s, device=device)
-        else:
-            t = torch.randn(s, generator=g, device=device) * 0.02
-        t = t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
-        t = skewed(k, t, skew, hot=max(1, s[0] // 16) if k.endswith("mlp.gate.weight") else 0)
-        for name, v in (fp8_entries(k, t) if fp8 else {k: t}).items():
-            part[name] = v.cpu()
-            size += v.numel() * v.element_size()
-        if size > 4 << 30:
-            save(part)
-            part, size = {}, 0
-    if part:
-        save(part)
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    cfg.save_pretrained(str(path))
-    if fp8:
-        raw = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**raw, "quantization_config": FP8_CONFIG}, indent=2))
-    byte_tokenizer().save_pretrained(str(path))
 
 
 def write_config(shape: str, layers: int, path: Path, fp8: bool = False) -> None:
@@ -268,7 +121,7 @@ def write_config(shape: str, layers: int, path: Path, fp8: bool = False) -> None
     if (path / "config.json").exists():
         return
     path.mkdir(parents=True, exist_ok=True)
-    cfg = shape_config(shape, layers)
+    cfg = moe_config(shape, layers)
     raw = cfg.to_dict()
     (path / "config.json").write_text(json.dumps({**raw, **({"quantization_config": FP8_CONFIG} if fp8 else {})},
                                                  indent=2))
@@ -411,7 +264,7 @@ def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(MOE_SHAPES))
     ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (labelled in the output)")
     ap.add_argument("--sizes", default="1x1,2x1,2x2", help="TPxEP pairs, the first is the reference")
     ap.add_argument("--modes", default="default,det",
@@ -456,7 +309,7 @@ def main() -> None:
         write_config(args.shape, args.layers, path, args.fp8)
         log(f"config {path} (random weights), {active_params(path) / 1e9:.1f}B active parameters")
     else:
-        write_checkpoint(args.shape, args.layers, path, args.fp8, args.device, args.skew)
+        write_moe_checkpoint(args.shape, args.layers, path, args.fp8, args.device, args.skew)
         log(f"checkpoint {path}")
     if args.diagnose:
         return diagnose(path, args.sizes.split(","))
