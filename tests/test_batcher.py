@@ -11,7 +11,7 @@ from logprobe.engine.request import RequestResult, ScoreRequest
 from logprobe.engine.runner import Engine
 from logprobe.executor.engine import ParallelEngine
 from logprobe.executor.interface import Executor
-from logprobe.server.batcher import Batcher, QueueFull, ServerClosed, _Job, engine_call
+from logprobe.server.batcher import Batcher, QueueFull, ServerClosed, engine_call
 
 
 def req(n_inputs: int, tag: int) -> ScoreRequest:
@@ -313,7 +313,7 @@ def test_drain_finishes_the_queue_or_fails_the_rest():
     ([[1] * 5], 3, [(0, 0), (0, 1), (0, 2)]),
 ])
 def test_round_robin_pure_gold(remaining, budget, want):
-    from logprobe.server.batcher import round_robin
+    from logprobe.server.steps import round_robin
 
     assert round_robin(remaining, budget) == want
 
@@ -356,19 +356,20 @@ def test_engine_call_reads_the_executor_interface():
     (20_000, 32_768, 10_000), (10_000, 32_768, 8192), (0, 32_768, 8192), (3, 16, 4), (40, 40, 20),
 ])
 def test_step_budget_gold(queued, budget, want):
-    from logprobe.server.batcher import step_budget
+    from logprobe.server.steps import step_budget
 
     assert step_budget(queued, budget) == want
 
 
 def test_queued_cost_counts_shared_and_cached_contexts_once_and_stops_at_its_limit():
-    from logprobe.server.batcher import StepCost, _Remaining, queued_cost
+    from logprobe.server.steps import Remaining, StepCost, queued_cost
 
     prompt = [7] * 10
     group = [ScoreRequest(prompt + [5, 6 + k], 10) for k in range(3)]  # 11 inputs, 10 shared
-    jobs = [_Job(group[:2], None, None, 22), _Job(group[2:], None, None, 11), _Job([req(5, 9)], None, None, 5)]
+    jobs = [group[:2], group[2:], [req(5, 9)]]
+
     def total(cost, limit=1000):
-        return queued_cost([_Remaining(j, cost) for j in jobs], limit)
+        return queued_cost([Remaining(j, 0, cost) for j in jobs], limit)
 
     assert total(StepCost()) == 11 + 1 + 1 + 5
     assert total(StepCost(), 12) == 12  # stops at the limit
