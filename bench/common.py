@@ -439,6 +439,18 @@ def write_hf(cfg, path: Path, dev, dtype) -> str:
     return f"written in {time.perf_counter() - t:.1f} s"
 
 
+def write_shards(shards: list[dict], path: Path) -> None:
+    """``shards`` (one dict of tensors per file) as safetensors files in ``path`` and their index."""
+    from safetensors.torch import save_file
+
+    index = {}
+    for j, part in enumerate(shards):
+        name = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, str(path / name), metadata={"format": "pt"})
+        index.update({k: name for k in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+
+
 def gpt_oss_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> shape of gpt-oss as the hub ships it (MXFP4 experts)."""
     from transformers import AutoModelForCausalLM
@@ -458,8 +470,6 @@ def gpt_oss_shapes(cfg) -> dict[str, tuple[int, ...]]:
 def write_gpt_oss(cfg, path: Path, dev, dtype) -> str:
     """The MXFP4 hub layout, every tensor seeded by its index (bench/gpu_families.py's docstring), shards
     of <= 4 GiB."""
-    from safetensors.torch import save_file
-
     stamp = json.dumps(cfg.to_dict(), sort_keys=True, default=str) + str(dtype)
     if fresh_dir(path, stamp):
         return "reused"
@@ -482,12 +492,7 @@ def write_gpt_oss(cfg, path: Path, dev, dtype) -> str:
             shards.append(part)
             part, size = {}, 0
     shards.append(part)
-    index = {}
-    for j, p in enumerate(shards):
-        fname = f"model-{j:05d}-of-{len(shards):05d}.safetensors"
-        save_file(p, str(path / fname), metadata={"format": "pt"})
-        index.update({k: fname for k in p})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    write_shards(shards, path)
     raw = cfg.to_dict()
     raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}

@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     matmul_ceiling,
     unique_flops,
     workload,
+    write_shards,
 )
 
 from logprobe.config import Deterministic  # noqa: E402
@@ -51,7 +52,6 @@ def write_checkpoint(name: str, path: Path, fp8: bool = False) -> None:
     on CUDA), config.json and a byte-level tokenizer; ``fp8``: every projection as DeepSeek-style
     FP8 blocks (``fp8_blocks``: codes + ``weight_scale_inv``, ``FP8_CONFIG``), embeddings, head and
     norms in bf16. Nothing is done if ``path`` has a config."""
-    from safetensors.torch import save_file
 
     from logprobe.loading.hf import native_config
 
@@ -77,12 +77,7 @@ def write_checkpoint(name: str, path: Path, fp8: bool = False) -> None:
             files.append(part)
             part, size = {}, 0
     files.append(part)
-    index = {}
-    for j, p in enumerate(files):
-        fname = f"model-{j:05d}.safetensors"
-        save_file(p, str(path / fname))
-        index.update({k: fname for k in p})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    write_shards(files, path)
     if fp8:
         cfg.quantization_config = FP8_CONFIG
     cfg.save_pretrained(str(path))
