@@ -67,6 +67,35 @@ def generate(url, ids, **kw) -> dict:
 
 # -- /generate -----------------------------------------------------------------------------------
 
+
+@pytest.mark.parametrize("pipeline", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_rl_groups_one_request_per_sample(models, pipeline):
+    """Two RL groups (a prompt, four sampled responses) sent as eight concurrent ``/generate``
+    requests, as a rollout worker sends samples: with pipelined steps (the default) and without,
+    the prefix cache on, every answer is bitwise the library's (deterministic mode) and within
+    1e-4 of float64; the steps' sizes are what the batcher chose, the numbers are not."""
+    path, ref = models["a"]
+    prompts = [IDS[:6], IDS2[:4]]
+    samples = [(g, p + [40 + g * 10 + k, 41 + k, 42]) for g, p in enumerate(prompts) for k in range(4)]
+    app = create_app(scorer(path, prefix_cache=True), ServerConfig(pipeline_steps=pipeline))
+    lib = scorer(path)
+    with serve(app) as url:
+        start = threading.Barrier(len(samples))
+
+        def send(sample):
+            g, ids = sample
+            start.wait()
+            return generate(url, ids, logprob_start_len=len(prompts[g]) - 1)
+
+        with ThreadPoolExecutor(len(samples)) as ex:
+            replies = list(ex.map(send, samples))
+    for (g, ids), reply in zip(samples, replies):
+        got = [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]
+        assert got == library(lib, ids, len(prompts[g]) - 1)
+        lp, begin = ref_logprobs(ref, ids), len(prompts[g]) - 1
+        assert len(got) == len(ids) - 1 - begin
+        assert max(abs(got[j] - lp[begin + j, ids[begin + j + 1]].item()) for j in range(len(got))) < TOL
+
 def test_generate_slime_request(server, models):
     """slime's on-policy distillation body, read as slime reads it: entries [1:], element 0."""
     url, lib = server
