@@ -35,6 +35,7 @@ The first run's tuning file is copied to ``--out`` (the table to ship in src/log
     python bench/gpu_first_call.py --models qwen35-4b,llama-1b --out /tmp/tuned
     python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 16 --loads-only   # loads, disk and cache
     python bench/gpu_first_call.py --models qwen35-35b-a3b --layers 16 --loads-only --tp 2  # and at TP = 2
+    python bench/gpu_first_call.py --models glm-air@4,gemma4-e4b@12 --loads-only      # the families' loads
     python bench/gpu_first_call.py --runs fresh,again --models gpt-oss-20b,qwen3-30b-a3b@16,mla@8  # families
     python bench/gpu_first_call.py --models tiny --device cpu     # smoke run of the script on CPU
     python bench/gpu_first_call.py --runs fresh,again --models tiny-moe,gpt-oss-20b --device cpu
@@ -249,13 +250,15 @@ def main() -> None:
     table = []
     if args.loads_only:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-            for name in args.models.split(","):
+            for spec in args.models.split(","):
+                name, _, cut = spec.partition("@")
                 path = Path(tmp) / name
                 t = time.perf_counter()
-                save(name, path, args.device, args.layers)
+                save(name, path, args.device, int(cut or args.layers))
                 size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
-                print(f"{name}: {size:.1f} GiB saved in {time.perf_counter() - t:.1f} s", flush=True)
-                table += [(name, run, r) for run, r in load_rows(name, path, args.device, args.tp)]
+                print(f"{spec}: {size:.1f} GiB saved in {time.perf_counter() - t:.1f} s", flush=True)
+                table += [(spec, run, r) for run, r in load_rows(spec, path, args.device, args.tp)]
+                shutil.rmtree(path, ignore_errors=True)  # the next model's room on the disk
         print("\n| model | run | load s (after imports) | ready s (from the process's start) |")
         print("| --- | --- | ---: | ---: |")
         for name, run, r in table:
