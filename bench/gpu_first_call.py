@@ -99,9 +99,11 @@ sync()
 t3 = time.perf_counter()
 same = all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
 tuning = getattr(s.engine, "tuning", None)
-import os, pathlib
-compiled = len(list(pathlib.Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent")).rglob("*.cubin")))
-print(json.dumps({"compiled": compiled, "ready": t1 - start, "load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": same,
+import collections, os, pathlib
+cubins = list(pathlib.Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent")).rglob("*.cubin"))
+compiled = len(cubins)
+kernels = dict(collections.Counter(c.stem for c in cubins).most_common())  # a name twice: two specializations
+print(json.dumps({"compiled": compiled, "kernels": kernels, "ready": t1 - start, "load": t1 - t0, "first": t2 - t1, "second": t3 - t2, "same": same,
                   "budget": s.config.max_batch_tokens, "seeded": tuning.seeded if tuning else 0,
                   "tuned": tuning.tuned if tuning else 0, "first_logprob": float(a[0].logprobs[0])}))
 """
@@ -227,6 +229,9 @@ def model_rows(name: str, root: Path, device: str, det: bool, out: Path | None, 
             shutil.copy(f, out / f"{name}-{f.name}")
     for run, r in rows:
         print(name, "deterministic" if det else "default", run, r, flush=True)
+    twice = {k: n for k, n in rows[0][1].get("kernels", {}).items() if n > 1}
+    if twice:
+        print(f"{name}: kernels compiled more than once in its cache (specializations): {twice}", flush=True)
     return rows
 
 
