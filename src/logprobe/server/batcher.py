@@ -119,6 +119,86 @@ def engine_call(executor: Executor) -> RunBatch:
     return run_batch
 
 
+class JobQueue:
+    """The jobs waiting or running, in arrival order, and their unscored input tokens: what the
+    ``Batcher`` takes its steps from and hands results back to. Not thread-safe: every method is
+    called with the batcher's lock held."""
+
+    def __init__(self, on_drop: Callable[[str], None] | None = None) -> None:
+        self.jobs: list[_Job] = []  # arrival order
+        self.tokens = 0  # input tokens of requests not yet scored
+        self.on_drop = on_drop
+        self._turn = 0  # round-robin position
+
+    def add(self, job: _Job) -> None:
+        self.jobs.append(job)
+        self.tokens += job.tokens
+
+    def remove(self, job: _Job, dropped: str | None = None) -> None:
+        """Take a job out with its unscored tokens; ``dropped``: the reason it leaves unfinished,
+        counted by ``on_drop``."""
+        if job.removed:
+            return
+        job.removed = True
+        self.jobs.remove(job)
+        self.tokens -= sum(r.num_inputs for r in job.requests[job.done:])
+        if dropped is not None and self.on_drop is not None:
+            self.on_drop(dropped)
+
+    def sweep(self, now: float) -> None:
+        """Drop the jobs whose client went away, and those past their deadline (answered JobTimeout)."""
+        for job in list(self.jobs):
+            if job.future.cancelled():
+                self.remove(job, "disconnected")
+            elif job.deadline is not None and now > job.deadline:
+                self.remove(job, "timeout")
+                job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0, job.next > 0))
+
+    def take(self, budget: int, paused: bool, batching: bool, pipeline: bool, cached, tag) -> list[tuple[_Job, int]]:
+        """The next step's ``(job, request index)``: ``plan_step`` over the jobs with requests left
+        (while ``paused``, only those already started; without ``batching``, the first alone), in
+        a turn order that moves on by one each step; a job started here gets ``tag``."""
+        pending = [j for j in self.jobs if j.next < len(j.requests) and (j.next > 0 or not paused)]
+        if not pending:
+            return []
+        if not batching:
+            pending = pending[:1]
+        start = self._turn % len(pending)
+        order = pending[start:] + pending[:start]
+        picks = plan_step([(job.requests, job.next) for job in order], budget, pipeline, cached)
+        step = [(order[j], order[j].next + k) for j, k in picks]
+        for job, i in sorted(step, key=lambda x: x[1]):  # a job's requests come in order
+            if job.next == 0:
+                job.tag = tag  # the weights' version this job starts under
+            job.next = max(job.next, i + 1)
+        self._turn += 1
+        return step
+
+    def record(self, step: list[tuple[_Job, int]], results: list) -> tuple[list[_Job], list[tuple[_Job, Exception]], int]:
+        """Each result into its job: (jobs now finished, jobs failed with their error, token
+        log-probs delivered); a job dropped meanwhile is skipped (its tokens left the count then)."""
+        finished: list[_Job] = []
+        failed: list[tuple[_Job, Exception]] = []
+        scored = 0
+        for (job, i), res in zip(step, results):
+            if job.removed:
+                continue
+            if res is None:
+                res = RuntimeError("the engine returned no result")
+            if isinstance(res, Exception):
+                self.remove(job)
+                failed.append((job, JobFailed(i, res)))
+                continue
+            job.results[i] = res
+            job.done += 1
+            scored += job.requests[i].num_scored
+            self.tokens -= job.requests[i].num_inputs
+            if job.done == len(job.requests):
+                self.remove(job)
+                finished.append(job)
+        return finished, failed, scored
+
+
 class Batcher:
     """``await batcher.submit(requests)`` -> results in order, scored in batches shared with other callers.
 
@@ -146,11 +226,8 @@ class Batcher:
         self.max_queue_tokens = max_queue_tokens
         self.batching = batching
         self.on_step = on_step
-        self.on_drop = on_drop
         self._accepting = True
-        self._jobs: list[_Job] = []  # arrival order
-        self._turn = 0  # round-robin position in _jobs
-        self._queued_tokens = 0  # input tokens of requests not yet scored
+        self._queue = JobQueue(on_drop)
         self._cond = threading.Condition()
         self._closed = False
         self._rate = 0.0  # tokens/s, moving average over engine steps (for Retry-After)
@@ -170,9 +247,9 @@ class Batcher:
         with self._cond:
             self._closed = True
             self._accepting = False
-            jobs = list(self._jobs)
+            jobs = list(self._queue.jobs)
             for job in jobs:
-                self._remove(job, "shutdown")
+                self._queue.remove(job, "shutdown")
             self._cond.notify_all()
         for job in jobs:
             job.loop.call_soon_threadsafe(_fail, job.future, ServerClosed("the server is shutting down"))
@@ -186,14 +263,14 @@ class Batcher:
         deadline = time.monotonic() + timeout
         with self._cond:
             self._accepting = False
-            while self._jobs and not self._closed:
+            while self._queue.jobs and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            jobs = list(self._jobs)
+            jobs = list(self._queue.jobs)
             for job in jobs:
-                self._remove(job, "shutdown")
+                self._queue.remove(job, "shutdown")
             self._cond.notify_all()
         for job in jobs:
             job.loop.call_soon_threadsafe(_fail, job.future, ServerClosed(
@@ -213,7 +290,7 @@ class Batcher:
     def queue_depth(self) -> tuple[int, int]:
         """(jobs, input tokens) waiting or running."""
         with self._cond:
-            return len(self._jobs), self._queued_tokens
+            return len(self._queue.jobs), self._queue.tokens
 
     def exclusive(self, fn: Callable[[], object], timeout: float | None = None) -> object:
         """Run ``fn()`` with no engine step running and no job half-done; returns its value, which
@@ -225,7 +302,7 @@ class Batcher:
             with self._cond:
                 self._paused = True
                 try:
-                    while not self._closed and (self._busy or any(j.next > 0 for j in self._jobs)):
+                    while not self._closed and (self._busy or any(j.next > 0 for j in self._queue.jobs)):
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             raise TimeoutError(f"the requests under way did not finish within {timeout:g} s")
@@ -264,15 +341,14 @@ class Batcher:
         with self._cond:
             if not self._accepting:
                 raise ServerClosed("the server is shutting down")
-            if self._jobs:  # an empty queue takes any job, however large
-                if len(self._jobs) >= self.max_queue_requests:
-                    raise QueueFull(self._retry_after(), f"{len(self._jobs)} requests are queued "
+            if self._queue.jobs:  # an empty queue takes any job, however large
+                if len(self._queue.jobs) >= self.max_queue_requests:
+                    raise QueueFull(self._retry_after(), f"{len(self._queue.jobs)} requests are queued "
                                     f"(limit {self.max_queue_requests})")
-                if self._queued_tokens + tokens > self.max_queue_tokens:
-                    raise QueueFull(self._retry_after(), f"{self._queued_tokens} tokens are queued; "
+                if self._queue.tokens + tokens > self.max_queue_tokens:
+                    raise QueueFull(self._retry_after(), f"{self._queue.tokens} tokens are queued; "
                                     f"{tokens} more would pass the limit of {self.max_queue_tokens}")
-            self._jobs.append(job)
-            self._queued_tokens += tokens
+            self._queue.add(job)
             self._cond.notify()
         try:
             if timeout is None:
@@ -282,14 +358,14 @@ class Batcher:
             except asyncio.TimeoutError:
                 with self._cond:
                     if not job.removed:  # the engine leaves it out of its next pass
-                        self._remove(job, "timeout")
+                        self._queue.remove(job, "timeout")
                         self._cond.notify_all()
                         raise JobTimeout(timeout, job.next > 0) from None
                 return await asyncio.shield(job.future), job.tag  # answered or failed meanwhile
         except asyncio.CancelledError:
             with self._cond:
                 if not job.removed:  # what has not reached the engine is not computed
-                    self._remove(job, "disconnected")
+                    self._queue.remove(job, "disconnected")
                     self._cond.notify_all()
             job.future.cancel()
             raise
@@ -297,7 +373,7 @@ class Batcher:
     def _retry_after(self) -> int:
         if self._rate <= 0:
             return 1
-        return max(1, min(60, math.ceil(self._queued_tokens / self._rate)))
+        return max(1, min(60, math.ceil(self._queue.tokens / self._rate)))
 
     # -- engine thread ---------------------------------------------------------------------------
 
@@ -339,7 +415,7 @@ class Batcher:
         with self._cond:
             if job.removed:
                 return True
-            self._remove(job, "timeout" if late and not job.future.cancelled() else "disconnected")
+            self._queue.remove(job, "timeout" if late and not job.future.cancelled() else "disconnected")
             self._cond.notify_all()
         if late:
             job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0, job.next > 0))
@@ -347,7 +423,8 @@ class Batcher:
 
     def _ready(self) -> bool:
         """Something to take (lock held): a job, and while paused a started job with requests left."""
-        return bool(self._jobs) and (not self._paused or any(0 < j.next < len(j.requests) for j in self._jobs))
+        jobs = self._queue.jobs
+        return bool(jobs) and (not self._paused or any(0 < j.next < len(j.requests) for j in jobs))
 
     def _idle(self) -> None:
         with self._cond:
@@ -355,56 +432,16 @@ class Batcher:
             self._cond.notify_all()
 
     def _take(self) -> list[tuple[_Job, int]]:
-        """The next engine step: requests taken round-robin over jobs up to the token budget (lock
-        held; ``pipeline``: up to ``step_budget`` of the queue, and the requests sharing a context
-        with them); while paused, only from jobs already started."""
-        now = time.monotonic()
-        for job in list(self._jobs):
-            if job.future.cancelled():  # the client went away
-                self._remove(job, "disconnected")
-            elif job.deadline is not None and now > job.deadline:
-                self._remove(job, "timeout")
-                job.loop.call_soon_threadsafe(_fail, job.future, JobTimeout(job.timeout or 0.0, job.next > 0))
-        pending = [j for j in self._jobs if j.next < len(j.requests) and (j.next > 0 or not self._paused)]
-        if not pending:
-            return []
-        if not self.batching:
-            pending = pending[:1]
-        start = self._turn % len(pending)
-        order = pending[start:] + pending[:start]
-        picks = plan_step([(job.requests, job.next) for job in order], self.max_batch_tokens, self.pipeline,
-                          self.cached)
-        step = [(order[j], order[j].next + k) for j, k in picks]
-        for job, i in sorted(step, key=lambda x: x[1]):  # a job's requests come in order
-            if job.next == 0:
-                job.tag = self.tag  # the weights' version this job starts under
-            job.next = max(job.next, i + 1)
-        self._turn += 1
-        return step
+        """The next engine step (lock held): ``JobQueue.take`` after dropping the jobs gone."""
+        self._queue.sweep(time.monotonic())
+        return self._queue.take(self.max_batch_tokens, self._paused, self.batching, self.pipeline, self.cached,
+                                self.tag)
 
     def _deliver(self, step: list[tuple[_Job, int]], results: list[RequestResult | Exception | None]) -> int:
         """Hand each result to its job; returns the token log-probs delivered (a dropped job's are
         not counted)."""
-        finished: list[_Job] = []
-        failed: list[tuple[_Job, Exception]] = []
-        scored = 0
         with self._cond:
-            for (job, i), res in zip(step, results):
-                if job.removed:  # dropped or failed meanwhile (its tokens left the count then)
-                    continue
-                if res is None:
-                    res = RuntimeError("the engine returned no result")
-                if isinstance(res, Exception):
-                    self._remove(job)
-                    failed.append((job, JobFailed(i, res)))
-                    continue
-                job.results[i] = res
-                job.done += 1
-                scored += job.requests[i].num_scored
-                self._queued_tokens -= job.requests[i].num_inputs
-                if job.done == len(job.requests):
-                    self._remove(job)
-                    finished.append(job)
+            finished, failed, scored = self._queue.record(step, results)
             self._cond.notify_all()
         for job in finished:
             job.loop.call_soon_threadsafe(_succeed, job.future, job.results)
@@ -416,21 +453,10 @@ class Batcher:
         with self._cond:
             jobs = {job for job in jobs if not job.removed}
             for job in jobs:
-                self._remove(job)
+                self._queue.remove(job)
             self._cond.notify_all()
         for job in jobs:
             job.loop.call_soon_threadsafe(_fail, job.future, error)
-
-    def _remove(self, job: _Job, dropped: str | None = None) -> None:
-        """Take a job out of the queue with its unscored tokens (lock held); ``dropped``: the
-        reason it leaves unfinished, counted by ``on_drop``."""
-        if job.removed:
-            return
-        job.removed = True
-        self._jobs.remove(job)
-        self._queued_tokens -= sum(r.num_inputs for r in job.requests[job.done:])
-        if dropped is not None and self.on_drop is not None:
-            self.on_drop(dropped)
 
 
 def _succeed(future: asyncio.Future, value) -> None:
