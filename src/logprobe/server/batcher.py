@@ -169,10 +169,10 @@ class JobQueue:
         order = pending[start:] + pending[:start]
         picks = plan_step([(job.requests, job.next) for job in order], budget, pipeline, cached)
         step = [(order[j], order[j].next + k) for j, k in picks]
-        for job, i in sorted(step, key=lambda x: x[1]):  # a job's requests come in order
+        for job, i in step:  # a job's requests come in order
             if job.next == 0:
                 job.tag = tag  # the weights' version this job starts under
-            job.next = max(job.next, i + 1)
+            job.next = i + 1
         self._turn += 1
         return step
 

@@ -25,15 +25,14 @@ class ServerConfig:
     batching: False runs one HTTP request's work per engine step (for comparison; slower).
     pipeline_steps: while several HTTP requests wait, an engine step takes about half of the
         queued work (at least a quarter of the batch budget) and the requests sharing a prompt
-        with it, so that the answers of one step travel while the next computes (clients that
-        keep N requests in flight, as RL rollout workers do, otherwise leave the engine idle
-        between steps). False: a step takes all it can (``--no-pipeline-steps``).
+        with it, so that the answers of one step can travel while the next computes (clients that
+        keep N requests in flight, as RL rollout workers do). False: a step takes all it can
+        (``--no-pipeline-steps``). Measured in docs/perf.md (Server).
     switch_interval: seconds a Python thread may hold the interpreter lock while another waits for
         it (``sys.setswitchinterval``), set while the app runs and restored after; None leaves it.
-        The engine thread launches kernels between short stretches of Python; at Python's 5 ms the
-        event loop's JSON work kept it waiting and the GPU idle (llama-8b, W1 through the server,
-        64 requests in flight: 1.37x the one-batch time at 5 ms, 1.10x at 0.5 ms). The setting is
-        the process's: an app embedded in another program changes it for that program too.
+        The engine thread launches kernels between short stretches of Python; at Python's 5 ms it
+        waited on the event loop's HTTP and JSON work (docs/perf.md, Server). The setting is the
+        process's: an app embedded in another program changes it for that program too.
     shutdown_timeout: seconds a shutdown (SIGTERM/SIGINT, the app's lifespan end) waits for queued
         and running requests before failing the rest with 503; new requests get 503 meanwhile.
     body_timeout: seconds a request body may stall (no byte arriving) before the server answers 408

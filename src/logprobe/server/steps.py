@@ -40,8 +40,8 @@ def plan_step(queue: list[tuple[list[ScoreRequest], int]], budget: int, pipeline
     remaining = [Remaining(requests, first, cost) for requests, first in queue]
     share = budget
     if pipeline and len(queue) > 1:
-        scratch = StepCost(cached)
-        share = step_budget(queued_cost([Remaining(r, f, scratch) for r, f in queue], 2 * budget), budget)
+        share = step_budget(queued_cost(remaining, 2 * budget), budget)
+        cost.clear()
     picks = round_robin(remaining, share, lambda j, k: cost.take(remaining[j].request(k)))
     if share < budget:
         picks += companions(remaining, picks, lambda j, k: cost.shares(remaining[j].request(k)),
@@ -94,6 +94,12 @@ class StepCost:
         """Its context is computed by a request already taken."""
         return self._read(r)[0] in self.seen
 
+    def clear(self) -> None:
+        """Nothing taken any more; each request's context and cached part stay read (a step counts
+        the queue's work first, then takes its share)."""
+        self.seen.clear()
+        self.taken.clear()
+
     def take(self, r: ScoreRequest) -> int:
         """Count ``r`` into the step; returns what it costs."""
         c = self(r)
@@ -121,7 +127,8 @@ class Remaining(Sequence):
 
 def queued_cost(remaining: Sequence[Remaining], limit: int) -> int:
     """The queue's work in step tokens, every request taken in turn into the one ``StepCost`` the
-    ``remaining`` share, counted up to ``limit`` (beyond it the sum does not matter to ``step_budget``)."""
+    ``remaining`` share (``clear`` it after), counted up to ``limit`` (beyond it the sum does not
+    matter to ``step_budget``)."""
     total = 0
     for rem in remaining:
         for k in range(len(rem)):
