@@ -182,3 +182,15 @@ def test_files_read_ahead_whole_then_thread_ends(tmp_path, monkeypatch):
     for t in [t for t in threading.enumerate() if t.name == "safetensors-prefetch"]:
         t.join(timeout=10)
         assert not t.is_alive()
+
+
+@pytest.mark.parametrize("slab_bytes", [1, 2 * 4 * 3 * 4, 1 << 20], ids=["expert", "two", "whole"])
+def test_split_gate_up_slabs(slab_bytes):
+    """Fused [E, 2I, H] split in slabs of whole experts equals the halves cast to the model dtype."""
+    from logprobe.loading.hf import split_gate_up
+
+    fused = torch.randn(5, 4, 3)  # E = 5 (an uneven last slab at two per slab), I = 2, H = 3
+    gate, up = split_gate_up(fused, (torch.device("cpu"), torch.bfloat16), slab_bytes)
+    assert torch.equal(gate, fused[:, :2].to(torch.bfloat16)) and torch.equal(up, fused[:, 2:].to(torch.bfloat16))
+    assert gate.is_contiguous() and up.is_contiguous() and gate.data_ptr() != up.data_ptr()
+    assert [t.tolist() for t in split_gate_up(fused, None)] == [fused[:, :2].tolist(), fused[:, 2:].tolist()]

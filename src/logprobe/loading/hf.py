@@ -229,9 +229,9 @@ def stack_experts(tensors, cfg: LlamaConfig, held: tuple[int, int] | list[int] |
             yield name, value
             continue
         if m is None:  # fused gate_up [E, 2I, H]
-            gate, up = value.chunk(2, dim=1)  # [E, I, H] each; own storage: the fused kernel reads them whole
-            yield name.replace("gate_up_proj", "gate_proj"), _own(gate, place)
-            yield name.replace("gate_up_proj", "up_proj"), _own(up, place)
+            gate, up = split_gate_up(value, place)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
             continue
         stacked, e = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
         got = pending.setdefault(stacked, {})
@@ -261,11 +261,30 @@ def _done(filled: torch.Tensor | None, experts: list, name: str):
     return filled
 
 
-def _own(w: torch.Tensor, place) -> torch.Tensor:
-    """``w`` in its own contiguous storage: on ``place``'s device in its dtype when given."""
+SLAB_BYTES = 256 << 20  # how much of a fused gate_up tensor crosses to the device per copy
+
+
+def split_gate_up(value: torch.Tensor, place, slab_bytes: int = SLAB_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused experts ``[E, 2I, H]`` (gate rows first) -> gate, up ``[E, I, H]`` each in its own storage
+    (the expert kernels read them whole), on ``place``'s (device, dtype) when given.
+
+    The halves are strided views of the file: copied to a device as they are, each would first be
+    gathered into a contiguous host copy. Whole experts ``value[e0:e1]`` are contiguous in the file,
+    so slabs of them cross as read and are split on the device (one slab of ``slab_bytes`` extra).
+    For example E = 4, I = 2, H = 3, a slab of two experts: rows 0-1 of experts 0 and 1 -> gate[0:2],
+    rows 2-3 -> up[0:2]; then experts 2 and 3."""
+    inter = value.shape[1] // 2
     if place is None:
-        return w.contiguous()
-    return torch.empty(w.shape, device=place[0], dtype=place[1]).copy_(w)
+        return value[:, :inter].contiguous(), value[:, inter:].contiguous()
+    device, dtype = place
+    gate = torch.empty((value.shape[0], inter, *value.shape[2:]), device=device, dtype=dtype)
+    up = torch.empty_like(gate)
+    step = max(1, slab_bytes // max(1, value[0].numel() * value.element_size()))
+    for e0 in range(0, value.shape[0], step):
+        slab = value[e0:e0 + step].to(device)  # the file's dtype: converted below, on the device
+        gate[e0:e0 + step].copy_(slab[:, :inter])
+        up[e0:e0 + step].copy_(slab[:, inter:])
+    return gate, up
 
 
 def _fill(dests: dict, stacked: str, n: int, i: int, value: torch.Tensor, place) -> None:
