@@ -147,7 +147,7 @@ class GilProbe(threading.Thread):
         return sum(late) / len(late) * 1e3, late[int(0.99 * (len(late) - 1))] * 1e3
 
 
-def through_server(loaded, reqs, args, graphs: int, pipeline: bool = True, in_flight: int = 64,
+def through_server(loaded, reqs, args, graphs: int, pipeline: bool = False, in_flight: int = 64,
                    switch: float | None = None) -> dict:
     """W1 as one SGLang ``/generate`` request per sample (``logprob_start_len`` at the response),
     ``in_flight`` outstanding, through the real app on uvicorn (the server's batcher packs what is

@@ -427,10 +427,10 @@ def test_pipeline_steps_config_and_flag():
     from logprobe.errors import LogprobeError
     from logprobe.server import ServerConfig
 
-    assert ServerConfig().pipeline_steps is True
+    assert ServerConfig().pipeline_steps is False
     with pytest.raises(LogprobeError, match="pipeline_steps: must be True or False"):
         ServerConfig(pipeline_steps="no")
-    args = build_parser().parse_args(["serve", "--no-pipeline-steps", "--switch-interval", "0.001"])
-    assert args.no_pipeline_steps is True and args.switch_interval == 0.001
+    args = build_parser().parse_args(["serve", "--pipeline-steps", "--switch-interval", "0.001"])
+    assert args.pipeline_steps is True and args.switch_interval == 0.001
     args = build_parser().parse_args(["serve"])
-    assert args.no_pipeline_steps is False and args.switch_interval == ServerConfig().switch_interval
+    assert args.pipeline_steps is False and args.switch_interval == ServerConfig().switch_interval

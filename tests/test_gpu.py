@@ -128,3 +128,26 @@ def test_cuda_packed_resumes_match_uncached(dtype, deterministic, tmp_path):
             same(w, g, True)
         else:
             assert float((w.logprobs - g.logprobs).abs().max()) <= tol
+
+
+def _compiled(kernel) -> int:
+    """Compiled variants of a Triton kernel in this process (``JITFunction.device_caches``)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_row_counts_compile_one_kernel_each():
+    """A batch's row count (1, a multiple of 16, any other) is not a specialization: a server's
+    steps of every size reuse the kernel the first step compiled, no compile mid-run."""
+    from logprobe.kernels import logprob_head, rmsnorm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1000, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+    gain = torch.ones(96, device="cuda", dtype=torch.bfloat16)
+    counts = []
+    for rows in (17, 1, 16, 33, 64):
+        h = torch.randn(rows, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+        rmsnorm.invariant_rmsnorm(h, gain, 1e-6)
+        y = torch.randint(0, 1000, (rows,), device="cuda", generator=g)
+        logprob_head.fused_logprob_head(h, w, y, torch.ones(rows, device="cuda"))
+        counts.append((_compiled(rmsnorm._rmsnorm), _compiled(logprob_head._head_partials)))
+    assert counts[0] > (0, 0) and len(set(counts)) == 1, counts  # 1 and 16 rows would be variants of 17's

@@ -68,10 +68,10 @@ def generate(url, ids, **kw) -> dict:
 # -- /generate -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pipeline", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pipeline", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_rl_groups_one_request_per_sample(models, pipeline):
     """Two RL groups (a prompt, four sampled responses) sent as eight concurrent ``/generate``
-    requests, as a rollout worker sends samples: with pipelined steps (the default) and without,
+    requests, as a rollout worker sends samples: without pipelined steps (the default) and with,
     the prefix cache on, every answer is bitwise the library's (deterministic mode) and within
     1e-4 of float64; the steps' sizes are what the batcher chose, the numbers are not."""
     path, ref = models["a"]

@@ -69,9 +69,9 @@ def add_serve_parser(sub, common: argparse.ArgumentParser) -> None:
     s.add_argument("--switch-interval", type=float, default=0.0005, metavar="SECONDS",
                    help="the interpreter's switch interval while serving (default: %(default)s; Python's own is "
                         "0.005, which keeps the engine thread waiting on the HTTP work)")
-    s.add_argument("--no-pipeline-steps", action="store_true",
-                   help="an engine step takes all the queued work it can, instead of about half of it while "
-                        "the other half waits (pipelined steps keep the engine busy while answers travel)")
+    s.add_argument("--pipeline-steps", action="store_true",
+                   help="while several requests wait, an engine step takes about half of the queued work, so "
+                        "one step's answers travel while the next computes (default: a step takes all it can)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -83,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue_tokens=args.max_queue_tokens, max_request_tokens=args.max_request_tokens,
         max_request_items=args.max_request_items, max_top_logprobs=args.max_top_logprobs,
         max_capture_floats=args.max_capture_floats, batching=not args.no_batching,
-        pipeline_steps=not args.no_pipeline_steps, switch_interval=args.switch_interval,
+        pipeline_steps=args.pipeline_steps, switch_interval=args.switch_interval,
         shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
         enable_return_routed_experts=args.enable_return_routed_experts,
         weight_sync_timeout=args.weight_sync_timeout, warmup=args.warmup,

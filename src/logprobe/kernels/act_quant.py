@@ -251,7 +251,7 @@ if triton_available():
         tl.store(c_ptr + row * stride_c + cols, code, mask=ok)
         tl.store(s_ptr + row, s)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # varies with the batch: one compiled kernel
     def _scaled_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, y_ptr, M, N, K,
                           stride_a, stride_b, stride_sa, stride_sb, stride_y, group_a, group_b,
                           PER_TILE: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,

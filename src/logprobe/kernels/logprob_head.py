@@ -144,7 +144,7 @@ if triton_available():
         both = tl.sort(tl.reshape(tl.join(keys, tk), [BLOCK_M, 2 * KPAD]), dim=1, descending=True)
         return tl.max(tl.reshape(both, [BLOCK_M, 2, KPAD]), axis=1)  # the upper half, still sorted
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "num_splits", "top_k"])  # varies with the batch: one compiled kernel
     def _head_partials(
         h_ptr, w_ptr, b_ptr, y_ptr, zy_ptr, inv_t_ptr,  # [N, H], [V, H], [V], [N], [N], [N]
         m_ptr, s_ptr, a_ptr, c_ptr,  # [S, N] each: running max, sum exp(z - m), sum exp(z - m) z, count above

@@ -54,7 +54,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots"])  # varies with the batch: one compiled kernel
     def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, act_ptr, sorted_ptr, tile_expert_ptr, num_slots, top_k, N, K,
                         stride_xm, stride_we, stride_wn, stride_am, IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -89,7 +89,7 @@ if triton_available():
         ap = act_ptr + slots[:, None].to(tl.int64) * stride_am + rn[None, :]
         tl.store(ap, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots"])  # varies with the batch: one compiled kernel
     def _down_kernel(a_ptr, wd_ptr, y_ptr, sorted_ptr, tile_expert_ptr, num_slots, N, K,
                      stride_am, stride_we, stride_wn, stride_ym, IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -159,7 +159,7 @@ if triton_available():
     def _leaf_add(s, g: tl.constexpr, leaf, v):
         return s + tl.where(leaf == g, v, 0.0)  # + 0.0 leaves s as it is (s is never -0.0: it starts at +0.0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # varies with the batch: one compiled kernel
     def _combine_leaves_kernel(y_ptr, w_ptr, leaf_ptr, pos_ptr, out_ptr, H, M, stride_y, stride_o,
                                TOP_K: tl.constexpr, LEAVES: tl.constexpr, PERMUTE: tl.constexpr,
                                BLOCK_H: tl.constexpr):

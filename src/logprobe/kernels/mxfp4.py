@@ -135,7 +135,7 @@ if triton_available():
         mag = tl.where(ex == 0, 0.5 * m, (1.0 + 0.5 * m) * ((1 << ex).to(tl.float32) * 0.5))
         return tl.where(c >= 8, -mag, mag)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots"])  # varies with the batch: one compiled kernel
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, act_ptr, sorted_ptr, tile_expert_ptr, num_slots, top_k,
                         N, K, alpha, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         stride_am, PACKED: tl.constexpr, IEEE: tl.constexpr,
@@ -174,7 +174,7 @@ if triton_available():
         ap = act_ptr + slots[:, None].to(tl.int64) * stride_am + rn[None, :]
         tl.store(ap, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots"])  # varies with the batch: one compiled kernel
     def _down_kernel(a_ptr, w_ptr, s_ptr, b_ptr, y_ptr, sorted_ptr, tile_expert_ptr, num_slots, N, K,
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ym,
                      PACKED: tl.constexpr, IEEE: tl.constexpr,

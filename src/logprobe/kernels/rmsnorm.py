@@ -31,7 +31,7 @@ if triton_available():
     except Exception:  # pragma: no cover - a Triton without it: tl.exp on CUDA too
         libdevice = None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])  # varies with the batch: one compiled kernel
     def _rmsnorm(x_ptr, w_ptr, y_ptr, R, H, stride_x, stride_y, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         # ROWS rows a program, each reduced along its own axis: a row's additions are the same
         # wherever it sits in the block (every row of the [ROWS, BLOCK] tile has one layout)
@@ -61,7 +61,7 @@ if triton_available():
         else:
             return v
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])  # varies with the batch: one compiled kernel
     def _gated_rmsnorm(x_ptr, z_ptr, w_ptr, y_ptr, R, H, HEADS, stride_x, stride_zt, stride_zh, stride_y, eps,
                        X_KIND: tl.constexpr, P_KIND: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS: tl.constexpr):

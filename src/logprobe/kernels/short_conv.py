@@ -39,7 +39,7 @@ if triton_available():
     except Exception:  # pragma: no cover - a Triton without it: tl.exp on CUDA too
         libdevice = None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # varies with the batch: one compiled kernel
     def _conv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, seq_ptr, start_ptr, y_ptr, T, C, stride_x,
                      K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr):

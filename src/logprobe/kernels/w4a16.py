@@ -38,7 +38,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # varies with the batch: one compiled kernel
     def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
                       stride_xm, stride_qn, stride_sn, stride_zn, stride_ym,
                       HAS_ZERO: tl.constexpr, GROUP_ALIGNED: tl.constexpr,

@@ -26,8 +26,9 @@ class ServerConfig:
     pipeline_steps: while several HTTP requests wait, an engine step takes about half of the
         queued work (at least a quarter of the batch budget) and the requests sharing a prompt
         with it, so that the answers of one step can travel while the next computes (clients that
-        keep N requests in flight, as RL rollout workers do). False: a step takes all it can
-        (``--no-pipeline-steps``). Measured in docs/perf.md (Server).
+        keep N requests in flight, as RL rollout workers do; ``--pipeline-steps``). Off by default:
+        at the 0.5 ms switch interval a step taking all it can was as fast or faster in every
+        measured pair (docs/perf.md, Server).
     switch_interval: seconds a Python thread may hold the interpreter lock while another waits for
         it (``sys.setswitchinterval``), set while the app runs and restored after; None leaves it.
         The engine thread launches kernels between short stretches of Python; at Python's 5 ms it
@@ -66,7 +67,7 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20
     max_capture_floats: int = 1 << 22
     batching: bool = True
-    pipeline_steps: bool = True
+    pipeline_steps: bool = False
     switch_interval: float | None = 0.0005
     shutdown_timeout: float = 30.0
     body_timeout: float = 30.0
