@@ -96,7 +96,7 @@ def test_head_two_shards_combine_to_one_rank_bitwise(vocab):
     shards = [HeadParams(w[a:b].contiguous(), vocab_start=a, vocab_total=vocab)
               for a, b in (vocab_shard(vocab, grid, r, 2) for r in range(2))]
     zy = torch.maximum(*[_target_logits(h, p, y, inv_t, 512, True, True) for p in shards])
-    parts = [_kernel_partials(h, p, y, zy, inv_t, 0, False, True) for p in shards]
+    parts = [_kernel_partials(h, p, y, zy, inv_t, 0, False, p.grid_width) for p in shards]  # the grid's splits
     joined = [None if a is None else torch.cat([a, b]) for a, b in zip(*parts)]
     two = combine_head_partials(zy, *joined, top_k=0, deterministic=True)[0]
     d = (one - two).abs().max().item()
