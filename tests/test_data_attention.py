@@ -27,8 +27,16 @@ from logprobe.layers.attention import AttentionMeta, Segment
 from logprobe.layers.hooks import CaptureTable, Hooks
 from logprobe.loading.loader import attention_layout, describe_model, load_model, load_shard, parallel_context
 from logprobe.parallel.context import ParallelContext
-from logprobe.parallel.rows import (COST_SCALE, RowSplit, assign_rows, balanced_order, cut_costs, max_share,
-                                    pair_count, row_cost)
+from logprobe.parallel.rows import (
+    COST_SCALE,
+    RowSplit,
+    assign_rows,
+    balanced_order,
+    cut_costs,
+    max_share,
+    pair_count,
+    row_cost,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,8 +93,8 @@ def test_pair_weights_of_the_bench_shapes():
     shared experts); a dense Llama's weight is its own."""
     import json
 
-    from logprobe.models.base import attention_pair_weight
     from logprobe.engine.scheduler import Tree, plan_work, tree_pairs
+    from logprobe.models.base import attention_pair_weight
 
     def weight(cls, layers, **kw):
         d = tmp / f"{cls}-{layers}"

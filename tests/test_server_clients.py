@@ -14,8 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 import requests
+import torch
 from server_util import serve
 
 from logprobe import Scorer

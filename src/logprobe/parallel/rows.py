@@ -49,7 +49,6 @@ import torch
 from ..errors import LogprobeError
 from .context import ParallelContext
 
-
 COST_SCALE = 1 << 16  # a row's cost (``row_cost``): integers, so every rank cuts alike
 
 
