@@ -111,9 +111,9 @@ print(time.monotonic() - t, k, t, time.monotonic())
 """
 
 
-def run_clients(url: str, bodies: str, in_flight: int, processes: int) -> tuple[float, float, int]:
+def run_clients(url: str, bodies: str, in_flight: int, processes: int) -> tuple[tuple[float, float], float, int]:
     """``CLIENT`` in ``processes`` processes (``in_flight`` requests outstanding in all), started
-    together: (first start, last end, log-probs answered)."""
+    together: ((first start, last start), last end, log-probs answered)."""
     import sys
 
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, url, bodies, str(in_flight), str(i), str(processes)],
@@ -121,7 +121,8 @@ def run_clients(url: str, bodies: str, in_flight: int, processes: int) -> tuple[
     outs = [p.communicate()[0].split() for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit("a client process failed")
-    return min(float(o[2]) for o in outs), max(float(o[3]) for o in outs), sum(int(o[1]) for o in outs)
+    return (min(float(o[2]) for o in outs), max(float(o[2]) for o in outs)), max(float(o[3]) for o in outs), \
+        sum(int(o[1]) for o in outs)
 
 
 class GilProbe(threading.Thread):
@@ -171,9 +172,15 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = False, in_f
         port = sock.getsockname()[1]
     config = ServerConfig(pipeline_steps=pipeline)
     app = create_app(s, config if switch is None else dataclasses.replace(config, switch_interval=switch))
-    steps = []
-    observe = app.state.batcher.on_step
-    app.state.batcher.on_step = lambda st: (steps.append((time.monotonic(), st)), observe(st))
+    steps, arrivals = [], []
+    batcher = app.state.batcher
+    observe, submit = batcher.on_step, batcher.submit_tagged
+    batcher.on_step = lambda st: (steps.append((time.monotonic(), st)), observe(st))
+
+    async def arriving(*a, **k):  # when each request reached the queue (after HTTP, JSON, checks)
+        arrivals.append(time.monotonic())
+        return await submit(*a, **k)
+    batcher.submit_tagged = arriving
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -186,7 +193,8 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = False, in_f
             json.dump(bodies, f)
         probe = GilProbe()
         probe.start()
-        start, end, answered = run_clients(f"http://127.0.0.1:{port}", f.name, in_flight, args.clients)
+        starts, end, answered = run_clients(f"http://127.0.0.1:{port}", f.name, in_flight, args.clients)
+        start = starts[0]
         gil = probe.summary()
         if answered < sum(len(r.tokens) - r.score_begin for r in reqs):
             raise SystemExit(f"the server answered {answered} log-probs, fewer than were asked")
@@ -194,7 +202,7 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = False, in_f
         busy = sum(st.seconds for _, st in steps)
         return dict(wall=end - start, steps=len(steps), requests=sum(st.requests for _, st in steps) / len(steps),
                     busy=busy, head=first - start, between=steps[-1][0] - first - busy, tail=end - steps[-1][0],
-                    gil=gil)
+                    gil=gil, arrive=min(arrivals) - start, queued=first - min(arrivals), spread=starts[1] - start)
     finally:
         server.should_exit = True
         thread.join(timeout=60)
@@ -300,12 +308,14 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
         "library's one batch of the same graphs setting; engine busy = the batcher's steps' summed time")
     log("wall = the client's; before first step / between steps / after last: the engine idle (from the client's "
         "start to the first step's, between steps, from the last step's end to the client's last answer); "
-        "lock wait: a 1 ms sleeper thread's lateness in the server's process, mean / 99th percentile")
+        "lock wait: a 1 ms sleeper thread's lateness in the server's process, mean / 99th percentile; "
+        "before = start spread (the last client process's start) / first request queued (after its HTTP, JSON "
+        "and checks) / first step begun, each from the first client's start")
     log(f"client: {args.clients} processes; switch: the server's interpreter switch interval "
         "(ServerConfig.switch_interval, ms)")
     log("| graphs | pipelined steps | in flight | switch ms | server s | one batch s | × | steps | requests / step | "
-        "engine busy s (share of wall) | idle before / between / after s | lock wait ms |")
-    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        "engine busy s (share of wall) | idle before / between / after s | lock wait ms | before: spread / queued / step s |")
+    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     flights = [int(x) for x in str(args.in_flight).split(",")]
     switches = [float(x) / 1e3 for x in args.switch_ms.split(",")] if args.switch_ms else [None]
     for graphs, one in batch_default.items():
@@ -319,7 +329,8 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
             log(f"| {'on' if graphs else 'off'} | {'on' if pipeline else 'off'} | {flight} | {ms:g} | "
                 f"{r['wall']:.2f} | {one:.2f} | {r['wall'] / one:.2f}× | {r['steps']} | {r['requests']:.1f} | "
                 f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) | {r['head']:.2f} / {r['between']:.2f} / "
-                f"{r['tail']:.2f} | {r['gil'][0]:.2f} / {r['gil'][1]:.1f} |")
+                f"{r['tail']:.2f} | {r['gil'][0]:.2f} / {r['gil'][1]:.1f} | "
+                f"{r['spread']:.3f} / {r['arrive']:.3f} / {r['head']:.3f} |")
 
 
 def batch_only(loaded, reqs) -> dict:
