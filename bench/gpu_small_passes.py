@@ -94,7 +94,10 @@ def kernel_seconds(device: str, fn) -> float | None:
 # an RL framework's async client, in processes of their own (stdlib only: its JSON work and sockets
 # must not share the server's interpreter lock, nor one client's threads one lock: 64 threads of one
 # process wait their turn at it): argv = url, bodies.json, requests outstanding, this process's index,
-# the processes; prints its seconds, log-probs and its start and end on CLOCK_MONOTONIC
+# the processes, the CLOCK_MONOTONIC instant to start at; prints its seconds, log-probs and its start
+# and end. A rollout worker's client is long-lived: each process sends one GET /health first (its
+# opener and its first connection made), then all start together at the given instant, so the
+# clock measures the server, not Python starting eight processes
 CLIENT = r"""
 import concurrent.futures, json, sys, time, urllib.request
 url, bodies, flight, i, n = sys.argv[1], json.load(open(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -104,20 +107,24 @@ def send(body):
     with urllib.request.urlopen(req, timeout=600) as r:
         assert r.status == 200, r.status
         return len(json.loads(r.read())["meta_info"]["input_token_logprobs"])
+urllib.request.urlopen(url + "/health", timeout=60).read()
 with concurrent.futures.ThreadPoolExecutor(max(1, flight // n)) as pool:
+    time.sleep(max(0.0, float(sys.argv[6]) - time.monotonic()))
     t = time.monotonic()
     k = sum(pool.map(send, bodies))
 print(time.monotonic() - t, k, t, time.monotonic())
 """
 
 
-def run_clients(url: str, bodies: str, in_flight: int, processes: int) -> tuple[tuple[float, float], float, int]:
+def run_clients(url: str, bodies: str, in_flight: int, processes: int,
+                lead: float = 2.0) -> tuple[tuple[float, float], float, int]:
     """``CLIENT`` in ``processes`` processes (``in_flight`` requests outstanding in all), started
-    together: ((first start, last start), last end, log-probs answered)."""
+    together ``lead`` seconds from now: ((first start, last start), last end, log-probs answered)."""
     import sys
 
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, url, bodies, str(in_flight), str(i), str(processes)],
-                              stdout=subprocess.PIPE, text=True) for i in range(processes)]
+    start_at = str(time.monotonic() + lead)
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, url, bodies, str(in_flight), str(i), str(processes),
+                               start_at], stdout=subprocess.PIPE, text=True) for i in range(processes)]
     outs = [p.communicate()[0].split() for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit("a client process failed")
@@ -309,8 +316,8 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
     log("wall = the client's; before first step / between steps / after last: the engine idle (from the client's "
         "start to the first step's, between steps, from the last step's end to the client's last answer); "
         "lock wait: a 1 ms sleeper thread's lateness in the server's process, mean / 99th percentile; "
-        "before = start spread (the last client process's start) / first request queued (after its HTTP, JSON "
-        "and checks) / first step begun, each from the first client's start")
+        "before = start spread (the last client process's start; all warm, set to start together) / first "
+        "request queued (after its HTTP, JSON and checks) / first step begun, each from the first client's start")
     log(f"client: {args.clients} processes; switch: the server's interpreter switch interval "
         "(ServerConfig.switch_interval, ms)")
     log("| graphs | pipelined steps | in flight | switch ms | server s | one batch s | × | steps | requests / step | "
