@@ -12,6 +12,8 @@
 # steps (rough H100 minutes):
 #   tests    the CUDA cases of the kernel, engine and format tests (pytest -m "not slow") ...... ~3
 #   first    first score in a new process, every cache state, Qwen3.5-4B and llama-1b shapes ....... ~8
+#   loads    the families' loads against transformers (MLA, Gemma 3, Phi-4-mini, Gemma 4), disk and page cache ~8
+#   server   llama-8b W1 through the server, one request per sample, 64 in flight, two interleaved repeats ~4
 #   workloads W1/W3 at the default budget, llama-1b and llama-8b, against transformers ........... ~8
 #   det      llama-8b W1/W3: default, deterministic (TP-invariant), tp_invariant=False .............. ~6
 #   hybrid   Qwen3.5 hybrids' W1 against transformers with and without fla-core, logprobe's default and
@@ -54,10 +56,12 @@ for s in "$@"; do
         tests)  # one file per step: a file that hangs is named by its own line, the others still run
             mkdir -p /tmp/gpu_round_tests  # 14 logs: more than the device returns; their tails are printed
             for f in ${TESTS:-host_copy gguf_expand kernels act_quant_kernels elementwise_kernels invariant_kernels w4a16 \
-                     attention_gpu moe padded gptq_awq nvfp4 budget}; do
+                     attention_gpu moe padded gptq_awq nvfp4 budget gpu head_slices_gpu graphs_gpu}; do
                 logdir=/tmp/gpu_round_tests lines=8 step "test_$f" "${TEST_LIMIT:-120}" "$py" -m pytest -q -m "not slow" -p no:cacheprovider "tests/test_$f.py"
             done ;;
         first) step first 580 "$py" bench/gpu_first_call.py --models qwen35-4b,llama-1b ;;
+        loads) step loads 580 "$py" bench/gpu_first_call.py --models mla@8,gemma3-4b,phi4-mini,gemma4-e4b@12 --loads-only --dir /tmp ;;
+        server) step server 400 "$py" bench/gpu_small_passes.py --shape llama-8b --server-only --in-flight 64 --clients 8 --repeat 2 ;;
         workloads) step workloads 580 "$py" bench/gpu_workloads.py --models llama-1b,llama-8b --workloads W1,W3 \
             --budgets 32768 ;;
         det) step det 580 "$py" bench/gpu_tp.py --workloads W1,W3 --modes default,det,det-notp ;;
