@@ -150,4 +150,4 @@ def test_row_counts_compile_one_kernel_each():
         y = torch.randint(0, 1000, (rows,), device="cuda", generator=g)
         logprob_head.fused_logprob_head(h, w, y, torch.ones(rows, device="cuda"))
         counts.append((_compiled(rmsnorm._rmsnorm), _compiled(logprob_head._head_partials)))
-    assert counts[0] > (0, 0) and len(set(counts)) == 1, counts  # 1 and 16 rows would be variants of 17's
+    assert min(counts[0]) > 0 and len(set(counts)) == 1, counts  # 1 and 16 rows would be variants of 17's
