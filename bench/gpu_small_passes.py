@@ -209,7 +209,7 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = False, in_f
         busy = sum(st.seconds for _, st in steps)
         return dict(wall=end - start, steps=len(steps), requests=sum(st.requests for _, st in steps) / len(steps),
                     busy=busy, head=first - start, between=steps[-1][0] - first - busy, tail=end - steps[-1][0],
-                    gil=gil, arrive=min(arrivals) - start, queued=first - min(arrivals), spread=starts[1] - start)
+                    gil=gil, arrive=min(arrivals) - start, spread=starts[1] - start)
     finally:
         server.should_exit = True
         thread.join(timeout=60)

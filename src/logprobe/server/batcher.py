@@ -4,10 +4,10 @@ Every HTTP request becomes a list of ``ScoreRequest``s (a job). The engine threa
 takes requests from the queued jobs, round-robin so a long perplexity job cannot starve a short
 multiple-choice request, up to one batch's token budget, runs them in **one** engine call and
 hands each result back to the job it came from. A job's future resolves when its last request
-is scored. With ``pipeline`` (the server's default) a step takes about half of the work that
-waits, so the answers of one step travel while the next computes (``steps.plan_step``). The
-queue is bounded in jobs and in tokens; beyond either ``submit`` raises ``QueueFull`` (the
-server answers 429 with ``Retry-After``).
+is scored. With ``pipeline`` (off by default: ``ServerConfig.pipeline_steps``) a step takes
+about half of the work that waits, so the answers of one step travel while the next computes
+(``steps.plan_step``). The queue is bounded in jobs and in tokens; beyond either ``submit``
+raises ``QueueFull`` (the server answers 429 with ``Retry-After``).
 
 Nothing is computed for nobody: a job whose caller has gone (its ``submit`` cancelled: the HTTP
 client disconnected) or whose ``timeout`` passed (``JobTimeout``) leaves the queue at once,

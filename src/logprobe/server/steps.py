@@ -45,7 +45,7 @@ def plan_step(queue: list[tuple[list[ScoreRequest], int]], budget: int, pipeline
     picks = round_robin(remaining, share, lambda j, k: cost.take(remaining[j].request(k)))
     if share < budget:
         picks += companions(remaining, picks, lambda j, k: cost.shares(remaining[j].request(k)),
-                            budget - sum(cost.taken.values()))
+                            budget - cost.spent)
     return picks
 
 
@@ -74,7 +74,7 @@ class StepCost:
     def __init__(self, cached: Callable[[list[int], int], int] | None = None) -> None:
         self.cached = cached
         self.seen: set[tuple[int, ...]] = set()
-        self.taken: dict[int, int] = {}  # id(request) -> its cost when taken
+        self.spent = 0  # what the requests taken cost
         self._context: dict[int, tuple[tuple[int, ...], int]] = {}  # id(request) -> (context, cached part)
 
     def _read(self, r: ScoreRequest) -> tuple[tuple[int, ...], int]:
@@ -98,13 +98,13 @@ class StepCost:
         """Nothing taken any more; each request's context and cached part stay read (a step counts
         the queue's work first, then takes its share)."""
         self.seen.clear()
-        self.taken.clear()
+        self.spent = 0
 
     def take(self, r: ScoreRequest) -> int:
         """Count ``r`` into the step; returns what it costs."""
         c = self(r)
         self.seen.add(self._read(r)[0])
-        self.taken[id(r)] = c
+        self.spent += c
         return c
 
 
