@@ -126,6 +126,34 @@ def free():
         torch.cuda.empty_cache()
 
 
+class TritonBuilds:
+    """The Triton kernels a process builds (compiles, or loads from the disk cache) while this is
+    open: a kernel met in a measured run that warm-up did not build shows as its name here.
+    ``names``: one entry per build. Nothing is counted where Triton has no runtime hook."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+        except ImportError:
+            self._knobs = None
+            return self
+        self._knobs, self._prev = knobs, knobs.runtime.jit_cache_hook
+
+        def hook(*a, **k):
+            fn = k.get("fn")
+            self.names.append(getattr(fn, "name", "?"))
+            return self._prev(*a, **k) if self._prev else False  # a true answer would skip the compile
+        knobs.runtime.jit_cache_hook = hook
+        return self
+
+    def __exit__(self, *exc):
+        if self._knobs is not None:
+            self._knobs.runtime.jit_cache_hook = self._prev
+
+
 def matmul_ceiling() -> float:
     """bf16 8192^3 TFLOP/s on random data (median of do_bench)."""
     n = 8192

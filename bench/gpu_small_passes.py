@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import MODELS, QWEN3_30B_A3B, GiB, free, log, sync, sync_time, workload
+from common import MODELS, QWEN3_30B_A3B, GiB, TritonBuilds, free, log, sync, sync_time, workload
 
 from logprobe import EngineConfig, Scorer
 from logprobe.loading import load_model
@@ -200,7 +200,10 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = False, in_f
             json.dump(bodies, f)
         probe = GilProbe()
         probe.start()
-        starts, end, answered = run_clients(f"http://127.0.0.1:{port}", f.name, in_flight, args.clients)
+        captured = s.engine.graphs.captures if s.engine.graphs else 0
+        with TritonBuilds() as built:
+            starts, end, answered = run_clients(f"http://127.0.0.1:{port}", f.name, in_flight, args.clients)
+        captured = (s.engine.graphs.captures if s.engine.graphs else 0) - captured
         start = starts[0]
         gil = probe.summary()
         if answered < sum(len(r.tokens) - r.score_begin for r in reqs):
@@ -209,7 +212,8 @@ def through_server(loaded, reqs, args, graphs: int, pipeline: bool = False, in_f
         busy = sum(st.seconds for _, st in steps)
         return dict(wall=end - start, steps=len(steps), requests=sum(st.requests for _, st in steps) / len(steps),
                     busy=busy, head=first - start, between=steps[-1][0] - first - busy, tail=end - steps[-1][0],
-                    gil=gil, arrive=min(arrivals) - start, spread=starts[1] - start)
+                    gil=gil, arrive=min(arrivals) - start, spread=starts[1] - start, built=built.names,
+                    captured=captured)
     finally:
         server.should_exit = True
         thread.join(timeout=60)
@@ -321,8 +325,9 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
     log(f"client: {args.clients} processes; switch: the server's interpreter switch interval "
         "(ServerConfig.switch_interval, ms)")
     log("| graphs | pipelined steps | in flight | switch ms | server s | one batch s | × | steps | requests / step | "
-        "engine busy s (share of wall) | idle before / between / after s | lock wait ms | before: spread / queued / step s |")
-    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        "engine busy s (share of wall) | idle before / between / after s | lock wait ms | before: spread / queued / step s | "
+        "built in the run: Triton kernels / graphs |")
+    log("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     flights = [int(x) for x in str(args.in_flight).split(",")]
     switches = [float(x) / 1e3 for x in args.switch_ms.split(",")] if args.switch_ms else [None]
     for graphs, one in batch_default.items():
@@ -337,7 +342,8 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
                 f"{r['wall']:.2f} | {one:.2f} | {r['wall'] / one:.2f}× | {r['steps']} | {r['requests']:.1f} | "
                 f"{r['busy']:.2f} ({r['busy'] / r['wall']:.0%}) | {r['head']:.2f} / {r['between']:.2f} / "
                 f"{r['tail']:.2f} | {r['gil'][0]:.2f} / {r['gil'][1]:.1f} | "
-                f"{r['spread']:.3f} / {r['arrive']:.3f} / {r['head']:.3f} |")
+                f"{r['spread']:.3f} / {r['arrive']:.3f} / {r['head']:.3f} | "
+                f"{len(r['built'])} {','.join(sorted(set(r['built'])))} / {r['captured']} |")
 
 
 def batch_only(loaded, reqs) -> dict:
