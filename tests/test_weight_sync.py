@@ -59,7 +59,7 @@ TRAINER = TRAINER_GROUP + textwrap.dedent('''
             bad = weights[name].clone()
             if i == 1:
                 bad.view(-1)[0] = float("nan")
-            dist.broadcast(bad, src=0, group=pg)
+            dist.broadcast(bad.view(torch.uint8) if bad.dtype == torch.float8_e4m3fn else bad, src=0, group=pg)
     half = len(names) // 2
     for j, bucket in enumerate((names[:half], names[half:])):  # two buckets, as trainers send them
         if url:
@@ -67,7 +67,8 @@ TRAINER = TRAINER_GROUP + textwrap.dedent('''
                 "names": bucket, "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in bucket],
                 "shapes": [list(weights[n].shape) for n in bucket], "weight_version": "step-1"})
         for i, name in enumerate(bucket):
-            dist.broadcast(weights[name].contiguous(), src=0, group=pg)
+            w = weights[name].contiguous()  # FP8 codes as bytes: gloo has no float8 type
+            dist.broadcast(w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w, src=0, group=pg)
             if url and j == 0 and i == len(bucket) // 2:  # half sent: the server still scores, on the old weights
                 call("during", "/generate", {"input_ids": [5, 71, 72, 3], "return_logprob": True,
                                              "logprob_start_len": 0})

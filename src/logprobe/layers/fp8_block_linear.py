@@ -53,15 +53,17 @@ def expand_codes(q: torch.Tensor, scale: torch.Tensor, block_cols: int) -> torch
 class FP8BlockLinear(_PackedLinearMixin, Linear):
     """``y = x @ W^T (+ bias)`` with W the dequantized FP8 block weight (module docstring), cast
     to the activation dtype. Buffers: ``qweight`` [out, in] float8_e4m3fn, ``scale`` [out, G]
-    float32 (G = ceil(in / block_cols)), ``bias`` or None."""
+    float32 (G = ceil(in / block_cols)), ``bias`` or None. ``block_height``: the checkpoint's block
+    rows (``bh``; what a weight update's ``weight_scale_inv`` is expanded by), None where unknown."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block_cols: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, block_height: int | None = None) -> None:
         nn.Module.__init__(self)
         if qweight.dtype != FP8 or qweight.ndim != 2:
             raise LogprobeError("weight", f"{qweight.dtype} {tuple(qweight.shape)} is not a 2-D float8_e4m3fn weight")
         self.out_features, self.in_features = (int(n) for n in qweight.shape)
         self.block_cols = int(block_cols)
+        self.block_height = None if block_height is None else int(block_height)
         groups = -(-self.in_features // self.block_cols)
         if tuple(scale.shape) != (self.out_features, groups):
             raise LogprobeError("weight_scale_inv", f"row scales {tuple(scale.shape)} do not match "
@@ -74,7 +76,8 @@ class FP8BlockLinear(_PackedLinearMixin, Linear):
     def from_blocks(cls, qweight: torch.Tensor, scale_inv: torch.Tensor, block_rows_: int, block_cols: int
                     ) -> FP8BlockLinear:
         """From the checkpoint's layout: ``weight_scale_inv`` [ceil(out/bh), ceil(in/bw)]."""
-        return cls(qweight, block_rows(scale_inv, block_rows_, qweight.shape[0]), block_cols)
+        return cls(qweight, block_rows(scale_inv, block_rows_, qweight.shape[0]), block_cols,
+                   block_height=block_rows_)
 
     def rows(self, idx=slice(None)) -> torch.Tensor:
         """Dequantized weight rows, float32 [n, in]."""
@@ -95,12 +98,14 @@ class FP8BlockLinear(_PackedLinearMixin, Linear):
 class FP8BlockExperts(ExpertMatrices):
     """E FP8 block matrices ``[E, out, in]``: ``qweight`` [E, out, in] float8_e4m3fn, ``scale``
     [E, out, G] float32. ``expert(e)`` is expert e's weight expanded as ``FP8BlockLinear.rows``,
-    then the model dtype (the dense loader's bits)."""
+    then the model dtype (the dense loader's bits). ``block_height``: as ``FP8BlockLinear``'s."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block_cols: int) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block_cols: int,
+                 block_height: int | None = None) -> None:
         nn.Module.__init__(self)
         self.num_experts, self.out_features, self.in_features = (int(n) for n in qweight.shape)
         self.block_cols = int(block_cols)
+        self.block_height = None if block_height is None else int(block_height)
         self.compute_dtype = torch.float32
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
@@ -112,7 +117,9 @@ class FP8BlockExperts(ExpertMatrices):
                                                                  first.block_cols) or m.bias is not None
                for m in layers):
             raise LogprobeError("model", "the FP8 experts of one matrix differ in shape or block size (or have a bias)")
-        return cls(torch.stack([m.qweight for m in layers]), torch.stack([m.scale for m in layers]), first.block_cols)
+        heights = {m.block_height for m in layers}
+        return cls(torch.stack([m.qweight for m in layers]), torch.stack([m.scale for m in layers]), first.block_cols,
+                   heights.pop() if len(heights) == 1 else None)
 
     def expert(self, e: int) -> torch.Tensor:
         return expand_codes(self.qweight[e], self.scale[e], self.block_cols).to(self.compute_dtype)

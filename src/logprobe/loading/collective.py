@@ -85,11 +85,13 @@ RECEIVE_TIMEOUT = 300.0  # s one update_weights_from_distributed may take receiv
 STARTUP_WAIT = 120.0  # s a receiver process may take to start (importing torch), on top of the join's timeout
 LEFT = "the group was left: call init_weights_update_group again (the old weights stay in force)"
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "half": torch.float16, "float64": torch.float64, "double": torch.float64}
+           "half": torch.float16, "float64": torch.float64, "double": torch.float64,
+           "float8_e4m3fn": torch.float8_e4m3fn}  # FP8 block codes, for a model held FP8 (``update_fp8``)
 
 
 def parse_dtype(value, field_name: str) -> torch.dtype:
-    """``"bfloat16"``, ``"torch.bfloat16"`` or a ``torch.dtype`` -> the dtype (floats only)."""
+    """``"bfloat16"``, ``"torch.bfloat16"`` or a ``torch.dtype`` -> the dtype (floats only; FP8 codes
+    ``float8_e4m3fn`` too, which only a model held as FP8 blocks takes)."""
     if isinstance(value, torch.dtype):
         if value in _DTYPES.values():
             return value
@@ -97,7 +99,8 @@ def parse_dtype(value, field_name: str) -> torch.dtype:
     key = value.removeprefix("torch.") if isinstance(value, str) else None
     if key not in _DTYPES:
         raise LogprobeError(field_name, f"{value!r} is not a float dtype this scorer takes",
-                            "send one of 'float32', 'bfloat16', 'float16', 'float64' (or 'torch.bfloat16' ...)")
+                            "send one of 'float32', 'bfloat16', 'float16', 'float64', 'float8_e4m3fn' "
+                            "(or 'torch.bfloat16' ...)")
     return _DTYPES[key]
 
 

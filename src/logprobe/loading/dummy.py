@@ -183,7 +183,7 @@ class _Maker:
                                 "leave quantize_activations off")
         block_ids = (flat // out) * blocks + (flat % out) // bh  # each row's (expert, block row)
         scale = self._scales(block_ids, groups, sseed, std)  # [rows, G]: each row its block row's
-        return FP8BlockExperts(codes.view(*rows.shape, cols), scale.view(*rows.shape, groups), bw)
+        return FP8BlockExperts(codes.view(*rows.shape, cols), scale.view(*rows.shape, groups), bw, bh)
 
     def _scales(self, block_rows: torch.Tensor, groups: int, seed: int, std: float) -> torch.Tensor:
         wobble = fill(torch.empty(len(block_rows), groups, device=self.load.device), block_rows, seed, 0.25)

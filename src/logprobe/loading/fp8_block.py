@@ -148,7 +148,7 @@ def fp8_layer(module: str, codes: torch.Tensor, scale_inv: torch.Tensor, scheme:
     rows = block_rows(scale_inv, bh, out) if part is None else \
         scale_inv.float()[part.rows // bh - part.first_block].contiguous()
     if not scheme.quantize_activations:
-        return FP8BlockLinear(codes.contiguous(), rows, bw)
+        return FP8BlockLinear(codes.contiguous(), rows, bw, block_height=bh)
     if cols % bw:
         _refuse(f"{module}: input width {cols} is not a multiple of the activation group {bw}",
                 "score with float activations (the default)")

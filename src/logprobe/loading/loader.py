@@ -163,6 +163,7 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     with torch.device("meta"):
         model = family.model_class(cfg)(cfg)
     family.describe(model, raw)  # e.g. experts the workers hold packed: what a weight update checks first
+    model.fp8_blocks = raw is not None and is_fp8_block(raw)  # the workers hold FP8 blocks: no update yet
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
     return LoadedModel(model, tok, info)

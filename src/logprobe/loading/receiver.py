@@ -264,14 +264,15 @@ def receive(pg, buffer, layout, outbox: Connection, cuda: bool) -> None:
     trainer's tensor ends with those bytes: one chance in 2**64, 2**16 for a one-element
     bfloat16; then the update is refused, never wrong). NCCL does not check a broadcast's size:
     one of another size hangs (the server's timeout ends it) or is misread, so under NCCL the
-    metadata checked before receiving is the guard."""
+    metadata checked before receiving is the guard. FP8 codes are received as their bytes (gloo has no
+    float8 type, NCCL sends float8 as bytes): a gloo trainer broadcasts ``codes.view(torch.uint8)``."""
     flat = flat_buffer(buffer)
     for i, view in enumerate(views(flat, layout)):
         end = None if cuda else view.view(-1).view(torch.uint8)[-8:]
         if end is not None:
             mark = torch.frombuffer(bytearray(os.urandom(end.numel())), dtype=torch.uint8)
             end.copy_(mark)
-        dist.broadcast(view, src=0, group=pg)
+        dist.broadcast(view.view(torch.uint8) if view.dtype == torch.float8_e4m3fn else view, src=0, group=pg)
         if end is not None and torch.equal(end, mark):
             raise ShortBroadcast(f"the broadcast was shorter than the {view.numel() * view.element_size()} bytes "
                                  f"declared (gloo takes it and leaves the rest of the buffer unwritten)")

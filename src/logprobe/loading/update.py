@@ -26,8 +26,10 @@ gate/up), the tensors it reshapes (``units``: a conv weight squeezed, fused mixe
 experts moved from transformers' layout into the native one, whole [E, ...] tensors where
 ``whole_experts``), its weights transformers holds as buffers (``buffers``) and its vision
 tower's (``towers``, e.g. ``model.visual.*``: taken where sent, the others kept: a trainer
-may freeze the tower); routers held in float32 stay float32. Packed-quantized models are refused
-(FP8 blocks, GGUF, compressed-tensors), and so is a model holding MXFP4-packed experts: a trainer sends float (bf16) weights, and writing
+may freeze the tower); routers held in float32 stay float32. A model held as FP8 blocks takes FP8
+blocks (codes and ``weight_scale_inv``, as its checkpoint stores them: ``loading.update_fp8``).
+Other packed-quantized models are refused (GGUF, compressed-tensors, FP8 with quantized
+activations), and so is a model holding MXFP4-packed experts: a trainer sends float (bf16) weights, and writing
 them into MXFP4 blocks would mean requantizing, which scores other weights than the trainer's; the
 error names the tensor and the fix (load with ``weights="dense"``: MXFP4 values are exact in the
 model dtype, so the scores do not change, and updates then take float weights exactly).
@@ -73,6 +75,21 @@ from ..layers.quant_linear import PackedEmbedding, PackedWeight
 from .checkpoint import _EXPERT, safetensors_files
 from .loader import parallel_context
 from .registry import Family, Incoming, family_of
+from .update_fp8 import (
+    FP8_LAYERS,
+    SCALE,
+    check_fp8_item,
+    check_fp8_model,
+    fp8_slots,
+    fp8_target,
+    fp8_value,
+    held_float_message,
+    holds_fp8,
+    is_fp8_slot,
+    scale_weight_name,
+    spell_scale,
+    write_fp8,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +100,8 @@ _DERIVED = ("inv_freq", ".embed_scale")  # non-persistent buffers of transformer
 # Native renames of transformers' names, undone to name a missing weight as the trainer sends it.
 _RENAMES = ((".mlp.shared_expert.", ".mlp.shared_experts."),
             (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"))
-_SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                       "F8_E4M3": torch.float8_e4m3fn}  # FP8 codes: taken by a model held FP8 (``update_fp8``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +132,12 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
     family(model)
-    refuse_split_experts(model, getattr(getattr(model, "ctx", None), "size", 1))
+    ranks = getattr(getattr(model, "ctx", None), "size", 1)
+    refuse_split_experts(model, ranks)
+    check_fp8_model(model, ranks)
     for name, m in model.named_modules():
+        if type(m) in FP8_LAYERS:  # FP8 blocks take FP8 blocks (``update_fp8``)
+            continue
         if isinstance(m, (PackedWeight, PackedEmbedding, ExpertMatrices)):
             raise LogprobeError("model", f"{name} holds packed-quantized weights ({type(m).__name__}): float "
                                 "tensors cannot be written into quantized blocks exactly",
@@ -162,7 +184,9 @@ def _tensor(model, name: str) -> torch.Tensor:
 def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
     slots, whole = {}, family(model).whole_experts
     for n in names:
-        if _STACKED.fullmatch(n) and not whole:  # [E, out, in]: one unit per expert
+        if (fp8 := fp8_slots(model, n)) is not None:  # codes and scales, each a slot
+            slots.update(fp8)
+        elif _STACKED.fullmatch(n) and not whole:  # [E, out, in]: one unit per expert
             p = _tensor(model, n)
             slots.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
         else:
@@ -212,6 +236,8 @@ def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]
         layers.N.mlp.experts.gate_up_proj [E, 2I, H] (transformers' in-memory name)
                                          -> gate_proj.{e} = [e, :I], up_proj.{e} = [e, I:]
     """
+    if item.dtype == torch.float8_e4m3fn or scale_weight_name(item.name) is not None:
+        return fp8_units(item, model, field)
     name = native_name(item.name, model)
     cfg, fam = model.config, family(model)
     if name is not None and (parts := fam.fused(name, cfg)) is not None:  # fused q/k/v, gate/up
@@ -245,6 +271,24 @@ def units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]
     return [(name, item)]
 
 
+def fp8_units(item: Incoming, model, field: str) -> list[tuple[str | None, Incoming]]:
+    """An FP8 block model's halves (``update_fp8``): ``<m>.weight`` codes and ``<m>.weight_scale_inv``
+    -> (slot, item), one expert at a time as checkpoints store them; a tensor the float path would
+    cut or reshape is refused."""
+    weight = scale_weight_name(item.name) or item.name
+    name = native_name(weight, model)
+    if name is None:
+        return [(None, item)]
+    if m := _EXPERT.fullmatch(name):
+        name = f"{m.group(1)}.{m.group(3)}.{m.group(2)}"
+    elif (family(model).fused(name, model.config) is not None
+          or family(model).units(name, item, model, field) is not None or len(item.shape) != 2):
+        raise LogprobeError(field, f"{item.name!r} {item.shape}: FP8 blocks are taken one matrix at a time, as "
+                            "an FP8 block checkpoint stores them (no fused, reshaped or stacked tensors)",
+                            "send each module's weight and weight_scale_inv, experts one by one")
+    return [(name + SCALE if scale_weight_name(item.name) is not None else name, item)]
+
+
 def check(name: str | None, item: Incoming, model: nn.Module, slots: dict[str, torch.Tensor],
           seen: dict[str, str], field: str) -> str | None:
     """``name`` (the unit ``item`` goes to) if the item is valid, None if it is ignored; raises
@@ -261,7 +305,11 @@ def check(name: str | None, item: Incoming, model: nn.Module, slots: dict[str, t
     if name in seen:
         raise LogprobeError(field, f"{item.name!r} is given twice"
                             + (f" ({name} again)" if not name.endswith(item.name.removeprefix("model.")) else ""))
-    if item.dtype not in _FLOATS:
+    if is_fp8_slot(slots[name], name):
+        check_fp8_item(name, item, slots[name], field)
+    elif item.dtype == torch.float8_e4m3fn:
+        raise LogprobeError(field, held_float_message(item, name), "send the float weight")
+    elif item.dtype not in _FLOATS:
         raise LogprobeError(field, f"{item.name!r} is {str(item.dtype).removeprefix('torch.')}: weight updates "
                             "take float tensors (float32, bfloat16, float16)",
                             "quantized tensors cannot be written into this model exactly")
@@ -277,7 +325,7 @@ def check_finite(name: str, value: torch.Tensor, slot: torch.Tensor, field: str)
     """Refuse ``value`` (incoming tensor ``name``) if it holds a NaN or an infinity, or a value that
     becomes one in the model's dtype (float32 -> float16 beyond 65504): such weights turn every
     score into NaN."""
-    bad = int((~torch.isfinite(value)).sum())
+    bad = int((~torch.isfinite(value.float() if value.dtype == torch.float8_e4m3fn else value)).sum())
     if bad:
         raise LogprobeError(field, f"{name!r} holds {bad} non-finite value{'s' * (bad != 1)} (NaN or inf)",
                             "send finite weights (a diverged trainer step would make every score NaN)")
@@ -336,16 +384,22 @@ def sent_names(model, missing: list[str], seen: Mapping[str, str] | set[str] = (
 
         layers.1.mlp.experts.{gate,up}_proj.{0..E-1} -> model.layers.1.mlp.experts.gate_up_proj
         layers.1.mlp.experts.down_proj.3 alone        -> model.layers.1.mlp.experts.3.down_proj.weight
+
+    A model held FP8 names experts one by one (its checkpoints' layout), scales as theirs:
+    ``layers.1.mlp.experts.gate_proj.3:scale_inv`` -> ``model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv``.
     """
     units: dict[tuple[str, str], list[str]] = {}
     for n in missing:
         if m := _UNIT.fullmatch(n):
             units.setdefault((m.group(1), m.group(2)), []).append(m.group(3))
     experts = getattr(getattr(model.config, "moe", None), "num_experts", 0)
-    whole = {key for key, ids in units.items() if len(ids) == experts}
+    whole = set() if holds_fp8(model) else {key for key, ids in units.items() if len(ids) == experts}
     prefix = _sender_prefix(seen)
     out: list[str] = []
     for n in missing:
+        if n.endswith(SCALE):
+            out.append(spell_scale(sent_names(model, [n.removesuffix(SCALE)], seen)[0]))
+            continue
         m = _UNIT.fullmatch(n)
         if m is None:
             out.append(_hf_spelling(model, n, prefix))
@@ -397,8 +451,18 @@ def note_kept(model, kept: list[str], seen: Mapping[str, str]) -> tuple[str, ...
 def convert(name: str, value: torch.Tensor, slot: torch.Tensor, model) -> torch.Tensor:
     """What the loader makes of checkpoint tensor ``name``: the model's dtype (a float32 router
     stays float32) and device, q/k rows (and q/k norms) interleaved for RoPE as the family does."""
+    if is_fp8_slot(slot, name):
+        return fp8_value(model, name, value, lambda state: family(model).interleave(model.config, state))
     value = value.detach().to(device=slot.device, dtype=slot.dtype)
     return family(model).interleave(model.config, {name: value})[name]
+
+
+def write(model, slots: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    """``convert``'s result into the live weight of slot ``name``."""
+    if fp8_target(model, name) is not None:
+        write_fp8(model, name, value)
+    else:
+        slots[name].copy_(value)
 
 
 def incoming_tensors(named_tensors: Iterable, field: str):
@@ -437,7 +501,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
                     values[name] = ready(name, piece)
         kept = check_complete(model, full, seen, field)
         for name, value in values.items():
-            slots[name].copy_(value)
+            write(model, slots, name, value)
         return Applied(len(values), note_kept(model, kept, seen))
     todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
             if (name := check(unit, piece, model, full, seen, field)) is not None]
@@ -445,7 +509,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
     for name, piece in todo:  # values too before any copy (a checkpoint's tensors are read twice)
         check_finite(piece.name, piece.load(), slots[name], field)
     for name, piece in todo:
-        slots[name].copy_(convert(name, rank_slice(name, piece.load(), model), slots[name], model))
+        write(model, slots, name, convert(name, rank_slice(name, piece.load(), model), slots[name], model))
     return Applied(len(todo), note_kept(model, kept, seen))
 
 
@@ -455,6 +519,9 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
     error before that drops every staged slice (all or nothing across ranks)."""
     refuse_split_experts(model, engine.tp)
+    if getattr(model, "fp8_blocks", False):
+        raise LogprobeError("model", "an FP8 block model held by worker processes (tensor or data parallel) takes no weight update yet",
+                            "reload the scorer from the new checkpoint, or score on one GPU")
     full = weight_slots(model)
     cfg, seen, n = model.config, {}, 0
     build = family(model).build_meta
@@ -532,10 +599,11 @@ def update_weights(model: nn.Module, named_tensors, field: str = "named_tensors"
     return update_in_place(model, items, field, staged=not in_memory)
 
 
-def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
+def safetensors_items(path: str | Path, field: str = "path", blocks: set | frozenset = frozenset()) -> list[Incoming]:
     """The tensors of a safetensors file, or of a directory of them (Hugging Face layout, sharded or
     not), as ``Incoming`` read from the headers (data read by ``load()``). A directory whose
-    config.json declares a quantization is refused."""
+    config.json declares a quantization is refused, but an FP8 block one whose
+    ``weight_block_size`` is the model's (``blocks``: the (rows, cols) blocks a model held FP8 has)."""
     from safetensors import safe_open
 
 
@@ -544,7 +612,7 @@ def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
         cfg = p / "config.json"
         if cfg.exists():
             q = json.loads(cfg.read_text()).get("quantization_config")
-            if q is not None:
+            if q is not None and not _same_fp8_blocks(q, blocks, field):
                 raise LogprobeError(field, f"{p} is a quantized checkpoint (quant_method "
                                     f"{q.get('quant_method') if isinstance(q, dict) else q!r}): its packed tensors "
                                     "cannot be written into float weights exactly",
@@ -570,6 +638,18 @@ def safetensors_items(path: str | Path, field: str = "path") -> list[Incoming]:
     return items
 
 
+def _same_fp8_blocks(q, blocks, field: str) -> bool:
+    """Whether quantization config ``q`` is FP8 blocks of the model's size (refused if of another)."""
+    if not blocks or not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return False
+    size = tuple(q.get("weight_block_size") or ())
+    if {size} != set(blocks):
+        raise LogprobeError(field, f"weight_block_size {list(size)}: the model holds FP8 blocks of "
+                            f"{' and '.join(str(list(b)) for b in sorted(blocks))}",
+                            "send weights quantized in the model's blocks")
+    return True
+
+
 def _read(f: Path, key: str) -> torch.Tensor:
     from safetensors import safe_open
 
@@ -581,7 +661,8 @@ def load_weights(model: nn.Module, path: str | Path, field: str = "path", engine
     """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
     read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
     family(model)
-    items = safetensors_items(path, field)
+    blocks = {(m.block_height, m.block_cols) for m in model.modules() if type(m) in FP8_LAYERS}
+    items = safetensors_items(path, field, blocks)
     if engine is not None:
         full, seen = weight_slots(model), {}
         for item in items:  # headers first, as in place
