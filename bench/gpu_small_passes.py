@@ -331,9 +331,12 @@ def server_rows(loaded, reqs, args, batch_default: dict) -> None:
     flights = [int(x) for x in str(args.in_flight).split(",")]
     switches = [float(x) / 1e3 for x in args.switch_ms.split(",")] if args.switch_ms else [None]
     for graphs, one in batch_default.items():
-        # a first server run in the process is slower (imports, the first requests' paths): not a row
-        through_server(loaded, reqs, args, graphs, True, flights[0], switches[0])
+        # a first server run in the process is slower (imports, the first requests' paths): not counted,
+        # shown; in the server's default mode (steps not pipelined)
+        r = through_server(loaded, reqs, args, graphs, False, flights[0], switches[0])
         free()
+        log(f"| (warm-up, not counted) | off | {flights[0]} | | {r['wall']:.2f} | {one:.2f} | {r['wall'] / one:.2f}× | "
+            f"{r['steps']} | {r['requests']:.1f} | {r['busy']:.2f} | | | | {len(r['built'])} / {r['captured']} |")
         for _, flight, switch, pipeline in itertools.product(range(args.repeat), flights, switches, (False, True)):
             r = through_server(loaded, reqs, args, graphs, pipeline, flight, switch)
             free()
