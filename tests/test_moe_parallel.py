@@ -21,6 +21,8 @@ show as a difference far above 1e-5, and the test would fail, not pass by luck).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import byte_tokenizer, random_sequences
@@ -226,17 +228,59 @@ def test_cli_takes_expert_parallel_size():
     assert argparse.ArgumentParser(parents=[model_parser()]).parse_args([]).expert_parallel_size is None
 
 
-def test_weight_update_of_split_experts_refused(dirs):
-    """A split mixture of experts takes no weight update yet: refused naming the model, before any
-    tensor is staged (its expert units are cut by experts and rows, which updates do not do)."""
-    from logprobe.loading.sharding import rank_model
-    from logprobe.loading.update import weight_slots
+def _new_weights(kind: str, tmp_path):
+    """Another checkpoint of ``kind`` (other random weights): its directory and its tensors."""
+    from safetensors.torch import load_file
 
-    cfg = describe_model(str(dirs["qwen3_moe"]), "cpu").model.config
-    assert weight_slots(rank_model(cfg, parallel_context(cfg, 0, 1)))  # one rank: updatable
-    with pytest.raises(LogprobeError, match="no weight update yet") as e:
-        weight_slots(rank_model(cfg, parallel_context(cfg, 0, 2, None, 2)))
-    assert e.value.field == "model"
+    d = tmp_path / f"{kind}-b"
+    torch.manual_seed(77)
+    model = _make(kind).float().eval()
+    _randomise(model, seed=777)
+    model.save_pretrained(str(d))
+    byte_tokenizer()[0].save_pretrained(str(d))
+    tensors = {}
+    for f in sorted(d.glob("*.safetensors")):
+        tensors |= load_file(str(f))
+    return d, tensors
+
+
+@pytest.mark.parametrize("kind", list(SIZES))
+def test_split_experts_take_updates_as_loading_reads_them(kind, dirs, tmp_path):
+    """Each rank's shard of a split mixture of experts (whole experts per rank, each expert's rows
+    split, replicas of a hot expert), updated with whole tensors, holds exactly the parameters
+    ``load_shard`` reads for it from the new checkpoint, bit for bit; another rank's experts are
+    not written."""
+    from logprobe.loading.loader import load_shard
+    from logprobe.loading.sharding import expert_placement
+    from logprobe.loading.update import update_weights
+
+    b, new = _new_weights(kind, tmp_path)
+    cfg = describe_model(str(dirs[kind]), "cpu").model.config
+    loads = [9] + [1] * (cfg.moe.num_experts - 1)  # expert 0 hot: rank 1 holds a replica of it
+    for size, experts, redundant in ((2, 2, 0), (2, 1, 0), (2, 2, 1)):
+        placement = expert_placement(cfg, size, experts, redundant, loads) if redundant else None
+        for rank in range(size):
+            ctx = dataclasses.replace(parallel_context(cfg, rank, size, None, experts), placement=placement)
+            shard = load_shard(str(dirs[kind]), ctx, "cpu", "float32", tokenizer=False).model
+            want = load_shard(str(b), ctx, "cpu", "float32", tokenizer=False).model.state_dict()
+            update_weights(shard, iter(list(new.items())))
+            got = shard.state_dict()
+            assert got.keys() == want.keys(), (kind, size, experts)
+            assert all(torch.equal(got[k], want[k]) for k in want), (kind, size, experts, redundant, rank)
+
+
+@pytest.mark.slow  # slow tier: two gloo workers
+def test_split_experts_scorer_update(dirs, tmp_path):
+    """TP = EP = 2 worker processes: the driver sends each expert to the rank holding it; the scores
+    then equal a fresh one-process scorer's on the new weights, bitwise (deterministic mode)."""
+    b, new = _new_weights("qwen3_moe", tmp_path)
+    seqs = _seqs()
+    want = Scorer(str(b), device="cpu", dtype="float32", progress=False, deterministic=True).logprobs(seqs, **OPTS)
+    with Scorer(str(dirs["qwen3_moe"]), device="cpu", dtype="float32", progress=False, deterministic=True,
+                tensor_parallel_size=2, expert_parallel_size=2) as s:
+        assert not _bits_equal(s.logprobs(seqs, **OPTS), want)
+        assert s.update_weights(iter(list(new.items()))) == 1
+        assert _bits_equal(s.logprobs(seqs, **OPTS), want)
 
 
 # ---- one MoE block over gloo ranks: the default mode's sum over ranks against float64 ----

@@ -37,7 +37,9 @@ model dtype, so the scores do not change, and updates then take float weights ex
 Mixture-of-experts models take experts one by one (``model.layers.N.mlp.experts.{e}.gate_proj.weight``,
 as checkpoints store them, ``block_sparse_moe`` names too) or stacked, as transformers holds
 them in memory (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); see ``units``.
-A missing tensor is named as the trainer sends it (``sent_names``).
+A missing tensor is named as the trainer sends it (``sent_names``). Split over ranks, each expert
+goes to the ranks that hold it (its owner, and replicas of hot ones), each its rows of it
+(``rank_part``: ``Experts.held``).
 
 Weights transformers holds as buffers (the sigmoid routers' ``gate.e_score_correction_bias``, a
 per-layer ``layer_scalar``: ``Family.buffers``) are not in a trainer's ``named_parameters()``: taken
@@ -61,7 +63,7 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -132,9 +134,7 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
     family(model)
-    ranks = getattr(getattr(model, "ctx", None), "size", 1)
-    refuse_split_experts(model, ranks)
-    check_fp8_model(model, ranks)
+    check_fp8_model(model, getattr(getattr(model, "ctx", None), "size", 1))
     for name, m in model.named_modules():
         if type(m) in FP8_LAYERS:  # FP8 blocks take FP8 blocks (``update_fp8``)
             continue
@@ -152,18 +152,6 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
                                 "parallelism and for the server); updates then take the trainer's float weights "
                                 "exactly")
     return _slots(model, list(full_slots(model, names=True)))
-
-
-def refuse_split_experts(model, ranks: int) -> None:
-    """A mixture of experts split over ``ranks`` > 1 takes no weight update yet (its experts' units
-    are cut by experts and rows, which ``rank_slice`` does not do); a family updating its experts
-    whole (``Family.whole_experts``) does (whole experts per rank, cut by ``rank_slice`` along the
-    expert dimension: its experts' ``tp_param_ranges``)."""
-    if family(model).whole_experts:
-        return
-    if ranks > 1 and getattr(getattr(model, "config", None), "moe", None) is not None:
-        raise LogprobeError("model", f"a mixture of experts split over {ranks} ranks has no weight update yet",
-                            "reload the scorer from the new checkpoint")
 
 
 def full_slots(model, names: bool = False) -> dict[str, torch.Tensor]:
@@ -186,9 +174,10 @@ def _slots(model, names: list[str]) -> dict[str, torch.Tensor]:
     for n in names:
         if (fp8 := fp8_slots(model, n)) is not None:  # codes and scales, each a slot
             slots.update(fp8)
-        elif _STACKED.fullmatch(n) and not whole:  # [E, out, in]: one unit per expert
+        elif _STACKED.fullmatch(n) and not whole:  # [E, out, in]: one unit per expert held, by its id
             p = _tensor(model, n)
-            slots.update({f"{n}.{e}": p[e] for e in range(p.shape[0])})
+            ids = getattr(model.get_submodule(n.rpartition(".")[0]), "expert_ids", range(p.shape[0]))
+            slots.update({f"{n}.{e}": p[i] for i, e in enumerate(ids)})
         else:
             slots[n] = _tensor(model, n)
     return slots
@@ -205,6 +194,25 @@ def rank_slice(name: str, value: torch.Tensor, model) -> torch.Tensor:
     if ranges is None:
         return value
     return torch.cat([value[a:b] for a, b in ranges]).clone(memory_format=torch.contiguous_format)
+
+
+def rank_part(name: str, value: torch.Tensor, model) -> torch.Tensor | None:
+    """``rank_slice``, and for an expert's unit (``layers.N.mlp.experts.gate_proj.{e}``) the rows of
+    it the rank holds (``Experts.held``: whole experts, or a share of each's rows), None where the
+    rank does not hold expert e (another rank's: under a placement of replicas, every rank holding
+    it takes it):
+
+        ranks 0, 1 of TP = EP = 2, 4 experts:  gate_proj.3 -> None on rank 0, the whole [I, H] on rank 1
+        TP = 2, EP = 1 (each expert split):    gate_proj.3 -> rows [0, I/2) on rank 0, [I/2, I) on rank 1
+    """
+    m = _UNIT.fullmatch(name)
+    if m is None or model.ctx.size == 1:
+        return rank_slice(name, value, model)
+    experts = model.get_submodule(m.group(1))
+    if int(m.group(3)) not in experts.expert_ids:
+        return None
+    _, (a, b) = experts.held(m.group(2))
+    return value[a:b].clone(memory_format=torch.contiguous_format)
 
 
 def native_name(hf_name: str, model) -> str | None:
@@ -488,17 +496,19 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
     full = slots if model.ctx.size == 1 else full_slots(model)
     seen: dict[str, str] = {}
 
-    def ready(name: str, piece: Incoming) -> torch.Tensor:
+    def ready(name: str, piece: Incoming) -> torch.Tensor | None:
         value = piece.load()
-        check_finite(piece.name, value, slots[name], field)
-        return convert(name, rank_slice(name, value, model), slots[name], model)
+        check_finite(piece.name, value, slots.get(name, full[name]), field)
+        part = rank_part(name, value, model)
+        return None if part is None else convert(name, part, slots[name], model)
 
     if staged:
         values = {}
         for item in items:
             for unit, piece in units(item, model, field):
                 if (name := check(unit, piece, model, full, seen, field)) is not None:
-                    values[name] = ready(name, piece)
+                    if (value := ready(name, piece)) is not None:  # None: another rank's expert
+                        values[name] = value
         kept = check_complete(model, full, seen, field)
         for name, value in values.items():
             write(model, slots, name, value)
@@ -507,9 +517,10 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
             if (name := check(unit, piece, model, full, seen, field)) is not None]
     kept = check_complete(model, full, seen, field)
     for name, piece in todo:  # values too before any copy (a checkpoint's tensors are read twice)
-        check_finite(piece.name, piece.load(), slots[name], field)
+        check_finite(piece.name, piece.load(), slots.get(name, full[name]), field)
     for name, piece in todo:
-        write(model, slots, name, convert(name, rank_slice(name, piece.load(), model), slots[name], model))
+        if (part := rank_part(name, piece.load(), model)) is not None:
+            write(model, slots, name, convert(name, part, slots[name], model))
     return Applied(len(todo), note_kept(model, kept, seen))
 
 
@@ -518,18 +529,18 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
     error before that drops every staged slice (all or nothing across ranks)."""
-    refuse_split_experts(model, engine.tp)
     if getattr(model, "fp8_blocks", False):
-        raise LogprobeError("model", "an FP8 block model held by worker processes (tensor or data parallel) takes no weight update yet",
-                            "reload the scorer from the new checkpoint, or score on one GPU")
+        raise LogprobeError("model", "an FP8 block model held by worker processes (tensor or data parallel) "
+                            "takes no weight update yet", "reload the scorer from the new checkpoint, or score on one GPU")
     full = weight_slots(model)
     cfg, seen, n = model.config, {}, 0
     build = family(model).build_meta
     ranks = []
     for r in range(engine.tp):
         with torch.device("meta"):
-            ranks.append(build(cfg, parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1),
-                                                     attention=getattr(engine, "attention", None))))
+            ctx = parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1),
+                                   attention=getattr(engine, "attention", None))
+            ranks.append(build(cfg, replace(ctx, placement=getattr(engine, "placement", None))))
     try:
         for item in items:
             for unit, piece in units(item, model, field):
@@ -537,8 +548,9 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
                     continue
                 value = piece.load().detach().cpu()
                 check_finite(piece.name, value, full[name], field)
-                for rank in ranks:
-                    engine.stage_weights(rank.ctx.rank, [(name, rank_slice(name, value, rank))])
+                for rank in ranks:  # each rank its part; an expert to the ranks that hold it
+                    if (part := rank_part(name, value, rank)) is not None:
+                        engine.stage_weights(rank.ctx.rank, [(name, part)])
                 n += 1
         kept = check_complete(model, full, seen, field)
     except BaseException:
