@@ -97,6 +97,50 @@ def test_fp8_update_equals_fresh_load(kind, fp8_dirs):
     assert same(scores(s), want)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "qwen3"])
+def test_fp8_shards_take_updates_as_loading_reads_them(kind, fp8_dirs):
+    """Each rank's shard (as under torchrun), updated with the whole FP8 tensors, holds exactly the
+    codes, row scales and float weights ``load_shard`` reads for it from the new checkpoint, bit
+    for bit: rows that start inside a block, experts whole per rank or split by rows."""
+    from logprobe.loading.loader import describe_model, load_shard, parallel_context
+    from logprobe.loading.update import update_weights
+
+    a, b = fp8_dirs[kind]
+    cfg = describe_model(str(a), "cpu").model.config
+    for size, experts in ((2, 2), (2, 1)) if kind == "deepseek" else ((2, 1),):
+        for rank in range(size):
+            ctx = parallel_context(cfg, rank, size, None, experts)
+            shard = load_shard(str(a), ctx, "cpu", "float32", tokenizer=False).model
+            want = load_shard(str(b), ctx, "cpu", "float32", tokenizer=False).model.state_dict()
+            assert any(t.dtype == FP8 for t in want.values())
+            update_weights(shard, iter(list(tensors(b).items())))
+            got = shard.state_dict()
+            assert got.keys() == want.keys()
+            assert all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want), (kind, size, experts, rank)
+
+
+@pytest.mark.slow  # slow tier: two gloo workers
+def test_fp8_tensor_parallel_scorer_update(fp8_dirs):
+    """TP = EP = 2 worker processes of an FP8 DeepSeek-V3: the driver, which holds no weights, checks
+    the halves against the checkpoint's FP8 weights (read off its headers) and sends each rank its
+    rows; the scores then equal a fresh one-process scorer's, bitwise (deterministic mode)."""
+    a, b = fp8_dirs["deepseek"]
+    want = Scorer(str(b), device="cpu", dtype="float32", progress=False, deterministic=True).logprobs(SEQS)
+    with Scorer(str(a), device="cpu", dtype="float32", progress=False, deterministic=True,
+                tensor_parallel_size=2, expert_parallel_size=2) as s:
+        new = tensors(b)
+        q = "model.layers.1.self_attn.q_b_proj.weight"
+        with pytest.raises(LogprobeError, match="as FP8 blocks"):  # checked on the driver: nothing sent
+            s.update_weights({**new, q: new[q].float()})
+        assert s.update_weights(iter(list(new.items()))) == 1
+        assert same([r.logprobs for r in s.logprobs(SEQS)], [r.logprobs for r in want])
+        assert s.load_weights(str(a)) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["deepseek", "qwen3"])
@@ -190,3 +234,25 @@ def test_fp8_weights_over_a_collective(fp8_dirs, tmp_path):
         p.kill()
     assert same(scores(s), want)
     s.close()
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "qwen3"])
+def test_driver_reads_the_fp8_weights_off_the_headers(kind, fp8_dirs):
+    """A parallel scorer's driver holds no weights: which of them are FP8 (and their block) it reads
+    off the checkpoint's headers, and for a model made at random (``load_format="dummy"``, no
+    weights on disk) off the same rule the random maker follows; the two agree."""
+    import json
+
+    from logprobe.loading.dummy import held_fp8_random
+    from logprobe.loading.loader import describe_model
+    from logprobe.loading.update import family
+
+    a, _ = fp8_dirs[kind]
+    model = describe_model(str(a), "cpu").model
+    held = model.fp8_held()
+    block = (32, 32) if kind == "deepseek" else (48, 32)
+    assert held and set(held.values()) == {block}
+    assert "layers.1.self_attn.q_proj.weight" in held or "layers.1.self_attn.q_b_proj.weight" in held
+    assert not any(n.startswith(("lm_head", "embed")) or "norm" in n for n in held)
+    raw = json.loads((a / "config.json").read_text())
+    assert held_fp8_random(family(model), model.config, raw) == held

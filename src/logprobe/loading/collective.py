@@ -70,7 +70,7 @@ import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reduction a 
 
 from ..errors import LogprobeError
 from .receiver import ReceiverFault, ReceiverProcess, layout_of, shared_buffer, unlink_buffer, views
-from .update import Incoming, buffer_slots, full_slots, sent_names, tower_slots, units, weight_slots
+from .update import Incoming, buffer_slots, sent_names, tower_slots, units, weight_slots, whole_slots
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,8 @@ def covers(model, named: list[tuple[str, torch.Tensor]]) -> bool:
 def coverage(model, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, list[str]]:
     """(``covers``, the buffers the update would keep: all of them when none was sent, else [])."""
     try:
-        slots = weight_slots(model)
+        weight_slots(model)
+        slots = whole_slots(model)[0]
         seen = set()
         for name, t in named:
             for unit in _units_of(model, name, t):
@@ -208,7 +209,7 @@ def late_buffers(model, bucket: list[tuple[str, torch.Tensor]], kept: list[str])
     """The refusal of a bucket of buffers and no parameter that opens a round right after an update
     of its group kept them (``kept``, the module docstring), naming its first buffer; None for any
     other bucket."""
-    buffers = set(buffer_slots(model, weight_slots(model)))
+    buffers = set(buffer_slots(model, whole_slots(model)[0]))
     first = None
     for i, (name, t) in enumerate(bucket):
         got = _units_of(model, name, t)
@@ -260,8 +261,8 @@ def check_declared(model, metadata: list[tuple[str, torch.dtype, tuple[int, ...]
     On tiny Llama (lm_head [300, 64]): ``lm_head.weight`` declared (3, 3) -> ``shapes[0]``:
     "'lm_head.weight' has shape (3, 3), the model's is (300, 64)"; ``model.no_such.weight`` ->
     ``names[0]``; a name given in a held bucket -> ``names[i]`` "... already received"."""
-    slots = weight_slots(model)
-    full = slots if getattr(getattr(model, "ctx", None), "size", 1) == 1 else full_slots(model)
+    weight_slots(model)  # the model's refusals
+    full = whole_slots(model)[0]
     budget = sum(t.numel() for t in full.values())
     out = Declared()
     for i, (name, dtype, shape) in enumerate(metadata):

@@ -206,6 +206,16 @@ def _fp8_name(name: str, shape: tuple[int, ...], model, scheme: FP8BlockScheme |
     return len(shape) == 2 and not kept_float("model." + name.removesuffix(".weight"), scheme.not_convert)
 
 
+def held_fp8_random(family: Family, cfg, raw: dict) -> dict[str, tuple[int, int]]:
+    """``fp8_block.held_fp8`` of a model made at random: the native weights it makes FP8 (``_fp8_name``)
+    -> the scheme's block; an expert stack by its name."""
+    scheme = fp8_scheme(raw["quantization_config"])
+    with torch.device("meta"):
+        whole = family.build_meta(cfg)
+    return {name: scheme.block for name, t in whole.state_dict().items()
+            if _fp8_name(name, tuple(t.shape), whole, scheme)}
+
+
 def random_tensors(family: Family, cfg, raw: dict, ctx: ParallelContext | None, load: Load, weights: RandomWeights):
     """(native name, tensor or FP8 layer) of every tensor rank ``ctx`` holds (None: one rank, the
     whole model), made on ``load.device``: what ``family.build`` takes from a checkpoint's reader."""

@@ -51,7 +51,7 @@ from ..layers.act_quant_linear import ActQuantLinear
 from ..layers.fp8_block_linear import FP8, FP8BlockLinear, block_rows
 from ..layers.moe import ExpertMatrices
 from ..layers.quant_linear import PackedWeight
-from .checkpoint import SKIP, check_plain_dtype, open_files
+from .checkpoint import _EXPERT, SKIP, check_plain_dtype, open_files, safetensors_files
 
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert", "ignored_layers",
          "scale_fmt", "dequantize", "modules_to_convert", "expert_dtype"}
@@ -257,6 +257,27 @@ def _paired(module: str, codes, scale_inv, scheme: FP8BlockScheme):
         part = RankPart(rows.rows, rows.shape, blocks.first_block, blocks.scale_shape)
         return fp8_layer(module, codes, scale_inv, scheme, part)
     return fp8_layer(module, codes, scale_inv, scheme)
+
+
+def held_fp8(path: Path, raw: dict, cfg, param_name) -> dict[str, tuple[int, int]]:
+    """The native weights an FP8 block checkpoint holds FP8 -> its block (rows, cols), from the
+    safetensors headers (no tensor read): each ``<m>.weight_scale_inv``'s weight by the family's
+    ``param_name(key, cfg, file)``, an expert's as its stack (``layers.N.mlp.experts.gate_proj``).
+    What a parallel scorer's driver, which holds no weights, checks a weight update against."""
+    from safetensors import safe_open
+
+    block = fp8_scheme(raw["quantization_config"]).block
+    out = {}
+    for f in safetensors_files(path):  # (a directory without weights: ``dummy.held_fp8_random``)
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if not key.endswith(".weight_scale_inv"):
+                    continue
+                name = param_name(key.removesuffix("_scale_inv"), cfg, f.name)
+                if name is not None:
+                    m = _EXPERT.fullmatch(name)
+                    out[f"{m.group(1)}.{m.group(3)}" if m else name] = block
+    return out
 
 
 def dense_fp8(w):

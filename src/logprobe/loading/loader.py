@@ -14,9 +14,9 @@ from ..errors import LogprobeError
 from ..models.hf_backend import TransformersModel
 from ..parallel.context import ParallelContext
 from ..tokenizer import Tokenizer
-from .dummy import check_load_format, check_random_family, random_tensors
+from .dummy import check_load_format, check_random_family, held_fp8_random, random_tensors
 from .families import families
-from .fp8_block import is_fp8_block
+from .fp8_block import held_fp8, is_fp8_block
 from .gguf import gguf_reader, gguf_tokenizer, rope_interleaved
 from .hf import hf_tokenizer, load_transformers_model, read_config
 from .hub import hub_path
@@ -163,7 +163,9 @@ def describe_model(spec: str | None = None, device: str | torch.device | None = 
     with torch.device("meta"):
         model = family.model_class(cfg)(cfg)
     family.describe(model, raw)  # e.g. experts the workers hold packed: what a weight update checks first
-    model.fp8_blocks = raw is not None and is_fp8_block(raw)  # the workers hold FP8 blocks: no update yet
+    if raw is not None and is_fp8_block(raw):  # the workers hold FP8 blocks: what a weight update checks against
+        model.fp8_held = lambda: held_fp8(path, raw, cfg, family.param_name) if any(path.glob("*.safetensors")) \
+            else held_fp8_random(family, cfg, raw)  # read when an update first needs it
     info = ModelInfo(name, str(path), "native", arch, str(dev), str(dt).removeprefix("torch."),
                      cfg.vocab_size, cfg.max_position_embeddings)
     return LoadedModel(model, tok, info)

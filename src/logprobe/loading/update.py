@@ -82,6 +82,7 @@ from .update_fp8 import (
     SCALE,
     check_fp8_item,
     check_fp8_model,
+    fp8_names,
     fp8_slots,
     fp8_target,
     fp8_value,
@@ -90,6 +91,8 @@ from .update_fp8 import (
     is_fp8_slot,
     scale_weight_name,
     spell_scale,
+    whole_fp8_slots,
+    whole_rows,
     write_fp8,
 )
 
@@ -134,7 +137,7 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
     tensor-parallel shard's parameters are its slices. Refuses models whose weights cannot take
     float tensors."""
     family(model)
-    check_fp8_model(model, getattr(getattr(model, "ctx", None), "size", 1))
+    check_fp8_model(model)
     for name, m in model.named_modules():
         if type(m) in FP8_LAYERS:  # FP8 blocks take FP8 blocks (``update_fp8``)
             continue
@@ -152,6 +155,22 @@ def weight_slots(model) -> dict[str, torch.Tensor]:
                                 "parallelism and for the server); updates then take the trainer's float weights "
                                 "exactly")
     return _slots(model, list(full_slots(model, names=True)))
+
+
+def whole_slots(model) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+    """What a sender's tensors must be, the whole model's slots (a shard's, or the driver's meta
+    model's, are parts or none), and the weights held as FP8 blocks (native name -> block: read
+    off the layers, or off the checkpoint for a parallel scorer's driver: ``fp8_held``). FP8
+    weights are their two checkpoint halves there (``update_fp8.whole_fp8_slots``)."""
+    named = full_slots(model, names=True)
+    held = getattr(model, "fp8_held", None)
+    if callable(held):  # the driver's: read off the checkpoint once (``loader.describe_model``)
+        model.fp8_held = held = held()
+    held = held or fp8_names(model, list(named))
+    if not held:
+        return (weight_slots(model) if model.ctx.size == 1 else full_slots(model)), {}
+    plain = {n: t for n, t in full_slots(model).items() if n not in held and n.rpartition(".")[0] not in held}
+    return plain | whole_fp8_slots(named, held), held
 
 
 def full_slots(model, names: bool = False) -> dict[str, torch.Tensor]:
@@ -205,6 +224,10 @@ def rank_part(name: str, value: torch.Tensor, model) -> torch.Tensor | None:
         ranks 0, 1 of TP = EP = 2, 4 experts:  gate_proj.3 -> None on rank 0, the whole [I, H] on rank 1
         TP = 2, EP = 1 (each expert split):    gate_proj.3 -> rows [0, I/2) on rank 0, [I/2, I) on rank 1
     """
+    if value.dtype == torch.float8_e4m3fn:  # FP8 codes cut as their bytes
+        part = rank_part(name, value.view(torch.uint8), model)
+        return None if part is None else part.view(torch.float8_e4m3fn)
+    name = name.removesuffix(SCALE)  # an FP8 weight's row scales: its rows, as of its codes
     m = _UNIT.fullmatch(name)
     if m is None or model.ctx.size == 1:
         return rank_slice(name, value, model)
@@ -493,13 +516,18 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
     once the stream ends; else check all first and convert while copying).
     Items are whole tensors; a tensor-parallel shard (under torchrun) takes its slice of each."""
     slots = weight_slots(model)
-    full = slots if model.ctx.size == 1 else full_slots(model)
+    full, held = whole_slots(model)
     seen: dict[str, str] = {}
+    # a shard's FP8 layers do not state their rows: its meta model's layers do
+    rank = model if model.ctx.size == 1 or not held else family(model).build_meta(model.config, model.ctx)
+
+    def part_of(name: str, value: torch.Tensor) -> torch.Tensor | None:
+        return rank_part(name, whole_rows(name, value, held, full) if held else value, rank)
 
     def ready(name: str, piece: Incoming) -> torch.Tensor | None:
         value = piece.load()
         check_finite(piece.name, value, slots.get(name, full[name]), field)
-        part = rank_part(name, value, model)
+        part = part_of(name, value)
         return None if part is None else convert(name, part, slots[name], model)
 
     if staged:
@@ -519,7 +547,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
     for name, piece in todo:  # values too before any copy (a checkpoint's tensors are read twice)
         check_finite(piece.name, piece.load(), slots.get(name, full[name]), field)
     for name, piece in todo:
-        if (part := rank_part(name, piece.load(), model)) is not None:
+        if (part := part_of(name, piece.load())) is not None:
             write(model, slots, name, convert(name, part, slots[name], model))
     return Applied(len(todo), note_kept(model, kept, seen))
 
@@ -529,10 +557,8 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
     error before that drops every staged slice (all or nothing across ranks)."""
-    if getattr(model, "fp8_blocks", False):
-        raise LogprobeError("model", "an FP8 block model held by worker processes (tensor or data parallel) "
-                            "takes no weight update yet", "reload the scorer from the new checkpoint, or score on one GPU")
-    full = weight_slots(model)
+    weight_slots(model)  # the model's refusals
+    full, held = whole_slots(model)
     cfg, seen, n = model.config, {}, 0
     build = family(model).build_meta
     ranks = []
@@ -548,9 +574,11 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
                     continue
                 value = piece.load().detach().cpu()
                 check_finite(piece.name, value, full[name], field)
+                value = whole_rows(name, value, held, full) if held else value
                 for rank in ranks:  # each rank its part; an expert to the ranks that hold it
-                    if (part := rank_part(name, value, rank)) is not None:
-                        engine.stage_weights(rank.ctx.rank, [(name, part)])
+                    if (part := rank_part(name, value, rank)) is not None:  # FP8 codes travel as bytes
+                        fp8 = part.dtype == torch.float8_e4m3fn  # (torch's pickling has no float8 storage)
+                        engine.stage_weights(rank.ctx.rank, [(name, part.view(torch.uint8) if fp8 else part)])
                 n += 1
         kept = check_complete(model, full, seen, field)
     except BaseException:
@@ -577,6 +605,8 @@ class StagedWeights:
         try:
             for name, value in pairs:
                 slot = self.slots.get(name)
+                if slot is not None and slot.dtype == torch.float8_e4m3fn and value.dtype == torch.uint8:
+                    value = value.view(torch.float8_e4m3fn)  # sent as bytes (``update_workers``)
                 if slot is None:
                     raise LogprobeError("named_tensors", f"{name}: rank {self.model.ctx.rank} holds no such weight")
                 if tuple(value.shape) != tuple(slot.shape):
@@ -594,7 +624,7 @@ class StagedWeights:
     @torch.no_grad()
     def commit(self) -> None:
         for name, value in self.values.items():
-            self.slots[name].copy_(value)
+            write(self.model, self.slots, name, value)
         self.values = {}
 
 
@@ -673,10 +703,11 @@ def load_weights(model: nn.Module, path: str | Path, field: str = "path", engine
     """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
     read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
     family(model)
-    blocks = {(m.block_height, m.block_cols) for m in model.modules() if type(m) in FP8_LAYERS}
-    items = safetensors_items(path, field, blocks)
+    full, held = whole_slots(model)
+    items = safetensors_items(path, field, set(held.values()))
     if engine is not None:
-        full, seen = weight_slots(model), {}
+        weight_slots(model)
+        seen = {}
         for item in items:  # headers first, as in place
             for unit, piece in units(item, model, field):
                 check(unit, piece, model, full, seen, field)

@@ -18,12 +18,20 @@ scales one row per weight row (``block_rows`` by the checkpoint's block height, 
 keeps), both permuted as the loader permutes a q/k layer's rows for RoPE (``install_packed``);
 an expert's into its row of the stack (``FP8BlockExperts``).
 
+Three stages, as for float weights (``loading.update``): a sent half is checked against the whole
+model's slot (``whole_fp8_slots``: codes [out, in], scale [ceil(out/bh), G]); a scale then becomes one
+row of scales per weight row, [out, G] (``whole_rows``), so that a rank's part of either half is its
+rows (``update.rank_part``, under tensor and expert parallelism: the rows the loader reads for it,
+which may start inside a block); the holder permutes its rows as it permutes a float weight's and
+copies them into its live ``qweight`` / ``scale`` (``weight_slots``: those buffers, or an expert's
+row of them).
+
 Refused, naming the tensor: a float tensor for a module held FP8 (writing it would quantize the
 trainer's weights here: the scores would be of other weights than it sent), FP8 codes for a module
 held float, FP8 tensors the float path would cut or reshape (fused q/k/v or gate/up, a family's
 reshaped units, experts stacked [E, out, in]). Refused for the model: FP8 layers with quantized
-activations (``ActQuantLinear``), layers whose block height is unknown (cut at load: the hybrid
-families' mixer projections), and FP8 models split over ranks (not built).
+activations (``ActQuantLinear``) and layers whose block height is unknown (cut at load: the hybrid
+families' mixer projections).
 """
 
 from __future__ import annotations
@@ -45,36 +53,73 @@ def holds_fp8(model: nn.Module) -> bool:
     return any(type(m) in FP8_LAYERS for m in model.modules())
 
 
-def check_fp8_model(model: nn.Module, ranks: int) -> None:
+def check_fp8_model(model: nn.Module) -> None:
     """Refuse an FP8 block model whose layers an update cannot write exactly (module docstring)."""
     for name, m in model.named_modules():
         if isinstance(m, ActQuantLinear):
             raise LogprobeError("model", f"{name} quantizes its activations (quantize_activations=True): its "
                                 "weights take no update yet", "load the scorer with quantize_activations off")
-        if type(m) in FP8_LAYERS and ranks > 1:
-            raise LogprobeError("model", f"an FP8 block model split over {ranks} ranks ({name}) takes no weight "
-                                "update yet", "reload the scorer from the new checkpoint, or score on one GPU")
         if type(m) in FP8_LAYERS and m.block_height is None:
             raise LogprobeError("model", f"{name} holds FP8 blocks cut at load, whose block height is not kept: "
                                 "its scales cannot be placed", "reload the scorer from the new checkpoint")
 
 
 def fp8_slots(model: nn.Module, name: str) -> dict[str, torch.Tensor] | None:
-    """The slots of native parameter ``name`` where ``model`` holds it FP8, else None: the codes
-    (the live ``qweight``, or an expert's row of it) and the scales (a meta tensor of the
-    checkpoint's block shape: what ``weight_scale_inv`` must be)."""
+    """The live slots of native parameter ``name`` where ``model`` holds it FP8, else None: the
+    codes (``qweight``) and the row scales (``scale``, one row per weight row held), or each held
+    expert's row of them, by the expert's id (``expert_ids``: a rank's own, then its replicas)."""
     parent, _, leaf = name.rpartition(".")
     owner = _submodule(model, parent)
     if type(owner) is FP8BlockLinear and leaf == "weight":
-        return {name: owner.qweight, name + SCALE: _scale_shape(owner)}
+        return {name: owner.qweight, name + SCALE: owner.scale}
     stack = getattr(owner, leaf, None) if owner is not None else None
     if type(stack) is FP8BlockExperts:
-        scale = _scale_shape(stack)
+        ids = getattr(owner, "expert_ids", range(stack.num_experts))
         out = {}
-        for e in range(stack.num_experts):
-            out |= {f"{name}.{e}": stack.qweight[e], f"{name}.{e}{SCALE}": scale}
+        for i, e in enumerate(ids):
+            out |= {f"{name}.{e}": stack.qweight[i], f"{name}.{e}{SCALE}": stack.scale[i]}
         return out
     return None
+
+
+def fp8_names(model: nn.Module, names) -> dict[str, tuple[int, int]]:
+    """Of the native parameter ``names``, those ``model`` holds FP8 -> their block (rows, cols): a
+    dense weight ``X.weight``, or an expert stack ``layers.N.mlp.experts.gate_proj``."""
+    out = {}
+    for n in names:
+        parent, _, leaf = n.rpartition(".")
+        owner = _submodule(model, parent)
+        layer = owner if type(owner) is FP8BlockLinear and leaf == "weight" else getattr(owner, leaf, None)
+        if type(layer) in FP8_LAYERS:
+            out[n] = (layer.block_height, layer.block_cols)
+    return out
+
+
+def whole_fp8_slots(named: dict[str, torch.Tensor], held: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """The checkpoint halves of the ``held`` FP8 weights (name -> block) of the whole model
+    (``named``: native name -> meta tensor of the float model): codes float8 [out, in], scales
+    [ceil(out/bh), ceil(in/bw)]; an expert stack's per expert (``name.{e}``)."""
+    out = {}
+    for n, (bh, bw) in held.items():
+        t = named[n]
+        rows, cols = t.shape[-2:]
+        codes = torch.empty(rows, cols, dtype=FP8, device="meta")
+        scale = torch.empty(-(-rows // bh), -(-cols // bw), device="meta")
+        for unit in ([f"{n}.{e}" for e in range(t.shape[0])] if t.ndim == 3 else [n]):
+            out |= {unit: codes, unit + SCALE: scale}
+    return out
+
+
+def whole_rows(name: str, value: torch.Tensor, held: dict[str, tuple[int, int]],
+               whole: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A checked whole half -> rows: a scale [ceil(out/bh), G] becomes one row of scales per weight
+    row [out, G] (float32), so a rank's part of it is its rows, as of the codes; codes as they are."""
+    if not name.endswith(SCALE):
+        return value
+    base = name.removesuffix(SCALE)
+    stack = base.rpartition(".")[0] if base not in held else base
+    rows = whole[base].shape[0]
+    return block_rows(value, held[stack][0], rows)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
@@ -82,12 +127,6 @@ def _submodule(model: nn.Module, name: str) -> nn.Module | None:
         return model.get_submodule(name) if name else model
     except AttributeError:
         return None
-
-
-def _scale_shape(layer) -> torch.Tensor:
-    blocks = -(-layer.out_features // layer.block_height)
-    groups = -(-layer.in_features // layer.block_cols)
-    return torch.empty(blocks, groups, device="meta")  # float32: what the loader turns scales into
 
 
 def is_fp8_slot(slot: torch.Tensor, name: str) -> bool:
@@ -125,17 +164,17 @@ def fp8_target(model: nn.Module, name: str):
     if type(owner) is FP8BlockLinear and leaf == "weight":
         return owner, None, name.endswith(SCALE)
     if type(owner) is FP8BlockExperts and leaf.isdigit():
-        return owner, int(leaf), name.endswith(SCALE)
+        ids = list(getattr(_submodule(model, parent.rpartition(".")[0]), "expert_ids", range(owner.num_experts)))
+        return owner, ids.index(int(leaf)), name.endswith(SCALE)
     return None
 
 
-def fp8_value(model: nn.Module, name: str, value: torch.Tensor, interleave) -> torch.Tensor:
-    """Incoming half ``value`` of FP8 slot ``name`` -> what its layer holds: the codes, or one row
-    of scales per weight row (float32), on the layer's device, rows permuted as the loader's
+def fp8_value(model: nn.Module, name: str, rows: torch.Tensor, interleave) -> torch.Tensor:
+    """The held rows of FP8 slot ``name`` (codes, or row scales: ``whole_rows`` then the rank's
+    part) -> what its layer holds: on the layer's device, rows permuted as the loader's
     ``install_packed`` permutes a float weight's (``interleave``: the family's q/k rows)."""
     layer, expert, scale = fp8_target(model, name)
-    value = value.detach().to(layer.qweight.device)
-    rows = block_rows(value, layer.block_height, layer.out_features) if scale else value
+    rows = rows.detach().to(layer.qweight.device, torch.float32 if scale else FP8)
     if expert is not None:
         return rows
     base = name.removesuffix(SCALE)
