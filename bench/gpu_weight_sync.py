@@ -26,6 +26,17 @@ tensor per update, generation paused around it; the server gets the scheme's NCC
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --nccl-socket
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --client torchrl     # torchrl's scheme as the trainer
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --tiny               # CPU, gloo, a tiny model
+
+``--random SHAPE`` (a mixture-of-experts shape of ``bench/common.py``; ``--fp8``: FP8 blocks;
+``--tp N``: the server at TP = EP = N) writes no checkpoint: the server makes its weights at random
+(``serve --load-format dummy``, seed 0) and the trainer sends those of seed 1, made on its device
+tensor by tensor as a checkpoint would hold them (``loading.dummy.random_checkpoint``: FP8 codes and
+``weight_scale_inv``, experts one by one). The reference is a fresh scorer of seed 1 at the same TP:
+bitwise. The trainer holds the whole update in memory (cut-down depths: ``--layers``); FP8 codes
+are broadcast as bytes (gloo has no float8 type; the server receives bytes either way).
+
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py --random deepseek-v3 --fp8 --layers 4 --tp 4 --server-gpus 1,2,3,4,0
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py --random tiny-v3 --fp8 --tp 2 --tiny   # CPU, gloo
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, byte_tokenizer  # noqa: E402
+from common import FP8_CONFIG, MODELS, MOE_SHAPES, byte_tokenizer, moe_config  # noqa: E402
 
 T0 = time.perf_counter()
 REPO = Path(__file__).resolve().parent.parent
@@ -55,12 +66,16 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-5)
 GROUP = "weight_update_group"
 
-# the fresh reference, in a child process (on the GPU the server used): argv dir, device, dtype, requests
+# the fresh reference, in a child process (on the GPU the server used): argv dir, device, dtype, requests,
+# tensor-parallel size, random seed (-1: the checkpoint's weights)
 REFERENCE = r'''
 import json, sys
 from logprobe import Scorer
+from logprobe.loading.dummy import RandomWeights
 path, device, dtype, reqs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-s = Scorer(path, device=device, dtype=dtype, progress=False, deterministic=True)
+tp, seed = int(sys.argv[5]), int(sys.argv[6])
+s = Scorer(path, device=device, dtype=dtype, progress=False, deterministic=True, tensor_parallel_size=tp,
+           load_format="auto" if seed < 0 else RandomWeights(seed=seed))
 out = s.logprobs([{"prompt_token_ids": ids[:1], "completion_token_ids": ids[1:]} for ids in reqs])
 print(json.dumps([r.logprobs.tolist() for r in out]))
 '''
@@ -110,6 +125,29 @@ def write_checkpoint(cfg, seed: int, dtype: torch.dtype, path: Path, device: str
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     byte_tokenizer().save_pretrained(str(path))
     cfg.save_pretrained(str(path))
+
+
+def write_random_config(shape: str, layers: int, fp8: bool, path: Path) -> None:
+    """config.json and a byte tokenizer, no weights: the server makes them (``--load-format dummy``)."""
+    if (path / "config.json").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    raw = moe_config(shape, layers).to_dict()
+    (path / "config.json").write_text(json.dumps({**raw, **({"quantization_config": FP8_CONFIG} if fp8 else {})}))
+    byte_tokenizer().save_pretrained(str(path))
+
+
+def random_weights(path: Path, seed: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights of the model ``load_format=RandomWeights(seed)`` makes from ``path``, under the
+    names and in the layout a trainer sends (``loading.dummy.random_checkpoint``)."""
+    from logprobe.loading.dummy import RandomWeights, random_checkpoint
+    from logprobe.loading.loader import describe_model
+    from logprobe.loading.update import family, sent_names
+
+    model = describe_model(str(path), "cpu", tokenizer=False).model
+    raw = json.loads((path / "config.json").read_text())
+    return dict(random_checkpoint(family(model), model.config, raw, RandomWeights(seed=seed), device, dtype,
+                                  lambda n: sent_names(model, [n])[0]))
 
 
 def load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
@@ -203,8 +241,9 @@ def update(url: str, pg, weights: dict[str, torch.Tensor], parts: list[list[str]
             "shapes": [list(weights[n].shape) for n in names], "group_name": GROUP,
             **({"weight_version": version} if j == len(parts) - 1 else {})})
         call.start()
-        for n in names:
-            dist.broadcast(weights[n], src=0, group=pg)
+        for n in names:  # FP8 codes as bytes (gloo has no float8; the server receives bytes)
+            w = weights[n]
+            dist.broadcast(w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w, src=0, group=pg)
         if weights[names[0]].is_cuda:
             torch.cuda.synchronize()
         reply = call.result()
@@ -234,7 +273,14 @@ def push_buckets(url: str, weights: dict[str, torch.Tensor], nbytes: int, parts:
         "group_name": GROUP, "backend": backend})
     init.start()
     t = time.perf_counter()
-    pg = trainer_group(mport, 2, backend)
+    joined: list = []
+    joiner = threading.Thread(target=lambda: joined.append(trainer_group(mport, 2, backend)), daemon=True)
+    joiner.start()
+    while joiner.is_alive():  # the server refusing to join ends the run here, not at the group's timeout
+        joiner.join(0.2)
+        if not init.is_alive() and init.reply[0] != 200:
+            init.result()
+    pg = joined[0]
     log(f"group joined ({backend}): {init.result()['message']} ({time.perf_counter() - t:.2f} s)")
     for r in range(args.repeats):
         t = time.perf_counter()
@@ -275,6 +321,8 @@ def start_server(path: Path, port: int, args, env: dict) -> tuple[subprocess.Pop
     logfile = Path(args.dir) / "server.log"
     cmd = [sys.executable, "-m", "logprobe.cli.main", "serve", "--model", str(path), "--device", device,
            "--dtype", dtype, "--deterministic", "--port", str(port), "--log-level", "warning", "--quiet"]
+    if args.random:  # seed 0 at random, at TP = EP = N
+        cmd += ["--load-format", "dummy", "--tp", str(args.tp)]
     log("server:", " ".join(cmd))
     with open(logfile, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -306,8 +354,8 @@ def score(url: str, reqs: list[list[int]]) -> tuple[list[list[float]], str]:
 
 def reference(path: Path, reqs: list[list[int]], args, env: dict) -> list[list[float]]:
     device, dtype = ("cpu", "float32") if args.tiny else ("cuda:0", "bfloat16")
-    p = subprocess.run([sys.executable, "-c", REFERENCE, str(path), device, dtype, json.dumps(reqs)], env=env,
-                       capture_output=True, text=True, timeout=1800)
+    p = subprocess.run([sys.executable, "-c", REFERENCE, str(path), device, dtype, json.dumps(reqs), str(args.tp),
+                        "1" if args.random else "-1"], env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise SystemExit("the reference Scorer failed:\n" + p.stderr[-4000:])
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -331,8 +379,8 @@ def environments(args) -> tuple[dict, dict]:
                                                                   if k.startswith("NCCL_")} or "none")
     if args.tiny:
         return server, env
-    return ({**server, "CUDA_VISIBLE_DEVICES": args.server_gpus},
-            {**env, "CUDA_VISIBLE_DEVICES": args.server_gpus.split(",")[0]})
+    ref_gpus = ",".join(args.server_gpus.split(",")[:max(args.tp, 1)])
+    return {**server, "CUDA_VISIBLE_DEVICES": args.server_gpus}, {**env, "CUDA_VISIBLE_DEVICES": ref_gpus}
 
 
 def main() -> None:
@@ -350,8 +398,15 @@ def main() -> None:
     ap.add_argument("--server-env", action="append", default=[], metavar="K=V",
                     help="an environment variable for the server alone (repeatable), e.g. NCCL_SOCKET_NTHREADS=4: "
                          "NCCL's socket transport takes its socket count from the receiving side")
+    ap.add_argument("--random", default=None, choices=sorted(MOE_SHAPES), metavar="SHAPE",
+                    help="no checkpoint: the server makes SHAPE at random (seed 0), the trainer sends seed 1's "
+                         f"weights (one of {', '.join(sorted(MOE_SHAPES))})")
+    ap.add_argument("--fp8", action="store_true", help="with --random: FP8 blocks (DeepSeek's layout)")
+    ap.add_argument("--tp", type=int, default=1, help="with --random: the server at TP = EP = N")
     ap.add_argument("--dir", default="/tmp/logprobe-weight-sync")
     args = ap.parse_args()
+    if (args.fp8 or args.tp != 1) and not args.random:
+        raise SystemExit("--fp8 and --tp go with --random")
     for kv in args.server_env:
         if "=" not in kv:
             raise SystemExit(f"--server-env wants K=V, got {kv!r}")
@@ -364,14 +419,20 @@ def main() -> None:
     server_env, ref_env = environments(args)
     if not args.tiny:
         torch.cuda.set_device(0)  # the trainer's GPU (NCCL binds its communicator to the current device)
-    cfg = config(args.tiny, args.layers)
     dtype, dev = (torch.float32, "cpu") if args.tiny else (torch.bfloat16, "cuda:0")
-    label = f"{'tiny' if args.tiny else 'llama-8b'}-{args.layers or 'all'}"
-    paths = {s: Path(args.dir) / f"{label}-seed{s}" for s in (0, 1)}
-    for s, p in paths.items():
-        t = time.perf_counter()
-        write_checkpoint(cfg, s, dtype, p, dev)
-        log(f"checkpoint {p} ({time.perf_counter() - t:.1f} s)")
+    if args.random:
+        cfg = moe_config(args.random, args.layers)
+        label = f"{args.random}-{args.layers or 'all'}{'-fp8' * args.fp8}-random-tp{args.tp}"
+        paths = dict.fromkeys((0, 1), Path(args.dir) / label)
+        write_random_config(args.random, args.layers, args.fp8, paths[0])
+    else:
+        cfg = config(args.tiny, args.layers)
+        label = f"{'tiny' if args.tiny else 'llama-8b'}-{args.layers or 'all'}"
+        paths = {s: Path(args.dir) / f"{label}-seed{s}" for s in (0, 1)}
+        for s, p in paths.items():
+            t = time.perf_counter()
+            write_checkpoint(cfg, s, dtype, p, dev)
+            log(f"checkpoint {p} ({time.perf_counter() - t:.1f} s)")
     rng = random.Random(0)
     lengths = [16, 40, 9, 64] if args.tiny else [128, 1024, 37, 2048, 512, 3000]
     reqs = [[rng.randrange(3, cfg.vocab_size) for _ in range(lengths[i % len(lengths)])] for i in range(args.requests)]
@@ -383,7 +444,9 @@ def main() -> None:
     try:
         log("server up")
         before, v0 = score(url, reqs)
-        weights = load_weights(paths[1], dev)
+        t = time.perf_counter()
+        weights = random_weights(paths[1], 1, dev, dtype) if args.random else load_weights(paths[1], dev)
+        log(f"trainer's weights made or read ({time.perf_counter() - t:.1f} s)")
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         limit = int((args.bucket_mb or (0.05 if args.tiny else 1024)) * 2**20)
         parts = buckets(weights, limit)

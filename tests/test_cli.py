@@ -323,3 +323,19 @@ def test_cli_runs_without_lm_eval(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "needs lm-evaluation-harness" in r.stderr and "exit 2" in r.stdout, (r.stdout, r.stderr)
     assert "usage: logprobe serve" in r.stdout, r.stdout
+
+
+def test_load_format_dummy_scores_random_weights(tiny_dirs, capsys):
+    """``--load-format dummy``: the model of the directory's config at random (each rank's shard
+    made where it runs), the numbers of the library's ``load_format="dummy"``; not the checkpoint's."""
+    from logprobe import Scorer
+
+    path = str(tiny_dirs["llama"][0])
+    args = ["score", "--model", path, "--device", "cpu", "--dtype", "float32", "--json", "ab", "cd"]
+    assert main([*args, "--load-format", "dummy"]) == 0
+    random = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    real = json.loads(capsys.readouterr().out)
+    want = Scorer(path, device="cpu", dtype="float32", progress=False, load_format="dummy")
+    assert random[0]["log_prob"] != real[0]["log_prob"]
+    assert random[0]["log_prob"] == want.score("ab", [random[0]["continuation"]])[0].log_prob

@@ -313,6 +313,7 @@ s = Scorer(sys.argv[1], device="cpu", deterministic=True, tensor_parallel_size=d
 seqs = [{"prompt_token_ids": [5, 6, 7, 8], "completion_token_ids": [9, 10, 11]}]
 out = s.logprobs(seqs)[0].logprobs
 torch.save(out, sys.argv[2] + f"/rank{dist.get_rank()}.pt")
+s.close()  # before the group goes: a shard left to the interpreter's exit may outlive it
 dist.destroy_process_group()
 """
 

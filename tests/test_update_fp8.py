@@ -256,3 +256,29 @@ def test_driver_reads_the_fp8_weights_off_the_headers(kind, fp8_dirs):
     assert not any(n.startswith(("lm_head", "embed")) or "norm" in n for n in held)
     raw = json.loads((a / "config.json").read_text())
     assert held_fp8_random(family(model), model.config, raw) == held
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "qwen3"])
+def test_random_checkpoint_updates_a_random_model_into_another(kind, fp8_dirs):
+    """``dummy.random_checkpoint``: the checkpoint a random model of seed 1 stands for, tensor by
+    tensor as a trainer sends it (FP8 halves, experts one by one, bf16 floats, float32 routers).
+    A random model of seed 0 updated with it scores as one made with seed 1, bit for bit: what the
+    weight sync of a model larger than a disk is checked by (``bench/gpu_weight_sync.py --random``)."""
+    from logprobe.loading.dummy import RandomWeights, random_checkpoint
+    from logprobe.loading.update import family, sent_names
+
+    a, _ = fp8_dirs[kind]
+    s = Scorer(str(a), device="cpu", dtype="bfloat16", progress=False, load_format=RandomWeights(seed=0))
+    want = Scorer(str(a), device="cpu", dtype="bfloat16", progress=False, load_format=RandomWeights(seed=1))
+    old, new = scores(s), scores(want)
+    assert not same(old, new)
+    model = s.loaded.model
+    import json
+
+    raw = json.loads((a / "config.json").read_text())
+    sent = list(random_checkpoint(family(model), model.config, raw, RandomWeights(seed=1), "cpu", torch.bfloat16,
+                                  lambda n: sent_names(model, [n])[0]))
+    dtypes = {t.dtype for _, t in sent}
+    assert FP8 in dtypes and torch.bfloat16 in dtypes and any(n.endswith("_scale_inv") for n, _ in sent)
+    assert s.update_weights(iter(sent)) == 1
+    assert same(scores(s), new)

@@ -54,6 +54,7 @@ class ScorerOptions:
     expert_parallel_size: int | None = None  # --ep M: experts in M groups over the ranks (None: the default)
     attention_parallel: str | None = None  # --attention-parallel data|tensor (None: the model's default)
     cuda_graph_tokens: int = 2048  # --cuda-graph-tokens N: small passes as CUDA graphs (0: off)
+    load_format: str = "auto"  # --load-format dummy: random weights made where they run (speed only)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> ScorerOptions:
@@ -61,7 +62,8 @@ class ScorerOptions:
                              args.tensor_parallel_size, args.data_parallel_size, args.tp_invariant,
                              False if getattr(args, "quiet", False) else None, getattr(args, "cache", None),
                              getattr(args, "prefix_cache", None), getattr(args, "expert_parallel_size", None),
-                             getattr(args, "attention_parallel", None), getattr(args, "cuda_graph_tokens", 2048))
+                             getattr(args, "attention_parallel", None), getattr(args, "cuda_graph_tokens", 2048),
+                             getattr(args, "load_format", "auto"))
 
     def engine_config(self) -> EngineConfig:
         """The engine's config (validated here, before any slow load)."""
@@ -75,16 +77,18 @@ def get_scorer(model: str | None = None, device: str = "auto", dtype: str = "aut
                data_parallel_size: int = 1, tp_invariant: bool = True, progress: bool | None = None,
                cache: str | None = None, prefix_cache: bool | int | None = None,
                expert_parallel_size: int | None = None, attention_parallel: str | None = None,
-               cuda_graph_tokens: int = 2048) -> Scorer:
+               cuda_graph_tokens: int = 2048, load_format: str = "auto") -> Scorer:
     """A Scorer on a cached loaded model: the same weights the CLI uses within this process
-    (parallel scorers own worker processes and are not cached)."""
+    (parallel scorers and random weights, ``load_format="dummy"``, are not cached)."""
     config = ScorerOptions(model, device, dtype, max_batch_tokens, deterministic, tensor_parallel_size,
                            data_parallel_size, tp_invariant, progress,
                            cuda_graph_tokens=cuda_graph_tokens).engine_config()
-    if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size not in (None, 1):
+    if tensor_parallel_size != 1 or data_parallel_size != 1 or expert_parallel_size not in (None, 1) \
+            or load_format != "auto":
         return Scorer(model, device=device, dtype=dtype, config=config, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size, cache=cache, prefix_cache=prefix_cache,
-                      expert_parallel_size=expert_parallel_size, attention_parallel=attention_parallel)
+                      expert_parallel_size=expert_parallel_size, attention_parallel=attention_parallel,
+                      load_format=load_format)
     key = (model, device, dtype)
     if key not in _MODELS:
         _MODELS[key] = load_model(model, device, dtype)
@@ -155,6 +159,10 @@ def model_parser() -> argparse.ArgumentParser:
                    help="keep the keys/values of token prefixes across requests and resume later requests from "
                         "their longest cached prefix (same numbers; bitwise with --deterministic). BYTES: the "
                         "budget (e.g. 2G; default: a quarter of free CUDA memory, 512M on CPU), or off")
+    g.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights made on each rank's device instead of the checkpoint's (vLLM's "
+                        "name; the directory needs config.json and the tokenizer only): the speed of a model "
+                        "larger than the disk, and weight-sync tests; its numbers mean nothing (default: auto)")
     g.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table/report")
     g.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bar (it shows only when stderr is a terminal anyway)")

@@ -119,7 +119,7 @@ def _scorer(args: argparse.Namespace):
     o.engine_config()  # a bad option is refused before the model loads
     return get_scorer(o.model, o.device, o.dtype, o.max_batch_tokens, o.deterministic, o.tensor_parallel_size,
                       o.data_parallel_size, o.tp_invariant, o.progress, o.cache, o.prefix_cache,
-                      o.expert_parallel_size, o.attention_parallel, o.cuda_graph_tokens)
+                      o.expert_parallel_size, o.attention_parallel, o.cuda_graph_tokens, o.load_format)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,19 @@ class _Maker:
         scale = self._scales(block_ids, groups, sseed, std)  # [rows, G]: each row its block row's
         return FP8BlockExperts(codes.view(*rows.shape, cols), scale.view(*rows.shape, groups), bw, bh)
 
+    def fp8_halves(self, name: str, shape: tuple[int, ...], expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Matrix ``name`` (expert ``expert`` of a stack) as its checkpoint stores it: e4m3 codes
+        [out, in] and ``weight_scale_inv`` [ceil(out/bh), G], the values ``fp8`` makes for its rows."""
+        (bh, bw), dev = self.scheme.block, self.load.device
+        out, cols = shape[-2], shape[-1]
+        groups, blocks = -(-cols // bw), -(-out // bh)
+        std = 1.0 / math.sqrt(cols)
+        first = 0 if expert is None else expert
+        rows = torch.arange(out, device=dev) + first * out
+        codes = fill(torch.empty(out, cols, device=dev, dtype=FP8), rows, name_seed(self.seed, name), 448.0)
+        block_ids = torch.arange(blocks, device=dev) + first * blocks
+        return codes, self._scales(block_ids, groups, name_seed(self.seed, name + "_scale_inv"), std)
+
     def _scales(self, block_rows: torch.Tensor, groups: int, seed: int, std: float) -> torch.Tensor:
         wobble = fill(torch.empty(len(block_rows), groups, device=self.load.device), block_rows, seed, 0.25)
         return (1.0 + wobble) * (std * math.sqrt(3) / 448.0)
@@ -214,6 +228,35 @@ def held_fp8_random(family: Family, cfg, raw: dict) -> dict[str, tuple[int, int]
         whole = family.build_meta(cfg)
     return {name: scheme.block for name, t in whole.state_dict().items()
             if _fp8_name(name, tuple(t.shape), whole, scheme)}
+
+
+def random_checkpoint(family: Family, cfg, raw: dict, weights: RandomWeights, device, dtype: torch.dtype,
+                      hf_name) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint of the model ``load_format=weights`` makes, one whole tensor at a time, as a
+    trainer sends its weights: (``hf_name(native unit name)``, tensor) in the checkpoint's layout,
+    experts one by one, FP8 weights as their two halves (e4m3 codes, ``weight_scale_inv`` per block),
+    float ones in ``dtype`` (routers float32, as the families hold them). A model made at random with
+    seed A and updated with these tensors of seed B scores as one made with seed B, bit for bit: a
+    weight sync of a model larger than any disk, checked. ``hf_name``: e.g. the update's
+    ``sent_names`` (``layers.1.mlp.experts.gate_proj.3`` -> ``model.layers.1.mlp.experts.3.gate_proj.weight``)."""
+    scheme = fp8_scheme(raw["quantization_config"]) if is_fp8_block(raw) else None
+    with torch.device("meta"):
+        whole = family.build_meta(cfg)
+    make = _Maker(weights.seed, weights.skew, scheme, Load(torch.device(device), torch.float32))
+    for name, t in whole.state_dict().items():
+        shape = tuple(t.shape)
+        units = [(f"{name.removesuffix('.weight')}.{e}", e) for e in range(shape[0])] if len(shape) == 3 \
+            else [(name, None)]
+        for unit, e in units:
+            if _fp8_name(name, shape, whole, scheme):
+                codes, scale_inv = make.fp8_halves(name, shape, e)
+                sent = hf_name(unit)
+                yield sent, codes
+                yield sent.removesuffix(".weight") + ".weight_scale_inv", scale_inv
+                continue
+            rows = torch.arange(shape[-2] if len(shape) > 1 else shape[0], device=device)
+            value = make.plain(name, shape, rows if e is None else rows + e * shape[-2])
+            yield hf_name(unit), value if _is_router(name) else value.to(dtype)
 
 
 def random_tensors(family: Family, cfg, raw: dict, ctx: ParallelContext | None, load: Load, weights: RandomWeights):
