@@ -306,3 +306,35 @@ def test_server_update_weights_from_distributed(models):
     assert gone.status_code == 400 and gone.json()["error"]["param"] == "group_name", gone.json()
     assert nccl.status_code == 400 and nccl.json()["error"]["param"] == "backend", nccl.json()
     assert torch.equal(torch.tensor(scores(after)), torch.tensor(logprobs(lib_b)))
+
+
+@pytest.mark.slow  # two gloo workers and a trainer process
+def test_tensor_parallel_scorer_takes_weights_over_a_collective(models):
+    """A TP = 2 scorer (its workers hold the weights): the driver joins the group, receives the
+    buckets and hands each rank its parts; a NaN round is refused with nothing changed; afterwards
+    the scores equal a fresh one-process scorer's on the new weights, bitwise (deterministic mode)."""
+    from safetensors import safe_open
+
+    want = logprobs(scorer(models["b"]))
+    with Scorer(str(models["a"]), device="cpu", dtype="float32", progress=False, deterministic=True,
+                tensor_parallel_size=2) as s:
+        old = logprobs(s)
+        assert old != want
+        port = free_port()
+        p = trainer("library", port, models["b"])
+        try:
+            s.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo", timeout=60)
+            with safe_open(str(models["b"] / "model.safetensors"), "pt") as f:
+                names = sorted(f.keys())
+                shapes = [f.get_slice(n).get_shape() for n in names]
+            dtypes, half = ["float32"] * len(names), len(names) // 2
+            with pytest.raises(LogprobeError, match=names[1]):
+                s.update_weights_from_distributed(names, dtypes, shapes)
+            assert logprobs(s) == old
+            assert s.update_weights_from_distributed(names[:half], dtypes[:half], shapes[:half]) == 0
+            assert s.update_weights_from_distributed(names[half:], dtypes[half:], shapes[half:]) == 1
+            s.destroy_weights_update_group()
+            finished(p)
+        finally:
+            p.kill()
+        assert logprobs(s) == want

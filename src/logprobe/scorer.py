@@ -423,9 +423,10 @@ class Scorer:
         "gloo". The group lives in a receiver process started now (``loading.receiver``: a
         trainer's faulty broadcast ends it, never this process). Blocks until every rank joined
         (``timeout`` s; the trainer's store must listen within ``connect_timeout`` s); each
-        ``update_weights_from_distributed`` then receives within ``receive_timeout`` s. In-process
-        scorers only (no tensor/data-parallel workers)."""
-        self._refuse_workers("init_weights_update_group")
+        ``update_weights_from_distributed`` then receives within ``receive_timeout`` s. A scorer
+        whose weights its tensor/data-parallel workers hold receives in this process (the driver:
+        on its device, or host memory under gloo) and hands each rank its parts as
+        ``update_weights`` does."""
         self._weight_groups().join(self.device, master_address, master_port, rank_offset, world_size, group_name,
                                    backend, timeout=timeout, connect_timeout=connect_timeout,
                                    receive_timeout=receive_timeout)
@@ -437,14 +438,13 @@ class Scorer:
         with those of earlier buckets; the weights do not change (a server scores meanwhile). ->
         (every held (name, tensor), the last ``weight_version`` given) once they cover the model
         (``apply_received_weights`` them), else (None, None): more buckets to come."""
-        self._refuse_workers("update_weights_from_distributed")
         return self._weight_groups().receive(group_name, names, dtypes, shapes, self.loaded.model, weight_version)
 
     def apply_received_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                                weight_version: str | None = None) -> int:
         """The second half: ``update_weights`` of the received tensors (checks and errors name
         ``names``); returns the new ``weights_version`` (``kept_buffers``: the buffers it kept)."""
-        applied = update_weights(self.loaded.model, named_tensors, field="names")
+        applied = update_weights(self.loaded.model, named_tensors, field="names", engine=self._workers())
         return self._bump(weight_version, applied.kept)
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
@@ -478,13 +478,6 @@ class Scorer:
     def _weight_groups(self) -> WeightGroups:
         groups = self.__dict__.get("_collective_groups")  # made on first use (setdefault: one, whatever the threads)
         return groups if groups is not None else self.__dict__.setdefault("_collective_groups", WeightGroups())
-
-    def _refuse_workers(self, what: str) -> None:
-        if not self.engine.in_process:
-            raise LogprobeError("tensor_parallel_size", f"{what} needs the weights in this process; this scorer's "
-                                "are held by tensor/data-parallel workers",
-                                "use a scorer with tensor_parallel_size=1 and data_parallel_size=1, or "
-                                "update_weights / load_weights")
 
     # -- hidden states and steering vectors ----------------------------------------------------
 
