@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -122,6 +123,41 @@ def time_workload(model, lc, mname: str, wname: str, reqs, batch_tokens, passes:
 
 
 
+KINDS = (("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul")),
+         ("attention", ("flash", "fmha", "attn", "cudnn")), ("head", ("head", "logprob")),
+         ("norm, rotary, activation", ("norm", "rotary", "rope", "silu", "swiglu", "act")))
+
+
+def profile_pass(model, reqs, batch_tokens, label: str) -> None:
+    """One more pass under torch.profiler: the GPU's kernel time by kind and its 12 largest
+    kernels, against the pass's wall time (the share the GPU was busy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        run_logprobe(model, reqs, batch_tokens)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = {}
+    for e in prof.key_averages():
+        cuda = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if cuda and getattr(getattr(e, "device_type", None), "name", "") == "CUDA":
+            kernels[e.key] = kernels.get(e.key, 0.0) + cuda / 1e3  # ms
+    total = sum(kernels.values())
+    kinds = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
+    for name, ms in kernels.items():
+        low = name.lower()
+        kinds[next((k for k, words in KINDS if any(w in low for w in words)), "other")] += ms
+    log(f"\n### {label}: one pass under torch.profiler, wall {wall * 1e3:.0f} ms (with the profiler's cost), "
+        f"kernels {total:.0f} ms ({total / 1e3 / wall:.0%} busy)")
+    log("| kind | ms | share of kernel time |\n| --- | ---: | ---: |")
+    for k, ms in kinds.items():
+        log(f"| {k} | {ms:.1f} | {ms / max(total, 1e-9):.1%} |")
+    log("| kernel (12 largest) | ms | share |\n| --- | ---: | ---: |")
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
+        log(f"| {name[:90]} | {ms:.1f} | {ms / max(total, 1e-9):.1%} |")
+
+
 def baseline(args, hf, mname, wname, reqs, ours_lp, weights):
     """transformers at each of ``--budgets``: the best (seconds, budget, extra GiB, max |Δ|) or None (OOM)."""
     best = None
@@ -163,6 +199,8 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,llama-1b,llama-8b")
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, one more pass under torch.profiler: kernel time by kind, the largest kernels")
     ap.add_argument("--budgets", default="8192,32768", help="transformers padded-token budgets to try")
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="logprobe max_batch_tokens (default: the library's, chosen from free memory)")
@@ -193,6 +231,11 @@ def main() -> None:
                                          weights)
             if args.elementwise_ab:
                 elementwise_ab(args, ours, mname, wname, reqs, ours_lp, row)
+            if args.profile:
+                try:
+                    profile_pass(ours, reqs, args.batch_tokens, f"{mname} {wname}")
+                except Exception as e:  # noqa: BLE001 - the timed rows still print
+                    log(f"profile of {mname} {wname} failed: {type(e).__name__}: {e}")
             if hf is not None:
                 row["base"] = baseline(args, hf, mname, wname, reqs, ours_lp, weights)
             table.append(row)
