@@ -123,8 +123,8 @@ def time_workload(model, lc, mname: str, wname: str, reqs, batch_tokens, passes:
 
 
 
-KINDS = (("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul")),
-         ("attention", ("flash", "fmha", "attn", "cudnn")), ("head", ("head", "logprob")),
+KINDS = (("attention", ("flash", "fmha", "attn", "cudnn")),  # first: FlashAttention's names say cutlass too
+         ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul")), ("head", ("head", "logprob")),
          ("norm, rotary, activation", ("norm", "rotary", "rope", "silu", "swiglu", "act")))
 
 
