@@ -162,13 +162,13 @@ def whole_slots(model) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, in
     model's, are parts or none), and the weights held as FP8 blocks (native name -> block: read
     off the layers, or off the checkpoint for a parallel scorer's driver: ``fp8_held``). FP8
     weights are their two checkpoint halves there (``update_fp8.whole_fp8_slots``)."""
-    named = full_slots(model, names=True)
     held = getattr(model, "fp8_held", None)
     if callable(held):  # the driver's: read off the checkpoint once (``loader.describe_model``)
         model.fp8_held = held = held()
-    held = held or fp8_names(model, list(named))
-    if not held:
+    if not held and not holds_fp8(model):  # a float model: its own slots (one rank), else the whole model's
         return (weight_slots(model) if model.ctx.size == 1 else full_slots(model)), {}
+    named = full_slots(model, names=True)
+    held = held or fp8_names(model, list(named))
     plain = {n: t for n, t in full_slots(model).items() if n not in held and n.rpartition(".")[0] not in held}
     return plain | whole_fp8_slots(named, held), held
 
