@@ -84,7 +84,6 @@ from .update_fp8 import (
     check_fp8_model,
     fp8_names,
     fp8_slots,
-    fp8_target,
     fp8_value,
     held_float_message,
     holds_fp8,
@@ -93,7 +92,6 @@ from .update_fp8 import (
     spell_scale,
     whole_fp8_slots,
     whole_rows,
-    write_fp8,
 )
 
 log = logging.getLogger(__name__)
@@ -337,7 +335,7 @@ def check(name: str | None, item: Incoming, model: nn.Module, slots: dict[str, t
         raise LogprobeError(field, f"{item.name!r} is given twice"
                             + (f" ({name} again)" if not name.endswith(item.name.removeprefix("model.")) else ""))
     if is_fp8_slot(slots[name], name):
-        check_fp8_item(name, item, slots[name], field)
+        check_fp8_item(name, item, field)
     elif item.dtype == torch.float8_e4m3fn:
         raise LogprobeError(field, held_float_message(item, name), "send the float weight")
     elif item.dtype not in _FLOATS:
@@ -483,17 +481,9 @@ def convert(name: str, value: torch.Tensor, slot: torch.Tensor, model) -> torch.
     """What the loader makes of checkpoint tensor ``name``: the model's dtype (a float32 router
     stays float32) and device, q/k rows (and q/k norms) interleaved for RoPE as the family does."""
     if is_fp8_slot(slot, name):
-        return fp8_value(model, name, value, lambda state: family(model).interleave(model.config, state))
+        return fp8_value(name, value, slot, lambda state: family(model).interleave(model.config, state))
     value = value.detach().to(device=slot.device, dtype=slot.dtype)
     return family(model).interleave(model.config, {name: value})[name]
-
-
-def write(model, slots: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
-    """``convert``'s result into the live weight of slot ``name``."""
-    if fp8_target(model, name) is not None:
-        write_fp8(model, name, value)
-    else:
-        slots[name].copy_(value)
 
 
 def incoming_tensors(named_tensors: Iterable, field: str):
@@ -539,7 +529,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
                         values[name] = value
         kept = check_complete(model, full, seen, field)
         for name, value in values.items():
-            write(model, slots, name, value)
+            slots[name].copy_(value)
         return Applied(len(values), note_kept(model, kept, seen))
     todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
             if (name := check(unit, piece, model, full, seen, field)) is not None]
@@ -548,7 +538,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
         check_finite(piece.name, piece.load(), slots.get(name, full[name]), field)
     for name, piece in todo:
         if (part := part_of(name, piece.load())) is not None:
-            write(model, slots, name, convert(name, part, slots[name], model))
+            slots[name].copy_(convert(name, part, slots[name], model))
     return Applied(len(todo), note_kept(model, kept, seen))
 
 
@@ -624,7 +614,7 @@ class StagedWeights:
     @torch.no_grad()
     def commit(self) -> None:
         for name, value in self.values.items():
-            write(self.model, self.slots, name, value)
+            self.slots[name].copy_(value)
         self.values = {}
 
 

@@ -23,8 +23,8 @@ model's slot (``whole_fp8_slots``: codes [out, in], scale [ceil(out/bh), G]); a 
 row of scales per weight row, [out, G] (``whole_rows``), so that a rank's part of either half is its
 rows (``update.rank_part``, under tensor and expert parallelism: the rows the loader reads for it,
 which may start inside a block); the holder permutes its rows as it permutes a float weight's and
-copies them into its live ``qweight`` / ``scale`` (``weight_slots``: those buffers, or an expert's
-row of them).
+copies them into its live ``qweight`` / ``scale`` (``weight_slots``: those buffers, or views of an
+expert's row of them, written as any slot is).
 
 Refused, naming the tensor: a float tensor for a module held FP8 (writing it would quantize the
 trainer's weights here: the scores would be of other weights than it sent), FP8 codes for a module
@@ -133,7 +133,7 @@ def is_fp8_slot(slot: torch.Tensor, name: str) -> bool:
     return slot.dtype == FP8 or name.endswith(SCALE)
 
 
-def check_fp8_item(name: str, item, slot: torch.Tensor, field: str) -> None:
+def check_fp8_item(name: str, item, field: str) -> None:
     """Refuse an item of the wrong kind for an FP8 slot (the shape is checked by the caller)."""
     if name.endswith(SCALE):
         if item.dtype not in SCALE_DTYPES:
@@ -156,42 +156,21 @@ def _dtype(dt) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def fp8_target(model: nn.Module, name: str):
-    """(layer, expert index or None, the scale half?) of an FP8 slot name, else None."""
-    base = name.removesuffix(SCALE)
-    parent, _, leaf = base.rpartition(".")
-    owner = _submodule(model, parent)
-    if type(owner) is FP8BlockLinear and leaf == "weight":
-        return owner, None, name.endswith(SCALE)
-    if type(owner) is FP8BlockExperts and leaf.isdigit():
-        ids = list(getattr(_submodule(model, parent.rpartition(".")[0]), "expert_ids", range(owner.num_experts)))
-        return owner, ids.index(int(leaf)), name.endswith(SCALE)
-    return None
-
-
-def fp8_value(model: nn.Module, name: str, rows: torch.Tensor, interleave) -> torch.Tensor:
+def fp8_value(name: str, rows: torch.Tensor, slot: torch.Tensor, interleave) -> torch.Tensor:
     """The held rows of FP8 slot ``name`` (codes, or row scales: ``whole_rows`` then the rank's
-    part) -> what its layer holds: on the layer's device, rows permuted as the loader's
-    ``install_packed`` permutes a float weight's (``interleave``: the family's q/k rows)."""
-    layer, expert, scale = fp8_target(model, name)
-    rows = rows.detach().to(layer.qweight.device, torch.float32 if scale else FP8)
-    if expert is not None:
-        return rows
+    part) -> what its live ``slot`` holds: its device and dtype (codes float8, scales float32),
+    rows permuted as the loader's ``install_packed`` permutes a float weight's (``interleave``: the
+    family's q/k rows; an expert's unit, ``...gate_proj.3``, is never permuted)."""
+    rows = rows.detach().to(slot.device, slot.dtype)
     base = name.removesuffix(SCALE)
-    order = torch.arange(layer.out_features)[:, None]
+    if base.rpartition(".")[2].isdigit():
+        return rows
+    order = torch.arange(slot.shape[0])[:, None]
     perm = interleave({base: order})[base][:, 0]
     if torch.equal(perm, order[:, 0]):
         return rows
     perm = perm.to(rows.device)
     return rows.view(torch.uint8)[perm].view(FP8) if rows.dtype == FP8 else rows[perm]
-
-
-@torch.no_grad()
-def write_fp8(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    """``fp8_value``'s result into its layer's ``qweight`` or ``scale`` (an expert's row)."""
-    layer, expert, scale = fp8_target(model, name)
-    dst = layer.scale if scale else layer.qweight
-    (dst if expert is None else dst[expert]).copy_(value)
 
 
 def scale_weight_name(item_name: str) -> str | None:
