@@ -163,7 +163,10 @@ def test_balanced_order_gold():
         ((10, 10, 10, 10), 2): ([0, 1, 2, 3], 20),  # already even: kept
         ((20, 9, 8, 3), 2): ([0, 1, 2, 3], 20),  # the largest alone: even already, kept
         ((7, 6, 2, 2, 1), 2): ([0, 3, 1, 2, 4], 9),  # given: cut at 7 (nearest 9): 7 | 11; greedy 7 + 2 | 6 + 2 + 1
-        ((6, 5, 4, 3, 2), 2): ([0, 1, 2, 3, 4], 11),  # given 11 | 9; greedy 6 + 3 + 2 | 5 + 4 cuts at 9: 9 | 11, no better
+        ((6, 5, 4, 3, 2), 2): ([1, 3, 4, 0, 2], 10),  # given 11 | 9; greedy 6 + 3 + 2 | 5 + 4 (11 | 9),
+        # refined: 6 and 5 swapped, 5 + 3 + 2 | 6 + 4
+        ((30, 26, 23, 21, 19, 14, 29, 29, 22, 20, 20), 2): ([0, 1, 6, 3, 10, 2, 7, 8, 9, 4, 5], 127),  # W1's
+        # first pass at two GPUs, in thousands of cost units (given: 133): greedy 120 | 133, refined 126 | 127
         ((8, 7, 6, 5, 4, 3), 3): ([0, 5, 1, 4, 2, 3], 11),
         ((5, 4), 1): ([0, 1], 9),
         ((7,), 2): ([0], 7),

@@ -189,3 +189,54 @@ def test_cuda_matmul_persistent_and_tma():
                 res[f"{name}/{dt}/{N}x{K}+{off}"] = check_matmul("cuda", dt, M1, M2, K, N, cfg, off)
     print(res)
     _assert_matmul_ok(res, {"float32": 1e-4, "bfloat16": 0.1}, hopper)
+
+
+def test_tile_grid_above_one_rank():
+    """``Numerics.tile_grid``: deterministic mode's fixed-tile matmul runs one program per tile
+    where a parallel group's collectives run beside it (TP > 1), its persistent grid alone."""
+    from logprobe.config import EngineConfig, numerics_for
+    from logprobe.kernels.matmul import DEFAULT_CONFIG, TILE_GRID_CONFIG
+
+    det = EngineConfig(deterministic=True)
+    assert not numerics_for(det, "cpu").tile_grid
+    assert numerics_for(det, "cpu", tp_size=2, tp_blocks=8).tile_grid
+    assert not numerics_for(EngineConfig(), "cpu", tp_size=2).tile_grid  # default mode: cuBLAS
+    assert DEFAULT_CONFIG.persistent and not TILE_GRID_CONFIG.persistent
+    same = ("block_m", "block_n", "block_k", "group_m", "tma", "tma_store")  # the tiles and the path: the bits
+    assert all(getattr(DEFAULT_CONFIG, f) == getattr(TILE_GRID_CONFIG, f) for f in same)
+
+
+def _grids_bitwise(device: str, small: bool) -> dict:
+    """Each dtype: the persistent grid and one program per tile, bitwise (the same tiles)."""
+    from dataclasses import replace
+
+    from logprobe.kernels.matmul import invariant_linear
+
+    variants = matmul_variants(small)
+    persistent, tiles = variants["tma-persistent"], replace(variants["tma-persistent"], persistent=False, flatten=False)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for dt, (M, K, N) in [("float16", (45, 40, 40)), ("float32", (45, 40, 37))] if small else \
+            [("bfloat16", (3000, 1024, 768)), ("float32", (1000, 1000, 772))]:
+        x = torch.randn(M, K, generator=g).to(device, getattr(torch, dt))
+        w = (torch.randn(N, K, generator=g) / K**0.5).to(device, x.dtype)
+        out[dt] = torch.equal(invariant_linear(x, w, None, persistent), invariant_linear(x, w, None, tiles))
+    return out
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
+def test_interpreter_grids_give_the_same_bits():
+    code = textwrap.dedent("""
+        import json
+        from test_invariant_kernels import _grids_bitwise
+        print(json.dumps(_grids_bitwise("cpu", small=True)))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"float16": True, "float32": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
+def test_cuda_grids_give_the_same_bits():
+    assert _grids_bitwise("cuda", small=False) == {"bfloat16": True, "float32": True}

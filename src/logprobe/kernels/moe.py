@@ -155,10 +155,6 @@ if triton_available():
         tl.store(out_ptr + t * stride_o + cols, acc, mask=ok)
 
 
-    @triton.jit
-    def _leaf_add(s, g: tl.constexpr, leaf, v):
-        return s + tl.where(leaf == g, v, 0.0)  # + 0.0 leaves s as it is (s is never -0.0: it starts at +0.0)
-
     @triton.jit(do_not_specialize=["M"])  # varies with the batch: one compiled kernel
     def _combine_leaves_kernel(y_ptr, w_ptr, leaf_ptr, pos_ptr, out_ptr, H, M, stride_y, stride_o,
                                TOP_K: tl.constexpr, LEAVES: tl.constexpr, PERMUTE: tl.constexpr,
@@ -168,22 +164,30 @@ if triton_available():
         ok = cols < H
         s0 = tl.zeros([BLOCK_H], dtype=tl.float32)
         s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
-        for j in tl.static_range(TOP_K):  # token t's slots in slot order; each adds to its leaf's sum
-            leaf = tl.load(leaf_ptr + t * TOP_K + j)
+        for j in tl.static_range(TOP_K):  # token t's slots in slot order; each adds to its leaf's sum alone
+            leaf = tl.load(leaf_ptr + t * TOP_K + j)  # one scalar per program: the branches below are uniform
             if (leaf >= 0) & (leaf < LEAVES):
                 r = t * TOP_K + j
                 v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + r)
-                s0 = _leaf_add(s0, 0, leaf, v)
+                if leaf == 0:
+                    s0 = s0 + v
                 if LEAVES > 1:
-                    s1 = _leaf_add(s1, 1, leaf, v)
+                    if leaf == 1:
+                        s1 = s1 + v
                 if LEAVES > 2:
-                    s2 = _leaf_add(s2, 2, leaf, v)
-                    s3 = _leaf_add(s3, 3, leaf, v)
+                    if leaf == 2:
+                        s2 = s2 + v
+                    if leaf == 3:
+                        s3 = s3 + v
                 if LEAVES > 4:
-                    s4 = _leaf_add(s4, 4, leaf, v)
-                    s5 = _leaf_add(s5, 5, leaf, v)
-                    s6 = _leaf_add(s6, 6, leaf, v)
-                    s7 = _leaf_add(s7, 7, leaf, v)
+                    if leaf == 4:
+                        s4 = s4 + v
+                    if leaf == 5:
+                        s5 = s5 + v
+                    if leaf == 6:
+                        s6 = s6 + v
+                    if leaf == 7:
+                        s7 = s7 + v
         if LEAVES == 8:  # the fixed tree: neighbours first
             acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
         elif LEAVES == 4:

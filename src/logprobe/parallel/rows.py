@@ -136,17 +136,21 @@ def max_share(sizes: list[int], size: int) -> int:
 
 def balanced_order(sizes: list[int], size: int) -> list[int]:
     """An order of a batch's units (``sizes`` rows each, none cut inside) for ``size`` ranks: the
-    given order, unless the longest-first greedy grouping (each unit, largest first, to the rank
-    with the fewest rows so far; ties to the lower rank and the earlier unit; then rank 0's units,
-    rank 1's, ...) leaves the busiest rank fewer rows (``max_share``). The speed of a pass under
-    data-parallel attention is bounded by its busiest rank.
+    given order, unless the grouping below leaves the busiest rank fewer rows (``max_share``).
+    The grouping: longest first, each unit to the rank with the fewest rows so far (ties to the
+    lower rank and the earlier unit), then refined (``refine_groups``: a unit moved or two swapped
+    between the busiest rank and another while that lowers the busier of the two); rank 0's units,
+    rank 1's, ... The speed of a pass under data-parallel attention is bounded by its busiest rank.
 
     Worked example: 9000, 7000, 6000, 5000 rows over 2 ranks (27000 rows, ideal 13500 each): in
     the given order the cut nearest 13500 is 16000 (rank 0: 9000 + 7000); greedily rank 0 takes
-    9000 then 5000, rank 1 7000 then 6000: 14000 | 13000.
+    9000 then 5000, rank 1 7000 then 6000: 14000 | 13000. 6, 5, 4, 3, 2: greedily 6 + 3 + 2 | 5 + 4
+    (11 | 9); swapping 6 and 5 gives 5 + 3 + 2 | 6 + 4 (10 | 10).
 
     >>> balanced_order([9000, 7000, 6000, 5000], 2), balanced_order([5, 5], 2), balanced_order([7, 1, 1], 1)
     ([0, 3, 1, 2], [0, 1], [0, 1, 2])
+    >>> balanced_order([6, 5, 4, 3, 2], 2)
+    [1, 3, 4, 0, 2]
     """
     given = list(range(len(sizes)))
     if size < 2 or len(sizes) < 2:
@@ -156,10 +160,49 @@ def balanced_order(sizes: list[int], size: int) -> list[int]:
         r = loads.index(min(loads))
         groups[r].append(i)
         loads[r] += sizes[i]
-    greedy = [i for g in groups for i in g]
-    if max_share([sizes[i] for i in greedy], size) < max_share(sizes, size):
-        return greedy
+    refine_groups(groups, sizes)
+    grouped = [i for g in groups for i in g]
+    if max_share([sizes[i] for i in grouped], size) < max_share(sizes, size):
+        return grouped
     return given
+
+
+def refine_groups(groups: list[list[int]], sizes: list[int], max_steps: int = 256) -> None:
+    """Lower the busiest group's total (in place): while some unit of the busiest group moved to
+    another group, or swapped with one of its units, leaves both below the busiest's total, take
+    the change that leaves the busier of the two lowest (the first found on a tie: groups in
+    order of their totals, lower first, units in group order). Every step lowers the sum of squared
+    totals, so this ends; ``max_steps`` bounds it. Swaps are tried between groups of at most
+    64 units each (beyond that, single units are fine grained enough).
+
+    >>> g = [[0, 3, 4], [1, 2]]; refine_groups(g, [6, 5, 4, 3, 2]); g  # 11 | 9 -> 10 | 10
+    [[1, 3, 4], [0, 2]]
+    >>> g = [[0], [1, 2]]; refine_groups(g, [20, 9, 8]); g  # the largest alone: nothing to gain
+    [[0], [1, 2]]
+    """
+    loads = [sum(sizes[i] for i in g) for g in groups]
+    for _ in range(max_steps):
+        hi = max(range(len(groups)), key=lambda r: (loads[r], -r))
+        best = None  # (the busier of the two after, lo, i, j or None)
+        for lo in sorted((r for r in range(len(groups)) if r != hi), key=lambda r: (loads[r], r)):
+            gap = loads[hi] - loads[lo]
+            for a, i in enumerate(groups[hi]):
+                swaps = groups[lo] if len(groups[hi]) <= 64 and len(groups[lo]) <= 64 else []
+                for j, d in [(None, sizes[i])] + [(j, sizes[i] - sizes[j]) for j in swaps]:
+                    if 0 < d < gap and (best is None or loads[hi] - d < best[0] and loads[lo] + d < best[0]):
+                        best = (max(loads[hi] - d, loads[lo] + d), lo, a, j)
+        if best is None:
+            return
+        _, lo, a, j = best
+        i = groups[hi][a]
+        if j is None:  # a move: to the end of its new group
+            groups[lo].append(groups[hi].pop(a))
+        else:  # a swap: each takes the other's place
+            b = groups[lo].index(j)
+            groups[hi][a], groups[lo][b] = j, i
+        d = sizes[i] - (0 if j is None else sizes[j])
+        loads[hi] -= d
+        loads[lo] += d
 
 
 @dataclass(frozen=True, slots=True)
