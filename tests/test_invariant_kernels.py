@@ -191,21 +191,6 @@ def test_cuda_matmul_persistent_and_tma():
     _assert_matmul_ok(res, {"float32": 1e-4, "bfloat16": 0.1}, hopper)
 
 
-def test_tile_grid_above_one_rank():
-    """``Numerics.tile_grid``: deterministic mode's fixed-tile matmul runs one program per tile
-    where a parallel group's collectives run beside it (TP > 1), its persistent grid alone."""
-    from logprobe.config import EngineConfig, numerics_for
-    from logprobe.kernels.matmul import DEFAULT_CONFIG, TILE_GRID_CONFIG
-
-    det = EngineConfig(deterministic=True)
-    assert not numerics_for(det, "cpu").tile_grid
-    assert numerics_for(det, "cpu", tp_size=2, tp_blocks=8).tile_grid
-    assert not numerics_for(EngineConfig(), "cpu", tp_size=2).tile_grid  # default mode: cuBLAS
-    assert DEFAULT_CONFIG.persistent and not TILE_GRID_CONFIG.persistent
-    same = ("block_m", "block_n", "block_k", "group_m", "tma", "tma_store")  # the tiles and the path: the bits
-    assert all(getattr(DEFAULT_CONFIG, f) == getattr(TILE_GRID_CONFIG, f) for f in same)
-
-
 def _grids_bitwise(device: str, small: bool) -> dict:
     """Each dtype: the persistent grid and one program per tile, bitwise (the same tiles)."""
     from dataclasses import replace

@@ -183,11 +183,6 @@ class Numerics:
         (``LlamaModel.use_triton_elementwise``).
     micro_batch_rows: ``EngineConfig.micro_batch_rows`` (a schedule, not a rounding: the bits of
         deterministic mode do not depend on it).
-    tile_grid: the fixed-tile matmul launches one program per tile instead of its persistent grid
-        of one program per multiprocessor: set above one rank, where a group's collectives run
-        beside the products and hold some multiprocessors, so a persistent grid's last programs
-        wait for a whole kernel's length (measured at two H200s: the products 1.5x cuBLAS's,
-        against 1.0x on one). The same tiles, each one program's whole K loop: the same bits.
 
         >>> numerics_for(EngineConfig(deterministic=True), "cpu").row_tile
         128
@@ -204,7 +199,6 @@ class Numerics:
     head_vocab_chunk: int = 8192
     triton: bool = True
     micro_batch_rows: int = 2048
-    tile_grid: bool = False
 
 
 def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable: bool = True,
@@ -225,4 +219,4 @@ def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable
     return Numerics(deterministic=True, row_tile=det.cuda_tile if cuda else det.tile, matmul=det.matmul,
                     column_blocks=det.tp_invariant and splittable, attention_block=det.attention_block,
                     head_token_chunk=det.tile, head_vocab_chunk=config.head_vocab_chunk,
-                    micro_batch_rows=config.micro_batch_rows, tile_grid=tp_size > 1)
+                    micro_batch_rows=config.micro_batch_rows)

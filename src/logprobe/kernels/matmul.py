@@ -138,8 +138,6 @@ class MatmulConfig:
 
 
 DEFAULT_CONFIG = MatmulConfig()
-# one program per tile: beside a parallel group's collectives (``config.Numerics.tile_grid``)
-TILE_GRID_CONFIG = MatmulConfig(persistent=False, flatten=False)
 
 
 def check_operands(x: torch.Tensor, weight: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:

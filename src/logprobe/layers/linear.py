@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import triton_available
-from ..kernels.matmul import DEFAULT_CONFIG, TILE_GRID_CONFIG, invariant_linear
+from ..kernels.matmul import invariant_linear
 from .activation import silu_mul
 from .numerics import NumericsUser
 
@@ -57,7 +57,7 @@ class Linear(NumericsUser, nn.Module):
         n = self.numerics
         if n.row_tile is None:
             return F.linear(x, weight, bias)
-        return deterministic_product(x, weight, bias, n.row_tile, self.blocks, n.matmul, n.tile_grid)
+        return deterministic_product(x, weight, bias, n.row_tile, self.blocks, n.matmul)
 
     def gated(self, gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
         """This layer applied to the gated activation, ``self(silu_mul(gate, up, triton))`` (a Llama
@@ -84,18 +84,17 @@ def numerics_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     nor the BLAS thread count."""
     if numerics.row_tile is None:
         return F.linear(x, weight, bias)
-    return deterministic_product(x, weight, bias, numerics.row_tile, None, numerics.matmul, numerics.tile_grid)
+    return deterministic_product(x, weight, bias, numerics.row_tile, None, numerics.matmul)
 
 
 def deterministic_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,
-                      col_blocks: list[int] | None, kernel: str = "cublas", tile_grid: bool = False) -> torch.Tensor:
+                      col_blocks: list[int] | None, kernel: str = "cublas") -> torch.Tensor:
     """Deterministic mode's ``F.linear``: a row's bits independent of the other rows, and (with
     ``col_blocks``) a column's bits independent of the other columns. On CUDA the Triton
     fixed-tile matmul gives both by construction (every output tile is one program with the same
-    K loop), so many narrow column blocks run there instead of as narrow cuBLAS products.
-    ``tile_grid``: that matmul as one program per tile (``config.Numerics.tile_grid``; the same bits)."""
+    K loop), so many narrow column blocks run there instead of as narrow cuBLAS products."""
     if x.is_cuda and x.dim() == 2 and cuda_product(kernel, col_blocks) == "triton" and _triton():
-        return invariant_linear(x, weight, bias, TILE_GRID_CONFIG if tile_grid else DEFAULT_CONFIG)
+        return invariant_linear(x, weight, bias)
     return tiled_linear(x, weight, bias, row_tile, col_blocks)
 
 
