@@ -37,6 +37,10 @@ are broadcast as bytes (gloo has no float8 type; the server receives bytes eithe
 
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --random deepseek-v3 --fp8 --layers 4 --tp 4 --server-gpus 1,2,3,4,0
     PYTHONPATH=src python3 bench/gpu_weight_sync.py --random tiny-v3 --fp8 --tp 2 --tiny   # CPU, gloo
+
+``--in-place`` joins the group ``in_place`` (each bucket written as it comes, scoring refused until
+the round completes: no held copy of the weights, for models that fill their GPUs); the check is
+the same.
 """
 
 from __future__ import annotations
@@ -270,7 +274,7 @@ def push_buckets(url: str, weights: dict[str, torch.Tensor], nbytes: int, parts:
     mport, backend, rows = free_port(), ("gloo" if args.tiny else "nccl"), []
     init = Call(url + "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": mport, "rank_offset": 1, "world_size": 2,
-        "group_name": GROUP, "backend": backend})
+        "group_name": GROUP, "backend": backend, **({"in_place": True} if args.in_place else {})})
     init.start()
     t = time.perf_counter()
     joined: list = []
@@ -403,6 +407,8 @@ def main() -> None:
                          f"weights (one of {', '.join(sorted(MOE_SHAPES))})")
     ap.add_argument("--fp8", action="store_true", help="with --random: FP8 blocks (DeepSeek's layout)")
     ap.add_argument("--tp", type=int, default=1, help="with --random: the server at TP = EP = N")
+    ap.add_argument("--in-place", action="store_true",
+                    help="the group joined in_place: each bucket written as it comes (no held copy of the weights)")
     ap.add_argument("--dir", default="/tmp/logprobe-weight-sync")
     args = ap.parse_args()
     if (args.fp8 or args.tp != 1) and not args.random:

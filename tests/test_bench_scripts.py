@@ -257,13 +257,16 @@ def test_vlm_tiny_cpu_run(tmp_path):
 
 
 @pytest.mark.slow  # a server with two gloo workers and a trainer, ~12 s
-def test_weight_sync_random_fp8_cpu_run(tmp_path):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_weight_sync_random_fp8_cpu_run(in_place, tmp_path):
     """``--random``: a DeepSeek-V3-shaped model made at random by a TP = EP = 2 server
     (``--load-format dummy``, seed 0, FP8 blocks) takes seed 1's weights from the trainer over gloo
     (FP8 codes broadcast as bytes, scales, experts one by one; the driver hands each rank its rows)
-    and scores as a fresh seed-1 scorer at TP = 2, bitwise, under each update's weight_version."""
+    and scores as a fresh seed-1 scorer at TP = 2, bitwise, under each update's weight_version;
+    ``--in-place``: each bucket written as it comes, the same bits."""
     out = run(["gpu_weight_sync.py", "--random", "tiny-v3", "--fp8", "--tp", "2", "--tiny", "--repeats", "2",
-               "--dir", str(tmp_path)], timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+               "--dir", str(tmp_path)] + ["--in-place"] * in_place, timeout=600,
+              env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     updates = re.findall(r"^\| (\d) \| ([\d.]+) \| [\d.]+ \| (step-\d) \|$", out.stdout, re.M)
     assert [(u[0], u[2]) for u in updates] == [("1", "step-1"), ("2", "step-2")], out.stdout

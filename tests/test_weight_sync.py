@@ -27,7 +27,7 @@ IDS = [5, 71, 72, 3, 140, 8, 200, 17, 9, 66, 250, 12]
 
 # rank 0: the trainer. argv: mode ("library" | "server"), port, checkpoint file, [server URL]
 TRAINER = TRAINER_GROUP + textwrap.dedent('''
-    import json, sys, threading, time
+    import json, os, sys, threading, time
     from datetime import timedelta
     import requests, torch
     import torch.distributed as dist
@@ -49,7 +49,8 @@ TRAINER = TRAINER_GROUP + textwrap.dedent('''
 
     t = beside("init", "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": "weight_update_group", "backend": "gloo"}) if url else None
+        "group_name": "weight_update_group", "backend": "gloo",
+        **({"in_place": True} if os.environ.get("TRAINER_IN_PLACE") else {})}) if url else None
     pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "weight_update_group",
                                    timedelta(seconds=60))
     if t:
@@ -101,10 +102,12 @@ def models(tmp_path_factory):
     return out
 
 
-def trainer(mode: str, port: int, model_dir, url: str | None = None) -> subprocess.Popen:
+def trainer(mode: str, port: int, model_dir, url: str | None = None, in_place: bool = False) -> subprocess.Popen:
+    """``in_place``: the server's group is joined with ``in_place`` (each bucket written as it comes)."""
     args = [sys.executable, "-c", TRAINER, mode, str(port), str(model_dir / "model.safetensors")]
+    env = dict(os.environ, TRAINER_IN_PLACE="1") if in_place else None
     return subprocess.Popen(args + ([url] if url else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def finished(p: subprocess.Popen) -> dict:

@@ -19,6 +19,12 @@ class LogprobeError(ValueError):
         super().__init__(msg)
 
 
+class WeightsUnavailable(LogprobeError):
+    """The weights cannot be scored now: an in-place update (``update_weights(..., in_place=True)``,
+    a group joined ``in_place``) is writing them, or failed part way and left them part old, part
+    new. Scoring is refused until an update completes; the server answers 503 with ``Retry-After``."""
+
+
 def check_positive_ints(obj: object, names: tuple[str, ...]) -> None:
     """Config validation: each named attribute must be an int >= 1 (a bool is not an int here)."""
     for name in names:

@@ -25,10 +25,10 @@ from .executor.engine import parallel_parts
 from .executor.interface import Executor
 from .interp.vectors import SteeringVector
 from .loading import LoadedModel, load_model
-from .loading.collective import DEFAULT_GROUP, RECEIVE_TIMEOUT, WeightGroups
+from .loading.collective import DEFAULT_GROUP, RECEIVE_TIMEOUT, Received, WeightGroups
 from .loading.dummy import check_load_format
 from .loading.loader import attention_layout
-from .loading.update import load_weights, update_weights
+from .loading.update import InPlaceWrites, load_weights, note_kept, update_weights
 from .scoring import chat as chat_scoring
 from .scoring import continuations as text_scoring
 from .scoring import perplexity as ppl_scoring
@@ -143,6 +143,7 @@ class Scorer:
         # them sent: ``loading.update.check_complete``), named as a trainer sends them
         self.kept_buffers: tuple[str, ...] = ()
         self._weight_version = "0"  # the caller's name for the weights (weight_version=), else str(weights_version)
+        self._in_place = InPlaceWrites(self.engine)  # scoring refused while weights are written in place
 
     @property
     def attention_parallel(self) -> str:
@@ -374,6 +375,7 @@ class Scorer:
                 "graphs": graphs}
 
     def _bump(self, weight_version: str | None, kept: tuple[str, ...] = ()) -> int:
+        self._in_place.done()  # every weight is new: a failed in-place update's refusal ends
         self.kept_buffers = kept
         if self.prefix_cache is not None:  # computed under the old weights
             self.prefix_cache.clear()
@@ -381,7 +383,7 @@ class Scorer:
         self._weight_version = str(self.weights_version) if weight_version is None else str(weight_version)
         return self.weights_version
 
-    def update_weights(self, named_tensors, weight_version: str | None = None) -> int:
+    def update_weights(self, named_tensors, weight_version: str | None = None, *, in_place: bool = False) -> int:
         """Replace every weight with ``(Hugging Face name, tensor)`` pairs (float32/bfloat16/float16;
         a dict, a list, or an iterator that streams them), all or nothing: a missing, extra, repeated
         or mis-shaped name, or a tensor holding NaN or inf, raises naming it and the old weights stay
@@ -398,8 +400,19 @@ class Scorer:
         (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``, Gemma 4's ``layer_scalar``), when none is
         sent, keep their values: ``kept_buffers`` names them (a warning too). A vision tower's
         tensors (Qwen3.5's ``model.visual.*``) are taken where sent, the others kept (a trainer
-        that freezes the tower sends the text model alone)."""
-        applied = update_weights(self.loaded.model, named_tensors, engine=self._workers())
+        that freezes the tower sends the text model alone).
+
+        ``in_place``: an iterator is written tensor by tensor as it comes, never staged (no second
+        copy of the weights: for models that fill their devices); each tensor is still checked
+        first. Scoring is refused (``errors.WeightsUnavailable``) from the first write until the
+        stream ends complete; a stream that fails part way leaves the weights part old, part new,
+        and scoring refused until an update completes."""
+        if in_place:
+            applied = self._in_place.run(lambda w: update_weights(self.loaded.model, named_tensors,
+                                                                  engine=self._workers(), in_place=True,
+                                                                  on_write=w), complete=True)
+        else:
+            applied = update_weights(self.loaded.model, named_tensors, engine=self._workers())
         return self._bump(weight_version, applied.kept)
 
     def load_weights(self, path: str, weight_version: str | None = None) -> int:
@@ -416,7 +429,8 @@ class Scorer:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = DEFAULT_GROUP, backend: str = "nccl", *, timeout: float = 600.0,
-                                  connect_timeout: float = 10.0, receive_timeout: float = RECEIVE_TIMEOUT) -> None:
+                                  connect_timeout: float = 10.0, receive_timeout: float = RECEIVE_TIMEOUT,
+                                  in_place: bool = False) -> None:
         """Join the trainer's process group ``group_name`` (SGLang's ``init_weights_update_group``):
         the trainer is rank 0 and hosts the store at ``master_address:master_port``, this scorer is
         rank ``rank_offset`` of ``world_size`` (2 .. 65536); ``backend`` "nccl" (model on CUDA) or
@@ -426,26 +440,51 @@ class Scorer:
         ``update_weights_from_distributed`` then receives within ``receive_timeout`` s. A scorer
         whose weights its tensor/data-parallel workers hold receives in this process (the driver:
         on its device, or host memory under gloo) and hands each rank its parts as
-        ``update_weights`` does."""
+        ``update_weights`` does. ``in_place``: each bucket is written as it comes instead of held
+        until the buckets cover the model (no second copy of the weights: for models that fill
+        their devices); scoring is refused (``errors.WeightsUnavailable``; the server: 503) from the
+        first bucket until the round covers the model, and after a bucket refused part way until
+        a round completes."""
         self._weight_groups().join(self.device, master_address, master_port, rank_offset, world_size, group_name,
                                    backend, timeout=timeout, connect_timeout=connect_timeout,
-                                   receive_timeout=receive_timeout)
+                                   receive_timeout=receive_timeout, in_place=in_place)
 
     def receive_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
-                                         group_name: str = DEFAULT_GROUP, weight_version: str | None = None):
+                                         group_name: str = DEFAULT_GROUP, weight_version: str | None = None
+                                         ) -> Received:
         """The first half of ``update_weights_from_distributed``: the metadata checked against the
         model, then the tensors broadcast by rank 0 received into this process's memory and held
         with those of earlier buckets; the weights do not change (a server scores meanwhile). ->
-        (every held (name, tensor), the last ``weight_version`` given) once they cover the model
-        (``apply_received_weights`` them), else (None, None): more buckets to come."""
+        ``Received(tensors, version, complete, kept)``: every held (name, tensor) and the last
+        ``weight_version`` given once they cover the model (``apply_received_weights`` them), else
+        tensors None: more buckets to come. An ``in_place`` group hands on each bucket (``complete``:
+        the round's last), to be applied with ``in_place=True``."""
         return self._weight_groups().receive(group_name, names, dtypes, shapes, self.loaded.model, weight_version)
 
     def apply_received_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
-                               weight_version: str | None = None) -> int:
+                               weight_version: str | None = None, *, in_place: bool = False,
+                               complete: bool = True, kept: tuple[str, ...] = (),
+                               group_name: str = DEFAULT_GROUP) -> int:
         """The second half: ``update_weights`` of the received tensors (checks and errors name
-        ``names``); returns the new ``weights_version`` (``kept_buffers``: the buffers it kept)."""
-        applied = update_weights(self.loaded.model, named_tensors, field="names", engine=self._workers())
-        return self._bump(weight_version, applied.kept)
+        ``names``); returns the new ``weights_version`` (``kept_buffers``: the buffers it kept).
+        ``in_place``: an in-place group's bucket (``Received``), checked whole and then written;
+        ``complete`` (its round's last: then the version is bumped, ``kept`` the buffers the round
+        left out) or not (the version stays, scoring stays refused). A bucket refused (a NaN: it is
+        checked whole first, so none of it is written) ends the round of ``group_name``: the next
+        bucket opens a new one, which must bring every weight again."""
+        if not in_place:
+            applied = update_weights(self.loaded.model, named_tensors, field="names", engine=self._workers())
+            return self._bump(weight_version, applied.kept)
+        try:
+            self._in_place.run(lambda w: update_weights(self.loaded.model, named_tensors, field="names",
+                                                        engine=self._workers(), whole=False, on_write=w),
+                               complete=complete)
+        except BaseException:
+            self._weight_groups().drop_round(group_name)  # its buckets so far do not count toward a cover
+            raise
+        if not complete:
+            return self.weights_version
+        return self._bump(weight_version, note_kept(self.loaded.model, list(kept), {}) if kept else ())
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
                                         weight_version: str | None = None, flush_cache: bool = True,
@@ -468,8 +507,11 @@ class Scorer:
         weights stay, the group stays usable. ``flush_cache``: accepted; nothing computed under
         the old weights is reused (the result cache is keyed by the weights' version). Returns the
         ``weights_version``: the new one once applied, the old one while held."""
-        received, version = self.receive_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
-        return self.weights_version if received is None else self.apply_received_weights(received, version)
+        got = self.receive_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
+        if got.tensors is None:
+            return self.weights_version
+        return self.apply_received_weights(got.tensors, got.version, in_place=got.in_place, complete=got.complete,
+                                           kept=got.kept, group_name=group_name)
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         """Leave the group (SGLang's ``destroy_weights_update_group``); the name can be joined again."""

@@ -305,6 +305,8 @@ class Engine:
     Shared prefixes and chunking need a model with ``caps.context``; for others each request
     runs as an independent sequence (a request over the budget runs whole, alone)."""
 
+    weights_refusal: Exception | None = None  # raised by ``run`` while set (``Scorer``: in-place updates)
+
     per_request_errors = True  # executor.Executor: on_error gets each request that fails alone
     in_process = True  # executor.Executor: the model and its weights live in this process
 
@@ -383,6 +385,8 @@ class Engine:
 
         ``on_batch()`` is called each time a pass's results have all reached ``on_result`` (a
         worker process sends them to its driver as one message: ``executor.workers.Outbox``)."""
+        if self.weights_refusal is not None:  # an in-place weight update under way, or failed part way
+            raise self.weights_refusal
         dev = self.device
         if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
             with torch.cuda.device(dev):  # Triton launches on the current device: make it this engine's

@@ -387,6 +387,8 @@ class CachedExecutor:
             progress: bool | None = None, *, on_error: Callable[[int, Exception], None] | None = None,
             stop: Callable[[], bool] | None = None,
             cancelled: Callable[[int], bool] | None = None) -> list[RequestResult]:
+        if self.weights_refusal is not None:  # not even a hit: the weights are not the cached version's
+            raise self.weights_refusal
         ident = self.identity.key(self.inner.config)
         if ident is None:
             return self.inner.run(requests, on_result, progress, on_error=on_error, stop=stop, cancelled=cancelled)

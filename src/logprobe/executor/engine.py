@@ -68,6 +68,7 @@ class ParallelEngine:
 
     per_request_errors = False  # a replica's error is reported for each of its requests
     in_process = False  # the workers hold the weights: stage_weights / end_weights update them
+    weights_refusal: Exception | None = None  # raised by ``run`` while set (``Scorer``: in-place updates)
 
     def __init__(self, model: str | None, device: str, dtype: str, config: EngineConfig, tp: int, dp: int,
                  ep: int = 1, attention: str = "tensor", launched: list[WorkerGroup] | None = None,
@@ -113,6 +114,8 @@ class ParallelEngine:
         not yet done, and once the replicas have stopped (one pass) raises ``RunStopped``.
         ``on_error``: a replica's error is reported for each of its requests that got no result
         (their slots stay None) instead of being raised."""
+        if self.weights_refusal is not None:
+            raise self.weights_refusal
         keep = [i for i in range(len(requests)) if cancelled is None or not cancelled(i)]
         if len(keep) < len(requests):
             out: list[RequestResult | None] = [None] * len(requests)
@@ -180,12 +183,13 @@ class ParallelEngine:
         for g in self.groups:
             g.broadcast(StageWeights(pairs), rank)
 
-    def end_weights(self, commit: bool) -> None:
-        """Every worker confirms its staged weights, then all copy them in; or all drop them. A
-        worker's error drops them everywhere and is raised."""
+    def end_weights(self, commit: bool, whole: bool = True) -> None:
+        """Every worker confirms its staged weights (``whole``: and that they cover its shard; else
+        they are a part of an update), then all copy them in; or all drop them. A worker's error
+        drops them everywhere and is raised."""
         if commit:
             try:
-                self._everyone(EndWeights("prepare"))
+                self._everyone(EndWeights("prepare" if whole else "prepare part"))
             except BaseException:
                 self._everyone(EndWeights("abort"))
                 raise

@@ -66,7 +66,8 @@ class StageWeights:
 
 @dataclass(frozen=True, slots=True)
 class EndWeights:
-    """"prepare" (check every staged slice arrived and converted), "commit" (copy them in) or
+    """"prepare" (check every staged slice arrived and converted, and that they cover the shard),
+    "prepare part" (the same for a part of an update: not the cover), "commit" (copy them in) or
     "abort" (drop them); answered ``Done`` or ``Failed``."""
 
     step: str

@@ -373,7 +373,8 @@ class Outbox:
 
 def _weights_message(msg: StageWeights | EndWeights, model, stage, conn):
     """A weight update (``loading.update.update_workers``): ``StageWeights`` stages slices (no
-    answer); ``EndWeights`` "prepare" answers whether every slice arrived and converted, "commit"
+    answer); ``EndWeights`` "prepare" answers whether every slice arrived and converted (and covers the
+    shard; "prepare part": a part of an update), "commit"
     copies them into the shard, "abort" drops them; those three answer ``Done`` or ``Failed``."""
     try:
         match msg:
@@ -381,10 +382,11 @@ def _weights_message(msg: StageWeights | EndWeights, model, stage, conn):
                 stage = stage or StagedWeights(model)
                 stage.add(pairs)
                 return stage
-            case EndWeights("prepare"):
-                (stage or StagedWeights(model)).prepare()
+            case EndWeights("prepare" | "prepare part" as step):
+                (stage or StagedWeights(model)).prepare(whole=step == "prepare")
             case EndWeights("commit"):
-                stage.commit()
+                if stage is not None:  # a part may hold nothing of this rank's
+                    stage.commit()
                 stage = None
             case _:
                 stage = None

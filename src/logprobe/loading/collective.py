@@ -64,6 +64,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reduction a receive buffer is sent by
@@ -327,6 +328,21 @@ def fault_error(fault: ReceiverFault, metadata: list, timeout: float) -> Logprob
     return LogprobeError(f"shapes[{i}]" if fault.kind in ("ended", "short") else f"names[{i}]", problem, LEFT)
 
 
+class Received(NamedTuple):
+    """What a bucket's receipt hands on (``Scorer.receive_weights_from_distributed``): ``tensors`` to
+    write now (every held one once the round is complete; an ``in_place`` group's: this bucket, each
+    time), or None (held: more buckets to come); ``version``, the round's last ``weight_version``
+    once it is complete; ``complete``, whether this bucket completed the round; ``kept``, the
+    buffers a complete in-place round leaves out (native names, ``coverage``); ``in_place``, the
+    group's way."""
+
+    tensors: list[tuple[str, torch.Tensor]] | None
+    version: str | None
+    complete: bool
+    kept: tuple[str, ...] = ()
+    in_place: bool = False
+
+
 @dataclass(eq=False)
 class WeightGroup:
     """One joined group: its receiver process, where its tensors land, the buckets held, and a
@@ -345,6 +361,7 @@ class WeightGroup:
     held_version: str | None = None
     kept: list[str] = field(default_factory=list)  # buffers the last covering round left out (``late_buffers``)
     left: str | None = None  # why the group was left (a fault); None while it works
+    in_place: bool = False  # each bucket written as it comes (``collect_in_place``), not held
 
     def receive(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.Tensor]]:
         """Each tensor broadcast by rank 0, in order, into one buffer of this process's memory,
@@ -383,6 +400,28 @@ class WeightGroup:
         self.kept = kept
         return out, version
 
+    def collect_in_place(self, bucket: list[tuple[str, torch.Tensor]], declared: Declared, weight_version: str | None,
+                         model) -> Received:
+        """An ``in_place`` group's bucket: -> ``Received`` of the bucket itself, to be written now;
+        ``complete`` once the round's buckets cover ``model`` (``covers``: their names and shapes
+        alone are held, as meta tensors), with the round's last ``weight_version`` and the buffers
+        it leaves out (``kept``). The same refusals as ``collect``."""
+        if not self.held and self.kept:
+            late, self.kept = late_buffers(model, bucket, self.kept), []
+            if late is not None:
+                raise late
+        self.held.extend((name, t.to("meta")) for name, t in bucket)
+        self.declared.add(declared)
+        if weight_version is not None:
+            self.held_version = weight_version
+        covered, kept = coverage(model, self.held)
+        if not covered:
+            return Received(bucket, None, False, (), True)
+        version = self.held_version
+        self.drop()
+        self.kept = kept
+        return Received(bucket, version, True, tuple(kept), True)
+
     def drop(self) -> None:
         self.held, self.declared, self.held_version = [], Declared(), None
 
@@ -409,7 +448,8 @@ class WeightGroups:
 
     def join(self, device: torch.device, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout: float = 600.0,
-             connect_timeout: float = 10.0, receive_timeout: float = RECEIVE_TIMEOUT) -> WeightGroup:
+             connect_timeout: float = 10.0, receive_timeout: float = RECEIVE_TIMEOUT, in_place: bool = False
+             ) -> WeightGroup:
         check_join(device, rank_offset, world_size, group_name, backend, timeout, receive_timeout)
         with self._lock:
             if group_name in self._groups:
@@ -421,7 +461,8 @@ class WeightGroups:
             process = start_receiver(device, master_address, master_port, rank_offset, world_size, group_name,
                                      backend, timeout)
             group = WeightGroup(group_name, process, rank_offset, world_size, backend,
-                                device if backend == "nccl" else torch.device("cpu"), receive_timeout)
+                                device if backend == "nccl" else torch.device("cpu"), receive_timeout,
+                                in_place=in_place)
         except BaseException:
             with self._lock:
                 self._groups.pop(group_name, None)
@@ -431,8 +472,8 @@ class WeightGroups:
             self._left.pop(group_name, None)
         return group
 
-    def receive(self, group_name: str, names, dtypes, shapes, model, weight_version: str | None = None):
-        """Check the metadata, receive the bucket, hold it; -> ``WeightGroup.collect``'s answer.
+    def receive(self, group_name: str, names, dtypes, shapes, model, weight_version: str | None = None) -> Received:
+        """Check the metadata, receive the bucket, hold it (or, ``in_place``, hand it on); -> ``Received``.
         A refusal or a fault on a joined group leaves it (``LEFT``)."""
         group = self._joined(group_name)
         if group is None:  # the metadata's own errors first, then the group's
@@ -455,7 +496,10 @@ class WeightGroups:
             except BaseException as e:  # out of memory, ...: the trainer's broadcasts are out of step
                 self._leave(group, f"{type(e).__name__}: {e}")
                 raise
-            return group.collect(received, declared, weight_version, model)
+            if group.in_place:
+                return group.collect_in_place(received, declared, weight_version, model)
+            tensors, version = group.collect(received, declared, weight_version, model)
+            return Received(tensors, version, tensors is not None)
 
     def _joined(self, group_name) -> WeightGroup | None:
         with self._lock:
@@ -487,6 +531,14 @@ class WeightGroups:
             raise LogprobeError("group_name", f"{group_name!r} is not a joined weight update group",
                                 "call init_weights_update_group first")
         return group
+
+    def drop_round(self, group_name: str) -> None:
+        """Forget what the buckets of the round under way declared (an in-place bucket was refused
+        after its receipt): the next bucket opens a round."""
+        group = self._joined(group_name)
+        if group is not None:
+            with group.lock:
+                group.drop()
 
     def destroy(self, group_name: str = DEFAULT_GROUP) -> None:
         group = self.get(group_name)

@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import LogprobeError
+from ..errors import LogprobeError, WeightsUnavailable
 from ..layers.moe import ExpertMatrices
 from ..layers.moe_gpt_oss import Mxfp4Experts
 from ..layers.parallel_linear import held_ranges
@@ -501,15 +501,26 @@ def incoming_tensors(named_tensors: Iterable, field: str):
 
 
 @torch.no_grad()
-def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, staged: bool) -> Applied:
-    """Check every item, then copy all of them in (``staged``: convert each as it comes and copy
-    once the stream ends; else check all first and convert while copying).
-    Items are whole tensors; a tensor-parallel shard (under torchrun) takes its slice of each."""
+def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, how: str, whole: bool = True,
+                    on_write=None) -> Applied:
+    """Write ``items`` into ``model``, ``how``:
+
+    * "checked" (a list or dict, every tensor in memory): check all, then copy each in;
+    * "staged" (a stream): convert each as it comes, copy them in once the stream ends (one more
+      copy of the weights at most);
+    * "streamed" (a stream, ``in_place``): check each, then copy it in at once (no second copy:
+      a tensor the stream fails on leaves the weights before it written).
+
+    ``whole``: the items must cover the model (checked before any copy, but for "streamed": at the
+    stream's end); False: a part of an update (a trainer's bucket). ``on_write()`` is called before
+    the first copy. Items are whole tensors; a tensor-parallel shard (under torchrun) takes its
+    slice of each."""
     slots = weight_slots(model)
     full, held = whole_slots(model)
     seen: dict[str, str] = {}
     # a shard's FP8 layers do not state their rows: its meta model's layers do
     rank = model if model.ctx.size == 1 or not held else family(model).build_meta(model.config, model.ctx)
+    wrote = []
 
     def part_of(name: str, value: torch.Tensor) -> torch.Tensor | None:
         return rank_part(name, whole_rows(name, value, held, full) if held else value, rank)
@@ -520,36 +531,55 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, sta
         part = part_of(name, value)
         return None if part is None else convert(name, part, slots[name], model)
 
-    if staged:
-        values = {}
-        for item in items:
-            for unit, piece in units(item, model, field):
-                if (name := check(unit, piece, model, full, seen, field)) is not None:
-                    if (value := ready(name, piece)) is not None:  # None: another rank's expert
-                        values[name] = value
-        kept = check_complete(model, full, seen, field)
+    def write(name: str, value: torch.Tensor) -> None:
+        if not wrote and on_write is not None:
+            on_write()
+        wrote.append(name)
+        slots[name].copy_(value)
+
+    def complete() -> tuple[str, ...]:
+        return note_kept(model, check_complete(model, full, seen, field), seen) if whole else ()
+
+    checked = ((name, piece) for item in items for unit, piece in units(item, model, field)
+               if (name := check(unit, piece, model, full, seen, field)) is not None)
+    if how == "streamed":
+        n = 0
+        for name, piece in checked:
+            if (value := ready(name, piece)) is not None:  # None: another rank's expert
+                write(name, value)
+            n += 1
+        return Applied(n, complete())
+    if how == "staged":
+        values = {name: v for name, piece in checked if (v := ready(name, piece)) is not None}
+        kept = complete()
         for name, value in values.items():
-            slots[name].copy_(value)
-        return Applied(len(values), note_kept(model, kept, seen))
-    todo = [(name, piece) for item in items for unit, piece in units(item, model, field)
-            if (name := check(unit, piece, model, full, seen, field)) is not None]
-    kept = check_complete(model, full, seen, field)
+            write(name, value)
+        return Applied(len(values), kept)
+    todo = list(checked)
+    kept = complete()
     for name, piece in todo:  # values too before any copy (a checkpoint's tensors are read twice)
         check_finite(piece.name, piece.load(), slots.get(name, full[name]), field)
     for name, piece in todo:
         if (part := part_of(name, piece.load())) is not None:
-            slots[name].copy_(convert(name, part, slots[name], model))
-    return Applied(len(todo), note_kept(model, kept, seen))
+            write(name, convert(name, part, slots[name], model))
+    return Applied(len(todo), kept)
 
 
-def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: str) -> Applied:
+STREAM_COMMIT_BYTES = 1 << 30  # a streamed update to workers: each rank copies in its parts this often
+
+
+def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: str, how: str = "staged",
+                   whole: bool = True, on_write=None) -> Applied:
     """A parallel scorer's update: ``model`` is the driver's weightless (meta) model; each checked
     tensor is cut into its ranks' slices and sent to every replica's workers, which stage them
     (``StagedWeights``); once the stream is complete every worker confirms, then all copy in. Any
-    error before that drops every staged slice (all or nothing across ranks)."""
+    error before that drops every staged slice (all or nothing across ranks). ``how`` "streamed"
+    (and a part, ``whole`` False): the workers copy in what they staged every
+    ``STREAM_COMMIT_BYTES`` sent and at the end, without waiting for the whole model (the driver
+    checks that the stream covered it); ``on_write()`` before the first such copy."""
     weight_slots(model)  # the model's refusals
     full, held = whole_slots(model)
-    cfg, seen, n = model.config, {}, 0
+    cfg, seen, n, sent = model.config, {}, 0, 0
     build = family(model).build_meta
     ranks = []
     for r in range(engine.tp):
@@ -557,6 +587,15 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
             ctx = parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1),
                                    attention=getattr(engine, "attention", None))
             ranks.append(build(cfg, replace(ctx, placement=getattr(engine, "placement", None))))
+    parts = how == "streamed" or not whole  # every commit a part: no worker checks the whole
+
+    def commit() -> None:
+        nonlocal sent
+        if on_write is not None and sent:
+            on_write()
+        engine.end_weights(commit=True, whole=not parts)
+        sent = 0
+
     try:
         for item in items:
             for unit, piece in units(item, model, field):
@@ -569,13 +608,19 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
                     if (part := rank_part(name, value, rank)) is not None:  # FP8 codes travel as bytes
                         fp8 = part.dtype == torch.float8_e4m3fn  # (torch's pickling has no float8 storage)
                         engine.stage_weights(rank.ctx.rank, [(name, part.view(torch.uint8) if fp8 else part)])
+                        sent += part.numel() * part.element_size()
                 n += 1
-        kept = check_complete(model, full, seen, field)
+                if how == "streamed" and sent >= STREAM_COMMIT_BYTES:
+                    commit()
+        kept = check_complete(model, full, seen, field) if whole and how != "streamed" else []
     except BaseException:
         engine.end_weights(commit=False)
         raise
-    engine.end_weights(commit=True)
-    return Applied(n, note_kept(model, kept, seen))
+    sent = max(sent, 1)  # the last commit: an on_write even for a stream of kept tensors only
+    commit()
+    if whole and how == "streamed":
+        kept = check_complete(model, full, seen, field)
+    return Applied(n, note_kept(model, kept, seen) if whole else ())
 
 
 class StagedWeights:
@@ -606,10 +651,12 @@ class StagedWeights:
         except BaseException as e:  # noqa: BLE001 - reported at prepare
             self.error = self.error or e
 
-    def prepare(self) -> None:
+    def prepare(self, whole: bool = True) -> None:
+        """Every staged slice arrived and converted; ``whole``: and they cover this shard."""
         if self.error is not None:
             raise self.error
-        check_complete(self.model, self.slots, set(self.values), "named_tensors")
+        if whole:
+            check_complete(self.model, self.slots, set(self.values), "named_tensors")
 
     @torch.no_grad()
     def commit(self) -> None:
@@ -618,17 +665,62 @@ class StagedWeights:
         self.values = {}
 
 
-def update_weights(model: nn.Module, named_tensors, field: str = "named_tensors", engine=None) -> Applied:
+class InPlaceWrites:
+    """Scoring refused while an in-place update writes a model's weights, and after one that
+    failed part way (its weights then part old, part new), until an update completes: the
+    executor's ``weights_refusal`` (``WeightsUnavailable``), raised by its ``run``.
+
+        bucket 1 written  -> refused ("being replaced")      bucket 2 holds a NaN -> not written,
+        refused ("failed part way")     a later complete update -> scored again
+    """
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.written = False  # the update under way has written some weight
+
+    def run(self, apply, complete: bool) -> Applied:
+        """``apply(on_write)`` (an ``update_weights`` with ``on_write``); ``complete``: it ends the
+        update (the last bucket, or a whole stream), so scoring resumes once it succeeds."""
+        def on_write() -> None:
+            self.written = True
+            self.executor.weights_refusal = WeightsUnavailable(
+                "weight_version", "the weights are being replaced in place (an update under way)",
+                "retry once the update completes")
+        try:
+            applied = apply(on_write)
+        except BaseException as e:
+            if self.written:
+                why = e.problem if isinstance(e, LogprobeError) else f"{type(e).__name__}: {e}"
+                self.executor.weights_refusal = WeightsUnavailable(
+                    "weight_version", f"an in-place weight update failed part way ({why}): the weights are "
+                    "part old, part new", "send a complete update (every weight) to score again")
+            raise
+        if complete:
+            self.done()
+        return applied
+
+    def done(self) -> None:
+        """Every weight written: scoring resumes."""
+        self.written = False
+        self.executor.weights_refusal = None
+
+
+def update_weights(model: nn.Module, named_tensors, field: str = "named_tensors", engine=None, *,
+                   in_place: bool = False, whole: bool = True, on_write=None) -> Applied:
     """(Hugging Face name, tensor) pairs -> the model's weights; see the module docstring.
-    ``engine``: a parallel scorer's ``ParallelEngine`` (``model`` is then the driver's meta model)."""
+    ``engine``: a parallel scorer's ``ParallelEngine`` (``model`` is then the driver's meta model).
+    ``in_place``: a stream is written as it comes, never staged (``update_in_place`` "streamed");
+    ``whole`` False: the pairs are a part of an update (a bucket), not checked to cover the model;
+    ``on_write()``: called before the first weight changes."""
     if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
         raise LogprobeError(field, "must be (name, tensor) pairs: a dict, a list or an iterator")
     family(model)
     items = incoming_tensors(named_tensors, field)
-    if engine is not None:
-        return update_workers(model, items, engine, field)
     in_memory = isinstance(named_tensors, (Mapping, list, tuple))
-    return update_in_place(model, items, field, staged=not in_memory)
+    how = "checked" if in_memory else "streamed" if in_place else "staged"
+    if engine is not None:
+        return update_workers(model, items, engine, field, how, whole, on_write)
+    return update_in_place(model, items, field, how, whole, on_write)
 
 
 def safetensors_items(path: str | Path, field: str = "path", blocks: set | frozenset = frozenset()) -> list[Incoming]:
@@ -703,4 +795,4 @@ def load_weights(model: nn.Module, path: str | Path, field: str = "path", engine
                 check(unit, piece, model, full, seen, field)
         check_complete(model, full, seen, field)
         return update_workers(model, items, engine, field)
-    return update_in_place(model, items, field, staged=False)
+    return update_in_place(model, items, field, "checked")

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.delivery import RequestOutOfMemory
-from ..errors import LogprobeError
+from ..errors import LogprobeError, WeightsUnavailable
 from .batcher import JobFailed, JobTimeout, QueueFull, ServerClosed
 from .responses import error_response
 from .schemas import (
@@ -51,6 +51,12 @@ def openapi_without_422(fastapi_openapi):
     return openapi
 
 
+def _unavailable(e: WeightsUnavailable):
+    """503: the weights are being written in place, or were left part old, part new (a server state,
+    not the request's fault); the client retries."""
+    return error_response(503, str(e), e.field, "weights_unavailable", {"Retry-After": "5"})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Each exception type to its status: 400 bad values, 404 unknown model, 408 not started in
     time, 413 too large (body, request or memory), 429 queue full, 503 shutting down or out of
@@ -66,6 +72,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(LogprobeError)
     async def _logprobe_error(request: Request, exc: LogprobeError):
+        if isinstance(exc, WeightsUnavailable):
+            return _unavailable(exc)
         if isinstance(exc, ModelNotFound):
             return error_response(404, str(exc), exc.field, "model_not_found")
         return error_response(400, str(exc), exc.field, "invalid_value")
@@ -96,6 +104,8 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(413, f"{field}: {what}{e.tokens} input tokens do not fit in the server's memory "
                                   f"even alone (out of memory at {e.context} tokens; {have}); send shorter inputs",
                                   field, "out_of_memory")
+        if isinstance(e, WeightsUnavailable):
+            return _unavailable(e)
         if isinstance(e, LogprobeError):
             return error_response(400, str(e), e.field, "invalid_value")
         log.error("request failed in the engine: %r", e)

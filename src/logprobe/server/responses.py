@@ -31,7 +31,7 @@ ERRORS = {
     413: "the body, the input tokens, the items or the captured numbers of one request exceed a limit, "
          "or one of its sequences does not fit in the server's memory even alone",
     429: "the queue is full; retry after Retry-After seconds",
-    503: "out of memory, or shutting down; retry after Retry-After seconds",
+    503: "out of memory, shutting down, or the weights being replaced in place; retry after Retry-After seconds",
 }
 DEFAULT_CODES = (400, 401, 404, 413, 429, 503)
 NATIVE_CODES = (400, 401, 404, 408, 413, 429, 503)  # the endpoints with a 'timeout'

@@ -103,7 +103,7 @@ def rl_router(served: Served, paused=None) -> APIRouter:
         """Answers once every rank joined (the trainer, rank 0, joins as it sends this)."""
         try:
             await asyncio.to_thread(weights.join_group, body.master_address, body.master_port, body.rank_offset,
-                                    body.world_size, body.group_name, body.backend)
+                                    body.world_size, body.group_name, body.backend, body.in_place)
         except LogprobeError as e:
             return refused(e)
         return {"success": True, "message": f"joined {body.group_name!r} as rank {body.rank_offset} of "
@@ -117,10 +117,14 @@ def rl_router(served: Served, paused=None) -> APIRouter:
         when the metadata or the tensors are refused: the old weights stay in force."""
         before = weights.version
         try:
-            version, kept = await asyncio.to_thread(weights.update_from_group, body.names, body.dtypes,
-                                                    body.shapes, body.group_name, body.weight_version)
+            version, kept, written = await asyncio.to_thread(weights.update_from_group, body.names, body.dtypes,
+                                                             body.shapes, body.group_name, body.weight_version)
         except LogprobeError as e:
             return refused(e)
+        if version is None and written:  # an in-place group's bucket: written, the round not complete
+            return {"success": True, "message": f"received {len(body.names)} tensors: written in place; scoring "
+                                                f"answers 503 until every weight has come",
+                    "weights_version": before, "weight_version": weights.name(before), "kept_buffers": []}
         if version is None:  # a bucket: the old weights are still served
             return {"success": True, "message": f"received {len(body.names)} tensors: held until every weight has "
                                                 f"come; weights_version {before} is still served",

@@ -277,6 +277,9 @@ class InitWeightsUpdateGroupRequest(BaseModel):
     world_size: int = Field(ge=2, description="the trainer plus every rank that receives")
     group_name: Text = _GROUP
     backend: Text = Field("nccl", description="'nccl' (the model on CUDA) or 'gloo'")
+    in_place: bool = Field(False, description="write each bucket as it comes (no second copy of the weights: "
+                                              "models that fill their GPUs); scoring answers 503 until an update "
+                                              "completes. False: buckets held until every weight has come")
 
     @field_validator("backend")
     @classmethod

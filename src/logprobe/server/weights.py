@@ -89,41 +89,49 @@ class ServedWeights:
     # -- weights pushed over a collective (SGLang's update_weights_from_distributed) -----------
 
     def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str) -> None:
+                   group_name: str, backend: str, in_place: bool = False) -> None:
         """``Scorer.init_weights_update_group``; blocking (until every rank joined). Scoring goes on.
-        The group's receives are bounded by ``weight_sync_timeout``."""
+        The group's receives are bounded by ``weight_sync_timeout``. ``in_place``: each bucket is
+        written as it comes (scoring answers 503 until the round completes)."""
         if not hasattr(self.scorer, "init_weights_update_group"):
             raise LogprobeError("backend", "this scorer cannot join a weight update group", "update logprobe")
+        kw = dict(in_place=True) if in_place else {}
         self.scorer.init_weights_update_group(master_address, master_port, rank_offset, world_size,
                                               group_name=group_name, backend=backend,
-                                              receive_timeout=self.weight_sync_timeout)
+                                              receive_timeout=self.weight_sync_timeout, **kw)
 
     def update_from_group(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                          weight_version: str | None = None) -> tuple[int | None, tuple[str, ...]]:
+                          weight_version: str | None = None) -> tuple[int | None, tuple[str, ...], bool]:
         """Receive every tensor the trainer broadcasts (scoring goes on, on the old weights), then
         apply them all between engine steps, as ``load`` swaps a checkpoint: a request under way
         finishes on the old weights, none is computed on a half-updated model. Returns the new
-        version and the buffers it kept (``Scorer.kept_buffers``), or (None, ()) while the buckets
-        received so far do not cover the model (held). A
+        version, the buffers it kept (``Scorer.kept_buffers``) and whether the bucket was written in
+        place, or (None, (), False) while the buckets received so far do not cover the model (held);
+        an ``in_place`` group's bucket is written between engine steps as it comes ((None, (), True)
+        until the round's last: scoring answers 503 meanwhile). A
         refused update changes nothing: metadata the model cannot take, a receive that fails or
         times out (the group is then left: the scorer's error says so), a NaN (the group stays)."""
         if not hasattr(self.scorer, "receive_weights_from_distributed"):
             raise LogprobeError("names", "this scorer cannot receive weights over a collective", "update logprobe")
-        received, weight_version = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name,
-                                                                                weight_version)
-        if received is None:  # a bucket: held until every weight has come
-            return None, ()
+        got = self.scorer.receive_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
+        if got.tensors is None:  # a bucket: held until every weight has come
+            return None, (), False
         kept: list[str] = []  # read within the swap: a later update may change the scorer's
-        version = self.batcher.exclusive(lambda: self._apply(received, weight_version, kept))
-        return version, tuple(kept)
+        version = self.batcher.exclusive(lambda: self._apply(got, group_name, kept))
+        return (version if got.complete else None), tuple(kept), got.in_place
 
-    def _apply(self, received, weight_version: str | None, kept: list[str]) -> int:
+    def _apply(self, got, group_name: str, kept: list[str]) -> int:
         """The swap (its version becomes the batcher's tag); ``kept`` gets the buffers it kept."""
         try:
-            self.scorer.apply_received_weights(received, weight_version)
+            if got.in_place:
+                self.scorer.apply_received_weights(got.tensors, got.version, in_place=True, complete=got.complete,
+                                                   kept=got.kept, group_name=group_name)
+            else:
+                self.scorer.apply_received_weights(got.tensors, got.version)
         except LogprobeError as e:
-            raise LogprobeError(e.field, f"the received weights were not applied: {e.problem}",
-                                f"weights_version {self._scorer_version()} is still served") from e
+            still = "scoring is refused until an update completes" if got.in_place \
+                else f"weights_version {self._scorer_version()} is still served"
+            raise LogprobeError(e.field, f"the received weights were not applied: {e.problem}", still) from e
         version = self._scorer_version()
         self._names[version] = str(getattr(self.scorer, "weight_version", version))
         kept.extend(getattr(self.scorer, "kept_buffers", ()))
