@@ -525,6 +525,14 @@ def test_fused_kernel_interpreted():
         y_few = fused_moe(x[:9].clone(), ids[:9].clone(), gate, up, down, cfg)
         out["invariant"] = bool(torch.equal(y_few, y_all[: 9 * k]))
         out["scale"] = float(ref.abs().max())
+        # expert parallelism: ids of other ranks' experts (>= 3 here) and pad rows (-1) get no tile;
+        # one program per row tile (foreign) computes the held slots with the same bits
+        ep = torch.where(ids < 3, ids, ids - 10)
+        ep[::5] = -1
+        held = (ep >= 0).reshape(-1)
+        mats = gate[:3], up[:3], down[:3]
+        a, b = fused_moe(x, ep, *mats, cfg), fused_moe(x, ep, *mats, cfg, foreign=True)
+        out["foreign"] = bool(torch.equal(a[held], b[held]) and torch.equal(a[held], y_all[held]))
         print(json.dumps(out))
     """)
     r = run_interpreted(code)
@@ -532,7 +540,7 @@ def test_fused_kernel_interpreted():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["align"] == [[1, 2, 5, 6, 0, 4, 3, 6, 6, 6], [0, 1, 2, 3, 3]]  # a last tile of pad only
     assert out["scale"] > 0.5 and out["float32"] < 1e-6 and out["float16"] < 5e-3
-    assert out["invariant"]
+    assert out["invariant"] and out["foreign"]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")

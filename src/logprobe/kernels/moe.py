@@ -57,65 +57,67 @@ if triton_available():
     @triton.jit(do_not_specialize=["num_slots"])  # varies with the batch: one compiled kernel
     def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, act_ptr, sorted_ptr, tile_expert_ptr, num_slots, top_k, N, K,
                         stride_xm, stride_we, stride_wn, stride_am, IEEE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr):
+        pid_m, pid_g = tl.program_id(0), tl.program_id(1)
         if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
             return  # a tile of pad only (past the last expert's tiles: ``align_by_expert``)
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         tokens = (slots // top_k).to(tl.int64)
         e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         rk = tl.arange(0, BLOCK_K)  # [BK]
-        xp = x_ptr + tokens[:, None] * stride_xm + rk[None, :]  # [BM, BK]
-        w_off = e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BK, BN]: W_e^T tile
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(xp, mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-            w_mask = (rn[None, :] < N) & (kk[:, None] < K)
-            g = tl.load(wg_ptr + w_off, mask=w_mask, other=0.0)
-            u = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(x, g, acc_g, input_precision="ieee")
-                acc_u = tl.dot(x, u, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(x, g, acc_g)
-                acc_u = tl.dot(x, u, acc_u)
-            xp += BLOCK_K
-            w_off += BLOCK_K
-        act = acc_g * tl.sigmoid(acc_g) * acc_u  # SiLU(gate) * up in float32
-        ap = act_ptr + slots[:, None].to(tl.int64) * stride_am + rn[None, :]
-        tl.store(ap, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+        for j in range(COLS):  # this program's column tiles, each computed whole as one program would
+            rn = (pid_g * COLS + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+            xp = x_ptr + tokens[:, None] * stride_xm + rk[None, :]  # [BM, BK]
+            w_off = e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BK, BN]: W_e^T tile
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                x = tl.load(xp, mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+                w_mask = (rn[None, :] < N) & (kk[:, None] < K)
+                g = tl.load(wg_ptr + w_off, mask=w_mask, other=0.0)
+                u = tl.load(wu_ptr + w_off, mask=w_mask, other=0.0)
+                if IEEE:
+                    acc_g = tl.dot(x, g, acc_g, input_precision="ieee")
+                    acc_u = tl.dot(x, u, acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(x, g, acc_g)
+                    acc_u = tl.dot(x, u, acc_u)
+                xp += BLOCK_K
+                w_off += BLOCK_K
+            act = acc_g * tl.sigmoid(acc_g) * acc_u  # SiLU(gate) * up in float32
+            ap = act_ptr + slots[:, None].to(tl.int64) * stride_am + rn[None, :]
+            tl.store(ap, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
     @triton.jit(do_not_specialize=["num_slots"])  # varies with the batch: one compiled kernel
     def _down_kernel(a_ptr, wd_ptr, y_ptr, sorted_ptr, tile_expert_ptr, num_slots, N, K,
                      stride_am, stride_we, stride_wn, stride_ym, IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr):
+        pid_m, pid_g = tl.program_id(0), tl.program_id(1)
         if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
             return  # a tile of pad only
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        ap = a_ptr + slots[:, None].to(tl.int64) * stride_am + rk[None, :]  # [BM, BK]
-        w_off = e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BK, BN]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            a = tl.load(ap, mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-            w = tl.load(wd_ptr + w_off, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
-            ap += BLOCK_K
-            w_off += BLOCK_K
-        yp = y_ptr + slots[:, None].to(tl.int64) * stride_ym + rn[None, :]
-        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+        for j in range(COLS):  # this program's column tiles, each computed whole as one program would
+            rn = (pid_g * COLS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ap = a_ptr + slots[:, None].to(tl.int64) * stride_am + rk[None, :]  # [BM, BK]
+            w_off = e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BK, BN]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                a = tl.load(ap, mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+                w = tl.load(wd_ptr + w_off, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+                ap += BLOCK_K
+                w_off += BLOCK_K
+            yp = y_ptr + slots[:, None].to(tl.int64) * stride_ym + rn[None, :]
+            tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
     @triton.jit
     def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -296,51 +298,68 @@ def _check(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Ten
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-              config: MoeKernelConfig | None = None) -> torch.Tensor:
+              config: MoeKernelConfig | None = None, foreign: bool = False) -> torch.Tensor:
     """x [T, H], ids [T, k], gate/up [E, I, H], down [E, H, I] -> y [T*k, H] in x's dtype: row
     ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted). ``config`` None:
-    ``default_config(x.dtype)``."""
+    ``default_config(x.dtype)``. ``foreign``: many slots are other ranks' experts (expert
+    parallelism): their row tiles, all pad, are about half the grid, so each program runs every
+    column tile of its row tile (``whole_rows``) and a pad tile costs one program, not one per
+    column tile. The same tiles either way: the same bits."""
     _check(x, ids, gate, up, down)
     T, k = ids.shape
     c = config or default_config(x.dtype)
     sorted_slots, tile_expert = align_by_expert(ids, gate.shape[0], c.block_m)
-    act = moe_gate_up(x, sorted_slots, tile_expert, T * k, k, gate, up, c)  # [T*k, I]
-    return moe_down(act, sorted_slots, tile_expert, down, c)  # [T*k, H]
+    act = moe_gate_up(x, sorted_slots, tile_expert, T * k, k, gate, up, c, whole_rows=foreign)  # [T*k, I]
+    return moe_down(act, sorted_slots, tile_expert, down, c, whole_rows=foreign)  # [T*k, H]
+
+
+def _column_grid(n: int, block_n: int, whole_rows: bool) -> tuple[int, int]:
+    """(column tiles a program runs, programs per row tile): one and every tile, or every tile and one.
+
+    >>> _column_grid(768, 128, False), _column_grid(768, 128, True), _column_grid(100, 64, True)
+    ((1, 6), (6, 1), (2, 1))
+    """
+    tiles = triton.cdiv(n, block_n) if triton_available() else -(-n // block_n)
+    return (tiles, 1) if whole_rows else (1, tiles)
 
 
 def moe_gate_up(x: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.Tensor, num_slots: int, top_k: int,
-                gate: torch.Tensor, up: torch.Tensor, config: MoeKernelConfig | None = None) -> torch.Tensor:
+                gate: torch.Tensor, up: torch.Tensor, config: MoeKernelConfig | None = None,
+                whole_rows: bool = False) -> torch.Tensor:
     """The first half of ``fused_moe``: act [num_slots, I'] with row s = SiLU(gate_e x_t) * up_e x_t
     (t = s // top_k, e its tile's expert) for the slots of ``sorted_slots``; other rows are left
-    unwritten. gate/up [E, I', H] may be a rank's share of the intermediate columns."""
+    unwritten. gate/up [E, I', H] may be a rank's share of the intermediate columns.
+    ``whole_rows``: one program per row tile (``fused_moe``'s ``foreign``)."""
     c = config or default_config(x.dtype)
     E, inter, H = gate.shape
     x, gate, up = x.contiguous(), gate.contiguous(), up.contiguous()
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)  # [num_slots, I']
     tiles = tile_expert.numel()
     if tiles:
-        _gate_up_kernel[(tiles, triton.cdiv(inter, c.block_n))](
+        cols, programs = _column_grid(inter, c.block_n, whole_rows)
+        _gate_up_kernel[(tiles, programs)](
             x, gate, up, act, sorted_slots, tile_expert, num_slots, top_k, inter, H, x.stride(0), gate.stride(0),
             gate.stride(1), act.stride(0), IEEE=x.dtype == torch.float32, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+            BLOCK_K=c.block_k, COLS=cols, num_warps=c.num_warps, num_stages=c.num_stages)
     return act
 
 
 def moe_down(act: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.Tensor, down: torch.Tensor,
-             config: MoeKernelConfig | None = None) -> torch.Tensor:
+             config: MoeKernelConfig | None = None, whole_rows: bool = False) -> torch.Tensor:
     """The second half of ``fused_moe``: act [S, I] (whole intermediate rows) and down [E, H', I]
     -> y [S, H'] for the slots of ``sorted_slots`` (other rows unwritten). down may be a rank's
-    share of the output rows."""
+    share of the output rows. ``whole_rows``: one program per row tile."""
     c = config or default_config(act.dtype)
     E, H, inter = down.shape
     act, down = act.contiguous(), down.contiguous()
     y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device)  # [S, H']
     tiles = tile_expert.numel()
     if tiles:
-        _down_kernel[(tiles, triton.cdiv(H, c.block_n))](
+        cols, programs = _column_grid(H, c.block_n, whole_rows)
+        _down_kernel[(tiles, programs)](
             act, down, y, sorted_slots, tile_expert, act.shape[0], H, inter, act.stride(0), down.stride(0),
             down.stride(1), y.stride(0), IEEE=act.dtype == torch.float32, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+            BLOCK_K=c.block_k, COLS=cols, num_warps=c.num_warps, num_stages=c.num_stages)
     return y
 
 

@@ -705,7 +705,7 @@ class Experts(NumericsUser, nn.Module):
         local = every_ids - self.first_expert  # [P*m, k]: this rank's numbering, others outside it
         leaf = self.leaf_of(every_ids)  # [P*m, k]
         if (mats := self.fused_stacks(xs, triton)) is not None:  # CUDA (one process uses it there too)
-            y = fused_moe(xs, local, *mats)  # [P*m*k, H]: the slots of the experts held here
+            y = fused_moe(xs, local, *mats, foreign=True)  # [P*m*k, H]: the slots of the experts held here
         else:  # the PyTorch path (CPU): its compaction waits for the values, as every CPU op does
             y = xs.new_zeros(R * k, self.hidden)
             slots = (leaf.reshape(-1) >= 0).nonzero().squeeze(1)  # [n]
@@ -728,7 +728,7 @@ class Experts(NumericsUser, nn.Module):
         if (mats := self.fused_stacks(xs, triton, interpreted=True)) is None:
             return None
         local = self.local_ids(every_ids)  # [P*m, k]: this rank's numbering, others outside it
-        y = fused_moe(xs, local, *mats)  # [P*m*k, H]: the slots of the experts held here
+        y = fused_moe(xs, local, *mats, foreign=True)  # [P*m*k, H]: the slots of the experts held here
         return combine_owned(y, weights.float(), (local >= 0) & (local < self.num_experts))
 
     def return_slots(self, ys: torch.Tensor, slots: torch.Tensor, every_ids: torch.Tensor, m: int) -> torch.Tensor:
