@@ -40,7 +40,12 @@ are broadcast as bytes (gloo has no float8 type; the server receives bytes eithe
 
 ``--in-place`` joins the group ``in_place`` (each bucket written as it comes, scoring refused until
 the round completes: no held copy of the weights, for models that fill their GPUs); the check is
-the same.
+the same. ``--stream`` makes the trainer's tensors one at a time during each update (a bucket at
+a time in memory: the 671B shape's 700 GB never held whole), and leaves the time spent making them
+out of the update's seconds (printed beside them).
+
+    PYTHONPATH=src python3 bench/gpu_weight_sync.py --random deepseek-v3 --fp8 --tp 8 --stream --in-place \
+        --server-gpus 1,2,3,4,5,6,7,0   # eight GPUs: the server on all, the trainer on GPU 0 beside rank 7
 """
 
 from __future__ import annotations
@@ -144,14 +149,64 @@ def write_random_config(shape: str, layers: int, fp8: bool, path: Path) -> None:
 def random_weights(path: Path, seed: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The weights of the model ``load_format=RandomWeights(seed)`` makes from ``path``, under the
     names and in the layout a trainer sends (``loading.dummy.random_checkpoint``)."""
+    return dict(random_stream(path, seed, device, dtype)())
+
+
+def random_stream(path: Path, seed: int, device: str, dtype: torch.dtype):
+    """-> a function making ``random_weights``' (name, tensor) pairs one at a time, afresh each call."""
     from logprobe.loading.dummy import RandomWeights, random_checkpoint
     from logprobe.loading.loader import describe_model
     from logprobe.loading.update import family, sent_names
 
     model = describe_model(str(path), "cpu", tokenizer=False).model
     raw = json.loads((path / "config.json").read_text())
-    return dict(random_checkpoint(family(model), model.config, raw, RandomWeights(seed=seed), device, dtype,
-                                  lambda n: sent_names(model, [n])[0]))
+    return lambda: random_checkpoint(family(model), model.config, raw, RandomWeights(seed=seed), device, dtype,
+                                     lambda n: sent_names(model, [n])[0])
+
+
+class Streamed:
+    """The trainer's weights made tensor by tensor during each update, never all at once (a model
+    larger than the trainer's GPU: ``--stream``). The first pass records each tensor's name, dtype,
+    shape and bytes, and cuts the buckets (in the order they are made, at most ``limit`` bytes)."""
+
+    def __init__(self, make, limit: int) -> None:
+        self.make = make
+        self.meta = [(n, t.dtype, list(t.shape), t.numel() * t.element_size()) for n, t in make()]
+        self.nbytes = sum(m[3] for m in self.meta)
+        self.parts: list[list[int]] = []
+        size = 0
+        for i, m in enumerate(self.meta):
+            if self.parts and self.parts[-1] and size + m[3] <= limit:
+                self.parts[-1].append(i)
+                size += m[3]
+            else:
+                self.parts.append([i])
+                size = m[3]
+
+    def update(self, url: str, pg, version: str) -> tuple[dict, float]:
+        """One full update, each tensor made just before its broadcast; -> (the last reply, seconds
+        spent making tensors)."""
+        import torch.distributed as dist
+
+        made, reply, tensors = 0.0, None, self.make()
+        for j, part in enumerate(self.parts):
+            call = Call(url + "/update_weights_from_distributed", {
+                "names": [self.meta[i][0] for i in part],
+                "dtypes": [str(self.meta[i][1]).removeprefix("torch.") for i in part],
+                "shapes": [self.meta[i][2] for i in part], "group_name": GROUP,
+                **({"weight_version": version} if j == len(self.parts) - 1 else {})})
+            call.start()
+            for _ in part:
+                t = time.perf_counter()
+                _, w = next(tensors)
+                if w.is_cuda:
+                    torch.cuda.synchronize()
+                made += time.perf_counter() - t
+                dist.broadcast(w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w, src=0, group=pg)
+            if w.is_cuda:
+                torch.cuda.synchronize()
+            reply = call.result()
+        return reply, made
 
 
 def load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
@@ -288,10 +343,14 @@ def push_buckets(url: str, weights: dict[str, torch.Tensor], nbytes: int, parts:
     log(f"group joined ({backend}): {init.result()['message']} ({time.perf_counter() - t:.2f} s)")
     for r in range(args.repeats):
         t = time.perf_counter()
-        reply = update(url, pg, weights, parts, f"step-{r + 1}")
-        secs = time.perf_counter() - t
+        if isinstance(weights, Streamed):  # the time spent making tensors is not the update's
+            reply, made = weights.update(url, pg, f"step-{r + 1}")
+        else:
+            reply, made = update(url, pg, weights, parts, f"step-{r + 1}"), 0.0
+        secs = time.perf_counter() - t - made
         rows.append((r + 1, secs, nbytes / secs / 1e9, reply["weight_version"]))
-        log(f"update {r + 1}: {secs:.3f} s ({nbytes / 1e9:.2f} GB, {nbytes / secs / 1e9:.1f} GB/s): {reply['message']}")
+        log(f"update {r + 1}: {secs:.3f} s ({nbytes / 1e9:.2f} GB, {nbytes / secs / 1e9:.1f} GB/s)"
+            + (f", and {made:.3f} s making the tensors" if made else "") + f": {reply['message']}")
     leave(url, pg)
     return rows
 
@@ -409,10 +468,15 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="with --random: the server at TP = EP = N")
     ap.add_argument("--in-place", action="store_true",
                     help="the group joined in_place: each bucket written as it comes (no held copy of the weights)")
+    ap.add_argument("--stream", action="store_true",
+                    help="with --random: the trainer makes each tensor just before its broadcast, never holding "
+                         "the update (models larger than its GPU); the update's seconds leave the making out")
     ap.add_argument("--dir", default="/tmp/logprobe-weight-sync")
     args = ap.parse_args()
-    if (args.fp8 or args.tp != 1) and not args.random:
-        raise SystemExit("--fp8 and --tp go with --random")
+    if (args.fp8 or args.tp != 1 or args.stream) and not args.random:
+        raise SystemExit("--fp8, --tp and --stream go with --random")
+    if args.stream and args.client == "torchrl":
+        raise SystemExit("--stream sends this script's buckets: drop --client torchrl")
     for kv in args.server_env:
         if "=" not in kv:
             raise SystemExit(f"--server-env wants K=V, got {kv!r}")
@@ -451,12 +515,16 @@ def main() -> None:
         log("server up")
         before, v0 = score(url, reqs)
         t = time.perf_counter()
-        weights = random_weights(paths[1], 1, dev, dtype) if args.random else load_weights(paths[1], dev)
-        log(f"trainer's weights made or read ({time.perf_counter() - t:.1f} s)")
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         limit = int((args.bucket_mb or (0.05 if args.tiny else 1024)) * 2**20)
-        parts = buckets(weights, limit)
-        log(f"trainer: {len(weights)} tensors, {nbytes / 2**30:.2f} GiB, {len(parts)} buckets")
+        if args.stream:
+            weights = Streamed(random_stream(paths[1], 1, dev, dtype), limit)
+            nbytes, parts, count = weights.nbytes, weights.parts, len(weights.meta)
+        else:
+            weights = random_weights(paths[1], 1, dev, dtype) if args.random else load_weights(paths[1], dev)
+            nbytes, parts, count = sum(t.numel() * t.element_size() for t in weights.values()), None, len(weights)
+            parts = buckets(weights, limit)
+        log(f"trainer's weights made or read ({time.perf_counter() - t:.1f} s)")
+        log(f"trainer: {count} tensors, {nbytes / 2**30:.2f} GiB, {len(parts)} buckets")
         if args.client == "torchrl":
             rows = push_torchrl(url, weights, nbytes, args.repeats)
         else:

@@ -263,14 +263,16 @@ def test_weight_sync_random_fp8_cpu_run(in_place, tmp_path):
     (``--load-format dummy``, seed 0, FP8 blocks) takes seed 1's weights from the trainer over gloo
     (FP8 codes broadcast as bytes, scales, experts one by one; the driver hands each rank its rows)
     and scores as a fresh seed-1 scorer at TP = 2, bitwise, under each update's weight_version;
-    ``--in-place``: each bucket written as it comes, the same bits."""
+    ``--in-place --stream``: each bucket written as it comes, the trainer's tensors made one at a
+    time during each update, the same bits."""
     out = run(["gpu_weight_sync.py", "--random", "tiny-v3", "--fp8", "--tp", "2", "--tiny", "--repeats", "2",
-               "--dir", str(tmp_path)] + ["--in-place"] * in_place, timeout=600,
+               "--dir", str(tmp_path)] + ["--in-place", "--stream"] * in_place, timeout=600,
               env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     updates = re.findall(r"^\| (\d) \| ([\d.]+) \| [\d.]+ \| (step-\d) \|$", out.stdout, re.M)
     assert [(u[0], u[2]) for u in updates] == [("1", "step-1"), ("2", "step-2")], out.stdout
     assert "bitwise: yes; they differ from the ones before: yes" in out.stdout, out.stdout[-3000:]
+    assert ("making the tensors" in out.stdout) == in_place, out.stdout[-3000:]
 
 
 @pytest.mark.slow  # two processes and a server, ~11 s
