@@ -544,7 +544,8 @@ GLM45_AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, m
 # 4 GPUs), GLM-4.5 (355B, 32B active; 4 GPUs), DeepSeek-V3 (671B, 37B active: latent attention, 256
 # routed experts + 1 shared, top-8 of 8 groups keeping 4, sigmoid router; 8 GPUs). DeepSeek-V3's YaRN
 # rotary is left out (the default rotary: the same work a token); "tiny-v3" is its shape cut down
-# for a CPU trial of --random-weights.
+# for a CPU trial of --random-weights (8 heads, 8 experts: every width divisible by 8, so deterministic
+# mode runs at TP = EP = 8 as the full shape's does).
 BIG_SHAPES = {
     "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
                                                num_attention_heads=64, num_key_value_heads=4, head_dim=128,
@@ -562,7 +563,7 @@ BIG_SHAPES = {
                                              qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5,
                                              norm_topk_prob=True)),
     "tiny-v3": ("DeepseekV3Config", dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
                                          n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                                          topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32,
                                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,

@@ -117,10 +117,8 @@ def log(*a):
 def write_config(shape: str, layers: int, path: Path, fp8: bool = False) -> None:
     """config.json (FP8 blocks: with ``quantization_config``) and a byte tokenizer, no weights: what
     ``--random-weights`` scores, each rank building its shard at random on its device
-    (``Scorer(load_format=RandomWeights(...))``, ``logprobe.loading.dummy``)."""
-
-    if (path / "config.json").exists():
-        return
+    (``Scorer(load_format=RandomWeights(...))``, ``logprobe.loading.dummy``). Written every run (a
+    config is cheap; one left by an earlier definition of the shape would be read silently)."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = moe_config(shape, layers)
     raw = cfg.to_dict()
