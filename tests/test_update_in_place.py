@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 from helpers import make_hf_dir
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from server_util import free_port, serve
 from test_weight_sync import IDS, finished, trainer
 
@@ -210,3 +210,38 @@ def test_server_in_place_group(dirs):
     assert out["update1"][0] == 200 and out["update1"][1]["weights_version"] == 1, out["update1"]
     want = scores(scorer(dirs["b"]))
     assert [e[0] for e in after["meta_info"]["input_token_logprobs"][1:]] == want
+
+
+@pytest.mark.slow  # two gloo workers
+def test_load_weights_in_place_tensor_parallel(dirs, tmp_path, monkeypatch):
+    """``load_weights(path, in_place=True)`` at TP = 2: the workers copy in their slices as they
+    come (every tensor here), bitwise a fresh load; a checkpoint whose last tensor holds a NaN (found
+    once the tensors before it are written) leaves scoring refused until a complete load."""
+    monkeypatch.setattr(update, "STREAM_COMMIT_BYTES", 1)
+    bad = dict(weights(dirs["a"]))
+    last = sorted(bad)[-1]
+    bad[last] = bad[last].clone()
+    bad[last].view(-1)[0] = float("nan")
+    (tmp_path / "bad").mkdir()
+    save_file(bad, str(tmp_path / "bad" / "model.safetensors"))
+    want = scores(scorer(dirs["b"]))
+    with scorer(dirs["a"], tp=2) as s:
+        old = scores(s)
+        assert s.load_weights(str(dirs["b"]), in_place=True) == 1 and scores(s) == want
+        with pytest.raises(LogprobeError, match="non-finite"):
+            s.load_weights(str(tmp_path / "bad" / "model.safetensors"), in_place=True)
+        assert "failed part way" in refusal(s)
+        assert s.load_weights(str(dirs["a"]), in_place=True) == 2 and scores(s) == old
+
+
+def test_server_load_in_place(dirs):
+    """``/update_weights_from_disk`` with ``in_place`` (one process: every value checked first, as
+    without it): 200, the new version, /generate bitwise a fresh Scorer on "b"."""
+    app = create_app(scorer(dirs["a"]), ServerConfig(max_top_logprobs=20))
+    body = {"input_ids": IDS, "return_logprob": True, "logprob_start_len": 0}
+    with serve(app) as url:
+        r = requests.post(url + "/update_weights_from_disk", json={"model_path": str(dirs["b"]), "in_place": True},
+                          timeout=60)
+        after = requests.post(url + "/generate", json=body, timeout=60).json()
+    assert r.status_code == 200 and r.json()["weights_version"] == 1, r.json()
+    assert [e[0] for e in after["meta_info"]["input_token_logprobs"][1:]] == scores(scorer(dirs["b"]))

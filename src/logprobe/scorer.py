@@ -415,10 +415,19 @@ class Scorer:
             applied = update_weights(self.loaded.model, named_tensors, engine=self._workers())
         return self._bump(weight_version, applied.kept)
 
-    def load_weights(self, path: str, weight_version: str | None = None) -> int:
+    def load_weights(self, path: str, weight_version: str | None = None, *, in_place: bool = False) -> int:
         """``update_weights`` from a safetensors file or a Hugging Face checkpoint directory: every
-        header is checked before one tensor is read, then tensors are copied in one at a time."""
-        applied = load_weights(self.loaded.model, path, engine=self._workers())
+        header is checked before one tensor is read, then tensors are copied in one at a time.
+        ``in_place`` (tensor/data-parallel scorers): the workers copy in their slices as they come
+        instead of staging their whole shard first (no second copy of the weights); a tensor found
+        non-finite part way then leaves scoring refused (``errors.WeightsUnavailable``) until an
+        update completes. One process never holds a second copy: it checks every value first."""
+        workers = self._workers()
+        if in_place and workers is not None:
+            applied = self._in_place.run(lambda w: load_weights(self.loaded.model, path, engine=workers,
+                                                                in_place=True, on_write=w), complete=True)
+        else:
+            applied = load_weights(self.loaded.model, path, engine=workers)
         return self._bump(weight_version, applied.kept)
 
     def _workers(self):

@@ -781,9 +781,14 @@ def _read(f: Path, key: str) -> torch.Tensor:
         return st.get_tensor(key)
 
 
-def load_weights(model: nn.Module, path: str | Path, field: str = "path", engine=None) -> Applied:
+def load_weights(model: nn.Module, path: str | Path, field: str = "path", engine=None, *, in_place: bool = False,
+                 on_write=None) -> Applied:
     """A safetensors checkpoint -> the model's weights, every header checked before one tensor is
-    read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices)."""
+    read (``engine``: as ``update_weights``; the driver reads the tensors and sends the slices).
+    ``in_place``: the workers copy in their slices as they come (``update_workers`` "streamed": no
+    staged copy of the shard; a tensor found non-finite then leaves the weights part written). In
+    one process every value is checked before any copy either way (the tensors are read twice, no
+    copy held), so ``in_place`` changes nothing there."""
     family(model)
     full, held = whole_slots(model)
     items = safetensors_items(path, field, set(held.values()))
@@ -794,5 +799,5 @@ def load_weights(model: nn.Module, path: str | Path, field: str = "path", engine
             for unit, piece in units(item, model, field):
                 check(unit, piece, model, full, seen, field)
         check_complete(model, full, seen, field)
-        return update_workers(model, items, engine, field)
+        return update_workers(model, items, engine, field, "streamed" if in_place else "staged", on_write=on_write)
     return update_in_place(model, items, field, "checked")

@@ -85,7 +85,7 @@ def rl_router(served: Served, paused=None) -> APIRouter:
         the checkpoint is bad: the old weights stay in force."""
         before = weights.version
         try:
-            version = await asyncio.to_thread(weights.load, body.model_path, body.weight_version)
+            version = await asyncio.to_thread(weights.load, body.model_path, body.weight_version, body.in_place)
         except LogprobeError as e:
             return SafeJSONResponse({**error_body(400, str(e), e.field, "invalid_value"), "success": False,
                                      "message": str(e), "num_paused_requests": 0}, status_code=400)

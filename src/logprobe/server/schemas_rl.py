@@ -205,6 +205,9 @@ class UpdateWeightsRequest(BaseModel):
     weight_version: Text | None = Field(None, description="the new weights' name (SGLang's): replies' "
                                                           "meta_info.weight_version and GET /get_weight_version "
                                                           "give it; default: the new weights_version as a string")
+    in_place: bool = Field(False, description="tensor-parallel servers: the workers copy in their slices as they "
+                                              "come, no staged copy of the weights (a file found bad part way then "
+                                              "leaves scoring answering 503 until an update completes)")
 
     @field_validator("load_format")
     @classmethod

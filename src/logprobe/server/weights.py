@@ -56,35 +56,42 @@ class ServedWeights:
     def _scorer_version(self) -> int:
         return int(getattr(self.scorer, "weights_version", 0))
 
-    def load(self, path: str, weight_version: str | None = None) -> int:
+    def load(self, path: str, weight_version: str | None = None, in_place: bool = False) -> int:
         """Swap in the checkpoint at ``path`` between engine steps; returns the new version, named
-        ``weight_version`` (default: the version as a string). Blocking (call it from a worker thread)."""
+        ``weight_version`` (default: the version as a string). Blocking (call it from a worker thread).
+        ``in_place``: ``Scorer.load_weights(..., in_place=True)`` (workers copy in as they go)."""
         if not os.path.exists(path):
             raise LogprobeError("model_path", f"{path!r} does not exist on the server",
                                 "give a local checkpoint path the server can read")
         if not hasattr(self.scorer, "load_weights"):
             raise LogprobeError("model_path", "this logprobe cannot load weights into a running model",
                                 "update logprobe")
-        return self.batcher.exclusive(lambda: self._swap(path, weight_version))
+        return self.batcher.exclusive(lambda: self._swap(path, weight_version, in_place))
 
-    def _swap(self, path: str, weight_version: str | None = None) -> int:
+    def _swap(self, path: str, weight_version: str | None = None, in_place: bool = False) -> int:
+        kw = dict(in_place=True) if in_place else {}
         try:
             if weight_version is None:
-                self.scorer.load_weights(path)
+                self.scorer.load_weights(path, **kw)
             else:
-                self.scorer.load_weights(path, weight_version=weight_version)
+                self.scorer.load_weights(path, weight_version=weight_version, **kw)
         except LogprobeError as e:
-            raise LogprobeError("model_path", f"{path!r} was not loaded: {e}",
-                                f"weights_version {self._scorer_version()} is still served") from e
+            raise LogprobeError("model_path", f"{path!r} was not loaded: {e}", self._still()) from e
         except torch.OutOfMemoryError:
             raise  # 503: the server, not the checkpoint
         except Exception as e:  # noqa: BLE001 - a file the readers refused (e.g. SafetensorError: truncated)
             log.warning("update_weights_from_disk %r failed: %r", path, e)
             raise LogprobeError("model_path", f"{path!r} was not loaded: {type(e).__name__}: {e}",
-                                f"weights_version {self._scorer_version()} is still served") from e
+                                self._still()) from e
         version = self._scorer_version()
         self._names[version] = str(getattr(self.scorer, "weight_version", version))
         return version
+
+    def _still(self) -> str:
+        """What a failed update left served: the old weights, or (written part way in place) nothing."""
+        if getattr(getattr(self.scorer, "executor", None), "weights_refusal", None) is not None:
+            return "scoring is refused until an update completes"
+        return f"weights_version {self._scorer_version()} is still served"
 
     # -- weights pushed over a collective (SGLang's update_weights_from_distributed) -----------
 
