@@ -186,27 +186,21 @@ class Streamed:
     def update(self, url: str, pg, version: str) -> tuple[dict, float]:
         """One full update, each tensor made just before its broadcast; -> (the last reply, seconds
         spent making tensors)."""
-        import torch.distributed as dist
+        made, reply, tensors = [0.0], None, self.make()
 
-        made, reply, tensors = 0.0, None, self.make()
-        for j, part in enumerate(self.parts):
-            call = Call(url + "/update_weights_from_distributed", {
-                "names": [self.meta[i][0] for i in part],
-                "dtypes": [str(self.meta[i][1]).removeprefix("torch.") for i in part],
-                "shapes": [self.meta[i][2] for i in part], "group_name": GROUP,
-                **({"weight_version": version} if j == len(self.parts) - 1 else {})})
-            call.start()
+        def timed(part: list[int]):
             for _ in part:
                 t = time.perf_counter()
                 _, w = next(tensors)
                 if w.is_cuda:
                     torch.cuda.synchronize()
-                made += time.perf_counter() - t
-                dist.broadcast(w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w, src=0, group=pg)
-            if w.is_cuda:
-                torch.cuda.synchronize()
-            reply = call.result()
-        return reply, made
+                made[0] += time.perf_counter() - t
+                yield w
+
+        for j, part in enumerate(self.parts):
+            reply = send_bucket(url, pg, [self.meta[i][:3] for i in part], timed(part),
+                                version if j == len(self.parts) - 1 else None)
+        return reply, made[0]
 
 
 def load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
@@ -289,23 +283,30 @@ def trainer_group(port: int, world_size: int, backend: str, timeout: float = 600
     return pg
 
 
-def update(url: str, pg, weights: dict[str, torch.Tensor], parts: list[list[str]], version: str) -> dict:
-    """One full update: per bucket, the request, then each tensor broadcast from rank 0."""
+def send_bucket(url: str, pg, meta: list, tensors, version: str | None) -> dict:
+    """One bucket: the request naming ``meta``'s (name, dtype, shape) (and ``version``, on an
+    update's last), then each of ``tensors`` broadcast from rank 0; -> the server's reply."""
     import torch.distributed as dist
 
+    call = Call(url + "/update_weights_from_distributed", {
+        "names": [m[0] for m in meta], "dtypes": [str(m[1]).removeprefix("torch.") for m in meta],
+        "shapes": [list(m[2]) for m in meta], "group_name": GROUP,
+        **({"weight_version": version} if version is not None else {})})
+    call.start()
+    w = None
+    for w in tensors:  # FP8 codes as bytes (gloo has no float8; the server receives bytes)
+        dist.broadcast(w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w, src=0, group=pg)
+    if w is not None and w.is_cuda:
+        torch.cuda.synchronize()
+    return call.result()
+
+
+def update(url: str, pg, weights: dict[str, torch.Tensor], parts: list[list[str]], version: str) -> dict:
+    """One full update: per bucket, the request, then each tensor broadcast from rank 0."""
     reply = None
     for j, names in enumerate(parts):
-        call = Call(url + "/update_weights_from_distributed", {
-            "names": names, "dtypes": [str(weights[n].dtype).removeprefix("torch.") for n in names],
-            "shapes": [list(weights[n].shape) for n in names], "group_name": GROUP,
-            **({"weight_version": version} if j == len(parts) - 1 else {})})
-        call.start()
-        for n in names:  # FP8 codes as bytes (gloo has no float8; the server receives bytes)
-            w = weights[n]
-            dist.broadcast(w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w, src=0, group=pg)
-        if weights[names[0]].is_cuda:
-            torch.cuda.synchronize()
-        reply = call.result()
+        reply = send_bucket(url, pg, [(n, weights[n].dtype, weights[n].shape) for n in names],
+                            (weights[n] for n in names), version if j == len(parts) - 1 else None)
     return reply
 
 

@@ -123,15 +123,13 @@ def time_workload(model, lc, mname: str, wname: str, reqs, batch_tokens, passes:
 
 
 
-KINDS = (("attention", ("flash", "fmha", "attn", "cudnn")),  # first: FlashAttention's names say cutlass too
-         ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "matmul")), ("head", ("head", "logprob")),
-         ("norm, rotary, activation", ("norm", "rotary", "rope", "silu", "swiglu", "act")))
-
-
 def profile_pass(model, reqs, batch_tokens, label: str) -> None:
-    """One more pass under torch.profiler: the GPU's kernel time by kind and its 12 largest
-    kernels, against the pass's wall time (the share the GPU was busy)."""
+    """One more pass under torch.profiler: the GPU's kernel time by kind (the library's own
+    ``executor.profile.kernel_family``) and its 12 largest kernels, against the pass's wall time
+    (the share the GPU was busy)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from logprobe.executor.profile import kernel_family
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
@@ -144,14 +142,13 @@ def profile_pass(model, reqs, batch_tokens, label: str) -> None:
         if cuda and getattr(getattr(e, "device_type", None), "name", "") == "CUDA":
             kernels[e.key] = kernels.get(e.key, 0.0) + cuda / 1e3  # ms
     total = sum(kernels.values())
-    kinds = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
+    kinds: dict[str, float] = {}
     for name, ms in kernels.items():
-        low = name.lower()
-        kinds[next((k for k, words in KINDS if any(w in low for w in words)), "other")] += ms
+        kinds[kernel_family(name)] = kinds.get(kernel_family(name), 0.0) + ms
     log(f"\n### {label}: one pass under torch.profiler, wall {wall * 1e3:.0f} ms (with the profiler's cost), "
         f"kernels {total:.0f} ms ({total / 1e3 / wall:.0%} busy)")
     log("| kind | ms | share of kernel time |\n| --- | ---: | ---: |")
-    for k, ms in kinds.items():
+    for k, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
         log(f"| {k} | {ms:.1f} | {ms / max(total, 1e-9):.1%} |")
     log("| kernel (12 largest) | ms | share |\n| --- | ---: | ---: |")
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:

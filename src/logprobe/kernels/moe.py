@@ -319,7 +319,7 @@ def _column_grid(n: int, block_n: int, whole_rows: bool) -> tuple[int, int]:
     >>> _column_grid(768, 128, False), _column_grid(768, 128, True), _column_grid(100, 64, True)
     ((1, 6), (6, 1), (2, 1))
     """
-    tiles = triton.cdiv(n, block_n) if triton_available() else -(-n // block_n)
+    tiles = -(-n // block_n)
     return (tiles, 1) if whole_rows else (1, tiles)
 
 

@@ -384,15 +384,7 @@ class WeightGroup:
         ``weight_version`` given) once they cover ``model`` (``covers``), else (None, None): wait.
         A bucket of buffers alone opening a round after a round that kept them is refused
         (``late_buffers``), once: the next round starts afresh."""
-        if not self.held and self.kept:
-            late, self.kept = late_buffers(model, bucket, self.kept), []
-            if late is not None:
-                raise late
-        self.held.extend(bucket)
-        self.declared.add(declared)
-        if weight_version is not None:
-            self.held_version = weight_version
-        covered, kept = coverage(model, self.held)
+        covered, kept = self._take(bucket, bucket, declared, weight_version, model)
         if not covered:
             return None, None
         out, version = self.held, self.held_version
@@ -406,21 +398,27 @@ class WeightGroup:
         ``complete`` once the round's buckets cover ``model`` (``covers``: their names and shapes
         alone are held, as meta tensors), with the round's last ``weight_version`` and the buffers
         it leaves out (``kept``). The same refusals as ``collect``."""
-        if not self.held and self.kept:
-            late, self.kept = late_buffers(model, bucket, self.kept), []
-            if late is not None:
-                raise late
-        self.held.extend((name, t.to("meta")) for name, t in bucket)
-        self.declared.add(declared)
-        if weight_version is not None:
-            self.held_version = weight_version
-        covered, kept = coverage(model, self.held)
+        covered, kept = self._take(bucket, [(name, t.to("meta")) for name, t in bucket], declared, weight_version,
+                                   model)
         if not covered:
             return Received(bucket, None, False, (), True)
         version = self.held_version
         self.drop()
         self.kept = kept
         return Received(bucket, version, True, tuple(kept), True)
+
+    def _take(self, bucket, hold, declared: Declared, weight_version: str | None, model) -> tuple[bool, list[str]]:
+        """``bucket`` joins the round (``hold``: what of it is held, the tensors or their meta
+        twins) -> ``coverage`` of the round so far; a late bucket of buffers is refused first."""
+        if not self.held and self.kept:
+            late, self.kept = late_buffers(model, bucket, self.kept), []
+            if late is not None:
+                raise late
+        self.held.extend(hold)
+        self.declared.add(declared)
+        if weight_version is not None:
+            self.held_version = weight_version
+        return coverage(model, self.held)
 
     def drop(self) -> None:
         self.held, self.declared, self.held_version = [], Declared(), None

@@ -520,7 +520,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, how
     seen: dict[str, str] = {}
     # a shard's FP8 layers do not state their rows: its meta model's layers do
     rank = model if model.ctx.size == 1 or not held else family(model).build_meta(model.config, model.ctx)
-    wrote = []
+    pending = on_write  # called before the first copy, once
 
     def part_of(name: str, value: torch.Tensor) -> torch.Tensor | None:
         return rank_part(name, whole_rows(name, value, held, full) if held else value, rank)
@@ -532,9 +532,10 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, how
         return None if part is None else convert(name, part, slots[name], model)
 
     def write(name: str, value: torch.Tensor) -> None:
-        if not wrote and on_write is not None:
-            on_write()
-        wrote.append(name)
+        nonlocal pending
+        if pending is not None:
+            pending, call = None, pending
+            call()
         slots[name].copy_(value)
 
     def complete() -> tuple[str, ...]:

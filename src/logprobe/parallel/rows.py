@@ -186,8 +186,8 @@ def refine_groups(groups: list[list[int]], sizes: list[int], max_steps: int = 25
         best = None  # (the busier of the two after, lo, i, j or None)
         for lo in sorted((r for r in range(len(groups)) if r != hi), key=lambda r: (loads[r], r)):
             gap = loads[hi] - loads[lo]
+            swaps = groups[lo] if len(groups[hi]) <= 64 and len(groups[lo]) <= 64 else []
             for a, i in enumerate(groups[hi]):
-                swaps = groups[lo] if len(groups[hi]) <= 64 and len(groups[lo]) <= 64 else []
                 for j, d in [(None, sizes[i])] + [(j, sizes[i] - sizes[j]) for j in swaps]:
                     if 0 < d < gap and (best is None or loads[hi] - d < best[0] and loads[lo] + d < best[0]):
                         best = (max(loads[hi] - d, loads[lo] + d), lo, a, j)
