@@ -38,7 +38,7 @@ transformers = pytest.importorskip("transformers")
 OPTS = dict(temperature=0.7, top_k=5, entropy=True)
 FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
 SIZES = {"qwen3_moe": [(2, 1), (2, 2), (4, 4), (4, 2)], "deepseek_v3": [(2, 1), (2, 2), (4, 4)],
-         "qwen3_5_moe": [(2, 1), (2, 2)], "glm4_moe": [(2, 2)], "minimax_m2": [(2, 1)]}
+         "qwen3_5_moe": [(2, 1), (2, 2)], "glm4_moe": [(2, 2)], "minimax_m2": [(2, 1)], "qwen3_next": [(2, 2)]}
 
 
 def _make(kind: str):
@@ -58,7 +58,7 @@ def _make(kind: str):
         return make_model(kind)
     from test_qwen3_next import make_model
 
-    return make_model("qwen3_5_moe")
+    return make_model(kind)  # the hybrid mixtures of experts: qwen3_5_moe, qwen3_next
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -69,7 +69,8 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log())
             elif name.endswith("norm.weight") and "linear_attn" not in name:
-                p.copy_((0.0 if "qwen3_5" in type(model).__name__.lower() else 1.0)
+                offset = any(k in type(model).__name__.lower() for k in ("qwen3_5", "qwen3next"))  # 1 + w norms
+                p.copy_((0.0 if offset else 1.0)
                         + 0.3 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
