@@ -126,7 +126,8 @@ def test_tp_engine_features_and_data_parallel(hf_models):
 def test_shard_loading_holds_only_the_rank_share(tmp_path):
     """Each rank reads and keeps only its slices: its parameter bytes, and the peak growth of its
     anonymous resident memory while loading (sampled every 2 ms; a whole float32 checkpoint can
-    stay memory-mapped, so the whole model's own peak is no yardstick: its byte count is)."""
+    stay memory-mapped, so the whole model's own peak is no yardstick: its byte count is). Each
+    worker then freezes its heap (``workers.freeze_heap``): its modules out of the collector's scans."""
     import transformers as tf
     from helpers import byte_tokenizer
 
@@ -141,7 +142,9 @@ def test_shard_loading_holds_only_the_rank_share(tmp_path):
     whole.close()
     split = ParallelEngine(str(tmp_path), "cpu", "float32", EngineConfig(), tp=2, dp=1)
     per_rank, peaks = split.groups[0].param_bytes, split.groups[0].load_peak_bytes
+    frozen = split.groups[0].frozen  # each worker's loaded heap left out of garbage collection
     split.close()
+    assert all(f > 10_000 for f in frozen), frozen
     assert full_bytes > 250e6
     assert all(b < 0.51 * full_bytes for b in per_rank), (per_rank, full_bytes)  # only norms are replicated
     assert all(0 < p < 0.55 * full_bytes for p in peaks), (peaks, full_bytes)

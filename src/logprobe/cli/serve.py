@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import ipaddress
 import os
 import sys
 
+from ..executor.workers import freeze_heap
 from ..server import ServerConfig, create_app
 
 
@@ -105,18 +105,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=10))
     server.run()
     return 0
-
-
-def freeze_heap() -> int:
-    """What is alive once the model is loaded and the app built (modules, tokenizer tables: ~400k
-    objects with llama-8b's) moved out of the garbage collector's scans (``gc.freeze``, as vLLM
-    and SGLang do). A full collection walked all of them, 0.4 s with the GPU idle, about once per
-    256 RL requests; after the freeze it took 0.1 s (docs/perf.md). Reference counting still frees
-    them; only cycles among them stay. Returns the objects frozen (``/metrics``:
-    ``logprobe_gc_frozen_objects``)."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def _server_class():

@@ -5,7 +5,7 @@ sides name them ``logprobe.executor.messages.X`` (a worker runs ``executor.worke
 
     driver -> worker : Run(requests, config, watched) | Profile(requests, config) | StageWeights(pairs)
                        | EndWeights(step) | Close(); during a watched run, Cancel(indices)
-    worker -> driver : Ready(param_bytes, load_peak_bytes, budget) once, then per run
+    worker -> driver : Ready(param_bytes, load_peak_bytes, budget, frozen) once, then per run
                        Results([Result(index, result), ...], passes)... (rank 0, a pass's results
                        each; a watched run: also after a pass that delivered none),
                        Profiled(profile) (every rank, after a Profile) and Done(passes, oom_count) |
@@ -83,12 +83,14 @@ class Close:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """The shard is loaded: its parameter bytes, the growth of the peak RSS while loading it, and
-    the group's ``max_batch_tokens`` (the same on every rank)."""
+    """The shard is loaded: its parameter bytes, the growth of the peak RSS while loading it, the
+    group's ``max_batch_tokens`` (the same on every rank) and the objects the worker then left
+    out of garbage collection (``workers.freeze_heap``)."""
 
     param_bytes: int
     load_peak_bytes: int
     budget: int
+    frozen: int = 0
 
 
 @dataclass(frozen=True, slots=True)
