@@ -339,49 +339,15 @@ class PackedExperts(ExpertMatrices):
         return f"{self.qtype}, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
 
 
-class Experts(NumericsUser, nn.Module):
-    """E expert MLPs: ``gate_proj``, ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I], each a
-    parameter or a ``PackedExperts``. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H].
-
-    ``ctx`` with several ranks (see ``ParallelContext.experts``): this rank holds experts
-    ``first_expert .. first_expert + num_experts - 1`` of ``total_experts`` and, of each, rows
-    ``inter_rows`` of gate/up and ``hidden_rows`` of down (whole experts where the ranks of a group
-    are one, ``expert_share`` P = 1); ``forward`` returns every slot's output on every rank
-    (``parallel_forward``). ``ctx.placement`` (``parallel.placement``; whole experts per rank): the
-    rank holds ``expert_ids``, its own experts then replicas of other ranks' hot ones (stacked in
-    that order), and computes the slots the placement's dispatch rule gives it (``my_slots``)."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, ctx: ParallelContext | None = None) -> None:
-        super().__init__()
-        self.ctx = ctx = ctx or ParallelContext()
-        self.total_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.first_expert, last = expert_range(num_experts, ctx.expert_group, ctx.experts)
-        self.own_experts = last - self.first_expert
-        self.placement = _check_placement(ctx, num_experts)
-        self.expert_ids = (tuple(range(self.first_expert, last)) if self.placement is None
-                           else self.placement.held[ctx.rank])  # own experts, then replicas
-        self.num_experts = len(self.expert_ids)  # experts stacked here
-        self.dispatch: dict = {}  # device -> the placement's tables (``placed_local``)
-        p, P = ctx.expert_share
-        self.inter_rows, self.hidden_rows = shard_range(intermediate, p, P), shard_range(hidden, p, P)
-        n_i, n_h = self.inter_rows[1] - self.inter_rows[0], self.hidden_rows[1] - self.hidden_rows[0]
-        for name, shape in zip(EXPERT_PROJS, [(n_i, hidden)] * 2 + [(n_h, intermediate)]):
-            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape), requires_grad=False))
-        # deterministic mode's column blocks (as the dense layers': the whole width / S), so a
-        # column's product has one shape whether its rank holds the whole expert or a share
-        self.leaves = tree_leaves(num_experts)  # deterministic mode's combine tree (``combine_tree``)
-        self.col_blocks = {"gate_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
-                           "up_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
-                           "down_proj": _expert_blocks(hidden, ctx.blocks, n_h)}
-
-    def held(self, name: str) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(experts [start, end), rows [start, end) of each expert's ``name`` matrix) this rank holds.
-
-        >>> Experts(4, 8, 6, ParallelContext(3, 4, blocks=2, experts=2)).held("down_proj")
-        ((2, 4), (4, 8))
-        """
-        rows = self.hidden_rows if name == "down_proj" else self.inter_rows
-        return (self.first_expert, self.first_expert + self.own_experts), rows
+class ExpertsAcrossRanks:
+    """The half of ``Experts`` that spans ranks: which slots this rank computes (its experts, or a
+    placement's dispatch) and what crosses the ranks, in each mode: every slot whole
+    (``parallel_forward``), one summed [T, H] (``combined``), or, under data-parallel attention,
+    each rank's own rows gathered and summed back (``split_steps``). It reads what
+    ``Experts.__init__`` sets (``ctx``, ``placement``, ``first_expert``, ``num_experts``,
+    ``hidden_rows``, ``leaves``, ...) and computes through ``Experts.local`` and
+    ``Experts.fused_stacks``; one process never calls it. Under data-parallel attention:
+    ``ExpertsOverSplitRows``."""
 
     def placed_local(self, ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Under a placement: each slot's expert of ``ids`` [T, k] numbered among this rank's held
@@ -436,89 +402,6 @@ class Experts(NumericsUser, nn.Module):
         """Deterministic mode's combine of every slot y [T, k, H] (all experts' ids [T, k]) -> [T, H]."""
         leaf = ids // (self.total_experts // self.leaves)
         return combine_tree_to(y, weights, leaf, self.leaves, dtype)
-
-    def set_packed(self, name: str, packed: ExpertMatrices) -> None:
-        """Replace one of the three parameters by packed blocks (at load)."""
-        want = getattr(self, name).shape
-        if tuple(packed.shape) != tuple(want):
-            raise LogprobeError("model", f"expert tensor {name} has shape {tuple(packed.shape)}, the config "
-                                f"implies {tuple(want)}")
-        del self._parameters[name]
-        setattr(self, name, packed)
-
-    def weight(self, name: str, e: int) -> torch.Tensor:
-        w = getattr(self, name)
-        return w.expert(e) if isinstance(w, ExpertMatrices) else w[e]
-
-    @property
-    def packed(self) -> bool:
-        return any(isinstance(getattr(self, n), ExpertMatrices) for n in EXPERT_PROJS)
-
-    def lin(self, a: torch.Tensor, name: str, e: int, row_tile: int | None) -> torch.Tensor:
-        """a [n, in] times expert e's ``name`` matrix (held rows) -> [n, out]: one product, or
-        deterministic mode's fixed row tiles (and column blocks)."""
-        w = self.weight(name, e)
-        if row_tile is None:
-            return F.linear(a, w)
-        return tiled_linear(a, w, None, row_tile, self.col_blocks[name] if self.numerics.column_blocks else None)
-
-    def expert_mlp(self, e: int, x: torch.Tensor, row_tile: int | None) -> torch.Tensor:
-        """Expert e on rows x [n, H] -> [n, H]; ``row_tile``: fixed row tiles (deterministic mode)."""
-        act = silu_mul(self.lin(x, "gate_proj", e, row_tile), self.lin(x, "up_proj", e, row_tile))  # [n, I]
-        return self.lin(act, "down_proj", e, row_tile)  # silu_mul is row-invariant on CPU too
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
-                triton: bool = True) -> torch.Tensor:
-        if self.ctx.parallel:
-            return self.parallel_forward(x, ids, row_tile, triton)
-        return self.local(x, ids, row_tile, triton)
-
-    def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
-        """Whole experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
-        T, k = ids.shape
-        if (mats := self.fused_stacks(x, triton)) is not None:
-            return fused_moe(x, ids, *mats).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
-        return self.reference(x, ids, row_tile)
-
-    def fused_stacks(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> list[torch.Tensor] | None:
-        """The matrices for ``fused_moe`` on activations like ``x`` where the fused kernel runs
-        (CUDA, 16- or 32-bit floats, Triton on, experts it can expand; ``interpreted``: also CPU
-        under Triton's interpreter, for the tests), else None."""
-        runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
-        if not (triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available()):
-            return None
-        return self.dense_stacks(x.dtype)
-
-    STACK_BYTES = 4 << 30  # packed experts expanded whole for the fused kernel up to this size a layer
-
-    def dense_stacks(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
-        """The three [E, out, in] matrices for ``fused_moe``: the parameters, or packed ones
-        expanded whole in ``dtype`` where the format offers it (``stacked(dtype)``: each expert
-        bitwise its ``expert(e)``, FP8 blocks) and the layer's expansion fits ``STACK_BYTES``;
-        None: the per-expert reference path."""
-        mats = [getattr(self, n) for n in EXPERT_PROJS]
-        packed = [m for m in mats if isinstance(m, ExpertMatrices)]
-        if not packed:
-            return mats
-        size = sum(m.num_experts * m.out_features * m.in_features for m in packed) * dtype.itemsize
-        if size > self.STACK_BYTES or not all(hasattr(m, "stacked") for m in packed):
-            return None
-        return [m.stacked(dtype) if isinstance(m, ExpertMatrices) else m for m in mats]
-
-    def reference(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None) -> torch.Tensor:
-        """The PyTorch path: rows sorted by expert, one product per expert segment -> [T, k, H]."""
-        T, k = ids.shape
-        order, counts = sort_by_expert(ids, self.num_experts)
-        xs = x[order // k]  # [T*k, H]: slot s reads token s // k
-        ys = x.new_empty(T * k, self.hidden)  # [T*k, H] in expert order
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                ys[start:start + n] = self.expert_mlp(e, xs[start:start + n], row_tile)
-            start += n
-        y = torch.empty_like(ys)
-        y[order] = ys  # back to slot order
-        return y.view(T, k, self.hidden)  # [T, k, H]
 
     def parallel_forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool
                          ) -> torch.Tensor:
@@ -585,6 +468,76 @@ class Experts(NumericsUser, nn.Module):
             partial = x.new_zeros(rows, self.hidden, dtype=torch.float32)  # [rows, H]: its columns only
             partial[:, h0:h1] = combine_partial(ys, w, slots, k, rows, triton)
         return self.ctx.sum_rows(partial, x.dtype)[:T]  # [T, H]
+
+    def computing_rank(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
+        """The rank computing each slot of ``ids`` [T, k] (rows ``first_row`` .. of the gathered
+        batch; whole experts per rank): its expert's owner, or the placement's pick; -1 for pads."""
+        if self.placement is None:
+            return torch.where(ids >= 0, ids // (self.total_experts // self.ctx.size), -1)
+        table, count, _ = self.tables(ids.device)
+        return slot_ranks(ids, table, count, first_row)
+
+    def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
+                    slots: torch.Tensor, row_tile: int | None, triton: bool = True) -> torch.Tensor:
+        """Experts split P ways within a group: this rank's intermediate columns of its slots, the
+        group's columns gathered (copies: the whole intermediate row, in order), then its
+        ``hidden_rows`` outputs over the whole intermediate -> [n, H / P]. Without row tiles (default
+        mode) on CUDA: the fused kernel's two halves (``fused_shared_rows``); else one product per
+        expert segment."""
+        if row_tile is None and triton and (x.is_cuda or interpreting()) and triton_available() \
+                and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            mats = self.dense_stacks(x.dtype)
+            if mats is not None:
+                return self.fused_shared_rows(x, slots, lid, n_slots, *mats)
+        order, counts = sort_by_expert(lid[:, None], self.num_experts)
+        xs = x[tokens[order]]  # [n, H] sorted by expert
+        i0, i1 = self.inter_rows
+        act = x.new_zeros(n_slots, i1 - i0)  # [T*k, I/P]: rows of other slots stay zero (never read)
+        start, segments = 0, []
+        for e, m in enumerate(counts):
+            if m:
+                seg = xs[start:start + m]
+                act[slots[order[start:start + m]]] = silu_mul(self.lin(seg, "gate_proj", e, row_tile),
+                                                               self.lin(seg, "up_proj", e, row_tile))
+                segments.append((e, start, m))
+            start += m
+        whole = self.group_columns(act, slots[order])  # [n, I] sorted by expert
+        out = x.new_empty(len(order), self.hidden_rows[1] - self.hidden_rows[0])  # [n, H/P]
+        for e, start, m in segments:
+            out[start:start + m] = self.lin(whole[start:start + m], "down_proj", e, row_tile)
+        result = torch.empty_like(out)
+        result[order] = out  # back to the order of ``slots``
+        return result
+
+    def group_columns(self, act: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """act [T*k, I/P] (this rank's intermediate columns, by slot) -> [len(rows), I]: the whole
+        intermediate rows of slots ``rows``, the group's P shares side by side (a copy)."""
+        _, P = self.ctx.expert_share
+        g = self.ctx.expert_group
+        every = self.ctx.all_gather(act)[g * P:(g + 1) * P]  # [P, T*k, I/P]: the group's shares
+        return every[:, rows].permute(1, 0, 2).reshape(len(rows), -1)  # [n, I]
+
+    def fused_shared_rows(self, x: torch.Tensor, slots: torch.Tensor, lid: torch.Tensor, n_slots: int,
+                          gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """``shared_rows`` through the fused kernel's halves: ``moe_gate_up`` on this rank's
+        intermediate columns (rows read straight from x, written by slot into [T*k, I/P]), the
+        group's columns gathered, ``moe_down`` on its output rows over the whole intermediate,
+        compact in the order of ``slots`` -> [n, H/P]. The tiles of both halves are this rank's
+        slots by expert (``align_by_expert`` of their experts: positions 0 .. n - 1, n the pad)."""
+        c = default_config(x.dtype)
+        k = n_slots // max(x.shape[0], 1)  # n_slots = T * k
+        pos, tile_expert = align_by_expert(lid[:, None], self.num_experts, c.block_m)  # [Pd], [Pd / block_m]
+        by_slot = torch.cat([slots, slots.new_full((1,), n_slots)]).to(torch.int32)[pos.long()]  # [Pd]: pad n_slots
+        act = moe_gate_up(x, by_slot, tile_expert, n_slots, k, gate, up, c)  # [T*k, I/P]: other slots unwritten
+        return moe_down(self.group_columns(act, slots), pos, tile_expert, down, c)  # [n, I] -> [n, H/P]
+
+
+class ExpertsOverSplitRows:
+    """The data-parallel-attention half of ``Experts`` (whole experts per rank; ``layers.steps``):
+    each rank holds its own rows of the batch (``parallel.rows.RowSplit``), gathers every rank's,
+    computes its experts' slots of all of them and sends each row's sum (default mode) or its
+    subtree's (deterministic mode) back to the rank that owns the row. It computes through
+    ``Experts`` and ``ExpertsAcrossRanks`` (``my_slots``, ``local_ids``, ``leaf_of``)."""
 
     def split_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: RowSplit,
                       deterministic: bool, row_tile: int | None, triton: bool = True) -> torch.Tensor:
@@ -749,67 +702,133 @@ class Experts(NumericsUser, nn.Module):
         y[at] = self.ctx.all_to_all(ys, send, recv)
         return y
 
-    def computing_rank(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
-        """The rank computing each slot of ``ids`` [T, k] (rows ``first_row`` .. of the gathered
-        batch; whole experts per rank): its expert's owner, or the placement's pick; -1 for pads."""
-        if self.placement is None:
-            return torch.where(ids >= 0, ids // (self.total_experts // self.ctx.size), -1)
-        table, count, _ = self.tables(ids.device)
-        return slot_ranks(ids, table, count, first_row)
 
-    def shared_rows(self, x: torch.Tensor, tokens: torch.Tensor, lid: torch.Tensor, n_slots: int,
-                    slots: torch.Tensor, row_tile: int | None, triton: bool = True) -> torch.Tensor:
-        """Experts split P ways within a group: this rank's intermediate columns of its slots, the
-        group's columns gathered (copies: the whole intermediate row, in order), then its
-        ``hidden_rows`` outputs over the whole intermediate -> [n, H / P]. Without row tiles (default
-        mode) on CUDA: the fused kernel's two halves (``fused_shared_rows``); else one product per
-        expert segment."""
-        if row_tile is None and triton and (x.is_cuda or interpreting()) and triton_available() \
-                and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            mats = self.dense_stacks(x.dtype)
-            if mats is not None:
-                return self.fused_shared_rows(x, slots, lid, n_slots, *mats)
-        order, counts = sort_by_expert(lid[:, None], self.num_experts)
-        xs = x[tokens[order]]  # [n, H] sorted by expert
-        i0, i1 = self.inter_rows
-        act = x.new_zeros(n_slots, i1 - i0)  # [T*k, I/P]: rows of other slots stay zero (never read)
-        start, segments = 0, []
-        for e, m in enumerate(counts):
-            if m:
-                seg = xs[start:start + m]
-                act[slots[order[start:start + m]]] = silu_mul(self.lin(seg, "gate_proj", e, row_tile),
-                                                               self.lin(seg, "up_proj", e, row_tile))
-                segments.append((e, start, m))
-            start += m
-        whole = self.group_columns(act, slots[order])  # [n, I] sorted by expert
-        out = x.new_empty(len(order), self.hidden_rows[1] - self.hidden_rows[0])  # [n, H/P]
-        for e, start, m in segments:
-            out[start:start + m] = self.lin(whole[start:start + m], "down_proj", e, row_tile)
-        result = torch.empty_like(out)
-        result[order] = out  # back to the order of ``slots``
-        return result
+class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module):
+    """E expert MLPs: ``gate_proj``, ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I], each a
+    parameter or a ``PackedExperts``. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H].
 
-    def group_columns(self, act: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """act [T*k, I/P] (this rank's intermediate columns, by slot) -> [len(rows), I]: the whole
-        intermediate rows of slots ``rows``, the group's P shares side by side (a copy)."""
-        _, P = self.ctx.expert_share
-        g = self.ctx.expert_group
-        every = self.ctx.all_gather(act)[g * P:(g + 1) * P]  # [P, T*k, I/P]: the group's shares
-        return every[:, rows].permute(1, 0, 2).reshape(len(rows), -1)  # [n, I]
+    ``ctx`` with several ranks (see ``ParallelContext.experts``): this rank holds experts
+    ``first_expert .. first_expert + num_experts - 1`` of ``total_experts`` and, of each, rows
+    ``inter_rows`` of gate/up and ``hidden_rows`` of down (whole experts where the ranks of a group
+    are one, ``expert_share`` P = 1); ``forward`` returns every slot's output on every rank
+    (``parallel_forward``). ``ctx.placement`` (``parallel.placement``; whole experts per rank): the
+    rank holds ``expert_ids``, its own experts then replicas of other ranks' hot ones (stacked in
+    that order), and computes the slots the placement's dispatch rule gives it (``my_slots``)."""
 
-    def fused_shared_rows(self, x: torch.Tensor, slots: torch.Tensor, lid: torch.Tensor, n_slots: int,
-                          gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """``shared_rows`` through the fused kernel's halves: ``moe_gate_up`` on this rank's
-        intermediate columns (rows read straight from x, written by slot into [T*k, I/P]), the
-        group's columns gathered, ``moe_down`` on its output rows over the whole intermediate,
-        compact in the order of ``slots`` -> [n, H/P]. The tiles of both halves are this rank's
-        slots by expert (``align_by_expert`` of their experts: positions 0 .. n - 1, n the pad)."""
-        c = default_config(x.dtype)
-        k = n_slots // max(x.shape[0], 1)  # n_slots = T * k
-        pos, tile_expert = align_by_expert(lid[:, None], self.num_experts, c.block_m)  # [Pd], [Pd / block_m]
-        by_slot = torch.cat([slots, slots.new_full((1,), n_slots)]).to(torch.int32)[pos.long()]  # [Pd]: pad n_slots
-        act = moe_gate_up(x, by_slot, tile_expert, n_slots, k, gate, up, c)  # [T*k, I/P]: other slots unwritten
-        return moe_down(self.group_columns(act, slots), pos, tile_expert, down, c)  # [n, I] -> [n, H/P]
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, ctx: ParallelContext | None = None) -> None:
+        super().__init__()
+        self.ctx = ctx = ctx or ParallelContext()
+        self.total_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.first_expert, last = expert_range(num_experts, ctx.expert_group, ctx.experts)
+        self.own_experts = last - self.first_expert
+        self.placement = _check_placement(ctx, num_experts)
+        self.expert_ids = (tuple(range(self.first_expert, last)) if self.placement is None
+                           else self.placement.held[ctx.rank])  # own experts, then replicas
+        self.num_experts = len(self.expert_ids)  # experts stacked here
+        self.dispatch: dict = {}  # device -> the placement's tables (``placed_local``)
+        p, P = ctx.expert_share
+        self.inter_rows, self.hidden_rows = shard_range(intermediate, p, P), shard_range(hidden, p, P)
+        n_i, n_h = self.inter_rows[1] - self.inter_rows[0], self.hidden_rows[1] - self.hidden_rows[0]
+        for name, shape in zip(EXPERT_PROJS, [(n_i, hidden)] * 2 + [(n_h, intermediate)]):
+            setattr(self, name, nn.Parameter(torch.empty(self.num_experts, *shape), requires_grad=False))
+        # deterministic mode's column blocks (as the dense layers': the whole width / S), so a
+        # column's product has one shape whether its rank holds the whole expert or a share
+        self.leaves = tree_leaves(num_experts)  # deterministic mode's combine tree (``combine_tree``)
+        self.col_blocks = {"gate_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
+                           "up_proj": _expert_blocks(intermediate, ctx.blocks, n_i),
+                           "down_proj": _expert_blocks(hidden, ctx.blocks, n_h)}
+
+    def held(self, name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(experts [start, end), rows [start, end) of each expert's ``name`` matrix) this rank holds.
+
+        >>> Experts(4, 8, 6, ParallelContext(3, 4, blocks=2, experts=2)).held("down_proj")
+        ((2, 4), (4, 8))
+        """
+        rows = self.hidden_rows if name == "down_proj" else self.inter_rows
+        return (self.first_expert, self.first_expert + self.own_experts), rows
+
+    def set_packed(self, name: str, packed: ExpertMatrices) -> None:
+        """Replace one of the three parameters by packed blocks (at load)."""
+        want = getattr(self, name).shape
+        if tuple(packed.shape) != tuple(want):
+            raise LogprobeError("model", f"expert tensor {name} has shape {tuple(packed.shape)}, the config "
+                                f"implies {tuple(want)}")
+        del self._parameters[name]
+        setattr(self, name, packed)
+
+    def weight(self, name: str, e: int) -> torch.Tensor:
+        w = getattr(self, name)
+        return w.expert(e) if isinstance(w, ExpertMatrices) else w[e]
+
+    @property
+    def packed(self) -> bool:
+        return any(isinstance(getattr(self, n), ExpertMatrices) for n in EXPERT_PROJS)
+
+    def lin(self, a: torch.Tensor, name: str, e: int, row_tile: int | None) -> torch.Tensor:
+        """a [n, in] times expert e's ``name`` matrix (held rows) -> [n, out]: one product, or
+        deterministic mode's fixed row tiles (and column blocks)."""
+        w = self.weight(name, e)
+        if row_tile is None:
+            return F.linear(a, w)
+        return tiled_linear(a, w, None, row_tile, self.col_blocks[name] if self.numerics.column_blocks else None)
+
+    def expert_mlp(self, e: int, x: torch.Tensor, row_tile: int | None) -> torch.Tensor:
+        """Expert e on rows x [n, H] -> [n, H]; ``row_tile``: fixed row tiles (deterministic mode)."""
+        act = silu_mul(self.lin(x, "gate_proj", e, row_tile), self.lin(x, "up_proj", e, row_tile))  # [n, I]
+        return self.lin(act, "down_proj", e, row_tile)  # silu_mul is row-invariant on CPU too
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None,
+                triton: bool = True) -> torch.Tensor:
+        if self.ctx.parallel:
+            return self.parallel_forward(x, ids, row_tile, triton)
+        return self.local(x, ids, row_tile, triton)
+
+    def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
+        """Whole experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
+        T, k = ids.shape
+        if (mats := self.fused_stacks(x, triton)) is not None:
+            return fused_moe(x, ids, *mats).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
+        return self.reference(x, ids, row_tile)
+
+    def fused_stacks(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> list[torch.Tensor] | None:
+        """The matrices for ``fused_moe`` on activations like ``x`` where the fused kernel runs
+        (CUDA, 16- or 32-bit floats, Triton on, experts it can expand; ``interpreted``: also CPU
+        under Triton's interpreter, for the tests), else None."""
+        runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
+        if not (triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available()):
+            return None
+        return self.dense_stacks(x.dtype)
+
+    STACK_BYTES = 4 << 30  # packed experts expanded whole for the fused kernel up to this size a layer
+
+    def dense_stacks(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The three [E, out, in] matrices for ``fused_moe``: the parameters, or packed ones
+        expanded whole in ``dtype`` where the format offers it (``stacked(dtype)``: each expert
+        bitwise its ``expert(e)``, FP8 blocks) and the layer's expansion fits ``STACK_BYTES``;
+        None: the per-expert reference path."""
+        mats = [getattr(self, n) for n in EXPERT_PROJS]
+        packed = [m for m in mats if isinstance(m, ExpertMatrices)]
+        if not packed:
+            return mats
+        size = sum(m.num_experts * m.out_features * m.in_features for m in packed) * dtype.itemsize
+        if size > self.STACK_BYTES or not all(hasattr(m, "stacked") for m in packed):
+            return None
+        return [m.stacked(dtype) if isinstance(m, ExpertMatrices) else m for m in mats]
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None) -> torch.Tensor:
+        """The PyTorch path: rows sorted by expert, one product per expert segment -> [T, k, H]."""
+        T, k = ids.shape
+        order, counts = sort_by_expert(ids, self.num_experts)
+        xs = x[order // k]  # [T*k, H]: slot s reads token s // k
+        ys = x.new_empty(T * k, self.hidden)  # [T*k, H] in expert order
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = self.expert_mlp(e, xs[start:start + n], row_tile)
+            start += n
+        y = torch.empty_like(ys)
+        y[order] = ys  # back to slot order
+        return y.view(T, k, self.hidden)  # [T, k, H]
 
 
 def _check_placement(ctx: ParallelContext, num_experts: int) -> Placement | None:
