@@ -172,6 +172,24 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, l
     return order, counts
 
 
+def by_expert(x: torch.Tensor, ids: torch.Tensor, num_experts: int, width: int, mlp) -> torch.Tensor:
+    """A mixture's PyTorch path: x [T, H] routed to ``ids`` [T, k] (0 .. num_experts - 1) ->
+    [T, k, width], the rows sorted by expert and one ``mlp(e, rows [n, H]) -> [n, width]`` per
+    expert segment (in fixed tiles where ``mlp`` uses them), then put back in slot order."""
+    T, k = ids.shape
+    order, counts = sort_by_expert(ids, num_experts)
+    xs = x[order // k]  # [T*k, H]: slot s reads token s // k
+    ys = x.new_empty(T * k, width)  # [T*k, width] in expert order
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start:start + n] = mlp(e, xs[start:start + n])
+        start += n
+    y = torch.empty_like(ys)
+    y[order] = ys  # back to slot order
+    return y.view(T, k, width)
+
+
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Expert outputs y [T, k, H] and weights [T, k] -> float32 [T, H], added in slot order."""
     out = y[:, 0].float() * weights[:, :1]
@@ -816,19 +834,8 @@ class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module)
         return [m.stacked(dtype) if isinstance(m, ExpertMatrices) else m for m in mats]
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None) -> torch.Tensor:
-        """The PyTorch path: rows sorted by expert, one product per expert segment -> [T, k, H]."""
-        T, k = ids.shape
-        order, counts = sort_by_expert(ids, self.num_experts)
-        xs = x[order // k]  # [T*k, H]: slot s reads token s // k
-        ys = x.new_empty(T * k, self.hidden)  # [T*k, H] in expert order
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                ys[start:start + n] = self.expert_mlp(e, xs[start:start + n], row_tile)
-            start += n
-        y = torch.empty_like(ys)
-        y[order] = ys  # back to slot order
-        return y.view(T, k, self.hidden)  # [T, k, H]
+        """The PyTorch path (``by_expert``) -> [T, k, H]."""
+        return by_expert(x, ids, self.num_experts, self.hidden, lambda e, rows: self.expert_mlp(e, rows, row_tile))
 
 
 def _check_placement(ctx: ParallelContext, num_experts: int) -> Placement | None:

@@ -46,7 +46,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range
 from .activation import row_invariant
 from .linear import Linear, tiled_linear
-from .moe import combine_partial, combine_to, local_slots, sort_by_expert
+from .moe import by_expert, combine_partial, combine_to, local_slots
 from .numerics import NumericsUser
 
 
@@ -182,17 +182,7 @@ class GptOssExperts(nn.Module):
             y = gpt_oss_experts(x, ids, self.operand("gate_up_proj"), self.gate_up_proj_bias.to(x.dtype),
                                 self.operand("down_proj"), self.down_proj_bias.to(x.dtype), self.alpha, self.limit)
             return y.view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
-        order, counts = sort_by_expert(ids, self.num_experts)
-        xs = x[order // k]  # [T*k, H]: slot s reads token s // k
-        ys = x.new_empty(T * k, self.hidden)  # expert order
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                ys[start:start + n] = self.expert_mlp(e, xs[start:start + n], row_tile)
-            start += n
-        y = torch.empty_like(ys)
-        y[order] = ys  # back to slot order
-        return y.view(T, k, self.hidden)
+        return by_expert(x, ids, self.num_experts, self.hidden, lambda e, rows: self.expert_mlp(e, rows, row_tile))
 
 
 class GptOssMoe(NumericsUser, nn.Module):
