@@ -144,7 +144,8 @@ def profile_pass(model, reqs, batch_tokens, label: str) -> None:
     total = sum(kernels.values())
     kinds: dict[str, float] = {}
     for name, ms in kernels.items():
-        kinds[kernel_family(name)] = kinds.get(kernel_family(name), 0.0) + ms
+        kind = kernel_family(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     log(f"\n### {label}: one pass under torch.profiler, wall {wall * 1e3:.0f} ms (with the profiler's cost), "
         f"kernels {total:.0f} ms ({total / 1e3 / wall:.0%} busy)")
     log("| kind | ms | share of kernel time |\n| --- | ---: | ---: |")

@@ -69,12 +69,10 @@ class ServedWeights:
         return self.batcher.exclusive(lambda: self._swap(path, weight_version, in_place))
 
     def _swap(self, path: str, weight_version: str | None = None, in_place: bool = False) -> int:
-        kw = dict(in_place=True) if in_place else {}
+        kw = {**({} if weight_version is None else {"weight_version": weight_version}),
+              **({"in_place": True} if in_place else {})}  # only what is asked: a scorer without the options still loads
         try:
-            if weight_version is None:
-                self.scorer.load_weights(path, **kw)
-            else:
-                self.scorer.load_weights(path, weight_version=weight_version, **kw)
+            self.scorer.load_weights(path, **kw)
         except LogprobeError as e:
             raise LogprobeError("model_path", f"{path!r} was not loaded: {e}", self._still()) from e
         except torch.OutOfMemoryError:
