@@ -267,7 +267,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (labelled in the output)")
     ap.add_argument("--sizes", default="1x1,2x1,2x2", help="TPxEP pairs, the first is the reference")
     ap.add_argument("--modes", default="default,det",
-                    help="default, det; with ':onebatch' (e.g. default:onebatch): micro-batches off, for comparison")
+                    help="default, det; with ':onebatch' (e.g. default:onebatch): micro-batches off, for comparison; "
+                         "with ':tokens=N' (e.g. default:tokens=262144): a budget of N rows a pass instead of the "
+                         "engine's (a setting, labelled in the row); options joined by '+'")
     ap.add_argument("--attention", default="auto",
                     help="attention layouts to time above one GPU, comma-separated: data, tensor, auto (the model's)")
     ap.add_argument("--dir", default="/tmp/logprobe-moe-parallel")
@@ -326,6 +328,26 @@ def main() -> None:
                 run_size(args, path, tp, ep, None if layout == "auto" else layout, ref, base, redundant)
 
 
+def mode_options(mode: str) -> tuple[str, dict]:
+    """A ``--modes`` item -> (default or det, EngineConfig options): "onebatch" turns micro-batches
+    off, "tokens=N" sets the budget of a pass.
+
+    >>> mode_options("det"), mode_options("default:onebatch+tokens=262144")
+    (('det', {}), ('default', {'micro_batch_rows': 0, 'max_batch_tokens': 262144}))
+    """
+    name, _, opt = mode.partition(":")
+    options: dict = {}
+    for item in filter(None, opt.split("+")):
+        key, _, value = item.partition("=")
+        if item == "onebatch":
+            options["micro_batch_rows"] = 0
+        elif key == "tokens" and value.isdigit():
+            options["max_batch_tokens"] = int(value)
+        else:
+            raise SystemExit(f"--modes: unknown option {item!r} in {mode!r} (onebatch, tokens=N)")
+    return name, options
+
+
 def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, base: dict,
              redundant: int = 0) -> None:
     """One (TP, EP, attention layout): each mode timed on W1; the first run of a mode is the reference.
@@ -345,14 +367,13 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
     if args.redundant:
         replicas(args, s, reqs, tp, path, redundant)
     for mode in args.modes.split(","):
-        name, _, opt = mode.partition(":")  # "default:onebatch": micro-batches off (EngineConfig.micro_batch_rows 0)
+        name, options = mode_options(mode)
         if name == "det" and ep != tp and args.device == "cuda":
             log(json.dumps(dict(tp=tp, ep=ep, mode=mode, skipped="deterministic on CUDA needs EP = TP")))
             continue
-        if opt and tp == 1:
+        if "micro_batch_rows" in options and tp == 1:
             continue  # one GPU has no micro-batches: its rows are the reference of both
-        micro = dict(micro_batch_rows=0) if opt == "onebatch" else {}
-        s.config = EngineConfig(progress=False, deterministic=name == "det", **micro)
+        s.config = EngineConfig(progress=False, deterministic=name == "det", **options)
         s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
         runs = [timed(s, reqs, args.device) for _ in range(max(1, args.passes))]
         secs, lp = min(runs, key=lambda r: r[0])

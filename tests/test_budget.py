@@ -12,6 +12,7 @@ from logprobe import EngineConfig, Scorer
 from logprobe.engine.budget import (
     CPU_BUDGET,
     MAX_AUTO_MOE,
+    MAX_AUTO_MOE_SPLIT,
     activation_bytes_per_token,
     auto_budget,
     budget_for,
@@ -101,13 +102,15 @@ def test_moe_cap_gold(free, want):
     # data-parallel attention over N ranks: an own row costs 71,680 + N * 12,352 gathered bytes
     # (x bf16 + the float32 partial of H = 2048, the routing 8 * 8); the share per rank x N
     (100 * GiB, 1, 65536),
-    (100 * GiB, 2, 131072),  # 278,506 rows per rank -> the MoE cap
-    (100 * GiB, 4, 262144),
+    (100 * GiB, 2, 262144),  # 278,506 rows per rank -> 262,144 -> the cap across ranks, 131,072
+    (100 * GiB, 4, 524288),  # 221,686 -> 131,072 per rank
+    (40 * GiB, 2, 131072),  # 111,402 -> 65,536 per rank, under either cap
     (12 * GiB, 2, 65536),  # 33,420 -> 32768 per rank
     (4 * GiB, 2, 16384),  # 11,140 -> 8192 per rank
     (4 * GiB, 8, 32768),  # 6,297 (8 gathered rows per own row) -> 4096 per rank
 ])
 def test_data_attention_budget_gold(free, ranks, want):
+    assert MAX_AUTO_MOE_SPLIT == 2 * MAX_AUTO_MOE
     assert gathered_bytes_per_token(QWEN3_30B_A3B, 2) == 12352 and gathered_bytes_per_token(LLAMA_8B, 2) == 0
     assert ranks_budget("cuda", free, QWEN3_30B_A3B, 2, ranks) == want
     assert ranks_budget("cpu", free, QWEN3_30B_A3B, 2, ranks) == ranks * CPU_BUDGET

@@ -17,7 +17,12 @@ Data-parallel attention over N ranks (``parallel.rows``: each rank runs attentio
 layers on its share of the batch's rows, the experts gather every rank's rows) holds per rank
 the activations of its own rows and, in the MoE layer, ``gathered_bytes_per_token`` for every
 rank's rows: N of them per own row. The rule then picks a share per rank and the budget of a
-pass (the rows of every rank together) is N times it: each rank's GEMMs as large as one GPU's.
+pass (the rows of every rank together) is N times it. The share clamps at
+``MAX_AUTO_MOE_SPLIT`` (twice one GPU's cap): a pass across ranks pays more for its ends (the
+micro-batches' fill and drain, the ranks agreeing, the last transfers alone), so fewer, larger
+passes pay off there. Two H200s, whole Qwen3-30B-A3B shape, W1 (239k rows): one pass of 262,144
+rows 2.639 s against two of 131,072 2.703 s (2.4%); one GPU at 131,072 against 65,536: 1.0%
+(MLA shape: 0.7% slower), so one GPU keeps its cap (docs/perf.md).
 
 Activations per token of one block, in the model's dtype (the widest moment of each half):
 attention ``6 H + (heads + 2 kv_heads) * head_dim`` (residual, norm, q/k/v, output and its
@@ -40,14 +45,14 @@ their product), for MoE ``3 * top_k * I_e`` plus a shared expert's ``3 I_s``.
 
 Qwen3-30B-A3B (H 2048, 32 + 2 * 4 heads of 128, top-8 of 768), bf16, over 2 ranks with 100 GiB
 free each: 71,680 bytes an own row plus 2 * 12,352 gathered = 96,384; a quarter of 100 GiB holds
-278,506 rows -> the MoE cap 65536 per rank -> 131072 a pass:
+278,506 rows -> 262,144 -> the cap across ranks, 131,072 per rank -> 262,144 a pass:
 
 >>> q = C(hidden_size=2048, intermediate_size=6144, num_heads=32, num_kv_heads=4, head_dim=128,
 ...       moe=C(top_k=8, intermediate_size=768, shared_intermediate_size=0, dense_layers=()))
 >>> activation_bytes_per_token(q, 2), gathered_bytes_per_token(q, 2)
 (71680, 12352)
 >>> ranks_budget("cuda", 100 * 2**30, q, 2, ranks=2), ranks_budget("cuda", 100 * 2**30, q, 2)
-(131072, 65536)
+(262144, 65536)
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from ..models.base import ScoringModel
 CPU_BUDGET = 8192
 MAX_AUTO = 32768
 MAX_AUTO_MOE = 65536
+MAX_AUTO_MOE_SPLIT = 131072  # per rank under data-parallel attention (the module docstring)
 MIN_AUTO = 1024
 MEMORY_SHARE = 0.25
 CUDA_UNKNOWN = 8192  # the transformers backend on CUDA, whose shapes logprobe does not read
@@ -111,7 +117,8 @@ def ranks_budget(device_type: str, free_bytes: int | None, cfg, element_size: in
     per_token = activation_bytes_per_token(cfg, element_size)
     if ranks > 1:
         per_token += ranks * gathered_bytes_per_token(cfg, element_size)
-    cap = MAX_AUTO_MOE if getattr(cfg, "moe", None) is not None else MAX_AUTO
+    moe = getattr(cfg, "moe", None) is not None
+    cap = (MAX_AUTO_MOE_SPLIT if ranks > 1 else MAX_AUTO_MOE) if moe else MAX_AUTO
     return ranks * auto_budget(device_type, free_bytes, per_token, cap)
 
 
