@@ -84,6 +84,7 @@ from common import (  # noqa: E402
     FP8_CONFIG,
     MOE_SHAPES,
     byte_tokenizer,
+    free,
     moe_config,
     workload,
     write_moe_checkpoint,
@@ -400,6 +401,10 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
         if args.profile:
             profiled(args, s, reqs, path, f"{args.shape}-{tp}x{ep}-{s.attention_parallel}-{mode}")
     s.close()
+    # a one-GPU size's weights leave this process's GPU memory before the next size starts: its
+    # workers then see what a fresh process would, and their default budget is the user's
+    del s
+    free()
 
 
 def replicas(args, s, reqs, tp: int, path: Path, redundant: int) -> None:
