@@ -158,6 +158,33 @@ def test_fp8_update_equals_fresh_load_cuda(kind, fp8_dirs):
         s.close(), fresh.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_fp8_update_on_two_gpus_by_ipc(in_place, fp8_dirs):
+    """TP = EP = 2 on CUDA, the new weights given as CUDA tensors (a weight group's receive buffer
+    is one): the driver checks and cuts them on its GPU and hands each worker its slices by CUDA
+    IPC (``ParallelEngine.stage_weights``), a stream and in place too; the scores then equal a
+    fresh one-GPU scorer's of the new weights, bitwise (deterministic mode). A NaN among them is
+    refused there, naming the tensor, with nothing changed."""
+    a, b = fp8_dirs["deepseek"]
+    fresh = Scorer(str(b), device="cuda", dtype="bfloat16", progress=False, deterministic=True)
+    want = scores(fresh)
+    fresh.close()
+    with Scorer(str(a), device="cuda", dtype="bfloat16", progress=False, deterministic=True,
+                tensor_parallel_size=2, expert_parallel_size=2) as s:
+        old = scores(s)
+        new = {k: v.cuda() for k, v in tensors(b).items()}
+        q = "model.layers.1.self_attn.q_b_proj.weight"
+        nan = new[q].clone()
+        nan.view(torch.uint8)[0, 0] = 0x7F  # e4m3fn's NaN
+        with pytest.raises(LogprobeError, match="non-finite"):
+            s.update_weights({**new, q: nan})
+        assert same(scores(s), old)
+        assert s.update_weights(iter(list(new.items())) if in_place else new, in_place=in_place) == 1
+        assert same(scores(s), want) and not same(old, want)
+
+
 def test_fp8_refusals_change_nothing(fp8_dirs, tmp_path):
     a, b = fp8_dirs["deepseek"]
     s = scorer(a)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing import connection
 
+import torch
+
 from ..config import EngineConfig, resolve_device
 from ..engine.budget import agreed_budget, resolved_budget
 from ..engine.request import RequestResult, ScoreRequest
@@ -77,6 +79,7 @@ class ParallelEngine:
         before it reads the model), else spawned here. ``placement``: replicas of hot experts
         (``parallel.placement``), the same in every replica. ``load_format``: ``loader.load_shard``'s."""
         self.tp, self.dp, self.ep = tp, dp, ep
+        self.device_type = device  # "cuda": rank r of replica g runs on GPU g * tp + r
         self.placement = placement
         self.attention = attention  # the layout of attention and dense layers (ParallelContext.attention)
         self.groups: list[WorkerGroup] = list(launched) if launched is not None else []
@@ -179,9 +182,16 @@ class ParallelEngine:
         return results, sorted(ranks, key=lambda p: p.rank)  # type: ignore[return-value]
 
     def stage_weights(self, rank: int, pairs: list) -> None:
-        """Hand rank ``rank`` of every replica its slices of new weights (``loading.update``)."""
-        for g in self.groups:
-            g.broadcast(StageWeights(pairs), rank)
+        """Hand rank ``rank`` of every replica its slices of new weights (``loading.update``). A
+        slice on a GPU is copied to the rank's GPU first (over NVLink where there is one) and
+        reaches the worker by CUDA IPC (``workers.MessagePickler``): a handle, not its bytes."""
+        for r, g in enumerate(self.groups):
+            if self.device_type == "cuda" and any(v.is_cuda for _, v in pairs):
+                gpu = torch.device("cuda", r * self.tp + rank)
+                sent = [(name, v.to(gpu, copy=True) if v.is_cuda else v) for name, v in pairs]
+            else:
+                sent = pairs
+            g.broadcast(StageWeights(sent), rank)
 
     def end_weights(self, commit: bool, whole: bool = True) -> None:
         """Every worker confirms its staged weights (``whole``: and that they cover its shard; else

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from multiprocessing import connection
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from ..config import EngineConfig
 from ..engine.budget import agreed_budget
@@ -113,14 +114,19 @@ def tensor_from_array(a) -> torch.Tensor:
 
 class MessagePickler(pickle.Pickler):
     """The plain pickler, except that a plain CPU tensor of an ``ARRAY_DTYPES`` dtype is written as
-    its numpy array (only its own elements: a view does not carry its whole storage). Bits are
-    kept, -0.0 and NaN payloads included; two views of one storage arrive as two tensors. Other
-    tensors (bfloat16, CUDA, parameters) take torch's own reduction."""
+    its numpy array (only its own elements: a view does not carry its whole storage), and a CUDA
+    tensor as a CUDA IPC handle of its storage (``torch.multiprocessing``'s reduction: the receiver
+    maps the sender's memory, after the sender's stream has written it; the sender's allocator
+    keeps the memory until the receiver lets go of it). Bits are kept, -0.0 and NaN payloads
+    included; two views of one storage arrive as two tensors. Other tensors (bfloat16 on the CPU,
+    parameters) take torch's own reduction."""
 
     def reducer_override(self, obj):
-        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided \
-                and obj.dtype in ARRAY_DTYPES and not obj.requires_grad:
-            return tensor_from_array, (obj.numpy(),)
+        if type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.requires_grad:
+            if obj.device.type == "cpu" and obj.dtype in ARRAY_DTYPES:
+                return tensor_from_array, (obj.numpy(),)
+            if obj.device.type == "cuda":
+                return reduce_tensor(obj)
         return NotImplemented
 
 

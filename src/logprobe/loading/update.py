@@ -354,7 +354,7 @@ def check_finite(name: str, value: torch.Tensor, slot: torch.Tensor, field: str)
     """Refuse ``value`` (incoming tensor ``name``) if it holds a NaN or an infinity, or a value that
     becomes one in the model's dtype (float32 -> float16 beyond 65504): such weights turn every
     score into NaN."""
-    bad = int((~torch.isfinite(value.float() if value.dtype == torch.float8_e4m3fn else value)).sum())
+    bad = int(fp8_nans(value).sum() if value.dtype == torch.float8_e4m3fn else (~torch.isfinite(value)).sum())
     if bad:
         raise LogprobeError(field, f"{name!r} holds {bad} non-finite value{'s' * (bad != 1)} (NaN or inf)",
                             "send finite weights (a diverged trainer step would make every score NaN)")
@@ -362,6 +362,17 @@ def check_finite(name: str, value: torch.Tensor, slot: torch.Tensor, field: str)
         raise LogprobeError(field, f"{name!r} holds values beyond the range of the model's "
                             f"{str(slot.dtype).removeprefix('torch.')} (largest {value.abs().amax().item():.4g})",
                             "send weights that fit the model's dtype")
+
+
+def fp8_nans(codes: torch.Tensor) -> torch.Tensor:
+    """Which float8 e4m3fn codes are NaN, read from their bytes: e4m3fn has no infinities and one
+    NaN pattern, every exponent and mantissa bit set (0x7F, 0xFF with the sign). Converting 1 GB
+    of codes to float32 to ask ``isfinite`` took seconds on a server's CPU.
+
+    >>> fp8_nans(torch.tensor([0x7F, 0xFF, 0x7E, 0x00, 0x80], dtype=torch.uint8).view(torch.float8_e4m3fn)).tolist()
+    [True, True, False, False, False]
+    """
+    return (codes.view(torch.uint8) & 0x7F) == 0x7F
 
 
 def check_complete(model, slots: dict[str, torch.Tensor], seen: Mapping[str, str] | set[str],
@@ -567,6 +578,35 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, how
 
 
 STREAM_COMMIT_BYTES = 1 << 30  # a streamed update to workers: each rank copies in its parts this often
+STAGE_MESSAGE_BYTES = 64 << 20  # a rank's slices travel in messages of about this much
+
+
+class RankParts:
+    """The slices ``update_workers`` has cut for each rank, sent to the workers (``stage_weights``)
+    a message of about ``STAGE_MESSAGE_BYTES`` at a time rather than one message a tensor. FP8
+    codes travel as their bytes (torch's pickling has no float8 storage). ``sent``: bytes handed
+    to the workers since the last ``take_sent``."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.sent = engine, 0
+        self.parts: dict[int, list] = {}
+        self.bytes: dict[int, int] = {}
+
+    def add(self, rank: int, name: str, part: torch.Tensor) -> None:
+        fp8 = part.dtype == torch.float8_e4m3fn
+        self.parts.setdefault(rank, []).append((name, part.view(torch.uint8) if fp8 else part))
+        size = part.numel() * part.element_size()
+        self.bytes[rank] = self.bytes.get(rank, 0) + size
+        self.sent += size
+        if self.bytes[rank] >= STAGE_MESSAGE_BYTES:
+            self.flush(rank)
+
+    def flush(self, rank: int | None = None) -> None:
+        """Send the slices held for ``rank`` (None: every rank's)."""
+        for r in [rank] if rank is not None else sorted(self.parts):
+            if self.parts.get(r):
+                self.engine.stage_weights(r, self.parts.pop(r))
+            self.bytes[r] = 0
 
 
 def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: str, how: str = "staged",
@@ -577,51 +617,61 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
     error before that drops every staged slice (all or nothing across ranks). ``how`` "streamed"
     (and a part, ``whole`` False): the workers copy in what they staged every
     ``STREAM_COMMIT_BYTES`` sent and at the end, without waiting for the whole model (the driver
-    checks that the stream covered it); ``on_write()`` before the first such copy."""
+    checks that the stream covered it); ``on_write()`` before the first such copy.
+
+    A tensor on a GPU (a weight group's receive buffer) is checked and cut there, and its slices
+    reach the workers by CUDA IPC (``ParallelEngine.stage_weights``), never through this process's
+    memory: on two H200s a DeepSeek-V3-shaped update had moved at 0.2 GB/s through the CPU."""
     weight_slots(model)  # the model's refusals
     full, held = whole_slots(model)
-    cfg, seen, n, sent = model.config, {}, 0, 0
-    build = family(model).build_meta
-    ranks = []
-    for r in range(engine.tp):
-        with torch.device("meta"):
-            ctx = parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1),
-                                   attention=getattr(engine, "attention", None))
-            ranks.append(build(cfg, replace(ctx, placement=getattr(engine, "placement", None))))
-    parts = how == "streamed" or not whole  # every commit a part: no worker checks the whole
+    ranks = rank_models(model, engine)
+    on_gpu = getattr(engine, "device_type", "cpu") == "cuda"
+    parts, seen, n = RankParts(engine), {}, 0
+    stream = how == "streamed" or not whole  # every commit a part: no worker checks the whole
 
     def commit() -> None:
-        nonlocal sent
-        if on_write is not None and sent:
+        parts.flush()
+        if on_write is not None and parts.sent:
             on_write()
-        engine.end_weights(commit=True, whole=not parts)
-        sent = 0
+        engine.end_weights(commit=True, whole=not stream)
+        parts.sent = 0
 
     try:
         for item in items:
             for unit, piece in units(item, model, field):
                 if (name := check(unit, piece, model, full, seen, field)) is None:
                     continue
-                value = piece.load().detach().cpu()
+                value = piece.load().detach()
+                value = value if on_gpu and value.is_cuda else value.cpu()
                 check_finite(piece.name, value, full[name], field)
                 value = whole_rows(name, value, held, full) if held else value
                 for rank in ranks:  # each rank its part; an expert to the ranks that hold it
-                    if (part := rank_part(name, value, rank)) is not None:  # FP8 codes travel as bytes
-                        fp8 = part.dtype == torch.float8_e4m3fn  # (torch's pickling has no float8 storage)
-                        engine.stage_weights(rank.ctx.rank, [(name, part.view(torch.uint8) if fp8 else part)])
-                        sent += part.numel() * part.element_size()
+                    if (part := rank_part(name, value, rank)) is not None:
+                        parts.add(rank.ctx.rank, name, part)
                 n += 1
-                if how == "streamed" and sent >= STREAM_COMMIT_BYTES:
+                if how == "streamed" and parts.sent >= STREAM_COMMIT_BYTES:
                     commit()
         kept = check_complete(model, full, seen, field) if whole and how != "streamed" else []
     except BaseException:
         engine.end_weights(commit=False)
         raise
-    sent = max(sent, 1)  # the last commit: an on_write even for a stream of kept tensors only
+    parts.sent = max(parts.sent, 1)  # the last commit: an on_write even for a stream of kept tensors only
     commit()
     if whole and how == "streamed":
         kept = check_complete(model, full, seen, field)
     return Applied(n, note_kept(model, kept, seen) if whole else ())
+
+
+def rank_models(model: nn.Module, engine) -> list[nn.Module]:
+    """The weightless (meta) model of each rank of ``engine``'s replicas: what each holds, so that
+    ``rank_part`` cuts its slice of a whole tensor."""
+    cfg, build, ranks = model.config, family(model).build_meta, []
+    for r in range(engine.tp):
+        with torch.device("meta"):
+            ctx = parallel_context(cfg, r, engine.tp, experts=getattr(engine, "ep", 1),
+                                   attention=getattr(engine, "attention", None))
+            ranks.append(build(cfg, replace(ctx, placement=getattr(engine, "placement", None))))
+    return ranks
 
 
 class StagedWeights:
@@ -638,6 +688,13 @@ class StagedWeights:
             self.error = e
 
     def add(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Stage ``pairs``. A slice that came by CUDA IPC (``update_workers``) lies in the driver's
+        memory, which it reuses once this process lets go of it: it is copied here first, and the
+        copies are complete before this returns."""
+        on_gpu = [v.is_cuda for _, v in pairs]
+        pairs = [(name, value.clone() if cuda else value) for (name, value), cuda in zip(pairs, on_gpu)]
+        if any(on_gpu):
+            torch.cuda.current_stream().synchronize()
         try:
             for name, value in pairs:
                 slot = self.slots.get(name)
