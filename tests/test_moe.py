@@ -544,6 +544,46 @@ def test_fused_kernel_interpreted():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
+def test_fused_fp8_experts_in_parts_interpreted():
+    """FP8 block experts too large to expand at once (``Experts.STACK_BYTES`` set to two experts'
+    worth here; DeepSeek-V3's 256 experts expand to 22.5 GB a layer) run the fused kernel over
+    runs of experts into one buffer (``Experts.fused``): bitwise the single expansion, pad and
+    other ranks' slots (ids -1 and >= E) left to no run; the float64 reference of the expanded
+    weights within float32's rounding."""
+    code = textwrap.dedent("""
+        import json, torch
+        from logprobe.layers.fp8_block_linear import FP8BlockExperts
+        from logprobe.layers.moe import Experts
+        from logprobe.kernels.moe import moe_reference
+        g = torch.Generator().manual_seed(0)
+        T, H, I, E, k, bc = 29, 40, 24, 7, 2, 16
+        e = Experts(E, H, I)
+        for name, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            q = (torch.randn(E, o, i, generator=g) * 8).to(torch.float8_e4m3fn)
+            scale = torch.rand(E, o, -(-i // bc), generator=g) / (8 * i**0.5) + 1e-3
+            e.set_packed(name, FP8BlockExperts(q, scale, bc))
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E + 2, generator=g)[:k] for _ in range(T)]) - 1  # -1 .. E: some outside
+        whole = e.fused(x, ids, foreign=True)
+        per = 2 * 3 * I * H * 4  # two experts' expansion in float32
+        e.STACK_BYTES = per
+        chunks = e.stack_chunks(torch.float32)
+        parts = e.fused(x, ids, foreign=True)
+        held = ((ids >= 0) & (ids < E)).reshape(-1)
+        mats = [m.double() for m in e.stacks(torch.float32)]
+        ref = moe_reference(x.double(), ids.clamp(0, E - 1), *mats)
+        out = dict(chunks=chunks, same=bool(torch.equal(whole[held], parts[held])),
+                   err=float((parts[held].double() - ref[held]).abs().max() / ref[held].abs().max()))
+        print(json.dumps(out))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["chunks"] == [[0, 2], [2, 4], [4, 6], [6, 7]]
+    assert out["same"] and out["err"] < 1e-6
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
 def test_combine_kernel_interpreted_is_bitwise_the_pytorch_definition():
     """``combine_slots`` (one Triton pass) against ``layers.moe.combine(...).to(dtype)``: the same bits
     (FMA contraction off, the same order of products and sums), for k = 1, 3, 8, widths that leave a

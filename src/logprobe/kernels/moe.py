@@ -298,19 +298,22 @@ def _check(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Ten
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-              config: MoeKernelConfig | None = None, foreign: bool = False) -> torch.Tensor:
+              config: MoeKernelConfig | None = None, foreign: bool = False,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], ids [T, k], gate/up [E, I, H], down [E, H, I] -> y [T*k, H] in x's dtype: row
     ``t * k + j`` is expert ``ids[t, j]``'s MLP of token t (unweighted). ``config`` None:
     ``default_config(x.dtype)``. ``foreign``: many slots are other ranks' experts (expert
     parallelism): their row tiles, all pad, are about half the grid, so each program runs every
     column tile of its row tile (``whole_rows``) and a pad tile costs one program, not one per
-    column tile. The same tiles either way: the same bits."""
+    column tile. The same tiles either way: the same bits. ``out``: y written there (rows of
+    slots whose id is outside 0 .. E - 1 left as they are), so that calls over parts of the
+    experts fill one buffer."""
     _check(x, ids, gate, up, down)
     T, k = ids.shape
     c = config or default_config(x.dtype)
     sorted_slots, tile_expert = align_by_expert(ids, gate.shape[0], c.block_m)
     act = moe_gate_up(x, sorted_slots, tile_expert, T * k, k, gate, up, c, whole_rows=foreign)  # [T*k, I]
-    return moe_down(act, sorted_slots, tile_expert, down, c, whole_rows=foreign)  # [T*k, H]
+    return moe_down(act, sorted_slots, tile_expert, down, c, whole_rows=foreign, out=out)  # [T*k, H]
 
 
 def _column_grid(n: int, block_n: int, whole_rows: bool) -> tuple[int, int]:
@@ -345,14 +348,15 @@ def moe_gate_up(x: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.
 
 
 def moe_down(act: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.Tensor, down: torch.Tensor,
-             config: MoeKernelConfig | None = None, whole_rows: bool = False) -> torch.Tensor:
+             config: MoeKernelConfig | None = None, whole_rows: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """The second half of ``fused_moe``: act [S, I] (whole intermediate rows) and down [E, H', I]
     -> y [S, H'] for the slots of ``sorted_slots`` (other rows unwritten). down may be a rank's
     share of the output rows. ``whole_rows``: one program per row tile."""
     c = config or default_config(act.dtype)
     E, H, inter = down.shape
     act, down = act.contiguous(), down.contiguous()
-    y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device)  # [S, H']
+    y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device) if out is None else out  # [S, H']
     tiles = tile_expert.numel()
     if tiles:
         cols, programs = _column_grid(H, c.block_n, whole_rows)

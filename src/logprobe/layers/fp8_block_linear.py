@@ -128,11 +128,12 @@ class FP8BlockExperts(ExpertMatrices):
         q = self.qweight.reshape(-1, self.in_features)[idx]  # [E, out, in] -> [E*out, in] rows
         return expand_codes(q, self.scale.reshape(-1, self.scale.shape[-1])[idx], self.block_cols)
 
-    def stacked(self, dtype: torch.dtype) -> torch.Tensor:
-        """All experts expanded, [E, out, in] in ``dtype`` (the fused expert kernel's input)."""
-        E, out, k = self.qweight.shape
-        return expand_codes(self.qweight.reshape(E * out, k), self.scale.reshape(E * out, -1),
-                            self.block_cols).view(E, out, k).to(dtype)
+    def stacked(self, dtype: torch.dtype, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """Experts ``first`` .. ``last - 1`` (all by default) expanded, [n, out, in] in ``dtype``
+        (the fused expert kernel's input), each bitwise its ``expert(e)`` in ``dtype``."""
+        q, scale = self.qweight[first:last], self.scale[first:last]
+        n, out, k = q.shape
+        return expand_codes(q.reshape(n * out, k), scale.reshape(n * out, -1), self.block_cols).view(n, out, k).to(dtype)
 
     def extra_repr(self) -> str:
         return (f"float8_e4m3 blocks of {self.block_cols} columns, experts={self.num_experts}, "

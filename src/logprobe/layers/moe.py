@@ -364,7 +364,7 @@ class ExpertsAcrossRanks:
     each rank's own rows gathered and summed back (``split_steps``). It reads what
     ``Experts.__init__`` sets (``ctx``, ``placement``, ``first_expert``, ``num_experts``,
     ``hidden_rows``, ``leaves``, ...) and computes through ``Experts.local`` and
-    ``Experts.fused_stacks``; one process never calls it. Under data-parallel attention:
+    ``Experts.fused``; one process never calls it. Under data-parallel attention:
     ``ExpertsOverSplitRows``."""
 
     def placed_local(self, ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
@@ -599,7 +599,7 @@ class ExpertsOverSplitRows:
         m, size = rows.max_rows, self.ctx.size
         routing = rows.pad(torch.cat([ids.float(), weights.float()], 1), -1.0)  # [m, 2k]: ids exact in float32
         tree = deterministic and self.tree_split  # subtrees summed over the ranks: one process's bits
-        if tree or not deterministic and self.fused_stacks(x, triton, interpreted=True) is not None:
+        if tree or not deterministic and self.fused_runs(x, triton, interpreted=True):
             out = yield from self.owned_steps(rows.pad(x), routing, triton, row_tile, tree, max_parts)
             return out[:T].to(x.dtype)  # [T, H]
         xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
@@ -675,8 +675,8 @@ class ExpertsOverSplitRows:
         R, k = every_ids.shape
         local = every_ids - self.first_expert  # [P*m, k]: this rank's numbering, others outside it
         leaf = self.leaf_of(every_ids)  # [P*m, k]
-        if (mats := self.fused_stacks(xs, triton)) is not None:  # CUDA (one process uses it there too)
-            y = fused_moe(xs, local, *mats, foreign=True)  # [P*m*k, H]: the slots of the experts held here
+        if self.fused_runs(xs, triton):  # CUDA (one process uses it there too)
+            y = self.fused(xs, local, foreign=True)  # [P*m*k, H]: the slots of the experts held here
         else:  # the PyTorch path (CPU): its compaction waits for the values, as every CPU op does
             y = xs.new_zeros(R * k, self.hidden)
             slots = (leaf.reshape(-1) >= 0).nonzero().squeeze(1)  # [n]
@@ -696,10 +696,10 @@ class ExpertsOverSplitRows:
         (the same tiles, the same sums), without the gathered copy of each slot's row nor the
         compaction, which would stall the host until the GPU knows how many slots are here.
         None where the fused path does not apply (CPU, packed experts it cannot expand)."""
-        if (mats := self.fused_stacks(xs, triton, interpreted=True)) is None:
+        if not self.fused_runs(xs, triton, interpreted=True):
             return None
         local = self.local_ids(every_ids)  # [P*m, k]: this rank's numbering, others outside it
-        y = fused_moe(xs, local, *mats, foreign=True)  # [P*m*k, H]: the slots of the experts held here
+        y = self.fused(xs, local, foreign=True)  # [P*m*k, H]: the slots of the experts held here
         return combine_owned(y, weights.float(), (local >= 0) & (local < self.num_experts))
 
     def return_slots(self, ys: torch.Tensor, slots: torch.Tensor, every_ids: torch.Tensor, m: int) -> torch.Tensor:
@@ -804,34 +804,63 @@ class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module)
     def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
         """Whole experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
         T, k = ids.shape
-        if (mats := self.fused_stacks(x, triton)) is not None:
-            return fused_moe(x, ids, *mats).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
+        if self.fused_runs(x, triton):
+            return self.fused(x, ids).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
         return self.reference(x, ids, row_tile)
 
-    def fused_stacks(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> list[torch.Tensor] | None:
-        """The matrices for ``fused_moe`` on activations like ``x`` where the fused kernel runs
-        (CUDA, 16- or 32-bit floats, Triton on, experts it can expand; ``interpreted``: also CPU
-        under Triton's interpreter, for the tests), else None."""
+    def fused_runs(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> bool:
+        """Whether ``fused`` runs on activations like ``x``: CUDA (``interpreted``: also CPU under
+        Triton's interpreter, for the tests), 16- or 32-bit floats, Triton on, experts that are
+        parameters or packed ones that expand (``stacked``)."""
         runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
-        if not (triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available()):
-            return None
-        return self.dense_stacks(x.dtype)
+        return bool(triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                    and triton_available() and all(hasattr(m, "stacked") for m in self.packed_mats()))
 
-    STACK_BYTES = 4 << 30  # packed experts expanded whole for the fused kernel up to this size a layer
+    STACK_BYTES = 4 << 30  # packed experts expanded for the fused kernel this much at a time
+
+    def fused(self, x: torch.Tensor, ids: torch.Tensor, foreign: bool = False) -> torch.Tensor:
+        """``fused_moe`` over the experts held here: x [T, H], ids [T, k] in this rank's numbering
+        (outside 0 .. num_experts - 1: no tile) -> y [T*k, H]. Packed experts (FP8 blocks) are
+        expanded ``stack_chunks`` at a time, each part of the experts computing its slots into one
+        buffer: a slot's row is its expert's product in the kernel's fixed tiles whatever else
+        runs, so the parts change no bit (the same as one expansion, and as a rank holding fewer
+        experts). DeepSeek-V3's 256 FP8 experts expand to 22.5 GB a layer in bf16: six parts of
+        43 experts, where the layer had fallen back to one product per expert."""
+        chunks = self.stack_chunks(x.dtype)
+        if len(chunks) == 1:
+            return fused_moe(x, ids, *self.stacks(x.dtype), foreign=foreign)
+        y = x.new_empty(ids.numel(), self.hidden)  # [T*k, H]: every held expert's slots written below
+        for first, last in chunks:
+            fused_moe(x, ids - first, *self.stacks(x.dtype, first, last), foreign=True, out=y)
+        return y
+
+    def packed_mats(self) -> list:
+        return [m for m in (getattr(self, n) for n in EXPERT_PROJS) if isinstance(m, ExpertMatrices)]
+
+    def stack_chunks(self, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """The held experts in runs whose packed matrices expand to at most ``STACK_BYTES`` (at
+        least one expert a run); one run for experts held as parameters.
+
+        >>> e = Experts(8, 4, 4); e.STACK_BYTES = 100; e.stack_chunks(torch.float32)
+        [(0, 8)]
+        """
+        per_expert = sum(m.out_features * m.in_features for m in self.packed_mats()) * dtype.itemsize
+        step = max(1, self.STACK_BYTES // per_expert) if per_expert else self.num_experts
+        return [(e, min(e + step, self.num_experts)) for e in range(0, self.num_experts, step)]
+
+    def stacks(self, dtype: torch.dtype, first: int = 0, last: int | None = None) -> list[torch.Tensor]:
+        """The three [n, out, in] matrices of experts ``first`` .. ``last - 1`` for ``fused_moe``:
+        views of the parameters, or packed ones expanded in ``dtype`` (each expert bitwise its
+        ``expert(e)``)."""
+        return [m.stacked(dtype, first, last) if isinstance(m, ExpertMatrices) else m[first:last]
+                for m in (getattr(self, n) for n in EXPERT_PROJS)]
 
     def dense_stacks(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
-        """The three [E, out, in] matrices for ``fused_moe``: the parameters, or packed ones
-        expanded whole in ``dtype`` where the format offers it (``stacked(dtype)``: each expert
-        bitwise its ``expert(e)``, FP8 blocks) and the layer's expansion fits ``STACK_BYTES``;
-        None: the per-expert reference path."""
-        mats = [getattr(self, n) for n in EXPERT_PROJS]
-        packed = [m for m in mats if isinstance(m, ExpertMatrices)]
-        if not packed:
-            return mats
-        size = sum(m.num_experts * m.out_features * m.in_features for m in packed) * dtype.itemsize
-        if size > self.STACK_BYTES or not all(hasattr(m, "stacked") for m in packed):
+        """``stacks`` of every held expert where they expand within ``STACK_BYTES`` at once (experts
+        split across ranks, ``fused_shared_rows``), else None: the per-expert reference path."""
+        if len(self.stack_chunks(dtype)) > 1 or not all(hasattr(m, "stacked") for m in self.packed_mats()):
             return None
-        return [m.stacked(dtype) if isinstance(m, ExpertMatrices) else m for m in mats]
+        return self.stacks(dtype)
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None = None) -> torch.Tensor:
         """The PyTorch path (``by_expert``) -> [T, k, H]."""
