@@ -589,11 +589,13 @@ class RankParts:
 
     def __init__(self, engine) -> None:
         self.engine, self.sent = engine, 0
+        self.cuda = False  # a slice on a GPU was sent (by CUDA IPC)
         self.parts: dict[int, list] = {}
         self.bytes: dict[int, int] = {}
 
     def add(self, rank: int, name: str, part: torch.Tensor) -> None:
         fp8 = part.dtype == torch.float8_e4m3fn
+        self.cuda = self.cuda or part.is_cuda
         self.parts.setdefault(rank, []).append((name, part.view(torch.uint8) if fp8 else part))
         size = part.numel() * part.element_size()
         self.bytes[rank] = self.bytes.get(rank, 0) + size
@@ -657,6 +659,9 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
         raise
     parts.sent = max(parts.sent, 1)  # the last commit: an on_write even for a stream of kept tensors only
     commit()
+    if parts.cuda:  # every worker has copied its slices (they answered the commit): their GPU memory back
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
     if whole and how == "streamed":
         kept = check_complete(model, full, seen, field)
     return Applied(n, note_kept(model, kept, seen) if whole else ())
