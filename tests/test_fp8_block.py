@@ -275,17 +275,23 @@ def test_dense_weights_same_bits(qwen_fp8):
 def test_expert_stack_expansion_is_each_expert():
     """``FP8BlockExperts.stacked`` (what the fused expert kernel reads on CUDA) holds each expert's
     ``expert(e)`` bitwise, in every dtype: the fused and per-expert paths see the same weights."""
-    w = torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(0))
-    layers = []
-    for e in range(3):
-        codes, scale = quantize_blocks(w[e], 32, 32)
-        layers.append(FP8BlockLinear.from_blocks(codes, scale, 32, 32))
-    experts = FP8BlockExperts.stack(layers)
-    for dtype in (torch.float32, torch.bfloat16):
-        experts.compute_dtype = dtype
-        stacked = experts.stacked(dtype)
-        assert all(torch.equal(stacked[e], experts.expert(e)) for e in range(3))
-        assert torch.equal(experts.rows().to(dtype), stacked.reshape(-1, 72))
+    for width in (72, 64):  # a last partial block of columns, and none
+        w = torch.randn(3, 40, width, generator=torch.Generator().manual_seed(0)) * 30
+        layers = []
+        for e in range(3):
+            codes, scale = quantize_blocks(w[e], 32, 32)
+            layers.append(FP8BlockLinear.from_blocks(codes, scale, 32, 32))
+        experts = FP8BlockExperts.stack(layers)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            experts.compute_dtype = dtype
+            stacked = experts.stacked(dtype)
+            assert all(torch.equal(stacked[e], experts.expert(e)) for e in range(3))
+            # rounded once as stored: the float32 expansion, then the dtype
+            assert torch.equal(experts.rows().to(dtype), stacked.reshape(-1, width))
+            assert torch.equal(experts.stacked(dtype, 1, 3), stacked[1:3])  # a run of experts
+            for e, layer in enumerate(layers):
+                assert torch.equal(layer.weight_in(dtype), layer.rows().to(dtype))
+                assert torch.equal(layer.weight_in(dtype), stacked[e])
 
 
 MOE_KINDS = ["glm4_moe", "minimax_m2", "qwen3_moe"]

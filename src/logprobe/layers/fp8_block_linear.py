@@ -41,13 +41,22 @@ def block_rows(scale: torch.Tensor, block_rows_: int, rows: int) -> torch.Tensor
     return scale.float().repeat_interleave(block_rows_, dim=0)[:rows].contiguous()
 
 
-def expand_codes(q: torch.Tensor, scale: torch.Tensor, block_cols: int) -> torch.Tensor:
-    """codes [n, in] (e4m3) times per-row block scales [n, G] -> float32 [n, in]: each code times
-    the scale of its column block, one float32 product (e4m3 values are exact in float32)."""
+def expand_codes(q: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype: torch.dtype = torch.float32
+                 ) -> torch.Tensor:
+    """codes [n, in] (e4m3) times per-row block scales [n, G] -> [n, in] in ``dtype``: each code
+    times the scale of its column block, one float32 product (e4m3 values are exact in float32),
+    rounded once to ``dtype`` as it is stored (bitwise ``expand_codes(q, scale, bc).to(dtype)``,
+    without the float32 product in memory: every call of an FP8 layer expands its weight)."""
     n, k = q.shape
     G = scale.shape[1]
-    qf = F.pad(q.float(), (0, G * block_cols - k)).view(n, G, block_cols)  # a last partial block padded
-    return (qf * scale[..., None].float()).view(n, G * block_cols)[:, :k]
+    pad = G * block_cols - k  # a last partial block padded
+    qf = (F.pad(q.float(), (0, pad)) if pad else q.float()).view(n, G, block_cols)
+    if dtype == torch.float32:
+        return (qf * scale[..., None].float()).view(n, G * block_cols)[:, :k]
+    out = torch.empty(n, G, block_cols, dtype=dtype, device=q.device)
+    torch.mul(qf, scale[..., None].float(), out=out)
+    out = out.view(n, G * block_cols)
+    return out[:, :k].contiguous() if pad else out
 
 
 class FP8BlockLinear(_PackedLinearMixin, Linear):
@@ -82,6 +91,10 @@ class FP8BlockLinear(_PackedLinearMixin, Linear):
     def rows(self, idx=slice(None)) -> torch.Tensor:
         """Dequantized weight rows, float32 [n, in]."""
         return expand_codes(self.qweight[idx], self.scale[idx], self.block_cols)
+
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in ``dtype``, rounded once from its float32 rows (``expand_codes``)."""
+        return expand_codes(self.qweight, self.scale, self.block_cols, dtype)
 
     def permute_rows(self, perm: torch.Tensor) -> None:
         """Reorder the output rows (q/k to the interleaved rotary layout, at load)."""
@@ -122,7 +135,7 @@ class FP8BlockExperts(ExpertMatrices):
                    heights.pop() if len(heights) == 1 else None)
 
     def expert(self, e: int) -> torch.Tensor:
-        return expand_codes(self.qweight[e], self.scale[e], self.block_cols).to(self.compute_dtype)
+        return expand_codes(self.qweight[e], self.scale[e], self.block_cols, self.compute_dtype)
 
     def rows(self, idx=slice(None)) -> torch.Tensor:
         q = self.qweight.reshape(-1, self.in_features)[idx]  # [E, out, in] -> [E*out, in] rows
@@ -133,7 +146,7 @@ class FP8BlockExperts(ExpertMatrices):
         (the fused expert kernel's input), each bitwise its ``expert(e)`` in ``dtype``."""
         q, scale = self.qweight[first:last], self.scale[first:last]
         n, out, k = q.shape
-        return expand_codes(q.reshape(n * out, k), scale.reshape(n * out, -1), self.block_cols).view(n, out, k).to(dtype)
+        return expand_codes(q.reshape(n * out, k), scale.reshape(n * out, -1), self.block_cols, dtype).view(n, out, k)
 
     def extra_repr(self) -> str:
         return (f"float8_e4m3 blocks of {self.block_cols} columns, experts={self.num_experts}, "

@@ -146,8 +146,11 @@ class _PackedLinearMixin(PackedWeight):
             y = self._cuda_forward(x)
             if y is not None:
                 return y
-        # float32 expansion as the dense loader does, then the dense model's dtype
-        return self.product(x, self.rows(slice(None)).to(x.dtype), self.bias)  # [out, in] expanded
+        return self.product(x, self.weight_in(x.dtype), self.bias)  # [out, in] expanded
+
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in ``dtype``: the float32 expansion the dense loader makes, then ``dtype``."""
+        return self.rows(slice(None)).to(dtype)
 
     def adopt(self, layer) -> None:
         """Take over the deterministic layout of the dense layer this one replaces (its column
