@@ -119,6 +119,30 @@ def test_stream_in_place_tensor_parallel(dirs, monkeypatch):
         assert s.update_weights(iter(weights(dirs["a"])), in_place=True) == 2 and scores(s) == old
 
 
+def reused_buffer(pairs):
+    """``pairs`` as a stream that hands every tensor in the same memory (one flat buffer written
+    again for each), as a trainer copying each weight into one staging buffer would."""
+    assert len({t.dtype for _, t in pairs}) == 1
+    buf = torch.empty(max(t.numel() for _, t in pairs), dtype=pairs[0][1].dtype)
+    for name, t in pairs:
+        view = buf[:t.numel()].view(t.shape)
+        view.copy_(t)
+        yield name, view
+
+
+@pytest.mark.slow  # two gloo workers
+@pytest.mark.parametrize("in_place", [False, True])
+def test_stream_in_one_reused_buffer(dirs, in_place):
+    """A stream whose tensors all lie in one buffer, rewritten for each: every tensor (a replicated
+    one too, sent to the workers uncut) is taken as it stood when it came, at TP = 1 and TP = 2,
+    staged and in place: bitwise a fresh load."""
+    want = scores(scorer(dirs["b"]))
+    for tp in (1, 2):
+        with scorer(dirs["a"], tp=tp) as s:
+            assert s.update_weights(reused_buffer(weights(dirs["b"])), in_place=in_place) == 1
+            assert scores(s) == want, tp
+
+
 def _bucket(s: Scorer, group: WeightGroup, bucket, version=None) -> int:
     """What ``update_weights_from_distributed`` does with an in-place group's bucket once received."""
     meta = [(n, t.dtype, tuple(t.shape)) for n, t in bucket]

@@ -536,11 +536,17 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, how
     def part_of(name: str, value: torch.Tensor) -> torch.Tensor | None:
         return rank_part(name, whole_rows(name, value, held, full) if held else value, rank)
 
-    def ready(name: str, piece: Incoming) -> torch.Tensor | None:
+    def ready(name: str, piece: Incoming, kept: bool = False) -> torch.Tensor | None:
+        """The tensor's converted part; ``kept`` (staged until the stream ends): in memory of its
+        own, since a stream may hand the next tensor in the same memory."""
         value = piece.load()
         check_finite(piece.name, value, slots.get(name, full[name]), field)
         part = part_of(name, value)
-        return None if part is None else convert(name, part, slots[name], model)
+        if part is None:
+            return None
+        part = convert(name, part, slots[name], model)
+        return part.clone() if kept and part.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() \
+            else part
 
     def write(name: str, value: torch.Tensor) -> None:
         nonlocal pending
@@ -562,7 +568,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, how
             n += 1
         return Applied(n, complete())
     if how == "staged":
-        values = {name: v for name, piece in checked if (v := ready(name, piece)) is not None}
+        values = {name: v for name, piece in checked if (v := ready(name, piece, kept=True)) is not None}
         kept = complete()
         for name, value in values.items():
             write(name, value)
@@ -583,9 +589,11 @@ STAGE_MESSAGE_BYTES = 64 << 20  # a rank's slices travel in messages of about th
 
 class RankParts:
     """The slices ``update_workers`` has cut for each rank, sent to the workers (``stage_weights``)
-    a message of about ``STAGE_MESSAGE_BYTES`` at a time rather than one message a tensor. FP8
-    codes travel as their bytes (torch's pickling has no float8 storage). ``sent``: bytes handed
-    to the workers since the last ``take_sent``."""
+    a message of about ``STAGE_MESSAGE_BYTES`` at a time rather than one message a tensor. A slice
+    that is the incoming tensor itself (not cut: a replicated weight) is sent at once, as the
+    tensor stood: a stream may hand the next tensor in the same memory. FP8 codes travel as their
+    bytes (torch's pickling has no float8 storage). ``sent``: bytes added since the last commit
+    (``update_workers`` resets it)."""
 
     def __init__(self, engine) -> None:
         self.engine, self.sent = engine, 0
@@ -593,14 +601,15 @@ class RankParts:
         self.parts: dict[int, list] = {}
         self.bytes: dict[int, int] = {}
 
-    def add(self, rank: int, name: str, part: torch.Tensor) -> None:
+    def add(self, rank: int, name: str, part: torch.Tensor, owned: bool = True) -> None:
+        """``owned``: ``part`` has memory of its own (a cut's copy), so it may wait for the message."""
         fp8 = part.dtype == torch.float8_e4m3fn
         self.cuda = self.cuda or part.is_cuda
         self.parts.setdefault(rank, []).append((name, part.view(torch.uint8) if fp8 else part))
         size = part.numel() * part.element_size()
         self.bytes[rank] = self.bytes.get(rank, 0) + size
         self.sent += size
-        if self.bytes[rank] >= STAGE_MESSAGE_BYTES:
+        if self.bytes[rank] >= STAGE_MESSAGE_BYTES or not owned:
             self.flush(rank)
 
     def flush(self, rank: int | None = None) -> None:
@@ -649,7 +658,8 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
                 value = whole_rows(name, value, held, full) if held else value
                 for rank in ranks:  # each rank its part; an expert to the ranks that hold it
                     if (part := rank_part(name, value, rank)) is not None:
-                        parts.add(rank.ctx.rank, name, part)
+                        owned = part.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+                        parts.add(rank.ctx.rank, name, part, owned)
                 n += 1
                 if how == "streamed" and parts.sent >= STREAM_COMMIT_BYTES:
                     commit()
