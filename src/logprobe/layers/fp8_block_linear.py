@@ -51,8 +51,6 @@ def expand_codes(q: torch.Tensor, scale: torch.Tensor, block_cols: int, dtype: t
     G = scale.shape[1]
     pad = G * block_cols - k  # a last partial block padded
     qf = (F.pad(q.float(), (0, pad)) if pad else q.float()).view(n, G, block_cols)
-    if dtype == torch.float32:
-        return (qf * scale[..., None].float()).view(n, G * block_cols)[:, :k]
     out = torch.empty(n, G, block_cols, dtype=dtype, device=q.device)
     torch.mul(qf, scale[..., None].float(), out=out)
     out = out.view(n, G * block_cols)

@@ -814,7 +814,7 @@ class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module)
         parameters or packed ones that expand (``stacked``)."""
         runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
         return bool(triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                    and triton_available() and all(hasattr(m, "stacked") for m in self.packed_mats()))
+                    and triton_available() and self.expands)
 
     STACK_BYTES = 4 << 30  # packed experts expanded for the fused kernel this much at a time
 
@@ -837,6 +837,11 @@ class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module)
     def packed_mats(self) -> list:
         return [m for m in (getattr(self, n) for n in EXPERT_PROJS) if isinstance(m, ExpertMatrices)]
 
+    @property
+    def expands(self) -> bool:
+        """Whether every matrix is a parameter or packed blocks that expand (``stacked``)."""
+        return all(hasattr(m, "stacked") for m in self.packed_mats())
+
     def stack_chunks(self, dtype: torch.dtype) -> list[tuple[int, int]]:
         """The held experts in runs whose packed matrices expand to at most ``STACK_BYTES`` (at
         least one expert a run); one run for experts held as parameters.
@@ -858,7 +863,7 @@ class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module)
     def dense_stacks(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """``stacks`` of every held expert where they expand within ``STACK_BYTES`` at once (experts
         split across ranks, ``fused_shared_rows``), else None: the per-expert reference path."""
-        if len(self.stack_chunks(dtype)) > 1 or not all(hasattr(m, "stacked") for m in self.packed_mats()):
+        if len(self.stack_chunks(dtype)) > 1 or not self.expands:
             return None
         return self.stacks(dtype)
 

@@ -364,6 +364,12 @@ def check_finite(name: str, value: torch.Tensor, slot: torch.Tensor, field: str)
                             "send weights that fit the model's dtype")
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` lies in ``b``'s storage (a converted or cut part that is still the incoming
+    tensor: a stream may write its next tensor there)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def fp8_nans(codes: torch.Tensor) -> torch.Tensor:
     """Which float8 e4m3fn codes are NaN, read from their bytes: e4m3fn has no infinities and one
     NaN pattern, every exponent and mantissa bit set (0x7F, 0xFF with the sign). Converting 1 GB
@@ -545,8 +551,7 @@ def update_in_place(model: nn.Module, items: Iterable[Incoming], field: str, how
         if part is None:
             return None
         part = convert(name, part, slots[name], model)
-        return part.clone() if kept and part.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() \
-            else part
+        return part.clone() if kept and same_memory(part, value) else part
 
     def write(name: str, value: torch.Tensor) -> None:
         nonlocal pending
@@ -658,8 +663,7 @@ def update_workers(model: nn.Module, items: Iterable[Incoming], engine, field: s
                 value = whole_rows(name, value, held, full) if held else value
                 for rank in ranks:  # each rank its part; an expert to the ranks that hold it
                     if (part := rank_part(name, value, rank)) is not None:
-                        owned = part.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
-                        parts.add(rank.ctx.rank, name, part, owned)
+                        parts.add(rank.ctx.rank, name, part, owned=not same_memory(part, value))
                 n += 1
                 if how == "streamed" and parts.sent >= STREAM_COMMIT_BYTES:
                     commit()
