@@ -583,6 +583,36 @@ def test_fused_fp8_experts_in_parts_interpreted():
     assert out["same"] and out["err"] < 1e-6
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA")
+def test_fused_fp8_experts_in_parts_cuda():
+    """On CUDA in bfloat16 (the path DeepSeek-V3's FP8 experts take): the fused kernel over runs of
+    experts is bitwise the single expansion, and within bfloat16's rounding of the float64
+    reference of the expanded weights."""
+    from logprobe.kernels.moe import moe_reference
+    from logprobe.layers.fp8_block_linear import FP8BlockExperts
+    from logprobe.layers.moe import Experts
+
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, k, bc = 301, 256, 384, 9, 3, 128
+    e = Experts(E, H, I)
+    for name, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        q = (torch.randn(E, o, i, generator=g) * 8).to(torch.float8_e4m3fn)
+        scale = torch.rand(E, o, -(-i // bc), generator=g) / (8 * i**0.5) + 1e-3
+        e.set_packed(name, FP8BlockExperts(q, scale, bc))
+    e = e.to("cuda")
+    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+    ids = (torch.stack([torch.randperm(E + 2, generator=g)[:k] for _ in range(T)]) - 1).cuda()
+    whole = e.fused(x, ids, foreign=True)
+    e.STACK_BYTES = 2 * 3 * I * H * 2  # two experts' expansion in bfloat16
+    assert [tuple(c) for c in e.stack_chunks(torch.bfloat16)] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 9)]
+    parts = e.fused(x, ids, foreign=True)
+    held = ((ids >= 0) & (ids < E)).reshape(-1)
+    assert torch.equal(whole[held], parts[held])
+    mats = [m.double() for m in e.stacks(torch.bfloat16)]
+    ref = moe_reference(x.double(), ids.clamp(0, E - 1), *mats)
+    assert float((parts[held].double() - ref[held]).abs().max() / ref[held].abs().max()) < 2e-2
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
 def test_combine_kernel_interpreted_is_bitwise_the_pytorch_definition():
     """``combine_slots`` (one Triton pass) against ``layers.moe.combine(...).to(dtype)``: the same bits

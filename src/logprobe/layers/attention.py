@@ -52,6 +52,7 @@ from .attention_gpu import (
     cudnn_dense,
     flash_varlen_attention,
     host_to,
+    triton_varlen_attention,
 )
 
 
@@ -154,6 +155,7 @@ class AttentionMeta:
     varlen_cache: tuple | None = field(default=None, repr=False)  # varlen() for the GPU path, built once
     split_cache: tuple | None = field(default=None, repr=False)  # _gpu's long / short split, built once
     span_cache: tuple | None = field(default=None, repr=False)  # span_plan() for the GPU path, built once
+    plan_cache: dict = field(default_factory=dict, repr=False)  # default mode's kernel programs, built once
     state_route: object = field(default=None, repr=False)  # layers.linear_state.route_states, built once
     # while ``engine.graphs`` captures a pass: called in place of a layout-dependent call (the cut
     # between two graphs), as ``graph_cut(GraphCut(...), *row_tensors) -> out``
@@ -362,16 +364,17 @@ def _sdpa_open(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 
 def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, past: int, scale: float,
          window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The CUDA kernels (layers/attention_gpu.py): segments of ``LONG_ROWS`` rows or more on cuDNN in
-    default mode, the rest (everything in deterministic mode, windows and sinks) in one varlen
-    FlashAttention call."""
+    """The CUDA kernels (layers/attention_gpu.py). Default mode: segments of ``LONG_ROWS`` rows or
+    more on cuDNN, the rest in one call of the project's varlen kernel (``kernels.attention``:
+    head_dim 64 and 128) or of FlashAttention-2. Deterministic mode, windows and sinks: one varlen
+    FlashAttention-2 call."""
     if meta.kv_block is not None or window is not None or sinks is not None:
         return _flash(q, k, v, meta, scale, window, sinks)
     if meta.split_cache is None:  # once per batch, not per layer
         meta.split_cache = _split(meta, past, q.device)
     long, short = meta.split_cache
     if not long:
-        return _flash(q, k, v, meta, scale, window)
+        return _flash(q, k, v, meta, scale, window, fast=True)
     out = torch.empty_like(q)
     for seg in long:
         ks, vs = _segment_keys(k, seg, past), _segment_keys(v, seg, past)
@@ -381,7 +384,10 @@ def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
         out[seg.start:seg.end] = o
     if short is not None:
         rows, keys, cu_q, cu_k, cu = short
-        o = flash_varlen_attention(q[rows], k[keys], v[keys], cu_q, cu_k, scale, window, cu=cu)
+        qs, ks, vs = q[rows], k[keys], v[keys]
+        o = triton_varlen_attention(qs, ks, vs, cu_q, cu_k, scale, cu, meta.plan_cache)
+        if o is None:
+            o = flash_varlen_attention(qs, ks, vs, cu_q, cu_k, scale, window, cu=cu)
         if o is None:
             return _flash(q, k, v, meta, scale, window)
         out[rows] = o
@@ -411,9 +417,10 @@ def _segment_keys(x: torch.Tensor, seg: Segment, past: int) -> torch.Tensor:
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
-           window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+           window: int | None, sinks: torch.Tensor | None = None, fast: bool = False) -> torch.Tensor | None:
     """The varlen form of ``meta``: each segment's keys (context spans + own rows) gathered into
-    one packed key tensor; FlashAttention aligns the causal diagonal bottom-right, as segments do."""
+    one packed key tensor; FlashAttention aligns the causal diagonal bottom-right, as segments do.
+    ``fast`` (default mode, no window nor sinks): the project's kernel where it runs."""
     if meta.varlen_cache is None:  # once per batch, not per layer (``varlen_plan``)
         meta.varlen_cache = varlen_plan(meta, k.shape[0], q.device)
     cu_q, cu_k, keys, cu = meta.varlen_cache
@@ -421,6 +428,10 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
         k, v = k[keys], v[keys]  # [total keys, Hkv, D]
     elif keys != (0, k.shape[0]):
         k, v = k[keys[0]:keys[1]], v[keys[0]:keys[1]]
+    if fast:
+        o = triton_varlen_attention(q, k, v, cu_q, cu_k, scale, cu, meta.plan_cache)
+        if o is not None:
+            return o
     return flash_varlen_attention(q, k, v, cu_q, cu_k, scale, window, sinks, cu=cu)
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels import attention as varlen_kernel
 from ..kernels import host_values_to
 
 LONG_ROWS = 4096  # query rows from which a segment runs on cuDNN in default mode (module docstring)
@@ -78,6 +79,28 @@ def flash_varlen_attention(
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         return None  # a layout we do not know: the portable path (SDPA with a sink key) instead
     return sink_rescale(out[0], lse.t(), sinks)
+
+
+def triton_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
+                            scale: float, cu: tuple[torch.Tensor, torch.Tensor], plans: dict) -> torch.Tensor | None:
+    """``flash_varlen_attention``'s causal case (no window, no sinks) on the project's kernel
+    (``kernels.attention``), or None where it does not run: CUDA, float16 / bfloat16, head_dim 64
+    or 128 for queries, keys and values alike, Triton present. ``cu``: cu_q and cu_k on the
+    device; ``plans``: the batch's programs by tile rows, built here once (``block_plan``) and
+    kept for every layer."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
+            and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] % k.shape[1] == 0
+            and varlen_kernel.triton is not None):
+        return None
+    shape = varlen_kernel.tile_shape(q.shape[-1], q.shape[1], k.shape[1])
+    if shape is None:
+        return None
+    if shape[0] not in plans:
+        seg, start = varlen_kernel.block_plan(cu_q, cu_k, shape[0])
+        plans[shape[0]] = (host_to(torch.tensor(seg, dtype=torch.int32), q.device),
+                           host_to(torch.tensor(start, dtype=torch.int32), q.device))
+    return varlen_kernel.varlen_triton(q.contiguous(), k.contiguous(), v.contiguous(), cu[0], cu[1],
+                                       plans[shape[0]], scale)
 
 
 def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
