@@ -593,9 +593,9 @@ def test_fused_fp8_experts_in_parts_cuda():
     from logprobe.layers.moe import Experts
 
     g = torch.Generator().manual_seed(0)
-    T, H, I, E, k, bc = 301, 256, 384, 9, 3, 128
-    e = Experts(E, H, I)
-    for name, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+    T, H, inter, E, k, bc = 301, 256, 384, 9, 3, 128
+    e = Experts(E, H, inter)
+    for name, (o, i) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
         q = (torch.randn(E, o, i, generator=g) * 8).to(torch.float8_e4m3fn)
         scale = torch.rand(E, o, -(-i // bc), generator=g) / (8 * i**0.5) + 1e-3
         e.set_packed(name, FP8BlockExperts(q, scale, bc))
@@ -603,7 +603,7 @@ def test_fused_fp8_experts_in_parts_cuda():
     x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
     ids = (torch.stack([torch.randperm(E + 2, generator=g)[:k] for _ in range(T)]) - 1).cuda()
     whole = e.fused(x, ids, foreign=True)
-    e.STACK_BYTES = 2 * 3 * I * H * 2  # two experts' expansion in bfloat16
+    e.STACK_BYTES = 2 * 3 * inter * H * 2  # two experts' expansion in bfloat16
     assert [tuple(c) for c in e.stack_chunks(torch.bfloat16)] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 9)]
     parts = e.fused(x, ids, foreign=True)
     held = ((ids >= 0) & (ids < E)).reshape(-1)

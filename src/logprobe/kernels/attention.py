@@ -44,7 +44,7 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _varlen_fwd(Q, K, V, O, CU_Q, CU_K, SEG, START, qk_scale,
+    def _varlen_fwd(Q, K, V, OUT, CU_Q, CU_K, SEG, START, qk_scale,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, HG: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):
         pid = tl.program_id(0)
@@ -96,7 +96,7 @@ if triton_available():
             acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
             mi = mn
         out = acc / tl.where(live, li, 1.0)[:, None]
-        tl.store(O + q_at, out.to(O.dtype.element_ty), mask=live[:, None])
+        tl.store(OUT + q_at, out.to(OUT.dtype.element_ty), mask=live[:, None])
 
 
 def tile_shape(head_dim: int, q_heads: int, kv_heads: int) -> tuple[int, int] | None:
