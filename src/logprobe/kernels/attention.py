@@ -22,8 +22,10 @@ Programs are listed by ``block_plan``, the blocks with the most keys first, so t
 ones do not start last and run alone at the end (longest-processing-time order).
 
 A row's result depends on its query, its segment's keys and the fixed key blocks alone (no
-other row enters its dot products or its softmax), so it is batch-invariant by construction;
-deterministic mode keeps FlashAttention-2 all the same (its bits are pinned by the tests).
+other row enters its dot products or its softmax; a block past the row's diagonal adds exact
+zeros), so it is batch-invariant by construction, whatever the other segments, the tile the row
+lands in or the chunk its sequence was cut at (the key blocks start at the sequence's first key):
+deterministic mode runs it too (tests/test_gpu.py pins the bits on CUDA).
 
 ``varlen_reference`` is the definition in PyTorch (per segment, in the inputs' dtype or float64).
 """

@@ -259,9 +259,9 @@ def packed_attention(
         raise LogprobeError("sinks", "bidirectional spans are not run with attention sinks",
                             "score images with a model without attention sinks")
     if q.is_cuda:
-        # one varlen FlashAttention call for the whole batch (layers/attention_gpu.py); also in
-        # deterministic mode: a row's key blocks start at its sequence's first key and run in a
-        # fixed order, whatever else is packed (tests/test_gpu.py checks bitwise invariance)
+        # one varlen call for the whole batch (layers/attention_gpu.py); also in deterministic
+        # mode: a row's key blocks start at its sequence's first key and run in a fixed order,
+        # whatever else is packed (tests/test_gpu.py checks bitwise invariance)
         o = _gpu(q, k, v, meta, past, scale, sliding_window, sinks)
         if o is not None:
             if spans and not _gpu_spans(o, q, k, v, meta, past, scale, sliding_window):
@@ -366,10 +366,11 @@ def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
          window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """The CUDA kernels (layers/attention_gpu.py). Default mode: segments of ``LONG_ROWS`` rows or
     more on cuDNN, the rest in one call of the project's varlen kernel (``kernels.attention``:
-    head_dim 64 and 128) or of FlashAttention-2. Deterministic mode, windows and sinks: one varlen
-    FlashAttention-2 call."""
+    head_dim 64 and 128) or of FlashAttention-2. Deterministic mode: every segment in one call of
+    the same varlen kernel (batch-invariant, as FlashAttention-2 is) or of FlashAttention-2.
+    Windows and sinks: FlashAttention-2."""
     if meta.kv_block is not None or window is not None or sinks is not None:
-        return _flash(q, k, v, meta, scale, window, sinks)
+        return _flash(q, k, v, meta, scale, window, sinks, fast=window is None and sinks is None)
     if meta.split_cache is None:  # once per batch, not per layer
         meta.split_cache = _split(meta, past, q.device)
     long, short = meta.split_cache

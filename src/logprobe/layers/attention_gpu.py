@@ -1,4 +1,4 @@
-"""Packed (varlen) causal attention on CUDA: one FlashAttention-2 call per layer for the whole batch.
+"""Packed (varlen) causal attention on CUDA: one varlen call per layer for the whole batch.
 
 Same result as ``attention.packed_attention``'s portable path (one SDPA call per segment): query
 segment s is rows ``cu_q[s]:cu_q[s+1]`` of q [T, Hq, D], its keys rows ``cu_k[s]:cu_k[s+1]`` of
@@ -18,9 +18,13 @@ PyTorch's SDPA picks for transformers). PyTorch exposes it on dense [B, H, L, D]
 top-left causal mask only, so a segment whose n queries are the last n of m keys is split
 (``causal_tail_attention``): the m - n earlier keys seen in full, the n own keys causally (square,
 where top-left and bottom-right agree), and the two partial softmaxes merged by their
-log-sum-exps (``merge_partials``). Deterministic mode keeps FlashAttention-2, whose key blocks
-start at each sequence's first key whatever the chunking: the split puts a boundary at the chunk
-start, so a row's bits would depend on where its sequence was chunked.
+log-sum-exps (``merge_partials``). Deterministic mode keeps long segments off cuDNN: the split
+puts a boundary at the chunk start, so a row's bits would depend on where its sequence was
+chunked; the varlen kernels' key blocks start at each sequence's first key whatever the chunking.
+
+The other segments run on the project's varlen kernel (``kernels.attention``, head_dim 64 and
+128, no window, no sinks: ``triton_varlen_attention``), in both modes, and on FlashAttention-2
+where it does not apply.
 """
 
 from __future__ import annotations
