@@ -16,7 +16,8 @@ from helpers import run_interpreted
 from logprobe.kernels.attention import block_plan, tile_shape, varlen_reference
 
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON
+                          or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU and Triton")
 
 
 def test_block_plan_gold_table():
@@ -44,6 +45,7 @@ def test_reference_is_sdpa_bottom_right():
     assert torch.allclose(varlen_reference(q, k, v, [0, 3], [0, 5], 0.3), want, atol=1e-6)
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process (~5 s)
 def test_kernel_interpreted_matches_float64():
     """Segments with and without context, rows past a tile, a one-row segment; heads packed four
     and eight to a tile, one to a tile (a group of 3 is not a power of two): within float32's

@@ -173,8 +173,10 @@ def _worker(rank: int, size: int, loads: list, rdv: str, out: str) -> None:
 def test_block_with_replicas_equals_one_process(size, interpret, tmp_path, monkeypatch):
     """Expert 0 made hot (a router row favouring every row), the placement from the loads counted
     on one process: its replicas' ranks compute some of its slots (counted), the owner fewer than
-    without replicas; deterministic mode's bits are one process's (and those of EP without
-    replicas) under tensor- and data-parallel attention; default mode within 1e-5. ``interpret``:
+    without replicas (deterministic mode under data-parallel attention: none, every slot at its
+    owner, for the combine tree's subtree sums); deterministic mode's bits are one process's (and
+    those of EP without replicas) under tensor- and data-parallel attention; default mode within
+    1e-5. ``interpret``:
     the workers run Triton's CPU interpreter, so that default mode under data-parallel attention
     takes the fused kernel as on CUDA (``owned_partial``: the slots another rank computes get no
     tile; its rows are not counted)."""
@@ -214,6 +216,10 @@ def test_block_with_replicas_equals_one_process(size, interpret, tmp_path, monke
                   "with", [c["rows"] for c in placed], "replica rows", [c["replica"] for c in placed])
             if interpret and attention == "data" and not det:
                 continue  # the fused kernel, not ``local``: nothing counted
+            if attention == "data" and det:  # the tree's subtree sums: every slot at its owner
+                assert [c["rows"] for c in placed] == [c["rows"] for c in plain]
+                assert all(c["replica"] == 0 for c in placed)
+                continue
             assert sum(c["replica"] for c in placed) > 0 and all(c["replica"] == 0 for c in plain)
             assert sum(c["rows"] for c in placed) == sum(c["rows"] for c in plain)  # each slot once
             assert placed[0]["rows"] < plain[0]["rows"]  # the hot expert's owner computes fewer

@@ -8,7 +8,9 @@ multiple of Hkv (GQA).
 
 Why a kernel of our own: PyTorch's bundled FlashAttention-2 issues Ampere's MMA instructions on
 Hopper and ran W1's segments at 242 TFLOP/s (head_dim 64) and 297 (128) on an H200, where this
-kernel, which Triton lowers to Hopper's, ran at 400 and 435 (docs/perf.md, "Attention").
+kernel, which Triton lowers to Hopper's, ran at 400 and 435 (docs/perf.md, "Attention"). It runs
+on Hopper GPUs only (``layers.attention_gpu.triton_varlen_attention``): elsewhere it was not
+measured, and FlashAttention-2 stays.
 
 Each program computes ``rows`` query rows of one segment for ``HG`` query heads that share one
 key/value head (GQA packed into the tile's rows: the keys are read once for the group): tile

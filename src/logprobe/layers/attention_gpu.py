@@ -29,6 +29,7 @@ where it does not apply.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -88,13 +89,14 @@ def flash_varlen_attention(
 def triton_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
                             scale: float, cu: tuple[torch.Tensor, torch.Tensor], plans: dict) -> torch.Tensor | None:
     """``flash_varlen_attention``'s causal case (no window, no sinks) on the project's kernel
-    (``kernels.attention``), or None where it does not run: CUDA, float16 / bfloat16, head_dim 64
+    (``kernels.attention``), or None where it does not run: a Hopper GPU (where it was measured
+    against FlashAttention-2; other GPUs keep FlashAttention-2), float16 / bfloat16, head_dim 64
     or 128 for queries, keys and values alike, Triton present. ``cu``: cu_q and cu_k on the
     device; ``plans``: the batch's programs by tile rows, built here once (``block_plan``) and
     kept for every layer."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
             and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] % k.shape[1] == 0
-            and varlen_kernel.triton is not None):
+            and varlen_kernel.triton is not None and hopper(q.device)):
         return None
     shape = varlen_kernel.tile_shape(q.shape[-1], q.shape[1], k.shape[1])
     if shape is None:
@@ -105,6 +107,12 @@ def triton_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                            host_to(torch.tensor(start, dtype=torch.int32), q.device))
     return varlen_kernel.varlen_triton(q.contiguous(), k.contiguous(), v.contiguous(), cu[0], cu[1],
                                        plans[shape[0]], scale)
+
+
+@functools.cache
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.x: H100, H200)."""
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -405,15 +405,17 @@ class ExpertsAcrossRanks:
         [[1, -1], [-1, 0]]
         """
         local = ids - self.first_expert
-        own = (local >= 0) & (local < self.num_experts)
+        own = (local >= 0) & (local < self.own_experts)
         return torch.where(own, local // (self.total_experts // self.leaves), -1)
 
     @property
     def tree_split(self) -> bool:
         """Whether each rank holds whole leaves of the combine tree (whole experts, the group's
-        size dividing the leaves): then deterministic mode sums subtrees over the ranks."""
-        # a replica computes slots of another rank's leaves: slots then travel whole (``return_slots``)
-        return self.ctx.expert_share[1] == 1 and self.leaves % self.ctx.size == 0 and self.placement is None
+        size dividing the leaves): then deterministic mode sums subtrees over the ranks, each
+        slot computed by its expert's owner. Replicas (``placement``) then serve default mode
+        only: a slot a replica computed belongs to another rank's leaf, and sending such slots
+        whole instead (``return_slots``) cost 28% at two GPUs (docs/perf.md)."""
+        return self.ctx.expert_share[1] == 1 and self.leaves % self.ctx.size == 0
 
     def combine_whole(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
                       ) -> torch.Tensor:
@@ -673,8 +675,9 @@ class ExpertsOverSplitRows:
         computes them: the fused kernel (fixed tiles) where it runs, else ``local`` (fixed row
         tiles), the other slots never read."""
         R, k = every_ids.shape
-        local = every_ids - self.first_expert  # [P*m, k]: this rank's numbering, others outside it
         leaf = self.leaf_of(every_ids)  # [P*m, k]
+        # this rank's own experts in its numbering (replicas, stacked after them, get no slot)
+        local = torch.where(leaf >= 0, every_ids - self.first_expert, -1)  # [P*m, k]
         if self.fused_runs(xs, triton):  # CUDA (one process uses it there too)
             y = self.fused(xs, local, foreign=True)  # [P*m*k, H]: the slots of the experts held here
         else:  # the PyTorch path (CPU): its compaction waits for the values, as every CPU op does
