@@ -82,47 +82,51 @@ def cudnn_ragged(q, k, v, cu, max_q, max_k, scale):
                                                    scale=scale)[0]
 
 
-def head_dim_rows(args, d: int) -> None:
-    hq, hkv = (int(x) for x in args.heads.split(","))
-    configs = [kernel.CONFIGS[d]] + [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
-    names = ["flash-attention-2"] + [f"triton {':'.join(map(str, c))}" for c in configs] + (["cudnn ragged"] if args.cudnn else [])
-    ms = dict.fromkeys(names, 0.0)
-    diff = dict.fromkeys(names, 0.0)
-    err = dict.fromkeys(names, 0.0)
-    work = 0.0
-    g = torch.Generator(device="cuda").manual_seed(0)
+def time_batch(batch, d: int, heads: tuple[int, int], configs: list, cudnn: bool, g) -> tuple[dict, dict]:
+    """One batch: each kernel's ms and (max |Δ| against FlashAttention-2, max error against float64
+    on its first completion over a prompt), keyed by kernel name."""
+    hq, hkv = heads
     scale = d**-0.5
-    for batch in batches(w1_segments(), args.batch_tokens):
-        cu_q, cu_k = offsets(batch)
-        work += sum(4 * d * hq * n * (c + (n + 1) / 2) for c, n in batch)
-        q = torch.randn(cu_q[-1], hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
-        k, v = (torch.randn(cu_k[-1], hkv, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-        cu = cu_tensors(cu_q, cu_k, q.device)
+    cu_q, cu_k = offsets(batch)
+    q = torch.randn(cu_q[-1], hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(cu_k[-1], hkv, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    cu = cu_tensors(cu_q, cu_k, q.device)
+    fa = lambda: flash_varlen_attention(q, k, v, cu_q, cu_k, scale, cu=cu)  # noqa: E731
+    outs, ms = {"flash-attention-2": fa()}, {"flash-attention-2": bench_ms(fa, rep=100, warmup=10)}
+    for config in configs:
+        name = f"triton {':'.join(map(str, config))}"
+        ms[name], outs[name] = run_config(q, k, v, cu_q, cu_k, cu, scale, config)
+    if cudnn:
         max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
         max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-        fa = lambda: flash_varlen_attention(q, k, v, cu_q, cu_k, scale, cu=cu)  # noqa: E731
-        outs = {names[0]: fa()}
-        ms[names[0]] += bench_ms(fa, rep=100, warmup=10)
-        for name, config in zip(names[1:], configs):
-            t, outs[name] = run_config(q, k, v, cu_q, cu_k, cu, scale, config)
-            ms[name] += t
-        if args.cudnn:
-            fn = lambda: cudnn_ragged(q, k, v, cu, max_q, max_k, scale)  # noqa: E731
-            outs["cudnn ragged"] = fn()
-            ms["cudnn ragged"] += bench_ms(fn, rep=20, warmup=2)
-        s = next(i for i, (c, _) in enumerate(batch) if c)  # a completion over its prompt
-        one = ([0, cu_q[s + 1] - cu_q[s]], [0, cu_k[s + 1] - cu_k[s]])
-        ref = kernel.varlen_reference(*(x[a:b].double() for x, (a, b) in
-                                        ((q, cu_q[s:s + 2]), (k, cu_k[s:s + 2]), (v, cu_k[s:s + 2]))), *one, scale)
-        for name, o in outs.items():
-            diff[name] = max(diff[name], float((o.float() - outs[names[0]].float()).abs().max()))
-            err[name] = max(err[name], float((o[cu_q[s]:cu_q[s + 1]].double() - ref).abs().max()))
-    log(f"\n### head_dim {d}, {hq} query heads over {hkv}, batches of {args.batch_tokens} rows")
+        fn = lambda: cudnn_ragged(q, k, v, cu, max_q, max_k, scale)  # noqa: E731
+        outs["cudnn ragged"], ms["cudnn ragged"] = fn(), bench_ms(fn, rep=20, warmup=2)
+    s = next(i for i, (c, _) in enumerate(batch) if c)  # a completion over its prompt
+    (a, b), (c, e) = cu_q[s:s + 2], cu_k[s:s + 2]
+    ref = kernel.varlen_reference(q[a:b].double(), k[c:e].double(), v[c:e].double(), [0, b - a], [0, e - c], scale)
+    base = outs["flash-attention-2"].float()
+    errs = {name: (float((o.float() - base).abs().max()), float((o[a:b].double() - ref).abs().max()))
+            for name, o in outs.items()}
+    return ms, errs
+
+
+def head_dim_rows(args, d: int) -> None:
+    heads = tuple(int(x) for x in args.heads.split(","))
+    configs = [kernel.CONFIGS[d]] + [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
+    total, worst, work = {}, {}, 0.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for batch in batches(w1_segments(), args.batch_tokens):
+        work += sum(4 * d * heads[0] * n * (c + (n + 1) / 2) for c, n in batch)
+        ms, errs = time_batch(batch, d, heads, configs, args.cudnn, g)
+        for name in ms:
+            total[name] = total.get(name, 0.0) + ms[name]
+            worst[name] = tuple(max(x, y) for x, y in zip(worst.get(name, (0.0, 0.0)), errs[name]))
+    fa = total["flash-attention-2"]
+    log(f"\n### head_dim {d}, {heads[0]} query heads over {heads[1]}, batches of {args.batch_tokens} rows")
     log("| kernel | ms (W1) | TFLOP/s | × FlashAttention-2 | max abs Δ vs FlashAttention-2 | max abs err vs float64 |")
     log("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name in names:
-        log(f"| {name} | {ms[name]:.2f} | {work / ms[name] / 1e9:.0f} | {ms[names[0]] / ms[name]:.2f} | "
-            f"{diff[name]:.2e} | {err[name]:.2e} |")
+    for name, t in total.items():
+        log(f"| {name} | {t:.2f} | {work / t / 1e9:.0f} | {fa / t:.2f} | {worst[name][0]:.2e} | {worst[name][1]:.2e} |")
 
 
 def main() -> None:
