@@ -188,6 +188,21 @@ def write_tiny_gguf(path: Path, hf_model, qtype_name: str, tie: bool = False) ->
     return decoded
 
 
+def fp8_experts(num: int, hidden: int, inter: int, block: int, g: torch.Generator):
+    """``Experts`` of ``num`` experts whose three matrices are random FP8 blocks (codes spread
+    over e4m3's range, one scale per ``block`` columns of a row), the packed layout FP8 block
+    checkpoints load into."""
+    from logprobe.layers.fp8_block_linear import FP8BlockExperts
+    from logprobe.layers.moe import Experts
+
+    e = Experts(num, hidden, inter)
+    for name, (o, i) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+        q = (torch.randn(num, o, i, generator=g) * 8).to(torch.float8_e4m3fn)
+        scale = torch.rand(num, o, -(-i // block), generator=g) / (8 * i**0.5) + 1e-3
+        e.set_packed(name, FP8BlockExperts(q, scale, block))
+    return e
+
+
 def skip_old_interpreter() -> None:
     """Skip under a Triton older than 3.9, whose interpreter cannot run the project's kernels
     (``run_interpreted``)."""

@@ -552,16 +552,11 @@ def test_fused_fp8_experts_in_parts_interpreted():
     weights within float32's rounding."""
     code = textwrap.dedent("""
         import json, torch
-        from logprobe.layers.fp8_block_linear import FP8BlockExperts
-        from logprobe.layers.moe import Experts
+        from helpers import fp8_experts
         from logprobe.kernels.moe import moe_reference
         g = torch.Generator().manual_seed(0)
         T, H, I, E, k, bc = 29, 40, 24, 7, 2, 16
-        e = Experts(E, H, I)
-        for name, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-            q = (torch.randn(E, o, i, generator=g) * 8).to(torch.float8_e4m3fn)
-            scale = torch.rand(E, o, -(-i // bc), generator=g) / (8 * i**0.5) + 1e-3
-            e.set_packed(name, FP8BlockExperts(q, scale, bc))
+        e = fp8_experts(E, H, I, bc, g)
         x = torch.randn(T, H, generator=g)
         ids = torch.stack([torch.randperm(E + 2, generator=g)[:k] for _ in range(T)]) - 1  # -1 .. E: some outside
         whole = e.fused(x, ids, foreign=True)
@@ -588,18 +583,13 @@ def test_fused_fp8_experts_in_parts_cuda():
     """On CUDA in bfloat16 (the path DeepSeek-V3's FP8 experts take): the fused kernel over runs of
     experts is bitwise the single expansion, and within bfloat16's rounding of the float64
     reference of the expanded weights."""
+    from helpers import fp8_experts
+
     from logprobe.kernels.moe import moe_reference
-    from logprobe.layers.fp8_block_linear import FP8BlockExperts
-    from logprobe.layers.moe import Experts
 
     g = torch.Generator().manual_seed(0)
     T, H, inter, E, k, bc = 301, 256, 384, 9, 3, 128
-    e = Experts(E, H, inter)
-    for name, (o, i) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
-        q = (torch.randn(E, o, i, generator=g) * 8).to(torch.float8_e4m3fn)
-        scale = torch.rand(E, o, -(-i // bc), generator=g) / (8 * i**0.5) + 1e-3
-        e.set_packed(name, FP8BlockExperts(q, scale, bc))
-    e = e.to("cuda")
+    e = fp8_experts(E, H, inter, bc, g).to("cuda")
     x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
     ids = (torch.stack([torch.randperm(E + 2, generator=g)[:k] for _ in range(T)]) - 1).cuda()
     whole = e.fused(x, ids, foreign=True)
