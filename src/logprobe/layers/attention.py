@@ -385,10 +385,7 @@ def _gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
         out[seg.start:seg.end] = o
     if short is not None:
         rows, keys, cu_q, cu_k, cu = short
-        qs, ks, vs = q[rows], k[keys], v[keys]
-        o = triton_varlen_attention(qs, ks, vs, cu_q, cu_k, scale, cu, meta.plan_cache)
-        if o is None:
-            o = flash_varlen_attention(qs, ks, vs, cu_q, cu_k, scale, window, cu=cu)
+        o = _varlen(q[rows], k[keys], v[keys], cu_q, cu_k, cu, scale, window, plans=meta.plan_cache)
         if o is None:
             return _flash(q, k, v, meta, scale, window)
         out[rows] = o
@@ -429,8 +426,16 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
         k, v = k[keys], v[keys]  # [total keys, Hkv, D]
     elif keys != (0, k.shape[0]):
         k, v = k[keys[0]:keys[1]], v[keys[0]:keys[1]]
-    if fast:
-        o = triton_varlen_attention(q, k, v, cu_q, cu_k, scale, cu, meta.plan_cache)
+    return _varlen(q, k, v, cu_q, cu_k, cu, scale, window, sinks, meta.plan_cache if fast else None)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], cu: tuple,
+            scale: float, window: int | None, sinks: torch.Tensor | None = None, plans: dict | None = None
+            ) -> torch.Tensor | None:
+    """One varlen call over packed keys: the project's kernel where it runs (``plans``, the batch's
+    ``AttentionMeta.plan_cache``; None: not tried), else FlashAttention-2; None where neither does."""
+    if plans is not None:
+        o = triton_varlen_attention(q, k, v, cu_q, cu_k, scale, cu, plans)
         if o is not None:
             return o
     return flash_varlen_attention(q, k, v, cu_q, cu_k, scale, window, sinks, cu=cu)
