@@ -707,13 +707,11 @@ class StagedWeights:
             self.error = e
 
     def add(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Stage ``pairs``. A slice that came by CUDA IPC (``update_workers``) lies in the driver's
-        memory, which it reuses once this process lets go of it: it is copied here first, and the
-        copies are complete before this returns."""
-        on_gpu = [v.is_cuda for _, v in pairs]
-        pairs = [(name, value.clone() if cuda else value) for (name, value), cuda in zip(pairs, on_gpu)]
-        if any(on_gpu):
-            torch.cuda.current_stream().synchronize()
+        """Stage ``pairs``. A slice that came by CUDA IPC (``update_workers``) lies in memory the
+        driver copied it to for this rank alone (``ParallelEngine.stage_weights``); its allocator
+        keeps it until this process lets go, so it is staged as it is, not copied again. What reads
+        it here has finished before a reference to it is dropped (``settle``): the driver may reuse
+        the memory as soon as the last one is."""
         try:
             for name, value in pairs:
                 slot = self.slots.get(name)
@@ -727,6 +725,15 @@ class StagedWeights:
                 self.values[name] = convert(name, value, slot, self.model)
         except BaseException as e:  # noqa: BLE001 - reported at prepare
             self.error = self.error or e
+        self.settle(pairs)
+
+    @staticmethod
+    def settle(tensors) -> None:
+        """Wait for this process's GPU work where any of ``tensors`` (or of ``(name, tensor)``
+        pairs) lies on a GPU: dropping a tensor received by CUDA IPC hands its memory back to the
+        sender at once, whatever is still queued to read it."""
+        if any((t[1] if isinstance(t, tuple) else t).is_cuda for t in tensors):
+            torch.cuda.current_stream().synchronize()
 
     def prepare(self, whole: bool = True) -> None:
         """Every staged slice arrived and converted; ``whole``: and they cover this shard."""
@@ -739,6 +746,7 @@ class StagedWeights:
     def commit(self) -> None:
         for name, value in self.values.items():
             self.slots[name].copy_(value)
+        self.settle(list(self.values.values()))
         self.values = {}
 
 
