@@ -857,3 +857,50 @@ def test_align_by_expert_asks_the_device_nothing():
     assert t[:real].tolist() == [e for e in range(8) for _ in range((int(counts[e]) + 15) // 16)]
     assert (s.view(-1, 16)[:real, 0] < 150).all() and (s[real * 16:] == 150).all()
     assert sorted(s[s < 150].tolist()) == list(range(150))
+
+
+@pytest.mark.slow  # Triton's interpreter in a fresh process
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
+def test_add_routed_kernel_interpreted_is_bitwise_the_pytorch_ops():
+    """``add_routed`` (the float32 sum over ranks rounded, the shared expert's output and the
+    residual added, one pass) against ``add_routed_reference`` (three PyTorch ops): the same bits in
+    float16 and float32, with and without each addend, a length that leaves a partial block; and
+    the worked example in float16, where 1 + 2^-11 is a tie (rounds to 1.0), 1024 + 1.5 another
+    (rounds to 1026, even). bf16 is the CUDA test's: the interpreter's cast to it truncates."""
+    code = textwrap.dedent("""
+        import json, torch
+        from logprobe.kernels.moe import add_routed, add_routed_reference
+        out = {"equal": []}
+        g = torch.Generator().manual_seed(5)
+        for T, H, dt in [(3, 2100, torch.float16), (5, 40, torch.float32)]:
+            r = torch.randn(T, H, generator=g) * 3
+            s, h = (torch.randn(T, H, generator=g).to(dt) for _ in range(2))
+            for shared, residual in [(None, None), (s, None), (None, h), (s, h)]:
+                out["equal"].append(bool(torch.equal(add_routed(r, shared, residual, dt),
+                                                     add_routed_reference(r, shared, residual, dt))))
+        half = torch.float16
+        out["gold"] = add_routed(torch.tensor([[1 + 2 ** -11]]), torch.tensor([[0.5]], dtype=half),
+                                 torch.tensor([[1024.0]], dtype=half), half).tolist()
+        print(json.dumps(out))
+    """)
+    r = run_interpreted(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["equal"] == [True] * 8
+    assert out["gold"] == [[1026.0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA")
+def test_add_routed_kernel_cuda_is_bitwise_the_pytorch_ops():
+    from logprobe.kernels.moe import add_routed, add_routed_reference
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for T, H, dt in [(4099, 2048, torch.bfloat16), (333, 1000, torch.float16)]:
+        r = torch.randn(T, H, generator=g, device="cuda") * 3
+        s, h = (torch.randn(T, H, generator=g, device="cuda").to(dt) * 8 for _ in range(2))
+        for shared, residual in [(None, None), (s, None), (None, h), (s, h)]:
+            assert torch.equal(add_routed(r, shared, residual, dt), add_routed_reference(r, shared, residual, dt))
+    bf = torch.bfloat16  # the docstring's example: 1 + 2^-8 ties to 1.0; 256 + 1.5 rounds to 258
+    got = add_routed(torch.tensor([[1 + 2 ** -8]], device="cuda"), torch.tensor([[0.5]], dtype=bf, device="cuda"),
+                     torch.tensor([[256.0]], dtype=bf, device="cuda"), bf)
+    assert got.tolist() == [[258.0]]
