@@ -31,9 +31,6 @@ BLOCK_M = 2, ids = [[2, 0], [0, 3], [2, 1]]:
   only the slots of this rank's experts were computed (``fused_moe`` given ids outside its
   experts leaves those out): no gathered copy of the rows, no compaction (which would wait for
   the GPU to learn how many).
-* ``_add_routed_kernel`` (``add_routed``): the float32 sum over ranks rounded to the model's dtype,
-  the shared expert's output and the residual added, in one pass (each rounded as the PyTorch ops
-  round, ``add_routed_reference``).
 
 Fixed tiles per expert, each K loop in order, no split-K: a row's numbers depend only on its own
 row and its expert's weights, never on how many rows share the expert, so the kernel is
@@ -159,19 +156,6 @@ if triton_available():
                 acc = acc + tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(w_ptr + r)
         tl.store(out_ptr + t * stride_o + cols, acc, mask=ok)
 
-
-    @triton.jit(do_not_specialize=["n"])  # varies with the batch: one compiled kernel
-    def _add_routed_kernel(r_ptr, s_ptr, h_ptr, out_ptr, n, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < n
-        dt = out_ptr.dtype.element_ty
-        t = tl.load(r_ptr + i, mask=ok, other=0.0).to(dt).to(tl.float32)  # the routed sum, rounded once
-        if SHARED:
-            t = (t + tl.load(s_ptr + i, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
-        if RESIDUAL:
-            t = tl.load(h_ptr + i, mask=ok, other=0.0).to(tl.float32) + t
-        tl.store(out_ptr + i, t.to(dt), mask=ok)
 
     @triton.jit(do_not_specialize=["M"])  # varies with the batch: one compiled kernel
     def _combine_leaves_kernel(y_ptr, w_ptr, leaf_ptr, pos_ptr, out_ptr, H, M, stride_y, stride_o,
@@ -420,41 +404,6 @@ def combine_owned(y: torch.Tensor, weights: torch.Tensor, own: torch.Tensor) -> 
     block = min(1024, triton.next_power_of_2(H))
     _combine_owned_kernel[(T, triton.cdiv(H, block))](y, weights, own, out, H, y.stride(0), out.stride(0), TOP_K=k,
                                                       BLOCK_H=block, num_warps=4, enable_fp_fusion=False)
-    return out
-
-
-def add_routed_reference(routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """The definition ``add_routed`` is held to: the routed sum [T, H] rounded to ``dtype``, then
-    the shared expert's output added (rounded), then added to the residual stream (rounded), each
-    as a PyTorch op in ``dtype`` rounds it."""
-    out = routed.to(dtype)
-    out = out if shared is None else out + shared
-    return out if residual is None else residual + out
-
-
-def add_routed(routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None,
-               dtype: torch.dtype) -> torch.Tensor:
-    """``add_routed_reference`` in one pass: the float32 routed sum [T, H] a rank receives from the
-    reduce-scatter (expert parallelism), the shared expert's output and the residual stream h
-    [T, H] (both ``dtype``) -> h + (round(routed) + shared) in ``dtype``, rounded where the three
-    PyTorch ops round: the same bits, one read of each input and one write, instead of a cast and
-    two adds each writing [T, H]. Worked example in bf16: routed 1.00390625 (2^0 + 2^-8, a tie)
-    rounds to 1.0 (even), + shared 0.5 = 1.5, + h 256.0 = 257.5, rounded to 258.0 (bf16 keeps 8
-    significant bits)."""
-    for name, t in (("shared", shared), ("residual", residual)):
-        if t is not None and (t.shape != routed.shape or t.dtype != dtype):
-            raise LogprobeError(name, f"{tuple(t.shape)} {t.dtype} does not fit the routed sum's "
-                                f"{tuple(routed.shape)} in {dtype}")
-    routed = routed.contiguous()
-    s = routed if shared is None else shared.contiguous()
-    h = routed if residual is None else residual.contiguous()
-    out = torch.empty(routed.shape, dtype=dtype, device=routed.device)
-    n, block = routed.numel(), 2048
-    if n:
-        _add_routed_kernel[(triton.cdiv(n, block),)](routed, s, h, out, n, SHARED=shared is not None,
-                                                     RESIDUAL=residual is not None, BLOCK=block, num_warps=8,
-                                                     enable_fp_fusion=False)
     return out
 
 

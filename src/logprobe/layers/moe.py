@@ -50,8 +50,6 @@ from ..errors import LogprobeError
 from ..kernels import interpreting, triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
 from ..kernels.moe import (
-    add_routed,
-    add_routed_reference,
     align_by_expert,
     combine_leaves,
     combine_owned,
@@ -567,8 +565,7 @@ class ExpertsOverSplitRows:
         return drive(self.split_steps(x, ids, weights, rows, deterministic, row_tile, triton, self.MAX_PARTS))
 
     def split_steps(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: RowSplit,
-                    deterministic: bool, row_tile: int | None, triton: bool = True, max_parts: int = 1,
-                    rounded: bool = True):
+                    deterministic: bool, row_tile: int | None, triton: bool = True, max_parts: int = 1):
         """Data-parallel attention (whole experts per rank): x [T, H], ids [T, k] and weights [T, k]
         of this rank's own rows (``rows.own``) -> the routed output [T, H] of those rows in x's dtype.
 
@@ -595,9 +592,7 @@ class ExpertsOverSplitRows:
 
         A generator (``layers.steps``): it yields after starting the gathers and after starting
         the sums, so that another micro-batch's work is launched beside them; it returns the
-        output. ``max_parts``: the rows in up to this many parts (``owned_steps``). ``rounded``
-        False: a sum over ranks is returned in float32 as it arrived, for the caller to round
-        (``routed_output``: in one pass with the adds after it)."""
+        output. ``max_parts``: the rows in up to this many parts (``owned_steps``)."""
         T, k = ids.shape
         _, P = self.ctx.expert_share
         if P != 1:
@@ -608,7 +603,7 @@ class ExpertsOverSplitRows:
         tree = deterministic and self.tree_split  # subtrees summed over the ranks: one process's bits
         if tree or not deterministic and self.fused_runs(x, triton, interpreted=True):
             out = yield from self.owned_steps(rows.pad(x), routing, triton, row_tile, tree, max_parts)
-            return out[:T].to(x.dtype) if rounded else out[:T]  # [T, H]
+            return out[:T].to(x.dtype)  # [T, H]
         xs = self.ctx.all_gather(rows.pad(x)).view(size * m, self.hidden)  # [P*m, H]: every rank's rows
         routing = self.ctx.all_gather(routing).view(size * m, 2 * k)  # [P*m, 2k]
         every_ids = routing[:, :k].long()  # [P*m, k]; -1 on pad rows
@@ -619,8 +614,7 @@ class ExpertsOverSplitRows:
         if not deterministic:
             w = routing[:, k:].reshape(-1)[slots]  # [n]: each computed slot's router weight
             partial = combine_partial(ys, w, slots, k, size * m, triton)  # [P*m, H] float32
-            out = self.ctx.reduce_scatter_sum(partial)[:T]  # [T, H] float32: own rows
-            return out.to(x.dtype) if rounded else out
+            return self.ctx.reduce_scatter_sum(partial)[:T].to(x.dtype)  # [T, H]: own rows, rounded once
         own = self.return_slots(ys, slots, every_ids, m).view(m, k, self.hidden)[:T]  # [T, k, H], whole
         return self.combine_whole(own, ids, weights, x.dtype)
 
@@ -970,18 +964,16 @@ class MoeBlock(NumericsUser, nn.Module):
         # the shared expert after the routed sum is rounded to x's dtype, in every path as in one process
         return out if shared is None else out + shared
 
-    def steps(self, x: torch.Tensor, rows: RowSplit, max_parts: int = 1, residual: torch.Tensor | None = None):
+    def steps(self, x: torch.Tensor, rows: RowSplit, max_parts: int = 1):
         """``forward`` on this rank's rows x [n, H] of a batch split by sequences (``rows``), as a
         generator that yields where the experts' transfers run (``Experts.split_steps``,
-        ``layers.steps``) -> [n, H]; with ``residual`` h [n, H], h + that (the block's residual
-        add, fused with the rounding of the sum over ranks: ``routed_output``). The shared expert
-        runs first, beside the gathers."""
+        ``layers.steps``) -> [n, H]. The shared expert runs first, beside the gathers."""
         _, weights, ids = self.route_tokens(x)  # [n, k] each
         shared = self.shared_out(x)
         n = self.numerics
-        routed = yield from self.experts.split_steps(x, ids, weights, rows, n.deterministic, n.row_tile, n.triton,
-                                                     max_parts, rounded=False)  # [n, H], float32 or x's dtype
-        return routed_output(routed, shared, residual, x.dtype, n.triton)
+        out = yield from self.experts.split_steps(x, ids, weights, rows, n.deterministic, n.row_tile, n.triton,
+                                                  max_parts)  # [n, H]
+        return out if shared is None else out + shared
 
     def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> the router's probabilities [T, E] (grouped: sigmoid scores), weights [T, k]
@@ -999,18 +991,6 @@ class MoeBlock(NumericsUser, nn.Module):
         if self.shared_expert_gate is None:
             return self.shared_expert(x)
         return row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-
-def routed_output(routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None,
-                  dtype: torch.dtype, triton: bool = True) -> torch.Tensor:
-    """A block's routed sum [T, H] (float32 as it arrived from the ranks, or already ``dtype``)
-    rounded to ``dtype``, plus the shared expert's output, plus the residual stream where given:
-    ``kernels.moe.add_routed`` in one pass on CUDA, else the PyTorch ops it is bitwise (rounded
-    once each, in that order, as one process rounds them)."""
-    fused = triton and routed.is_cuda and routed.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
-    if fused and triton_available():
-        return add_routed(routed, shared, residual, dtype)
-    return add_routed_reference(routed, shared, residual, dtype)
 
 
 def row_sigmoid(g: torch.Tensor) -> torch.Tensor:

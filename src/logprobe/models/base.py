@@ -59,9 +59,8 @@ class SplitSteps:
         h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
         x = self.post_attention_layernorm(h)
         mlp_steps = getattr(self.mlp, "steps", None)
-        if mlp_steps is not None:  # the MoE block adds the residual itself, in the pass that rounds its sum
-            return (yield from mlp_steps(x, meta.rows, residual=h))  # resid_post
-        return h + self.mlp(x, None, meta.rows)  # resid_post
+        out = (yield from mlp_steps(x, meta.rows)) if mlp_steps is not None else self.mlp(x, None, meta.rows)
+        return h + out  # resid_post
 
 
 def block_chain(layers, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta):
