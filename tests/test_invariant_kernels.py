@@ -45,6 +45,27 @@ def check_all(device: str, dtypes, M1: int, M2: int, K: int, N: int, H: int, con
             want = gain * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
             out[f"rmsnorm{tag}-{dt}"] = {"err": float((r2.double() - want.double()).abs().max()),
                                          "same": bool(torch.equal(r1, r2[3:3 + M1]))}
+        # per-head rows read in place: heads of 12 / 128 columns, a slice of a wider projection output
+        width, heads = (12, 3) if device == "cpu" else (128, 4)
+        fused = (torch.randn(M2, 3 * heads * width, generator=g) * 3).to(device, dtype)
+        q = fused[:, heads * width:2 * heads * width].reshape(M2, heads, width)  # strides (3 heads width, width, 1)
+        gain = torch.randn(width, generator=g).to(device, dtype)
+        got, whole = invariant_rmsnorm(q, gain, 1e-5), invariant_rmsnorm(q.contiguous().view(-1, width), gain, 1e-5)
+        out[f"rmsnormstrided-{dt}"] = {"err": float((got.double() - whole.view(M2, heads, width).double()).abs().max()),
+                                       "same": bool(got.shape == q.shape and got.is_contiguous()
+                                                    and torch.equal(got.view(-1, width), whole))}
+        # computed in float32, rounded once (Gemma's and Qwen3.5's offset gain, gpt-oss's): against
+        # PyTorch's float32 chain; and against the kernel on a float32 copy of x, rounded after
+        gain = 1.0 + torch.randn(H, generator=g).to(device) / 4
+        h = (torch.randn(M2, H, generator=g) * 3).to(device, dtype)
+        r2 = invariant_rmsnorm(h, gain, 1e-5, round_normed=False)
+        r1 = invariant_rmsnorm(h[3:3 + M1].clone(), gain, 1e-5, round_normed=False)
+        hf = h.float()
+        want = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * gain).to(dtype)
+        copied = invariant_rmsnorm(hf, gain, 1e-5).to(dtype)
+        out[f"rmsnormf32-{dt}"] = {"err": float((r2.double() - want.double()).abs().max()), "dtype": str(r2.dtype),
+                                   "same": bool(torch.equal(r1, r2[3:3 + M1]) and r2.dtype == dtype),
+                                   "as_copied": bool(torch.equal(r2, copied))}
     return out
 
 

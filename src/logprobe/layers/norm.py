@@ -39,7 +39,8 @@ class OffsetRMSNorm(NumericsUser, nn.Module):
     and q/k norms (initialised to zeros). Rounded as they compute it: the norm and the gain in
     float32, one cast to x's dtype at the end (``RMSNorm`` casts before its gain). On CUDA (as
     ``RMSNorm``: deterministic mode, or ``numerics.triton``) each row is reduced alone by
-    ``kernels.rmsnorm`` on the float32 input with the float32 gain ``1 + w``: the same rounding."""
+    ``kernels.rmsnorm``, which reads x in its dtype and computes in float32 with the float32 gain
+    ``1 + w``, rounding once at the store: the same rounding."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -49,7 +50,7 @@ class OffsetRMSNorm(NumericsUser, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.numerics.deterministic or self.numerics.triton) and x.is_cuda:
             if triton_available():
-                return invariant_rmsnorm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+                return invariant_rmsnorm(x, 1.0 + self.weight.float(), self.eps, round_normed=False)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

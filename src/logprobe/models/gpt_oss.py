@@ -125,11 +125,12 @@ class GptOssConfig:
 
 class GainRMSNorm(RMSNorm):
     """RMSNorm with the gain applied in float32 and one cast at the end (``GptOssRMSNorm``; the
-    Llama norm casts before its gain). On CUDA the row-wise Triton kernel on the float32 input."""
+    Llama norm casts before its gain). On CUDA the row-wise Triton kernel, computing in float32
+    and rounding once (``round_normed=False``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.numerics.deterministic or self.numerics.triton) and x.is_cuda and triton_available():
-            return invariant_rmsnorm(x.float(), self.weight.float(), self.eps).to(x.dtype)
+            return invariant_rmsnorm(x, self.weight.float(), self.eps, round_normed=False)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
