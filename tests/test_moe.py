@@ -857,20 +857,3 @@ def test_align_by_expert_asks_the_device_nothing():
     assert t[:real].tolist() == [e for e in range(8) for _ in range((int(counts[e]) + 15) // 16)]
     assert (s.view(-1, 16)[:real, 0] < 150).all() and (s[real * 16:] == 150).all()
     assert sorted(s[s < 150].tolist()) == list(range(150))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_largest_on_cuda_is_torch_topk():
-    """``largest`` (a stable sort of the row on CUDA) gives ``torch.topk``'s values and columns,
-    largest first, on router-like rows (no ties: random floats), 2-D and grouped 3-D; equal values
-    come by column."""
-    from logprobe.layers.moe import largest
-
-    g = torch.Generator(device="cuda").manual_seed(2)
-    for shape, k in [((60000, 128), 8), ((333, 256), 8), ((1000, 8, 32), 2), ((5, 4096), 3)]:
-        x = torch.softmax(torch.randn(*shape, generator=g, device="cuda"), -1)
-        v, i = largest(x, k)
-        tv, ti = torch.topk(x, k, dim=-1)
-        assert torch.equal(v, tv) and torch.equal(i, ti), shape
-    v, i = largest(torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]], device="cuda"), 2)
-    assert i.tolist() == [[1, 2]] and v.tolist() == [[2.0, 2.0]]

@@ -46,7 +46,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range
 from .activation import row_invariant
 from .linear import Linear, tiled_linear
-from .moe import by_expert, combine_partial, combine_to, largest, local_slots
+from .moe import by_expert, combine_partial, combine_to, local_slots
 from .numerics import NumericsUser
 
 
@@ -206,7 +206,7 @@ class GptOssMoe(NumericsUser, nn.Module):
 
     def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
         logits = self.router(x)  # [T, E]
-        ids = largest(logits, self.top_k)[1]  # [T, k], largest first
+        ids = torch.topk(logits, self.top_k, dim=-1).indices  # [T, k], largest first
         weights = self.weigh(logits, ids)  # [T, k] float32
         if hooks is not None:
             hooks(self.router_point, torch.zeros_like(logits, dtype=torch.float32).scatter_(1, ids, weights))
