@@ -143,19 +143,20 @@ def test_tree_reduce_scatter_over_gloo(size, tmp_path):
         assert not torch.equal(_bits(ring), _bits(sums[0]))  # another order rounds otherwise
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_deterministic_expert_layer_over_ranks_is_one_process(size, tmp_path):
     """One MoE block (8 experts, top-4: 8 leaves) under data-parallel attention over ``size`` gloo
     ranks in deterministic mode: each rank's rows, sent whole or in two parts (the transfers beside
     the experts), are bitwise one process's rows (``combine_tree`` there, subtrees summed by
-    ``tree_reduce_scatter_start`` here); uneven shares pad a rank's rows."""
+    ``tree_reduce_scatter_start`` here); uneven shares pad a rank's rows. At 8 ranks (one expert
+    and one leaf a rank, the eight-GPU layout) a rank owns no row at all (its gathers send pad only)."""
     import torch.multiprocessing as mp
     from test_moe_parallel import LAYER, _layer_block, _numerics, _parts_worker
 
     from logprobe.parallel.context import ParallelContext
 
     T = LAYER["T"]
-    bounds = (0, 21, T) if size == 2 else (0, 9, 21, 30, T)
+    bounds = {2: (0, 21, T), 4: (0, 9, 21, 30, T), 8: (0, 5, 9, 9, 16, 21, 28, 30, T)}[size]
     out = tmp_path / "got"
     mp.spawn(_parts_worker, args=(size, str(tmp_path / "rdv"), str(out), True, bounds), nprocs=size)
     one, x = _layer_block(ParallelContext(blocks=8), torch.float32)
