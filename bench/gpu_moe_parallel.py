@@ -90,6 +90,7 @@ from common import (  # noqa: E402
     write_moe_checkpoint,
 )
 
+from logprobe.errors import LogprobeError  # noqa: E402
 from logprobe.engine.runner import pack  # noqa: E402
 from logprobe.engine.scheduler import Chunk, plan_work  # noqa: E402
 from logprobe.executor.profile import (  # noqa: E402
@@ -375,7 +376,11 @@ def run_size(args, path: Path, tp: int, ep: int, layout: str | None, ref: dict, 
         if "micro_batch_rows" in options and tp == 1:
             continue  # one GPU has no micro-batches: its rows are the reference of both
         s.config = EngineConfig(progress=False, deterministic=name == "det", **options)
-        s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
+        try:
+            s.engine.run(reqs)  # warm-up: every kernel specialisation compiled
+        except LogprobeError as e:  # a size this shape does not take in this mode (the error names why)
+            log(json.dumps(dict(tp=tp, ep=ep, mode=mode, refused=str(e))))
+            continue
         runs = [timed(s, reqs, args.device) for _ in range(max(1, args.passes))]
         secs, lp = min(runs, key=lambda r: r[0])
         toks = sum(r.num_inputs for r in reqs)
