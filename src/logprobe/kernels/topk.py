@@ -33,7 +33,7 @@ if triton_available():
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         nan = x != x
         free = inside  # columns not taken yet
-        for j in tl.static_range(K):
+        for j in range(K):  # a loop, not unrolled: the compile time does not grow with k
             # a NaN outranks every number: the first free NaN, else the first free column at the largest value
             any_nan = tl.max((nan & free).to(tl.int32), axis=1) > 0  # [ROWS]
             best = tl.max(tl.where(free & ~nan, x, float("-inf")), axis=1)  # [ROWS]
