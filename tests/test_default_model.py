@@ -108,6 +108,7 @@ def test_perplexity_matches_reference(policy, default_scorer, default_reference)
     assert pr.nll_stderr > 0 and abs(pr.perplexity_stderr - pr.perplexity * pr.nll_stderr) < 1e-9
 
 
+@pytest.mark.slow  # slow tier (pytest -m slow): the real model on real data (16 s of the fast tier's 240)
 @pytest.mark.skipif(not WIKITEXT.exists(), reason="needs ../shared/data (the repo's data checkout)")
 def test_wikitext_perplexity_first_2k_tokens(default_scorer):
     """Golden value on real data (2,048 wikitext-2 test tokens, context 512, stride 256), ± 1e-3."""
