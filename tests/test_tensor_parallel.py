@@ -445,3 +445,27 @@ def test_cli_logprobs_with_tensor_parallelism(hf_models, tmp_path):
     assert len(lines) == len(seqs)
     for line, w in zip(lines, want):
         assert torch.equal(torch.tensor(line["logprobs"], dtype=torch.float32), w.logprobs)
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): three worker processes started and stopped
+def test_deterministic_tp_size_refused_when_the_scorer_starts(tmp_path):
+    """6 query heads over 3 kv heads (hidden 48, intermediate 96): TP = 3 splits them, but
+    deterministic mode's column blocks are 2 (the largest power of two dividing every width), so
+    a deterministic Scorer at TP = 3 is refused when it starts, naming the field, and its workers
+    are gone; a server started so fails at its start, not at its first request. Default mode at
+    TP = 3 starts and scores."""
+    import transformers as tf
+    from helpers import byte_tokenizer
+
+    cfg = tf.LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
+    byte_tokenizer()[0].save_pretrained(str(tmp_path))
+    before = _children()
+    with pytest.raises(LogprobeError, match="2 column blocks; 3 does not") as e:
+        Scorer(str(tmp_path), device="cpu", tensor_parallel_size=3, deterministic=True, progress=False)
+    assert e.value.field == "tensor_parallel_size"
+    assert _children() <= before
+    with Scorer(str(tmp_path), device="cpu", tensor_parallel_size=3, progress=False) as s:
+        assert s.logprobs([{"prompt_token_ids": [3, 4], "completion_token_ids": [5]}])[0].logprobs.shape == (1,)

@@ -201,6 +201,25 @@ class Numerics:
     micro_batch_rows: int = 2048
 
 
+def check_tp_invariance(config: EngineConfig, tp_size: int, tp_blocks: int) -> None:
+    """Refuse a TP-invariant deterministic ``config`` at a TP size that does not divide the model's
+    column block count (``parallel.shard.num_blocks``): checked when a parallel scorer starts
+    (a server's fixed config then fails at its start, not at its first request) and again when a
+    config is set.
+
+    >>> check_tp_invariance(EngineConfig(deterministic=True), 2, 4)
+    >>> check_tp_invariance(EngineConfig(deterministic=True), 8, 4)
+    Traceback (most recent call last):
+    ...
+    logprobe.errors.LogprobeError: tensor_parallel_size: deterministic mode keeps its numbers equal across TP sizes that divide the model's 4 column blocks; 8 does not; use such a TP size, or EngineConfig(deterministic=Deterministic(tp_invariant=False))
+    """
+    det = config.deterministic
+    if det is not None and det.tp_invariant and tp_size > 1 and tp_blocks % tp_size:
+        raise LogprobeError("tensor_parallel_size", f"deterministic mode keeps its numbers equal across TP sizes "
+                            f"that divide the model's {tp_blocks} column blocks; {tp_size} does not",
+                            "use such a TP size, or EngineConfig(deterministic=Deterministic(tp_invariant=False))")
+
+
 def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable: bool = True,
                  tp_size: int = 1, tp_blocks: int = 1) -> Numerics:
     """The ``Numerics`` of ``config`` on ``device``. ``splittable``: the model can be split by
@@ -210,10 +229,7 @@ def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable
     if det is None:
         return Numerics(head_token_chunk=config.head_token_chunk, head_vocab_chunk=config.head_vocab_chunk,
                         micro_batch_rows=config.micro_batch_rows)
-    if det.tp_invariant and tp_size > 1 and tp_blocks % tp_size:
-        raise LogprobeError("tensor_parallel_size", f"deterministic mode keeps its numbers equal across TP sizes "
-                            f"that divide the model's {tp_blocks} column blocks; {tp_size} does not",
-                            "use such a TP size, or EngineConfig(deterministic=Deterministic(tp_invariant=False))")
+    check_tp_invariance(config, tp_size, tp_blocks)
     cuda = torch.device(device).type == "cuda"
     # the head's token chunk is ``tile`` on every device: its bits were pinned that way
     return Numerics(deterministic=True, row_tile=det.cuda_tile if cuda else det.tile, matmul=det.matmul,

@@ -20,7 +20,7 @@ from multiprocessing import connection
 
 import torch
 
-from ..config import EngineConfig, resolve_device
+from ..config import EngineConfig, check_tp_invariance, resolve_device
 from ..engine.budget import agreed_budget, resolved_budget
 from ..engine.request import RequestResult, ScoreRequest
 from ..engine.runner import Engine, RunStopped
@@ -342,6 +342,7 @@ def parallel_parts(model, device, dtype, config: EngineConfig, tp: int, dp: int,
         ep = default_expert_parallel(loaded.model.config, tp) if ep is None else ep
         # a size that cannot split the model fails here, before any shard is read; the layout resolved
         ctx = parallel_context(loaded.model.config, 0, tp, None, ep, attention)
+        check_tp_invariance(config, tp, ctx.blocks)  # a fixed deterministic config fails here, not at a request
         placement = expert_placement(loaded.model.config, tp, ep, redundant, loads)
         dt = str(dtype).removeprefix("torch.") if dtype is not None else "auto"
         engine = ParallelEngine(model, dev.type, dt, config, tp, dp, ep, ctx.attention or "tensor", launched,
