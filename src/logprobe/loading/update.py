@@ -725,14 +725,14 @@ class StagedWeights:
                 self.values[name] = convert(name, value, slot, self.model)
         except BaseException as e:  # noqa: BLE001 - reported at prepare
             self.error = self.error or e
-        self.settle(pairs)
+        self.settle(value for _, value in pairs)
 
     @staticmethod
     def settle(tensors) -> None:
-        """Wait for this process's GPU work where any of ``tensors`` (or of ``(name, tensor)``
-        pairs) lies on a GPU: dropping a tensor received by CUDA IPC hands its memory back to the
-        sender at once, whatever is still queued to read it."""
-        if any((t[1] if isinstance(t, tuple) else t).is_cuda for t in tensors):
+        """Wait for this process's GPU work where any of ``tensors`` lies on a GPU: dropping a
+        tensor received by CUDA IPC hands its memory back to the sender at once, whatever is still
+        queued to read it."""
+        if any(t.is_cuda for t in tensors):
             torch.cuda.current_stream().synchronize()
 
     def prepare(self, whole: bool = True) -> None:
@@ -746,7 +746,7 @@ class StagedWeights:
     def commit(self) -> None:
         for name, value in self.values.items():
             self.slots[name].copy_(value)
-        self.settle(list(self.values.values()))
+        self.settle(self.values.values())
         self.values = {}
 
 
