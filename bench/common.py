@@ -373,6 +373,8 @@ GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, 
                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                       "original_max_position_embeddings": 4096},
                    bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
+# gpt-oss-120b's published config: gpt-oss-20b's but 36 layers and 128 experts
+GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
 GLM4_9B = dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
                num_attention_heads=32, num_key_value_heads=2, head_dim=128, attention_bias=True,
                partial_rotary_factor=0.5, max_position_embeddings=32768, rms_norm_eps=1e-5,
@@ -585,6 +587,9 @@ MOE_SHAPES = {  # transformers config class, its arguments
     "glm-air": ("Glm4MoeConfig", GLM45_AIR),
     # larger than a machine's disk: run with --random-weights (each rank builds its shard on its GPU)
     **BIG_SHAPES,
+    # MXFP4 experts as the hub lays them out (``write_gpt_oss``; no --random-weights): 13 / 61 GB
+    "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B),
+    "gpt-oss-120b": ("GptOssConfig", GPT_OSS_120B),
 }
 
 
@@ -635,8 +640,8 @@ def moe_config(shape: str, layers: int):
     import transformers
 
     cls, kw = MOE_SHAPES[shape]
-    return getattr(transformers, cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})},
-                                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)
+    ids = dict(max_position_embeddings=8192, bos_token_id=1, eos_token_id=0)  # unless the shape names its own
+    return getattr(transformers, cls)(**{**ids, **kw, **({"num_hidden_layers": layers} if layers else {})})
 
 
 def write_moe_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False, device: str = "cuda",
@@ -651,6 +656,11 @@ def write_moe_checkpoint(shape: str, layers: int, path: Path, fp8: bool = False,
         return
     path.mkdir(parents=True, exist_ok=True)
     cfg = moe_config(shape, layers)
+    if cfg.model_type == "gpt_oss":  # the hub's MXFP4 layout; --fp8 and --skew are not built for it
+        if fp8 or skew:
+            raise SystemExit(f"{shape}: --fp8 / --skew are not built for gpt-oss (its experts are MXFP4)")
+        write_gpt_oss(cfg, path, device, torch.bfloat16)
+        return
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -22,6 +22,7 @@ the model's). Deterministic mode on CUDA runs only where every rank holds whole 
     python bench/gpu_moe_parallel.py --shape mla --fp8 --sizes 1x1,2x1,2x2          # FP8 blocks, 2 GPUs
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2,4x4 --skew 0.5  # skewed router
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,4x4 --skew 0.5 --redundant 2  # replicas
+    python bench/gpu_moe_parallel.py --shape gpt-oss-120b --sizes 1x1,2x2 --dir /dev/shm/moe  # MXFP4 experts, 61 GB
     python bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe  # the largest
         # GLM-4.5-Air whole as FP8 blocks (106 GB: more than a two-GPU machine's free disk, so in memory)
 
