@@ -91,9 +91,9 @@ from common import (  # noqa: E402
     write_moe_checkpoint,
 )
 
-from logprobe.errors import LogprobeError  # noqa: E402
 from logprobe.engine.runner import pack  # noqa: E402
 from logprobe.engine.scheduler import Chunk, plan_work  # noqa: E402
+from logprobe.errors import LogprobeError  # noqa: E402
 from logprobe.executor.profile import (  # noqa: E402
     COLLECTIVES,
     RankProfile,

@@ -29,7 +29,7 @@ from logprobe import LogprobeError, Scorer
 from logprobe.config import EngineConfig
 from logprobe.engine.request import ScoreRequest
 from logprobe.engine.scheduler import Chunk, plan_work
-from logprobe.kernels.mxfp4 import dequantize_mxfp4
+from logprobe.kernels.mxfp4 import dequantize_mxfp4, gpt_oss_experts
 from logprobe.layers.attention import AttentionMeta, packed_attention
 from logprobe.layers.attention_gpu import sink_rescale
 from logprobe.layers.moe_gpt_oss import Mxfp4Experts
@@ -344,7 +344,7 @@ def test_mxfp4_kernel_interpreted():
     code = textwrap.dedent("""
         import json, torch
         from logprobe.kernels.moe import MoeKernelConfig
-        from logprobe.kernels.mxfp4 import dequantize_mxfp4, gpt_oss_experts, gpt_oss_experts_reference
+        from logprobe.kernels.mxfp4 import dequantize_mxfp4, expand_mxfp4, gpt_oss_experts, gpt_oss_experts_reference
         g = torch.Generator().manual_seed(0)
         E, I, H, T, k = 4, 64, 96, 37, 2
         def rnd(out, inner):
@@ -367,6 +367,14 @@ def test_mxfp4_kernel_interpreted():
         out["half"] = float((y16.double() - ref).abs().max() / ref.abs().max())
         few = gpt_oss_experts(x[:9].clone(), ids[:9].clone(), w13, b13, w2, b2, 1.702, 1.5, cfg)
         out["invariant"] = bool(torch.equal(few, y[: 9 * k]))
+        out["expanded"] = all(torch.equal(expand_mxfp4(*w, dt), d.to(dt)) for w, d in ((w13, d13), (w2, d2))
+                              for dt in (torch.float32, torch.float16, torch.bfloat16))
+        runs = torch.full_like(y, float("nan"))  # every slot written by its expert's run
+        for first, last in ((0, 1), (1, 3), (3, 4)):
+            part = lambda w: expand_mxfp4(w[0][first:last], w[1][first:last], torch.float32)
+            gpt_oss_experts(x, ids - first, part(w13), b13[first:last], part(w2), b2[first:last], 1.702, 1.5, cfg,
+                            out=runs)
+        out["runs_equal"] = bool(torch.equal(runs, y))
         print(json.dumps(out))
     """)
     r = run_interpreted(code)
@@ -374,6 +382,39 @@ def test_mxfp4_kernel_interpreted():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["scale"] > 0.5 and out["packed"] < 1e-6 and out["half"] < 5e-3, out
     assert out["dense_equal"] and out["invariant"], out
+    assert out["expanded"] and out["runs_equal"], out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_expanded_runs_equal_packed(dtype):
+    """A large pass expands the MXFP4 experts first (``GptOssExperts.expand_runs``), in runs when
+    they exceed ``STACK_BYTES``: every slot bitwise the packed kernel's, and the dense twin's."""
+    from logprobe.layers.moe_gpt_oss import GptOssExperts, GptOssMoeSpec
+
+    g = torch.Generator().manual_seed(3)
+    E, inter, H, T, k = 8, 128, 192, 700, 4
+    e = GptOssExperts(GptOssMoeSpec(E, k, inter), H)
+    for name, out, inner in (("gate_up_proj", 2 * inter, H), ("down_proj", H, inter)):
+        e.set_packed(name, Mxfp4Experts(torch.randint(0, 256, (E, out, inner // 32, 16), generator=g, dtype=torch.uint8),
+                                        torch.randint(118, 124, (E, out, inner // 32), generator=g, dtype=torch.uint8)))
+    e.gate_up_proj_bias.copy_(torch.randn(E, 2 * inter, generator=g))
+    e.down_proj_bias.copy_(torch.randn(E, H, generator=g))
+    e = e.cuda()
+    x = torch.randn(T, H, generator=g).to("cuda", dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).cuda()
+    e.EXPAND_SLOTS = 10**9
+    packed = e.fused(x, ids)
+    e.EXPAND_SLOTS = 1
+    assert e.expand_runs(dtype, ids.numel()) == [(0, E)]
+    whole = e.fused(x, ids)
+    e.STACK_BYTES = 3 * (2 * inter * H + H * inter) * dtype.itemsize
+    assert len(e.expand_runs(dtype, ids.numel())) == 3
+    parts = e.fused(x, ids)
+    dense = [e.dense(n, dtype, 0, E) for n in ("gate_up_proj", "down_proj")]
+    twin = gpt_oss_experts(x, ids, dense[0], e.gate_up_proj_bias.to(dtype), dense[1], e.down_proj_bias.to(dtype),
+                           e.alpha, e.limit)
+    assert torch.equal(packed, whole) and torch.equal(packed, parts) and torch.equal(packed, twin)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

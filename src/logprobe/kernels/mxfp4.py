@@ -128,6 +128,20 @@ if triton_available():
         return w
 
     @triton.jit
+    def _expand_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn, stride_oe,
+                       stride_on, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One [BLOCK_N, BLOCK_K] tile of expert ``program_id(2)``'s weight decoded by ``_w_tile``
+        (the values the packed kernels feed ``tl.dot``) and stored in ``out``'s dtype."""
+        e = tl.program_id(2).to(tl.int64)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        w = tl.trans(_w_tile(w_ptr, s_ptr, e, rn, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                             True, BLOCK_N, BLOCK_K))  # [BN, BK]
+        kk = k0 + tl.arange(0, BLOCK_K)
+        off = e * stride_oe + rn[:, None].to(tl.int64) * stride_on + kk[None, :]
+        tl.store(out_ptr + off, w.to(out_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (kk[None, :] < K))
+
+    @triton.jit
     def _e2m1(c):
         """FP4 E2M1 codes (int32, 0..15) -> float32 values."""
         m = (c & 1).to(tl.float32)
@@ -223,12 +237,38 @@ def _operand(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], out: int, inne
     return w, w, False, (w.stride(0), w.stride(1)), (0, 0)
 
 
+def expand_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 experts (blocks [E, out, in/32, 16], scales [E, out, in/32]) -> dense [E, out, in] in
+    ``dtype`` in one Triton pass: the values ``gpt_oss_experts`` decodes from them tile by tile,
+    so its products on the expanded weight are bitwise those on the packed one (and bitwise
+    ``dequantize_mxfp4(blocks, scales).to(dtype)``: every value is exact in each dtype)."""
+    if not triton_available() or not (blocks.is_cuda or (interpreting() and blocks.device.type == "cpu")):
+        raise LogprobeError("device", "the MXFP4 expansion kernel runs on CUDA (or CPU under TRITON_INTERPRET=1)")
+    if blocks.dim() != 4:
+        raise LogprobeError("blocks", f"MXFP4 experts must be [E, out, in/32, 16], got {tuple(blocks.shape)}")
+    E, out_f, groups, _ = blocks.shape
+    w, s, _, st, ss = _operand((blocks, scales), out_f, groups * BLOCK, "blocks")
+    inner = groups * BLOCK
+    y = torch.empty(E, out_f, inner, dtype=dtype, device=blocks.device)
+    if y.numel():
+        bn, bk = 64, 128
+        _expand_kernel[(triton.cdiv(out_f, bn), triton.cdiv(inner, bk), E)](
+            w, s, y, out_f, inner, *st, *ss, y.stride(0), y.stride(1), BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
 def gpt_oss_experts(x: torch.Tensor, ids: torch.Tensor, w13, b13: torch.Tensor, w2, b2: torch.Tensor,
-                    alpha: float, limit: float, config: MoeKernelConfig | None = None) -> torch.Tensor:
+                    alpha: float, limit: float, config: MoeKernelConfig | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], ids [T, k], w13 (gate rows then up rows) [E, 2I, H] dense or (blocks, scales)
     MXFP4, b13 [E, 2I], w2 [E, H, I] dense or MXFP4, b2 [E, H] -> y [T*k, H] in x's dtype: row
     t*k + j is expert ids[t, j]'s MLP of token t (unweighted; module docstring). ``config``: the
-    tiles (``kernels.moe.default_config`` when None; block_k a multiple of 32 for MXFP4)."""
+    tiles (``kernels.moe.default_config`` when None; block_k a multiple of 32 for MXFP4).
+
+    A slot whose id is outside 0 .. E - 1 gets no tile (``align_by_expert``): with ``out`` (a
+    [T*k, H] buffer in x's dtype, returned) its row is left as it is, so experts run a part at a
+    time (ids minus the part's first expert) fill one buffer, each slot's row the bits one call
+    over every expert gives (fixed tiles per expert)."""
     T, H = x.shape
     inter = b13.shape[1] // 2
     if not triton_available() or not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
@@ -244,7 +284,10 @@ def gpt_oss_experts(x: torch.Tensor, ids: torch.Tensor, w13, b13: torch.Tensor, 
     x, b13, b2 = x.contiguous(), b13.contiguous(), b2.contiguous()
     sorted_slots, tile_expert = align_by_expert(ids, E, c.block_m)
     act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
-    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [T*k, H]
+    if out is not None and (tuple(out.shape) != (T * k, H) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise LogprobeError("out", f"must be a contiguous [{T * k}, {H}] {x.dtype} buffer, got "
+                            f"{tuple(out.shape)} {out.dtype}")
+    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device) if out is None else out  # [T*k, H]
     tiles = tile_expert.numel()
     if tiles == 0:
         return y

@@ -49,8 +49,6 @@ from torch import nn
 from ..errors import LogprobeError
 from ..kernels import interpreting, triton_available
 from ..kernels.gguf_quants import block_values, dequantize_blocks
-from ..kernels.topk import runs_here as topk_runs_here
-from ..kernels.topk import topk_rows
 from ..kernels.moe import (
     align_by_expert,
     combine_leaves,
@@ -63,6 +61,8 @@ from ..kernels.moe import (
     moe_gate_up,
     tree_leaves,
 )
+from ..kernels.topk import runs_here as topk_runs_here
+from ..kernels.topk import topk_rows
 from ..parallel.context import ParallelContext, tree_positions
 from ..parallel.placement import Placement, slot_ranks
 from ..parallel.rows import RowSplit

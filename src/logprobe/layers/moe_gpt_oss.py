@@ -41,7 +41,7 @@ from torch import nn
 
 from ..errors import LogprobeError
 from ..kernels import triton_available
-from ..kernels.mxfp4 import dequantize_mxfp4, gpt_oss_act, gpt_oss_experts
+from ..kernels.mxfp4 import dequantize_mxfp4, expand_mxfp4, gpt_oss_act, gpt_oss_experts
 from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range
 from .activation import row_invariant
@@ -78,6 +78,10 @@ class Mxfp4Experts(nn.Module):
 
     def expert(self, e: int) -> torch.Tensor:
         return dequantize_mxfp4(self.blocks[e], self.scales[e]).to(self.compute_dtype)
+
+    def stacked(self, dtype: torch.dtype, first: int, last: int) -> torch.Tensor:
+        """Experts ``first`` .. ``last - 1`` dense [n, out, in] in ``dtype`` (``expand_mxfp4``)."""
+        return expand_mxfp4(self.blocks[first:last], self.scales[first:last], dtype)
 
     def extra_repr(self) -> str:
         return f"mxfp4, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
@@ -179,10 +183,54 @@ class GptOssExperts(nn.Module):
         """The experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
         T, k = ids.shape
         if triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available():
-            y = gpt_oss_experts(x, ids, self.operand("gate_up_proj"), self.gate_up_proj_bias.to(x.dtype),
-                                self.operand("down_proj"), self.down_proj_bias.to(x.dtype), self.alpha, self.limit)
-            return y.view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
+            return self.fused(x, ids).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
         return by_expert(x, ids, self.num_experts, self.hidden, lambda e, rows: self.expert_mlp(e, rows, row_tile))
+
+    STACK_BYTES = 4 << 30  # packed experts expanded this much at a time (``expand_runs``)
+    # slots per held expert from which expanding the packed experts before the products pays: one
+    # expert of gpt-oss-120b expands in ~21 us (50 MB written), and a slot runs ~90 ns faster on
+    # the dense form (the kernel decodes every weight tile again for each row tile): ~230 slots
+    EXPAND_SLOTS = 256
+
+    def fused(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``gpt_oss_experts`` over the experts held here -> y [T*k, H]. MXFP4 experts are read
+        packed on a small pass; on a pass of at least ``EXPAND_SLOTS`` slots an expert they are
+        first expanded to x's dtype, ``expand_runs`` at a time, each run computing its slots into
+        one buffer. The kernel decodes the same values either way and keeps its tiles, so a slot's
+        bits do not depend on which form ran (``kernels.mxfp4.expand_mxfp4``)."""
+        b13, b2 = self.gate_up_proj_bias.to(x.dtype), self.down_proj_bias.to(x.dtype)
+        runs = self.expand_runs(x.dtype, ids.numel())
+        if runs is None:
+            return gpt_oss_experts(x, ids, self.operand("gate_up_proj"), b13, self.operand("down_proj"), b2,
+                                   self.alpha, self.limit)
+        y = x.new_empty(ids.numel(), self.hidden)  # [T*k, H]: every slot written by its expert's run
+        for first, last in runs:
+            gpt_oss_experts(x, ids - first, self.dense("gate_up_proj", x.dtype, first, last), b13[first:last],
+                            self.dense("down_proj", x.dtype, first, last), b2[first:last], self.alpha, self.limit,
+                            out=y)
+        return y
+
+    def expand_runs(self, dtype: torch.dtype, slots: int) -> list[tuple[int, int]] | None:
+        """The held experts in runs that expand to at most ``STACK_BYTES`` each, or None: dense
+        experts, or fewer than ``EXPAND_SLOTS`` slots an expert (read packed).
+
+        >>> e = GptOssExperts(GptOssMoeSpec(8, 2, 32), 64)
+        >>> e.set_packed("down_proj", Mxfp4Experts(torch.zeros(8, 64, 1, 16, dtype=torch.uint8),
+        ...                                        torch.zeros(8, 64, 1, dtype=torch.uint8)))
+        >>> e.STACK_BYTES = 3 * 64 * 32 * 2; e.expand_runs(torch.bfloat16, 8 * 256), e.expand_runs(torch.bfloat16, 100)
+        ([(0, 3), (3, 6), (6, 8)], None)
+        """
+        packed = [w for w in (self.gate_up_proj, self.down_proj) if isinstance(w, Mxfp4Experts)]
+        if not packed or slots < self.EXPAND_SLOTS * self.num_experts:
+            return None
+        per_expert = sum(w.out_features * w.in_features for w in packed) * dtype.itemsize
+        step = max(1, self.STACK_BYTES // per_expert)
+        return [(e, min(e + step, self.num_experts)) for e in range(0, self.num_experts, step)]
+
+    def dense(self, name: str, dtype: torch.dtype, first: int, last: int) -> torch.Tensor:
+        """Experts ``first`` .. ``last - 1`` of a weight, dense [n, out, in] (packed ones expanded)."""
+        w = getattr(self, name)
+        return w.stacked(dtype, first, last) if isinstance(w, Mxfp4Experts) else w[first:last]
 
 
 class GptOssMoe(NumericsUser, nn.Module):
