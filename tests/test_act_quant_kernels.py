@@ -57,6 +57,7 @@ def test_matmul_reference_expands_scales_over_their_groups():
     assert y.tolist() == [[36.75, 8.0]]
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @pytest.mark.skipif(not triton_available(), reason="needs Triton (its interpreter)")
 def test_interpreter_matches_reference():
     code = textwrap.dedent("""

@@ -139,6 +139,7 @@ def check_layer(device: str) -> bool:
     return torch.equal(norm(x.double(), z.double()), gated_rms_norm(x.double(), z.double(), w.double(), EPS))
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @needs_triton
 def test_kernel_and_layer_interpreted():
     # D = 24: a 32-wide block with masked columns; 16 rows a program, so rows cross programs

@@ -174,6 +174,7 @@ def test_uses_tma_only_where_asked_and_possible():
     assert not uses_tma(torch.zeros(3, 64), MatmulConfig(tma=True))  # float32
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
 def test_interpreter_matmul_persistent_and_tma():
     # N = 40: y's rows 16-byte aligned (TMA store); N = 37: pointer store; K = 40: a K tail;

@@ -360,7 +360,7 @@ def _layer_worker(rank: int, size: int, experts: int, rdv: str, out: str) -> Non
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp,ep,interpret", [(2, 1, False), (2, 2, False),
+@pytest.mark.parametrize("tp,ep,interpret", [pytest.param(2, 1, False, marks=pytest.mark.slow), (2, 2, False),
                                             pytest.param(4, 4, False, marks=pytest.mark.slow),
                                             pytest.param(4, 2, False, marks=pytest.mark.slow),
                                             (2, 1, True), pytest.param(4, 2, True, marks=pytest.mark.slow)])

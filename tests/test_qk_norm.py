@@ -84,6 +84,7 @@ def check_heads(device: str) -> None:
 needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton")
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @needs_triton
 def test_heads_interpreted():
     r = run_interpreted("from test_qk_norm import check_heads\ncheck_heads('cpu')\nprint('ok')")

@@ -149,6 +149,7 @@ def _interpreted(code: str) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @needs_triton
 def test_conv_and_layer_interpreted():
     _interpreted("from test_short_conv_model import check_conv, check_layer\ncheck_conv('cpu')\ncheck_layer('cpu')")
