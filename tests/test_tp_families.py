@@ -269,3 +269,18 @@ def test_tp2_on_two_gpus(kind, request):
             else:
                 diff = max(float((x.logprobs - y.logprobs).abs().max()) for x, y in zip(got, want[det]))
                 assert diff < 0.25, (kind, diff)  # bf16 activations: rounding of another sum order
+
+
+@pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes
+def test_tp2_ep_deterministic_fewer_tokens_than_ranks(request):
+    """gpt-oss with two experts a rank, deterministic mode: a pass of one token (fewer tokens than
+    ranks: rank 1 combines none of its block) and of three (the last block padded), bitwise TP = 1."""
+    path = str(_checkpoint("gpt_oss_mxfp4_ep", request)[0])
+    seqs = [{"prompt_token_ids": [5], "completion_token_ids": [7]},
+            {"prompt_token_ids": [9, 4], "completion_token_ids": [3, 8]}]
+    cfg = EngineConfig(deterministic=True, share_prefixes=False, progress=False)
+    one = Scorer(path, device="cpu", dtype="float32", config=cfg)
+    want = [one.logprobs([q], **OPTS)[0] for q in seqs]
+    with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2) as s:
+        got = [s.logprobs([q], **OPTS)[0] for q in seqs]
+    assert _bits_equal(got, want)

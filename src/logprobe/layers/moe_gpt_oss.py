@@ -179,6 +179,31 @@ class GptOssExperts(nn.Module):
         partial = combine_partial(ys, weights.float().reshape(-1)[slots], slots, k, rows, triton)  # [rows, H] float32
         return self.ctx.sum_rows(partial, x.dtype)[:T]  # [T, H]
 
+    def owned_combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None,
+                       triton: bool) -> torch.Tensor:
+        """Deterministic mode with M > 1: ``parallel_forward``'s -0.0 buffers reduce-scattered by
+        blocks of tokens instead of summed whole, so each rank receives every slot of its own
+        tokens whole, combines them in slot order as one process does (``combine_to``, row by
+        row), and the ranks all-gather the combined rows -> [T, H] in x's dtype, one process's
+        bits. Traffic per rank: (N-1)/N of T·k·H plus (N-1)/N of T·H, against 2 (N-1)/N of T·k·H
+        for summing the buffers whole. Worked example, N = 2, T = 3 (padded to 4), k = 2: rank 0
+        receives the four slots of tokens 0, 1 and combines them; rank 1 tokens 2 and the pad 3,
+        combining token 2 only; the gathered rows are cut back to 3."""
+        T, k = ids.shape
+        size, H = self.ctx.size, self.hidden
+        per = -(-T // size)  # tokens a rank combines (the last block padded)
+        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
+        y = x.new_full((per * size * k, H), -0.0)  # [T_pad*k, H]: -0.0, the exact identity of the sum
+        if slots.numel():
+            y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, H)
+        mine = self.ctx.reduce_scatter_sum(y).view(per, k, H)  # this rank's tokens, every slot whole
+        lo = self.ctx.rank * per
+        n = max(0, min(per, T - lo))
+        out = x.new_zeros(per, H)
+        if n:
+            out[:n] = combine_to(mine[:n], weights[lo:lo + n], x.dtype)
+        return self.ctx.all_gather(out).view(per * size, H)[:T]  # [T, H]
+
     def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
         """The experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
         T, k = ids.shape
@@ -261,8 +286,10 @@ class GptOssMoe(NumericsUser, nn.Module):
             forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.weigh(logits, forced_ids))
             if forced is not None:  # replayed experts (``layers.hooks.RouteTable``)
                 weights, ids = forced
-        ctx = self.experts.ctx
-        if ctx.parallel and ctx.experts > 1 and not self.numerics.deterministic:  # one [T, H] sum over ranks
-            return self.experts.combined(x, ids, weights, self.numerics.row_tile, self.numerics.triton)
+        ctx, n = self.experts.ctx, self.numerics
+        if ctx.parallel and ctx.experts > 1:
+            if n.deterministic:  # every slot whole at its token's rank, combined there in slot order
+                return self.experts.owned_combined(x, ids, weights, n.row_tile, n.triton)
+            return self.experts.combined(x, ids, weights, n.row_tile, n.triton)  # one [T, H] sum over ranks
         y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
         return combine_to(y, weights, x.dtype)  # [T, H]
