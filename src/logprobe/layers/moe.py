@@ -134,6 +134,17 @@ def largest(x: torch.Tensor, k: int, triton: bool = True) -> tuple[torch.Tensor,
     return torch.topk(x, k, dim=-1)
 
 
+def expert_runs(num_experts: int, per_expert: int, budget: int) -> list[tuple[int, int]]:
+    """Experts 0 .. num_experts - 1 in consecutive runs of at most ``budget`` bytes, ``per_expert``
+    bytes each (at least one expert a run; 0 bytes: one run), as packed experts are expanded.
+
+    >>> expert_runs(8, 40, 100), expert_runs(3, 500, 100), expert_runs(4, 0, 100)
+    ([(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 1), (1, 2), (2, 3)], [(0, 4)])
+    """
+    step = max(1, budget // per_expert) if per_expert else num_experts
+    return [(e, min(e + step, num_experts)) for e in range(0, num_experts, step)]
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, triton: bool = True
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> probabilities [T, E] float32, weights [T, k] float32, expert ids [T, k].
@@ -870,8 +881,7 @@ class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module)
         [(0, 8)]
         """
         per_expert = sum(m.out_features * m.in_features for m in self.packed_mats()) * dtype.itemsize
-        step = max(1, self.STACK_BYTES // per_expert) if per_expert else self.num_experts
-        return [(e, min(e + step, self.num_experts)) for e in range(0, self.num_experts, step)]
+        return expert_runs(self.num_experts, per_expert, self.STACK_BYTES)
 
     def stacks(self, dtype: torch.dtype, first: int = 0, last: int | None = None) -> list[torch.Tensor]:
         """The three [n, out, in] matrices of experts ``first`` .. ``last - 1`` for ``fused_moe``:

@@ -24,9 +24,10 @@ kernel ``kernels.mxfp4.gpt_oss_experts`` reads either form (packed: decoded tile
 
 Expert parallelism (``ctx.experts`` = M > 1, one rank per group: M = the TP size): rank r holds
 whole experts r * E / M .. (r + 1) * E / M - 1; the router is whole on every rank, every rank
-computes the slots routed to its experts into a [T*k, H] buffer of -0.0 and the buffers are summed
-over the ranks (``GptOssExperts.parallel_forward``: each entry non-zero on one rank, -0.0 the exact
-identity of the sum, so one process's bits). In default mode each rank combines its own slots
+computes the slots routed to its experts into a [T*k, H] buffer of -0.0 (``GptOssExperts.slot_buffer``:
+each entry non-zero on one rank, -0.0 the exact identity of the sum, so one process's bits) and in
+deterministic mode the buffers are reduce-scattered to the ranks owning the tokens, which combine
+them (``GptOssExperts.owned_combined``). In default mode each rank combines its own slots
 instead and the ranks sum one float32 [T, H] (``GptOssExperts.combined``: k times less traffic,
 not one process's bits). M = 1: every rank holds every expert.
 """
@@ -46,7 +47,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import expert_range
 from .activation import row_invariant
 from .linear import Linear, tiled_linear
-from .moe import by_expert, combine_partial, combine_to, local_slots
+from .moe import Experts, by_expert, combine_partial, combine_to, expert_runs, local_slots
 from .numerics import NumericsUser
 
 
@@ -158,11 +159,18 @@ class GptOssExperts(nn.Module):
         one process gives that expert, in the same order (``sort_by_expert`` is stable): the same
         products, the same bits."""
         T, k = ids.shape
+        return self.ctx.all_reduce_sum(self.slot_buffer(x, ids, T, row_tile, triton)).view(T, k, self.hidden)
+
+    def slot_buffer(self, x: torch.Tensor, ids: torch.Tensor, rows: int, row_tile: int | None,
+                    triton: bool) -> torch.Tensor:
+        """[rows * k, H] (rows >= T) of -0.0, the exact identity of a sum over ranks, holding the
+        outputs of the slots routed to the experts held here at their slot rows t*k + j."""
+        k = ids.shape[1]
         slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
-        y = x.new_full((T * k, self.hidden), -0.0)  # [T*k, H]: -0.0, the exact identity of the sum
+        y = x.new_full((rows * k, self.hidden), -0.0)
         if slots.numel():
             y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
-        return self.ctx.all_reduce_sum(y).view(T, k, self.hidden)
+        return y
 
     def combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None,
                  triton: bool) -> torch.Tensor:
@@ -181,7 +189,7 @@ class GptOssExperts(nn.Module):
 
     def owned_combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None,
                        triton: bool) -> torch.Tensor:
-        """Deterministic mode with M > 1: ``parallel_forward``'s -0.0 buffers reduce-scattered by
+        """Deterministic mode with M > 1: the ranks' ``slot_buffer``s reduce-scattered by
         blocks of tokens instead of summed whole, so each rank receives every slot of its own
         tokens whole, combines them in slot order as one process does (``combine_to``, row by
         row), and the ranks all-gather the combined rows -> [T, H] in x's dtype, one process's
@@ -192,10 +200,7 @@ class GptOssExperts(nn.Module):
         T, k = ids.shape
         size, H = self.ctx.size, self.hidden
         per = -(-T // size)  # tokens a rank combines (the last block padded)
-        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
-        y = x.new_full((per * size * k, H), -0.0)  # [T_pad*k, H]: -0.0, the exact identity of the sum
-        if slots.numel():
-            y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, H)
+        y = self.slot_buffer(x, ids, per * size, row_tile, triton)  # [T_pad*k, H]
         mine = self.ctx.reduce_scatter_sum(y).view(per, k, H)  # this rank's tokens, every slot whole
         lo = self.ctx.rank * per
         n = max(0, min(per, T - lo))
@@ -211,7 +216,7 @@ class GptOssExperts(nn.Module):
             return self.fused(x, ids).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
         return by_expert(x, ids, self.num_experts, self.hidden, lambda e, rows: self.expert_mlp(e, rows, row_tile))
 
-    STACK_BYTES = 4 << 30  # packed experts expanded this much at a time (``expand_runs``)
+    STACK_BYTES = Experts.STACK_BYTES  # packed experts expanded this much at a time (``expand_runs``)
     # slots per held expert from which expanding the packed experts before the products pays: one
     # expert of gpt-oss-120b expands in ~21 us (50 MB written), and a slot runs ~90 ns faster on
     # the dense form (the kernel decodes every weight tile again for each row tile): ~230 slots
@@ -249,8 +254,7 @@ class GptOssExperts(nn.Module):
         if not packed or slots < self.EXPAND_SLOTS * self.num_experts:
             return None
         per_expert = sum(w.out_features * w.in_features for w in packed) * dtype.itemsize
-        step = max(1, self.STACK_BYTES // per_expert)
-        return [(e, min(e + step, self.num_experts)) for e in range(0, self.num_experts, step)]
+        return expert_runs(self.num_experts, per_expert, self.STACK_BYTES)
 
     def dense(self, name: str, dtype: torch.dtype, first: int, last: int) -> torch.Tensor:
         """Experts ``first`` .. ``last - 1`` of a weight, dense [n, out, in] (packed ones expanded)."""
