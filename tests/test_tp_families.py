@@ -18,6 +18,8 @@ ranks). Sizes that do not split a piece are refused, naming it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import VOCAB
@@ -38,7 +40,8 @@ from logprobe.models.gpt_oss import GptOssConfig
 
 OPTS = dict(temperature=0.7, top_k=5, entropy=True)
 FIELDS = ("logprobs", "ranks", "entropy", "topk_ids", "topk_logprobs")
-KINDS = ["glm4", "gemma4_text", "gemma4", "gpt_oss", "gpt_oss_mxfp4", "gpt_oss_ep", "gpt_oss_mxfp4_ep"]
+KINDS = ["glm4", "gemma4_text", "gemma4", "gpt_oss", "gpt_oss_mxfp4", "gpt_oss_ep", "gpt_oss_mxfp4_ep",
+         "gpt_oss_mxfp4_ep_heads"]
 
 
 def _checkpoint(kind, request):
@@ -86,7 +89,7 @@ def _worst_vs_float64(got, seqs, ref, reference) -> float:
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp2_equals_tp1(kind, request):
     """gpt-oss with expert_parallel_size 1 (every expert on both ranks) and ``*_ep`` with the default,
-    2 (two experts a rank)."""
+    2 (two experts a rank; attention data-parallel, ``*_heads``: split by heads)."""
     path, ref, reference = _checkpoint(kind, request)
     seqs = _seqs()
     one = Scorer(str(path), device="cpu", dtype="float32", progress=False)
@@ -95,6 +98,8 @@ def test_tp2_equals_tp1(kind, request):
         one.config = EngineConfig(deterministic=det)
         want[det] = one.logprobs(seqs, **OPTS)
     ep = {} if kind.endswith("_ep") else dict(expert_parallel_size=1)  # the default: two experts a rank
+    if kind.endswith("_heads"):
+        ep = dict(attention_parallel="tensor")
     with Scorer(str(path), device="cpu", dtype="float32", progress=False, tensor_parallel_size=2, **ep) as s:
         plain = s.logprobs(seqs)
         for det in (True, False):
@@ -190,7 +195,9 @@ def test_rank_reads_its_rows(glm4_dir, gemma4_dirs, dirs):  # noqa: F811
         assert len(experts) == 3 * 4 if kind == "dense" else 3 * 6
         for name in experts:
             assert torch.equal(got[name], whole[name][2:4]), name
-        assert torch.equal(got["layers.1.mlp.router.weight"], whole["layers.1.mlp.router.weight"])
+        # data-parallel attention (the default with whole experts a rank): attention read whole
+        for name in ("layers.1.mlp.router.weight", a + "sinks", a + "q_proj.weight", a + "o_proj.bias"):
+            assert torch.equal(got[name], whole[name]), name
 
 
 def _gemma4(**kw) -> Gemma4Config:
@@ -235,6 +242,13 @@ def test_sizes_that_do_not_split_are_refused():
     assert parallel_context(oss, 1, 2).size == 2
     _refused(oss, 3, "attention heads")
     assert parallel_context(oss, 1, 2, experts=2).experts == 2 and parallel_context(oss, 1, 4, experts=4).size == 4
+    # with whole experts a rank attention is data-parallel unless asked by heads; not with every expert on each
+    assert [parallel_context(oss, 0, 2, experts=e, attention=a).attention
+            for e, a in ((2, None), (2, "tensor"), (1, None))] == ["data", "tensor", "tensor"]
+    with pytest.raises(LogprobeError) as e:
+        parallel_context(oss, 0, 2, experts=1, attention="data")
+    assert e.value.field == "attention_parallel" and "whole experts per rank" in str(e.value)
+    assert parallel_context(dataclasses.replace(oss, num_heads=3, num_kv_heads=3), 0, 2, experts=2).data_attention
     assert [default_expert_parallel(oss, n) for n in (1, 2, 4, 8)] == [1, 2, 4, 1]  # whole experts a rank
     for size, experts in ((2, 3), (4, 2)):  # an expert is never split over ranks: 1 or the TP size
         with pytest.raises(LogprobeError) as e:
@@ -284,3 +298,84 @@ def test_tp2_ep_deterministic_fewer_tokens_than_ranks(request):
     with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2) as s:
         got = [s.logprobs([q], **OPTS)[0] for q in seqs]
     assert _bits_equal(got, want)
+
+
+def _run_batches(model, det: bool, micro: int, size: int) -> list[torch.Tensor]:
+    """Final hidden rows of ``test_data_attention._batches`` (the last with a capture: run whole)."""
+    from test_data_attention import _batches
+
+    from logprobe.config import numerics_for
+    from logprobe.layers.attention import AttentionMeta
+    from logprobe.layers.hooks import CaptureTable, Hooks
+
+    model.set_numerics(numerics_for(EngineConfig(deterministic=det, micro_batch_rows=micro, progress=False), "cpu",
+                                    tp_size=size, tp_blocks=model.ctx.blocks))
+    outs = []
+    for tok, meta, pos, hooked in _batches():
+        meta = AttentionMeta(meta.segments, kv_block=model.numerics.attention_block if det else None)
+        hooks = Hooks(capture={"blocks.0.mlp_out": [CaptureTable("rows", torch.arange(len(tok)))]}) if hooked else None
+        with torch.no_grad():
+            outs.append(model(torch.tensor(tok), torch.tensor(pos), meta, hooks))
+    return outs
+
+
+def _data_attention_worker(rank: int, size: int, path: str, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import logprobe.models.base as base
+    from logprobe.loading.loader import load_shard
+    from logprobe.parallel.context import ParallelContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
+    calls = []
+    plain = base.interleave
+    def counted(*chains):  # noqa: E306 - the overlapped schedule ran
+        calls.append(len(chains))
+        return plain(*chains)
+    base.interleave = counted
+    model = load_shard(path, ParallelContext(rank, size, dist.group.WORLD, experts=size), "cpu", "float32").model
+    assert model.ctx.data_attention and model.layers[0].self_attn.num_heads == 4  # attention whole
+    got = {}
+    for det in (True, False):
+        for micro in (2, 0):
+            calls.clear()
+            got[det, micro] = (_run_batches(model, det, micro, size), list(calls))
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # slow tier: two gloo processes
+def test_gpt_oss_data_parallel_attention_equals_one_process(dirs, tmp_path):  # noqa: F811
+    """gpt-oss (MXFP4, two experts a rank, top 3 of 4: three terms, so the order they are added
+    in shows in the bits) under data-parallel attention on two gloo ranks, with two micro-batches
+    and without, on batches of several sequences, of one (a rank with no rows), of a prefix with
+    its branches, and with a capture (run whole on every rank): deterministic mode bitwise one
+    process, default mode within 1e-5 of it."""
+    import json
+    import shutil
+
+    import torch.multiprocessing as mp
+
+    from logprobe.loading.loader import load_model
+
+    path = tmp_path / "top3"
+    shutil.copytree(dirs["mxfp4"][0], path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "num_experts_per_tok": 3}))
+    path = str(path)
+    out = tmp_path / "got.pt"
+    mp.spawn(_data_attention_worker, args=(2, path, str(tmp_path / "rdv"), str(out)), nprocs=2)
+    got = torch.load(out)
+    one = load_model(path, "cpu", "float32").model
+    for det in (True, False):
+        want = _run_batches(one, det, 2, 1)
+        assert got[det, 2][1] and set(got[det, 2][1]) == {2} and got[det, 0][1] == [], got[det, 2][1]
+        for micro in (2, 0):
+            for i, (h, w) in enumerate(zip(got[det, micro][0], want)):
+                if det:
+                    assert torch.equal(h, w), (det, micro, i)
+                else:
+                    assert (h - w).abs().max().item() <= 1e-5, (det, micro, i)

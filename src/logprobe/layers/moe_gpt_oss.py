@@ -22,14 +22,23 @@ on CUDA with ``numerics.triton`` off) experts run one at a time on their rows, a
 dequantized to float32 exactly first (``kernels.mxfp4.dequantize_mxfp4``); on CUDA the Triton
 kernel ``kernels.mxfp4.gpt_oss_experts`` reads either form (packed: decoded tile by tile).
 
+Deterministic mode adds the k weighted slots as the other families do (``layers.moe.combine_tree``:
+a sum per leaf of experts, the leaves as a fixed tree), so that ranks holding whole leaves add
+subtrees; default mode adds them in slot order (``combine_to``).
+
 Expert parallelism (``ctx.experts`` = M > 1, one rank per group: M = the TP size): rank r holds
-whole experts r * E / M .. (r + 1) * E / M - 1; the router is whole on every rank, every rank
-computes the slots routed to its experts into a [T*k, H] buffer of -0.0 (``GptOssExperts.slot_buffer``:
-each entry non-zero on one rank, -0.0 the exact identity of the sum, so one process's bits) and in
+whole experts r * E / M .. (r + 1) * E / M - 1 and the router is whole on every rank. Under
+data-parallel attention (``ctx.attention`` "data", the default at M = TP) each rank routes its own
+rows and ``GptOssExperts`` runs the other families' exchange (``layers.moe.ExpertsOverSplitRows``:
+every rank's rows gathered, its experts' slots of all of them computed, float32 sums
+reduce-scattered back; deterministic mode by subtrees of leaves), in two micro-batches. With
+attention split by heads (and for batches that run whole on every rank: hooks, cached keys) every
+rank computes the slots routed to its experts into a [T*k, H] buffer of -0.0 (``slot_buffer``: each
+entry non-zero on one rank, -0.0 the exact identity of the sum, so one process's bits); in
 deterministic mode the buffers are reduce-scattered to the ranks owning the tokens, which combine
-them (``GptOssExperts.owned_combined``). In default mode each rank combines its own slots
-instead and the ranks sum one float32 [T, H] (``GptOssExperts.combined``: k times less traffic,
-not one process's bits). M = 1: every rank holds every expert.
+them (``GptOssExperts.owned_combined``), in default mode each rank combines its own slots and the
+ranks sum one float32 [T, H] (``GptOssExperts.combined``: k times less traffic, not one process's
+bits). M = 1: every rank holds every expert.
 """
 
 from __future__ import annotations
@@ -41,14 +50,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..kernels import triton_available
+from ..kernels import interpreting, triton_available
+from ..kernels.moe import tree_leaves
 from ..kernels.mxfp4 import dequantize_mxfp4, expand_mxfp4, gpt_oss_act, gpt_oss_experts
 from ..parallel.context import ParallelContext
+from ..parallel.rows import RowSplit
 from ..parallel.shard import expert_range
 from .activation import row_invariant
 from .linear import Linear, tiled_linear
-from .moe import Experts, by_expert, combine_partial, combine_to, expert_runs, local_slots
+from .moe import (
+    Experts,
+    ExpertsAcrossRanks,
+    ExpertsOverSplitRows,
+    by_expert,
+    combine_partial,
+    combine_to,
+    expert_runs,
+    local_slots,
+)
 from .numerics import NumericsUser
+from .steps import drive
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +109,16 @@ class Mxfp4Experts(nn.Module):
         return f"mxfp4, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(ExpertsOverSplitRows, ExpertsAcrossRanks, nn.Module):
     """``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I] (parameters or ``Mxfp4Experts``) and
     their biases [E, 2I], [E, H]. ``forward(x [T, H], ids [T, k])`` -> y [T, k, H] unweighted.
     ``ctx`` with ``experts`` M > 1: this rank holds experts ``first_expert`` .. ``first_expert +
-    num_experts - 1`` of ``total_experts`` (E / M of them, whole)."""
+    num_experts - 1`` of ``total_experts`` (E / M of them, whole). Across ranks it is an
+    ``Experts`` of whole experts without replicas: the same slot bookkeeping (``my_slots``,
+    ``leaf_of``, ``combine_whole``) and data-parallel exchange (``split_steps``), through its
+    own kernel (``fused``, ``local``)."""
+
+    placement = None  # no replicas of hot experts (refused below)
 
     def __init__(self, spec: GptOssMoeSpec, hidden: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
@@ -103,6 +129,8 @@ class GptOssExperts(nn.Module):
         self.first_expert, last = expert_range(spec.num_experts, ctx.expert_group, ctx.experts)
         E, inter = last - self.first_expert, spec.intermediate_size
         self.num_experts, self.hidden, self.intermediate = E, hidden, inter
+        self.own_experts = E
+        self.leaves = tree_leaves(spec.num_experts)  # deterministic mode's combine tree (``combine_tree``)
         self.alpha, self.limit = spec.alpha, spec.limit
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, hidden), requires_grad=False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * inter), requires_grad=False)
@@ -191,8 +219,8 @@ class GptOssExperts(nn.Module):
                        triton: bool) -> torch.Tensor:
         """Deterministic mode with M > 1: the ranks' ``slot_buffer``s reduce-scattered by
         blocks of tokens instead of summed whole, so each rank receives every slot of its own
-        tokens whole, combines them in slot order as one process does (``combine_to``, row by
-        row), and the ranks all-gather the combined rows -> [T, H] in x's dtype, one process's
+        tokens whole, combines them as one process does (``combine_whole``: deterministic mode's
+        tree, row by row), and the ranks all-gather the combined rows -> [T, H] in x's dtype, one process's
         bits. Traffic per rank: (N-1)/N of T·k·H plus (N-1)/N of T·H, against 2 (N-1)/N of T·k·H
         for summing the buffers whole. Worked example, N = 2, T = 3 (padded to 4), k = 2: rank 0
         receives the four slots of tokens 0, 1 and combines them; rank 1 tokens 2 and the pad 3,
@@ -206,15 +234,22 @@ class GptOssExperts(nn.Module):
         n = max(0, min(per, T - lo))
         out = x.new_zeros(per, H)
         if n:
-            out[:n] = combine_to(mine[:n], weights[lo:lo + n], x.dtype)
+            out[:n] = self.combine_whole(mine[:n], ids[lo:lo + n], weights[lo:lo + n], x.dtype)
         return self.ctx.all_gather(out).view(per * size, H)[:T]  # [T, H]
 
     def local(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool) -> torch.Tensor:
         """The experts held here, ``ids`` [T, k] numbered 0 .. num_experts - 1 -> [T, k, H]."""
         T, k = ids.shape
-        if triton and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available():
+        if self.fused_runs(x, triton):
             return self.fused(x, ids).view(T, k, self.hidden)  # [T*k, H] -> [T, k, H]
         return by_expert(x, ids, self.num_experts, self.hidden, lambda e, rows: self.expert_mlp(e, rows, row_tile))
+
+    def fused_runs(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> bool:
+        """Whether ``fused`` runs on activations like ``x``: CUDA (``interpreted``: also CPU under
+        Triton's interpreter, for the tests), 16- or 32-bit floats, Triton on."""
+        runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
+        return bool(triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                    and triton_available())
 
     STACK_BYTES = Experts.STACK_BYTES  # packed experts expanded this much at a time (``expand_runs``)
     # slots per held expert from which expanding the packed experts before the products pays: one
@@ -222,14 +257,16 @@ class GptOssExperts(nn.Module):
     # the dense form (the kernel decodes every weight tile again for each row tile): ~230 slots
     EXPAND_SLOTS = 256
 
-    def fused(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``gpt_oss_experts`` over the experts held here -> y [T*k, H]. MXFP4 experts are read
+    def fused(self, x: torch.Tensor, ids: torch.Tensor, foreign: bool = False) -> torch.Tensor:
+        """``gpt_oss_experts`` over the experts held here -> y [T*k, H] (ids outside 0 ..
+        num_experts - 1: no tile, their rows unwritten; ``foreign``: most slots are other ranks',
+        about 1 / M of them here). MXFP4 experts are read
         packed on a small pass; on a pass of at least ``EXPAND_SLOTS`` slots an expert they are
         first expanded to x's dtype, ``expand_runs`` at a time, each run computing its slots into
         one buffer. The kernel decodes the same values either way and keeps its tiles, so a slot's
         bits do not depend on which form ran (``kernels.mxfp4.expand_mxfp4``)."""
         b13, b2 = self.gate_up_proj_bias.to(x.dtype), self.down_proj_bias.to(x.dtype)
-        runs = self.expand_runs(x.dtype, ids.numel())
+        runs = self.expand_runs(x.dtype, ids.numel() // (self.ctx.experts if foreign else 1))
         if runs is None:
             return gpt_oss_experts(x, ids, self.operand("gate_up_proj"), b13, self.operand("down_proj"), b2,
                                    self.alpha, self.limit)
@@ -263,7 +300,9 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoe(NumericsUser, nn.Module):
-    """Router + experts in place of a dense MLP: ``forward(x [T, H], hooks)`` -> [T, H]."""
+    """Router + experts in place of a dense MLP: ``forward(x [T, H], hooks)`` -> [T, H], or
+    ``forward(x, None, rows)`` on this rank's rows of a batch split by sequences (data-parallel
+    attention: ``steps``)."""
 
     def __init__(self, spec: GptOssMoeSpec, hidden: int, router_point: str, ctx: ParallelContext | None = None
                  ) -> None:
@@ -281,10 +320,16 @@ class GptOssMoe(NumericsUser, nn.Module):
         takes it in that dtype), as float32."""
         return torch.softmax(logits.gather(1, ids).float(), dim=-1).to(logits.dtype).float()
 
-    def forward(self, x: torch.Tensor, hooks=None) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> the router's logits [T, E], expert ids [T, k] (largest first) and weights [T, k]."""
         logits = self.router(x)  # [T, E]
         ids = torch.topk(logits, self.top_k, dim=-1).indices  # [T, k], largest first
-        weights = self.weigh(logits, ids)  # [T, k] float32
+        return logits, ids, self.weigh(logits, ids)
+
+    def forward(self, x: torch.Tensor, hooks=None, rows: RowSplit | None = None) -> torch.Tensor:
+        if rows is not None and self.experts.ctx.parallel:  # own rows routed; every rank's gathered
+            return drive(self.steps(x, rows, self.experts.MAX_PARTS))
+        logits, ids, weights = self.route(x)  # [T, E], [T, k], [T, k] float32
         if hooks is not None:
             hooks(self.router_point, torch.zeros_like(logits, dtype=torch.float32).scatter_(1, ids, weights))
             forced = hooks.routing(self.router_point, ids, lambda forced_ids: self.weigh(logits, forced_ids))
@@ -292,8 +337,19 @@ class GptOssMoe(NumericsUser, nn.Module):
                 weights, ids = forced
         ctx, n = self.experts.ctx, self.numerics
         if ctx.parallel and ctx.experts > 1:
-            if n.deterministic:  # every slot whole at its token's rank, combined there in slot order
+            if n.deterministic:  # every slot whole at its token's rank, combined there as one process
                 return self.experts.owned_combined(x, ids, weights, n.row_tile, n.triton)
             return self.experts.combined(x, ids, weights, n.row_tile, n.triton)  # one [T, H] sum over ranks
-        y = self.experts(x, ids, self.numerics.row_tile, self.numerics.triton)  # [T, k, H]
+        y = self.experts(x, ids, n.row_tile, n.triton)  # [T, k, H]
+        if n.deterministic:  # the fixed tree, as subtrees over ranks add up to
+            return self.experts.combine_whole(y, ids, weights, x.dtype)  # [T, H]
         return combine_to(y, weights, x.dtype)  # [T, H]
+
+    def steps(self, x: torch.Tensor, rows: RowSplit, max_parts: int = 1):
+        """``forward`` on this rank's rows x [n, H] of a batch split by sequences (``rows``), as a
+        generator that yields where the experts' transfers run (``ExpertsOverSplitRows.split_steps``,
+        ``layers.steps``) -> [n, H]."""
+        _, ids, weights = self.route(x)  # [n, k] each
+        n = self.numerics
+        return (yield from self.experts.split_steps(x, ids, weights, rows, n.deterministic, n.row_tile, n.triton,
+                                                    max_parts))

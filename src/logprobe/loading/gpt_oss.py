@@ -43,6 +43,7 @@ from ..parallel.context import ParallelContext
 from ..parallel.shard import check_tp, num_blocks, vocab_chunk_width
 from .checkpoint import check_plain_dtype, check_weights_match, open_files
 from .registry import Family, Incoming, register
+from .sharding import attention_layout
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +181,13 @@ def gpt_oss_tensors(path: Path, cfg: GptOssConfig):
 
 
 def gpt_oss_parallel_context(cfg: GptOssConfig, rank: int = 0, size: int = 1, group=None,
-                             experts: int = 1) -> ParallelContext:
-    """A rank's context (``loader.parallel_context``), after checking the attention splits ``size``
-    ways (query heads, kv heads divided or replicated by a multiple, vocabulary chunks, hidden size)
-    and the experts ``experts`` ways: 1 (whole on every rank) or the TP size (E / TP whole experts a
-    rank; gpt-oss does not split an expert's rows)."""
-    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
-    if cfg.hidden_size % size:
-        raise LogprobeError("tensor_parallel_size", f"{size} does not divide hidden_size {cfg.hidden_size} of "
-                            f"{cfg.family}", "use a size that divides hidden_size")
+                             experts: int = 1, attention: str | None = None) -> ParallelContext:
+    """A rank's context (``loader.parallel_context``), after checking the experts split ``experts``
+    ways: 1 (whole on every rank) or the TP size (E / TP whole experts a rank; gpt-oss does not
+    split an expert's rows), and the attention layout (``sharding.attention_layout``: "data" by
+    default with whole experts per rank, attention whole on every rank and only the vocabulary
+    split; "tensor": query heads, kv heads divided or replicated by a multiple, vocabulary chunks,
+    hidden size checked against ``size``)."""
     if isinstance(experts, bool) or not isinstance(experts, int) or experts not in (1, size):
         raise LogprobeError("expert_parallel_size", f"{experts!r}: {cfg.family} keeps each expert whole on a rank",
                             f"use 1 (every expert on every rank) or the tensor_parallel_size {size} (E / {size} "
@@ -196,7 +195,16 @@ def gpt_oss_parallel_context(cfg: GptOssConfig, rank: int = 0, size: int = 1, gr
     if cfg.num_experts % experts:
         raise LogprobeError("expert_parallel_size", f"{experts} does not divide num_local_experts {cfg.num_experts}",
                             "use 1, or a tensor_parallel_size dividing the experts")
-    return ParallelContext(rank, size, group, num_blocks(cfg.num_heads, cfg.hidden_size), experts)
+    vocab_chunks = -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size))
+    layout = attention_layout(cfg, size, experts, attention)
+    if layout == "data":  # attention whole on every rank: only the vocabulary splits
+        check_tp(size, size, vocab_chunks, size)
+    else:
+        check_tp(cfg.num_heads, cfg.num_kv_heads, vocab_chunks, size)
+        if cfg.hidden_size % size:
+            raise LogprobeError("tensor_parallel_size", f"{size} does not divide hidden_size {cfg.hidden_size} of "
+                                f"{cfg.family}", "use a size that divides hidden_size")
+    return ParallelContext(rank, size, group, num_blocks(cfg.num_heads, cfg.hidden_size), experts, layout)
 
 
 def gpt_oss_shard_tensors(path: Path, cfg: GptOssConfig, ctx: ParallelContext):
@@ -360,11 +368,11 @@ FAMILY = register(Family(
     model_class=lambda cfg: GptOssModel,
     tensors=lambda path, cfg, raw, load: gpt_oss_tensors(path, cfg),
     build=lambda cfg, tensors, load, ctx: build_gpt_oss(cfg, tensors, load.device, load.dtype, load.weights, ctx=ctx),
-    parallel_context=lambda cfg, rank, size, group, experts, attention: gpt_oss_parallel_context(cfg, rank, size,
-                                                                                                  group, experts),
+    parallel_context=gpt_oss_parallel_context,
     shard_tensors=lambda path, cfg, ctx, load: gpt_oss_shard_tensors(path, cfg, ctx),
     param_name=gpt_oss_param_name,
     describe=_describe,
     whole_experts=True,
+    data_attention=True,
     units=gpt_oss_units,
 ))

@@ -31,8 +31,11 @@ rows of o_proj's output with their bias rows (``GatheredRowLinear``: each output
 computed once, on one rank, then gathered). The router is whole on every rank. Experts: with
 ``ctx.experts`` 1 (``expert_parallel_size``) whole on every rank, each rank computing every expert
 of every token; with ``ctx.experts`` = the TP size each rank holds E / TP whole experts and computes
-the slots routed to them (``layers.moe_gpt_oss``: outputs summed over -0.0). Either way the same
-products as one rank, so the same bits.
+the slots routed to them (``layers.moe_gpt_oss``). Either way the same products as one rank, so
+deterministic mode has one rank's bits. With whole experts per rank attention is by default
+data-parallel (``ctx.attention`` "data", as the Llama-family mixtures of experts): attention and
+the norms whole on every rank, each rank running its share of the batch's sequences
+(``ScoringModel.forward``, two micro-batches), the experts gathering every rank's rows.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from ..layers.parallel_linear import ColumnParallelLinear, GatheredRowLinear, Pa
 from ..layers.rotary import apply_rotary_pair, to_interleaved
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads
-from .base import FusedQKV, ScoringModel
+from .base import FusedQKV, ScoringModel, SplitSteps
 from .caps import ModelCaps
 from .deepseek import rotary_parameters
 from .gemma4 import keep_blocks
@@ -181,13 +184,16 @@ class GptOssAttention(FusedQKV, NumericsUser, nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(SplitSteps, nn.Module):
+    """Attention and the MoE; ``mlp(x, None, rows)`` on this rank's rows of a batch split by
+    sequences (``meta.rows``: data-parallel attention, attention built whole on ``ctx.attention_ctx``)."""
+
     def __init__(self, cfg: GptOssConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
                                                                  "resid_post"))
         self.input_layernorm = GainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GptOssAttention(cfg, layer_idx, ctx)
+        self.self_attn = GptOssAttention(cfg, layer_idx, ctx.attention_ctx)
         self.post_attention_layernorm = GainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GptOssMoe(cfg.moe, cfg.hidden_size, f"blocks.{layer_idx}.router", ctx)
 
@@ -195,6 +201,8 @@ class GptOssDecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         if hooks is None:
             h = h + self.self_attn(self.input_layernorm(h), cis, meta)
+            if meta.rows is not None:  # this rank's rows of a split batch: the experts gather them
+                return h + self.mlp(self.post_attention_layernorm(h), None, meta.rows)
             return h + self.mlp(self.post_attention_layernorm(h))
         resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
         h = hooks(resid_pre, h)
