@@ -590,6 +590,10 @@ MOE_SHAPES = {  # transformers config class, its arguments
     # MXFP4 experts as the hub lays them out (``write_gpt_oss``; no --random-weights): 13 / 61 GB
     "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B),
     "gpt-oss-120b": ("GptOssConfig", GPT_OSS_120B),
+    # the hybrid Qwen3.5-MoE (Gated DeltaNet and gated attention, 256 experts top-8 and a shared
+    # one; no --random-weights): 67 GiB; "tiny-hybrid" its CPU trial
+    "qwen35-35b-a3b": HYBRID_MODELS["qwen35-35b-a3b"],
+    "tiny-hybrid": ("Qwen3_5MoeTextConfig", HYBRID_TINY["qwen35-35b-a3b"]),
 }
 
 

@@ -413,6 +413,68 @@ def test_two_ranks_equal_one_process(dirs, tmp_path):
                 assert d_one <= 1e-5 and d_64 <= 1e-4, (kind, i, d_one, d_64)
 
 
+def run_batches(model, det: bool, micro: int, size: int) -> list[torch.Tensor]:
+    """Final hidden rows of ``_batches`` (the last with a capture: run whole), micro-batches of at
+    least ``micro`` rows (0: one batch)."""
+    model.set_numerics(numerics_for(EngineConfig(deterministic=det, micro_batch_rows=micro, progress=False), "cpu",
+                                    tp_size=size, tp_blocks=model.ctx.blocks))
+    outs = []
+    for tok, meta, pos, hooked in _batches():
+        meta = AttentionMeta(meta.segments, kv_block=model.numerics.attention_block if det else None)
+        hooks = Hooks(capture={"blocks.0.mlp_out": [CaptureTable("rows", torch.arange(len(tok)))]}) if hooked else None
+        with torch.no_grad():
+            outs.append(model(torch.tensor(tok), torch.tensor(pos), meta, hooks))
+    return outs
+
+
+def _layout_worker(rank: int, size: int, path: str, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import logprobe.models.base as base
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
+    calls = []
+    plain = base.interleave
+    def counted(*chains):  # noqa: E306 - the overlapped schedule ran
+        calls.append(len(chains))
+        return plain(*chains)
+    base.interleave = counted
+    model = load_shard(path, ParallelContext(rank, size, dist.group.WORLD, experts=size), "cpu", "float32").model
+    assert model.ctx.data_attention
+    got = {}
+    for det in (True, False):
+        for micro in (2, 0):
+            calls.clear()
+            got[det, micro] = (run_batches(model, det, micro, size), list(calls))
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ranks_equal_one_process(path: str, tmp_path) -> None:
+    """A mixture of experts of another family (gpt-oss, the hybrids) under data-parallel attention
+    on two gloo ranks, with two micro-batches and without, on ``_batches`` (several sequences, one
+    sequence: a rank with no rows, a prefix with its branches, a capture: run whole on every rank):
+    the interleaved schedule ran; deterministic mode bitwise one process, default mode within 1e-5."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "got.pt"
+    mp.spawn(_layout_worker, args=(2, path, str(tmp_path / "rdv"), str(out)), nprocs=2)
+    got = torch.load(out)
+    one = load_model(path, "cpu", "float32").model
+    for det in (True, False):
+        want = run_batches(one, det, 2, 1)
+        assert got[det, 2][1] and set(got[det, 2][1]) == {2} and got[det, 0][1] == [], got[det, 2][1]
+        for micro in (2, 0):
+            for i, (h, w) in enumerate(zip(got[det, micro][0], want)):
+                if det:
+                    assert torch.equal(h, w), (det, micro, i)
+                else:
+                    assert (h - w).abs().max().item() <= 1e-5, (det, micro, i)
+
+
 def test_cli_and_scorer_take_the_option(dirs):
     import argparse
 

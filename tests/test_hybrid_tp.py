@@ -171,3 +171,4 @@ def test_rank_reads_its_heads_rows(kind, dirs):
     assert torch.equal(got[la + "out_proj.weight"], whole[la + "out_proj.weight"][32:64])  # rows of the output
     assert torch.equal(got[sa + "q_proj.weight"], whole[sa + "q_proj.weight"][128:256])  # heads 2, 3: 2 x 64 rows
     assert torch.equal(got[sa + "k_proj.weight"], whole[sa + "k_proj.weight"][32:64])
+

@@ -485,3 +485,15 @@ def test_every_moe_family_on_two_gpus(kind, dirs):
                 worst = max(float((x.logprobs - y.logprobs).abs().max()) for x, y in zip(got, want[det]))
                 print(f"{kind} TP=EP=2 default mode on two GPUs: max |diff| vs one GPU {worst:.3e}")
                 assert worst < 0.25, (kind, worst)
+
+
+@pytest.mark.slow  # slow tier: two gloo processes per checkpoint
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_hybrid_data_parallel_attention_equals_one_process(kind, dirs, tmp_path):
+    """The hybrid mixtures of experts (Qwen3.5-MoE with its vision tower's config, Qwen3-Next with a
+    dense block; shared experts) under data-parallel attention, the default with whole experts per
+    rank: each sequence's linear-attention state on its own rank
+    (``test_data_attention.ranks_equal_one_process``)."""
+    from test_data_attention import ranks_equal_one_process
+
+    ranks_equal_one_process(str(dirs[kind]), tmp_path)

@@ -300,82 +300,18 @@ def test_tp2_ep_deterministic_fewer_tokens_than_ranks(request):
     assert _bits_equal(got, want)
 
 
-def _run_batches(model, det: bool, micro: int, size: int) -> list[torch.Tensor]:
-    """Final hidden rows of ``test_data_attention._batches`` (the last with a capture: run whole)."""
-    from test_data_attention import _batches
-
-    from logprobe.config import numerics_for
-    from logprobe.layers.attention import AttentionMeta
-    from logprobe.layers.hooks import CaptureTable, Hooks
-
-    model.set_numerics(numerics_for(EngineConfig(deterministic=det, micro_batch_rows=micro, progress=False), "cpu",
-                                    tp_size=size, tp_blocks=model.ctx.blocks))
-    outs = []
-    for tok, meta, pos, hooked in _batches():
-        meta = AttentionMeta(meta.segments, kv_block=model.numerics.attention_block if det else None)
-        hooks = Hooks(capture={"blocks.0.mlp_out": [CaptureTable("rows", torch.arange(len(tok)))]}) if hooked else None
-        with torch.no_grad():
-            outs.append(model(torch.tensor(tok), torch.tensor(pos), meta, hooks))
-    return outs
-
-
-def _data_attention_worker(rank: int, size: int, path: str, rdv: str, out: str) -> None:
-    import torch.distributed as dist
-
-    import logprobe.models.base as base
-    from logprobe.loading.loader import load_shard
-    from logprobe.parallel.context import ParallelContext
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
-    calls = []
-    plain = base.interleave
-    def counted(*chains):  # noqa: E306 - the overlapped schedule ran
-        calls.append(len(chains))
-        return plain(*chains)
-    base.interleave = counted
-    model = load_shard(path, ParallelContext(rank, size, dist.group.WORLD, experts=size), "cpu", "float32").model
-    assert model.ctx.data_attention and model.layers[0].self_attn.num_heads == 4  # attention whole
-    got = {}
-    for det in (True, False):
-        for micro in (2, 0):
-            calls.clear()
-            got[det, micro] = (_run_batches(model, det, micro, size), list(calls))
-    if rank == 0:
-        torch.save(got, out)
-    dist.barrier()
-    dist.destroy_process_group()
-
 
 @pytest.mark.slow  # slow tier: two gloo processes
 def test_gpt_oss_data_parallel_attention_equals_one_process(dirs, tmp_path):  # noqa: F811
     """gpt-oss (MXFP4, two experts a rank, top 3 of 4: three terms, so the order they are added
-    in shows in the bits) under data-parallel attention on two gloo ranks, with two micro-batches
-    and without, on batches of several sequences, of one (a rank with no rows), of a prefix with
-    its branches, and with a capture (run whole on every rank): deterministic mode bitwise one
-    process, default mode within 1e-5 of it."""
+    in shows in the bits) under data-parallel attention (``test_data_attention.ranks_equal_one_process``)."""
     import json
     import shutil
 
-    import torch.multiprocessing as mp
-
-    from logprobe.loading.loader import load_model
+    from test_data_attention import ranks_equal_one_process
 
     path = tmp_path / "top3"
     shutil.copytree(dirs["mxfp4"][0], path)
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "num_experts_per_tok": 3}))
-    path = str(path)
-    out = tmp_path / "got.pt"
-    mp.spawn(_data_attention_worker, args=(2, path, str(tmp_path / "rdv"), str(out)), nprocs=2)
-    got = torch.load(out)
-    one = load_model(path, "cpu", "float32").model
-    for det in (True, False):
-        want = _run_batches(one, det, 2, 1)
-        assert got[det, 2][1] and set(got[det, 2][1]) == {2} and got[det, 0][1] == [], got[det, 2][1]
-        for micro in (2, 0):
-            for i, (h, w) in enumerate(zip(got[det, micro][0], want)):
-                if det:
-                    assert torch.equal(h, w), (det, micro, i)
-                else:
-                    assert (h - w).abs().max().item() <= 1e-5, (det, micro, i)
+    ranks_equal_one_process(str(path), tmp_path)

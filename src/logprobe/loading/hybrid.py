@@ -52,7 +52,7 @@ from .fp8_block import (
 from .gguf_archs import HYBRID_ARCHES, gguf_hybrid_config, gguf_hybrid_tensors
 from .hf import read_config, stack_experts
 from .registry import Family, Incoming, register
-from .sharding import held_experts, rank_cut
+from .sharding import attention_layout, held_experts, rank_cut
 
 log = logging.getLogger(__name__)
 
@@ -338,12 +338,19 @@ def _take_rows(w, idx: torch.Tensor):
 
 
 def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, group=None,
-                            experts: int = 1) -> ParallelContext:
+                            experts: int = 1, attention: str | None = None) -> ParallelContext:
     """A rank's context for a hybrid model (``loader.parallel_context``), after checking it splits
-    ``size`` ways: ``size`` dividing the attention heads (or kv heads, or a multiple of them), the
-    linear-attention key and value heads, the hidden, intermediate and shared-expert sizes; the
-    experts by ``experts`` groups (``shard.check_experts``)."""
-    check_tp(cfg.num_heads, cfg.num_kv_heads, -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size)), size)
+    ``size`` ways: the experts by ``experts`` groups (``shard.check_experts``), and by the
+    attention layout (``sharding.attention_layout``): "data" (a mixture of experts with whole
+    experts per rank, the default there: mixers and dense layers whole, only the vocabulary split)
+    or "tensor": ``size`` dividing the attention heads (or kv heads, or a multiple of them), the
+    linear-attention key and value heads, the hidden, intermediate and shared-expert sizes."""
+    vocab_chunks = -(-cfg.vocab_size // vocab_chunk_width(cfg.vocab_size))
+    if attention_layout(cfg, size, experts, attention) == "data":
+        check_tp(size, size, vocab_chunks, size)  # (heads whole: only the vocabulary checked)
+        check_experts(cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size, size, experts)
+        return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts, "data")
+    check_tp(cfg.num_heads, cfg.num_kv_heads, vocab_chunks, size)
     for key, n in (("linear_num_value_heads", cfg.linear_num_value_heads),  # a multiple of the key heads
                    ("linear_num_key_heads", cfg.linear_num_key_heads),
                    ("intermediate_size", cfg.intermediate_size), ("hidden_size", cfg.hidden_size)):
@@ -357,7 +364,7 @@ def hybrid_parallel_context(cfg: HybridConfig, rank: int = 0, size: int = 1, gro
                                 f"{cfg.moe.shared_intermediate_size} of {cfg.family}", "use a size that divides it")
     elif experts != 1:
         raise LogprobeError("expert_parallel_size", f"{experts}: {cfg.family} has no experts", "use 1")
-    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts)
+    return ParallelContext(rank, size, group, num_blocks(*cfg.split_widths), experts, "tensor")
 
 
 def hybrid_shard_tensors(path: Path, cfg: HybridConfig, ctx: ParallelContext, place=None):
@@ -441,8 +448,7 @@ FAMILY = register(Family(
     tensors=lambda path, cfg, raw, load: hybrid_tensors(path, cfg, raw, load.quantize_activations,
                                                         load.weights == "dense", load.place),  # FP8 too
     build=lambda cfg, tensors, load, ctx: build_hybrid(cfg, tensors, load.device, load.dtype, ctx),
-    parallel_context=lambda cfg, rank, size, group, experts, attention: hybrid_parallel_context(cfg, rank, size,
-                                                                                                 group, experts),
+    parallel_context=hybrid_parallel_context,
     shard_tensors=lambda path, cfg, ctx, load: None if ctx.size == 1 else hybrid_shard_tensors(path, cfg, ctx,
                                                                                                 load.place),
     param_name=hybrid_param_name,
@@ -450,5 +456,6 @@ FAMILY = register(Family(
     gguf_config=gguf_hybrid_config,
     gguf_tensors=lambda reader, arch, cfg, load: gguf_hybrid_tensors(reader, arch, cfg),
     units=hybrid_units,
+    data_attention=True,  # the MoE variants: attention by data with whole experts per rank
     towers=("visual.",),  # Qwen3.5's vision tower: updated where sent (``loading.update``)
 ))

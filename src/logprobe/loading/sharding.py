@@ -97,9 +97,9 @@ ATTENTION_LAYOUTS = ("data", "tensor")
 def data_attention_family(cfg) -> bool:
     """Whether the model's blocks can run data-parallel attention (``ParallelContext.attention``):
     a mixture of experts of a family with ``Family.data_attention`` (the Llama-family mixtures of
-    experts: Qwen2/Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2; and the DeepSeek-style ones),
-    whose attention and dense layers are built whole under it and whose forward is
-    ``ScoringModel.forward``; not the hybrid, gpt-oss or Gemma families."""
+    experts: Qwen2/Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2; the DeepSeek-style ones; gpt-oss;
+    the hybrid Qwen3.5-MoE / Qwen3-Next), whose attention and dense layers are built whole under
+    it and whose forward is ``ScoringModel.forward``; not the Gemma families."""
     family = family_of(cfg)
     return family is not None and family.data_attention and getattr(cfg, "moe", None) is not None
 

@@ -53,10 +53,14 @@ class SplitSteps:
     """A pre-norm block (``input_layernorm`` -> ``self_attn`` -> residual -> ``post_attention_layernorm``
     -> ``mlp`` -> residual) on this rank's rows of a batch split by sequences (``meta.rows``), as a
     generator (``layers.steps``): it yields where its MoE block's transfers run, so that another
-    micro-batch's work is launched beside them. The same kernels as ``forward``'s split path."""
+    micro-batch's work is launched beside them. The same kernels as ``forward``'s split path.
+    ``mix``: the block's token mixer (``self_attn``; a hybrid's linear attention on its blocks)."""
+
+    def mix(self, x: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        return self.self_attn(x, cis, meta)
 
     def steps(self, h: torch.Tensor, cis: torch.Tensor, meta: AttentionMeta):
-        h = h + self.self_attn(self.input_layernorm(h), cis, meta)  # resid_mid
+        h = h + self.mix(self.input_layernorm(h), cis, meta)  # resid_mid
         x = self.post_attention_layernorm(h)
         mlp_steps = getattr(self.mlp, "steps", None)
         out = (yield from mlp_steps(x, meta.rows)) if mlp_steps is not None else self.mlp(x, None, meta.rows)

@@ -44,9 +44,13 @@ Checkpoints: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are cut into Q
 (``conv_weight``); q/k rows are permuted to the interleaved rotary layout on their first r dims
 (``interleave_rope_weights``).
 
-Tensor parallelism (dense MLPs only: the MoE variants run on one rank, as every MoE model) lives
-in the layers, as Llama's: a rank holds its heads and its share of the MLP, the residual stream is
-whole on every rank. The mixer's rows: ``in_proj_qkv`` (and the conv's channels) its key heads of q
+Tensor parallelism lives in the layers, as Llama's: a rank holds its heads and its share of the
+MLP, the residual stream is whole on every rank; the MoE variants split their experts by
+``ctx.experts`` (``layers.moe``). With whole experts per rank their layout is by data by default
+(``ctx.attention`` "data", as the Llama-family mixtures of experts): mixers, dense MLPs, shared
+experts and norms whole on every rank, each rank running its share of the batch's sequences (a
+sequence's linear-attention state stays on its rank; ``ScoringModel.forward``, two
+micro-batches), the experts gathering every rank's rows. Split by heads, the mixer's rows: ``in_proj_qkv`` (and the conv's channels) its key heads of q
 and of k and its value heads of v, three ranges (``SegmentedColumnLinear``); ``in_proj_z``,
 ``in_proj_a`` / ``in_proj_b``, A_log and dt_bias its value heads; ``out_proj`` and ``o_proj``
 gathered-row layers. Gated attention's q_proj rows are its heads' 2 D blocks (query and gate); k/v
@@ -96,7 +100,7 @@ from ..layers.parallel_linear import (
 from ..layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, rope_inv_freq
 from ..parallel.context import ParallelContext
 from ..parallel.shard import kv_heads, num_blocks, q_heads, shard_range
-from .base import ScoringModel
+from .base import ScoringModel, SplitSteps
 from .caps import ModelCaps
 from .llama import LlamaMLP
 from .qwen3_5_vision import QwenImages, VisionConfig, VisionTower
@@ -340,23 +344,29 @@ class GatedAttention(NumericsUser, nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * D) * gate)  # [T, H]
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(SplitSteps, nn.Module):
+    """A linear-attention or gated-attention block, then a dense MLP or the MoE. Under
+    data-parallel attention (``ctx.attention`` "data") the mixers, dense MLPs and shared experts
+    are whole (``ctx.attention_ctx``) and ``mlp(x, None, rows)`` runs on this rank's rows of a
+    batch split by sequences (``meta.rows``); ``steps`` (``SplitSteps``) for two micro-batches."""
+
     def __init__(self, cfg: HybridConfig, layer_idx: int, ctx: ParallelContext) -> None:
         super().__init__()
+        dense = ctx.attention_ctx  # whole layers under data-parallel attention
         self.points = tuple(f"blocks.{layer_idx}.{p}" for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out",
                                                                  "resid_post"))
         self.layer_type = cfg.layer_types[layer_idx]
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaMixer(cfg, layer_idx, ctx)
+            self.linear_attn = GatedDeltaMixer(cfg, layer_idx, dense)
         else:
-            self.self_attn = GatedAttention(cfg, layer_idx, ctx)
+            self.self_attn = GatedAttention(cfg, layer_idx, dense)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.dense_mlp(layer_idx):
-            self.mlp = _swiglu(cfg.hidden_size, cfg.intermediate_size, ctx)
+            self.mlp = _swiglu(cfg.hidden_size, cfg.intermediate_size, dense)
         else:
             spec = cfg.moe
-            shared = _swiglu(cfg.hidden_size, spec.shared_intermediate_size, ctx) \
+            shared = _swiglu(cfg.hidden_size, spec.shared_intermediate_size, dense) \
                 if spec.shared_intermediate_size else None
             self.mlp = MoeBlock(spec, cfg.hidden_size, f"blocks.{layer_idx}.router", shared, ctx)
 
@@ -369,6 +379,8 @@ class HybridDecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         if hooks is None:
             h = h + self.mix(self.input_layernorm(h), cis, meta)  # resid_mid
+            if meta.rows is not None:  # this rank's rows of a split batch: the experts gather them
+                return h + self.mlp(self.post_attention_layernorm(h), None, meta.rows)
             return h + self.mlp(self.post_attention_layernorm(h))  # resid_post
         resid_pre, attn_out, resid_mid, mlp_out, resid_post = self.points
         h = hooks(resid_pre, h)
