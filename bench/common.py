@@ -591,7 +591,7 @@ MOE_SHAPES = {  # transformers config class, its arguments
     "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B),
     "gpt-oss-120b": ("GptOssConfig", GPT_OSS_120B),
     # the hybrid Qwen3.5-MoE (Gated DeltaNet and gated attention, 256 experts top-8 and a shared
-    # one; no --random-weights): 67 GiB; "tiny-hybrid" its CPU trial
+    # one; no --random-weights): about 70 GB; "tiny-hybrid" its CPU trial
     "qwen35-35b-a3b": HYBRID_MODELS["qwen35-35b-a3b"],
     "tiny-hybrid": ("Qwen3_5MoeTextConfig", HYBRID_TINY["qwen35-35b-a3b"]),
 }
