@@ -1,6 +1,7 @@
 """Mixtures of experts over several GPUs: (TP, EP) = (1, 1) against (2, 1), (2, 2) (and 4 / 8 where
-the machine has them), on a Qwen3-30B-A3B shape, a DeepSeek-V2-Lite / Moonlight MLA shape and
-GLM-4.5-Air's shape.
+the machine has them), on a Qwen3-30B-A3B shape, a DeepSeek-V2-Lite / Moonlight MLA shape,
+GLM-4.5-Air's, the larger models' (``common.BIG_SHAPES``), gpt-oss's and the hybrid
+Qwen3.5-35B-A3B's.
 
 A random-init bf16 checkpoint is written once as a Hugging Face directory with transformers'
 in-memory expert layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
@@ -23,6 +24,8 @@ the model's). Deterministic mode on CUDA runs only where every rank holds whole 
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,2x2,4x4 --skew 0.5  # skewed router
     python bench/gpu_moe_parallel.py --shape qwen3-30b-a3b --layers 16 --sizes 1x1,4x4 --skew 0.5 --redundant 2  # replicas
     python bench/gpu_moe_parallel.py --shape gpt-oss-120b --sizes 1x1,2x2 --dir /dev/shm/moe  # MXFP4 experts, 61 GB
+    python bench/gpu_moe_parallel.py --shape qwen35-35b-a3b --sizes 1x1,2x2 --attention data,tensor --dir /dev/shm/moe
+        # the hybrid MoE (fla-core on CUDA), both attention layouts; --shape tiny-hybrid --device cpu: a trial
     python bench/gpu_moe_parallel.py --shape glm-air --fp8 --sizes 2x2 --dir /dev/shm/moe  # the largest
         # GLM-4.5-Air whole as FP8 blocks (106 GB: more than a two-GPU machine's free disk, so in memory)
 

@@ -301,10 +301,12 @@ def test_tp2_ep_deterministic_fewer_tokens_than_ranks(request):
 
 
 
-@pytest.mark.slow  # slow tier: two gloo processes
-def test_gpt_oss_data_parallel_attention_equals_one_process(dirs, tmp_path):  # noqa: F811
-    """gpt-oss (MXFP4, two experts a rank, top 3 of 4: three terms, so the order they are added
-    in shows in the bits) under data-parallel attention (``test_data_attention.ranks_equal_one_process``)."""
+@pytest.mark.slow  # slow tier: two and four gloo processes
+@pytest.mark.parametrize("size", [2, 4])
+def test_gpt_oss_data_parallel_attention_equals_one_process(size, dirs, tmp_path):  # noqa: F811
+    """gpt-oss (MXFP4, top 3 of 4 experts: three terms, so the order they are added in shows in the
+    bits) under data-parallel attention at two ranks (two experts each) and four (one each: the
+    deterministic sums over ranks a tree of four) (``test_data_attention.ranks_equal_one_process``)."""
     import json
     import shutil
 
@@ -314,4 +316,4 @@ def test_gpt_oss_data_parallel_attention_equals_one_process(dirs, tmp_path):  # 
     shutil.copytree(dirs["mxfp4"][0], path)
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "num_experts_per_tok": 3}))
-    ranks_equal_one_process(str(path), tmp_path)
+    ranks_equal_one_process(str(path), tmp_path, size)

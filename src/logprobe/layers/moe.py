@@ -585,7 +585,9 @@ class ExpertsOverSplitRows:
     each rank holds its own rows of the batch (``parallel.rows.RowSplit``), gathers every rank's,
     computes its experts' slots of all of them and sends each row's sum (default mode) or its
     subtree's (deterministic mode) back to the rank that owns the row. It computes through
-    ``Experts`` and ``ExpertsAcrossRanks`` (``my_slots``, ``local_ids``, ``leaf_of``)."""
+    ``ExpertsAcrossRanks`` (``my_slots``, ``local_ids``, ``leaf_of``, ``combine_whole``) and the
+    experts' own ``local``, ``fused`` and ``fused_runs``: ``Experts``'s, or gpt-oss's
+    (``layers.moe_gpt_oss.GptOssExperts``, its biased experts in its own kernel)."""
 
     def split_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: RowSplit,
                       deterministic: bool, row_tile: int | None, triton: bool = True) -> torch.Tensor:
