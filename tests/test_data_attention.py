@@ -430,7 +430,10 @@ def run_batches(model, det: bool, micro: int, size: int) -> list[torch.Tensor]:
     return outs
 
 
-def _layout_worker(rank: int, size: int, path: str, rdv: str, out: str) -> None:
+def gloo_rank_counting_interleaves(rank: int, size: int, rdv: str) -> list[int]:
+    """In a spawned worker: join the gloo group as ``rank`` of ``size`` and count the interleaved
+    schedules that run (``models.base.interleave`` wrapped) -> the list each one appends its
+    number of chains to."""
     import torch.distributed as dist
 
     import logprobe.models.base as base
@@ -439,10 +442,19 @@ def _layout_worker(rank: int, size: int, path: str, rdv: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
     calls = []
     plain = base.interleave
-    def counted(*chains):  # noqa: E306 - the overlapped schedule ran
+
+    def counted(*chains):
         calls.append(len(chains))
         return plain(*chains)
+
     base.interleave = counted
+    return calls
+
+
+def _layout_worker(rank: int, size: int, path: str, rdv: str, out: str) -> None:
+    import torch.distributed as dist
+
+    calls = gloo_rank_counting_interleaves(rank, size, rdv)
     model = load_shard(path, ParallelContext(rank, size, dist.group.WORLD, experts=size), "cpu", "float32").model
     assert model.ctx.data_attention
     got = {}

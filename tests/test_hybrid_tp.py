@@ -100,20 +100,26 @@ def test_tp2_chunks_and_shared_prefixes_are_bitwise(dirs):
     """Deterministic mode at TP = 2: groups sharing a 70-token context (shared prefixes cut back to 64,
     the state grid) and long requests cut into chunks by small budgets equal each request alone at
     TP = 1, bitwise; captures (whole hidden width on every rank) too."""
-    path = str(dirs["qwen3_5_text"])
+    chunked_groups_bitwise(str(dirs["qwen3_5_text"]), "blocks.2.resid_post")
+
+
+def chunked_groups_bitwise(path: str, at: str, **split) -> None:
+    """Deterministic mode at TP = 2 (``split``: more Scorer options): three requests sharing a
+    70-token context, a short one and a long one cut into chunks by budgets of 64 and 100 tokens,
+    each equal to the request alone on one process, bitwise, with a capture at ``at``."""
     rng = random.Random(5)
     tok = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
     ctx = tok(70)
     seqs = [{"prompt_token_ids": ctx, "completion_token_ids": tok(rng.randint(1, 20))} for _ in range(3)]
     seqs += [{"prompt_token_ids": tok(4), "completion_token_ids": tok(3)},
              {"prompt_token_ids": tok(30), "completion_token_ids": tok(150)}]
-    capture = [{"at": "blocks.2.resid_post", "positions": "last"}]
+    capture = [{"at": at, "positions": "last"}]
     one = Scorer(path, device="cpu", dtype="float32", config=EngineConfig(deterministic=True, share_prefixes=False,
                                                                             progress=False))
     alone = [one.logprobs([q], capture=capture)[0] for q in seqs]
     for budget in (64, 100):
         cfg = EngineConfig(deterministic=True, share_prefixes=True, max_batch_tokens=budget, progress=False)
-        with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2) as s:
+        with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2, **split) as s:
             got = s.logprobs(seqs, capture=capture)
         for a, b in zip(alone, got):
             assert torch.equal(a.logprobs, b.logprobs), budget

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_data_attention import _batches, dirs  # noqa: F401 - dirs: the fixture, shared
+from test_data_attention import _batches, dirs, gloo_rank_counting_interleaves  # noqa: F401 - dirs: the fixture
 
 from logprobe.config import EngineConfig, numerics_for
 from logprobe.layers.attention import AttentionMeta
@@ -39,16 +39,7 @@ def _run(model, det: bool, micro: int, size: int):
 def _worker(rank: int, size: int, paths: dict, rdv: str, out: str) -> None:
     import torch.distributed as dist
 
-    import logprobe.models.base as base
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=size)
-    calls = []
-    plain = base.interleave
-    def counted(*chains):  # noqa: E306 - the overlapped schedule ran
-        calls.append(len(chains))
-        return plain(*chains)
-    base.interleave = counted
+    calls = gloo_rank_counting_interleaves(rank, size, rdv)
     got = {}
     for kind, path in paths.items():
         model = load_shard(path, ParallelContext(rank, size, dist.group.WORLD, experts=size), "cpu", "float32").model

@@ -505,26 +505,6 @@ def test_hybrid_chunks_and_shared_prefixes_by_data_are_bitwise(dirs):
     70-token context and a long request cut into chunks by small budgets (chunk passes carry
     linear-attention states and run whole on every rank; the others split by sequences) equal each
     request alone on one process in deterministic mode, bitwise; a capture too."""
-    import random
+    from test_hybrid_tp import chunked_groups_bitwise
 
-    from helpers import VOCAB
-
-    path = str(dirs["qwen3_next"])
-    rng = random.Random(5)
-    tok = lambda n: [rng.randrange(2, VOCAB) for _ in range(n)]  # noqa: E731
-    ctx = tok(70)
-    seqs = [{"prompt_token_ids": ctx, "completion_token_ids": tok(rng.randint(1, 20))} for _ in range(3)]
-    seqs += [{"prompt_token_ids": tok(4), "completion_token_ids": tok(3)},
-             {"prompt_token_ids": tok(30), "completion_token_ids": tok(150)}]
-    capture = [{"at": "blocks.1.resid_post", "positions": "last"}]
-    one = Scorer(path, device="cpu", dtype="float32", config=EngineConfig(deterministic=True, share_prefixes=False,
-                                                                            progress=False))
-    alone = [one.logprobs([q], capture=capture)[0] for q in seqs]
-    for budget in (64, 100):
-        cfg = EngineConfig(deterministic=True, share_prefixes=True, max_batch_tokens=budget, progress=False)
-        with Scorer(path, device="cpu", dtype="float32", config=cfg, tensor_parallel_size=2) as s:
-            assert s.attention_parallel == "data"
-            got = s.logprobs(seqs, capture=capture)
-        for a, b in zip(alone, got):
-            assert torch.equal(a.logprobs, b.logprobs), budget
-            assert torch.equal(a.captures[0].value, b.captures[0].value), budget
+    chunked_groups_bitwise(str(dirs["qwen3_next"]), "blocks.1.resid_post", attention_parallel="data")
