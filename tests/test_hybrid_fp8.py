@@ -286,12 +286,13 @@ def test_rank_reads_its_fp8_rows(kind, fp8_dirs):
     """Rank 1 of 2 (``hybrid_shard_tensors``): every FP8 layer holds the rows its layer states
     (``held_ranges``: q/k/v heads, the mixer's three q/k/v ranges, value heads, output rows), kept
     FP8 and bitwise those rows of the whole layer; Qwen3-Next's fused projections split, then cut;
-    FP8 experts: the rank's half (expert parallelism 2), float tensors as before."""
+    FP8 experts: the rank's half (expert parallelism 2), float tensors as before. Heads split
+    (``attention_parallel="tensor"``; Qwen3-Next by data, its default, reads them whole: below)."""
     path = fp8_dirs[kind][0] / "fp8"
     raw = json.loads((path / "config.json").read_text())
     cfg = hybrid_config(raw)
     whole = dict(hybrid_tensors(path, cfg, raw))
-    ctx = parallel_context(cfg, 1, 2, None, 2 if cfg.moe is not None else 1)
+    ctx = parallel_context(cfg, 1, 2, None, 2 if cfg.moe is not None else 1, "tensor")
     got = dict(hybrid_shard_tensors(path, cfg, ctx))
     assert got.keys() == whole.keys()  # the vision tower too: every rank reads it whole
     with torch.device("meta"):
@@ -313,6 +314,12 @@ def test_rank_reads_its_fp8_rows(kind, fp8_dirs):
             if name.startswith("visual."):  # dequantized at load, whole
                 assert torch.equal(w, whole[name]), name
     assert cut >= 8  # q/k/v, in_proj_qkv/z, out_proj, o_proj, ... are this rank's rows only
+    if cfg.moe is not None:  # by data: every FP8 layer but the experts read whole, kept FP8
+        ctx = parallel_context(cfg, 1, 2, None, 2)
+        assert ctx.attention == "data"
+        got = dict(hybrid_shard_tensors(path, cfg, ctx))
+        layers = [n for n, w in got.items() if isinstance(w, FP8BlockLinear)]
+        assert len(layers) >= 8 and all(torch.equal(got[n].rows(), whole[n].rows()) for n in layers)
 
 
 @pytest.mark.slow  # slow tier (pytest -m slow): two gloo worker processes per model
