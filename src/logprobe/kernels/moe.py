@@ -316,10 +316,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.
     return moe_down(act, sorted_slots, tile_expert, down, c, whole_rows=foreign, out=out)  # [T*k, H]
 
 
-def column_grid(n: int, block_n: int, whole_rows: bool) -> tuple[int, int]:
+def _column_grid(n: int, block_n: int, whole_rows: bool) -> tuple[int, int]:
     """(column tiles a program runs, programs per row tile): one and every tile, or every tile and one.
 
-    >>> column_grid(768, 128, False), column_grid(768, 128, True), column_grid(100, 64, True)
+    >>> _column_grid(768, 128, False), _column_grid(768, 128, True), _column_grid(100, 64, True)
     ((1, 6), (6, 1), (2, 1))
     """
     tiles = -(-n // block_n)
@@ -339,7 +339,7 @@ def moe_gate_up(x: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)  # [num_slots, I']
     tiles = tile_expert.numel()
     if tiles:
-        cols, programs = column_grid(inter, c.block_n, whole_rows)
+        cols, programs = _column_grid(inter, c.block_n, whole_rows)
         _gate_up_kernel[(tiles, programs)](
             x, gate, up, act, sorted_slots, tile_expert, num_slots, top_k, inter, H, x.stride(0), gate.stride(0),
             gate.stride(1), act.stride(0), IEEE=x.dtype == torch.float32, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
@@ -359,7 +359,7 @@ def moe_down(act: torch.Tensor, sorted_slots: torch.Tensor, tile_expert: torch.T
     y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device) if out is None else out  # [S, H']
     tiles = tile_expert.numel()
     if tiles:
-        cols, programs = column_grid(H, c.block_n, whole_rows)
+        cols, programs = _column_grid(H, c.block_n, whole_rows)
         _down_kernel[(tiles, programs)](
             act, down, y, sorted_slots, tile_expert, act.shape[0], H, inter, act.stride(0), down.stride(0),
             down.stride(1), y.stride(0), IEEE=act.dtype == torch.float32, BLOCK_M=c.block_m, BLOCK_N=c.block_n,

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..errors import LogprobeError
 from . import host_values_to, interpreting, triton_available
-from .moe import MoeKernelConfig, align_by_expert, column_grid, default_config
+from .moe import MoeKernelConfig, align_by_expert, default_config
 
 BLOCK = 32  # values per scale
 # the 16 E2M1 codes, code = sign * 8 + exponent * 2 + mantissa
@@ -153,71 +153,69 @@ if triton_available():
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, act_ptr, sorted_ptr, tile_expert_ptr, num_slots, top_k,
                         N, K, alpha, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         stride_am, PACKED: tl.constexpr, IEEE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr):
-        pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
             return  # a tile of pad only (``kernels.moe.align_by_expert``)
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         tokens = (slots // top_k).to(tl.int64)
         e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows; up rows are N + rn
         rk = tl.arange(0, BLOCK_K)
-        for j in range(COLS):  # this program's column tiles, each computed whole as one program would
-            rn = (pid_g * COLS + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows; up rows are N + rn
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
-                x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :],
-                            mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-                g = _w_tile(w_ptr, s_ptr, e, rn, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                            PACKED, BLOCK_N, BLOCK_K).to(x.dtype)
-                u = _w_tile(w_ptr, s_ptr, e, N + rn, k0, 2 * N, K, stride_we, stride_wn, stride_se, stride_sn,
-                            PACKED, BLOCK_N, BLOCK_K).to(x.dtype)
-                if IEEE:
-                    acc_g = tl.dot(x, g, acc_g, input_precision="ieee")
-                    acc_u = tl.dot(x, u, acc_u, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(x, g, acc_g)
-                    acc_u = tl.dot(x, u, acc_u)
-            ok = rn < N
-            bg = tl.load(b_ptr + e * stride_be + rn, mask=ok, other=0.0).to(tl.float32)
-            bu = tl.load(b_ptr + e * stride_be + N + rn, mask=ok, other=0.0).to(tl.float32)
-            gate = tl.minimum(acc_g + bg[None, :], limit)
-            up = tl.minimum(tl.maximum(acc_u + bu[None, :], -limit), limit)
-            act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-            ap = act_ptr + slots[:, None].to(tl.int64) * stride_am + rn[None, :]
-            tl.store(ap, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & ok[None, :])
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
+                        other=0.0)
+            g = _w_tile(w_ptr, s_ptr, e, rn, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                        PACKED, BLOCK_N, BLOCK_K).to(x.dtype)
+            u = _w_tile(w_ptr, s_ptr, e, N + rn, k0, 2 * N, K, stride_we, stride_wn, stride_se, stride_sn,
+                        PACKED, BLOCK_N, BLOCK_K).to(x.dtype)
+            if IEEE:
+                acc_g = tl.dot(x, g, acc_g, input_precision="ieee")
+                acc_u = tl.dot(x, u, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(x, g, acc_g)
+                acc_u = tl.dot(x, u, acc_u)
+        ok = rn < N
+        bg = tl.load(b_ptr + e * stride_be + rn, mask=ok, other=0.0).to(tl.float32)
+        bu = tl.load(b_ptr + e * stride_be + N + rn, mask=ok, other=0.0).to(tl.float32)
+        gate = tl.minimum(acc_g + bg[None, :], limit)
+        up = tl.minimum(tl.maximum(acc_u + bu[None, :], -limit), limit)
+        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        ap = act_ptr + slots[:, None].to(tl.int64) * stride_am + rn[None, :]
+        tl.store(ap, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & ok[None, :])
 
     @triton.jit(do_not_specialize=["num_slots"])  # varies with the batch: one compiled kernel
     def _down_kernel(a_ptr, w_ptr, s_ptr, b_ptr, y_ptr, sorted_ptr, tile_expert_ptr, num_slots, N, K,
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ym,
                      PACKED: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr):
-        pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_slots:
             return  # a tile of pad only (``kernels.moe.align_by_expert``)
         slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
         valid = slots < num_slots
         e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        for j in range(COLS):  # this program's column tiles, each computed whole as one program would
-            rn = (pid_g * COLS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
-                a = tl.load(a_ptr + slots[:, None].to(tl.int64) * stride_am + kk[None, :],
-                            mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-                w = _w_tile(w_ptr, s_ptr, e, rn, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                            PACKED, BLOCK_N, BLOCK_K).to(a.dtype)
-                if IEEE:
-                    acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, w, acc)
-            ok = rn < N
-            acc += tl.load(b_ptr + e * stride_be + rn, mask=ok, other=0.0).to(tl.float32)[None, :]
-            yp = y_ptr + slots[:, None].to(tl.int64) * stride_ym + rn[None, :]
-            tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & ok[None, :])
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(a_ptr + slots[:, None].to(tl.int64) * stride_am + kk[None, :],
+                        mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+            w = _w_tile(w_ptr, s_ptr, e, rn, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                        PACKED, BLOCK_N, BLOCK_K).to(a.dtype)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        ok = rn < N
+        acc += tl.load(b_ptr + e * stride_be + rn, mask=ok, other=0.0).to(tl.float32)[None, :]
+        yp = y_ptr + slots[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & ok[None, :])
 
 
 def _operand(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], out: int, inner: int, name: str):
@@ -261,7 +259,7 @@ def expand_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
 
 def gpt_oss_experts(x: torch.Tensor, ids: torch.Tensor, w13, b13: torch.Tensor, w2, b2: torch.Tensor,
                     alpha: float, limit: float, config: MoeKernelConfig | None = None,
-                    out: torch.Tensor | None = None, foreign: bool = False) -> torch.Tensor:
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], ids [T, k], w13 (gate rows then up rows) [E, 2I, H] dense or (blocks, scales)
     MXFP4, b13 [E, 2I], w2 [E, H, I] dense or MXFP4, b2 [E, H] -> y [T*k, H] in x's dtype: row
     t*k + j is expert ids[t, j]'s MLP of token t (unweighted; module docstring). ``config``: the
@@ -270,9 +268,7 @@ def gpt_oss_experts(x: torch.Tensor, ids: torch.Tensor, w13, b13: torch.Tensor, 
     A slot whose id is outside 0 .. E - 1 gets no tile (``align_by_expert``): with ``out`` (a
     [T*k, H] buffer in x's dtype, returned) its row is left as it is, so experts run a part at a
     time (ids minus the part's first expert) fill one buffer, each slot's row the bits one call
-    over every expert gives (fixed tiles per expert). ``foreign``: many slots are other ranks'
-    experts (``kernels.moe.fused_moe``'s): each program runs every column tile of its row tile, so
-    a pad row tile costs one program; the same tiles, the same bits."""
+    over every expert gives (fixed tiles per expert)."""
     T, H = x.shape
     inter = b13.shape[1] // 2
     if not triton_available() or not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
@@ -298,12 +294,10 @@ def gpt_oss_experts(x: torch.Tensor, ids: torch.Tensor, w13, b13: torch.Tensor, 
     ieee = x.dtype == torch.float32
     tiles_kw = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
                     num_stages=c.num_stages)
-    cols, programs = column_grid(inter, c.block_n, foreign)
-    _gate_up_kernel[(tiles, programs)](
+    _gate_up_kernel[(tiles, triton.cdiv(inter, c.block_n))](
         x, wg, sg, b13, act, sorted_slots, tile_expert, T * k, k, inter, H, float(alpha), float(limit),
-        x.stride(0), *st_g, *ss_g, b13.stride(0), act.stride(0), PACKED=packed_g, IEEE=ieee, COLS=cols, **tiles_kw)
-    cols, programs = column_grid(H, c.block_n, foreign)
-    _down_kernel[(tiles, programs)](
+        x.stride(0), *st_g, *ss_g, b13.stride(0), act.stride(0), PACKED=packed_g, IEEE=ieee, **tiles_kw)
+    _down_kernel[(tiles, triton.cdiv(H, c.block_n))](
         act, wd, sd, b2, y, sorted_slots, tile_expert, T * k, H, inter, act.stride(0), *st_d, *ss_d, b2.stride(0),
-        y.stride(0), PACKED=packed_d, IEEE=ieee, COLS=cols, **tiles_kw)
+        y.stride(0), PACKED=packed_d, IEEE=ieee, **tiles_kw)
     return y

@@ -269,12 +269,12 @@ class GptOssExperts(ExpertsOverSplitRows, ExpertsAcrossRanks, nn.Module):
         runs = self.expand_runs(x.dtype, ids.numel() // (self.ctx.experts if foreign else 1))
         if runs is None:
             return gpt_oss_experts(x, ids, self.operand("gate_up_proj"), b13, self.operand("down_proj"), b2,
-                                   self.alpha, self.limit, foreign=foreign)
+                                   self.alpha, self.limit)
         y = x.new_empty(ids.numel(), self.hidden)  # [T*k, H]: every slot written by its expert's run
         for first, last in runs:
             gpt_oss_experts(x, ids - first, self.dense("gate_up_proj", x.dtype, first, last), b13[first:last],
                             self.dense("down_proj", x.dtype, first, last), b2[first:last], self.alpha, self.limit,
-                            out=y, foreign=foreign)
+                            out=y)
         return y
 
     def expand_runs(self, dtype: torch.dtype, slots: int) -> list[tuple[int, int]] | None:
