@@ -303,9 +303,11 @@ def test_partial_weight_update_refused(hybrid_dirs):
 
 @pytest.mark.slow  # starts gloo workers, ~7 s
 def test_data_parallel_and_moe_tensor_parallel_refused(hybrid_dirs):
-    """Two data-parallel worker processes give the single process's bits; a tensor-parallel size
-    that does not split the mixture-of-experts model's heads is refused before any process starts,
-    naming tensor_parallel_size (sizes that split it: tests/test_moe_parallel.py)."""
+    """Two data-parallel worker processes give the single process's bits; with heads split
+    (``attention_parallel="tensor"``) a tensor-parallel size that does not split the
+    mixture-of-experts model's heads is refused before any process starts, naming
+    tensor_parallel_size (sizes that split it: tests/test_moe_parallel.py); by data (the default
+    with whole experts a rank) the heads need not split."""
     path, _ = hybrid_dirs["qwen3_5"]
     seqs = _sequences()
     one = Scorer(str(path), device="cpu", dtype="float32", progress=False).logprobs(seqs)
@@ -314,5 +316,9 @@ def test_data_parallel_and_moe_tensor_parallel_refused(hybrid_dirs):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(one, two))
     with pytest.raises(LogprobeError) as e:
         Scorer(str(hybrid_dirs["qwen3_5_moe"][0]), device="cpu", dtype="float32", progress=False,
-               tensor_parallel_size=4)
+               tensor_parallel_size=4, attention_parallel="tensor")
     assert e.value.field == "tensor_parallel_size" and "linear_num_key_heads" in str(e.value)
+    from logprobe.loading.loader import describe_model, parallel_context
+
+    cfg = describe_model(str(hybrid_dirs["qwen3_5_moe"][0]), "cpu", tokenizer=False).model.config
+    assert parallel_context(cfg, 3, 4, None, 4).attention == "data"
