@@ -305,6 +305,13 @@ def combine_partial(y: torch.Tensor, row_weights: torch.Tensor, slots: torch.Ten
     return combine_local(y, row_weights, slots, top_k, tokens)
 
 
+def kernel_runs(x: torch.Tensor, triton: bool, interpreted: bool = False) -> bool:
+    """Whether a fused expert kernel runs on activations like ``x``: CUDA (``interpreted``: also
+    CPU under Triton's interpreter, for the tests), 16- or 32-bit floats, Triton on."""
+    runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
+    return bool(triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available())
+
+
 def local_slots(ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The slots of ``ids`` [T, k] routed to experts ``first .. first + count - 1``: their flat
     indices [n] (ascending) and their experts numbered from 0 [n].
@@ -469,20 +476,31 @@ class ExpertsAcrossRanks:
         fixed row tiles and column blocks in deterministic mode), and every rank then combines the
         k slots in slot order (``combine``), so the output has one process's bits."""
         T, k = ids.shape
-        slots, lid = self.my_slots(ids)  # [n], [n]
         _, P = self.ctx.expert_share
         if P > 1 and x.is_cuda and self.numerics.column_blocks:
             raise LogprobeError("expert_parallel_size", f"deterministic mode on CUDA keeps its bits across sizes "
                                 f"with whole experts per rank; {P} ranks share each expert here",
                                 "use expert_parallel_size = tensor_parallel_size")
-        h0, h1 = self.hidden_rows
-        y = x.new_full((T * k, self.hidden), -0.0)  # [T*k, H]: -0.0, the exact identity of the sum
         if P == 1:
-            if slots.numel():
-                y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
+            y = self.slot_buffer(x, ids, T, row_tile, triton)  # [T*k, H]
         else:
+            slots, lid = self.my_slots(ids)  # [n], [n]
+            h0, h1 = self.hidden_rows
+            y = x.new_full((T * k, self.hidden), -0.0)  # [T*k, H]: -0.0, the exact identity of the sum
             y[slots, h0:h1] = self.shared_rows(x, slots // k, lid, T * k, slots, row_tile, triton)
         return self.ctx.all_reduce_sum(y).view(T, k, self.hidden)  # [T, k, H]
+
+    def slot_buffer(self, x: torch.Tensor, ids: torch.Tensor, rows: int, row_tile: int | None,
+                    triton: bool) -> torch.Tensor:
+        """Whole experts per rank: [rows * k, H] (rows >= T) of -0.0, the exact identity of a sum
+        over ranks, holding the outputs of the slots this rank computes (``my_slots``) at their
+        slot rows t*k + j."""
+        k = ids.shape[1]
+        slots, lid = self.my_slots(ids)  # [n], [n]
+        y = x.new_full((rows * k, self.hidden), -0.0)
+        if slots.numel():
+            y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
+        return y
 
     def combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None = None,
                  triton: bool = True) -> torch.Tensor:
@@ -842,12 +860,9 @@ class Experts(ExpertsOverSplitRows, ExpertsAcrossRanks, NumericsUser, nn.Module)
         return self.reference(x, ids, row_tile)
 
     def fused_runs(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> bool:
-        """Whether ``fused`` runs on activations like ``x``: CUDA (``interpreted``: also CPU under
-        Triton's interpreter, for the tests), 16- or 32-bit floats, Triton on, experts that are
-        parameters or packed ones that expand (``stacked``)."""
-        runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
-        return bool(triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                    and triton_available() and self.expands)
+        """Whether ``fused`` runs on activations like ``x`` (``kernel_runs``), with experts that
+        are parameters or packed ones that expand (``stacked``)."""
+        return kernel_runs(x, triton, interpreted) and self.expands
 
     STACK_BYTES = 4 << 30  # packed experts expanded for the fused kernel this much at a time
 

@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import LogprobeError
-from ..kernels import interpreting, triton_available
 from ..kernels.moe import tree_leaves
 from ..kernels.mxfp4 import dequantize_mxfp4, expand_mxfp4, gpt_oss_act, gpt_oss_experts
 from ..parallel.context import ParallelContext
@@ -63,10 +62,9 @@ from .moe import (
     ExpertsAcrossRanks,
     ExpertsOverSplitRows,
     by_expert,
-    combine_partial,
     combine_to,
     expert_runs,
-    local_slots,
+    kernel_runs,
 )
 from .numerics import NumericsUser
 from .steps import drive
@@ -115,8 +113,9 @@ class GptOssExperts(ExpertsOverSplitRows, ExpertsAcrossRanks, nn.Module):
     ``ctx`` with ``experts`` M > 1: this rank holds experts ``first_expert`` .. ``first_expert +
     num_experts - 1`` of ``total_experts`` (E / M of them, whole). Across ranks it is an
     ``Experts`` of whole experts without replicas: the same slot bookkeeping (``my_slots``,
-    ``leaf_of``, ``combine_whole``) and data-parallel exchange (``split_steps``), through its
-    own kernel (``fused``, ``local``)."""
+    ``leaf_of``, ``combine_whole``, ``slot_buffer``), exchanges (``parallel_forward``,
+    ``combined``, ``split_steps``), through its own kernel (``fused``, ``local``);
+    ``owned_combined`` is its own."""
 
     placement = None  # no replicas of hot experts (refused below)
 
@@ -178,43 +177,6 @@ class GptOssExperts(ExpertsOverSplitRows, ExpertsAcrossRanks, nn.Module):
             return self.parallel_forward(x, ids, row_tile, triton)
         return self.local(x, ids, row_tile, triton)
 
-    def parallel_forward(self, x: torch.Tensor, ids: torch.Tensor, row_tile: int | None, triton: bool
-                         ) -> torch.Tensor:
-        """Every rank: x [T, H] and the same ids [T, k] (numbered over all experts) -> y [T, k, H],
-        every slot's output whole. Worked example, E = 4, k = 2, two ranks (experts 0, 1 | 2, 3),
-        ids = [[2, 0], [0, 3]]: rank 0 computes slots 1, 2, rank 1 slots 0, 3; buffers [-0, y1, y2,
-        -0] and [y0, -0, -0, y3] sum to [y0, y1, y2, y3]. A rank's slots of one expert are the rows
-        one process gives that expert, in the same order (``sort_by_expert`` is stable): the same
-        products, the same bits."""
-        T, k = ids.shape
-        return self.ctx.all_reduce_sum(self.slot_buffer(x, ids, T, row_tile, triton)).view(T, k, self.hidden)
-
-    def slot_buffer(self, x: torch.Tensor, ids: torch.Tensor, rows: int, row_tile: int | None,
-                    triton: bool) -> torch.Tensor:
-        """[rows * k, H] (rows >= T) of -0.0, the exact identity of a sum over ranks, holding the
-        outputs of the slots routed to the experts held here at their slot rows t*k + j."""
-        k = ids.shape[1]
-        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
-        y = x.new_full((rows * k, self.hidden), -0.0)
-        if slots.numel():
-            y[slots] = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
-        return y
-
-    def combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None,
-                 triton: bool) -> torch.Tensor:
-        """Default mode with M > 1 (as ``layers.moe.Experts.combined``): this rank's slots combined
-        here into a float32 [T, H] partial, the partials summed over the ranks once -> [T, H] in
-        x's dtype, every rank the same bits (not one process's: deterministic mode keeps
-        ``parallel_forward``)."""
-        T, k = ids.shape
-        slots, lid = local_slots(ids, self.first_expert, self.num_experts)  # [n], [n]
-        ys = x.new_empty(0, self.hidden)  # [n, H]
-        if slots.numel():
-            ys = self.local(x[slots // k], lid[:, None], row_tile, triton).view(-1, self.hidden)
-        rows = -(-T // self.ctx.size) * self.ctx.size  # T padded to whole row blocks (zero rows)
-        partial = combine_partial(ys, weights.float().reshape(-1)[slots], slots, k, rows, triton)  # [rows, H] float32
-        return self.ctx.sum_rows(partial, x.dtype)[:T]  # [T, H]
-
     def owned_combined(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row_tile: int | None,
                        triton: bool) -> torch.Tensor:
         """Deterministic mode with M > 1: the ranks' ``slot_buffer``s reduce-scattered by
@@ -245,11 +207,8 @@ class GptOssExperts(ExpertsOverSplitRows, ExpertsAcrossRanks, nn.Module):
         return by_expert(x, ids, self.num_experts, self.hidden, lambda e, rows: self.expert_mlp(e, rows, row_tile))
 
     def fused_runs(self, x: torch.Tensor, triton: bool, interpreted: bool = False) -> bool:
-        """Whether ``fused`` runs on activations like ``x``: CUDA (``interpreted``: also CPU under
-        Triton's interpreter, for the tests), 16- or 32-bit floats, Triton on."""
-        runs = x.is_cuda or (interpreted and interpreting() and x.device.type == "cpu")
-        return bool(triton and runs and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                    and triton_available())
+        """Whether ``fused`` runs on activations like ``x`` (``layers.moe.kernel_runs``)."""
+        return kernel_runs(x, triton, interpreted)
 
     STACK_BYTES = Experts.STACK_BYTES  # packed experts expanded this much at a time (``expand_runs``)
     # slots per held expert from which expanding the packed experts before the products pays: one
