@@ -254,8 +254,8 @@ def print_profile(rows: list[dict], ranks: list[RankProfile], out: Path | None, 
         if p.host_waits:  # where the host stopped for the GPU (the run's closing sync included)
             log(f"rank {p.rank} host waits (call, calls, ms): "
                 f"{[(n, c, round(us / 1e3, 1)) for n, c, us in p.host_waits]}")
-    for p in ranks:  # nothing hides in "other"; "copy" does not halve with the ranks: which copies
-        for fam, top in (("other", 5), ("copy", 8)):
+    for p in ranks:  # nothing hides in "other"; "copy" does not halve with the ranks; "gemm": cuBLAS or Triton
+        for fam, top in (("other", 5), ("copy", 8), ("gemm", 6)):
             big = [(n[:70], c, round(us / 1e3, 1)) for n, c, us in p.kernels if kernel_family(n) == fam and us >= 100]
             if big[:top]:
                 log(f"rank {p.rank} {fam} (name, calls, ms): {big[:top]}")

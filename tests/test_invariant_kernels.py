@@ -174,6 +174,20 @@ def test_uses_tma_only_where_asked_and_possible():
     assert not uses_tma(torch.zeros(3, 64), MatmulConfig(tma=True))  # float32
 
 
+def test_matmul_leaves_sms_to_collectives_across_gpus_only():
+    from logprobe.config import COLLECTIVE_SMS, EngineConfig, numerics_for
+    from logprobe.errors import LogprobeError
+    from logprobe.kernels.matmul import DEFAULT_CONFIG, MatmulConfig, config_leaving
+
+    det = EngineConfig(deterministic=True)
+    assert numerics_for(det, "cuda", tp_size=2, tp_blocks=8).collective_sms == COLLECTIVE_SMS == 16
+    assert numerics_for(det, "cuda", tp_size=1).collective_sms == 0  # nothing runs beside it
+    assert numerics_for(det, "cpu", tp_size=2, tp_blocks=8).collective_sms == 0  # gloo: no SMs
+    assert config_leaving(0) is DEFAULT_CONFIG and config_leaving(16) == MatmulConfig(free_sms=16)
+    with pytest.raises(LogprobeError, match="free_sms"):
+        MatmulConfig(free_sms=-1)
+
+
 @pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
 def test_interpreter_matmul_persistent_and_tma():
@@ -214,7 +228,8 @@ def test_cuda_matmul_persistent_and_tma():
 
 
 def _grids_bitwise(device: str, small: bool) -> dict:
-    """Each dtype: the persistent grid and one program per tile, bitwise (the same tiles)."""
+    """Each dtype: the persistent grid against one program per tile, and against a persistent grid
+    leaving SMs free for collectives (fewer programs, each looping over more tiles), bitwise."""
     from dataclasses import replace
 
     from logprobe.kernels.matmul import invariant_linear
@@ -227,7 +242,10 @@ def _grids_bitwise(device: str, small: bool) -> dict:
             [("bfloat16", (3000, 1024, 768)), ("float32", (1000, 1000, 772))]:
         x = torch.randn(M, K, generator=g).to(device, getattr(torch, dt))
         w = (torch.randn(N, K, generator=g) / K**0.5).to(device, x.dtype)
-        out[dt] = torch.equal(invariant_linear(x, w, None, persistent), invariant_linear(x, w, None, tiles))
+        y = invariant_linear(x, w, None, persistent)
+        out[dt] = torch.equal(y, invariant_linear(x, w, None, tiles))
+        # the interpreter's 3 programs -> 2; a GPU's SMs -> 16 fewer (``config.COLLECTIVE_SMS``)
+        out[f"{dt}/free"] = torch.equal(y, invariant_linear(x, w, None, replace(persistent, free_sms=1 if small else 16)))
     return out
 
 
@@ -240,10 +258,12 @@ def test_interpreter_grids_give_the_same_bits():
     """)
     r = run_interpreted(code)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"float16": True, "float32": True}
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"float16": True, "float32": True, "float16/free": True,
+                                                             "float32/free": True}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton")
 def test_cuda_grids_give_the_same_bits():
-    assert _grids_bitwise("cuda", small=False) == {"bfloat16": True, "float32": True}
+    assert _grids_bitwise("cuda", small=False) == {"bfloat16": True, "float32": True, "bfloat16/free": True,
+                                                   "float32/free": True}

@@ -183,6 +183,9 @@ class Numerics:
         (``LlamaModel.use_triton_elementwise``).
     micro_batch_rows: ``EngineConfig.micro_batch_rows`` (a schedule, not a rounding: the bits of
         deterministic mode do not depend on it).
+    collective_sms: multiprocessors the fixed-tile matmul's persistent grid leaves to the
+        collectives that run beside it across GPUs (``COLLECTIVE_SMS`` on CUDA with more than one
+        rank, else 0; which program computes a tile, not the bits).
 
         >>> numerics_for(EngineConfig(deterministic=True), "cpu").row_tile
         128
@@ -199,6 +202,13 @@ class Numerics:
     head_vocab_chunk: int = 8192
     triton: bool = True
     micro_batch_rows: int = 2048
+    collective_sms: int = 0
+
+
+# SMs left to NCCL beside the fixed-tile matmul across GPUs: on two H200s its products beside an
+# all-gather and a reduce-scatter ran 1.42-1.58x their time alone with a program on every SM,
+# 1.04-1.14x with 16 left free (docs/perf.md, "Mixtures of experts")
+COLLECTIVE_SMS = 16
 
 
 def check_tp_invariance(config: EngineConfig, tp_size: int, tp_blocks: int) -> None:
@@ -235,4 +245,5 @@ def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable
     return Numerics(deterministic=True, row_tile=det.cuda_tile if cuda else det.tile, matmul=det.matmul,
                     column_blocks=det.tp_invariant and splittable, attention_block=det.attention_block,
                     head_token_chunk=det.tile, head_vocab_chunk=config.head_vocab_chunk,
-                    micro_batch_rows=config.micro_batch_rows)
+                    micro_batch_rows=config.micro_batch_rows,
+                    collective_sms=COLLECTIVE_SMS if cuda and tp_size > 1 else 0)

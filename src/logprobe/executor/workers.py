@@ -45,7 +45,7 @@ from multiprocessing import connection
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ..config import EngineConfig
+from ..config import COLLECTIVE_SMS, EngineConfig
 from ..engine.budget import agreed_budget
 from ..engine.runner import Engine
 from ..errors import LogprobeError
@@ -157,6 +157,26 @@ def recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
+def collective_settings(environ, backend: str) -> dict[str, str]:
+    """The NCCL settings a worker adds to its environment before its process group starts: NCCL's
+    collectives on at most ``COLLECTIVE_SMS`` blocks, the multiprocessors deterministic mode's
+    matmul leaves free beside them (``config.Numerics.collective_sms``). NCCL took 24 blocks a
+    collective on two H200s, so the matmul's persistent programs waited for SMs the collectives
+    held; capped to the 16 left free, Qwen3-30B-A3B's deterministic pass at two GPUs went 2.572 ->
+    2.491 s (docs/perf.md). Only where the user set neither (their choice stands), only for nccl:
+
+    >>> collective_settings({}, "nccl")
+    {'NCCL_MAX_CTAS': '16', 'NCCL_MIN_CTAS': '1'}
+    >>> collective_settings({"NCCL_MAX_CTAS": "32"}, "nccl"), collective_settings({}, "gloo")
+    ({}, {})
+
+    Deterministic mode's bits are unaffected: its sums over ranks are logprobe's own fixed trees
+    (``parallel.context``), whatever blocks move the bytes."""
+    if backend != "nccl" or "NCCL_MAX_CTAS" in environ or "NCCL_MIN_CTAS" in environ:
+        return {}
+    return {"NCCL_MAX_CTAS": str(COLLECTIVE_SMS), "NCCL_MIN_CTAS": "1"}
+
+
 def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
     """Entry point of one rank (a spawned process)."""
     import torch.distributed as dist
@@ -169,6 +189,7 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             device, backend = f"cuda:{spec.first_gpu + rank}", "nccl"
         else:
             device, backend = "cpu", "gloo"
+        os.environ.update(collective_settings(os.environ, backend))  # read when NCCL's communicator starts
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                                 world_size=spec.tp)
         with _AnonPeak() as peak:

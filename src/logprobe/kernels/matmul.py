@@ -122,7 +122,13 @@ class MatmulConfig:
     per SM looping over tiles; ``flatten`` / ``warp_specialize``: the compiler hints of that loop
     (``tl.range``). The default, TMA + persistent + flatten at 128x256x64, 8 warps, 3 stages, ran
     llama-8b's shapes at 0.88-1.00 of cuBLAS on an H200, where the earlier pointer kernel at
-    256x128 ran at 0.67-0.76 in the same run (bench/gpu_matmul.py, docs/perf.md)."""
+    256x128 ran at 0.67-0.76 in the same run (bench/gpu_matmul.py, docs/perf.md).
+
+    ``free_sms``: multiprocessors the persistent grid leaves to kernels running beside it (the
+    collectives of tensor and expert parallelism). A grid of one program per SM waits, beside
+    NCCL's resident blocks, for the SMs those hold, and its last programs then finish their whole
+    share of tiles late: 1.42-1.58x the time alone on two H200s, against 1.04-1.14x with 16 SMs
+    left free (docs/perf.md). Which program computes a tile is all it moves: the same bits."""
 
     block_m: int = 128
     block_n: int = 256
@@ -135,6 +141,11 @@ class MatmulConfig:
     persistent: bool = True
     flatten: bool = True
     warp_specialize: bool = False
+    free_sms: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.free_sms, bool) or not isinstance(self.free_sms, int) or self.free_sms < 0:
+            raise LogprobeError("free_sms", f"must be a non-negative integer, got {self.free_sms!r}")
 
 
 DEFAULT_CONFIG = MatmulConfig()
@@ -173,14 +184,16 @@ def _addressable(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _programs(device: torch.device, tiles: int) -> tuple[int, int]:
-    """(PROGRAMS constexpr, grid size) of the persistent kernel: one program per SM (a constant
-    of the device, so one compiled kernel), never more programs than tiles."""
+def _programs(device: torch.device, tiles: int, free_sms: int = 0) -> tuple[int, int]:
+    """(PROGRAMS constexpr, grid size) of the persistent kernel: one program per SM but
+    ``free_sms`` (a constant of the device and config, so one compiled kernel each; at least one
+    program), never more programs than tiles."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = INTERPRETER_PROGRAMS
-    return sms, min(sms, tiles)
+    programs = max(1, sms - free_sms)
+    return programs, min(programs, tiles)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -207,10 +220,15 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if tma_store:
             y_desc = TensorDescriptor.from_tensor(y, [c.block_m, c.block_n])
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
-    programs, grid = _programs(x.device, tiles) if c.persistent else (1, tiles)
+    programs, grid = _programs(x.device, tiles, c.free_sms) if c.persistent else (1, tiles)
     _matmul[(grid,)](x, weight, bias, y, x_desc, w_desc, y_desc, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
                      HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, TMA=tma, TMA_STORE=tma_store,
                      PERSISTENT=c.persistent, PROGRAMS=programs, FLATTEN=c.flatten, WARP_SPECIALIZE=c.warp_specialize,
                      BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                      num_warps=c.num_warps, num_stages=c.num_stages)
     return y
+
+
+def config_leaving(free_sms: int) -> MatmulConfig:
+    """``DEFAULT_CONFIG`` with ``free_sms`` multiprocessors left to kernels running beside it."""
+    return DEFAULT_CONFIG if free_sms == 0 else MatmulConfig(free_sms=free_sms)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import triton_available
-from ..kernels.matmul import invariant_linear
+from ..kernels.matmul import config_leaving, invariant_linear
 from .activation import silu_mul
 from .numerics import NumericsUser
 
@@ -57,7 +57,7 @@ class Linear(NumericsUser, nn.Module):
         n = self.numerics
         if n.row_tile is None:
             return F.linear(x, weight, bias)
-        return deterministic_product(x, weight, bias, n.row_tile, self.blocks, n.matmul)
+        return deterministic_product(x, weight, bias, n.row_tile, self.blocks, n.matmul, n.collective_sms)
 
     def gated(self, gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
         """This layer applied to the gated activation, ``self(silu_mul(gate, up, triton))`` (a Llama
@@ -84,17 +84,19 @@ def numerics_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     nor the BLAS thread count."""
     if numerics.row_tile is None:
         return F.linear(x, weight, bias)
-    return deterministic_product(x, weight, bias, numerics.row_tile, None, numerics.matmul)
+    return deterministic_product(x, weight, bias, numerics.row_tile, None, numerics.matmul, numerics.collective_sms)
 
 
 def deterministic_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int,
-                      col_blocks: list[int] | None, kernel: str = "cublas") -> torch.Tensor:
+                          col_blocks: list[int] | None, kernel: str = "cublas", free_sms: int = 0) -> torch.Tensor:
     """Deterministic mode's ``F.linear``: a row's bits independent of the other rows, and (with
     ``col_blocks``) a column's bits independent of the other columns. On CUDA the Triton
     fixed-tile matmul gives both by construction (every output tile is one program with the same
-    K loop), so many narrow column blocks run there instead of as narrow cuBLAS products."""
+    K loop), so many narrow column blocks run there instead of as narrow cuBLAS products.
+    ``free_sms``: multiprocessors that matmul leaves to the collectives running beside it
+    (``Numerics.collective_sms``; the same bits)."""
     if x.is_cuda and x.dim() == 2 and cuda_product(kernel, col_blocks) == "triton" and _triton():
-        return invariant_linear(x, weight, bias)
+        return invariant_linear(x, weight, bias, config_leaving(free_sms))
     return tiled_linear(x, weight, bias, row_tile, col_blocks)
 
 
