@@ -174,15 +174,16 @@ def test_uses_tma_only_where_asked_and_possible():
     assert not uses_tma(torch.zeros(3, 64), MatmulConfig(tma=True))  # float32
 
 
-def test_matmul_leaves_sms_to_collectives_across_gpus_only():
+def test_matmul_leaves_sms_to_collectives_where_they_overlap():
     from logprobe.config import COLLECTIVE_SMS, EngineConfig, numerics_for
     from logprobe.errors import LogprobeError
     from logprobe.kernels.matmul import DEFAULT_CONFIG, MatmulConfig, config_leaving
 
     det = EngineConfig(deterministic=True)
-    assert numerics_for(det, "cuda", tp_size=2, tp_blocks=8).collective_sms == COLLECTIVE_SMS == 16
+    assert numerics_for(det, "cuda", tp_size=2, tp_blocks=8, overlapped=True).collective_sms == COLLECTIVE_SMS == 16
     assert numerics_for(det, "cuda", tp_size=1).collective_sms == 0  # nothing runs beside it
-    assert numerics_for(det, "cpu", tp_size=2, tp_blocks=8).collective_sms == 0  # gloo: no SMs
+    assert numerics_for(det, "cuda", tp_size=2, tp_blocks=8).collective_sms == 0  # heads split: never at once
+    assert numerics_for(det, "cpu", tp_size=2, tp_blocks=8, overlapped=True).collective_sms == 0  # gloo: no SMs
     assert config_leaving(0) is DEFAULT_CONFIG and config_leaving(16) == MatmulConfig(free_sms=16)
     with pytest.raises(LogprobeError, match="free_sms"):
         MatmulConfig(free_sms=-1)
@@ -267,3 +268,23 @@ def test_interpreter_grids_give_the_same_bits():
 def test_cuda_grids_give_the_same_bits():
     assert _grids_bitwise("cuda", small=False) == {"bfloat16": True, "float32": True, "bfloat16/free": True,
                                                    "float32/free": True}
+
+
+def test_engine_leaves_sms_under_data_parallel_attention_only():
+    """The engine derives its numerics with ``overlapped`` from its model's context: on CUDA the
+    matmul leaves SMs to the collectives under data-parallel attention, never split by heads."""
+    from types import SimpleNamespace
+
+    from logprobe.config import COLLECTIVE_SMS, EngineConfig
+    from logprobe.engine.runner import Engine
+    from logprobe.parallel.context import ParallelContext
+
+    def sms(ctx) -> int:
+        fake = SimpleNamespace(_numerics=None, config=EngineConfig(deterministic=True), device=torch.device("cuda"),
+                               _splittable=True, model=SimpleNamespace(ctx=ctx))
+        return Engine.numerics.fget(fake).collective_sms
+
+    assert sms(ParallelContext(0, 2, blocks=8, experts=2, attention="data")) == COLLECTIVE_SMS
+    assert sms(ParallelContext(0, 2, blocks=8, experts=2, attention="tensor")) == 0
+    assert sms(ParallelContext(blocks=8, attention="data")) == 0  # one rank: nothing to overlap
+    assert sms(None) == 0  # the transformers backend: no context

@@ -184,8 +184,10 @@ class Numerics:
     micro_batch_rows: ``EngineConfig.micro_batch_rows`` (a schedule, not a rounding: the bits of
         deterministic mode do not depend on it).
     collective_sms: multiprocessors the fixed-tile matmul's persistent grid leaves to the
-        collectives that run beside it across GPUs (``COLLECTIVE_SMS`` on CUDA with more than one
-        rank, else 0; which program computes a tile, not the bits).
+        collectives that run beside it across GPUs (``COLLECTIVE_SMS`` on CUDA where they overlap
+        the compute by design: data-parallel attention, the experts' exchange beside the other
+        micro-batch; else 0, where a collective and a product never run at once; which program
+        computes a tile, not the bits).
 
         >>> numerics_for(EngineConfig(deterministic=True), "cpu").row_tile
         128
@@ -231,10 +233,11 @@ def check_tp_invariance(config: EngineConfig, tp_size: int, tp_blocks: int) -> N
 
 
 def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable: bool = True,
-                 tp_size: int = 1, tp_blocks: int = 1) -> Numerics:
+                 tp_size: int = 1, tp_blocks: int = 1, overlapped: bool = False) -> Numerics:
     """The ``Numerics`` of ``config`` on ``device``. ``splittable``: the model can be split by
     tensor parallelism (column blocks mean something); ``tp_size`` / ``tp_blocks``: its TP size
-    and column block count, checked here (a TP-invariant run needs a size dividing the blocks)."""
+    and column block count, checked here (a TP-invariant run needs a size dividing the blocks);
+    ``overlapped``: collectives run beside the products (``ParallelContext.data_attention``)."""
     det = config.deterministic
     if det is None:
         return Numerics(head_token_chunk=config.head_token_chunk, head_vocab_chunk=config.head_vocab_chunk,
@@ -246,4 +249,4 @@ def numerics_for(config: EngineConfig, device: str | torch.device, *, splittable
                     column_blocks=det.tp_invariant and splittable, attention_block=det.attention_block,
                     head_token_chunk=det.tile, head_vocab_chunk=config.head_vocab_chunk,
                     micro_batch_rows=config.micro_batch_rows,
-                    collective_sms=COLLECTIVE_SMS if cuda and tp_size > 1 else 0)
+                    collective_sms=COLLECTIVE_SMS if cuda and overlapped else 0)

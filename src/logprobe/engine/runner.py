@@ -799,7 +799,8 @@ class Engine:
             ctx = getattr(self.model, "ctx", None)  # a native model's tensor-parallel group
             self._numerics = numerics_for(self.config, self.device, splittable=self._splittable,
                                           tp_size=ctx.size if ctx is not None else 1,
-                                          tp_blocks=ctx.blocks if ctx is not None else 1)
+                                          tp_blocks=ctx.blocks if ctx is not None else 1,
+                                          overlapped=getattr(ctx, "data_attention", False))
         return self._numerics
 
     def _progress_bar(self, total: int, progress: bool | None):
