@@ -157,22 +157,25 @@ def recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
-def collective_settings(environ, backend: str) -> dict[str, str]:
-    """The NCCL settings a worker adds to its environment before its process group starts: NCCL's
-    collectives on at most ``COLLECTIVE_SMS`` blocks, the multiprocessors deterministic mode's
-    matmul leaves free beside them (``config.Numerics.collective_sms``). NCCL took 24 blocks a
-    collective on two H200s, so the matmul's persistent programs waited for SMs the collectives
-    held; capped to the 16 left free, Qwen3-30B-A3B's deterministic pass at two GPUs went 2.572 ->
-    2.491 s (docs/perf.md). Only where the user set neither (their choice stands), only for nccl:
+def collective_settings(environ, backend: str, overlapped: bool) -> dict[str, str]:
+    """The NCCL settings a worker adds to its environment before its process group starts where
+    collectives run beside the products by design (``overlapped``: data-parallel attention over
+    more than one rank): NCCL's collectives on at most ``COLLECTIVE_SMS`` blocks, the
+    multiprocessors deterministic mode's matmul leaves free beside them
+    (``config.Numerics.collective_sms``). NCCL took 24 blocks a collective on two H200s, so the
+    matmul's persistent programs waited for SMs the collectives held; capped to the 16 left free,
+    Qwen3-30B-A3B's deterministic pass at two GPUs went 2.572 -> 2.491 s. Split by heads the
+    collectives stand alone between products, and the cap cost llama-8b's W1 at TP = 2 2.5-3%
+    (docs/perf.md): none there. Only where the user set neither (their choice stands), only for nccl:
 
-    >>> collective_settings({}, "nccl")
+    >>> collective_settings({}, "nccl", True)
     {'NCCL_MAX_CTAS': '16', 'NCCL_MIN_CTAS': '1'}
-    >>> collective_settings({"NCCL_MAX_CTAS": "32"}, "nccl"), collective_settings({}, "gloo")
+    >>> collective_settings({}, "nccl", False), collective_settings({"NCCL_MAX_CTAS": "32"}, "nccl", True)
     ({}, {})
 
     Deterministic mode's bits are unaffected: its sums over ranks are logprobe's own fixed trees
     (``parallel.context``), whatever blocks move the bytes."""
-    if backend != "nccl" or "NCCL_MAX_CTAS" in environ or "NCCL_MIN_CTAS" in environ:
+    if backend != "nccl" or not overlapped or "NCCL_MAX_CTAS" in environ or "NCCL_MIN_CTAS" in environ:
         return {}
     return {"NCCL_MAX_CTAS": str(COLLECTIVE_SMS), "NCCL_MIN_CTAS": "1"}
 
@@ -189,7 +192,8 @@ def worker_main(spec: LaunchSpec, rank: int, conn) -> None:
             device, backend = f"cuda:{spec.first_gpu + rank}", "nccl"
         else:
             device, backend = "cpu", "gloo"
-        os.environ.update(collective_settings(os.environ, backend))  # read when NCCL's communicator starts
+        overlapped = spec.attention == "data" and spec.tp > 1  # the driver resolved the layout
+        os.environ.update(collective_settings(os.environ, backend, overlapped))  # read when NCCL's communicator starts
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                                 world_size=spec.tp)
         with _AnonPeak() as peak:
