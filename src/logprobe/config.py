@@ -208,8 +208,8 @@ class Numerics:
 
 
 # SMs left to NCCL beside the fixed-tile matmul across GPUs: on two H200s its products beside an
-# all-gather and a reduce-scatter ran 1.42-1.58x their time alone with a program on every SM,
-# 1.04-1.14x with 16 left free (docs/perf.md, "Mixtures of experts")
+# all-gather and a reduce-scatter ran 1.49-1.50x their time alone with a program on every SM,
+# 1.05-1.09x with 16 left free (bench/gpu_matmul_nccl.py; docs/perf.md, "Mixtures of experts")
 COLLECTIVE_SMS = 16
 
 

@@ -127,8 +127,9 @@ class MatmulConfig:
     ``free_sms``: multiprocessors the persistent grid leaves to kernels running beside it (the
     collectives of tensor and expert parallelism). A grid of one program per SM waits, beside
     NCCL's resident blocks, for the SMs those hold, and its last programs then finish their whole
-    share of tiles late: 1.42-1.58x the time alone on two H200s, against 1.04-1.14x with 16 SMs
-    left free (docs/perf.md). Which program computes a tile is all it moves: the same bits."""
+    share of tiles late: 1.49-1.50x the time alone on two H200s, against 1.05-1.09x with 16 SMs
+    left free (bench/gpu_matmul_nccl.py). Which program computes a tile is all it moves: the
+    same bits."""
 
     block_m: int = 128
     block_n: int = 256
