@@ -385,6 +385,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow  # two torchrun ranks under the interpreter (6 s): the fast tier stays within 4 minutes
 def test_vocab_parallel_kernel_head_in_default_mode(tmp_path):
     """The fused head kernel on vocabulary shards in default mode (Triton's CPU interpreter, two
     gloo ranks): each rank splits its shard into several partials to fill the device, and every

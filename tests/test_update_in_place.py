@@ -182,6 +182,7 @@ def test_buckets_in_place(dirs):
     assert _bucket(s, group, back[:half], "step-2") == 2 and scores(s) == old  # covered: scored again
 
 
+@pytest.mark.slow  # a trainer process over gloo (5 s): the fast tier stays within 4 minutes
 def test_in_place_group_over_gloo(dirs):
     """The library's collective path with a group joined ``in_place``: the trainer's NaN round (one
     bucket) is refused before any write (scoring goes on, on the old weights); its good round comes
