@@ -289,6 +289,7 @@ def _assert_silu_quant(res: dict, dtypes, interpreted: bool) -> None:
             assert r["ref"], (name, r)
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @pytest.mark.skipif(not triton_available(), reason="needs Triton (its interpreter)")
 def test_interpreter_silu_mul_quantize_matches_reference():
     code = textwrap.dedent("""

@@ -133,6 +133,7 @@ def test_experts_of_two_shapes_refused(place):
         list(stack_experts(stream, cfg, place=place))
 
 
+@pytest.mark.slow  # a fresh process loading a model (14 s under load): the fast tier stays within 4 minutes
 def test_loading_imports_no_compiler(saved):
     """Building a model on the meta device runs no meta-device arange: its first call imports
     torch._dynamo, about a second of every load."""

@@ -543,6 +543,7 @@ def test_fused_kernel_interpreted():
     assert out["invariant"] and out["foreign"]
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
 def test_fused_fp8_experts_in_parts_interpreted():
     """FP8 block experts too large to expand at once (``Experts.STACK_BYTES`` set to two experts'
@@ -603,6 +604,7 @@ def test_fused_fp8_experts_in_parts_cuda():
     assert float((parts[held].double() - ref[held]).abs().max() / ref[held].abs().max()) < 2e-2
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton; no CUDA needed)")
 def test_combine_kernel_interpreted_is_bitwise_the_pytorch_definition():
     """``combine_slots`` (one Triton pass) against ``layers.moe.combine(...).to(dtype)``: the same bits
@@ -681,6 +683,7 @@ def test_combine_rows_kernel_interpreted_is_bitwise_the_pytorch_definition():
     assert out["gold"] == [[0.5, 1.0], [0.25 * 3 + 2.0 * 5, 0.25 * 4 + 2.0 * 6], [0.0, 0.0]]
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh process: the slow tier keeps the fast one within 4 minutes
 def test_owned_partial_interpreted_is_bitwise_the_gathered_path():
     """Default mode's partial under data-parallel attention, the two ways, on the gathered rows of
     2 ranks (pad rows' ids -1) for the experts 2, 3 of ten: ``fused_moe`` on xs with ids outside
